@@ -1,0 +1,32 @@
+"""ldmopt: fused Triton and CUDA C++ kernels for latent diffusion models.
+
+``import ldmopt`` needs only torch: Triton, the CUDA extension and diffusers are imported when first used, and no
+GPU is queried at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import nn, ops
+from .ops._dispatch import BackendUnavailableError, use_backend
+
+__version__ = "0.1.0"
+
+# Heavier entry points (diffusers, torch.profiler) load on first attribute access.
+_LAZY = {
+    "patch": ("ldmopt.patch", "patch"),
+    "unpatch": ("ldmopt.patch", "unpatch"),
+    "profile": ("ldmopt.profiler", "profile"),
+    "analyze": ("ldmopt.profiler", "analyze"),
+}
+
+__all__ = ["BackendUnavailableError", "__version__", "nn", "ops", "use_backend", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        return getattr(importlib.import_module(module_name), attr)
+    raise AttributeError(f"module 'ldmopt' has no attribute {name!r}")

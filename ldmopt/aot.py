@@ -1,0 +1,123 @@
+"""Ahead-of-time compile gate: every Triton kernel compiles for sm_80 and sm_90 without a GPU, with no register
+spills and shared memory within the target's limit.
+
+Each module of ``ldmopt.kernels`` exposes ``aot_specs()``: representative configurations (signature, constexprs,
+num_warps, num_stages). Run ``python -m ldmopt.aot`` (or ``ldmopt info --kernels``) for the report; ``--json`` for
+machines. Must run without TRITON_INTERPRET=1 (interpreted kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+
+#: Maximum dynamic shared memory per block (bytes) by compute capability.
+SHARED_MEMORY_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+TARGETS = (80, 90)
+
+
+@dataclass
+class CompileRecord:
+    kernel: str
+    arch: int
+    registers: int
+    shared_bytes: int
+    spill_bytes: int
+    ok: bool
+    problem: str = ""
+
+
+def kernel_modules() -> list[str]:
+    import ldmopt.kernels as pkg
+
+    return sorted(f"ldmopt.kernels.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, local-memory bytes per thread) of the kernel in a cubin, read with cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", out).group(1))
+    return regs, local
+
+
+def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    spec = importlib.import_module(module_name).aot_specs()[index]
+    src = triton.compiler.ASTSource(fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"])
+    options = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 3)}
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    except Exception as exc:
+        return CompileRecord(spec["name"], arch, 0, 0, 0, False, f"compile failed: {type(exc).__name__}: {exc}")
+    regs, local = _resource_usage(compiled.asm["cubin"])
+    shared = int(compiled.metadata.shared)
+    problems = []
+    if local:
+        problems.append(f"{local} bytes of local memory per thread (register spills)")
+    if shared > SHARED_MEMORY_LIMIT[arch]:
+        problems.append(f"shared memory {shared} B over the sm_{arch} limit {SHARED_MEMORY_LIMIT[arch]} B")
+    return CompileRecord(spec["name"], arch, regs, shared, local, not problems, "; ".join(problems))
+
+
+def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None = None) -> list[CompileRecord]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("the AOT gate cannot run with TRITON_INTERPRET=1; unset it")
+    jobs = []
+    for name in modules or kernel_modules():
+        module = importlib.import_module(name)
+        if hasattr(module, "aot_specs"):
+            jobs += [(name, i, arch) for i in range(len(module.aot_specs())) for arch in archs]
+    workers = workers or min(4, os.cpu_count() or 1)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(compile_spec, *zip(*jobs))) if jobs else []
+
+
+def format_table(records: list[CompileRecord]) -> str:
+    width = max([len(r.kernel) for r in records] + [6])
+    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  status"]
+    for r in records:
+        status = "ok" if r.ok else "FAIL: " + r.problem
+        lines.append(
+            f"{r.kernel:<{width}}  sm_{r.arch}  {r.registers:5d}  {r.shared_bytes:9d}  {r.spill_bytes:8d}  {status}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ldmopt.aot", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print records as JSON")
+    parser.add_argument("--module", action="append", help="only this kernels module (repeatable)")
+    args = parser.parse_args(argv)
+    records = run_all(args.module)
+    if args.json:
+        print(json.dumps([asdict(r) for r in records]))
+    else:
+        print(format_table(records))
+    return 0 if all(r.ok for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""``ldmopt.nn.GroupNorm``: torch.nn.GroupNorm with an optional fused activation."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops.group_norm import SUPPORTED_ACTIVATIONS, group_norm
+
+
+class GroupNorm(torch.nn.GroupNorm):
+    """``torch.nn.GroupNorm`` (same parameters, same state_dict keys) computed by ldmopt, optionally followed by a
+    fused activation (``activation="silu"`` computes ``silu(group_norm(x))`` in one pass)."""
+
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        activation: str | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+        self.activation = activation
+
+    @classmethod
+    def from_module(cls, module: torch.nn.GroupNorm, activation: str | None = None) -> GroupNorm:
+        """A GroupNorm sharing ``module``'s parameters (no copies)."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.num_groups, new.num_channels, new.eps, new.affine = (
+            module.num_groups,
+            module.num_channels,
+            module.eps,
+            module.affine,
+        )
+        new.weight, new.bias = module.weight, module.bias
+        new.activation = activation
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")

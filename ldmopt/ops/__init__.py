@@ -1,0 +1,7 @@
+"""Public fused ops. Each is a ``torch.library.custom_op`` in the ``ldmopt`` namespace with a fake (meta)
+implementation, autograd, and a backend table (cuda -> triton -> torch) consulted on real tensors."""
+
+from ._dispatch import BackendUnavailableError, backend_counts, use_backend
+from .group_norm import group_norm
+
+__all__ = ["BackendUnavailableError", "backend_counts", "group_norm", "use_backend"]

@@ -1,0 +1,54 @@
+"""Argument checks shared by the ops: each error names the argument, the value received and what is supported."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: Sequence[int] | None = None,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    allow_empty: bool = False,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
+    if not allow_empty and t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); ldmopt ops need at least one element")
+    return t
+
+
+def check_vector(name: str, t: torch.Tensor | None, length: int, like: torch.Tensor) -> None:
+    """An optional per-channel parameter: 1-D of ``length`` floats on ``like``'s device."""
+    if t is None:
+        return
+    check_tensor(name, t, ndim=(1,))
+    if t.shape[0] != length:
+        raise ValueError(f"{name} must have shape ({length},), got {tuple(t.shape)}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but the input is on {like.device}")
+
+
+def check_activation(name: str, value: str | None, supported: Sequence[str | None]) -> str | None:
+    if value not in supported:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {list(supported)}")
+    return value
+
+
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    """The memory format a dense tensor is laid out in (channels-last wins over contiguous only when strictly so)."""
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format

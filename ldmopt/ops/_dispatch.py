@@ -1,0 +1,155 @@
+"""Backend choice for every op: each backend declares what it refuses and why; the first that accepts runs.
+
+Order of preference: ``cuda`` (ldmopt._C) -> ``triton`` -> ``torch`` (reference, always available). The choice is made
+inside the op's implementation on real tensors, never while tracing. ``LDMOPT_BACKEND=<name>`` or
+``with ldmopt.use_backend(<name>):`` forces a backend; a forced backend that cannot serve raises
+:class:`BackendUnavailableError` with its reasons instead of falling through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _env
+
+BACKEND_NAMES = ("cuda", "triton", "torch")
+_forced: contextvars.ContextVar[tuple[str, frozenset[str] | None] | None] = contextvars.ContextVar(
+    "ldmopt_forced_backend", default=None
+)
+#: How often each (op, backend) pair ran in this process: the patch report and tests read it.
+backend_counts: Counter[tuple[str, str]] = Counter()
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced backend cannot serve these inputs; the message lists every reason."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of an op. ``refuse(*args)`` returns the reasons it cannot run them (empty: it can)."""
+
+    name: str
+    run: Callable
+    refuse: Callable[..., list[str]] = field(default=lambda *args, **kwargs: [])
+
+
+def forced_backend(op_name: str) -> str | None:
+    """The backend forced for ``op_name`` by the context manager, else by LDMOPT_BACKEND, else None."""
+    forced = _forced.get()
+    if forced is not None:
+        name, ops = forced
+        if ops is None or op_name in ops:
+            return name
+        return None
+    env = os.environ.get("LDMOPT_BACKEND", "").strip().lower()
+    if env and env != "auto":
+        if env not in BACKEND_NAMES:
+            raise ValueError(f"LDMOPT_BACKEND={env!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")
+        return env
+    return None
+
+
+@contextlib.contextmanager
+def use_backend(name: str, ops: Sequence[str] | None = None) -> Iterator[None]:
+    """Force backend ``name`` ('cuda', 'triton', 'torch' or 'auto') for all ops, or only for the ops named."""
+    name = name.lower()
+    if name != "auto" and name not in BACKEND_NAMES:
+        raise ValueError(f"use_backend: name={name!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")
+    token = _forced.set(None if name == "auto" else (name, None if ops is None else frozenset(ops)))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def tensors_in(args: Sequence) -> list[torch.Tensor]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+def triton_refusals(*args, dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16)) -> list[str]:
+    """Reasons common to every Triton backend: Triton missing, tensors where Triton cannot run, dtypes."""
+    ok, why = _env.triton_status()
+    if not ok:
+        return [why]
+    reasons = []
+    tensors = tensors_in(args)
+    devices = {t.device.type for t in tensors}
+    if devices - {"cuda"} and not (devices <= {"cpu"} and _env.interpreter_enabled()):
+        reasons.append(
+            f"tensors on {sorted(devices)}: Triton runs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1"
+        )
+    for t in tensors:
+        if t.is_floating_point() and t.dtype not in dtypes:
+            reasons.append(f"dtype {t.dtype} is not supported (supported: {', '.join(map(str, dtypes))})")
+            break
+    return reasons
+
+
+def cuda_extension_refusals(op_symbol: str, *args) -> list[str]:
+    """Reasons common to every ldmopt._C backend: extension not loaded, op missing, tensors not on CUDA."""
+    ok, why = _env.cuda_extension_status()
+    if not ok:
+        return [why]
+    if not hasattr(torch.ops.ldmopt, op_symbol):
+        return [f"ldmopt._C has no kernel {op_symbol!r} (extension built from older sources?)"]
+    if any(t.device.type != "cuda" for t in tensors_in(args)):
+        return ["tensors are not on a CUDA device"]
+    return []
+
+
+@dataclass
+class BackendTable:
+    """The backends of one op, in order of preference."""
+
+    op_name: str
+    backends: list[Backend]
+
+    def reasons(self, *args) -> dict[str, list[str]]:
+        return {b.name: b.refuse(*args) for b in self.backends}
+
+    def select(self, *args) -> Backend:
+        forced = forced_backend(self.op_name)
+        if forced is not None:
+            for backend in self.backends:
+                if backend.name == forced:
+                    reasons = backend.refuse(*args)
+                    if reasons:
+                        raise BackendUnavailableError(
+                            f"ldmopt.{self.op_name}: backend {forced!r} was forced but cannot run these inputs: "
+                            + "; ".join(reasons)
+                        )
+                    return backend
+            raise BackendUnavailableError(
+                f"ldmopt.{self.op_name}: backend {forced!r} was forced but this op has only "
+                f"{[b.name for b in self.backends]}"
+            )
+        for backend in self.backends:
+            if not backend.refuse(*args):
+                return backend
+        raise BackendUnavailableError(f"ldmopt.{self.op_name}: no backend can run these inputs: {self.reasons(*args)}")
+
+    def __call__(self, *args):
+        backend = self.select(*args)
+        backend_counts[(self.op_name, backend.name)] += 1
+        return backend.run(*args)
+
+
+def describe_choice(table: BackendTable, *args) -> str:
+    """One line per backend: accepted, or refused with reasons (for error messages and `ldmopt info`)."""
+    lines = []
+    for name, reasons in table.reasons(*args).items():
+        lines.append(f"{name}: " + ("accepts" if not reasons else "refuses (" + "; ".join(reasons) + ")"))
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""Build script: the pure-Python package always; the CUDA extension ``ldmopt._C`` when it can.
+
+The Triton kernels live in the top-level ``kernels/`` folder and are installed as ``ldmopt.kernels``.
+The extension is built from ``csrc/`` with torch.utils.cpp_extension + ninja when torch (a CUDA build) and nvcc are
+present at build time. Knobs: LDMOPT_SKIP_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS,
+NVCC_THREADS. What was built is written to ldmopt/_build_info.json, which ``ldmopt info`` shows.
+"""
+
+import glob
+import json
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+BUILD_INFO = os.path.join(ROOT, "ldmopt", "_build_info.json")
+
+
+def _say(message: str) -> None:
+    print(f"ldmopt setup: {message}", file=sys.stderr)
+
+
+def _write_build_info(info: dict) -> None:
+    with open(BUILD_INFO, "w") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+
+
+def _cuda_extension():
+    """Return (ext_modules, cmdclass) for ldmopt._C, or ([], {}) with a one-line reason printed."""
+    if os.environ.get("LDMOPT_SKIP_CUDA_BUILD", "0") == "1":
+        return [], {}, "skipped: LDMOPT_SKIP_CUDA_BUILD=1"
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return [], {}, "skipped: torch is not importable at build time (install with --no-build-isolation)"
+    if torch.version.cuda is None:
+        return [], {}, f"skipped: torch {torch.__version__} is not a CUDA build"
+    cuda_home = cpp_extension.CUDA_HOME
+    if cuda_home is None or shutil.which("nvcc", path=os.path.join(cuda_home, "bin")) is None:
+        return [], {}, "skipped: nvcc not found (set CUDA_HOME)"
+    sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
+    if not sources:
+        return [], {}, "skipped: csrc/ has no sources"
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    # pip's CUDA 13 torch wheels carry the CUDA headers (cuda_runtime.h, cuda_fp16.h, ...) under nvidia/cu13/include.
+    torch_site = os.path.dirname(os.path.dirname(torch.__file__))
+    for sub in ("cu13", "cu12"):
+        candidate = os.path.join(torch_site, "nvidia", sub, "include")
+        if os.path.isdir(candidate):
+            include_dirs.append(candidate)
+    nvcc_flags = ["-O3", "--use_fast_math", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+    nvcc_threads = os.environ.get("NVCC_THREADS")
+    if nvcc_threads:
+        nvcc_flags.append(f"--threads={nvcc_threads}")
+    ext = cpp_extension.CUDAExtension(
+        name="ldmopt._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+        py_limited_api=False,
+    )
+    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
+    info = {
+        "built": True,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
+        "sources": sources,
+    }
+    return [ext], {"build_ext": build_ext}, info
+
+
+ext_modules, cmdclass, status = _cuda_extension()
+if isinstance(status, str):
+    _say(f"CUDA extension ldmopt._C {status}")
+    _write_build_info({"built": False, "reason": status})
+else:
+    _say(f"building CUDA extension ldmopt._C for TORCH_CUDA_ARCH_LIST={status['arch_list']}")
+    _write_build_info(status)
+
+setup(
+    packages=[*find_packages(include=["ldmopt", "ldmopt.*"]), "ldmopt.kernels"],
+    package_dir={"ldmopt.kernels": "kernels"},
+    package_data={"ldmopt": ["_build_info.json", "configs/*.json"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,37 @@
+"""Per-dtype tolerances and the comparison rule the kernel tests share.
+
+Rule (from flash-attention's tests): against an fp64 reference, a kernel's error must be at most
+``FACTOR`` x the error PyTorch's own computation makes in the same low precision, plus a small absolute floor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: (atol, rtol) for direct comparisons with an fp64 reference.
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-8),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+FACTOR = 2.0
+FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, name: str = "") -> None:
+    dtype = dtype or actual.dtype
+    atol, rtol = TOLERANCES[dtype]
+    assert not torch.isnan(actual).any(), f"{name}: NaN in output (unwritten elements?)"
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_within_torch_error(
+    actual: torch.Tensor, reference64: torch.Tensor, torch_lowp: torch.Tensor, name: str = ""
+) -> None:
+    """max|actual - ref| <= FACTOR * max|torch_lowp - ref| + FLOOR[dtype]."""
+    assert not torch.isnan(actual).any(), f"{name}: NaN in output (unwritten elements?)"
+    ours = (actual.double() - reference64).abs().max().item()
+    theirs = (torch_lowp.double() - reference64).abs().max().item()
+    bound = FACTOR * theirs + FLOOR[actual.dtype]
+    assert ours <= bound, f"{name}: max error {ours:.3e} > {FACTOR} x PyTorch's {theirs:.3e} + floor"
