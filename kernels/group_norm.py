@@ -428,7 +428,8 @@ def group_norm_bwd(
     part_dzxhat = torch.empty_like(part_dz)
     _group_norm_bwd_partial_kernel[(n * n_chunks * n_cblocks,)](
         part_dz, part_dzxhat, dy, x, w, b, mean, rstd, sdn, sdc, sds, sxn, sxc, sxs, c, s, num_groups,
-        s_per_prog, n_chunks, n_cblocks, ACTIVATION_GRAD=act_grad, BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
+        s_per_prog, n_chunks, n_cblocks, ACTIVATION_GRAD=act_grad, BLOCK_S=block_s, BLOCK_C=block_c,
+        num_warps=_TILE_WARPS,
     )  # fmt: skip
     dz_nc = torch.empty((n, c), device=x.device, dtype=torch.float32)
     dzxhat_nc = torch.empty_like(dz_nc)

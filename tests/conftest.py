@@ -11,8 +11,8 @@ import random
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LDMOPT_POISON_OUTPUTS", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 SESSION_SEED = int(os.environ.get("LDMOPT_TEST_SEED", random.SystemRandom().randrange(2**31)))
 

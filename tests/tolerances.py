@@ -19,7 +19,9 @@ FACTOR = 2.0
 FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, name: str = "") -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, name: str = ""
+) -> None:
     dtype = dtype or actual.dtype
     atol, rtol = TOLERANCES[dtype]
     assert not torch.isnan(actual).any(), f"{name}: NaN in output (unwritten elements?)"

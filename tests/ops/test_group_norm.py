@@ -150,8 +150,9 @@ def test_bad_input_messages(call, match):
 
 def test_forced_backend_that_cannot_serve_raises_with_reasons():
     x = torch.randn(2, 6, 4, 4, dtype=torch.float64)
-    with pytest.raises(ldmopt.BackendUnavailableError, match="'triton' was forced.*float64"), ldmopt.use_backend(
-        "triton"
+    with (
+        pytest.raises(ldmopt.BackendUnavailableError, match=r"'triton' was forced.*float64"),
+        ldmopt.use_backend("triton"),
     ):
         group_norm(x, 3)
     with pytest.raises(ldmopt.BackendUnavailableError, match="'cuda' was forced"), ldmopt.use_backend("cuda"):

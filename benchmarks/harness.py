@@ -1,0 +1,208 @@
+"""Shared benchmark harness: timing, measured ceilings, CSV rows and the summary table.
+
+Every figure comes from this machine in this run: the copy-bandwidth and bf16-matmul ceilings are measured, not taken
+from a datasheet. Rows go to ``benchmarks/results/results.csv`` (override with LDMOPT_BENCH_CSV) with GPU name,
+torch/Triton versions and git commit, and a Markdown summary is printed at the end of the pytest session.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import functools
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(os.environ.get("LDMOPT_BENCH_DIR", ROOT / "benchmarks" / "results"))
+
+
+def _has_gpu() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+#: Apply as ``pytestmark = harness.gpu_only``: benchmarks run only on a GPU.
+gpu_only = pytest.mark.skipif(not _has_gpu(), reason="benchmarks measure GPU time; no CUDA device here")
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> Timing:
+    """Median and p20/p80 of ``fn`` in milliseconds (triton.testing.do_bench: L2 flushed between runs)."""
+    import triton.testing
+
+    p50, p20, p80 = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return Timing(p50, p20, p80)
+
+
+def peak_memory(fn: Callable[[], object]) -> int:
+    """Peak CUDA memory allocated (bytes) above what was allocated before one call of ``fn``."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def compiled(fn: Callable, mode: str | None = "max-autotune", **kwargs) -> Callable:
+    """torch.compile(fn) with ``mode`` (fullgraph off so baselines compile whatever they can)."""
+    return torch.compile(fn, mode=mode, **kwargs)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_gbps: float  # device-to-device copy, bytes read + written per second
+    bf16_tflops: float  # large square bf16 matmul
+
+
+@functools.cache
+def ceilings() -> Ceilings:
+    """Measured once per process: a 1 GiB device copy and an 8192^3 bf16 matmul."""
+    n = 1 << 28  # 256M fp32 = 1 GiB
+    return Ceilings(copy_gbps=2 * n * 4 / _time_copy(n) / 1e6, bf16_tflops=2 * 8192**3 / _time_matmul(8192) / 1e9)
+
+
+def _time_copy(n: int) -> float:
+    src = torch.empty(n, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return time_fn(lambda: dst.copy_(src), warmup=5, rep=30).median_ms
+
+
+def _time_matmul(n: int) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    return time_fn(lambda: a @ b, warmup=5, rep=30).median_ms
+
+
+@functools.cache
+def environment() -> dict:
+    import triton
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name() if _has_gpu() else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
+    }
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    dtype: str
+    mode: str
+    provider: str
+    median_ms: float | None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    pct_copy_bw: float | None = None
+    pct_bf16_mm: float | None = None
+    peak_mem_mb: float | None = None
+    note: str = ""
+    env: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """Collects rows during a pytest session; appends them to the CSV as they come."""
+
+    def __init__(self, csv_path: Path | None = None) -> None:
+        self.rows: list[Row] = []
+        self.csv_path = Path(os.environ.get("LDMOPT_BENCH_CSV", csv_path or RESULTS_DIR / "results.csv"))
+
+    def record(
+        self,
+        *,
+        op: str,
+        case: str,
+        dtype: str,
+        mode: str,
+        provider: str,
+        timing: Timing | None,
+        bytes: int | None = None,
+        flops: int | None = None,
+        peak_mem: int | None = None,
+        note: str = "",
+    ) -> Row:
+        """One measurement. ``timing=None`` records a provider that could not run (say why in ``note``)."""
+        row = Row(op, case, dtype, mode, provider, None, note=note, env=environment())
+        if timing is not None:
+            row.median_ms, row.p20_ms, row.p80_ms = timing.median_ms, timing.p20_ms, timing.p80_ms
+            ceil = ceilings()
+            if bytes:
+                row.gbps = bytes / timing.median_ms / 1e6
+                row.pct_copy_bw = 100 * row.gbps / ceil.copy_gbps
+            if flops:
+                row.tflops = flops / timing.median_ms / 1e9
+                row.pct_bf16_mm = 100 * row.tflops / ceil.bf16_tflops
+        if peak_mem is not None:
+            row.peak_mem_mb = peak_mem / 2**20
+        self.rows.append(row)
+        self._append_csv(row)
+        return row
+
+    def _append_csv(self, row: Row) -> None:
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        flat = {k: v for k, v in asdict(row).items() if k != "env"} | row.env
+        new = not self.csv_path.exists()
+        with self.csv_path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(flat))
+            if new:
+                writer.writeheader()
+            writer.writerow(flat)
+
+    def summary(self) -> str:
+        """Markdown table: one line per row, with the speedup over eager (same op, case, dtype, mode) when present."""
+        if not self.rows:
+            return ""
+        eager = {
+            (r.op, r.case, r.dtype, r.mode): r.median_ms for r in self.rows if r.provider == "eager" and r.median_ms
+        }
+        env = self.rows[0].env
+        ceil = ceilings() if _has_gpu() else None
+        lines = [
+            f"ldmopt benchmarks: {env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+            f"commit {env['commit']}"
+            + (
+                f"; measured ceilings: copy {ceil.copy_gbps:.0f} GB/s, bf16 mm {ceil.bf16_tflops:.0f} TFLOP/s"
+                if ceil
+                else ""
+            ),
+            "",
+            "| op | case | dtype | mode | provider | ms (p20-p80) | GB/s (% copy) | TFLOP/s (% mm) | vs eager | note |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            ms = f"{r.median_ms:.4f} ({r.p20_ms:.4f}-{r.p80_ms:.4f})" if r.median_ms else "-"
+            bw = f"{r.gbps:.0f} ({r.pct_copy_bw:.0f}%)" if r.gbps else "-"
+            tf = f"{r.tflops:.1f} ({r.pct_bf16_mm:.0f}%)" if r.tflops else "-"
+            base = eager.get((r.op, r.case, r.dtype, r.mode))
+            speed = f"{base / r.median_ms:.2f}x" if base and r.median_ms else "-"
+            lines.append(
+                f"| {r.op} | {r.case} | {r.dtype} | {r.mode} | {r.provider} | {ms} | {bw} | {tf} | {speed} | {r.note} |"
+            )
+        return "\n".join(lines)

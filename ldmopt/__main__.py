@@ -1,0 +1,5 @@
+import sys
+
+from ldmopt.cli import main
+
+sys.exit(main())

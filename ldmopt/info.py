@@ -1,0 +1,109 @@
+"""``ldmopt info``: versions, which backends can run here and why not, the GPU and its compute capability."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+
+from . import _env
+
+#: Public ops and the backends each one has (kept in step with the BackendTables in ldmopt/ops).
+OPS = {
+    "group_norm": ("cuda", "triton", "torch"),
+}
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect(query_gpu: bool = True) -> dict:
+    import torch
+
+    from . import __version__
+
+    triton_ok, triton_why = _env.triton_status()
+    ext_ok, ext_why = _env.cuda_extension_status()
+    gpu_ok, gpu_why = _env.gpu_status() if query_gpu else (False, "not queried")
+    capability = None
+    if gpu_ok:
+        capability = "sm_{}{}".format(*torch.cuda.get_device_capability())
+    triton_runs = triton_ok and (gpu_ok or _env.interpreter_enabled())
+    if not triton_ok:
+        triton_line = triton_why
+    elif gpu_ok:
+        triton_line = f"available ({triton_why}, on {gpu_why})"
+    elif _env.interpreter_enabled():
+        triton_line = f"available in the CPU interpreter ({triton_why}, TRITON_INTERPRET=1)"
+    else:
+        triton_line = f"{triton_why} importable, but no GPU and TRITON_INTERPRET is not 1"
+    return {
+        "ldmopt": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "diffusers": _version("diffusers"),
+        "gpu": gpu_why,
+        "compute_capability": capability,
+        "interpreter": _env.interpreter_enabled(),
+        "backends": {
+            "cuda": "available" if ext_ok and gpu_ok else (ext_why if not ext_ok else f"built, but {gpu_why}"),
+            "triton": triton_line,
+            "torch": "available (reference implementation)",
+        },
+        "backends_usable": {"cuda": ext_ok and gpu_ok, "triton": triton_runs, "torch": True},
+        "build": _env.build_info(),
+        "ops": {name: list(backends) for name, backends in OPS.items()},
+    }
+
+
+def format_info(info: dict) -> str:
+    lines = [
+        f"ldmopt {info['ldmopt']}",
+        f"  python {info['python']}, torch {info['torch']} (CUDA {info['torch_cuda']}), triton {info['triton']}, "
+        f"diffusers {info['diffusers']}",
+        f"  GPU: {info['gpu']}"
+        + (f", compute capability {info['compute_capability']}" if info["compute_capability"] else ""),
+        f"  Triton interpreter (TRITON_INTERPRET=1): {'on' if info['interpreter'] else 'off'}",
+        "backends (preferred first):",
+    ]
+    for name, line in info["backends"].items():
+        mark = "yes" if info["backends_usable"][name] else "no "
+        lines.append(f"  [{mark}] {name:<6} {line}")
+    build = info["build"]
+    if build:
+        lines.append(
+            "CUDA extension build: "
+            + (f"built for {build.get('arch_list')}" if build.get("built") else build.get("reason", ""))
+        )
+    lines.append("ops: " + ", ".join(f"{op} ({'/'.join(b)})" for op, b in info["ops"].items()))
+    return "\n".join(lines)
+
+
+def configure_info(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print as JSON")
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="compile every Triton kernel ahead of time for sm_80/sm_90 and print registers, shared memory, spills",
+    )
+
+
+def run_info(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    if args.kernels:
+        # The AOT compile needs un-interpreted kernels: run it in a child without TRITON_INTERPRET.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.call([sys.executable, "-m", "ldmopt.aot"], env=env)
+    return 0
