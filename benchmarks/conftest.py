@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks.harness import Recorder
@@ -22,3 +24,17 @@ def pytest_terminal_summary(terminalreporter):
         out = _RECORDER.csv_path.with_name("summary.md")
         out.write_text(table + "\n")
         terminalreporter.write_line(f"(rows appended to {_RECORDER.csv_path}; table written to {out})")
+
+
+# Quick mode (LDMOPT_BENCH_QUICK=1, set by run_gpu.sh): fp16 and channels-last only, to fit the ~8-minute budget.
+_SLOW_PARAMS = ("bfloat16", "bf16", "nchw")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LDMOPT_BENCH_QUICK") != "1":
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if any(p in item.nodeid for p in _SLOW_PARAMS) else keep).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)

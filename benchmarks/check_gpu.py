@@ -1,0 +1,102 @@
+"""GPU correctness at real shapes: every ldmopt kernel against the reference backend computed in fp64.
+
+Prints one line per (op, case, dtype, backend): max relative error ||out - ref||_inf / ||ref||_inf and PASS/FAIL
+against a per-dtype bound; exits 1 if anything fails. Outputs are poisoned with NaN before the kernels write them.
+Run: python benchmarks/check_gpu.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+
+os.environ.setdefault("LDMOPT_POISON_OUTPUTS", "1")
+
+import torch
+import torch.nn.functional as F
+
+import ldmopt
+
+BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+# A check yields (case, dtype, backend, outputs, references) tuples.
+Check = Callable[[bool], Iterator[tuple[str, torch.dtype, str, list[torch.Tensor], list[torch.Tensor]]]]
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str):
+    def register(fn: Check) -> Check:
+        CHECKS[name] = fn
+        return fn
+
+    return register
+
+
+@check("group_norm_silu")
+def _group_norm(quick: bool):
+    shapes = {"sd-64x64x320": (2, 320, 64, 64), "sd-8x8x1280": (2, 1280, 8, 8), "vae-512": (1, 128, 512, 512)}
+    if quick:
+        shapes.pop("vae-512")
+    for case, shape in shapes.items():
+        for dtype in DTYPES:
+            x = (torch.randn(shape, device="cuda") * 2 + 0.3).to(dtype).to(memory_format=torch.channels_last)
+            w = torch.randn(shape[1], device="cuda").to(dtype)
+            b = torch.randn(shape[1], device="cuda").to(dtype)
+            dy = torch.randn_like(x)
+            leaves64 = [t.double().requires_grad_() for t in (x, w, b)]
+            ref = F.silu(F.group_norm(leaves64[0], 32, leaves64[1], leaves64[2], 1e-5))
+            grads64 = torch.autograd.grad(ref, leaves64, dy.double())
+            for backend in ("triton", "cuda"):
+                leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+                try:
+                    with ldmopt.use_backend(backend):
+                        y = ldmopt.ops.group_norm(leaves[0], 32, leaves[1], leaves[2], 1e-5, "silu")
+                        grads = torch.autograd.grad(y, leaves, dy)
+                except ldmopt.BackendUnavailableError as exc:
+                    print(f"  skip group_norm_silu {case} {dtype} {backend}: {str(exc)[:120]}")
+                    continue
+                yield case, dtype, backend, [y, *grads], [ref, *grads64]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--only", action="append", help="only these checks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("check_gpu: no CUDA device; nothing to check")
+        return 0
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    failures = 0
+    print(f"{'op':<22} {'case':<22} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
+    for name, fn in CHECKS.items():
+        if args.only and name not in args.only:
+            continue
+        try:
+            for case, dtype, backend, outs, refs in fn(args.quick):
+                errs = [rel_err(o, r) for o, r in zip(outs, refs)]
+                ok = all(e <= BOUND[dtype] for e in errs)  # NaN compares False
+                failures += not ok
+                errs_text = " ".join(f"{e:.2e}" for e in errs)
+                status = "PASS" if ok else "FAIL"
+                print(f"{name:<22} {case:<22} {str(dtype)[6:]:<9} {backend:<7} {errs_text:<40} {status}")
+        except Exception:
+            failures += 1
+            print(f"{name:<22} ERROR\n{traceback.format_exc()}")
+    print(f"check_gpu: {'all passed' if not failures else f'{failures} failed'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Download the pure-Python wheels a GPU machine without network access lacks into benchmarks/wheels/
+# (ignored by git; carried with the device call). The GPU image has torch, triton, numpy, safetensors,
+# huggingface-hub, transformers and pillow; diffusers is what it lacks.
+set -euo pipefail
+cd "$(dirname "$0")"
+mkdir -p wheels
+pip download --no-deps --only-binary=:all: --dest wheels "diffusers==0.42.1" "pytest-timeout"
+ls -la wheels

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The one prepared GPU run: install what a bare GPU machine lacks (from local wheels, no network), build ldmopt and its
+# CUDA extension, check every kernel on the GPU against the reference at real shapes, run the benchmarks, and print
+# the summary table last. Quick mode (default) is sized for ~8 minutes on an H200; --full runs everything.
+#   bash benchmarks/run_gpu.sh [--full]
+# Prepare the wheels here first (this machine has a package index): bash benchmarks/fetch_wheels.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE="quick"
+[ "${1:-}" = "--full" ] && MODE="full"
+RESULTS="${OUT:-benchmarks/results}"
+mkdir -p "$RESULTS"
+export LDMOPT_BENCH_DIR="$RESULTS"
+PY="${PYTHON:-python3}"
+log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
+
+log "python: $($PY -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)')"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+if ! $PY -c "import diffusers" 2>/dev/null; then
+  log "installing diffusers from benchmarks/wheels"
+  $PY -m pip install --no-index --find-links benchmarks/wheels diffusers >"$RESULTS/pip_diffusers.log" 2>&1 \
+    || { log "diffusers install failed (see pip_diffusers.log); model benchmarks will skip"; }
+fi
+log "building ldmopt (+ ldmopt._C) with MAX_JOBS=${MAX_JOBS:-16}"
+export MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+if ! $PY -m pip install --no-index --no-deps --no-build-isolation -e . >"$RESULTS/build.log" 2>&1; then
+  log "build failed; last lines:"; tail -20 "$RESULTS/build.log"
+fi
+$PY -m ldmopt info | tee "$RESULTS/info.txt"
+
+log "GPU correctness at real shapes"
+CHECK_ARGS=()
+[ "$MODE" = "quick" ] && CHECK_ARGS+=(--quick)
+timeout 180 $PY benchmarks/check_gpu.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_gpu.txt"
+
+log "benchmarks ($MODE)"
+export LDMOPT_BENCH_QUICK=$([ "$MODE" = "quick" ] && echo 1 || echo 0)
+BUDGET=$([ "$MODE" = "quick" ] && echo 330 || echo 3600)
+timeout "$BUDGET" $PY -m pytest benchmarks -q -p no:cacheprovider -x --timeout=300 2>&1 | tail -n 400 >"$RESULTS/pytest.txt"
+log "pytest exit: ${PIPESTATUS[0]} (124 = stopped at the ${BUDGET}s budget; rows so far are kept)"
+tail -5 "$RESULTS/pytest.txt"
+echo
+echo "================ summary ================"
+grep -E "PASS|FAIL|ERROR|check_gpu:" "$RESULTS/check_gpu.txt" | tail -40
+[ -f "$RESULTS/summary.md" ] && cat "$RESULTS/summary.md"
