@@ -1,0 +1,402 @@
+"""Implicit-GEMM 2-D convolution whose loader applies GroupNorm + activation, with a fused epilogue.
+
+Computes ``y = (conv(act(gn(x)), W) + bias + temb[n] + shortcut + residual) / output_scale`` and, optionally, the
+per-(n, group) statistics of y for the next GroupNorm. x is NHWC (channels-last; any strides are accepted, channel
+stride 1 is the fast path), fp32/fp16/bf16; accumulation, GroupNorm math and statistics in fp32 (statistics sums in
+fp64). Kernels 1x1 and 3x3, stride 1 or 2, zero padding applied after the activation; nearest 2x upsampling or 2x2
+average pooling of the conv input is index arithmetic in the loader; an optional 1x1 "shortcut" conv of a second
+input accumulates into the same tile.
+Algorithm: one program per (image, BM output pixels, BN output channels); ONE flat loop over kh*kw*channel-blocks
+stages an [BM, BK] input tile (normalised with per-(n, c) scale/shift [BK] vectors) and a [BK, BN] weight tile into
+tl.dot. Output statistics: per-column centred sums of the tile are added in fp64 to a per-(n, c) workspace; the last
+program of each image (atomic counter) folds them into per-group mean/rstd and zeroes the workspace for the next call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import ACTIVATIONS, new_output, next_power_of_2
+
+#: resample codes shared with ldmopt/ops/gn_conv2d.py
+RESAMPLE = {"none": 0, "up": 1, "down": 2}
+
+
+def _configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        # The interpreter's cost is per program and per numpy op: one large tile.
+        return [triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BM": BM, "BN": BN, "BK": BK}, num_warps=w, num_stages=s)
+        for BM, BN, BK, w, s in (
+            (128, 128, 32, 8, 3),
+            (128, 64, 32, 4, 3),
+            (64, 128, 32, 4, 3),
+            (128, 256, 32, 8, 3),
+            (64, 64, 64, 4, 3),
+        )
+    ]
+
+
+@triton.jit
+def _stage_input(
+    base,
+    ih,
+    iw,
+    row_ok,
+    ci,
+    c_mask,
+    sxh,
+    sxw,
+    sxc,
+    H,
+    W,
+    scale,
+    shift,
+    RESAMPLE: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    """[BM, BK] fp32 tile of the conv input at conv-input coordinates (ih, iw); zero outside (after activation).
+
+    RESAMPLE 0: x itself (H x W). 1: nearest 2x upsample of x (2H x 2W). 2: 2x2 average pool of x (H//2 x W//2).
+    """
+    coff = ci.to(tl.int64)[None, :] * sxc
+    if RESAMPLE == 2:
+        valid = row_ok & (ih >= 0) & (ih < H // 2) & (iw >= 0) & (iw < W // 2)
+        mask = valid[:, None] & c_mask[None, :]
+        a = tl.zeros([ih.shape[0], ci.shape[0]], dtype=tl.float32)
+        for dy in tl.static_range(2):
+            for dx in tl.static_range(2):
+                roff = (2 * ih + dy).to(tl.int64) * sxh + (2 * iw + dx).to(tl.int64) * sxw
+                v = tl.load(base + roff[:, None] + coff, mask=mask, other=0.0).to(tl.float32)
+                if NORMALIZE:
+                    v = ACTIVATION(v * scale[None, :] + shift[None, :])
+                a += v
+        a = tl.where(mask, a * 0.25, 0.0)
+    else:
+        if RESAMPLE == 1:
+            valid = row_ok & (ih >= 0) & (ih < 2 * H) & (iw >= 0) & (iw < 2 * W)
+            sh = tl.where(valid, ih, 0) // 2
+            sw = tl.where(valid, iw, 0) // 2
+        else:
+            valid = row_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            sh = ih
+            sw = iw
+        mask = valid[:, None] & c_mask[None, :]
+        roff = sh.to(tl.int64) * sxh + sw.to(tl.int64) * sxw
+        a = tl.load(base + roff[:, None] + coff, mask=mask, other=0.0).to(tl.float32)
+        if NORMALIZE:
+            a = tl.where(mask, ACTIVATION(a * scale[None, :] + shift[None, :]), 0.0)
+    return a
+
+
+@triton.jit
+def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr):
+    """Per-group mean/rstd of image n from the per-channel fp64 sums in ws [N, C, 2]; zeroes those sums."""
+    cpg = C // G
+    j = tl.arange(0, BLOCK_CPG)
+    count = (S * cpg).to(tl.float64)
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        mask = (g < G)[:, None] & (j < cpg)[None, :]
+        off = ((n * C + g[:, None] * cpg + j[None, :]) * 2).to(tl.int64)
+        zero = tl.zeros([BLOCK_G, BLOCK_CPG], dtype=tl.float64)
+        # Atomic reads: the other programs' relaxed adds live in L2.
+        s1 = tl.atomic_add(ws_ptr + off, zero, mask=mask, sem="relaxed")
+        s2 = tl.atomic_add(ws_ptr + off + 1, zero, mask=mask, sem="relaxed")
+        tl.store(ws_ptr + off, zero, mask=mask)
+        tl.store(ws_ptr + off + 1, zero, mask=mask)
+        mean = tl.sum(tl.where(mask, s1, 0.0), axis=1) / count
+        var = tl.maximum(tl.sum(tl.where(mask, s2, 0.0), axis=1) / count - mean * mean, 0.0)
+        rstd = 1.0 / tl.sqrt(var.to(tl.float32) + eps)
+        tl.store(mean_ptr + n * G + g, mean.to(tl.float32), mask=g < G)
+        tl.store(rstd_ptr + n * G + g, rstd, mask=g < G)
+
+
+@triton.autotune(configs=_configs(), key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "STRIDE", "RESAMPLE", "HAS_SC"])
+@triton.jit
+def _gn_conv2d_fwd_kernel(
+    y_ptr,  # [N, OH, OW, C_out] (strides)
+    ws_ptr,  # [N, C_out, 2] fp64, zero on entry and exit
+    counter_ptr,  # [N] int32, zero on entry and exit
+    out_mean_ptr,  # [N, G_out] fp32
+    out_rstd_ptr,
+    x_ptr,  # [N, H, W, C_in] (strides)
+    mean_ptr,  # [N, G_in] fp32
+    rstd_ptr,
+    gamma_ptr,  # [C_in]
+    beta_ptr,
+    w_ptr,  # [C_out, C_in, KH, KW] (strides)
+    bias_ptr,  # [C_out]
+    temb_ptr,  # [N, C_out] (strides)
+    res_ptr,  # [N, RH, RW, C_out] (strides)
+    xs_ptr,  # shortcut input [N, HS, WS, C_sc] (strides)
+    ws_w_ptr,  # shortcut weight [C_out, C_sc] (strides)
+    bias2_ptr,  # shortcut bias [C_out]
+    sxn, sxh, sxw, sxc,
+    swo, swi, swh, sww,
+    syn, syh, syw, syc,
+    stn, stc,
+    srn, srh, srw, src,
+    ssn, ssh, ssw, ssc,
+    swso, swsi,
+    H, W, C_in, OH, OW, C_out, G_in, HR, WR, HS, WS, C_sc, G_out,
+    out_eps, inv_scale,
+    KEY_S, KEY_CIN, KEY_COUT,
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
+    RESAMPLE: tl.constexpr, NORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr,
+    HAS_RES: tl.constexpr, RES_RESAMPLE: tl.constexpr,
+    HAS_SC: tl.constexpr, SC_RESAMPLE: tl.constexpr, HAS_BIAS2: tl.constexpr,
+    OUT_STATS: tl.constexpr, STATS_BLOCK_G: tl.constexpr, STATS_BLOCK_CPG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    S = OH * OW
+    n_mt = tl.cdiv(S, BM)
+    n_nt = tl.cdiv(C_out, BN)
+    pid = tl.program_id(0)
+    nt = pid % n_nt
+    mt = (pid // n_nt) % n_mt
+    n = pid // (n_nt * n_mt)
+
+    offs_m = mt * BM + tl.arange(0, BM)
+    m_mask = offs_m < S
+    oh = offs_m // OW
+    ow = offs_m % OW
+    offs_n = nt * BN + tl.arange(0, BN)
+    n_mask = offs_n < C_out
+    kk = tl.arange(0, BK)
+    w_cols = offs_n[None, :] * swo
+
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    x_base = x_ptr + n.to(tl.int64) * sxn
+    n_cb = tl.cdiv(C_in, BK)
+    if NORMALIZE:
+        cpg_in = C_in // G_in
+    # One flat loop over (kh, kw, channel block): nested loops defeat the pipeliner and spill.
+    for it in range(0, KH * KW * n_cb):
+        tap = it // n_cb
+        cb = it - tap * n_cb
+        kh = tap // KW
+        kw = tap - kh * KW
+        ci = cb * BK + kk
+        c_mask = ci < C_in
+        if NORMALIZE:
+            grp = n * G_in + ci // cpg_in
+            mu = tl.load(mean_ptr + grp, mask=c_mask, other=0.0)
+            rs = tl.load(rstd_ptr + grp, mask=c_mask, other=0.0)
+            if HAS_GAMMA:
+                scale = tl.load(gamma_ptr + ci, mask=c_mask, other=0.0).to(tl.float32) * rs
+            else:
+                scale = rs
+            shift = -scale * mu
+            if HAS_BETA:
+                shift += tl.load(beta_ptr + ci, mask=c_mask, other=0.0).to(tl.float32)
+        else:
+            scale = tl.zeros([BK], dtype=tl.float32)
+            shift = scale
+        ih = oh * STRIDE + (kh - PAD)
+        iw = ow * STRIDE + (kw - PAD)
+        a = _stage_input(x_base, ih, iw, m_mask, ci, c_mask, sxh, sxw, sxc, H, W, scale, shift,
+                         RESAMPLE, NORMALIZE, ACTIVATION)  # fmt: skip
+        b = tl.load(w_ptr + w_cols + ci[:, None] * swi + kh * swh + kw * sww,
+                    mask=c_mask[:, None] & n_mask[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a.to(w_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
+
+    if HAS_SC:
+        # 1x1 stride-1 shortcut conv of a second input (optionally resampled) into the same accumulator.
+        xs_base = xs_ptr + n.to(tl.int64) * ssn
+        ws_cols = offs_n[None, :] * swso
+        for cb in range(0, tl.cdiv(C_sc, BK)):
+            ci = cb * BK + kk
+            c_mask = ci < C_sc
+            zero = tl.zeros([BK], dtype=tl.float32)
+            a = _stage_input(xs_base, oh, ow, m_mask, ci, c_mask, ssh, ssw, ssc, HS, WS, zero, zero,
+                             SC_RESAMPLE, False, ACTIVATION)  # fmt: skip
+            b = tl.load(ws_w_ptr + ws_cols + ci[:, None] * swsi, mask=c_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a.to(ws_w_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
+
+    mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS2:
+        acc += tl.load(bias2_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_TEMB:
+        acc += tl.load(temb_ptr + n * stn + offs_n * stc, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        zero_n = tl.zeros([BN], dtype=tl.float32)
+        acc += _stage_input(res_ptr + n.to(tl.int64) * srn, oh, ow, m_mask, offs_n, n_mask, srh, srw, src, HR, WR,
+                            zero_n, zero_n, RES_RESAMPLE, False, ACTIVATION)  # fmt: skip
+    acc = acc * inv_scale
+    out = acc.to(y_ptr.dtype.element_ty)
+    y_off = n.to(tl.int64) * syn + (oh.to(tl.int64) * syh + ow.to(tl.int64) * syw)[:, None] + offs_n[None, :] * syc
+    tl.store(y_ptr + y_off, out, mask=mask)
+
+    if OUT_STATS:
+        # Centred per-column sums of the stored values (fp32 within the tile), then fp64 sums across tiles.
+        v = tl.where(mask, out.to(tl.float32), 0.0)
+        rows = tl.minimum(S - mt * BM, BM).to(tl.float32)
+        col_mean = tl.sum(v, axis=0) / rows
+        d = tl.where(mask, v - col_mean[None, :], 0.0)
+        col_m2 = tl.sum(d * d, axis=0)
+        cm = col_mean.to(tl.float64)
+        rows64 = rows.to(tl.float64)
+        ws_off = (n * C_out + offs_n).to(tl.int64) * 2
+        tl.atomic_add(ws_ptr + ws_off, cm * rows64, mask=n_mask, sem="relaxed")
+        tl.atomic_add(ws_ptr + ws_off + 1, col_m2.to(tl.float64) + cm * cm * rows64, mask=n_mask, sem="relaxed")
+        # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + n, 1, sem="acq_rel")
+        if done == n_mt * n_nt - 1:
+            _finalize_stats(ws_ptr, out_mean_ptr, out_rstd_ptr, n, C_out, G_out, S, out_eps,
+                            STATS_BLOCK_G, STATS_BLOCK_CPG)  # fmt: skip
+            tl.store(counter_ptr + n, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------- launchers
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _stats_workspace(device: torch.device, n: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ws [N*C*2] fp64, counters [N] int32), zero between launches; one per (device, stream), grown on demand.
+
+    Kernels leave them zeroed, so after the first call no memset is launched. Allocate (warm up) before capturing a
+    CUDA graph.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    ws, counters = _WORKSPACES.get(key, (None, None))
+    if ws is None or ws.numel() < n * c * 2 or counters.numel() < n:
+        size = max(n * c * 2, 0 if ws is None else ws.numel())
+        ws = torch.zeros(size, device=device, dtype=torch.float64)
+        counters = torch.zeros(max(n, 0 if counters is None else counters.numel()), device=device, dtype=torch.int32)
+        _WORKSPACES[key] = (ws, counters)
+    return ws, counters
+
+
+def _resampled_size(h: int, w: int, resample: str) -> tuple[int, int]:
+    if resample == "up":
+        return 2 * h, 2 * w
+    if resample == "down":
+        return h // 2, w // 2
+    return h, w
+
+
+def conv_output_size(h: int, w: int, kernel: int, stride: int, padding: int, resample: str) -> tuple[int, int]:
+    """(OH, OW) of the conv applied to x (H, W) after ``resample``."""
+    hc, wc = _resampled_size(h, w, resample)
+    return (hc + 2 * padding - kernel) // stride + 1, (wc + 2 * padding - kernel) // stride + 1
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 follows PyTorch's convolution default (cuDNN may use TF32 unless disabled).
+    if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def gn_conv2d_fwd(
+    x: torch.Tensor,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+    gamma: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temb: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    shortcut_x: torch.Tensor | None,
+    shortcut_weight: torch.Tensor | None,
+    shortcut_bias: torch.Tensor | None,
+    num_groups: int,
+    activation: str | None,
+    stride: int,
+    padding: int,
+    resample: str,
+    residual_resample: str,
+    shortcut_resample: str,
+    output_scale: float,
+    out_groups: int,
+    out_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch: (y [N, C_out, OH, OW] channels-last, out_mean [N, out_groups] fp32, out_rstd).
+
+    ``mean is None`` skips the normalisation prologue (plain conv). out_groups=0: no statistics (empty tensors).
+    """
+    n, c_in, h, w = x.shape
+    c_out, _, kh, kw = weight.shape
+    oh, ow = conv_output_size(h, w, kh, stride, padding, resample)
+    y = new_output((n, c_out, oh, ow), device=x.device, dtype=x.dtype).contiguous(memory_format=torch.channels_last)
+    out_mean = new_output((n, out_groups), device=x.device, dtype=torch.float32)
+    out_rstd = new_output((n, out_groups), device=x.device, dtype=torch.float32)
+    if out_groups:
+        ws, counters = _stats_workspace(x.device, n, c_out)
+        block_cpg = next_power_of_2(c_out // out_groups)
+        block_g = max(1, min(next_power_of_2(out_groups), 1024 // block_cpg))
+    else:
+        ws, counters, block_cpg, block_g = x, x, 1, 1
+    normalize = mean is not None
+    dummy = x
+    res_h, res_w = residual.shape[2:] if residual is not None else (1, 1)
+    sc_h, sc_w = shortcut_x.shape[2:] if shortcut_x is not None else (1, 1)
+    c_sc = shortcut_x.shape[1] if shortcut_x is not None else 1
+
+    def strides4(t):  # (n, h, w, c) order
+        return (t.stride(0), t.stride(2), t.stride(3), t.stride(1)) if t is not None else (0, 0, 0, 0)
+
+    s = oh * ow
+    grid = lambda meta: (n * triton.cdiv(s, meta["BM"]) * triton.cdiv(c_out, meta["BN"]),)  # noqa: E731
+    _gn_conv2d_fwd_kernel[grid](
+        y, ws, counters, out_mean, out_rstd, x,
+        mean if normalize else dummy, rstd if normalize else dummy,
+        gamma if gamma is not None else dummy, beta if beta is not None else dummy,
+        weight, bias if bias is not None else dummy, temb if temb is not None else dummy,
+        residual if residual is not None else dummy,
+        shortcut_x if shortcut_x is not None else dummy,
+        shortcut_weight if shortcut_weight is not None else dummy,
+        shortcut_bias if shortcut_bias is not None else dummy,
+        *strides4(x), *weight.stride(), *strides4(y),
+        *(temb.stride() if temb is not None else (0, 0)),
+        *strides4(residual), *strides4(shortcut_x),
+        *(shortcut_weight.stride()[:2] if shortcut_weight is not None else (0, 0)),
+        h, w, c_in, oh, ow, c_out, num_groups if normalize else 1, res_h, res_w, sc_h, sc_w, c_sc,
+        max(out_groups, 1), float(out_eps), 1.0 / float(output_scale),
+        min(next_power_of_2(s), 1 << 16), next_power_of_2(c_in), next_power_of_2(c_out),
+        KH=kh, KW=kw, STRIDE=stride, PAD=padding, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
+        ACTIVATION=ACTIVATIONS[activation][0], HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None,
+        HAS_BIAS=bias is not None, HAS_TEMB=temb is not None, HAS_RES=residual is not None,
+        RES_RESAMPLE=RESAMPLE[residual_resample], HAS_SC=shortcut_x is not None,
+        SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None, OUT_STATS=out_groups > 0,
+        STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, DOT_PRECISION=_dot_precision(x.dtype),
+    )  # fmt: skip
+    return y, out_mean, out_rstd
+
+
+def group_norm_stats(x: torch.Tensor, num_groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, rstd) [N, G] fp32 of x (any dense layout) in two launches, with kernels/group_norm.py's Welford passes."""
+    from .group_norm import _chunks, _group_norm_fwd_finalize_kernel, _group_norm_fwd_partial_kernel, _tiles, as_ncs
+
+    n, c, s, (sxn, sxc, sxs) = as_ncs(x)
+    block_s, block_c = _tiles(c, s, sxc == 1)
+    n_cblocks = triton.cdiv(c, block_c)
+    s_per_prog, n_chunks = _chunks(n, n_cblocks, s, block_s)
+    part_mean = torch.empty((n, n_chunks, c), device=x.device, dtype=torch.float32)
+    part_m2 = torch.empty_like(part_mean)
+    _group_norm_fwd_partial_kernel[(n * n_chunks * n_cblocks,)](
+        part_mean, part_m2, x, sxn, sxc, sxs, c, s, s_per_prog, n_chunks, n_cblocks,
+        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8,
+    )  # fmt: skip
+    mean = new_output((n, num_groups), device=x.device, dtype=torch.float32)
+    rstd = new_output((n, num_groups), device=x.device, dtype=torch.float32)
+    block_r = min(1024, next_power_of_2(n_chunks * (c // num_groups)))
+    _group_norm_fwd_finalize_kernel[(n * num_groups,)](
+        mean, rstd, part_mean, part_m2, c, s, s_per_prog, n_chunks, num_groups, eps, BLOCK_R=block_r, num_warps=4
+    )
+    return mean, rstd
