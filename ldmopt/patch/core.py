@@ -1,0 +1,300 @@
+"""``patch`` / ``unpatch``: walk a pipeline's models (or one model), apply the rule table, remember how to undo it.
+
+The walk is planned before anything is edited (so ``strict=True`` raises with every reason and leaves the model
+untouched), pre-order, so a rule on a block claims the submodules it fuses before a rule on those submodules sees
+them. The first rule of a class that applies to an instance wins. Undo records live on each patched model in
+``model._ldmopt_records`` (a plain attribute: not a parameter, not in state_dict; deepcopy carries it along).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .report import PatchReport, Replaced, Skipped
+from .rule import FAMILIES, FusedAway, Rule, Site, is_fused
+
+_RECORDS = "_ldmopt_records"
+_QUANT_MODULE_PREFIXES = ("bitsandbytes", "torchao", "optimum.quanto", "gguf", "auto_gptq", "awq", "hqq")
+
+
+class PatchError(RuntimeError):
+    """``patch`` refused the whole call (compiled model, or ``strict=True`` with modules it would skip)."""
+
+
+@dataclass
+class _Record:
+    rule: Rule
+    site: Site
+    data: Any
+
+
+@functools.cache
+def _rules() -> tuple[Rule, ...]:
+    from .rules_group_norm import RULES as group_norm_rules
+
+    return tuple(group_norm_rules)
+
+
+@functools.cache
+def _table() -> dict[type, tuple[Rule, ...]]:
+    table: dict[type, list[Rule]] = {}
+    for rule in _rules():
+        for cls in rule.targets():
+            table.setdefault(cls, []).append(rule)
+    return {cls: tuple(rules) for cls, rules in table.items()}
+
+
+def rule_table() -> dict[type, tuple[Rule, ...]]:
+    """The table: diffusers (or torch) module class -> the rules keyed by it, in priority order."""
+    return dict(_table())
+
+
+# ------------------------------------------------------------------------------------------------ what to walk
+
+
+def _is_compiled_wrapper(m: Any) -> bool:
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    return optimized is not None and isinstance(m, optimized.OptimizedModule)
+
+
+def _models_of(obj: Any, *, for_patch: bool) -> list[tuple[str, nn.Module]]:
+    if isinstance(obj, nn.Module):
+        models = [("", obj)]
+    elif isinstance(getattr(obj, "components", None), dict):
+        models = [(k, v) for k, v in obj.components.items() if isinstance(v, nn.Module)]
+    else:
+        raise TypeError(f"ldmopt.patch: expected a diffusers pipeline or a torch.nn.Module, got {type(obj).__name__}")
+    out = []
+    for name, model in models:
+        label = name or type(model).__name__
+        if _is_compiled_wrapper(model):
+            if for_patch:
+                raise PatchError(
+                    f"ldmopt.patch: {label} is already compiled (torch.compile returned an OptimizedModule); patch "
+                    "first, then compile: `ldmopt.patch(model); model = torch.compile(model)`"
+                )
+            model = model._orig_mod
+        elif for_patch:
+            for sub_name, sub in model.named_modules():
+                if _is_compiled_wrapper(sub) or sub.__dict__.get("_compiled_call_impl") is not None:
+                    where = f"{label}.{sub_name}" if sub_name else label
+                    raise PatchError(
+                        f"ldmopt.patch: {where} is already compiled (torch.compile / Module.compile); patch first, "
+                        "then compile"
+                    )
+        out.append((name, model))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ generic guards
+
+
+def _peft_layer_class() -> type | None:
+    # peft layers can only exist if peft was imported; never import it here.
+    if "peft" not in sys.modules:
+        return None
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return None
+    return BaseTunerLayer
+
+
+def _hook_names(hooks: dict) -> str:
+    return ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks.values())
+
+
+def _quantized_reason(where: str, m: nn.Module) -> str | None:
+    cls_module = type(m).__module__ or ""
+    if cls_module.startswith(_QUANT_MODULE_PREFIXES):
+        return f"{where} is a quantized layer ({cls_module}.{type(m).__name__})"
+    for name, t in m._parameters.items():
+        if t is None:
+            continue
+        if type(t) not in (nn.Parameter, torch.Tensor):
+            return f"{where}.{name} is a {type(t).__name__} (quantized or tensor subclass)"
+        if not t.is_floating_point() or t.element_size() == 1:
+            return f"{where}.{name} has dtype {t.dtype} (quantized)"
+    return None
+
+
+def _global_hooks() -> list[str]:
+    from torch.nn.modules import module as mm
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+    return [n for n in names if getattr(mm, n, None)]
+
+
+def _generic_reasons(site: Site, touched: dict[str, nn.Module]) -> list[str]:
+    """Hooks, instance-level forwards, PEFT/LoRA, quantized weights, training dropout on the touched modules."""
+    reasons = []
+    peft_cls = _peft_layer_class()
+    if touched and _global_hooks():
+        reasons.append(f"global module hooks are registered ({', '.join(_global_hooks())})")
+    for rel, top in touched.items():
+        for sub_rel, m in top.named_modules():
+            where = ".".join(p for p in (site.name, rel, sub_rel) if p) or "the module"
+            if m._forward_hooks or m._forward_pre_hooks:
+                hooks = {**m._forward_pre_hooks, **m._forward_hooks}
+                reasons.append(f"{where} has forward hooks/pre-hooks ldmopt does not understand ({_hook_names(hooks)})")
+            if m._backward_hooks or m._backward_pre_hooks:
+                reasons.append(f"{where} has backward hooks")
+            if "forward" in m.__dict__ or hasattr(m, "_hf_hook") or hasattr(m, "_diffusers_hook"):
+                reasons.append(f"{where} has its forward wrapped on the instance (accelerate or diffusers hook)")
+            if peft_cls is not None and isinstance(m, peft_cls):
+                reasons.append(f"{where} is a PEFT/LoRA layer ({type(m).__name__})")
+            quant = _quantized_reason(where, m)
+            if quant:
+                reasons.append(quant)
+            if site.training and isinstance(m, nn.Dropout) and m.p > 0:
+                reasons.append(f"{where} is dropout with p={m.p} and patch(training=True)")
+    return list(dict.fromkeys(reasons))
+
+
+# ------------------------------------------------------------------------------------------------ plan and apply
+
+
+def _plan(
+    label: str,
+    model: nn.Module,
+    families: frozenset[str],
+    filter_fn: Callable[[nn.Module, str], bool] | None,
+    training: bool,
+    report: PatchReport,
+) -> list[tuple[Rule, Site]]:
+    table = _table()
+    named = list(model.named_modules())
+    parents: dict[int, tuple[nn.Module, str]] = {}
+    for _, m in named:
+        for attr, child in m._modules.items():
+            if child is not None:
+                parents.setdefault(id(child), (m, attr))
+    claimed: set[int] = set()
+    actions: list[tuple[Rule, Site]] = []
+    for name, m in named:
+        if id(m) in claimed:
+            continue
+        if is_fused(m):
+            report.already_patched += not isinstance(m, FusedAway)
+            continue
+        parent, attr = parents.get(id(m), (None, None))
+        site = Site(name, m, parent, attr, training)
+        for rule in table.get(type(m), ()):
+            if not rule.match(site):
+                report.already_patched += rule.is_patched(site)
+                continue
+            if rule.family not in families:
+                continue
+            qualified = ".".join(p for p in (label, name) if p)
+            if filter_fn is not None and not filter_fn(m, qualified):
+                report.skipped.append(Skipped(label, name, rule.name, rule.family, ("excluded by filter_fn",), True))
+                continue
+            touched = rule.touched(site)
+            reasons = _generic_reasons(site, touched) + rule.reasons(site)
+            if reasons:
+                report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
+                continue
+            actions.append((rule, site))
+            claimed.update(id(t) for t in touched.values())
+            break
+    return actions
+
+
+def _restore(records: list[_Record]) -> None:
+    for rec in reversed(records):
+        rec.rule.restore(rec.site, rec.data)
+
+
+def patch(
+    pipe_or_model: Any,
+    *,
+    families: Iterable[str] | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    strict: bool = False,
+    training: bool = False,
+) -> PatchReport:
+    """Swap ldmopt's fused kernels into a diffusers pipeline's models (or one model), in place and reversibly.
+
+    Args:
+        pipe_or_model: a diffusers pipeline (every torch module among ``pipe.components``: unet / transformer /
+            vae ...) or one ``nn.Module``. A model already compiled (``torch.compile`` wrapper, ``Module.compile``)
+            is refused: patch first, then compile.
+        families: kernel families to apply (default: all); see ``ldmopt.patch.FAMILIES``.
+        filter_fn: ``filter_fn(module, qualified_name) -> bool``; False leaves that module alone (names are
+            prefixed with the pipeline component, e.g. ``"unet.down_blocks.0.resnets.0"``).
+        strict: raise :class:`PatchError` listing every module that would stay on the stock path (for reasons
+            other than ``filter_fn``), before changing anything.
+        training: the model will be trained: modules whose fused path would skip a dropout with p > 0 stay on
+            the stock path. (With the default False, such modules fall back to the stock forward while in
+            train mode.)
+
+    Parameters are shared with the stock modules (no copies), state_dict keys do not change, patching twice is a
+    no-op, and ``unpatch`` restores module types, forwards, processors and state_dict exactly.
+    """
+    from ..ops._dispatch import backend_counts
+
+    if families is None:
+        selected = frozenset(FAMILIES)
+    else:
+        selected = frozenset([families] if isinstance(families, str) else families)
+        unknown = selected - set(FAMILIES)
+        if unknown:
+            raise ValueError(f"ldmopt.patch: unknown families {sorted(unknown)}; expected a subset of {FAMILIES}")
+    models = _models_of(pipe_or_model, for_patch=True)
+    available = {r.family for r in _rules()}
+    report = PatchReport(
+        families=tuple(f for f in FAMILIES if f in selected and f in available),
+        descriptions={r.name: r.description for r in _rules()},
+        _counts_at_patch=backend_counts.copy(),
+    )
+    plans = []
+    for label, model in models:
+        report.models[label] = type(model).__name__
+        plans.append((label, model, _plan(label, model, selected, filter_fn, training, report)))
+    if strict:
+        refused = [s for s in report.skipped if not s.by_user]
+        if refused:
+            lines = "\n".join(f"  {s.where} [{s.rule}]: {'; '.join(s.reasons)}" for s in refused)
+            raise PatchError(f"ldmopt.patch(strict=True): {len(refused)} modules would stay stock:\n" + lines)
+    for label, model, actions in plans:
+        records: list[_Record] = []
+        try:
+            for rule, site in actions:
+                records.append(_Record(rule, site, rule.replace(site)))
+                report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
+        except BaseException:
+            _restore(records)
+            raise
+        if records:
+            model.__dict__.setdefault(_RECORDS, []).extend(records)
+    return report
+
+
+def unpatch(pipe_or_model: Any) -> int:
+    """Undo every ``patch`` on the pipeline's models (or the model): the same module objects, classes, processors
+    and forwards are back, so state_dict is bit-for-bit what it was. Returns how many patches were undone."""
+    undone = 0
+    for _, model in _models_of(pipe_or_model, for_patch=False):
+        holders = [m for m in model.modules() if _RECORDS in m.__dict__]
+        for holder in holders:
+            records = holder.__dict__.pop(_RECORDS)
+            _restore(records)
+            undone += len(records)
+    return undone
+
+
+def is_patched(pipe_or_model: Any) -> bool:
+    """True when any model of the pipeline (or the model) carries ldmopt patches."""
+    return any(
+        _RECORDS in m.__dict__ for _, model in _models_of(pipe_or_model, for_patch=False) for m in model.modules()
+    )
+
+
+__all__ = ["FAMILIES", "PatchError", "is_patched", "patch", "rule_table", "unpatch"]

@@ -1,0 +1,99 @@
+"""PatchReport: what ``ldmopt.patch`` replaced (per rule, with counts), what it skipped and why, what ran since."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """One module patched by one rule."""
+
+    model: str
+    name: str
+    rule: str
+    family: str
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One module a rule matched but left on the stock path; ``by_user`` when filter_fn excluded it."""
+
+    model: str
+    name: str
+    rule: str
+    family: str
+    reasons: tuple[str, ...]
+    by_user: bool = False
+
+    @property
+    def where(self) -> str:
+        return ".".join(p for p in (self.model, self.name) if p) or "<root>"
+
+
+@dataclass
+class PatchReport:
+    """The outcome of one ``patch`` call. ``str(report)`` is the human summary; the fields are for code and tests.
+
+    ``backends()`` reads ldmopt's process-wide backend counters and returns, per op, how often each backend ran
+    since this patch call (all models in the process, so read it right after running the patched model).
+    """
+
+    models: dict[str, str] = field(default_factory=dict)
+    replaced: list[Replaced] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    already_patched: int = 0
+    families: tuple[str, ...] = ()
+    descriptions: dict[str, str] = field(default_factory=dict)
+    _counts_at_patch: Counter = field(default_factory=Counter, repr=False)
+
+    def counts(self, model: str | None = None) -> dict[str, int]:
+        """{rule name: modules replaced}, over all models or one (its component name, "" for a bare model)."""
+        c = Counter(r.rule for r in self.replaced if model is None or r.model == model)
+        return dict(sorted(c.items()))
+
+    def skipped_counts(self) -> dict[str, int]:
+        return dict(sorted(Counter(s.rule for s in self.skipped).items()))
+
+    @property
+    def total(self) -> int:
+        return len(self.replaced)
+
+    def backends(self) -> dict[str, dict[str, int]]:
+        """{op: {backend: calls}} since the patch call, from ldmopt.ops._dispatch.backend_counts."""
+        from ..ops._dispatch import backend_counts
+
+        out: dict[str, dict[str, int]] = {}
+        for (op, backend), n in sorted(backend_counts.items()):
+            delta = n - self._counts_at_patch.get((op, backend), 0)
+            if delta > 0:
+                out.setdefault(op, {})[backend] = delta
+        return out
+
+    def __str__(self) -> str:
+        models = ", ".join(f"{k or 'model'} ({v})" for k, v in self.models.items()) or "none"
+        lines = [
+            f"ldmopt.patch: {self.total} modules patched, {len(self.skipped)} left on the stock path"
+            + (f", {self.already_patched} already patched" if self.already_patched else "")
+            + f"; models: {models}; families: {', '.join(self.families)}"
+        ]
+        for model in self.models:
+            counts = self.counts(model)
+            if not counts:
+                continue
+            lines.append(f"  {model or 'model'}:")
+            for rule, n in counts.items():
+                lines.append(f"    {rule:<24} {n:>4}  {self.descriptions.get(rule, '')}")
+        if self.skipped:
+            lines.append("  left on the stock path:")
+            for s in self.skipped:
+                lines.append(f"    {s.where} [{s.rule}]: {'; '.join(s.reasons)}")
+        ran = self.backends()
+        if ran:
+            lines.append("  backends that ran since patch (process-wide):")
+            for op, per in ran.items():
+                lines.append(f"    {op:<24} " + ", ".join(f"{b} x{n}" for b, n in per.items()))
+        else:
+            lines.append("  backends: nothing has run since patch (run the model, then print the report)")
+        return "\n".join(lines)

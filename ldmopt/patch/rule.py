@@ -1,0 +1,144 @@
+"""What a patch rule is, and the helpers rules share to edit module instances reversibly.
+
+A rule is about one kind of diffusers module (its ``targets``, keyed by class in the table): ``match`` says whether
+an instance has the structure the fused path reproduces exactly, ``reasons`` why a matching instance must stay on the
+stock path anyway, ``touched`` which submodules the fused path bypasses or replaces (the generic guards in
+``core.py`` check those for hooks, PEFT/LoRA and quantized weights), ``replace`` edits the instance and returns what
+``restore`` needs to put back the very same objects.
+
+Two ways of editing, both keeping the parameter objects (no copies) and the state_dict keys:
+- class swap: the instance's ``__class__`` becomes a subclass of its own class (from :func:`fused_class`) whose
+  ``forward`` runs fused ops and whose ``extra_repr`` says so; hooks, parameters and identity stay;
+- child swap: a child is replaced by an ldmopt module built with ``from_module`` (sharing the Parameter objects),
+  and a child whose work moved into its neighbour by :class:`FusedAway`, which has no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import nn
+
+#: Kernel families a user can select with ``patch(..., families={...})``.
+FAMILIES = ("group_norm", "resnet", "feed_forward", "adaln", "temporal_attention", "svd_attn2")
+
+
+@dataclass
+class Site:
+    """One module a rule may patch: its qualified name, the module, and where it hangs (parent, attribute)."""
+
+    name: str
+    module: nn.Module
+    parent: nn.Module | None
+    attr: str | None
+    training: bool = False
+
+
+class Rule:
+    """Base class of every rule. Subclasses set the class attributes and override the methods they need."""
+
+    name: ClassVar[str]
+    family: ClassVar[str]
+    #: What the fused path does, for the report and repr.
+    description: ClassVar[str]
+
+    def targets(self) -> tuple[type, ...]:
+        """The module classes this rule is keyed by (exact classes; diffusers imported here, lazily)."""
+        raise NotImplementedError
+
+    def match(self, site: Site) -> bool:
+        """True when the instance is one this rule knows how to fuse (not yet patched)."""
+        return True
+
+    def is_patched(self, site: Site) -> bool:
+        """True when this rule already patched the instance (patching twice is a no-op)."""
+        return False
+
+    def reasons(self, site: Site) -> list[str]:
+        """Why this matching instance must stay on the stock path (rule-specific; generic guards are in core)."""
+        return []
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        """Submodules (relative name -> module) whose own forward no longer runs, or that are replaced."""
+        return {}
+
+    def replace(self, site: Site) -> Any:
+        """Edit the instance; return what :meth:`restore` needs."""
+        raise NotImplementedError
+
+    def restore(self, site: Site, data: Any) -> None:
+        """Undo :meth:`replace` exactly (same objects back in place)."""
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------------ class swap
+
+_FUSED_CLASSES: dict[tuple[type, Callable], type] = {}
+
+
+def fused_class(base: type, forward: Callable, label: str) -> type:
+    """A subclass of ``base`` running ``forward`` (cached per (base, forward)); repr gains ``ldmopt=<label>``.
+
+    The subclass keeps ``base``'s name so code that reads ``type(m).__name__`` (accelerate's no-split lists,
+    diffusers' casting rules) sees the same module.
+    """
+    key = (base, forward)
+    cls = _FUSED_CLASSES.get(key)
+    if cls is None:
+
+        def extra_repr(self) -> str:
+            inner = base.extra_repr(self)
+            return f"{inner}, ldmopt={label!r}" if inner else f"ldmopt={label!r}"
+
+        cls = type(
+            base.__name__,
+            (base,),
+            {
+                "forward": forward,
+                "extra_repr": extra_repr,
+                "_ldmopt_base": base,
+                "_ldmopt_label": label,
+                "__module__": __name__,
+                "__qualname__": f"fused[{base.__qualname__}]",
+                "__doc__": f"{base.__name__} patched by ldmopt: {label}.",
+            },
+        )
+        _FUSED_CLASSES[key] = cls
+    return cls
+
+
+def swap_class(module: nn.Module, cls: type) -> type:
+    """Point ``module`` at ``cls``; returns the class it had."""
+    old = type(module)
+    module.__class__ = cls
+    return old
+
+
+def is_fused(module: nn.Module) -> bool:
+    """True for instances patched by ldmopt (class-swapped or ldmopt replacement modules)."""
+    return bool(getattr(type(module), "_ldmopt_fused", False)) or "_ldmopt_base" in type(module).__dict__
+
+
+# ------------------------------------------------------------------------------------------------ child swap
+
+
+class FusedAway(nn.Identity):
+    """Stands where a module whose work moved into a neighbour was (e.g. a SiLU now applied inside a GroupNorm)."""
+
+    _ldmopt_fused = True
+
+    def __init__(self, into: str) -> None:
+        super().__init__()
+        self.into = into
+
+    def extra_repr(self) -> str:
+        return f"fused into {self.into} by ldmopt"
+
+
+def set_child(parent: nn.Module, attr: str, child: nn.Module) -> nn.Module:
+    """Replace ``parent.<attr>`` by ``child``; returns the old child."""
+    old = parent._modules[attr]
+    parent._modules[attr] = child
+    return old

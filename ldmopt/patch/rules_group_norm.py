@@ -1,0 +1,161 @@
+"""GroupNorm rules: GroupNorm+SiLU where the SiLU is the next op, and plain GroupNorm everywhere else.
+
+- ``group_norm_silu``: models whose forward runs ``conv_act(conv_norm_out(x))`` (VAE Encoder/Decoder, the UNets'
+  output head) and ``nn.Sequential`` with a ``GroupNorm, SiLU`` pair (UNet3D's TemporalConvLayer): the GroupNorm
+  becomes ``ldmopt.nn.GroupNorm(activation="silu")`` sharing its parameters, the SiLU a :class:`FusedAway`.
+- ``group_norm``: any other ``nn.GroupNorm`` (Transformer2DModel.norm, attention group_norm, resnet norms not taken
+  by the resnet rule) becomes ``ldmopt.nn.GroupNorm`` sharing its parameters.
+
+Exact: the reference backend computes the same math in fp32 (tolerance: ldmopt.ops.group_norm's docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn.group_norm import GroupNorm as _LdmoptGroupNorm
+from .rule import FusedAway, Rule, Site, set_child
+
+
+class PatchedGroupNorm(_LdmoptGroupNorm):
+    """``ldmopt.nn.GroupNorm`` as ``patch`` installs it; inputs the fused op does not take (2-D) go to torch."""
+
+    _ldmopt_fused = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() in (3, 4, 5):
+            return super().forward(x)
+        y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        return F.silu(y) if self.activation == "silu" else y
+
+    def _get_name(self) -> str:
+        return "ldmopt.GroupNorm"
+
+
+def _is_stock_gn(m: Any) -> bool:
+    return type(m) is nn.GroupNorm
+
+
+def _is_stock_silu(m: Any) -> bool:
+    return type(m) is nn.SiLU
+
+
+class GroupNormSiLUHead(Rule):
+    """``conv_norm_out`` (GroupNorm) followed by ``conv_act`` (SiLU) in the model's forward."""
+
+    name = "group_norm_silu"
+    family = "group_norm"
+    description = "GroupNorm+SiLU in one pass (conv_norm_out + conv_act)"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers import (
+            UNet2DConditionModel,
+            UNet2DModel,
+            UNet3DConditionModel,
+            UNetMotionModel,
+            UNetSpatioTemporalConditionModel,
+        )
+        from diffusers.models.autoencoders.vae import Decoder, Encoder
+
+        # Each of these forwards runs `sample = self.conv_act(self.conv_norm_out(sample))` when conv_norm_out is a
+        # GroupNorm (Decoder uses SpatialNorm instead when norm_type="spatial"; match() rejects that).
+        return (
+            Encoder,
+            Decoder,
+            UNet2DConditionModel,
+            UNet2DModel,
+            UNet3DConditionModel,
+            UNetMotionModel,
+            UNetSpatioTemporalConditionModel,
+        )
+
+    def match(self, site: Site) -> bool:
+        m = site.module
+        return _is_stock_gn(m._modules.get("conv_norm_out")) and _is_stock_silu(m._modules.get("conv_act"))
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {"conv_norm_out": site.module.conv_norm_out, "conv_act": site.module.conv_act}
+
+    def replace(self, site: Site) -> Any:
+        m = site.module
+        norm = set_child(m, "conv_norm_out", PatchedGroupNorm.from_module(m.conv_norm_out, "silu"))
+        act = set_child(m, "conv_act", FusedAway("conv_norm_out"))
+        return norm, act
+
+    def restore(self, site: Site, data: Any) -> None:
+        norm, act = data
+        set_child(site.module, "conv_norm_out", norm)
+        set_child(site.module, "conv_act", act)
+
+
+def _gn_silu_pairs(seq: nn.Sequential) -> list[tuple[str, str]]:
+    keys = list(seq._modules)
+    pairs = []
+    i = 0
+    while i + 1 < len(keys):
+        if _is_stock_gn(seq._modules[keys[i]]) and _is_stock_silu(seq._modules[keys[i + 1]]):
+            pairs.append((keys[i], keys[i + 1]))
+            i += 2
+        else:
+            i += 1
+    return pairs
+
+
+class GroupNormSiLUSequential(Rule):
+    """``nn.Sequential(..., GroupNorm, SiLU, ...)``: the SiLU consumes the GroupNorm's output directly."""
+
+    name = "group_norm_silu_seq"
+    family = "group_norm"
+    description = "GroupNorm+SiLU in one pass (inside nn.Sequential)"
+
+    def targets(self) -> tuple[type, ...]:
+        return (nn.Sequential,)
+
+    def match(self, site: Site) -> bool:
+        return bool(_gn_silu_pairs(site.module))
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {k: site.module._modules[k] for pair in _gn_silu_pairs(site.module) for k in pair}
+
+    def replace(self, site: Site) -> Any:
+        seq = site.module
+        old = {}
+        for norm_key, act_key in _gn_silu_pairs(seq):
+            old[norm_key] = set_child(seq, norm_key, PatchedGroupNorm.from_module(seq._modules[norm_key], "silu"))
+            old[act_key] = set_child(seq, act_key, FusedAway(f"[{norm_key}]"))
+        return old
+
+    def restore(self, site: Site, data: Any) -> None:
+        for key, module in data.items():
+            set_child(site.module, key, module)
+
+
+class GroupNormAnywhere(Rule):
+    """Any other ``nn.GroupNorm``: same math through ldmopt's kernel (channels-last aware, fp32 statistics)."""
+
+    name = "group_norm"
+    family = "group_norm"
+    description = "GroupNorm through ldmopt's kernel"
+
+    def targets(self) -> tuple[type, ...]:
+        return (nn.GroupNorm,)
+
+    def reasons(self, site: Site) -> list[str]:
+        if site.parent is None:
+            return ["a GroupNorm passed as the root module cannot be replaced in place (patch its parent)"]
+        return []
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {"": site.module}
+
+    def replace(self, site: Site) -> Any:
+        return set_child(site.parent, site.attr, PatchedGroupNorm.from_module(site.module, None))
+
+    def restore(self, site: Site, data: Any) -> None:
+        set_child(site.parent, site.attr, data)
+
+
+RULES: list[Rule] = [GroupNormSiLUHead(), GroupNormSiLUSequential(), GroupNormAnywhere()]
