@@ -1,11 +1,11 @@
-"""GroupNorm (+ optional fused activation), forward and backward, for NCHW / NHWC / 5-D tensors.
+"""GroupNorm (+ optional fused activation), forward, for NCHW / NHWC / 5-D tensors (backward: group_norm_bwd.py).
 
 Layout: x is addressed as (N, C, S) with arbitrary strides, S = product of spatial dims (F*H*W), so one kernel
 serves contiguous and channels-last inputs (Triton specialises the unit stride). Dtypes fp32/fp16/bf16 in and out;
 statistics, mean/rstd and all accumulation in fp32; offsets in int64.
 Algorithm: (1) per-(n, chunk, c) Welford partials over S-chunks, (2) Chan-merge them per (n, group) into mean/rstd,
-(3) one elementwise pass y = act(x * a + b) with a = w * rstd, b = bias - a * mean. Backward mirrors it: partial
-sums of dz and dz * xhat, a per-group reduction, one elementwise pass for dx.
+(3) one elementwise pass y = act(x * a + b) with a = w * rstd, b = bias - a * mean. Groups of at most
+_ONEPASS_MAX_GROUP elements take a single launch instead: one program per (n, group) does both passes.
 """
 
 from __future__ import annotations
@@ -18,8 +18,37 @@ from ._common import ACTIVATIONS, new_output, next_power_of_2
 
 # Programs to aim for in the statistics passes: enough to fill a large GPU several times over.
 _TARGET_PROGRAMS = 1024
+# Groups up to this many elements take the single-launch path (launch latency dominates there).
+_ONEPASS_MAX_GROUP = 16384
 # Warps for the 4K-element tiles: 16 elements per thread keeps registers well under the 255 cap.
 _TILE_WARPS = 8
+
+
+@triton.jit
+def _load_affine(w_ptr, b_ptr, c, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Per-channel weight and bias in fp32 (1 and 0 when absent), read in the parameters' own dtype."""
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.full(c.shape, 1.0, tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        b = tl.zeros(c.shape, tl.float32)
+    return w, b
+
+
+@triton.jit
+def _welford_merge(count, mean, m2, x, mask, n_b):
+    """Merge a [rows, cols] tile (masked, n_b valid rows) into per-column (count, mean, m2) (Chan et al.)."""
+    b_mean = tl.sum(x, axis=0) / n_b
+    centred = tl.where(mask, x - b_mean[None, :], 0.0)
+    b_m2 = tl.sum(centred * centred, axis=0)
+    total = count + n_b
+    delta = b_mean - mean
+    mean += delta * (n_b / total)
+    m2 += b_m2 + delta * delta * (count * n_b / total)
+    return total, mean, m2
 
 
 @triton.jit
@@ -57,15 +86,7 @@ def _group_norm_fwd_partial_kernel(
         offs = s[:, None].to(tl.int64) * stride_xs + c[None, :].to(tl.int64) * stride_xc
         x = tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32)
         n_b = tl.minimum(s_end - s0, BLOCK_S).to(tl.float32)
-        b_mean = tl.sum(x, axis=0) / n_b
-        centred = tl.where(mask, x - b_mean[None, :], 0.0)
-        b_m2 = tl.sum(centred * centred, axis=0)
-        # Chan et al. merge of (count, mean, m2) with the block's statistics.
-        total = count + n_b
-        delta = b_mean - mean
-        mean += delta * (n_b / total)
-        m2 += b_m2 + delta * delta * (count * n_b / total)
-        count = total
+        count, mean, m2 = _welford_merge(count, mean, m2, x, mask, n_b)
     out = (n * n_chunks + pid_chunk) * C + c
     tl.store(part_mean_ptr + out, mean, mask=c_mask)
     tl.store(part_m2_ptr + out, m2, mask=c_mask)
@@ -138,6 +159,8 @@ def _group_norm_fwd_apply_kernel(
     G,
     n_sblocks,
     n_cblocks,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -153,8 +176,7 @@ def _group_norm_fwd_apply_kernel(
     group = n * G + c // (C // G)
     mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
     rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
-    w = tl.load(w_ptr + c, mask=c_mask, other=0.0)
-    b = tl.load(b_ptr + c, mask=c_mask, other=0.0)
+    w, b = _load_affine(w_ptr, b_ptr, c, c_mask, HAS_WEIGHT, HAS_BIAS)
     scale = w * rstd
     shift = b - scale * mean
     s64 = s[:, None].to(tl.int64)
@@ -165,158 +187,66 @@ def _group_norm_fwd_apply_kernel(
 
 
 @triton.jit
-def _group_norm_bwd_partial_kernel(
-    part_dz_ptr,  # [N, n_chunks, C] fp32: sum of dz
-    part_dzxhat_ptr,  # [N, n_chunks, C] fp32: sum of dz * xhat
-    dy_ptr,
+def _group_norm_fwd_onepass_kernel(
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
     x_ptr,
     w_ptr,
     b_ptr,
-    mean_ptr,
-    rstd_ptr,
-    stride_dyn,
-    stride_dyc,
-    stride_dys,
     stride_xn,
     stride_xc,
     stride_xs,
+    stride_yn,
+    stride_yc,
+    stride_ys,
     C,
     S,
     G,
-    S_PER_PROG,
-    n_chunks,
-    n_cblocks,
-    ACTIVATION_GRAD: tl.constexpr,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_c = pid % n_cblocks
-    pid_chunk = (pid // n_cblocks) % n_chunks
-    n = (pid // (n_cblocks * n_chunks)).to(tl.int64)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = c < C
-    group = n * G + c // (C // G)
-    mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
-    rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
-    w = tl.load(w_ptr + c, mask=c_mask, other=0.0)
-    b = tl.load(b_ptr + c, mask=c_mask, other=0.0)
-    scale = w * rstd
-    shift = b - scale * mean
-    s_begin = pid_chunk * S_PER_PROG
-    s_end = tl.minimum(s_begin + S_PER_PROG, S)
-    c64 = c[None, :].to(tl.int64)
-    sum_dz = tl.zeros([BLOCK_C], dtype=tl.float32)
-    sum_dzxhat = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for s0 in range(s_begin, s_end, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        mask = (s < s_end)[:, None] & c_mask[None, :]
-        s64 = s[:, None].to(tl.int64)
-        x = tl.load(x_ptr + n * stride_xn + s64 * stride_xs + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + n * stride_dyn + s64 * stride_dys + c64 * stride_dyc, mask=mask, other=0.0)
-        dz = ACTIVATION_GRAD(x * scale[None, :] + shift[None, :], dy.to(tl.float32))
-        dz = tl.where(mask, dz, 0.0)
-        xhat = (x - mean[None, :]) * rstd[None, :]
-        sum_dz += tl.sum(dz, axis=0)
-        sum_dzxhat += tl.sum(dz * xhat, axis=0)
-    out = (n * n_chunks + pid_chunk) * C + c
-    tl.store(part_dz_ptr + out, sum_dz, mask=c_mask)
-    tl.store(part_dzxhat_ptr + out, sum_dzxhat, mask=c_mask)
-
-
-@triton.jit
-def _group_norm_bwd_finalize_kernel(
-    dz_nc_ptr,  # [N, C] fp32: per-(n, c) sum of dz (-> grad bias)
-    dzxhat_nc_ptr,  # [N, C] fp32: per-(n, c) sum of dz * xhat (-> grad weight)
-    coef_ptr,  # [N, G, 2] fp32: sum_g w * dz, sum_g w * dz * xhat
-    part_dz_ptr,
-    part_dzxhat_ptr,
-    w_ptr,
-    C,
-    G,
-    n_chunks,
     BLOCK_CPG: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # n * G + g
+    # One program per (n, group) for small groups: statistics then the normalised output in a single launch
+    # (the second read of the group hits L1/L2).
+    pid = tl.program_id(0)
     n = (pid // G).to(tl.int64)
     g = pid % G
     cpg = C // G
     j = tl.arange(0, BLOCK_CPG)
     j_mask = j < cpg
-    c = g * cpg + j
-    acc_dz = tl.zeros([BLOCK_K, BLOCK_CPG], dtype=tl.float32)
-    acc_dzxhat = tl.zeros([BLOCK_K, BLOCK_CPG], dtype=tl.float32)
-    for k0 in range(0, n_chunks, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        mask = (k < n_chunks)[:, None] & j_mask[None, :]
-        offs = (n * n_chunks + k[:, None]) * C + c[None, :]
-        acc_dz += tl.load(part_dz_ptr + offs, mask=mask, other=0.0)
-        acc_dzxhat += tl.load(part_dzxhat_ptr + offs, mask=mask, other=0.0)
-    dz_c = tl.sum(acc_dz, axis=0)
-    dzxhat_c = tl.sum(acc_dzxhat, axis=0)
-    tl.store(dz_nc_ptr + n * C + c, dz_c, mask=j_mask)
-    tl.store(dzxhat_nc_ptr + n * C + c, dzxhat_c, mask=j_mask)
-    w = tl.load(w_ptr + c, mask=j_mask, other=0.0)
-    tl.store(coef_ptr + pid * 2, tl.sum(w * dz_c, axis=0))
-    tl.store(coef_ptr + pid * 2 + 1, tl.sum(w * dzxhat_c, axis=0))
-
-
-@triton.jit
-def _group_norm_bwd_dx_kernel(
-    dx_ptr,
-    dy_ptr,
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    mean_ptr,
-    rstd_ptr,
-    coef_ptr,
-    stride_dxn,
-    stride_dxc,
-    stride_dxs,
-    stride_dyn,
-    stride_dyc,
-    stride_dys,
-    stride_xn,
-    stride_xc,
-    stride_xs,
-    C,
-    S,
-    G,
-    n_sblocks,
-    n_cblocks,
-    ACTIVATION_GRAD: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_c = pid % n_cblocks
-    pid_s = (pid // n_cblocks) % n_sblocks
-    n = (pid // (n_cblocks * n_sblocks)).to(tl.int64)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    c_mask = c < C
-    mask = (s < S)[:, None] & c_mask[None, :]
-    cpg = C // G
-    group = n * G + c // cpg
-    mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
-    rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
-    sum_wdz = tl.load(coef_ptr + group * 2, mask=c_mask, other=0.0)
-    sum_wdzxhat = tl.load(coef_ptr + group * 2 + 1, mask=c_mask, other=0.0)
-    w = tl.load(w_ptr + c, mask=c_mask, other=0.0)
-    b = tl.load(b_ptr + c, mask=c_mask, other=0.0)
+    c64 = (g * cpg + j)[None, :].to(tl.int64)
+    x_base = x_ptr + n * stride_xn + c64 * stride_xc
+    y_base = y_ptr + n * stride_yn + c64 * stride_yc
+    count = tl.zeros([BLOCK_CPG], dtype=tl.float32)
+    mean = tl.zeros([BLOCK_CPG], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_CPG], dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        mask = (s < S)[:, None] & j_mask[None, :]
+        x = tl.load(x_base + s[:, None].to(tl.int64) * stride_xs, mask=mask, other=0.0).to(tl.float32)
+        count, mean, m2 = _welford_merge(count, mean, m2, x, mask, tl.minimum(S - s0, BLOCK_S).to(tl.float32))
+    # Every channel saw S values: the group mean is the mean of channel means.
+    mean = tl.where(j_mask, mean, 0.0)
+    group_mean = tl.sum(mean, axis=0) / cpg
+    d = tl.where(j_mask, mean - group_mean, 0.0)
+    var = tl.maximum((tl.sum(m2, axis=0) + S * tl.sum(d * d, axis=0)) / (S * cpg), 0.0)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(mean_ptr + pid, group_mean)
+    tl.store(rstd_ptr + pid, rstd)
+    w, b = _load_affine(w_ptr, b_ptr, g * cpg + j, j_mask, HAS_WEIGHT, HAS_BIAS)
     scale = w * rstd
-    shift = b - scale * mean
-    s64 = s[:, None].to(tl.int64)
-    c64 = c[None, :].to(tl.int64)
-    x = tl.load(x_ptr + n * stride_xn + s64 * stride_xs + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + n * stride_dyn + s64 * stride_dys + c64 * stride_dyc, mask=mask, other=0.0)
-    dz = ACTIVATION_GRAD(x * scale[None, :] + shift[None, :], dy.to(tl.float32))
-    xhat = (x - mean[None, :]) * rstd[None, :]
-    inv_m = 1.0 / (cpg * S).to(tl.float32)
-    dx = rstd[None, :] * (w[None, :] * dz - (sum_wdz[None, :] + xhat * sum_wdzxhat[None, :]) * inv_m)
-    tl.store(dx_ptr + n * stride_dxn + s64 * stride_dxs + c64 * stride_dxc, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    shift = b - scale * group_mean
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        mask = (s < S)[:, None] & j_mask[None, :]
+        s64 = s[:, None].to(tl.int64)
+        x = tl.load(x_base + s64 * stride_xs, mask=mask, other=0.0).to(tl.float32)
+        y = ACTIVATION(x * scale[None, :] + shift[None, :])
+        tl.store(y_base + s64 * stride_ys, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers
@@ -357,26 +287,16 @@ def _chunks(n: int, n_cblocks: int, s: int, block_s: int) -> tuple[int, int]:
     return s_per_prog, triton.cdiv(s, s_per_prog)
 
 
-def _affine(
-    weight: torch.Tensor | None, bias: torch.Tensor | None, c: int, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.ones(c, device=device, dtype=torch.float32) if weight is None else weight.float().contiguous()
-    b = torch.zeros(c, device=device, dtype=torch.float32) if bias is None else bias.float().contiguous()
-    return w, b
+def _affine_args(weight: torch.Tensor | None, bias: torch.Tensor | None, x: torch.Tensor) -> tuple:
+    """(w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS): absent parameters pass x as a never-read placeholder pointer."""
+    w = x if weight is None else weight.contiguous()
+    b = x if bias is None else bias.contiguous()
+    return w, b, weight is not None, bias is not None
 
 
-def group_norm_fwd(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    num_groups: int,
-    eps: float,
-    activation: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y = act(group_norm(x)); returns (y, mean [N, G] fp32, rstd [N, G] fp32). y has x's strides."""
+def group_norm_stats(x: torch.Tensor, num_groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(n, group) mean and rstd, [N, G] fp32, of x viewed as (N, C, S) (the split statistics passes)."""
     n, c, s, (sxn, sxc, sxs) = as_ncs(x)
-    y = new_output(like=x)
-    _, _, _, (syn, syc, sys_) = as_ncs(y)
     block_s, block_c = _tiles(c, s, sxc == 1)
     n_cblocks = triton.cdiv(c, block_c)
     s_per_prog, n_chunks = _chunks(n, n_cblocks, s, block_s)
@@ -392,135 +312,92 @@ def group_norm_fwd(
     _group_norm_fwd_finalize_kernel[(n * num_groups,)](
         mean, rstd, part_mean, part_m2, c, s, s_per_prog, n_chunks, num_groups, eps, BLOCK_R=block_r, num_warps=4
     )
-    w, b = _affine(weight, bias, c, x.device)
+    return mean, rstd
+
+
+def group_norm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    num_groups: int,
+    eps: float,
+    activation: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = act(group_norm(x)); returns (y, mean [N, G] fp32, rstd [N, G] fp32). y has x's strides."""
+    n, c, s, (sxn, sxc, sxs) = as_ncs(x)
+    y = new_output(like=x)
+    _, _, _, (syn, syc, sys_) = as_ncs(y)
+    w, b, has_w, has_b = _affine_args(weight, bias, x)
+    act = ACTIVATIONS[activation][0]
+    cpg = c // num_groups
+    if cpg * s <= _ONEPASS_MAX_GROUP:
+        mean = new_output((n, num_groups), device=x.device, dtype=torch.float32)
+        rstd = new_output((n, num_groups), device=x.device, dtype=torch.float32)
+        block_cpg = next_power_of_2(cpg)
+        block_s = max(1, min(next_power_of_2(s), 4096 // block_cpg))
+        _group_norm_fwd_onepass_kernel[(n * num_groups,)](
+            y, mean, rstd, x, w, b, sxn, sxc, sxs, syn, syc, sys_, c, s, num_groups, eps,
+            HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION=act, BLOCK_S=block_s, BLOCK_CPG=block_cpg,
+            num_warps=_TILE_WARPS,
+        )  # fmt: skip
+        return y, mean, rstd
+    mean, rstd = group_norm_stats(x, num_groups, eps)
+    block_s, block_c = _tiles(c, s, sxc == 1)
+    n_cblocks = triton.cdiv(c, block_c)
     n_sblocks = triton.cdiv(s, block_s)
     _group_norm_fwd_apply_kernel[(n * n_sblocks * n_cblocks,)](
         y, x, w, b, mean, rstd, sxn, sxc, sxs, syn, syc, sys_, c, s, num_groups, n_sblocks, n_cblocks,
-        ACTIVATION=ACTIVATIONS[activation][0], BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
+        HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION=act, BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
     )  # fmt: skip
     return y, mean, rstd
 
 
-def group_norm_bwd(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    num_groups: int,
-    activation: str | None,
-    need_affine_grads: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dweight, dbias) of y = act(group_norm(x)); dx has x's strides, dweight/dbias fp32 or None."""
-    n, c, s, (sxn, sxc, sxs) = as_ncs(x)
-    if dy.stride() != x.stride():
-        dy = dy.contiguous(memory_format=_memory_format_of(x))
-    _, _, _, (sdn, sdc, sds) = as_ncs(dy)
-    dx = new_output(like=x)
-    _, _, _, (sxgn, sxgc, sxgs) = as_ncs(dx)
-    block_s, block_c = _tiles(c, s, sxc == 1)
-    n_cblocks = triton.cdiv(c, block_c)
-    s_per_prog, n_chunks = _chunks(n, n_cblocks, s, block_s)
-    w, b = _affine(weight, bias, c, x.device)
-    act_grad = ACTIVATIONS[activation][1]
-    part_dz = torch.empty((n, n_chunks, c), device=x.device, dtype=torch.float32)
-    part_dzxhat = torch.empty_like(part_dz)
-    _group_norm_bwd_partial_kernel[(n * n_chunks * n_cblocks,)](
-        part_dz, part_dzxhat, dy, x, w, b, mean, rstd, sdn, sdc, sds, sxn, sxc, sxs, c, s, num_groups,
-        s_per_prog, n_chunks, n_cblocks, ACTIVATION_GRAD=act_grad, BLOCK_S=block_s, BLOCK_C=block_c,
-        num_warps=_TILE_WARPS,
-    )  # fmt: skip
-    dz_nc = torch.empty((n, c), device=x.device, dtype=torch.float32)
-    dzxhat_nc = torch.empty_like(dz_nc)
-    coef = torch.empty((n, num_groups, 2), device=x.device, dtype=torch.float32)
-    block_cpg = next_power_of_2(c // num_groups)
-    block_k = max(1, min(next_power_of_2(n_chunks), 4096 // block_cpg))
-    _group_norm_bwd_finalize_kernel[(n * num_groups,)](
-        dz_nc, dzxhat_nc, coef, part_dz, part_dzxhat, w, c, num_groups, n_chunks,
-        BLOCK_CPG=block_cpg, BLOCK_K=block_k, num_warps=4,
-    )  # fmt: skip
-    n_sblocks = triton.cdiv(s, block_s)
-    _group_norm_bwd_dx_kernel[(n * n_sblocks * n_cblocks,)](
-        dx, dy, x, w, b, mean, rstd, coef, sxgn, sxgc, sxgs, sdn, sdc, sds, sxn, sxc, sxs, c, s, num_groups,
-        n_sblocks, n_cblocks, ACTIVATION_GRAD=act_grad, BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
-    )  # fmt: skip
-    if not need_affine_grads:
-        return dx, None, None
-    return dx, dzxhat_nc.sum(0), dz_nc.sum(0)
-
-
-def _memory_format_of(t: torch.Tensor) -> torch.memory_format:
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
-        return torch.channels_last
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
+def _strides(prefix: str, unit: str) -> tuple[dict, dict]:
+    """Signature entries for an (n, c, s) stride triple, and the constexpr pinning its unit stride."""
+    sig = {f"stride_{prefix}n": "i64", f"stride_{prefix}c": "i64", f"stride_{prefix}s": "i64"}
+    return sig, {f"stride_{prefix}{unit}": 1}
 
 
 def aot_specs() -> list[dict]:
     """Representative compile configurations for the ahead-of-time gate (sm_80 / sm_90, no GPU needed)."""
     specs = []
+    silu = ACTIVATIONS["silu"][0]
     # fp16 in both layouts covers the register/shared-memory shape of every kernel; bf16 and fp32 NHWC on top.
     for dtype, channels_last in (("fp16", True), ("fp16", False), ("bf16", True), ("fp32", True)):
-        if True:
-            block_s, block_c = _tiles(320, 4096, channels_last)
-            xs = {"stride_xn": "i64", "stride_xc": "i64", "stride_xs": "i64"}
-            unit = "stride_xc" if channels_last else "stride_xs"
-            layout = "nhwc" if channels_last else "nchw"
-            tile = {"BLOCK_S": block_s, "BLOCK_C": block_c}
-            specs.append(
-                dict(
-                    name=f"group_norm_fwd_partial[{dtype},{layout}]",
-                    fn=_group_norm_fwd_partial_kernel,
-                    signature={"part_mean_ptr": "*fp32", "part_m2_ptr": "*fp32", "x_ptr": f"*{dtype}", **xs,
-                               "C": "i32", "S": "i32", "S_PER_PROG": "i32", "n_chunks": "i32", "n_cblocks": "i32"},
-                    constexprs={unit: 1, **tile},
-                    num_warps=_TILE_WARPS,
-                )
-            )  # fmt: skip
-            ys = {"stride_yn": "i64", "stride_yc": "i64", "stride_ys": "i64"}
-            y_unit = "stride_yc" if channels_last else "stride_ys"
-            for act in ("silu", None):
-                specs.append(
-                    dict(
-                        name=f"group_norm_fwd_apply[{dtype},{layout},{act}]",
-                        fn=_group_norm_fwd_apply_kernel,
-                        signature={"y_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "w_ptr": "*fp32", "b_ptr": "*fp32",
-                                   "mean_ptr": "*fp32", "rstd_ptr": "*fp32", **xs, **ys, "C": "i32", "S": "i32",
-                                   "G": "i32", "n_sblocks": "i32", "n_cblocks": "i32"},
-                        constexprs={unit: 1, y_unit: 1, "ACTIVATION": ACTIVATIONS[act][0], **tile},
-                        num_warps=_TILE_WARPS,
-                    )
-                )  # fmt: skip
-            dys = {"stride_dyn": "i64", "stride_dyc": "i64", "stride_dys": "i64"}
-            dy_unit = "stride_dyc" if channels_last else "stride_dys"
-            common = {"w_ptr": "*fp32", "b_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
-            specs.append(
-                dict(
-                    name=f"group_norm_bwd_partial[{dtype},{layout},silu]",
-                    fn=_group_norm_bwd_partial_kernel,
-                    signature={"part_dz_ptr": "*fp32", "part_dzxhat_ptr": "*fp32", "dy_ptr": f"*{dtype}",
-                               "x_ptr": f"*{dtype}", **common, **dys, **xs, "C": "i32", "S": "i32", "G": "i32",
-                               "S_PER_PROG": "i32", "n_chunks": "i32", "n_cblocks": "i32"},
-                    constexprs={unit: 1, dy_unit: 1, "ACTIVATION_GRAD": ACTIVATIONS["silu"][1], **tile},
-                    num_warps=_TILE_WARPS,
-                )
-            )  # fmt: skip
-            dxs = {"stride_dxn": "i64", "stride_dxc": "i64", "stride_dxs": "i64"}
-            dx_unit = "stride_dxc" if channels_last else "stride_dxs"
-            specs.append(
-                dict(
-                    name=f"group_norm_bwd_dx[{dtype},{layout},silu]",
-                    fn=_group_norm_bwd_dx_kernel,
-                    signature={"dx_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", **common,
-                               "coef_ptr": "*fp32", **dxs, **dys, **xs, "C": "i32", "S": "i32", "G": "i32",
-                               "n_sblocks": "i32", "n_cblocks": "i32"},
-                    constexprs={unit: 1, dy_unit: 1, dx_unit: 1, "ACTIVATION_GRAD": ACTIVATIONS["silu"][1], **tile},
-                    num_warps=_TILE_WARPS,
-                )
-            )  # fmt: skip
-    specs.append(
+        unit = "c" if channels_last else "s"
+        tag = f"{dtype},{'nhwc' if channels_last else 'nchw'}"
+        block_s, block_c = _tiles(320, 4096, channels_last)
+        tile = {"BLOCK_S": block_s, "BLOCK_C": block_c}
+        affine = {"HAS_WEIGHT": True, "HAS_BIAS": True}
+        params = {"w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
+        (xs, x1), (ys, y1) = _strides("x", unit), _strides("y", unit)
+        sizes = {"C": "i32", "S": "i32"}
+        specs += [
+            dict(
+                name=f"group_norm_fwd_partial[{tag}]",
+                fn=_group_norm_fwd_partial_kernel,
+                signature={"part_mean_ptr": "*fp32", "part_m2_ptr": "*fp32", "x_ptr": f"*{dtype}", **xs, **sizes,
+                           "S_PER_PROG": "i32", "n_chunks": "i32", "n_cblocks": "i32"},
+                constexprs={**x1, **tile},
+            ),
+            dict(
+                name=f"group_norm_fwd_apply[{tag},silu]",
+                fn=_group_norm_fwd_apply_kernel,
+                signature={"y_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", **params, **xs, **ys, **sizes, "G": "i32",
+                           "n_sblocks": "i32", "n_cblocks": "i32"},
+                constexprs={**x1, **y1, **affine, "ACTIVATION": silu, **tile},
+            ),
+            dict(
+                name=f"group_norm_fwd_onepass[{tag},silu]",
+                fn=_group_norm_fwd_onepass_kernel,
+                signature={"y_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "x_ptr": f"*{dtype}",
+                           "w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", **xs, **ys, **sizes, "G": "i32", "eps": "fp32"},
+                constexprs={**x1, **y1, **affine, "ACTIVATION": silu, "BLOCK_S": 64, "BLOCK_CPG": 64},
+            ),
+        ]  # fmt: skip
+    for spec in specs:
+        spec["num_warps"] = _TILE_WARPS
+    specs += [
         dict(
             name="group_norm_fwd_finalize",
             fn=_group_norm_fwd_finalize_kernel,
@@ -528,16 +405,6 @@ def aot_specs() -> list[dict]:
                        "C": "i32", "S": "i32", "S_PER_PROG": "i32", "n_chunks": "i32", "G": "i32", "eps": "fp32"},
             constexprs={"BLOCK_R": 1024},
             num_warps=4,
-        )
-    )  # fmt: skip
-    specs.append(
-        dict(
-            name="group_norm_bwd_finalize",
-            fn=_group_norm_bwd_finalize_kernel,
-            signature={"dz_nc_ptr": "*fp32", "dzxhat_nc_ptr": "*fp32", "coef_ptr": "*fp32", "part_dz_ptr": "*fp32",
-                       "part_dzxhat_ptr": "*fp32", "w_ptr": "*fp32", "C": "i32", "G": "i32", "n_chunks": "i32"},
-            constexprs={"BLOCK_CPG": 64, "BLOCK_K": 64},
-            num_warps=4,
-        )
-    )  # fmt: skip
+        ),
+    ]  # fmt: skip
     return specs

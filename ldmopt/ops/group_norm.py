@@ -86,7 +86,7 @@ def _fwd_triton(x, weight, bias, num_groups, eps, activation):
 
 
 def _bwd_triton(dy, x, weight, bias, mean, rstd, num_groups, activation):
-    from ldmopt.kernels.group_norm import group_norm_bwd
+    from ldmopt.kernels.group_norm_bwd import group_norm_bwd
 
     return group_norm_bwd(dy, x, weight, bias, mean, rstd, num_groups, activation, True)
 

@@ -32,11 +32,20 @@ def _reference(x, groups, weight, bias, activation, eps=1e-5):
     return F.silu(y) if activation == "silu" else y
 
 
+@pytest.fixture(params=["onepass", "split"])
+def forward_path(request, monkeypatch):
+    """Run the forward through the single-launch path for small groups, or the split statistics path."""
+    import ldmopt.kernels.group_norm as kernels
+
+    monkeypatch.setattr(kernels, "_ONEPASS_MAX_GROUP", 1 << 30 if request.param == "onepass" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("shape,groups", CASES)
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("activation", [None, "silu"])
-def test_forward_triton(shape, groups, channels_last, dtype, activation):
+def test_forward_triton(shape, groups, channels_last, dtype, activation, forward_path):
     x, w, b = _make(shape, channels_last, dtype)
     with ldmopt.use_backend("triton"):
         y = group_norm(x, groups, w, b, 1e-5, activation)
@@ -49,7 +58,7 @@ def test_forward_triton(shape, groups, channels_last, dtype, activation):
 @pytest.mark.parametrize("shape,groups", CASES)
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_statistics_fp32(shape, groups, channels_last, dtype):
+def test_statistics_fp32(shape, groups, channels_last, dtype, forward_path):
     x, w, b = _make(shape, channels_last, dtype)
     with ldmopt.use_backend("triton"):
         _, mean, rstd = torch.ops.ldmopt.group_norm_fwd(x, w, b, groups, 1e-5, "silu")
@@ -59,7 +68,7 @@ def test_statistics_fp32(shape, groups, channels_last, dtype):
     assert_close(rstd, torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5), torch.float32, "rstd")
 
 
-def test_large_mean_no_cancellation():
+def test_large_mean_no_cancellation(forward_path):
     # Mean 1e3 times the spread: sum/sum-of-squares statistics would lose the variance in fp32.
     x = torch.randn(2, 16, 11, 11, dtype=torch.float64) * 0.01 + 30.0
     with ldmopt.use_backend("triton"):
@@ -105,7 +114,7 @@ def test_reference_backend_matches_fp64():
     assert_close(y, _reference(x.double(), 8, w.double(), b.double(), "silu"), torch.float32, "torch backend")
 
 
-def test_no_affine_and_module():
+def test_no_affine_and_module(forward_path):
     gn_ref = torch.nn.GroupNorm(4, 12, affine=False)
     gn = ldmopt.nn.GroupNorm(4, 12, affine=False)
     x = torch.randn(2, 12, 5, 3)

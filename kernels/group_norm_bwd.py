@@ -1,0 +1,280 @@
+"""GroupNorm (+ optional fused activation) backward for NCHW / NHWC / 5-D tensors (forward: group_norm.py).
+
+Same (N, C, S) strided addressing as the forward; fp32 accumulation; int64 offsets. With z = x * a + b the
+pre-activation and dz = act'(z) * dy: (1) per-(n, chunk, c) partial sums of dz and dz * xhat, (2) per (n, group)
+the sums of w * dz and w * dz * xhat (and per-(n, c) sums for dweight/dbias), (3) one elementwise pass
+dx = rstd * (w * dz - (sum(w dz) + xhat * sum(w dz xhat)) / M), M = elements per group.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import ACTIVATIONS, new_output, next_power_of_2
+from .group_norm import _TILE_WARPS, _affine_args, _chunks, _load_affine, _strides, _tiles, as_ncs
+
+
+@triton.jit
+def _group_norm_bwd_partial_kernel(
+    part_dz_ptr,  # [N, n_chunks, C] fp32: sum of dz
+    part_dzxhat_ptr,  # [N, n_chunks, C] fp32: sum of dz * xhat
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    mean_ptr,
+    rstd_ptr,
+    stride_dyn,
+    stride_dyc,
+    stride_dys,
+    stride_xn,
+    stride_xc,
+    stride_xs,
+    C,
+    S,
+    G,
+    S_PER_PROG,
+    n_chunks,
+    n_cblocks,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION_GRAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_c = pid % n_cblocks
+    pid_chunk = (pid // n_cblocks) % n_chunks
+    n = (pid // (n_cblocks * n_chunks)).to(tl.int64)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    group = n * G + c // (C // G)
+    mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
+    rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
+    w, b = _load_affine(w_ptr, b_ptr, c, c_mask, HAS_WEIGHT, HAS_BIAS)
+    scale = w * rstd
+    shift = b - scale * mean
+    s_begin = pid_chunk * S_PER_PROG
+    s_end = tl.minimum(s_begin + S_PER_PROG, S)
+    c64 = c[None, :].to(tl.int64)
+    sum_dz = tl.zeros([BLOCK_C], dtype=tl.float32)
+    sum_dzxhat = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s0 in range(s_begin, s_end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        mask = (s < s_end)[:, None] & c_mask[None, :]
+        s64 = s[:, None].to(tl.int64)
+        x = tl.load(x_ptr + n * stride_xn + s64 * stride_xs + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + n * stride_dyn + s64 * stride_dys + c64 * stride_dyc, mask=mask, other=0.0)
+        dz = ACTIVATION_GRAD(x * scale[None, :] + shift[None, :], dy.to(tl.float32))
+        dz = tl.where(mask, dz, 0.0)
+        xhat = (x - mean[None, :]) * rstd[None, :]
+        sum_dz += tl.sum(dz, axis=0)
+        sum_dzxhat += tl.sum(dz * xhat, axis=0)
+    out = (n * n_chunks + pid_chunk) * C + c
+    tl.store(part_dz_ptr + out, sum_dz, mask=c_mask)
+    tl.store(part_dzxhat_ptr + out, sum_dzxhat, mask=c_mask)
+
+
+@triton.jit
+def _group_norm_bwd_finalize_kernel(
+    dz_nc_ptr,  # [N, C] fp32: per-(n, c) sum of dz (-> grad bias)
+    dzxhat_nc_ptr,  # [N, C] fp32: per-(n, c) sum of dz * xhat (-> grad weight)
+    coef_ptr,  # [N, G, 2] fp32: sum_g w * dz, sum_g w * dz * xhat
+    part_dz_ptr,
+    part_dzxhat_ptr,
+    w_ptr,
+    C,
+    G,
+    n_chunks,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_CPG: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)  # n * G + g
+    n = (pid // G).to(tl.int64)
+    g = pid % G
+    cpg = C // G
+    j = tl.arange(0, BLOCK_CPG)
+    j_mask = j < cpg
+    c = g * cpg + j
+    acc_dz = tl.zeros([BLOCK_K, BLOCK_CPG], dtype=tl.float32)
+    acc_dzxhat = tl.zeros([BLOCK_K, BLOCK_CPG], dtype=tl.float32)
+    for k0 in range(0, n_chunks, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = (k < n_chunks)[:, None] & j_mask[None, :]
+        offs = (n * n_chunks + k[:, None]) * C + c[None, :]
+        acc_dz += tl.load(part_dz_ptr + offs, mask=mask, other=0.0)
+        acc_dzxhat += tl.load(part_dzxhat_ptr + offs, mask=mask, other=0.0)
+    dz_c = tl.sum(acc_dz, axis=0)
+    dzxhat_c = tl.sum(acc_dzxhat, axis=0)
+    tl.store(dz_nc_ptr + n * C + c, dz_c, mask=j_mask)
+    tl.store(dzxhat_nc_ptr + n * C + c, dzxhat_c, mask=j_mask)
+    w, _ = _load_affine(w_ptr, w_ptr, c, j_mask, HAS_WEIGHT, False)
+    tl.store(coef_ptr + pid * 2, tl.sum(w * dz_c, axis=0))
+    tl.store(coef_ptr + pid * 2 + 1, tl.sum(w * dzxhat_c, axis=0))
+
+
+@triton.jit
+def _group_norm_bwd_dx_kernel(
+    dx_ptr,
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    mean_ptr,
+    rstd_ptr,
+    coef_ptr,
+    stride_dxn,
+    stride_dxc,
+    stride_dxs,
+    stride_dyn,
+    stride_dyc,
+    stride_dys,
+    stride_xn,
+    stride_xc,
+    stride_xs,
+    C,
+    S,
+    G,
+    n_sblocks,
+    n_cblocks,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION_GRAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_c = pid % n_cblocks
+    pid_s = (pid // n_cblocks) % n_sblocks
+    n = (pid // (n_cblocks * n_sblocks)).to(tl.int64)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    c_mask = c < C
+    mask = (s < S)[:, None] & c_mask[None, :]
+    cpg = C // G
+    group = n * G + c // cpg
+    mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
+    rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
+    sum_wdz = tl.load(coef_ptr + group * 2, mask=c_mask, other=0.0)
+    sum_wdzxhat = tl.load(coef_ptr + group * 2 + 1, mask=c_mask, other=0.0)
+    w, b = _load_affine(w_ptr, b_ptr, c, c_mask, HAS_WEIGHT, HAS_BIAS)
+    scale = w * rstd
+    shift = b - scale * mean
+    s64 = s[:, None].to(tl.int64)
+    c64 = c[None, :].to(tl.int64)
+    x = tl.load(x_ptr + n * stride_xn + s64 * stride_xs + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + n * stride_dyn + s64 * stride_dys + c64 * stride_dyc, mask=mask, other=0.0)
+    dz = ACTIVATION_GRAD(x * scale[None, :] + shift[None, :], dy.to(tl.float32))
+    xhat = (x - mean[None, :]) * rstd[None, :]
+    inv_m = 1.0 / (cpg * S).to(tl.float32)
+    dx = rstd[None, :] * (w[None, :] * dz - (sum_wdz[None, :] + xhat * sum_wdzxhat[None, :]) * inv_m)
+    tl.store(dx_ptr + n * stride_dxn + s64 * stride_dxs + c64 * stride_dxc, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------- launchers
+
+
+def group_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    num_groups: int,
+    activation: str | None,
+    need_affine_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight, dbias) of y = act(group_norm(x)); dx has x's strides, dweight/dbias fp32 or None."""
+    n, c, s, (sxn, sxc, sxs) = as_ncs(x)
+    if dy.stride() != x.stride():
+        dy = dy.contiguous(memory_format=memory_format_of(x))
+    _, _, _, (sdn, sdc, sds) = as_ncs(dy)
+    dx = new_output(like=x)
+    _, _, _, (sxgn, sxgc, sxgs) = as_ncs(dx)
+    block_s, block_c = _tiles(c, s, sxc == 1)
+    n_cblocks = triton.cdiv(c, block_c)
+    s_per_prog, n_chunks = _chunks(n, n_cblocks, s, block_s)
+    w, b, has_w, has_b = _affine_args(weight, bias, x)
+    act_grad = ACTIVATIONS[activation][1]
+    part_dz = torch.empty((n, n_chunks, c), device=x.device, dtype=torch.float32)
+    part_dzxhat = torch.empty_like(part_dz)
+    _group_norm_bwd_partial_kernel[(n * n_chunks * n_cblocks,)](
+        part_dz, part_dzxhat, dy, x, w, b, mean, rstd, sdn, sdc, sds, sxn, sxc, sxs, c, s, num_groups,
+        s_per_prog, n_chunks, n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION_GRAD=act_grad,
+        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
+    )  # fmt: skip
+    dz_nc = torch.empty((n, c), device=x.device, dtype=torch.float32)
+    dzxhat_nc = torch.empty_like(dz_nc)
+    coef = torch.empty((n, num_groups, 2), device=x.device, dtype=torch.float32)
+    block_cpg = next_power_of_2(c // num_groups)
+    block_k = max(1, min(next_power_of_2(n_chunks), 4096 // block_cpg))
+    _group_norm_bwd_finalize_kernel[(n * num_groups,)](
+        dz_nc, dzxhat_nc, coef, part_dz, part_dzxhat, w, c, num_groups, n_chunks,
+        HAS_WEIGHT=has_w, BLOCK_CPG=block_cpg, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    n_sblocks = triton.cdiv(s, block_s)
+    _group_norm_bwd_dx_kernel[(n * n_sblocks * n_cblocks,)](
+        dx, dy, x, w, b, mean, rstd, coef, sxgn, sxgc, sxgs, sdn, sdc, sds, sxn, sxc, sxs, c, s, num_groups,
+        n_sblocks, n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION_GRAD=act_grad, BLOCK_S=block_s,
+        BLOCK_C=block_c, num_warps=_TILE_WARPS,
+    )  # fmt: skip
+    if not need_affine_grads:
+        return dx, None, None
+    return dx, dzxhat_nc.sum(0), dz_nc.sum(0)
+
+
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def aot_specs() -> list[dict]:
+    """Representative compile configurations for the ahead-of-time gate (sm_80 / sm_90, no GPU needed)."""
+    specs = []
+    silu_grad = ACTIVATIONS["silu"][1]
+    for dtype, channels_last in (("fp16", True), ("fp16", False), ("bf16", True), ("fp32", True)):
+        unit = "c" if channels_last else "s"
+        tag = f"{dtype},{'nhwc' if channels_last else 'nchw'}"
+        block_s, block_c = _tiles(320, 4096, channels_last)
+        tile = {"BLOCK_S": block_s, "BLOCK_C": block_c}
+        affine = {"HAS_WEIGHT": True, "HAS_BIAS": True}
+        params = {"w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
+        (xs, x1), (dys, dy1), (dxs, dx1) = (_strides(p, unit) for p in ("x", "dy", "dx"))
+        sizes = {"C": "i32", "S": "i32", "G": "i32"}
+        specs += [
+            dict(
+                name=f"group_norm_bwd_partial[{tag},silu]",
+                fn=_group_norm_bwd_partial_kernel,
+                signature={"part_dz_ptr": "*fp32", "part_dzxhat_ptr": "*fp32", "dy_ptr": f"*{dtype}",
+                           "x_ptr": f"*{dtype}", **params, **dys, **xs, **sizes, "S_PER_PROG": "i32",
+                           "n_chunks": "i32", "n_cblocks": "i32"},
+                constexprs={**x1, **dy1, **affine, "ACTIVATION_GRAD": silu_grad, **tile},
+                num_warps=_TILE_WARPS,
+            ),
+            dict(
+                name=f"group_norm_bwd_dx[{tag},silu]",
+                fn=_group_norm_bwd_dx_kernel,
+                signature={"dx_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", **params,
+                           "coef_ptr": "*fp32", **dxs, **dys, **xs, **sizes, "n_sblocks": "i32", "n_cblocks": "i32"},
+                constexprs={**x1, **dy1, **dx1, **affine, "ACTIVATION_GRAD": silu_grad, **tile},
+                num_warps=_TILE_WARPS,
+            ),
+        ]  # fmt: skip
+    specs.append(
+        dict(
+            name="group_norm_bwd_finalize",
+            fn=_group_norm_bwd_finalize_kernel,
+            signature={"dz_nc_ptr": "*fp32", "dzxhat_nc_ptr": "*fp32", "coef_ptr": "*fp32", "part_dz_ptr": "*fp32",
+                       "part_dzxhat_ptr": "*fp32", "w_ptr": "*fp16", "C": "i32", "G": "i32", "n_chunks": "i32"},
+            constexprs={"HAS_WEIGHT": True, "BLOCK_CPG": 64, "BLOCK_K": 64},
+            num_warps=4,
+        )
+    )  # fmt: skip
+    return specs
