@@ -1,0 +1,262 @@
+"""Data for examples/train_ldm.py: procedural coloured shapes or an image folder, a resumable sharded sampler, and
+per-sample diffusion randomness (noise, timestep, label drop) drawn from (seed, epoch, index).
+
+Drawing the randomness per sample instead of per process makes training independent of the number of processes: a
+global batch holds the same samples with the same noise whether it is split over 1 or N ranks, so a checkpoint
+written by N ranks resumes on M ranks and continues with the same loss (up to float summation order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+SHAPES = ("circle", "square", "triangle", "cross")
+COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (40, 80, 230), "yellow": (235, 210, 40)}
+
+
+def _to_tensor(img: Image.Image) -> torch.Tensor:
+    """PIL RGB -> float (3, H, W) in [-1, 1]."""
+    arr = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+    return arr.float().div(127.5).sub(1.0)
+
+
+class ShapesDataset(Dataset):
+    """One coloured shape on a dim, textured background; the label is ``shape * len(COLOURS) + colour``.
+
+    Sample ``i`` is a pure function of ``(seed, i)`` (position, size, rotation, background), so every process and
+    every epoch sees the same image for the same index.
+    """
+
+    def __init__(self, resolution: int, length: int = 10_000, seed: int = 0) -> None:
+        self.resolution, self.length, self.seed = resolution, length, seed
+        self.num_classes = len(SHAPES) * len(COLOURS)
+        self.class_names = [f"{c} {s}" for s in SHAPES for c in COLOURS]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int, epoch: int = 0) -> tuple[torch.Tensor, int]:
+        rng = np.random.default_rng([self.seed, index])
+        label = int(rng.integers(self.num_classes))
+        return _to_tensor(self.render(label, rng)), label
+
+    def render(self, label: int, rng: np.random.Generator) -> Image.Image:
+        # Drawn at 4x and downsampled so edges are anti-aliased at every resolution.
+        s = self.resolution * 4
+        bg = rng.uniform(0, 70, size=3)
+        ramp = np.linspace(0.6, 1.4, s)[:, None, None] * bg[None, None, :]
+        noise = rng.normal(0, 6, size=(s // 8, s // 8, 1)).repeat(8, 0).repeat(8, 1)
+        canvas = Image.fromarray(np.clip(ramp + noise, 0, 255).astype(np.uint8))
+        draw = ImageDraw.Draw(canvas)
+        shape, colour = SHAPES[label // len(COLOURS)], list(COLOURS.values())[label % len(COLOURS)]
+        r = rng.uniform(0.18, 0.34) * s
+        cx, cy = rng.uniform(r, s - r, size=2)
+        angle = rng.uniform(0, 2 * math.pi)
+        if shape == "circle":
+            draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
+        elif shape == "cross":
+            w = r / 3
+            for a in (angle, angle + math.pi / 2):
+                dx, dy = math.cos(a), math.sin(a)
+                pts = [(cx + dx * r * u - dy * w * v, cy + dy * r * u + dx * w * v) for u, v in _RECT]
+                draw.polygon(pts, fill=colour)
+        else:
+            n = 4 if shape == "square" else 3
+            pts = [
+                (cx + r * math.cos(angle + 2 * math.pi * k / n), cy + r * math.sin(angle + 2 * math.pi * k / n))
+                for k in range(n)
+            ]
+            draw.polygon(pts, fill=colour)
+        return canvas.resize((self.resolution, self.resolution), Image.Resampling.BOX)
+
+
+_RECT = ((-1, -1), (1, -1), (1, 1), (-1, 1))
+
+
+class ImageFolderDataset(Dataset):
+    """Images under ``root`` (recursively), resized on the short side and centre-cropped to ``resolution``.
+
+    If ``root`` has sub-folders that hold images, each sub-folder is a class (torchvision's ImageFolder convention);
+    otherwise there is one class. ``hflip`` mirrors half of the images, chosen from (seed, epoch, index).
+    """
+
+    def __init__(self, root: str | Path, resolution: int, hflip: bool = False, seed: int = 0) -> None:
+        root = Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"--data {str(root)!r} is not a folder")
+        self.files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not self.files:
+            raise FileNotFoundError(f"--data {str(root)!r} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+        folders = sorted({p.parent.relative_to(root).parts[0] for p in self.files if p.parent != root})
+        self.class_names = folders or ["image"]
+        index = {name: i for i, name in enumerate(folders)}
+        self.labels = [index.get(p.relative_to(root).parts[0], 0) if p.parent != root else 0 for p in self.files]
+        self.num_classes = len(self.class_names)
+        self.resolution, self.hflip, self.seed = resolution, hflip, seed
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int, epoch: int = 0) -> tuple[torch.Tensor, int]:
+        with Image.open(self.files[index]) as im:
+            img = im.convert("RGB")
+        scale = self.resolution / min(img.size)
+        w, h = max(self.resolution, round(img.width * scale)), max(self.resolution, round(img.height * scale))
+        img = img.resize((w, h), Image.Resampling.BICUBIC)
+        left, top = (w - self.resolution) // 2, (h - self.resolution) // 2
+        img = img.crop((left, top, left + self.resolution, top + self.resolution))
+        if self.hflip and np.random.default_rng([self.seed, epoch, index]).random() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return _to_tensor(img), self.labels[index]
+
+
+def _sample_seed(*key: int) -> int:
+    return int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0] >> 1)
+
+
+class DiffusionSamples(Dataset):
+    """Wraps an image dataset; item ``(epoch, index)`` is a dict with the image, its label (replaced by the null
+    label ``num_classes`` with probability ``cond_drop``), and the sample's own noise and timestep."""
+
+    def __init__(
+        self, base: Dataset, latent_shape: tuple[int, ...], num_timesteps: int, cond_drop: float, seed: int
+    ) -> None:
+        self.base, self.latent_shape, self.num_timesteps = base, tuple(latent_shape), num_timesteps
+        self.cond_drop, self.seed = cond_drop, seed
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        epoch, index = key
+        image, label = self.base.__getitem__(index, epoch)
+        g = torch.Generator().manual_seed(_sample_seed(self.seed, epoch, index))
+        noise = torch.randn(self.latent_shape, generator=g)
+        posterior_noise = torch.randn(self.latent_shape, generator=g)
+        timestep = int(torch.randint(self.num_timesteps, (), generator=g))
+        if float(torch.rand((), generator=g)) < self.cond_drop:
+            label = self.base.num_classes
+        return {
+            "image": image,
+            "label": label,
+            "noise": noise,
+            "posterior_noise": posterior_noise,
+            "timestep": timestep,
+        }
+
+
+class EpochSampler(Sampler):
+    """A DistributedSampler that yields ``(epoch, index)`` keys and can start mid-epoch (exact resume).
+
+    ``set_epoch(epoch, skip)`` reshuffles for ``epoch`` and skips this rank's first ``skip`` indices.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, shuffle: bool = True) -> None:
+        self.inner = DistributedSampler(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
+        self.inner.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.inner) - self.skip
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for i, index in enumerate(self.inner):
+            if i >= self.skip:
+                yield self.epoch, index
+
+
+class PatchLatents(torch.nn.Module):
+    """A fixed linear patch autoencoder standing in for a VAE when the model expects latents and no --vae is given.
+
+    Each ``factor x factor`` RGB patch maps to ``channels`` numbers: the first three are the patch's mean colour, the
+    others seeded random directions orthogonal to them (fine texture), all divided by ``factor`` so latents stay near
+    unit scale. Nothing is trained; decoding is the pseudo-inverse, so sample images stay viewable (blocky).
+    """
+
+    def __init__(self, channels: int, factor: int, seed: int = 0) -> None:
+        super().__init__()
+        dim = 3 * factor * factor
+        means = torch.zeros(dim, 3, dtype=torch.float64)
+        for c in range(3):  # pixel_unshuffle orders features channel-major
+            means[c * factor * factor : (c + 1) * factor * factor, c] = 1.0
+        g = torch.Generator().manual_seed(seed)
+        basis, _ = torch.linalg.qr(torch.cat([means, torch.randn(dim, dim, generator=g, dtype=torch.float64)], 1))
+        rows = basis[:, : min(channels, dim)].T
+        if channels > dim:
+            rows = torch.cat([rows, torch.randn(channels - dim, dim, generator=g, dtype=torch.float64)])
+        weight = rows.float() / factor
+        self.factor = factor
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("pinv", torch.linalg.pinv(weight.double()).float(), persistent=False)
+
+    def encode(self, x: torch.Tensor, posterior_noise: torch.Tensor | None = None) -> torch.Tensor:
+        patches = torch.nn.functional.pixel_unshuffle(x.float(), self.factor)
+        return torch.einsum("ck,bkhw->bchw", self.weight, patches)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        patches = torch.einsum("kc,bchw->bkhw", self.pinv, z.float())
+        return torch.nn.functional.pixel_shuffle(patches, self.factor).clamp(-1, 1)
+
+
+class VaeLatents(torch.nn.Module):
+    """A frozen diffusers AutoencoderKL loaded from a local folder (``--vae PATH``): latents are a sample of the
+    posterior (``mean + std * posterior_noise``) times the VAE's scaling factor."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        from diffusers import AutoencoderKL
+
+        self.vae = AutoencoderKL.from_pretrained(path, local_files_only=True).requires_grad_(False).eval()
+        self.scale = float(self.vae.config.scaling_factor)
+        self.factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor, posterior_noise: torch.Tensor | None = None) -> torch.Tensor:
+        dist = self.vae.encode(x.to(self.vae.dtype)).latent_dist
+        z = dist.mean if posterior_noise is None else dist.mean + dist.std * posterior_noise.to(dist.mean)
+        return z.float() * self.scale
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode((z / self.scale).to(self.vae.dtype)).sample.float().clamp(-1, 1)
+
+
+class PixelSpace(torch.nn.Module):
+    """Identity 'autoencoder' for models that denoise RGB pixels directly."""
+
+    factor = 1
+
+    def encode(self, x: torch.Tensor, posterior_noise: torch.Tensor | None = None) -> torch.Tensor:
+        return x.float()
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return z.float().clamp(-1, 1)
+
+
+def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> Path:
+    """Save (N, 3, H, W) images in [-1, 1] as one PNG grid with a 2-pixel border."""
+    images = images.detach().float().cpu().clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8)
+    n, _, h, w = images.shape
+    nrow = nrow or max(1, math.ceil(math.sqrt(n)))
+    ncol = math.ceil(n / nrow)
+    grid = torch.zeros(3, ncol * (h + 2) + 2, nrow * (w + 2) + 2, dtype=torch.uint8)
+    for i in range(n):
+        r, c = divmod(i, nrow)
+        grid[:, 2 + r * (h + 2) : 2 + r * (h + 2) + h, 2 + c * (w + 2) : 2 + c * (w + 2) + w] = images[i]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid.permute(1, 2, 0).numpy()).save(path)
+    return path

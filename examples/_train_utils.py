@@ -1,0 +1,226 @@
+"""Plumbing for examples/train_ldm.py: process group, RNG states, checkpoints, metric logging and the profiling
+window."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str) -> DistInfo:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK): NCCL on GPUs, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+    return DistInfo(rank, world, local, dev)
+
+
+def gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+    """``obj`` from every rank (a list of one when not distributed)."""
+    if info.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def mean_over_ranks(value: torch.Tensor, info: DistInfo) -> float:
+    if info.world_size > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG if value.device.type == "cuda" else dist.ReduceOp.SUM)
+        if value.device.type != "cuda":  # gloo has no AVG
+            value /= info.world_size
+    return float(value)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def parameter_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes, in name order: equal digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_path(out_dir: Path, step: int) -> Path:
+    return out_dir / "checkpoints" / f"step-{step:08d}.pt"
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    found = sorted((out_dir / "checkpoints").glob("step-*.pt"))
+    return found[-1] if found else None
+
+
+def save_checkpoint(path: Path, state: dict, keep_last: int) -> None:
+    """Atomic write (temporary file, then rename), then delete all but the newest ``keep_last`` checkpoints."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    if keep_last > 0:
+        for old in sorted(path.parent.glob("step-*.pt"))[:-keep_last]:
+            old.unlink()
+
+
+def load_checkpoint(path: Path) -> dict:
+    # Our own file: RNG states hold numpy arrays and tuples, which the weights-only unpickler refuses.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------------ logging
+
+
+class MetricLogger:
+    """Rank 0 writes metrics to ``metrics.jsonl`` and, if asked, TensorBoard or Weights & Biases (imported only
+    then, with a clear message when the package is missing). Other ranks log nothing."""
+
+    def __init__(self, report_to: str, out_dir: Path, config: dict, enabled: bool, run_name: str) -> None:
+        self.enabled, self.kind, self.backend = enabled, report_to, None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (out_dir / "metrics.jsonl").open("a")
+        if report_to == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise SystemExit(
+                    f"--report-to tensorboard needs the tensorboard package: pip install tensorboard ({exc})"
+                ) from exc
+            self.backend = SummaryWriter(log_dir=str(out_dir / "tensorboard" / run_name))
+            self.backend.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
+        elif report_to == "wandb":
+            try:
+                import wandb
+            except ImportError as exc:
+                raise SystemExit(f"--report-to wandb needs the wandb package: pip install wandb ({exc})") from exc
+            self.backend = wandb.init(project="ldmopt-train", name=run_name, config=config, dir=str(out_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.kind == "tensorboard":
+            for k, v in metrics.items():
+                self.backend.add_scalar(k, v, step)
+        elif self.kind == "wandb":
+            self.backend.log(metrics, step=step)
+
+    def image(self, step: int, tag: str, path: Path) -> None:
+        if not self.enabled or self.backend is None:
+            return
+        from PIL import Image
+
+        with Image.open(path) as im:
+            arr = np.asarray(im.convert("RGB"))
+        if self.kind == "tensorboard":
+            self.backend.add_image(tag, arr, step, dataformats="HWC")
+        else:
+            import wandb
+
+            self.backend.log({tag: wandb.Image(arr)}, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.close()
+        if self.kind == "tensorboard":
+            self.backend.close()
+        elif self.kind == "wandb":
+            self.backend.finish()
+
+
+# ------------------------------------------------------------------------------------------------ profiling
+
+
+class ProfileWindow:
+    """torch.profiler over a window of training steps (skip ``wait``, warm up ``warmup``, record ``active``).
+
+    Rank 0 writes ``<out_dir>/ops.txt`` (the operator table), ``trace.json`` (Chrome trace) and the ldmopt
+    category split (``categories.txt``/``categories.json``) when ``ldmopt.profiler`` is available.
+    """
+
+    def __init__(self, wait: int, warmup: int, active: int, out_dir: Path, device: torch.device, enabled: bool):
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.out_dir, self.enabled, self.done = out_dir, enabled, False
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        self.prof = profile(
+            activities=activities,
+            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+            on_trace_ready=self._ready,
+            record_shapes=True,
+        )
+        self.prof.start()
+
+    def step(self) -> None:
+        if not self.done:
+            self.prof.step()
+
+    def _ready(self, prof) -> None:
+        self.done = True
+        if not self.enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by=self.sort_key, row_limit=40)
+        (self.out_dir / "ops.txt").write_text(table + "\n")
+        prof.export_chrome_trace(str(self.out_dir / "trace.json"))
+        print(f"profile written to {self.out_dir}", flush=True)
+
+    def close(self) -> None:
+        self.prof.stop()

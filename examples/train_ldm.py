@@ -1,0 +1,404 @@
+#!/usr/bin/env python
+"""Train a diffusion UNet (or DiT) with ldmopt's fused layers: noise prediction, AdamW, EMA, mixed precision, exact
+resume, sample grids, TensorBoard/W&B, a profiling window, and data-parallel training under torchrun.
+
+Single process (GPU if present, else CPU), procedural coloured shapes at 32x32 with the small built-in UNet::
+
+    python examples/train_ldm.py --output-dir runs/shapes --max-steps 5000 --mixed-precision bf16
+
+Eight GPUs (NCCL), an image folder, a zoo config (SD1.5-size UNet on 256px images, 32x32 latents)::
+
+    torchrun --nproc_per_node 8 examples/train_ldm.py --model sd15 --data /path/to/images --resolution 256 \\
+        --batch-size 256 --mixed-precision bf16 --gradient-checkpointing --report-to tensorboard
+
+``--batch-size`` is the global batch (split over processes and ``--grad-accum`` micro-steps). Noise, timesteps and
+label drops are drawn per sample from (seed, epoch, index), so a checkpoint resumes exactly on the same number of
+processes and continues with the same loss (up to float summation order) on a different number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _train_data import (
+    DiffusionSamples,
+    EpochSampler,
+    ImageFolderDataset,
+    PatchLatents,
+    PixelSpace,
+    ShapesDataset,
+    VaeLatents,
+    save_grid,
+)
+from _train_model import EMA, build_denoiser, model_names, sample
+from _train_utils import (
+    DistInfo,
+    MetricLogger,
+    ProfileWindow,
+    checkpoint_path,
+    gather_objects,
+    init_distributed,
+    latest_checkpoint,
+    load_checkpoint,
+    mean_over_ranks,
+    parameter_digest,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="unet-small", help=f"built-in or zoo model: {', '.join(model_names())}")
+    g.add_argument("--tiny", action="store_true", help="zoo models: the tiny variant (ldmopt.configs.tiny_config)")
+    g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
+                   help="ldmopt.patch(model, training=True) (default: on)")  # fmt: skip
+    g.add_argument("--backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
+                   help="force one ldmopt backend for the fused ops (default: automatic choice)")  # fmt: skip
+    g.add_argument("--compile", action="store_true", help="torch.compile the (patched) model")
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC activations and weights (default: on with CUDA)")  # fmt: skip
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, help="image folder (sub-folders = classes); default: procedural shapes")
+    g.add_argument("--num-shapes", type=int, default=50_000, help="size of the procedural dataset")
+    g.add_argument("--resolution", type=int, default=32, help="image size in pixels")
+    g.add_argument("--hflip", action="store_true", help="image folder: random horizontal flips")
+    g.add_argument("--vae", default=None, help="local diffusers AutoencoderKL folder for latent models")
+    g.add_argument("--latent-factor", type=int, default=8, help="pixels per latent for zoo models without --vae")
+    g.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: 4 on CUDA, else 0)")
+    g = p.add_argument_group("diffusion")
+    g.add_argument("--num-train-timesteps", type=int, default=1000)
+    g.add_argument("--beta-schedule", default="linear", choices=["linear", "scaled_linear", "squaredcos_cap_v2"])
+    g.add_argument("--prediction-type", default="epsilon", choices=["epsilon", "v_prediction"])
+    g.add_argument("--cond-drop", type=float, default=0.1, help="probability of the null label (for CFG)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max-steps", type=int, default=5000)
+    g.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    g.add_argument("--lr", type=float, default=2e-4)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--lr-scheduler", default="constant_with_warmup",
+                   choices=["constant", "constant_with_warmup", "linear", "cosine"])  # fmt: skip
+    g.add_argument("--warmup-steps", type=int, default=200)
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--ema-decay", type=float, default=0.9999, help="0 disables the EMA")
+    g.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    g = p.add_argument_group("checkpoints, samples, logging")
+    g.add_argument("--output-dir", default="runs/train_ldm")
+    g.add_argument("--resume", default=None, help="checkpoint file, or 'auto' for the newest in --output-dir")
+    g.add_argument("--save-every", type=int, default=1000)
+    g.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (0 keeps all)")
+    g.add_argument("--save-final", action=argparse.BooleanOptionalAction, default=True,
+                   help="save the EMA model with save_pretrained at the end")  # fmt: skip
+    g.add_argument("--sample-every", type=int, default=1000, help="0 disables sampling")
+    g.add_argument("--num-sample-images", type=int, default=16)
+    g.add_argument("--sampler", default="ddim", choices=["ddim", "ddpm"])
+    g.add_argument("--sample-steps", type=int, default=50)
+    g.add_argument("--guidance-scale", type=float, default=3.0)
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb"])
+    g.add_argument("--run-name", default=None)
+    g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    g = p.add_argument_group("profiling (torch.profiler schedule; off unless --profile-active > 0)")
+    g.add_argument("--profile-wait", type=int, default=5)
+    g.add_argument("--profile-warmup", type=int, default=2)
+    g.add_argument("--profile-active", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _check_args(args: argparse.Namespace, info: DistInfo) -> int:
+    """Validate batch splitting; return the per-process micro-batch."""
+    per_step = info.world_size * args.grad_accum
+    if args.batch_size % per_step:
+        raise SystemExit(
+            f"--batch-size {args.batch_size} must be divisible by processes x --grad-accum = "
+            f"{info.world_size} x {args.grad_accum}"
+        )
+    if args.max_steps <= 0:
+        raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
+    return args.batch_size // per_step
+
+
+def _latent_codec(args, factor: int, in_channels: int) -> torch.nn.Module:
+    if factor == 1:
+        if in_channels != 3:
+            raise SystemExit(f"a pixel-space model needs 3 input channels, this one has {in_channels}")
+        return PixelSpace()
+    if args.vae:
+        codec = VaeLatents(args.vae)
+        if codec.factor != factor or codec.vae.config.latent_channels != in_channels:
+            raise SystemExit(
+                f"--vae {args.vae}: {codec.vae.config.latent_channels} latent channels at 1/{codec.factor} scale, "
+                f"the model needs {in_channels} at 1/{factor}"
+            )
+        return codec
+    return PatchLatents(in_channels, factor, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    info = init_distributed(args.device)
+    owns_group = info.world_size > 1
+    try:
+        if args.backend == "auto":
+            return train(args, info)
+        import ldmopt
+
+        with ldmopt.use_backend(args.backend):
+            return train(args, info)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, info: DistInfo) -> dict:
+    device, is_main = info.device, info.is_main
+    micro = _check_args(args, info)
+    out_dir = Path(args.output_dir)
+    channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 parts of the step (optimizer-free matmuls) run on TF32
+        torch.backends.cudnn.allow_tf32 = True
+    seed_everything(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+
+    # ---------------------------------------------------------------------------------------- data and model
+    if args.data:
+        base = ImageFolderDataset(args.data, args.resolution, hflip=args.hflip, seed=args.seed)
+    else:
+        base = ShapesDataset(args.resolution, args.num_shapes, seed=args.seed)
+    denoiser, factor, in_channels = build_denoiser(
+        args.model, base.num_classes, args.resolution, args.latent_factor, args.tiny
+    )
+    if args.resolution % factor:
+        raise SystemExit(f"--resolution {args.resolution} is not a multiple of the latent factor {factor}")
+    codec = _latent_codec(args, factor, in_channels).to(device)
+    latent_shape = (in_channels, args.resolution // factor, args.resolution // factor)
+    from diffusers import DDPMScheduler
+    from diffusers.optimization import get_scheduler
+
+    noise_scheduler = DDPMScheduler(
+        num_train_timesteps=args.num_train_timesteps,
+        beta_schedule=args.beta_schedule,
+        prediction_type=args.prediction_type,
+    )
+    resume_path = latest_checkpoint(out_dir) if args.resume == "auto" else args.resume
+    state = load_checkpoint(Path(resume_path)) if resume_path else None
+    if state is not None:
+        denoiser.load_state_dict(state["model"])
+    report = None
+    if args.fused:
+        import ldmopt
+
+        report = ldmopt.patch(denoiser.model, training=True)
+        if is_main:
+            print(report, flush=True)
+    denoiser.to(device)
+    if channels_last:
+        denoiser.to(memory_format=torch.channels_last)
+    if args.gradient_checkpointing:
+        denoiser.model.enable_gradient_checkpointing()
+    denoiser.train()
+    ema = EMA(denoiser, args.ema_decay) if args.ema_decay > 0 else None
+    params = [p for p in denoiser.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda" or None
+    )
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.max_steps
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision)
+
+    def autocast():
+        if amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=amp_dtype)
+
+    ddp = None
+    model: torch.nn.Module = denoiser
+    if info.world_size > 1:
+        ddp = DistributedDataParallel(denoiser, device_ids=[device.index] if device.type == "cuda" else None)
+        model = ddp
+    if args.compile:
+        model = torch.compile(model)
+
+    step = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        if ema is not None:
+            if state.get("ema") is None:
+                raise SystemExit(f"{resume_path} has no EMA state; resume with --ema-decay 0")
+            ema.load_state_dict(state["ema"])
+        step = state["step"]
+        if state["world_size"] == info.world_size:
+            set_rng_state(state["rng"][info.rank], device)
+        if is_main:
+            print(f"resumed from {resume_path} at step {step} (epoch {state['epoch']})", flush=True)
+            if state["batch_size"] != args.batch_size:
+                print(f"note: --batch-size {args.batch_size} differs from the checkpoint's {state['batch_size']}")
+
+    samples = DiffusionSamples(base, latent_shape, args.num_train_timesteps, args.cond_drop, args.seed)
+    sampler = EpochSampler(samples, info.world_size, info.rank, seed=args.seed)
+    workers = args.num_workers if args.num_workers is not None else (4 if device.type == "cuda" else 0)
+    loader = DataLoader(
+        samples, batch_size=micro, sampler=sampler, num_workers=workers, pin_memory=device.type == "cuda",
+        drop_last=True, persistent_workers=False,
+    )  # fmt: skip
+    steps_per_epoch = len(sampler.inner) // micro // args.grad_accum
+    if steps_per_epoch == 0:
+        raise SystemExit(f"the dataset has {len(base)} images, fewer than one global batch of {args.batch_size}")
+
+    # ---------------------------------------------------------------------------------------- helpers
+    run_name = args.run_name or f"{args.model}-{'fused' if args.fused else 'stock'}"
+    logger = MetricLogger(args.report_to, out_dir, vars(args), is_main, run_name)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+    def compute_loss(batch: dict) -> torch.Tensor:
+        images = batch["image"].to(device, non_blocking=True)
+        noise = batch["noise"].to(device, non_blocking=True)
+        t = batch["timestep"].to(device, non_blocking=True)
+        labels = batch["label"].to(device, non_blocking=True)
+        with torch.no_grad():
+            x0 = codec.encode(images, batch["posterior_noise"].to(device, non_blocking=True))
+        x_t = noise_scheduler.add_noise(x0, noise, t).contiguous(memory_format=fmt)
+        target = noise if args.prediction_type == "epsilon" else noise_scheduler.get_velocity(x0, noise, t)
+        with autocast():
+            pred = model(x_t, t, labels)
+        return F.mse_loss(pred.float(), target.float())
+
+    def make_samples(at_step: int) -> None:
+        labels = torch.arange(args.num_sample_images, device=device) % base.num_classes
+        denoiser.eval()
+        with ema.applied() if ema is not None else contextlib.nullcontext():
+            z = sample(
+                denoiser, noise_scheduler.config, labels, latent_shape, sampler=args.sampler,
+                steps=args.sample_steps, guidance=args.guidance_scale, seed=args.seed, autocast=autocast,
+                channels_last=channels_last,
+            )  # fmt: skip
+        denoiser.train()
+        path = save_grid(codec.decode(z), out_dir / "samples" / f"step-{at_step:08d}.png")
+        logger.image(at_step, "samples", path)
+
+    def save(at_step: int) -> None:
+        rng = gather_objects(rng_state(device), info)  # collective: every rank calls it
+        if not is_main:
+            return
+        epoch, pos = divmod(at_step, steps_per_epoch)
+        ckpt = {
+            "model": denoiser.state_dict(), "ema": ema.state_dict() if ema else None,
+            "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
+            "scaler": scaler.state_dict(), "step": at_step, "epoch": epoch, "batches_into_epoch": pos,
+            "world_size": info.world_size, "batch_size": args.batch_size, "rng": rng, "args": vars(args),
+        }  # fmt: skip
+        save_checkpoint(checkpoint_path(out_dir, at_step), ckpt, args.keep_last)
+
+    profiler = None
+    if args.profile_active > 0:
+        profiler = ProfileWindow(
+            args.profile_wait, args.profile_warmup, args.profile_active, out_dir / "profile", device, is_main
+        )
+
+    # ---------------------------------------------------------------------------------------- loop
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=args.max_steps, initial=step, disable=not is_main or args.no_progress, dynamic_ncols=True)
+    history: list[dict] = []
+    data_iter = None
+    window_start, window_images = time.perf_counter(), 0
+    start_step = step
+    while step < args.max_steps:
+        epoch, pos = divmod(step, steps_per_epoch)
+        if data_iter is None:
+            sampler.set_epoch(epoch, skip=pos * args.grad_accum * micro)
+            data_iter = iter(loader)
+        loss_sum = torch.zeros((), device=device)
+        for i in range(args.grad_accum):
+            batch = next(data_iter)
+            last = i == args.grad_accum - 1
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                loss = compute_loss(batch) / args.grad_accum
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        if args.max_grad_norm > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(step)
+        step += 1
+        window_images += args.batch_size
+        if pos + 1 == steps_per_epoch:
+            data_iter = None
+        if profiler is not None:
+            profiler.step()
+        if step == start_step + 1 and report is not None and is_main:
+            print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
+        bar.update(1)
+        if step % args.log_every == 0 or step == args.max_steps:
+            loss_value = mean_over_ranks(loss_sum, info)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss is {loss_value} at step {step}")
+            now = time.perf_counter()
+            metrics = {
+                "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0], "epoch": epoch,
+                "images_per_s": window_images / (now - window_start),
+            }  # fmt: skip
+            if scaler.is_enabled():
+                metrics["loss_scale"] = scaler.get_scale()
+            window_start, window_images = now, 0
+            history.append({"step": step, **metrics})
+            logger.log(step, metrics)
+            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{metrics['lr']:.2e}", ips=f"{metrics['images_per_s']:.1f}")
+        if args.save_every > 0 and (step % args.save_every == 0 or step == args.max_steps):
+            save(step)
+        if is_main and args.sample_every > 0 and (step % args.sample_every == 0 or step == args.max_steps):
+            make_samples(step)
+    bar.close()
+    if profiler is not None:
+        profiler.close()
+
+    # ---------------------------------------------------------------------------------------- wrap up
+    digests = gather_objects(parameter_digest(denoiser), info)
+    summary = {
+        "step": step, "world_size": info.world_size, "history": history, "param_digests": digests,
+        "ranks_in_sync": len(set(digests)) == 1, "fused": args.fused,
+        "patch": None if report is None else {"patched": report.total, "backends": report.backends()},
+    }  # fmt: skip
+    if is_main:
+        if args.save_final:
+            with ema.applied() if ema is not None else contextlib.nullcontext():
+                denoiser.model.save_pretrained(out_dir / "final")
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if not summary["ranks_in_sync"]:
+            print(f"warning: ranks ended with different parameters: {digests}", file=sys.stderr)
+    logger.close()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
