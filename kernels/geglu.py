@@ -1,0 +1,236 @@
+"""GEGLU (diffusers ``GEGLU``): ``y = (x Wh^T + bh) * gelu_erf(x Wg^T + bg)`` with ``W = [Wh; Wg]`` the [2I, K] weight
+of ``GEGLU.proj`` (value rows [0, I), gate rows [I, 2I)), forward and the elementwise part of its backward.
+
+Layout: x is addressed as [M, K] with arbitrary strides, the weight as [2I, K] with arbitrary strides, y is a fresh
+contiguous [M, I]. fp32/fp16/bf16 in and out; fp32 accumulation; int64 row offsets.
+Algorithm: one GEMM with two fp32 accumulators sharing each x tile (one flat K loop, grouped tile order); the epilogue
+writes I columns instead of the 2I-wide projection. When a backward pass will follow, the epilogue also stores the
+pre-activation [h | g] (2I columns, what the unfused path keeps alive too) so backward is one elementwise pass:
+dh = dy * gelu(g), dg = dy * h * gelu'(g), plus per-chunk column sums for d(bias).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import gelu_erf, gelu_erf_grad, new_output
+from .linear import (
+    bwd_tiles,
+    divisibility_attrs,
+    gemm_configs,
+    grouped_tile,
+    input_precision,
+    m_bucket,
+    prune_by_arch,
+    row_chunks,
+)
+
+_BWD_WARPS = 8
+
+
+@triton.jit
+def _geglu_fwd_kernel(
+    y_ptr,  # [M, I] contiguous
+    pre_ptr,  # [M, 2I] contiguous: [h | g] with bias, written when STORE_PRE
+    x_ptr,
+    w_ptr,  # [2I, K]
+    b_ptr,  # [2I]
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    M,
+    N,  # I, the output width
+    K,
+    M_BUCKET,  # autotune key only
+    HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Rows/columns past the edge wrap onto valid ones, so only the K tail needs a load mask; the store masks them.
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
+    wh_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+    wg_ptrs = w_ptr + (rn % N + N).to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+    acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        wh = tl.load(wh_ptrs, mask=k_ok[:, None], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
+        acc_h = tl.dot(a, wh, acc_h, input_precision=INPUT_PRECISION)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        wh_ptrs += BLOCK_K * stride_wk
+        wg_ptrs += BLOCK_K * stride_wk
+
+    n_ok = rn < N
+    mask = (rm < M)[:, None] & n_ok[None, :]
+    rm64 = rm.to(tl.int64)
+    if HAS_BIAS:
+        acc_h += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if STORE_PRE:
+        pre = pre_ptr + rm64[:, None] * (2 * N) + rn[None, :]
+        tl.store(pre, acc_h.to(pre_ptr.dtype.element_ty), mask=mask)
+        tl.store(pre + N, acc_g.to(pre_ptr.dtype.element_ty), mask=mask)
+    y = acc_h * gelu_erf(acc_g)
+    tl.store(y_ptr + rm64[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Both accumulators live in registers: a 128x128 tile holds 2 x 64 fp32 values per thread at 8 warps, which fits with
+# wgmma (sm_90) but spills 120 B with mma.sync (sm_80, at 8 or 16 warps), so those tiles are sm_90-only.
+GEGLU_TILES = [
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, lowest compute capability)
+    (128, 128, 64, 8, 3, 90),
+    (128, 128, 32, 8, 4, 90),
+    (128, 64, 64, 8, 4, 80),
+    (64, 128, 64, 8, 3, 80),
+    (128, 64, 32, 8, 4, 80),
+    (64, 64, 64, 4, 4, 80),
+]
+_geglu_fwd_tuned = triton.autotune(
+    configs=gemm_configs(GEGLU_TILES),
+    key=["M_BUCKET", "N", "K"],
+    prune_configs_by={"early_config_prune": prune_by_arch},
+)(_geglu_fwd_kernel)
+
+
+@triton.jit
+def _geglu_bwd_kernel(
+    dpre_ptr,  # [M, 2I] contiguous: [dh | dg]
+    part_db_ptr,  # [n_chunks, 2I] fp32: per-chunk column sums of [dh | dg]
+    dy_ptr,
+    pre_ptr,  # [M, 2I] contiguous [h | g]
+    stride_dym,
+    stride_dyn,
+    M,
+    N,  # I
+    ROWS_PER_PROG,
+    n_nblocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = pid % n_nblocks
+    chunk = pid // n_nblocks
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    m_begin = chunk * ROWS_PER_PROG
+    m_end = tl.minimum(m_begin + ROWS_PER_PROG, M)
+    sum_dh = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_dg = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for m0 in range(m_begin, m_end, BLOCK_M):
+        rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows < m_end)[:, None] & n_ok[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + rn[None, :] * stride_dyn, mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        pre = pre_ptr + rows[:, None] * (2 * N) + rn[None, :]
+        h = tl.load(pre, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(pre + N, mask=mask, other=0.0).to(tl.float32)
+        dh = tl.where(mask, dy * gelu_erf(g), 0.0)
+        dg = tl.where(mask, gelu_erf_grad(g, dy * h), 0.0)
+        out = dpre_ptr + rows[:, None] * (2 * N) + rn[None, :]
+        tl.store(out, dh.to(dpre_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + N, dg.to(dpre_ptr.dtype.element_ty), mask=mask)
+        sum_dh += tl.sum(dh, axis=0)
+        sum_dg += tl.sum(dg, axis=0)
+    part = part_db_ptr + chunk.to(tl.int64) * (2 * N) + rn
+    tl.store(part, sum_dh, mask=n_ok)
+    tl.store(part + N, sum_dg, mask=n_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------- launchers
+
+
+def geglu_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, save_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [M, I], pre): y = (x Wh^T + bh) * gelu_erf(x Wg^T + bg); pre = [h | g] ([M, 2I]) when save_pre, else an
+    empty tensor. x [M, K], weight [2I, K], bias [2I]; any strides."""
+    m, k = x.shape
+    n = weight.shape[0] // 2
+    y = new_output((m, n), device=x.device, dtype=x.dtype)
+    pre = new_output((m, 2 * n) if save_pre else (0,), device=x.device, dtype=x.dtype)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _geglu_fwd_tuned[grid](
+        y, pre, x, weight, bias if bias is not None else x, x.stride(0), x.stride(1), weight.stride(0),
+        weight.stride(1), m, n, k, m_bucket(m), HAS_BIAS=bias is not None, STORE_PRE=save_pre,
+        INPUT_PRECISION=input_precision(x.dtype),
+    )  # fmt: skip
+    return y, pre
+
+
+def geglu_bwd(dy: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dpre [M, 2I] in dy's dtype, dbias fp32 [2I]) from dy [M, I] (any strides) and the saved pre [M, 2I]."""
+    m, n = dy.shape
+    block_m, block_n = bwd_tiles(n)
+    n_nblocks = triton.cdiv(n, block_n)
+    rows, n_chunks = row_chunks(1, m, n_nblocks, block_m)
+    dpre = new_output((m, 2 * n), device=dy.device, dtype=dy.dtype)
+    part_db = torch.empty((n_chunks, 2 * n), device=dy.device, dtype=torch.float32)
+    _geglu_bwd_kernel[(n_chunks * n_nblocks,)](
+        dpre, part_db, dy, pre, dy.stride(0), dy.stride(1), m, n, rows, n_nblocks,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_BWD_WARPS,
+    )  # fmt: skip
+    return dpre, part_db.sum(0)
+
+
+def aot_specs() -> list[dict]:
+    """Representative compile configurations for the ahead-of-time gate (sm_80 / sm_90, no GPU needed)."""
+    specs = []
+
+    def fwd(name, dtype, tile, store_pre):
+        bm, bn, bk, warps, stages, arch = tile
+        signature = {
+            "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
+            "b_ptr": f"*{dtype}", "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
+            "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
+        }  # fmt: skip
+        constexprs = {
+            "stride_xk": 1, "stride_wk": 1, "HAS_BIAS": True, "STORE_PRE": store_pre, "INPUT_PRECISION": "tf32",
+            "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+        }  # fmt: skip
+        attrs = divisibility_attrs(_geglu_fwd_kernel, signature, constexprs, skip=("M", "M_BUCKET"))
+        archs = tuple(a for a in (80, 90) if a >= arch)
+        return dict(name=name, fn=_geglu_fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs,
+                    num_warps=warps, num_stages=stages, archs=archs)  # fmt: skip
+
+    # Every autotune tile in fp16 with the pre-activation stored (the training path, the heavier epilogue).
+    for tile in GEGLU_TILES:
+        tag = "x".join(map(str, tile[:3])) + f"w{tile[3]}s{tile[4]}" + ("" if tile[5] <= 80 else f",sm{tile[5]}+")
+        specs.append(fwd(f"geglu_fwd[fp16,train,{tag}]", "fp16", tile, True))
+    for dtype in ("fp16", "bf16"):
+        for tile in (GEGLU_TILES[0], GEGLU_TILES[2]):
+            tag = "x".join(map(str, tile[:3])) + ("" if tile[5] <= 80 else f",sm{tile[5]}+")
+            specs.append(fwd(f"geglu_fwd[{dtype},infer,{tag}]", dtype, tile, False))
+    specs.append(fwd("geglu_fwd[bf16,train,128x128x64,sm90+]", "bf16", GEGLU_TILES[0], True))
+    specs.append(fwd("geglu_fwd[bf16,train,128x64x64]", "bf16", GEGLU_TILES[2], True))
+    specs.append(fwd("geglu_fwd[fp32,infer,128x64x32]", "fp32", (128, 64, 32, 8, 3, 80), False))
+    block_m, block_n = bwd_tiles(1280)
+    for dtype in ("fp16", "bf16"):
+        signature = {
+            "dpre_ptr": f"*{dtype}", "part_db_ptr": "*fp32", "dy_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}",
+            "stride_dym": "i32", "stride_dyn": "i32", "M": "i32", "N": "i32", "ROWS_PER_PROG": "i32",
+            "n_nblocks": "i32",
+        }  # fmt: skip
+        constexprs = {"stride_dyn": 1, "BLOCK_M": block_m, "BLOCK_N": block_n}
+        attrs = divisibility_attrs(_geglu_bwd_kernel, signature, constexprs, skip=("M", "n_nblocks"))
+        specs.append(
+            dict(name=f"geglu_bwd[{dtype}]", fn=_geglu_bwd_kernel, signature=signature, constexprs=constexprs,
+                 attrs=attrs, num_warps=_BWD_WARPS)
+        )  # fmt: skip
+    return specs

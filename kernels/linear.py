@@ -1,0 +1,361 @@
+"""Linear layer with a fused epilogue: ``y = residual + gate[b] * act(x @ W^T + bias)``, forward, and the elementwise
+part of its backward.
+
+Layout: x is addressed as [M, K] with arbitrary strides (M = samples x tokens), the weight as nn.Linear's [N, K] with
+arbitrary strides, y is a fresh contiguous [M, N]. gate is [B, N] (any strides) applied to row m through sample
+b = m // T (T = M / B tokens per sample); residual is [M, N] with any strides. fp32/fp16/bf16 in and out; fp32
+accumulation; int64 row offsets.
+Algorithm: one flat K loop of tl.dot over [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles in grouped tile order (L2 reuse
+of the weight columns), then bias, activation, gate and residual on the fp32 accumulator. Backward: a row-chunked
+elementwise kernel writes dz = act'(z) * gate * dy and per-chunk column sums for d(bias) and d(gate); the matmuls
+dX = dz W and dW = dz^T x are left to torch.matmul (cuBLAS).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import ACTIVATIONS, new_output, next_power_of_2
+
+# Programs to aim for in the backward elementwise pass (several waves on a large GPU).
+_TARGET_PROGRAMS = 1024
+# Elements per backward tile: 4K keeps every thread at 16 fp32 values per live tensor at 8 warps.
+_BWD_TILE = 4096
+_BWD_WARPS = 8
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def gemm_configs(tiles: list[tuple[int, ...]]) -> list[triton.Config]:
+    """autotune configs from (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, lowest compute capability]); one
+    small config in the interpreter."""
+    if _interpreting():
+        tiles = [(32, 32, 32, 4, 1)]
+    configs = []
+    for bm, bn, bk, w, s, *arch in tiles:
+        config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        config.min_arch = arch[0] if arch else 0
+        configs.append(config)
+    return configs
+
+
+def prune_by_arch(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop tiles that spill below their lowest compute capability (asked at tuning time, never at import)."""
+    x = named_args["x_ptr"]
+    if x.device.type != "cuda":
+        return configs
+    major, minor = torch.cuda.get_device_capability(x.device)
+    kept = [c for c in configs if getattr(c, "min_arch", 0) <= 10 * major + minor]
+    return kept or configs
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for the row count: the next power of two, so every resolution does not re-tune."""
+    return next_power_of_2(m)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """tl.dot precision for fp32 operands, following torch's matmul setting ('highest' means no TF32)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) with GROUP_M row tiles sweeping the same column tiles back to back (L2 reuse)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _linear_fwd_kernel(
+    y_ptr,  # [M, N] contiguous
+    pre_ptr,  # [M, N] contiguous: x W^T + bias, written when STORE_PRE (saved for backward)
+    x_ptr,
+    w_ptr,
+    b_ptr,  # [N]
+    gate_ptr,  # [B, N]
+    res_ptr,  # [M, N]
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_gb,
+    stride_gn,
+    stride_rm,
+    stride_rn,
+    M,
+    N,
+    K,
+    T,
+    M_BUCKET,  # autotune key only
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Rows/columns past the edge wrap onto valid ones, so only the K tail needs a load mask; the store masks them.
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    n_ok = rn < N
+    mask = (rm < M)[:, None] & n_ok[None, :]
+    rm64 = rm.to(tl.int64)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_offs = rm64[:, None] * N + rn[None, :]
+    if STORE_PRE:
+        tl.store(pre_ptr + out_offs, acc.to(pre_ptr.dtype.element_ty), mask=mask)
+    out = ACTIVATION(acc)
+    if HAS_GATE:
+        sample = rm64 // T
+        g = tl.load(gate_ptr + sample[:, None] * stride_gb + rn[None, :] * stride_gn, mask=mask, other=0.0)
+        out = out * g.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rm64[:, None] * stride_rm + rn[None, :] * stride_rn, mask=mask, other=0.0)
+        out = out + r.to(tl.float32)
+    tl.store(y_ptr + out_offs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+LINEAR_TILES = [
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 32, 8, 4),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 64, 64, 4, 4),
+]
+_linear_fwd_tuned = triton.autotune(configs=gemm_configs(LINEAR_TILES), key=["M_BUCKET", "N", "K"])(_linear_fwd_kernel)
+
+
+@triton.jit
+def _linear_bwd_kernel(
+    dz_ptr,  # [M, N] contiguous: gradient of the pre-activation z = x W^T + bias
+    part_db_ptr,  # [B * n_chunks, N] fp32: per-chunk column sums of dz
+    part_dg_ptr,  # [B * n_chunks, N] fp32: per-chunk column sums of dy * act(z)
+    dy_ptr,
+    pre_ptr,  # [M, N] contiguous z (read when HAS_PRE)
+    gate_ptr,  # [B, N]
+    stride_dym,
+    stride_dyn,
+    stride_gb,
+    stride_gn,
+    N,
+    T,
+    ROWS_PER_PROG,
+    n_chunks,
+    n_nblocks,
+    ACTIVATION: tl.constexpr,
+    ACTIVATION_GRAD: tl.constexpr,
+    HAS_PRE: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    NEED_DGATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program: columns [BLOCK_N] of rows [t_begin, t_end) of one sample, so gate[b] is a [BLOCK_N] vector.
+    pid = tl.program_id(0)
+    pid_n = pid % n_nblocks
+    chunk = (pid // n_nblocks) % n_chunks
+    sample = (pid // (n_nblocks * n_chunks)).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    if HAS_GATE:
+        g = tl.load(gate_ptr + sample * stride_gb + rn * stride_gn, mask=n_ok, other=0.0).to(tl.float32)
+    t_begin = chunk * ROWS_PER_PROG
+    t_end = tl.minimum(t_begin + ROWS_PER_PROG, T)
+    sum_dz = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_dg = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t0 in range(t_begin, t_end, BLOCK_M):
+        t = t0 + tl.arange(0, BLOCK_M)
+        mask = (t < t_end)[:, None] & n_ok[None, :]
+        rows = sample * T + t.to(tl.int64)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + rn[None, :] * stride_dyn, mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        if HAS_PRE:
+            z = tl.load(pre_ptr + rows[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            z = dy
+        if NEED_DGATE:
+            sum_dg += tl.sum(tl.where(mask, dy * ACTIVATION(z), 0.0), axis=0)
+        if HAS_GATE:
+            dy = dy * g[None, :]
+        dz = tl.where(mask, ACTIVATION_GRAD(z, dy), 0.0)
+        sum_dz += tl.sum(dz, axis=0)
+        tl.store(dz_ptr + rows[:, None] * N + rn[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+    out = (sample * n_chunks + chunk) * N + rn
+    tl.store(part_db_ptr + out, sum_dz, mask=n_ok)
+    if NEED_DGATE:
+        tl.store(part_dg_ptr + out, sum_dg, mask=n_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------- launchers
+
+
+def linear_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    activation: str | None,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N]; pre = x W^T + bias when save_pre, else
+    an empty tensor. x [M, K], weight [N, K], gate [B, N] with M % B == 0, residual [M, N]; any strides."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = new_output((m, n), device=x.device, dtype=x.dtype)
+    pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=x.dtype)
+    tokens = m // gate.shape[0] if gate is not None else m
+    gs = gate.stride() if gate is not None else (0, 0)
+    rs = residual.stride() if residual is not None else (0, 0)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _linear_fwd_tuned[grid](
+        y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
+        residual if residual is not None else x, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        gs[0], gs[1], rs[0], rs[1], m, n, k, tokens, m_bucket(m),
+        ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
+        HAS_RESIDUAL=residual is not None, STORE_PRE=save_pre, INPUT_PRECISION=input_precision(x.dtype),
+    )  # fmt: skip
+    return y, pre
+
+
+def bwd_tiles(n: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the row-chunked backward passes: ~4K elements, columns widest."""
+    block_n = min(256, next_power_of_2(n))
+    return max(1, _BWD_TILE // block_n), block_n
+
+
+def row_chunks(num_samples: int, tokens: int, n_nblocks: int, block_m: int) -> tuple[int, int]:
+    """(ROWS_PER_PROG, n_chunks) so that a row-chunked pass launches about _TARGET_PROGRAMS programs."""
+    blocks = triton.cdiv(tokens, block_m)
+    want = max(1, min(blocks, triton.cdiv(_TARGET_PROGRAMS, num_samples * n_nblocks)))
+    rows = triton.cdiv(blocks, want) * block_m
+    return rows, triton.cdiv(tokens, rows)
+
+
+def linear_bwd(
+    dy: torch.Tensor,
+    pre: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    activation: str | None,
+    need_dgate: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dz, dbias fp32 [N], dgate fp32 [B, N] or None) for y = residual + gate * act(z): dz = act'(z) * gate * dy.
+
+    dy [M, N] any strides; pre (z) [M, N] contiguous, needed when activation is set or need_dgate."""
+    m, n = dy.shape
+    num_samples = gate.shape[0] if gate is not None else 1
+    tokens = m // num_samples
+    block_m, block_n = bwd_tiles(n)
+    n_nblocks = triton.cdiv(n, block_n)
+    rows, n_chunks = row_chunks(num_samples, tokens, n_nblocks, block_m)
+    dz = new_output((m, n), device=dy.device, dtype=dy.dtype)
+    part_db = torch.empty((num_samples * n_chunks, n), device=dy.device, dtype=torch.float32)
+    part_dg = torch.empty_like(part_db) if need_dgate else part_db
+    gs = gate.stride() if gate is not None else (0, 0)
+    act, act_grad = ACTIVATIONS[activation]
+    _linear_bwd_kernel[(num_samples * n_chunks * n_nblocks,)](
+        dz, part_db, part_dg, dy, pre if pre is not None else dy, gate if gate is not None else dy,
+        dy.stride(0), dy.stride(1), gs[0], gs[1], n, tokens, rows, n_chunks, n_nblocks,
+        ACTIVATION=act, ACTIVATION_GRAD=act_grad, HAS_PRE=pre is not None, HAS_GATE=gate is not None,
+        NEED_DGATE=need_dgate, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_BWD_WARPS,
+    )  # fmt: skip
+    dgate = part_dg.view(num_samples, n_chunks, n).sum(1) if need_dgate else None
+    return dz, part_db.sum(0), dgate
+
+
+def divisibility_attrs(fn, signature: dict, constexprs: dict, skip: tuple[str, ...] = ()) -> dict:
+    """Triton's runtime hint "multiple of 16" on every pointer and integer argument not in ``skip``, as a launch with
+    aligned tensors and sizes gets it: without it the compile has no vector loads and no cp.async pipelining."""
+    return {
+        (fn.arg_names.index(k),): [["tt.divisibility", 16]]
+        for k, v in signature.items()
+        if k not in constexprs and k not in skip and (v.startswith("*") or v.startswith("i"))
+    }
+
+
+def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre):
+    bm, bn, bk, warps, stages = tile
+    signature = {
+        "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
+        "b_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "stride_xm": "i32",
+        "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32", "stride_gb": "i32", "stride_gn": "i32",
+        "stride_rm": "i32", "stride_rn": "i32", "M": "i32", "N": "i32", "K": "i32", "T": "i32", "M_BUCKET": "i32",
+    }  # fmt: skip
+    constexprs = {
+        "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "ACTIVATION": ACTIVATIONS[activation][0],
+        "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual, "STORE_PRE": store_pre,
+        "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+    }  # fmt: skip
+    attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=("M", "T", "M_BUCKET"))
+    return dict(name=name, fn=_linear_fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs,
+                num_warps=warps, num_stages=stages)  # fmt: skip
+
+
+def aot_specs() -> list[dict]:
+    """Representative compile configurations for the ahead-of-time gate (sm_80 / sm_90, no GPU needed)."""
+    specs = []
+    # Every autotune tile with the heaviest epilogue (GELU-tanh, pre-activation stored) in fp16.
+    for tile in LINEAR_TILES:
+        tag = "x".join(map(str, tile[:3])) + f"w{tile[3]}s{tile[4]}"
+        specs.append(_fwd_spec(f"linear_fwd[fp16,gelu_tanh,{tag}]", "fp16", tile, "gelu_tanh", False, False, True))
+    main = (128, 128, 64, 8, 3)
+    specs.append(_fwd_spec("linear_fwd[bf16,gelu_tanh]", "bf16", main, "gelu_tanh", False, False, False))
+    specs.append(_fwd_spec("linear_fwd[bf16,gate+residual]", "bf16", main, None, True, True, True))
+    specs.append(_fwd_spec("linear_fwd[fp16,gelu,gate+residual]", "fp16", main, "gelu", True, True, True))
+    specs.append(_fwd_spec("linear_fwd[fp32,gelu_tanh]", "fp32", (128, 128, 32, 8, 3), "gelu_tanh", False, False, True))
+    block_m, block_n = bwd_tiles(4608)
+    for dtype, act, gate in (("fp16", "gelu_tanh", False), ("bf16", None, True), ("fp16", "gelu", True)):
+        signature = {
+            "dz_ptr": f"*{dtype}", "part_db_ptr": "*fp32", "part_dg_ptr": "*fp32", "dy_ptr": f"*{dtype}",
+            "pre_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "stride_dym": "i32", "stride_dyn": "i32",
+            "stride_gb": "i32", "stride_gn": "i32", "N": "i32", "T": "i32", "ROWS_PER_PROG": "i32",
+            "n_chunks": "i32", "n_nblocks": "i32",
+        }  # fmt: skip
+        constexprs = {
+            "stride_dyn": 1, "stride_gn": 1, "ACTIVATION": ACTIVATIONS[act][0], "ACTIVATION_GRAD": ACTIVATIONS[act][1],
+            "HAS_PRE": True, "HAS_GATE": gate, "NEED_DGATE": gate, "BLOCK_M": block_m, "BLOCK_N": block_n,
+        }  # fmt: skip
+        attrs = divisibility_attrs(_linear_bwd_kernel, signature, constexprs, skip=("T", "n_chunks", "n_nblocks"))
+        specs.append(
+            dict(name=f"linear_bwd[{dtype},{act},gate={gate}]", fn=_linear_bwd_kernel, signature=signature,
+                 constexprs=constexprs, attrs=attrs, num_warps=_BWD_WARPS)
+        )  # fmt: skip
+    return specs
