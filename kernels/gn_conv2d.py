@@ -65,14 +65,14 @@ def _stage_input(
 
     RESAMPLE 0: x itself (H x W). 1: nearest 2x upsample of x (2H x 2W). 2: 2x2 average pool of x (H//2 x W//2).
     """
-    coff = ci.to(tl.int64)[None, :] * sxc
+    coff = ci[None, :] * sxc
     if RESAMPLE == 2:
         valid = row_ok & (ih >= 0) & (ih < H // 2) & (iw >= 0) & (iw < W // 2)
         mask = valid[:, None] & c_mask[None, :]
         a = tl.zeros([ih.shape[0], ci.shape[0]], dtype=tl.float32)
         for dy in tl.static_range(2):
             for dx in tl.static_range(2):
-                roff = (2 * ih + dy).to(tl.int64) * sxh + (2 * iw + dx).to(tl.int64) * sxw
+                roff = (2 * ih + dy) * sxh + (2 * iw + dx) * sxw
                 v = tl.load(base + roff[:, None] + coff, mask=mask, other=0.0).to(tl.float32)
                 if NORMALIZE:
                     v = ACTIVATION(v * scale[None, :] + shift[None, :])
@@ -88,7 +88,7 @@ def _stage_input(
             sh = ih
             sw = iw
         mask = valid[:, None] & c_mask[None, :]
-        roff = sh.to(tl.int64) * sxh + sw.to(tl.int64) * sxw
+        roff = sh * sxh + sw * sxw
         a = tl.load(base + roff[:, None] + coff, mask=mask, other=0.0).to(tl.float32)
         if NORMALIZE:
             a = tl.where(mask, ACTIVATION(a * scale[None, :] + shift[None, :]), 0.0)
@@ -352,7 +352,7 @@ def gn_conv2d_fwd(
         return (t.stride(0), t.stride(2), t.stride(3), t.stride(1)) if t is not None else (0, 0, 0, 0)
 
     s = oh * ow
-    grid = lambda meta: (n * triton.cdiv(s, meta["BM"]) * triton.cdiv(c_out, meta["BN"]),)  # noqa: E731
+    grid = lambda meta: (n * triton.cdiv(s, meta["BM"]) * triton.cdiv(c_out, meta["BN"]),)
     _gn_conv2d_fwd_kernel[grid](
         y, ws, counters, out_mean, out_rstd, x,
         mean if normalize else dummy, rstd if normalize else dummy,
@@ -400,3 +400,69 @@ def group_norm_stats(x: torch.Tensor, num_groups: int, eps: float) -> tuple[torc
         mean, rstd, part_mean, part_m2, c, s, s_per_prog, n_chunks, num_groups, eps, BLOCK_R=block_r, num_warps=4
     )
     return mean, rstd
+
+
+_FP32_PTRS = ("out_mean_ptr", "out_rstd_ptr", "mean_ptr", "rstd_ptr")
+
+
+def _aot_spec(
+    name,
+    dtype,
+    cfg,
+    *,
+    kh=3,
+    stride=1,
+    resample="none",
+    normalize=True,
+    temb=False,
+    res=False,
+    sc=False,
+    out_stats=False,
+) -> dict:
+    bm, bn, bk, warps, stages = cfg
+    # Channels-last activations and weights (model.to(memory_format=torch.channels_last)): unit channel strides.
+    constexprs = {"sxc": 1, "swi": 1, "syc": 1, "src": 1, "ssc": 1, "swsi": 1}
+    constexprs.update(
+        KH=kh, KW=kh, STRIDE=stride, PAD=kh // 2, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
+        ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
+        HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc, SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
+        OUT_STATS=out_stats, STATS_BLOCK_G=32, STATS_BLOCK_CPG=16, DOT_PRECISION="tf32", BM=bm, BN=bn, BK=bk,
+    )  # fmt: skip
+    fn = _gn_conv2d_fwd_kernel.fn
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            sig[arg] = "constexpr"
+        elif arg == "ws_ptr":
+            sig[arg] = "*fp64"
+        elif arg == "counter_ptr":
+            sig[arg] = "*i32"
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32" if arg in _FP32_PTRS else f"*{dtype}"
+        else:
+            sig[arg] = "fp32" if arg in ("out_eps", "inv_scale") else "i32"
+    # What Triton's launcher specialises at run time for SD shapes: 16-byte aligned pointers, ints that are multiples
+    # of 16 (channels, strides, 64x64 / 32x32 spatial sizes); the autotune keys are not.
+    div16 = [k for k, v in sig.items() if v != "constexpr" and k not in ("out_eps", "inv_scale") and "KEY" not in k]
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in div16}
+    return dict(name=name, fn=fn, signature=sig, constexprs=constexprs, attrs=attrs, num_warps=warps, num_stages=stages)
+
+
+def aot_specs() -> list[dict]:
+    """Compile configurations for the ahead-of-time gate: the resnet-block convs at the tiles autotuning picks from.
+
+    Each spec carries ``attrs`` (the divisibility Triton specialises at run time); a gate that ignores them compiles
+    the unspecialised, unpipelined variant instead.
+    """
+    big, wide, narrow, tall = (128, 128, 32, 8, 3), (128, 256, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3)
+    return [
+        _aot_spec("gn_conv2d[fp16,3x3,conv1:temb+stats]", "fp16", big, temb=True, out_stats=True),
+        _aot_spec("gn_conv2d[fp16,3x3,conv2:shortcut+stats]", "fp16", big, sc=True, out_stats=True),
+        _aot_spec("gn_conv2d[bf16,3x3,conv1:temb+stats]", "bf16", wide, temb=True, out_stats=True),
+        _aot_spec("gn_conv2d[fp16,3x3,conv2:residual]", "fp16", narrow, res=True),
+        _aot_spec("gn_conv2d[fp16,3x3,up]", "fp16", narrow, resample="up", temb=True, out_stats=True),
+        _aot_spec("gn_conv2d[fp16,3x3,down+shortcut]", "fp16", tall, resample="down", sc=True, out_stats=True),
+        _aot_spec("gn_conv2d[fp16,3x3,stride2,plain]", "fp16", big, stride=2, normalize=False),
+        _aot_spec("gn_conv2d[fp16,1x1,gn]", "fp16", big, kh=1),
+        _aot_spec("gn_conv2d[fp32,3x3,conv1:temb+stats]", "fp32", tall, temb=True, out_stats=True),
+    ]
