@@ -186,12 +186,12 @@ def inputs(family: str, model, batch: int = 2, frames: int = 3) -> dict:
             pooled_projections=torch.randn(batch, 16, **kw),
         )
     if family == "flux":
-        n_img, n_txt = 16, 5
+        grid = torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij")
+        img_ids = torch.stack(grid, -1).reshape(-1, 3).to(p.device)
         return dict(
-            hidden_states=torch.randn(batch, n_img, 8, **kw), encoder_hidden_states=torch.randn(batch, n_txt, 16, **kw),
-            pooled_projections=torch.randn(batch, 16, **kw), timestep=t.to(p.dtype) / 1000,
-            img_ids=torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).reshape(-1, 3).to(p.device),
-            txt_ids=torch.zeros(n_txt, 3, device=p.device),
+            hidden_states=torch.randn(batch, 16, 8, **kw), encoder_hidden_states=torch.randn(batch, 5, 16, **kw),
+            pooled_projections=torch.randn(batch, 16, **kw), timestep=t.to(p.dtype) / 1000, img_ids=img_ids,
+            txt_ids=torch.zeros(5, 3, device=p.device),
         )  # fmt: skip
     if family == "animatediff":  # the AnimateDiff pipeline repeats the prompt per frame before the UNet
         return dict(

@@ -1,0 +1,247 @@
+"""``ldmopt demo``: run a small diffusion model unpatched and patched, check the outputs agree, time both.
+
+The default (``--model sd``) is a whole StableDiffusionPipeline built offline: the tiny SD1.5 UNet and VAE of
+``ldmopt.configs`` with random weights from a fixed seed, a tiny CLIP text encoder and a byte-level CLIP tokenizer
+constructed in memory. Other ``--model`` names (the zoo's tiny denoisers: dit, animatediff, svd, ...) run the
+denoiser alone for ``--steps`` calls. Heavy imports (diffusers, transformers) happen inside :func:`run_demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+#: Images in [0, 1] (sd) or denoiser outputs: patched vs stock max abs difference allowed, per dtype name.
+TOLERANCE = {"float32": 2e-3, "float16": 3e-2, "bfloat16": 6e-2}
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+TEXT_HIDDEN_LAYERS = 2
+TEXT_TOKENS = 77
+PROMPT = "a photograph of an astronaut riding a horse"
+
+
+def _model_choices() -> list[str]:
+    try:
+        from .configs import names
+    except ImportError:
+        return ["sd"]
+    return ["sd", *(n for n in names() if n not in ("sd15",))]
+
+
+def configure_demo(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="sd", choices=_model_choices(),
+                        help="sd: a tiny StableDiffusionPipeline (default); other names: that zoo family's tiny "
+                             "denoiser alone")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float16 on cuda, float32 on cpu")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps (or denoiser calls)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
+                        help="ldmopt backend of the patched run; on cpu, triton = the Triton interpreter")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", metavar="PNG", help="write the stock and patched images side by side (sd only)")
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+def build_tiny_sd_pipeline(device: Any = "cpu", dtype: Any = None, seed: int = 0):
+    """A StableDiffusionPipeline with random tiny weights (fixed seed), built without any download."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    # diffusers' pipeline imports make transformers warn about optional vision backends this demo does not use.
+    transformers_logging.set_verbosity_error()
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from .configs import build_model
+
+    dtype = dtype or torch.float32
+    torch.manual_seed(seed)
+    unet = build_model("sd15", tiny=True, device=device, dtype=dtype)
+    vae = build_model("sd15-vae", tiny=True, device=device, dtype=dtype)
+    # Byte-level vocabulary without merges: every character is a token, which is all a tiny demo needs.
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        for ch in sorted(ByteLevel.alphabet()):
+            vocab.setdefault(ch + suffix, len(vocab))
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=TEXT_TOKENS)
+    width = unet.config.cross_attention_dim
+    text_config = CLIPTextConfig(
+        vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=TEXT_HIDDEN_LAYERS,
+        num_attention_heads=2, max_position_embeddings=TEXT_TOKENS, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    text_encoder = CLIPTextModel(text_config).to(device=device, dtype=dtype).eval()
+    scheduler = DDIMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False, set_alpha_to_one=False,
+        steps_offset=1,
+    )  # fmt: skip
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def sd_image_size(pipe) -> int:
+    """Pixels per side giving the tiny UNet 16x16 latents (every level at least 2x2)."""
+    return 16 * pipe.vae_scale_factor
+
+
+def run_sd(pipe, steps: int, seed: int):
+    """(images (B, 3, H, W) in [0, 1], seconds per denoising step)."""
+    import torch
+
+    stamps: list[float] = []
+
+    def on_step_end(_pipe, _step, _t, kwargs):
+        stamps.append(time.perf_counter())
+        return kwargs
+
+    size = sd_image_size(pipe)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        images = pipe(PROMPT, num_inference_steps=steps, height=size, width=size, generator=generator,
+                      output_type="pt", callback_on_step_end=on_step_end).images  # fmt: skip
+    marks = [start, *stamps]
+    # The first interval also holds text encoding and latent setup; the median of the rest is the step time.
+    per_step = [b - a for a, b in itertools.pairwise(marks)]
+    return images.float().cpu(), statistics.median(per_step[1:] or per_step)
+
+
+def run_denoiser(model, inputs, steps: int):
+    """(last output, seconds per call) for ``steps`` calls of a zoo denoiser."""
+    import torch
+
+    from .configs import run_model
+
+    times, out = [], None
+    with torch.no_grad():
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = run_model(model, inputs)
+            _sync(out)
+            times.append(time.perf_counter() - start)
+    out = out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
+    return out.float().cpu(), statistics.median(times[1:] or times)
+
+
+def _sync(out) -> None:
+    import torch
+
+    t = out[0] if isinstance(out, tuple) else out
+    if isinstance(t, torch.Tensor) and t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+
+
+def _category_split(run, device) -> str:
+    """The per-category time split of one patched run (ldmopt.profiler), or why it is not shown."""
+    import importlib.util
+
+    if importlib.util.find_spec("ldmopt.profiler") is None:
+        return "per-category time split: not available (ldmopt.profiler is not part of this build)"
+    from . import profiler
+
+    try:
+        result = profiler.profile(run, device=device)
+    except Exception as exc:  # the split is informative; never fail the demo on it
+        return f"per-category time split: unavailable ({type(exc).__name__}: {exc})"
+    return f"per-category time split (patched run):\n{result}"
+
+
+def _save_side_by_side(path: str, stock, patched) -> None:
+    import numpy as np
+    from PIL import Image
+
+    def to_uint8(images):
+        return (images[0].clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+
+    both = np.concatenate([to_uint8(stock), to_uint8(patched)], axis=1)
+    Image.fromarray(both).save(path)
+
+
+def _resolve(args) -> tuple[Any, Any, str]:
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    name = args.dtype
+    if name == "auto":
+        name = "float16" if device.type == "cuda" else "float32"
+    return device, getattr(torch, name), name
+
+
+def _backend_note(device, backend: str) -> str:
+    if device.type == "cuda":
+        return f"backend: {backend} (cuda device: ldmopt's Triton/CUDA kernels where they accept the inputs)"
+    if backend == "triton":
+        return "backend: triton on cpu -> the Triton interpreter (TRITON_INTERPRET=1): exact kernels, slow"
+    if os.environ.get("TRITON_INTERPRET") == "1" and backend == "auto":
+        return "backend: auto on cpu with TRITON_INTERPRET=1 -> Triton kernels in the interpreter where they accept"
+    return (
+        f"backend: {backend} on cpu -> the reference backend (torch) runs ldmopt's ops; "
+        "--backend triton runs the Triton kernels in the interpreter"
+    )
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        print("ldmopt demo: --steps must be at least 1", file=sys.stderr)
+        return 2
+    device, dtype, dtype_name = _resolve(args)
+    if device.type == "cpu" and args.backend == "triton":
+        # Must be set before any Triton kernel is defined (triton.jit reads it when decorating).
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    import ldmopt
+    from ldmopt.patch import patch, unpatch
+
+    print(f"ldmopt demo: model={args.model} device={device} dtype={dtype_name} steps={args.steps} seed={args.seed}")
+    print(_backend_note(device, args.backend))
+    if args.model == "sd":
+        pipe = build_tiny_sd_pipeline(device, dtype, args.seed)
+        target = pipe
+        run = lambda: run_sd(pipe, args.steps, args.seed)
+    else:
+        from .configs import build_model, example_inputs
+
+        torch.manual_seed(args.seed)
+        target = build_model(args.model, tiny=True, device=device, dtype=dtype)
+        inputs = example_inputs(target)
+        run = lambda: run_denoiser(target, inputs, args.steps)
+
+    stock, stock_step = run()
+    report = patch(target)
+    with ldmopt.use_backend(args.backend):
+        patched, patched_step = run()
+        split = _category_split(run, device) if report.total else "per-category time split: nothing was patched"
+    print(report)
+    err = (patched - stock).abs().max().item()
+    tol = TOLERANCE[dtype_name]
+    agree = bool(torch.isfinite(patched).all()) and err <= tol
+    print(f"outputs agree: {'yes' if agree else 'NO'} (max abs difference {err:.2e}, tolerance {tol:.0e})")
+    print(f"time per step: stock {stock_step * 1e3:.1f} ms, patched {patched_step * 1e3:.1f} ms")
+    if device.type == "cpu":
+        print("(cpu timings of a tiny random model say nothing about GPU speed)")
+    print(split)
+    if args.save:
+        if args.model == "sd":
+            _save_side_by_side(args.save, stock, patched)
+            print(f"saved stock | patched images to {args.save}")
+        else:
+            print("--save: only the sd pipeline produces images; nothing saved")
+    unpatch(target)
+    return 0 if agree else 1

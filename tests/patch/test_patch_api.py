@@ -1,0 +1,208 @@
+"""ldmopt.patch / unpatch behaviour on tiny models: report, reversibility, parameter sharing, guards, compile."""
+
+import pytest
+import torch
+from torch import nn
+
+import ldmopt
+from ldmopt.patch import PatchError, PatchReport, is_patched, rule_table
+from ldmopt.patch.rule import FusedAway
+from tests.patch import models
+from tests.patch.helpers import assert_outputs_close, assert_same_snapshot, output_tensor, snapshot
+
+
+def _run(model, kwargs):
+    with torch.no_grad():
+        return output_tensor(model(**kwargs))
+
+
+def _n_group_norms(model):
+    return sum(type(m) is nn.GroupNorm for m in model.modules())
+
+
+def test_vae_report_outputs_and_unpatch_bit_for_bit():
+    vae = models.vae().eval()
+    x = models.inputs("vae", vae)
+    ref = _run(vae, x)
+    before = snapshot(vae)
+    n_gn = _n_group_norms(vae)
+
+    with ldmopt.use_backend("torch"):
+        report = ldmopt.patch(vae)
+        out = _run(vae, x)
+    assert isinstance(report, PatchReport)
+    # Encoder and Decoder heads: GroupNorm+SiLU; every other GroupNorm (resnets, mid-block attention) plain.
+    assert report.counts() == {"group_norm": n_gn - 2, "group_norm_silu": 2}
+    assert not report.skipped
+    assert report.backends()["group_norm"] == {"torch": n_gn}
+    assert_outputs_close(out, ref, name="vae")
+    assert "activation='silu'" in repr(vae.encoder.conv_norm_out) and "ldmopt" in repr(vae.encoder.conv_act)
+    assert isinstance(vae.decoder.conv_act, FusedAway)
+    text = str(report)
+    assert "group_norm_silu" in text and "torch x" in text
+    assert is_patched(vae)
+
+    assert ldmopt.unpatch(vae) == n_gn
+    assert not is_patched(vae)
+    assert_same_snapshot(before, snapshot(vae))
+    assert torch.equal(_run(vae, x), ref)
+
+
+def test_parameters_shared_and_state_dict_keys_kept():
+    unet = models.sd15_unet().eval()
+    params = {n: (id(p), p.data_ptr()) for n, p in unet.named_parameters()}
+    keys = list(unet.state_dict())
+    ldmopt.patch(unet)
+    assert {n: (id(p), p.data_ptr()) for n, p in unet.named_parameters()} == params
+    assert list(unet.state_dict()) == keys
+
+
+def test_patch_twice_is_a_noop():
+    unet = models.sd15_unet().eval()
+    first = ldmopt.patch(unet)
+    tree = [(n, id(m), type(m)) for n, m in unet.named_modules()]
+    second = ldmopt.patch(unet)
+    assert second.total == 0 and second.already_patched == first.total
+    assert [(n, id(m), type(m)) for n, m in unet.named_modules()] == tree
+    assert ldmopt.unpatch(unet) == first.total
+    assert ldmopt.unpatch(unet) == 0
+
+
+def test_load_state_dict_and_save_pretrained_on_patched(tmp_path):
+    vae = models.vae().eval()
+    ldmopt.patch(vae)
+    new_state = {k: torch.randn_like(v) for k, v in vae.state_dict().items()}
+    vae.load_state_dict(new_state)
+    vae.save_pretrained(tmp_path)
+    type(vae).from_pretrained(tmp_path)  # loads into a stock model
+    reloaded = type(vae).from_pretrained(tmp_path).state_dict()
+    assert list(reloaded) == list(new_state)
+    assert all(torch.equal(reloaded[k], v) for k, v in new_state.items())
+    ldmopt.unpatch(vae)  # the stock modules share the parameters, so they hold the loaded values
+    assert all(torch.equal(vae.state_dict()[k], v) for k, v in new_state.items())
+
+
+def test_families_and_filter_fn():
+    vae = models.vae().eval()
+    with pytest.raises(ValueError, match="unknown families"):
+        ldmopt.patch(vae, families={"nope"})
+    assert ldmopt.patch(vae, families=set()).total == 0
+    report = ldmopt.patch(vae, filter_fn=lambda m, name: not name.startswith("decoder"))
+    assert all(r.name.startswith("encoder") or r.name.startswith("quant") for r in report.replaced)
+    assert report.skipped and all(s.by_user and s.name.startswith("decoder") for s in report.skipped)
+    assert type(vae.decoder.conv_norm_out) is nn.GroupNorm
+
+
+def test_hooks_are_left_stock_and_strict_raises():
+    vae = models.vae().eval()
+    hooked = vae.encoder.down_blocks[0].resnets[0].norm1
+    hooked.register_forward_hook(lambda m, i, o: None)
+    before = snapshot(vae)
+    with pytest.raises(PatchError, match="forward hooks"):
+        ldmopt.patch(vae, strict=True)
+    assert_same_snapshot(before, snapshot(vae))  # strict refuses before changing anything
+
+    report = ldmopt.patch(vae)
+    (skip,) = report.skipped
+    assert skip.name == "encoder.down_blocks.0.resnets.0.norm1" and "forward hooks" in skip.reasons[0]
+    assert vae.encoder.down_blocks[0].resnets[0].norm1 is hooked
+    # The SiLU of conv_act has a hook: the head stays stock, its GroupNorm still gets the plain rule.
+    vae2 = models.vae().eval()
+    vae2.decoder.conv_act.register_forward_pre_hook(lambda m, a: None)
+    report = ldmopt.patch(vae2)
+    assert report.counts()["group_norm_silu"] == 1 and type(vae2.decoder.conv_act) is nn.SiLU
+    assert any(s.rule == "group_norm_silu" and "decoder.conv_act" in s.reasons[0] for s in report.skipped)
+
+
+def test_instance_forward_and_quantized_weights_are_left_stock():
+    vae = models.vae().eval()
+    gn = vae.encoder.mid_block.resnets[0].norm2
+    gn.forward = gn.forward  # what accelerate's add_hook_to_module does
+    q = vae.decoder.mid_block.resnets[0].norm1
+    q.weight = nn.Parameter(torch.zeros(q.num_channels, dtype=torch.int8), requires_grad=False)
+    report = ldmopt.patch(vae)
+    reasons = {s.name: s.reasons for s in report.skipped}
+    assert "wrapped on the instance" in reasons["encoder.mid_block.resnets.0.norm2"][0]
+    assert "torch.int8" in reasons["decoder.mid_block.resnets.0.norm1"][0]
+
+
+def test_patch_after_compile_is_refused():
+    unet = models.sd15_unet().eval()
+    with pytest.raises(PatchError, match="patch first, then compile"):
+        ldmopt.patch(torch.compile(unet))
+    unet.down_blocks[0].compile()
+    with pytest.raises(PatchError, match=r"down_blocks\.0 is already compiled"):
+        ldmopt.patch(unet)
+
+
+def test_rule_table_keyed_by_class():
+    from diffusers.models.autoencoders.vae import Decoder, Encoder
+
+    table = rule_table()
+    assert [r.name for r in table[nn.GroupNorm]] == ["group_norm"]
+    assert table[Encoder][0].name == table[Decoder][0].name == "group_norm_silu"
+    for rules in table.values():
+        for rule in rules:
+            assert rule.family in ldmopt.patch.FAMILIES
+
+
+def test_compile_fullgraph_patched_unet():
+    unet = models.sd15_unet().eval()
+    x = models.inputs("sd15", unet)
+    ref = _run(unet, x)
+    ldmopt.patch(unet)
+    torch._dynamo.reset()
+    compiled = torch.compile(unet, fullgraph=True, backend="aot_eager")
+    with ldmopt.use_backend("torch"):
+        out = _run(compiled, x)
+    assert_outputs_close(out, ref, name="compiled")
+
+
+def test_lora_unet_patched_keeps_lora():
+    from peft import LoraConfig
+
+    unet = models.sd15_unet().eval()
+    unet.add_adapter(LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2"]))
+    for name, p in unet.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)  # non-zero so the LoRA changes the output
+    x = models.inputs("sd15", unet)
+    ref = _run(unet, x)
+    unet.disable_adapters()
+    without = _run(unet, x)
+    unet.enable_adapters()
+    assert (ref - without).abs().max() > 1e-3
+    report = ldmopt.patch(unet)
+    assert report.total > 0
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(unet, x), ref, name="lora")
+    skipped_lora = [s for s in report.skipped if any("PEFT/LoRA" in r for r in s.reasons)]
+    for s in skipped_lora:  # rules that would bypass a LoRA layer stay stock
+        assert s.rule != "group_norm"
+    ldmopt.unpatch(unet)
+    assert torch.equal(_run(unet, x), ref)
+
+
+@pytest.mark.parametrize("order", ["fuse_then_patch", "patch_then_fuse"])
+def test_fuse_qkv_projections_interplay(order):
+    unet = models.sd15_unet().eval()
+    x = models.inputs("sd15", unet)
+    ref = _run(unet, x)
+    if order == "fuse_then_patch":
+        unet.fuse_qkv_projections()
+        before = snapshot(unet)
+        report = ldmopt.patch(unet)
+    else:
+        before = snapshot(unet)
+        report = ldmopt.patch(unet)
+        unet.fuse_qkv_projections()
+    assert report.total > 0
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(unet, x), ref, name=order)
+    if order == "patch_then_fuse":
+        unet.unfuse_qkv_projections()
+    ldmopt.unpatch(unet)
+    after = snapshot(unet)
+    if order == "fuse_then_patch":
+        assert_same_snapshot(before, after)
+    assert torch.allclose(_run(unet, x), ref, atol=1e-5)

@@ -1,0 +1,25 @@
+"""A whole tiny StableDiffusionPipeline, patched vs unpatched, end to end."""
+
+import torch
+
+import ldmopt
+from ldmopt.demo import build_tiny_sd_pipeline, run_sd
+from tests.patch.helpers import assert_same_snapshot, snapshot
+
+
+def test_tiny_sd_pipeline_patched_vs_stock():
+    pipe = build_tiny_sd_pipeline("cpu", torch.float32, seed=0)
+    stock, _ = run_sd(pipe, steps=2, seed=1)
+    before = {name: snapshot(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    report = ldmopt.patch(pipe)
+    assert set(report.models) == {"unet", "vae", "text_encoder"}
+    assert report.counts("unet")["group_norm_silu"] == 1 and report.counts("vae")["group_norm_silu"] == 2
+    assert report.counts("text_encoder") == {}
+    with ldmopt.use_backend("torch"):
+        patched, _ = run_sd(pipe, steps=2, seed=1)
+    assert stock.shape == patched.shape and stock.shape[-1] == 16 * pipe.vae_scale_factor
+    # Images in [0, 1] after 2 DDIM steps and the VAE decoder, fp32: only rounding differs.
+    torch.testing.assert_close(patched, stock, atol=2e-4, rtol=0)
+    assert ldmopt.unpatch(pipe) == report.total
+    for name, snap in before.items():
+        assert_same_snapshot(snap, snapshot(getattr(pipe, name)))

@@ -1,0 +1,21 @@
+"""`ldmopt demo` runs on CPU, exits 0, prints what was patched, and saves both images."""
+
+from PIL import Image
+
+from ldmopt.cli import main
+
+
+def test_demo_sd_exits_zero_and_saves(tmp_path, capsys):
+    out = tmp_path / "demo.png"
+    assert main(["demo", "--steps", "2", "--backend", "torch", "--save", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "outputs agree: yes" in text
+    assert "group_norm_silu" in text and "time per step: stock" in text
+    assert "reference backend (torch)" in text
+    image = Image.open(out)
+    assert image.width == 2 * image.height  # stock | patched
+
+
+def test_demo_other_family_denoiser(capsys):
+    assert main(["demo", "--model", "animatediff", "--steps", "2", "--backend", "torch"]) == 0
+    assert "outputs agree: yes" in capsys.readouterr().out
