@@ -10,7 +10,9 @@ import glob
 import json
 import os
 import shutil
+import subprocess
 import sys
+import time
 
 from setuptools import find_packages, setup
 
@@ -53,7 +55,8 @@ def _cuda_extension():
         candidate = os.path.join(torch_site, "nvidia", sub, "include")
         if os.path.isdir(candidate):
             include_dirs.append(candidate)
-    nvcc_flags = ["-O3", "--use_fast_math", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+    # torch 2.14 headers need C++20 (std::strong_ordering, requires-clauses).
+    nvcc_flags = ["-O3", "--use_fast_math", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr"]
     nvcc_threads = os.environ.get("NVCC_THREADS")
     if nvcc_threads:
         nvcc_flags.append(f"--threads={nvcc_threads}")
@@ -61,18 +64,43 @@ def _cuda_extension():
         name="ldmopt._C",
         sources=sources,
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc_flags},
         py_limited_api=False,
     )
-    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
     info = {
         "built": True,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
+        "nvcc": _nvcc_version(cuda_home),
         "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
+        "max_jobs": os.environ.get("MAX_JOBS"),
+        "nvcc_threads": nvcc_threads,
         "sources": sources,
     }
-    return [ext], {"build_ext": build_ext}, info
+    return [ext], {"build_ext": _timed_build_ext(cpp_extension, info)}, info
+
+
+def _nvcc_version(cuda_home: str) -> str | None:
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True)
+    except OSError:
+        return None
+    lines = [line for line in out.stdout.splitlines() if "release" in line]
+    return lines[-1].strip() if lines else None
+
+
+def _timed_build_ext(cpp_extension, info: dict):
+    """BuildExtension (ninja) that records the build's wall time and marks the extension built only on success."""
+    base = cpp_extension.BuildExtension.with_options(use_ninja=True)
+
+    class TimedBuildExt(base):
+        def run(self):
+            _write_build_info({"built": False, "reason": "the ldmopt._C build started but did not finish"})
+            start = time.monotonic()
+            super().run()
+            _write_build_info({**info, "build_seconds": round(time.monotonic() - start, 1)})
+
+    return TimedBuildExt
 
 
 ext_modules, cmdclass, status = _cuda_extension()
@@ -81,7 +109,6 @@ if isinstance(status, str):
     _write_build_info({"built": False, "reason": status})
 else:
     _say(f"building CUDA extension ldmopt._C for TORCH_CUDA_ARCH_LIST={status['arch_list']}")
-    _write_build_info(status)
 
 setup(
     packages=[*find_packages(include=["ldmopt", "ldmopt.*"]), "ldmopt.kernels"],

@@ -1,0 +1,24 @@
+// Torch-free types shared by the kernel launchers (.cu), the torch glue (.cpp) and the CPU emulator tests.
+#pragma once
+
+#include <cstdint>
+
+struct CUstream_st;  // the same incomplete type cudaStream_t points to
+
+namespace ldmopt {
+
+using Stream = CUstream_st*;
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
+// Elements per 16-byte packed access.
+inline int max_vec(DType d) { return 16 / dtype_bytes(d); }
+
+template <typename T>
+constexpr T ceil_div(T a, T b) {
+  return (a + b - 1) / b;
+}
+
+}  // namespace ldmopt

@@ -1,0 +1,173 @@
+// Torch glue of the GroupNorm kernels: argument checks (shared by the CUDA and Meta implementations), output and
+// scratch allocation, and the launch on the current stream.
+#include "group_norm/group_norm.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common/torch_utils.h"
+
+namespace ldmopt::group_norm {
+namespace {
+
+constexpr const char* kFwd = "ldmopt.group_norm_fwd_cuda";
+constexpr const char* kBwd = "ldmopt.group_norm_bwd_cuda";
+
+// True for channels-last (C contiguous), false for contiguous; anything else is refused.
+bool channels_last_layout(const at::Tensor& x, const char* op, const char* name) {
+  if (x.is_contiguous()) return false;
+  if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) return true;
+  if (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)) return true;
+  if (x.dim() == 3 && x.transpose(1, 2).is_contiguous()) return true;
+  TORCH_CHECK(false, op, ": ", name, " must be contiguous or channels-last, got shape ", x.sizes(), " with strides ",
+              x.strides());
+  return false;
+}
+
+void check_affine(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* op, const char* name) {
+  if (!t.has_value() || !t->defined()) return;
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == x.size(1), op, ": ", name, " must have shape [C] = [", x.size(1),
+              "], got ", t->sizes());
+  TORCH_CHECK_TYPE(t->is_floating_point(), op, ": ", name, " has dtype ", t->scalar_type(),
+                   "; supported: floating point");
+  check_same_device(*t, x, op, name, "x");
+}
+
+Problem check_common(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias, int64_t num_groups, std::string_view activation,
+                     const char* op) {
+  TORCH_CHECK(x.dim() >= 3 && x.dim() <= 5, op, ": x must have 3 to 5 dims (N, C, *spatial), got shape ",
+              x.sizes());
+  const DType dtype = dtype_of(x, op, "x");
+  TORCH_CHECK(x.numel() > 0, op, ": x is empty (shape ", x.sizes(), "); at least one element is needed");
+  TORCH_CHECK(num_groups > 0, op, ": num_groups must be positive, got ", num_groups);
+  TORCH_CHECK(x.size(1) % num_groups == 0, op, ": num_groups=", num_groups, " does not divide C=", x.size(1),
+              " (x shape ", x.sizes(), ")");
+  TORCH_CHECK(activation.empty() || activation == "silu", op, ": activation='", activation,
+              "' is not supported; supported: '' (none) or 'silu'");
+  check_affine(weight, x, op, "weight");
+  check_affine(bias, x, op, "bias");
+  const bool cl = channels_last_layout(x, op, "x");
+  return {x.size(0), x.size(1), x.numel() / (x.size(0) * x.size(1)), num_groups, cl, dtype, activation == "silu"};
+}
+
+void check_stats(const at::Tensor& t, const Problem& p, const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == p.N && t.size(1) == p.G, op, ": ", name, " must have shape [N, G] = [",
+              p.N, ", ", p.G, "], got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name, " has dtype ", t.scalar_type(),
+                   "; supported: Float (the forward's statistics)");
+  check_same_device(t, x, op, name, "x");
+}
+
+at::Tensor fp32_contiguous(const std::optional<at::Tensor>& t) {
+  if (!t.has_value() || !t->defined()) return {};
+  return t->to(at::kFloat).contiguous();
+}
+
+const float* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+Stream current_stream() { return reinterpret_cast<Stream>(c10::cuda::getCurrentCUDAStream().stream()); }
+
+}  // namespace
+
+Problem check_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
+                      std::string_view activation) {
+  const Problem p = check_common(x, weight, bias, num_groups, activation, kFwd);
+  TORCH_CHECK(eps >= 0.0 && eps < std::numeric_limits<float>::infinity(), kFwd,
+              ": eps must be a finite number >= 0, got ", eps);
+  return p;
+}
+
+Problem check_backward(const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+                       int64_t num_groups, std::string_view activation) {
+  const Problem p = check_common(x, weight, bias, num_groups, activation, kBwd);
+  TORCH_CHECK(dy.sizes() == x.sizes(), kBwd, ": dy must have x's shape ", x.sizes(), ", got ", dy.sizes());
+  TORCH_CHECK_TYPE(dy.scalar_type() == x.scalar_type(), kBwd, ": dy has dtype ", dy.scalar_type(),
+                   " but x has ", x.scalar_type(), "; they must match");
+  check_same_device(dy, x, kBwd, "dy", "x");
+  check_stats(mean, p, x, kBwd, "mean");
+  check_stats(rstd, p, x, kBwd, "rstd");
+  return p;
+}
+
+Tensors3 forward_meta(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
+                      std::string_view activation) {
+  const Problem p = check_forward(x, weight, bias, num_groups, eps, activation);
+  at::Tensor mean = at::empty({p.N, p.G}, x.options().dtype(at::kFloat));
+  return {at::empty_like(x), mean, at::empty_like(mean)};
+}
+
+Tensors3 backward_meta(const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+                       int64_t num_groups, std::string_view activation) {
+  const Problem p = check_backward(dy, x, weight, bias, mean, rstd, num_groups, activation);
+  at::Tensor dweight = at::empty({p.C}, x.options().dtype(at::kFloat));
+  return {at::empty_like(x), dweight, at::empty_like(dweight)};
+}
+
+Tensors3 forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
+                      std::string_view activation) {
+  const Problem p = check_forward(x, weight, bias, num_groups, eps, activation);
+  check_cuda(x, kFwd, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor w = fp32_contiguous(weight);
+  const at::Tensor b = fp32_contiguous(bias);
+  at::Tensor y = new_output(at::empty_like(x));
+  at::Tensor mean = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
+  at::Tensor rstd = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
+  const Plan plan = make_plan(p, aligned16(x.data_ptr()) && aligned16(y.data_ptr()));
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor part = at::empty({2, partial_floats(p, plan)}, f32);
+  at::Tensor coef = at::empty({p.N, p.C, 2}, f32);
+  const ForwardArgs args{x.data_ptr(),         y.data_ptr(),         data_or_null(w),       data_or_null(b),
+                         mean.data_ptr<float>(), rstd.data_ptr<float>(), part[0].data_ptr<float>(),
+                         part[1].data_ptr<float>(), coef.data_ptr<float>(), static_cast<float>(eps)};
+  forward(p, plan, args, current_stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {y, mean, rstd};
+}
+
+Tensors3 backward_cuda(const at::Tensor& dy_in, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& mean_in, const at::Tensor& rstd_in,
+                       int64_t num_groups, std::string_view activation) {
+  const Problem p = check_backward(dy_in, x, weight, bias, mean_in, rstd_in, num_groups, activation);
+  check_cuda(x, kBwd, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  // The kernels address dy with x's layout.
+  const at::Tensor dy = dy_in.strides() == x.strides() ? dy_in : at::empty_like(x).copy_(dy_in);
+  const at::Tensor mean = mean_in.contiguous();
+  const at::Tensor rstd = rstd_in.contiguous();
+  const at::Tensor w = fp32_contiguous(weight);
+  const at::Tensor b = fp32_contiguous(bias);
+  at::Tensor dx = new_output(at::empty_like(x));
+  const Plan plan = make_plan(p, aligned16(x.data_ptr()) && aligned16(dy.data_ptr()) && aligned16(dx.data_ptr()));
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor part = at::empty({2, partial_floats(p, plan)}, f32);
+  at::Tensor coef = at::empty({p.N, p.C, 4}, f32);
+  at::Tensor sums = at::empty({2, p.N, p.C}, f32);
+  const BackwardArgs args{dy.data_ptr(),
+                          x.data_ptr(),
+                          dx.data_ptr(),
+                          data_or_null(w),
+                          data_or_null(b),
+                          mean.data_ptr<float>(),
+                          rstd.data_ptr<float>(),
+                          part[0].data_ptr<float>(),
+                          part[1].data_ptr<float>(),
+                          coef.data_ptr<float>(),
+                          sums[0].data_ptr<float>(),
+                          sums[1].data_ptr<float>()};
+  backward(p, plan, args, current_stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // dweight = sum over n of sum(dz * xhat), dbias = sum over n of sum(dz).
+  return {dx, sums[1].sum(0), sums[0].sum(0)};
+}
+
+}  // namespace ldmopt::group_norm

@@ -1,0 +1,37 @@
+// GroupNorm(+SiLU) ops ldmopt::group_norm_fwd_cuda / group_norm_bwd_cuda: CUDA and Meta implementations that share
+// one set of argument checks (so the checks are testable on CPU with meta tensors).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+#include "group_norm/launch.h"
+
+namespace ldmopt::group_norm {
+
+using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+Problem check_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
+                      std::string_view activation);
+Problem check_backward(const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+                       int64_t num_groups, std::string_view activation);
+
+Tensors3 forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
+                      std::string_view activation);
+Tensors3 forward_meta(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
+                      std::string_view activation);
+Tensors3 backward_cuda(const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+                       int64_t num_groups, std::string_view activation);
+Tensors3 backward_meta(const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+                       int64_t num_groups, std::string_view activation);
+
+}  // namespace ldmopt::group_norm

@@ -1,0 +1,36 @@
+// Schemas of every ldmopt._C op and their CUDA and Meta implementations; the Python module ldmopt._C itself.
+// The ops are the `cuda` backend of the custom ops in ldmopt/ops/ (same argument conventions as the Triton
+// launchers); the Meta implementations run the same argument checks, so the checks are testable without a GPU.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "group_norm/group_norm.h"
+#include "temporal_attention/temporal_attention.h"
+
+TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
+  m.def(
+      "group_norm_fwd_cuda(Tensor x, Tensor? weight, Tensor? bias, int num_groups, float eps, str activation) "
+      "-> (Tensor y, Tensor mean, Tensor rstd)");
+  m.def(
+      "group_norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
+      "int num_groups, str activation) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+  m.def("temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out");
+}
+
+TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
+  m.impl("group_norm_fwd_cuda", &ldmopt::group_norm::forward_cuda);
+  m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_cuda);
+  m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(ldmopt, Meta, m) {
+  m.impl("group_norm_fwd_cuda", &ldmopt::group_norm::forward_meta);
+  m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_meta);
+  m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_meta);
+}
+
+// An empty Python module: importing ldmopt._C loads this library, whose static initialisers register the ops.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "ldmopt CUDA kernels (torch.ops.ldmopt.*)", -1, nullptr};
+  return PyModule_Create(&module);
+}

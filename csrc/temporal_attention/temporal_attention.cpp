@@ -1,0 +1,77 @@
+// Torch glue of the temporal attention kernel: argument checks (shared by the CUDA and Meta implementations), the
+// output allocation (torch.empty_like(q), as the Triton launcher does) and the launch on the current stream.
+#include "temporal_attention/temporal_attention.h"
+
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+
+#include "common/torch_utils.h"
+
+namespace ldmopt::temporal_attention {
+namespace {
+
+constexpr const char* kOp = "ldmopt.temporal_attention_fwd_cuda";
+
+template <typename Ptr>
+ViewT<Ptr> view_of(const at::Tensor& t, Ptr ptr) {
+  ViewT<Ptr> v{ptr, {}};
+  for (int i = 0; i < 5; ++i) v.stride[i] = t.stride(i);
+  return v;
+}
+
+}  // namespace
+
+Problem check_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 5, kOp, ": q must be a 5-D (B, F, N, H, head_dim) view, got shape ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), kOp, ": k must have q's shape ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.sizes() == q.sizes(), kOp, ": v must have q's shape ", q.sizes(), ", got ", v.sizes());
+  const DType dtype = dtype_of(q, kOp, "q");
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), kOp,
+                   ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                   v.scalar_type());
+  check_same_device(k, q, kOp, "k", "q");
+  check_same_device(v, q, kOp, "v", "q");
+  const int64_t F = q.size(1);
+  const int64_t D = q.size(4);
+  TORCH_CHECK(F >= 1 && F <= kMaxFrames, kOp, ": F=", F, " frames (q shape ", q.sizes(),
+              ") is not supported; supported: 1 <= F <= ", kMaxFrames);
+  TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, kOp, ": head_dim=", D, " (q shape ", q.sizes(),
+              ") is not supported; supported: 1 <= head_dim <= ", kMaxHeadDim);
+  TORCH_CHECK(std::isfinite(scale), kOp, ": scale must be finite, got ", scale);
+  const Problem p{q.size(0), F, q.size(2), q.size(3), D, dtype, static_cast<float>(scale)};
+  const int64_t blocks = make_plan(p).blocks;
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kOp, ": B*N*H=", p.B * p.N * p.H,
+              " sequences need ", blocks, " blocks, over grid axis x's limit 2^31 - 1");
+  return p;
+}
+
+at::Tensor forward_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  check_forward(q, k, v, scale);
+  return at::empty_like(q);
+}
+
+at::Tensor forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  const Problem p = check_forward(q, k, v, scale);
+  check_cuda(q, kOp, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = new_output(at::empty_like(q));
+  if (out.numel() == 0) return out;
+  const Plan plan = make_plan(p);
+  int smem_limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
+  TORCH_CHECK(plan.smem_bytes <= smem_limit, kOp, ": F=", p.F, ", head_dim=", p.D, " in ", q.scalar_type(),
+              " needs ", plan.smem_bytes, " bytes of shared memory per block; this GPU allows ", smem_limit,
+              " (float16/bfloat16 inputs need less)");
+  const auto in = [](const at::Tensor& t) { return view_of<const void*>(t, t.data_ptr()); };
+  forward(p, plan, in(q), in(k), in(v), view_of<void*>(out, out.data_ptr()),
+          reinterpret_cast<Stream>(c10::cuda::getCurrentCUDAStream().stream()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace ldmopt::temporal_attention

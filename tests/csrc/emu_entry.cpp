@@ -1,0 +1,110 @@
+// C entry points over the kernel launchers, compiled with -DLDMOPT_EMULATE against cuda_emu.h so the tests can run
+// the CUDA kernels on CPU tensors through ctypes. Scratch buffers are allocated here as the torch glue would.
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "group_norm/group_norm_kernels.cu"
+#include "group_norm/launch.h"
+#include "temporal_attention/launch.h"
+#include "temporal_attention/temporal_attention_kernels.cu"
+
+namespace {
+
+thread_local std::string last_error;
+
+template <typename F>
+int guarded(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return 1;
+  }
+}
+
+ldmopt::group_norm::Problem gn_problem(const int64_t* dims, int channels_last, int dtype, int silu) {
+  return {dims[0], dims[1], dims[2], dims[3], channels_last != 0, static_cast<ldmopt::DType>(dtype), silu != 0};
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+void write_plan(const ldmopt::group_norm::Plan& plan, int64_t* out) {
+  out[0] = plan.vec;
+  out[1] = plan.s_per_chunk;
+  out[2] = plan.n_chunks;
+  out[3] = plan.tc;
+  out[4] = plan.n_cblocks;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* emu_last_error() { return last_error.c_str(); }
+
+// 0: threads of a block run first-to-last between barriers; 1: last-to-first.
+void emu_set_reverse_schedule(int reverse) { ldmopt_emu::state().reverse = reverse != 0; }
+
+// plan_out: vec, s_per_chunk, n_chunks, tc, n_cblocks
+void emu_group_norm_plan(const int64_t* dims, int channels_last, int dtype, int aligned, int64_t* plan_out) {
+  const auto p = gn_problem(dims, channels_last, dtype, 0);
+  const auto plan = ldmopt::group_norm::make_plan(p, aligned != 0);
+  write_plan(plan, plan_out);
+}
+
+// dims: N, C, S, G. Pointer alignment decides the packed path, as in the torch glue; plan_out as above.
+int emu_group_norm_forward(const int64_t* dims, int channels_last, int dtype, int silu, const void* x, void* y,
+                           const float* weight, const float* bias, float* mean, float* rstd, float eps,
+                           int64_t* plan_out) {
+  return guarded([&] {
+    const auto p = gn_problem(dims, channels_last, dtype, silu);
+    const auto plan = ldmopt::group_norm::make_plan(p, aligned16(x) && aligned16(y));
+    write_plan(plan, plan_out);
+    const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
+    std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 2, -1e30f);
+    ldmopt::group_norm::ForwardArgs args{x,    y,         weight,    bias,        mean,
+                                         rstd, part_a.data(), part_b.data(), coef.data(), eps};
+    ldmopt::group_norm::forward(p, plan, args, nullptr);
+  });
+}
+
+int emu_group_norm_backward(const int64_t* dims, int channels_last, int dtype, int silu, const void* dy,
+                            const void* x, void* dx, const float* weight, const float* bias, const float* mean,
+                            const float* rstd, float* sum_dz, float* sum_dzx, int64_t* plan_out) {
+  return guarded([&] {
+    const auto p = gn_problem(dims, channels_last, dtype, silu);
+    const auto plan = ldmopt::group_norm::make_plan(p, aligned16(x) && aligned16(dy) && aligned16(dx));
+    write_plan(plan, plan_out);
+    const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
+    std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 4, -1e30f);
+    ldmopt::group_norm::BackwardArgs args{dy,   x,    dx,   weight, bias, mean, rstd, part_a.data(), part_b.data(),
+                                          coef.data(), sum_dz, sum_dzx};
+    ldmopt::group_norm::backward(p, plan, args, nullptr);
+  });
+}
+
+// dims: B, F, N, H, D; strides: 4 x 5 elements (q, k, v, out). plan_out: f_pad, d_pad, per_block, smem, blocks
+int emu_temporal_attention_forward(const int64_t* dims, int dtype, float scale, const void* q, const void* k,
+                                   const void* v, void* out, const int64_t* strides, int64_t* plan_out) {
+  return guarded([&] {
+    namespace ta = ldmopt::temporal_attention;
+    const ta::Problem p{dims[0], dims[1], dims[2], dims[3], dims[4], static_cast<ldmopt::DType>(dtype), scale};
+    const ta::Plan plan = ta::make_plan(p);
+    ta::View views[3] = {{q, {}}, {k, {}}, {v, {}}};
+    ta::OutView o{out, {}};
+    for (int i = 0; i < 5; ++i) {
+      for (int t = 0; t < 3; ++t) views[t].stride[i] = strides[t * 5 + i];
+      o.stride[i] = strides[15 + i];
+    }
+    plan_out[0] = plan.f_pad;
+    plan_out[1] = plan.d_pad;
+    plan_out[2] = plan.per_block;
+    plan_out[3] = plan.smem_bytes;
+    plan_out[4] = plan.blocks;
+    ta::forward(p, plan, views[0], views[1], views[2], o, nullptr);
+  });
+}
+
+}  // extern "C"
