@@ -1,0 +1,245 @@
+"""Drop-in modules for diffusers' feed-forward projections and adaLN norms, backed by ldmopt's fused linear ops.
+
+| diffusers module (0.42)                                  | ldmopt module                | state_dict keys      |
+|----------------------------------------------------------|------------------------------|----------------------|
+| ``GEGLU`` (``FeedForward.net[0]`` in SD/SDXL/SVD UNets)  | ``FusedGEGLU``               | proj.weight, .bias   |
+| ``GELU`` (``approximate`` "tanh" or "none"; DiT, PixArt) | ``FusedGELU``                | proj.weight, .bias   |
+| ``nn.Linear`` + activation / gated residual (Flux        | ``FusedLinear``              | weight, bias         |
+| ``proj_mlp`` + ``act_mlp``, DiT ``to_out`` / ``ff``)     |                              |                      |
+| ``AdaLayerNormZero``                                     | ``FusedAdaLayerNormZero``    | emb.*, linear.*      |
+| ``AdaLayerNormZeroSingle``                               | ``FusedAdaLayerNormZeroSingle`` | linear.*          |
+| ``AdaLayerNormContinuous`` (layer_norm, no affine)       | ``FusedAdaLayerNormContinuous`` | linear.*          |
+
+Every class has ``from_module(module)``, which shares the module's parameters and submodules (no copies, same
+state_dict keys, checkpoints load unchanged), and ``unsupported_reason(module) -> str | None``, which the patcher asks
+first: a LoRA/PEFT-wrapped or quantized projection (anything but a plain ``nn.Linear``), or a projection with forward
+hooks (accelerate offload), stays on the stock path with that reason. The forward signatures match diffusers'.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..ops.adaln_modulate import adaln_modulate
+from ..ops.geglu import geglu
+from ..ops.linear import SUPPORTED_ACTIVATIONS, linear
+
+_GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def plain_linear_reason(name: str, layer: object) -> str | None:
+    """Why ``layer`` cannot be read as a bare (weight, bias) pair, or None when it can."""
+    if type(layer) is not nn.Linear:
+        return f"{name} is {type(layer).__name__}, not a plain nn.Linear (LoRA/quantized layers keep the stock path)"
+    if layer._forward_hooks or layer._forward_pre_hooks:
+        return f"{name} has forward hooks (e.g. accelerate offload) that a fused kernel would bypass"
+    if not layer.weight.is_floating_point():
+        return f"{name}.weight has dtype {layer.weight.dtype}"
+    return None
+
+
+def _shell(cls):
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    return new
+
+
+class FusedGEGLU(nn.Module):
+    """diffusers ``GEGLU`` (``h, g = proj(x).chunk(2, -1); h * gelu(g)``, erf GELU) as one GEMM writing I columns.
+
+    Same submodule ``proj`` = nn.Linear(dim_in, 2 * dim_out), so state_dict keys are ``proj.weight``/``proj.bias``.
+    Tolerance: within 2x the error of diffusers' GEGLU in the input dtype (fp32 accumulation and epilogue).
+    """
+
+    def __init__(self, dim_in: int, dim_out: int, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias, device=device, dtype=dtype)
+
+    @staticmethod
+    def unsupported_reason(module: nn.Module) -> str | None:
+        reason = plain_linear_reason("proj", getattr(module, "proj", None))
+        if reason is None and module.proj.out_features % 2:
+            reason = f"proj has {module.proj.out_features} output features, not an even count"
+        return reason
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> FusedGEGLU:
+        """A FusedGEGLU sharing ``module.proj`` (a diffusers GEGLU's projection; no copies)."""
+        reason = cls.unsupported_reason(module)
+        if reason:
+            raise TypeError(f"FusedGEGLU.from_module: {reason}")
+        new = _shell(cls)
+        new.proj = module.proj
+        return new
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        # *args/**kwargs: diffusers' deprecated `scale` argument, ignored as diffusers ignores it.
+        return geglu(hidden_states, self.proj.weight, self.proj.bias)
+
+
+class FusedGELU(nn.Module):
+    """diffusers ``GELU`` (``gelu(proj(x), approximate)``) as one GEMM with a bias + GELU epilogue.
+
+    Same submodule ``proj`` and attribute ``approximate`` ("none" = erf, "tanh"). Tolerance: within 2x the error of
+    diffusers' GELU module in the input dtype.
+    """
+
+    def __init__(
+        self, dim_in: int, dim_out: int, approximate: str = "none", bias: bool = True, device=None, dtype=None
+    ) -> None:
+        super().__init__()
+        if approximate not in _GELU_APPROXIMATE:
+            raise ValueError(f"approximate={approximate!r} is not supported; expected one of {list(_GELU_APPROXIMATE)}")
+        self.proj = nn.Linear(dim_in, dim_out, bias=bias, device=device, dtype=dtype)
+        self.approximate = approximate
+
+    @staticmethod
+    def unsupported_reason(module: nn.Module) -> str | None:
+        approximate = getattr(module, "approximate", None)
+        if approximate not in _GELU_APPROXIMATE:
+            return f"approximate={approximate!r} (supported: {list(_GELU_APPROXIMATE)})"
+        return plain_linear_reason("proj", getattr(module, "proj", None))
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> FusedGELU:
+        """A FusedGELU sharing ``module.proj`` (a diffusers GELU's projection; no copies)."""
+        reason = cls.unsupported_reason(module)
+        if reason:
+            raise TypeError(f"FusedGELU.from_module: {reason}")
+        new = _shell(cls)
+        new.proj = module.proj
+        new.approximate = module.approximate
+        return new
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        activation = _GELU_APPROXIMATE[self.approximate]
+        return linear(hidden_states, self.proj.weight, self.proj.bias, activation=activation)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class FusedLinear(nn.Linear):
+    """``nn.Linear`` (same parameters and keys) with a fused epilogue: ``residual + gate[b] * act(x W^T + b)``.
+
+    ``activation`` (None, "gelu", "gelu_tanh", "silu") is fixed at construction; ``gate`` and ``residual`` are
+    optional forward arguments (see :func:`ldmopt.ops.linear.linear` for their shapes). Use it for Flux single blocks
+    (``proj_mlp`` with ``activation="gelu_tanh"``, replacing ``act_mlp`` by nn.Identity) or a DiT block's gated
+    residual (``to_out[0](attn, gate=gate_msa, residual=hidden_states)``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        activation: str | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+        self.activation = activation
+
+    @staticmethod
+    def unsupported_reason(module: nn.Module) -> str | None:
+        return plain_linear_reason("the layer", module)
+
+    @classmethod
+    def from_module(cls, module: nn.Linear, activation: str | None = None) -> FusedLinear:
+        """A FusedLinear sharing ``module``'s weight and bias (no copies)."""
+        reason = cls.unsupported_reason(module)
+        if reason:
+            raise TypeError(f"FusedLinear.from_module: {reason}")
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+        new = _shell(cls)
+        new.in_features, new.out_features = module.in_features, module.out_features
+        new.weight, new.bias = module.weight, module.bias
+        new.activation = activation
+        return new
+
+    def forward(self, x: Tensor, *, gate: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+        return linear(x, self.weight, self.bias, activation=self.activation, gate=gate, residual=residual)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")
+
+
+def _layer_norm_eps(norm: object) -> tuple[float | None, str | None]:
+    """(eps, None) for a LayerNorm without affine parameters over the last dim, else (None, reason)."""
+    if not isinstance(norm, nn.LayerNorm):
+        return None, f"norm is {type(norm).__name__}, not a LayerNorm (RMSNorm variants are not fused)"
+    if norm.weight is not None or norm.bias is not None:
+        return None, "norm has affine parameters (ldmopt fuses LayerNorm without affine, as in adaLN)"
+    if len(norm.normalized_shape) != 1:
+        return None, f"norm normalizes over {tuple(norm.normalized_shape)}, not one channel dim"
+    return float(norm.eps), None
+
+
+class _FusedAdaLN(nn.Module):
+    """Shared from_module for the adaLN norms: keep ``silu``, ``linear``, ``norm`` (and ``emb``) as they are."""
+
+    _submodules = ("silu", "linear", "norm")
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> str | None:
+        missing = [name for name in cls._submodules if not hasattr(module, name)]
+        if missing:
+            return f"{type(module).__name__} has no {missing}"
+        return _layer_norm_eps(module.norm)[1]
+
+    @classmethod
+    def from_module(cls, module: nn.Module):
+        """A fused norm sharing every submodule of ``module`` (no copies, same state_dict keys)."""
+        reason = cls.unsupported_reason(module)
+        if reason:
+            raise TypeError(f"{cls.__name__}.from_module: {reason}")
+        new = _shell(cls)
+        for name in cls._submodules:
+            setattr(new, name, getattr(module, name))
+        new.eps = _layer_norm_eps(module.norm)[0]
+        return new
+
+
+class FusedAdaLayerNormZero(_FusedAdaLN):
+    """diffusers ``AdaLayerNormZero`` with ``norm(x) * (1 + scale_msa) + shift_msa`` in one row kernel.
+
+    Returns ``(x, gate_msa, shift_mlp, scale_mlp, gate_mlp)`` as diffusers does. Built with ``from_module``.
+    """
+
+    _submodules = ("emb", "silu", "linear", "norm")
+
+    def forward(
+        self,
+        x: Tensor,
+        timestep: Tensor | None = None,
+        class_labels: torch.LongTensor | None = None,
+        hidden_dtype: torch.dtype | None = None,
+        emb: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        if self.emb is not None:
+            emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        return adaln_modulate(x, scale_msa, shift_msa, eps=self.eps), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class FusedAdaLayerNormZeroSingle(_FusedAdaLN):
+    """diffusers ``AdaLayerNormZeroSingle`` (Flux single blocks): returns ``(x, gate_msa)``."""
+
+    def forward(self, x: Tensor, emb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+        return adaln_modulate(x, scale_msa, shift_msa, eps=self.eps), gate_msa
+
+
+class FusedAdaLayerNormContinuous(_FusedAdaLN):
+    """diffusers ``AdaLayerNormContinuous`` with ``norm_type="layer_norm"`` and no affine (SD3, Flux ``norm_out``)."""
+
+    def forward(self, x: Tensor, conditioning_embedding: Tensor) -> Tensor:
+        emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+        scale, shift = torch.chunk(emb, 2, dim=1)
+        return adaln_modulate(x, scale, shift, eps=self.eps)

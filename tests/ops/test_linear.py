@@ -1,0 +1,221 @@
+"""ldmopt.ops.linear: GEMM + bias + activation and the gated residual (interpreter and reference backend)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models.activations import GELU
+from diffusers.models.attention import FeedForward
+
+import ldmopt
+from ldmopt.nn.linear import FusedGELU, FusedLinear
+from ldmopt.ops.linear import linear
+from tests.tolerances import assert_close, assert_within_torch_error
+
+ACTIVATIONS = [None, "gelu", "gelu_tanh", "silu"]
+_TORCH_ACT = {
+    None: lambda z: z,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def _reference(x, weight, bias, activation=None, gate=None, residual=None):
+    out = _TORCH_ACT[activation](F.linear(x, weight, bias))
+    if gate is not None:
+        out = out * (gate.unsqueeze(1) if x.dim() == 3 and gate.dim() == 2 else gate)
+    return out + residual if residual is not None else out
+
+
+def _inputs(x_shape, n, dtype, gated, bias=True):
+    k = x_shape[-1]
+    x = torch.randn(x_shape, dtype=dtype)
+    weight = (torch.randn(n, k, dtype=torch.float64) * k**-0.5).to(dtype)
+    b = (torch.randn(n, dtype=torch.float64) * 0.5).to(dtype) if bias else None
+    gate = residual = None
+    if gated:
+        gate = torch.randn((x_shape[0], n), dtype=dtype)
+        residual = torch.randn((*x_shape[:-1], n), dtype=dtype)
+    return x, weight, b, gate, residual
+
+
+SHAPES = [
+    # (x shape, N): K=40 and N=72 not multiples of the 32-wide interpreter tiles, M=37 with a 5-row tail
+    ((37, 40), 72),  # 2-D rows (a gate is then one vector per row)
+    ((3, 13, 40), 72),  # 3-D [B, T, K]: the gate is per sample, broadcast over 13 tokens
+]
+
+
+@pytest.mark.parametrize("shape,n", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("gated", [False, True])
+def test_forward_triton(shape, n, dtype, activation, gated):
+    x, w, b, gate, res = _inputs(shape, n, dtype, gated)
+    with ldmopt.use_backend("triton"):
+        y = linear(x, w, b, activation=activation, gate=gate, residual=res)
+    assert y.shape == (*shape[:-1], n) and y.dtype == dtype
+    as64 = [t.double() if t is not None else None for t in (x, w, b, gate, res)]
+    expect = _reference(*as64[:3], activation, *as64[3:])
+    lowp = _reference(x, w, b, activation, gate, res)
+    assert_within_torch_error(y, expect, lowp, f"linear {shape} {dtype} {activation} gated={gated}")
+
+
+def test_gate_shaped_b1n_and_no_bias():
+    x, w, _, gate, res = _inputs((3, 13, 40), 72, torch.float32, True, bias=False)
+    with ldmopt.use_backend("triton"):
+        y = linear(x, w, gate=gate[:, None, :], residual=res)
+        y_gate_only = linear(x, w, gate=gate)
+    assert_close(y, _reference(x.double(), w.double(), None, None, gate.double(), res.double()), torch.float32)
+    assert_close(y_gate_only, _reference(x.double(), w.double(), None, None, gate.double()), torch.float32)
+
+
+@pytest.mark.parametrize("shape,n", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation,gated", [("gelu_tanh", False), (None, True), ("gelu", True), ("silu", False)])
+def test_backward_triton_vs_autograd(shape, n, dtype, activation, gated):
+    inputs = _inputs(shape, n, dtype, gated)
+    dy = torch.randn((*shape[:-1], n), dtype=dtype)
+    names = ("dx", "dweight", "dbias", "dgate", "dresidual")
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in inputs]
+    with ldmopt.use_backend("triton"):
+        linear(leaves[0], leaves[1], leaves[2], activation=activation, gate=leaves[3], residual=leaves[4]).backward(dy)
+    ref = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
+    _reference(*ref[:3], activation, *ref[3:]).backward(dy.double())
+    lowp = [t.detach().clone().requires_grad_() if t is not None else None for t in inputs]
+    _reference(*lowp[:3], activation, *lowp[3:]).backward(dy)
+    for name, got, r, lp in zip(names, leaves, ref, lowp):
+        if got is None:
+            continue
+        assert got.grad.dtype == dtype and got.grad.shape == got.shape
+        assert_within_torch_error(got.grad, r.grad, lp.grad, f"{name} {shape} {dtype} {activation}")
+
+
+def test_gate_without_grad_skips_pre_activation():
+    # No activation and a gate that needs no gradient: backward needs neither z nor a d(gate) reduction.
+    x, w, b, gate, res = _inputs((3, 5, 24), 16, torch.float32, True)
+    x.requires_grad_()
+    with ldmopt.use_backend("triton"):
+        linear(x, w, b, gate=gate, residual=res).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    _reference(x64, w.double(), b.double(), None, gate.double(), res.double()).sum().backward()
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("gated", [False, True])
+def test_gradcheck_reference_fp64(activation, gated):
+    x, w, b, gate, res = (t.requires_grad_() for t in _inputs((2, 3, 6), 5, torch.float64, True))
+
+    def fn(x, w, b, gate, res):
+        return linear(x, w, b, activation=activation, gate=gate if gated else None, residual=res if gated else None)
+
+    with ldmopt.use_backend("torch"):
+        assert torch.autograd.gradcheck(fn, (x, w, b, gate, res))
+
+
+def test_reference_backend_matches_fp64():
+    x, w, b, gate, res = _inputs((3, 7, 40), 72, torch.float32, True)
+    with ldmopt.use_backend("torch"):
+        y = linear(x, w, b, activation="gelu_tanh", gate=gate, residual=res)
+    as64 = [t.double() for t in (x, w, b, gate, res)]
+    assert_close(y, _reference(*as64[:3], "gelu_tanh", *as64[3:]), torch.float32, "torch backend")
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_fused_gelu_is_drop_in_for_feedforward(approximate):
+    activation_fn = "gelu-approximate" if approximate == "tanh" else "gelu"
+    ff = FeedForward(40, dim_out=24, mult=2, activation_fn=activation_fn).eval()
+    assert isinstance(ff.net[0], GELU)
+    fused = FusedGELU.from_module(ff.net[0])
+    assert fused.proj is ff.net[0].proj and fused.approximate == approximate
+    assert fused.state_dict().keys() == ff.net[0].state_dict().keys()
+    x = torch.randn(2, 9, 40)
+    with torch.no_grad():
+        expect = ff.double()(x.double())
+        ff.float()
+        ff.net[0] = fused
+        with ldmopt.use_backend("triton"):
+            out = ff(x)
+    assert_close(out, expect, torch.float32, f"FeedForward({activation_fn}) with FusedGELU")
+
+
+def test_fused_linear_module_shares_parameters():
+    ref = torch.nn.Linear(40, 24)
+    fused = FusedLinear.from_module(ref, activation="gelu_tanh")
+    assert fused.weight is ref.weight and fused.bias is ref.bias
+    assert fused.state_dict().keys() == ref.state_dict().keys()
+    assert "activation='gelu_tanh'" in repr(fused)
+    x, gate, res = torch.randn(2, 5, 40), torch.randn(2, 24), torch.randn(2, 5, 24)
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        out = fused(x, gate=gate, residual=res)
+        expect = res + gate[:, None] * F.gelu(ref(x), approximate="tanh")
+    assert_close(out, expect.double(), torch.float32, "FusedLinear")
+    with pytest.raises(ValueError, match="activation='relu' is not supported"):
+        FusedLinear(4, 4, activation="relu")
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: linear(torch.randn(3, 8), torch.randn(5, 7)), r"weight has shape \(5, 7\), expected \(N, 8\)"),
+        (lambda: linear(torch.randn(3, 8), torch.randn(5, 8), torch.randn(4)), r"bias must have shape \(5,\)"),
+        (lambda: linear(torch.randn(3, 8), torch.randn(5, 8), activation="relu"), "activation='relu' is not supp"),
+        (
+            lambda: linear(torch.randn(2, 3, 8), torch.randn(5, 8), gate=torch.randn(3, 5)),
+            r"gate must have shape \(2, 5\)",
+        ),
+        (lambda: linear(torch.randn(2, 3, 8), torch.randn(5, 8), gate=torch.randn(2, 3, 5)), r"or \(2, 1, 5\)"),
+        (lambda: linear(torch.randn(8), torch.randn(5, 8), gate=torch.randn(1, 5)), "gate needs x with a sample axis"),
+        (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), residual=torch.randn(2, 4)), r"output's shape \(2, 5\)"),
+        (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), residual=torch.randn(2, 5).half()), "residual is torch"),
+        (lambda: linear(torch.randn(2, 8).half(), torch.randn(5, 8)), "weight has dtype torch.float32 but x has"),
+        (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), torch.randn(5).bool()), "bias has dtype torch.bool"),
+    ],
+)
+def test_bad_input_messages(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+def test_one_dim_input_like_nn_linear():
+    x, w, b = torch.randn(8), torch.randn(5, 8), torch.randn(5)
+    with ldmopt.use_backend("triton"):
+        y = linear(x, w, b, activation="silu")
+    assert y.shape == (5,)
+    assert_close(y, F.silu(F.linear(x.double(), w.double(), b.double())), torch.float32, "1-D x")
+
+
+def test_opcheck():
+    x, w, b, gate, res = _inputs((2, 5, 24), 16, torch.float32, True)
+    x2, res2 = x.reshape(10, 24), res.reshape(10, 16)
+    w.requires_grad_()
+    gate.requires_grad_()
+    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, b, gate, res2, "gelu", True))
+    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, None, None, None, "", False))
+    _, pre = torch.ops.ldmopt.linear_fwd(x2, w.detach(), b, gate.detach(), res2, "gelu", True)
+    dy = torch.randn(10, 16)
+    torch.library.opcheck(torch.ops.ldmopt.linear_bwd, (dy, pre, gate.detach(), "gelu", True))
+    torch.library.opcheck(torch.ops.ldmopt.linear_bwd, (dy, None, gate.detach(), "", False))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    proj = FusedLinear(24, 16, activation="gelu_tanh")
+    out_proj = FusedLinear(16, 16)
+
+    def block(x, gate):
+        return out_proj(proj(x), gate=gate, residual=x[..., :16])
+
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    gate = torch.randn(2, 16, requires_grad=True)
+    out = torch.compile(block, backend=backend, fullgraph=True)(x, gate)
+    out.sum().backward()
+    grads = [x.grad.clone(), gate.grad.clone(), proj.weight.grad.clone()]
+    x.grad = gate.grad = proj.weight.grad = None
+    expect = block(x, gate)
+    expect.sum().backward()
+    assert_close(out, expect.detach().double(), torch.float32, "compiled forward")
+    for name, got, want in zip(("dx", "dgate", "dweight"), grads, (x.grad, gate.grad, proj.weight.grad)):
+        assert_close(got, want.double(), torch.float32, f"compiled {name}")
