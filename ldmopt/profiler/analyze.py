@@ -1,0 +1,337 @@
+"""``analyze``: FLOPs, minimum HBM bytes and a roofline projection of one denoiser call, on meta tensors.
+
+Nothing is allocated and no GPU is needed: the model is built (or rebuilt from its config) on the ``meta`` device
+and run once under a dispatch mode that records every operator (see ``recorder.py``). Reported per operator
+category: FLOPs, minimum bytes, projected time on a GPU from the spec table (``gpus.py``), for the model as it is
+and as ldmopt patches it (``fusions.py``); the sequence-length distribution of the attention calls; spatial vs
+cross vs temporal attention. FLOPs are exact counts of the traced operators; bytes and times are projections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import categories as C
+from .fusions import FUSIONS, FusionStat, plan_fusions
+from .gpus import GPUSpec, dtype_key, get_gpu
+from .recorder import AttentionCall, AttentionRegions, OpRecord, Recorder
+from .scopes import ModuleScopes
+
+_RECORD_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+@dataclass
+class CategoryCost:
+    flops: int = 0
+    bytes: int = 0
+    ops: int = 0
+    time_s: float = 0.0  # projection
+    patched_bytes: int = 0
+    patched_ops: int = 0
+    patched_time_s: float = 0.0  # projection
+
+
+@dataclass
+class Analysis:
+    """Result of ``analyze``. Times are roofline projections on ``gpu``; FLOPs are counted, bytes are minimum."""
+
+    model: str
+    model_class: str
+    params: int
+    resolution: tuple[int, int] | None
+    frames: int | None
+    batch: int | None
+    dtype: str
+    gpu: GPUSpec
+    categories: dict[str, CategoryCost]
+    attention: list[AttentionCall]
+    fusions: dict[str, FusionStat]
+    flop_counter_total: int | None = None
+    elapsed_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    records: list[OpRecord] = field(default_factory=list, repr=False)
+
+    # ------------------------------------------------------------------ totals and shares
+    @property
+    def total_flops(self) -> int:
+        return sum(c.flops for c in self.categories.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.categories.values())
+
+    @property
+    def patched_bytes(self) -> int:
+        return sum(c.patched_bytes for c in self.categories.values())
+
+    @property
+    def time_s(self) -> float:
+        return sum(c.time_s for c in self.categories.values())
+
+    @property
+    def patched_time_s(self) -> float:
+        return sum(c.patched_time_s for c in self.categories.values())
+
+    @property
+    def ops(self) -> int:
+        return sum(c.ops for c in self.categories.values())
+
+    def flops_of(self, *cats: str) -> int:
+        return sum(self.categories[c].flops for c in cats)
+
+    def shares(self, by: str = "time", patched: bool = False) -> dict[str, float]:
+        """Fraction per category of projected time (``by="time"``), ``"flops"`` or ``"bytes"``; sums to 1."""
+        attr = {"time": "time_s", "flops": "flops", "bytes": "bytes"}[by]
+        if patched and by != "flops":
+            attr = "patched_" + attr
+        values = {k: getattr(c, attr) for k, c in self.categories.items()}
+        total = sum(values.values())
+        return {k: (v / total if total else 0.0) for k, v in values.items()}
+
+    def attention_split(self, by: str = "time") -> dict[str, float]:
+        """Spatial self / cross / temporal share of attention (projected time or FLOPs)."""
+        shares = self.shares(by)
+        total = sum(shares[c] for c in C.ATTENTION)
+        return {c.split(".")[1]: (shares[c] / total if total else 0.0) for c in C.ATTENTION}
+
+    def sequence_lengths(self) -> list[dict[str, Any]]:
+        """Attention calls grouped by (kind, query length, key length, head dim), largest FLOPs first."""
+        groups: dict[tuple, dict[str, Any]] = {}
+        total = sum(a.flops for a in self.attention) or 1
+        for a in self.attention:
+            key = (a.kind, a.q_len, a.kv_len, a.head_dim)
+            g = groups.setdefault(
+                key,
+                {
+                    "kind": a.kind,
+                    "q_len": a.q_len,
+                    "kv_len": a.kv_len,
+                    "head_dim": a.head_dim,
+                    "calls": 0,
+                    "batch_heads": a.batch_heads,
+                    "flops": 0,
+                },
+            )
+            g["calls"] += 1
+            g["flops"] += a.flops
+        rows = sorted(groups.values(), key=lambda g: -g["flops"])
+        for g in rows:
+            g["flops_share"] = g["flops"] / total
+        return rows
+
+    # ------------------------------------------------------------------ output
+    def setting(self) -> str:
+        parts = [self.model]
+        if self.resolution:
+            parts.append(f"{self.resolution[0]}x{self.resolution[1]}")
+        if self.frames:
+            parts.append(f"{self.frames} frames")
+        if self.batch:
+            parts.append(f"batch {self.batch}")
+        parts.append(self.dtype)
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "analytic (meta tensors; times are roofline projections)",
+            "model": self.model,
+            "model_class": self.model_class,
+            "params": self.params,
+            "resolution": list(self.resolution) if self.resolution else None,
+            "frames": self.frames,
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "gpu": self.gpu.name,
+            "total_flops": self.total_flops,
+            "flop_counter_total": self.flop_counter_total,
+            "total_bytes": self.total_bytes,
+            "patched_bytes": self.patched_bytes,
+            "projected_time_s": self.time_s,
+            "projected_patched_time_s": self.patched_time_s,
+            "ops": self.ops,
+            "categories": {k: vars(c) | {"label": C.LABELS[k]} for k, c in self.categories.items()},
+            "shares_time": self.shares("time"),
+            "shares_flops": self.shares("flops"),
+            "attention_split_time": self.attention_split("time"),
+            "sequence_lengths": self.sequence_lengths(),
+            "fusions": {k: vars(v) for k, v in self.fusions.items()},
+            "elapsed_s": self.elapsed_s,
+            "notes": self.notes,
+        }
+
+    def table(self) -> str:
+        from .report import format_analysis
+
+        return format_analysis(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _resolve_model(model_or_name, *, dtype, frames, tiny) -> nn.Module:
+    from .. import configs
+
+    if isinstance(model_or_name, str):
+        return configs.build_model(model_or_name, device="meta", dtype=dtype, tiny=tiny, frames=frames)
+    model = model_or_name
+    params = list(model.parameters())
+    if not params or all(p.device.type == "meta" for p in params):
+        return model
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(type(model), "from_config"):
+        raise ValueError(
+            f"analyze runs on the meta device; {type(model).__name__} has real weights and no diffusers config to "
+            f"rebuild it from. Pass a zoo name, a diffusers model, or a copy of the model on the meta device."
+        )
+    with torch.device("meta"), configs._quiet_diffusers():
+        meta = type(model).from_config(dict(config))
+    meta = meta.to(device="meta", dtype=dtype).eval()
+    for attr in ("ldmopt_zoo_name", "ldmopt_tiny"):
+        if hasattr(model, attr):
+            setattr(meta, attr, getattr(model, attr))
+    return meta
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "meta" else torch.empty_like(value, device="meta")
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def analyze(
+    model_or_name: str | nn.Module,
+    *,
+    resolution: int | tuple[int, int] | None = None,
+    frames: int | None = None,
+    batch: int | None = None,
+    dtype: torch.dtype | str = torch.float16,
+    gpu: str | GPUSpec = "H100",
+    inputs: Any = None,
+    check_flops: bool = False,
+    tiny: bool = False,
+) -> Analysis:
+    """Count FLOPs and minimum bytes of one denoiser call (VAE: one decode) and project its time on ``gpu``.
+
+    ``model_or_name`` is a zoo name (``ldmopt.configs.names()``), a model from ``ldmopt.configs.build_model``, or a
+    diffusers model (rebuilt from its config on the meta device; its weights are never touched). ``inputs``
+    overrides the zoo's example inputs: a kwargs dict, an args tuple or ``configs.ModelInputs``.
+    ``check_flops=True`` also runs torch.utils.flop_counter.FlopCounterMode and stores its total.
+    """
+    from .. import configs
+
+    start = time.perf_counter()
+    if isinstance(dtype, str):
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_key(dtype)]
+    spec = get_gpu(gpu)
+    model = _resolve_model(model_or_name, dtype=dtype, frames=frames, tiny=tiny)
+    if inputs is None:
+        inputs = configs.example_inputs(model, resolution=resolution, frames=frames, batch=batch, dtype=dtype)
+    if not isinstance(inputs, configs.ModelInputs):
+        kwargs = inputs if isinstance(inputs, dict) else {"args": tuple(inputs)}
+        inputs = configs.ModelInputs("forward", kwargs, None, frames, batch)
+    inputs = configs.ModelInputs(inputs.method, _to_meta(inputs.kwargs), inputs.resolution, inputs.frames,
+                                 inputs.batch)  # fmt: skip
+
+    scopes = ModuleScopes(model)
+    recorder = Recorder(scopes)
+    counter = None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(scopes)
+        stack.enter_context(AttentionRegions(recorder))
+        stack.enter_context(recorder)
+        if check_flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            counter = stack.enter_context(FlopCounterMode(display=False))
+        if "args" in inputs.kwargs and len(inputs.kwargs) == 1:
+            model(*inputs.kwargs["args"])
+        else:
+            configs.run_model(model, inputs)
+
+    analysis = _summarise(model, recorder, spec, dtype_key(dtype))
+    analysis.resolution, analysis.frames, analysis.batch = inputs.resolution, inputs.frames, inputs.batch
+    analysis.flop_counter_total = counter.get_total_flops() if counter is not None else None
+    analysis.elapsed_s = time.perf_counter() - start
+    if tiny:
+        analysis.notes.append("tiny random-weight variant of the model family")
+    return analysis
+
+
+def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -> Analysis:
+    records = recorder.records
+    saved, _rule, removed, fusion_stats = plan_fusions(records)
+    cats = {c: CategoryCost() for c in C.CATEGORIES}
+    for rec in records:
+        cost = cats[rec.category]
+        key = _RECORD_DTYPES.get(rec.dtype, dkey)
+        if key not in spec.matmul_flops:
+            key = dkey
+        cost.flops += rec.flops
+        cost.bytes += rec.bytes
+        cost.ops += 1
+        cost.time_s += spec.op_time(rec.flops, rec.bytes, key)
+        if rec.index in removed:
+            continue
+        patched = rec.bytes - saved.get(rec.index, 0)
+        cost.patched_bytes += patched
+        cost.patched_ops += 1
+        cost.patched_time_s += spec.op_time(rec.flops, patched, key)
+    name = getattr(model, "ldmopt_zoo_name", None) or type(model).__name__
+    notes = [
+        f"times are roofline projections on {spec.name} datasheet peaks ({spec.source}), not measurements",
+        "patched = projection of ldmopt's fusions from the recorded data flow (see ldmopt/profiler/fusions.py)",
+    ]
+    unattributed = cats[C.ATTN_UNATTRIBUTED].flops
+    if unattributed:
+        notes.append("some attention ran outside a diffusers attention module and could not be attributed")
+    return Analysis(
+        model=name,
+        model_class=type(model).__name__,
+        params=sum(p.numel() for p in model.parameters()),
+        resolution=None,
+        frames=None,
+        batch=None,
+        dtype=dkey,
+        gpu=spec,
+        categories=cats,
+        attention=recorder.attention,
+        fusions={k: fusion_stats[k] for k in FUSIONS},
+        notes=notes,
+        records=records,
+    )
+
+
+def sweep(
+    model: str,
+    *,
+    resolutions: list[int | tuple[int, int]] | None = None,
+    frames: list[int] | None = None,
+    **kwargs: Any,
+) -> list[Analysis]:
+    """``analyze`` over resolutions x frame counts (a scaling sweep)."""
+    out = []
+    for res in resolutions or [None]:
+        for f in frames or [None]:
+            out.append(analyze(model, resolution=res, frames=f, **kwargs))
+    return out
+
+
+def category_totals(analyses: list[Analysis], by: str = "time") -> dict[str, list[float]]:
+    """Per category, the share in each analysis (for scaling plots and tables)."""
+    table: dict[str, list[float]] = defaultdict(list)
+    for a in analyses:
+        for k, v in a.shares(by).items():
+            table[k].append(v)
+    return dict(table)

@@ -1,0 +1,202 @@
+"""Projected HBM bytes of a model as ldmopt patches it, from the recorded data flow.
+
+Each rule finds a chain of recorded operators that one ldmopt kernel replaces and says, per operator, how many of
+its bytes disappear. Accounting (minimum bytes, as in the unpatched count): an intermediate tensor that a fused
+kernel keeps in registers is neither written nor read back; operands the fused kernel still needs (a GroupNorm
+input for its statistics pass, the residual, the broadcast scale/shift/gate/temb vectors) stay counted.
+
+Rules (names as reported):
+- ``GroupNorm(+SiLU) -> conv/GEMM loads``: GroupNorm -> [SiLU] -> [layout copy] -> convolution or GEMM. The
+  conv reads the GroupNorm input through ``silu(a*x + b)``; a separate statistics pass still reads ``x`` once.
+  Saves the normalised tensor's write, the SiLU pass and any copy between (3 tensor passes with SiLU, 1 without).
+- ``conv epilogue (temb / residual / scale)``: convolution -> add(broadcast temb) or add(residual) [-> div or mul
+  by a scalar]: the conv writes the final tensor. Saves 2 passes per broadcast add, 4 for residual + scale.
+- ``GEGLU tail``: GEMM -> chunk -> gelu(gate) * hidden: one GEMM with two accumulators writes I columns, not 2I.
+- ``GEMM + GELU epilogue``: GEMM -> gelu (GELU-tanh feed-forwards of DiT/PixArt/SD3/Flux, Flux ``proj_mlp``).
+- ``adaLN (LayerNorm + modulate)``: layer_norm -> mul(1 + scale) -> add(shift) in one row kernel.
+- ``GEMM epilogue (gated residual)``: GEMM -> mul(gate) -> add(residual).
+- ``temporal permutes``: copies that materialise a frame-major layout in or next to a temporal block (the
+  temporal attention kernel reads frames by stride).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import categories as C
+from .recorder import OpRecord
+
+GN_CONV = "GroupNorm(+SiLU) -> conv/GEMM loads"
+CONV_EPILOGUE = "conv epilogue (temb / residual / scale)"
+GEGLU = "GEGLU tail"
+GELU_EPILOGUE = "GEMM + GELU epilogue"
+ADALN = "adaLN (LayerNorm + modulate)"
+GATED_RESIDUAL = "GEMM epilogue (gated residual)"
+TEMPORAL_PERMUTES = "temporal permutes"
+FUSIONS = (GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, TEMPORAL_PERMUTES)
+
+_COPIES = {"clone", "copy_", "contiguous", "_to_copy"}
+_GELU = {"gelu", "gelu_"}
+_SILU = {"silu", "silu_"}
+_GEMMS = {"mm", "addmm", "_addmm_activation", "bmm", "baddbmm"}
+
+
+@dataclass
+class FusionStat:
+    count: int = 0
+    bytes_saved: int = 0
+    ops_removed: int = 0
+
+
+class _Plan:
+    def __init__(self, records: list[OpRecord]) -> None:
+        self.records = records
+        self.saved: dict[int, int] = {}
+        self.rule: dict[int, str] = {}
+        self.removed: set[int] = set()
+        self.stats = {name: FusionStat() for name in FUSIONS}
+
+    def free(self, *indices: int) -> bool:
+        return all(i not in self.rule for i in indices)
+
+    def claim(self, rule: str, savings: dict[int, int], removed: tuple[int, ...] = ()) -> None:
+        stat = self.stats[rule]
+        stat.count += 1
+        for index, nbytes in savings.items():
+            nbytes = max(0, min(nbytes, self.records[index].bytes))
+            self.saved[index] = nbytes
+            self.rule[index] = rule
+            stat.bytes_saved += nbytes
+        for index in removed:
+            self.removed.add(index)
+            stat.ops_removed += 1
+
+
+def _sole_consumer(records: list[OpRecord], rec: OpRecord) -> OpRecord | None:
+    consumers = set(rec.consumers)
+    return records[consumers.pop()] if len(consumers) == 1 else None
+
+
+def _other_inputs(rec: OpRecord, producer: int) -> list[int]:
+    """Bytes of the inputs of ``rec`` that are not produced by ``producer``."""
+    return [b for p, b in zip(rec.producers, rec.in_bytes) if p != producer]
+
+
+def plan_fusions(records: list[OpRecord]) -> tuple[dict[int, int], dict[int, str], set[int], dict[str, FusionStat]]:
+    """Bytes saved per record index, the rule that saved them, records removed outright, per-rule totals."""
+    plan = _Plan(records)
+    by_base: dict[str, list[OpRecord]] = {}
+    for rec in records:
+        by_base.setdefault(rec.base, []).append(rec)
+
+    for gn in by_base.get("native_group_norm", []):
+        _group_norm_prologue(plan, records, gn)
+    for gelu in [r for base in _GELU for r in by_base.get(base, [])]:
+        _gelu_epilogues(plan, records, gelu)
+    for ln in by_base.get("native_layer_norm", []):
+        _adaln(plan, records, ln)
+    for mul in by_base.get("mul", []):
+        _gated_residual(plan, records, mul)
+    for conv in by_base.get("convolution", []):
+        _conv_epilogue(plan, records, conv)
+    for rec in records:
+        if rec.base in _COPIES and rec.category == C.LAYOUT:
+            _temporal_permute(plan, records, rec)
+    return plan.saved, plan.rule, plan.removed, plan.stats
+
+
+def _group_norm_prologue(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> None:
+    chain = [gn]
+    nxt = _sole_consumer(records, gn)
+    if nxt is not None and nxt.base in _SILU:
+        chain.append(nxt)
+        nxt = _sole_consumer(records, nxt)
+    if nxt is not None and nxt.base in _COPIES:
+        chain.append(nxt)
+        nxt = _sole_consumer(records, nxt)
+    if nxt is None or not (nxt.base == "convolution" or nxt.base in _GEMMS) or not plan.free(*(r.index for r in chain)):
+        return
+    # The statistics pass still reads x once; everything else the chain moved stays in registers.
+    savings = {gn.index: gn.bytes - gn.in_bytes[0]}
+    savings.update({r.index: r.bytes for r in chain[1:]})
+    plan.claim(GN_CONV, savings, removed=tuple(r.index for r in chain[1:]))
+
+
+def _gelu_epilogues(plan: _Plan, records: list[OpRecord], gelu: OpRecord) -> None:
+    if not gelu.producers or gelu.producers[0] < 0:
+        return
+    gemm = records[gelu.producers[0]]
+    if gemm.base not in _GEMMS or gemm.category != C.LINEAR:
+        return
+    mul = _sole_consumer(records, gelu)
+    if mul is not None and mul.base == "mul" and gemm.index in mul.producers and plan.free(gelu.index, mul.index):
+        # GEGLU: hidden * gelu(gate) where both halves come from one GEMM (chunk is a view).
+        plan.claim(GEGLU, {gelu.index: gelu.bytes, mul.index: mul.bytes, gemm.index: gemm.out_bytes // 2},
+                   removed=(gelu.index, mul.index))  # fmt: skip
+    elif set(gemm.consumers) == {gelu.index} and plan.free(gelu.index):
+        plan.claim(GELU_EPILOGUE, {gelu.index: gelu.bytes}, removed=(gelu.index,))
+
+
+def _adaln(plan: _Plan, records: list[OpRecord], ln: OpRecord) -> None:
+    mul = _sole_consumer(records, ln)
+    if mul is None or mul.base != "mul" or len(mul.in_bytes) != 2:
+        return
+    add = _sole_consumer(records, mul)
+    if add is None or add.base != "add" or len(add.in_bytes) != 2 or not plan.free(ln.index, mul.index, add.index):
+        return
+    scale, shift = _other_inputs(mul, ln.index), _other_inputs(add, mul.index)
+    if not scale or not shift or max(scale + shift) >= ln.out_bytes:
+        return  # modulation vectors are per sample, far smaller than the activation
+    plan.claim(ADALN, {ln.index: ln.out_bytes, mul.index: mul.bytes - sum(scale),
+                       add.index: add.bytes - sum(shift) - add.out_bytes}, removed=(mul.index, add.index))  # fmt: skip
+
+
+def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None:
+    if len(mul.in_bytes) != 2 or not plan.free(mul.index):
+        return
+    # The activation comes from the largest GEMM; the gate may come from another (the adaLN projection).
+    sources = [records[p] for p in mul.producers if p >= 0]
+    gemms = [r for r in sources if r.base in _GEMMS and r.category == C.LINEAR]
+    gemm = max(gemms, key=lambda r: r.out_bytes, default=None)
+    if gemm is None or set(gemm.consumers) != {mul.index}:
+        return
+    gate = _other_inputs(mul, gemm.index)
+    add = _sole_consumer(records, mul)
+    if not gate or max(gate) >= gemm.out_bytes or add is None or add.base != "add" or not plan.free(add.index):
+        return
+    residual = _other_inputs(add, mul.index)
+    if len(residual) != 1 or residual[0] < gemm.out_bytes:
+        return
+    plan.claim(GATED_RESIDUAL, {mul.index: mul.bytes - sum(gate), add.index: add.bytes - residual[0]},
+               removed=(mul.index, add.index))  # fmt: skip
+
+
+def _conv_epilogue(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> None:
+    add = _sole_consumer(records, conv)
+    if add is None or add.base != "add" or len(add.in_bytes) != 2 or not plan.free(add.index):
+        return
+    other = _other_inputs(add, conv.index)
+    if len(other) != 1:
+        return
+    savings = {add.index: add.bytes - other[0]}
+    removed = [add.index]
+    scale = _sole_consumer(records, add)
+    residual = other[0] >= conv.out_bytes
+    if (
+        residual
+        and scale is not None
+        and scale.base in ("div", "mul")
+        and len(scale.in_bytes) == 1
+        and plan.free(scale.index)
+    ):
+        savings[scale.index] = scale.bytes
+        removed.append(scale.index)
+    plan.claim(CONV_EPILOGUE, savings, removed=tuple(removed))
+
+
+def _temporal_permute(plan: _Plan, records: list[OpRecord], copy: OpRecord) -> None:
+    if not plan.free(copy.index) or (copy.base == "_to_copy" and copy.out_bytes != sum(copy.in_bytes)):
+        return  # a cast is not a permute
+    neighbours = [records[p] for p in copy.producers if p >= 0] + [records[c] for c in copy.consumers]
+    if copy.temporal or any(r.temporal for r in neighbours):
+        plan.claim(TEMPORAL_PERMUTES, {copy.index: copy.bytes}, removed=(copy.index,))

@@ -1,0 +1,88 @@
+"""Plain-text tables for ``Analysis`` and ``Profile`` (the CLI and ``str()`` use them)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import categories as C
+
+if TYPE_CHECKING:
+    from .analyze import Analysis
+
+
+def si(value: float, unit: str = "") -> str:
+    """1.61e12 -> '1.61 T'."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}".rstrip()
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:5.1f}%"
+
+
+def render_table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    """Fixed-width text table; ``align`` is one char per column ('l' or 'r')."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if a == "l" else str(c).rjust(w) for c, w, a in zip(cells, widths, align))
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def format_analysis(a: Analysis) -> str:
+    out = [
+        f"ldmopt analyze: {a.setting()}  [{a.model_class}, {si(a.params)} parameters]",
+        "ANALYTIC (meta tensors, no GPU ran): FLOPs are counted; bytes are minimum HBM traffic; times are roofline "
+        f"PROJECTIONS on {a.gpu.name} datasheet peaks",
+    ]
+    check = ""
+    if a.flop_counter_total is not None:
+        same = a.flop_counter_total == a.total_flops
+        check = f"  (torch.utils.flop_counter: {si(a.flop_counter_total, 'FLOP')}, {'equal' if same else 'DIFFERS'})"
+    out.append(f"FLOPs per call: {si(a.total_flops, 'FLOP')}{check}")
+    out.append(
+        f"projected time on {a.gpu.name}: {a.time_s * 1e3:.2f} ms as is, {a.patched_time_s * 1e3:.2f} ms as ldmopt "
+        f"patches it; minimum bytes {si(a.total_bytes, 'B')} -> {si(a.patched_bytes, 'B')}; "
+        f"{a.ops} ops -> {sum(c.patched_ops for c in a.categories.values())}"
+    )
+    shares_t, shares_f, shares_p = a.shares("time"), a.shares("flops"), a.shares("time", patched=True)
+    rows = []
+    for key, cost in a.categories.items():
+        if not cost.ops:
+            continue
+        rows.append([
+            C.LABELS[key], si(cost.flops), pct(shares_f[key]), si(cost.bytes, "B"), f"{cost.time_s * 1e3:.3f}",
+            pct(shares_t[key]), si(cost.patched_bytes, "B"), f"{cost.patched_time_s * 1e3:.3f}", pct(shares_p[key]),
+        ])  # fmt: skip
+    headers = ["category", "FLOPs", "share", "bytes", "proj. ms", "share", "patched B", "patched ms", "share"]
+    out += ["", render_table(headers, rows)]
+    split = a.attention_split("time")
+    if any(split.values()):
+        out.append("")
+        out.append(
+            "attention (projected time): "
+            + ", ".join(f"{k} {pct(v).strip()}" for k, v in split.items() if v or k != "unattributed")
+        )
+    seq = a.sequence_lengths()
+    if seq:
+        rows = [
+            [g["kind"], f"{g['q_len']} x {g['kv_len']}", str(g["head_dim"]), str(g["calls"]), str(g["batch_heads"]),
+             pct(g["flops_share"])]
+            for g in seq[:12]
+        ]  # fmt: skip
+        headers = ["kind", "q x kv", "head dim", "calls", "batch*heads", "FLOPs share"]
+        out += ["", "attention sequence lengths (query x key tokens):", render_table(headers, rows, "llrrrr")]
+        if len(seq) > 12:
+            out.append(f"... {len(seq) - 12} more shapes")
+    rows = [
+        [name, str(s.count), si(s.bytes_saved, "B"), str(s.ops_removed)] for name, s in a.fusions.items() if s.count
+    ]
+    if rows:
+        out += ["", "ldmopt fusions (PROJECTION from the recorded data flow):",
+                render_table(["fusion", "sites", "bytes saved", "ops removed"], rows)]  # fmt: skip
+    out += ["", *(f"note: {n}" for n in a.notes)]
+    return "\n".join(out)
