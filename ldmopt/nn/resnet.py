@@ -1,0 +1,203 @@
+"""Fused forward for diffusers' ``ResnetBlock2D``: the whole block in two fused convolutions.
+
+Interface for the patcher (ldmopt/patch/) and for users:
+
+- ``can_fuse(block) -> list[str]``: why this block instance can never take the fused path (empty list: it can).
+  Static properties only (class, time_embedding_norm, activation, resampling kernel, conv shapes).
+- ``fused_resnet_forward(block, input_tensor, temb=None, *, stats=None, out_stats=None) -> Tensor``: a drop-in for
+  ``ResnetBlock2D.forward`` that reads the block's own parameters (nothing copied). Bind it to an instance with
+  ``block.forward = types.MethodType(fused_resnet_forward, block)`` and undo with ``del block.forward``. Inputs the
+  fused path cannot serve (``runtime_reasons``: NCHW input, dtype mismatch, dropout in training, ...) run diffusers'
+  own forward instead; each reason is counted in ``fallback_reasons``.
+  ``stats=(mean, rstd)``: norm1 statistics of ``input_tensor`` when the producer already computed them (skips two
+  launches); ``out_stats=(groups, eps)`` also returns ``(mean, rstd)`` of the output for the NEXT GroupNorm:
+  ``(output, (mean, rstd))``.
+- ``FusedResnetBlock2D(block)``: an nn.Module that adopts the block's submodules (same parameters, same state_dict
+  keys) and runs ``fused_resnet_forward``.
+
+Eval-mode launches: norm1 statistics (2, skipped with ``stats``), conv1 (norm1 + SiLU + [up/down] in the loader; bias,
+time embedding and norm2 statistics in the epilogue), conv2 (norm2 + SiLU in the loader; bias, 1x1 shortcut conv or
+identity residual, / output_scale_factor in the epilogue). Besides those, only the time-embedding projection
+(SiLU + Linear) runs. No aten group_norm or convolution is dispatched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d
+
+#: reason -> how often a fused forward fell back to diffusers' own forward in this process.
+fallback_reasons: Counter[str] = Counter()
+
+
+def _resnet_block_class():
+    try:
+        from diffusers.models.resnet import ResnetBlock2D
+    except Exception as exc:  # diffusers missing or broken
+        return None, f"diffusers is not importable ({type(exc).__name__}: {exc})"
+    return ResnetBlock2D, ""
+
+
+def _resample_kind(block) -> tuple[str, str]:
+    """("none" | "up" | "down", reason if the resampling is not nearest-2x / 2x2-average)."""
+    from diffusers.models.downsampling import Downsample2D
+    from diffusers.models.upsampling import Upsample2D
+
+    up, down = block.upsample, block.downsample
+    if up is not None:
+        if isinstance(up, Upsample2D):
+            if up.use_conv or up.use_conv_transpose or up.norm is not None or not up.interpolate:
+                return "up", "upsample is an Upsample2D with a conv or norm (only nearest 2x is fused)"
+            return "up", ""
+        if (
+            isinstance(up, functools.partial)
+            and up.func is F.interpolate
+            and up.keywords.get("mode") == "nearest"
+            and up.keywords.get("scale_factor") in (2, 2.0)
+        ):
+            return "up", ""
+        return "up", f"upsample {up!r} is not nearest 2x (kernel='fir'?)"
+    if down is not None:
+        if isinstance(down, Downsample2D):
+            pool = down.conv
+            if (
+                isinstance(pool, torch.nn.AvgPool2d)
+                and pool.kernel_size in (2, (2, 2))
+                and pool.stride in (2, (2, 2))
+                and pool.padding in (0, (0, 0))
+                and down.norm is None
+                and not pool.ceil_mode
+            ):
+                return "down", ""
+            return "down", "downsample is a Downsample2D with a conv or norm (only 2x2 average pooling is fused)"
+        if (
+            isinstance(down, functools.partial)
+            and down.func is F.avg_pool2d
+            and down.keywords.get("kernel_size") == 2
+            and down.keywords.get("stride") == 2
+        ):
+            return "down", ""
+        return "down", f"downsample {down!r} is not a 2x2 average pool (kernel='fir'?)"
+    return "none", ""
+
+
+def _conv_reasons(name: str, conv, kernel: int) -> list[str]:
+    if not isinstance(conv, torch.nn.Conv2d):
+        return [f"{name} is {type(conv).__name__}, not nn.Conv2d (LoRA/quantised layers stay on the stock path)"]
+    expect = ((kernel, kernel), (1, 1), (kernel // 2, kernel // 2), (1, 1), 1, "zeros")
+    got = (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
+    if got != expect:
+        return [f"{name} has (kernel, stride, padding, dilation, groups, padding_mode)={got}; fused: {expect}"]
+    return []
+
+
+def can_fuse(block) -> list[str]:
+    """Reasons this ResnetBlock2D instance can never run fused (empty: it can). Input-dependent reasons are
+    checked per call by ``runtime_reasons``."""
+    cls, why = _resnet_block_class()
+    if cls is None:
+        return [why]
+    if not isinstance(block, (cls, FusedResnetBlock2D)):
+        return [f"{type(block).__name__} is not a diffusers ResnetBlock2D"]
+    reasons = []
+    if block.time_embedding_norm != "default":
+        reasons.append(f"time_embedding_norm={block.time_embedding_norm!r} (only 'default' is fused)")
+    if not isinstance(block.nonlinearity, torch.nn.SiLU):
+        reasons.append(f"nonlinearity {type(block.nonlinearity).__name__} (only SiLU/swish is fused)")
+    for name in ("norm1", "norm2"):
+        if not isinstance(getattr(block, name), torch.nn.GroupNorm):
+            reasons.append(f"{name} is {type(getattr(block, name)).__name__}, not nn.GroupNorm")
+    reasons += _conv_reasons("conv1", block.conv1, 3) + _conv_reasons("conv2", block.conv2, 3)
+    if block.conv_shortcut is not None:
+        reasons += _conv_reasons("conv_shortcut", block.conv_shortcut, 1)
+    reasons += [r for r in _resample_kind(block)[1:] if r]
+    return reasons
+
+
+def runtime_reasons(block, input_tensor: Tensor, temb: Tensor | None) -> list[str]:
+    """Reasons these inputs take diffusers' forward instead of the fused one."""
+    reasons = []
+    if not isinstance(input_tensor, Tensor) or input_tensor.dim() != 4:
+        return ["input is not a 4-D tensor"]
+    if not input_tensor.is_contiguous(memory_format=torch.channels_last):
+        reasons.append("input is not channels-last (convert the model and latents with memory_format=channels_last)")
+    if input_tensor.dtype != block.conv1.weight.dtype:
+        reasons.append(f"input dtype {input_tensor.dtype} differs from the weights' {block.conv1.weight.dtype}")
+    if temb is not None and block.time_emb_proj is None:
+        reasons.append("temb given to a block without time_emb_proj (diffusers adds it unprojected)")
+    if block.training and block.dropout.p > 0:
+        reasons.append(f"dropout p={block.dropout.p} in training mode")
+    return reasons
+
+
+def _diffusers_forward(block, input_tensor, temb):
+    cls, _ = _resnet_block_class()
+    return cls.forward(block, input_tensor, temb)
+
+
+def fused_resnet_forward(
+    block,
+    input_tensor: Tensor,
+    temb: Tensor | None = None,
+    *args,
+    stats: tuple[Tensor, Tensor] | None = None,
+    out_stats: tuple[int, float] | None = None,
+    **kwargs,
+) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+    """``ResnetBlock2D.forward`` in two fused convolutions (see the module docstring). Tolerance versus diffusers'
+    forward: within 2x the error diffusers itself makes in the input dtype (fp64 reference); extra positional
+    arguments (diffusers' deprecated ``scale``) are ignored as diffusers does."""
+    reasons = can_fuse(block) or runtime_reasons(block, input_tensor, temb)
+    if reasons:
+        for reason in reasons:
+            fallback_reasons[reason] += 1
+        out = _diffusers_forward(block, input_tensor, temb)
+        if out_stats is None:
+            return out
+        return out, gn_conv2d_stats(out.detach(), out_stats[0], float(out_stats[1]))
+    x = input_tensor
+    norm1, norm2 = block.norm1, block.norm2
+    t = None
+    if block.time_emb_proj is not None and temb is not None:
+        t = block.time_emb_proj(temb if block.skip_time_act else block.nonlinearity(temb))
+    resample = _resample_kind(block)[0]
+    h, h_stats = gn_silu_conv2d(
+        x, norm1.weight, norm1.bias, norm1.num_groups, norm1.eps, block.conv1.weight, block.conv1.bias, 1, 1,
+        stats=stats, resample=resample, temb=t, out_stats=(norm2.num_groups, norm2.eps),
+    )  # fmt: skip
+    if block.conv_shortcut is not None:
+        cs = block.conv_shortcut
+        around = {"shortcut": (x, cs.weight, cs.bias), "shortcut_resample": resample}
+    else:
+        around = {"residual": x, "residual_resample": resample}
+    return gn_silu_conv2d(
+        h, norm2.weight, norm2.bias, norm2.num_groups, norm2.eps, block.conv2.weight, block.conv2.bias, 1, 1,
+        stats=h_stats, output_scale=block.output_scale_factor, out_stats=out_stats, **around,
+    )  # fmt: skip
+
+
+class FusedResnetBlock2D(torch.nn.Module):
+    """A diffusers ``ResnetBlock2D`` computed by ``fused_resnet_forward``.
+
+    ``FusedResnetBlock2D(block)`` adopts ``block``'s submodules and attributes: the parameters are the same objects
+    (no copies) and ``state_dict()`` has the same keys, so checkpoints load into either. Hooks are not carried over.
+    """
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        for key, value in vars(block).items():
+            if key not in self.__dict__:  # the block's own attributes; nn.Module's bookkeeping stays fresh
+                self.__dict__[key] = value
+        self._parameters.update(block._parameters)
+        self._buffers.update(block._buffers)
+        self._modules.update(block._modules)
+        self.training = block.training
+
+    def forward(self, input_tensor: Tensor, temb: Tensor | None = None, *args, **kwargs) -> Tensor:
+        return fused_resnet_forward(self, input_tensor, temb, *args, **kwargs)

@@ -1,0 +1,422 @@
+"""GroupNorm + activation fused into a 2-D convolution's input loads, with a fused epilogue.
+
+``y = (conv2d(resample(act(group_norm(x))), W) + b + temb[n] + conv1x1(resample(x_sc), W_sc) + b_sc
++ resample(residual)) / output_scale``, and optionally the per-(n, group) mean/rstd of y for the next GroupNorm.
+
+Custom ops: ``ldmopt::gn_conv2d`` (the fused conv, with autograd), ``ldmopt::gn_conv2d_stats`` (GroupNorm statistics
+of an input, two launches). Backends: triton (kernels/gn_conv2d.py) and torch, the reference: the unfused composition
+in fp32 math (fp64 for fp64 inputs). Backward recomputes ``act(group_norm(x))`` from the saved input and statistics and
+uses PyTorch's convolution backward, so no activation beyond the op's inputs is kept alive.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._checks import check_activation, check_tensor, check_vector
+from ._dispatch import Backend, BackendTable, backend_counts, forced_backend, triton_refusals
+
+SUPPORTED_ACTIVATIONS = (None, "silu")
+RESAMPLES = ("none", "up", "down")
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: (op, backend, reason) -> count of automatic fall-backs to the reference backend in this process.
+fallback_reasons: Counter[tuple[str, str, str]] = Counter()
+
+
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _is_channels_last(t: Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _run(table: BackendTable, *args):
+    """table(*args), recording why the preferred backends refused when the reference runs instead."""
+    backend = table.select(*args)
+    if backend.name == "torch" and forced_backend(table.op_name) is None:
+        for other in table.backends:
+            if other.name != "torch":
+                for reason in other.refuse(*args):
+                    fallback_reasons[(table.op_name, other.name, reason)] += 1
+    backend_counts[(table.op_name, backend.name)] += 1
+    return backend.run(*args)
+
+
+def _resample(t: Tensor, mode: str) -> Tensor:
+    if mode == "up":
+        return F.interpolate(t, scale_factor=2.0, mode="nearest")
+    if mode == "down":
+        return F.avg_pool2d(t, 2, 2)
+    return t
+
+
+def _resample_backward(grad: Tensor, mode: str, like: Tensor) -> Tensor:
+    """Gradient with respect to the input (shaped like ``like``) of ``_resample(input, mode)``."""
+    if mode == "up":
+        return torch.ops.aten.upsample_nearest2d_backward(grad, list(grad.shape[2:]), list(like.shape), 2.0, 2.0)
+    if mode == "down":
+        return torch.ops.aten.avg_pool2d_backward(grad, like, [2, 2], [2, 2], [0, 0], False, True, None)
+    return grad
+
+
+def conv_output_size(h: int, w: int, kernel: int, stride: int, padding: int, resample: str) -> tuple[int, int]:
+    """(OH, OW) of a ``kernel`` x ``kernel`` conv applied to an (h, w) input after ``resample``."""
+    hc, wc = {"up": (2 * h, 2 * w), "down": (h // 2, w // 2)}.get(resample, (h, w))
+    return (hc + 2 * padding - kernel) // stride + 1, (wc + 2 * padding - kernel) // stride + 1
+
+
+def _normalize(x: Tensor, mean: Tensor, rstd: Tensor, gw: Tensor | None, gb: Tensor | None, groups: int, act):
+    """act((x - mean) * rstd * gw + gb) in the statistics dtype, per (n, group) statistics."""
+    n, c = x.shape[:2]
+    cd = _stats_dtype(x)
+    shape = (n, groups, c // groups, *x.shape[2:])
+    z = (x.to(cd).reshape(shape) - mean.to(cd).reshape(n, groups, 1, 1, 1)) * rstd.to(cd).reshape(n, groups, 1, 1, 1)
+    z = z.reshape(x.shape)
+    if gw is not None:
+        z = z * gw.to(cd)[:, None, None]
+    if gb is not None:
+        z = z + gb.to(cd)[:, None, None]
+    return F.silu(z) if act == "silu" else z
+
+
+def _channels_last_like(shape, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return torch.empty(shape, device=x.device, dtype=dtype or x.dtype).contiguous(memory_format=torch.channels_last)
+
+
+# ------------------------------------------------------------------------------------------------ statistics op
+
+
+def _stats_torch(x, num_groups, eps):
+    var, mean = torch.var_mean(x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1), dim=-1, unbiased=False)
+    return mean, torch.rsqrt(var + eps)
+
+
+def _stats_triton(x, num_groups, eps):
+    from ldmopt.kernels.gn_conv2d import group_norm_stats
+
+    return group_norm_stats(x, num_groups, eps)
+
+
+STATS = BackendTable(
+    "gn_conv2d_stats",
+    [
+        Backend("triton", _stats_triton, lambda x, *a: triton_refusals(x, dtypes=_TRITON_DTYPES)),
+        Backend("torch", _stats_torch),
+    ],
+)
+
+
+@torch.library.custom_op("ldmopt::gn_conv2d_stats", mutates_args=())
+def gn_conv2d_stats(x: Tensor, num_groups: int, eps: float) -> tuple[Tensor, Tensor]:
+    """(mean, rstd) [N, G] of x in fp32 (fp64 for fp64 x); not differentiable (gn_conv2d's backward accounts for it)."""
+    mean, rstd = _run(STATS, x, num_groups, eps)
+    return mean, rstd
+
+
+@gn_conv2d_stats.register_fake
+def _(x, num_groups, eps):
+    stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
+    return stats, torch.empty_like(stats)
+
+
+# ------------------------------------------------------------------------------------------------ fused conv op
+
+
+def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
+               res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
+    """The reference: the unfused composition, rounding the activation to x's dtype as an unfused model stores it."""
+    cd = _stats_dtype(x)
+    a = x if mean is None else _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype)
+    z = F.conv2d(_resample(a, resample).to(cd), w.to(cd), None, stride, padding)
+    if b is not None:
+        z = z + b.to(cd)[:, None, None]
+    if temb is not None:
+        z = z + temb.to(cd)[:, :, None, None]
+    if sx is not None:
+        z = z + F.conv2d(_resample(sx.to(cd), sc_resample), sw.to(cd), None if sb is None else sb.to(cd))
+    if res is not None:
+        z = z + _resample(res.to(cd), res_resample)
+    y = _channels_last_like(z.shape, x)
+    y.copy_(z / output_scale)
+    if not out_groups:
+        empty = x.new_empty((x.shape[0], 0), dtype=torch.float32)
+        return y, empty, empty.clone()
+    mean_o, rstd_o = _stats_torch(y, out_groups, out_eps)
+    return y, mean_o, rstd_o
+
+
+def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
+                   res_resample, sc_resample, output_scale, out_groups, out_eps) -> list[str]:  # fmt: skip
+    reasons = triton_refusals(x, w, sx, dtypes=_TRITON_DTYPES)
+    if not _is_channels_last(x):
+        reasons.append(f"x (strides {x.stride()}) is not channels-last; the loader reads NHWC channel vectors")
+    kh, kw = w.shape[2:]
+    if (kh, kw) not in ((1, 1), (3, 3)):
+        reasons.append(f"kernel {kh}x{kw}: the triton kernel serves 1x1 and 3x3")
+    if stride not in (1, 2) or padding > kh // 2:
+        reasons.append(
+            f"stride={stride}, padding={padding} with a {kh}x{kw} kernel (served: stride 1/2, padding<=k//2)"
+        )
+    if resample != "none" and stride != 1:
+        reasons.append(f"resample={resample!r} with stride {stride} (resampling is served with stride 1)")
+    for name, t in (("weight", w), ("shortcut_x", sx), ("shortcut_weight", sw)):
+        if t is not None and t.dtype != x.dtype:
+            reasons.append(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
+    if mean is not None and (mean.dtype != torch.float32 or rstd.dtype != torch.float32):
+        reasons.append(f"statistics dtype {mean.dtype} (the kernel reads fp32 mean/rstd)")
+    return reasons
+
+
+def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
+                res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
+    from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
+
+    return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
+                         res_resample, sc_resample, output_scale, out_groups, out_eps)  # fmt: skip
+
+
+FORWARD = BackendTable("gn_conv2d", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
+
+
+@torch.library.custom_op("ldmopt::gn_conv2d", mutates_args=())
+def gn_conv2d_op(
+    x: Tensor,
+    mean: Tensor | None,
+    rstd: Tensor | None,
+    gn_weight: Tensor | None,
+    gn_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    temb: Tensor | None,
+    residual: Tensor | None,
+    shortcut_x: Tensor | None,
+    shortcut_weight: Tensor | None,
+    shortcut_bias: Tensor | None,
+    num_groups: int,
+    activation: str,
+    stride: int,
+    padding: int,
+    resample: str,
+    residual_resample: str,
+    shortcut_resample: str,
+    output_scale: float,
+    out_groups: int,
+    out_eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation."""
+    y, out_mean, out_rstd = _run(
+        FORWARD, x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
+        shortcut_bias, num_groups, activation or None, stride, padding, resample, residual_resample,
+        shortcut_resample, output_scale, out_groups, out_eps,
+    )  # fmt: skip
+    return y, out_mean, out_rstd
+
+
+@gn_conv2d_op.register_fake
+def _(x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight, shortcut_bias,
+      num_groups, activation, stride, padding, resample, residual_resample, shortcut_resample, output_scale,
+      out_groups, out_eps):  # fmt: skip
+    oh, ow = conv_output_size(x.shape[2], x.shape[3], weight.shape[2], stride, padding, resample)
+    y = _channels_last_like((x.shape[0], weight.shape[0], oh, ow), x)
+    stats = x.new_empty((x.shape[0], out_groups), dtype=torch.float32 if out_groups == 0 else _stats_dtype(x))
+    return y, stats, torch.empty_like(stats)
+
+
+def _setup_context(ctx, inputs, output):
+    (x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample, res_resample,
+     sc_resample, output_scale, _out_groups, _out_eps) = inputs  # fmt: skip
+    ctx.save_for_backward(x, mean, rstd, gw, gb, w, sx, sw)
+    ctx.conf = (groups, act or None, stride, padding, resample, res_resample, sc_resample, output_scale)
+    ctx.meta = {
+        "bias": None if b is None else b.dtype,
+        "temb": None if temb is None else temb.dtype,
+        "sb": None if sb is None else sb.dtype,
+        "res": None if res is None else tuple(res.shape),
+    }
+
+
+def _sum_channels(g: Tensor, dims, dtype: torch.dtype) -> Tensor:
+    return g.sum(dims, dtype=torch.float32 if g.dtype != torch.float64 else torch.float64).to(dtype)
+
+
+def _conv_backward(g, inp, w, stride, padding, mask):
+    """(d input, d weight) with PyTorch's convolution backward; CPU half precision runs in fp32."""
+    if g.device.type == "cpu" and g.dtype in (torch.float16, torch.bfloat16):
+        gi, gw, _ = _conv_backward(g.float(), inp.float(), w.float(), stride, padding, mask)
+        return (
+            None if gi is None else gi.to(g.dtype),
+            None if gw is None else gw.to(w.dtype),
+            None,
+        )
+    return torch.ops.aten.convolution_backward(
+        g, inp.to(g.dtype), w.to(g.dtype), None, [stride] * 2, [padding] * 2, [1, 1], False, [0, 0], 1, [*mask, False]
+    )
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, mean, rstd, gw, gb, w, sx, sw = ctx.saved_tensors
+    groups, act, stride, padding, resample, res_resample, sc_resample, output_scale = ctx.conf
+    need = ctx.needs_input_grad
+    g = dy if output_scale == 1.0 else dy / output_scale
+    grads = [None] * 22
+    if need[6]:
+        grads[6] = _sum_channels(g, (0, 2, 3), ctx.meta["bias"])
+    if need[7]:
+        grads[7] = _sum_channels(g, (2, 3), ctx.meta["temb"])
+    if need[8]:
+        grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
+    normalize = mean is not None
+    need_da = need[0] or (normalize and (need[3] or need[4]))
+    if need_da or need[5]:
+        a = _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype) if normalize else x
+        da_r, dw = _conv_backward(g, _resample(a, resample), w, stride, padding, [need_da, need[5]])[:2]
+        grads[5] = dw
+        if need_da:
+            da = _resample_backward(da_r, resample, x)
+            if normalize:
+                dx, dgw, dgb = torch.ops.ldmopt.group_norm_bwd(da, x, gw, gb, mean, rstd, groups, act or "")
+                grads[0] = dx
+                grads[3] = dgw.to(gw.dtype) if gw is not None and need[3] else None
+                grads[4] = dgb.to(gb.dtype) if gb is not None and need[4] else None
+            else:
+                grads[0] = da.to(x.dtype)
+    if sx is not None and (need[9] or need[10]):
+        dsx_r, dsw = _conv_backward(g, _resample(sx, sc_resample), sw, 1, 0, [need[9], need[10]])[:2]
+        grads[9] = _resample_backward(dsx_r, sc_resample, sx) if need[9] else None
+        grads[10] = dsw
+    if need[11]:
+        grads[11] = _sum_channels(g, (0, 2, 3), ctx.meta["sb"])
+    return tuple(grads)
+
+
+gn_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ public function
+
+
+def _check_resample(name: str, value: str) -> str:
+    if value not in RESAMPLES:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {list(RESAMPLES)}")
+    return value
+
+
+def gn_silu_conv2d(
+    x: Tensor,
+    gn_weight: Tensor | None,
+    gn_bias: Tensor | None,
+    num_groups: int,
+    eps: float,
+    conv_weight: Tensor,
+    conv_bias: Tensor | None = None,
+    stride: int = 1,
+    padding: int = 1,
+    *,
+    activation: str | None = "silu",
+    normalize: bool = True,
+    stats: tuple[Tensor, Tensor] | None = None,
+    resample: str = "none",
+    temb: Tensor | None = None,
+    residual: Tensor | None = None,
+    residual_resample: str = "none",
+    shortcut: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    shortcut_resample: str = "none",
+    output_scale: float = 1.0,
+    out_stats: tuple[int, float] | None = None,
+) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+    """Convolution of ``act(group_norm(x))`` with everything around it fused into one kernel.
+
+    Math (x is (N, C_in, H, W), best channels-last; every sum in fp32)::
+
+        a = resample(act((x - mean) * rstd * gn_weight + gn_bias))    # per (n, group) mean/rstd; zero padding after
+        y = (conv2d(a, conv_weight, conv_bias, stride, padding)       #   the activation
+             + temb[:, :, None, None]                                 # temb: (N, C_out), e.g. a time embedding
+             + conv2d(resample_sc(shortcut_x), shortcut_weight, shortcut_bias)     # 1x1 shortcut conv
+             + resample_res(residual)) / output_scale
+
+    ``resample``: "none", "up" (nearest 2x) or "down" (2x2 average pool) of the conv input, done by index arithmetic.
+    ``stats=(mean, rstd)`` ([N, G] fp32, e.g. from a previous call's ``out_stats``) skips the statistics pass; they
+    must be x's own statistics (backward differentiates through them as such). ``normalize=False`` makes it a plain
+    conv (gn_* and num_groups ignored). ``out_stats=(groups, eps)`` also returns ``(mean, rstd)`` of y for the next
+    GroupNorm, produced by the conv's epilogue; autograd treats them as constants.
+
+    Returns y (channels-last, x's dtype) or ``(y, (mean, rstd))``. Tolerance versus an fp64 reference: within 2x the
+    error of PyTorch's own unfused computation in x's dtype. The Triton kernel serves channels-last fp32/fp16/bf16 with
+    1x1/3x3 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why).
+    """
+    check_tensor("x", x, ndim=(4,))
+    check_tensor("conv_weight", conv_weight, ndim=(4,))
+    n, c_in, h, w = x.shape
+    c_out = conv_weight.shape[0]
+    if conv_weight.shape[1] != c_in:
+        raise ValueError(
+            f"conv_weight has shape {tuple(conv_weight.shape)}: expected ({c_out}, {c_in}, kh, kw) for x with "
+            f"C={c_in} channels (grouped convolutions are not supported)"
+        )
+    check_vector("conv_bias", conv_bias, c_out, x)
+    for name, value in (("stride", stride), ("padding", padding)):
+        if not isinstance(value, int) or value < (1 if name == "stride" else 0):
+            raise ValueError(
+                f"{name} must be a {'positive' if name == 'stride' else 'non-negative'} int, got {value!r}"
+            )
+    for name, value in (("resample", resample), ("residual_resample", residual_resample)):
+        _check_resample(name, value)
+    _check_resample("shortcut_resample", shortcut_resample)
+    check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
+    mean = rstd = None
+    if normalize:
+        if not isinstance(num_groups, int) or num_groups <= 0 or c_in % num_groups:
+            raise ValueError(f"num_groups={num_groups!r} must be a positive int dividing C={c_in}")
+        check_vector("gn_weight", gn_weight, c_in, x)
+        check_vector("gn_bias", gn_bias, c_in, x)
+        if stats is None:
+            mean, rstd = gn_conv2d_stats(x.detach(), num_groups, float(eps))
+        else:
+            mean, rstd = stats
+            for name, t in (("stats[0] (mean)", mean), ("stats[1] (rstd)", rstd)):
+                if tuple(t.shape) != (n, num_groups):
+                    raise ValueError(f"{name} must have shape ({n}, {num_groups}), got {tuple(t.shape)}")
+    else:
+        gn_weight = gn_bias = None
+        num_groups = 0
+    oh, ow = conv_output_size(h, w, conv_weight.shape[2], stride, padding, resample)
+    if oh <= 0 or ow <= 0:
+        raise ValueError(f"x of spatial size {h}x{w} is too small for this convolution (output {oh}x{ow})")
+    if temb is not None:
+        check_tensor("temb", temb, ndim=(2,))
+        if tuple(temb.shape) != (n, c_out):
+            raise ValueError(f"temb must have shape ({n}, {c_out}), got {tuple(temb.shape)}")
+    if residual is not None:
+        check_tensor("residual", residual, ndim=(4,))
+        rh, rw = conv_output_size(*residual.shape[2:], 1, 1, 0, residual_resample)
+        if tuple(residual.shape[:2]) != (n, c_out) or (rh, rw) != (oh, ow):
+            raise ValueError(
+                f"residual of shape {tuple(residual.shape)} with residual_resample={residual_resample!r} does not "
+                f"match the output ({n}, {c_out}, {oh}, {ow})"
+            )
+    sx = sw = sb = None
+    if shortcut is not None:
+        sx, sw, sb = shortcut
+        check_tensor("shortcut_x", sx, ndim=(4,))
+        check_tensor("shortcut_weight", sw, ndim=(4,))
+        sh, sww = conv_output_size(*sx.shape[2:], 1, 1, 0, shortcut_resample)
+        if sx.shape[0] != n or (sh, sww) != (oh, ow) or tuple(sw.shape) != (c_out, sx.shape[1], 1, 1):
+            raise ValueError(
+                f"shortcut (x {tuple(sx.shape)}, weight {tuple(sw.shape)}, shortcut_resample={shortcut_resample!r}) "
+                f"must be a 1x1 conv to the output ({n}, {c_out}, {oh}, {ow})"
+            )
+        check_vector("shortcut_bias", sb, c_out, x)
+    out_groups, out_eps = (0, 0.0) if out_stats is None else out_stats
+    if out_stats is not None and (not isinstance(out_groups, int) or out_groups <= 0 or c_out % out_groups):
+        raise ValueError(f"out_stats groups={out_groups!r} must be a positive int dividing C_out={c_out}")
+    y, out_mean, out_rstd = gn_conv2d_op(
+        x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, num_groups,
+        activation or "", stride, padding, resample, residual_resample, shortcut_resample, float(output_scale),
+        out_groups, float(out_eps),
+    )  # fmt: skip
+    return y if out_stats is None else (y, (out_mean, out_rstd))
