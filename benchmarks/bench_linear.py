@@ -1,0 +1,199 @@
+"""Fused linear layers at diffusion shapes: ldmopt (Triton) vs PyTorch eager vs torch.compile vs the bare cuBLAS GEMM.
+
+- GEGLU (SD UNets, AnimateDiff): one dual-accumulator GEMM writing I columns vs diffusers' proj -> chunk -> gelu -> mul.
+- GELU-tanh projection (PixArt, Flux): bias + GELU epilogue vs F.linear + F.gelu.
+- gated residual (DiT/PixArt attention output): ``res + gate[b] * (x W^T + b)`` in the GEMM epilogue.
+- adaLN: residual add + LayerNorm + ``x * (1 + scale[b]) + shift[b]`` in one row kernel.
+
+FLOPs counted: 2*M*K*N per GEMM (x3 for forward+backward). Bytes counted for adaLN: x, residual read and y, s written
+(forward); dy, s, ds read and dx written on top (backward), so GB/s is the minimum traffic over time.
+Targets (H200): GEGLU >= 1.4x eager at K=320 and >= 1.15x at K=1280; bias+GELU within 10% of the bare cuBLAS GEMM at
+the PixArt/Flux shapes; adaLN >= 80% of measured copy bandwidth. ``torch.compile`` runs in max-autotune mode without
+CUDA graphs (as the other benchmarks); in quick mode (LDMOPT_BENCH_QUICK=1) only the first case of each op compiles.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ldmopt
+from benchmarks import harness
+from ldmopt.ops.adaln_modulate import adaln_modulate
+from ldmopt.ops.geglu import geglu
+from ldmopt.ops.linear import linear
+
+pytestmark = harness.gpu_only
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MODES = ["fwd", "fwd+bwd"]
+GEGLU_CASES = {
+    # name: (M, K, I)
+    "sd15-l0": (8192, 320, 1280),
+    "sdxl": (2048, 1280, 5120),
+    "animatediff-temporal": (131072, 320, 1280),
+}
+GELU_CASES = {
+    # name: (M, K, N)
+    "pixart": (8192, 1152, 4608),
+    "flux": (4608, 3072, 12288),
+}
+GATED_CASES = {"pixart-attn-out": (2, 4096, 1152, 1152)}  # (B, T, K, N)
+ADALN_CASES = {"pixart": (2, 4096, 1152)}  # (B, T, C)
+
+
+def _quick() -> bool:
+    return os.environ.get("LDMOPT_BENCH_QUICK") == "1"
+
+
+def _triton(fn):
+    def run(*args, **kwargs):
+        with ldmopt.use_backend("triton"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _with_compile(providers: dict, eager, first_case: bool) -> dict:
+    if first_case or not _quick():
+        providers["compile"] = harness.compiled(eager, mode="max-autotune-no-cudagraphs")
+    else:
+        providers["compile"] = None
+    return providers
+
+
+def _measure(recorder, op, case, dtype_name, mode, providers, inputs, grad_inputs, *, flops=None, nbytes=None):
+    """Time every provider on ``inputs``; fwd+bwd differentiates the (first) output w.r.t. ``grad_inputs``."""
+    for name, fn in providers.items():
+        if fn is None:
+            recorder.record(op=op, case=case, dtype=dtype_name, mode=mode, provider=name, timing=None,
+                            note="skipped in quick mode")  # fmt: skip
+            continue
+        if mode == "fwd":
+
+            def run(fn=fn):
+                with torch.no_grad():
+                    return fn(*inputs)
+        else:
+            out = fn(*inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            grads_out = [torch.randn_like(o) for o in outs]
+
+            def run(fn=fn, grads_out=grads_out):
+                out = fn(*inputs)
+                outs = out if isinstance(out, tuple) else (out,)
+                return torch.autograd.grad(outs, grad_inputs, grads_out, allow_unused=True)
+
+        try:
+            run()
+            timing, note = harness.time_fn(run), ""
+            peak = harness.peak_memory(run) if mode == "fwd+bwd" else None
+        except ldmopt.BackendUnavailableError as exc:
+            timing, peak, note = None, None, f"unavailable: {str(exc)[:80]}"
+        recorder.record(op=op, case=case, dtype=dtype_name, mode=mode, provider=name, timing=timing, flops=flops,
+                        bytes=nbytes, peak_mem=peak, note=note)  # fmt: skip
+
+
+def _params(m, k, n, dtype, grad):
+    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=grad)
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype).requires_grad_(grad)
+    b = (torch.randn(n, device="cuda") * 0.1).to(dtype).requires_grad_(grad)
+    return x, w, b
+
+
+def _eager_geglu(x, w, b):
+    h, g = F.linear(x, w, b).chunk(2, dim=-1)
+    return h * F.gelu(g)
+
+
+def _bare_gemm(x, w, b):
+    return F.linear(x, w)
+
+
+@pytest.mark.parametrize("case", list(GEGLU_CASES))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", MODES)
+def bench_geglu(case, dtype_name, mode, bench_recorder):
+    m, k, i = GEGLU_CASES[case]
+    inputs = _params(m, k, 2 * i, DTYPES[dtype_name], mode == "fwd+bwd")
+    providers = {"ldmopt": _triton(geglu), "eager": _eager_geglu, "cublas-gemm": _bare_gemm}
+    providers = _with_compile(providers, _eager_geglu, case == next(iter(GEGLU_CASES)))
+    flops = 2 * m * k * 2 * i * (1 if mode == "fwd" else 3)
+    _measure(bench_recorder, "geglu", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
+
+
+def _eager_gelu_tanh(x, w, b):
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+def _ldmopt_gelu_tanh(x, w, b):
+    return linear(x, w, b, activation="gelu_tanh")
+
+
+@pytest.mark.parametrize("case", list(GELU_CASES))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", MODES)
+def bench_linear_gelu_tanh(case, dtype_name, mode, bench_recorder):
+    m, k, n = GELU_CASES[case]
+    inputs = _params(m, k, n, DTYPES[dtype_name], mode == "fwd+bwd")
+    providers = {"ldmopt": _triton(_ldmopt_gelu_tanh), "eager": _eager_gelu_tanh, "cublas-gemm": _bare_gemm}
+    providers = _with_compile(providers, _eager_gelu_tanh, case == next(iter(GELU_CASES)))
+    flops = 2 * m * k * n * (1 if mode == "fwd" else 3)
+    _measure(bench_recorder, "linear_gelu_tanh", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
+
+
+def _eager_gated(x, w, b, gate, res):
+    return res + gate[:, None, :] * F.linear(x, w, b)
+
+
+def _ldmopt_gated(x, w, b, gate, res):
+    return linear(x, w, b, gate=gate, residual=res)
+
+
+@pytest.mark.parametrize("case", list(GATED_CASES))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", MODES)
+def bench_linear_gated_residual(case, dtype_name, mode, bench_recorder):
+    bsz, t, k, n = GATED_CASES[case]
+    dtype, grad = DTYPES[dtype_name], mode == "fwd+bwd"
+    x, w, b = _params(bsz * t, k, n, dtype, grad)
+    x = x.detach().view(bsz, t, k).requires_grad_(grad)
+    gate = torch.randn(bsz, n, device="cuda", dtype=dtype, requires_grad=grad)
+    res = torch.randn(bsz, t, n, device="cuda", dtype=dtype, requires_grad=grad)
+    inputs = (x, w, b, gate, res)
+    providers = {"ldmopt": _triton(_ldmopt_gated), "eager": _eager_gated}
+    providers["cublas-gemm"] = lambda x, w, b, gate, res: F.linear(x, w)
+    providers = _with_compile(providers, _eager_gated, True)
+    flops = 2 * bsz * t * k * n * (1 if mode == "fwd" else 3)
+    _measure(bench_recorder, "linear_gated_residual", case, dtype_name, mode, providers, inputs, (x, w, b, gate),
+             flops=flops)  # fmt: skip
+
+
+def _eager_adaln(x, scale, shift, res):
+    s = x + res
+    return F.layer_norm(s, s.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None], s
+
+
+def _ldmopt_adaln(x, scale, shift, res):
+    return adaln_modulate(x, scale, shift, residual=res, return_residual=True)
+
+
+@pytest.mark.parametrize("case", list(ADALN_CASES))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("mode", MODES)
+def bench_adaln_modulate(case, dtype_name, mode, bench_recorder):
+    bsz, t, c = ADALN_CASES[case]
+    dtype, grad = DTYPES[dtype_name], mode == "fwd+bwd"
+    x, res = (torch.randn(bsz, t, c, device="cuda", dtype=dtype, requires_grad=grad) for _ in range(2))
+    # scale/shift as strided chunks of one embedding, as AdaLayerNormZero hands them over.
+    emb = torch.randn(bsz, 6 * c, device="cuda", dtype=dtype)
+    shift, scale = (t.requires_grad_(grad) for t in emb.chunk(6, dim=1)[:2])
+    providers = {"ldmopt": _triton(_ldmopt_adaln), "eager": _eager_adaln}
+    providers = _with_compile(providers, _eager_adaln, True)
+    elem = x.numel() * x.element_size()
+    nbytes = 4 * elem if mode == "fwd" else 8 * elem
+    _measure(bench_recorder, "adaln_modulate", case, dtype_name, mode, providers, (x, scale, shift, res),
+             (x, scale, shift, res), nbytes=nbytes)  # fmt: skip
