@@ -9,5 +9,18 @@ from __future__ import annotations
 from .analyze import Analysis, analyze, sweep
 from .categories import CATEGORIES, LABELS
 from .gpus import GPUS, GPUSpec, get_gpu, register_gpu
+from .profile import Profile, profile
 
-__all__ = ["CATEGORIES", "GPUS", "LABELS", "Analysis", "GPUSpec", "analyze", "get_gpu", "register_gpu", "sweep"]
+__all__ = [
+    "CATEGORIES",
+    "GPUS",
+    "LABELS",
+    "Analysis",
+    "GPUSpec",
+    "Profile",
+    "analyze",
+    "get_gpu",
+    "profile",
+    "register_gpu",
+    "sweep",
+]

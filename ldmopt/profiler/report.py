@@ -86,3 +86,35 @@ def format_analysis(a: Analysis) -> str:
                 render_table(["fusion", "sites", "bytes saved", "ops removed"], rows)]  # fmt: skip
     out += ["", *(f"note: {n}" for n in a.notes)]
     return "\n".join(out)
+
+
+def format_profile(p, top: int = 3) -> str:
+    out = [
+        f"ldmopt profile: MEASURED {p.time_kind} on {p.device}, {p.mode}, {p.steps} active steps",
+        f"total {p.total_us / 1e3:.2f} ms ({p.total_us / 1e3 / max(p.steps, 1):.2f} ms per step); "
+        f"{p.launches} {'kernel launches' if p.device == 'cuda' else 'operator calls'}; "
+        f"wall {p.wall_s * 1e3:.1f} ms; classified {100 * p.classified_share():.1f}%",
+    ]
+    if p.device != "cuda":
+        out.append(f"host time outside operators: {p.host_overhead_s * 1e3:.1f} ms (not in the shares)")
+    if p.data_wait_s:
+        out.append(
+            f"data loading: {p.data_wait_s * 1e3:.1f} ms ({100 * p.data_wait_s / max(p.wall_s, 1e-12):.1f}% of wall)"
+        )
+    shares = p.shares()
+    rows = []
+    for key, cat in p.categories.items():
+        if not cat.count:
+            continue
+        names = "; ".join(f"{n} {t / 1e3:.2f} ms x{c}" for n, t, c in p.top(key, top))
+        rows.append([C.LABELS[key], f"{cat.time_us / 1e3:.3f}", pct(shares[key]), str(cat.count), names[:110]])
+    out += ["", render_table(["category", "ms", "share", "calls", f"top {top}"], rows, "lrrrl")]
+    split = p.attention_split()
+    if any(split.values()):
+        out += ["", "attention: " + ", ".join(f"{k} {pct(v).strip()}" for k, v in split.items() if v)]
+    if p.trace_path:
+        out.append(f"chrome trace: {p.trace_path}")
+    if p.tensorboard_dir:
+        out.append(f"tensorboard: {p.tensorboard_dir}")
+    out += [f"note: {n}" for n in p.notes]
+    return "\n".join(out)

@@ -1,0 +1,401 @@
+"""``profile``: run a model, pipeline or function under torch.profiler and classify its time by operator category.
+
+On a GPU the classified time is CUDA kernel time (each kernel attributed to the operator that launched it, or
+classified by its name when no operator did); on CPU it is the self CPU time of the operators (host overhead outside
+operators is reported apart). Attention is split into spatial self / cross / temporal with ``record_function`` scopes
+opened by forward hooks on every diffusers attention module; backward operators inherit the scope of their forward
+operator through the autograd sequence number.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import categories as C
+from .scopes import ATTENTION_SCOPE, NORM_SCOPE, ModuleScopes
+
+_OP_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)::[A-Za-z_]")
+_NOT_OPS = {"autograd", "profiler"}
+_BACKWARD_NODE = "autograd::engine::evaluate_function"
+
+
+@dataclass
+class CategoryTime:
+    time_us: float = 0.0
+    count: int = 0
+    top: dict[str, list[float]] = field(default_factory=dict)  # kernel/op name -> [time_us, count]
+
+    def add(self, name: str, time_us: float) -> None:
+        self.time_us += time_us
+        self.count += 1
+        slot = self.top.setdefault(name, [0.0, 0])
+        slot[0] += time_us
+        slot[1] += 1
+
+
+@dataclass
+class Profile:
+    """Measured breakdown of the active steps. ``time_kind`` says what was measured (CUDA or CPU time)."""
+
+    device: str
+    time_kind: str
+    mode: str  # "inference" or "training"
+    steps: int
+    categories: dict[str, CategoryTime]
+    launches: int  # GPU: kernel launches; CPU: operator calls
+    wall_s: float  # wall time of the active steps
+    host_overhead_s: float = 0.0  # CPU runs: wall time outside operators
+    data_wait_s: float = 0.0  # training with a data iterable: time spent fetching batches
+    trace_path: str | None = None
+    tensorboard_dir: str | None = None
+    notes: list[str] = field(default_factory=list)
+    _prof: Any = field(default=None, repr=False)
+
+    @property
+    def total_us(self) -> float:
+        return sum(c.time_us for c in self.categories.values())
+
+    def shares(self) -> dict[str, float]:
+        total = self.total_us
+        return {k: (c.time_us / total if total else 0.0) for k, c in self.categories.items()}
+
+    def classified_share(self) -> float:
+        """Fraction of the time in named categories (not "other", not unattributed attention)."""
+        shares = self.shares()
+        return 1.0 - shares[C.OTHER] - shares[C.ATTN_UNATTRIBUTED]
+
+    def attention_split(self) -> dict[str, float]:
+        total = sum(self.categories[c].time_us for c in C.ATTENTION)
+        return {c.split(".")[1]: (self.categories[c].time_us / total if total else 0.0) for c in C.ATTENTION}
+
+    def top(self, category: str, n: int = 5) -> list[tuple[str, float, int]]:
+        """The ``n`` kernels (GPU) or operators (CPU) with most time in ``category``: (name, time_us, count)."""
+        items = sorted(self.categories[category].top.items(), key=lambda kv: -kv[1][0])
+        return [(name, t, int(cnt)) for name, (t, cnt) in items[:n]]
+
+    def export_chrome_trace(self, path: str) -> str:
+        if self._prof is None:
+            raise RuntimeError("this Profile holds no profiler session to export")
+        self._prof.export_chrome_trace(path)
+        return path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": f"measured ({self.time_kind} on {self.device})",
+            "device": self.device,
+            "time_kind": self.time_kind,
+            "mode": self.mode,
+            "steps": self.steps,
+            "total_us": self.total_us,
+            "per_step_us": self.total_us / max(self.steps, 1),
+            "launches": self.launches,
+            "wall_s": self.wall_s,
+            "host_overhead_s": self.host_overhead_s,
+            "data_wait_s": self.data_wait_s,
+            "classified_share": self.classified_share(),
+            "categories": {
+                k: {"label": C.LABELS[k], "time_us": c.time_us, "count": c.count, "share": s, "top": self.top(k)}
+                for (k, c), s in zip(self.categories.items(), self.shares().values())
+            },
+            "attention_split": self.attention_split(),
+            "trace_path": self.trace_path,
+            "tensorboard_dir": self.tensorboard_dir,
+            "notes": self.notes,
+        }
+
+    def table(self, top: int = 3) -> str:
+        from .report import format_profile
+
+        return format_profile(self, top=top)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# ---------------------------------------------------------------------------------------------- classification
+
+
+def _op_namespace(name: str) -> str | None:
+    m = _OP_NAME.match(name)
+    return m.group(1) if m and m.group(1) not in _NOT_OPS else None
+
+
+def _chain(evt):
+    while evt is not None:
+        yield evt
+        evt = evt.cpu_parent
+
+
+def _scope_of(evt, forward_scopes: dict[int, str]) -> str | None:
+    for e in _chain(evt):
+        if e.name.startswith((ATTENTION_SCOPE, NORM_SCOPE)):
+            return e.name
+        if e.name.startswith(_BACKWARD_NODE) and e.sequence_nr >= 0:
+            return forward_scopes.get(e.sequence_nr)
+    return None
+
+
+def _classify(evt, forward_scopes: dict[int, str]) -> str:
+    outermost = None
+    for e in _chain(evt):
+        namespace = _op_namespace(e.name)
+        if namespace == "ldmopt":
+            return C.LDMOPT
+        if namespace is not None:
+            outermost = e.name
+    if outermost is None:
+        return C.OTHER
+    scope = _scope_of(evt, forward_scopes)
+    kind = scope[len(ATTENTION_SCOPE) :].split("::")[0] if scope and scope.startswith(ATTENTION_SCOPE) else None
+    return C.classify_op(outermost, attention_kind=kind, in_norm=bool(scope and scope.startswith(NORM_SCOPE)))
+
+
+def _forward_scopes(events) -> dict[int, str]:
+    """sequence_nr of each forward operator run inside a scope -> that scope (for its backward)."""
+    scopes: dict[int, str] = {}
+    for e in events:
+        if e.sequence_nr >= 0 and _op_namespace(e.name) and e.sequence_nr not in scopes:
+            scope = _scope_of(e, {})
+            if scope is not None:
+                scopes[e.sequence_nr] = scope
+    return scopes
+
+
+def classify_events(events, on_gpu: bool, ldmopt_kernels: frozenset[str] = frozenset()):
+    """(categories, launches) from a torch.profiler event list."""
+    from torch.autograd import DeviceType
+
+    cats = {c: CategoryTime() for c in C.CATEGORIES}
+    forward_scopes = _forward_scopes(events)
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and _op_namespace(e.name)]
+    launches = 0
+    if on_gpu:
+        by_id = {e.id: e for e in cpu_ops}
+        for e in events:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            launches += 1
+            op = by_id.get(getattr(e, "linked_correlation_id", 0))
+            if op is None:  # CUDA graphs, compiled regions: only the kernel name is known
+                cat = C.classify_kernel(e.name, ldmopt_kernels)
+            else:
+                cat = C.LDMOPT if e.name in ldmopt_kernels else _classify(op, forward_scopes)
+            cats[cat].add(e.name, e.time_range.elapsed_us())
+    else:
+        for e in cpu_ops:
+            launches += 1
+            cats[_classify(e, forward_scopes)].add(e.name, e.self_cpu_time_total)
+    return cats, launches
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def _call(target, inputs):
+    from .. import configs
+
+    if isinstance(inputs, configs.ModelInputs):
+        return configs.run_model(target, inputs)
+    if inputs is None:
+        return target()
+    if isinstance(inputs, dict):
+        return target(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return target(*inputs)
+    return target(inputs)
+
+
+def _first_tensor(out) -> torch.Tensor:
+    from torch.utils._pytree import tree_flatten
+
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    for leaf in tree_flatten(out)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf
+    raise ValueError("training mode needs a floating-point tensor output to build a loss (or pass loss_fn)")
+
+
+def _modules_of(target) -> dict[str, nn.Module]:
+    if isinstance(target, nn.Module):
+        return {"": target}
+    components = getattr(target, "components", None)
+    if isinstance(components, dict):
+        return {k: v for k, v in components.items() if isinstance(v, nn.Module)}
+    owner = getattr(target, "__self__", None)
+    return {"": owner} if isinstance(owner, nn.Module) else {}
+
+
+def _resolve_target(target, *, device, dtype, tiny, resolution, frames, batch, inputs):
+    from .. import configs
+
+    if not isinstance(target, str):
+        if inputs is None and isinstance(target, nn.Module) and hasattr(target, "ldmopt_zoo_name"):
+            inputs = configs.example_inputs(target, resolution=resolution, frames=frames, batch=batch)
+        return target, inputs
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.float16 if str(device).startswith("cuda") else torch.float32)
+    model = configs.build_model(target, device=device, dtype=dtype, tiny=tiny, frames=frames)
+    if inputs is None:
+        inputs = configs.example_inputs(model, resolution=resolution, frames=frames, batch=batch)
+    return model, inputs
+
+
+def _device_of(target, inputs) -> str:
+    from torch.utils._pytree import tree_flatten
+
+    for module in _modules_of(target).values():
+        for p in module.parameters():
+            return p.device.type
+    leaves = tree_flatten(getattr(inputs, "kwargs", inputs))[0]
+    return next((x.device.type for x in leaves if isinstance(x, torch.Tensor)), "cpu")
+
+
+def profile(
+    target: nn.Module | Callable | str,
+    *,
+    inputs: Any = None,
+    steps: int = 3,
+    warmup: int = 1,
+    wait: int | None = None,
+    training: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    data: Iterable | None = None,
+    modules: nn.Module | dict[str, nn.Module] | None = None,
+    scopes: bool = True,
+    trace: str | None = None,
+    tensorboard: str | None = None,
+    wandb: bool | str | dict | None = None,
+    record_shapes: bool = False,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    tiny: bool = False,
+    resolution: int | tuple[int, int] | None = None,
+    frames: int | None = None,
+    batch: int | None = None,
+) -> Profile:
+    """Profile ``steps`` calls of ``target`` after ``wait`` + ``warmup`` unrecorded ones and classify the time.
+
+    ``target``: an ``nn.Module`` (called with ``inputs``: ``configs.ModelInputs``, kwargs dict, args tuple or one
+    tensor; zoo models built by ``configs.build_model`` default to ``configs.example_inputs``), a diffusers
+    pipeline (``pipe(**inputs)``, hooks on all its module components), any callable (``fn(**inputs)``/``fn()``), or
+    a zoo name (built with random weights on ``device``; ``tiny=True`` for the tiny variant).
+
+    ``training=True`` runs forward + backward + optimizer step per step (AdamW if no ``optimizer``; loss is
+    ``loss_fn(output)`` or the mean square of the first output tensor); ``data`` is an iterable of inputs drawn
+    once per step, whose fetch time is reported as data-loading stalls. The schedule is torch.profiler's
+    wait/warmup/active; ``wait`` defaults to 1 in training (as in the studies) and 0 otherwise.
+
+    ``trace`` writes a Chrome trace; ``tensorboard`` a log directory (profiler trace + scalar event files);
+    ``wandb`` logs the breakdown to Weights & Biases (True, a project name or ``wandb.init`` kwargs).
+    """
+    from .logging import check_logging_available, log_profile
+
+    check_logging_available(tensorboard=tensorboard, wandb=wandb)
+    target, inputs = _resolve_target(target, device=device, dtype=dtype, tiny=tiny, resolution=resolution,
+                                     frames=frames, batch=batch, inputs=inputs)  # fmt: skip
+    wait = (1 if training else 0) if wait is None else wait
+    on_gpu = _device_of(target, inputs) == "cuda" and torch.cuda.is_available()
+    hooked = _modules_of(target) if modules is None else modules
+    step_fn = _make_step(target, inputs, training, optimizer, loss_fn, data)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    captured: dict[str, Any] = {}
+
+    def on_ready(prof):
+        captured["events"] = prof.events()
+        if trace:
+            prof.export_chrome_trace(trace)
+        if tensorboard:
+            torch.profiler.tensorboard_trace_handler(tensorboard)(prof)
+
+    schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=steps, repeat=1)
+    wall = data_wait = 0.0
+    scope_ctx = ModuleScopes(hooked, annotate=True) if scopes and hooked else None
+    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_ready,
+                                record_shapes=record_shapes) as prof:  # fmt: skip
+        if scope_ctx is not None:
+            scope_ctx.__enter__()
+        try:
+            for i in range(wait + warmup + steps):
+                start = time.perf_counter()
+                fetch = step_fn()
+                if on_gpu:
+                    torch.cuda.synchronize()
+                if i >= wait + warmup:
+                    wall += time.perf_counter() - start
+                    data_wait += fetch
+                prof.step()
+        finally:
+            if scope_ctx is not None:
+                scope_ctx.__exit__(None, None, None)
+
+    from .categories import ldmopt_kernel_names
+
+    cats, launches = classify_events(
+        captured.get("events", []), on_gpu, ldmopt_kernel_names() if on_gpu else frozenset()
+    )
+    result = Profile(
+        device="cuda" if on_gpu else "cpu",
+        time_kind="CUDA kernel time" if on_gpu else "CPU operator self time",
+        mode="training" if training else "inference",
+        steps=steps,
+        categories=cats,
+        launches=launches,
+        wall_s=wall,
+        data_wait_s=data_wait,
+        trace_path=trace,
+        tensorboard_dir=tensorboard,
+        _prof=prof,
+    )
+    if not on_gpu:
+        result.host_overhead_s = max(0.0, wall - result.total_us / 1e6)
+        result.notes.append("measured on CPU: CPU operator time, not GPU kernel time; shares differ from a GPU run")
+    if not scopes or not hooked:
+        result.notes.append("no attention scopes: attention time is unattributed (pass modules= for a callable)")
+    log_profile(result, tensorboard=tensorboard, wandb=wandb)
+    return result
+
+
+def _make_step(target, inputs, training, optimizer, loss_fn, data) -> Callable[[], float]:
+    """A closure running one step and returning the seconds spent waiting for data."""
+    iterator = iter(data) if data is not None else None
+    params: list[nn.Parameter] = []
+    if training:
+        for module in _modules_of(target).values():
+            module.train()
+            params += [p for p in module.parameters() if p.requires_grad]
+        if optimizer is None and params:
+            optimizer = torch.optim.AdamW(params, lr=1e-5)
+
+    def step() -> float:
+        waited = 0.0
+        batch_inputs = inputs
+        if iterator is not None:
+            start = time.perf_counter()
+            with torch.profiler.record_function("ldmopt.dataloader"):
+                batch_inputs = next(iterator)
+            waited = time.perf_counter() - start
+        if not training:
+            with torch.inference_mode():
+                _call(target, batch_inputs)
+            return waited
+        out = _call(target, batch_inputs)
+        if params:
+            loss = loss_fn(out) if loss_fn is not None else _first_tensor(out).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return waited
+
+    return step
