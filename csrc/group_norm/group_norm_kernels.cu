@@ -84,7 +84,7 @@ struct GradReducer {
 // ------------------------------------------------------------------------------------------ partial reductions
 
 // Channels-last: block = (n, chunk of S, block of channels). Threads are laid out as rows x channel packs, walk the
-// chunk's rows with packed loads along C, then merge their rows per channel through shared memory.
+// chunk's rows with packed loads along C, then merge their rows per channel in shared memory.
 template <typename T, int VEC, class R>
 __global__ __launch_bounds__(kThreads) void partial_cl_kernel(Tensors<T> t, int64_t tc, int64_t n_cblocks) {
   using State = typename R::State;
@@ -100,8 +100,7 @@ __global__ __launch_bounds__(kThreads) void partial_cl_kernel(Tensors<T> t, int6
   const int64_t cb = blk % n_cblocks;
   const int64_t chunk = (blk / n_cblocks) % s.n_chunks;
   const int64_t n = blk / (n_cblocks * s.n_chunks);
-  const int64_t width = tc * VEC;
-  const int64_t c0 = cb * width + lane_c * VEC;
+  const int64_t c0 = (cb * tc + lane_c) * VEC;
   // When VEC > 1, C is a multiple of VEC, so c0 < C means the whole pack is inside the row.
   const bool active = row < rows && c0 < s.C;
   const int64_t s_begin = chunk * s.s_per_chunk;
@@ -122,19 +121,29 @@ __global__ __launch_bounds__(kThreads) void partial_cl_kernel(Tensors<T> t, int6
       for (int j = 0; j < VEC; ++j) R::update(st[j], prm[j], x[j], dy[j]);
     }
   }
+  // Pairwise tree over the rows (log2(rows) steps, every thread busy): better rounding than a running merge.
   if (row < rows) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) merged[tid * VEC + j] = st[j];
   }
   __syncthreads();
-  for (int64_t k = tid; k < width; k += kThreads) {
-    const int64_t c = cb * width + k;
-    if (c >= s.C) continue;
-    State acc = merged[k];
-    for (int64_t r = 1; r < rows; ++r) acc.merge(merged[r * width + k]);
-    const int64_t out = (n * s.n_chunks + chunk) * s.C + c;
-    s.part_a[out] = R::out_a(acc);
-    s.part_b[out] = R::out_b(acc);
+  for (int64_t step = 1; step < rows; step *= 2) {
+    if (row % (2 * step) == 0 && row + step < rows) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        st[j].merge(merged[(tid + step * tc) * VEC + j]);
+        merged[tid * VEC + j] = st[j];
+      }
+    }
+    __syncthreads();
+  }
+  if (row == 0 && active) {
+    const int64_t out = (n * s.n_chunks + chunk) * s.C + c0;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      s.part_a[out + j] = R::out_a(st[j]);
+      s.part_b[out + j] = R::out_b(st[j]);
+    }
   }
 }
 
@@ -214,31 +223,37 @@ __global__ __launch_bounds__(kFinalizeThreads) void finalize_forward_kernel(Stat
   }
 }
 
-// One block per (n, g): per-channel sums over chunks (kept for dweight/dbias), then with M = S * cpg,
-// c1 = sum_c w dz, c2 = sum_c w dz xhat: dx = rstd * (w dz - (c1 + xhat c2) / M) = a dz + q x + r with
-// q = -rstd^2 c2 / M and r = rstd (rstd c2 mean - c1) / M.
+// One block per (n, g): per-channel sums over chunks (kept for dweight/dbias; a warp per channel, lanes over chunks),
+// then with M = S * cpg, c1 = sum_c w dz, c2 = sum_c w dz xhat:
+// dx = rstd * (w dz - (c1 + xhat c2) / M) = a dz + q x + r, q = -rstd^2 c2 / M, r = rstd (rstd c2 mean - c1) / M.
 __global__ __launch_bounds__(kFinalizeThreads) void finalize_backward_kernel(Stats s) {
-  __shared__ float scratch[kFinalizeThreads / kWarpSize];
+  constexpr int kWarps = kFinalizeThreads / kWarpSize;
+  __shared__ float scratch[kWarps];
   const int64_t ng = blockIdx.x;
   const int64_t n = ng / s.G;
   const int64_t g = ng % s.G;
   const int64_t cpg = s.C / s.G;
+  const int lane = threadIdx.x % kWarpSize;
   float local_c1 = 0.0f;
   float local_c2 = 0.0f;
-  for (int64_t j = threadIdx.x; j < cpg; j += blockDim.x) {
+  for (int64_t j = threadIdx.x / kWarpSize; j < cpg; j += kWarps) {
     const int64_t c = g * cpg + j;
     float dz = 0.0f;
     float dzx = 0.0f;
-    for (int64_t k = 0; k < s.n_chunks; ++k) {
+    for (int64_t k = lane; k < s.n_chunks; k += kWarpSize) {
       const int64_t off = (n * s.n_chunks + k) * s.C + c;
       dz += s.part_a[off];
       dzx += s.part_b[off];
     }
-    s.sum_dz[n * s.C + c] = dz;
-    s.sum_dzx[n * s.C + c] = dzx;
-    const float w = s.weight ? s.weight[c] : 1.0f;
-    local_c1 += w * dz;
-    local_c2 += w * dzx;
+    dz = warp_sum(dz);
+    dzx = warp_sum(dzx);
+    if (lane == 0) {
+      s.sum_dz[n * s.C + c] = dz;
+      s.sum_dzx[n * s.C + c] = dzx;
+      const float w = s.weight ? s.weight[c] : 1.0f;
+      local_c1 += w * dz;
+      local_c2 += w * dzx;
+    }
   }
   const float c1 = block_sum(local_c1, scratch);
   const float c2 = block_sum(local_c2, scratch);

@@ -47,14 +47,8 @@ const char* emu_last_error() { return last_error.c_str(); }
 // 0: threads of a block run first-to-last between barriers; 1: last-to-first.
 void emu_set_reverse_schedule(int reverse) { ldmopt_emu::state().reverse = reverse != 0; }
 
-// plan_out: vec, s_per_chunk, n_chunks, tc, n_cblocks
-void emu_group_norm_plan(const int64_t* dims, int channels_last, int dtype, int aligned, int64_t* plan_out) {
-  const auto p = gn_problem(dims, channels_last, dtype, 0);
-  const auto plan = ldmopt::group_norm::make_plan(p, aligned != 0);
-  write_plan(plan, plan_out);
-}
-
-// dims: N, C, S, G. Pointer alignment decides the packed path, as in the torch glue; plan_out as above.
+// dims: N, C, S, G. Pointer alignment decides the packed path, as in the torch glue.
+// plan_out: vec, s_per_chunk, n_chunks, tc, n_cblocks.
 int emu_group_norm_forward(const int64_t* dims, int channels_last, int dtype, int silu, const void* x, void* y,
                            const float* weight, const float* bias, float* mean, float* rstd, float eps,
                            int64_t* plan_out) {

@@ -1,0 +1,145 @@
+"""Build and drive the CPU emulator of the ldmopt._C kernels (cuda_emu.h + emu_entry.cpp) through ctypes.
+
+The kernel sources in csrc/ are compiled by the host C++ compiler with -DLDMOPT_EMULATE; each CUDA thread runs as a
+fiber, so the real launch code and kernels execute on CPU tensors. Needs g++ (C++20) and the CUDA headers
+cuda_fp16.h / cuda_bf16.h (from CUDA_HOME or torch's nvidia/cu13 wheel); no GPU, no torch extension build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def cuda_include_dir() -> Path | None:
+    """A directory holding cuda_fp16.h: $CUDA_HOME/include, /usr/local/cuda/include or torch's nvidia wheel."""
+    candidates = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include", Path("/usr/local/cuda/include")]
+    site = Path(torch.__file__).resolve().parents[1]
+    candidates += [site / "nvidia" / sub / "include" for sub in ("cu13", "cu12")]
+    return next((c for c in candidates if (c / "cuda_fp16.h").is_file()), None)
+
+
+def unavailable_reason() -> str | None:
+    if shutil.which("g++") is None:
+        return "g++ not found (the kernel emulator is compiled with the host C++ compiler)"
+    if cuda_include_dir() is None:
+        return "cuda_fp16.h not found (set CUDA_HOME or install torch's nvidia cu13 wheel)"
+    return None
+
+
+def _sources() -> list[Path]:
+    return sorted([*(ROOT / "csrc").rglob("*"), HERE / "cuda_emu.h", HERE / "emu_entry.cpp"])
+
+
+def build() -> ctypes.CDLL:
+    """Compile (cached by a hash of the sources) and load the emulator library."""
+    digest = hashlib.sha256()
+    for path in _sources():
+        if path.is_file():
+            digest.update(path.as_posix().encode())
+            digest.update(path.read_bytes())
+    out_dir = Path(tempfile.gettempdir()) / f"ldmopt-emu-{digest.hexdigest()[:16]}"
+    lib_path = out_dir / "emu.so"
+    if not lib_path.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / f"emu.{os.getpid()}.so"
+        cmd = [
+            "g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-DLDMOPT_EMULATE",
+            f"-I{ROOT / 'csrc'}", f"-I{HERE}", f"-I{cuda_include_dir()}",
+            "-x", "c++", str(HERE / "emu_entry.cpp"), "-o", str(tmp),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"emulator build failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        tmp.replace(lib_path)  # atomic: concurrent test sessions never load a half-written library
+    lib = ctypes.CDLL(str(lib_path))
+    lib.emu_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+class Emulator:
+    """Python wrappers with the argument conventions of the ldmopt._C ops."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        self.last_plan: dict = {}
+
+    def _check(self, rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(self.lib.emu_last_error().decode())
+
+    def reverse_schedule(self, reverse: bool) -> None:
+        self.lib.emu_set_reverse_schedule(int(reverse))
+
+    @staticmethod
+    def _ncs(x: torch.Tensor) -> tuple[int, int, int, bool]:
+        n, c = x.shape[:2]
+        return n, c, x.numel() // (n * c), not x.is_contiguous()
+
+    def group_norm_fwd(self, x, weight, bias, num_groups: int, eps: float, activation: str):
+        """(y, mean, rstd) like torch.ops.ldmopt.group_norm_fwd_cuda; y has x's strides, outputs poisoned first."""
+        n, c, s, channels_last = self._ncs(x)
+        y = torch.empty_like(x).fill_(float("nan"))
+        mean = torch.full((n, num_groups), float("nan"))
+        rstd = torch.full((n, num_groups), float("nan"))
+        w = None if weight is None else weight.float().contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        dims = (ctypes.c_int64 * 4)(n, c, s, num_groups)
+        plan = (ctypes.c_int64 * 5)()
+        self._check(
+            self.lib.emu_group_norm_forward(
+                dims, int(channels_last), DTYPE_CODES[x.dtype], int(activation == "silu"), _ptr(x), _ptr(y),
+                _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), ctypes.c_float(eps), plan,
+            )
+        )  # fmt: skip
+        self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
+        return y, mean, rstd
+
+    def group_norm_bwd(self, dy, x, weight, bias, mean, rstd, num_groups: int, activation: str):
+        """(dx, dweight, dbias) like torch.ops.ldmopt.group_norm_bwd_cuda (dy must have x's strides here)."""
+        n, c, s, channels_last = self._ncs(x)
+        assert dy.stride() == x.stride()
+        dx = torch.empty_like(x).fill_(float("nan"))
+        sums = torch.full((2, n, c), float("nan"))
+        w = None if weight is None else weight.float().contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        dims = (ctypes.c_int64 * 4)(n, c, s, num_groups)
+        plan = (ctypes.c_int64 * 5)()
+        self._check(
+            self.lib.emu_group_norm_backward(
+                dims, int(channels_last), DTYPE_CODES[x.dtype], int(activation == "silu"), _ptr(dy), _ptr(x),
+                _ptr(dx), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), _ptr(sums[0]), _ptr(sums[1]), plan,
+            )
+        )  # fmt: skip
+        self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
+        return dx, sums[1].sum(0), sums[0].sum(0)
+
+    def temporal_attention_fwd(self, q, k, v, scale: float):
+        """out like torch.ops.ldmopt.temporal_attention_fwd_cuda: torch.empty_like(q), poisoned first."""
+        out = torch.empty_like(q).fill_(float("nan"))
+        dims = (ctypes.c_int64 * 5)(*q.shape)
+        strides = (ctypes.c_int64 * 20)(*q.stride(), *k.stride(), *v.stride(), *out.stride())
+        plan = (ctypes.c_int64 * 5)()
+        self._check(
+            self.lib.emu_temporal_attention_forward(
+                dims, DTYPE_CODES[q.dtype], ctypes.c_float(scale), _ptr(q), _ptr(k), _ptr(v), _ptr(out), strides,
+                plan,
+            )
+        )  # fmt: skip
+        self.last_plan = dict(zip(("f_pad", "d_pad", "per_block", "smem_bytes", "blocks"), list(plan)))
+        return out

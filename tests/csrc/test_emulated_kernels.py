@@ -1,0 +1,212 @@
+"""The ldmopt._C CUDA kernels, executed on CPU by the fiber emulator (tests/csrc/emulator.py), against fp64 references.
+
+Same launch code and kernels as the GPU build, compiled by g++ with -DLDMOPT_EMULATE: indexing, vectorised and
+scalar paths, split reductions, WMMA tile addressing and barrier placement are checked here; speed is not. Each
+kernel also runs with the threads of a block scheduled in reverse, so a missing barrier changes the result.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ldmopt.ops.group_norm import _bwd_torch, _fwd_torch
+from tests.csrc import emulator
+from tests.tolerances import assert_close, assert_within_torch_error
+
+pytestmark = pytest.mark.skipif(emulator.unavailable_reason() is not None, reason=str(emulator.unavailable_reason()))
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    e = emulator.Emulator(emulator.build())
+    yield e
+    e.reverse_schedule(False)
+
+
+@pytest.fixture(params=[False, True], ids=["in-order", "reversed"])
+def schedule(request, emu):
+    emu.reverse_schedule(request.param)
+    yield request.param
+    emu.reverse_schedule(False)
+
+
+# ------------------------------------------------------------------------------------------------ GroupNorm
+
+
+def _channels_last(x):
+    if x.dim() == 3:
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    return x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+def _misaligned(x):
+    """A copy of x at a storage offset of one element: not 16-byte aligned, so the scalar path runs."""
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
+    y = buf[1:].as_strided(x.shape, x.stride())
+    y.copy_(x)
+    return y
+
+
+def _gn_inputs(shape, channels_last, dtype, affine=True):
+    x = (torch.randn(shape, dtype=torch.float64) * 1.7 + 0.6).to(dtype)
+    if channels_last:
+        x = _channels_last(x)
+    c = shape[1]
+    w = (torch.randn(c, dtype=torch.float64) * 0.8 + 1.0).to(dtype) if affine else None
+    b = (torch.randn(c, dtype=torch.float64) * 0.5).to(dtype) if affine else None
+    return x, w, b
+
+
+def _d(t):
+    return None if t is None else t.double()
+
+
+def _f(t):
+    return None if t is None else t.float()
+
+
+def _check_group_norm(emu, x, w, b, groups, activation):
+    dtype = x.dtype
+    y, mean, rstd = emu.group_norm_fwd(x, w, b, groups, 1e-5, activation)
+    assert y.stride() == x.stride()
+    y64, mean64, rstd64 = _fwd_torch(x.double(), _d(w), _d(b), groups, 1e-5, activation or None)
+    y32 = _fwd_torch(x.float(), _f(w), _f(b), groups, 1e-5, activation or None)[0].to(dtype)
+    assert_within_torch_error(y, y64, y32, f"y {tuple(x.shape)} {dtype}")
+    assert_close(mean, mean64, torch.float32, "mean")
+    assert_close(rstd, rstd64, torch.float32, "rstd")
+
+    dy = torch.randn_like(x)
+    dx, dw, db = emu.group_norm_bwd(dy, x, w, b, mean, rstd, groups, activation)
+    ref = _bwd_torch(dy.double(), x.double(), _d(w), _d(b), mean64, rstd64, groups, activation or None)
+    low = _bwd_torch(dy.float(), x.float(), _f(w), _f(b), mean, rstd, groups, activation or None)
+    assert dx.stride() == x.stride()
+    assert_within_torch_error(dx, ref[0], low[0].to(dtype), f"dx {tuple(x.shape)} {dtype}")
+    assert_within_torch_error(dw, ref[1], low[1], "dweight")
+    assert_within_torch_error(db, ref[2], low[2], "dbias")
+    return emu.last_plan
+
+
+GN_CASES = [
+    # (shape, groups): odd spatial sizes, channels per group not a power of two, 3-D and 5-D inputs
+    ((2, 32, 5, 7), 8),  # S=35: channels-first runs scalar, channels-last packed
+    ((1, 40, 8, 8), 4),  # 10 channels per group, S=64 packed in both layouts
+    ((2, 24, 3, 4, 4), 6),  # (N, C, F, H, W)
+    ((1, 36, 13), 3),  # 3-D; C=36 is not a multiple of the fp16 pack (8)
+]
+
+
+@pytest.mark.parametrize("shape,groups", GN_CASES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_group_norm_silu_affine(emu, shape, groups, channels_last, dtype):
+    x, w, b = _gn_inputs(shape, channels_last, dtype)
+    _check_group_norm(emu, x, w, b, groups, "silu")
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_group_norm_plain_no_affine(emu, channels_last, dtype):
+    x, w, b = _gn_inputs((2, 24, 6, 6), channels_last, dtype, affine=False)
+    _check_group_norm(emu, x, w, b, 4, "")
+
+
+@pytest.mark.parametrize(
+    "shape,groups,channels_last,dtype,expect",
+    [
+        # several spatial chunks per sample: the split reduction and its per-group merge
+        ((1, 16, 24, 24), 4, True, torch.float16, {"vec": 8, "n_chunks": 2}),
+        ((1, 4, 48, 48), 2, False, torch.float16, {"vec": 8, "n_chunks": 3}),
+        ((1, 4, 48, 48), 2, True, torch.float32, {"vec": 4, "n_chunks": 3}),
+        # more channel packs than threads: two channel blocks in the channels-last partial kernel
+        ((1, 270, 2, 3), 3, True, torch.float32, {"vec": 1, "n_cblocks": 2}),
+        # 160 channels in one group: the finalize loops over more channels than threads
+        ((1, 160, 3, 3), 1, True, torch.bfloat16, {"vec": 8}),
+    ],
+)
+def test_group_norm_launch_plans(emu, shape, groups, channels_last, dtype, expect):
+    x, w, b = _gn_inputs(shape, channels_last, dtype)
+    plan = _check_group_norm(emu, x, w, b, groups, "silu")
+    assert {k: plan[k] for k in expect} == expect, plan
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_group_norm_unaligned_pointer_takes_scalar_path(emu, channels_last):
+    x, w, b = _gn_inputs((2, 16, 4, 4), channels_last, torch.float16)
+    plan = _check_group_norm(emu, _misaligned(x), w, b, 4, "silu")
+    assert plan["vec"] == 1
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_group_norm_schedules(emu, schedule, channels_last):
+    x, w, b = _gn_inputs((2, 16, 24, 24) if channels_last else (1, 4, 48, 48), channels_last, torch.float32)
+    _check_group_norm(emu, x, w, b, 4 if channels_last else 2, "silu")
+
+
+# ------------------------------------------------------------------------------------------------ temporal attention
+
+
+def _qkv(b, f, n, h, d, dtype, layout):
+    if layout == "split":  # diffusers' (B*N, F, H*D) projections viewed as (B, F, N, H, D)
+        return tuple(
+            torch.randn(b * n, f, h * d, dtype=torch.float64).to(dtype).view(b, n, f, h, d).transpose(1, 2)
+            for _ in range(3)
+        )
+    if layout == "packed":  # one fused to_qkv output (B, F, N, 3, H, D)
+        qkv = torch.randn(b, f, n, 3, h, d, dtype=torch.float64).to(dtype)
+        return qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+    # head dim not unit-stride: the scalar staging path
+    return tuple(torch.randn(b, f, n, d, h, dtype=torch.float64).to(dtype).transpose(3, 4) for _ in range(3))
+
+
+def _attention(q, k, v, scale, dtype=None):
+    q, k, v = (t.permute(0, 2, 3, 1, 4) for t in (q, k, v))  # (B, N, H, F, D)
+    if dtype is None:
+        p = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1)
+        out = p @ v
+    else:
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), scale=scale)
+    return out.permute(0, 3, 1, 2, 4)
+
+
+def _check_attention(emu, q, k, v):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = emu.temporal_attention_fwd(q, k, v, scale)
+    expected = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride() == expected.stride()
+    ref = _attention(q.double(), k.double(), v.double(), scale)
+    low = _attention(q, k, v, scale, q.dtype)
+    assert_within_torch_error(out, ref, low, f"out {tuple(q.shape)} {q.dtype}")
+    return emu.last_plan
+
+
+TA_CASES = [
+    # (B, F, N, H, D, layout)
+    (1, 14, 3, 2, 40, "split"),  # SVD frame count; head dim 40 padded to 48 in shared memory only
+    (2, 5, 2, 3, 24, "packed"),  # slices of a packed qkv tensor
+    (1, 25, 2, 1, 72, "split"),  # SVD-XT: F=25 padded to 32, Latte's head dim 72
+    (1, 3, 1, 2, 20, "strided-d"),  # head dim not contiguous
+    (1, 1, 2, 2, 8, "split"),  # a single frame
+]
+
+
+@pytest.mark.parametrize("b,f,n,h,d,layout", TA_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_temporal_attention(emu, b, f, n, h, d, layout, dtype):
+    _check_attention(emu, *_qkv(b, f, n, h, d, dtype, layout))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_temporal_attention_limits(emu, dtype):
+    # F=64 and head_dim=256, the largest supported: one sequence per block, the most shared memory
+    plan = _check_attention(emu, *_qkv(1, 64, 1, 1, 256, dtype, "split"))
+    assert plan["per_block"] == 1 and plan["f_pad"] == 64 and plan["d_pad"] == 256
+
+
+def test_temporal_attention_partial_last_block(emu, schedule):
+    # 17 sequences, 11 per block: the second block has 6 real sequences and 5 missing ones
+    plan = _check_attention(emu, *_qkv(1, 4, 17, 1, 16, torch.float16, "split"))
+    assert plan["blocks"] == 2 and plan["per_block"] == 11

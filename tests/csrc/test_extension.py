@@ -1,0 +1,228 @@
+"""The built ldmopt._C: op registration, argument checks through the Meta implementations, kernel resources.
+
+Runs on CPU: the Meta kernels share the CUDA kernels' argument checks, and cuobjdump reads the compiled kernels
+without a GPU. Skips (with the reason) when the extension was not built. The load-failure tests need no build.
+"""
+
+import importlib
+import re
+
+import pytest
+import torch
+
+import ldmopt
+from ldmopt import _env
+from ldmopt.ops._dispatch import BackendUnavailableError, cuda_extension_refusals
+from ldmopt.ops.group_norm import group_norm
+from tests.csrc import resource_report
+
+OPS = ("group_norm_fwd_cuda", "group_norm_bwd_cuda", "temporal_attention_fwd_cuda")
+LOADED, LOAD_REASON = _env.cuda_extension_status()
+needs_extension = pytest.mark.skipif(not LOADED, reason=f"ldmopt._C is not available: {LOAD_REASON}")
+
+gn_fwd = getattr(torch.ops.ldmopt, "group_norm_fwd_cuda", None)
+gn_bwd = getattr(torch.ops.ldmopt, "group_norm_bwd_cuda", None)
+ta_fwd = getattr(torch.ops.ldmopt, "temporal_attention_fwd_cuda", None)
+
+
+def meta(*shape, dtype=torch.float16, channels_last=False):
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    if channels_last:
+        t = t.to(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+    return t
+
+
+# ------------------------------------------------------------------------------------------------ registration
+
+
+@needs_extension
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_has_cuda_and_meta_kernels(op):
+    name = f"ldmopt::{op}"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), f"{name} has no CUDA kernel"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"), f"{name} has no Meta kernel"
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+
+
+@needs_extension
+def test_schemas_match_the_python_callers():
+    # ldmopt/ops/group_norm.py and the Triton launchers use these argument orders.
+    schemas = {op: str(getattr(torch.ops.ldmopt, op).default._schema) for op in OPS}
+    assert schemas["group_norm_fwd_cuda"] == (
+        "ldmopt::group_norm_fwd_cuda(Tensor x, Tensor? weight, Tensor? bias, int num_groups, float eps, "
+        "str activation) -> (Tensor y, Tensor mean, Tensor rstd)"
+    )
+    assert schemas["group_norm_bwd_cuda"] == (
+        "ldmopt::group_norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
+        "int num_groups, str activation) -> (Tensor dx, Tensor dweight, Tensor dbias)"
+    )
+    assert schemas["temporal_attention_fwd_cuda"] == (
+        "ldmopt::temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out"
+    )
+
+
+@needs_extension
+def test_build_info_describes_the_build():
+    info = _env.build_info()
+    assert info["built"] is True
+    assert info["arch_list"] and info["build_seconds"] > 0
+    assert sorted(info["sources"]) == sorted(resource_report_sources())
+
+
+def resource_report_sources():
+    root = resource_report.Path(__file__).resolve().parents[2]
+    return [p.relative_to(root).as_posix() for ext in ("cpp", "cu") for p in (root / "csrc").rglob(f"*.{ext}")]
+
+
+@needs_extension
+def test_cpu_tensors_have_no_kernel():
+    # The Python backends refuse CPU tensors before calling; a direct call names the missing backend.
+    with pytest.raises(NotImplementedError, match="CPU"):
+        gn_fwd(torch.zeros(1, 4, 2, 2), None, None, 2, 1e-5, "")
+
+
+# ------------------------------------------------------------------------------------------------ Meta: shapes
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "shape,channels_last",
+    [((2, 64, 5, 7), False), ((2, 64, 5, 7), True), ((1, 40, 3, 4, 4), True), ((3, 24, 9), False)],
+)
+def test_group_norm_meta_outputs(shape, channels_last):
+    x = meta(*shape, channels_last=channels_last)
+    y, mean, rstd = gn_fwd(x, meta(shape[1]), None, 8, 1e-5, "silu")
+    assert y.shape == x.shape and y.stride() == x.stride() and y.dtype == x.dtype
+    assert mean.shape == rstd.shape == (shape[0], 8) and mean.dtype == rstd.dtype == torch.float32
+    dx, dw, db = gn_bwd(torch.empty_like(x), x, None, meta(shape[1]), mean, rstd, 8, "silu")
+    assert dx.shape == x.shape and dx.stride() == x.stride()
+    assert dw.shape == db.shape == (shape[1],) and dw.dtype == db.dtype == torch.float32
+
+
+@needs_extension
+def test_temporal_attention_meta_outputs():
+    # Dense views keep their strides (torch.empty_like); slices of a packed qkv get a contiguous output.
+    q = meta(2 * 5, 14, 8 * 40).view(2, 5, 14, 8, 40).transpose(1, 2)
+    assert ta_fwd(q, q, q, 0.1).stride() == q.stride()
+    qkv = meta(2, 14, 5, 3, 8, 40)
+    out = ta_fwd(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2], 0.1)
+    assert out.shape == (2, 14, 5, 8, 40) and out.is_contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ Meta: bad inputs
+
+x4 = meta(2, 8, 3, 3, dtype=torch.float32)
+stats = meta(2, 4, dtype=torch.float32)
+q5 = meta(1, 14, 4, 2, 40)
+
+BAD_INPUTS = [
+    # (id, call, exception type, message fragment)
+    ("x-rank", lambda: gn_fwd(meta(2, 8), None, None, 4, 1e-5, ""), RuntimeError,
+     "ldmopt.group_norm_fwd_cuda: x must have 3 to 5 dims (N, C, *spatial), got shape [2, 8]"),
+    ("x-dtype", lambda: gn_fwd(meta(2, 8, 3, 3, dtype=torch.float64), None, None, 4, 1e-5, ""), TypeError,
+     "x has dtype Double; supported: Float, Half, BFloat16"),
+    ("x-int", lambda: gn_fwd(meta(2, 8, 3, 3, dtype=torch.int32), None, None, 4, 1e-5, ""), TypeError,
+     "x has dtype Int; supported"),
+    ("groups-divide", lambda: gn_fwd(x4, None, None, 3, 1e-5, ""), RuntimeError,
+     "num_groups=3 does not divide C=8 (x shape [2, 8, 3, 3])"),
+    ("groups-positive", lambda: gn_fwd(x4, None, None, 0, 1e-5, ""), RuntimeError,
+     "num_groups must be positive, got 0"),
+    ("weight-shape", lambda: gn_fwd(x4, meta(4), None, 4, 1e-5, ""), RuntimeError,
+     "weight must have shape [C] = [8], got [4]"),
+    ("bias-device", lambda: gn_fwd(x4, None, torch.zeros(8), 4, 1e-5, ""), RuntimeError,
+     "bias is on cpu but x is on meta"),
+    ("activation", lambda: gn_fwd(x4, None, None, 4, 1e-5, "gelu"), RuntimeError,
+     "activation='gelu' is not supported; supported: '' (none) or 'silu'"),
+    ("layout", lambda: gn_fwd(meta(2, 8, 3, 6)[..., ::2], None, None, 4, 1e-5, ""), RuntimeError,
+     "x must be contiguous or channels-last, got shape [2, 8, 3, 3] with strides [144, 18, 6, 2]"),
+    ("eps", lambda: gn_fwd(x4, None, None, 4, -1.0, ""), RuntimeError,
+     "eps must be a finite number >= 0, got -1"),
+    ("empty", lambda: gn_fwd(meta(0, 8, 3, 3), None, None, 4, 1e-5, ""), RuntimeError, "x is empty"),
+    ("dy-shape", lambda: gn_bwd(meta(2, 8, 3, 4, dtype=torch.float32), x4, None, None, stats, stats, 4, ""),
+     RuntimeError, "ldmopt.group_norm_bwd_cuda: dy must have x's shape [2, 8, 3, 3], got [2, 8, 3, 4]"),
+    ("dy-dtype", lambda: gn_bwd(meta(2, 8, 3, 3), x4, None, None, stats, stats, 4, ""), TypeError,
+     "dy has dtype Half but x has Float; they must match"),
+    ("mean-shape", lambda: gn_bwd(x4, x4, None, None, meta(2, 2, dtype=torch.float32), stats, 4, ""),
+     RuntimeError, "mean must have shape [N, G] = [2, 4], got [2, 2]"),
+    ("rstd-dtype", lambda: gn_bwd(x4, x4, None, None, stats, meta(2, 4), 4, ""), TypeError,
+     "rstd has dtype Half; supported: Float"),
+    ("q-rank", lambda: ta_fwd(meta(4, 14, 40), meta(4, 14, 40), meta(4, 14, 40), 0.1), RuntimeError,
+     "ldmopt.temporal_attention_fwd_cuda: q must be a 5-D (B, F, N, H, head_dim) view, got shape [4, 14, 40]"),
+    ("k-shape", lambda: ta_fwd(q5, meta(1, 14, 4, 2, 32), q5, 0.1), RuntimeError,
+     "k must have q's shape [1, 14, 4, 2, 40], got [1, 14, 4, 2, 32]"),
+    ("qkv-dtype", lambda: ta_fwd(q5, q5, meta(1, 14, 4, 2, 40, dtype=torch.bfloat16), 0.1), TypeError,
+     "q, k, v must share one dtype, got Half, Half, BFloat16"),
+    ("q-dtype", lambda: ta_fwd(*[meta(1, 14, 4, 2, 40, dtype=torch.float64)] * 3, 0.1), TypeError,
+     "q has dtype Double; supported: Float, Half, BFloat16"),
+    ("frames", lambda: ta_fwd(*[meta(1, 65, 4, 2, 40)] * 3, 0.1), RuntimeError,
+     "F=65 frames (q shape [1, 65, 4, 2, 40]) is not supported; supported: 1 <= F <= 64"),
+    ("head-dim", lambda: ta_fwd(*[meta(1, 14, 4, 1, 257)] * 3, 0.1), RuntimeError,
+     "head_dim=257 (q shape [1, 14, 4, 1, 257]) is not supported; supported: 1 <= head_dim <= 256"),
+    ("scale", lambda: ta_fwd(q5, q5, q5, float("inf")), RuntimeError, "scale must be finite, got inf"),
+]  # fmt: skip
+
+
+@needs_extension
+@pytest.mark.parametrize("call,exc,message", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_are_refused_with_the_reason(call, exc, message):
+    with pytest.raises(exc, match=re.escape(message)):
+        call()
+
+
+# ------------------------------------------------------------------------------------------------ kernel resources
+
+
+@needs_extension
+@pytest.mark.skipif(resource_report.find_cuobjdump() is None, reason="cuobjdump not found")
+def test_kernels_do_not_spill_on_sm80_and_sm90(capsys):
+    usage = resource_report.resource_usage(resource_report.extension_path(), resource_report.find_cuobjdump())
+    with capsys.disabled():
+        print("\n" + resource_report.format_report(usage))
+    by_arch = {arch: {u.name for u in usage if u.arch == arch} for arch in ("sm_80", "sm_90")}
+    assert by_arch["sm_80"] and by_arch["sm_80"] == by_arch["sm_90"], "each kernel must be built for sm_80 and sm_90"
+    assert any("temporal_attention::forward_kernel" in n for n in by_arch["sm_90"])
+    assert any("group_norm::partial_cl_kernel" in n for n in by_arch["sm_90"])
+    spills = [u for u in usage if u.local or u.stack]
+    assert not spills, f"kernels with local memory (spills) or stack: {spills}"
+
+
+# ------------------------------------------------------------------------------------------------ load failures
+
+
+@pytest.fixture
+def fresh_extension_status():
+    _env.cuda_extension_status.cache_clear()
+    yield
+    _env.cuda_extension_status.cache_clear()
+
+
+def _import_raising(monkeypatch, exc):
+    real = importlib.import_module
+
+    def fake(name, *args, **kwargs):
+        if name == "ldmopt._C":
+            raise exc
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(_env.importlib, "import_module", fake)
+
+
+def test_broken_library_is_a_warning_naming_the_cause(monkeypatch, fresh_extension_status):
+    # What a torch upgrade without a rebuild looks like.
+    _import_raising(monkeypatch, ImportError("ldmopt/_C.so: undefined symbol: _ZN3c104impl3cow11cow_deleterEPv"))
+    with pytest.warns(RuntimeWarning, match="undefined symbol"):
+        ok, why = _env.cuda_extension_status()
+    assert not ok and "rebuild" in why
+    assert cuda_extension_refusals("group_norm_fwd_cuda", torch.zeros(1)) == [why]
+    x = torch.randn(1, 4, 3, 3)
+    with pytest.raises(BackendUnavailableError, match="undefined symbol"), ldmopt.use_backend("cuda"):
+        group_norm(x, 2)
+    with ldmopt.use_backend("torch"):
+        assert group_norm(x, 2).shape == x.shape
+
+
+def test_missing_library_gives_the_build_reason_without_warning(monkeypatch, fresh_extension_status, recwarn):
+    _import_raising(monkeypatch, ModuleNotFoundError("No module named 'ldmopt._C'"))
+    ok, why = _env.cuda_extension_status()
+    assert not ok and why
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
