@@ -2,25 +2,34 @@
 
 - ``profile(target, ...) -> Profile``: torch.profiler run, device time classified by operator category.
 - ``analyze(model_or_name, ...) -> Analysis``: FLOPs, minimum bytes and a roofline projection on meta tensors.
+- ``GPUS`` / ``GPUSpec`` / ``register_gpu``: the GPU spec table of the projection.
+
+Submodules load on first attribute access, so ``ldmopt.profiler.cli`` stays cheap to import for ``ldmopt --help``.
 """
 
 from __future__ import annotations
 
-from .analyze import Analysis, analyze, sweep
-from .categories import CATEGORIES, LABELS
-from .gpus import GPUS, GPUSpec, get_gpu, register_gpu
-from .profile import Profile, profile
+import importlib
+from typing import Any
 
-__all__ = [
-    "CATEGORIES",
-    "GPUS",
-    "LABELS",
-    "Analysis",
-    "GPUSpec",
-    "Profile",
-    "analyze",
-    "get_gpu",
-    "profile",
-    "register_gpu",
-    "sweep",
-]
+_EXPORTS = {
+    "profile": "measure",
+    "Profile": "measure",
+    "analyze": "cost",
+    "Analysis": "cost",
+    "sweep": "cost",
+    "CATEGORIES": "categories",
+    "LABELS": "categories",
+    "GPUS": "gpus",
+    "GPUSpec": "gpus",
+    "get_gpu": "gpus",
+    "register_gpu": "gpus",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from . import categories as C
 
 if TYPE_CHECKING:
-    from .profile import Profile
+    from .measure import Profile
 
 
 class LoggingUnavailableError(ImportError):

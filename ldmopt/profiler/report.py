@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from . import categories as C
 
 if TYPE_CHECKING:
-    from .analyze import Analysis
+    from .cost import Analysis
 
 
 def si(value: float, unit: str = "") -> str:

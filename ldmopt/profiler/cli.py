@@ -1,0 +1,174 @@
+"""``ldmopt analyze`` and ``ldmopt profile``: argument setup and runners for the top-level CLI.
+
+The lead's ``ldmopt/cli.py`` calls, per subcommand, ``configure_<name>(parser)`` and ``run_<name>(args) -> int``.
+Only argparse is imported at module level; torch, diffusers and matplotlib load when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _resolution(text: str):
+    """'512' -> 512, '576x1024' -> (576, 1024)."""
+    if "x" in text.lower():
+        h, w = text.lower().split("x")
+        return (int(h), int(w))
+    return int(text)
+
+
+def _list(parse):
+    def convert(text: str):
+        try:
+            return [parse(part) for part in text.split(",") if part.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from exc
+
+    return convert
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--batch", type=int, default=None, help="batch (default: the zoo's, 2 = classifier-free guidance)"
+    )
+    parser.add_argument("--dtype", default=None, help="fp16 (default for analyze/GPU), bf16 or fp32")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random-weight variant of the model family")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the result as JSON ('-' for stdout)")
+    parser.add_argument("--plot", metavar="PNG", default=None, help="write a figure (needs matplotlib)")
+
+
+def configure_analyze(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Analytic cost model on meta tensors (no GPU, no weights): FLOPs, minimum HBM bytes and a roofline time "
+        "projection per operator category, as is and as ldmopt patches it. Comma lists sweep the setting."
+    )
+    parser.add_argument("model", help="zoo name: sd15, sd21, sdxl, sd15-vae, sdxl-vae, dit, pixart-alpha, "
+                        "pixart-sigma, sd3, flux, animatediff, svd, svd-xt, modelscope, latte")  # fmt: skip
+    parser.add_argument("--resolution", type=_list(_resolution), default=None,
+                        help="pixels: 512, 576x1024, or a comma list 256,512,768,1024")  # fmt: skip
+    parser.add_argument("--frames", type=_list(int), default=None, help="frames, or a comma list 8,16,32,64")
+    parser.add_argument("--gpu", default="H100", help="A100, H100 or H200 (datasheet peaks; default H100)")
+    parser.add_argument("--check-flops", action="store_true", help="cross-check against torch.utils.flop_counter")
+    _common(parser)
+
+
+def configure_profile(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Measured breakdown under torch.profiler (CUDA kernel time on a GPU, CPU operator time otherwise) of a zoo "
+        "model with random weights."
+    )
+    parser.add_argument("model", help="zoo name (see `ldmopt analyze --help`)")
+    parser.add_argument("--resolution", type=_resolution, default=None, help="pixels: 512 or 576x1024")
+    parser.add_argument("--frames", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--steps", type=int, default=3, help="active (recorded) steps")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--wait", type=int, default=None, help="skipped steps before warmup (training default 1)")
+    parser.add_argument("--training", action="store_true", help="forward + backward + AdamW step per step")
+    parser.add_argument("--trace", metavar="JSON", default=None, help="write a Chrome trace")
+    parser.add_argument("--tensorboard", metavar="DIR", default=None, help="log to TensorBoard")
+    parser.add_argument("--wandb", metavar="PROJECT", default=None, help="log to Weights & Biases")
+    parser.add_argument("--top", type=int, default=3, help="top kernels/operators per category")
+    _common(parser)
+
+
+def _write_json(obj, path: str) -> None:
+    import json
+    import sys
+
+    text = json.dumps(obj, indent=2, default=str)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def _sweep_table(analyses) -> str:
+    from . import categories as C
+    from .report import pct, render_table, si
+
+    cats = [c for c in C.CATEGORIES if any(a.categories[c].time_s for a in analyses)]
+    rows = []
+    for a in analyses:
+        shares = a.shares("time")
+        setting = f"{a.resolution[0]}x{a.resolution[1]}" + (f" F{a.frames}" if a.frames else "")
+        rows.append([setting, si(a.total_flops), f"{a.time_s * 1e3:.2f}", f"{a.patched_time_s * 1e3:.2f}",
+                     *(pct(shares[c]) for c in cats), pct(a.attention_split()["temporal"])])  # fmt: skip
+    headers = ["setting", "FLOPs", "proj ms", "patched ms", *(C.LABELS[c] for c in cats), "temporal/attn"]
+    a0 = analyses[0]
+    title = (f"ldmopt analyze: {a0.model} scaling sweep, batch {a0.batch}, {a0.dtype}; ANALYTIC: shares of "
+             f"roofline-PROJECTED time on {a0.gpu.name} (not measured)")  # fmt: skip
+    return title + "\n" + render_table(headers, rows)
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    import sys
+
+    from .cost import analyze
+
+    dtype = args.dtype or "fp16"
+    analyses = []
+    try:
+        for res in args.resolution or [None]:
+            for frames in args.frames or [None]:
+                analyses.append(analyze(args.model, resolution=res, frames=frames, batch=args.batch, dtype=dtype,
+                                        gpu=args.gpu, tiny=args.tiny, check_flops=args.check_flops))  # fmt: skip
+    except (KeyError, ValueError) as exc:
+        print(f"ldmopt analyze: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    if args.json != "-":
+        print(analyses[0].table() if len(analyses) == 1 else _sweep_table(analyses))
+    if args.json:
+        payload = analyses[0].to_dict() if len(analyses) == 1 else [a.to_dict() for a in analyses]
+        _write_json(payload, args.json)
+    if args.plot:
+        from .plots import plot_analysis, plot_sweep
+
+        (plot_analysis(analyses[0], args.plot) if len(analyses) == 1 else plot_sweep(analyses, args.plot))
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+
+    from .logging import LoggingUnavailableError
+    from .measure import profile
+
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    if args.dtype is not None and args.dtype not in dtypes:
+        print(f"ldmopt profile: --dtype {args.dtype!r}: expected one of {', '.join(dtypes)}", file=sys.stderr)
+        return 2
+    try:
+        result = profile(
+            args.model,
+            steps=args.steps,
+            warmup=args.warmup,
+            wait=args.wait,
+            training=args.training,
+            trace=args.trace,
+            tensorboard=args.tensorboard,
+            wandb=args.wandb,
+            device=args.device,
+            dtype=dtypes.get(args.dtype),
+            tiny=args.tiny,
+            resolution=args.resolution,
+            frames=args.frames,
+            batch=args.batch,
+        )
+    except (KeyError, ValueError, LoggingUnavailableError) as exc:
+        print(f"ldmopt profile: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    if args.json != "-":
+        print(result.table(top=args.top))
+    if args.json:
+        _write_json(result.to_dict(), args.json)
+    if args.plot:
+        from .plots import plot_profile
+
+        plot_profile(result, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0
