@@ -15,18 +15,21 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
       "group_norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
       "int num_groups, str activation) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   m.def("temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out");
+  m.def("temporal_attention_fwd_out_cuda(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
   m.impl("group_norm_fwd_cuda", &ldmopt::group_norm::forward_cuda);
   m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_cuda);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_cuda);
+  m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_cuda);
 }
 
 TORCH_LIBRARY_IMPL(ldmopt, Meta, m) {
   m.impl("group_norm_fwd_cuda", &ldmopt::group_norm::forward_meta);
   m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_meta);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_meta);
+  m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_meta);
 }
 
 // An empty Python module: importing ldmopt._C loads this library, whose static initialisers register the ops.

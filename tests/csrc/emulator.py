@@ -129,9 +129,11 @@ class Emulator:
         self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
         return dx, sums[1].sum(0), sums[0].sum(0)
 
-    def temporal_attention_fwd(self, q, k, v, scale: float):
-        """out like torch.ops.ldmopt.temporal_attention_fwd_cuda: torch.empty_like(q), poisoned first."""
-        out = torch.empty_like(q).fill_(float("nan"))
+    def temporal_attention_fwd(self, q, k, v, scale: float, out=None):
+        """out like torch.ops.ldmopt.temporal_attention_fwd_cuda (torch.empty_like(q)) or written into ``out`` like
+        temporal_attention_fwd_out_cuda; poisoned first."""
+        out = torch.empty_like(q) if out is None else out
+        out.fill_(float("nan"))
         dims = (ctypes.c_int64 * 5)(*q.shape)
         strides = (ctypes.c_int64 * 20)(*q.stride(), *k.stride(), *v.stride(), *out.stride())
         plan = (ctypes.c_int64 * 5)()

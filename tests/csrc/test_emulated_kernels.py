@@ -172,11 +172,11 @@ def _attention(q, k, v, scale, dtype=None):
     return out.permute(0, 3, 1, 2, 4)
 
 
-def _check_attention(emu, q, k, v):
+def _check_attention(emu, q, k, v, out=None):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out = emu.temporal_attention_fwd(q, k, v, scale)
-    expected = torch.empty_like(q)
-    assert out.shape == q.shape and out.stride() == expected.stride()
+    expected_strides = torch.empty_like(q).stride() if out is None else out.stride()
+    out = emu.temporal_attention_fwd(q, k, v, scale, out)
+    assert out.shape == q.shape and out.stride() == expected_strides
     ref = _attention(q.double(), k.double(), v.double(), scale)
     low = _attention(q, k, v, scale, q.dtype)
     assert_within_torch_error(out, ref, low, f"out {tuple(q.shape)} {q.dtype}")
@@ -204,6 +204,14 @@ def test_temporal_attention_limits(emu, dtype):
     # F=64 and head_dim=256, the largest supported: one sequence per block, the most shared memory
     plan = _check_attention(emu, *_qkv(1, 64, 1, 1, 256, dtype, "split"))
     assert plan["per_block"] == 1 and plan["f_pad"] == 64 and plan["d_pad"] == 256
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_temporal_attention_into_strided_out(emu, dtype):
+    # the out= variant: a caller's output whose head dim is not contiguous (scalar stores)
+    q, k, v = _qkv(1, 6, 3, 2, 16, dtype, "split")
+    out = torch.empty(1, 6, 3, 16, 2, dtype=dtype).transpose(3, 4)
+    _check_attention(emu, q, k, v, out)
 
 
 def test_temporal_attention_partial_last_block(emu, schedule):

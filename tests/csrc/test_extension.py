@@ -16,13 +16,19 @@ from ldmopt.ops._dispatch import BackendUnavailableError, cuda_extension_refusal
 from ldmopt.ops.group_norm import group_norm
 from tests.csrc import resource_report
 
-OPS = ("group_norm_fwd_cuda", "group_norm_bwd_cuda", "temporal_attention_fwd_cuda")
+OPS = (
+    "group_norm_fwd_cuda",
+    "group_norm_bwd_cuda",
+    "temporal_attention_fwd_cuda",
+    "temporal_attention_fwd_out_cuda",
+)
 LOADED, LOAD_REASON = _env.cuda_extension_status()
 needs_extension = pytest.mark.skipif(not LOADED, reason=f"ldmopt._C is not available: {LOAD_REASON}")
 
 gn_fwd = getattr(torch.ops.ldmopt, "group_norm_fwd_cuda", None)
 gn_bwd = getattr(torch.ops.ldmopt, "group_norm_bwd_cuda", None)
 ta_fwd = getattr(torch.ops.ldmopt, "temporal_attention_fwd_cuda", None)
+ta_fwd_out = getattr(torch.ops.ldmopt, "temporal_attention_fwd_out_cuda", None)
 
 
 def meta(*shape, dtype=torch.float16, channels_last=False):
@@ -58,6 +64,9 @@ def test_schemas_match_the_python_callers():
     )
     assert schemas["temporal_attention_fwd_cuda"] == (
         "ldmopt::temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out"
+    )
+    assert schemas["temporal_attention_fwd_out_cuda"] == (
+        "ldmopt::temporal_attention_fwd_out_cuda(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()"
     )
 
 
@@ -107,6 +116,7 @@ def test_temporal_attention_meta_outputs():
     qkv = meta(2, 14, 5, 3, 8, 40)
     out = ta_fwd(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2], 0.1)
     assert out.shape == (2, 14, 5, 8, 40) and out.is_contiguous()
+    assert ta_fwd_out(q, q, q, 0.1, torch.empty_like(q)) is None
 
 
 # ------------------------------------------------------------------------------------------------ Meta: bad inputs
@@ -159,6 +169,12 @@ BAD_INPUTS = [
     ("head-dim", lambda: ta_fwd(*[meta(1, 14, 4, 1, 257)] * 3, 0.1), RuntimeError,
      "head_dim=257 (q shape [1, 14, 4, 1, 257]) is not supported; supported: 1 <= head_dim <= 256"),
     ("scale", lambda: ta_fwd(q5, q5, q5, float("inf")), RuntimeError, "scale must be finite, got inf"),
+    ("out-shape", lambda: ta_fwd_out(q5, q5, q5, 0.1, meta(1, 14, 4, 2, 32)), RuntimeError,
+     "out must have q's shape [1, 14, 4, 2, 40], got [1, 14, 4, 2, 32]"),
+    ("out-dtype", lambda: ta_fwd_out(q5, q5, q5, 0.1, meta(1, 14, 4, 2, 40, dtype=torch.float32)), TypeError,
+     "out has dtype Float but q has Half; they must match"),
+    ("out-frames", lambda: ta_fwd_out(*[meta(1, 65, 4, 2, 40)] * 3, 0.1, meta(1, 65, 4, 2, 40)), RuntimeError,
+     "ldmopt.temporal_attention_fwd_out_cuda: F=65 frames"),
 ]  # fmt: skip
 
 
