@@ -1,0 +1,343 @@
+"""Temporal attention over short sequences (frames), forward and backward, reading q/k/v through strided views.
+
+Layout: q, k, v, out and the gradients are 5-D views (B, F, N, H, D) with arbitrary strides: B batch, F frames (the
+attention axis), N pixels, H heads, D head_dim. diffusers' (B*N, F, H*D) activations are ``.view(B*N, F, 1, H, D)``,
+the permute-free (B, F, N, H*D) order is ``.view(B, F, N, H, D)``, a fused to_qkv output (B*N, F, 3*H*D) is
+``.view(B*N, F, 3, H, D)[:, :, i:i+1]``. Dtypes fp32/fp16/bf16 in and out; scores, softmax and accumulators in fp32.
+Algorithm: one program owns BLOCK_P sequences of the flattened (b, n, h) index (heads fastest, so neighbouring
+sequences share cache lines) and keeps their F x F scores in registers: S = Q K^T as a 3-D batched tl.dot
+accumulated over head-dim chunks, an exact softmax, then O = P V chunk by chunk. F <= 64 (padded to a power of two
+>= 16 in registers only), head dims are masked chunks of 16/32/64, never padded in memory. The backward recomputes S
+(no logsumexp is stored), forms dS = P * (dP - rowsum(P * dP)) with dP = dO V^T, then dV = P^T dO, dQ = dS K,
+dK = dS^T Q chunk by chunk. The grid is 1-D: cdiv(B*N*H, BLOCK_P) programs, far below axis 0's 2^31 - 1 limit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import new_output, next_power_of_2
+
+MAX_FRAMES = 64
+MAX_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+_GRID_AXIS0_LIMIT = 2**31 - 1
+
+
+@triton.jit
+def _seq_offsets(s, N, H, stride_b, stride_n, stride_h):
+    # s indexes the flattened (b, n, h) space, h fastest.
+    h = s % H
+    t = s // H
+    n = t % N
+    b = t // N
+    return b.to(tl.int64) * stride_b + n.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _tile_ptrs(ptr, seq_off, f, d, stride_f, stride_d):
+    # [P, F, D] addresses of a head-dim chunk of BLOCK_P sequences.
+    return ptr + seq_off[:, None, None] + (f[None, :, None] * stride_f + d[None, None, :] * stride_d)
+
+
+@triton.jit
+def _bdot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    # Batched a @ b + acc on [P, M, K] x [P, K, N]. One sequence per program drops to a 2-D dot: the 3-D MMA layout
+    # puts the warps on the batch axis, so with P = 1 all but one warp would compute a redundant copy.
+    if a.shape[0] == 1:
+        r = tl.dot(
+            tl.reshape(a, (a.shape[1], a.shape[2])),
+            tl.reshape(b, (b.shape[1], b.shape[2])),
+            tl.reshape(acc, (acc.shape[1], acc.shape[2])),
+            input_precision=DOT_PRECISION,
+        )
+        return tl.reshape(r, acc.shape)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _scores(
+    acc,
+    a_ptr,
+    b_ptr,
+    a_off,
+    b_off,
+    stride_af,
+    stride_ad,
+    stride_bf,
+    stride_bd,
+    f,
+    row_mask,
+    D,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # acc += A B^T over the head dim, A and B [P, F, D] in chunks of BLOCK_D.
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        mask = row_mask & (d < D)[None, None, :]
+        a = tl.load(_tile_ptrs(a_ptr, a_off, f, d, stride_af, stride_ad), mask=mask, other=0.0)
+        b = tl.load(_tile_ptrs(b_ptr, b_off, f, d, stride_bf, stride_bd), mask=mask, other=0.0)
+        acc = _bdot(a, tl.permute(b, (0, 2, 1)), acc, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _softmax(s, col_valid, qk_scale):
+    # Exact row softmax of s * scale in fp32 (exp2 with log2(e) folded into qk_scale); padded keys get weight 0.
+    s = tl.where(col_valid, s * qk_scale, float("-inf"))
+    m = tl.max(s, axis=2)
+    p = tl.exp2(s - m[:, :, None])
+    return p / tl.sum(p, axis=2)[:, :, None]
+
+
+@triton.jit
+def _temporal_attention_fwd_kernel(
+    o_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    stride_ob, stride_of, stride_on, stride_oh, stride_od,
+    stride_qb, stride_qf, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kf, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vf, stride_vn, stride_vh, stride_vd,
+    n_seq,
+    N,
+    H,
+    F,
+    D,
+    qk_scale,
+    BLOCK_P: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    f = tl.arange(0, BLOCK_F)
+    row_mask = (s < n_seq)[:, None, None] & (f < F)[None, :, None]
+    q_off = _seq_offsets(s, N, H, stride_qb, stride_qn, stride_qh)
+    k_off = _seq_offsets(s, N, H, stride_kb, stride_kn, stride_kh)
+    v_off = _seq_offsets(s, N, H, stride_vb, stride_vn, stride_vh)
+    o_off = _seq_offsets(s, N, H, stride_ob, stride_on, stride_oh)
+
+    acc = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_F], dtype=tl.float32)
+    acc = _scores(
+        acc, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
+        BLOCK_D, DOT_PRECISION,
+    )  # fmt: skip
+    p = _softmax(acc, (f < F)[None, None, :], qk_scale).to(v_ptr.dtype.element_ty)
+    zero_o = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        mask = row_mask & (d < D)[None, None, :]
+        v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd), mask=mask, other=0.0)
+        o = _bdot(p, v, zero_o, DOT_PRECISION)
+        tl.store(_tile_ptrs(o_ptr, o_off, f, d, stride_of, stride_od), o.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _temporal_attention_bwd_kernel(
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    do_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    stride_dqb, stride_dqf, stride_dqn, stride_dqh, stride_dqd,
+    stride_dkb, stride_dkf, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvf, stride_dvn, stride_dvh, stride_dvd,
+    stride_dob, stride_dof, stride_don, stride_doh, stride_dod,
+    stride_qb, stride_qf, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kf, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vf, stride_vn, stride_vh, stride_vd,
+    n_seq,
+    N,
+    H,
+    F,
+    D,
+    scale,
+    qk_scale,
+    BLOCK_P: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    f = tl.arange(0, BLOCK_F)
+    row_mask = (s < n_seq)[:, None, None] & (f < F)[None, :, None]
+    q_off = _seq_offsets(s, N, H, stride_qb, stride_qn, stride_qh)
+    k_off = _seq_offsets(s, N, H, stride_kb, stride_kn, stride_kh)
+    v_off = _seq_offsets(s, N, H, stride_vb, stride_vn, stride_vh)
+    do_off = _seq_offsets(s, N, H, stride_dob, stride_don, stride_doh)
+
+    zeros = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_F], dtype=tl.float32)
+    acc = _scores(
+        zeros, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
+        BLOCK_D, DOT_PRECISION,
+    )  # fmt: skip
+    p = _softmax(acc, (f < F)[None, None, :], qk_scale)
+    dp = _scores(
+        zeros, do_ptr, v_ptr, do_off, v_off, stride_dof, stride_dod, stride_vf, stride_vd, f, row_mask, D,
+        BLOCK_D, DOT_PRECISION,
+    )  # fmt: skip
+    # Padded query rows have dO = 0, hence dP = 0 and dS = 0: they add nothing to dK and dV.
+    ds = p * (dp - tl.sum(p * dp, axis=2)[:, :, None]) * scale
+    ds_t = tl.permute(ds.to(q_ptr.dtype.element_ty), (0, 2, 1))
+    ds = ds.to(k_ptr.dtype.element_ty)
+    p_t = tl.permute(p.to(do_ptr.dtype.element_ty), (0, 2, 1))
+
+    dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh)
+    dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh)
+    dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh)
+    zero_o = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        mask = row_mask & (d < D)[None, None, :]
+        do = tl.load(_tile_ptrs(do_ptr, do_off, f, d, stride_dof, stride_dod), mask=mask, other=0.0)
+        dv = _bdot(p_t, do, zero_o, DOT_PRECISION)
+        tl.store(_tile_ptrs(dv_ptr, dv_off, f, d, stride_dvf, stride_dvd), dv.to(dv_ptr.dtype.element_ty), mask=mask)
+        k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd), mask=mask, other=0.0)
+        dq = _bdot(ds, k, zero_o, DOT_PRECISION)
+        tl.store(_tile_ptrs(dq_ptr, dq_off, f, d, stride_dqf, stride_dqd), dq.to(dq_ptr.dtype.element_ty), mask=mask)
+        q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd), mask=mask, other=0.0)
+        dk = _bdot(ds_t, q, zero_o, DOT_PRECISION)
+        tl.store(_tile_ptrs(dk_ptr, dk_off, f, d, stride_dkf, stride_dkd), dk.to(dk_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------- launchers
+
+
+def block_d(d: int, dtype: torch.dtype = torch.float16) -> int:
+    """Head-dim chunk: 16 or 32, whichever wastes fewer masked lanes (32 on a tie); wider chunks cost registers,
+    and fp32 operands (twice the registers) always take 16."""
+    if dtype == torch.float32:
+        return 16
+    return min((16, 32), key=lambda b: (triton.cdiv(d, b) * b, -b))
+
+
+def block_config(f: int, d: int, dtype: torch.dtype = torch.float16) -> dict:
+    """Tile of one program for F frames and head_dim d: BLOCK_P sequences of BLOCK_F x BLOCK_D, and num_warps.
+
+    The 3-D MMA layout puts the warps on the sequence axis, so F <= 16 runs BLOCK_P = num_warps = 4 sequences (one
+    16 x 16 score tile per warp); longer sequences run one per program as 2-D dots with 4 (F <= 32) or 8 warps on
+    the score rows. Every configuration compiles without spills on sm_80/sm_90 (see aot_specs), at <= 128
+    registers for the forward.
+    """
+    bf = max(16, next_power_of_2(f))
+    if bf == 16:
+        p, warps = 4, 4
+    else:
+        p, warps = 1, 4 if bf == 32 else 8
+    return {"BLOCK_P": p, "BLOCK_F": bf, "BLOCK_D": block_d(d, dtype), "num_warps": warps}
+
+
+def launch_grid(n_seq: int, f: int, d: int) -> tuple[int]:
+    """The 1-D grid for n_seq = B*N*H sequences, forward and backward: every sequence of every head on axis 0."""
+    grid = (triton.cdiv(n_seq, block_config(f, d)["BLOCK_P"]),)
+    if grid[0] > _GRID_AXIS0_LIMIT:
+        raise ValueError(f"{n_seq} sequences need {grid[0]} programs, over grid axis 0's limit {_GRID_AXIS0_LIMIT}")
+    return grid
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full-precision products (the reference is fp32 math); fp16/bf16 use tensor cores natively.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def inner_span(t: torch.Tensor) -> int:
+    """Largest element offset within one sequence, (F-1)|stride_f| + (D-1)|stride_d|: the kernels keep it in int32."""
+    return (t.shape[1] - 1) * abs(t.stride(1)) + (t.shape[4] - 1) * abs(t.stride(4))
+
+
+def _check_views(*tensors: torch.Tensor) -> None:
+    shape = tensors[0].shape
+    for t in tensors:
+        if t.dim() != 5 or t.shape != shape:
+            raise ValueError(f"expected 5-D (B, F, N, H, D) views of one shape {tuple(shape)}, got {tuple(t.shape)}")
+        if inner_span(t) >= 2**31:
+            raise ValueError(f"a sequence of a tensor with strides {t.stride()} spans more than 2^31 elements")
+    _b, f, _n, _h, d = shape
+    if f > MAX_FRAMES or d > MAX_HEAD_DIM:
+        raise ValueError(f"F={f}, head_dim={d}: the kernel supports F <= {MAX_FRAMES}, head_dim <= {MAX_HEAD_DIM}")
+
+
+def temporal_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the F axis of (B, F, N, H, D) views, written into ``out``.
+
+    ``out`` defaults to ``torch.empty_like(q)``: q's strides when q is dense, else the contiguous (B, F, N, H, D)
+    layout (e.g. for a slice of a packed qkv tensor). Returns ``out``.
+    """
+    out = new_output(like=q) if out is None else out
+    _check_views(q, k, v, out)
+    b, f, n, h, d = q.shape
+    cfg = block_config(f, d, q.dtype)
+    n_seq = b * n * h
+    _temporal_attention_fwd_kernel[launch_grid(n_seq, f, d)](
+        out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, d, scale * _LOG2E,
+        BLOCK_P=cfg["BLOCK_P"], BLOCK_F=cfg["BLOCK_F"], BLOCK_D=cfg["BLOCK_D"],
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return out
+
+
+def temporal_attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of temporal_attention_fwd, each ``torch.empty_like`` its input; dout may have any strides."""
+    _check_views(dout, q, k, v)
+    b, f, n, h, d = q.shape
+    dq, dk, dv = new_output(like=q), new_output(like=k), new_output(like=v)
+    cfg = block_config(f, d, q.dtype)
+    n_seq = b * n * h
+    _temporal_attention_bwd_kernel[launch_grid(n_seq, f, d)](
+        dq, dk, dv, dout, q, k, v, *dq.stride(), *dk.stride(), *dv.stride(), *dout.stride(), *q.stride(),
+        *k.stride(), *v.stride(), n_seq, n, h, f, d, scale, scale * _LOG2E,
+        BLOCK_P=cfg["BLOCK_P"], BLOCK_F=cfg["BLOCK_F"], BLOCK_D=cfg["BLOCK_D"],
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+#: (F, head_dim) of the models the kernel is for: AnimateDiff (16, 40/80/160), SVD (14, 64), SVD-XT (25, 64), Latte
+#: (16, 72) and the longest sequence served (64, 64).
+AOT_SHAPES = ((16, 40), (14, 64), (16, 160), (25, 64), (64, 64), (16, 72))
+
+
+def _aot_signature(names: tuple[str, ...], dtype: str, backward: bool) -> tuple[dict, dict]:
+    sig = {f"{n}_ptr": f"*{dtype}" for n in names}
+    for n in names:
+        sig.update({f"stride_{n}{axis}": "i32" for axis in "bfnh"})
+    sig.update({"n_seq": "i32", "N": "i32", "H": "i32", "F": "i32", "D": "i32"})
+    sig.update({"scale": "fp32", "qk_scale": "fp32"} if backward else {"qk_scale": "fp32"})
+    # Head dims are contiguous in every real layout; Triton specialises a unit stride the same way at launch.
+    return sig, {f"stride_{n}d": 1 for n in names}
+
+
+def aot_specs() -> list[dict]:
+    """Compile configurations for the ahead-of-time gate: real (F, head_dim) shapes, forward and backward."""
+    specs = []
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    for f, d in AOT_SHAPES:
+        for dtype in ("fp16", "fp32") + (("bf16",) if (f, d) in ((16, 40), (14, 64)) else ()):
+            for backward in (False, True):
+                names = ("dq", "dk", "dv", "do", "q", "k", "v") if backward else ("o", "q", "k", "v")
+                sig, constexprs = _aot_signature(names, dtype, backward)
+                cfg = block_config(f, d, dtypes[dtype])
+                constexprs.update({key: cfg[key] for key in ("BLOCK_P", "BLOCK_F", "BLOCK_D")})
+                constexprs["DOT_PRECISION"] = _dot_precision(dtypes[dtype])
+                kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
+                specs.append(
+                    dict(
+                        name=f"temporal_attention_{'bwd' if backward else 'fwd'}[F={f},d={d},{dtype}]",
+                        fn=kernel,
+                        signature=sig,
+                        constexprs=constexprs,
+                        num_warps=cfg["num_warps"],
+                    )
+                )
+    return specs
