@@ -371,19 +371,36 @@ def example_inputs(
         if entry.cls == "AutoencoderKL":
             default_res = (64, 64)
         res = _resolution(resolution, default_res)
-        frames = frames or (4 if entry.is_video else None)
+        frames = frames or (config.get("video_length", 4) if entry.is_video else None)
         tokens = text_tokens or _TINY_TEXT_TOKENS
     else:
         res = _resolution(resolution, entry.resolution)
+        frames = frames or (config.get("video_length") if entry.name == "latte" and model is not None else None)
         frames = frames or entry.frames
         tokens = text_tokens or entry.text_tokens
     batch = batch or entry.batch
+    _check_frames(entry, config, frames)
     if res[0] % VAE_SCALE or res[1] % VAE_SCALE:
         raise ValueError(f"resolution {res} must be a multiple of {VAE_SCALE} pixels (the VAE factor)")
     h, w = res[0] // VAE_SCALE, res[1] // VAE_SCALE
     kwargs = _build_kwargs(entry, config, batch, frames, h, w, tokens, dtype, device)
     method = "decode" if entry.cls == "AutoencoderKL" else "forward"
     return ModelInputs(method, kwargs, res, frames, batch)
+
+
+def _check_frames(entry: ZooEntry, config: dict[str, Any], frames: int | None) -> None:
+    """Models with a fixed-length temporal positional table accept only the frame counts they were built for."""
+    if entry.name == "latte" and frames != config.get("video_length", 16):
+        raise ValueError(
+            f"this Latte model was built with video_length={config.get('video_length', 16)} (its temporal positional "
+            f"table); for {frames} frames build it with build_model('latte', frames={frames})"
+        )
+    limit = config.get("motion_max_seq_length")
+    if entry.name == "animatediff" and limit is not None and frames > limit:
+        raise ValueError(
+            f"this AnimateDiff model has motion_max_seq_length={limit}; for {frames} frames build it with "
+            f"build_model('animatediff', frames={frames})"
+        )
 
 
 def _build_kwargs(entry, config, b, f, h, w, tokens, dtype, device) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""The model zoo: every config builds on meta with the documented parameter count; tiny variants run on CPU."""
+
+import pytest
+import torch
+
+from ldmopt import configs
+
+# Parameter counts from ldmopt/configs/SOURCES.md (diffusers 0.42).
+PARAMS = {
+    "sd15": 859_520_964,
+    "sdxl": 2_567_463_684,
+    "dit": 749_826_464,
+    "pixart-alpha": 611_349_152,
+    "svd": 1_524_623_082,
+    "latte": 1_057_246_880,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_real_configs_build_on_meta_with_documented_size(name):
+    model = configs.build_model(name)
+    params = list(model.parameters())
+    assert all(p.device.type == "meta" for p in params)
+    assert sum(p.numel() for p in params) == PARAMS[name]
+    assert model.ldmopt_zoo_name == name
+
+
+def test_registry_lists_every_model_and_resolves_aliases():
+    assert configs.names() == [
+        "sd15", "sd21", "sdxl", "sd15-vae", "sdxl-vae", "dit", "pixart-alpha", "pixart-sigma", "sd3", "flux",
+        "animatediff", "svd", "svd-xt", "modelscope", "latte",
+    ]  # fmt: skip
+    assert configs.get("SD1.5").name == "sd15"
+    assert configs.get("animatediff").cls == "UNetMotionModel"
+    unet, adapter = configs.load_config("animatediff")
+    assert adapter["_class_name"] == "MotionAdapter" and unet["_class_name"] == "UNet2DConditionModel"
+    with pytest.raises(KeyError, match="the zoo has: sd15"):
+        configs.get("sd4")
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl-vae", "pixart-alpha", "flux", "animatediff", "latte"])
+def test_tiny_variants_run_on_cpu(name):
+    model = configs.build_model(name, tiny=True, device="cpu", dtype=torch.float32, frames=2)
+    assert sum(p.numel() for p in model.parameters()) < 3_000_000
+    inputs = configs.example_inputs(model, resolution=64, frames=2, batch=1)
+    with torch.no_grad():
+        out = configs.run_model(model, inputs)
+    out = out[0] if isinstance(out, (tuple, list)) else out.sample
+    assert torch.isfinite(out).all()
+
+
+def test_frames_beyond_the_positional_table_extend_it():
+    model = configs.build_model("animatediff", frames=64)
+    pe = next(m for n, m in model.named_modules() if n.endswith("pos_embed"))
+    assert pe.pe.shape[1] == 64
+    latte = configs.build_model("latte", frames=24)
+    assert latte.temp_pos_embed.shape[1] == 24
+    assert configs.example_inputs(latte).frames == 24
+    with pytest.raises(ValueError, match=r"build_model\('latte', frames=16\)"):
+        configs.example_inputs(latte, frames=16)
+
+
+def test_example_inputs_follow_the_study_settings():
+    svd = configs.example_inputs("svd")
+    assert svd.kwargs["sample"].shape == (2, 14, 8, 72, 128)
+    flux = configs.example_inputs("flux")
+    assert flux.kwargs["hidden_states"].shape == (1, 4096, 64) and flux.batch == 1
+    vae = configs.example_inputs("sd15-vae", resolution=256)
+    assert vae.method == "decode" and vae.kwargs["z"].shape == (1, 4, 32, 32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        configs.example_inputs("sd15", resolution=500)
