@@ -1,0 +1,263 @@
+"""CUDA C++ backend (ldmopt._C) versus the Triton backend and an fp64 reference, then both timed side by side.
+
+Part 1, correctness: at the GroupNorm(+SiLU) benchmark shapes (benchmarks/bench_group_norm.py; forward and
+backward) and at real temporal-attention shapes (AnimateDiff, SVD, Latte), each backend's outputs against the
+reference computed in fp64, as max relative error ||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype
+bound. Outputs are poisoned with NaN first (LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.
+Part 2, speed: harness.time_fn for ldmopt-cuda, ldmopt-triton and PyTorch eager on the same inputs (poisoning off);
+rows go to the harness CSV and a side-by-side table (cuda / triton time ratio, % of measured copy bandwidth) is
+printed. Issue targets on an H200: GroupNorm+SiLU >= 85% of copy bandwidth; temporal attention no slower than Triton.
+
+Run on a GPU: python benchmarks/check_cuda_backend.py [--quick] [--no-bench]. Exits 1 if a check fails; on a
+machine without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+import ldmopt
+from ldmopt import _env
+
+BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+BACKENDS = ("cuda", "triton")
+GROUPS = 32
+# (B*N, F, heads, head_dim) of the temporal attention layers (DESIGN.md, real shapes at fp16 and CFG batch 2).
+ATTENTION_SHAPES = {
+    "animatediff-64x64": (8192, 16, 8, 40),
+    "animatediff-32x32": (2048, 16, 8, 80),
+    "animatediff-16x16": (512, 16, 8, 160),
+    "svd-72x128": (18432, 14, 5, 64),
+    "svd-xt-36x64": (4608, 25, 10, 64),
+    "latte-32x32": (2048, 16, 16, 72),
+}
+QUICK_ATTENTION = ("animatediff-64x64", "svd-72x128", "latte-32x32")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _group_norm_cases(quick: bool):
+    from benchmarks.bench_group_norm import SHAPES
+
+    names = ["sd-64x64x320", "sd-8x8x1280"] if quick else list(SHAPES)
+    layouts = ["channels_last"] if quick else ["channels_last", "nchw"]
+    dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
+    for name in names:
+        for layout in layouts:
+            for dtype in dtypes:
+                yield f"{name}-{layout}", SHAPES[name], layout, dtype
+
+
+def _group_norm_inputs(shape, layout, dtype):
+    x = (torch.randn(shape, device="cuda") * 2 + 0.3).to(dtype)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    w = (torch.randn(shape[1], device="cuda") * 0.8 + 1).to(dtype)
+    b = (torch.randn(shape[1], device="cuda") * 0.5).to(dtype)
+    return x, w, b
+
+
+def _ldmopt_group_norm(backend, x, w, b):
+    from ldmopt.ops.group_norm import group_norm
+
+    with ldmopt.use_backend(backend):
+        return group_norm(x, GROUPS, w, b, 1e-5, "silu")
+
+
+def check_group_norm(quick: bool):
+    for case, shape, layout, dtype in _group_norm_cases(quick):
+        x, w, b = _group_norm_inputs(shape, layout, dtype)
+        dy = torch.randn_like(x)
+        leaves64 = [t.double().requires_grad_() for t in (x, w, b)]
+        ref = F.silu(F.group_norm(leaves64[0], GROUPS, leaves64[1], leaves64[2], 1e-5))
+        refs = [ref, *torch.autograd.grad(ref, leaves64, dy.double())]
+        for backend in BACKENDS:
+            leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+            y = _ldmopt_group_norm(backend, *leaves)
+            assert y.stride() == x.stride(), f"{backend}: y strides {y.stride()} != x strides {x.stride()}"
+            outs = [y, *torch.autograd.grad(y, leaves, dy)]
+            yield "group_norm_silu", case, dtype, backend, outs, refs
+        del leaves64, ref, refs
+
+
+def _attention_inputs(shape, dtype):
+    bn, f, h, d = shape
+    # diffusers' (B*N, F, heads*head_dim) projections, viewed as (B*N, F, 1, heads, head_dim): no copies
+    return [torch.randn(bn, f, h * d, device="cuda", dtype=dtype).view(bn, f, 1, h, d) for _ in range(3)]
+
+
+def _attention_reference(q, k, v, scale):
+    q, k, v = (t.double().squeeze(2).transpose(1, 2) for t in (q, k, v))  # (B*N, heads, F, head_dim)
+    out = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
+    return out.transpose(1, 2).unsqueeze(2)
+
+
+def _ldmopt_attention(backend, q, k, v, scale):
+    from ldmopt.ops.temporal_attention import temporal_attention
+
+    with ldmopt.use_backend(backend):
+        return temporal_attention(q, k, v, scale=scale)
+
+
+def _eager_attention(q, k, v, scale):
+    # What diffusers does today: heads to the front, SDPA, back to (B*N, F, heads*head_dim).
+    bn, f, _, h, d = q.shape
+    q, k, v = (t.view(bn, f, h, d).transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2).reshape(bn, f, h * d)
+
+
+def _attention_cases(quick: bool):
+    names = QUICK_ATTENTION if quick else list(ATTENTION_SHAPES)
+    dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
+    for name in names:
+        for dtype in dtypes:
+            yield name, ATTENTION_SHAPES[name], dtype
+
+
+def check_attention(quick: bool):
+    for case, shape, dtype in _attention_cases(quick):
+        q, k, v = _attention_inputs(shape, dtype)
+        scale = shape[-1] ** -0.5
+        ref = _attention_reference(q, k, v, scale)
+        for backend in BACKENDS:
+            out = _ldmopt_attention(backend, q, k, v, scale)
+            yield "temporal_attention", case, dtype, backend, [out], [ref]
+        del ref
+
+
+def run_checks(quick: bool) -> int:
+    os.environ["LDMOPT_POISON_OUTPUTS"] = "1"
+    failures = 0
+    print(f"{'op':<20} {'case':<30} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
+    for check in (check_group_norm, check_attention):
+        try:
+            for op, case, dtype, backend, outs, refs in check(quick):
+                errs = [rel_err(o, r) for o, r in zip(outs, refs)]
+                ok = all(e <= BOUND[dtype] for e in errs)  # NaN compares False
+                failures += not ok
+                text = " ".join(f"{e:.2e}" for e in errs)
+                print(f"{op:<20} {case:<30} {str(dtype)[6:]:<9} {backend:<7} {text:<40} {'PASS' if ok else 'FAIL'}")
+        except Exception:
+            failures += 1
+            print(f"{check.__name__} ERROR\n{traceback.format_exc()}")
+    print(f"check_cuda_backend: {'all checks passed' if not failures else f'{failures} checks failed'}")
+    return failures
+
+
+def _record(recorder, rows, op, case, dtype, mode, provider, fn, nbytes, flops=None):
+    from benchmarks import harness
+
+    try:
+        fn()
+        timing, note = harness.time_fn(fn), ""
+    except Exception as exc:  # a backend that cannot run these inputs is reported, not fatal
+        timing, note = None, f"unavailable: {type(exc).__name__}: {str(exc)[:80]}"
+    row = recorder.record(
+        op=op, case=case, dtype=str(dtype)[6:], mode=mode, provider=provider, timing=timing, bytes=nbytes,
+        flops=flops, note=note,
+    )  # fmt: skip
+    rows.setdefault((op, case, str(dtype)[6:], mode), {})[provider] = row
+
+
+def _eager_group_norm(x, w, b):
+    return F.silu(F.group_norm(x, GROUPS, w, b, 1e-5))
+
+
+def _fwd_bwd(fn, leaves, dy):
+    return torch.autograd.grad(fn(*leaves), leaves, dy)
+
+
+def _bench_group_norm(recorder, rows, case, shape, layout, dtype):
+    x, w, b = _group_norm_inputs(shape, layout, dtype)
+    elem = x.numel() * x.element_size()
+    dy = torch.randn_like(x)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    providers = {f"ldmopt-{be}": functools.partial(_ldmopt_group_norm, be) for be in BACKENDS}
+    providers["eager"] = _eager_group_norm
+    for name, fn in providers.items():
+        with torch.no_grad():
+            _record(
+                recorder, rows, "group_norm_silu", case, dtype, "fwd", name, functools.partial(fn, x, w, b), 2 * elem
+            )
+        # bytes: forward x, y; backward x, dy, dx
+        fwd_bwd = functools.partial(_fwd_bwd, fn, leaves, dy)
+        _record(recorder, rows, "group_norm_silu", case, dtype, "fwd+bwd", name, fwd_bwd, 5 * elem)
+
+
+def _bench_attention(recorder, rows, case, shape, dtype):
+    q, k, v = _attention_inputs(shape, dtype)
+    bn, f, h, d = shape
+    scale = d**-0.5
+    nbytes = 4 * q.numel() * q.element_size()  # q, k, v read, out written
+    flops = 4 * bn * h * f * f * d
+    providers = {f"ldmopt-{be}": functools.partial(_ldmopt_attention, be) for be in BACKENDS}
+    providers["eager"] = _eager_attention
+    with torch.no_grad():
+        for name, fn in providers.items():
+            run = functools.partial(fn, q, k, v, scale)
+            _record(recorder, rows, "temporal_attention", case, dtype, "fwd", name, run, nbytes, flops)
+
+
+def run_benchmarks(quick: bool) -> None:
+    from benchmarks.harness import Recorder
+
+    os.environ["LDMOPT_POISON_OUTPUTS"] = "0"
+    recorder = Recorder()
+    rows: dict = {}
+    for case, shape, layout, dtype in _group_norm_cases(quick):
+        _bench_group_norm(recorder, rows, case, shape, layout, dtype)
+    for case, shape, dtype in _attention_cases(quick):
+        _bench_attention(recorder, rows, case, shape, dtype)
+    print("\nside by side (median ms; cuda/triton < 1 means the CUDA backend is faster)")
+    print(f"{'op':<20} {'case':<30} {'dtype':<9} {'mode':<8} {'cuda':>9} {'triton':>9} {'eager':>9} "
+          f"{'cuda/triton':>11} {'cuda %copy':>10}")  # fmt: skip
+    for (op, case, dtype, mode), by in rows.items():
+        ms = {p: r.median_ms or math.nan for p, r in by.items()}
+        cuda, triton_ms, eager = (ms.get(p, math.nan) for p in ("ldmopt-cuda", "ldmopt-triton", "eager"))
+        cuda_row = by.get("ldmopt-cuda")
+        pct = cuda_row.pct_copy_bw if cuda_row is not None and cuda_row.pct_copy_bw else math.nan
+        print(f"{op:<20} {case:<30} {dtype:<9} {mode:<8} {cuda:>9.4f} {triton_ms:>9.4f} {eager:>9.4f} "
+              f"{cuda / triton_ms:>11.2f} {pct:>9.0f}%")  # fmt: skip
+    print(f"\n(rows appended to {recorder.csv_path})\n")
+    print(recorder.summary())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, fp16 and channels-last only")
+    parser.add_argument("--no-bench", action="store_true", help="correctness only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("check_cuda_backend: no CUDA device; nothing to check")
+        return 0
+    ok, why = _env.cuda_extension_status()
+    print(f"ldmopt._C: {why}; build: {_env.build_info()}")
+    if not ok:
+        print(
+            "check_cuda_backend: the CUDA extension is not loaded; build it with pip install --no-build-isolation -e ."
+        )
+        return 1
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    failures = run_checks(args.quick)
+    if not args.no_bench:
+        run_benchmarks(args.quick)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
