@@ -1,0 +1,256 @@
+"""ldmopt.nn.resnet: the fused ResnetBlock2D forward against diffusers' own ResnetBlock2D (Triton interpreter).
+
+Rule: against diffusers' block run in fp64, the fused block's error is at most 2x the error diffusers itself makes in
+the same dtype. Random weights with non-trivial GroupNorm affine; odd channel counts and spatial sizes.
+"""
+
+import copy
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ldmopt
+from ldmopt.nn import resnet
+from ldmopt.nn.resnet import FusedResnetBlock2D, can_fuse, fused_resnet_forward
+from tests.tolerances import assert_within_torch_error
+
+diffusers_resnet = pytest.importorskip("diffusers.models.resnet")
+ResnetBlock2D = diffusers_resnet.ResnetBlock2D
+
+VARIANTS = {
+    # name: (ResnetBlock2D kwargs, batch, H=W)
+    "sd-temb-shortcut": (dict(in_channels=40, out_channels=72, temb_channels=16, groups=8), 3, 9),  # 1x1 shortcut
+    "vae-identity": (dict(in_channels=40, temb_channels=None, groups=8, eps=1e-6), 1, 9),  # no temb
+    "conv-shortcut-scale": (
+        dict(
+            in_channels=24,
+            temb_channels=16,
+            groups=8,
+            use_in_shortcut=True,
+            conv_shortcut_bias=False,
+            output_scale_factor=2.0,
+            skip_time_act=True,
+        ),
+        1,
+        7,
+    ),
+    "up": (dict(in_channels=24, out_channels=16, temb_channels=16, groups=8, up=True), 3, 5),
+    "down": (dict(in_channels=24, temb_channels=16, groups=4, down=True), 1, 9),  # identity shortcut, pooled
+    "groups-out": (
+        dict(in_channels=24, out_channels=16, conv_2d_out_channels=8, temb_channels=16, groups=8, groups_out=4),
+        1,
+        7,
+    ),
+}
+
+
+def _block(kwargs, dtype=torch.float32):
+    block = ResnetBlock2D(**kwargs)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+        for norm in (block.norm1, block.norm2):
+            norm.weight.normal_(1.0, 0.5)
+            norm.bias.normal_(0.0, 0.5)
+    return block.to(dtype=dtype).eval()
+
+
+def _inputs(block, batch, size, dtype):
+    x = torch.randn(batch, block.in_channels, size, size, dtype=torch.float64) * 1.5 + 0.3
+    x = x.to(dtype).contiguous(memory_format=torch.channels_last)
+    temb = None if block.time_emb_proj is None else torch.randn(batch, block.time_emb_proj.in_features, dtype=dtype)
+    return x, temb
+
+
+def _block_copy(block, dtype):
+    return copy.deepcopy(block).to(dtype)
+
+
+def _run_diffusers(block, x, temb, dtype):
+    """diffusers' forward of a copy of the block in ``dtype`` (fp64: the reference)."""
+    twin = _block_copy(block, dtype)
+    return ResnetBlock2D.forward(twin, x.to(dtype), None if temb is None else temb.to(dtype))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_forward_matches_diffusers(variant, dtype):
+    kwargs, batch, size = VARIANTS[variant]
+    block = _block(kwargs, dtype)
+    x, temb = _inputs(block, batch, size, dtype)
+    assert can_fuse(block) == []
+    resnet.fallback_reasons.clear()
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        out = fused_resnet_forward(block, x, temb)
+        ref = _run_diffusers(block, x, temb, torch.float64)
+        lowp = _run_diffusers(block, x, temb, dtype)
+    assert not resnet.fallback_reasons
+    assert out.shape == lowp.shape and out.dtype == dtype
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_within_torch_error(out, ref, lowp, f"{variant} {dtype}")
+
+
+@pytest.mark.parametrize(
+    "variant,dtype",
+    [("sd-temb-shortcut", torch.float32), ("sd-temb-shortcut", torch.float16), ("up", torch.float32),
+     ("down", torch.float32), ("conv-shortcut-scale", torch.float32)],
+)  # fmt: skip
+def test_backward_matches_diffusers(variant, dtype):
+    kwargs, batch, size = VARIANTS[variant]
+    block = _block(kwargs, dtype).train()  # dropout p=0: training takes the fused path
+    x, temb = _inputs(block, batch, size, dtype)
+    dy = None
+    grads = {}
+    for name, cast in (("ours", dtype), ("ref", torch.float64), ("lowp", dtype)):
+        b = block if name == "ours" else _block_copy(block, cast)
+        xi = x.detach().to(cast).requires_grad_()
+        ti = None if temb is None else temb.detach().to(cast).requires_grad_()
+        with ldmopt.use_backend("triton"):
+            out = fused_resnet_forward(b, xi, ti) if name == "ours" else ResnetBlock2D.forward(b, xi, ti)
+        if dy is None:
+            dy = torch.randn_like(out)
+        out.backward(dy.to(cast))
+        named = dict(b.named_parameters())
+        grads[name] = {"x": xi.grad, "temb": None if ti is None else ti.grad}
+        grads[name].update({k: p.grad for k, p in named.items()})
+    for key, ours in grads["ours"].items():
+        if ours is None:
+            assert grads["ref"][key] is None, key
+            continue
+        assert ours.dtype == dtype, key
+        assert_within_torch_error(ours, grads["ref"][key], grads["lowp"][key], f"grad {key} {variant} {dtype}")
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    """Counts Triton kernel launches (interpreter grid executions)."""
+    from triton.runtime import interpreter
+
+    launches = []
+    original = interpreter.InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    return launches
+
+
+def test_eval_forward_dispatches_no_group_norm_or_convolution(triton_launches):
+    block = _block(VARIANTS["sd-temb-shortcut"][0])
+    x, temb = _inputs(block, 2, 5, torch.float32)
+    ldmopt.ops.backend_counts.clear()
+    with _Recorder() as rec, torch.no_grad():
+        fused_resnet_forward(block, x, temb)
+    aten = [op for op in rec.ops if op.startswith("aten.")]
+    bad = [op for op in aten if "group_norm" in op or "conv" in op]
+    assert not bad, f"aten ops the fused block must not dispatch: {bad}"
+    assert rec.ops.count("ldmopt.gn_conv2d") == 2 and rec.ops.count("ldmopt.gn_conv2d_stats") == 1
+    assert ldmopt.ops.backend_counts[("gn_conv2d", "triton")] == 2
+    assert len(triton_launches) <= 4, triton_launches  # norm1 statistics (2), conv1, conv2
+    # With norm1 statistics from the producer (e.g. the previous block's out_stats): two launches.
+    stats = torch.ops.ldmopt.gn_conv2d_stats(x, block.norm1.num_groups, block.norm1.eps)
+    triton_launches.clear()
+    with torch.no_grad():
+        fused_resnet_forward(block, x, temb, stats=stats)
+    assert triton_launches == ["_gn_conv2d_fwd_kernel"] * 2
+
+
+def test_chained_blocks_hand_statistics_over():
+    first = _block(VARIANTS["sd-temb-shortcut"][0])
+    second = _block(dict(in_channels=72, temb_channels=16, groups=8))
+    x, temb = _inputs(first, 1, 5, torch.float32)
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        h, stats = fused_resnet_forward(first, x, temb, out_stats=(8, second.norm1.eps))
+        chained = fused_resnet_forward(second, h, temb, stats=stats)
+        alone = fused_resnet_forward(second, h, temb)
+    torch.testing.assert_close(chained, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_nchw_input_falls_back_to_diffusers_with_reason():
+    block = _block(VARIANTS["vae-identity"][0])
+    x = torch.randn(1, 40, 5, 5)
+    resnet.fallback_reasons.clear()
+    with torch.no_grad():
+        out = fused_resnet_forward(block, x, None)
+        expect = ResnetBlock2D.forward(block, x, None)
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)
+    assert any("not channels-last" in r for r in resnet.fallback_reasons)
+
+
+def test_dropout_in_training_falls_back():
+    block = _block(dict(in_channels=8, temb_channels=None, groups=4, dropout=0.1)).train()
+    resnet.fallback_reasons.clear()
+    fused_resnet_forward(block, torch.randn(1, 8, 3, 3).contiguous(memory_format=torch.channels_last), None)
+    assert list(resnet.fallback_reasons) == ["dropout p=0.1 in training mode"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(time_embedding_norm="scale_shift"), "time_embedding_norm='scale_shift'"),
+        (dict(non_linearity="mish"), "nonlinearity Mish"),
+        (dict(up=True, kernel="fir"), "not nearest 2x"),
+        (dict(down=True, kernel="fir"), "not a 2x2 average pool"),
+    ],
+)
+def test_can_fuse_reasons(kwargs, match):
+    block = ResnetBlock2D(in_channels=8, temb_channels=4, groups=4, **kwargs)
+    reasons = can_fuse(block)
+    assert any(match in r for r in reasons), reasons
+
+
+def test_can_fuse_accepts_sde_vp_and_rejects_wrapped_conv():
+    assert can_fuse(ResnetBlock2D(in_channels=8, temb_channels=4, groups=4, up=True, kernel="sde_vp")) == []
+    assert can_fuse(ResnetBlock2D(in_channels=8, temb_channels=4, groups=4, down=True, kernel="sde_vp")) == []
+    block = ResnetBlock2D(in_channels=8, temb_channels=4, groups=4)
+    block.conv1 = torch.nn.Sequential(block.conv1)  # e.g. a LoRA wrapper
+    assert any("conv1 is Sequential" in r for r in can_fuse(block))
+    assert "not a diffusers ResnetBlock2D" in can_fuse(torch.nn.Linear(2, 2))[0]
+
+
+def test_module_and_bound_forward_share_parameters():
+    block = _block(VARIANTS["conv-shortcut-scale"][0])
+    fused = FusedResnetBlock2D(block)
+    assert list(fused.state_dict()) == list(block.state_dict())
+    assert all(a is b for a, b in zip(fused.parameters(), block.parameters()))
+    fused.load_state_dict(block.state_dict())
+    x, temb = _inputs(block, 1, 5, torch.float32)
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        out = fused(x, temb)
+        block.forward = types.MethodType(fused_resnet_forward, block)
+        bound = block(x, temb)
+        del block.forward
+        stock = block(x, temb)
+    torch.testing.assert_close(out, bound, rtol=0, atol=0)
+    torch.testing.assert_close(out, stock, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    block = _block(dict(in_channels=8, out_channels=12, temb_channels=4, groups=4)).train()
+    x, temb = _inputs(block, 2, 3, torch.float32)
+    x.requires_grad_()
+    compiled = torch.compile(lambda x, t: fused_resnet_forward(block, x, t), backend=backend, fullgraph=True)
+    out = compiled(x, temb)
+    out.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    eager = fused_resnet_forward(block, x, temb)
+    eager.sum().backward()
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, x.grad, rtol=1e-5, atol=1e-5)
