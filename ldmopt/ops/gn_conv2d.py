@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checks import check_activation, check_tensor, check_vector
 from ._dispatch import Backend, BackendTable, backend_counts, forced_backend, triton_refusals
@@ -172,10 +173,30 @@ def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, a
     return reasons
 
 
+#: weight -> (version, channels-last copy): the kernel's weight tiles are contiguous along C_in only in that layout.
+_PACKED_WEIGHTS = WeakIdKeyDictionary()
+
+
+def _channels_last_weight(w: Tensor) -> Tensor:
+    """w itself when C_in is already its unit stride (channels-last model, 1x1), else a cached channels-last copy."""
+    if w.stride(1) == 1:
+        return w
+    try:
+        version = w._version
+    except RuntimeError:  # inference tensors have no version counter: no caching
+        return w.contiguous(memory_format=torch.channels_last)
+    hit = _PACKED_WEIGHTS.get(w)
+    if hit is None or hit[0] != version:
+        hit = (version, w.detach().contiguous(memory_format=torch.channels_last))
+        _PACKED_WEIGHTS[w] = hit
+    return hit[1]
+
+
 def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
                 res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
 
+    w = _channels_last_weight(w)
     return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
                          res_resample, sc_resample, output_scale, out_groups, out_eps)  # fmt: skip
 
