@@ -24,6 +24,8 @@ from ._common import ACTIVATIONS, new_output, next_power_of_2
 
 #: resample codes shared with ldmopt/ops/gn_conv2d.py
 RESAMPLE = {"none": 0, "up": 1, "down": 2}
+#: per-image element count from which row offsets are computed in int64 (batch offsets always are)
+INT64_INDEX_FROM = 2**31 - 1
 
 
 def _configs() -> list[triton.Config]:
@@ -60,12 +62,16 @@ def _stage_input(
     RESAMPLE: tl.constexpr,
     NORMALIZE: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    IDX64: tl.constexpr,
 ):
     """[BM, BK] fp32 tile of the conv input at conv-input coordinates (ih, iw); zero outside (after activation).
 
     RESAMPLE 0: x itself (H x W). 1: nearest 2x upsample of x (2H x 2W). 2: 2x2 average pool of x (H//2 x W//2).
     """
     coff = ci[None, :] * sxc
+    if IDX64:  # an image of more than 2^31 elements: row offsets in int64
+        ih = ih.to(tl.int64)
+        iw = iw.to(tl.int64)
     if RESAMPLE == 2:
         valid = row_ok & (ih >= 0) & (ih < H // 2) & (iw >= 0) & (iw < W // 2)
         mask = valid[:, None] & c_mask[None, :]
@@ -155,6 +161,7 @@ def _gn_conv2d_fwd_kernel(
     HAS_SC: tl.constexpr, SC_RESAMPLE: tl.constexpr, HAS_BIAS2: tl.constexpr,
     OUT_STATS: tl.constexpr, STATS_BLOCK_G: tl.constexpr, STATS_BLOCK_CPG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IDX64: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     S = OH * OW
@@ -204,7 +211,7 @@ def _gn_conv2d_fwd_kernel(
         ih = oh * STRIDE + (kh - PAD)
         iw = ow * STRIDE + (kw - PAD)
         a = _stage_input(x_base, ih, iw, m_mask, ci, c_mask, sxh, sxw, sxc, H, W, scale, shift,
-                         RESAMPLE, NORMALIZE, ACTIVATION)  # fmt: skip
+                         RESAMPLE, NORMALIZE, ACTIVATION, IDX64)  # fmt: skip
         b = tl.load(w_ptr + w_cols + ci[:, None] * swi + kh * swh + kw * sww,
                     mask=c_mask[:, None] & n_mask[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a.to(w_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
@@ -218,7 +225,7 @@ def _gn_conv2d_fwd_kernel(
             c_mask = ci < C_sc
             zero = tl.zeros([BK], dtype=tl.float32)
             a = _stage_input(xs_base, oh, ow, m_mask, ci, c_mask, ssh, ssw, ssc, HS, WS, zero, zero,
-                             SC_RESAMPLE, False, ACTIVATION)  # fmt: skip
+                             SC_RESAMPLE, False, ACTIVATION, IDX64)  # fmt: skip
             b = tl.load(ws_w_ptr + ws_cols + ci[:, None] * swsi, mask=c_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a.to(ws_w_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
 
@@ -232,7 +239,7 @@ def _gn_conv2d_fwd_kernel(
     if HAS_RES:
         zero_n = tl.zeros([BN], dtype=tl.float32)
         acc += _stage_input(res_ptr + n.to(tl.int64) * srn, oh, ow, m_mask, offs_n, n_mask, srh, srw, src, HR, WR,
-                            zero_n, zero_n, RES_RESAMPLE, False, ACTIVATION)  # fmt: skip
+                            zero_n, zero_n, RES_RESAMPLE, False, ACTIVATION, IDX64)  # fmt: skip
     acc = acc * inv_scale
     out = acc.to(y_ptr.dtype.element_ty)
     y_off = n.to(tl.int64) * syn + (oh.to(tl.int64) * syh + ow.to(tl.int64) * syw)[:, None] + offs_n[None, :] * syc
@@ -375,6 +382,7 @@ def gn_conv2d_fwd(
         RES_RESAMPLE=RESAMPLE[residual_resample], HAS_SC=shortcut_x is not None,
         SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None, OUT_STATS=out_groups > 0,
         STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, DOT_PRECISION=_dot_precision(x.dtype),
+        IDX64=max(t[0].numel() for t in (x, y, residual, shortcut_x) if t is not None) >= INT64_INDEX_FROM,
     )  # fmt: skip
     return y, out_mean, out_rstd
 
@@ -426,7 +434,8 @@ def _aot_spec(
         KH=kh, KW=kh, STRIDE=stride, PAD=kh // 2, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
         ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
         HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc, SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
-        OUT_STATS=out_stats, STATS_BLOCK_G=32, STATS_BLOCK_CPG=16, DOT_PRECISION="tf32", BM=bm, BN=bn, BK=bk,
+        OUT_STATS=out_stats, STATS_BLOCK_G=32, STATS_BLOCK_CPG=16, DOT_PRECISION="tf32", IDX64=False,
+        BM=bm, BN=bn, BK=bk,
     )  # fmt: skip
     fn = _gn_conv2d_fwd_kernel.fn
     sig = {}

@@ -368,7 +368,9 @@ def gn_silu_conv2d(
 
     Returns y (channels-last, x's dtype) or ``(y, (mean, rstd))``. Tolerance versus an fp64 reference: within 2x the
     error of PyTorch's own unfused computation in x's dtype. The Triton kernel serves channels-last fp32/fp16/bf16 with
-    1x1/3x3 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why).
+    1x1/3x3 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why). fp32
+    inputs use TF32 tensor cores on GPUs unless ``torch.backends.cudnn.allow_tf32`` is False, as PyTorch's conv does.
+    Output statistics sum in fp64 atomics, so they can differ in the last bit between runs.
     """
     check_tensor("x", x, ndim=(4,))
     check_tensor("conv_weight", conv_weight, ndim=(4,))

@@ -121,6 +121,7 @@ def test_resampled_identity_residual(res_rs):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_plain_conv_without_normalisation(dtype):
     x, _, _, _, w, b = _inputs(2, 8, 7, 6, 12, 3, dtype)
+    w = _cl(w)  # a channels-last model's weights: used as they are
     with ldmopt.use_backend("triton"):
         y = gn_silu_conv2d(x, None, None, 0, 0.0, w, b, 2, 1, normalize=False)
     _check(y, (x, None, None, None, w, b, 2, 1), {}, "plain strided conv")
@@ -154,6 +155,17 @@ def test_output_statistics_no_cancellation():
         y, (_, rstd) = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, out_stats=(4, 1e-10))
     expect = torch.rsqrt(y.double().reshape(2, 4, -1).var(-1, unbiased=False) + 1e-10)
     torch.testing.assert_close(rstd.double(), expect, rtol=1e-3, atol=0)
+
+
+def test_int64_row_offsets(monkeypatch):
+    # The int64 indexing used for images of more than 2^31 elements, forced on a small one.
+    monkeypatch.setattr(kernels, "INT64_INDEX_FROM", 0)
+    x, gw, gb, groups, w, b = _inputs(2, 8, 5, 4, 12, 3, torch.float32)
+    residual = _cl(torch.randn(2, 12, 10, 8))
+    shortcut = (_cl(torch.randn(2, 4, 10, 8)), torch.randn(12, 4, 1, 1), None)
+    with ldmopt.use_backend("triton"):
+        y = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, resample="up", residual=residual, shortcut=shortcut)
+    _check(y, (x, gw, gb, groups, w, b, 1, 1), dict(resample="up", residual=residual, shortcut=shortcut), "int64")
 
 
 def test_given_statistics_equal_computed_ones():
