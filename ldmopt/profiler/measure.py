@@ -9,7 +9,10 @@ operator through the autograd sequence number.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -83,8 +86,7 @@ class Profile:
     def export_chrome_trace(self, path: str) -> str:
         if self._prof is None:
             raise RuntimeError("this Profile holds no profiler session to export")
-        self._prof.export_chrome_trace(path)
-        return path
+        return _save_trace(self._prof, path)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +119,17 @@ class Profile:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _save_trace(prof, path: str) -> str:
+    """Kineto saves a session once; later requests copy the first file."""
+    first = getattr(prof, "_ldmopt_trace", None)
+    if first is None:
+        prof.export_chrome_trace(path)
+        prof._ldmopt_trace = path
+    elif os.path.abspath(first) != os.path.abspath(path):
+        shutil.copyfile(first, path)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- classification
@@ -315,9 +328,12 @@ def profile(
     def on_ready(prof):
         captured["events"] = prof.events()
         if trace:
-            prof.export_chrome_trace(trace)
+            _save_trace(prof, trace)
         if tensorboard:
-            torch.profiler.tensorboard_trace_handler(tensorboard)(prof)
+            # The profiler plugin's naming: <worker>.<ms>.pt.trace.json in the log directory.
+            os.makedirs(tensorboard, exist_ok=True)
+            name = f"{socket.gethostname()}_{os.getpid()}.{int(time.time() * 1000)}.pt.trace.json"
+            _save_trace(prof, os.path.join(tensorboard, name))
 
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=steps, repeat=1)
     wall = data_wait = 0.0

@@ -1,0 +1,138 @@
+"""The measured profile on CPU: classification, scopes, training mode, trace and TensorBoard files, GPU event path."""
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
+
+from ldmopt import configs
+from ldmopt.profiler import Profile, profile
+from ldmopt.profiler import categories as C
+from ldmopt.profiler.logging import LoggingUnavailableError
+from ldmopt.profiler.measure import classify_events
+
+
+@pytest.fixture(scope="module")
+def tiny_unet():
+    return configs.build_model("sd15", tiny=True, device="cpu", dtype=torch.float32)
+
+
+def _small(model):
+    return configs.example_inputs(model, resolution=64, batch=1)  # 8x8 latents: 4 UNet levels down to 1x1
+
+
+def test_tiny_unet_on_cpu_is_classified_and_writes_trace_and_tensorboard(tiny_unet, tmp_path):
+    trace, logdir = tmp_path / "trace.json", tmp_path / "tb"
+    p = profile(tiny_unet, inputs=_small(tiny_unet), steps=1, warmup=1, trace=str(trace), tensorboard=str(logdir))
+    assert isinstance(p, Profile) and p.device == "cpu" and "CPU" in p.time_kind
+    assert p.classified_share() >= 0.9
+    assert sum(p.shares().values()) == pytest.approx(1.0)
+    for cat in (C.CONV, C.LINEAR, C.ATTN_SPATIAL, C.ATTN_CROSS, C.NORM, C.ELEMENTWISE):
+        assert p.categories[cat].time_us > 0, cat
+    assert p.categories[C.ATTN_UNATTRIBUTED].time_us == 0
+    assert p.categories[C.ATTN_TEMPORAL].time_us == 0
+    assert any("convolution" in name for name, _, _ in p.top(C.CONV))
+    assert p.launches > 100
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert list(logdir.glob("events.out.tfevents*")), "TensorBoard scalar event file"
+    assert list(logdir.glob("*.pt.trace.json")), "TensorBoard profiler-plugin trace"
+    text = p.table()
+    assert "MEASURED" in text and "CPU" in text
+    assert p.to_dict()["categories"][C.CONV]["share"] > 0
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_temporal_attention_is_attributed():
+    model = configs.build_model("animatediff", tiny=True, device="cpu", dtype=torch.float32)
+    inputs = configs.example_inputs(model, resolution=64, frames=2, batch=1)
+    p = profile(model, inputs=inputs, steps=1, warmup=0)
+    split = p.attention_split()
+    assert split["temporal"] > 0 and split["spatial"] > 0 and split["cross"] > 0
+    assert split["unattributed"] == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_dit():
+    return configs.build_model("dit", tiny=True, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_training_mode_with_a_data_iterable(tiny_dit):
+    inputs = configs.example_inputs(tiny_dit, batch=1)
+    batches = (inputs for _ in range(10))
+    p = profile(tiny_dit, data=batches, steps=1, warmup=0, wait=0, training=True)
+    tiny_dit.eval()
+    assert p.mode == "training" and p.classified_share() >= 0.9
+    conv_ops = [name for name, _, _ in p.top(C.CONV, 10)]
+    assert any("backward" in name for name in conv_ops), conv_ops
+    # Backward attention inherits its forward scope through the autograd sequence number.
+    assert p.categories[C.ATTN_UNATTRIBUTED].time_us == 0
+    assert p.data_wait_s > 0
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_callable_target_with_modules_for_scopes(tiny_dit):
+    inputs = configs.example_inputs(tiny_dit, batch=1)
+    p = profile(lambda: configs.run_model(tiny_dit, inputs), modules=tiny_dit, steps=1, warmup=0)
+    assert p.categories[C.ATTN_SPATIAL].time_us > 0 and p.classified_share() >= 0.9
+    bare = profile(lambda: configs.run_model(tiny_dit, inputs), steps=1, warmup=0)
+    assert bare.categories[C.ATTN_UNATTRIBUTED].time_us > 0
+    assert any("no attention scopes" in n for n in bare.notes)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_missing_wandb_is_a_clear_error_before_running(tiny_unet):
+    with pytest.raises(LoggingUnavailableError, match="pip install wandb"):
+        profile(tiny_unet, wandb="my-project")
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_cli_profile_json(tmp_path, capsys):
+    from ldmopt.profiler import cli
+
+    parser = argparse.ArgumentParser()
+    cli.configure_profile(parser)
+    out = tmp_path / "p.json"
+    args = parser.parse_args(["dit", "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--json", str(out)])
+    assert cli.run_profile(args) == 0
+    assert "MEASURED" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and data["categories"][C.LINEAR]["time_us"] > 0
+
+
+def _event(id, name, start, end, device=DeviceType.CPU, link=0, parent=None):
+    evt = FunctionEvent(id=id, name=name, thread=1, start_us=start, end_us=end, device_type=device,
+                        linked_correlation_id=link)  # fmt: skip
+    if parent is not None:
+        evt.set_cpu_parent(parent)
+        parent.append_cpu_child(evt)
+    return evt
+
+
+def test_gpu_events_are_classified_by_launching_operator_then_by_kernel_name():
+    scope = _event(1, "ldmopt.attention.temporal::down_blocks.0.motion_modules.0.transformer_blocks.0.attn1", 0, 100)
+    sdpa = _event(2, "aten::scaled_dot_product_attention", 1, 50, parent=scope)
+    flash = _event(3, "aten::_scaled_dot_product_flash_attention", 2, 49, parent=sdpa)
+    linear = _event(4, "aten::linear", 60, 90)
+    addmm = _event(5, "aten::addmm", 61, 89, parent=linear)
+    fused = _event(6, "ldmopt::geglu", 95, 99)
+    kernels = [
+        _event(10, "flash_fwd_kernel", 200, 230, DeviceType.CUDA, link=3),
+        _event(11, "sm90_xmma_gemm_f16f16_f32", 230, 250, DeviceType.CUDA, link=5),
+        _event(12, "_geglu_fwd_kernel", 250, 255, DeviceType.CUDA, link=6),
+        _event(13, "triton_poi_fused_add_mul_0", 255, 257, DeviceType.CUDA),  # no launching operator
+        _event(14, "nchwToNhwcKernel", 257, 260, DeviceType.CUDA),
+    ]
+    events = [scope, sdpa, flash, linear, addmm, fused, *kernels]
+    cats, launches = classify_events(events, on_gpu=True, ldmopt_kernels=frozenset({"_geglu_fwd_kernel"}))
+    assert launches == 5
+    assert cats[C.ATTN_TEMPORAL].time_us == pytest.approx(30)
+    assert cats[C.LINEAR].time_us == pytest.approx(20)
+    assert cats[C.LDMOPT].time_us == pytest.approx(5)
+    assert cats[C.ELEMENTWISE].time_us == pytest.approx(2)
+    assert cats[C.LAYOUT].time_us == pytest.approx(3)
+    assert cats[C.LINEAR].top == {"sm90_xmma_gemm_f16f16_f32": [pytest.approx(20), 1]}
