@@ -100,6 +100,20 @@ __device__ __forceinline__ void store_float(T* ptr, const float (&in)[VEC]) {
   *reinterpret_cast<Pack<T, VEC>*>(ptr) = p;
 }
 
+// Element i of a per-channel parameter in fp32, or `absent` when there is none. The dtype switch is a uniform
+// branch: cheaper than a cast kernel on the host, and no extra template axis.
+__device__ __forceinline__ float param_at(const AnyVector& v, int64_t i, float absent) {
+  if (v.ptr == nullptr) return absent;
+  switch (v.dtype) {
+    case DType::kFloat16:
+      return to_float(static_cast<const __half*>(v.ptr)[i]);
+    case DType::kBFloat16:
+      return to_float(static_cast<const __nv_bfloat16*>(v.ptr)[i]);
+    default:
+      return static_cast<const float*>(v.ptr)[i];
+  }
+}
+
 // ------------------------------------------------------------------------------------------ reductions
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -11,6 +11,13 @@ using Stream = CUstream_st*;
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// A per-channel parameter vector (weight, bias) in fp32/fp16/bf16, read in its own dtype on the device
+// (param_at in compat.cuh); a null pointer means the parameter is absent.
+struct AnyVector {
+  const void* ptr;
+  DType dtype;
+};
+
 inline int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
 // Elements per 16-byte packed access.

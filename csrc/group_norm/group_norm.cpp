@@ -62,12 +62,18 @@ void check_stats(const at::Tensor& t, const Problem& p, const at::Tensor& x, con
   check_same_device(t, x, op, name, "x");
 }
 
-at::Tensor fp32_contiguous(const std::optional<at::Tensor>& t) {
+// weight/bias as the kernels read them: fp32/fp16/bf16 in place (contiguous), anything else cast to fp32.
+at::Tensor param_tensor(const std::optional<at::Tensor>& t) {
   if (!t.has_value() || !t->defined()) return {};
-  return t->to(at::kFloat).contiguous();
+  const auto st = t->scalar_type();
+  const bool native = st == at::kFloat || st == at::kHalf || st == at::kBFloat16;
+  return native ? t->contiguous() : t->to(at::kFloat).contiguous();
 }
 
-const float* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+AnyVector param_view(const at::Tensor& t) {
+  if (!t.defined()) return {nullptr, DType::kFloat32};
+  return {t.data_ptr(), dtype_of(t, "ldmopt.group_norm", "weight/bias")};
+}
 
 Stream current_stream() { return reinterpret_cast<Stream>(c10::cuda::getCurrentCUDAStream().stream()); }
 
@@ -117,8 +123,8 @@ Tensors3 forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weig
   const Problem p = check_forward(x, weight, bias, num_groups, eps, activation);
   check_cuda(x, kFwd, "x");
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor w = fp32_contiguous(weight);
-  const at::Tensor b = fp32_contiguous(bias);
+  const at::Tensor w = param_tensor(weight);
+  const at::Tensor b = param_tensor(bias);
   at::Tensor y = new_output(at::empty_like(x));
   at::Tensor mean = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
   at::Tensor rstd = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
@@ -126,9 +132,16 @@ Tensors3 forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weig
   const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor part = at::empty({2, partial_floats(p, plan)}, f32);
   at::Tensor coef = at::empty({p.N, p.C, 2}, f32);
-  const ForwardArgs args{x.data_ptr(),         y.data_ptr(),         data_or_null(w),       data_or_null(b),
-                         mean.data_ptr<float>(), rstd.data_ptr<float>(), part[0].data_ptr<float>(),
-                         part[1].data_ptr<float>(), coef.data_ptr<float>(), static_cast<float>(eps)};
+  const ForwardArgs args{x.data_ptr(),
+                         y.data_ptr(),
+                         param_view(w),
+                         param_view(b),
+                         mean.data_ptr<float>(),
+                         rstd.data_ptr<float>(),
+                         part[0].data_ptr<float>(),
+                         part[1].data_ptr<float>(),
+                         coef.data_ptr<float>(),
+                         static_cast<float>(eps)};
   forward(p, plan, args, current_stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, mean, rstd};
@@ -144,8 +157,8 @@ Tensors3 backward_cuda(const at::Tensor& dy_in, const at::Tensor& x, const std::
   const at::Tensor dy = dy_in.strides() == x.strides() ? dy_in : at::empty_like(x).copy_(dy_in);
   const at::Tensor mean = mean_in.contiguous();
   const at::Tensor rstd = rstd_in.contiguous();
-  const at::Tensor w = fp32_contiguous(weight);
-  const at::Tensor b = fp32_contiguous(bias);
+  const at::Tensor w = param_tensor(weight);
+  const at::Tensor b = param_tensor(bias);
   at::Tensor dx = new_output(at::empty_like(x));
   const Plan plan = make_plan(p, aligned16(x.data_ptr()) && aligned16(dy.data_ptr()) && aligned16(dx.data_ptr()));
   const auto f32 = x.options().dtype(at::kFloat);
@@ -155,8 +168,8 @@ Tensors3 backward_cuda(const at::Tensor& dy_in, const at::Tensor& x, const std::
   const BackwardArgs args{dy.data_ptr(),
                           x.data_ptr(),
                           dx.data_ptr(),
-                          data_or_null(w),
-                          data_or_null(b),
+                          param_view(w),
+                          param_view(b),
                           mean.data_ptr<float>(),
                           rstd.data_ptr<float>(),
                           part[0].data_ptr<float>(),

@@ -10,8 +10,8 @@ namespace {
 
 // Everything the per-(n, group) passes read and write; independent of the data dtype.
 struct Stats {
-  const float* weight;  // [C] or null
-  const float* bias;    // [C] or null
+  AnyVector weight;  // [C] or null
+  AnyVector bias;    // [C] or null
   const float* mean;    // [N, G]
   const float* rstd;    // [N, G]
   float* part_a;        // [N, n_chunks, C]
@@ -68,8 +68,8 @@ struct GradReducer {
     const int64_t ng = n * s.G + c / (s.C / s.G);
     const float mean = s.mean[ng];
     const float rstd = s.rstd[ng];
-    const float w = s.weight ? s.weight[c] : 1.0f;
-    const float b = s.bias ? s.bias[c] : 0.0f;
+    const float w = param_at(s.weight, c, 1.0f);
+    const float b = param_at(s.bias, c, 0.0f);
     return {w * rstd, b - w * rstd * mean, rstd, -mean * rstd};
   }
   __device__ __forceinline__ static void update(State& st, const Param& p, float x, float dy) {
@@ -217,9 +217,9 @@ __global__ __launch_bounds__(kFinalizeThreads) void finalize_forward_kernel(Stat
   }
   for (int64_t j = threadIdx.x; j < cpg; j += blockDim.x) {
     const int64_t c = g * cpg + j;
-    const float a = (s.weight ? s.weight[c] : 1.0f) * rstd;
+    const float a = param_at(s.weight, c, 1.0f) * rstd;
     s.coef[(n * s.C + c) * 2] = a;
-    s.coef[(n * s.C + c) * 2 + 1] = (s.bias ? s.bias[c] : 0.0f) - a * mean;
+    s.coef[(n * s.C + c) * 2 + 1] = param_at(s.bias, c, 0.0f) - a * mean;
   }
 }
 
@@ -250,7 +250,7 @@ __global__ __launch_bounds__(kFinalizeThreads) void finalize_backward_kernel(Sta
     if (lane == 0) {
       s.sum_dz[n * s.C + c] = dz;
       s.sum_dzx[n * s.C + c] = dzx;
-      const float w = s.weight ? s.weight[c] : 1.0f;
+      const float w = param_at(s.weight, c, 1.0f);
       local_c1 += w * dz;
       local_c2 += w * dzx;
     }
@@ -264,10 +264,10 @@ __global__ __launch_bounds__(kFinalizeThreads) void finalize_backward_kernel(Sta
   const float r = rstd * (rstd * c2 * mean - c1) * inv_m;
   for (int64_t j = threadIdx.x; j < cpg; j += blockDim.x) {
     const int64_t c = g * cpg + j;
-    const float a = (s.weight ? s.weight[c] : 1.0f) * rstd;
+    const float a = param_at(s.weight, c, 1.0f) * rstd;
     float* out = s.coef + (n * s.C + c) * 4;
     out[0] = a;
-    out[1] = (s.bias ? s.bias[c] : 0.0f) - a * mean;
+    out[1] = param_at(s.bias, c, 0.0f) - a * mean;
     out[2] = q;
     out[3] = r;
   }

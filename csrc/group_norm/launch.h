@@ -70,8 +70,8 @@ inline int64_t partial_floats(const Problem& p, const Plan& plan) { return p.N *
 struct ForwardArgs {
   const void* x;
   void* y;
-  const float* weight;  // [C] fp32 or null (ones)
-  const float* bias;    // [C] fp32 or null (zeros)
+  AnyVector weight;     // [C] or null (ones)
+  AnyVector bias;       // [C] or null (zeros)
   float* mean;          // [N, G]
   float* rstd;          // [N, G]
   float* part_a;        // [N, n_chunks, C] scratch
@@ -84,8 +84,8 @@ struct BackwardArgs {
   const void* dy;
   const void* x;
   void* dx;
-  const float* weight;
-  const float* bias;
+  AnyVector weight;
+  AnyVector bias;
   const float* mean;
   const float* rstd;
   float* part_a;    // [N, n_chunks, C] scratch

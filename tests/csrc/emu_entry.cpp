@@ -28,6 +28,8 @@ ldmopt::group_norm::Problem gn_problem(const int64_t* dims, int channels_last, i
   return {dims[0], dims[1], dims[2], dims[3], channels_last != 0, static_cast<ldmopt::DType>(dtype), silu != 0};
 }
 
+ldmopt::AnyVector param(const void* p, int dtype) { return {p, static_cast<ldmopt::DType>(dtype)}; }
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 void write_plan(const ldmopt::group_norm::Plan& plan, int64_t* out) {
@@ -47,34 +49,52 @@ const char* emu_last_error() { return last_error.c_str(); }
 // 0: threads of a block run first-to-last between barriers; 1: last-to-first.
 void emu_set_reverse_schedule(int reverse) { ldmopt_emu::state().reverse = reverse != 0; }
 
-// dims: N, C, S, G. Pointer alignment decides the packed path, as in the torch glue.
-// plan_out: vec, s_per_chunk, n_chunks, tc, n_cblocks.
+// dims: N, C, S, G; affine_dtypes: weight's and bias's dtype codes. Pointer alignment decides the packed path, as
+// in the torch glue. plan_out: vec, s_per_chunk, n_chunks, tc, n_cblocks.
 int emu_group_norm_forward(const int64_t* dims, int channels_last, int dtype, int silu, const void* x, void* y,
-                           const float* weight, const float* bias, float* mean, float* rstd, float eps,
-                           int64_t* plan_out) {
+                           const void* weight, const void* bias, const int* affine_dtypes, float* mean, float* rstd,
+                           float eps, int64_t* plan_out) {
   return guarded([&] {
     const auto p = gn_problem(dims, channels_last, dtype, silu);
     const auto plan = ldmopt::group_norm::make_plan(p, aligned16(x) && aligned16(y));
     write_plan(plan, plan_out);
     const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
     std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 2, -1e30f);
-    ldmopt::group_norm::ForwardArgs args{x,    y,         weight,    bias,        mean,
-                                         rstd, part_a.data(), part_b.data(), coef.data(), eps};
+    const ldmopt::group_norm::ForwardArgs args{x,
+                                               y,
+                                               param(weight, affine_dtypes[0]),
+                                               param(bias, affine_dtypes[1]),
+                                               mean,
+                                               rstd,
+                                               part_a.data(),
+                                               part_b.data(),
+                                               coef.data(),
+                                               eps};
     ldmopt::group_norm::forward(p, plan, args, nullptr);
   });
 }
 
 int emu_group_norm_backward(const int64_t* dims, int channels_last, int dtype, int silu, const void* dy,
-                            const void* x, void* dx, const float* weight, const float* bias, const float* mean,
-                            const float* rstd, float* sum_dz, float* sum_dzx, int64_t* plan_out) {
+                            const void* x, void* dx, const void* weight, const void* bias, const int* affine_dtypes,
+                            const float* mean, const float* rstd, float* sum_dz, float* sum_dzx, int64_t* plan_out) {
   return guarded([&] {
     const auto p = gn_problem(dims, channels_last, dtype, silu);
     const auto plan = ldmopt::group_norm::make_plan(p, aligned16(x) && aligned16(dy) && aligned16(dx));
     write_plan(plan, plan_out);
     const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
     std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 4, -1e30f);
-    ldmopt::group_norm::BackwardArgs args{dy,   x,    dx,   weight, bias, mean, rstd, part_a.data(), part_b.data(),
-                                          coef.data(), sum_dz, sum_dzx};
+    const ldmopt::group_norm::BackwardArgs args{dy,
+                                                x,
+                                                dx,
+                                                param(weight, affine_dtypes[0]),
+                                                param(bias, affine_dtypes[1]),
+                                                mean,
+                                                rstd,
+                                                part_a.data(),
+                                                part_b.data(),
+                                                coef.data(),
+                                                sum_dz,
+                                                sum_dzx};
     ldmopt::group_norm::backward(p, plan, args, nullptr);
   });
 }

@@ -72,6 +72,14 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
+def _affine(weight, bias):
+    """weight and bias in their own dtype (fp32/fp16/bf16, as the kernels read them) and their dtype codes."""
+    w = None if weight is None else weight.contiguous()
+    b = None if bias is None else bias.contiguous()
+    codes = (ctypes.c_int * 2)(*(0 if t is None else DTYPE_CODES[t.dtype] for t in (w, b)))
+    return w, b, codes
+
+
 class Emulator:
     """Python wrappers with the argument conventions of the ldmopt._C ops."""
 
@@ -97,14 +105,13 @@ class Emulator:
         y = torch.empty_like(x).fill_(float("nan"))
         mean = torch.full((n, num_groups), float("nan"))
         rstd = torch.full((n, num_groups), float("nan"))
-        w = None if weight is None else weight.float().contiguous()
-        b = None if bias is None else bias.float().contiguous()
+        w, b, affine = _affine(weight, bias)
         dims = (ctypes.c_int64 * 4)(n, c, s, num_groups)
         plan = (ctypes.c_int64 * 5)()
         self._check(
             self.lib.emu_group_norm_forward(
                 dims, int(channels_last), DTYPE_CODES[x.dtype], int(activation == "silu"), _ptr(x), _ptr(y),
-                _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), ctypes.c_float(eps), plan,
+                _ptr(w), _ptr(b), affine, _ptr(mean), _ptr(rstd), ctypes.c_float(eps), plan,
             )
         )  # fmt: skip
         self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
@@ -116,14 +123,13 @@ class Emulator:
         assert dy.stride() == x.stride()
         dx = torch.empty_like(x).fill_(float("nan"))
         sums = torch.full((2, n, c), float("nan"))
-        w = None if weight is None else weight.float().contiguous()
-        b = None if bias is None else bias.float().contiguous()
+        w, b, affine = _affine(weight, bias)
         dims = (ctypes.c_int64 * 4)(n, c, s, num_groups)
         plan = (ctypes.c_int64 * 5)()
         self._check(
             self.lib.emu_group_norm_backward(
                 dims, int(channels_last), DTYPE_CODES[x.dtype], int(activation == "silu"), _ptr(dy), _ptr(x),
-                _ptr(dx), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), _ptr(sums[0]), _ptr(sums[1]), plan,
+                _ptr(dx), _ptr(w), _ptr(b), affine, _ptr(mean), _ptr(rstd), _ptr(sums[0]), _ptr(sums[1]), plan,
             )
         )  # fmt: skip
         self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))

@@ -114,6 +114,12 @@ def test_group_norm_plain_no_affine(emu, channels_last, dtype):
     _check_group_norm(emu, x, w, b, 4, "")
 
 
+def test_group_norm_fp32_affine_with_half_input(emu):
+    # the kernels read weight/bias in their own dtype: fp32 parameters with an fp16 activation (autocast-style)
+    x, w, b = _gn_inputs((2, 24, 5, 5), True, torch.float16)
+    _check_group_norm(emu, x, w.float(), b.float() * 3, 4, "silu")
+
+
 @pytest.mark.parametrize(
     "shape,groups,channels_last,dtype,expect",
     [
