@@ -51,11 +51,21 @@ struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
 
+// ptr as a Pack pointer. Packed accesses must be aligned to the pack size (a GPU faults otherwise); the emulator
+// checks it.
+template <typename P, typename T>
+__device__ __forceinline__ P* as_pack(T* ptr) {
+#ifdef LDMOPT_EMULATE
+  ::ldmopt_emu::check_aligned(ptr, alignof(P));
+#endif
+  return reinterpret_cast<P*>(ptr);
+}
+
 // Loads VEC elements at ptr (aligned to the pack size when VEC > 1) and widens them to fp32; 16-bit types are
 // converted a __half2 / __nv_bfloat162 pair at a time.
 template <typename T, int VEC>
 __device__ __forceinline__ void load_float(const T* ptr, float (&out)[VEC]) {
-  const Pack<T, VEC> p = *reinterpret_cast<const Pack<T, VEC>*>(ptr);
+  const Pack<T, VEC> p = *as_pack<const Pack<T, VEC>>(ptr);
   if constexpr (VEC % 2 == 0 && std::is_same_v<T, __half>) {
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
@@ -97,7 +107,7 @@ __device__ __forceinline__ void store_float(T* ptr, const float (&in)[VEC]) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) p.v[i] = from_float<T>(in[i]);
   }
-  *reinterpret_cast<Pack<T, VEC>*>(ptr) = p;
+  *as_pack<Pack<T, VEC>>(ptr) = p;
 }
 
 // Element i of a per-channel parameter in fp32, or `absent` when there is none. The dtype switch is a uniform
@@ -195,11 +205,12 @@ struct Silu {
 // ------------------------------------------------------------------------------------------ launches
 
 #ifndef LDMOPT_EMULATE
-// Launches kernel on stream; dynamic shared memory above the 48 KB default is opted into first.
+// Launches kernel on stream. A kernel with dynamic shared memory gets its limit raised to `smem` first: the 48 KB
+// default also counts the kernel's static shared memory, so a budget just under 48 KB could otherwise fail.
 template <typename... KArgs, typename... Args>
 inline void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Stream stream,
                           Args&&... args) {
-  if (smem > 48 * 1024) {
+  if (smem > 0) {
     cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                          static_cast<int>(smem));
   }

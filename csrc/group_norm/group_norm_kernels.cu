@@ -311,8 +311,7 @@ __global__ __launch_bounds__(kThreads) void elementwise_kernel(Tensors<T> t, boo
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       // Channels-last packs span VEC channels; channels-first packs share one.
-      const Pack<float, Op::kCoef> kj =
-          *reinterpret_cast<const Pack<float, Op::kCoef>*>(k + (channels_last ? j * Op::kCoef : 0));
+      const Pack<float, Op::kCoef> kj = *as_pack<const Pack<float, Op::kCoef>>(k + (channels_last ? j * Op::kCoef : 0));
       out[j] = Op::apply(kj.v, x[j], dy[j]);
     }
     store_float<T, VEC>(t.out + e, out);

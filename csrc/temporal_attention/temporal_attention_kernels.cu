@@ -82,7 +82,7 @@ __device__ __forceinline__ void stage(T* dst, const T* src, const int64_t* strid
     const bool valid = seq0 + sb < p.n_seq && f < p.F && d0 < p.D;
     const T* row = src + base[sb] + f * stride[1];
     if (valid && packed) {
-      *reinterpret_cast<Pack<T, VEC>*>(d) = *reinterpret_cast<const Pack<T, VEC>*>(row + d0);
+      *as_pack<Pack<T, VEC>>(d) = *as_pack<const Pack<T, VEC>>(row + d0);
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {

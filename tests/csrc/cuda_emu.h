@@ -88,6 +88,13 @@ inline void arrive(int b) {
   swapcontext(&f.ctx, &s.main);
 }
 
+inline void check_aligned(const void* p, size_t alignment) {
+  if (reinterpret_cast<uintptr_t>(p) % alignment != 0) {
+    throw std::runtime_error("cuda_emu: packed access at " + std::to_string(reinterpret_cast<uintptr_t>(p)) +
+                             " is not aligned to " + std::to_string(alignment) + " bytes");
+  }
+}
+
 inline unsigned char* dynamic_smem() {
   const uintptr_t p = reinterpret_cast<uintptr_t>(state().smem.data());
   return reinterpret_cast<unsigned char*>((p + 127) / 128 * 128);
