@@ -84,6 +84,26 @@ def test_callable_target_with_modules_for_scopes(tiny_dit):
     assert any("no attention scopes" in n for n in bare.notes)
 
 
+class _TinyPipeline:
+    """What profile() relies on in a diffusers pipeline: ``components`` and ``__call__``."""
+
+    def __init__(self, unet):
+        self.unet = unet
+        self.components = {"unet": unet, "scheduler": object()}
+
+    def __call__(self, steps: int = 2):
+        inputs = configs.example_inputs(self.unet, batch=1)
+        for _ in range(steps):
+            configs.run_model(self.unet, inputs)
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_pipeline_target_hooks_its_module_components(tiny_dit):
+    p = profile(_TinyPipeline(tiny_dit), inputs={"steps": 2}, steps=1, warmup=0)
+    assert p.categories[C.ATTN_SPATIAL].time_us > 0
+    assert p.categories[C.ATTN_UNATTRIBUTED].time_us == 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
 def test_missing_wandb_is_a_clear_error_before_running(tiny_unet):
     with pytest.raises(LoggingUnavailableError, match="pip install wandb"):
