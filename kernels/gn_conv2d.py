@@ -340,7 +340,7 @@ def gn_conv2d_fwd(
     n, c_in, h, w = x.shape
     c_out, _, kh, kw = weight.shape
     oh, ow = conv_output_size(h, w, kh, stride, padding, resample)
-    y = new_output((n, c_out, oh, ow), device=x.device, dtype=x.dtype).contiguous(memory_format=torch.channels_last)
+    y = new_output((n, c_out, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     out_mean = new_output((n, out_groups), device=x.device, dtype=torch.float32)
     out_rstd = new_output((n, out_groups), device=x.device, dtype=torch.float32)
     if out_groups:

@@ -86,7 +86,7 @@ def _normalize(x: Tensor, mean: Tensor, rstd: Tensor, gw: Tensor | None, gb: Ten
 
 
 def _channels_last_like(shape, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    return torch.empty(shape, device=x.device, dtype=dtype or x.dtype).contiguous(memory_format=torch.channels_last)
+    return torch.empty(shape, device=x.device, dtype=dtype or x.dtype, memory_format=torch.channels_last)
 
 
 # ------------------------------------------------------------------------------------------------ statistics op

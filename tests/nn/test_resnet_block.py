@@ -123,6 +123,35 @@ def test_backward_matches_diffusers(variant, dtype):
         assert_within_torch_error(ours, grads["ref"][key], grads["lowp"][key], f"grad {key} {variant} {dtype}")
 
 
+def _saved_activation_bytes(block, fn):
+    """Bytes of distinct non-parameter tensors autograd keeps for backward while ``fn`` runs."""
+    params = {p.data_ptr() for p in block.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("variant", ["sd-temb-shortcut", "up"])
+def test_backward_keeps_no_more_activations_than_diffusers(variant):
+    kwargs, batch, size = VARIANTS[variant]
+    block = _block(kwargs).train()
+    x, temb = _inputs(block, batch, size, torch.float32)
+    x.requires_grad_()
+    with ldmopt.use_backend("triton"):
+        fused = _saved_activation_bytes(block, lambda: fused_resnet_forward(block, x, temb))
+    stock = _saved_activation_bytes(block, lambda: ResnetBlock2D.forward(block, x, temb))
+    h_bytes = batch * block.out_channels * (2 * size if block.up else size) ** 2 * 4
+    assert fused <= x.numel() * 4 + h_bytes + 4096, (fused, stock)  # x and h (+ statistics, temb)
+    assert fused < stock / 2, (fused, stock)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
