@@ -33,6 +33,8 @@ log "GPU correctness at real shapes"
 CHECK_ARGS=()
 [ "$MODE" = "quick" ] && CHECK_ARGS+=(--quick)
 timeout 180 $PY benchmarks/check_gpu.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_gpu.txt"
+log "CUDA C++ backend vs Triton vs reference"
+timeout 240 $PY benchmarks/check_cuda_backend.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_cuda_backend.txt"
 
 log "benchmarks ($MODE)"
 export LDMOPT_BENCH_QUICK=$([ "$MODE" = "quick" ] && echo 1 || echo 0)

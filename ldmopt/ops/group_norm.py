@@ -102,10 +102,18 @@ def _bwd_cuda(dy, x, weight, bias, mean, rstd, num_groups, activation):
     return torch.ops.ldmopt.group_norm_bwd_cuda(dy, x, weight, bias, mean, rstd, num_groups, activation or "")
 
 
+def _cuda_refuse(symbol: str, *tensors: Tensor) -> list[str]:
+    x = tensors[-1]
+    reasons = cuda_extension_refusals(symbol, *tensors)
+    if not reasons and x.dtype not in _TRITON_DTYPES:
+        reasons = [f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)"]
+    return reasons
+
+
 FORWARD = BackendTable(
     "group_norm",
     [
-        Backend("cuda", _fwd_cuda, lambda x, *a: cuda_extension_refusals("group_norm_fwd_cuda", x)),
+        Backend("cuda", _fwd_cuda, lambda x, *a: _cuda_refuse("group_norm_fwd_cuda", x)),
         Backend("triton", _fwd_triton, _triton_refuse),
         Backend("torch", _fwd_torch),
     ],
@@ -113,7 +121,7 @@ FORWARD = BackendTable(
 BACKWARD = BackendTable(
     "group_norm_backward",
     [
-        Backend("cuda", _bwd_cuda, lambda dy, x, *a: cuda_extension_refusals("group_norm_bwd_cuda", dy, x)),
+        Backend("cuda", _bwd_cuda, lambda dy, x, *a: _cuda_refuse("group_norm_bwd_cuda", dy, x)),
         Backend("triton", _bwd_triton, lambda dy, x, *a: _triton_refuse(x) or triton_refusals(dy)),
         Backend("torch", _bwd_torch),
     ],
