@@ -1,0 +1,337 @@
+"""diffusers attention processors for temporal attention, and the functions that install them per module.
+
+- :class:`TemporalAttnProcessor` runs ``ldmopt.ops.temporal_attention`` on strided views of the projections:
+  ``to_q(x)`` of shape (B*N, F, C) is read as (B*N, F, 1, heads, head_dim), a fused ``to_qkv(x)`` as three slices
+  of (B*N, F, 3, heads, head_dim); the result comes back as (B*N, F, C) for ``to_out`` with no permute and no copy.
+  It honours ``Attention.scale`` (as diffusers' AttnProcessor does; AttnProcessor2_0 ignores it, and diffusers only
+  picks AttnProcessor2_0 when the scale is the default one), ``residual_connection``, ``rescale_output_factor``,
+  per-head ``norm_q``/``norm_k``, ``norm_cross`` and fused projections (``to_qkv``/``to_kv``).
+  Anything else runs the module's previous (stock) processor, and the reason is counted in ``fallback_reasons``.
+- :class:`SingleKeyAttnProcessor` is the exact shortcut for cross-attention over ONE key (every ``attn2`` of Stable
+  Video Diffusion): softmax over one score is 1, so the output is ``to_out(to_v(context))`` broadcast over queries.
+
+Interface for the patcher (``ldmopt.patch``):
+
+- ``find_temporal_attention(model) -> list[(name, Attention)]``: the self-attention modules over frames (AnimateDiff
+  ``motion_modules``, UNet3D/I2VGen ``transformer_in`` and ``temp_attentions``, SVD and Latte
+  ``temporal_transformer_blocks``), in ``named_modules`` order, names relative to ``model``;
+- ``find_single_key_cross_attention(model) -> list[(name, Attention)]``: SVD's ``attn2`` modules;
+- ``unsupported_reason(attn) -> str | None``: why a module must keep its stock processor (static checks; per-call
+  conditions such as masks fall back inside the processor);
+- ``install_processors(model, temporal=True, single_key=True) -> ProcessorInstall`` sets one processor per module
+  with ``Attention.set_processor``, keeping the previous processor object as the fallback and in
+  ``ProcessorInstall.previous`` (name -> processor), the new ones in ``.installed``, ``.skipped`` maps name ->
+  reason, ``.report()`` counts kernel calls and fallback reasons per module;
+- ``uninstall_processors(install)`` puts every previous processor object back (identity preserved); idempotent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
+
+#: Container class name -> attribute holding its temporal blocks (None: every Attention under the container).
+TEMPORAL_CONTAINERS = {
+    "AnimateDiffTransformer3D": None,
+    "TransformerTemporalModel": None,
+    "TransformerSpatioTemporalModel": "temporal_transformer_blocks",
+    "LatteTransformer3DModel": "temporal_transformer_blocks",
+}
+#: Containers whose cross-attention (``attn2``) always has one key: SVD's image embedding.
+SINGLE_KEY_CONTAINERS = ("TransformerSpatioTemporalModel",)
+#: Processors the kernels may replace; anything else (IP-Adapter, custom LoRA processors, ...) stays.
+STOCK_PROCESSORS = ("AttnProcessor", "AttnProcessor2_0", "FusedAttnProcessor2_0", "XFormersAttnProcessor")
+
+
+def _is_attention(module: nn.Module) -> bool:
+    from diffusers.models.attention_processor import Attention
+
+    return isinstance(module, Attention)
+
+
+def _default_processor():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    return AttnProcessor2_0()
+
+
+def _per_head_norm(norm: nn.Module | None, head_dim: int) -> bool:
+    """True when a q/k norm acts over the last axis of size head_dim (as the stock processors apply it)."""
+    if isinstance(norm, nn.LayerNorm):
+        return tuple(norm.normalized_shape) == (head_dim,)
+    if type(norm).__name__ == "RMSNorm" and hasattr(norm, "dim"):
+        return tuple(norm.dim) == (head_dim,)
+    return type(norm).__name__ == "LpNorm" and getattr(norm, "dim", None) == -1
+
+
+def _head_dim(attn) -> int:
+    return attn.inner_dim // attn.heads
+
+
+def unsupported_reason(attn) -> str | None:
+    """Why ``attn`` cannot run :class:`TemporalAttnProcessor` at all (None when it can)."""
+    if attn.spatial_norm is not None:
+        return "spatial_norm on the input"
+    if attn.group_norm is not None:
+        return "group_norm on the input"
+    if attn.added_kv_proj_dim is not None or attn.only_cross_attention:
+        return "added key/value projections"
+    if attn.to_out is None or attn.to_k is None:
+        return "no output or key projection (pre_only / only_cross_attention)"
+    if attn.inner_kv_dim != attn.inner_dim:
+        return f"grouped key/value heads (kv dim {attn.inner_kv_dim} != {attn.inner_dim})"
+    if attn.inner_dim % attn.heads:
+        return f"inner_dim {attn.inner_dim} not divisible by heads {attn.heads}"
+    if getattr(attn, "is_causal", False):
+        return "causal attention"
+    if _head_dim(attn) > MAX_HEAD_DIM:
+        return f"head_dim {_head_dim(attn)} > {MAX_HEAD_DIM}"
+    for name in ("norm_q", "norm_k"):
+        norm = getattr(attn, name)
+        if norm is not None and not _per_head_norm(norm, _head_dim(attn)):
+            return f"{name} ({type(norm).__name__}) is not a per-head norm over head_dim"
+    return None
+
+
+class _FallbackProcessor:
+    """Common part: the previous processor to fall back to, and counters of what ran."""
+
+    def __init__(self, fallback=None) -> None:
+        self.fallback = fallback if fallback is not None else _default_processor()
+        self.kernel_calls = 0
+        self.fallback_reasons: Counter[str] = Counter()
+
+    def _fall_back(self, reason, attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs):
+        self.fallback_reasons[reason] += 1
+        return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(fallback={type(self.fallback).__name__})"
+
+
+class TemporalAttnProcessor(_FallbackProcessor):
+    """Self-attention over frames with ldmopt's strided temporal attention kernel (see the module docstring).
+
+    Output equals the stock processor's within the kernel's tolerance (fp32 scores and softmax; within 2x the error
+    of PyTorch's own SDPA in the activation dtype). Falls back to ``fallback`` (the module's previous processor) for
+    attention masks, 4-D inputs, key lengths different from the frame count, F > 64, and modules that
+    :func:`unsupported_reason` rejects.
+    """
+
+    def _call_reason(self, attn, hidden_states, encoder_hidden_states, attention_mask) -> str | None:
+        if attention_mask is not None:
+            return "attention mask"
+        if hidden_states.ndim != 3:
+            return f"{hidden_states.ndim}-D input (expects (B*N, F, C))"
+        if encoder_hidden_states is not None and encoder_hidden_states.shape[:2] != hidden_states.shape[:2]:
+            return f"cross-attention with {encoder_hidden_states.shape[1]} keys for {hidden_states.shape[1]} queries"
+        if hidden_states.shape[1] > MAX_FRAMES:
+            return f"F={hidden_states.shape[1]} frames > {MAX_FRAMES}"
+        return unsupported_reason(attn)
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        temb: Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> Tensor:
+        reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask)
+        if reason is not None:
+            call = (attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs)
+            return self._fall_back(reason, *call)
+        self.kernel_calls += 1
+        residual = hidden_states
+        bn, f, _ = hidden_states.shape
+        heads, c = attn.heads, attn.inner_dim
+        head_dim = c // heads
+        fused = attn.fused_projections
+        if encoder_hidden_states is None and fused and getattr(attn, "to_qkv", None) is not None:
+            qkv = attn.to_qkv(hidden_states)
+            q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]
+        else:
+            context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+            if encoder_hidden_states is not None and attn.norm_cross:
+                context = attn.norm_encoder_hidden_states(context)
+            q = attn.to_q(hidden_states)
+            if fused and getattr(attn, "to_kv", None) is not None:
+                kv = attn.to_kv(context)
+                k, v = kv[..., :c], kv[..., c:]
+            else:
+                k, v = attn.to_k(context), attn.to_v(context)
+        # (B*N, F, C) -> (B*N, F, 1, heads, head_dim): a view (the last axis of every slice is contiguous).
+        q, k, v = (t.view(bn, f, 1, heads, head_dim) for t in (q, k, v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        out = temporal_attention(q, k, v, scale=attn.scale)
+        # The output is torch.empty_like(q): (B*N, F, C) row-major whenever q is a dense view or a qkv slice.
+        out = attn.to_out[0](out.reshape(bn, f, c))
+        out = attn.to_out[1](out)
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+
+class SingleKeyAttnProcessor(_FallbackProcessor):
+    """Cross-attention over a single key, exactly: ``to_out(to_v(norm_cross(context)))`` broadcast over queries.
+
+    softmax over one key is exactly 1 whatever the query, the key, ``scale`` or ``norm_q/norm_k`` are, so the query
+    and key projections and the attention are skipped. The result is an expanded (stride-0) view over the queries
+    when there is no residual connection and no output rescaling (diffusers' blocks only add it out of place).
+    Falls back for masks, 4-D inputs, contexts longer than one token, added projections and dropout in training.
+    """
+
+    def _call_reason(self, attn, hidden_states, encoder_hidden_states, attention_mask) -> str | None:
+        if encoder_hidden_states is None:
+            return "self-attention (no encoder_hidden_states)"
+        if encoder_hidden_states.ndim != 3 or encoder_hidden_states.shape[1] != 1:
+            return f"context of shape {tuple(encoder_hidden_states.shape)}, not one key per batch item"
+        if attention_mask is not None:
+            return "attention mask"
+        if hidden_states.ndim != 3:
+            return f"{hidden_states.ndim}-D input"
+        if encoder_hidden_states.shape[0] != hidden_states.shape[0]:
+            return f"context batch {encoder_hidden_states.shape[0]} != query batch {hidden_states.shape[0]}"
+        if attn.added_kv_proj_dim is not None or attn.to_out is None or attn.to_v is None:
+            return "added key/value projections or no output projection"
+        dropout = attn.to_out[1] if len(attn.to_out) > 1 else None
+        if attn.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            return "output dropout in training mode (would be shared across queries)"
+        return None
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        temb: Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> Tensor:
+        reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask)
+        if reason is not None:
+            call = (attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs)
+            return self._fall_back(reason, *call)
+        self.kernel_calls += 1
+        context = encoder_hidden_states
+        if attn.norm_cross:
+            context = attn.norm_encoder_hidden_states(context)
+        out = attn.to_out[0](attn.to_v(context))
+        for layer in attn.to_out[1:]:
+            out = layer(out)
+        out = out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[-1])
+        if attn.residual_connection:
+            out = out + hidden_states
+        if attn.rescale_output_factor != 1.0:
+            out = out / attn.rescale_output_factor
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ finding, installing
+
+
+def _attention_under(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(f"{prefix}.{n}" if n else prefix, m) for n, m in module.named_modules() if _is_attention(m)]
+
+
+def _scoped(model: nn.Module, containers) -> list[tuple[str, nn.Module]]:
+    found: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind not in containers:
+            continue
+        attr = containers[kind] if isinstance(containers, dict) else None
+        scope = getattr(module, attr, None) if attr else module
+        if scope is None:
+            continue
+        prefix = ".".join(p for p in (name, attr) if p)
+        for sub_name, attn in _attention_under(prefix, scope):
+            found.setdefault(id(attn), (sub_name, attn))
+    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    return sorted(found.values(), key=lambda item: order[id(item[1])])
+
+
+def find_temporal_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, Attention) of every self-attention over frames in ``model``, in ``named_modules`` order."""
+    return [(n, m) for n, m in _scoped(model, TEMPORAL_CONTAINERS) if not m.is_cross_attention]
+
+
+def find_single_key_cross_attention(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, Attention) of the cross-attention modules whose context is always one token (SVD's ``attn2``)."""
+    return [(n, m) for n, m in _scoped(model, dict.fromkeys(SINGLE_KEY_CONTAINERS)) if m.is_cross_attention]
+
+
+@dataclass
+class ProcessorInstall:
+    """What :func:`install_processors` did: per module name, the previous processor (restored by
+    :func:`uninstall_processors`) and the installed one, and the modules left alone with the reason."""
+
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    previous: dict[str, object] = field(default_factory=dict)
+    installed: dict[str, _FallbackProcessor] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    active: bool = True
+
+    def report(self) -> dict[str, Counter]:
+        """name -> Counter of what ran since installation: "kernel" calls and each fallback reason."""
+        return {
+            name: Counter({"kernel": proc.kernel_calls, **proc.fallback_reasons})
+            for name, proc in self.installed.items()
+        }
+
+
+def install_processor(attn: nn.Module, processor_cls: type[_FallbackProcessor]) -> tuple[object | None, str | None]:
+    """Set ``processor_cls(fallback=<current processor>)`` on one Attention module.
+
+    Returns (previous processor, None), or (None, reason) when the module is left alone.
+    """
+    current = attn.processor
+    if isinstance(current, _FallbackProcessor):
+        return None, f"already runs {type(current).__name__}"
+    if type(current).__name__ not in STOCK_PROCESSORS:
+        return None, f"custom processor {type(current).__name__} left in place"
+    if processor_cls is TemporalAttnProcessor:
+        reason = unsupported_reason(attn)
+        if reason is not None:
+            return None, reason
+    attn.set_processor(processor_cls(fallback=current))
+    return current, None
+
+
+def install_processors(model: nn.Module, *, temporal: bool = True, single_key: bool = True) -> ProcessorInstall:
+    """Install :class:`TemporalAttnProcessor` on the temporal self-attention modules of ``model`` and
+    :class:`SingleKeyAttnProcessor` on SVD's single-key cross-attention modules."""
+    install = ProcessorInstall()
+    plan = []
+    if temporal:
+        plan += [(n, m, TemporalAttnProcessor) for n, m in find_temporal_attention(model)]
+    if single_key:
+        plan += [(n, m, SingleKeyAttnProcessor) for n, m in find_single_key_cross_attention(model)]
+    for name, attn, cls in plan:
+        previous, reason = install_processor(attn, cls)
+        if reason is not None:
+            install.skipped[name] = reason
+            continue
+        install.modules[name] = attn
+        install.previous[name] = previous
+        install.installed[name] = attn.processor
+    return install
+
+
+def uninstall_processors(install: ProcessorInstall) -> None:
+    """Put back the very processor objects :func:`install_processors` replaced (a second call does nothing)."""
+    if not install.active:
+        return
+    for name, previous in install.previous.items():
+        install.modules[name].set_processor(previous)
+    install.active = False

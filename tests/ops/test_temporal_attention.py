@@ -1,0 +1,256 @@
+"""ldmopt.ops.temporal_attention: Triton kernels (interpreter) and the reference backend against fp64 SDPA.
+
+Layouts: "diffusers" is the processor's (B*N, F, C) activation viewed as (B*N, F, 1, H, D); "bfnc" is the
+permute-free (B, F, N, C) order viewed as (B, F, N, H, D); "packed" slices q, k, v out of a fused to_qkv output
+(B*N, F, 3C) viewed as (B*N, F, 3, H, D).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ldmopt
+from ldmopt.ops.temporal_attention import MAX_FRAMES, temporal_attention
+from tests.tolerances import assert_close, assert_within_torch_error
+
+# (batch, F, N, heads, head_dim, layout): every F in {1, 7, 14, 16, 25, 64}, head_dim in {40, 64, 72, 80, 160},
+# heads 1..8 and batches 1..37 appear at least once, each layout with at least two of them.
+CASES = [
+    (37, 1, 1, 1, 40, "diffusers"),  # a single frame: softmax over one key; batch 37
+    (2, 7, 3, 3, 72, "bfnc"),  # 7 frames pad to 16 rows; Latte head_dim 72 in chunks of 16
+    (1, 14, 5, 5, 64, "packed"),  # SVD: 14 frames, 5 heads of 64, fused QKV
+    (3, 16, 2, 8, 40, "bfnc"),  # AnimateDiff level 1: 8 heads of 40, 48 sequences = 12 programs of 4
+    (1, 25, 2, 2, 80, "diffusers"),  # SVD-XT frames: 25 pad to 32, one sequence per program
+    (1, 64, 1, 1, 160, "packed"),  # longest sequence with the widest real head
+    (5, 16, 1, 4, 160, "diffusers"),  # AnimateDiff level 3 head_dim 160 in chunks of 32
+    (2, 14, 3, 6, 80, "packed"),  # 36 sequences: the last program is partly masked
+]
+DTYPES = [torch.float32, torch.float16]
+
+
+def _make(batch, f, n, h, d, layout, dtype, requires_grad=False):
+    c = h * d
+    if layout == "diffusers":
+        xs = [torch.randn(batch * n, f, c, dtype=torch.float64) for _ in range(3)]
+        qkv = [x.to(dtype).view(batch * n, f, 1, h, d) for x in xs]
+    elif layout == "bfnc":
+        xs = [torch.randn(batch, f, n, c, dtype=torch.float64) for _ in range(3)]
+        qkv = [x.to(dtype).view(batch, f, n, h, d) for x in xs]
+    else:
+        packed = torch.randn(batch * n, f, 3 * c, dtype=torch.float64).to(dtype).view(batch * n, f, 3, h, d)
+        qkv = [packed[:, :, i : i + 1] for i in range(3)]
+    # Scores of O(3) so the softmax is neither uniform nor one-hot.
+    qkv[0] = qkv[0] * 1.5
+    if requires_grad:
+        return [t.detach().clone().requires_grad_() if layout != "packed" else t for t in qkv]
+    return qkv
+
+
+def _sdpa(q, k, v, scale=None):
+    """F.scaled_dot_product_attention over dim 1 of (B, F, N, H, D) tensors."""
+    to_bnhfd = [t.permute(0, 2, 3, 1, 4) for t in (q, k, v)]
+    return F.scaled_dot_product_attention(*to_bnhfd, scale=scale).permute(0, 3, 1, 2, 4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_triton(case, dtype):
+    q, k, v = _make(*case, dtype)
+    with ldmopt.use_backend("triton"):
+        out = temporal_attention(q, k, v)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = _sdpa(q.double(), k.double(), v.double())
+    lowp = _sdpa(q, k, v)
+    assert_within_torch_error(out, ref, lowp, f"out {case} {dtype}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_triton(case, dtype):
+    batch, f, n, h, d, layout = case
+    if layout == "packed":
+        base = torch.randn(batch * n, f, 3 * h * d, dtype=torch.float64).to(dtype).requires_grad_()
+        leaves = [base]
+        q, k, v = (base.view(batch * n, f, 3, h, d)[:, :, i : i + 1] for i in range(3))
+    else:
+        q, k, v = leaves = _make(*case, dtype, requires_grad=True)
+    dout = torch.randn(q.shape, dtype=dtype)
+    with ldmopt.use_backend("triton"):
+        temporal_attention(q, k, v).backward(dout)
+    grads = [t.grad for t in leaves]
+
+    def reference(cast):
+        ref_leaves = [t.detach().to(cast).requires_grad_() for t in leaves]
+        if layout == "packed":
+            qkv = [ref_leaves[0].view(batch * n, f, 3, h, d)[:, :, i : i + 1] for i in range(3)]
+        else:
+            qkv = ref_leaves
+        _sdpa(*qkv).backward(dout.to(cast))
+        return [t.grad for t in ref_leaves]
+
+    for i, (got, ref, lowp) in enumerate(zip(grads, reference(torch.float64), reference(dtype))):
+        assert got.dtype == dtype and got.shape == leaves[i].shape
+        assert_within_torch_error(got, ref, lowp, f"grad {i} {case} {dtype}")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_scale_honoured(backend):
+    q, k, v = _make(2, 7, 3, 2, 40, "bfnc", torch.float32)
+    with ldmopt.use_backend(backend):
+        out = temporal_attention(q, k, v, scale=0.37)
+    assert_close(out, _sdpa(q.double(), k.double(), v.double(), scale=0.37), torch.float32, f"scale {backend}")
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "bfnc", "packed"])
+def test_reference_backend_matches_fp64(layout):
+    q, k, v = _make(2, 14, 3, 2, 72, layout, torch.float32)
+    with ldmopt.use_backend("torch"):
+        out = temporal_attention(q, k, v)
+    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "torch backend")
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "bfnc"])
+def test_gradcheck_reference_fp64(layout):
+    q, k, v = _make(1, 5, 2, 2, 8, layout, torch.float64, requires_grad=True)
+    with ldmopt.use_backend("torch"):
+        assert torch.autograd.gradcheck(lambda q, k, v: temporal_attention(q, k, v, scale=0.6), (q, k, v))
+
+
+def test_output_layout_is_empty_like_q():
+    for layout in ("diffusers", "bfnc"):
+        q, k, v = _make(2, 7, 3, 2, 40, layout, torch.float32)
+        assert temporal_attention(q, k, v).stride() == q.stride()
+    q, k, v = _make(2, 7, 3, 2, 40, "packed", torch.float32)
+    out = temporal_attention(q, k, v)
+    # A slice of packed qkv is not dense: the result is contiguous (B*N, F, 1, H, D), i.e. (B*N, F, C) for to_out.
+    assert out.is_contiguous() and out.view(6, 7, 80).data_ptr() == out.data_ptr()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_out_written_in_caller_layout(backend):
+    q, k, v = _make(2, 16, 3, 4, 40, "diffusers", torch.float16)
+    # The caller wants (F, B*N, H, D) order in memory, e.g. to feed a frame-major consumer.
+    storage = torch.full((16, 6, 4, 40), float("nan"), dtype=torch.float16)
+    out = storage.permute(1, 0, 2, 3).unsqueeze(2)
+    with ldmopt.use_backend(backend):
+        result = temporal_attention(q, k, v, out=out)
+    assert result is out
+    assert_within_torch_error(out, _sdpa(q.double(), k.double(), v.double()), _sdpa(q, k, v), f"out= {backend}")
+
+
+def test_out_refuses_autograd():
+    q, k, v = _make(1, 7, 2, 2, 40, "bfnc", torch.float32, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"out=.*does not support automatic differentiation"):
+        temporal_attention(q, k, v, out=torch.empty(q.shape))
+
+
+def test_grid_limit_is_not_reached():
+    from ldmopt.kernels.temporal_attention import launch_grid
+
+    # AnimateDiff-SDXL at 1024px: 2 x 128 x 128 pixel sequences... and more: 262,144 sequences x 8 heads.
+    for f, d in ((16, 40), (16, 80), (16, 160), (64, 64)):
+        grid = launch_grid(262_144 * 8, f, d)
+        assert len(grid) == 1 and 65_535 < grid[0] <= 2**31 - 1, (f, d, grid)
+    with pytest.raises(ValueError, match="over grid axis 0's limit"):
+        launch_grid(2**33, 64, 64)
+
+
+def test_many_sequences_one_program_each_head():
+    # More sequences x heads than a y/z grid axis could hold would need a GPU; here every (b, n, h) index of an odd
+    # batch lands in exactly one program: poisoned outputs would show as NaN.
+    q, k, v = _make(37, 3, 5, 3, 40, "bfnc", torch.float32)
+    with ldmopt.use_backend("triton"):
+        out = temporal_attention(q, k, v)
+    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "555 sequences")
+
+
+def test_long_sequences_fall_back_to_reference():
+    q, k, v = _make(1, MAX_FRAMES + 1, 1, 1, 16, "bfnc", torch.float32)
+    ldmopt.ops.backend_counts.clear()
+    out = temporal_attention(q, k, v)
+    assert ldmopt.ops.backend_counts[("temporal_attention", "torch")] == 1
+    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "F=65")
+    with pytest.raises(ldmopt.BackendUnavailableError, match="F=65 frames"), ldmopt.use_backend("triton"):
+        temporal_attention(q, k, v)
+
+
+def test_forced_backend_that_cannot_serve_raises_with_reasons():
+    q, k, v = _make(1, 7, 2, 2, 16, "bfnc", torch.float64)
+    with (
+        pytest.raises(ldmopt.BackendUnavailableError, match=r"'triton' was forced.*float64"),
+        ldmopt.use_backend("triton"),
+    ):
+        temporal_attention(q, k, v)
+    with pytest.raises(ldmopt.BackendUnavailableError, match="'cuda' was forced"), ldmopt.use_backend("cuda"):
+        temporal_attention(q.float(), k.float(), v.float())
+
+
+def test_automatic_choice_uses_triton_under_interpreter():
+    ldmopt.ops.backend_counts.clear()
+    q, k, v = _make(1, 7, 2, 2, 40, "bfnc", torch.float32, requires_grad=True)
+    temporal_attention(q, k, v).sum().backward()
+    assert ldmopt.ops.backend_counts[("temporal_attention", "triton")] == 1
+    assert ldmopt.ops.backend_counts[("temporal_attention_backward", "triton")] == 1
+
+
+_X = torch.randn(2, 7, 3, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: temporal_attention(_X[0], _X[0], _X[0]), "q must have 5 dims"),
+        (lambda: temporal_attention(_X, _X[:, :5], _X), r"k has shape \(2, 5, 3, 2, 8\) but q has"),
+        (lambda: temporal_attention(_X, _X, _X.half()), "v has dtype torch.float16 but q has torch.float32"),
+        (lambda: temporal_attention(_X.long(), _X, _X), "q has dtype torch.int64"),
+        (lambda: temporal_attention(_X[:0], _X[:0], _X[:0]), "q is empty"),
+        (lambda: temporal_attention(_X, _X, _X, scale="0.5"), "scale must be a float or None"),
+        (lambda: temporal_attention(_X, _X, _X, out=torch.empty(2, 7, 3, 2, 9)), r"out has shape \(2, 7, 3, 2, 9\)"),
+    ],
+)
+def test_bad_input_messages(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+def test_opcheck():
+    q, k, v = _make(2, 7, 3, 2, 40, "packed", torch.float32)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.ldmopt.temporal_attention_fwd, (qg, kg, vg, 0.3))
+    torch.library.opcheck(torch.ops.ldmopt.temporal_attention_fwd, (q, k, v, 0.3))
+    dout = torch.randn(q.shape)
+    torch.library.opcheck(torch.ops.ldmopt.temporal_attention_bwd, (dout, q, k, v, 0.3))
+    out = torch.empty(q.shape).transpose(0, 1).contiguous().transpose(0, 1)
+    torch.library.opcheck(torch.ops.ldmopt.temporal_attention_fwd_out, (q, k, v, 0.3, out))
+
+
+class _TemporalSelfAttention(torch.nn.Module):
+    """Fused QKV projection, strided attention over frames, output projection: the processor's path."""
+
+    def __init__(self, c=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.to_qkv = torch.nn.Linear(c, 3 * c)
+        self.to_out = torch.nn.Linear(c, c)
+
+    def forward(self, x):
+        bn, f, c = x.shape
+        qkv = self.to_qkv(x).view(bn, f, 3, self.heads, c // self.heads)
+        out = temporal_attention(qkv[:, :, 0:1], qkv[:, :, 1:2], qkv[:, :, 2:3])
+        return self.to_out(out.view(bn, f, c))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    module = _TemporalSelfAttention()
+    x = torch.randn(6, 7, 32, requires_grad=True)
+    compiled = torch.compile(module, backend=backend, fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    grad_compiled = x.grad.clone()
+    x.grad = None
+    eager = module(x)
+    eager.sum().backward()
+    assert_close(out, eager.detach().double(), torch.float32, "compiled forward")
+    assert_close(grad_compiled, x.grad.double(), torch.float32, "compiled backward")
