@@ -8,6 +8,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,15 @@ def parameter_digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters()):
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(
+            p.detach()
+            .cpu()
+            .clone(memory_format=torch.contiguous_format)
+            .reshape(-1)
+            .view(torch.uint8)
+            .numpy()
+            .tobytes()
+        )
     return h.hexdigest()
 
 
@@ -187,40 +196,49 @@ class MetricLogger:
 # ------------------------------------------------------------------------------------------------ profiling
 
 
-class ProfileWindow:
-    """torch.profiler over a window of training steps (skip ``wait``, warm up ``warmup``, record ``active``).
+def profile_window(
+    run_step: Callable[[], None],
+    wait: int,
+    warmup: int,
+    active: int,
+    out_dir: Path,
+    model: torch.nn.Module,
+    write: bool,
+) -> dict[str, float]:
+    """Run ``wait + warmup + active`` training steps under the profiler; return ``{"profile/<category>": share}``.
 
-    Rank 0 writes ``<out_dir>/ops.txt`` (the operator table), ``trace.json`` (Chrome trace) and the ldmopt
-    category split (``categories.txt``/``categories.json``) when ``ldmopt.profiler`` is available.
+    With ``ldmopt.profiler``, device time (CPU operator time without a GPU) is split by category (convolution,
+    linear, attention spatial/cross/temporal, normalization, elementwise, layout, ldmopt kernels, other) and rank 0
+    writes ``categories.txt``, ``categories.json`` and ``trace.json`` to ``out_dir``. Without it, torch.profiler's
+    operator table goes to ``ops.txt``.
     """
+    try:
+        from ldmopt.profiler import profile
+    except ImportError as exc:
+        return _torch_profiler_window(run_step, wait, warmup, active, out_dir, write, reason=str(exc))
+    result = profile(run_step, wait=wait, warmup=warmup, steps=active, training=True, modules={"model": model})
+    if write:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "categories.txt").write_text(result.table() + "\n")
+        (out_dir / "categories.json").write_text(json.dumps(result.to_dict(), indent=2, default=str))
+        result.export_chrome_trace(str(out_dir / "trace.json"))
+        print(result.table(), flush=True)
+    return {f"profile/{k}": v for k, v in result.shares().items()}
 
-    def __init__(self, wait: int, warmup: int, active: int, out_dir: Path, device: torch.device, enabled: bool):
-        from torch.profiler import ProfilerActivity, profile, schedule
 
-        self.out_dir, self.enabled, self.done = out_dir, enabled, False
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        self.sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        self.prof = profile(
-            activities=activities,
-            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-            on_trace_ready=self._ready,
-            record_shapes=True,
-        )
-        self.prof.start()
+def _torch_profiler_window(run_step, wait, warmup, active, out_dir: Path, write: bool, reason: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    def step(self) -> None:
-        if not self.done:
-            self.prof.step()
-
-    def _ready(self, prof) -> None:
-        self.done = True
-        if not self.enabled:
-            return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by=self.sort_key, row_limit=40)
-        (self.out_dir / "ops.txt").write_text(table + "\n")
-        prof.export_chrome_trace(str(self.out_dir / "trace.json"))
-        print(f"profile written to {self.out_dir}", flush=True)
-
-    def close(self) -> None:
-        self.prof.stop()
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active)) as prof:
+        for _ in range(wait + warmup + active):
+            run_step()
+            prof.step()
+    if write:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40)
+        (out_dir / "ops.txt").write_text(f"ldmopt.profiler unavailable ({reason}); torch.profiler table:\n{table}\n")
+        print(f"ldmopt.profiler unavailable ({reason}); torch.profiler operator table in {out_dir / 'ops.txt'}")
+    return {}

@@ -48,7 +48,6 @@ from _train_model import EMA, build_denoiser, model_names, sample
 from _train_utils import (
     DistInfo,
     MetricLogger,
-    ProfileWindow,
     checkpoint_path,
     gather_objects,
     init_distributed,
@@ -56,6 +55,7 @@ from _train_utils import (
     load_checkpoint,
     mean_over_ranks,
     parameter_digest,
+    profile_window,
     rng_state,
     save_checkpoint,
     seed_everything,
@@ -314,12 +314,6 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
         }  # fmt: skip
         save_checkpoint(checkpoint_path(out_dir, at_step), ckpt, args.keep_last)
 
-    profiler = None
-    if args.profile_active > 0:
-        profiler = ProfileWindow(
-            args.profile_wait, args.profile_warmup, args.profile_active, out_dir / "profile", device, is_main
-        )
-
     # ---------------------------------------------------------------------------------------- loop
     from tqdm.auto import tqdm
 
@@ -328,7 +322,10 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     data_iter = None
     window_start, window_images = time.perf_counter(), 0
     start_step = step
-    while step < args.max_steps:
+
+    def run_step() -> None:
+        """One optimizer step (all micro-batches), then logging, checkpointing and sampling when due."""
+        nonlocal step, data_iter, window_start, window_images
         epoch, pos = divmod(step, steps_per_epoch)
         if data_iter is None:
             sampler.set_epoch(epoch, skip=pos * args.grad_accum * micro)
@@ -354,8 +351,6 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
         window_images += args.batch_size
         if pos + 1 == steps_per_epoch:
             data_iter = None
-        if profiler is not None:
-            profiler.step()
         if step == start_step + 1 and report is not None and is_main:
             print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
         bar.update(1)
@@ -378,9 +373,20 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
             save(step)
         if is_main and args.sample_every > 0 and (step % args.sample_every == 0 or step == args.max_steps):
             make_samples(step)
+
+    if args.profile_active > 0:
+        # The window's steps are real training steps: skipped (wait), warm-up, then recorded (active).
+        active = min(args.profile_active, args.max_steps - step - args.profile_wait - args.profile_warmup)
+        if active > 0:
+            shares = profile_window(
+                run_step, args.profile_wait, args.profile_warmup, active, out_dir / "profile", denoiser.model, is_main
+            )
+            logger.log(step, shares)
+        elif is_main:
+            print("profiling window skipped: fewer steps left than --profile-wait + --profile-warmup + 1")
+    while step < args.max_steps:
+        run_step()
     bar.close()
-    if profiler is not None:
-        profiler.close()
 
     # ---------------------------------------------------------------------------------------- wrap up
     digests = gather_objects(parameter_digest(denoiser), info)

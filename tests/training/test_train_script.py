@@ -1,0 +1,170 @@
+"""examples/train_ldm.py end to end on CPU with a tiny UNet on 16x16 shapes (reference backend, so it is quick).
+
+- torchrun --nproc_per_node 2 (gloo): both ranks end bit-identical, the loss goes down;
+- that run's mid-way checkpoint resumed on ONE process continues with the same losses (per-sample noise makes the
+  global batch independent of the process count), up to float summation order;
+- resume on the same process count is bit-exact (weights, EMA, optimizer, GradScaler, schedule, data position);
+- every feature flag runs: bf16/fp16 autocast, gradient checkpointing, channels-last, grad accumulation, image
+  folder, DDPM/DDIM sample grids, TensorBoard, the profiling window, save_pretrained.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "train_ldm.py"
+# Tiny model, tiny images, reference backend; every run is deterministic from --seed.
+BASE = [
+    "--model", "unet-tiny", "--resolution", "16", "--batch-size", "8", "--lr", "1e-3", "--warmup-steps", "0",
+    "--log-every", "1", "--no-progress", "--sample-every", "0", "--no-save-final", "--backend", "torch",
+    "--device", "cpu", "--num-shapes", "512",
+]  # fmt: skip
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("train_ldm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_ldm():
+    return _train_module()
+
+
+def _losses(summary: dict) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in summary["history"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """6 steps on 2 gloo ranks, checkpoints at steps 3 and 6."""
+    out = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LDMOPT_BACKEND": "torch"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()), str(SCRIPT), *BASE, "--max-steps", "6", "--save-every", "3",
+        "--keep-last", "0", "--output-dir", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, json.loads((out / "summary.json").read_text())
+
+
+def test_torchrun_two_ranks_stay_identical_and_learn(ddp_run):
+    out, summary = ddp_run
+    assert summary["world_size"] == 2
+    assert summary["ranks_in_sync"], summary["param_digests"]
+    losses = list(_losses(summary).values())
+    assert len(losses) == 6
+    assert sum(losses[-2:]) < sum(losses[:2]) * 0.95, losses
+    assert summary["patch"]["patched"] > 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003.pt", "step-00000006.pt"]
+    # rank 0 alone logs: one line per step
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_two_rank_checkpoint_resumes_on_one_process(ddp_run, train_ldm, tmp_path):
+    out, summary = ddp_run
+    resumed = train_ldm.main(
+        [*BASE, "--max-steps", "6", "--save-every", "6", "--output-dir", str(tmp_path),
+         "--resume", str(out / "checkpoints" / "step-00000003.pt")]
+    )  # fmt: skip
+    assert resumed["world_size"] == 1
+    ours, theirs = _losses(resumed), _losses(summary)
+    assert sorted(ours) == [4, 5, 6]
+    for step in ours:  # same samples and noise; only the order of float sums differs
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-4), (step, ours, theirs)
+    a = torch.load(out / "checkpoints" / "step-00000006.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "checkpoints" / "step-00000006.pt", weights_only=False)["model"]
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-3, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_resume_is_bit_exact(train_ldm, tmp_path):
+    """fp16 autocast + GradScaler, grad accumulation, EMA, cosine schedule: resuming a 4-step run from its step-2
+    checkpoint reproduces steps 3-4 bit for bit."""
+    extra = ["--mixed-precision", "fp16", "--grad-accum", "2", "--lr-scheduler", "cosine", "--warmup-steps", "1",
+             "--ema-decay", "0.9", "--max-steps", "4", "--save-every", "2", "--keep-last", "0"]  # fmt: skip
+    straight = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "a")])
+    ckpt = tmp_path / "a" / "checkpoints" / "step-00000002.pt"
+    resumed = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "b"), "--resume", str(ckpt)])
+    assert _losses(resumed) == {k: v for k, v in _losses(straight).items() if k > 2}
+    assert resumed["param_digests"] == straight["param_digests"]
+    a = torch.load(tmp_path / "a" / "checkpoints" / "step-00000004.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "checkpoints" / "step-00000004.pt", weights_only=False)
+    for name, shadow in a["ema"]["shadow"].items():
+        assert torch.equal(shadow, b["ema"]["shadow"][name]), name
+    assert a["scaler"] == b["scaler"] and a["lr_scheduler"]["last_epoch"] == b["lr_scheduler"]["last_epoch"]
+
+
+def test_features_image_folder_bf16_checkpointing_samples_tensorboard_profile(train_ldm, tmp_path):
+    data = tmp_path / "images"
+    for cls, colour in (("red", (200, 30, 30)), ("blue", (30, 30, 200))):
+        (data / cls).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (20 + i, 18), colour).save(data / cls / f"{i}.png")
+    out = tmp_path / "run"
+    summary = train_ldm.main(
+        [*BASE, "--data", str(data), "--hflip", "--batch-size", "4", "--max-steps", "3", "--mixed-precision",
+         "bf16", "--gradient-checkpointing", "--channels-last", "--report-to", "tensorboard", "--sample-every", "3",
+         "--sampler", "ddpm", "--sample-steps", "3", "--num-sample-images", "4", "--save-final",
+         "--profile-wait", "0", "--profile-warmup", "1", "--profile-active", "1", "--output-dir", str(out)]
+    )  # fmt: skip
+    assert summary["step"] == 3 and all(torch.isfinite(torch.tensor(list(_losses(summary).values()))))
+    with Image.open(out / "samples" / "step-00000003.png") as grid:
+        assert grid.size == (2 + 2 * 18, 2 + 2 * 18)
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert "convolution" in (out / "profile" / "categories.txt").read_text()
+    assert (out / "profile" / "trace.json").exists()
+    from diffusers import UNet2DConditionModel
+
+    reloaded = UNet2DConditionModel.from_pretrained(out / "final")
+    assert sum(p.numel() for p in reloaded.parameters()) > 0
+
+
+def test_unfused_and_ddim_run(train_ldm, tmp_path):
+    summary = train_ldm.main(
+        [*BASE, "--no-fused", "--max-steps", "1", "--sample-every", "1", "--sample-steps", "2",
+         "--num-sample-images", "2", "--output-dir", str(tmp_path)]
+    )  # fmt: skip
+    assert summary["patch"] is None and (tmp_path / "samples" / "step-00000001.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--batch-size", "6", "--grad-accum", "4"], "must be divisible"),
+        (["--model", "flux"], "not trainable by this script"),
+        (["--model", "no-such-model"], "unknown"),
+        (["--data", "/nonexistent/folder"], "is not a folder"),
+    ],
+)
+def test_bad_arguments_have_clear_messages(train_ldm, tmp_path, argv, match):
+    with pytest.raises((SystemExit, FileNotFoundError), match=match):
+        train_ldm.main([*BASE, "--max-steps", "1", "--output-dir", str(tmp_path), *argv])
+
+
+def test_wandb_missing_is_a_clear_message(train_ldm, tmp_path):
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(SystemExit, match="pip install wandb"):
+        train_ldm.main([*BASE, "--max-steps", "1", "--report-to", "wandb", "--output-dir", str(tmp_path)])
