@@ -105,6 +105,9 @@ def can_fuse(block) -> list[str]:
         return [why]
     if not isinstance(block, (cls, FusedResnetBlock2D)):
         return [f"{type(block).__name__} is not a diffusers ResnetBlock2D"]
+    stock = _stock_class(block)
+    if stock.forward is not cls.forward:
+        return [f"{stock.__qualname__} overrides ResnetBlock2D.forward"]
     reasons = []
     if block.time_embedding_norm != "default":
         reasons.append(f"time_embedding_norm={block.time_embedding_norm!r} (only 'default' is fused)")
@@ -136,9 +139,18 @@ def runtime_reasons(block, input_tensor: Tensor, temb: Tensor | None) -> list[st
     return reasons
 
 
+def _stock_class(block) -> type:
+    """The block's own class, past classes ldmopt made (the patcher's swaps, FusedResnetBlock2D)."""
+    if isinstance(block, FusedResnetBlock2D):
+        return block._ldmopt_source_cls
+    for cls in type(block).__mro__:
+        if "_ldmopt_base" not in cls.__dict__:
+            return cls
+    return type(block)
+
+
 def _diffusers_forward(block, input_tensor, temb):
-    cls, _ = _resnet_block_class()
-    return cls.forward(block, input_tensor, temb)
+    return _stock_class(block).forward(block, input_tensor, temb)
 
 
 def fused_resnet_forward(
@@ -198,6 +210,7 @@ class FusedResnetBlock2D(torch.nn.Module):
         self._buffers.update(block._buffers)
         self._modules.update(block._modules)
         self.training = block.training
+        self._ldmopt_source_cls = _stock_class(block)
 
     def forward(self, input_tensor: Tensor, temb: Tensor | None = None, *args, **kwargs) -> Tensor:
         return fused_resnet_forward(self, input_tensor, temb, *args, **kwargs)

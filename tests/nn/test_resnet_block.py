@@ -218,6 +218,12 @@ def test_nchw_input_falls_back_to_diffusers_with_reason():
         expect = ResnetBlock2D.forward(block, x, None)
     torch.testing.assert_close(out, expect, rtol=0, atol=0)
     assert any("not channels-last" in r for r in resnet.fallback_reasons)
+    # A patcher-style class swap (ldmopt.patch.rule.fused_class) falls back to diffusers' forward, not to itself.
+    swapped = {"forward": lambda self, x, t=None: fused_resnet_forward(self, x, t), "_ldmopt_base": ResnetBlock2D}
+    block.__class__ = type("ResnetBlock2D", (ResnetBlock2D,), swapped)
+    assert can_fuse(block) == []
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, None), expect, rtol=0, atol=0)
 
 
 def test_dropout_in_training_falls_back():
@@ -249,6 +255,14 @@ def test_can_fuse_accepts_sde_vp_and_rejects_wrapped_conv():
     block.conv1 = torch.nn.Sequential(block.conv1)  # e.g. a LoRA wrapper
     assert any("conv1 is Sequential" in r for r in can_fuse(block))
     assert "not a diffusers ResnetBlock2D" in can_fuse(torch.nn.Linear(2, 2))[0]
+
+    class Custom(ResnetBlock2D):
+        def forward(self, x, temb=None):
+            return x
+
+    assert can_fuse(Custom(in_channels=8, temb_channels=4, groups=4)) == [
+        "test_can_fuse_accepts_sde_vp_and_rejects_wrapped_conv.<locals>.Custom overrides ResnetBlock2D.forward"
+    ]
 
 
 def test_module_and_bound_forward_share_parameters():
