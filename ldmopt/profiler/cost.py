@@ -101,6 +101,16 @@ class Analysis:
         total = sum(shares[c] for c in C.ATTENTION)
         return {c.split(".")[1]: (shares[c] / total if total else 0.0) for c in C.ATTENTION}
 
+    def attention_layer_split(self) -> dict[str, float]:
+        """Spatial / cross / temporal share of projected time of whole attention modules (Q/K/V/out projections,
+        norms inside them and the attention itself), the view of a module-level profile."""
+        times: dict[str, float] = defaultdict(float)
+        for rec in self.records:
+            if rec.layer is not None:
+                times[rec.layer] += self.gpu.op_time(rec.flops, rec.bytes, _record_dtype(rec, self.gpu, self.dtype))
+        total = sum(times.values())
+        return {k: (times[k] / total if total else 0.0) for k in ("spatial", "cross", "temporal")}
+
     def sequence_lengths(self) -> list[dict[str, Any]]:
         """Attention calls grouped by (kind, query length, key length, head dim), largest FLOPs first."""
         groups: dict[tuple, dict[str, Any]] = {}
@@ -160,6 +170,7 @@ class Analysis:
             "shares_time": self.shares("time"),
             "shares_flops": self.shares("flops"),
             "attention_split_time": self.attention_split("time"),
+            "attention_layer_split_time": self.attention_layer_split(),
             "sequence_lengths": self.sequence_lengths(),
             "fusions": {k: vars(v) for k, v in self.fusions.items()},
             "elapsed_s": self.elapsed_s,
@@ -269,15 +280,19 @@ def analyze(
     return analysis
 
 
+def _record_dtype(rec: OpRecord, spec: GPUSpec, default: str) -> str:
+    """Peak to use for one operator: its own dtype when the table has it (fp32 time embeddings), else the model's."""
+    key = _RECORD_DTYPES.get(rec.dtype, default)
+    return key if key in spec.matmul_flops else default
+
+
 def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -> Analysis:
     records = recorder.records
     saved, _rule, removed, fusion_stats = plan_fusions(records)
     cats = {c: CategoryCost() for c in C.CATEGORIES}
     for rec in records:
         cost = cats[rec.category]
-        key = _RECORD_DTYPES.get(rec.dtype, dkey)
-        if key not in spec.matmul_flops:
-            key = dkey
+        key = _record_dtype(rec, spec, dkey)
         cost.flops += rec.flops
         cost.bytes += rec.bytes
         cost.ops += 1

@@ -318,6 +318,7 @@ def profile(
     wait = (1 if training else 0) if wait is None else wait
     on_gpu = _device_of(target, inputs) == "cuda" and torch.cuda.is_available()
     hooked = _modules_of(target) if modules is None else modules
+    modes = {m: m.training for root in _modules_of(target).values() for m in root.modules()}
     step_fn = _make_step(target, inputs, training, optimizer, loss_fn, data)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -355,6 +356,8 @@ def profile(
         finally:
             if scope_ctx is not None:
                 scope_ctx.__exit__(None, None, None)
+            for module, was_training in modes.items():  # training mode switched to train(); restore
+                module.training = was_training
 
     from .categories import ldmopt_kernel_names
 

@@ -49,6 +49,7 @@ class OpRecord:
     path: str
     temporal: bool
     dtype: str
+    layer: str | None = None  # kind of the enclosing attention module (projections included), if any
     consumers: list[int] = field(default_factory=list)
 
     @property
@@ -132,6 +133,7 @@ class Recorder(TorchDispatchMode):
             producers=tuple(self.producer_of(t) for t in inputs),
             path=path,
             temporal=is_temporal_path(path),
+            layer=next((f.attention_kind for f in reversed(stack) if f.role == "attention"), None),
             dtype=str(outputs[0].dtype if outputs else inputs[0].dtype if inputs else "").replace("torch.", ""),
         )
         for p in rec.producers:

@@ -67,6 +67,11 @@ def format_analysis(a: Analysis) -> str:
             "attention (projected time): "
             + ", ".join(f"{k} {pct(v).strip()}" for k, v in split.items() if v or k != "unattributed")
         )
+        layers = a.attention_layer_split()
+        out.append(
+            "attention modules incl. projections (projected time): "
+            + ", ".join(f"{k} {pct(v).strip()}" for k, v in layers.items())
+        )
     seq = a.sequence_lengths()
     if seq:
         rows = [

@@ -164,6 +164,7 @@ def _temporal_section(analyze) -> list[str]:
                     f"{a.total_flops / 1e12:.1f}",
                     _p(split_f["temporal"]),
                     _p(split_t["temporal"]),
+                    _p(a.attention_layer_split()["temporal"]),
                     f"{a.flops_of(C.ATTN_TEMPORAL) / 1e12:.3f}",
                     f"{a.flops_of(C.ATTN_SPATIAL) / 1e12:.2f}",
                 ]
@@ -172,7 +173,9 @@ def _temporal_section(analyze) -> list[str]:
         "### Temporal attention in text-to-video (study: over 60% of attention time)",
         "",
         f"ANALYTIC, batch 2, fp16; time = roofline projection on {GPU}. Temporal attention FLOPs grow as F^2 with the"
-        " frame count F (each pixel attends over F frames), spatial attention FLOPs as F (F images).",
+        ' frame count F (each pixel attends over F frames), spatial attention FLOPs as F (F images). "Attention'
+        ' modules" counts whole attention layers (Q/K/V/output projections included), the view of a module-level'
+        " profile; the other columns count the attention computation alone.",
         "",
         _table(
             [
@@ -182,6 +185,7 @@ def _temporal_section(analyze) -> list[str]:
                 "TFLOP",
                 "temporal / attention FLOPs",
                 "temporal / attention time",
+                "temporal / attention modules time",
                 "temporal attn TFLOP",
                 "spatial attn TFLOP",
             ],
@@ -267,7 +271,6 @@ def _measured_training() -> list[str]:
     model = configs.build_model("sd15", tiny=True, device="cpu", dtype=torch.float32)
     inputs = configs.example_inputs(model, resolution=64, batch=2)
     p = profile(model, inputs=inputs, steps=2, warmup=1, wait=1, training=True)
-    model.eval()
     total = p.total_us or 1.0
 
     def op_share(category, predicate):
