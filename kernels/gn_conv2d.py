@@ -387,29 +387,6 @@ def gn_conv2d_fwd(
     return y, out_mean, out_rstd
 
 
-def group_norm_stats(x: torch.Tensor, num_groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, rstd) [N, G] fp32 of x (any dense layout) in two launches, with kernels/group_norm.py's Welford passes."""
-    from .group_norm import _chunks, _group_norm_fwd_finalize_kernel, _group_norm_fwd_partial_kernel, _tiles, as_ncs
-
-    n, c, s, (sxn, sxc, sxs) = as_ncs(x)
-    block_s, block_c = _tiles(c, s, sxc == 1)
-    n_cblocks = triton.cdiv(c, block_c)
-    s_per_prog, n_chunks = _chunks(n, n_cblocks, s, block_s)
-    part_mean = torch.empty((n, n_chunks, c), device=x.device, dtype=torch.float32)
-    part_m2 = torch.empty_like(part_mean)
-    _group_norm_fwd_partial_kernel[(n * n_chunks * n_cblocks,)](
-        part_mean, part_m2, x, sxn, sxc, sxs, c, s, s_per_prog, n_chunks, n_cblocks,
-        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8,
-    )  # fmt: skip
-    mean = new_output((n, num_groups), device=x.device, dtype=torch.float32)
-    rstd = new_output((n, num_groups), device=x.device, dtype=torch.float32)
-    block_r = min(1024, next_power_of_2(n_chunks * (c // num_groups)))
-    _group_norm_fwd_finalize_kernel[(n * num_groups,)](
-        mean, rstd, part_mean, part_m2, c, s, s_per_prog, n_chunks, num_groups, eps, BLOCK_R=block_r, num_warps=4
-    )
-    return mean, rstd
-
-
 _FP32_PTRS = ("out_mean_ptr", "out_rstd_ptr", "mean_ptr", "rstd_ptr")
 
 

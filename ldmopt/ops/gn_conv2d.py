@@ -98,7 +98,8 @@ def _stats_torch(x, num_groups, eps):
 
 
 def _stats_triton(x, num_groups, eps):
-    from ldmopt.kernels.gn_conv2d import group_norm_stats
+    # kernels/group_norm.py's Welford partial + finalize passes (two launches)
+    from ldmopt.kernels.group_norm import group_norm_stats
 
     return group_norm_stats(x, num_groups, eps)
 
