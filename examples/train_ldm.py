@@ -74,8 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="force one ldmopt backend for the fused ops (default: automatic choice)")  # fmt: skip
     g.add_argument("--compile", action="store_true", help="torch.compile the (patched) model")
     g.add_argument("--gradient-checkpointing", action="store_true")
-    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="NHWC activations and weights (default: on with CUDA)")  # fmt: skip
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+                   help="NHWC activations and weights (default: on; fused ResnetBlock2D needs it)")  # fmt: skip
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, help="image folder (sub-folders = classes); default: procedural shapes")
     g.add_argument("--num-shapes", type=int, default=50_000, help="size of the procedural dataset")
@@ -175,7 +175,7 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     device, is_main = info.device, info.is_main
     micro = _check_args(args, info)
     out_dir = Path(args.output_dir)
-    channels_last = device.type == "cuda" if args.channels_last is None else args.channels_last
+    channels_last = args.channels_last
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 parts of the step (optimizer-free matmuls) run on TF32
         torch.backends.cudnn.allow_tf32 = True
@@ -353,6 +353,8 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
             data_iter = None
         if step == start_step + 1 and report is not None and is_main:
             print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
+            if report.fallbacks():
+                print(f"ldmopt: modules that ran the stock forward: {report.fallbacks()}", flush=True)
         bar.update(1)
         if step % args.log_every == 0 or step == args.max_steps:
             loss_value = mean_over_ranks(loss_sum, info)

@@ -46,9 +46,18 @@ def _grads(model, kwargs, target, autocast_dtype=None, call=None):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def _tiny(name: str):
+    """The zoo's tiny model in train mode and channels-last, as a GPU training run holds it (the fused ResnetBlock2D
+    path serves channels-last activations; NCHW runs diffusers' forward, which the fallback check would catch)."""
+    model = configs.build_model(name, tiny=True, device="cpu", dtype=torch.float32).train()
+    return model.to(memory_format=torch.channels_last)
+
+
 def _inputs(name: str, model):
     inputs = configs.example_inputs(model)
     kwargs = {**inputs.kwargs, "return_dict": False}
+    if kwargs.get("sample") is not None and kwargs["sample"].dim() == 4:
+        kwargs["sample"] = kwargs["sample"].contiguous(memory_format=torch.channels_last)
     kwargs["timestep"] = torch.randint(0, 1000, kwargs["timestep"].shape)  # distinct noise levels per sample
     return kwargs
 
@@ -94,24 +103,28 @@ def _check(name, model, kwargs, backend, autocast_dtype=None, checkpointing=Fals
             return _grads(patched, kwargs, target, autocast_dtype, call=runner)
 
     assert_grad_parity(model, run_patched, kwargs, autocast_dtype)
+    if report.fallbacks():
+        # Parity holds (checked above) but part of the model ran the stock forward: a gap of the fused path, shown
+        # as XFAIL until the patcher serves these inputs, when the test passes by itself.
+        pytest.xfail(f"gradients match, but patched modules fell back to the stock forward: {report.fallbacks()}")
     return report
 
 
 @pytest.mark.parametrize("name", ["sd15", "sdxl", "dit", "animatediff"])
 def test_grad_parity_reference_backend(name):
-    model = configs.build_model(name, tiny=True, device="cpu", dtype=torch.float32).train()
+    model = _tiny(name)
     report = _check(name, model, _inputs(name, model), "torch")
     ran = report.backends()
     assert ran and all(set(b) == {"torch"} for b in ran.values()), ran
 
 
 def test_grad_parity_bf16_autocast():
-    model = configs.build_model("sd15", tiny=True, device="cpu", dtype=torch.float32).train()
+    model = _tiny("sd15")
     _check("sd15", model, _inputs("sd15", model), "torch", autocast_dtype=torch.bfloat16)
 
 
 def test_grad_parity_gradient_checkpointing():
-    model = configs.build_model("sd15", tiny=True, device="cpu", dtype=torch.float32).train()
+    model = _tiny("sd15")
     _check("sd15", model, _inputs("sd15", model), "torch", checkpointing=True)
 
 
