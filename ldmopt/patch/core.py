@@ -2,8 +2,10 @@
 
 The walk is planned before anything is edited (so ``strict=True`` raises with every reason and leaves the model
 untouched), pre-order, so a rule on a block claims the submodules it fuses before a rule on those submodules sees
-them. The first rule of a class that applies to an instance wins. Undo records live on each patched model in
-``model._ldmopt_records`` (a plain attribute: not a parameter, not in state_dict; deepcopy carries it along).
+them. Several rules may patch one instance when they touch different parts of it (a block's forward and a child
+module); a rule whose touched modules an earlier rule already claimed is passed over. Undo records live on each
+patched model in ``model._ldmopt_records`` (a plain attribute: not a parameter, not in state_dict; deepcopy carries
+it along).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .report import PatchReport, Replaced, Skipped
+from .report import PatchReport, Replaced, Skipped, fallback_counts
 from .rule import FAMILIES, FusedAway, Rule, Site, is_fused
 
 _RECORDS = "_ldmopt_records"
@@ -37,9 +39,12 @@ class _Record:
 
 @functools.cache
 def _rules() -> tuple[Rule, ...]:
+    from .rules_blocks import RULES as block_rules
+    from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
+    from .rules_linear import RULES as linear_rules
 
-    return tuple(group_norm_rules)
+    return (*gn_conv_rules, *block_rules, *linear_rules, *group_norm_rules)
 
 
 @functools.cache
@@ -132,14 +137,16 @@ def _global_hooks() -> list[str]:
     return [n for n in names if getattr(mm, n, None)]
 
 
-def _generic_reasons(site: Site, touched: dict[str, nn.Module]) -> list[str]:
+def _generic_reasons(site: Site, touched: dict[str, nn.Module], shallow: set[str]) -> list[str]:
     """Hooks, instance-level forwards, PEFT/LoRA, quantized weights, training dropout on the touched modules."""
     reasons = []
     peft_cls = _peft_layer_class()
     if touched and _global_hooks():
         reasons.append(f"global module hooks are registered ({', '.join(_global_hooks())})")
     for rel, top in touched.items():
-        for sub_rel, m in top.named_modules():
+        # A bypassed child is checked with everything under it; a shallow entry (the site itself, by default) keeps
+        # its children running, so only it is checked.
+        for sub_rel, m in [("", top)] if rel in shallow else top.named_modules():
             where = ".".join(p for p in (site.name, rel, sub_rel) if p) or "the module"
             if m._forward_hooks or m._forward_pre_hooks:
                 hooks = {**m._forward_pre_hooks, **m._forward_hooks}
@@ -197,13 +204,14 @@ def _plan(
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, ("excluded by filter_fn",), True))
                 continue
             touched = rule.touched(site)
-            reasons = _generic_reasons(site, touched) + rule.reasons(site)
+            if any(id(t) in claimed for t in touched.values()):
+                continue  # an earlier rule on this module already fuses that part
+            reasons = _generic_reasons(site, touched, rule.shallow(site)) + rule.reasons(site)
             if reasons:
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
                 continue
             actions.append((rule, site))
             claimed.update(id(t) for t in touched.values())
-            break
     return actions
 
 
@@ -253,6 +261,7 @@ def patch(
         families=tuple(f for f in FAMILIES if f in selected and f in available),
         descriptions={r.name: r.description for r in _rules()},
         _counts_at_patch=backend_counts.copy(),
+        _fallbacks_at_patch=fallback_counts(),
     )
     plans = []
     for label, model in models:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ class PatchReport:
     families: tuple[str, ...] = ()
     descriptions: dict[str, str] = field(default_factory=dict)
     _counts_at_patch: Counter = field(default_factory=Counter, repr=False)
+    _fallbacks_at_patch: Counter = field(default_factory=Counter, repr=False)
 
     def counts(self, model: str | None = None) -> dict[str, int]:
         """{rule name: modules replaced}, over all models or one (its component name, "" for a bare model)."""
@@ -70,6 +72,12 @@ class PatchReport:
             if delta > 0:
                 out.setdefault(op, {})[backend] = delta
         return out
+
+    def fallbacks(self) -> dict[str, int]:
+        """{reason: calls} since the patch call: patched modules that ran the stock path for a call (e.g. a
+        ResnetBlock2D given NCHW input) and ops that fell back to the reference backend, process-wide."""
+        before = self._fallbacks_at_patch
+        return {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
 
     def __str__(self) -> str:
         models = ", ".join(f"{k or 'model'} ({v})" for k, v in self.models.items()) or "none"
@@ -96,4 +104,34 @@ class PatchReport:
                 lines.append(f"    {op:<24} " + ", ".join(f"{b} x{n}" for b, n in per.items()))
         else:
             lines.append("  backends: nothing has run since patch (run the model, then print the report)")
+        fell_back = self.fallbacks()
+        if fell_back:
+            lines.append("  calls that took the stock or reference path since patch:")
+            for reason, n in sorted(fell_back.items(), key=lambda kv: -kv[1]):
+                lines.append(f"    x{n:<5} {reason}")
         return "\n".join(lines)
+
+
+def _module_fallback(reason: str) -> str:
+    return f"ResnetBlock2D ran diffusers' forward: {reason}"
+
+
+def _op_fallback(key: tuple[str, str, str]) -> str:
+    op, backend, reason = key
+    return f"{op} ran the reference backend ({backend} refused: {reason})"
+
+
+# Per-call fall-back counters of the fused modules and ops: (module, attribute, formatter of a key).
+_FALLBACK_COUNTERS = (
+    ("ldmopt.nn.resnet", "fallback_reasons", _module_fallback),
+    ("ldmopt.ops.gn_conv2d", "fallback_reasons", _op_fallback),
+)
+
+
+def fallback_counts() -> Counter:
+    """{description: count} from the fall-back counters of the ldmopt modules loaded so far."""
+    out: Counter = Counter()
+    for module_name, attr, describe in _FALLBACK_COUNTERS:
+        for key, n in (getattr(sys.modules.get(module_name), attr, None) or {}).items():
+            out[describe(key)] += n
+    return out

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 #: Kernel families a user can select with ``patch(..., families={...})``.
-FAMILIES = ("group_norm", "resnet", "feed_forward", "adaln", "temporal_attention", "svd_attn2")
+FAMILIES = ("group_norm", "gn_conv", "feed_forward", "adaln", "temporal_attention", "svd_attn2")
 
 
 @dataclass
@@ -61,8 +61,15 @@ class Rule:
         return []
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
-        """Submodules (relative name -> module) whose own forward no longer runs, or that are replaced."""
+        """Modules (relative name -> module) whose own forward no longer runs, or that are replaced: ``""`` for the
+        instance itself when its forward or identity changes (its children are then listed only if bypassed).
+        The guards check a listed child with everything under it; a rule touching a module another rule has
+        claimed is passed over."""
         return {}
+
+    def shallow(self, site: Site) -> set[str]:
+        """Names in :meth:`touched` whose children still run (checked without them); ``""`` by default."""
+        return {""}
 
     def replace(self, site: Site) -> Any:
         """Edit the instance; return what :meth:`restore` needs."""
@@ -75,16 +82,18 @@ class Rule:
 
 # ------------------------------------------------------------------------------------------------ class swap
 
-_FUSED_CLASSES: dict[tuple[type, Callable], type] = {}
+_FUSED_CLASSES: dict[tuple, type] = {}
 
 
-def fused_class(base: type, forward: Callable, label: str) -> type:
-    """A subclass of ``base`` running ``forward`` (cached per (base, forward)); repr gains ``ldmopt=<label>``.
+def fused_class(base: type, forward: Callable | dict[str, Callable], label: str) -> type:
+    """A subclass of ``base`` whose ``forward`` (or the methods in a dict) are replaced, cached per (base, methods);
+    repr gains ``ldmopt=<label>``.
 
     The subclass keeps ``base``'s name so code that reads ``type(m).__name__`` (accelerate's no-split lists,
     diffusers' casting rules) sees the same module.
     """
-    key = (base, forward)
+    methods = forward if isinstance(forward, dict) else {"forward": forward}
+    key = (base, *sorted(methods.items(), key=lambda kv: kv[0]))
     cls = _FUSED_CLASSES.get(key)
     if cls is None:
 
@@ -96,7 +105,7 @@ def fused_class(base: type, forward: Callable, label: str) -> type:
             base.__name__,
             (base,),
             {
-                "forward": forward,
+                **methods,
                 "extra_repr": extra_repr,
                 "_ldmopt_base": base,
                 "_ldmopt_label": label,

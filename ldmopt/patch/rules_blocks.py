@@ -1,0 +1,204 @@
+"""Transformer-block rules (family ``adaln``): adaLN modulation and gated residuals inside a block's forward.
+
+- ``adaln_block``: ``BasicTransformerBlock`` with ``norm_type`` "ada_norm_zero" (DiT) or "ada_norm_single" (PixArt,
+  Latte). The feed-forward's LayerNorm + ``(1 + scale) / shift`` runs as one ``adaln_modulate`` row kernel that
+  also adds the residual just before it; PixArt/Latte's ``scale_shift_table`` self-attention modulation likewise;
+  the feed-forward output projection runs as one GEMM with the gated residual ``h + gate * (x W^T + b)`` in its
+  epilogue. The attention modules, ``norm1`` of ada_norm_zero (its own rule) and ``ff.net[0]`` (the feed-forward
+  rules) are called as before.
+- ``flux_single_gated``: ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(...)`` as one GEMM epilogue.
+
+Both are class swaps (see rule.py): same instance, same children and parameters. A call the fused forward does not
+cover (feed-forward chunking, GLIGEN kwargs, 4-D hidden states) runs the stock forward. Tolerance: the ops'
+(within 2x the error of the unfused PyTorch ops in the input dtype); the fused path rounds once where the stock
+path rounds after each op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn.linear import plain_linear_reason
+from ..ops.adaln_modulate import adaln_modulate
+from ..ops.linear import linear
+from .rule import Rule, Site, fused_class, swap_class
+
+
+def _plain_layer_norm_reason(name: str, norm: Any) -> str | None:
+    if type(norm) is not nn.LayerNorm:
+        return f"{name} is {type(norm).__name__}, not a plain nn.LayerNorm"
+    if norm.weight is not None or norm.bias is not None:
+        return f"{name} has affine parameters (adaLN blocks use LayerNorm without them)"
+    return None
+
+
+def _feed_forward_reasons(ff: Any) -> list[str]:
+    net = getattr(ff, "net", None)
+    if not isinstance(net, nn.ModuleList) or len(net) != 3:
+        return ["ff is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"]
+    reason = plain_linear_reason("ff.net.2", net[2])
+    return [reason] if reason else []
+
+
+def _ff_gated_residual(ff: nn.Module, x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue."""
+    h = ff.net[1](ff.net[0](x))
+    out = ff.net[2]
+    return linear(h, out.weight, out.bias, gate=gate, residual=residual)
+
+
+def _adaln_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    encoder_hidden_states: torch.Tensor | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+    timestep: torch.LongTensor | None = None,
+    cross_attention_kwargs: dict[str, Any] | None = None,
+    class_labels: torch.LongTensor | None = None,
+    added_cond_kwargs: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    kwargs = dict(cross_attention_kwargs or {})
+    if self._chunk_size is not None or "gligen" in kwargs or hidden_states.dim() != 3:
+        return type(self)._ldmopt_base.forward(
+            self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
+            cross_attention_kwargs, class_labels, added_cond_kwargs,
+        )  # fmt: skip
+    kwargs.pop("scale", None)  # deprecated and ignored by diffusers too
+    single = self.norm_type == "ada_norm_single"
+    if single:
+        batch = hidden_states.shape[0]
+        chunks = (self.scale_shift_table[None] + timestep.reshape(batch, 6, -1)).chunk(6, dim=1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
+        norm_hidden_states = adaln_modulate(hidden_states, scale_msa, shift_msa, eps=self.norm1.eps)
+        ff_norm = self.norm2
+    else:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
+            hidden_states, timestep, class_labels, hidden_dtype=hidden_states.dtype
+        )
+        gate_msa = gate_msa.unsqueeze(1)
+        ff_norm = self.norm3
+    if self.pos_embed is not None:
+        norm_hidden_states = self.pos_embed(norm_hidden_states)
+    attn_output = self.attn1(
+        norm_hidden_states,
+        encoder_hidden_states=encoder_hidden_states if self.only_cross_attention else None,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+    # The residual add that precedes the feed-forward norm happens inside adaln_modulate (returned as the sum).
+    pending = gate_msa * attn_output
+    if self.attn2 is not None:
+        hidden_states = pending + hidden_states
+        if single:
+            norm_hidden_states = hidden_states
+        else:
+            norm_hidden_states = self.norm2(hidden_states)
+            if self.pos_embed is not None:
+                norm_hidden_states = self.pos_embed(norm_hidden_states)
+        pending = self.attn2(
+            norm_hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            attention_mask=encoder_attention_mask,
+            **kwargs,
+        )
+    norm_hidden_states, hidden_states = adaln_modulate(
+        pending, scale_mlp, shift_mlp, residual=hidden_states, eps=ff_norm.eps, return_residual=True
+    )
+    return _ff_gated_residual(self.ff, norm_hidden_states, gate_mlp, hidden_states)
+
+
+class AdaLNBlockRule(Rule):
+    name = "adaln_block"
+    family = "adaln"
+    description = "adaLN block: residual+LayerNorm+modulation in one row kernel, FF out GEMM with gated residual"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.attention import BasicTransformerBlock
+
+        return (BasicTransformerBlock,)
+
+    def match(self, site: Site) -> bool:
+        return getattr(site.module, "norm_type", None) in ("ada_norm_zero", "ada_norm_single")
+
+    def _norms(self, block) -> dict[str, Any]:
+        if block.norm_type == "ada_norm_single":
+            return {"norm1": block.norm1, "norm2": block.norm2}
+        return {"norm3": block.norm3}
+
+    def reasons(self, site: Site) -> list[str]:
+        block = site.module
+        reasons = []
+        if hasattr(block, "fuser"):
+            reasons.append("GLIGEN fuser (attention_type 'gated') is not fused")
+        for name, norm in self._norms(block).items():
+            reason = _plain_layer_norm_reason(name, norm)
+            if reason:
+                reasons.append(reason)
+        return reasons + _feed_forward_reasons(block.ff)
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        block = site.module
+        return {"": block, **self._norms(block), "ff": block.ff, "ff.net.2": block.ff.net[2]}
+
+    def shallow(self, site: Site) -> set[str]:
+        return {"", "ff"}  # ff's children net.0 / net.1 are still called
+
+    def replace(self, site: Site) -> Any:
+        return swap_class(site.module, fused_class(type(site.module), _adaln_block_forward, self.description))
+
+    def restore(self, site: Site, data: Any) -> None:
+        swap_class(site.module, data)
+
+
+def _flux_single_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+    attn_output = self.attn(
+        hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
+    )
+    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    hidden_states = linear(hidden_states, self.proj_out.weight, self.proj_out.bias, gate=gate, residual=residual)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+class FluxSingleGatedRule(Rule):
+    name = "flux_single_gated"
+    family = "adaln"
+    description = "Flux single block: proj_out GEMM with the gated residual in its epilogue"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+        return (FluxSingleTransformerBlock,)
+
+    def reasons(self, site: Site) -> list[str]:
+        reason = plain_linear_reason("proj_out", site.module.proj_out)
+        return [reason] if reason else []
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {"": site.module, "proj_out": site.module.proj_out}
+
+    def replace(self, site: Site) -> Any:
+        return swap_class(site.module, fused_class(type(site.module), _flux_single_forward, self.description))
+
+    def restore(self, site: Site, data: Any) -> None:
+        swap_class(site.module, data)
+
+
+RULES: list[Rule] = [AdaLNBlockRule(), FluxSingleGatedRule()]

@@ -1,0 +1,137 @@
+"""GroupNorm fused into a convolution's loads (family ``gn_conv``).
+
+- ``resnet``: ``ResnetBlock2D`` runs ``ldmopt.nn.resnet.fused_resnet_forward``: conv1 reads its input through
+  GroupNorm1 + SiLU (+ nearest 2x upsample / 2x2 average pool), adds the time embedding and accumulates GroupNorm2
+  statistics in its epilogue; conv2 reads through GroupNorm2 + SiLU and adds the shortcut and ``/
+  output_scale_factor``. ``can_fuse`` gives the reasons a block stays stock; inputs the fused path does not serve
+  (NCHW instead of channels-last, dtype mismatch, dropout in training) run diffusers' forward per call, counted in
+  ``ldmopt.nn.resnet.fallback_reasons`` (the report shows them).
+- ``transformer2d_in``: ``Transformer2DModel`` with continuous input: ``norm`` (GroupNorm) + ``proj_in`` (1x1 conv,
+  or Linear read as a 1x1 conv) in one ``gn_silu_conv2d(activation=None)``; on the way out, the ``.contiguous()``
+  back to NCHW is skipped when the residual is channels-last, so the next ResnetBlock2D gets channels-last input
+  and stays fused.
+
+Both are class swaps (rule.py). Tolerance: the ops' (within 2x the error of the unfused PyTorch ops in the input
+dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..nn import resnet as R
+from ..ops.gn_conv2d import gn_silu_conv2d
+from .rule import Rule, Site, fused_class, swap_class
+
+# Children whose forward the fused path does not call (nonlinearity still runs on temb, but not on the main path).
+_BYPASSED = ("norm1", "norm2", "conv1", "conv2", "conv_shortcut", "dropout", "nonlinearity", "upsample", "downsample")
+
+
+def _resnet_forward(self, input_tensor: Tensor, temb: Tensor | None = None, *args, **kwargs) -> Tensor:
+    return R.fused_resnet_forward(self, input_tensor, temb, *args, **kwargs)
+
+
+class ResnetBlockRule(Rule):
+    name = "resnet"
+    family = "gn_conv"
+    description = "ResnetBlock2D: GN+SiLU fused into conv1/conv2 loads, temb/shortcut/stats in epilogues"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.resnet import ResnetBlock2D
+
+        return (ResnetBlock2D,)
+
+    def reasons(self, site: Site) -> list[str]:
+        return R.can_fuse(site.module)
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        block = site.module
+        found = {name: getattr(block, name, None) for name in _BYPASSED}
+        return {"": block, **{k: v for k, v in found.items() if isinstance(v, nn.Module)}}
+
+    def replace(self, site: Site) -> Any:
+        return swap_class(site.module, fused_class(type(site.module), _resnet_forward, self.description))
+
+    def restore(self, site: Site, data: Any) -> None:
+        swap_class(site.module, data)
+
+
+def _proj_in_as_conv(proj_in: nn.Module) -> tuple[Tensor, Tensor | None]:
+    weight = proj_in.weight
+    return (weight[:, :, None, None] if weight.dim() == 2 else weight), proj_in.bias
+
+
+def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tensor, int]:
+    batch, _, height, width = hidden_states.shape
+    weight, bias = _proj_in_as_conv(self.proj_in)
+    norm = self.norm
+    h = gn_silu_conv2d(
+        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None
+    )
+    inner_dim = h.shape[1]
+    return h.permute(0, 2, 3, 1).reshape(batch, height * width, inner_dim), inner_dim
+
+
+def _t2d_get_output_for_continuous_inputs(self, hidden_states, residual, batch_size, height, width, inner_dim):
+    keep_channels_last = residual.is_contiguous(memory_format=torch.channels_last)
+    if not self.use_linear_projection:
+        hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
+        if not keep_channels_last:
+            hidden_states = hidden_states.contiguous()
+        hidden_states = self.proj_out(hidden_states)
+    else:
+        hidden_states = self.proj_out(hidden_states)
+        hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
+        if not keep_channels_last:
+            hidden_states = hidden_states.contiguous()
+    return hidden_states + residual
+
+
+_T2D_METHODS = {
+    "_operate_on_continuous_inputs": _t2d_operate_on_continuous_inputs,
+    "_get_output_for_continuous_inputs": _t2d_get_output_for_continuous_inputs,
+}
+
+
+class Transformer2DInRule(Rule):
+    name = "transformer2d_in"
+    family = "gn_conv"
+    description = "Transformer2DModel: GroupNorm fused into proj_in's loads; channels-last kept on the way out"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+        return (Transformer2DModel,)
+
+    def match(self, site: Site) -> bool:
+        m = site.module
+        return bool(getattr(m, "is_input_continuous", False)) and type(m._modules.get("norm")) is nn.GroupNorm
+
+    def reasons(self, site: Site) -> list[str]:
+        m = site.module
+        proj = m.proj_in
+        if m.use_linear_projection:
+            if type(proj) is not nn.Linear:
+                return [f"proj_in is {type(proj).__name__}, not a plain nn.Linear (LoRA/quantized layers stay stock)"]
+            return []
+        if type(proj) is not nn.Conv2d:
+            return [f"proj_in is {type(proj).__name__}, not a plain nn.Conv2d (LoRA/quantized layers stay stock)"]
+        geometry = (proj.kernel_size, proj.stride, proj.padding, proj.dilation, proj.groups, proj.padding_mode)
+        if geometry != ((1, 1), (1, 1), (0, 0), (1, 1), 1, "zeros"):
+            return [f"proj_in is not a plain 1x1 convolution ({geometry})"]
+        return []
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {"": site.module, "norm": site.module.norm, "proj_in": site.module.proj_in}
+
+    def replace(self, site: Site) -> Any:
+        return swap_class(site.module, fused_class(type(site.module), _T2D_METHODS, self.description))
+
+    def restore(self, site: Site, data: Any) -> None:
+        swap_class(site.module, data)
+
+
+RULES: list[Rule] = [ResnetBlockRule(), Transformer2DInRule()]
