@@ -181,6 +181,11 @@ def _forward_scopes(events) -> dict[int, str]:
     return scopes
 
 
+def _is_annotation(evt) -> bool:
+    """GPU-timeline copies of record_function ranges (gpu_user_annotation) span kernels; they are not kernels."""
+    return bool(getattr(evt, "is_user_annotation", False)) or "annotation" in str(getattr(evt, "activity_type", ""))
+
+
 def classify_events(events, on_gpu: bool, ldmopt_kernels: frozenset[str] = frozenset()):
     """(categories, launches) from a torch.profiler event list."""
     from torch.autograd import DeviceType
@@ -192,7 +197,7 @@ def classify_events(events, on_gpu: bool, ldmopt_kernels: frozenset[str] = froze
     if on_gpu:
         by_id = {e.id: e for e in cpu_ops}
         for e in events:
-            if e.device_type != DeviceType.CUDA:
+            if e.device_type != DeviceType.CUDA or _is_annotation(e):
                 continue
             launches += 1
             op = by_id.get(getattr(e, "linked_correlation_id", 0))

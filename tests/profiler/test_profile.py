@@ -147,7 +147,10 @@ def test_gpu_events_are_classified_by_launching_operator_then_by_kernel_name():
         _event(13, "triton_poi_fused_add_mul_0", 255, 257, DeviceType.CUDA),  # no launching operator
         _event(14, "nchwToNhwcKernel", 257, 260, DeviceType.CUDA),
     ]
-    events = [scope, sdpa, flash, linear, addmm, fused, *kernels]
+    # The GPU-timeline copy of a record_function range spans kernels and must not count as one.
+    annotation = _event(15, "ldmopt.attention.temporal::x", 200, 260, DeviceType.CUDA)
+    annotation.is_user_annotation = True
+    events = [scope, sdpa, flash, linear, addmm, fused, *kernels, annotation]
     cats, launches = classify_events(events, on_gpu=True, ldmopt_kernels=frozenset({"_geglu_fwd_kernel"}))
     assert launches == 5
     assert cats[C.ATTN_TEMPORAL].time_us == pytest.approx(30)
