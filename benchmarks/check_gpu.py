@@ -69,6 +69,38 @@ def _group_norm(quick: bool):
                 yield case, dtype, backend, [y, *grads], [ref, *grads64]
 
 
+@check("resnet_block")
+def _resnet_block(quick: bool):
+    """Fused ResnetBlock2D vs diffusers' own block in fp64 (also exercises the conv epilogue's statistics handoff)."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from ldmopt.nn import fused_resnet_forward
+
+    cases = {"sd-64x64x320": (2, 320, 320, 64), "sd-32x32x320-640": (2, 320, 640, 32)}
+    if not quick:
+        cases["vae-128x128x256-128"] = (1, 256, 128, 128)
+    for case, (n, c_in, c_out, hw) in cases.items():
+        temb_channels = None if case.startswith("vae") else 1280
+        ref_block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=temb_channels).cuda().eval()
+        with torch.no_grad():
+            for name, p in ref_block.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+        x = torch.randn(n, c_in, hw, hw, device="cuda").to(memory_format=torch.channels_last)
+        temb = torch.randn(n, 1280, device="cuda") if temb_channels else None
+        with torch.no_grad():
+            ref = ref_block.double()(x.double(), None if temb is None else temb.double())
+        for dtype in DTYPES:
+            block = ref_block.to(dtype)
+            with torch.no_grad(), ldmopt.use_backend("triton"):
+                out = fused_resnet_forward(block, x.to(dtype), None if temb is None else temb.to(dtype))
+                y, (mean, rstd) = fused_resnet_forward(
+                    block, x.to(dtype), None if temb is None else temb.to(dtype), out_stats=(32, 1e-6)
+                )
+            var, mu = torch.var_mean(y.double().reshape(n, 32, -1), dim=-1, unbiased=False)
+            yield case, dtype, "triton", [out, mean, rstd], [ref, mu, torch.rsqrt(var + 1e-6)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")

@@ -66,7 +66,11 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     from triton.backends.compiler import GPUTarget
 
     spec = importlib.import_module(module_name).aot_specs()[index]
-    src = triton.compiler.ASTSource(fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"])
+    # attrs carry the divisibility hints Triton applies at run time (e.g. {(i,): [["tt.divisibility", 16]]}); without
+    # them the gate would compile an unvectorised variant that never runs.
+    src = triton.compiler.ASTSource(
+        fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"], attrs=spec.get("attrs")
+    )
     options = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 3)}
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
