@@ -224,6 +224,15 @@ def _linear_bwd_kernel(
 # ----------------------------------------------------------------------------------------------------------- launchers
 
 
+def out_dtype(x: torch.Tensor, gate: torch.Tensor | None, residual: torch.Tensor | None) -> torch.dtype:
+    """The output dtype of ``residual + gate * act(x W^T)`` under PyTorch's type promotion."""
+    dtype = x.dtype
+    for t in (gate, residual):
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def linear_fwd(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -233,11 +242,12 @@ def linear_fwd(
     activation: str | None,
     save_pre: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N]; pre = x W^T + bias when save_pre, else
-    an empty tensor. x [M, K], weight [N, K], gate [B, N] with M % B == 0, residual [M, N]; any strides."""
+    """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in the promoted dtype of x, gate and
+    residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K], weight [N, K], gate [B, N]
+    with M % B == 0, residual [M, N]; any strides."""
     m, k = x.shape
     n = weight.shape[0]
-    y = new_output((m, n), device=x.device, dtype=x.dtype)
+    y = new_output((m, n), device=x.device, dtype=out_dtype(x, gate, residual))
     pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=x.dtype)
     tokens = m // gate.shape[0] if gate is not None else m
     gs = gate.stride() if gate is not None else (0, 0)
@@ -277,9 +287,8 @@ def linear_bwd(
     activation: str | None,
     need_dgate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dz, dbias fp32 [N], dgate fp32 [B, N] or None) for y = residual + gate * act(z): dz = act'(z) * gate * dy.
-
-    dy [M, N] any strides; pre (z) [M, N] contiguous, needed when activation is set or need_dgate."""
+    """(dz, dbias fp32 [N], dgate fp32 [B, N] or None) for y = residual + gate * act(z): dz = act'(z) * gate * dy in
+    dy's dtype. dy [M, N] any strides; pre (z) [M, N] contiguous, needed when activation is set or need_dgate."""
     m, n = dy.shape
     num_samples = gate.shape[0] if gate is not None else 1
     tokens = m // num_samples

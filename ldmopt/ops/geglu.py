@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._dispatch import Backend, BackendTable, triton_refusals
-from .linear import TRITON_DTYPES, activation_grad_torch, check_linear_args, compute_dtype, gemm_torch, needs_grad
+from .linear import (
+    TRITON_DTYPES,
+    activation_grad_torch,
+    autocast_operands,
+    check_linear_args,
+    compute_dtype,
+    gemm_torch,
+    needs_grad,
+)
 
 # ------------------------------------------------------------------------------------------------ torch reference
 
@@ -129,8 +137,10 @@ def geglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     x is [..., K] (any leading dims); weight [2I, K] and bias [2I] are ``GEGLU.proj``'s parameters unchanged (value
     rows [0, I), gate rows [I, 2I)), same dtype as x. Returns [..., I]. One GEMM with two fp32 accumulators and the
     epilogue in fp32, one rounding to x's dtype (the unfused path rounds the projection, gelu and the product).
-    Tolerance versus an fp64 reference: within 2x the error of diffusers' GEGLU in x's dtype.
+    Under torch.autocast the operands are cast to the autocast dtype first, as F.linear does. Tolerance versus an
+    fp64 reference: within 2x the error of diffusers' GEGLU in x's dtype.
     """
+    x, weight, bias = autocast_operands(x, weight, bias)
     check_linear_args("geglu", x, weight, bias, rows_multiple=2)
     rows, k = weight.shape
     y, _pre = geglu_fwd(x.reshape(-1, k), weight, bias, needs_grad(x, weight, bias))

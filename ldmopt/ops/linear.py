@@ -51,9 +51,26 @@ def gemm_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x W^T + b in the compute dtype. On CUDA the GEMM runs in the input dtype (cuBLAS accumulates in fp32), so the
     reference backend is not slower than the unfused module when it serves a GPU tensor."""
     cd = compute_dtype(x)
-    if x.is_cuda:
-        return F.linear(x, weight, bias).to(cd)
-    return F.linear(x.to(cd), weight.to(cd), None if bias is None else bias.to(cd))
+    # Inside an op the operands were already cast for autocast; a nested F.linear must not cast them again.
+    with torch.autocast(x.device.type, enabled=False):
+        if x.is_cuda:
+            return F.linear(x, weight, bias).to(cd)
+        return F.linear(x.to(cd), weight.to(cd), None if bias is None else bias.to(cd))
+
+
+def autocast_operands(x: Tensor, *others: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The GEMM operands cast as F.linear casts them under torch.autocast (floating, non-fp64 tensors to the autocast
+    dtype); unchanged outside autocast. The casts are ordinary differentiable ops, so fp32 master weights get fp32
+    gradients as with the unfused module."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return (x, *others)
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+
+    return tuple(cast(t) for t in (x, *others))
 
 
 def per_sample(name: str, t: Tensor, x: Tensor, width: int) -> Tensor:
@@ -79,8 +96,16 @@ def needs_grad(*tensors: Tensor | None) -> bool:
 # ------------------------------------------------------------------------------------------------ torch reference
 
 
+def _out_dtype(x: Tensor, gate: Tensor | None, residual: Tensor | None) -> torch.dtype:
+    dtype = x.dtype
+    for t in (gate, residual):
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre):
-    cd = compute_dtype(x)
+    cd = torch.float64 if _out_dtype(x, gate, residual) == torch.float64 else torch.float32
     z = gemm_torch(x, weight, bias)
     out = activation_torch(activation, z)
     if gate is not None:
@@ -88,7 +113,7 @@ def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre):
     if residual is not None:
         out = out + residual.to(cd)
     pre = z.to(x.dtype, copy=True) if save_pre else x.new_empty((0,))
-    return out.to(x.dtype, copy=True), pre
+    return out.to(_out_dtype(x, gate, residual), copy=True), pre
 
 
 def _bwd_torch(dy, pre, gate, activation, need_dgate):
@@ -149,14 +174,15 @@ def linear_fwd(
     save_pre: bool,
 ) -> tuple[Tensor, Tensor]:
     """(y [M, N], pre): x [M, K], weight [N, K], bias [N], gate [B, N] (rows grouped by sample, M % B == 0),
-    residual [M, N]. pre = x W^T + bias ([M, N], saved for backward) when save_pre, else empty."""
+    residual [M, N]. y has the promoted dtype of x, gate and residual. pre = x W^T + bias ([M, N] in x's dtype, saved
+    for backward) when save_pre, else empty."""
     return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre)
 
 
 @linear_fwd.register_fake
 def _(x, weight, bias, gate, residual, activation, save_pre):
-    y = x.new_empty((x.shape[0], weight.shape[0]))
-    return y, (torch.empty_like(y) if save_pre else x.new_empty((0,)))
+    y = x.new_empty((x.shape[0], weight.shape[0]), dtype=_out_dtype(x, gate, residual))
+    return y, (x.new_empty(y.shape) if save_pre else x.new_empty((0,)))
 
 
 @torch.library.custom_op("ldmopt::linear_bwd", mutates_args=())
@@ -197,6 +223,8 @@ def _backward(ctx, dy, _dpre):
             pre = gemm_torch(x, weight, bias).to(x.dtype)
         dz, dbias, dgate = linear_bwd(dy, pre if activation is not None or need_dgate else None, gate,
                                       activation or "", need_dgate)  # fmt: skip
+    if dz.dtype != weight.dtype:
+        dz = dz.to(weight.dtype)  # dy arrived in the promoted dtype (e.g. an fp32 residual stream under autocast)
     dx = torch.matmul(dz, weight) if need_dx else None
     dw = torch.matmul(dz.t(), x) if need_dw else None
     db = dbias.to(bias.dtype) if need_db else None
@@ -250,8 +278,12 @@ def linear(
     None, "gelu" (erf), "gelu_tanh" or "silu". ``gate`` (DiT/SD3/Flux gated residual) is one [N] vector per sample
     x.shape[0], shaped (B, N) or (B, 1, N), broadcast over the tokens; for 2-D x it is one vector per row (M, N).
     ``residual`` has the output's shape [..., N]. Accumulation and epilogue in fp32, one rounding to x's dtype at the
-    end. Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in x's dtype.
+    end. gate and residual may have another float dtype: the output takes the promoted dtype, as the unfused ops do.
+    Under torch.autocast x, weight and bias are cast to the autocast dtype first, as F.linear does. Tolerance versus
+    an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
+    check_tensor("x", x)
+    x, weight, bias = autocast_operands(x, weight, bias)
     check_linear_args("linear", x, weight, bias)
     check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
     n, k = weight.shape
@@ -260,14 +292,12 @@ def linear(
         if x.dim() < 2:
             raise ValueError(f"gate needs x with a sample axis ([B, ..., K]), got x of shape {tuple(x.shape)}")
         gate = per_sample("gate", gate, x, n)
-        if gate.dtype != x.dtype:
-            gate = gate.to(x.dtype)
     if residual is not None:
         check_tensor("residual", residual)
         if tuple(residual.shape) != out_shape:
             raise ValueError(f"residual must have the output's shape {out_shape}, got {tuple(residual.shape)}")
-        if residual.dtype != x.dtype or residual.device != x.device:
-            raise TypeError(f"residual is {residual.dtype} on {residual.device}; expected {x.dtype} on {x.device}")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
         residual = residual.reshape(-1, n)
     x2 = x.reshape(-1, k)
     save_pre = (activation is not None or (gate is not None and gate.requires_grad)) and needs_grad(

@@ -100,6 +100,20 @@ def test_recomputes_when_pre_was_not_saved():
         torch.testing.assert_close(got, t.grad)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_autocast_casts_operands_like_diffusers(backend):
+    mod = _module(24, 8, torch.float32)
+    x = torch.randn(3, 24)
+    with torch.autocast("cpu", dtype=torch.float16), ldmopt.use_backend(backend):
+        y = geglu(x, mod.proj.weight, mod.proj.bias)
+        expect = mod(x)
+    assert y.dtype == expect.dtype == torch.float16
+    y.float().sum().backward()
+    assert mod.proj.weight.grad.dtype == torch.float32
+    ref = _reference(*(t.detach().half().double() for t in (x, mod.proj.weight, mod.proj.bias)))
+    assert_within_torch_error(y, ref, expect, f"autocast {backend}")
+
+
 def test_gradcheck_reference_fp64():
     inputs = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in ((2, 3, 6), (10, 6), (10,))]
     with ldmopt.use_backend("torch"):

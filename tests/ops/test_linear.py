@@ -168,7 +168,7 @@ def test_fused_linear_module_shares_parameters():
         (lambda: linear(torch.randn(2, 3, 8), torch.randn(5, 8), gate=torch.randn(2, 3, 5)), r"or \(2, 1, 5\)"),
         (lambda: linear(torch.randn(8), torch.randn(5, 8), gate=torch.randn(1, 5)), "gate needs x with a sample axis"),
         (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), residual=torch.randn(2, 4)), r"output's shape \(2, 5\)"),
-        (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), residual=torch.randn(2, 5).half()), "residual is torch"),
+        (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), residual=torch.randn(2, 5, device="meta")), "on meta"),
         (lambda: linear(torch.randn(2, 8).half(), torch.randn(5, 8)), "weight has dtype torch.float32 but x has"),
         (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), torch.randn(5).bool()), "bias has dtype torch.bool"),
     ],
@@ -176,6 +176,42 @@ def test_fused_linear_module_shares_parameters():
 def test_bad_input_messages(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_fp32_residual_stream_promotes_output():
+    # fp16 GEMM into an fp32 residual stream (AMP training): the output and d(residual) stay fp32, like the eager ops.
+    x, w, b, gate, res = _inputs((3, 13, 40), 72, torch.float16, True)
+    leaves = [x, w, b, gate.float(), res.float()]
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    with ldmopt.use_backend("triton"):
+        y = linear(*leaves[:3], activation="gelu", gate=leaves[3], residual=leaves[4])
+    assert y.dtype == torch.float32
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    _reference(*ref[:3], "gelu", *ref[3:]).backward(dy.double())
+    lowp = [t.detach().clone().requires_grad_() for t in leaves]
+    expect_lowp = _reference(*lowp[:3], "gelu", *lowp[3:])
+    expect_lowp.backward(dy)
+    assert_within_torch_error(y, _reference(*[t.detach() for t in ref[:3]], "gelu", *[t.detach() for t in ref[3:]]),
+                              expect_lowp.detach(), "y")  # fmt: skip
+    for name, got, r, lp in zip(("dx", "dweight", "dbias", "dgate", "dresidual"), leaves, ref, lowp):
+        assert got.grad.dtype == got.dtype
+        assert_within_torch_error(got.grad, r.grad, lp.grad, name)
+
+
+def test_autocast_casts_operands_like_f_linear():
+    x = torch.randn(2, 5, 24)
+    w = torch.randn(16, 24, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16), ldmopt.use_backend("triton"):
+        y = linear(x, w, b, activation="silu")
+        expect = F.silu(F.linear(x, w, b))
+    assert y.dtype == expect.dtype == torch.float16
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    ref = F.silu(F.linear(*(t.detach().half().double() for t in (x, w, b))))
+    assert_within_torch_error(y, ref, expect, "autocast")
 
 
 def test_one_dim_input_like_nn_linear():
