@@ -63,8 +63,9 @@ def build_tiny_sd_pipeline(device: Any = "cpu", dtype: Any = None, seed: int = 0
 
     dtype = dtype or torch.float32
     torch.manual_seed(seed)
-    unet = build_model("sd15", tiny=True, device=device, dtype=dtype)
-    vae = build_model("sd15-vae", tiny=True, device=device, dtype=dtype)
+    # Channels-last is the layout the fused GroupNorm->conv kernels read (NCHW inputs run diffusers' forward).
+    unet = build_model("sd15", tiny=True, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+    vae = build_model("sd15-vae", tiny=True, device=device, dtype=dtype).to(memory_format=torch.channels_last)
     # Byte-level vocabulary without merges: every character is a token, which is all a tiny demo needs.
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for suffix in ("", "</w>"):

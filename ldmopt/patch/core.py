@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .report import PatchReport, Replaced, Skipped, fallback_counts
-from .rule import FAMILIES, FusedAway, Rule, Site, is_fused
+from .rule import FAMILIES, Rule, Site
 
 _RECORDS = "_ldmopt_records"
 _QUANT_MODULE_PREFIXES = ("bitsandbytes", "torchao", "optimum.quanto", "gguf", "auto_gptq", "awq", "hqq")
@@ -183,21 +183,26 @@ def _plan(
         for attr, child in m._modules.items():
             if child is not None:
                 parents.setdefault(id(child), (m, attr))
+    # Earlier patch calls (on this model or a submodule): their modules stay claimed, their (rule, module) done.
+    prior = [rec for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
+    report.already_patched += len(prior)
+    # claimed: modules some rule fuses or replaces; inside: those fused into a module around them (never visited).
     claimed: set[int] = set()
+    inside: set[int] = set()
+    for rec in prior:
+        for rel, t in rec.rule.touched(rec.site).items():
+            claimed.add(id(t))
+            if rel:
+                inside.add(id(t))
+    done = {(rec.rule.name, id(rec.site.module)) for rec in prior}
     actions: list[tuple[Rule, Site]] = []
     for name, m in named:
-        if id(m) in claimed:
-            continue
-        if is_fused(m):
-            report.already_patched += not isinstance(m, FusedAway)
+        if id(m) in inside:
             continue
         parent, attr = parents.get(id(m), (None, None))
         site = Site(name, m, parent, attr, training)
-        for rule in table.get(type(m), ()):
-            if not rule.match(site):
-                report.already_patched += rule.is_patched(site)
-                continue
-            if rule.family not in families:
+        for rule in table.get(getattr(type(m), "_ldmopt_base", type(m)), ()):
+            if rule.family not in families or (rule.name, id(m)) in done or not rule.match(site):
                 continue
             qualified = ".".join(p for p in (label, name) if p)
             if filter_fn is not None and not filter_fn(m, qualified):
@@ -212,6 +217,7 @@ def _plan(
                 continue
             actions.append((rule, site))
             claimed.update(id(t) for t in touched.values())
+            inside.update(id(t) for rel, t in touched.items() if rel)
     return actions
 
 

@@ -52,10 +52,6 @@ class Rule:
         """True when the instance is one this rule knows how to fuse (not yet patched)."""
         return True
 
-    def is_patched(self, site: Site) -> bool:
-        """True when this rule already patched the instance (patching twice is a no-op)."""
-        return False
-
     def reasons(self, site: Site) -> list[str]:
         """Why this matching instance must stay on the stock path (rule-specific; generic guards are in core)."""
         return []
@@ -125,18 +121,11 @@ def swap_class(module: nn.Module, cls: type) -> type:
     return old
 
 
-def is_fused(module: nn.Module) -> bool:
-    """True for instances patched by ldmopt (class-swapped or ldmopt replacement modules)."""
-    return bool(getattr(type(module), "_ldmopt_fused", False)) or "_ldmopt_base" in type(module).__dict__
-
-
 # ------------------------------------------------------------------------------------------------ child swap
 
 
 class FusedAway(nn.Identity):
     """Stands where a module whose work moved into a neighbour was (e.g. a SiLU now applied inside a GroupNorm)."""
-
-    _ldmopt_fused = True
 
     def __init__(self, into: str) -> None:
         super().__init__()

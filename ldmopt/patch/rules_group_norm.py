@@ -23,8 +23,6 @@ from .rule import FusedAway, Rule, Site, set_child
 class PatchedGroupNorm(_LdmoptGroupNorm):
     """``ldmopt.nn.GroupNorm`` as ``patch`` installs it; inputs the fused op does not take (2-D) go to torch."""
 
-    _ldmopt_fused = True
-
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() in (3, 4, 5):
             return super().forward(x)

@@ -13,10 +13,12 @@ def test_tiny_sd_pipeline_patched_vs_stock():
     before = {name: snapshot(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     report = ldmopt.patch(pipe)
     assert set(report.models) == {"unet", "vae", "text_encoder"}
-    assert report.counts("unet")["group_norm_silu"] == 1 and report.counts("vae")["group_norm_silu"] == 2
+    assert report.counts("unet") == {"geglu": 10, "group_norm_silu": 1, "resnet": 14, "transformer2d_in": 10}
+    assert report.counts("vae") == {"group_norm": 18, "group_norm_silu": 2, "resnet": 8}
     assert report.counts("text_encoder") == {}
     with ldmopt.use_backend("torch"):
         patched, _ = run_sd(pipe, steps=2, seed=1)
+    assert not report.fallbacks(), report.fallbacks()  # channels-last end to end: every patched block ran fused
     assert stock.shape == patched.shape and stock.shape[-1] == 16 * pipe.vae_scale_factor
     # Images in [0, 1] after 2 DDIM steps and the VAE decoder, fp32: only rounding differs.
     torch.testing.assert_close(patched, stock, atol=2e-4, rtol=0)
