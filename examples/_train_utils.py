@@ -216,7 +216,11 @@ def profile_window(
         from ldmopt.profiler import profile
     except ImportError as exc:
         return _torch_profiler_window(run_step, wait, warmup, active, out_dir, write, reason=str(exc))
-    result = profile(run_step, wait=wait, warmup=warmup, steps=active, training=True, modules={"model": model})
+    # profile() takes the device from the target's modules or its inputs, not from ``modules=``: an empty tensor on
+    # the model's device among the (otherwise unused) inputs makes it time GPU kernels for this callable.
+    probe = {"device": torch.empty(0, device=next(model.parameters()).device)}
+    result = profile(lambda **_: run_step(), inputs=probe, wait=wait, warmup=warmup, steps=active, training=True,
+                     modules={"model": model})  # fmt: skip
     if write:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "categories.txt").write_text(result.table() + "\n")
