@@ -266,10 +266,14 @@ def _resolve_target(target, *, device, dtype, tiny, resolution, frames, batch, i
     return model, inputs
 
 
-def _device_of(target, inputs) -> str:
+def _device_of(target, inputs, modules, device) -> str:
+    """Where the work runs: ``device`` if given, else the parameters of the hooked modules, else the inputs."""
     from torch.utils._pytree import tree_flatten
 
-    for module in _modules_of(target).values():
+    if device is not None:
+        return torch.device(device).type
+    roots = _modules_of(target) if modules is None else _modules_of(modules)
+    for module in roots.values():
         for p in module.parameters():
             return p.device.type
     leaves = tree_flatten(getattr(inputs, "kwargs", inputs))[0]
@@ -305,11 +309,15 @@ def profile(
     ``target``: an ``nn.Module`` (called with ``inputs``: ``configs.ModelInputs``, kwargs dict, args tuple or one
     tensor; zoo models built by ``configs.build_model`` default to ``configs.example_inputs``), a diffusers
     pipeline (``pipe(**inputs)``, hooks on all its module components), any callable (``fn(**inputs)``/``fn()``), or
-    a zoo name (built with random weights on ``device``; ``tiny=True`` for the tiny variant).
+    a zoo name (built with random weights on ``device``; ``tiny=True`` for the tiny variant). ``modules`` are the
+    modules to hook for attention scopes when ``target`` is a plain callable (a module or a name -> module dict).
+    CUDA kernel time is measured when ``device`` is CUDA, or else when the hooked modules' parameters (or the
+    inputs) are on a CUDA device.
 
     ``training=True`` runs forward + backward + optimizer step per step (AdamW if no ``optimizer``; loss is
-    ``loss_fn(output)`` or the mean square of the first output tensor); ``data`` is an iterable of inputs drawn
-    once per step, whose fetch time is reported as data-loading stalls. The schedule is torch.profiler's
+    ``loss_fn(output)`` or the mean square of the first output tensor); for a plain callable the callable is the
+    whole step and ``training`` only labels the run. ``data`` is an iterable of inputs drawn once per step, whose
+    fetch time is reported as data-loading stalls. The schedule is torch.profiler's
     wait/warmup/active; ``wait`` defaults to 1 in training (as in the studies) and 0 otherwise.
 
     ``trace`` writes a Chrome trace; ``tensorboard`` a log directory (profiler trace + scalar event files);
@@ -321,7 +329,7 @@ def profile(
     target, inputs = _resolve_target(target, device=device, dtype=dtype, tiny=tiny, resolution=resolution,
                                      frames=frames, batch=batch, inputs=inputs)  # fmt: skip
     wait = (1 if training else 0) if wait is None else wait
-    on_gpu = _device_of(target, inputs) == "cuda" and torch.cuda.is_available()
+    on_gpu = _device_of(target, inputs, modules, device) == "cuda" and torch.cuda.is_available()
     hooked = _modules_of(target) if modules is None else modules
     modes = {m: m.training for root in _modules_of(target).values() for m in root.modules()}
     step_fn = _make_step(target, inputs, training, optimizer, loss_fn, data)
