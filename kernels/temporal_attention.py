@@ -223,8 +223,8 @@ def block_config(f: int, d: int, dtype: torch.dtype = torch.float16) -> dict:
 
     The 3-D MMA layout puts the warps on the sequence axis, so F <= 16 runs BLOCK_P = num_warps = 4 sequences (one
     16 x 16 score tile per warp); longer sequences run one per program as 2-D dots with 4 (F <= 32) or 8 warps on
-    the score rows. Every configuration compiles without spills on sm_80/sm_90 (see aot_specs), at <= 128
-    registers for the forward.
+    the score rows. Every configuration compiles without spills on sm_80/sm_90 (see aot_specs); the fp16/bf16
+    forward takes <= 128 registers, so at least four programs fit on an SM.
     """
     bf = max(16, next_power_of_2(f))
     if bf == 16:

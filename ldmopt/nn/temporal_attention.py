@@ -23,6 +23,9 @@ Interface for the patcher (``ldmopt.patch``):
   ``ProcessorInstall.previous`` (name -> processor), the new ones in ``.installed``, ``.skipped`` maps name ->
   reason, ``.report()`` counts kernel calls and fallback reasons per module;
 - ``uninstall_processors(install)`` puts every previous processor object back (identity preserved); idempotent.
+- ``install_temporal_blocks(model) -> BlockInstall`` / ``uninstall_temporal_blocks(install)``: SVD's
+  ``TemporalBasicTransformerBlock`` run whole in (B, F, N, C) order (:class:`TemporalBlockBFNC`, set as the
+  instance's ``forward``; parameters, state_dict and class unchanged), so no permuted copy is made at all.
 """
 
 from __future__ import annotations
@@ -97,6 +100,65 @@ def unsupported_reason(attn) -> str | None:
     return None
 
 
+def temporal_self_attention(attn, x: Tensor, context: Tensor | None, bfn: tuple[int, int, int]) -> Tensor:
+    """What an Attention module computes on token-major activations ``x`` of shape (..., C), with the attention over
+    frames done by the strided kernel: ``x.view(*bfn, C)`` must index tokens as (B, F, N); ``context`` (same shape)
+    gives the keys and values instead of ``x`` when not None. Projections (fused or not), per-head norm_q/norm_k,
+    ``attn.scale``, to_out, residual_connection and rescale_output_factor as diffusers applies them; no copies.
+    """
+    heads, c = attn.heads, attn.inner_dim
+    fused = attn.fused_projections
+    if context is None and fused and getattr(attn, "to_qkv", None) is not None:
+        qkv = attn.to_qkv(x)
+        q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]
+    else:
+        source = x if context is None else context
+        if context is not None and attn.norm_cross:
+            source = attn.norm_encoder_hidden_states(source)
+        q = attn.to_q(x)
+        if fused and getattr(attn, "to_kv", None) is not None:
+            kv = attn.to_kv(source)
+            k, v = kv[..., :c], kv[..., c:]
+        else:
+            k, v = attn.to_k(source), attn.to_v(source)
+    # (..., C) -> (B, F, N, heads, head_dim): a view (the last axis of every slice is contiguous).
+    q, k, v = (t.view(*bfn, heads, c // heads) for t in (q, k, v))
+    if attn.norm_q is not None:
+        q = attn.norm_q(q)
+    if attn.norm_k is not None:
+        k = attn.norm_k(k)
+    out = temporal_attention(q, k, v, scale=attn.scale)
+    # The output is torch.empty_like(q): token-major whenever q is a dense view or a qkv slice.
+    out = attn.to_out[0](out.reshape(*x.shape[:-1], c))
+    out = attn.to_out[1](out)
+    if attn.residual_connection:
+        out = out + x
+    return out / attn.rescale_output_factor
+
+
+def single_key_attention(attn, context: Tensor) -> Tensor:
+    """Cross-attention over one key per batch item: ``to_out(to_v(norm_cross(context)))``, unexpanded."""
+    if attn.norm_cross:
+        context = attn.norm_encoder_hidden_states(context)
+    out = attn.to_out[0](attn.to_v(context))
+    for layer in attn.to_out[1:]:
+        out = layer(out)
+    return out
+
+
+def _single_key_module_reason(attn) -> str | None:
+    if attn.added_kv_proj_dim is not None or attn.to_out is None or attn.to_v is None:
+        return "added key/value projections or no output projection"
+    dropout = attn.to_out[1] if len(attn.to_out) > 1 else None
+    if attn.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+        return "output dropout in training mode (would be shared across queries)"
+    return None
+
+
+def _stock_or_ours(processor) -> bool:
+    return isinstance(processor, _FallbackProcessor) or type(processor).__name__ in STOCK_PROCESSORS
+
+
 class _FallbackProcessor:
     """Common part: the previous processor to fall back to, and counters of what ran."""
 
@@ -148,37 +210,8 @@ class TemporalAttnProcessor(_FallbackProcessor):
             call = (attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs)
             return self._fall_back(reason, *call)
         self.kernel_calls += 1
-        residual = hidden_states
         bn, f, _ = hidden_states.shape
-        heads, c = attn.heads, attn.inner_dim
-        head_dim = c // heads
-        fused = attn.fused_projections
-        if encoder_hidden_states is None and fused and getattr(attn, "to_qkv", None) is not None:
-            qkv = attn.to_qkv(hidden_states)
-            q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]
-        else:
-            context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
-            if encoder_hidden_states is not None and attn.norm_cross:
-                context = attn.norm_encoder_hidden_states(context)
-            q = attn.to_q(hidden_states)
-            if fused and getattr(attn, "to_kv", None) is not None:
-                kv = attn.to_kv(context)
-                k, v = kv[..., :c], kv[..., c:]
-            else:
-                k, v = attn.to_k(context), attn.to_v(context)
-        # (B*N, F, C) -> (B*N, F, 1, heads, head_dim): a view (the last axis of every slice is contiguous).
-        q, k, v = (t.view(bn, f, 1, heads, head_dim) for t in (q, k, v))
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
-        out = temporal_attention(q, k, v, scale=attn.scale)
-        # The output is torch.empty_like(q): (B*N, F, C) row-major whenever q is a dense view or a qkv slice.
-        out = attn.to_out[0](out.reshape(bn, f, c))
-        out = attn.to_out[1](out)
-        if attn.residual_connection:
-            out = out + residual
-        return out / attn.rescale_output_factor
+        return temporal_self_attention(attn, hidden_states, encoder_hidden_states, (bn, f, 1))
 
 
 class SingleKeyAttnProcessor(_FallbackProcessor):
@@ -201,12 +234,7 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
             return f"{hidden_states.ndim}-D input"
         if encoder_hidden_states.shape[0] != hidden_states.shape[0]:
             return f"context batch {encoder_hidden_states.shape[0]} != query batch {hidden_states.shape[0]}"
-        if attn.added_kv_proj_dim is not None or attn.to_out is None or attn.to_v is None:
-            return "added key/value projections or no output projection"
-        dropout = attn.to_out[1] if len(attn.to_out) > 1 else None
-        if attn.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
-            return "output dropout in training mode (would be shared across queries)"
-        return None
+        return _single_key_module_reason(attn)
 
     def __call__(
         self,
@@ -223,12 +251,7 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
             call = (attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs)
             return self._fall_back(reason, *call)
         self.kernel_calls += 1
-        context = encoder_hidden_states
-        if attn.norm_cross:
-            context = attn.norm_encoder_hidden_states(context)
-        out = attn.to_out[0](attn.to_v(context))
-        for layer in attn.to_out[1:]:
-            out = layer(out)
+        out = single_key_attention(attn, encoder_hidden_states)
         out = out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[-1])
         if attn.residual_connection:
             out = out + hidden_states
@@ -334,4 +357,112 @@ def uninstall_processors(install: ProcessorInstall) -> None:
         return
     for name, previous in install.previous.items():
         install.modules[name].set_processor(previous)
+    install.active = False
+
+
+# ------------------------------------------------------------------------------------------------ SVD temporal block
+
+#: Blocks whose whole forward can run in (B, F, N, C) order (every op but the attention acts per token).
+TEMPORAL_BLOCKS = ("TemporalBasicTransformerBlock",)
+
+
+class TemporalBlockBFNC:
+    """``TemporalBasicTransformerBlock.forward`` (Stable Video Diffusion) with the tokens left in (B, F, N, C) order.
+
+    diffusers permutes the (B*F, N, C) input to (B*N, F, C) and back, two copies of the activation per block. Here
+    norm_in, ff_in, the norms and the feed-forward act per token on the (B, F, N, C) view, attn1 runs the strided
+    kernel along F, and attn2 (one key per (batch, pixel): SVD's image embedding) is the exact single-key shortcut
+    broadcast over frames. Same modules and parameters, same result within the kernel's tolerance; anything else
+    (chunked feed-forward, custom processors, other contexts) runs the class's own forward, reason counted.
+    Installed as the instance's ``forward`` by :func:`install_temporal_blocks`.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.kernel_calls = 0
+        self.fallback_reasons: Counter[str] = Counter()
+
+    def reason(self, hidden_states: Tensor, num_frames: int, context: Tensor | None) -> str | None:
+        block = self.block
+        if block._chunk_size is not None:
+            return "chunked feed-forward"
+        if hidden_states.ndim != 3 or hidden_states.shape[0] % num_frames:
+            return f"input of shape {tuple(hidden_states.shape)} for {num_frames} frames"
+        if num_frames > MAX_FRAMES:
+            return f"F={num_frames} frames > {MAX_FRAMES}"
+        for attn in (block.attn1, block.attn2):
+            if attn is not None and not _stock_or_ours(attn.processor):
+                return f"custom processor {type(attn.processor).__name__}"
+        reason = unsupported_reason(block.attn1)
+        if reason is not None:
+            return f"attn1: {reason}"
+        if block.attn2 is not None:
+            pairs = hidden_states.shape[0] // num_frames * hidden_states.shape[1]
+            if context is None or context.ndim != 3 or tuple(context.shape[:2]) != (pairs, 1):
+                return "attn2 context is not one key per (batch, pixel)"
+            reason = _single_key_module_reason(block.attn2)
+            if reason is not None:
+                return f"attn2: {reason}"
+        return None
+
+    def __call__(self, hidden_states: Tensor, num_frames: int, encoder_hidden_states: Tensor | None = None) -> Tensor:
+        block = self.block
+        reason = self.reason(hidden_states, num_frames, encoder_hidden_states)
+        if reason is not None:
+            self.fallback_reasons[reason] += 1
+            return type(block).forward(block, hidden_states, num_frames, encoder_hidden_states)
+        self.kernel_calls += 1
+        bf, n, c = hidden_states.shape
+        b = bf // num_frames
+        x = hidden_states.view(b, num_frames, n, c)
+        h = block.ff_in(block.norm_in(x))
+        if block.is_res:
+            h = h + x
+        h = temporal_self_attention(block.attn1, block.norm1(h), None, (b, num_frames, n)) + h
+        if block.attn2 is not None:
+            attn2 = block.attn2
+            # (B*N, 1, C) context rows -> (B, 1, N, C), broadcast over the frames.
+            out = single_key_attention(attn2, encoder_hidden_states).view(b, 1, n, -1)
+            if attn2.residual_connection:
+                out = out + block.norm2(h)
+            h = out / attn2.rescale_output_factor + h
+        ff = block.ff(block.norm3(h))
+        h = ff + h if block.is_res else ff
+        return h.view(bf, n, -1)
+
+
+@dataclass
+class BlockInstall:
+    """What :func:`install_temporal_blocks` did: per block name, the installed forward; blocks left alone."""
+
+    blocks: dict[str, nn.Module] = field(default_factory=dict)
+    forwards: dict[str, TemporalBlockBFNC] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    active: bool = True
+
+    def report(self) -> dict[str, Counter]:
+        return {n: Counter({"kernel": f.kernel_calls, **f.fallback_reasons}) for n, f in self.forwards.items()}
+
+
+def install_temporal_blocks(model: nn.Module) -> BlockInstall:
+    """Run every SVD ``TemporalBasicTransformerBlock`` of ``model`` in (B, F, N, C) order (instance ``forward``)."""
+    install = BlockInstall()
+    for name, module in model.named_modules():
+        if type(module).__name__ not in TEMPORAL_BLOCKS:
+            continue
+        if "forward" in vars(module):
+            install.skipped[name] = "forward already overridden on the instance"
+            continue
+        module.forward = install.forwards[name] = TemporalBlockBFNC(module)
+        install.blocks[name] = module
+    return install
+
+
+def uninstall_temporal_blocks(install: BlockInstall) -> None:
+    """Give every block its class's forward back (a second call does nothing)."""
+    if not install.active:
+        return
+    for name, block in install.blocks.items():
+        if vars(block).get("forward") is install.forwards[name]:
+            del block.forward
     install.active = False
