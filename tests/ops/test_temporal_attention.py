@@ -109,9 +109,8 @@ def test_reference_backend_matches_fp64(layout):
     assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "torch backend")
 
 
-@pytest.mark.parametrize("layout", ["diffusers", "bfnc"])
-def test_gradcheck_reference_fp64(layout):
-    q, k, v = _make(1, 5, 2, 2, 8, layout, torch.float64, requires_grad=True)
+def test_gradcheck_reference_fp64():
+    q, k, v = _make(1, 4, 2, 1, 6, "bfnc", torch.float64, requires_grad=True)
     with ldmopt.use_backend("torch"):
         assert torch.autograd.gradcheck(lambda q, k, v: temporal_attention(q, k, v, scale=0.6), (q, k, v))
 
@@ -147,7 +146,7 @@ def test_out_refuses_autograd():
 def test_grid_limit_is_not_reached():
     from ldmopt.kernels.temporal_attention import launch_grid
 
-    # AnimateDiff-SDXL at 1024px: 2 x 128 x 128 pixel sequences... and more: 262,144 sequences x 8 heads.
+    # 262,144 sequences x 8 heads (8x AnimateDiff-SDXL 1024px's 32,768 x 8): one grid axis, no 65,535 cap.
     for f, d in ((16, 40), (16, 80), (16, 160), (64, 64)):
         grid = launch_grid(262_144 * 8, f, d)
         assert len(grid) == 1 and 65_535 < grid[0] <= 2**31 - 1, (f, d, grid)
@@ -158,10 +157,10 @@ def test_grid_limit_is_not_reached():
 def test_many_sequences_one_program_each_head():
     # More sequences x heads than a y/z grid axis could hold would need a GPU; here every (b, n, h) index of an odd
     # batch lands in exactly one program: poisoned outputs would show as NaN.
-    q, k, v = _make(37, 3, 5, 3, 40, "bfnc", torch.float32)
+    q, k, v = _make(13, 3, 5, 3, 16, "bfnc", torch.float32)
     with ldmopt.use_backend("triton"):
         out = temporal_attention(q, k, v)
-    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "555 sequences")
+    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "195 sequences")
 
 
 def test_long_sequences_fall_back_to_reference():
