@@ -101,6 +101,70 @@ def _resnet_block(quick: bool):
             yield case, dtype, "triton", [out, mean, rstd], [ref, mu, torch.rsqrt(var + 1e-6)]
 
 
+@check("fused_linear")
+def _fused_linear(quick: bool):
+    """GEGLU, bias+GELU-tanh and gated-residual GEMMs and adaLN modulation, forward and all gradients, vs fp64."""
+    from ldmopt.ops.adaln_modulate import adaln_modulate
+    from ldmopt.ops.geglu import geglu
+    from ldmopt.ops.linear import linear
+
+    def run_geglu(x, w, b):
+        return geglu(x, w, b)
+
+    def ref_geglu(x, w, b):
+        h, g = F.linear(x, w, b).chunk(2, dim=-1)
+        return h * F.gelu(g)
+
+    def run_gelu(x, w, b):
+        return linear(x, w, b, activation="gelu_tanh")
+
+    def ref_gelu(x, w, b):
+        return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+    def run_gated(x, w, b, gate, res):
+        return linear(x, w, b, gate=gate, residual=res)
+
+    def ref_gated(x, w, b, gate, res):
+        return res + gate[:, None] * F.linear(x, w, b)
+
+    def run_adaln(x, scale, shift, res):
+        return adaln_modulate(x, scale, shift, residual=res, return_residual=True)[0]
+
+    def ref_adaln(x, scale, shift, res):
+        return F.layer_norm(x + res, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+
+    # case: (fused, reference, B, T, K, N); GEMM weights are [N, K] (GEGLU: N = 2I); adaLN uses C = K.
+    cases = {
+        "geglu-sd15-l0": (run_geglu, ref_geglu, 2, 4096, 320, 2560),
+        "geglu-sdxl": (run_geglu, ref_geglu, 2, 1024, 1280, 10240),
+        "gelu_tanh-pixart": (run_gelu, ref_gelu, 2, 4096, 1152, 4608),
+        "gated-pixart": (run_gated, ref_gated, 2, 4096, 1152, 1152),
+        "adaln-pixart": (run_adaln, ref_adaln, 2, 4096, 1152, None),
+    }
+    if quick:
+        cases.pop("geglu-sdxl")
+    for case, (run, ref_fn, bsz, t, k, n) in cases.items():
+        for dtype in DTYPES:
+            x = torch.randn(bsz, t, k, device="cuda")
+            if n is None:
+                scale, shift = torch.randn(bsz, k, device="cuda") * 0.5, torch.randn(bsz, k, device="cuda")
+                inputs = [x, scale, shift, torch.randn_like(x)]
+            else:
+                inputs = [x, torch.randn(n, k, device="cuda") * k**-0.5, torch.randn(n, device="cuda") * 0.1]
+                if run is run_gated:
+                    inputs += [torch.randn(bsz, n, device="cuda"), torch.randn(bsz, t, n, device="cuda")]
+            inputs = [v.to(dtype) for v in inputs]
+            leaves64 = [v.double().requires_grad_() for v in inputs]
+            ref = ref_fn(*leaves64)
+            dy = torch.randn(ref.shape, device="cuda").to(dtype)
+            grads64 = torch.autograd.grad(ref, leaves64, dy.double())
+            leaves = [v.detach().clone().requires_grad_() for v in inputs]
+            with ldmopt.use_backend("triton"):
+                y = run(*leaves)
+                grads = torch.autograd.grad(y, leaves, dy)
+            yield case, dtype, "triton", [y, *grads], [ref.detach(), *grads64]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")

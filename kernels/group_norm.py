@@ -20,7 +20,8 @@ from ._common import ACTIVATIONS, new_output, next_power_of_2
 _TARGET_PROGRAMS = 1024
 # Groups up to this many elements take the single-launch path (launch latency dominates there).
 _ONEPASS_MAX_GROUP = 16384
-# Warps for the 4K-element tiles: 16 elements per thread keeps registers well under the 255 cap.
+# 2K-element tiles over 8 warps: 8 elements (16 bytes of fp16) per thread. Larger tiles made ptxas spill on sm_90.
+_TILE_ELEMENTS = 2048
 _TILE_WARPS = 8
 
 
@@ -268,14 +269,14 @@ def as_ncs(t: torch.Tensor) -> tuple[int, int, int, tuple[int, int, int]]:
 
 
 def _tiles(c: int, s: int, channels_contiguous: bool) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_C): ~4K elements per tile, the contiguous axis widest."""
+    """(BLOCK_S, BLOCK_C): _TILE_ELEMENTS per tile, the contiguous axis widest."""
     if channels_contiguous:
         block_c = min(128, next_power_of_2(c))
-        block_s = max(16, 4096 // block_c)
+        block_s = max(8, _TILE_ELEMENTS // block_c)
     else:
-        block_s = min(256, max(16, next_power_of_2(s)))
-        block_c = max(1, 4096 // block_s)
-        block_c = min(block_c, next_power_of_2(c))
+        # NCHW: 128 contiguous positions x 8 channels; 256 x 8 spilled in the sm_90 backward.
+        block_s = min(128, max(16, next_power_of_2(s)))
+        block_c = min(max(1, (_TILE_ELEMENTS // 2) // block_s), next_power_of_2(c))
     return block_s, block_c
 
 
@@ -334,7 +335,7 @@ def group_norm_fwd(
         mean = new_output((n, num_groups), device=x.device, dtype=torch.float32)
         rstd = new_output((n, num_groups), device=x.device, dtype=torch.float32)
         block_cpg = next_power_of_2(cpg)
-        block_s = max(1, min(next_power_of_2(s), 4096 // block_cpg))
+        block_s = max(1, min(next_power_of_2(s), _TILE_ELEMENTS // block_cpg))
         _group_norm_fwd_onepass_kernel[(n * num_groups,)](
             y, mean, rstd, x, w, b, sxn, sxc, sxs, syn, syc, sys_, c, s, num_groups, eps,
             HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION=act, BLOCK_S=block_s, BLOCK_CPG=block_cpg,

@@ -49,7 +49,10 @@ def _tool(name: str) -> str:
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers, local-memory bytes per thread) of the kernel in a cubin, read with cuobjdump."""
+    """(registers, spill bytes per thread) of the kernel in a cubin, read with cuobjdump.
+
+    ptxas places spills in the stack frame (cuobjdump's STACK), not always in LOCAL: both count as spills here.
+    """
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -58,7 +61,8 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
         ).stdout
     regs = int(re.search(r"REG:(\d+)", out).group(1))
     local = int(re.search(r"LOCAL:(\d+)", out).group(1))
-    return regs, local
+    stack = int(re.search(r"STACK:(\d+)", out).group(1))
+    return regs, local + stack
 
 
 def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
@@ -80,7 +84,7 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     shared = int(compiled.metadata.shared)
     problems = []
     if local:
-        problems.append(f"{local} bytes of local memory per thread (register spills)")
+        problems.append(f"{local} bytes of stack/local memory per thread (register spills)")
     if shared > SHARED_MEMORY_LIMIT[arch]:
         problems.append(f"shared memory {shared} B over the sm_{arch} limit {SHARED_MEMORY_LIMIT[arch]} B")
     return CompileRecord(spec["name"], arch, regs, shared, local, not problems, "; ".join(problems))
@@ -93,7 +97,13 @@ def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None
     for name in modules or kernel_modules():
         module = importlib.import_module(name)
         if hasattr(module, "aot_specs"):
-            jobs += [(name, i, arch) for i in range(len(module.aot_specs())) for arch in archs]
+            # A spec may name the archs it is meant for (e.g. tiles that only sm_90 selects at run time).
+            jobs += [
+                (name, i, arch)
+                for i, spec in enumerate(module.aot_specs())
+                for arch in archs
+                if arch in spec.get("archs", archs)
+            ]
     workers = workers or min(4, os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(compile_spec, *zip(*jobs))) if jobs else []

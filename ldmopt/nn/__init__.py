@@ -1,6 +1,44 @@
 """Drop-in nn.Modules backed by ldmopt's fused ops (same parameters and state_dict keys as the modules they replace)."""
 
 from .group_norm import GroupNorm
+from .linear import (
+    FusedAdaLayerNormContinuous,
+    FusedAdaLayerNormZero,
+    FusedAdaLayerNormZeroSingle,
+    FusedGEGLU,
+    FusedGELU,
+    FusedLinear,
+)
 from .resnet import FusedResnetBlock2D, fused_resnet_forward
+from .temporal_attention import (
+    SingleKeyAttnProcessor,
+    TemporalAttnProcessor,
+    TemporalBlockBFNC,
+    find_single_key_cross_attention,
+    find_temporal_attention,
+    install_processors,
+    install_temporal_blocks,
+    uninstall_processors,
+    uninstall_temporal_blocks,
+)
 
-__all__ = ["FusedResnetBlock2D", "GroupNorm", "fused_resnet_forward"]
+__all__ = [
+    "FusedAdaLayerNormContinuous",
+    "FusedAdaLayerNormZero",
+    "FusedAdaLayerNormZeroSingle",
+    "FusedGEGLU",
+    "FusedGELU",
+    "FusedLinear",
+    "FusedResnetBlock2D",
+    "GroupNorm",
+    "SingleKeyAttnProcessor",
+    "TemporalAttnProcessor",
+    "TemporalBlockBFNC",
+    "find_single_key_cross_attention",
+    "find_temporal_attention",
+    "fused_resnet_forward",
+    "install_processors",
+    "install_temporal_blocks",
+    "uninstall_processors",
+    "uninstall_temporal_blocks",
+]

@@ -2,7 +2,21 @@
 implementation, autograd, and a backend table (cuda -> triton -> torch) consulted on real tensors."""
 
 from ._dispatch import BackendUnavailableError, backend_counts, use_backend
+from .adaln_modulate import adaln_modulate
+from .geglu import geglu
 from .gn_conv2d import gn_silu_conv2d
 from .group_norm import group_norm
+from .linear import linear
+from .temporal_attention import temporal_attention
 
-__all__ = ["BackendUnavailableError", "backend_counts", "gn_silu_conv2d", "group_norm", "use_backend"]
+__all__ = [
+    "BackendUnavailableError",
+    "adaln_modulate",
+    "backend_counts",
+    "geglu",
+    "gn_silu_conv2d",
+    "group_norm",
+    "linear",
+    "temporal_attention",
+    "use_backend",
+]
