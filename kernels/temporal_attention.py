@@ -218,7 +218,7 @@ def block_d(d: int, dtype: torch.dtype = torch.float16) -> int:
     return min((16, 32), key=lambda b: (triton.cdiv(d, b) * b, -b))
 
 
-def block_config(f: int, d: int, dtype: torch.dtype = torch.float16) -> dict:
+def block_config(f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> dict:
     """Tile of one program for F frames and head_dim d: BLOCK_P sequences of BLOCK_F x BLOCK_D, and num_warps.
 
     The 3-D MMA layout puts the warps on the sequence axis, so F <= 16 runs BLOCK_P = num_warps = 4 sequences (one
@@ -227,16 +227,19 @@ def block_config(f: int, d: int, dtype: torch.dtype = torch.float16) -> dict:
     forward takes <= 128 registers, so at least four programs fit on an SM.
     """
     bf = max(16, next_power_of_2(f))
-    if bf == 16:
+    if bf == 16 and not (backward and dtype == torch.float32):
         p, warps = 4, 4
+    elif bf == 16:
+        # The fp32 backward's four [P, 16, 16] fp32 tiles per warp spill at P = 4: one sequence over 4 warps instead.
+        p, warps = 1, 4
     else:
         p, warps = 1, 4 if bf == 32 else 8
     return {"BLOCK_P": p, "BLOCK_F": bf, "BLOCK_D": block_d(d, dtype), "num_warps": warps}
 
 
-def launch_grid(n_seq: int, f: int, d: int) -> tuple[int]:
+def launch_grid(n_seq: int, f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> tuple[int]:
     """The 1-D grid for n_seq = B*N*H sequences, forward and backward: every sequence of every head on axis 0."""
-    grid = (triton.cdiv(n_seq, block_config(f, d)["BLOCK_P"]),)
+    grid = (triton.cdiv(n_seq, block_config(f, d, dtype, backward)["BLOCK_P"]),)
     if grid[0] > _GRID_AXIS0_LIMIT:
         raise ValueError(f"{n_seq} sequences need {grid[0]} programs, over grid axis 0's limit {_GRID_AXIS0_LIMIT}")
     return grid
@@ -277,7 +280,7 @@ def temporal_attention_fwd(
     b, f, n, h, d = q.shape
     cfg = block_config(f, d, q.dtype)
     n_seq = b * n * h
-    _temporal_attention_fwd_kernel[launch_grid(n_seq, f, d)](
+    _temporal_attention_fwd_kernel[launch_grid(n_seq, f, d, q.dtype)](
         out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, d, scale * _LOG2E,
         BLOCK_P=cfg["BLOCK_P"], BLOCK_F=cfg["BLOCK_F"], BLOCK_D=cfg["BLOCK_D"],
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
@@ -292,9 +295,9 @@ def temporal_attention_bwd(
     _check_views(dout, q, k, v)
     b, f, n, h, d = q.shape
     dq, dk, dv = new_output(like=q), new_output(like=k), new_output(like=v)
-    cfg = block_config(f, d, q.dtype)
+    cfg = block_config(f, d, q.dtype, backward=True)
     n_seq = b * n * h
-    _temporal_attention_bwd_kernel[launch_grid(n_seq, f, d)](
+    _temporal_attention_bwd_kernel[launch_grid(n_seq, f, d, q.dtype, backward=True)](
         dq, dk, dv, dout, q, k, v, *dq.stride(), *dk.stride(), *dv.stride(), *dout.stride(), *q.stride(),
         *k.stride(), *v.stride(), n_seq, n, h, f, d, scale, scale * _LOG2E,
         BLOCK_P=cfg["BLOCK_P"], BLOCK_F=cfg["BLOCK_F"], BLOCK_D=cfg["BLOCK_D"],
@@ -327,7 +330,7 @@ def aot_specs() -> list[dict]:
             for backward in (False, True):
                 names = ("dq", "dk", "dv", "do", "q", "k", "v") if backward else ("o", "q", "k", "v")
                 sig, constexprs = _aot_signature(names, dtype, backward)
-                cfg = block_config(f, d, dtypes[dtype])
+                cfg = block_config(f, d, dtypes[dtype], backward)
                 constexprs.update({key: cfg[key] for key in ("BLOCK_P", "BLOCK_F", "BLOCK_D")})
                 constexprs["DOT_PRECISION"] = _dot_precision(dtypes[dtype])
                 kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
