@@ -165,6 +165,47 @@ def _fused_linear(quick: bool):
             yield case, dtype, "triton", [y, *grads], [ref.detach(), *grads64]
 
 
+@check("temporal_attention")
+def _temporal_attention(quick: bool):
+    """Strided (B, F, N, H, D) views of a packed qkv projection vs fp64 SDPA, forward and backward, at real shapes;
+    the AnimateDiff-SDXL case has 262,144 (sequence, head) pairs, past the 65,535 grid limit of batch-on-grid-y."""
+    from ldmopt.ops.temporal_attention import temporal_attention
+
+    cases = {  # (B, F, N, heads, head_dim)
+        "animatediff-512-l0": (2, 16, 4096, 8, 40),
+        "svd-576x1024-l0": (2, 14, 9216, 5, 64),
+        "latte-512": (2, 16, 1024, 16, 72),
+        "animatediff-l2-d160": (2, 16, 256, 8, 160),
+        "animatediff-sdxl-1024": (2, 16, 16384, 8, 80),
+    }
+    if quick:
+        cases.pop("latte-512")
+    for case, (b, f, n, h, d) in cases.items():
+        for dtype in DTYPES:
+            qkv = torch.randn(b, f, n, 3, h, d, device="cuda").to(dtype)
+            q, k, v = qkv.unbind(3)
+            dy = torch.randn(b, f, n, h, d, device="cuda").to(dtype)
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            for backend in ("triton", "cuda"):
+                try:
+                    with ldmopt.use_backend(backend):
+                        out = temporal_attention(*leaves)
+                        grads = torch.autograd.grad(out, leaves, dy) if backend == "triton" else []
+                except ldmopt.BackendUnavailableError as exc:
+                    print(f"  skip temporal_attention {case} {dtype} {backend}: {str(exc)[:120]}")
+                    continue
+                # fp64 reference on a slice of the sequences keeps the reference's memory small.
+                sl = slice(0, min(n, 512))
+                ref_leaves = [t[:, :, sl].double().permute(0, 2, 3, 1, 4).requires_grad_() for t in (q, k, v)]
+                ref = F.scaled_dot_product_attention(*ref_leaves)
+                outs, refs = [out[:, :, sl]], [ref.permute(0, 3, 1, 2, 4)]
+                if grads:
+                    ref_grads = torch.autograd.grad(ref, ref_leaves, dy[:, :, sl].double().permute(0, 2, 3, 1, 4))
+                    outs += [g[:, :, sl] for g in grads]
+                    refs += [g.permute(0, 3, 1, 2, 4) for g in ref_grads]
+                yield case, dtype, backend, outs, refs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
