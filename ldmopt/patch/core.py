@@ -39,12 +39,13 @@ class _Record:
 
 @functools.cache
 def _rules() -> tuple[Rule, ...]:
+    from .rules_attention import RULES as attention_rules
     from .rules_blocks import RULES as block_rules
     from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
     from .rules_linear import RULES as linear_rules
 
-    return (*gn_conv_rules, *block_rules, *linear_rules, *group_norm_rules)
+    return (*gn_conv_rules, *block_rules, *linear_rules, *group_norm_rules, *attention_rules)
 
 
 @functools.cache
@@ -195,12 +196,13 @@ def _plan(
             if rel:
                 inside.add(id(t))
     done = {(rec.rule.name, id(rec.site.module)) for rec in prior}
+    context = {rule.name: rule.prepare(model) for rule in _rules() if rule.family in families}
     actions: list[tuple[Rule, Site]] = []
     for name, m in named:
         if id(m) in inside:
             continue
         parent, attr = parents.get(id(m), (None, None))
-        site = Site(name, m, parent, attr, training)
+        site = Site(name, m, parent, attr, training, context)
         for rule in table.get(getattr(type(m), "_ldmopt_base", type(m)), ()):
             if rule.family not in families or (rule.name, id(m)) in done or not rule.match(site):
                 continue
@@ -282,8 +284,10 @@ def patch(
         records: list[_Record] = []
         try:
             for rule, site in actions:
-                records.append(_Record(rule, site, rule.replace(site)))
+                data = rule.replace(site)
+                records.append(_Record(rule, site, data))
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
+                report._counters.extend(rule.counters(data))
         except BaseException:
             _restore(records)
             raise

@@ -49,6 +49,8 @@ class PatchReport:
     descriptions: dict[str, str] = field(default_factory=dict)
     _counts_at_patch: Counter = field(default_factory=Counter, repr=False)
     _fallbacks_at_patch: Counter = field(default_factory=Counter, repr=False)
+    #: Objects this call installed that count their own fall-backs (``fallback_reasons``), e.g. processors.
+    _counters: list = field(default_factory=list, repr=False)
 
     def counts(self, model: str | None = None) -> dict[str, int]:
         """{rule name: modules replaced}, over all models or one (its component name, "" for a bare model)."""
@@ -77,7 +79,12 @@ class PatchReport:
         """{reason: calls} since the patch call: patched modules that ran the stock path for a call (e.g. a
         ResnetBlock2D given NCHW input) and ops that fell back to the reference backend, process-wide."""
         before = self._fallbacks_at_patch
-        return {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
+        out = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
+        for proc in self._counters:
+            for reason, n in getattr(proc, "fallback_reasons", {}).items():
+                key = f"{type(proc).__name__} ran the stock processor: {reason}"
+                out[key] = out.get(key, 0) + n
+        return out
 
     def __str__(self) -> str:
         models = ", ".join(f"{k or 'model'} ({v})" for k, v in self.models.items()) or "none"

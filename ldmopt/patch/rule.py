@@ -16,7 +16,7 @@ Two ways of editing, both keeping the parameter objects (no copies) and the stat
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import nn
@@ -34,6 +34,8 @@ class Site:
     parent: nn.Module | None
     attr: str | None
     training: bool = False
+    #: What the rules' ``prepare`` computed once for the whole model being walked (keyed by rule name).
+    context: dict = field(default_factory=dict)
 
 
 class Rule:
@@ -47,6 +49,10 @@ class Rule:
     def targets(self) -> tuple[type, ...]:
         """The module classes this rule is keyed by (exact classes; diffusers imported here, lazily)."""
         raise NotImplementedError
+
+    def prepare(self, model: nn.Module) -> Any:
+        """Computed once per walked model before matching (e.g. which modules are temporal); ``site.context[name]``."""
+        return None
 
     def match(self, site: Site) -> bool:
         """True when the instance is one this rule knows how to fuse (not yet patched)."""
@@ -74,6 +80,11 @@ class Rule:
     def restore(self, site: Site, data: Any) -> None:
         """Undo :meth:`replace` exactly (same objects back in place)."""
         raise NotImplementedError
+
+    def counters(self, data: Any) -> list:
+        """Objects :meth:`replace` installed that count per-call fall-backs in ``fallback_reasons`` (the report
+        reads them)."""
+        return []
 
 
 # ------------------------------------------------------------------------------------------------ class swap

@@ -21,42 +21,25 @@ from tests.patch.helpers import (
     snapshot,
 )
 
-UNET = {"geglu": 10, "group_norm_silu": 1, "resnet": 14, "transformer2d_in": 10}
+UNET = dict(geglu=10, group_norm_silu=1, resnet=14, transformer2d_in=10)
 # Modules replaced per rule, and modules left stock, on each zoo tiny model.
 EXPECTED = {
     "sd15": (UNET, 0),
     "sd21": (UNET, 0),
-    "sdxl": ({"geglu": 11, "group_norm_silu": 1, "resnet": 11, "transformer2d_in": 7}, 0),
+    "sdxl": (dict(geglu=11, group_norm_silu=1, resnet=11, transformer2d_in=7), 0),
     # The decoder's 8 ResnetBlock2D have time_embedding_norm="group", which ldmopt.nn.resnet.can_fuse refuses.
-    "sd15-vae": ({"group_norm": 18, "group_norm_silu": 2, "resnet": 8}, 8),
-    "dit": ({"adaln_block": 2, "adaln_zero": 2, "gelu": 2}, 0),
-    "pixart-alpha": ({"adaln_block": 2, "gelu": 2}, 0),
-    "sd3": ({"adaln_continuous": 2, "adaln_zero": 3, "gelu": 3}, 0),
+    "sd15-vae": (dict(group_norm=18, group_norm_silu=2, resnet=8), 8),
+    "dit": (dict(adaln_block=2, adaln_zero=2, gelu=2), 0),
+    "pixart-alpha": (dict(adaln_block=2, gelu=2), 0),
+    "sd3": (dict(adaln_continuous=2, adaln_zero=3, gelu=3), 0),
     "flux": (
-        {
-            "adaln_continuous": 1,
-            "adaln_zero": 2,
-            "adaln_zero_single": 2,
-            "flux_mlp": 2,
-            "flux_single_gated": 2,
-            "gelu": 2,
-        },
+        dict(adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2),
         0,
     ),
-    "animatediff": ({"geglu": 23, "group_norm": 13, "group_norm_silu": 1, "resnet": 14, "transformer2d_in": 10}, 0),
-    "svd": ({"geglu": 30, "group_norm": 38, "group_norm_silu": 1, "resnet": 14}, 0),
-    "modelscope": (
-        {
-            "geglu": 21,
-            "group_norm": 11,
-            "group_norm_silu": 1,
-            "group_norm_silu_seq": 56,
-            "resnet": 14,
-            "transformer2d_in": 10,
-        },
-        0,
-    ),
-    "latte": ({"adaln_block": 4, "gelu": 4}, 0),
+    "animatediff": (dict(UNET, geglu=23, group_norm=13, temporal_attention=26), 0),
+    "svd": (dict(geglu=30, group_norm=38, group_norm_silu=1, resnet=14, svd_attn2=20, temporal_attention=10), 0),
+    "modelscope": (dict(UNET, geglu=21, group_norm=11, group_norm_silu_seq=56, temporal_attention=22), 0),
+    "latte": (dict(adaln_block=4, gelu=4, temporal_attention=2), 0),
 }
 #: Families whose every ResnetBlock2D gets channels-last input, so none may fall back to diffusers' forward.
 ALL_RESNETS_FUSED = {"sd15", "sd21", "sdxl", "sd15-vae"}

@@ -192,6 +192,21 @@ def test_compile_fullgraph_patched_unet():
     }
 
 
+@pytest.mark.parametrize("family", ["animatediff", "dit"])
+def test_compile_fullgraph_temporal_and_adaln(family):
+    # Temporal attention processors (AnimateDiff) and class-swapped adaLN blocks (DiT) trace without graph breaks.
+    model = models.BUILDERS[family]().eval()
+    x = models.inputs(family, model)
+    ref = _run(model, x)
+    report = ldmopt.patch(model)
+    assert report.counts().get("temporal_attention" if family == "animatediff" else "adaln_block")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(compiled, x), ref, name=f"compiled {family}")
+    assert not [r for r in report.fallbacks() if "processor" in r]
+
+
 def test_lora_unet_patched_keeps_lora():
     from peft import LoraConfig
 
@@ -220,24 +235,31 @@ def test_lora_unet_patched_keeps_lora():
 
 @pytest.mark.parametrize("order", ["fuse_then_patch", "patch_then_fuse"])
 def test_fuse_qkv_projections_interplay(order):
-    unet = models.sd15_unet().eval()
-    x = models.inputs("sd15", unet)
+    # AnimateDiff: spatial attention, and temporal attention whose processors ldmopt replaces.
+    unet = models.animatediff().eval()
+    x = models.inputs("animatediff", unet)
     ref = _run(unet, x)
     if order == "fuse_then_patch":
         unet.fuse_qkv_projections()
         before = snapshot(unet)
         report = ldmopt.patch(unet)
+        # The temporal processors read the fused to_qkv projection and fall back to FusedAttnProcessor2_0.
+        assert report.counts()["temporal_attention"] == 14
     else:
         before = snapshot(unet)
         report = ldmopt.patch(unet)
-        unet.fuse_qkv_projections()
-    assert report.total > 0
+        unet.fuse_qkv_projections()  # replaces every processor, ldmopt's included
     with ldmopt.use_backend("torch"):
         assert_outputs_close(_run(unet, x), ref, name=order)
+    # Fused or not, the temporal processors served every call (the model is NCHW, so resnets do fall back).
+    assert not [r for r in report.fallbacks() if "processor" in r], report.fallbacks()
     if order == "patch_then_fuse":
-        unet.unfuse_qkv_projections()
+        unet.unfuse_qkv_projections()  # puts back the processors it saw: ldmopt's
+        assert {type(p).__name__ for p in unet.attn_processors.values()} >= {"TemporalAttnProcessor"}
     ldmopt.unpatch(unet)
     after = snapshot(unet)
     if order == "fuse_then_patch":
         assert_same_snapshot(before, after)
+    else:  # the projections stay fused (diffusers keeps to_qkv), the processors are the stock ones again
+        assert after["processors"] == before["processors"]
     assert torch.allclose(_run(unet, x), ref, atol=1e-5)

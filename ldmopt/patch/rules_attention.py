@@ -1,0 +1,94 @@
+"""Attention-processor rules: temporal self-attention (``temporal_attention``) and SVD's single-key cross-attention
+(``svd_attn2``), using ldmopt.nn.temporal_attention.
+
+- ``temporal_attention``: every self-attention over frames (AnimateDiff motion modules, UNet3D ``transformer_in``
+  and ``temp_attentions``, SVD and Latte ``temporal_transformer_blocks``, as ``find_temporal_attention`` finds them)
+  gets a ``TemporalAttnProcessor``: the strided temporal kernel reads (B*N, F, heads, head_dim) views of the
+  projections, no permute copies.
+- ``svd_attn2``: SVD's cross-attention over its one image-embedding token gets ``SingleKeyAttnProcessor``, the exact
+  shortcut ``to_out(to_v(context))`` broadcast over the queries (softmax over one key is 1).
+
+The Attention module itself and its projections (LoRA-wrapped or not) are still called; only the processor object
+changes. Each installed processor keeps the previous one as its fall-back for calls it does not serve (masks, F > 64,
+...). ``unpatch`` puts the previous processor object back, unless the module's processor was changed after patching
+(e.g. by ``fuse_qkv_projections``/``set_attn_processor``), in which case the user's choice stays. Tolerance: the
+temporal kernel's (fp32 scores and softmax; within 2x the error of PyTorch's SDPA in the activation dtype); the
+shortcut is exact up to the projections' rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..nn import temporal_attention as T
+from .rule import Rule, Site
+
+
+class _ProcessorRule(Rule):
+    processor_cls: type
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.attention_processor import Attention
+
+        return (Attention,)
+
+    def _find(self, model: nn.Module) -> list:
+        raise NotImplementedError
+
+    def prepare(self, model: nn.Module) -> Any:
+        return {id(m) for _, m in self._find(model)}
+
+    def match(self, site: Site) -> bool:
+        return id(site.module) in site.context[self.name]
+
+    def reasons(self, site: Site) -> list[str]:
+        attn = site.module
+        current = attn.processor
+        if isinstance(current, T.TemporalAttnProcessor | T.SingleKeyAttnProcessor):
+            return [f"already runs {type(current).__name__} (installed outside ldmopt.patch)"]
+        if type(current).__name__ not in T.STOCK_PROCESSORS:
+            return [f"custom processor {type(current).__name__} left in place"]
+        if self.processor_cls is T.TemporalAttnProcessor:
+            reason = T.unsupported_reason(attn)
+            if reason:
+                return [reason]
+        return []
+
+    def replace(self, site: Site) -> Any:
+        previous, reason = T.install_processor(site.module, self.processor_cls)
+        if reason is not None:
+            raise RuntimeError(f"ldmopt.patch: {site.name}: {reason}")
+        return previous, site.module.processor
+
+    def restore(self, site: Site, data: Any) -> None:
+        previous, installed = data
+        if site.module.processor is installed:
+            site.module.set_processor(previous)
+
+    def counters(self, data: Any) -> list:
+        return [data[1]]
+
+
+class TemporalAttentionRule(_ProcessorRule):
+    name = "temporal_attention"
+    family = "temporal_attention"
+    description = "temporal self-attention: strided kernel over (B*N, F, heads, d) views, no permute copies"
+    processor_cls = T.TemporalAttnProcessor
+
+    def _find(self, model: nn.Module) -> list:
+        return T.find_temporal_attention(model)
+
+
+class SingleKeyCrossAttentionRule(_ProcessorRule):
+    name = "svd_attn2"
+    family = "svd_attn2"
+    description = "SVD cross-attention over one key: exact shortcut to_out(to_v(context)), no attention"
+    processor_cls = T.SingleKeyAttnProcessor
+
+    def _find(self, model: nn.Module) -> list:
+        return T.find_single_key_cross_attention(model)
+
+
+RULES: list[Rule] = [TemporalAttentionRule(), SingleKeyCrossAttentionRule()]
