@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-shapes", type=int, default=50_000, help="size of the procedural dataset")
     g.add_argument("--resolution", type=int, default=32, help="image size in pixels")
     g.add_argument("--hflip", action="store_true", help="image folder: random horizontal flips")
-    g.add_argument("--vae", default=None, help="local diffusers AutoencoderKL folder for latent models")
+    g.add_argument("--vae", default=None, help="local diffusers AutoencoderKL folder (zoo models; sets the factor)")
     g.add_argument("--latent-factor", type=int, default=8, help="pixels per latent for zoo models without --vae")
     g.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: 4 on CUDA, else 0)")
     g = p.add_argument_group("diffusion")
@@ -139,19 +139,17 @@ def _check_args(args: argparse.Namespace, info: DistInfo) -> int:
     return args.batch_size // per_step
 
 
-def _latent_codec(args, factor: int, in_channels: int) -> torch.nn.Module:
+def _latent_codec(args, factor: int, in_channels: int, vae: VaeLatents | None) -> torch.nn.Module:
     if factor == 1:
-        if in_channels != 3:
-            raise SystemExit(f"a pixel-space model needs 3 input channels, this one has {in_channels}")
+        if in_channels != 3 or vae is not None:
+            raise SystemExit(f"--model {args.model} denoises pixels (3 channels); it takes no --vae")
         return PixelSpace()
-    if args.vae:
-        codec = VaeLatents(args.vae)
-        if codec.factor != factor or codec.vae.config.latent_channels != in_channels:
+    if vae is not None:
+        if vae.vae.config.latent_channels != in_channels:
             raise SystemExit(
-                f"--vae {args.vae}: {codec.vae.config.latent_channels} latent channels at 1/{codec.factor} scale, "
-                f"the model needs {in_channels} at 1/{factor}"
+                f"--vae {args.vae}: {vae.vae.config.latent_channels} latent channels, the model takes {in_channels}"
             )
-        return codec
+        return vae
     return PatchLatents(in_channels, factor, seed=args.seed)
 
 
@@ -177,7 +175,7 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     out_dir = Path(args.output_dir)
     channels_last = args.channels_last
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 parts of the step (optimizer-free matmuls) run on TF32
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls and convs outside autocast use TF32 cores
         torch.backends.cudnn.allow_tf32 = True
     seed_everything(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
 
@@ -186,12 +184,13 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
         base = ImageFolderDataset(args.data, args.resolution, hflip=args.hflip, seed=args.seed)
     else:
         base = ShapesDataset(args.resolution, args.num_shapes, seed=args.seed)
+    vae = VaeLatents(args.vae) if args.vae else None
     denoiser, factor, in_channels = build_denoiser(
-        args.model, base.num_classes, args.resolution, args.latent_factor, args.tiny
+        args.model, base.num_classes, args.resolution, vae.factor if vae else args.latent_factor, args.tiny
     )
     if args.resolution % factor:
         raise SystemExit(f"--resolution {args.resolution} is not a multiple of the latent factor {factor}")
-    codec = _latent_codec(args, factor, in_channels).to(device)
+    codec = _latent_codec(args, factor, in_channels, vae).to(device)
     latent_shape = (in_channels, args.resolution // factor, args.resolution // factor)
     from diffusers import DDPMScheduler
     from diffusers.optimization import get_scheduler

@@ -149,6 +149,35 @@ def test_unfused_and_ddim_run(train_ldm, tmp_path):
     assert summary["patch"] is None and (tmp_path / "samples" / "step-00000001.png").exists()
 
 
+def _tiny_vae(path: Path) -> Path:
+    from diffusers import AutoencoderKL
+
+    AutoencoderKL(block_out_channels=(8, 16), norm_num_groups=4, latent_channels=4, layers_per_block=1,
+                  down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                  sample_size=16).save_pretrained(path)  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["--model", "sd15", "--resolution", "32", "--vae", "VAE"], id="sd15-vae-latents"),
+        pytest.param(["--model", "sdxl", "--resolution", "32", "--latent-factor", "2"], id="sdxl-patch-latents"),
+        pytest.param(["--model", "dit", "--resolution", "16", "--latent-factor", "2"], id="dit-class-labels"),
+    ],
+)
+def test_zoo_models_train_and_sample(train_ldm, tmp_path, argv):
+    """Tiny zoo models: latent space (a VAE from a local folder, or the patch stand-in), SDXL's pooled text and size
+    conditioning, DiT's class labels and learned-variance output."""
+    argv = [str(_tiny_vae(tmp_path / "vae")) if a == "VAE" else a for a in argv]
+    summary = train_ldm.main(
+        [*BASE, *argv, "--tiny", "--batch-size", "2", "--max-steps", "1", "--sample-every", "1", "--sample-steps",
+         "2", "--num-sample-images", "2", "--output-dir", str(tmp_path / "run")]
+    )  # fmt: skip
+    assert summary["patch"]["patched"] > 0 and len(summary["history"]) == 1
+    assert (tmp_path / "run" / "samples" / "step-00000001.png").exists()
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [
