@@ -91,11 +91,7 @@ def _batch(name: str) -> int:
 
 
 def _profile_split(runner: TrainStep, title: str) -> str:
-    # ldmopt.profile takes the device from the target's modules or its inputs, not from ``modules=``: an empty tensor
-    # on the model's device among the (otherwise unused) inputs makes it time the GPU kernels of this callable.
-    probe = {"device": torch.empty(0, device=next(runner.model.parameters()).device)}
-    prof = ldmopt.profile(lambda **_: runner.step(), inputs=probe, wait=1, warmup=1, steps=1, training=True,
-                          modules={"unet": runner.model})  # fmt: skip
+    prof = ldmopt.profile(runner.step, wait=1, warmup=1, steps=1, training=True, modules={"unet": runner.model})
     path = harness.RESULTS_DIR / "training_profile.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:

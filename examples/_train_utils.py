@@ -216,11 +216,7 @@ def profile_window(
         from ldmopt.profiler import profile
     except ImportError as exc:
         return _torch_profiler_window(run_step, wait, warmup, active, out_dir, write, reason=str(exc))
-    # profile() takes the device from the target's modules or its inputs, not from ``modules=``: an empty tensor on
-    # the model's device among the (otherwise unused) inputs makes it time GPU kernels for this callable.
-    probe = {"device": torch.empty(0, device=next(model.parameters()).device)}
-    result = profile(lambda **_: run_step(), inputs=probe, wait=wait, warmup=warmup, steps=active, training=True,
-                     modules={"model": model})  # fmt: skip
+    result = profile(run_step, wait=wait, warmup=warmup, steps=active, training=True, modules={"model": model})
     if write:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "categories.txt").write_text(result.table() + "\n")
@@ -235,7 +231,7 @@ def _torch_profiler_window(run_step, wait, warmup, active, out_dir: Path, write:
 
     on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active)) as prof:
+    with profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1)) as prof:
         for _ in range(wait + warmup + active):
             run_step()
             prof.step()

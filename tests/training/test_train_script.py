@@ -197,3 +197,14 @@ def test_wandb_missing_is_a_clear_message(train_ldm, tmp_path):
         pytest.skip("wandb is installed here")
     with pytest.raises(SystemExit, match="pip install wandb"):
         train_ldm.main([*BASE, "--max-steps", "1", "--report-to", "wandb", "--output-dir", str(tmp_path)])
+
+
+def test_profile_window_without_ldmopt_profiler(train_ldm, tmp_path, monkeypatch):
+    """Without ldmopt.profiler the window still runs, writing torch.profiler's operator table instead."""
+    monkeypatch.setitem(sys.modules, "ldmopt.profiler", None)  # makes `from ldmopt.profiler import ...` fail
+    summary = train_ldm.main(
+        [*BASE, "--max-steps", "3", "--profile-wait", "0", "--profile-warmup", "1", "--profile-active", "1",
+         "--output-dir", str(tmp_path)]
+    )  # fmt: skip
+    assert summary["step"] == 3
+    assert "torch.profiler table" in (tmp_path / "profile" / "ops.txt").read_text()
