@@ -102,8 +102,12 @@ class PatchReport:
                 lines.append(f"    {rule:<24} {n:>4}  {self.descriptions.get(rule, '')}")
         if self.skipped:
             lines.append("  left on the stock path:")
+            groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
             for s in self.skipped:
-                lines.append(f"    {s.where} [{s.rule}]: {'; '.join(s.reasons)}")
+                groups.setdefault((s.rule, s.reasons), []).append(s.where)
+            for (rule, reasons), where in groups.items():
+                more = f" (+{len(where) - 2} more)" if len(where) > 2 else ""
+                lines.append(f"    {', '.join(where[:2])}{more} [{rule}]: {'; '.join(reasons)}")
         ran = self.backends()
         if ran:
             lines.append("  backends that ran since patch (process-wide):")

@@ -62,7 +62,9 @@ def _zoo(name):
         return model, lambda **kw: model(**kw).sample, {"sample": torch.randn(1, 3, 32, 32)}
     # The default tiny resolution keeps every UNet level at least 2x2 (a 1x1 GroupNorm group of one channel has zero
     # variance, which amplifies rounding); 2 frames keep the video UNets fast.
-    inputs = example_inputs(model, frames=2 if model.ldmopt_zoo_name in VIDEO else None)
+    # SVD's context is one image-embedding token (the tiny default is a 7-token text context).
+    tokens = 1 if name.startswith("svd") else None
+    inputs = example_inputs(model, frames=2 if name in VIDEO else None, text_tokens=tokens)
     return model, model, inputs.kwargs
 
 
@@ -84,6 +86,7 @@ def test_family_reference_backend(name):
     with ldmopt.use_backend("torch"):
         out = _run(fn, kwargs)
     assert_outputs_close(out, ref, name=name)
+    assert not [r for r in report.fallbacks() if "processor" in r], report.fallbacks()
     if name in ALL_RESNETS_FUSED:
         assert not [r for r in report.fallbacks() if r.startswith("ResnetBlock2D")], report.fallbacks()
     assert ldmopt.unpatch(model) == report.total
