@@ -6,6 +6,8 @@
   the feed-forward output projection runs as one GEMM with the gated residual ``h + gate * (x W^T + b)`` in its
   epilogue. The attention modules, ``norm1`` of ada_norm_zero (its own rule) and ``ff.net[0]`` (the feed-forward
   rules) are called as before.
+- ``joint_block``: SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: the same two fusions for the
+  image and the context stream (the attention runs as before).
 - ``flux_single_gated``: ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(...)`` as one GEMM epilogue.
 
 Both are class swaps (see rule.py): same instance, same children and parameters. A call the fused forward does not
@@ -201,4 +203,127 @@ class FluxSingleGatedRule(Rule):
         swap_class(site.module, data)
 
 
-RULES: list[Rule] = [AdaLNBlockRule(), FluxSingleGatedRule()]
+def _stream(hidden, pending, scale, shift, gate, norm, ff):
+    """``h = hidden + pending; h + gate * ff(layer_norm(h) * (1 + scale) + shift)``: the residual add, LayerNorm and
+    modulation in one row kernel, the feed-forward's output projection with the gated residual in one GEMM."""
+    normed, hidden = adaln_modulate(pending, scale, shift, residual=hidden, eps=norm.eps, return_residual=True)
+    return _ff_gated_residual(ff, normed, gate, hidden)
+
+
+def _sd3_joint_forward(
+    self,
+    hidden_states: torch.FloatTensor,
+    encoder_hidden_states: torch.FloatTensor,
+    temb: torch.FloatTensor,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    if self._chunk_size is not None:
+        return type(self)._ldmopt_base.forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    if self.use_dual_attention:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = self.norm1(
+            hidden_states, emb=temb
+        )
+    else:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    if self.context_pre_only:
+        norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states, temb)
+    else:
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb
+        )
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states, **joint_attention_kwargs
+    )
+    pending = gate_msa.unsqueeze(1) * attn_output
+    if self.use_dual_attention:
+        hidden_states = hidden_states + pending
+        pending = gate_msa2.unsqueeze(1) * self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
+    hidden_states = _stream(hidden_states, pending, scale_mlp, shift_mlp, gate_mlp, self.norm2, self.ff)
+    if self.context_pre_only:
+        return None, hidden_states
+    pending = c_gate_msa.unsqueeze(1) * context_attn_output
+    encoder_hidden_states = _stream(
+        encoder_hidden_states, pending, c_scale_mlp, c_shift_mlp, c_gate_mlp, self.norm2_context, self.ff_context
+    )
+    return encoder_hidden_states, hidden_states
+
+
+def _flux_double_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    attention_outputs = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    attn_output, context_attn_output = attention_outputs[:2]
+    pending = gate_msa.unsqueeze(1) * attn_output
+    hidden_states = _stream(hidden_states, pending, scale_mlp, shift_mlp, gate_mlp, self.norm2, self.ff)
+    if len(attention_outputs) == 3:  # IP-Adapter output, added after the feed-forward as diffusers does
+        hidden_states = hidden_states + attention_outputs[2]
+    pending = c_gate_msa.unsqueeze(1) * context_attn_output
+    encoder_hidden_states = _stream(
+        encoder_hidden_states, pending, c_scale_mlp, c_shift_mlp, c_gate_mlp, self.norm2_context, self.ff_context
+    )
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+class JointBlockRule(Rule):
+    """SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: both streams' residual + LayerNorm +
+    modulation in one row kernel each, and their feed-forward output GEMMs with the gated residual epilogue."""
+
+    name = "joint_block"
+    family = "adaln"
+    description = "SD3/Flux joint block: residual+LayerNorm+modulation per stream, FF out GEMM with gated residual"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.attention import JointTransformerBlock
+        from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+        return (JointTransformerBlock, FluxTransformerBlock)
+
+    def _streams(self, block) -> list[str]:
+        return ["", "_context"] if getattr(block, "ff_context", None) is not None else [""]
+
+    def reasons(self, site: Site) -> list[str]:
+        reasons = []
+        for suffix in self._streams(site.module):
+            reason = _plain_layer_norm_reason(f"norm2{suffix}", getattr(site.module, f"norm2{suffix}"))
+            reasons += [reason] if reason else []
+            reasons += _feed_forward_reasons(getattr(site.module, f"ff{suffix}"))
+        return reasons
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        out = {"": site.module}
+        for suffix in self._streams(site.module):
+            ff = getattr(site.module, f"ff{suffix}")
+            out.update({f"norm2{suffix}": getattr(site.module, f"norm2{suffix}"), f"ff{suffix}": ff})
+            out[f"ff{suffix}.net.2"] = ff.net[2]
+        return out
+
+    def shallow(self, site: Site) -> set[str]:
+        return {"", *(f"ff{suffix}" for suffix in self._streams(site.module))}
+
+    def replace(self, site: Site) -> Any:
+        base = type(site.module)
+        forward = _sd3_joint_forward if base.__name__ == "JointTransformerBlock" else _flux_double_forward
+        return swap_class(site.module, fused_class(base, forward, self.description))
+
+    def restore(self, site: Site, data: Any) -> None:
+        swap_class(site.module, data)
+
+
+RULES: list[Rule] = [AdaLNBlockRule(), JointBlockRule(), FluxSingleGatedRule()]

@@ -88,6 +88,16 @@ def sd3():
     )  # fmt: skip
 
 
+def sd35():
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+    )  # fmt: skip
+
+
 def flux():
     from diffusers import FluxTransformer2DModel
 

@@ -31,9 +31,11 @@ EXPECTED = {
     "sd15-vae": (dict(group_norm=18, group_norm_silu=2, resnet=8), 8),
     "dit": (dict(adaln_block=2, adaln_zero=2, gelu=2), 0),
     "pixart-alpha": (dict(adaln_block=2, gelu=2), 0),
-    "sd3": (dict(adaln_continuous=2, adaln_zero=3, gelu=3), 0),
+    "sd3": (dict(adaln_continuous=2, adaln_zero=3, gelu=3, joint_block=2), 0),
     "flux": (
-        dict(adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2),
+        dict(
+            adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2, joint_block=1
+        ),
         0,
     ),
     "animatediff": (dict(UNET, geglu=23, group_norm=13, temporal_attention=26), 0),
@@ -117,3 +119,14 @@ def test_family_triton_interpreter(family, backend):
     assert ran and all(per.get("triton", 0) > 0 for per in ran.values()), ran
     if backend == "triton":
         assert all(set(per) == {"triton"} for per in ran.values()), ran
+
+
+def test_sd35_dual_attention_joint_block():
+    # SD3.5's dual-attention blocks (a second self-attention in the image stream; norm1 is SD35AdaLayerNormZeroX).
+    model = models.sd35().eval()
+    kwargs = models.inputs("sd3", model)
+    ref = _run(model, kwargs)
+    report = ldmopt.patch(model)
+    assert report.counts() == dict(adaln_continuous=2, adaln_zero=2, gelu=3, joint_block=2)
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(model, kwargs), ref, name="sd3.5")
