@@ -9,13 +9,16 @@ modules that fell back to the stock forward, and the profiler's category split o
 ``<results>/training_profile.md`` (before = eager, after = ldmopt).
 
 Batch: the largest of BATCHES[case] with which the eager step fits in memory (LDMOPT_BENCH_TRAIN_BATCH=<n> forces
-one), the same for every provider. Targets on an H200: ldmopt >= 1.2x eager step throughput and >= 15% lower peak
-memory.
+one), the same for every provider. Quick mode (LDMOPT_BENCH_QUICK=1): SD1.5 only, batch 16, eager and ldmopt. One
+test per (model, provider), so each fits the per-test timeout (compiling a training graph takes minutes). Targets on
+an H200: ldmopt >= 1.2x eager step throughput and >= 15% lower peak memory.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import importlib.util
 import os
 
 import pytest
@@ -26,9 +29,13 @@ from benchmarks import harness
 
 pytestmark = harness.gpu_only
 
-CASES = {"sd15": 512, "sdxl": 1024}  # zoo name -> resolution (latents are 8x smaller)
+QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
+CASES = {"sd15": 512} if QUICK else {"sd15": 512, "sdxl": 1024}  # zoo name -> resolution (latents 8x smaller)
 BATCHES = {"sd15": (64, 48, 32, 16, 8), "sdxl": (16, 12, 8, 4, 2)}
-PROVIDERS = ("eager", "compile", "ldmopt", "ldmopt+compile")
+PROVIDERS = ("eager", "ldmopt") if QUICK else ("eager", "compile", "ldmopt", "ldmopt+compile")
+_EAGER_PEAK: dict[str, int] = {}  # case -> eager peak memory, for the other providers' notes
+# Compiling a training graph outlasts run_gpu.sh's 300 s per-test timeout (pytest-timeout, when installed).
+_LONG = pytest.mark.timeout(1200) if importlib.util.find_spec("pytest_timeout") else pytest.mark.slow
 
 
 def _free() -> None:
@@ -80,10 +87,11 @@ def _fits(name: str, batch: int) -> bool:
         _free()
 
 
+@functools.cache
 def _batch(name: str) -> int:
     forced = os.environ.get("LDMOPT_BENCH_TRAIN_BATCH")
-    if forced:
-        return int(forced)
+    if forced or QUICK:
+        return int(forced or 16)
     for batch in BATCHES[name]:
         if _fits(name, batch):
             return batch
@@ -100,38 +108,38 @@ def _profile_split(runner: TrainStep, title: str) -> str:
     return ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares)
 
 
+@_LONG
+@pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("name", list(CASES))
-def bench_training_step(name, bench_recorder):
+def bench_training_step(name, provider, bench_recorder):
     from ldmopt.profiler import analyze
 
     batch = _batch(name)
     resolution = CASES[name]
     flops = 3 * analyze(name, resolution=resolution, batch=batch, dtype=torch.bfloat16).total_flops
     case = f"{name}-{resolution}px-b{batch}"
-    eager_peak = None
-    for provider in PROVIDERS:
-        runner, timing, peak, note = None, None, None, ""
-        try:
-            runner = TrainStep(name, resolution, batch, provider)
-            runner.step()  # compiles, allocates optimizer state
-            runner.step()
-            peak = harness.peak_memory(runner.step)
-            timing = harness.time_fn(runner.step, warmup=1000, rep=3000)
-            note = f"{batch * 1000 / timing.median_ms:.1f} img/s"
-            if provider == "eager":
-                eager_peak = peak
-            elif eager_peak:
-                note += f", peak mem {100 * (peak - eager_peak) / eager_peak:+.0f}% vs eager"
-            if runner.report is not None and runner.report.fallbacks():
-                note += f"; fell back: {runner.report.fallbacks()}"
-            if provider in ("eager", "ldmopt"):
-                note += "; top: " + _profile_split(runner, f"{case} {provider} (bf16 autocast training step)")
-        except torch.OutOfMemoryError:
-            note = "out of memory"
-        except Exception as exc:  # a provider that cannot run is recorded, not fatal
-            note = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
-        finally:
-            runner = None
-            _free()
-        bench_recorder.record(op="train_step", case=case, dtype="bf16", mode="fwd+bwd+adamw", provider=provider,
-                              timing=timing, flops=flops, peak_mem=peak, note=note)  # fmt: skip
+    runner, timing, peak, note = None, None, None, ""
+    try:
+        runner = TrainStep(name, resolution, batch, provider)
+        runner.step()  # compiles, allocates optimizer state
+        runner.step()
+        peak = harness.peak_memory(runner.step)
+        timing = harness.time_fn(runner.step, warmup=1000, rep=3000)
+        note = f"{batch * 1000 / timing.median_ms:.1f} img/s"
+        if provider == "eager":
+            _EAGER_PEAK[case] = peak
+        elif case in _EAGER_PEAK:
+            note += f", peak mem {100 * (peak - _EAGER_PEAK[case]) / _EAGER_PEAK[case]:+.0f}% vs eager"
+        if runner.report is not None and runner.report.fallbacks():
+            note += f"; fell back: {runner.report.fallbacks()}"
+        if provider in ("eager", "ldmopt"):
+            note += "; top: " + _profile_split(runner, f"{case} {provider} (bf16 autocast training step)")
+    except torch.OutOfMemoryError:
+        note = "out of memory"
+    except Exception as exc:  # a provider that cannot run is recorded, not fatal
+        note = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
+    finally:
+        runner = None
+        _free()
+    bench_recorder.record(op="train_step", case=case, dtype="bf16", mode="fwd+bwd+adamw", provider=provider,
+                          timing=timing, flops=flops, peak_mem=peak, note=note)  # fmt: skip
