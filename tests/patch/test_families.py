@@ -22,6 +22,7 @@ from tests.patch.helpers import (
 )
 
 UNET = dict(geglu=10, group_norm_silu=1, resnet=14, transformer2d_in=10)
+FLUX = dict(adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2)
 # Modules replaced per rule, and modules left stock, on each zoo tiny model.
 EXPECTED = {
     "sd15": (UNET, 0),
@@ -32,12 +33,7 @@ EXPECTED = {
     "dit": (dict(adaln_block=2, adaln_zero=2, gelu=2), 0),
     "pixart-alpha": (dict(adaln_block=2, gelu=2), 0),
     "sd3": (dict(adaln_continuous=2, adaln_zero=3, gelu=3, joint_block=2), 0),
-    "flux": (
-        dict(
-            adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2, joint_block=1
-        ),
-        0,
-    ),
+    "flux": (dict(FLUX, joint_block=1), 0),
     "animatediff": (dict(UNET, geglu=23, group_norm=13, temporal_attention=26), 0),
     "svd": (dict(geglu=30, group_norm=38, group_norm_silu=1, resnet=14, svd_attn2=20, temporal_attention=10), 0),
     "modelscope": (dict(UNET, geglu=21, group_norm=11, group_norm_silu_seq=56, temporal_attention=22), 0),
