@@ -164,11 +164,12 @@ def _tiny_vae(path: Path) -> Path:
         pytest.param(["--model", "sd15", "--resolution", "32", "--vae", "VAE"], id="sd15-vae-latents"),
         pytest.param(["--model", "sdxl", "--resolution", "32", "--latent-factor", "2"], id="sdxl-patch-latents"),
         pytest.param(["--model", "dit", "--resolution", "16", "--latent-factor", "2"], id="dit-class-labels"),
+        pytest.param(["--model", "unet2d-small", "--resolution", "8"], id="unet2d-class-embeds"),
     ],
 )
 def test_zoo_models_train_and_sample(train_ldm, tmp_path, argv):
     """Tiny zoo models: latent space (a VAE from a local folder, or the patch stand-in), SDXL's pooled text and size
-    conditioning, DiT's class labels and learned-variance output."""
+    conditioning, DiT's class labels and learned-variance output; the built-in UNet2DModel's class embeddings."""
     argv = [str(_tiny_vae(tmp_path / "vae")) if a == "VAE" else a for a in argv]
     summary = train_ldm.main(
         [*BASE, *argv, "--tiny", "--batch-size", "2", "--max-steps", "1", "--sample-every", "1", "--sample-steps",
