@@ -108,12 +108,17 @@ def fused_class(base: type, forward: Callable | dict[str, Callable], label: str)
             inner = base.extra_repr(self)
             return f"{inner}, ldmopt={label!r}" if inner else f"ldmopt={label!r}"
 
+        def __reduce_ex__(self, protocol):
+            # The class is made at run time: pickle (torch.save, deepcopy) rebuilds it from (base, methods, label).
+            return _rebuild_fused, (base, methods, label), self.__dict__
+
         cls = type(
             base.__name__,
             (base,),
             {
                 **methods,
                 "extra_repr": extra_repr,
+                "__reduce_ex__": __reduce_ex__,
                 "_ldmopt_base": base,
                 "_ldmopt_label": label,
                 "__module__": __name__,
@@ -123,6 +128,11 @@ def fused_class(base: type, forward: Callable | dict[str, Callable], label: str)
         )
         _FUSED_CLASSES[key] = cls
     return cls
+
+
+def _rebuild_fused(base: type, methods: dict[str, Callable], label: str) -> nn.Module:
+    cls = fused_class(base, methods, label)
+    return cls.__new__(cls)
 
 
 def swap_class(module: nn.Module, cls: type) -> type:

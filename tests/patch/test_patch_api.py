@@ -1,5 +1,7 @@
 """ldmopt.patch / unpatch behaviour on tiny models: report, reversibility, parameter sharing, guards, compile."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -87,6 +89,26 @@ def test_patch_in_steps_equals_patch_at_once():
     assert inner.total + outer.total == ldmopt.patch(models.sd15_unet().eval()).total
     assert ldmopt.unpatch(unet) == inner.total + outer.total
     assert_same_snapshot(before, snapshot(unet))
+
+
+def test_repr_deepcopy_and_torch_save(tmp_path):
+    unet = models.sd15_unet().eval()
+    x = models.inputs("sd15", unet)
+    ref = _run(unet, x)
+    before = snapshot(unet)
+    report = ldmopt.patch(unet)
+    text = repr(unet)
+    assert "ldmopt='ResnetBlock2D: GN+SiLU fused" in text and "FusedGEGLU" in text and "ldmopt.GroupNorm" in text
+    copied = copy.deepcopy(unet)
+    torch.save(unet, tmp_path / "unet.pt")
+    loaded = torch.load(tmp_path / "unet.pt", weights_only=False)
+    for other in (copied, loaded):
+        with ldmopt.use_backend("torch"):
+            assert_outputs_close(_run(other, x), ref, name="copy")
+        assert ldmopt.unpatch(other) == report.total  # the undo records travel with the model
+        assert [(n, type(m)) for n, m in other.named_modules()] == [(t[0], t[2]) for t in before["tree"]]
+        assert all(torch.equal(v, before["state"][k]) for k, v in other.state_dict().items())
+        assert torch.equal(_run(other, x), ref)
 
 
 def test_load_state_dict_and_save_pretrained_on_patched(tmp_path):
