@@ -130,7 +130,11 @@ def runtime_reasons(block, input_tensor: Tensor, temb: Tensor | None) -> list[st
         return ["input is not a 4-D tensor"]
     if not input_tensor.is_contiguous(memory_format=torch.channels_last):
         reasons.append("input is not channels-last (convert the model and latents with memory_format=channels_last)")
-    if input_tensor.dtype != block.conv1.weight.dtype:
+    device = input_tensor.device.type
+    if torch.is_autocast_enabled(device):
+        if torch.get_autocast_dtype(device) not in (torch.float16, torch.bfloat16, torch.float32):
+            reasons.append(f"autocast dtype {torch.get_autocast_dtype(device)} is not fp16/bf16/fp32")
+    elif input_tensor.dtype != block.conv1.weight.dtype:
         reasons.append(f"input dtype {input_tensor.dtype} differs from the weights' {block.conv1.weight.dtype}")
     if temb is not None and block.time_emb_proj is None:
         reasons.append("temb given to a block without time_emb_proj (diffusers adds it unprojected)")

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._autocast import autocast_operands
 from ._dispatch import Backend, BackendTable, triton_refusals
 from .linear import (
     TRITON_DTYPES,
     activation_grad_torch,
-    autocast_operands,
     check_linear_args,
     compute_dtype,
     gemm_torch,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._autocast import autocast_operands
 from ._checks import check_activation, check_tensor, check_vector
 from ._dispatch import Backend, BackendTable, backend_counts, forced_backend, triton_refusals
 
@@ -367,6 +368,9 @@ def gn_silu_conv2d(
     conv (gn_* and num_groups ignored). ``out_stats=(groups, eps)`` also returns ``(mean, rstd)`` of y for the next
     GroupNorm, produced by the conv's epilogue; autograd treats them as constants.
 
+    Under torch.autocast, x, conv weight/bias, temb, residual and the shortcut's tensors are cast to the autocast
+    dtype first (the identity residual is thereby rounded to it, where diffusers would add it in its own dtype).
+
     Returns y (channels-last, x's dtype) or ``(y, (mean, rstd))``. Tolerance versus an fp64 reference: within 2x the
     error of PyTorch's own unfused computation in x's dtype. The Triton kernel serves channels-last fp32/fp16/bf16 with
     1x1/3x3 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why). fp32
@@ -375,6 +379,10 @@ def gn_silu_conv2d(
     """
     check_tensor("x", x, ndim=(4,))
     check_tensor("conv_weight", conv_weight, ndim=(4,))
+    # Under torch.autocast the conv operands are cast as F.conv2d casts them; GroupNorm math stays fp32 regardless.
+    x, conv_weight, conv_bias, temb, residual = autocast_operands(x, conv_weight, conv_bias, temb, residual)
+    if shortcut is not None:
+        shortcut = autocast_operands(*shortcut)
     n, c_in, h, w = x.shape
     c_out = conv_weight.shape[0]
     if conv_weight.shape[1] != c_in:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._autocast import autocast_operands
 from ._checks import check_activation, check_tensor
 from ._dispatch import Backend, BackendTable, triton_refusals
 
@@ -56,21 +57,6 @@ def gemm_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if x.is_cuda:
             return F.linear(x, weight, bias).to(cd)
         return F.linear(x.to(cd), weight.to(cd), None if bias is None else bias.to(cd))
-
-
-def autocast_operands(x: Tensor, *others: Tensor | None) -> tuple[Tensor | None, ...]:
-    """The GEMM operands cast as F.linear casts them under torch.autocast (floating, non-fp64 tensors to the autocast
-    dtype); unchanged outside autocast. The casts are ordinary differentiable ops, so fp32 master weights get fp32
-    gradients as with the unfused module."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return (x, *others)
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t):
-        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-
-    return tuple(cast(t) for t in (x, *others))
 
 
 def per_sample(name: str, t: Tensor, x: Tensor, width: int) -> Tensor:

@@ -1,0 +1,21 @@
+"""torch.autocast for custom ops: cast the operands as the unfused aten op would, before the op sees them."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def autocast_operands(x: Tensor, *others: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The operands cast as F.linear / F.conv2d cast them under torch.autocast (floating, non-fp64 tensors to the
+    autocast dtype); unchanged outside autocast. The casts are ordinary differentiable ops, so fp32 master weights
+    get fp32 gradients as with the unfused module."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return (x, *others)
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+
+    return tuple(cast(t) for t in (x, *others))
