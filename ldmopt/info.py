@@ -11,6 +11,11 @@ from . import _env
 #: Public ops and the backends each one has (kept in step with the BackendTables in ldmopt/ops).
 OPS = {
     "group_norm": ("cuda", "triton", "torch"),
+    "gn_silu_conv2d": ("triton", "torch"),
+    "geglu": ("triton", "torch"),
+    "linear": ("triton", "torch"),
+    "adaln_modulate": ("triton", "torch"),
+    "temporal_attention": ("cuda", "triton", "torch"),
 }
 
 

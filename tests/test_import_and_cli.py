@@ -81,3 +81,18 @@ def test_aot_compile_sm80_sm90_without_spills(aot_records):
     failures = [f"{r['kernel']} sm_{r['arch']}: {r['problem']}" for r in aot_records if not r["ok"]]
     assert not failures, "\n".join(failures)
     print(ldmopt.aot.format_table([ldmopt.aot.CompileRecord(**r) for r in aot_records]))
+
+
+def test_info_ops_table_matches_backend_tables():
+    import importlib
+
+    from ldmopt import info
+    from ldmopt.ops._dispatch import BackendTable
+
+    declared = {}
+    for op in info.OPS:
+        module = importlib.import_module(f"ldmopt.ops.{op if op != 'gn_silu_conv2d' else 'gn_conv2d'}")
+        tables = [t for t in vars(module).values() if isinstance(t, BackendTable)]
+        assert tables, f"ldmopt.ops module of {op} has no BackendTable"
+        declared[op] = max((tuple(b.name for b in t.backends) for t in tables), key=len)
+    assert declared == info.OPS
