@@ -1,7 +1,26 @@
 """``ldmopt.patch(pipe)`` / ``ldmopt.unpatch(pipe)``: drop ldmopt's fused kernels into diffusers models, reversibly.
 
-A table of rules keyed by module class (see :func:`rule_table`); each rule matches instances, says why one must stay
-on the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
+A table of rules keyed by module class (:func:`rule_table`); each rule matches instances, says why one must stay on
+the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`. Families (``families=``) and rules:
+
+| family             | rule                | keyed by (diffusers 0.42)                    | fused                     |
+|--------------------|---------------------|----------------------------------------------|---------------------------|
+| gn_conv            | resnet              | ResnetBlock2D                                | GN+SiLU in conv loads     |
+| gn_conv            | transformer2d_in    | Transformer2DModel (continuous input)        | GN in proj_in's loads     |
+| group_norm         | group_norm_silu     | Encoder, Decoder, the UNets' output head     | conv_norm_out + conv_act  |
+| group_norm         | group_norm_silu_seq | nn.Sequential (GroupNorm, SiLU)              | GN+SiLU in one pass       |
+| group_norm         | group_norm          | nn.GroupNorm anywhere else                   | ldmopt GroupNorm kernel   |
+| feed_forward       | geglu / gelu        | GEGLU / GELU                                 | GEGLU/GELU GEMM epilogue  |
+| feed_forward       | flux_mlp            | FluxSingleTransformerBlock                   | proj_mlp + GELU(tanh)     |
+| adaln              | adaln_zero(_single) | AdaLayerNormZero, -ZeroSingle                | LayerNorm + modulation    |
+| adaln              | adaln_continuous    | AdaLayerNormContinuous                       | LayerNorm + modulation    |
+| adaln              | adaln_block         | BasicTransformerBlock (ada_norm_zero/single) | residual+LN+modulation;   |
+|                    |                     |                                              | gated residual in FF GEMM |
+| adaln              | joint_block         | JointTransformerBlock, FluxTransformerBlock  | the same, per stream      |
+| adaln              | flux_single_gated   | FluxSingleTransformerBlock                   | gated residual, proj_out  |
+| temporal_attention | temporal_attention  | Attention over frames (AnimateDiff, UNet3D,  | strided temporal kernel   |
+|                    |                     | SVD and Latte temporal blocks)               | (attention processor)     |
+| svd_attn2          | svd_attn2           | Attention over SVD's one context token       | single-key shortcut       |
 """
 
 import sys
