@@ -1,9 +1,11 @@
 """A whole tiny StableDiffusionPipeline, patched vs unpatched, end to end."""
 
+import pytest
 import torch
 
 import ldmopt
 from ldmopt.demo import build_tiny_sd_pipeline, run_sd
+from ldmopt.patch import PatchError
 from tests.patch.helpers import assert_same_snapshot, snapshot
 
 
@@ -22,6 +24,10 @@ def test_tiny_sd_pipeline_patched_vs_stock():
     assert stock.shape == patched.shape and stock.shape[-1] == 16 * pipe.vae_scale_factor
     # Images in [0, 1] after 2 DDIM steps and the VAE decoder, fp32: only rounding differs.
     torch.testing.assert_close(patched, stock, atol=2e-4, rtol=0)
+    assert ldmopt.patch(pipe).total == 0  # twice: a no-op
     assert ldmopt.unpatch(pipe) == report.total
     for name, snap in before.items():
         assert_same_snapshot(snap, snapshot(getattr(pipe, name)))
+    pipe.unet = torch.compile(pipe.unet)
+    with pytest.raises(PatchError, match="unet is already compiled"):
+        ldmopt.patch(pipe)
