@@ -226,7 +226,11 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"ldmopt demo: model={args.model} device={device} dtype={dtype_name} steps={args.steps} seed={args.seed}")
     print(_backend_note(device, args.backend))
     if args.model == "sd":
-        pipe = build_tiny_sd_pipeline(device, dtype, args.seed)
+        try:
+            pipe = build_tiny_sd_pipeline(device, dtype, args.seed)
+        except ImportError as exc:  # transformers/tokenizers build the text encoder; they are not core dependencies
+            print(f"ldmopt demo: the sd pipeline needs transformers ({exc}); pip install transformers", file=sys.stderr)
+            return 2
         target, modules = pipe, {"unet": pipe.unet, "vae": pipe.vae}
         run = lambda: run_sd(pipe, args.steps, args.seed)
     else:
