@@ -260,11 +260,13 @@ def as_ncs(t: torch.Tensor) -> tuple[int, int, int, tuple[int, int, int]]:
     s = 1
     for d in spatial:
         s *= d
-    # The flattened spatial axis needs one stride: every spatial dim must nest inside the next one.
-    for i in range(2, t.dim() - 1):
-        if t.shape[i] > 1 and t.stride(i) != t.stride(i + 1) * t.shape[i + 1]:
+    # The flattened spatial axis needs one stride: every spatial dim must nest inside the next one. Size-1 dims
+    # carry arbitrary strides (PyTorch ignores them for contiguity), so only the others count.
+    dims = [i for i in range(2, t.dim()) if t.shape[i] > 1]
+    for outer, inner in zip(dims, dims[1:]):
+        if t.stride(outer) != t.stride(inner) * t.shape[inner]:
             raise ValueError(f"spatial dims of a tensor with strides {t.stride()} do not flatten into one axis")
-    s_stride = t.stride(-1) if t.dim() > 2 else 1
+    s_stride = t.stride(dims[-1]) if dims else 1
     return n, c, s, (t.stride(0), t.stride(1), s_stride)
 
 

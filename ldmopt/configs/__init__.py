@@ -372,7 +372,8 @@ def example_inputs(
             default_res = (64, 64)
         res = _resolution(resolution, default_res)
         frames = frames or (config.get("video_length", 4) if entry.is_video else None)
-        tokens = text_tokens or _TINY_TEXT_TOKENS
+        # SVD's context is one CLIP image embedding at any size; the other families get a short text sequence.
+        tokens = text_tokens or (entry.text_tokens if entry.text_tokens == 1 else _TINY_TEXT_TOKENS)
     else:
         res = _resolution(resolution, entry.resolution)
         frames = frames or (config.get("video_length") if entry.name == "latte" and model is not None else None)

@@ -7,8 +7,9 @@ Interface for the patcher (ldmopt/patch/) and for users:
 - ``fused_resnet_forward(block, input_tensor, temb=None, *, stats=None, out_stats=None) -> Tensor``: a drop-in for
   ``ResnetBlock2D.forward`` that reads the block's own parameters (nothing copied). Bind it to an instance with
   ``block.forward = types.MethodType(fused_resnet_forward, block)`` and undo with ``del block.forward``. Inputs the
-  fused path cannot serve (``runtime_reasons``: NCHW input, dtype mismatch, dropout in training, ...) run diffusers'
-  own forward instead; each reason is counted in ``fallback_reasons``.
+  fused path cannot serve (``runtime_reasons``: dtype mismatch outside autocast, dropout in training, ...) run
+  diffusers' own forward instead; each reason is counted in ``fallback_reasons``. An NCHW input is converted to
+  channels-last (one copy, counted in ``layout_conversions``) and fused.
   ``stats=(mean, rstd)``: norm1 statistics of ``input_tensor`` when the producer already computed them (skips two
   launches); ``out_stats=(groups, eps)`` also returns ``(mean, rstd)`` of the output for the NEXT GroupNorm:
   ``(output, (mean, rstd))``.
@@ -34,6 +35,9 @@ from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
+#: How often a fused forward converted an NCHW input to channels-last (one copy of the input) instead of falling
+#: back: video UNets' temporal containers hand NCHW tensors to the next resnet block.
+layout_conversions: Counter[str] = Counter()
 
 
 def _resnet_block_class():
@@ -109,7 +113,11 @@ def can_fuse(block) -> list[str]:
     if stock.forward is not cls.forward:
         return [f"{stock.__qualname__} overrides ResnetBlock2D.forward"]
     reasons = []
-    if block.time_embedding_norm != "default":
+    # Without a time-embedding projection every norm but scale_shift computes what "default" does (the VAE's
+    # "group" blocks); with one, diffusers only builds "default" and "scale_shift".
+    if block.time_embedding_norm == "scale_shift" or (
+        block.time_embedding_norm != "default" and block.time_emb_proj is not None
+    ):
         reasons.append(f"time_embedding_norm={block.time_embedding_norm!r} (only 'default' is fused)")
     if not isinstance(block.nonlinearity, torch.nn.SiLU):
         reasons.append(f"nonlinearity {type(block.nonlinearity).__name__} (only SiLU/swish is fused)")
@@ -128,8 +136,6 @@ def runtime_reasons(block, input_tensor: Tensor, temb: Tensor | None) -> list[st
     reasons = []
     if not isinstance(input_tensor, Tensor) or input_tensor.dim() != 4:
         return ["input is not a 4-D tensor"]
-    if not input_tensor.is_contiguous(memory_format=torch.channels_last):
-        reasons.append("input is not channels-last (convert the model and latents with memory_format=channels_last)")
     device = input_tensor.device.type
     if torch.is_autocast_enabled(device):
         if torch.get_autocast_dtype(device) not in (torch.float16, torch.bfloat16, torch.float32):
@@ -170,6 +176,11 @@ def fused_resnet_forward(
     forward: within 2x the error diffusers itself makes in the input dtype (fp64 reference); extra positional
     arguments (diffusers' deprecated ``scale``) are ignored as diffusers does."""
     reasons = can_fuse(block) or runtime_reasons(block, input_tensor, temb)
+    if not reasons and not input_tensor.is_contiguous(memory_format=torch.channels_last):
+        # One copy of the input costs less than the stock path's separate GroupNorm, SiLU and add passes, and the
+        # fused output is channels-last, so the blocks after this one need no conversion.
+        layout_conversions["NCHW input converted to channels-last"] += 1
+        input_tensor = input_tensor.contiguous(memory_format=torch.channels_last)
     if reasons:
         for reason in reasons:
             fallback_reasons[reason] += 1

@@ -28,8 +28,8 @@ EXPECTED = {
     "sd15": (UNET, 0),
     "sd21": (UNET, 0),
     "sdxl": (dict(geglu=11, group_norm_silu=1, resnet=11, transformer2d_in=7), 0),
-    # The decoder's 8 ResnetBlock2D have time_embedding_norm="group", which ldmopt.nn.resnet.can_fuse refuses.
-    "sd15-vae": (dict(group_norm=18, group_norm_silu=2, resnet=8), 8),
+    # The decoder's ResnetBlock2D have time_embedding_norm="group" and no temb: fused like "default".
+    "sd15-vae": (dict(group_norm=2, group_norm_silu=2, resnet=16), 0),
     "dit": (dict(adaln_block=2, adaln_zero=2, gelu=2), 0),
     "pixart-alpha": (dict(adaln_block=2, gelu=2), 0),
     "sd3": (dict(adaln_continuous=2, adaln_zero=3, gelu=3, joint_block=2), 0),
@@ -39,8 +39,9 @@ EXPECTED = {
     "modelscope": (dict(UNET, geglu=21, group_norm=11, group_norm_silu_seq=56, temporal_attention=22), 0),
     "latte": (dict(adaln_block=4, gelu=4, temporal_attention=2), 0),
 }
-#: Families whose every ResnetBlock2D gets channels-last input, so none may fall back to diffusers' forward.
-ALL_RESNETS_FUSED = {"sd15", "sd21", "sdxl", "sd15-vae"}
+#: Families none of whose ResnetBlock2D may fall back to diffusers' forward (video containers hand NCHW tensors to
+#: the next block, which converts them to channels-last and stays fused).
+ALL_RESNETS_FUSED = {"sd15", "sd21", "sdxl", "sd15-vae", "animatediff", "svd", "modelscope"}
 VIDEO = {"animatediff", "svd", "modelscope"}  # Latte is small; its frame count is fixed at build
 
 
