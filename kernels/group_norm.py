@@ -10,6 +10,8 @@ _ONEPASS_MAX_GROUP elements take a single launch instead: one program per (n, gr
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -263,7 +265,7 @@ def as_ncs(t: torch.Tensor) -> tuple[int, int, int, tuple[int, int, int]]:
     # The flattened spatial axis needs one stride: every spatial dim must nest inside the next one. Size-1 dims
     # carry arbitrary strides (PyTorch ignores them for contiguity), so only the others count.
     dims = [i for i in range(2, t.dim()) if t.shape[i] > 1]
-    for outer, inner in zip(dims, dims[1:]):
+    for outer, inner in itertools.pairwise(dims):
         if t.stride(outer) != t.stride(inner) * t.shape[inner]:
             raise ValueError(f"spatial dims of a tensor with strides {t.stride()} do not flatten into one axis")
     s_stride = t.stride(dims[-1]) if dims else 1
