@@ -113,7 +113,7 @@ else:
 setup(
     packages=[*find_packages(include=["ldmopt", "ldmopt.*"]), "ldmopt.kernels"],
     package_dir={"ldmopt.kernels": "kernels"},
-    package_data={"ldmopt": ["_build_info.json", "configs/*.json"]},
+    package_data={"ldmopt": ["_build_info.json", "configs/*.json", "configs/*.md"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
