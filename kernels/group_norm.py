@@ -42,6 +42,19 @@ def _load_affine(w_ptr, b_ptr, c, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.c
 
 
 @triton.jit
+def _channel_coefficients(
+    mean_ptr, rstd_ptr, w_ptr, b_ptr, n, c, c_mask, C, G, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr
+):
+    """Per channel of image n: (mean, rstd, weight, scale, shift) with z = x * scale + shift the affine output."""
+    group = n * G + c // (C // G)
+    mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
+    rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
+    w, b = _load_affine(w_ptr, b_ptr, c, c_mask, HAS_WEIGHT, HAS_BIAS)
+    scale = w * rstd
+    return mean, rstd, w, scale, b - scale * mean
+
+
+@triton.jit
 def _welford_merge(count, mean, m2, x, mask, n_b):
     """Merge a [rows, cols] tile (masked, n_b valid rows) into per-column (count, mean, m2) (Chan et al.)."""
     b_mean = tl.sum(x, axis=0) / n_b
@@ -176,12 +189,9 @@ def _group_norm_fwd_apply_kernel(
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     c_mask = c < C
     mask = (s < S)[:, None] & c_mask[None, :]
-    group = n * G + c // (C // G)
-    mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
-    rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
-    w, b = _load_affine(w_ptr, b_ptr, c, c_mask, HAS_WEIGHT, HAS_BIAS)
-    scale = w * rstd
-    shift = b - scale * mean
+    _, _, _, scale, shift = _channel_coefficients(
+        mean_ptr, rstd_ptr, w_ptr, b_ptr, n, c, c_mask, C, G, HAS_WEIGHT, HAS_BIAS
+    )
     s64 = s[:, None].to(tl.int64)
     c64 = c[None, :].to(tl.int64)
     x = tl.load(x_ptr + n * stride_xn + s64 * stride_xs + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)

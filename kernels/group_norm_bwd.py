@@ -13,7 +13,16 @@ import triton
 import triton.language as tl
 
 from ._common import ACTIVATIONS, new_output, next_power_of_2
-from .group_norm import _TILE_WARPS, _affine_args, _chunks, _load_affine, _strides, _tiles, as_ncs
+from .group_norm import (
+    _TILE_WARPS,
+    _affine_args,
+    _channel_coefficients,
+    _chunks,
+    _load_affine,
+    _strides,
+    _tiles,
+    as_ncs,
+)
 
 
 @triton.jit
@@ -50,12 +59,9 @@ def _group_norm_bwd_partial_kernel(
     n = (pid // (n_cblocks * n_chunks)).to(tl.int64)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < C
-    group = n * G + c // (C // G)
-    mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
-    rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
-    w, b = _load_affine(w_ptr, b_ptr, c, c_mask, HAS_WEIGHT, HAS_BIAS)
-    scale = w * rstd
-    shift = b - scale * mean
+    mean, rstd, _, scale, shift = _channel_coefficients(
+        mean_ptr, rstd_ptr, w_ptr, b_ptr, n, c, c_mask, C, G, HAS_WEIGHT, HAS_BIAS
+    )
     s_begin = pid_chunk * S_PER_PROG
     s_end = tl.minimum(s_begin + S_PER_PROG, S)
     c64 = c[None, :].to(tl.int64)
@@ -156,13 +162,11 @@ def _group_norm_bwd_dx_kernel(
     mask = (s < S)[:, None] & c_mask[None, :]
     cpg = C // G
     group = n * G + c // cpg
-    mean = tl.load(mean_ptr + group, mask=c_mask, other=0.0)
-    rstd = tl.load(rstd_ptr + group, mask=c_mask, other=0.0)
+    mean, rstd, w, scale, shift = _channel_coefficients(
+        mean_ptr, rstd_ptr, w_ptr, b_ptr, n, c, c_mask, C, G, HAS_WEIGHT, HAS_BIAS
+    )
     sum_wdz = tl.load(coef_ptr + group * 2, mask=c_mask, other=0.0)
     sum_wdzxhat = tl.load(coef_ptr + group * 2 + 1, mask=c_mask, other=0.0)
-    w, b = _load_affine(w_ptr, b_ptr, c, c_mask, HAS_WEIGHT, HAS_BIAS)
-    scale = w * rstd
-    shift = b - scale * mean
     s64 = s[:, None].to(tl.int64)
     c64 = c[None, :].to(tl.int64)
     x = tl.load(x_ptr + n * stride_xn + s64 * stride_xs + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)
