@@ -23,7 +23,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(table)
         out = _RECORDER.csv_path.with_name("summary.md")
         out.write_text(table + "\n")
-        terminalreporter.write_line(f"(rows appended to {_RECORDER.csv_path}; table written to {out})")
+        plot = _RECORDER.plot_speedups(_RECORDER.csv_path.with_name("speedups.png"))
+        terminalreporter.write_line(
+            f"(rows appended to {_RECORDER.csv_path}; table written to {out}" + (f"; plot {plot})" if plot else ")")
+        )
 
 
 # Quick mode (LDMOPT_BENCH_QUICK=1, set by run_gpu.sh): fp16 and channels-last only, to fit the ~8-minute budget.

@@ -152,13 +152,12 @@ class Recorder:
         row = Row(op, case, dtype, mode, provider, None, note=note, env=environment())
         if timing is not None:
             row.median_ms, row.p20_ms, row.p80_ms = timing.median_ms, timing.p20_ms, timing.p80_ms
-            ceil = ceilings()
             if bytes:
                 row.gbps = bytes / timing.median_ms / 1e6
-                row.pct_copy_bw = 100 * row.gbps / ceil.copy_gbps
+                row.pct_copy_bw = 100 * row.gbps / ceilings().copy_gbps
             if flops:
                 row.tflops = flops / timing.median_ms / 1e9
-                row.pct_bf16_mm = 100 * row.tflops / ceil.bf16_tflops
+                row.pct_bf16_mm = 100 * row.tflops / ceilings().bf16_tflops
         if peak_mem is not None:
             row.peak_mem_mb = peak_mem / 2**20
         self.rows.append(row)
@@ -206,3 +205,36 @@ class Recorder:
                 f"| {r.op} | {r.case} | {r.dtype} | {r.mode} | {r.provider} | {ms} | {bw} | {tf} | {speed} | {r.note} |"
             )
         return "\n".join(lines)
+
+    def plot_speedups(self, path: Path) -> Path | None:
+        """Bar chart of speed over eager per (op, case) and provider (matplotlib PNG); None without matplotlib/rows."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        eager = {(r.op, r.case, r.dtype, r.mode): r.median_ms for r in self.rows if r.provider == "eager"}
+        bars: dict[str, dict[str, float]] = {}
+        for r in self.rows:
+            base = eager.get((r.op, r.case, r.dtype, r.mode))
+            if r.provider != "eager" and base and r.median_ms:
+                bars.setdefault(f"{r.op} {r.case} {r.dtype} {r.mode}", {})[r.provider] = base / r.median_ms
+        if not bars:
+            return None
+        providers = sorted({p for by in bars.values() for p in by})
+        width = 0.8 / len(providers)
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(bars) * len(providers)), 4.5))
+        for i, provider in enumerate(providers):
+            xs = [j + i * width for j in range(len(bars))]
+            ax.bar(xs, [by.get(provider, 0.0) for by in bars.values()], width, label=provider)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(bars))], list(bars), rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("speed over PyTorch eager (x, measured)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
