@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .report import PatchReport, Replaced, Skipped, fallback_counts
+from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
 from .rule import FAMILIES, Rule, Site
 
 _RECORDS = "_ldmopt_records"
@@ -270,6 +270,7 @@ def patch(
         descriptions={r.name: r.description for r in _rules()},
         _counts_at_patch=backend_counts.copy(),
         _fallbacks_at_patch=fallback_counts(),
+        _layout_copies_at_patch=layout_copy_counts(),
     )
     plans = []
     for label, model in models:

@@ -49,6 +49,7 @@ class PatchReport:
     descriptions: dict[str, str] = field(default_factory=dict)
     _counts_at_patch: Counter = field(default_factory=Counter, repr=False)
     _fallbacks_at_patch: Counter = field(default_factory=Counter, repr=False)
+    _layout_copies_at_patch: Counter = field(default_factory=Counter, repr=False)
     #: Objects this call installed that count their own fall-backs (``fallback_reasons``), e.g. processors.
     _counters: list = field(default_factory=list, repr=False)
 
@@ -75,9 +76,15 @@ class PatchReport:
                 out.setdefault(op, {})[backend] = delta
         return out
 
+    def layout_copies(self) -> dict[str, int]:
+        """{what: calls} since the patch call: fused calls that first copied their input to channels-last (e.g. a
+        ResnetBlock2D given an NCHW tensor by a video model's temporal container), process-wide."""
+        before = self._layout_copies_at_patch
+        return {k: n - before.get(k, 0) for k, n in layout_copy_counts().items() if n > before.get(k, 0)}
+
     def fallbacks(self) -> dict[str, int]:
         """{reason: calls} since the patch call: patched modules that ran the stock path for a call (e.g. a
-        ResnetBlock2D given NCHW input) and ops that fell back to the reference backend, process-wide."""
+        ResnetBlock2D in training with dropout) and ops that fell back to the reference backend, process-wide."""
         before = self._fallbacks_at_patch
         out = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
         for proc in self._counters:
@@ -115,6 +122,11 @@ class PatchReport:
                 lines.append(f"    {op:<24} " + ", ".join(f"{b} x{n}" for b, n in per.items()))
         else:
             lines.append("  backends: nothing has run since patch (run the model, then print the report)")
+        copies = self.layout_copies()
+        if copies:
+            lines.append("  fused calls that first copied their input to channels-last since patch:")
+            for what, n in sorted(copies.items(), key=lambda kv: -kv[1]):
+                lines.append(f"    x{n:<5} {what}")
         fell_back = self.fallbacks()
         if fell_back:
             lines.append("  calls that took the stock or reference path since patch:")
@@ -137,6 +149,12 @@ _FALLBACK_COUNTERS = (
     ("ldmopt.nn.resnet", "fallback_reasons", _module_fallback),
     ("ldmopt.ops.gn_conv2d", "fallback_reasons", _op_fallback),
 )
+
+
+def layout_copy_counts() -> Counter:
+    """{description: count} of the layout copies the fused modules loaded so far made before fusing."""
+    counts = getattr(sys.modules.get("ldmopt.nn.resnet"), "layout_conversions", None) or {}
+    return Counter({f"ResnetBlock2D: {what}": n for what, n in counts.items()})
 
 
 def fallback_counts() -> Counter:

@@ -88,6 +88,10 @@ def test_family_reference_backend(name):
     assert not [r for r in report.fallbacks() if "processor" in r], report.fallbacks()
     if name in ALL_RESNETS_FUSED:
         assert not [r for r in report.fallbacks() if r.startswith("ResnetBlock2D")], report.fallbacks()
+    # Only the video UNets' temporal containers hand NCHW tensors to a resnet block (copied, then fused).
+    assert bool(report.layout_copies()) == (name in VIDEO), report.layout_copies()
+    if name in VIDEO:
+        assert "channels-last since patch" in str(report)
     assert ldmopt.unpatch(model) == report.total
     assert_same_snapshot(before, snapshot(model))
     assert torch.equal(_run(fn, kwargs), ref)
