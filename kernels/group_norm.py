@@ -373,6 +373,19 @@ def _strides(prefix: str, unit: str) -> tuple[dict, dict]:
     return sig, {f"stride_{prefix}{unit}": 1}
 
 
+def _divisible_at_sd_shapes(specs: list[dict]) -> list[dict]:
+    """Mark what Triton sees as multiples of 16 at Stable Diffusion shapes (pointers, strides, C, S, S_PER_PROG), so
+    the gate compiles the vectorised variant that runs."""
+    for spec in specs:
+        spec["divisible_by_16"] = [
+            name
+            for name, ty in spec["signature"].items()
+            if ty.startswith("*") or name.startswith("stride_") or name in ("C", "S", "S_PER_PROG")
+        ]
+        spec["divisible_by_16"] = [n for n in spec["divisible_by_16"] if n not in spec["constexprs"]]
+    return specs
+
+
 def aot_specs() -> list[dict]:
     """Representative compile configurations for the ahead-of-time gate (sm_80 / sm_90, no GPU needed)."""
     specs = []
@@ -422,4 +435,4 @@ def aot_specs() -> list[dict]:
             num_warps=4,
         ),
     ]  # fmt: skip
-    return specs
+    return _divisible_at_sd_shapes(specs)

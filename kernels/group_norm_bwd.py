@@ -18,6 +18,7 @@ from .group_norm import (
     _affine_args,
     _channel_coefficients,
     _chunks,
+    _divisible_at_sd_shapes,
     _load_affine,
     _strides,
     _tiles,
@@ -281,4 +282,4 @@ def aot_specs() -> list[dict]:
             num_warps=4,
         )
     )  # fmt: skip
-    return specs
+    return _divisible_at_sd_shapes(specs)

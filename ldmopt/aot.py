@@ -2,8 +2,9 @@
 spills and shared memory within the target's limit.
 
 Each module of ``ldmopt.kernels`` exposes ``aot_specs()``: representative configurations (signature, constexprs,
-num_warps, num_stages). Run ``python -m ldmopt.aot`` (or ``ldmopt info --kernels``) for the report; ``--json`` for
-machines. Must run without TRITON_INTERPRET=1 (interpreted kernels cannot be compiled).
+num_warps, num_stages, and the divisibility Triton specialises at run time: ``attrs`` or ``divisible_by_16``).
+Run ``python -m ldmopt.aot`` (or ``ldmopt info --kernels``) for the report; ``--json`` for machines. Must run
+without TRITON_INTERPRET=1 (interpreted kernels cannot be compiled).
 """
 
 from __future__ import annotations
@@ -72,8 +73,12 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     spec = importlib.import_module(module_name).aot_specs()[index]
     # attrs carry the divisibility hints Triton applies at run time (e.g. {(i,): [["tt.divisibility", 16]]}); without
     # them the gate would compile an unvectorised variant that never runs.
+    attrs = spec.get("attrs")
+    if attrs is None and spec.get("divisible_by_16"):
+        # Shorthand: the pointer/size arguments Triton will see as multiples of 16 at run time.
+        attrs = {(spec["fn"].arg_names.index(k),): [["tt.divisibility", 16]] for k in spec["divisible_by_16"]}
     src = triton.compiler.ASTSource(
-        fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"], attrs=spec.get("attrs")
+        fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs
     )
     options = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 3)}
     try:
