@@ -341,6 +341,11 @@ def aot_specs() -> list[dict]:
                         signature=sig,
                         constexprs=constexprs,
                         num_warps=cfg["num_warps"],
+                        # Pointers and the batch/frame/pixel/head strides (multiples of heads*d) are multiples of
+                        # 16 at the real shapes; Triton specialises them at launch.
+                        divisible_by_16=[
+                            k for k in sig if k.endswith("_ptr") or (k.startswith("stride_") and k not in constexprs)
+                        ],
                     )
                 )
     return specs
