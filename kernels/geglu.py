@@ -160,6 +160,7 @@ def geglu_fwd(
     empty tensor. x [M, K], weight [2I, K], bias [2I]; any strides."""
     m, k = x.shape
     n = weight.shape[0] // 2
+    bias = None if bias is None else bias.contiguous()  # read with unit stride
     y = new_output((m, n), device=x.device, dtype=x.dtype)
     pre = new_output((m, 2 * n) if save_pre else (0,), device=x.device, dtype=x.dtype)
 

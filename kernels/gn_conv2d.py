@@ -9,7 +9,8 @@ input accumulates into the same tile.
 Algorithm: one program per (image, BM output pixels, BN output channels); ONE flat loop over kh*kw*channel-blocks
 stages an [BM, BK] input tile (normalised with per-(n, c) scale/shift [BK] vectors) and a [BK, BN] weight tile into
 tl.dot. Output statistics: per-column centred sums of the tile are added in fp64 to a per-(n, c) workspace; the last
-program of each image (atomic counter) folds them into per-group mean/rstd and zeroes the workspace for the next call.
+program of each image (atomic counter) folds them into per-group mean/rstd. The workspace is a fresh zeroed buffer
+per call, so nothing outlives a launch (CUDA graphs, concurrent streams).
 """
 
 from __future__ import annotations
@@ -102,10 +103,10 @@ def _stage_input(
 
 @triton.jit
 def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr):
-    """Per-group mean/rstd of image n from the per-channel fp64 sums in ws [N, C, 2]; zeroes those sums."""
+    """Per-group mean/rstd of image n from the per-channel fp64 sums in ws [N, C, 2]."""
     cpg = C // G
     j = tl.arange(0, BLOCK_CPG)
-    count = (S * cpg).to(tl.float64)
+    count = tl.cast(S, tl.float64) * cpg  # S * cpg in int32 overflows past 2^31 outputs per image
     for g0 in range(0, G, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
         mask = (g < G)[:, None] & (j < cpg)[None, :]
@@ -114,8 +115,6 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
         # Atomic reads: the other programs' relaxed adds live in L2.
         s1 = tl.atomic_add(ws_ptr + off, zero, mask=mask, sem="relaxed")
         s2 = tl.atomic_add(ws_ptr + off + 1, zero, mask=mask, sem="relaxed")
-        tl.store(ws_ptr + off, zero, mask=mask)
-        tl.store(ws_ptr + off + 1, zero, mask=mask)
         mean = tl.sum(tl.where(mask, s1, 0.0), axis=1) / count
         var = tl.maximum(tl.sum(tl.where(mask, s2, 0.0), axis=1) / count - mean * mean, 0.0)
         rstd = 1.0 / tl.sqrt(var.to(tl.float32) + eps)
@@ -123,12 +122,16 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
         tl.store(rstd_ptr + n * G + g, rstd, mask=g < G)
 
 
-@triton.autotune(configs=_configs(), key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "STRIDE", "RESAMPLE", "HAS_SC"])
+@triton.autotune(
+    configs=_configs(),
+    key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "STRIDE", "RESAMPLE", "HAS_SC", "NORMALIZE", "OUT_STATS", "HAS_TEMB",
+         "HAS_RES", "IDX64"],
+)  # fmt: skip
 @triton.jit
 def _gn_conv2d_fwd_kernel(
     y_ptr,  # [N, OH, OW, C_out] (strides)
-    ws_ptr,  # [N, C_out, 2] fp64, zero on entry and exit
-    counter_ptr,  # [N] int32, zero on entry and exit
+    ws_ptr,  # [N, C_out, 2] fp64, zeroed by the launcher
+    counter_ptr,  # [N] int32, zeroed by the launcher
     out_mean_ptr,  # [N, G_out] fp32
     out_rstd_ptr,
     x_ptr,  # [N, H, W, C_in] (strides)
@@ -262,29 +265,16 @@ def _gn_conv2d_fwd_kernel(
         if done == n_mt * n_nt - 1:
             _finalize_stats(ws_ptr, out_mean_ptr, out_rstd_ptr, n, C_out, G_out, S, out_eps,
                             STATS_BLOCK_G, STATS_BLOCK_CPG)  # fmt: skip
-            tl.store(counter_ptr + n, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers
 
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
 
 def _stats_workspace(device: torch.device, n: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ws [N*C*2] fp64, counters [N] int32), zero between launches; one per (device, stream), grown on demand.
-
-    Kernels leave them zeroed, so after the first call no memset is launched. Allocate (warm up) before capturing a
-    CUDA graph.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    ws, counters = _WORKSPACES.get(key, (None, None))
-    if ws is None or ws.numel() < n * c * 2 or counters.numel() < n:
-        size = max(n * c * 2, 0 if ws is None else ws.numel())
-        ws = torch.zeros(size, device=device, dtype=torch.float64)
-        counters = torch.zeros(max(n, 0 if counters is None else counters.numel()), device=device, dtype=torch.int32)
-        _WORKSPACES[key] = (ws, counters)
-    return ws, counters
+    """(ws [N*C*2] fp64, counters [N] int32), zeroed: one fresh buffer per call (one memset), so no state outlives
+    the call — concurrent streams, CUDA graphs and torch.compile see an ordinary allocation."""
+    buffer = torch.zeros(n * c * 2 + (n + 1) // 2, device=device, dtype=torch.float64)
+    return buffer[: n * c * 2], buffer[n * c * 2 :].view(torch.int32)[:n]
 
 
 def _resampled_size(h: int, w: int, resample: str) -> tuple[int, int]:
@@ -338,6 +328,10 @@ def gn_conv2d_fwd(
     """
     n, c_in, h, w = x.shape
     c_out, _, kh, kw = weight.shape
+    # Per-channel vectors and statistics are read with unit stride.
+    mean, rstd, gamma, beta, bias, shortcut_bias = (
+        None if t is None else t.contiguous() for t in (mean, rstd, gamma, beta, bias, shortcut_bias)
+    )
     oh, ow = conv_output_size(h, w, kh, stride, padding, resample)
     y = new_output((n, c_out, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     out_mean = new_output((n, out_groups), device=x.device, dtype=torch.float32)

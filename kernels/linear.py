@@ -247,6 +247,7 @@ def linear_fwd(
     with M % B == 0, residual [M, N]; any strides."""
     m, k = x.shape
     n = weight.shape[0]
+    bias = None if bias is None else bias.contiguous()  # read with unit stride
     y = new_output((m, n), device=x.device, dtype=out_dtype(x, gate, residual))
     pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=x.dtype)
     tokens = m // gate.shape[0] if gate is not None else m

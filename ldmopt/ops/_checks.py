@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -52,3 +53,14 @@ def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
         return torch.channels_last_3d
     return torch.contiguous_format
+
+
+def spatial_dims_flatten(t: torch.Tensor) -> bool:
+    """Whether the dims after (N, C) can be addressed as one strided axis (size-1 dims carry any stride)."""
+    dims = [i for i in range(2, t.dim()) if t.shape[i] > 1]
+    return all(t.stride(outer) == t.stride(inner) * t.shape[inner] for outer, inner in itertools.pairwise(dims))
+
+
+def check_same_device(name: str, t: torch.Tensor | None, like: torch.Tensor) -> None:
+    if t is not None and t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but the input is on {like.device}")

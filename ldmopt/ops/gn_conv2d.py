@@ -16,10 +16,9 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._autocast import autocast_operands
-from ._checks import check_activation, check_tensor, check_vector
+from ._checks import check_activation, check_same_device, check_tensor, check_vector, spatial_dims_flatten
 from ._dispatch import Backend, BackendTable, backend_counts, forced_backend, triton_refusals
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
@@ -105,10 +104,17 @@ def _stats_triton(x, num_groups, eps):
     return group_norm_stats(x, num_groups, eps)
 
 
+def _stats_triton_refuse(x: Tensor) -> list[str]:
+    reasons = triton_refusals(x, dtypes=_TRITON_DTYPES)
+    if not spatial_dims_flatten(x):
+        reasons.append(f"x strides {x.stride()}: its spatial dims do not flatten into one strided axis")
+    return reasons
+
+
 STATS = BackendTable(
     "gn_conv2d_stats",
     [
-        Backend("triton", _stats_triton, lambda x, *a: triton_refusals(x, dtypes=_TRITON_DTYPES)),
+        Backend("triton", _stats_triton, lambda x, *a: _stats_triton_refuse(x)),
         Backend("torch", _stats_torch),
     ],
 )
@@ -175,30 +181,10 @@ def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, a
     return reasons
 
 
-#: weight -> (version, channels-last copy): the kernel's weight tiles are contiguous along C_in only in that layout.
-_PACKED_WEIGHTS = WeakIdKeyDictionary()
-
-
-def _channels_last_weight(w: Tensor) -> Tensor:
-    """w itself when C_in is already its unit stride (channels-last model, 1x1), else a cached channels-last copy."""
-    if w.stride(1) == 1:
-        return w
-    try:
-        version = w._version
-    except RuntimeError:  # inference tensors have no version counter: no caching
-        return w.contiguous(memory_format=torch.channels_last)
-    hit = _PACKED_WEIGHTS.get(w)
-    if hit is None or hit[0] != version:
-        hit = (version, w.detach().contiguous(memory_format=torch.channels_last))
-        _PACKED_WEIGHTS[w] = hit
-    return hit[1]
-
-
 def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
                 res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
 
-    w = _channels_last_weight(w)
     return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
                          res_resample, sc_resample, output_scale, out_groups, out_eps)  # fmt: skip
 
@@ -419,6 +405,10 @@ def gn_silu_conv2d(
     oh, ow = conv_output_size(h, w, conv_weight.shape[2], stride, padding, resample)
     if oh <= 0 or ow <= 0:
         raise ValueError(f"x of spatial size {h}x{w} is too small for this convolution (output {oh}x{ow})")
+    if not output_scale:
+        raise ValueError(f"output_scale={output_scale!r}: the output is divided by it, so it must be non-zero")
+    for name, t in (("temb", temb), ("residual", residual), *zip(("shortcut_x", "shortcut_weight"), shortcut or ())):
+        check_same_device(name, t, x)
     if temb is not None:
         check_tensor("temb", temb, ndim=(2,))
         if tuple(temb.shape) != (n, c_out):

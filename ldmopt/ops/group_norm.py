@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_activation, check_tensor, check_vector, memory_format_of
+from ._checks import check_activation, check_tensor, check_vector, memory_format_of, spatial_dims_flatten
 from ._dispatch import Backend, BackendTable, cuda_extension_refusals, triton_refusals
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
@@ -76,6 +76,8 @@ def _triton_refuse(x, *args) -> list[str]:
     reasons = triton_refusals(x, dtypes=_TRITON_DTYPES)
     if x.dtype not in _TRITON_DTYPES:
         reasons.append(f"x dtype {x.dtype} (triton serves fp32/fp16/bf16)")
+    if not spatial_dims_flatten(x):
+        reasons.append(f"x strides {x.stride()}: its spatial dims do not flatten into one strided axis")
     return reasons
 
 

@@ -137,9 +137,9 @@ def test_output_statistics_match_group_norm_of_output(dtype):
     yg = y.double().reshape(3, 8, -1)
     assert_close(mean, yg.mean(-1), torch.float32, "mean")
     assert_close(rstd, torch.rsqrt(yg.var(-1, unbiased=False) + 1e-6), torch.float32, "rstd")
-    # The workspace is left zeroed for the next call, and a second call gives the same statistics.
+    # Each call gets a fresh zeroed workspace (no state between calls), and a second call gives the same statistics.
     ws, counters = kernels._stats_workspace(x.device, 3, 136)
-    assert not ws.any() and not counters.any()
+    assert ws.shape == (3 * 136 * 2,) and counters.shape == (3,) and not ws.any() and not counters.any()
     with ldmopt.use_backend("triton"):
         _, (mean2, rstd2) = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 0, out_stats=(8, 1e-6))
     torch.testing.assert_close(mean2, mean, rtol=1e-6, atol=1e-7)
@@ -305,3 +305,41 @@ def test_torch_compile_fullgraph():
     eager.sum().backward()
     assert_close(out, eager.detach().double(), torch.float32, "compiled forward")
     assert_close(grad, x.grad.double(), torch.float32, "compiled backward")
+
+
+def test_weights_edited_in_place_and_strided_vectors_are_honoured():
+    # No hidden weight cache: an NCHW-layout weight edited through .data (as LoRA fusing does) is read afresh, and
+    # strided per-channel vectors (a GroupNorm weight viewed with stride 2) are read correctly.
+    x = torch.randn(2, 8, 7, 7).to(memory_format=torch.channels_last)
+    w = torch.randn(12, 8, 3, 3)
+    gw, gb = torch.randn(16)[::2], torch.randn(8)
+    outputs = []
+    for _ in range(2):
+        with ldmopt.use_backend("triton"):
+            y = gn_silu_conv2d(x, gw, gb, 4, 1e-5, w, None, 1, 1)
+        ref = F.conv2d(F.silu(F.group_norm(x.double(), 4, gw.double(), gb.double(), 1e-5)), w.double(), padding=1)
+        assert_close(y, ref, torch.float32, "conv after weight edit")
+        outputs.append(y)
+        w.data += 1.0
+    assert not torch.allclose(outputs[0], outputs[1])
+
+
+def test_cropped_input_falls_back_instead_of_raising():
+    x = torch.randn(2, 8, 9, 9).to(memory_format=torch.channels_last)[:, :, 1:, 1:]  # spatial dims do not flatten
+    gw, gb, w = torch.randn(8), torch.randn(8), torch.randn(12, 8, 3, 3)
+    y = gn_silu_conv2d(x, gw, gb, 4, 1e-5, w, None, 1, 1)
+    ref = F.conv2d(F.silu(F.group_norm(x.double(), 4, gw.double(), gb.double(), 1e-5)), w.double(), padding=1)
+    assert_close(y, ref, torch.float32, "cropped input")
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(output_scale=0.0), "output_scale=0.0"),
+        (dict(temb=torch.randn(2, 12, device="meta")), "temb is on meta but the input is on cpu"),
+    ],
+)
+def test_bad_epilogue_arguments(kwargs, match):
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=match):
+        gn_silu_conv2d(x, torch.randn(8), torch.randn(8), 4, 1e-5, torch.randn(12, 8, 3, 3), None, 1, 1, **kwargs)

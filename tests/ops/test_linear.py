@@ -255,3 +255,10 @@ def test_torch_compile_fullgraph(backend):
     assert_close(out, expect.detach().double(), torch.float32, "compiled forward")
     for name, got, want in zip(("dx", "dgate", "dweight"), grads, (x.grad, gate.grad, proj.weight.grad)):
         assert_close(got, want.double(), torch.float32, f"compiled {name}")
+
+
+def test_strided_bias_is_read_with_its_stride():
+    x, w, b = torch.randn(5, 8), torch.randn(12, 8), torch.randn(24)[::2]
+    with ldmopt.use_backend("triton"):
+        y = linear(x, w, b)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-5)
