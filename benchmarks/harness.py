@@ -238,3 +238,22 @@ class Recorder:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+def recorder_from_csv(path: Path) -> Recorder:
+    """A Recorder holding the rows of a results CSV (e.g. to print the summary of a run that was cut short)."""
+    recorder = Recorder(path)
+    numeric = {"median_ms", "p20_ms", "p80_ms", "gbps", "tflops", "pct_copy_bw", "pct_bf16_mm", "peak_mem_mb"}
+    env_keys = ("date", "gpu", "torch", "triton", "commit")
+    with Path(path).open() as f:
+        for raw in csv.DictReader(f):
+            fields = {k: (float(v) if v else None) if k in numeric else v for k, v in raw.items() if k not in env_keys}
+            recorder.rows.append(Row(**fields, env={k: raw.get(k, "") for k in env_keys}))
+    return recorder
+
+
+if __name__ == "__main__":
+    import sys
+
+    # python -m benchmarks.harness RESULTS.csv: the Markdown summary of the rows in a results CSV.
+    print(recorder_from_csv(Path(sys.argv[1])).summary())

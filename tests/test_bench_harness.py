@@ -38,3 +38,11 @@ def test_speedup_plot(recorder, tmp_path):
     )
     path = recorder.plot_speedups(tmp_path / "speedups.png")
     assert path is not None and path.stat().st_size > 1000
+
+
+def test_summary_from_csv_round_trip(recorder):
+    # run_gpu.sh prints the table from the CSV, so a run stopped at its time budget still reports its rows.
+    recorder.record(op="gn", case="a", dtype="fp16", mode="fwd", provider="eager", timing=harness.Timing(2.0, 1.9, 2.2))
+    recorder.record(op="gn", case="a", dtype="fp16", mode="fwd", provider="ldmopt", timing=None, note="failed: y")
+    again = harness.recorder_from_csv(recorder.csv_path)
+    assert again.summary() == recorder.summary()
