@@ -55,6 +55,17 @@ def _channel_coefficients(
 
 
 @triton.jit
+def _tile_index(n_cblocks, n_outer, C, BLOCK_C: tl.constexpr):
+    """This program's (image n as int64, index along S (block or chunk), channels c, channel mask) on a 1-D grid of
+    N x n_outer x n_cblocks programs, channels fastest."""
+    pid = tl.program_id(0)
+    outer = (pid // n_cblocks) % n_outer
+    n = (pid // (n_cblocks * n_outer)).to(tl.int64)
+    c = (pid % n_cblocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return n, outer, c, c < C
+
+
+@triton.jit
 def _welford_merge(count, mean, m2, x, mask, n_b):
     """Merge a [rows, cols] tile (masked, n_b valid rows) into per-column (count, mean, m2) (Chan et al.)."""
     b_mean = tl.sum(x, axis=0) / n_b
@@ -83,12 +94,7 @@ def _group_norm_fwd_partial_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_c = pid % n_cblocks
-    pid_chunk = (pid // n_cblocks) % n_chunks
-    n = (pid // (n_cblocks * n_chunks)).to(tl.int64)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = c < C
+    n, pid_chunk, c, c_mask = _tile_index(n_cblocks, n_chunks, C, BLOCK_C)
     s_begin = pid_chunk * S_PER_PROG
     s_end = tl.minimum(s_begin + S_PER_PROG, S)
     x_base = x_ptr + n * stride_xn
@@ -181,13 +187,8 @@ def _group_norm_fwd_apply_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_c = pid % n_cblocks
-    pid_s = (pid // n_cblocks) % n_sblocks
-    n = (pid // (n_cblocks * n_sblocks)).to(tl.int64)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    n, pid_s, c, c_mask = _tile_index(n_cblocks, n_sblocks, C, BLOCK_C)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    c_mask = c < C
     mask = (s < S)[:, None] & c_mask[None, :]
     _, _, _, scale, shift = _channel_coefficients(
         mean_ptr, rstd_ptr, w_ptr, b_ptr, n, c, c_mask, C, G, HAS_WEIGHT, HAS_BIAS

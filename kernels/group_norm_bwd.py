@@ -21,6 +21,7 @@ from .group_norm import (
     _divisible_at_sd_shapes,
     _load_affine,
     _strides,
+    _tile_index,
     _tiles,
     as_ncs,
 )
@@ -54,12 +55,7 @@ def _group_norm_bwd_partial_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_c = pid % n_cblocks
-    pid_chunk = (pid // n_cblocks) % n_chunks
-    n = (pid // (n_cblocks * n_chunks)).to(tl.int64)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = c < C
+    n, pid_chunk, c, c_mask = _tile_index(n_cblocks, n_chunks, C, BLOCK_C)
     mean, rstd, _, scale, shift = _channel_coefficients(
         mean_ptr, rstd_ptr, w_ptr, b_ptr, n, c, c_mask, C, G, HAS_WEIGHT, HAS_BIAS
     )
@@ -153,13 +149,8 @@ def _group_norm_bwd_dx_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_c = pid % n_cblocks
-    pid_s = (pid // n_cblocks) % n_sblocks
-    n = (pid // (n_cblocks * n_sblocks)).to(tl.int64)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    n, pid_s, c, c_mask = _tile_index(n_cblocks, n_sblocks, C, BLOCK_C)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    c_mask = c < C
     mask = (s < S)[:, None] & c_mask[None, :]
     cpg = C // G
     group = n * G + c // cpg
