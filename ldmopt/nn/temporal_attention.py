@@ -167,9 +167,23 @@ class _FallbackProcessor:
         self.kernel_calls = 0
         self.fallback_reasons: Counter[str] = Counter()
 
-    def _fall_back(self, reason, attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs):
-        self.fallback_reasons[reason] += 1
-        return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+    def __call__(
+        self,
+        attn,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        temb: Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> Tensor:
+        """The kernel path (``_run``) when ``_call_reason`` finds nothing against these inputs, else the fallback."""
+        reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask)
+        if reason is not None:
+            self.fallback_reasons[reason] += 1
+            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+        self.kernel_calls += 1
+        return self._run(attn, hidden_states, encoder_hidden_states)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(fallback={type(self.fallback).__name__})"
@@ -195,21 +209,7 @@ class TemporalAttnProcessor(_FallbackProcessor):
             return f"F={hidden_states.shape[1]} frames > {MAX_FRAMES}"
         return unsupported_reason(attn)
 
-    def __call__(
-        self,
-        attn,
-        hidden_states: Tensor,
-        encoder_hidden_states: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        temb: Tensor | None = None,
-        *args,
-        **kwargs,
-    ) -> Tensor:
-        reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask)
-        if reason is not None:
-            call = (attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs)
-            return self._fall_back(reason, *call)
-        self.kernel_calls += 1
+    def _run(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None) -> Tensor:
         bn, f, _ = hidden_states.shape
         return temporal_self_attention(attn, hidden_states, encoder_hidden_states, (bn, f, 1))
 
@@ -236,21 +236,7 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
             return f"context batch {encoder_hidden_states.shape[0]} != query batch {hidden_states.shape[0]}"
         return _single_key_module_reason(attn)
 
-    def __call__(
-        self,
-        attn,
-        hidden_states: Tensor,
-        encoder_hidden_states: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        temb: Tensor | None = None,
-        *args,
-        **kwargs,
-    ) -> Tensor:
-        reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask)
-        if reason is not None:
-            call = (attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs)
-            return self._fall_back(reason, *call)
-        self.kernel_calls += 1
+    def _run(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None) -> Tensor:
         out = single_key_attention(attn, encoder_hidden_states)
         out = out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[-1])
         if attn.residual_connection:
