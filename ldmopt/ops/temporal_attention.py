@@ -9,6 +9,12 @@ Custom ops (all tagged ``needs_exact_strides``: compiled graphs hand them the st
 Backends: forward cuda (ldmopt._C) -> triton (kernels/temporal_attention.py) -> torch (reference: explicit math in
 fp32, fp64 for fp64 inputs); backward triton -> torch.
 
+The CUDA forward stages each sequence's Q, K, V in shared memory. Its backend refuses (and the call runs on triton)
+when that plan, ``cuda_smem_bytes`` (a mirror of launch.h's ``make_plan``), exceeds the device's opt-in limit per
+block, read when first needed for each device, never at import: fp32 with F=64 and head_dim=256 needs 217,088 bytes,
+over an A100's 166,912 but within an H100/H200's 232,448; fp16/bf16 need 128,000 at most (over sm_86/sm_89's 101,376).
+The C++ launch still checks the limit itself.
+
 Conventions every backend follows (the CUDA kernels in csrc/ must match them exactly):
 
 - ``q``, ``k``, ``v``: 5-D, one shape (B, F, N, H, D) (batch, frames = the attention axis, pixels, heads,
@@ -29,6 +35,7 @@ Conventions every backend follows (the CUDA kernels in csrc/ must match them exa
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -130,8 +137,50 @@ def _bwd_triton(dout, q, k, v, scale):
     return temporal_attention_bwd(dout, q, k, v, scale)
 
 
+def cuda_smem_bytes(f: int, d: int, dtype: torch.dtype, n_seq: int) -> int:
+    """Dynamic shared memory per block of the CUDA forward for F=f, head_dim=d, B*N*H=n_seq sequences (f, d >= 1).
+
+    MUST match ``Plan::smem_bytes`` of ``make_plan`` in csrc/temporal_attention/launch.h (Q, K, V tiles, fp32 scores
+    and, for 16-bit types, a separate P, all with padded pitches; as many sequences per block as fit 48 KiB, at most
+    16); tests/csrc/test_emulated_kernels.py compares the two over every F and head_dim.
+    """
+    elem = dtype.itemsize
+    pad16 = 16 // elem
+    f_pad, d_pad = -(-f // 16) * 16, -(-d // 16) * 16
+    per_seq = 3 * f_pad * (d_pad + pad16) * elem + f_pad * (f_pad + 4) * 4
+    if elem != 4:
+        per_seq += f_pad * (f_pad + pad16) * elem
+    per_block = min(max(48 * 1024 // per_seq, 1), 16, max(n_seq, 1))
+    return per_seq * per_block
+
+
+def cuda_smem_refusals(f: int, d: int, dtype: torch.dtype, n_seq: int, limit: int) -> list[str]:
+    """The cuda backend's shared-memory rule: its plan must fit ``limit`` bytes per block (the device's opt-in)."""
+    need = cuda_smem_bytes(f, d, dtype, n_seq)
+    if need <= limit:
+        return []
+    return [
+        f"F={f}, head_dim={d} in {dtype} needs {need} bytes of shared memory per block in the CUDA kernel; this GPU "
+        f"allows {limit}"
+    ]
+
+
+@functools.cache
+def smem_optin_limit(index: int) -> int:
+    """cudaDevAttrMaxSharedMemoryPerBlockOptin of CUDA device ``index``: read on the first call for that device."""
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def _cuda_refusals(symbol, q, k, v, *args) -> list[str]:
+    reasons = cuda_extension_refusals(symbol, q, k, v) or _kernel_refusals(q, k, v, *args)
+    if reasons or q.numel() == 0:  # an empty launch returns before the plan is used
+        return reasons
+    b, f, n, h, d = q.shape
+    return cuda_smem_refusals(f, d, q.dtype, b * n * h, smem_optin_limit(q.get_device()))
+
+
 def _cuda_refuse(symbol):
-    return lambda q, k, v, *args: cuda_extension_refusals(symbol, q, k, v) or _kernel_refusals(q, k, v, *args)
+    return lambda q, k, v, *args: _cuda_refusals(symbol, q, k, v, *args)
 
 
 FORWARD = BackendTable(

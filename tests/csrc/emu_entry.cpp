@@ -40,6 +40,14 @@ void write_plan(const ldmopt::group_norm::Plan& plan, int64_t* out) {
   out[4] = plan.n_cblocks;
 }
 
+void write_plan(const ldmopt::temporal_attention::Plan& plan, int64_t* out) {
+  out[0] = plan.f_pad;
+  out[1] = plan.d_pad;
+  out[2] = plan.per_block;
+  out[3] = plan.smem_bytes;
+  out[4] = plan.blocks;
+}
+
 }  // namespace
 
 extern "C" {
@@ -99,7 +107,16 @@ int emu_group_norm_backward(const int64_t* dims, int channels_last, int dtype, i
   });
 }
 
-// dims: B, F, N, H, D; strides: 4 x 5 elements (q, k, v, out). plan_out: f_pad, d_pad, per_block, smem, blocks
+// dims: B, F, N, H, D. plan_out: f_pad, d_pad, per_block, smem_bytes, blocks of make_plan, nothing launched.
+int emu_temporal_attention_plan(const int64_t* dims, int dtype, int64_t* plan_out) {
+  return guarded([&] {
+    namespace ta = ldmopt::temporal_attention;
+    const ta::Problem p{dims[0], dims[1], dims[2], dims[3], dims[4], static_cast<ldmopt::DType>(dtype), 1.0f};
+    write_plan(ta::make_plan(p), plan_out);
+  });
+}
+
+// dims: B, F, N, H, D; strides: 4 x 5 elements (q, k, v, out). plan_out: as emu_temporal_attention_plan
 int emu_temporal_attention_forward(const int64_t* dims, int dtype, float scale, const void* q, const void* k,
                                    const void* v, void* out, const int64_t* strides, int64_t* plan_out) {
   return guarded([&] {
@@ -112,11 +129,7 @@ int emu_temporal_attention_forward(const int64_t* dims, int dtype, float scale, 
       for (int t = 0; t < 3; ++t) views[t].stride[i] = strides[t * 5 + i];
       o.stride[i] = strides[15 + i];
     }
-    plan_out[0] = plan.f_pad;
-    plan_out[1] = plan.d_pad;
-    plan_out[2] = plan.per_block;
-    plan_out[3] = plan.smem_bytes;
-    plan_out[4] = plan.blocks;
+    write_plan(plan, plan_out);
     ta::forward(p, plan, views[0], views[1], views[2], o, nullptr);
   });
 }

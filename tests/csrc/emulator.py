@@ -20,6 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_TA_PLAN_FIELDS = ("f_pad", "d_pad", "per_block", "smem_bytes", "blocks")
 
 
 def cuda_include_dir() -> Path | None:
@@ -135,6 +136,12 @@ class Emulator:
         self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
         return dx, sums[1].sum(0), sums[0].sum(0)
 
+    def temporal_attention_plan(self, shape, dtype) -> dict:
+        """make_plan's fields for (B, F, N, H, D) inputs of ``dtype``, computed on the host; no kernel runs."""
+        plan = (ctypes.c_int64 * 5)()
+        self._check(self.lib.emu_temporal_attention_plan((ctypes.c_int64 * 5)(*shape), DTYPE_CODES[dtype], plan))
+        return dict(zip(_TA_PLAN_FIELDS, list(plan)))
+
     def temporal_attention_fwd(self, q, k, v, scale: float, out=None):
         """out like torch.ops.ldmopt.temporal_attention_fwd_cuda (torch.empty_like(q)) or written into ``out`` like
         temporal_attention_fwd_out_cuda; poisoned first."""
@@ -149,5 +156,5 @@ class Emulator:
                 plan,
             )
         )  # fmt: skip
-        self.last_plan = dict(zip(("f_pad", "d_pad", "per_block", "smem_bytes", "blocks"), list(plan)))
+        self.last_plan = dict(zip(_TA_PLAN_FIELDS, list(plan)))
         return out

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ldmopt.ops.group_norm import _bwd_torch, _fwd_torch
+from ldmopt.ops.temporal_attention import cuda_smem_bytes
 from tests.csrc import emulator
 from tests.tolerances import assert_close, assert_within_torch_error
 
@@ -210,6 +211,18 @@ def test_temporal_attention_limits(emu, dtype):
     # F=64 and head_dim=256, the largest supported: one sequence per block, the most shared memory
     plan = _check_attention(emu, *_qkv(1, 64, 1, 1, 256, dtype, "split"))
     assert plan["per_block"] == 1 and plan["f_pad"] == 64 and plan["d_pad"] == 256
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_temporal_attention_smem_mirror_matches_make_plan(emu, dtype):
+    # ldmopt/ops/temporal_attention.py refuses the cuda backend from its own copy of make_plan's shared memory
+    # formula; every F and head_dim the kernel serves, with 1, a few and many sequences (per_block's three regimes)
+    for n_seq in (1, 3, 17, 10**6):
+        for f in range(1, 65):
+            for d in range(1, 257):
+                smem = emu.temporal_attention_plan((1, f, n_seq, 1, d), dtype)["smem_bytes"]
+                assert cuda_smem_bytes(f, d, dtype, n_seq) == smem, (f, d, dtype, n_seq)
+    assert emu.temporal_attention_plan((1, 64, 1, 1, 256), torch.float32)["smem_bytes"] == 217_088
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
