@@ -67,7 +67,12 @@ def test_training_mode_with_a_data_iterable(tiny_dit):
     # warmup=1: the first step's optimizer-state allocation (zeros_like per parameter) is a one-off, not the profile.
     p = profile(tiny_dit, data=batches, steps=1, warmup=1, wait=0, training=True)
     assert not tiny_dit.training, "train() is undone after profiling"
-    assert p.mode == "training" and p.classified_share() >= 0.9
+    assert p.mode == "training"
+    # The label embedding's backward (aten::embedding_dense_backward, a scatter) is legitimately "other" and can take
+    # 10-15% of a tiny DiT's CPU time; what must never land there is a matmul, convolution, norm or attention op.
+    unclassified = [name for name, _, _ in p.top(C.OTHER, 100)]
+    missed = [n for n in unclassified if any(k in n for k in ("mm", "conv", "norm", "attention", "softmax", "linear"))]
+    assert not missed and p.classified_share() >= 0.75, (missed, p.classified_share(), unclassified[:5])
     conv_ops = [name for name, _, _ in p.top(C.CONV, 10)]
     assert any("backward" in name for name in conv_ops), conv_ops
     # Backward attention inherits its forward scope through the autograd sequence number.
