@@ -13,12 +13,15 @@ from .resnet import FusedResnetBlock2D, fused_resnet_forward
 from .temporal_attention import (
     SingleKeyAttnProcessor,
     TemporalAttnProcessor,
-    TemporalBlockBFNC,
     find_single_key_cross_attention,
     find_temporal_attention,
     install_processors,
-    install_temporal_blocks,
     uninstall_processors,
+)
+from .temporal_layout import (
+    TemporalBlockBFNC,
+    TemporalContainerBFNC,
+    install_temporal_blocks,
     uninstall_temporal_blocks,
 )
 
@@ -34,6 +37,7 @@ __all__ = [
     "SingleKeyAttnProcessor",
     "TemporalAttnProcessor",
     "TemporalBlockBFNC",
+    "TemporalContainerBFNC",
     "find_single_key_cross_attention",
     "find_temporal_attention",
     "fused_resnet_forward",

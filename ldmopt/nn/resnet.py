@@ -36,7 +36,8 @@ from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
 #: How often a fused forward converted an NCHW input to channels-last (one copy of the input) instead of falling
-#: back: video UNets' temporal containers hand NCHW tensors to the next resnet block.
+#: back: diffusers' own video temporal containers hand NCHW tensors to the next resnet block (ldmopt's token-order
+#: containers, ldmopt.nn.temporal_layout, keep channels-last).
 layout_conversions: Counter[str] = Counter()
 
 

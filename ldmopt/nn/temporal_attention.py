@@ -23,9 +23,9 @@ Interface for the patcher (``ldmopt.patch``):
   ``ProcessorInstall.previous`` (name -> processor), the new ones in ``.installed``, ``.skipped`` maps name ->
   reason, ``.report()`` counts kernel calls and fallback reasons per module;
 - ``uninstall_processors(install)`` puts every previous processor object back (identity preserved); idempotent.
-- ``install_temporal_blocks(model) -> BlockInstall`` / ``uninstall_temporal_blocks(install)``: SVD's
-  ``TemporalBasicTransformerBlock`` run whole in (B, F, N, C) order (:class:`TemporalBlockBFNC`, set as the
-  instance's ``forward``; parameters, state_dict and class unchanged), so no permuted copy is made at all.
+
+Whole temporal blocks and containers run in (B, F, N, C) order, with no permuted copy at all, live in
+``ldmopt.nn.temporal_layout``.
 """
 
 from __future__ import annotations
@@ -343,112 +343,4 @@ def uninstall_processors(install: ProcessorInstall) -> None:
         return
     for name, previous in install.previous.items():
         install.modules[name].set_processor(previous)
-    install.active = False
-
-
-# ------------------------------------------------------------------------------------------------ SVD temporal block
-
-#: Blocks whose whole forward can run in (B, F, N, C) order (every op but the attention acts per token).
-TEMPORAL_BLOCKS = ("TemporalBasicTransformerBlock",)
-
-
-class TemporalBlockBFNC:
-    """``TemporalBasicTransformerBlock.forward`` (Stable Video Diffusion) with the tokens left in (B, F, N, C) order.
-
-    diffusers permutes the (B*F, N, C) input to (B*N, F, C) and back, two copies of the activation per block. Here
-    norm_in, ff_in, the norms and the feed-forward act per token on the (B, F, N, C) view, attn1 runs the strided
-    kernel along F, and attn2 (one key per (batch, pixel): SVD's image embedding) is the exact single-key shortcut
-    broadcast over frames. Same modules and parameters, same result within the kernel's tolerance; anything else
-    (chunked feed-forward, custom processors, other contexts) runs the class's own forward, reason counted.
-    Installed as the instance's ``forward`` by :func:`install_temporal_blocks`.
-    """
-
-    def __init__(self, block: nn.Module) -> None:
-        self.block = block
-        self.kernel_calls = 0
-        self.fallback_reasons: Counter[str] = Counter()
-
-    def reason(self, hidden_states: Tensor, num_frames: int, context: Tensor | None) -> str | None:
-        block = self.block
-        if block._chunk_size is not None:
-            return "chunked feed-forward"
-        if hidden_states.ndim != 3 or hidden_states.shape[0] % num_frames:
-            return f"input of shape {tuple(hidden_states.shape)} for {num_frames} frames"
-        if num_frames > MAX_FRAMES:
-            return f"F={num_frames} frames > {MAX_FRAMES}"
-        for attn in (block.attn1, block.attn2):
-            if attn is not None and not _stock_or_ours(attn.processor):
-                return f"custom processor {type(attn.processor).__name__}"
-        reason = unsupported_reason(block.attn1)
-        if reason is not None:
-            return f"attn1: {reason}"
-        if block.attn2 is not None:
-            pairs = hidden_states.shape[0] // num_frames * hidden_states.shape[1]
-            if context is None or context.ndim != 3 or tuple(context.shape[:2]) != (pairs, 1):
-                return "attn2 context is not one key per (batch, pixel)"
-            reason = _single_key_module_reason(block.attn2)
-            if reason is not None:
-                return f"attn2: {reason}"
-        return None
-
-    def __call__(self, hidden_states: Tensor, num_frames: int, encoder_hidden_states: Tensor | None = None) -> Tensor:
-        block = self.block
-        reason = self.reason(hidden_states, num_frames, encoder_hidden_states)
-        if reason is not None:
-            self.fallback_reasons[reason] += 1
-            return type(block).forward(block, hidden_states, num_frames, encoder_hidden_states)
-        self.kernel_calls += 1
-        bf, n, c = hidden_states.shape
-        b = bf // num_frames
-        x = hidden_states.view(b, num_frames, n, c)
-        h = block.ff_in(block.norm_in(x))
-        if block.is_res:
-            h = h + x
-        h = temporal_self_attention(block.attn1, block.norm1(h), None, (b, num_frames, n)) + h
-        if block.attn2 is not None:
-            attn2 = block.attn2
-            # (B*N, 1, C) context rows -> (B, 1, N, C), broadcast over the frames.
-            out = single_key_attention(attn2, encoder_hidden_states).view(b, 1, n, -1)
-            if attn2.residual_connection:
-                out = out + block.norm2(h)
-            h = out / attn2.rescale_output_factor + h
-        ff = block.ff(block.norm3(h))
-        h = ff + h if block.is_res else ff
-        return h.view(bf, n, -1)
-
-
-@dataclass
-class BlockInstall:
-    """What :func:`install_temporal_blocks` did: per block name, the installed forward; blocks left alone."""
-
-    blocks: dict[str, nn.Module] = field(default_factory=dict)
-    forwards: dict[str, TemporalBlockBFNC] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    active: bool = True
-
-    def report(self) -> dict[str, Counter]:
-        return {n: Counter({"kernel": f.kernel_calls, **f.fallback_reasons}) for n, f in self.forwards.items()}
-
-
-def install_temporal_blocks(model: nn.Module) -> BlockInstall:
-    """Run every SVD ``TemporalBasicTransformerBlock`` of ``model`` in (B, F, N, C) order (instance ``forward``)."""
-    install = BlockInstall()
-    for name, module in model.named_modules():
-        if type(module).__name__ not in TEMPORAL_BLOCKS:
-            continue
-        if "forward" in vars(module):
-            install.skipped[name] = "forward already overridden on the instance"
-            continue
-        module.forward = install.forwards[name] = TemporalBlockBFNC(module)
-        install.blocks[name] = module
-    return install
-
-
-def uninstall_temporal_blocks(install: BlockInstall) -> None:
-    """Give every block its class's forward back (a second call does nothing)."""
-    if not install.active:
-        return
-    for name, block in install.blocks.items():
-        if vars(block).get("forward") is install.forwards[name]:
-            del block.forward
     install.active = False

@@ -7,6 +7,7 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |--------------------|---------------------|----------------------------------------------|---------------------------|
 | gn_conv            | resnet              | ResnetBlock2D                                | GN+SiLU in conv loads     |
 | gn_conv            | transformer2d_in    | Transformer2DModel (continuous input)        | GN in proj_in's loads     |
+| gn_conv            | spatiotemporal_in   | TransformerSpatioTemporalModel (SVD)         | GN in proj_in's loads     |
 | group_norm         | group_norm_silu     | Encoder, Decoder, the UNets' output head     | conv_norm_out + conv_act  |
 | group_norm         | group_norm_silu_seq | nn.Sequential (GroupNorm, SiLU)              | GN+SiLU in one pass       |
 | group_norm         | group_norm          | nn.GroupNorm anywhere else                   | ldmopt GroupNorm kernel   |
@@ -18,8 +19,11 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     |                                              | gated residual in FF GEMM |
 | adaln              | joint_block         | JointTransformerBlock, FluxTransformerBlock  | the same, per stream      |
 | adaln              | flux_single_gated   | FluxSingleTransformerBlock                   | gated residual, proj_out  |
-| temporal_attention | temporal_attention  | Attention over frames (AnimateDiff, UNet3D,  | strided temporal kernel   |
-|                    |                     | SVD and Latte temporal blocks)               | (attention processor)     |
+| temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
+|                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
+| temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |
+| temporal_attention | temporal_attention  | Attention over frames not claimed above      | strided temporal kernel   |
+|                    |                     | (Latte, or with temporal_layout off)         | (attention processor)     |
 | svd_attn2          | svd_attn2           | Attention over SVD's one context token       | single-key shortcut       |
 """
 

@@ -44,8 +44,11 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
     from .rules_linear import RULES as linear_rules
+    from .rules_temporal_layout import RULES as temporal_layout_rules
 
-    return (*gn_conv_rules, *block_rules, *linear_rules, *group_norm_rules, *attention_rules)
+    # Temporal layout before the attention processors: its containers claim the attention modules they bypass.
+    rules = (*gn_conv_rules, *block_rules, *linear_rules, *group_norm_rules, *temporal_layout_rules, *attention_rules)
+    return rules
 
 
 @functools.cache

@@ -144,17 +144,28 @@ def _op_fallback(key: tuple[str, str, str]) -> str:
     return f"{op} ran the reference backend ({backend} refused: {reason})"
 
 
+def _layout_fallback(key: tuple[str, str]) -> str:
+    kind, reason = key
+    return f"{kind} ran diffusers' forward: {reason}"
+
+
 # Per-call fall-back counters of the fused modules and ops: (module, attribute, formatter of a key).
 _FALLBACK_COUNTERS = (
     ("ldmopt.nn.resnet", "fallback_reasons", _module_fallback),
     ("ldmopt.ops.gn_conv2d", "fallback_reasons", _op_fallback),
+    ("ldmopt.nn.temporal_layout", "fallback_reasons", _layout_fallback),
 )
+# Per-call layout-copy counters: (module, attribute, label prefix).
+_LAYOUT_COUNTERS = (("ldmopt.nn.resnet", "ResnetBlock2D: "), ("ldmopt.nn.temporal_layout", ""))
 
 
 def layout_copy_counts() -> Counter:
     """{description: count} of the layout copies the fused modules loaded so far made before fusing."""
-    counts = getattr(sys.modules.get("ldmopt.nn.resnet"), "layout_conversions", None) or {}
-    return Counter({f"ResnetBlock2D: {what}": n for what, n in counts.items()})
+    out: Counter = Counter()
+    for module_name, prefix in _LAYOUT_COUNTERS:
+        for what, n in (getattr(sys.modules.get(module_name), "layout_conversions", None) or {}).items():
+            out[f"{prefix}{what}"] += n
+    return out
 
 
 def fallback_counts() -> Counter:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 #: Kernel families a user can select with ``patch(..., families={...})``.
-FAMILIES = ("group_norm", "gn_conv", "feed_forward", "adaln", "temporal_attention", "svd_attn2")
+FAMILIES = ("group_norm", "gn_conv", "feed_forward", "adaln", "temporal_layout", "temporal_attention", "svd_attn2")
 
 
 @dataclass

@@ -10,8 +10,10 @@
   or Linear read as a 1x1 conv) in one ``gn_silu_conv2d(activation=None)``; on the way out, the ``.contiguous()``
   back to NCHW is skipped when the residual is channels-last, so the next ResnetBlock2D gets channels-last input
   and stays fused.
+- ``spatiotemporal_in``: SVD's ``TransformerSpatioTemporalModel``: the same GroupNorm + ``proj_in`` (a Linear) in one
+  ``gn_silu_conv2d(activation=None)`` and channels-last kept on the way out; the blocks run as in diffusers.
 
-Both are class swaps (rule.py). Tolerance: the ops' (within 2x the error of the unfused PyTorch ops in the input
+All are class swaps (rule.py). Tolerance: the ops' (within 2x the error of the unfused PyTorch ops in the input
 dtype).
 """
 
@@ -134,4 +136,84 @@ class Transformer2DInRule(Rule):
         swap_class(site.module, data)
 
 
-RULES: list[Rule] = [ResnetBlockRule(), Transformer2DInRule()]
+def _svd_time_context(context: Tensor, batch: int, frames: int, pixels: int) -> Tensor:
+    """The first frame's context of each video, one row per (video, pixel): what SVD's temporal blocks attend to."""
+    first = context[None, :].reshape(batch, frames, -1, context.shape[-1])[:, 0]
+    first = first[:, None].broadcast_to(batch, pixels, context.shape[-2], context.shape[-1])
+    return first.reshape(batch * pixels, -1, context.shape[-1])
+
+
+def _spatiotemporal_forward(
+    self,
+    hidden_states: Tensor,
+    encoder_hidden_states: Tensor | None = None,
+    image_only_indicator: Tensor | None = None,
+    return_dict: bool = True,
+):
+    """``TransformerSpatioTemporalModel.forward`` with GroupNorm fused into proj_in and channels-last kept."""
+    from diffusers.models.transformers.transformer_temporal import TransformerTemporalModelOutput
+
+    if encoder_hidden_states is None or image_only_indicator is None:
+        base = type(self)._ldmopt_base
+        return base.forward(self, hidden_states, encoder_hidden_states, image_only_indicator, return_dict)
+    batch_frames, channels, height, width = hidden_states.shape
+    num_frames = image_only_indicator.shape[-1]
+    batch_size = batch_frames // num_frames
+    time_context = _svd_time_context(encoder_hidden_states, batch_size, num_frames, height * width)
+    residual = hidden_states
+    weight, bias = _proj_in_as_conv(self.proj_in)
+    norm = self.norm
+    h = gn_silu_conv2d(
+        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None
+    )
+    hidden_states = h.permute(0, 2, 3, 1).reshape(batch_frames, height * width, h.shape[1])
+    frame_index = torch.arange(num_frames, device=hidden_states.device).repeat(batch_size, 1).reshape(-1)
+    emb = self.time_pos_embed(self.time_proj(frame_index).to(dtype=hidden_states.dtype))[:, None, :]
+    for block, temporal_block in zip(self.transformer_blocks, self.temporal_transformer_blocks, strict=True):
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            hidden_states = self._gradient_checkpointing_func(block, hidden_states, None, encoder_hidden_states, None)
+        else:
+            hidden_states = block(hidden_states, encoder_hidden_states=encoder_hidden_states)
+        mixed = temporal_block(hidden_states + emb, num_frames=num_frames, encoder_hidden_states=time_context)
+        hidden_states = self.time_mixer(
+            x_spatial=hidden_states, x_temporal=mixed, image_only_indicator=image_only_indicator
+        )
+    hidden_states = self.proj_out(hidden_states)
+    hidden_states = hidden_states.reshape(batch_frames, height, width, channels).permute(0, 3, 1, 2)
+    if not residual.is_contiguous(memory_format=torch.channels_last):
+        hidden_states = hidden_states.contiguous()
+    output = hidden_states + residual
+    return TransformerTemporalModelOutput(sample=output) if return_dict else (output,)
+
+
+class SpatioTemporalInRule(Rule):
+    name = "spatiotemporal_in"
+    family = "gn_conv"
+    description = "SVD TransformerSpatioTemporalModel: GroupNorm fused into proj_in's loads; channels-last kept"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.transformers.transformer_temporal import TransformerSpatioTemporalModel
+
+        return (TransformerSpatioTemporalModel,)
+
+    def reasons(self, site: Site) -> list[str]:
+        m = site.module
+        reasons = []
+        if type(m.norm) is not nn.GroupNorm or not m.norm.affine:
+            reasons.append(f"norm is {type(m.norm).__name__}, not an affine nn.GroupNorm")
+        for name in ("proj_in", "proj_out"):
+            if type(getattr(m, name)) is not nn.Linear:
+                reasons.append(f"{name} is {type(getattr(m, name)).__name__}, not a plain nn.Linear")
+        return reasons
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {"": site.module, "norm": site.module.norm, "proj_in": site.module.proj_in}
+
+    def replace(self, site: Site) -> Any:
+        return swap_class(site.module, fused_class(type(site.module), _spatiotemporal_forward, self.description))
+
+    def restore(self, site: Site, data: Any) -> None:
+        swap_class(site.module, data)
+
+
+RULES: list[Rule] = [ResnetBlockRule(), Transformer2DInRule(), SpatioTemporalInRule()]

@@ -14,9 +14,7 @@ from ldmopt.nn.temporal_attention import (
     find_temporal_attention,
     install_processor,
     install_processors,
-    install_temporal_blocks,
     uninstall_processors,
-    uninstall_temporal_blocks,
     unsupported_reason,
 )
 from tests.tolerances import assert_close, assert_within_torch_error
@@ -370,57 +368,3 @@ def test_torch_compile_fullgraph(backend):
     eager.sum().backward()
     assert_close(out, eager.detach().double(), torch.float32, "compiled forward")
     assert_close(grad_compiled, x.grad.double(), torch.float32, "compiled backward")
-
-
-# ------------------------------------------------------------------------------------------------ SVD block, BFNC
-
-
-@pytest.mark.parametrize("with_processors", [False, True])
-def test_svd_block_in_bfnc_order_matches_stock(models, with_processors):
-    block, call = _container_call("svd", models["svd"])
-    with torch.no_grad():
-        expected = call()
-        processors = install_processors(block) if with_processors else None
-        blocks = install_temporal_blocks(block)
-        try:
-            got = call()
-        finally:
-            uninstall_temporal_blocks(blocks)
-            if processors is not None:
-                uninstall_processors(processors)
-    assert list(blocks.report().values()) == [{"kernel": 1}]
-    assert "forward" not in vars(block.temporal_transformer_blocks[0])
-    assert_close(got, expected.double(), torch.float32, "svd block")
-
-
-def test_svd_block_issues_no_activation_copy(models):
-    temporal = copy.deepcopy(models["svd"].down_blocks[0].attentions[0].temporal_transformer_blocks[0])
-    x, context = torch.randn(2 * FRAMES, 6, 64), torch.randn(2 * 6, 1, 16)
-    install = install_temporal_blocks(temporal)
-    with torch.no_grad():
-        with _CopyRecorder() as ours:
-            got = temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
-        uninstall_temporal_blocks(install)
-        with _CopyRecorder() as theirs:
-            expected = temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
-    assert_close(got, expected.double(), torch.float32, "svd temporal block")
-    copies = [(name, n) for name, n in ours.ops if name in _CopyRecorder.COPY_OPS and n >= x.numel()]
-    assert not copies, copies
-    # diffusers' block permutes the activation to (B*N, F, C) and back: two copies at least.
-    assert sum(name in _CopyRecorder.COPY_OPS and n >= x.numel() for name, n in theirs.ops) >= 2, theirs.ops
-
-
-def test_svd_block_falls_back_with_reason(models):
-    temporal = copy.deepcopy(models["svd"].down_blocks[0].attentions[0].temporal_transformer_blocks[0])
-    x, context = torch.randn(2 * FRAMES, 6, 64), torch.randn(2 * 6, 1, 16)
-    with torch.no_grad():
-        temporal.set_chunk_feed_forward(1)
-        expected_chunked = temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
-        expected_long = temporal(x, num_frames=FRAMES, encoder_hidden_states=context.expand(-1, 3, -1))
-        install = install_temporal_blocks(temporal)
-        chunked = temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
-        temporal.set_chunk_feed_forward(None)
-        long = temporal(x, num_frames=FRAMES, encoder_hidden_states=context.expand(-1, 3, -1))
-    reasons = {"kernel": 0, "chunked feed-forward": 1, "attn2 context is not one key per (batch, pixel)": 1}
-    assert install.report()[""] == reasons
-    assert torch.equal(chunked, expected_chunked) and torch.equal(long, expected_long)

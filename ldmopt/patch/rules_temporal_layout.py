@@ -1,0 +1,109 @@
+"""Temporal-layout rules (family ``temporal_layout``): whole temporal transformers run in (B, F, N, C) token order,
+so diffusers' permuted copies of the activation (to (B*N, F, C) and back) are never made.
+
+- ``svd_temporal_block``: SVD's ``TemporalBasicTransformerBlock``; attn1 runs the strided temporal kernel, attn2
+  (one image-embedding key) the exact single-key shortcut.
+- ``temporal_container``: AnimateDiff's ``AnimateDiffTransformer3D`` (motion modules) and UNet3D/ModelScope's
+  ``TransformerTemporalModel`` (``transformer_in``, ``temp_attentions``): GroupNorm on the channels_last_3d view,
+  proj_in, the BasicTransformerBlocks and proj_out on the token array. Channels-last inputs need no copy at all; an
+  NCHW input is copied once (counted in the report's layout copies).
+
+Both are class swaps (see rule.py). The attention modules inside are bypassed (their projections are called), so
+they are claimed here and get no processor from the ``temporal_attention`` rule; a call the token-order path does
+not cover runs the class's own forward with the stock processors, the reason counted in the report's fall-backs
+(ldmopt.nn.temporal_layout.fallback_reasons). Tolerance: the temporal kernel's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..nn import temporal_layout as L
+from .rule import Rule, Site, fused_class, swap_class
+
+
+def _svd_block_forward(self, hidden_states, num_frames, encoder_hidden_states=None):
+    return L.run_svd_block(self, hidden_states, num_frames, encoder_hidden_states)
+
+
+def _container_forward(self, hidden_states, *args, **kwargs):
+    return L.run_container(self, hidden_states, *args, **kwargs)
+
+
+class _LayoutRule(Rule):
+    family = "temporal_layout"
+    fused_forward: Any
+
+    def replace(self, site: Site) -> Any:
+        fused = fused_class(type(site.module), type(self).fused_forward, self.description)
+        return swap_class(site.module, fused)
+
+    def restore(self, site: Site, data: Any) -> None:
+        swap_class(site.module, data)
+
+    def shallow(self, site: Site) -> set[str]:
+        return set(self.touched(site))  # the children of every bypassed module still run
+
+
+class SVDTemporalBlockRule(_LayoutRule):
+    name = "svd_temporal_block"
+    description = "SVD temporal block in (B, F, N, C) order: strided attention, single-key attn2, no permute copies"
+    fused_forward = _svd_block_forward
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.attention import TemporalBasicTransformerBlock
+
+        return (TemporalBasicTransformerBlock,)
+
+    def reasons(self, site: Site) -> list[str]:
+        block = site.module
+        reason = L.svd_block_static_reason(block)
+        if reason is None:
+            for name in ("attn1", "attn2"):
+                attn = getattr(block, name)
+                reason = None if attn is None else L._processor_reason(attn, name)
+                if reason is not None:
+                    break
+        return [reason] if reason else []
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        block = site.module
+        return {"": block, **{n: getattr(block, n) for n in ("attn1", "attn2") if getattr(block, n) is not None}}
+
+
+class TemporalContainerRule(_LayoutRule):
+    name = "temporal_container"
+    description = "AnimateDiff/UNet3D temporal transformer in (B, F, N, C) order: no permute copies"
+    fused_forward = _container_forward
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.transformers.transformer_temporal import TransformerTemporalModel
+        from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
+
+        return (AnimateDiffTransformer3D, TransformerTemporalModel)
+
+    def reasons(self, site: Site) -> list[str]:
+        container = site.module
+        reason = L.container_static_reason(container)
+        if reason is None:
+            for i, block in enumerate(container.transformer_blocks):
+                for name in ("attn1", "attn2"):
+                    attn = getattr(block, name)
+                    found = None if attn is None else L._processor_reason(attn, name)
+                    if found is not None:
+                        return [f"transformer_blocks.{i}: {found}"]
+        return [reason] if reason else []
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        out: dict[str, nn.Module] = {"": site.module}
+        for i, block in enumerate(site.module.transformer_blocks):
+            out[f"transformer_blocks.{i}"] = block
+            for name in ("attn1", "attn2", "pos_embed"):
+                if getattr(block, name, None) is not None:
+                    out[f"transformer_blocks.{i}.{name}"] = getattr(block, name)
+        return out
+
+
+RULES: list[Rule] = [SVDTemporalBlockRule(), TemporalContainerRule()]

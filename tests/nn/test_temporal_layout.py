@@ -1,0 +1,282 @@
+"""ldmopt.nn.temporal_layout: SVD temporal blocks and AnimateDiff / UNet3D temporal containers run whole in
+(B, F, N, C) order, against diffusers' own forward on tiny random-weight models (Triton interpreter)."""
+
+import copy
+
+import pytest
+import torch
+
+import ldmopt
+from ldmopt.nn import temporal_layout as L
+from ldmopt.nn.temporal_attention import install_processors, uninstall_processors
+from ldmopt.nn.temporal_layout import install_temporal_blocks, uninstall_temporal_blocks
+from tests.nn.test_temporal_processor import BUILDERS, FRAMES, _container_call, _CopyRecorder
+from tests.tolerances import assert_close
+
+diffusers = pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    return {name: BUILDERS[name]().eval() for name in ("animatediff", "svd", "modelscope")}
+
+
+# ------------------------------------------------------------------------------------------------ SVD block
+
+
+@pytest.mark.parametrize("with_processors", [False, True])
+def test_svd_block_in_bfnc_order_matches_stock(models, with_processors):
+    block, call = _container_call("svd", models["svd"])
+    with torch.no_grad():
+        expected = call()
+        processors = install_processors(block) if with_processors else None
+        blocks = install_temporal_blocks(block)
+        try:
+            got = call()
+        finally:
+            uninstall_temporal_blocks(blocks)
+            if processors is not None:
+                uninstall_processors(processors)
+    assert list(blocks.report().values()) == [{"kernel": 1}]
+    assert "forward" not in vars(block.temporal_transformer_blocks[0])
+    assert_close(got, expected.double(), torch.float32, "svd block")
+
+
+def test_svd_block_issues_no_activation_copy(models):
+    temporal = copy.deepcopy(models["svd"].down_blocks[0].attentions[0].temporal_transformer_blocks[0])
+    x, context = torch.randn(2 * FRAMES, 6, 64), torch.randn(2 * 6, 1, 16)
+    install = install_temporal_blocks(temporal)
+    with torch.no_grad():
+        with _CopyRecorder() as ours:
+            got = temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
+        uninstall_temporal_blocks(install)
+        with _CopyRecorder() as theirs:
+            expected = temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
+    assert_close(got, expected.double(), torch.float32, "svd temporal block")
+    copies = [(name, n) for name, n in ours.ops if name in _CopyRecorder.COPY_OPS and n >= x.numel()]
+    assert not copies, copies
+    # diffusers' block permutes the activation to (B*N, F, C) and back: two copies at least.
+    assert sum(name in _CopyRecorder.COPY_OPS and n >= x.numel() for name, n in theirs.ops) >= 2, theirs.ops
+
+
+def test_svd_block_falls_back_with_reason(models):
+    temporal = copy.deepcopy(models["svd"].down_blocks[0].attentions[0].temporal_transformer_blocks[0])
+    x, context = torch.randn(2 * FRAMES, 6, 64), torch.randn(2 * 6, 1, 16)
+    with torch.no_grad():
+        temporal.set_chunk_feed_forward(1)
+        expected_chunked = temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
+        expected_long = temporal(x, num_frames=FRAMES, encoder_hidden_states=context.expand(-1, 3, -1))
+        install = install_temporal_blocks(temporal)
+        chunked = temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
+        temporal.set_chunk_feed_forward(None)
+        long = temporal(x, num_frames=FRAMES, encoder_hidden_states=context.expand(-1, 3, -1))
+    reasons = {"kernel": 0, "chunked feed-forward": 1, "attn2 context is not one key per (batch, pixel)": 1}
+    assert install.report()[""] == reasons
+    assert torch.equal(chunked, expected_chunked) and torch.equal(long, expected_long)
+
+
+# ------------------------------------------------------------------------------------------------ containers
+
+
+def _container(family, models):
+    model = models[family]
+    module = model.down_blocks[0].motion_modules[0] if family == "animatediff" else model.transformer_in
+    return copy.deepcopy(module)
+
+
+def _call(container, x, **kwargs):
+    out = container(x, num_frames=FRAMES, **kwargs)
+    return out if isinstance(out, torch.Tensor) else out.sample
+
+
+def _input(channels_last, channels=40, height=3, width=5):
+    x = torch.randn(2 * FRAMES, channels, height, width)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+CONTAINER_FAMILIES = ["animatediff", "modelscope"]
+
+
+@pytest.mark.parametrize("family", CONTAINER_FAMILIES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_container_in_bfnc_order_matches_stock(models, family, channels_last):
+    container = _container(family, models)
+    if family == "animatediff":  # the motion module's sinusoidal positions over frames are part of what is checked
+        assert container.transformer_blocks[0].pos_embed is not None
+    x = _input(channels_last)
+    L.layout_conversions.clear()
+    with torch.no_grad():
+        expected = _call(container, x)
+        install = install_temporal_blocks(container)
+        try:
+            got = _call(container, x)
+        finally:
+            uninstall_temporal_blocks(install)
+    assert install.report() == {"": {"kernel": 1}} and not install.skipped
+    assert "forward" not in vars(container)
+    assert_close(got, expected.double(), torch.float32, f"{family} container")
+    # The result keeps the input's layout; only an NCHW input is copied (once) to channels-last.
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert got.is_contiguous(memory_format=fmt)
+    assert sum(L.layout_conversions.values()) == (0 if channels_last else 1), L.layout_conversions
+
+
+@pytest.mark.parametrize("family", CONTAINER_FAMILIES)
+def test_container_issues_no_activation_copy(models, family):
+    container = _container(family, models)
+    x = _input(channels_last=True)
+    install = install_temporal_blocks(container)
+    with torch.no_grad():
+        with _CopyRecorder() as ours:
+            got = _call(container, x)
+        uninstall_temporal_blocks(install)
+        with _CopyRecorder() as theirs:
+            expected = _call(container, x)
+    assert_close(got, expected.double(), torch.float32, family)
+    big = x.numel() // 2  # any copy of (a layout of) the activation, also of its projections
+    copies = [(name, n) for name, n in ours.ops if name in _CopyRecorder.COPY_OPS and n >= big]
+    assert not copies, copies
+    # diffusers permutes to (B*N, F, C) and back (and GroupNorm may copy its input): two copies at least.
+    assert sum(name in _CopyRecorder.COPY_OPS and n >= big for name, n in theirs.ops) >= 2, theirs.ops
+
+
+class _CustomProcessor(diffusers.models.attention_processor.AttnProcessor2_0):
+    pass
+
+
+@pytest.mark.parametrize("family", CONTAINER_FAMILIES)
+def test_container_falls_back_with_reason(models, family):
+    container = _container(family, models)
+    block = container.transformer_blocks[0]
+    x = _input(channels_last=True)
+    install = install_temporal_blocks(container)
+    with torch.no_grad():
+        block.set_chunk_feed_forward(1)
+        chunked = _call(container, x)
+        block.set_chunk_feed_forward(None)
+        block.attn2.set_processor(_CustomProcessor())
+        custom = _call(container, x)
+        uninstall_temporal_blocks(install)
+        expected = _call(container, x)
+    assert install.report()[""] == {
+        "kernel": 0,
+        "transformer_blocks.0: chunked feed-forward": 1,
+        "transformer_blocks.0: attn2 has custom processor _CustomProcessor": 1,
+    }
+    assert_close(chunked, expected.double(), torch.float32, "chunked")
+    assert torch.equal(custom, expected)
+
+
+def test_container_static_reasons(models):
+    container = _container("animatediff", models)
+    block = container.transformer_blocks[0]
+    assert L.container_static_reason(container) is None
+    block.norm_type = "ada_norm"
+    assert (
+        L.container_static_reason(container) == "transformer_blocks.0: block norm_type 'ada_norm' (only 'layer_norm')"
+    )
+    block.norm_type = "layer_norm"
+    block.pos_embed = torch.nn.Identity()
+    assert "positional embedding Identity" in L.container_static_reason(container)
+    install = install_temporal_blocks(container)
+    assert not install.blocks and "positional embedding Identity" in install.skipped[""]
+
+
+def test_container_backward_matches_stock(models):
+    container = _container("animatediff", models).train()
+    x = _input(channels_last=True).requires_grad_()
+    grad_out = torch.randn(x.shape).contiguous(memory_format=torch.channels_last)
+
+    def grads():
+        container.zero_grad(set_to_none=True)
+        x.grad = None
+        (_call(container, x) * grad_out).sum().backward()
+        return x.grad.clone(), {n: p.grad.clone() for n, p in container.named_parameters()}
+
+    expected_x, expected_params = grads()
+    install = install_temporal_blocks(container)
+    try:
+        got_x, got_params = grads()
+    finally:
+        uninstall_temporal_blocks(install)
+    assert install.report()[""]["kernel"] == 1
+    assert_close(got_x, expected_x.double(), torch.float32, "dx")
+    assert got_params.keys() == expected_params.keys()
+    for name, grad in got_params.items():
+        assert_close(grad, expected_params[name].double(), torch.float32, f"d{name}")
+
+
+def test_patch_reports_containers_copies_and_fallbacks(models):
+    model = copy.deepcopy(models["animatediff"])
+    motion = model.down_blocks[0].motion_modules[0]
+    x = _input(channels_last=False)
+    with torch.no_grad():
+        expected = _call(motion, x)
+        report = ldmopt.patch(model, families={"temporal_layout", "temporal_attention"})
+        assert report.counts() == {"temporal_container": 7}, report.counts()
+        assert "(B, F, N, C) order" in repr(motion)
+        got = _call(motion, x)
+        motion.transformer_blocks[0].set_chunk_feed_forward(1)
+        _call(motion, x)
+    assert_close(got, expected.double(), torch.float32, "patched motion module")
+    assert report.layout_copies() == {"AnimateDiffTransformer3D: NCHW input copied to channels-last": 1}
+    assert report.fallbacks() == {
+        "AnimateDiffTransformer3D ran diffusers' forward: transformer_blocks.0: chunked feed-forward": 1
+    }
+    text = str(report)
+    assert "channels-last since patch" in text and "chunked feed-forward" in text
+    ldmopt.unpatch(model)
+    assert type(motion).__name__ == "AnimateDiffTransformer3D" and "ldmopt" not in repr(motion)
+    # Without temporal_layout, the attention processors take the temporal modules, as before.
+    report = ldmopt.patch(model, families={"temporal_attention"})
+    assert report.counts() == {"temporal_attention": 14}
+    ldmopt.unpatch(model)
+
+
+def test_patch_with_processors_installed_first(models):
+    """Processors installed by hand count as stock-or-ours: the container still runs in token order."""
+    container = _container("modelscope", models)
+    x = _input(channels_last=True)
+    processors = install_processors(container)
+    try:
+        with torch.no_grad():
+            expected = _call(container, x)
+            install = install_temporal_blocks(container)
+            got = _call(container, x)
+            uninstall_temporal_blocks(install)
+    finally:
+        uninstall_processors(processors)
+    assert install.report() == {"": {"kernel": 1}}
+    assert_close(got, expected.double(), torch.float32, "modelscope container")
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_patched_svd_transformer_keeps_the_input_layout(models, channels_last):
+    """spatiotemporal_in (GroupNorm in proj_in's loads) + svd_temporal_block on SVD's TransformerSpatioTemporalModel:
+    same output as diffusers, in the input's layout, with no GroupNorm pass of its own (channels-last input)."""
+    transformer = copy.deepcopy(models["svd"].down_blocks[0].attentions[0])
+    x = _input(channels_last, channels=64)
+    context = torch.randn(2 * FRAMES, 1, 16)
+    indicator = torch.zeros(2, FRAMES)
+
+    def run():
+        return transformer(x, context, image_only_indicator=indicator, return_dict=False)[0]
+
+    with torch.no_grad():
+        expected = run()
+        report = ldmopt.patch(transformer)
+        assert report.counts() == {"geglu": 3, "spatiotemporal_in": 1, "svd_attn2": 1, "svd_temporal_block": 1}
+        with _CopyRecorder() as ours:
+            got = run()
+    assert_close(got, expected.double(), torch.float32, "svd transformer")
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert got.is_contiguous(memory_format=fmt)
+    assert not report.layout_copies()
+    if channels_last:
+        assert not report.fallbacks()
+        assert "native_group_norm" not in {name for name, _ in ours.ops}
+    else:  # the fused GroupNorm -> proj_in reads channels-last only: an NCHW call takes the reference, with the reason
+        assert [r for r in report.fallbacks() if "is not channels-last" in r] == list(report.fallbacks())
+    ldmopt.unpatch(transformer)
+    assert type(transformer).__name__ == "TransformerSpatioTemporalModel" and "ldmopt" not in repr(transformer)
