@@ -51,7 +51,7 @@ fallback_reasons: Counter[tuple[str, str]] = Counter()
 layout_conversions: Counter[str] = Counter()
 
 
-def _processor_reason(attn, name: str) -> str | None:
+def processor_reason(attn, name: str) -> str | None:
     if not _stock_or_ours(attn.processor):
         return f"{name} has custom processor {type(attn.processor).__name__}"
     return None
@@ -80,7 +80,7 @@ def svd_block_reason(block: nn.Module, hidden_states: Tensor, num_frames: int, c
         return f"F={num_frames} frames > {MAX_FRAMES}"
     for name in ("attn1", "attn2"):
         attn = getattr(block, name)
-        reason = None if attn is None else _processor_reason(attn, name)
+        reason = None if attn is None else processor_reason(attn, name)
         if reason is not None:
             return reason
     reason = svd_block_static_reason(block)
@@ -184,7 +184,7 @@ def container_reason(
             return f"transformer_blocks.{i}: chunked feed-forward"
         for name in ("attn1", "attn2"):
             attn = getattr(block, name)
-            reason = None if attn is None else _processor_reason(attn, name)
+            reason = None if attn is None else processor_reason(attn, name)
             if reason is not None:
                 return f"transformer_blocks.{i}: {reason}"
     return container_static_reason(container)

@@ -7,8 +7,9 @@ stock path anyway, ``touched`` which submodules the fused path bypasses or repla
 ``restore`` needs to put back the very same objects.
 
 Two ways of editing, both keeping the parameter objects (no copies) and the state_dict keys:
-- class swap: the instance's ``__class__`` becomes a subclass of its own class (from :func:`fused_class`) whose
-  ``forward`` runs fused ops and whose ``extra_repr`` says so; hooks, parameters and identity stay;
+- class swap (:class:`ClassSwapRule`): the instance's ``__class__`` becomes a subclass of its own class (from
+  :func:`fused_class`) whose ``forward`` runs fused ops and whose ``extra_repr`` says so; hooks, parameters and
+  identity stay;
 - child swap: a child is replaced by an ldmopt module built with ``from_module`` (sharing the Parameter objects),
   and a child whose work moved into its neighbour by :class:`FusedAway`, which has no state.
 """
@@ -140,6 +141,19 @@ def swap_class(module: nn.Module, cls: type) -> type:
     old = type(module)
     module.__class__ = cls
     return old
+
+
+class ClassSwapRule(Rule):
+    """A rule that edits by class swap: :meth:`methods` gives the fused ``forward`` (or a dict of methods)."""
+
+    def methods(self, site: Site) -> Callable | dict[str, Callable]:
+        raise NotImplementedError
+
+    def replace(self, site: Site) -> Any:
+        return swap_class(site.module, fused_class(type(site.module), self.methods(site), self.description))
+
+    def restore(self, site: Site, data: Any) -> None:
+        swap_class(site.module, data)
 
 
 # ------------------------------------------------------------------------------------------------ child swap

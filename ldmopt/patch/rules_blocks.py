@@ -26,7 +26,7 @@ from torch import nn
 from ..nn.linear import plain_linear_reason
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.linear import linear
-from .rule import Rule, Site, fused_class, swap_class
+from .rule import ClassSwapRule, Rule, Site
 
 
 def _plain_layer_norm_reason(name: str, norm: Any) -> str | None:
@@ -113,7 +113,7 @@ def _adaln_block_forward(
     return _ff_gated_residual(self.ff, norm_hidden_states, gate_mlp, hidden_states)
 
 
-class AdaLNBlockRule(Rule):
+class AdaLNBlockRule(ClassSwapRule):
     name = "adaln_block"
     family = "adaln"
     description = "adaLN block: residual+LayerNorm+modulation in one row kernel, FF out GEMM with gated residual"
@@ -149,11 +149,8 @@ class AdaLNBlockRule(Rule):
     def shallow(self, site: Site) -> set[str]:
         return {"", "ff"}  # ff's children net.0 / net.1 are still called
 
-    def replace(self, site: Site) -> Any:
-        return swap_class(site.module, fused_class(type(site.module), _adaln_block_forward, self.description))
-
-    def restore(self, site: Site, data: Any) -> None:
-        swap_class(site.module, data)
+    def methods(self, site: Site):
+        return _adaln_block_forward
 
 
 def _flux_single_forward(
@@ -179,7 +176,7 @@ def _flux_single_forward(
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
-class FluxSingleGatedRule(Rule):
+class FluxSingleGatedRule(ClassSwapRule):
     name = "flux_single_gated"
     family = "adaln"
     description = "Flux single block: proj_out GEMM with the gated residual in its epilogue"
@@ -196,11 +193,8 @@ class FluxSingleGatedRule(Rule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {"": site.module, "proj_out": site.module.proj_out}
 
-    def replace(self, site: Site) -> Any:
-        return swap_class(site.module, fused_class(type(site.module), _flux_single_forward, self.description))
-
-    def restore(self, site: Site, data: Any) -> None:
-        swap_class(site.module, data)
+    def methods(self, site: Site):
+        return _flux_single_forward
 
 
 def _stream(hidden, pending, scale, shift, gate, norm, ff):
@@ -281,7 +275,7 @@ def _flux_double_forward(
     return encoder_hidden_states, hidden_states
 
 
-class JointBlockRule(Rule):
+class JointBlockRule(ClassSwapRule):
     """SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: both streams' residual + LayerNorm +
     modulation in one row kernel each, and their feed-forward output GEMMs with the gated residual epilogue."""
 
@@ -317,13 +311,8 @@ class JointBlockRule(Rule):
     def shallow(self, site: Site) -> set[str]:
         return {"", *(f"ff{suffix}" for suffix in self._streams(site.module))}
 
-    def replace(self, site: Site) -> Any:
-        base = type(site.module)
-        forward = _sd3_joint_forward if base.__name__ == "JointTransformerBlock" else _flux_double_forward
-        return swap_class(site.module, fused_class(base, forward, self.description))
-
-    def restore(self, site: Site, data: Any) -> None:
-        swap_class(site.module, data)
+    def methods(self, site: Site):
+        return _sd3_joint_forward if type(site.module).__name__ == "JointTransformerBlock" else _flux_double_forward
 
 
 RULES: list[Rule] = [AdaLNBlockRule(), JointBlockRule(), FluxSingleGatedRule()]

@@ -19,14 +19,12 @@ dtype).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
 from ..nn import resnet as R
 from ..ops.gn_conv2d import gn_silu_conv2d
-from .rule import Rule, Site, fused_class, swap_class
+from .rule import ClassSwapRule, Rule, Site
 
 # Children whose forward the fused path does not call (nonlinearity still runs on temb, but not on the main path).
 _BYPASSED = ("norm1", "norm2", "conv1", "conv2", "conv_shortcut", "dropout", "nonlinearity", "upsample", "downsample")
@@ -36,7 +34,7 @@ def _resnet_forward(self, input_tensor: Tensor, temb: Tensor | None = None, *arg
     return R.fused_resnet_forward(self, input_tensor, temb, *args, **kwargs)
 
 
-class ResnetBlockRule(Rule):
+class ResnetBlockRule(ClassSwapRule):
     name = "resnet"
     family = "gn_conv"
     description = "ResnetBlock2D: GN+SiLU fused into conv1/conv2 loads, temb/shortcut/stats in epilogues"
@@ -54,11 +52,8 @@ class ResnetBlockRule(Rule):
         found = {name: getattr(block, name, None) for name in _BYPASSED}
         return {"": block, **{k: v for k, v in found.items() if isinstance(v, nn.Module)}}
 
-    def replace(self, site: Site) -> Any:
-        return swap_class(site.module, fused_class(type(site.module), _resnet_forward, self.description))
-
-    def restore(self, site: Site, data: Any) -> None:
-        swap_class(site.module, data)
+    def methods(self, site: Site):
+        return _resnet_forward
 
 
 def _proj_in_as_conv(proj_in: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -98,7 +93,7 @@ _T2D_METHODS = {
 }
 
 
-class Transformer2DInRule(Rule):
+class Transformer2DInRule(ClassSwapRule):
     name = "transformer2d_in"
     family = "gn_conv"
     description = "Transformer2DModel: GroupNorm fused into proj_in's loads; channels-last kept on the way out"
@@ -129,11 +124,8 @@ class Transformer2DInRule(Rule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {"": site.module, "norm": site.module.norm, "proj_in": site.module.proj_in}
 
-    def replace(self, site: Site) -> Any:
-        return swap_class(site.module, fused_class(type(site.module), _T2D_METHODS, self.description))
-
-    def restore(self, site: Site, data: Any) -> None:
-        swap_class(site.module, data)
+    def methods(self, site: Site):
+        return _T2D_METHODS
 
 
 def _svd_time_context(context: Tensor, batch: int, frames: int, pixels: int) -> Tensor:
@@ -186,7 +178,7 @@ def _spatiotemporal_forward(
     return TransformerTemporalModelOutput(sample=output) if return_dict else (output,)
 
 
-class SpatioTemporalInRule(Rule):
+class SpatioTemporalInRule(ClassSwapRule):
     name = "spatiotemporal_in"
     family = "gn_conv"
     description = "SVD TransformerSpatioTemporalModel: GroupNorm fused into proj_in's loads; channels-last kept"
@@ -209,11 +201,8 @@ class SpatioTemporalInRule(Rule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {"": site.module, "norm": site.module.norm, "proj_in": site.module.proj_in}
 
-    def replace(self, site: Site) -> Any:
-        return swap_class(site.module, fused_class(type(site.module), _spatiotemporal_forward, self.description))
-
-    def restore(self, site: Site, data: Any) -> None:
-        swap_class(site.module, data)
+    def methods(self, site: Site):
+        return _spatiotemporal_forward
 
 
 RULES: list[Rule] = [ResnetBlockRule(), Transformer2DInRule(), SpatioTemporalInRule()]

@@ -16,12 +16,10 @@ not cover runs the class's own forward with the stock processors, the reason cou
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from ..nn import temporal_layout as L
-from .rule import Rule, Site, fused_class, swap_class
+from .rule import ClassSwapRule, Rule, Site
 
 
 def _svd_block_forward(self, hidden_states, num_frames, encoder_hidden_states=None):
@@ -32,16 +30,8 @@ def _container_forward(self, hidden_states, *args, **kwargs):
     return L.run_container(self, hidden_states, *args, **kwargs)
 
 
-class _LayoutRule(Rule):
+class _LayoutRule(ClassSwapRule):
     family = "temporal_layout"
-    fused_forward: Any
-
-    def replace(self, site: Site) -> Any:
-        fused = fused_class(type(site.module), type(self).fused_forward, self.description)
-        return swap_class(site.module, fused)
-
-    def restore(self, site: Site, data: Any) -> None:
-        swap_class(site.module, data)
 
     def shallow(self, site: Site) -> set[str]:
         return set(self.touched(site))  # the children of every bypassed module still run
@@ -50,7 +40,9 @@ class _LayoutRule(Rule):
 class SVDTemporalBlockRule(_LayoutRule):
     name = "svd_temporal_block"
     description = "SVD temporal block in (B, F, N, C) order: strided attention, single-key attn2, no permute copies"
-    fused_forward = _svd_block_forward
+
+    def methods(self, site: Site):
+        return _svd_block_forward
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.attention import TemporalBasicTransformerBlock
@@ -63,7 +55,7 @@ class SVDTemporalBlockRule(_LayoutRule):
         if reason is None:
             for name in ("attn1", "attn2"):
                 attn = getattr(block, name)
-                reason = None if attn is None else L._processor_reason(attn, name)
+                reason = None if attn is None else L.processor_reason(attn, name)
                 if reason is not None:
                     break
         return [reason] if reason else []
@@ -76,7 +68,9 @@ class SVDTemporalBlockRule(_LayoutRule):
 class TemporalContainerRule(_LayoutRule):
     name = "temporal_container"
     description = "AnimateDiff/UNet3D temporal transformer in (B, F, N, C) order: no permute copies"
-    fused_forward = _container_forward
+
+    def methods(self, site: Site):
+        return _container_forward
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.transformers.transformer_temporal import TransformerTemporalModel
@@ -91,7 +85,7 @@ class TemporalContainerRule(_LayoutRule):
             for i, block in enumerate(container.transformer_blocks):
                 for name in ("attn1", "attn2"):
                     attn = getattr(block, name)
-                    found = None if attn is None else L._processor_reason(attn, name)
+                    found = None if attn is None else L.processor_reason(attn, name)
                     if found is not None:
                         return [f"transformer_blocks.{i}: {found}"]
         return [reason] if reason else []
