@@ -22,8 +22,10 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |
+| temporal_layout    | latte_temporal      | LatteTransformer3DModel                      | temporal blocks on the    |
+|                    |                     |                                              | spatial blocks' tokens    |
 | temporal_attention | temporal_attention  | Attention over frames not claimed above      | strided temporal kernel   |
-|                    |                     | (Latte, or with temporal_layout off)         | (attention processor)     |
+|                    |                     | (with temporal_layout off, or refused there) | (attention processor)     |
 | svd_attn2          | svd_attn2           | Attention over SVD's one context token       | single-key shortcut       |
 """
 

@@ -7,6 +7,8 @@ so diffusers' permuted copies of the activation (to (B*N, F, C) and back) are ne
   ``TransformerTemporalModel`` (``transformer_in``, ``temp_attentions``): GroupNorm on the channels_last_3d view,
   proj_in, the BasicTransformerBlocks and proj_out on the token array. Channels-last inputs need no copy at all; an
   NCHW input is copied once (counted in the report's layout copies).
+- ``latte_temporal``: ``LatteTransformer3DModel`` (a model-level class swap: its temporal blocks are called from the
+  model's forward): each temporal block runs on the spatial blocks' (B*F, N, C) tokens viewed as (B, F, N, C).
 
 Both are class swaps (see rule.py). The attention modules inside are bypassed (their projections are called), so
 they are claimed here and get no processor from the ``temporal_attention`` rule; a call the token-order path does
@@ -100,4 +102,47 @@ class TemporalContainerRule(_LayoutRule):
         return out
 
 
-RULES: list[Rule] = [SVDTemporalBlockRule(), TemporalContainerRule()]
+class LatteTemporalRule(_LayoutRule):
+    """Latte's temporal blocks sit in the model's own forward (no container module), so the model class is swapped:
+    its forward runs each temporal block on the spatial blocks' tokens viewed as (B, F, N, C), with the adaLN
+    modulation and gated residual as in ``adaln_block`` (ldmopt.nn.temporal_layout.latte_forward)."""
+
+    name = "latte_temporal"
+    description = "Latte: temporal blocks on (B, F, N, C) tokens, no permute copies; adaLN + gated-residual fused"
+
+    def methods(self, site: Site):
+        return L.latte_forward
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.transformers.latte_transformer_3d import LatteTransformer3DModel
+
+        return (LatteTransformer3DModel,)
+
+    def reasons(self, site: Site) -> list[str]:
+        model = site.module
+        reason = L.latte_static_reason(model)
+        if reason is None:
+            for i, block in enumerate(model.temporal_transformer_blocks):
+                reason = L.processor_reason(block.attn1, f"temporal_transformer_blocks.{i}.attn1")
+                if reason is not None:
+                    break
+        return [reason] if reason else []
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        out: dict[str, nn.Module] = {"": site.module}
+        for i, block in enumerate(site.module.temporal_transformer_blocks):
+            prefix = f"temporal_transformer_blocks.{i}"
+            out.update({prefix: block, f"{prefix}.attn1": block.attn1})
+            if block.norm_type == "ada_norm_single":  # its norms and output projection run as fused ops
+                out.update({f"{prefix}.ff": block.ff, f"{prefix}.norm1": block.norm1, f"{prefix}.norm2": block.norm2})
+                out[f"{prefix}.ff.net.2"] = block.ff.net[2]
+            elif block.pos_embed is not None:
+                out[f"{prefix}.pos_embed"] = block.pos_embed
+        return out
+
+    def shallow(self, site: Site) -> set[str]:
+        # attn1's projections and ff.net.0/net.1 still run; the norms and ff.net.2 are bypassed (fused ops).
+        return {n for n in self.touched(site) if not n.endswith(("norm1", "norm2", "net.2"))}
+
+
+RULES: list[Rule] = [SVDTemporalBlockRule(), TemporalContainerRule(), LatteTemporalRule()]

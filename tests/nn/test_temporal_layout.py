@@ -280,3 +280,83 @@ def test_patched_svd_transformer_keeps_the_input_layout(models, channels_last):
         assert [r for r in report.fallbacks() if "is not channels-last" in r] == list(report.fallbacks())
     ldmopt.unpatch(transformer)
     assert type(transformer).__name__ == "TransformerSpatioTemporalModel" and "ldmopt" not in repr(transformer)
+
+
+# ------------------------------------------------------------------------------------------------ Latte
+
+
+def _latte_cases():
+    from ldmopt.configs import build_model, example_inputs
+
+    def zoo():  # Latte's own config: ada_norm_single temporal blocks
+        model = build_model("latte", tiny=True, device="cpu", dtype=torch.float32).eval()
+        return model, {k: v for k, v in example_inputs(model, batch=2).kwargs.items() if k != "return_dict"}
+
+    def default():  # diffusers' default config: layer_norm temporal blocks with a GEGLU feed-forward
+        model = BUILDERS["latte"]().eval()
+        kwargs = dict(timestep=torch.tensor([10, 20]), encoder_hidden_states=torch.randn(2, 3, 16))
+        return model, dict(hidden_states=torch.randn(2, 4, FRAMES, 4, 4), **kwargs)
+
+    return {"ada_norm_single": zoo, "layer_norm": default}
+
+
+@pytest.mark.parametrize("variant", ["ada_norm_single", "layer_norm"])
+def test_latte_temporal_blocks_in_token_order(variant):
+    torch.manual_seed(0)
+    model, kwargs = _latte_cases()[variant]()
+    layers = len(model.temporal_transformer_blocks)
+
+    def run():
+        return model(**kwargs, return_dict=False)[0]
+
+    with torch.no_grad():
+        with _CopyRecorder() as theirs:
+            expected = run()
+        report = ldmopt.patch(model)
+        assert report.counts()["latte_temporal"] == 1 and "temporal_attention" not in report.counts()
+        with _CopyRecorder() as ours:
+            got = run()
+        model.temporal_transformer_blocks[0].set_chunk_feed_forward(1)
+        chunked = run()
+        model.temporal_transformer_blocks[0].set_chunk_feed_forward(None)
+    assert_close(got, expected.double(), torch.float32, f"latte {variant}")
+    assert_close(chunked, expected.double(), torch.float32, "latte chunked (stock forward)")
+    assert report.fallbacks() == {
+        "LatteTransformer3DModel ran diffusers' forward: temporal_transformer_blocks.0: chunked feed-forward": 1
+    }
+    # diffusers permutes the tokens to (B*N, F, C) and back around every temporal block: 2 copies per layer fewer
+    # (with B > 1; for one video the permuted tokens are still a view).
+    big = kwargs["hidden_states"].numel()
+
+    def copies(rec):
+        return sum(name in _CopyRecorder.COPY_OPS and n >= big for name, n in rec.ops)
+
+    assert copies(ours) <= copies(theirs) - 2 * layers, (copies(ours), copies(theirs))
+    ldmopt.unpatch(model)
+    assert type(model).__name__ == "LatteTransformer3DModel" and "ldmopt" not in repr(model)
+    with torch.no_grad():
+        assert torch.equal(run(), expected)
+
+
+def test_latte_gradients_match_stock():
+    torch.manual_seed(0)
+    model, kwargs = _latte_cases()["ada_norm_single"]()
+    model.train()
+    x = kwargs["hidden_states"].requires_grad_()
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        out = model(**kwargs, return_dict=False)[0]
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        return x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    expected_x, expected = grads()
+    report = ldmopt.patch(model, training=True)
+    assert report.counts()["latte_temporal"] == 1
+    got_x, got = grads()
+    ldmopt.unpatch(model)
+    assert_close(got_x, expected_x.double(), torch.float32, "dx")
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        assert_close(grad, expected[name].double(), torch.float32, f"d{name}")
