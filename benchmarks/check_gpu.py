@@ -206,6 +206,54 @@ def _temporal_attention(quick: bool):
                 yield case, dtype, backend, outs, refs
 
 
+@check("temporal_layout")
+def _temporal_layout(quick: bool):
+    """Whole temporal transformers run in (B, F, N, C) order (ldmopt.nn.temporal_layout) vs diffusers' own module in
+    fp64: an AnimateDiff motion module on a channels-last activation and an SVD temporal block."""
+    from diffusers.models.attention import TemporalBasicTransformerBlock
+    from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
+
+    from ldmopt.nn.temporal_layout import install_temporal_blocks, uninstall_temporal_blocks
+
+    def motion(c, heads, hw):
+        module = AnimateDiffTransformer3D(
+            num_attention_heads=heads, attention_head_dim=c // heads, in_channels=c, norm_num_groups=32,
+            positional_embeddings="sinusoidal", num_positional_embeddings=32,
+        )  # fmt: skip
+        x = torch.randn(2 * 16, c, hw, hw, device="cuda").to(memory_format=torch.channels_last)
+        return module, x, lambda m, x: m(x, num_frames=16)
+
+    def svd(c, heads, hw):
+        module = TemporalBasicTransformerBlock(c, c, heads, c // heads, cross_attention_dim=1024)
+        x = torch.randn(2 * 14, hw * hw, c, device="cuda")
+        context = torch.randn(2 * hw * hw, 1, 1024, device="cuda")
+        return module, x, lambda m, x: m(x, 14, context.to(x.dtype))
+
+    cases = {"animatediff-32x32x640": (motion, 640, 8, 32), "svd-32x32x320": (svd, 320, 5, 32)}
+    if not quick:
+        cases["animatediff-64x64x320"] = (motion, 320, 8, 64)
+    for case, (build, c, heads, hw) in cases.items():
+        module, x, call = build(c, heads, hw)
+        module = module.cuda().eval()
+        with torch.no_grad():
+            for name, p in module.named_parameters():  # non-trivial norm affines, as trained models have
+                if "norm" in name:
+                    p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+            ref = call(module.double(), x.double())
+        for dtype in DTYPES:
+            module = module.to(dtype)
+            install = install_temporal_blocks(module)
+            try:
+                with torch.no_grad(), ldmopt.use_backend("triton"):
+                    out = call(module, x.to(dtype))
+            finally:
+                uninstall_temporal_blocks(install)
+            ran = install.report()[""]
+            if ran["kernel"] != 1:
+                raise AssertionError(f"{case} {dtype}: the token-order path did not run: {dict(ran)}")
+            yield case, dtype, "triton", [out], [ref]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
