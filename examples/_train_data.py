@@ -1,5 +1,6 @@
-"""Data for examples/train_ldm.py: procedural coloured shapes or an image folder, a resumable sharded sampler, and
-per-sample diffusion randomness (noise, timestep, label drop) drawn from (seed, epoch, index).
+"""Data for examples/train_ldm.py: procedural coloured shapes (still, or moving over F frames for video models) or an
+image folder, a resumable sharded sampler, and per-sample diffusion randomness (noise, timestep, label drop) drawn
+from (seed, epoch, index).
 
 Drawing the randomness per sample instead of per process makes training independent of the number of processes: a
 global batch holds the same samples with the same noise whether it is split over 1 or N ranks, so a checkpoint
@@ -49,17 +50,26 @@ class ShapesDataset(Dataset):
         return _to_tensor(self.render(label, rng)), label
 
     def render(self, label: int, rng: np.random.Generator) -> Image.Image:
-        # Drawn at 4x and downsampled so edges are anti-aliased at every resolution.
+        s = self.resolution * 4
+        background = self.background(rng)
+        r = rng.uniform(0.18, 0.34) * s
+        cx, cy = rng.uniform(r, s - r, size=2)
+        return self.draw(background, label, r, cx, cy, rng.uniform(0, 2 * math.pi))
+
+    def background(self, rng: np.random.Generator) -> np.ndarray:
+        """A dim colour ramp with blocky noise, at 4x the resolution (shapes are drawn at 4x and downsampled, so
+        edges are anti-aliased at every resolution)."""
         s = self.resolution * 4
         bg = rng.uniform(0, 70, size=3)
         ramp = np.linspace(0.6, 1.4, s)[:, None, None] * bg[None, None, :]
         noise = rng.normal(0, 6, size=(s // 8, s // 8, 1)).repeat(8, 0).repeat(8, 1)
-        canvas = Image.fromarray(np.clip(ramp + noise, 0, 255).astype(np.uint8))
+        return np.clip(ramp + noise, 0, 255).astype(np.uint8)
+
+    def draw(self, background: np.ndarray, label: int, r: float, cx: float, cy: float, angle: float) -> Image.Image:
+        """The label's shape of radius ``r`` centred at (cx, cy) on ``background`` (4x coordinates), downsampled."""
+        canvas = Image.fromarray(background)
         draw = ImageDraw.Draw(canvas)
         shape, colour = SHAPES[label // len(COLOURS)], list(COLOURS.values())[label % len(COLOURS)]
-        r = rng.uniform(0.18, 0.34) * s
-        cx, cy = rng.uniform(r, s - r, size=2)
-        angle = rng.uniform(0, 2 * math.pi)
         if shape == "circle":
             draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
         elif shape == "cross":
@@ -76,6 +86,45 @@ class ShapesDataset(Dataset):
             ]
             draw.polygon(pts, fill=colour)
         return canvas.resize((self.resolution, self.resolution), Image.Resampling.BOX)
+
+
+class VideoShapesDataset(ShapesDataset):
+    """Clips of ``frames`` frames: the label's shape moves in a straight line, bouncing off the edges, and spins.
+
+    Start, velocity, size, spin and background are a pure function of ``(seed, index)``; an item is
+    ``((frames, 3, H, W), label)``. ``clip(label, i)`` renders extra clips (indices past the dataset) for the
+    conditioning frames of image-to-video sampling.
+    """
+
+    def __init__(self, resolution: int, frames: int, length: int = 10_000, seed: int = 0) -> None:
+        super().__init__(resolution, length, seed)
+        self.frames = frames
+
+    def __getitem__(self, index: int, epoch: int = 0) -> tuple[torch.Tensor, int]:
+        rng = np.random.default_rng([self.seed, index])
+        label = int(rng.integers(self.num_classes))
+        return self.render_clip(label, rng), label
+
+    def clip(self, label: int, i: int) -> torch.Tensor:
+        return self.render_clip(label, np.random.default_rng([self.seed, self.length + i]))
+
+    def render_clip(self, label: int, rng: np.random.Generator) -> torch.Tensor:
+        s = self.resolution * 4
+        background = self.background(rng)
+        r = rng.uniform(0.14, 0.26) * s  # smaller than the still images' shapes, so they have room to move
+        pos = rng.uniform(r, s - r, size=2)
+        heading = rng.uniform(0, 2 * math.pi)
+        vel = rng.uniform(0.03, 0.08) * s * np.array([math.cos(heading), math.sin(heading)])
+        angle, spin = rng.uniform(0, 2 * math.pi), rng.uniform(-0.3, 0.3)
+        out = []
+        for k in range(self.frames):
+            out.append(_to_tensor(self.draw(background, label, r, pos[0], pos[1], angle + spin * k)))
+            pos = pos + vel
+            # Reflect off the walls; one reflection suffices (a step is < 0.1 of the free range 1 - 2 * 0.26).
+            low, high = pos < r, pos > s - r
+            pos = np.where(low, 2 * r - pos, np.where(high, 2 * (s - r) - pos, pos))
+            vel = np.where(low | high, -vel, vel)
+        return torch.stack(out)
 
 
 _RECT = ((-1, -1), (1, -1), (1, 1), (-1, 1))
@@ -123,8 +172,8 @@ def _sample_seed(*key: int) -> int:
 
 
 class DiffusionSamples(Dataset):
-    """Wraps an image dataset; item ``(epoch, index)`` is a dict with the image, its label (replaced by the null
-    label ``num_classes`` with probability ``cond_drop``), and the sample's own noise and timestep."""
+    """Wraps an image or video dataset; item ``(epoch, index)`` is a dict with the image (or clip), its label (replaced
+    by the null label ``num_classes`` with probability ``cond_drop``), and the sample's own noise and timestep."""
 
     def __init__(
         self, base: Dataset, latent_shape: tuple[int, ...], num_timesteps: int, cond_drop: float, seed: int
@@ -212,14 +261,26 @@ class PatchLatents(torch.nn.Module):
 
 
 class VaeLatents(torch.nn.Module):
-    """A frozen diffusers AutoencoderKL loaded from a local folder (``--vae PATH``): latents are a sample of the
-    posterior (``mean + std * posterior_noise``) times the VAE's scaling factor."""
+    """A frozen diffusers AutoencoderKL: latents are a sample of the posterior (``mean + std * posterior_noise``) times
+    the VAE's scaling factor.
 
-    def __init__(self, path: str) -> None:
+    ``path`` is a local folder (``--vae PATH``) or a zoo VAE name (``--vae sd15-vae``: that config with random weights,
+    its tiny variant with ``tiny``), which makes the latents meaningless but costs what the real VAE costs.
+    """
+
+    def __init__(self, path: str, tiny: bool = False) -> None:
         super().__init__()
         from diffusers import AutoencoderKL
 
-        self.vae = AutoencoderKL.from_pretrained(path, local_files_only=True).requires_grad_(False).eval()
+        zoo = _zoo_vae(path)
+        if zoo is not None and not Path(path).is_dir():
+            from ldmopt import configs
+
+            self.vae = configs.build_model(zoo, device="cpu", dtype=torch.float32, tiny=tiny)
+            print(f"--vae {path}: the zoo's {'tiny ' if tiny else ''}config with RANDOM weights (throughput only)")
+        else:
+            self.vae = AutoencoderKL.from_pretrained(path, local_files_only=True)
+        self.vae.requires_grad_(False).eval()
         self.scale = float(self.vae.config.scaling_factor)
         self.factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
 
@@ -232,6 +293,31 @@ class VaeLatents(torch.nn.Module):
     @torch.no_grad()
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode((z / self.scale).to(self.vae.dtype)).sample.float().clamp(-1, 1)
+
+
+def _zoo_vae(name: str) -> str | None:
+    try:
+        from ldmopt import configs
+
+        entry = configs.get(name)
+    except (ImportError, KeyError):
+        return None
+    return entry.name if entry.cls == "AutoencoderKL" else None
+
+
+class Framewise(torch.nn.Module):
+    """Applies an image codec to every frame: (B, F, 3, H, W) videos <-> (B, F, C, h, w) latents."""
+
+    def __init__(self, codec: torch.nn.Module) -> None:
+        super().__init__()
+        self.codec, self.factor = codec, codec.factor
+
+    def encode(self, x: torch.Tensor, posterior_noise: torch.Tensor | None = None) -> torch.Tensor:
+        pn = None if posterior_noise is None else posterior_noise.flatten(0, 1)
+        return self.codec.encode(x.flatten(0, 1), pn).unflatten(0, x.shape[:2])
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.codec.decode(z.flatten(0, 1)).unflatten(0, z.shape[:2])
 
 
 class PixelSpace(torch.nn.Module):
@@ -247,7 +333,7 @@ class PixelSpace(torch.nn.Module):
 
 
 def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> Path:
-    """Save (N, 3, H, W) images in [-1, 1] as one PNG grid with a 2-pixel border."""
+    """Save (N, 3, H, W) images in [-1, 1] as one PNG grid with a 2-pixel border, ``nrow`` images per row."""
     images = images.detach().float().cpu().clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8)
     n, _, h, w = images.shape
     nrow = nrow or max(1, math.ceil(math.sqrt(n)))
