@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Train a diffusion UNet (or DiT) with ldmopt's fused layers: noise prediction, AdamW, EMA, mixed precision, exact
-resume, sample grids, TensorBoard/W&B, a profiling window, and data-parallel training under torchrun.
+"""Train a diffusion UNet or transformer, image or video, with ldmopt's fused layers: noise prediction, AdamW, EMA,
+mixed precision, exact resume, sample grids, TensorBoard/W&B, a profiling window, and data-parallel training under
+torchrun.
 
 Single process (GPU if present, else CPU), procedural coloured shapes at 32x32 with the small built-in UNet::
 
@@ -10,6 +11,12 @@ Eight GPUs (NCCL), an image folder, a zoo config (SD1.5-size UNet on 256px image
 
     torchrun --nproc_per_node 8 examples/train_ldm.py --model sd15 --data /path/to/images --resolution 256 \\
         --batch-size 256 --mixed-precision bf16 --gradient-checkpointing --report-to tensorboard
+
+Any zoo denoiser (``--help`` lists them; ``--tiny`` for the tiny variants): SD1.5/2.1/XL, DiT,
+PixArt-alpha/Sigma, SD3, Flux (image models on coloured shapes) and AnimateDiff, SVD/SVD-XT, ModelScope, Latte
+(video models on clips of ``--frames`` frames in which the shapes move; sample grids show one clip per row)::
+
+    python examples/train_ldm.py --model animatediff --frames 16 --resolution 256 --mixed-precision bf16
 
 ``--batch-size`` is the global batch (split over processes and ``--grad-accum`` micro-steps). Noise, timesteps and
 label drops are drawn per sample from (seed, epoch, index), so a checkpoint resumes exactly on the same number of
@@ -37,14 +44,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _train_data import (
     DiffusionSamples,
     EpochSampler,
+    Framewise,
     ImageFolderDataset,
     PatchLatents,
     PixelSpace,
     ShapesDataset,
     VaeLatents,
+    VideoShapesDataset,
     save_grid,
 )
-from _train_model import EMA, build_denoiser, model_names, sample
+from _train_families import channels_last_, to_layout
+from _train_model import EMA, build_denoiser, is_video_model, model_names, sample
 from _train_utils import (
     DistInfo,
     MetricLogger,
@@ -66,8 +76,12 @@ from _train_utils import (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="unet-small", help=f"built-in or zoo model: {', '.join(model_names())}")
-    g.add_argument("--tiny", action="store_true", help="zoo models: the tiny variant (ldmopt.configs.tiny_config)")
+    image = ", ".join(n for n in model_names() if not is_video_model(n))
+    video = ", ".join(n for n in model_names() if is_video_model(n))
+    g.add_argument("--model", default="unet-small",
+                   help=f"built-in or zoo (ldmopt.configs) denoiser. Image: {image}. Video: {video}")  # fmt: skip
+    g.add_argument("--tiny", action="store_true",
+                   help="zoo models (and a zoo --vae): the tiny variant (ldmopt.configs.tiny_config)")  # fmt: skip
     g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                    help="ldmopt.patch(model, training=True) (default: on)")  # fmt: skip
     g.add_argument("--backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
@@ -75,13 +89,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--compile", action="store_true", help="torch.compile the (patched) model")
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
-                   help="NHWC activations and weights (default: on; fused ResnetBlock2D needs it)")  # fmt: skip
+                   help="NHWC activations and weights, video latents (B, F, h, w, C) in memory (default: on; fused "
+                        "ResnetBlock2D and the token-order temporal layers need it)")  # fmt: skip
     g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, help="image folder (sub-folders = classes); default: procedural shapes")
+    g.add_argument("--data", default=None,
+                   help="image folder (sub-folders = classes; image models); default: procedural shapes")  # fmt: skip
+    g.add_argument("--frames", type=int, default=None, help="video models: frames per clip (default: 8)")
     g.add_argument("--num-shapes", type=int, default=50_000, help="size of the procedural dataset")
     g.add_argument("--resolution", type=int, default=32, help="image size in pixels")
     g.add_argument("--hflip", action="store_true", help="image folder: random horizontal flips")
-    g.add_argument("--vae", default=None, help="local diffusers AutoencoderKL folder (zoo models; sets the factor)")
+    g.add_argument("--vae", default=None, help="local diffusers AutoencoderKL folder (zoo models; sets the factor), "
+                   "or a zoo VAE name (sd15-vae, sdxl-vae: random weights)")  # fmt: skip
     g.add_argument("--latent-factor", type=int, default=8, help="pixels per latent for zoo models without --vae")
     g.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: 4 on CUDA, else 0)")
     g = p.add_argument_group("diffusion")
@@ -139,6 +157,17 @@ def _check_args(args: argparse.Namespace, info: DistInfo) -> int:
     return args.batch_size // per_step
 
 
+def _frames(args: argparse.Namespace, video: bool) -> int | None:
+    if not video:
+        if args.frames is not None:
+            raise SystemExit(f"--frames is for video models; --model {args.model} is an image model")
+        return None
+    frames = 8 if args.frames is None else args.frames
+    if frames < 1:
+        raise SystemExit(f"--frames must be positive, got {frames}")
+    return frames
+
+
 def _latent_codec(args, factor: int, in_channels: int, vae: VaeLatents | None) -> torch.nn.Module:
     if factor == 1:
         if in_channels != 3 or vae is not None:
@@ -180,18 +209,27 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     seed_everything(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
 
     # ---------------------------------------------------------------------------------------- data and model
-    if args.data:
+    video = is_video_model(args.model)
+    frames = _frames(args, video)
+    if video and args.data:
+        raise SystemExit(f"--model {args.model} is a video model; --data image folders are for image models (video "
+                         "models train on the procedural moving shapes)")  # fmt: skip
+    if video:
+        base = VideoShapesDataset(args.resolution, frames, args.num_shapes, seed=args.seed)
+    elif args.data:
         base = ImageFolderDataset(args.data, args.resolution, hflip=args.hflip, seed=args.seed)
     else:
         base = ShapesDataset(args.resolution, args.num_shapes, seed=args.seed)
-    vae = VaeLatents(args.vae) if args.vae else None
+    vae = VaeLatents(args.vae, tiny=args.tiny) if args.vae else None
     denoiser, factor, in_channels = build_denoiser(
-        args.model, base.num_classes, args.resolution, vae.factor if vae else args.latent_factor, args.tiny
+        args.model, base.num_classes, args.resolution, vae.factor if vae else args.latent_factor, args.tiny, frames
     )
     if args.resolution % factor:
         raise SystemExit(f"--resolution {args.resolution} is not a multiple of the latent factor {factor}")
     codec = _latent_codec(args, factor, in_channels, vae).to(device)
     latent_shape = (in_channels, args.resolution // factor, args.resolution // factor)
+    if video:  # (F, C, h, w): the codec runs per frame; each family permutes to its own order
+        codec, latent_shape = Framewise(codec), (frames, *latent_shape)
     from diffusers import DDPMScheduler
     from diffusers.optimization import get_scheduler
 
@@ -213,8 +251,10 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
             print(report, flush=True)
     denoiser.to(device)
     if channels_last:
-        denoiser.to(memory_format=torch.channels_last)
+        channels_last_(denoiser)
     if args.gradient_checkpointing:
+        if not denoiser.model._supports_gradient_checkpointing:
+            raise SystemExit(f"--gradient-checkpointing: diffusers' {denoiser.kind} does not support it")
         denoiser.model.enable_gradient_checkpointing()
     denoiser.train()
     ema = EMA(denoiser, args.ema_decay) if args.ema_decay > 0 else None
@@ -236,7 +276,10 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     ddp = None
     model: torch.nn.Module = denoiser
     if info.world_size > 1:
-        ddp = DistributedDataParallel(denoiser, device_ids=[device.index] if device.type == "cuda" else None)
+        # Fused SVD leaves parameters without gradients (see Denoiser.fused_skips_parameters); DDP must look for them.
+        unused = report is not None and denoiser.fused_skips_parameters
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(denoiser, device_ids=ids, find_unused_parameters=unused)
         model = ddp
     if args.compile:
         model = torch.compile(model)
@@ -272,7 +315,6 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     # ---------------------------------------------------------------------------------------- helpers
     run_name = args.run_name or f"{args.model}-{'fused' if args.fused else 'stock'}"
     logger = MetricLogger(args.report_to, out_dir, vars(args), is_main, run_name)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
 
     def compute_loss(batch: dict) -> torch.Tensor:
         images = batch["image"].to(device, non_blocking=True)
@@ -281,23 +323,31 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
         labels = batch["label"].to(device, non_blocking=True)
         with torch.no_grad():
             x0 = codec.encode(images, batch["posterior_noise"].to(device, non_blocking=True))
-        x_t = noise_scheduler.add_noise(x0, noise, t).contiguous(memory_format=fmt)
+        x_t = to_layout(noise_scheduler.add_noise(x0, noise, t), channels_last)
         target = noise if args.prediction_type == "epsilon" else noise_scheduler.get_velocity(x0, noise, t)
+        first = x0[:, 0] if denoiser.needs_first_frame else None
         with autocast():
-            pred = model(x_t, t, labels)
+            pred = model(x_t, t, labels, first)
         return F.mse_loss(pred.float(), target.float())
 
     def make_samples(at_step: int) -> None:
         labels = torch.arange(args.num_sample_images, device=device) % base.num_classes
+        first = None
+        if denoiser.needs_first_frame:  # image-to-video: condition on the first frame of fresh clips of each label
+            clips = torch.stack([base.clip(int(label), i) for i, label in enumerate(labels)]).to(device)
+            first = codec.encode(clips[:, :1])[:, 0]
         denoiser.eval()
         with ema.applied() if ema is not None else contextlib.nullcontext():
             z = sample(
                 denoiser, noise_scheduler.config, labels, latent_shape, sampler=args.sampler,
                 steps=args.sample_steps, guidance=args.guidance_scale, seed=args.seed, autocast=autocast,
-                channels_last=channels_last,
+                channels_last=channels_last, first_frame=first,
             )  # fmt: skip
         denoiser.train()
-        path = save_grid(codec.decode(z), out_dir / "samples" / f"step-{at_step:08d}.png")
+        images = codec.decode(z)
+        if video:  # one clip per row, its frames left to right
+            images = images.flatten(0, 1)
+        path = save_grid(images, out_dir / "samples" / f"step-{at_step:08d}.png", nrow=frames if video else None)
         logger.image(at_step, "samples", path)
 
     def save(at_step: int) -> None:
@@ -354,6 +404,8 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
             print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
             if report.fallbacks():
                 print(f"ldmopt: modules that ran the stock forward: {report.fallbacks()}", flush=True)
+            if report.layout_copies():
+                print(f"ldmopt: inputs copied to channels-last: {report.layout_copies()}", flush=True)
         bar.update(1)
         if step % args.log_every == 0 or step == args.max_steps:
             loss_value = mean_over_ranks(loss_sum, info)
@@ -394,7 +446,10 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     summary = {
         "step": step, "world_size": info.world_size, "history": history, "param_digests": digests,
         "ranks_in_sync": len(set(digests)) == 1, "fused": args.fused,
-        "patch": None if report is None else {"patched": report.total, "backends": report.backends()},
+        "patch": None if report is None else {
+            "patched": report.total, "backends": report.backends(), "fallbacks": report.fallbacks(),
+            "layout_copies": report.layout_copies(),
+        },
     }  # fmt: skip
     if is_main:
         if args.save_final:

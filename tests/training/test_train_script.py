@@ -183,7 +183,7 @@ def test_zoo_models_train_and_sample(train_ldm, tmp_path, argv):
     "argv, match",
     [
         (["--batch-size", "6", "--grad-accum", "4"], "must be divisible"),
-        (["--model", "flux"], "not trainable by this script"),
+        (["--model", "sd15-vae"], "not a denoiser"),
         (["--model", "no-such-model"], "unknown"),
         (["--data", "/nonexistent/folder"], "is not a folder"),
     ],
