@@ -8,7 +8,8 @@ and video models (AnimateDiff, ModelScope/UNet3D, SVD, Latte) on the moving-shap
 - gradient parity of the fused video models through the script's Denoiser (label embeddings, SVD's conditioning frame,
   the channels-last video layout) against float64, with test_grad_parity's rules; and the script's losses with and
   without --fused agree after an optimizer step;
-- clear refusals: resolutions a model cannot take, --data or --frames with the wrong kind of model.
+- clear refusals: resolutions a model cannot take, --data or --frames with the wrong kind of model;
+- XFAIL until ldmopt fixes it: PixArt/Latte's fused adaLN-single block under bf16 autocast.
 
 The transformers run the default backend (Triton kernels in the interpreter, tests/conftest.py); the video UNets run
 the fused modules on the reference backend (``--backend torch``), since the interpreter takes minutes per UNet step.
@@ -17,6 +18,7 @@ the fused modules on the reference backend (``--backend torch``), since the inte
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import re
@@ -33,8 +35,8 @@ from tests.training.test_grad_parity import _cast, _grads, assert_grad_parity
 from tests.training.test_train_script import BASE, ROOT, SCRIPT, _free_port, _losses, _train_module
 
 sys.path.insert(0, str(ROOT / "examples"))
-_train_families = pytest.importorskip("_train_families")
-_train_model = pytest.importorskip("_train_model")
+_train_families = importlib.import_module("_train_families")
+_train_model = importlib.import_module("_train_model")
 
 # 16px clips, 8x8 latents (the tiny UNets' four levels reach 1x1), 2 frames, batch 2, one optimizer step per step.
 FAST = [a for a in BASE if a not in ("--backend", "torch")]
@@ -190,6 +192,18 @@ def test_fused_svd_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["ranks_in_sync"] and summary["step"] == 2
+
+
+@pytest.mark.xfail(
+    raises=TypeError,
+    reason="ldmopt bug: under autocast the fused adaLN-single block (PixArt, Latte) hands adaln_modulate a float32 "
+    "residual next to bf16 activations (ldmopt/patch/rules_blocks.py, _adaln_block_forward)",
+)
+def test_adaln_single_family_under_bf16_autocast(train_ldm, tmp_path):
+    train_ldm.main(
+        [*FAST, *TORCH, "--model", "pixart-sigma", "--mixed-precision", "bf16", "--max-steps", "1", "--sample-every",
+         "0", "--save-every", "0", "--output-dir", str(tmp_path)]
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
