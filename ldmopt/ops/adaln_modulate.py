@@ -188,8 +188,10 @@ def adaln_modulate(
 
     x is [B, ..., C] (rows of C channels grouped by sample B = x.shape[0]) or [M, C]; scale and shift are one [C]
     vector per sample, shaped (B, C) or (B, 1, C) (e.g. the chunks of AdaLayerNormZero's emb, any strides), or one per
-    row (M, C) for 2-D x. LayerNorm has no affine parameters (diffusers' adaLN norms); the sum s is rounded to x's
-    dtype as the unfused add does; statistics and modulation in fp32. ``return_residual=True`` returns ``(y, s)``
+    row (M, C) for 2-D x. LayerNorm has no affine parameters (diffusers' adaLN norms); x and a residual of another
+    dtype are promoted first, as ``x + residual`` would be (under autocast an fp32 gate makes the gated attention
+    output fp32 while the stream is bf16); the sum s is rounded to x's dtype as the unfused add does; statistics and
+    modulation in fp32. ``return_residual=True`` returns ``(y, s)``
     (needs ``residual``). Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in x's
     dtype.
     """
@@ -203,8 +205,11 @@ def adaln_modulate(
         check_tensor("residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-        if residual.dtype != x.dtype or residual.device != x.device:
-            raise TypeError(f"residual is {residual.dtype} on {residual.device}; expected {x.dtype} on {x.device}")
+        if residual.device != x.device:
+            raise TypeError(f"residual is on {residual.device}; expected x's device {x.device}")
+        if residual.dtype != x.dtype:  # as `x + residual` would: e.g. an fp32 gated attention output + bf16 stream
+            dtype = torch.promote_types(x.dtype, residual.dtype)
+            x, residual = x.to(dtype), residual.to(dtype)
         residual = residual.reshape(-1, c)
     elif return_residual:
         raise ValueError("return_residual=True needs a residual (the sum x + residual is what it returns)")

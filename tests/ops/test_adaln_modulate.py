@@ -204,6 +204,20 @@ def test_bad_input_messages(call, match):
         call()
 
 
+def test_residual_of_another_dtype_is_promoted_like_an_add():
+    """Under autocast a gated attention output is fp32 while the residual stream is bf16/fp16: s = x + residual is
+    computed in the promoted dtype, as the unfused add does."""
+    x, scale, shift, residual = _make((2, 5, 24), (2, 24), torch.float32)
+    residual = residual.half()
+    y, s = adaln_modulate(x, scale, shift, residual=residual, return_residual=True)
+    assert y.dtype == s.dtype == torch.float32
+    expected_s = x + residual
+    torch.testing.assert_close(s, expected_s)
+    normed = F.layer_norm(expected_s.double(), (24,), eps=1e-6)
+    expected = normed * (1 + scale.double()[:, None]) + shift.double()[:, None]
+    assert_close(y, expected, torch.float32, "promoted adaln_modulate")
+
+
 def test_opcheck():
     x, scale, shift, residual = _make((2, 5, 24), (2, 24), torch.float32)
     x2, r2 = x.reshape(10, 24), residual.reshape(10, 24)
