@@ -55,8 +55,6 @@ class Denoiser(nn.Module):
 
     video = False
     needs_first_frame = False
-    # Whether ldmopt.patch leaves some parameters out of the graph (they get no gradient, so DDP must be told).
-    fused_skips_parameters = False
 
     def __init__(self, model: nn.Module, num_classes: int, image_size: int) -> None:
         super().__init__()
@@ -282,9 +280,6 @@ class SVDDenoiser(Denoiser):
 
     video = True
     needs_first_frame = True
-    # ldmopt's attn2 over the one image token is to_out(to_v(context)) (softmax over one key is 1): attn2's to_q/to_k
-    # and the norm2 before it get no gradient (the exact one is zero).
-    fused_skips_parameters = True
 
     def __init__(self, model, num_classes, image_size):
         super().__init__(model, num_classes, image_size)

@@ -276,10 +276,10 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     ddp = None
     model: torch.nn.Module = denoiser
     if info.world_size > 1:
-        # Fused SVD leaves parameters without gradients (see Denoiser.fused_skips_parameters); DDP must look for them.
-        unused = report is not None and denoiser.fused_skips_parameters
+        # Every parameter gets a gradient on the fused path too (ldmopt ties the ones its shortcuts skip to the graph
+        # with zero gradients), so DDP needs no find_unused_parameters.
         ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(denoiser, device_ids=ids, find_unused_parameters=unused)
+        ddp = DistributedDataParallel(denoiser, device_ids=ids)
         model = ddp
     if args.compile:
         model = torch.compile(model)

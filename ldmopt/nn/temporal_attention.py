@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
@@ -136,14 +137,36 @@ def temporal_self_attention(attn, x: Tensor, context: Tensor | None, bfn: tuple[
     return out / attn.rescale_output_factor
 
 
-def single_key_attention(attn, context: Tensor) -> Tensor:
-    """Cross-attention over one key per batch item: ``to_out(to_v(norm_cross(context)))``, unexpanded."""
+def single_key_attention(attn, context: Tensor, queries: Tensor | None = None) -> Tensor:
+    """Cross-attention over one key per batch item: ``to_out(to_v(norm_cross(context)))``, unexpanded.
+
+    The shortcut skips the query path (to_q, to_k, norm_q/norm_k and whatever produced ``queries``), whose gradient
+    is exactly zero on the stock path. When autograd records, the result is tied to those parameters and to
+    ``queries`` with weight zero, so they receive the same zero gradients as on the stock path instead of none:
+    DistributedDataParallel (without find_unused_parameters) and optimizers' weight decay expect every trainable
+    parameter to get a gradient.
+    """
     if attn.norm_cross:
         context = attn.norm_encoder_hidden_states(context)
     out = attn.to_out[0](attn.to_v(context))
     for layer in attn.to_out[1:]:
         out = layer(out)
+    if torch.is_grad_enabled():
+        skipped = [getattr(attn, name, None) for name in ("to_q", "to_k", "norm_q", "norm_k")]
+        out = zero_gradient_anchor(out, skipped, queries)
     return out
+
+
+def zero_gradient_anchor(out: Tensor, modules, tensor: Tensor | None = None) -> Tensor:
+    """``out`` with its value unchanged, joined to the trainable parameters of ``modules`` (and to ``tensor``) with
+    weight zero, so that backward gives them exact zero gradients. One element of each is read (a sum could overflow
+    fp16 to inf, and 0 * inf is NaN); the result adds one scalar to ``out`` (small here: unexpanded)."""
+    picks = [p.reshape(-1)[0] for m in modules if m is not None for p in m.parameters() if p.requires_grad]
+    if tensor is not None and tensor.requires_grad and tensor.numel():
+        picks.append(tensor[(0,) * tensor.dim()])
+    if not picks:
+        return out
+    return out + (torch.stack([x.float() for x in picks]).sum() * 0.0).to(out.dtype)
 
 
 def _single_key_module_reason(attn) -> str | None:
@@ -237,7 +260,7 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
         return _single_key_module_reason(attn)
 
     def _run(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None) -> Tensor:
-        out = single_key_attention(attn, encoder_hidden_states)
+        out = single_key_attention(attn, encoder_hidden_states, queries=hidden_states)
         out = out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[-1])
         if attn.residual_connection:
             out = out + hidden_states

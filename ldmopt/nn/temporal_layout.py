@@ -45,6 +45,7 @@ from .temporal_attention import (
     single_key_attention,
     temporal_self_attention,
     unsupported_reason,
+    zero_gradient_anchor,
 )
 
 #: Class name -> kind of every module that can run in (B, F, N, C) order.
@@ -115,7 +116,9 @@ def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, con
     if block.attn2 is not None:
         attn2 = block.attn2
         # (B*N, 1, C) context rows -> (B, 1, N, C), broadcast over the frames.
-        out = single_key_attention(attn2, context).view(b, 1, n, -1)
+        # norm2 only feeds attn2's (skipped) query path unless the residual connection uses it.
+        norm2 = None if attn2.residual_connection else block.norm2
+        out = single_key_attention(attn2, zero_gradient_anchor(context, [norm2])).view(b, 1, n, -1)
         if attn2.residual_connection:
             out = out + block.norm2(h)
         h = out / attn2.rescale_output_factor + h

@@ -360,3 +360,32 @@ def test_latte_gradients_match_stock():
     assert got.keys() == expected.keys()
     for name, grad in got.items():
         assert_close(grad, expected[name].double(), torch.float32, f"d{name}")
+
+
+def test_svd_shortcuts_give_every_parameter_its_gradient(models):
+    """The single-key shortcut skips attn2's query path (to_q, to_k, the norm2 feeding it), whose stock gradient is
+    exactly zero: patched, those parameters get exact zeros too, not None (DDP without find_unused_parameters and
+    AdamW's weight decay rely on it)."""
+    transformer = copy.deepcopy(models["svd"].down_blocks[0].attentions[0]).train()
+    x = _input(True, channels=64).requires_grad_()
+    context = torch.randn(2 * FRAMES, 1, 16)
+    indicator = torch.zeros(2, FRAMES)
+
+    def grads():
+        transformer.zero_grad(set_to_none=True)
+        out = transformer(x, context, image_only_indicator=indicator, return_dict=False)[0]
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        return {n: p.grad for n, p in transformer.named_parameters()}
+
+    expected = grads()
+    report = ldmopt.patch(transformer, training=True)
+    assert report.counts()["svd_attn2"] == 1 and report.counts()["svd_temporal_block"] == 1
+    got = grads()
+    ldmopt.unpatch(transformer)
+    missing = [n for n, g in got.items() if g is None and expected[n] is not None]
+    assert not missing, missing
+    skipped = [n for n in got if ".attn2.to_q." in n or ".attn2.to_k." in n]
+    # Ours are exact zeros; the stock SDPA backward leaves rounding noise around zero.
+    assert skipped and all(torch.count_nonzero(got[n]) == 0 for n in skipped)
+    for name, grad in got.items():
+        assert_close(grad, expected[name].double(), torch.float32, f"d{name}")
