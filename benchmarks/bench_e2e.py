@@ -57,7 +57,7 @@ def _build(name: str, dtype: torch.dtype):
 def _provider(model, inputs, provider: str):
     if provider in ("ldmopt", "ldmopt+compile"):
         report = ldmopt.patch(model)
-        note = f"patched {report.total()} modules"
+        note = f"patched {report.total} modules"
     else:
         note = ""
     fn = model
