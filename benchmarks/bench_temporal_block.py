@@ -26,6 +26,7 @@ from benchmarks import harness
 pytestmark = harness.gpu_only
 
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
+DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
 FRAMES_ANIMATEDIFF, FRAMES_SVD = 16, 14
 # name: (kind, channels, heads, head_dim, H, W)
 CASES = {
@@ -58,15 +59,15 @@ def _setup(case, dtype):
     b = 2
     if kind == "motion":
         module = _motion_module(c, heads, d)
-        x = torch.randn(b * FRAMES_ANIMATEDIFF, c, h, w, device="cuda", dtype=dtype)
+        x = torch.randn(b * FRAMES_ANIMATEDIFF, c, h, w, device=DEVICE, dtype=dtype)
         x = x.contiguous(memory_format=torch.channels_last)
         call = lambda m, x: m(x, num_frames=FRAMES_ANIMATEDIFF)
     else:
         module = _svd_block(c, heads, d)
-        x = torch.randn(b * FRAMES_SVD, h * w, c, device="cuda", dtype=dtype)
-        context = torch.randn(b * h * w, 1, 1024, device="cuda", dtype=dtype)
+        x = torch.randn(b * FRAMES_SVD, h * w, c, device=DEVICE, dtype=dtype)
+        context = torch.randn(b * h * w, 1, 1024, device=DEVICE, dtype=dtype)
         call = lambda m, x: m(x, FRAMES_SVD, context)
-    return module.to(device="cuda", dtype=dtype).eval(), x, call
+    return module.to(device=DEVICE, dtype=dtype).eval(), x, call
 
 
 def _install_processors(module):
