@@ -59,9 +59,13 @@ fallback_reasons: Counter[tuple[str, str]] = Counter()
 layout_conversions: Counter[str] = Counter()
 
 
-def processor_reason(attn, name: str) -> str | None:
-    if not _stock_or_ours(attn.processor):
-        return f"{name} has custom processor {type(attn.processor).__name__}"
+def processor_reason(block: nn.Module) -> str | None:
+    """Why ``block``'s attention modules cannot be bypassed: a processor that is neither diffusers' stock one nor
+    ldmopt's (IP-Adapter, custom LoRA processors ...) must keep running."""
+    for name in ("attn1", "attn2"):
+        attn = getattr(block, name, None)
+        if attn is not None and not _stock_or_ours(attn.processor):
+            return f"{name} has custom processor {type(attn.processor).__name__}"
     return None
 
 
@@ -69,7 +73,11 @@ def processor_reason(attn, name: str) -> str | None:
 
 
 def svd_block_static_reason(block: nn.Module) -> str | None:
-    """Why an SVD ``TemporalBasicTransformerBlock`` can never run in (B, F, N, C) order (None when it can)."""
+    """Why an SVD ``TemporalBasicTransformerBlock`` cannot run in (B, F, N, C) order, whatever the call (None when it
+    can): its structure, and its attention processors (checked again per call: they can change after patching)."""
+    reason = processor_reason(block)
+    if reason is not None:
+        return reason
     reason = unsupported_reason(block.attn1)
     if reason is not None:
         return f"attn1: {reason}"
@@ -86,11 +94,6 @@ def svd_block_reason(block: nn.Module, hidden_states: Tensor, num_frames: int, c
         return f"input of shape {tuple(hidden_states.shape)} for {num_frames} frames"
     if num_frames > MAX_FRAMES:
         return f"F={num_frames} frames > {MAX_FRAMES}"
-    for name in ("attn1", "attn2"):
-        attn = getattr(block, name)
-        reason = None if attn is None else processor_reason(attn, name)
-        if reason is not None:
-            return reason
     reason = svd_block_static_reason(block)
     if reason is not None:
         return reason
@@ -163,11 +166,12 @@ def _block_static_reason(block: nn.Module) -> str | None:
 
 
 def container_static_reason(container: nn.Module) -> str | None:
-    """Why an AnimateDiff / UNet3D temporal container can never run in (B, F, N, C) order (None when it can)."""
+    """Why an AnimateDiff / UNet3D temporal container cannot run in (B, F, N, C) order, whatever the call (None when it
+    can): structure and attention processors."""
     if not isinstance(container.norm, nn.GroupNorm) and type(container.norm).__name__ != "GroupNorm":
         return f"norm is {type(container.norm).__name__}, not a GroupNorm"
     for i, block in enumerate(container.transformer_blocks):
-        reason = _block_static_reason(block)
+        reason = processor_reason(block) or _block_static_reason(block)
         if reason is not None:
             return f"transformer_blocks.{i}: {reason}"
     return None
@@ -192,11 +196,6 @@ def container_reason(
     for i, block in enumerate(container.transformer_blocks):
         if block._chunk_size is not None:
             return f"transformer_blocks.{i}: chunked feed-forward"
-        for name in ("attn1", "attn2"):
-            attn = getattr(block, name)
-            reason = None if attn is None else processor_reason(attn, name)
-            if reason is not None:
-                return f"transformer_blocks.{i}: {reason}"
     return container_static_reason(container)
 
 
@@ -261,9 +260,10 @@ def _latte_block_reason(block: nn.Module) -> str | None:
 
 
 def latte_static_reason(model: nn.Module) -> str | None:
-    """Why a ``LatteTransformer3DModel``'s temporal blocks can never run in token order (None when they can)."""
+    """Why a ``LatteTransformer3DModel``'s temporal blocks cannot run in token order, whatever the call (None when
+    they can): structure and attention processors."""
     for i, block in enumerate(model.temporal_transformer_blocks):
-        reason = _latte_block_reason(block)
+        reason = processor_reason(block) or _latte_block_reason(block)
         if reason is not None:
             return f"temporal_transformer_blocks.{i}: {reason}"
     return None
@@ -280,11 +280,6 @@ def latte_reason(model: nn.Module, hidden_states: Tensor, timestep, encoder_hidd
     for i, block in enumerate(model.temporal_transformer_blocks):
         if block._chunk_size is not None:
             return f"temporal_transformer_blocks.{i}: chunked feed-forward"
-        for name in ("attn1", "attn2"):
-            attn = getattr(block, name)
-            reason = None if attn is None else processor_reason(attn, f"temporal_transformer_blocks.{i}.{name}")
-            if reason is not None:
-                return reason
     return latte_static_reason(model)
 
 

@@ -52,14 +52,7 @@ class SVDTemporalBlockRule(_LayoutRule):
         return (TemporalBasicTransformerBlock,)
 
     def reasons(self, site: Site) -> list[str]:
-        block = site.module
-        reason = L.svd_block_static_reason(block)
-        if reason is None:
-            for name in ("attn1", "attn2"):
-                attn = getattr(block, name)
-                reason = None if attn is None else L.processor_reason(attn, name)
-                if reason is not None:
-                    break
+        reason = L.svd_block_static_reason(site.module)
         return [reason] if reason else []
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
@@ -81,15 +74,7 @@ class TemporalContainerRule(_LayoutRule):
         return (AnimateDiffTransformer3D, TransformerTemporalModel)
 
     def reasons(self, site: Site) -> list[str]:
-        container = site.module
-        reason = L.container_static_reason(container)
-        if reason is None:
-            for i, block in enumerate(container.transformer_blocks):
-                for name in ("attn1", "attn2"):
-                    attn = getattr(block, name)
-                    found = None if attn is None else L.processor_reason(attn, name)
-                    if found is not None:
-                        return [f"transformer_blocks.{i}: {found}"]
+        reason = L.container_static_reason(site.module)
         return [reason] if reason else []
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
@@ -119,13 +104,7 @@ class LatteTemporalRule(_LayoutRule):
         return (LatteTransformer3DModel,)
 
     def reasons(self, site: Site) -> list[str]:
-        model = site.module
-        reason = L.latte_static_reason(model)
-        if reason is None:
-            for i, block in enumerate(model.temporal_transformer_blocks):
-                reason = L.processor_reason(block.attn1, f"temporal_transformer_blocks.{i}.attn1")
-                if reason is not None:
-                    break
+        reason = L.latte_static_reason(site.module)
         return [reason] if reason else []
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
