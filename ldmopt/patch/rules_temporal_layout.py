@@ -10,7 +10,7 @@ so diffusers' permuted copies of the activation (to (B*N, F, C) and back) are ne
 - ``latte_temporal``: ``LatteTransformer3DModel`` (a model-level class swap: its temporal blocks are called from the
   model's forward): each temporal block runs on the spatial blocks' (B*F, N, C) tokens viewed as (B, F, N, C).
 
-Both are class swaps (see rule.py). The attention modules inside are bypassed (their projections are called), so
+All three are class swaps (see rule.py). The attention modules inside are bypassed (their projections are called), so
 they are claimed here and get no processor from the ``temporal_attention`` rule; a call the token-order path does
 not cover runs the class's own forward with the stock processors, the reason counted in the report's fall-backs
 (ldmopt.nn.temporal_layout.fallback_reasons). Tolerance: the temporal kernel's.
@@ -57,7 +57,9 @@ class SVDTemporalBlockRule(_LayoutRule):
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
         block = site.module
-        return {"": block, **{n: getattr(block, n) for n in ("attn1", "attn2") if getattr(block, n) is not None}}
+        # norm2 only feeds attn2's query, which the single-key shortcut skips (unless attn2 has a residual connection).
+        names = ("attn1", "attn2", "norm2")
+        return {"": block, **{n: getattr(block, n) for n in names if getattr(block, n, None) is not None}}
 
 
 class TemporalContainerRule(_LayoutRule):
