@@ -39,6 +39,31 @@ def plain_linear_reason(name: str, layer: object) -> str | None:
     return None
 
 
+def plain_layer_norm_reason(name: str, norm: object) -> str | None:
+    """Why ``norm`` is not the affine-free nn.LayerNorm that adaLN blocks modulate (None when it is)."""
+    if type(norm) is not nn.LayerNorm:
+        return f"{name} is {type(norm).__name__}, not a plain nn.LayerNorm"
+    if norm.weight is not None or norm.bias is not None:
+        return f"{name} has affine parameters (adaLN blocks use LayerNorm without them)"
+    return None
+
+
+def feed_forward_reasons(ff: object) -> list[str]:
+    """Why a diffusers FeedForward cannot end in :func:`ff_gated_residual`'s GEMM epilogue (empty when it can)."""
+    net = getattr(ff, "net", None)
+    if not isinstance(net, nn.ModuleList) or len(net) != 3:
+        return ["ff is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"]
+    reason = plain_linear_reason("ff.net.2", net[2])
+    return [reason] if reason else []
+
+
+def ff_gated_residual(ff: nn.Module, x: Tensor, gate: Tensor, residual: Tensor) -> Tensor:
+    """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue."""
+    h = ff.net[1](ff.net[0](x))
+    out = ff.net[2]
+    return linear(h, out.weight, out.bias, gate=gate, residual=residual)
+
+
 def _shell(cls):
     new = cls.__new__(cls)
     nn.Module.__init__(new)

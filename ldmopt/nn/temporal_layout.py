@@ -37,8 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.adaln_modulate import adaln_modulate
-from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
+from .linear import feed_forward_reasons, ff_gated_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
     _stock_or_ours,
@@ -239,10 +239,6 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
 # ------------------------------------------------------------------------------------------------ Latte
 
 
-def _plain_layer_norm(norm) -> bool:
-    return type(norm) is nn.LayerNorm and norm.weight is None and norm.bias is None
-
-
 def _latte_block_reason(block: nn.Module) -> str | None:
     if type(block).__name__ != "BasicTransformerBlock" or block.norm_type not in ("ada_norm_single", "layer_norm"):
         return "not a BasicTransformerBlock with norm_type 'ada_norm_single' or 'layer_norm'"
@@ -250,11 +246,11 @@ def _latte_block_reason(block: nn.Module) -> str | None:
         return _block_static_reason(block)
     if block.attn2 is not None or block.pos_embed is not None or hasattr(block, "fuser"):
         return "attn2, a positional embedding or a GLIGEN fuser"
-    if not (_plain_layer_norm(block.norm1) and _plain_layer_norm(block.norm2)):
-        return "norm1/norm2 are not LayerNorms without affine parameters"
-    ff = getattr(block.ff, "net", None)
-    if not isinstance(ff, nn.ModuleList) or len(ff) != 3 or type(ff[2]) is not nn.Linear:
-        return "ff is not [act, dropout, Linear]"
+    # The same structure the adaln_block rule requires (its row kernel and gated GEMM run here too).
+    reasons = [plain_layer_norm_reason(name, getattr(block, name)) for name in ("norm1", "norm2")]
+    reasons = [r for r in reasons if r] + feed_forward_reasons(block.ff)
+    if reasons:
+        return reasons[0]
     reason = unsupported_reason(block.attn1)
     return None if reason is None else f"attn1: {reason}"
 
@@ -295,9 +291,7 @@ def _latte_temporal_block(block: nn.Module, x: Tensor, emb: Tensor, bfn: tuple[i
     normed = adaln_modulate(x, scale_msa, shift_msa, eps=block.norm1.eps)
     pending = gate_msa * temporal_self_attention(block.attn1, normed, None, bfn)
     normed, x = adaln_modulate(pending, scale_mlp, shift_mlp, residual=x, eps=block.norm2.eps, return_residual=True)
-    hidden = block.ff.net[1](block.ff.net[0](normed))
-    out = block.ff.net[2]
-    return linear(hidden, out.weight, out.bias, gate=gate_mlp, residual=x)
+    return ff_gated_residual(block.ff, normed, gate_mlp, x)
 
 
 def latte_forward(
@@ -366,41 +360,6 @@ def latte_forward(
 # ------------------------------------------------------------------------------------------------ instance forwards
 
 
-class TemporalBlockBFNC:
-    """Instance ``forward`` of an SVD ``TemporalBasicTransformerBlock``: :func:`svd_block_bfnc` when
-    :func:`svd_block_reason` finds nothing against the call, else the class's forward (reason counted)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        self.block = block
-        self.kernel_calls = 0
-        self.fallback_reasons: Counter[str] = Counter()
-
-    def reason(self, hidden_states: Tensor, num_frames: int, context: Tensor | None) -> str | None:
-        return svd_block_reason(self.block, hidden_states, num_frames, context)
-
-    def __call__(self, hidden_states: Tensor, num_frames: int, encoder_hidden_states: Tensor | None = None) -> Tensor:
-        block = self.block
-        reason = self.reason(hidden_states, num_frames, encoder_hidden_states)
-        if reason is not None:
-            self.fallback_reasons[reason] += 1
-            return type(block).forward(block, hidden_states, num_frames, encoder_hidden_states)
-        self.kernel_calls += 1
-        return svd_block_bfnc(block, hidden_states, num_frames, encoder_hidden_states)
-
-
-class TemporalContainerBFNC:
-    """Instance ``forward`` of an ``AnimateDiffTransformer3D`` / ``TransformerTemporalModel``: :func:`container_bfnc`
-    when :func:`container_reason` finds nothing against the call, else the class's forward (reason counted)."""
-
-    def __init__(self, container: nn.Module) -> None:
-        self.block = container
-        self.kernel_calls = 0
-        self.fallback_reasons: Counter[str] = Counter()
-
-    def __call__(self, hidden_states: Tensor, *args, **kwargs):
-        return run_container(self.block, hidden_states, *args, counter=self, **kwargs)
-
-
 _CONTAINER_ARGS = ("encoder_hidden_states", "timestep", "class_labels", "num_frames", "cross_attention_kwargs")
 
 
@@ -435,14 +394,48 @@ def run_container(container: nn.Module, hidden_states: Tensor, *args, counter=No
     return TransformerTemporalModelOutput(sample=out)
 
 
-def run_svd_block(block: nn.Module, hidden_states: Tensor, num_frames: int, encoder_hidden_states=None) -> Tensor:
-    """SVD block forward for the class swap: token order, or the base class's forward with the reason counted."""
+def run_svd_block(
+    block: nn.Module, hidden_states: Tensor, num_frames: int, encoder_hidden_states=None, *, counter=None
+) -> Tensor:
+    """SVD block forward: token order, or the base class's forward with the reason counted (``counter`` as in
+    :func:`run_container`)."""
     base = getattr(type(block), "_ldmopt_base", type(block))
     reason = svd_block_reason(block, hidden_states, num_frames, encoder_hidden_states)
     if reason is not None:
         fallback_reasons[(base.__name__, reason)] += 1
+        if counter is not None:
+            counter.fallback_reasons[reason] += 1
         return base.forward(block, hidden_states, num_frames, encoder_hidden_states)
+    if counter is not None:
+        counter.kernel_calls += 1
     return svd_block_bfnc(block, hidden_states, num_frames, encoder_hidden_states)
+
+
+class _InstanceForward:
+    """An instance ``forward`` that runs ``run`` (the token-order path or the class's forward) and counts, per
+    instance, the calls that took each."""
+
+    run = None
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.kernel_calls = 0
+        self.fallback_reasons: Counter[str] = Counter()
+
+    def __call__(self, hidden_states: Tensor, *args, **kwargs):
+        return type(self).run(self.block, hidden_states, *args, counter=self, **kwargs)
+
+
+class TemporalBlockBFNC(_InstanceForward):
+    """Instance ``forward`` of an SVD ``TemporalBasicTransformerBlock`` (:func:`run_svd_block`)."""
+
+    run = staticmethod(run_svd_block)
+
+
+class TemporalContainerBFNC(_InstanceForward):
+    """Instance ``forward`` of an AnimateDiff / UNet3D temporal container (:func:`run_container`)."""
+
+    run = staticmethod(run_container)
 
 
 @dataclass

@@ -47,8 +47,7 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_temporal_layout import RULES as temporal_layout_rules
 
     # Temporal layout before the attention processors: its containers claim the attention modules they bypass.
-    rules = (*gn_conv_rules, *block_rules, *linear_rules, *group_norm_rules, *temporal_layout_rules, *attention_rules)
-    return rules
+    return (*gn_conv_rules, *block_rules, *linear_rules, *group_norm_rules, *temporal_layout_rules, *attention_rules)
 
 
 @functools.cache

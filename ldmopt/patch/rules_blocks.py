@@ -23,33 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn.linear import plain_linear_reason
+from ..nn.linear import feed_forward_reasons, ff_gated_residual, plain_layer_norm_reason, plain_linear_reason
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.linear import linear
 from .rule import ClassSwapRule, Rule, Site
-
-
-def _plain_layer_norm_reason(name: str, norm: Any) -> str | None:
-    if type(norm) is not nn.LayerNorm:
-        return f"{name} is {type(norm).__name__}, not a plain nn.LayerNorm"
-    if norm.weight is not None or norm.bias is not None:
-        return f"{name} has affine parameters (adaLN blocks use LayerNorm without them)"
-    return None
-
-
-def _feed_forward_reasons(ff: Any) -> list[str]:
-    net = getattr(ff, "net", None)
-    if not isinstance(net, nn.ModuleList) or len(net) != 3:
-        return ["ff is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"]
-    reason = plain_linear_reason("ff.net.2", net[2])
-    return [reason] if reason else []
-
-
-def _ff_gated_residual(ff: nn.Module, x: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue."""
-    h = ff.net[1](ff.net[0](x))
-    out = ff.net[2]
-    return linear(h, out.weight, out.bias, gate=gate, residual=residual)
 
 
 def _adaln_block_forward(
@@ -110,7 +87,7 @@ def _adaln_block_forward(
     norm_hidden_states, hidden_states = adaln_modulate(
         pending, scale_mlp, shift_mlp, residual=hidden_states, eps=ff_norm.eps, return_residual=True
     )
-    return _ff_gated_residual(self.ff, norm_hidden_states, gate_mlp, hidden_states)
+    return ff_gated_residual(self.ff, norm_hidden_states, gate_mlp, hidden_states)
 
 
 class AdaLNBlockRule(ClassSwapRule):
@@ -137,10 +114,10 @@ class AdaLNBlockRule(ClassSwapRule):
         if hasattr(block, "fuser"):
             reasons.append("GLIGEN fuser (attention_type 'gated') is not fused")
         for name, norm in self._norms(block).items():
-            reason = _plain_layer_norm_reason(name, norm)
+            reason = plain_layer_norm_reason(name, norm)
             if reason:
                 reasons.append(reason)
-        return reasons + _feed_forward_reasons(block.ff)
+        return reasons + feed_forward_reasons(block.ff)
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
         block = site.module
@@ -201,7 +178,7 @@ def _stream(hidden, pending, scale, shift, gate, norm, ff):
     """``h = hidden + pending; h + gate * ff(layer_norm(h) * (1 + scale) + shift)``: the residual add, LayerNorm and
     modulation in one row kernel, the feed-forward's output projection with the gated residual in one GEMM."""
     normed, hidden = adaln_modulate(pending, scale, shift, residual=hidden, eps=norm.eps, return_residual=True)
-    return _ff_gated_residual(ff, normed, gate, hidden)
+    return ff_gated_residual(ff, normed, gate, hidden)
 
 
 def _sd3_joint_forward(
@@ -295,9 +272,9 @@ class JointBlockRule(ClassSwapRule):
     def reasons(self, site: Site) -> list[str]:
         reasons = []
         for suffix in self._streams(site.module):
-            reason = _plain_layer_norm_reason(f"norm2{suffix}", getattr(site.module, f"norm2{suffix}"))
+            reason = plain_layer_norm_reason(f"norm2{suffix}", getattr(site.module, f"norm2{suffix}"))
             reasons += [reason] if reason else []
-            reasons += _feed_forward_reasons(getattr(site.module, f"ff{suffix}"))
+            reasons += feed_forward_reasons(getattr(site.module, f"ff{suffix}"))
         return reasons
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
