@@ -62,7 +62,10 @@ def test_eps_and_large_mean():
     with ldmopt.use_backend("triton"):
         y = adaln_modulate(x, scale, shift, eps=1e-3)
     ref, _ = _reference(x.double(), scale.double(), shift.double(), eps=1e-3)
-    assert_close(y, ref, torch.float32, "eps=1e-3, mean 5")
+    # x - mean keeps only ~17 bits of each input here, so even an exact fp32 LayerNorm is ~1e-4 off relative:
+    # bound the error by PyTorch's own fp32 error, which a cancelling sum-of-squares variance would far exceed.
+    lowp, _ = _reference(x, scale, shift, eps=1e-3)
+    assert_within_torch_error(y, ref, lowp, "eps=1e-3, mean 5")
 
 
 @pytest.mark.parametrize("x_shape,s_shape", CASES[::2])
