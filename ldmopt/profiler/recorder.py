@@ -22,6 +22,9 @@ from torch.utils._pytree import tree_flatten
 from . import categories as C
 from .scopes import ModuleScopes, attention_context, in_norm, is_temporal_path
 
+#: torch.Tag.inplace exists from torch 2.12 on; older releases (2.11 is on the GPU image) mark in-place ops only by
+#: the trailing underscore, which the check below also accepts.
+_INPLACE_TAG = getattr(torch.Tag, "inplace", None)
 _FREE_OPS = {"_unsafe_view", "lift_fresh", "detach", "alias", "_reshape_alias", "set_", "resize_", "_has_compatible"}
 
 
@@ -168,7 +171,7 @@ class Recorder(TorchDispatchMode):
                 if src >= 0:
                     self._produce(outputs, src)
             return out
-        if torch.Tag.inplace in func.tags or base.endswith("_"):
+        if base.endswith("_") or (_INPLACE_TAG is not None and _INPLACE_TAG in func.tags):
             if base == "copy_":
                 inputs = inputs[1:2]  # dst is overwritten, not read
             outputs = outputs[:1] or inputs[:1]

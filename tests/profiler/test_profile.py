@@ -131,8 +131,8 @@ def test_cli_profile_json(tmp_path, capsys):
 
 
 def _event(id, name, start, end, device=DeviceType.CPU, link=0, parent=None):
-    evt = FunctionEvent(id=id, name=name, thread=1, start_us=start, end_us=end, device_type=device,
-                        linked_correlation_id=link)  # fmt: skip
+    evt = FunctionEvent(id=id, name=name, thread=1, start_us=start, end_us=end, device_type=device)
+    evt.linked_correlation_id = link  # a constructor argument only from torch 2.12 on
     if parent is not None:
         evt.set_cpu_parent(parent)
         parent.append_cpu_child(evt)
