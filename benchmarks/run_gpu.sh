@@ -19,8 +19,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 
 if ! $PY -c "import diffusers" 2>/dev/null; then
   log "installing diffusers from benchmarks/wheels"
-  $PY -m pip install --no-index --find-links benchmarks/wheels diffusers >"$RESULTS/pip_diffusers.log" 2>&1 \
-    || { log "diffusers install failed (see pip_diffusers.log); model benchmarks will skip"; }
+  # --no-deps: diffusers declares importlib_metadata, which the image lacks (and whose newest release pulls in
+  # lazy-importer), yet imports it only on Python < 3.8; its other requirements are in the image. A resolving
+  # install would fail on that one name and every model benchmark would skip.
+  $PY -m pip install --no-index --no-deps --find-links benchmarks/wheels diffusers >"$RESULTS/pip_diffusers.log" 2>&1 \
+    || log "diffusers install failed (see pip_diffusers.log)"
+  $PY -c "import diffusers; from diffusers import UNet2DConditionModel" 2>>"$RESULTS/pip_diffusers.log" \
+    && log "diffusers $($PY -c 'import diffusers; print(diffusers.__version__)') ready" \
+    || log "diffusers not importable (see pip_diffusers.log); model benchmarks will skip"
 fi
 log "building ldmopt (+ ldmopt._C) with MAX_JOBS=${MAX_JOBS:-16}"
 export MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
