@@ -35,6 +35,9 @@ class CompileRecord:
     spill_bytes: int
     ok: bool
     problem: str = ""
+    #: the tensor-core instruction family in the PTX: "wgmma" (Hopper warpgroup MMA), "mma" (Ampere mma.sync) or
+    #: "" (none: CUDA-core kernels, or fp32 dots kept in IEEE precision)
+    mma: str = ""
 
 
 def kernel_modules() -> list[str]:
@@ -66,6 +69,14 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     return regs, local + stack
 
 
+def tensor_core_instruction(ptx: str) -> str:
+    """Which MMA the compiler chose. On sm_90 a GEMM tile that lowers to mma.sync instead of wgmma runs at a
+    fraction of the tensor-core rate, and nothing else in the compile output shows it."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    return "mma" if re.search(r"\bmma\.sync\.aligned", ptx) else ""
+
+
 def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -92,7 +103,8 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
         problems.append(f"{local} bytes of stack/local memory per thread (register spills)")
     if shared > SHARED_MEMORY_LIMIT[arch]:
         problems.append(f"shared memory {shared} B over the sm_{arch} limit {SHARED_MEMORY_LIMIT[arch]} B")
-    return CompileRecord(spec["name"], arch, regs, shared, local, not problems, "; ".join(problems))
+    mma = tensor_core_instruction(compiled.asm["ptx"])
+    return CompileRecord(spec["name"], arch, regs, shared, local, not problems, "; ".join(problems), mma)
 
 
 def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None = None) -> list[CompileRecord]:
@@ -116,11 +128,12 @@ def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None
 
 def format_table(records: list[CompileRecord]) -> str:
     width = max([len(r.kernel) for r in records] + [6])
-    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  status"]
+    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  mma    status"]
     for r in records:
         status = "ok" if r.ok else "FAIL: " + r.problem
         lines.append(
-            f"{r.kernel:<{width}}  sm_{r.arch}  {r.registers:5d}  {r.shared_bytes:9d}  {r.spill_bytes:8d}  {status}"
+            f"{r.kernel:<{width}}  sm_{r.arch}  {r.registers:5d}  {r.shared_bytes:9d}  {r.spill_bytes:8d}"
+            f"  {r.mma or '-':<5}  {status}"
         )
     return "\n".join(lines)
 
