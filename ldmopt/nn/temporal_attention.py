@@ -169,9 +169,17 @@ def zero_gradient_anchor(out: Tensor, modules, tensor: Tensor | None = None) -> 
     return out + (torch.stack([x.float() for x in picks]).sum() * 0.0).to(out.dtype)
 
 
-def _single_key_module_reason(attn) -> str | None:
+def single_key_structure_reason(attn) -> str | None:
+    """Why ``attn`` cannot take the single-key shortcut ``to_out(to_v(context))`` whatever the call."""
     if attn.added_kv_proj_dim is not None or attn.to_out is None or attn.to_v is None:
         return "added key/value projections or no output projection"
+    return None
+
+
+def _single_key_module_reason(attn) -> str | None:
+    reason = single_key_structure_reason(attn)
+    if reason is not None:
+        return reason
     dropout = attn.to_out[1] if len(attn.to_out) > 1 else None
     if attn.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
         return "output dropout in training mode (would be shared across queries)"

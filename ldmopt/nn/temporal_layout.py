@@ -43,6 +43,7 @@ from .temporal_attention import (
     _single_key_module_reason,
     _stock_or_ours,
     single_key_attention,
+    single_key_structure_reason,
     temporal_self_attention,
     unsupported_reason,
     zero_gradient_anchor,
@@ -81,9 +82,8 @@ def svd_block_static_reason(block: nn.Module) -> str | None:
     reason = unsupported_reason(block.attn1)
     if reason is not None:
         return f"attn1: {reason}"
-    if block.attn2 is not None and (block.attn2.added_kv_proj_dim is not None or block.attn2.to_out is None):
-        return "attn2 has added key/value projections or no output projection"
-    return None
+    reason = None if block.attn2 is None else single_key_structure_reason(block.attn2)
+    return None if reason is None else f"attn2: {reason}"
 
 
 def svd_block_reason(block: nn.Module, hidden_states: Tensor, num_frames: int, context: Tensor | None) -> str | None:
@@ -128,6 +128,20 @@ def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, con
     ff = block.ff(block.norm3(h))
     h = ff + h if block.is_res else ff
     return h.view(bf, n, -1)
+
+
+def _counted(base: type, reason: str | None, counter=None) -> bool:
+    """Count one call as a fall-back to ``base``'s forward (``reason`` set) or as a token-order call; True for a
+    fall-back. The module-level :data:`fallback_reasons` always counts; ``counter`` (an instance forward's
+    kernel_calls / fallback_reasons) when given."""
+    if reason is None:
+        if counter is not None:
+            counter.kernel_calls += 1
+        return False
+    fallback_reasons[(base.__name__, reason)] += 1
+    if counter is not None:
+        counter.fallback_reasons[reason] += 1
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ containers
@@ -307,8 +321,7 @@ def latte_forward(
     as (B, F, N, C): no permute to (B*N, F, C) and back around each of them (2 copies per layer in diffusers)."""
     base = getattr(type(self), "_ldmopt_base", type(self))
     reason = latte_reason(self, hidden_states, timestep, encoder_hidden_states)
-    if reason is not None:
-        fallback_reasons[(base.__name__, reason)] += 1
+    if _counted(base, reason):
         return base.forward(
             self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask, enable_temporal_attentions,
             return_dict,
@@ -369,7 +382,6 @@ def run_container(container: nn.Module, hidden_states: Tensor, *args, counter=No
     :data:`fallback_reasons` always counts."""
     call = dict(zip(_CONTAINER_ARGS, args, strict=False), **kwargs)
     base = getattr(type(container), "_ldmopt_base", type(container))
-    kind = base.__name__
     reason = container_reason(
         container,
         hidden_states,
@@ -377,15 +389,10 @@ def run_container(container: nn.Module, hidden_states: Tensor, *args, counter=No
         call.get("encoder_hidden_states"),
         call.get("cross_attention_kwargs"),
     )
-    if reason is not None:
-        fallback_reasons[(kind, reason)] += 1
-        if counter is not None:
-            counter.fallback_reasons[reason] += 1
+    if _counted(base, reason, counter):
         return base.forward(container, hidden_states, *args, **kwargs)
-    if counter is not None:
-        counter.kernel_calls += 1
     out = container_bfnc(container, hidden_states, call.get("num_frames", 1))
-    if kind == "AnimateDiffTransformer3D":
+    if base.__name__ == "AnimateDiffTransformer3D":
         return out
     if not call.get("return_dict", True):
         return (out,)
@@ -401,13 +408,8 @@ def run_svd_block(
     :func:`run_container`)."""
     base = getattr(type(block), "_ldmopt_base", type(block))
     reason = svd_block_reason(block, hidden_states, num_frames, encoder_hidden_states)
-    if reason is not None:
-        fallback_reasons[(base.__name__, reason)] += 1
-        if counter is not None:
-            counter.fallback_reasons[reason] += 1
+    if _counted(base, reason, counter):
         return base.forward(block, hidden_states, num_frames, encoder_hidden_states)
-    if counter is not None:
-        counter.kernel_calls += 1
     return svd_block_bfnc(block, hidden_states, num_frames, encoder_hidden_states)
 
 
