@@ -20,8 +20,11 @@ import torch.nn.functional as F
 
 import ldmopt
 
+DEVICE = "cuda"  # tests/test_check_scripts_dry_run.py runs every check on the CPU with tiny CASES
 BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 DTYPES = (torch.float16, torch.bfloat16)
+MOTION_FRAMES, SVD_FRAMES, SVD_CONTEXT_DIM = 16, 14, 1024  # temporal_layout's clips
+REF_SEQUENCES = 512  # temporal_attention's fp64 reference covers this many sequences (keeps its memory small)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -43,16 +46,17 @@ def check(name: str):
     return register
 
 
+def _cases(name: str, quick: bool) -> dict:
+    return {case: spec for case, spec in CASES[name].items() if not (quick and case in FULL_ONLY)}
+
+
 @check("group_norm_silu")
 def _group_norm(quick: bool):
-    shapes = {"sd-64x64x320": (2, 320, 64, 64), "sd-8x8x1280": (2, 1280, 8, 8), "vae-512": (1, 128, 512, 512)}
-    if quick:
-        shapes.pop("vae-512")
-    for case, shape in shapes.items():
+    for case, shape in _cases("group_norm_silu", quick).items():
         for dtype in DTYPES:
-            x = (torch.randn(shape, device="cuda") * 2 + 0.3).to(dtype).to(memory_format=torch.channels_last)
-            w = torch.randn(shape[1], device="cuda").to(dtype)
-            b = torch.randn(shape[1], device="cuda").to(dtype)
+            x = (torch.randn(shape, device=DEVICE) * 2 + 0.3).to(dtype).to(memory_format=torch.channels_last)
+            w = torch.randn(shape[1], device=DEVICE).to(dtype)
+            b = torch.randn(shape[1], device=DEVICE).to(dtype)
             dy = torch.randn_like(x)
             leaves64 = [t.double().requires_grad_() for t in (x, w, b)]
             ref = F.silu(F.group_norm(leaves64[0], 32, leaves64[1], leaves64[2], 1e-5))
@@ -76,18 +80,15 @@ def _resnet_block(quick: bool):
 
     from ldmopt.nn import fused_resnet_forward
 
-    cases = {"sd-64x64x320": (2, 320, 320, 64), "sd-32x32x320-640": (2, 320, 640, 32)}
-    if not quick:
-        cases["vae-128x128x256-128"] = (1, 256, 128, 128)
-    for case, (n, c_in, c_out, hw) in cases.items():
-        temb_channels = None if case.startswith("vae") else 1280
-        ref_block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=temb_channels).cuda().eval()
+    for case, (n, c_in, c_out, hw, temb_channels) in _cases("resnet_block", quick).items():
+        ref_block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=temb_channels)
+        ref_block = ref_block.to(DEVICE).eval()
         with torch.no_grad():
             for name, p in ref_block.named_parameters():
                 if "norm" in name:
                     p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
-        x = torch.randn(n, c_in, hw, hw, device="cuda").to(memory_format=torch.channels_last)
-        temb = torch.randn(n, 1280, device="cuda") if temb_channels else None
+        x = torch.randn(n, c_in, hw, hw, device=DEVICE).to(memory_format=torch.channels_last)
+        temb = torch.randn(n, temb_channels, device=DEVICE) if temb_channels else None
         with torch.no_grad():
             ref = ref_block.double()(x.double(), None if temb is None else temb.double())
         for dtype in DTYPES:
@@ -101,62 +102,64 @@ def _resnet_block(quick: bool):
             yield case, dtype, "triton", [out, mean, rstd], [ref, mu, torch.rsqrt(var + 1e-6)]
 
 
+def _run_geglu(x, w, b):
+    from ldmopt.ops.geglu import geglu
+
+    return geglu(x, w, b)
+
+
+def _ref_geglu(x, w, b):
+    h, g = F.linear(x, w, b).chunk(2, dim=-1)
+    return h * F.gelu(g)
+
+
+def _run_gelu(x, w, b):
+    from ldmopt.ops.linear import linear
+
+    return linear(x, w, b, activation="gelu_tanh")
+
+
+def _ref_gelu(x, w, b):
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+def _run_gated(x, w, b, gate, res):
+    from ldmopt.ops.linear import linear
+
+    return linear(x, w, b, gate=gate, residual=res)
+
+
+def _ref_gated(x, w, b, gate, res):
+    return res + gate[:, None] * F.linear(x, w, b)
+
+
+def _run_adaln(x, scale, shift, res):
+    from ldmopt.ops.adaln_modulate import adaln_modulate
+
+    return adaln_modulate(x, scale, shift, residual=res, return_residual=True)[0]
+
+
+def _ref_adaln(x, scale, shift, res):
+    return F.layer_norm(x + res, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+
+
 @check("fused_linear")
 def _fused_linear(quick: bool):
     """GEGLU, bias+GELU-tanh and gated-residual GEMMs and adaLN modulation, forward and all gradients, vs fp64."""
-    from ldmopt.ops.adaln_modulate import adaln_modulate
-    from ldmopt.ops.geglu import geglu
-    from ldmopt.ops.linear import linear
-
-    def run_geglu(x, w, b):
-        return geglu(x, w, b)
-
-    def ref_geglu(x, w, b):
-        h, g = F.linear(x, w, b).chunk(2, dim=-1)
-        return h * F.gelu(g)
-
-    def run_gelu(x, w, b):
-        return linear(x, w, b, activation="gelu_tanh")
-
-    def ref_gelu(x, w, b):
-        return F.gelu(F.linear(x, w, b), approximate="tanh")
-
-    def run_gated(x, w, b, gate, res):
-        return linear(x, w, b, gate=gate, residual=res)
-
-    def ref_gated(x, w, b, gate, res):
-        return res + gate[:, None] * F.linear(x, w, b)
-
-    def run_adaln(x, scale, shift, res):
-        return adaln_modulate(x, scale, shift, residual=res, return_residual=True)[0]
-
-    def ref_adaln(x, scale, shift, res):
-        return F.layer_norm(x + res, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
-
-    # case: (fused, reference, B, T, K, N); GEMM weights are [N, K] (GEGLU: N = 2I); adaLN uses C = K.
-    cases = {
-        "geglu-sd15-l0": (run_geglu, ref_geglu, 2, 4096, 320, 2560),
-        "geglu-sdxl": (run_geglu, ref_geglu, 2, 1024, 1280, 10240),
-        "gelu_tanh-pixart": (run_gelu, ref_gelu, 2, 4096, 1152, 4608),
-        "gated-pixart": (run_gated, ref_gated, 2, 4096, 1152, 1152),
-        "adaln-pixart": (run_adaln, ref_adaln, 2, 4096, 1152, None),
-    }
-    if quick:
-        cases.pop("geglu-sdxl")
-    for case, (run, ref_fn, bsz, t, k, n) in cases.items():
+    for case, (run, ref_fn, bsz, t, k, n) in _cases("fused_linear", quick).items():
         for dtype in DTYPES:
-            x = torch.randn(bsz, t, k, device="cuda")
+            x = torch.randn(bsz, t, k, device=DEVICE)
             if n is None:
-                scale, shift = torch.randn(bsz, k, device="cuda") * 0.5, torch.randn(bsz, k, device="cuda")
+                scale, shift = torch.randn(bsz, k, device=DEVICE) * 0.5, torch.randn(bsz, k, device=DEVICE)
                 inputs = [x, scale, shift, torch.randn_like(x)]
             else:
-                inputs = [x, torch.randn(n, k, device="cuda") * k**-0.5, torch.randn(n, device="cuda") * 0.1]
-                if run is run_gated:
-                    inputs += [torch.randn(bsz, n, device="cuda"), torch.randn(bsz, t, n, device="cuda")]
+                inputs = [x, torch.randn(n, k, device=DEVICE) * k**-0.5, torch.randn(n, device=DEVICE) * 0.1]
+                if run is _run_gated:
+                    inputs += [torch.randn(bsz, n, device=DEVICE), torch.randn(bsz, t, n, device=DEVICE)]
             inputs = [v.to(dtype) for v in inputs]
             leaves64 = [v.double().requires_grad_() for v in inputs]
             ref = ref_fn(*leaves64)
-            dy = torch.randn(ref.shape, device="cuda").to(dtype)
+            dy = torch.randn(ref.shape, device=DEVICE).to(dtype)
             grads64 = torch.autograd.grad(ref, leaves64, dy.double())
             leaves = [v.detach().clone().requires_grad_() for v in inputs]
             with ldmopt.use_backend("triton"):
@@ -171,20 +174,11 @@ def _temporal_attention(quick: bool):
     the AnimateDiff-SDXL case has 262,144 (sequence, head) pairs, past the 65,535 grid limit of batch-on-grid-y."""
     from ldmopt.ops.temporal_attention import temporal_attention
 
-    cases = {  # (B, F, N, heads, head_dim)
-        "animatediff-512-l0": (2, 16, 4096, 8, 40),
-        "svd-576x1024-l0": (2, 14, 9216, 5, 64),
-        "latte-512": (2, 16, 1024, 16, 72),
-        "animatediff-l2-d160": (2, 16, 256, 8, 160),
-        "animatediff-sdxl-1024": (2, 16, 16384, 8, 80),
-    }
-    if quick:
-        cases.pop("latte-512")
-    for case, (b, f, n, h, d) in cases.items():
+    for case, (b, f, n, h, d) in _cases("temporal_attention", quick).items():
         for dtype in DTYPES:
-            qkv = torch.randn(b, f, n, 3, h, d, device="cuda").to(dtype)
+            qkv = torch.randn(b, f, n, 3, h, d, device=DEVICE).to(dtype)
             q, k, v = qkv.unbind(3)
-            dy = torch.randn(b, f, n, h, d, device="cuda").to(dtype)
+            dy = torch.randn(b, f, n, h, d, device=DEVICE).to(dtype)
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             for backend in ("triton", "cuda"):
                 try:
@@ -195,7 +189,7 @@ def _temporal_attention(quick: bool):
                     print(f"  skip temporal_attention {case} {dtype} {backend}: {str(exc)[:120]}")
                     continue
                 # fp64 reference on a slice of the sequences keeps the reference's memory small.
-                sl = slice(0, min(n, 512))
+                sl = slice(0, min(n, REF_SEQUENCES))
                 ref_leaves = [t[:, :, sl].double().permute(0, 2, 3, 1, 4).requires_grad_() for t in (q, k, v)]
                 ref = F.scaled_dot_product_attention(*ref_leaves)
                 outs, refs = [out[:, :, sl]], [ref.permute(0, 3, 1, 2, 4)]
@@ -206,35 +200,35 @@ def _temporal_attention(quick: bool):
                 yield case, dtype, backend, outs, refs
 
 
+def _motion(c, heads, hw):
+    from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
+
+    module = AnimateDiffTransformer3D(
+        num_attention_heads=heads, attention_head_dim=c // heads, in_channels=c, norm_num_groups=32,
+        positional_embeddings="sinusoidal", num_positional_embeddings=32,
+    )  # fmt: skip
+    x = torch.randn(2 * MOTION_FRAMES, c, hw, hw, device=DEVICE).to(memory_format=torch.channels_last)
+    return module, x, lambda m, x: m(x, num_frames=MOTION_FRAMES)
+
+
+def _svd(c, heads, hw):
+    from diffusers.models.attention import TemporalBasicTransformerBlock
+
+    module = TemporalBasicTransformerBlock(c, c, heads, c // heads, cross_attention_dim=SVD_CONTEXT_DIM)
+    x = torch.randn(2 * SVD_FRAMES, hw * hw, c, device=DEVICE)
+    context = torch.randn(2 * hw * hw, 1, SVD_CONTEXT_DIM, device=DEVICE)
+    return module, x, lambda m, x: m(x, SVD_FRAMES, context.to(x.dtype))
+
+
 @check("temporal_layout")
 def _temporal_layout(quick: bool):
     """Whole temporal transformers run in (B, F, N, C) order (ldmopt.nn.temporal_layout) vs diffusers' own module in
     fp64: an AnimateDiff motion module on a channels-last activation and an SVD temporal block."""
-    from diffusers.models.attention import TemporalBasicTransformerBlock
-    from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
-
     from ldmopt.nn.temporal_layout import install_temporal_blocks, uninstall_temporal_blocks
 
-    def motion(c, heads, hw):
-        module = AnimateDiffTransformer3D(
-            num_attention_heads=heads, attention_head_dim=c // heads, in_channels=c, norm_num_groups=32,
-            positional_embeddings="sinusoidal", num_positional_embeddings=32,
-        )  # fmt: skip
-        x = torch.randn(2 * 16, c, hw, hw, device="cuda").to(memory_format=torch.channels_last)
-        return module, x, lambda m, x: m(x, num_frames=16)
-
-    def svd(c, heads, hw):
-        module = TemporalBasicTransformerBlock(c, c, heads, c // heads, cross_attention_dim=1024)
-        x = torch.randn(2 * 14, hw * hw, c, device="cuda")
-        context = torch.randn(2 * hw * hw, 1, 1024, device="cuda")
-        return module, x, lambda m, x: m(x, 14, context.to(x.dtype))
-
-    cases = {"animatediff-32x32x640": (motion, 640, 8, 32), "svd-32x32x320": (svd, 320, 5, 32)}
-    if not quick:
-        cases["animatediff-64x64x320"] = (motion, 320, 8, 64)
-    for case, (build, c, heads, hw) in cases.items():
+    for case, (build, c, heads, hw) in _cases("temporal_layout", quick).items():
         module, x, call = build(c, heads, hw)
-        module = module.cuda().eval()
+        module = module.to(DEVICE).eval()
         with torch.no_grad():
             for name, p in module.named_parameters():  # non-trivial norm affines, as trained models have
                 if "norm" in name:
@@ -254,22 +248,51 @@ def _temporal_layout(quick: bool):
             yield case, dtype, "triton", [out], [ref]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--only", action="append", help="only these checks")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("check_gpu: no CUDA device; nothing to check")
-        return 0
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+# Real shapes per check; the cases in FULL_ONLY run only without --quick. A dry run replaces both with tiny cases.
+CASES: dict[str, dict[str, tuple]] = {
+    "group_norm_silu": {  # (N, C, H, W)
+        "sd-64x64x320": (2, 320, 64, 64),
+        "sd-8x8x1280": (2, 1280, 8, 8),
+        "vae-512": (1, 128, 512, 512),
+    },
+    "resnet_block": {  # (N, C_in, C_out, H = W, temb channels)
+        "sd-64x64x320": (2, 320, 320, 64, 1280),
+        "sd-32x32x320-640": (2, 320, 640, 32, 1280),
+        "vae-128x128x256-128": (1, 256, 128, 128, None),
+    },
+    # (fused, reference, B, T, K, N); GEMM weights are [N, K] (GEGLU: N = 2I); adaLN uses C = K.
+    "fused_linear": {
+        "geglu-sd15-l0": (_run_geglu, _ref_geglu, 2, 4096, 320, 2560),
+        "geglu-sdxl": (_run_geglu, _ref_geglu, 2, 1024, 1280, 10240),
+        "gelu_tanh-pixart": (_run_gelu, _ref_gelu, 2, 4096, 1152, 4608),
+        "gated-pixart": (_run_gated, _ref_gated, 2, 4096, 1152, 1152),
+        "adaln-pixart": (_run_adaln, _ref_adaln, 2, 4096, 1152, None),
+    },
+    "temporal_attention": {  # (B, F, N, heads, head_dim)
+        "animatediff-512-l0": (2, 16, 4096, 8, 40),
+        "svd-576x1024-l0": (2, 14, 9216, 5, 64),
+        "latte-512": (2, 16, 1024, 16, 72),
+        "animatediff-l2-d160": (2, 16, 256, 8, 160),
+        "animatediff-sdxl-1024": (2, 16, 16384, 8, 80),
+    },
+    "temporal_layout": {  # (builder, channels, heads, H = W)
+        "animatediff-32x32x640": (_motion, 640, 8, 32),
+        "svd-32x32x320": (_svd, 320, 5, 32),
+        "animatediff-64x64x320": (_motion, 320, 8, 64),
+    },
+}
+FULL_ONLY = {"vae-512", "vae-128x128x256-128", "geglu-sdxl", "latte-512", "animatediff-64x64x320"}
+
+
+def run_checks(quick: bool, only: list[str] | None = None) -> int:
+    """Run the checks, one line each; returns the number of failures."""
     failures = 0
     print(f"{'op':<22} {'case':<22} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
     for name, fn in CHECKS.items():
-        if args.only and name not in args.only:
+        if only and name not in only:
             continue
         try:
-            for case, dtype, backend, outs, refs in fn(args.quick):
+            for case, dtype, backend, outs, refs in fn(quick):
                 errs = [rel_err(o, r) for o, r in zip(outs, refs)]
                 ok = all(e <= BOUND[dtype] for e in errs)  # NaN compares False
                 failures += not ok
@@ -280,7 +303,19 @@ def main(argv: list[str] | None = None) -> int:
             failures += 1
             print(f"{name:<22} ERROR\n{traceback.format_exc()}")
     print(f"check_gpu: {'all passed' if not failures else f'{failures} failed'}")
-    return 1 if failures else 0
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--only", action="append", help="only these checks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("check_gpu: no CUDA device; nothing to check")
+        return 0
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return 1 if run_checks(args.quick, args.only) else 0
 
 
 if __name__ == "__main__":

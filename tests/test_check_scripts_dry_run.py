@@ -1,0 +1,177 @@
+"""benchmarks/check_gpu.py and benchmarks/check_cuda_backend.py run on the CPU with tiny shapes: every registered check
+must pass its own bounds on the Triton backend (interpreter) and report the unavailable cuda backend as a skip, so a
+Python error in them cannot waste a rare GPU run. bf16 is left out: tl.dot in bf16 is wrong in Triton 3.8's
+interpreter (the GPU run still checks it)."""
+
+import re
+
+import pytest
+import torch
+
+from benchmarks import bench_group_norm, check_cuda_backend, check_gpu, harness
+
+_ROW = re.compile(r"^(\S+)\s+(\S+)\s+(float32|float16)\s+(triton|cuda)\s+([-+.e\d ]+?)\s+(PASS|FAIL)$")
+_SKIP = re.compile(r"^  skip (\S+) (\S+) torch\.(float32|float16) cuda: .*not on a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops gain nothing from threads, and on a loaded 2-core machine each intra-op barrier can wait a time slice.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _parse(text):
+    rows = [m.groups() for m in map(_ROW.match, text.splitlines()) if m]
+    skips = [m.groups() for m in map(_SKIP.match, text.splitlines()) if m]
+    return rows, skips
+
+
+def test_check_gpu_tables():
+    assert set(check_gpu.CASES) == set(check_gpu.CHECKS)
+    names = {case for cases in check_gpu.CASES.values() for case in cases}
+    assert check_gpu.FULL_ONLY.issubset(names)
+    for name in check_gpu.CHECKS:
+        assert not set(check_gpu._cases(name, True)) & check_gpu.FULL_ONLY
+        assert check_gpu._cases(name, False) == check_gpu.CASES[name]
+
+
+def test_check_gpu_every_check(monkeypatch, capsys):
+    pytest.importorskip("diffusers")
+    from ldmopt.nn import resnet
+
+    C = check_gpu
+    monkeypatch.setattr(C, "DEVICE", "cpu")
+    monkeypatch.setattr(C, "DTYPES", (torch.float32, torch.float16))  # fp32 first: modules are cast in place
+    monkeypatch.setattr(C, "MOTION_FRAMES", 3)
+    monkeypatch.setattr(C, "SVD_FRAMES", 3)
+    monkeypatch.setattr(C, "SVD_CONTEXT_DIM", 24)
+    monkeypatch.setattr(C, "REF_SEQUENCES", 4)  # the reference slices the sequences
+    cases = {
+        "group_norm_silu": {"gn-96": (2, 96, 3, 5)},
+        "resnet_block": {"temb-32to96": (1, 32, 96, 3, 40), "vae-64to32": (1, 64, 32, 2, None)},
+        "fused_linear": {
+            "geglu": (C._run_geglu, C._ref_geglu, 2, 7, 40, 48),
+            "gelu_tanh": (C._run_gelu, C._ref_gelu, 2, 7, 40, 24),
+            "gated": (C._run_gated, C._ref_gated, 2, 7, 40, 24),
+            "adaln": (C._run_adaln, C._ref_adaln, 2, 7, 40, None),
+        },
+        "temporal_attention": {"ta": (2, 5, 6, 2, 24)},
+        "temporal_layout": {"motion": (C._motion, 96, 3, 2), "svd": (C._svd, 64, 2, 2)},
+    }
+    monkeypatch.setattr(C, "CASES", cases)
+    monkeypatch.setattr(C, "FULL_ONLY", {"vae-64to32"})
+    resnet.fallback_reasons.clear()
+    failures = C.run_checks(quick=False)
+    out = capsys.readouterr().out
+    assert failures == 0, out
+    assert out.rstrip().endswith("check_gpu: all passed"), out
+    assert not resnet.fallback_reasons, dict(resnet.fallback_reasons)
+    rows, skips = _parse(out)
+    assert all(r[5] == "PASS" and r[3] == "triton" for r in rows), out
+    for name, by_case in cases.items():
+        for case in by_case:
+            assert sum(r[:2] == (name, case) for r in rows) == 2, (name, case, out)  # fp32, fp16
+    assert sorted(s[0] for s in skips) == ["group_norm_silu"] * 2 + ["temporal_attention"] * 2, out
+
+
+def test_check_gpu_main_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert check_gpu.main(["--quick"]) == 0
+    assert capsys.readouterr().out == "check_gpu: no CUDA device; nothing to check\n"
+
+
+@pytest.fixture
+def cuda_backend_cpu(monkeypatch, tmp_path):
+    C = check_cuda_backend
+    monkeypatch.setattr(C, "DEVICE", "cpu")
+    monkeypatch.setattr(C, "DTYPES", (torch.float32, torch.float16))
+    monkeypatch.setattr(bench_group_norm, "SHAPES", {"gn-96": (1, 96, 3, 2), "gn-64": (2, 64, 2, 3)})
+    monkeypatch.setattr(C, "QUICK_GROUP_NORM", ("gn-64",))
+    monkeypatch.setattr(C, "ATTENTION_SHAPES", {"ta-a": (6, 5, 2, 24), "ta-b": (5, 3, 3, 40)})
+    monkeypatch.setattr(C, "QUICK_ATTENTION", ("ta-b",))
+    monkeypatch.setenv("LDMOPT_POISON_OUTPUTS", "1")  # the script sets it; restored afterwards
+    monkeypatch.delenv("LDMOPT_BENCH_CSV", raising=False)
+    monkeypatch.setattr(harness, "time_fn", lambda fn, **_: (fn(), harness.Timing(1.0, 0.9, 1.1))[1])
+    monkeypatch.setattr(harness, "ceilings", lambda: harness.Ceilings(copy_gbps=1000.0, bf16_tflops=100.0))
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    return C
+
+
+def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
+    assert cuda_backend_cpu.run_checks(quick=False) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("check_cuda_backend: all checks passed"), out
+    rows, skips = _parse(out)
+    assert all(r[5] == "PASS" and r[3] == "triton" for r in rows), out
+    gn = [r for r in rows if r[0] == "group_norm_silu"]
+    attn = [r for r in rows if r[0] == "temporal_attention"]
+    assert len(gn) == 2 * 2 * 2 and len(attn) == 2 * 2 and len(rows) == len(gn) + len(attn), out  # shapes x dtypes
+    assert len(skips) == len(rows), out  # every cuda row is a skip on the CPU
+
+
+def test_check_cuda_backend_benchmarks(cuda_backend_cpu, capsys, tmp_path):
+    assert cuda_backend_cpu.run_checks(quick=True) == 0
+    cuda_backend_cpu.run_benchmarks(quick=True)
+    out = capsys.readouterr().out
+    assert "side by side" in out and "| op | case |" in out, out
+    rows = harness.recorder_from_csv(tmp_path / "results.csv").rows
+    # quick: one group norm case (fwd, fwd+bwd) and one attention case (fwd), three providers each
+    assert len(rows) == 3 * 3, [(r.case, r.provider, r.mode) for r in rows]
+    failed = [(r.case, r.provider, r.note) for r in rows if r.median_ms is None and r.provider != "ldmopt-cuda"]
+    assert not failed, failed
+    assert all(r.note.startswith("unavailable: BackendUnavailableError") for r in rows if r.provider == "ldmopt-cuda")
+    assert "| ldmopt-triton |" in harness.recorder_from_csv(tmp_path / "results.csv").summary()  # run_gpu.sh's table
+
+
+def test_check_cuda_backend_main_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert check_cuda_backend.main(["--quick"]) == 0
+    assert capsys.readouterr().out == "check_cuda_backend: no CUDA device; nothing to check\n"
+
+
+def test_check_scripts_report_failures(monkeypatch, capsys):
+    """A check that fails its bound or raises is a FAIL or ERROR line and counts, and the other checks still run."""
+
+    def bad(quick):
+        yield "case", torch.float16, "triton", [torch.ones(3)], [torch.zeros(3) + 2]
+        raise RuntimeError("boom")
+
+    def good(quick):
+        yield "case", torch.float32, "triton", [torch.ones(3)], [torch.ones(3)]
+
+    monkeypatch.setattr(check_gpu, "CHECKS", {"bad": bad, "good": good})
+    assert check_gpu.run_checks(quick=True) == 2
+    assert check_gpu.run_checks(quick=True, only=["good"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "bad                    ERROR" in out and "RuntimeError: boom" in out, out
+    assert "check_gpu: 2 failed" in out and "check_gpu: all passed" in out, out
+
+    monkeypatch.setattr(check_cuda_backend, "check_group_norm", lambda quick: (("op", *r) for r in bad(quick)))
+    monkeypatch.setattr(check_cuda_backend, "check_attention", lambda quick: (("op", *r) for r in good(quick)))
+    assert check_cuda_backend.run_checks(quick=True) == 2
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "<lambda> ERROR" in out and "check_cuda_backend: 2 checks failed" in out, out
+
+
+def test_check_scripts_main_with_cuda(monkeypatch, capsys):
+    """main() past the CUDA test, with the checks stubbed: arguments, the extension test and exit codes."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(check_gpu, "run_checks", lambda quick, only: calls.append(("gpu", quick, only)) or 1)
+    assert check_gpu.main(["--quick", "--only", "fused_linear", "--only", "temporal_layout"]) == 1
+    assert calls == [("gpu", True, ["fused_linear", "temporal_layout"])]
+
+    C = check_cuda_backend
+    monkeypatch.setattr(C, "run_checks", lambda quick: calls.append(("checks", quick)) or 0)
+    monkeypatch.setattr(C, "run_benchmarks", lambda quick: calls.append(("bench", quick)))
+    monkeypatch.setattr(C._env, "cuda_extension_status", lambda: (True, "ldmopt._C loaded"))
+    assert C.main([]) == 0 and C.main(["--quick", "--no-bench"]) == 0
+    assert calls[1:] == [("checks", False), ("bench", False), ("checks", True)]
+    monkeypatch.setattr(C._env, "cuda_extension_status", lambda: (False, "not built"))
+    assert C.main(["--quick"]) == 1 and len(calls) == 4
+    assert "the CUDA extension is not loaded" in capsys.readouterr().out
