@@ -16,6 +16,7 @@ from benchmarks import harness
 
 pytestmark = harness.gpu_only
 
+DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
 SHAPES = {
     # name: (N, C, H, W)
     "sd-64x64x320": (2, 320, 64, 64),
@@ -52,11 +53,11 @@ def _providers():
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 def bench_group_norm(case, dtype, layout, mode, bench_recorder):
     n, c, h, w = SHAPES[case]
-    x = torch.randn(n, c, h, w, device="cuda", dtype=dtype)
+    x = torch.randn(n, c, h, w, device=DEVICE, dtype=dtype)
     if layout == "channels_last":
         x = x.to(memory_format=torch.channels_last)
-    weight = torch.randn(c, device="cuda", dtype=dtype)
-    bias = torch.randn(c, device="cuda", dtype=dtype)
+    weight = torch.randn(c, device=DEVICE, dtype=dtype)
+    bias = torch.randn(c, device=DEVICE, dtype=dtype)
     elem = x.element_size() * x.numel()
     if mode == "fwd+bwd":
         x.requires_grad_(True)

@@ -28,6 +28,7 @@ from ldmopt.ops.linear import linear
 
 pytestmark = harness.gpu_only
 
+DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ["fwd", "fwd+bwd"]
 GEGLU_CASES = {
@@ -98,9 +99,9 @@ def _measure(recorder, op, case, dtype_name, mode, providers, inputs, grad_input
 
 
 def _params(m, k, n, dtype, grad):
-    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=grad)
-    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype).requires_grad_(grad)
-    b = (torch.randn(n, device="cuda") * 0.1).to(dtype).requires_grad_(grad)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype, requires_grad=grad)
+    w = (torch.randn(n, k, device=DEVICE) * k**-0.5).to(dtype).requires_grad_(grad)
+    b = (torch.randn(n, device=DEVICE) * 0.1).to(dtype).requires_grad_(grad)
     return x, w, b
 
 
@@ -161,8 +162,8 @@ def bench_linear_gated_residual(case, dtype_name, mode, bench_recorder):
     dtype, grad = DTYPES[dtype_name], mode == "fwd+bwd"
     x, w, b = _params(bsz * t, k, n, dtype, grad)
     x = x.detach().view(bsz, t, k).requires_grad_(grad)
-    gate = torch.randn(bsz, n, device="cuda", dtype=dtype, requires_grad=grad)
-    res = torch.randn(bsz, t, n, device="cuda", dtype=dtype, requires_grad=grad)
+    gate = torch.randn(bsz, n, device=DEVICE, dtype=dtype, requires_grad=grad)
+    res = torch.randn(bsz, t, n, device=DEVICE, dtype=dtype, requires_grad=grad)
     inputs = (x, w, b, gate, res)
     providers = {"ldmopt": _triton(_ldmopt_gated), "eager": _eager_gated}
     providers["cublas-gemm"] = lambda x, w, b, gate, res: F.linear(x, w)
@@ -187,9 +188,9 @@ def _ldmopt_adaln(x, scale, shift, res):
 def bench_adaln_modulate(case, dtype_name, mode, bench_recorder):
     bsz, t, c = ADALN_CASES[case]
     dtype, grad = DTYPES[dtype_name], mode == "fwd+bwd"
-    x, res = (torch.randn(bsz, t, c, device="cuda", dtype=dtype, requires_grad=grad) for _ in range(2))
+    x, res = (torch.randn(bsz, t, c, device=DEVICE, dtype=dtype, requires_grad=grad) for _ in range(2))
     # scale/shift as strided chunks of one embedding, as AdaLayerNormZero hands them over.
-    emb = torch.randn(bsz, 6 * c, device="cuda", dtype=dtype)
+    emb = torch.randn(bsz, 6 * c, device=DEVICE, dtype=dtype)
     shift, scale = (t.requires_grad_(grad) for t in emb.chunk(6, dim=1)[:2])
     providers = {"ldmopt": _triton(_ldmopt_adaln), "eager": _eager_adaln}
     providers = _with_compile(providers, _eager_adaln, True)

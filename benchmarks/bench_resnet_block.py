@@ -24,6 +24,7 @@ from benchmarks import harness
 
 pytestmark = harness.gpu_only
 
+DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 
 # name: (batch, in_channels, out_channels, H=W, temb_channels, eps). SD/SDXL with classifier-free guidance batch 2.
@@ -53,9 +54,9 @@ def _block(case, dtype):
 
     n, cin, cout, size, temb_ch, eps = BLOCKS[case]
     block = ResnetBlock2D(in_channels=cin, out_channels=cout, temb_channels=temb_ch, groups=GROUPS, eps=eps)
-    block = block.to(device="cuda", dtype=dtype, memory_format=torch.channels_last).eval()
-    x = torch.randn(n, cin, size, size, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-    temb = None if temb_ch is None else torch.randn(n, temb_ch, device="cuda", dtype=dtype)
+    block = block.to(device=DEVICE, dtype=dtype, memory_format=torch.channels_last).eval()
+    x = torch.randn(n, cin, size, size, device=DEVICE, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    temb = None if temb_ch is None else torch.randn(n, temb_ch, device=DEVICE, dtype=dtype)
     return block, x, temb
 
 
@@ -121,7 +122,7 @@ def bench_resnet_block(case, dtype, mode, bench_recorder):
                     return fwd(x, temb)
         else:
             params = [x, *block.parameters()]
-            dy = torch.randn(n, cout, size, size, device="cuda", dtype=dtype).contiguous(
+            dy = torch.randn(n, cout, size, size, device=DEVICE, dtype=dtype).contiguous(
                 memory_format=torch.channels_last
             )
 
@@ -138,11 +139,11 @@ def bench_gn_conv2d(case, dtype, bench_recorder):
     from ldmopt.ops.gn_conv2d import gn_silu_conv2d
 
     n, cin, cout, size, _, eps = BLOCKS[case]
-    x = torch.randn(n, cin, size, size, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-    gw = torch.randn(cin, device="cuda", dtype=dtype)
-    gb = torch.randn(cin, device="cuda", dtype=dtype)
-    w = (torch.randn(cout, cin, 3, 3, device="cuda", dtype=dtype) * 0.05).contiguous(memory_format=torch.channels_last)
-    b = torch.randn(cout, device="cuda", dtype=dtype)
+    x = torch.randn(n, cin, size, size, device=DEVICE, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    gw = torch.randn(cin, device=DEVICE, dtype=dtype)
+    gb = torch.randn(cin, device=DEVICE, dtype=dtype)
+    w = (torch.randn(cout, cin, 3, 3, device=DEVICE, dtype=dtype) * 0.05).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(cout, device=DEVICE, dtype=dtype)
     activated = F.silu(F.group_norm(x, GROUPS, gw, gb, eps))
     stats = torch.ops.ldmopt.gn_conv2d_stats(x, GROUPS, eps)
     flops = _conv_flops(n, cin, cout, size)

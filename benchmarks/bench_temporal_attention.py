@@ -28,6 +28,7 @@ from ldmopt.ops.temporal_attention import temporal_attention
 
 pytestmark = harness.gpu_only
 
+DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 SHAPES = {
     # name: (B, N, F, heads, head_dim) -- DESIGN.md "Real shapes"
@@ -135,6 +136,11 @@ def _providers(shape, layout, device):
     return providers
 
 
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _reference(q, k, v, shape, layout, chunk=4096):
     """fp32 SDPA in chunks of sequences small enough for every backend's grid."""
     to_bnfc, from_bnfc, _ = _split(*shape, layout)
@@ -154,7 +160,7 @@ def _reference(q, k, v, shape, layout, chunk=4096):
 def bench_temporal_attention(case, dtype, layout, mode, bench_recorder):
     shape = b, n, f, h, d = SHAPES[case]
     rows = (b * n, f, h * d) if layout == "bnfc" else (b * f, n, h * d)
-    q, k, v = (torch.randn(rows, device="cuda", dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(rows, device=DEVICE, dtype=dtype) for _ in range(3))
     elem = q.numel() * q.element_size()
     flops = 4 * b * n * h * f * f * d
     if mode == "fwd+bwd":
@@ -163,7 +169,7 @@ def bench_temporal_attention(case, dtype, layout, mode, bench_recorder):
         nbytes, flops = 11 * elem, int(3.5 * flops)
     else:
         nbytes = 4 * elem
-    dy = torch.randn(rows, device="cuda", dtype=dtype)
+    dy = torch.randn(rows, device=DEVICE, dtype=dtype)
     reference = _reference(q, k, v, shape, layout) if mode == "fwd" else None
     for name, make in _providers(shape, layout, q.device).items():
         timing, peak, note = None, None, ""
@@ -174,7 +180,7 @@ def bench_temporal_attention(case, dtype, layout, mode, bench_recorder):
             else:
                 run = lambda fn=fn: torch.autograd.grad(fn(q, k, v), (q, k, v), dy)
             out = run()
-            torch.cuda.synchronize()
+            _sync()
             if reference is not None:
                 note = f"max|err| vs fp32 SDPA {(out.float() - reference).abs().max().item():.2e}"
             timing = harness.time_fn(run)
@@ -184,7 +190,7 @@ def bench_temporal_attention(case, dtype, layout, mode, bench_recorder):
         except ImportError as exc:
             note = f"unavailable: {type(exc).__name__}: {str(exc)[:100]}"
         except Exception as exc:  # grid limits, unsupported head dims, xformers' missing extensions
-            torch.cuda.synchronize()
+            _sync()
             note = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
         bench_recorder.record(
             op="temporal_attention",

@@ -1,6 +1,8 @@
 """The GPU benchmarks' own logic, run on the CPU with tiny models and the timing mocked: every provider must produce
 a timed row, not a 'failed' one (a GPU run is rare and short; a Python error in a benchmark would waste it)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -16,16 +18,35 @@ class _Rows:
         self.rows.append(row)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops gain nothing from threads, and on a loaded 2-core machine each intra-op barrier can wait a time slice.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def mocked_timing(monkeypatch, tmp_path):
     monkeypatch.setattr(harness, "time_fn", lambda fn, **_: (fn(), harness.Timing(1.0, 0.9, 1.1))[1])
-    monkeypatch.setattr(harness, "peak_memory", lambda fn: (fn(), 0)[1])
+    monkeypatch.setattr(harness, "peak_memory", lambda fn: (fn(), 2**20)[1])  # nonzero: notes divide by it
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
     return _Rows()
 
 
-def _failed(rows):
-    return [(r["case"], r["provider"], r.get("note")) for r in rows if r["timing"] is None]
+@pytest.fixture
+def no_compile(monkeypatch):
+    # torch.compile's own work is not the benchmarks' logic; on the CPU it would only add minutes.
+    monkeypatch.setattr(harness, "compiled", lambda fn, mode=None, **_: fn)
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **_: fn)
+
+
+def _failed(rows, allowed=()):
+    """Rows without a timing, but for providers in ``allowed`` (those that need CUDA)."""
+    return [
+        (r["case"], r["provider"], r.get("note")) for r in rows if r["timing"] is None and r["provider"] not in allowed
+    ]
 
 
 def test_e2e_step_providers(mocked_timing, monkeypatch):
@@ -63,3 +84,104 @@ def test_temporal_block_providers(mocked_timing, monkeypatch):
     assert all(r["note"].startswith("max rel err vs eager") for r in rows), [r["note"] for r in rows]
     errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
     assert max(errs) < 1e-5, errs
+
+
+def test_group_norm_providers(mocked_timing, no_compile, monkeypatch):
+    from benchmarks import bench_group_norm as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "SHAPES", {"tiny": (1, 96, 2, 3)})
+    for layout in ("channels_last", "nchw"):
+        for mode in ("fwd", "fwd+bwd"):
+            B.bench_group_norm("tiny", torch.float16, layout, mode, mocked_timing)
+    rows = mocked_timing.rows
+    assert len(rows) == 2 * 2 * 4 and not _failed(rows, allowed={"ldmopt-cuda"}), _failed(rows)
+    assert all(r["note"].startswith("unavailable") for r in rows if r["provider"] == "ldmopt-cuda")
+
+
+def test_linear_providers(mocked_timing, no_compile, monkeypatch):
+    from benchmarks import bench_linear as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setenv("LDMOPT_BENCH_QUICK", "1")  # the second case of an op skips its compile provider
+    monkeypatch.setattr(B, "GEGLU_CASES", {"a": (13, 40, 24), "b": (5, 24, 40)})
+    monkeypatch.setattr(B, "GELU_CASES", {"a": (13, 40, 48), "b": (5, 24, 40)})
+    monkeypatch.setattr(B, "GATED_CASES", {"a": (2, 7, 40, 24)})
+    monkeypatch.setattr(B, "ADALN_CASES", {"a": (2, 7, 40)})
+    benches = {
+        B.bench_geglu: B.GEGLU_CASES,
+        B.bench_linear_gelu_tanh: B.GELU_CASES,
+        B.bench_linear_gated_residual: B.GATED_CASES,
+        B.bench_adaln_modulate: B.ADALN_CASES,
+    }
+    for bench, cases in benches.items():
+        for case in cases:
+            for mode in B.MODES:
+                bench(case, "fp16", mode, mocked_timing)
+    rows = mocked_timing.rows
+    skipped = [r for r in rows if r["note"] == "skipped in quick mode"]
+    assert {(r["op"], r["case"]) for r in skipped} == {("geglu", "b"), ("linear_gelu_tanh", "b")}
+    assert not _failed([r for r in rows if r not in skipped]), _failed(rows)
+    assert len(rows) == 2 * (2 * 4 + 2 * 4 + 4 + 3), len(rows)  # (cases x providers) x modes
+
+
+def test_resnet_block_providers(mocked_timing, no_compile, monkeypatch):
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_resnet_block as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    blocks = {"temb-32to96": (1, 32, 96, 2, 40, 1e-5), "vae-32": (1, 32, 32, 2, None, 1e-6)}
+    monkeypatch.setattr(B, "BLOCKS", blocks)
+    with ldmopt.use_backend("torch"):  # but for gn_conv2d, which the ldmopt providers force to triton
+        for mode in ("fwd", "fwd+bwd"):
+            B.bench_resnet_block("temb-32to96", torch.float16, mode, mocked_timing)
+        B.bench_resnet_block("vae-32", torch.float16, "fwd", mocked_timing)  # no time embedding, no shortcut
+        B.bench_gn_conv2d("temb-32to96", torch.float16, mocked_timing)
+    rows = mocked_timing.rows
+    assert len(rows) == 4 + 3 + 4 + 5 and not _failed(rows), _failed(rows)
+    assert not [r["note"] for r in rows if r["note"]], "no provider fell back or failed"
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_temporal_attention_providers(mocked_timing, no_compile, monkeypatch):
+    from benchmarks import bench_temporal_attention as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "QUICK", False)  # flex-blockdiag and compile too (compiles mocked)
+    monkeypatch.setattr(B, "SHAPES", {"tiny": (2, 2, 3, 2, 24)})  # (B, N, F, heads, head_dim)
+    for layout in ("bnfc", "bfnc"):
+        for mode in ("fwd", "fwd+bwd"):
+            B.bench_temporal_attention("tiny", torch.float16, layout, mode, mocked_timing)
+    rows = mocked_timing.rows
+    cuda_only = {"sdpa-efficient", "sdpa-cudnn", "xformers", "ldmopt-cuda"}
+    # FlexAttention has no CPU backward; its forward runs (uncompiled).
+    no_cpu_bwd = [r for r in rows if r["provider"] == "flex-blockdiag" and r["mode"] == "fwd+bwd"]
+    assert all("backward on CPU" in r["note"] for r in no_cpu_bwd), no_cpu_bwd
+    others = [r for r in rows if r not in no_cpu_bwd]
+    assert len(rows) == 2 * 2 * 10 and not _failed(others, allowed=cuda_only), _failed(others, allowed=cuda_only)
+    errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows if r["note"].startswith("max|err|")]
+    assert len(errs) == 2 * (10 - len(cuda_only)) and max(errs) < 5e-3, [r["note"] for r in rows]
+
+
+def test_training_providers(mocked_timing, no_compile, monkeypatch):
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_training as B
+
+    monkeypatch.setattr(B, "TrainStep", functools.partial(B.TrainStep, device="cpu", tiny=True))
+    monkeypatch.setattr(B, "QUICK", False)  # every provider, and the batch search (_fits)
+    monkeypatch.setattr(B, "CASES", {"sd15": 128})
+    monkeypatch.setattr(B, "BATCHES", {"sd15": (1,)})
+    monkeypatch.setattr(B, "_EAGER_PEAK", {})
+    monkeypatch.delenv("LDMOPT_BENCH_TRAIN_BATCH", raising=False)
+    B._batch.cache_clear()
+    try:
+        with ldmopt.use_backend("torch"):
+            for provider in ("eager", "compile", "ldmopt", "ldmopt+compile"):
+                B.bench_training_step("sd15", provider, mocked_timing)
+    finally:
+        B._batch.cache_clear()
+    rows = mocked_timing.rows
+    assert len(rows) == 4 and not _failed(rows), _failed(rows)
+    assert all(r["case"] == "sd15-128px-b1" for r in rows), rows
+    assert "top: " in rows[0]["note"] and "vs eager" in rows[2]["note"], [r["note"] for r in rows]
+    assert (harness.RESULTS_DIR / "training_profile.md").exists()
