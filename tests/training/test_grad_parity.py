@@ -4,9 +4,11 @@ versus the stock model, gradient of every parameter compared.
 Errors are measured against the same stock model run in float64, as Frobenius norms. Rules (the repository's
 "2x PyTorch's own error", applied to gradients):
 - whole gradient (all parameters as one vector): patched error <= 2 x the stock model's error in the same precision;
-- each parameter tensor: patched error <= 4 x stock error + FLOOR x |grad| (FLOOR: 1e-6 fp32, 1e-3 under bf16
+- each parameter tensor: patched error <= 4 x stock error + FLOOR x |grad| (FLOOR: 1e-5 fp32, 1e-3 under bf16
   autocast). Per tensor the factor is 4, not 2: the worst of ~400 tensors whose errors are both rounding noise
-  reaches ~2x by chance alone. A wrong backward (a missing term, the affine parameters left out of the SiLU
+  reaches ~2x by chance alone, and with ~800 tensors (tiny AnimateDiff) 4x was once exceeded where the stock error
+  happened to be small (4.6e-11 vs 1.1e-11 on a gradient of norm 2e-5): the fp32 floor of 1e-5 relative covers
+  such lucky draws. A wrong backward (a missing term, the affine parameters left out of the SiLU
   derivative) errs by O(1) relative to the gradient, 1e5x the fp32 rounding error, and fails by far.
 
 Covered: the zoo's tiny SD1.5, SDXL, DiT and AnimateDiff on the reference backend (channels-last, as on a GPU);
@@ -27,7 +29,7 @@ import ldmopt
 from ldmopt import configs
 
 FACTOR_TOTAL, FACTOR_TENSOR = 2.0, 4.0
-FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
+FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 
 
 def _cast(value, dtype):

@@ -135,9 +135,10 @@ def test_video_denoiser_grad_parity(name):
     stock: loss and every parameter's gradient (label embeddings included) within test_grad_parity's fp32 bounds of
     the float64 model, and equal to it to float64 rounding when the fused model runs in float64 too.
 
-    SVD gets the float64 check only: each ``time_mixer.mix_factor`` gradient is a sum over whole activations with
-    heavy cancellation, so any reordering of fp32 sums errs by 1e-5..1e-4 of it, 10-50x the stock model's error (it
-    sums in the reference's order); its whole-gradient fp32 error is below the stock model's."""
+    SVD gets the float64 check only: the tiny SVD is ill-conditioned in fp32 (the stock model's output errs by 1e-5
+    to 5e-4 relative to float64 from one draw to the next, the fused one's usually less), and each
+    ``time_mixer.mix_factor`` gradient is a sum over whole activations with heavy cancellation, so "2x the stock
+    model's error on the same draw" fails by chance; float64 equality to 1e-9 is the stricter proof there."""
     denoiser, _, channels = _train_model.build_denoiser(name, 16, 16, 2, tiny=True, frames=2)
     stock = _train_families.channels_last_(_Call(denoiser.train()))
     x = _train_families.to_layout(torch.randn(2, 2, channels, 8, 8), channels_last=True)
