@@ -69,6 +69,31 @@ def use_backend(name: str, ops: Sequence[str] | None = None) -> Iterator[None]:
         _forced.reset(token)
 
 
+def register_autograd_keeping_backend(op, backward: Callable, setup_context: Callable) -> None:
+    """``op.register_autograd`` whose backward runs under the backend forced when the forward ran.
+
+    On a GPU the autograd engine runs backward on its own device threads, which do not see the caller's
+    ``use_backend`` context (a ContextVar): without this, ``with use_backend("torch"): loss.backward()`` would time or
+    check an automatically chosen backward. Nothing forced at forward time: the backward's own context decides
+    (``LDMOPT_BACKEND`` applies on every thread). Under torch.compile the compiled backward is not covered; there
+    ``LDMOPT_BACKEND`` forces both passes."""
+
+    def setup(ctx, inputs, output):
+        ctx.ldmopt_forced = _forced.get()
+        setup_context(ctx, inputs, output)
+
+    def run_backward(ctx, *grads):
+        if ctx.ldmopt_forced is None:
+            return backward(ctx, *grads)
+        token = _forced.set(ctx.ldmopt_forced)
+        try:
+            return backward(ctx, *grads)
+        finally:
+            _forced.reset(token)
+
+    op.register_autograd(run_backward, setup_context=setup)
+
+
 def tensors_in(args: Sequence) -> list[torch.Tensor]:
     out = []
     for a in args:

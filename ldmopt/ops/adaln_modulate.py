@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_tensor
-from ._dispatch import Backend, BackendTable, triton_refusals
+from ._dispatch import Backend, BackendTable, register_autograd_keeping_backend, triton_refusals
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad, per_sample
 
 # ------------------------------------------------------------------------------------------------ torch reference
@@ -169,7 +169,7 @@ def _backward(ctx, dy, dsum, _dmean, _drstd):
     )
 
 
-adaln_modulate_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_keeping_backend(adaln_modulate_fwd, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public function

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_operands
-from ._dispatch import Backend, BackendTable, triton_refusals
+from ._dispatch import Backend, BackendTable, register_autograd_keeping_backend, triton_refusals
 from .linear import (
     TRITON_DTYPES,
     activation_grad_torch,
@@ -125,7 +125,7 @@ def _backward(ctx, dy, _dpre):
     return dx, dw, db, None
 
 
-geglu_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_keeping_backend(geglu_fwd, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public function

@@ -19,7 +19,14 @@ from torch import Tensor
 
 from ._autocast import autocast_operands
 from ._checks import check_activation, check_same_device, check_tensor, check_vector, spatial_dims_flatten
-from ._dispatch import Backend, BackendTable, backend_counts, forced_backend, triton_refusals
+from ._dispatch import (
+    Backend,
+    BackendTable,
+    backend_counts,
+    forced_backend,
+    register_autograd_keeping_backend,
+    triton_refusals,
+)
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
 RESAMPLES = ("none", "up", "down")
@@ -303,7 +310,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     return tuple(grads)
 
 
-gn_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_keeping_backend(gn_conv2d_op, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public function

@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_activation, check_tensor, check_vector, memory_format_of, spatial_dims_flatten
-from ._dispatch import Backend, BackendTable, cuda_extension_refusals, triton_refusals
+from ._dispatch import (
+    Backend,
+    BackendTable,
+    cuda_extension_refusals,
+    register_autograd_keeping_backend,
+    triton_refusals,
+)
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -186,7 +192,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     return dx, dweight, dbias, None, None, None
 
 
-group_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_keeping_backend(group_norm_fwd, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public function

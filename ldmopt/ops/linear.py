@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ._autocast import autocast_operands
 from ._checks import check_activation, check_tensor
-from ._dispatch import Backend, BackendTable, triton_refusals
+from ._dispatch import Backend, BackendTable, register_autograd_keeping_backend, triton_refusals
 
 SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -218,7 +218,7 @@ def _backward(ctx, dy, _dpre):
     return dx, dw, db, dg, (dy if need_dres else None), None, None
 
 
-linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_keeping_backend(linear_fwd, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public function

@@ -42,7 +42,14 @@ import torch
 from torch import Tensor
 
 from ._checks import check_tensor
-from ._dispatch import Backend, BackendTable, cuda_extension_refusals, tensors_in, triton_refusals
+from ._dispatch import (
+    Backend,
+    BackendTable,
+    cuda_extension_refusals,
+    register_autograd_keeping_backend,
+    tensors_in,
+    triton_refusals,
+)
 
 MAX_FRAMES = 64
 MAX_HEAD_DIM = 256
@@ -261,7 +268,7 @@ def _backward(ctx, dout):
     return dq, dk, dv, None
 
 
-temporal_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_keeping_backend(temporal_attention_fwd, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public function

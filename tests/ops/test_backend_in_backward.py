@@ -1,0 +1,80 @@
+"""A forced backend also governs the op's backward when autograd runs it on another thread.
+
+On a GPU the autograd engine runs backward on its device threads, which start with an empty contextvars context and
+so do not see the caller's ``use_backend``: the forced choice travels with the autograd node instead. Here a fresh
+Python thread plays that role (on the CPU the engine runs backward on the calling thread). In these tests the
+interpreter makes Triton the automatic choice, so a backward that lost the forced "torch" would run on Triton.
+"""
+
+import threading
+
+import pytest
+import torch
+
+import ldmopt
+from ldmopt.ops import adaln_modulate, geglu, gn_silu_conv2d, group_norm, linear, temporal_attention
+from ldmopt.ops._dispatch import backend_counts
+
+
+def _grad_on_fresh_thread(y, inputs, dy):
+    result = {}
+
+    def run():
+        try:
+            result["grads"] = torch.autograd.grad(y, inputs, dy)
+        except BaseException as exc:  # re-raised on the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["grads"]
+
+
+def _leaves(*shapes):
+    return [(torch.randn(shape, dtype=torch.float64) * 0.5 + 0.1).float().requires_grad_() for shape in shapes]
+
+
+def _gn_input(channels_last=False):
+    x = _leaves((2, 12, 5, 7))[0].detach()
+    return (x.to(memory_format=torch.channels_last) if channels_last else x).requires_grad_()
+
+
+#: op -> (the backward op whose backend is counted, the forward, its inputs)
+CASES = {
+    "group_norm": ("group_norm_backward", lambda x, w, b: group_norm(x, 3, w, b, 1e-5, "silu"), lambda: [
+        _gn_input(), *_leaves(12, 12)]),
+    "geglu": ("geglu_backward", geglu, lambda: _leaves((3, 5, 8), (2 * 6, 8), (2 * 6,))),
+    "linear": ("linear_backward", lambda x, w, b: linear(x, w, b, activation="gelu"), lambda: _leaves(
+        (7, 8), (6, 8), (6,))),
+    "adaln_modulate": ("adaln_modulate_backward", adaln_modulate, lambda: _leaves((2, 5, 12), (2, 12), (2, 12))),
+    "temporal_attention": ("temporal_attention_backward", temporal_attention, lambda: _leaves(*[(1, 5, 3, 2, 8)] * 3)),
+    # The conv's backward is aten's; its GroupNorm part runs through group_norm_backward.
+    "gn_silu_conv2d": ("group_norm_backward", lambda x, gw, gb, w: gn_silu_conv2d(x, gw, gb, 3, 1e-5, w), lambda: [
+        _gn_input(channels_last=True), *_leaves(12, 12, (6, 12, 3, 3))]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_forced_backend_reaches_backward_on_another_thread(op):
+    backward_op, fn, make_inputs = CASES[op]
+    inputs = make_inputs()
+    with ldmopt.use_backend("torch"):
+        y = fn(*inputs)
+    before = backend_counts.copy()
+    grads = _grad_on_fresh_thread(y, inputs, torch.randn_like(y))
+    ran = {name: backend_counts[(backward_op, name)] - before[(backward_op, name)] for name in ("torch", "triton")}
+    assert ran == {"torch": 1, "triton": 0}, f"{backward_op} after a forward under use_backend('torch'): {ran}"
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_nothing_forced_leaves_the_choice_to_the_backward():
+    # Forward in automatic mode, backward under a forced backend on the same thread: the backward's context decides.
+    x, w, b = _leaves((2, 12, 5, 7), 12, 12)
+    y = group_norm(x, 3, w, b, 1e-5)
+    before = backend_counts[("group_norm_backward", "torch")]
+    with ldmopt.use_backend("torch"):
+        torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+    assert backend_counts[("group_norm_backward", "torch")] == before + 1
