@@ -41,10 +41,24 @@ class Timing:
     p80_ms: float
 
 
-def time_fn(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> Timing:
-    """Median and p20/p80 of ``fn`` in milliseconds (triton.testing.do_bench: L2 flushed between runs)."""
+def time_fn(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, min_reps: int = 5) -> Timing:
+    """Median and p20/p80 of ``fn`` in milliseconds (triton.testing.do_bench: L2 flushed between runs).
+
+    ``warmup`` and ``rep`` are milliseconds, as in do_bench, which runs ``rep / estimate`` times: a 100 ms model
+    step would get one timed run and meaningless quantiles. One untimed call measures the step first, and the window
+    is widened to at least ``min_reps`` runs (and two warm-up runs). Call ``fn`` once before, so that compile and
+    autotune costs stay out of that measurement."""
+    import time
+
     import triton.testing
 
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    estimate_ms = (time.perf_counter() - start) * 1e3
+    rep = max(rep, min_reps * estimate_ms)
+    warmup = max(warmup, 2 * estimate_ms)
     p50, p20, p80 = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
     return Timing(p50, p20, p80)
 
