@@ -362,7 +362,10 @@ def latte_forward(
         x = x.view(batch * frames, pixels, -1)
     embedded_timestep = embedded_timestep.repeat_interleave(frames, dim=0, output_size=batch * frames)
     shift, scale = (self.scale_shift_table[None] + embedded_timestep[:, None]).chunk(2, dim=1)
-    x = self.norm_out(x) * (1 + scale) + shift
+    if plain_layer_norm_reason("norm_out", self.norm_out) is None:  # diffusers' Latte: affine-free LayerNorm
+        x = adaln_modulate(x, scale, shift, eps=self.norm_out.eps)
+    else:
+        x = self.norm_out(x) * (1 + scale) + shift
     x = self.proj_out(x)
     x = x.reshape(-1, height, width, patch, patch, self.out_channels)
     x = torch.einsum("nhwpqc->nchpwq", x).reshape(-1, self.out_channels, height * patch, width * patch)
