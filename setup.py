@@ -40,9 +40,11 @@ def _cuda_extension():
         return [], {}, "skipped: torch is not importable at build time (install with --no-build-isolation)"
     if torch.version.cuda is None:
         return [], {}, f"skipped: torch {torch.__version__} is not a CUDA build"
-    cuda_home = cpp_extension.CUDA_HOME
-    if cuda_home is None or shutil.which("nvcc", path=os.path.join(cuda_home, "bin")) is None:
-        return [], {}, "skipped: nvcc not found (set CUDA_HOME)"
+    cuda_home = _cuda_home(cpp_extension.CUDA_HOME, torch)
+    if cuda_home is None:
+        return [], {}, "skipped: no CUDA toolkit with nvcc and its headers found (set CUDA_HOME)"
+    # torch reads its module-level CUDA_HOME when it builds the include paths and the nvcc command line.
+    cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = cuda_home
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
     if not sources:
@@ -72,12 +74,35 @@ def _cuda_extension():
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "nvcc": _nvcc_version(cuda_home),
+        "cuda_home": cuda_home,
         "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
         "max_jobs": os.environ.get("MAX_JOBS"),
         "nvcc_threads": nvcc_threads,
         "sources": sources,
     }
     return [ext], {"build_ext": _timed_build_ext(cpp_extension, info)}, info
+
+
+def _cuda_home(detected: str | None, torch) -> str | None:
+    """A CUDA toolkit root with bin/nvcc and the runtime headers. torch's own guess can be a wrapper script's prefix:
+    with CUDA_HOME unset and /usr/local/bin/nvcc a shell script calling the real one, it picks /usr/local, whose
+    include/ lacks crt/host_config.h, and the host compile fails. Candidates: CUDA_HOME, CUDA_PATH, torch's guess,
+    the nvcc on PATH (links resolved), /usr/local/cuda, and the CUDA wheels beside torch."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), detected]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    torch_site = os.path.dirname(os.path.dirname(torch.__file__))
+    candidates += [os.path.join(torch_site, "nvidia", sub) for sub in ("cu13", "cu12")]
+    for root in candidates:
+        if (
+            root
+            and shutil.which("nvcc", path=os.path.join(root, "bin")) is not None
+            and os.path.isfile(os.path.join(root, "include", "crt", "host_config.h"))
+        ):
+            return root
+    return None
 
 
 def _nvcc_version(cuda_home: str) -> str | None:
