@@ -9,18 +9,10 @@ import pytest
 import torch
 
 from benchmarks import bench_group_norm, check_cuda_backend, check_gpu, harness
+from tests.test_bench_dry_run import _one_thread  # noqa: F401 (an autouse fixture: one intra-op thread)
 
 _ROW = re.compile(r"^(\S+)\s+(\S+)\s+(float32|float16)\s+(triton|cuda)\s+([-+.e\d ]+?)\s+(PASS|FAIL)$")
 _SKIP = re.compile(r"^  skip (\S+) (\S+) torch\.(float32|float16) cuda: .*not on a CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops gain nothing from threads, and on a loaded 2-core machine each intra-op barrier can wait a time slice.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _parse(text):
