@@ -103,9 +103,10 @@ def _flex_path(shape, layout, device):
     to_bnfc, from_bnfc, _ = _split(*shape, layout)
     length = b * n * f
     # All sequences back to back as one long sequence per head; each query sees only its own F frames.
-    # _compile: built block by block; the eager builder materialises the dense length^2 mask (275 GB at 524k tokens).
-    mask = create_block_mask(
-        lambda _b, _h, qi, ki: qi // f == ki // f, None, None, length, length, device=device, _compile=True
+    # Compiled, the mask is built block by block; eagerly it materialises the dense length^2 mask (275 GB at 524k
+    # tokens).
+    mask = torch.compile(create_block_mask)(
+        lambda _b, _h, qi, ki: qi // f == ki // f, None, None, length, length, device=device
     )
     flex = torch.compile(flex_attention)
 
