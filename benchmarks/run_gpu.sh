@@ -13,6 +13,14 @@ mkdir -p "$RESULTS"
 export LDMOPT_BENCH_DIR="$RESULTS"
 PY="${PYTHON:-python3}"
 log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
+# One wall-clock budget for the whole run (the device tool stops a command at 600 s, and a stopped command prints no
+# summary): each stage gets at most its own cap and never more than what is left, less a margin for the summary.
+START=$(date +%s)
+TOTAL="${LDMOPT_RUN_BUDGET:-$([ "$MODE" = "quick" ] && echo 560 || echo 7200)}"
+stage_budget() {  # stage_budget CAP -> seconds this stage may run
+  local left=$(( TOTAL - ($(date +%s) - START) - 25 ))
+  [ "$left" -lt "$1" ] && echo $(( left > 10 ? left : 10 )) || echo "$1"
+}
 
 log "python: $($PY -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)')"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -42,13 +50,13 @@ $PY -m ldmopt info | tee "$RESULTS/info.txt"
 log "GPU correctness at real shapes"
 CHECK_ARGS=()
 [ "$MODE" = "quick" ] && CHECK_ARGS+=(--quick)
-timeout 180 $PY benchmarks/check_gpu.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_gpu.txt"
+timeout "$(stage_budget 180)" $PY benchmarks/check_gpu.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_gpu.txt"
 log "CUDA C++ backend vs Triton vs reference"
-timeout 240 $PY benchmarks/check_cuda_backend.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_cuda_backend.txt"
+timeout "$(stage_budget 240)" $PY benchmarks/check_cuda_backend.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_cuda_backend.txt"
 
 log "benchmarks ($MODE)"
 export LDMOPT_BENCH_QUICK=$([ "$MODE" = "quick" ] && echo 1 || echo 0)
-BUDGET=$([ "$MODE" = "quick" ] && echo 330 || echo 3600)
+BUDGET=$(stage_budget "$([ "$MODE" = "quick" ] && echo 330 || echo 3600)")
 # Per-op benchmarks first, whole models last, so a run cut at the budget still has every kernel's figures.
 timeout "$BUDGET" $PY -m pytest -q -p no:cacheprovider --timeout=300 \
   benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py benchmarks/bench_temporal_block.py \
