@@ -84,7 +84,12 @@ def format_info(info: dict) -> str:
     if build:
         lines.append(
             "CUDA extension build: "
-            + (f"built for {build.get('arch_list')}" if build.get("built") else build.get("reason", ""))
+            + (
+                f"built for {build.get('arch_list')} with {build.get('nvcc') or 'nvcc'}"
+                + (f" ({build['cuda_home']})" if build.get("cuda_home") else "")
+                if build.get("built")
+                else build.get("reason", "")
+            )
         )
     lines.append("ops: " + ", ".join(f"{op} ({'/'.join(b)})" for op, b in info["ops"].items()))
     return "\n".join(lines)
