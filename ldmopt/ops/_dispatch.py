@@ -20,9 +20,24 @@ import torch
 from .. import _env
 
 BACKEND_NAMES = ("cuda", "triton", "torch")
-_forced: contextvars.ContextVar[tuple[str, frozenset[str] | None] | None] = contextvars.ContextVar(
-    "ldmopt_forced_backend", default=None
-)
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """One ``use_backend`` context: ``name`` (None: 'auto') for ``ops`` (None: every op); what it does not name
+    falls to ``outer``, the enclosing context. ``inherited``: restored in a backward from its forward's context."""
+
+    name: str | None
+    ops: frozenset[str] | None
+    outer: _Policy | None
+    inherited: bool = False
+
+    def names(self, op_name: str) -> bool:
+        # Forcing an op forces its backward too (the backward tables are named '<op>_backward').
+        return self.ops is None or op_name in self.ops or op_name.removesuffix("_backward") in self.ops
+
+
+_forced: contextvars.ContextVar[_Policy | None] = contextvars.ContextVar("ldmopt_forced_backend", default=None)
 #: How often each (op, backend) pair ran in this process: the patch report and tests read it.
 backend_counts: Counter[tuple[str, str]] = Counter()
 
@@ -40,29 +55,38 @@ class Backend:
     refuse: Callable[..., list[str]] = field(default=lambda *args, **kwargs: [])
 
 
-def forced_backend(op_name: str) -> str | None:
-    """The backend forced for ``op_name`` by the context manager, else by LDMOPT_BACKEND, else None."""
-    forced = _forced.get()
-    if forced is not None:
-        name, ops = forced
-        if ops is None or op_name in ops:
-            return name
-        return None
+def _resolve(op_name: str) -> tuple[str | None, bool]:
+    """(backend forced for ``op_name`` or None, whether it was inherited from the forward of a backward)."""
+    policy = _forced.get()
+    while policy is not None:
+        if policy.names(op_name):
+            if policy.name is not None:
+                return policy.name, policy.inherited
+            break  # 'auto' here: only LDMOPT_BACKEND can still force it
+        policy = policy.outer
     env = os.environ.get("LDMOPT_BACKEND", "").strip().lower()
     if env and env != "auto":
         if env not in BACKEND_NAMES:
             raise ValueError(f"LDMOPT_BACKEND={env!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")
-        return env
-    return None
+        return env, False
+    return None, False
+
+
+def forced_backend(op_name: str) -> str | None:
+    """The backend forced for ``op_name`` by the innermost context manager naming it, else by LDMOPT_BACKEND, else
+    None."""
+    return _resolve(op_name)[0]
 
 
 @contextlib.contextmanager
 def use_backend(name: str, ops: Sequence[str] | None = None) -> Iterator[None]:
-    """Force backend ``name`` ('cuda', 'triton', 'torch' or 'auto') for all ops, or only for the ops named."""
+    """Force backend ``name`` ('cuda', 'triton', 'torch' or 'auto') for all ops, or only for the ops named (and
+    their backwards); ops not named keep what the enclosing context forces."""
     name = name.lower()
     if name != "auto" and name not in BACKEND_NAMES:
         raise ValueError(f"use_backend: name={name!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")
-    token = _forced.set(None if name == "auto" else (name, None if ops is None else frozenset(ops)))
+    policy = _Policy(None if name == "auto" else name, None if ops is None else frozenset(ops), _forced.get())
+    token = _forced.set(policy)
     try:
         yield
     finally:
@@ -70,13 +94,15 @@ def use_backend(name: str, ops: Sequence[str] | None = None) -> Iterator[None]:
 
 
 def register_autograd_keeping_backend(op, backward: Callable, setup_context: Callable) -> None:
-    """``op.register_autograd`` whose backward runs under the backend forced when the forward ran.
+    """``op.register_autograd`` whose backward runs under the backends forced when the forward ran.
 
     On a GPU the autograd engine runs backward on its own device threads, which do not see the caller's
     ``use_backend`` context (a ContextVar): without this, ``with use_backend("torch"): loss.backward()`` would time or
-    check an automatically chosen backward. Nothing forced at forward time: the backward's own context decides
-    (``LDMOPT_BACKEND`` applies on every thread). Under torch.compile the compiled backward is not covered; there
-    ``LDMOPT_BACKEND`` forces both passes."""
+    check an automatically chosen backward. The forward's context is laid over the backward's own (ops it does not
+    name keep what the backward's thread forces: on a GPU's autograd threads only ``LDMOPT_BACKEND``), and a backend
+    it forces that a backward op does not have (``cuda`` for the temporal attention backward) is chosen automatically
+    there instead of raising. Not covered: recomputed forwards under gradient checkpointing and the compiled backward
+    under torch.compile choose by their own context; ``LDMOPT_BACKEND`` forces every pass."""
 
     def setup(ctx, inputs, output):
         ctx.ldmopt_forced = _forced.get()
@@ -85,13 +111,19 @@ def register_autograd_keeping_backend(op, backward: Callable, setup_context: Cal
     def run_backward(ctx, *grads):
         if ctx.ldmopt_forced is None:
             return backward(ctx, *grads)
-        token = _forced.set(ctx.ldmopt_forced)
+        token = _forced.set(_inherited(ctx.ldmopt_forced, _forced.get()))
         try:
             return backward(ctx, *grads)
         finally:
             _forced.reset(token)
 
     op.register_autograd(run_backward, setup_context=setup)
+
+
+def _inherited(policy: _Policy | None, outer: _Policy | None) -> _Policy | None:
+    if policy is None:
+        return outer
+    return _Policy(policy.name, policy.ops, _inherited(policy.outer, outer), inherited=True)
 
 
 def tensors_in(args: Sequence) -> list[torch.Tensor]:
@@ -146,7 +178,9 @@ class BackendTable:
         return {b.name: b.refuse(*args) for b in self.backends}
 
     def select(self, *args) -> Backend:
-        forced = forced_backend(self.op_name)
+        forced, inherited = _resolve(self.op_name)
+        if inherited and forced not in {b.name for b in self.backends}:
+            forced = None  # the forward's backend has no backward of this op: choose automatically
         if forced is not None:
             for backend in self.backends:
                 if backend.name == forced:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ldmopt
-from ldmopt.ops import adaln_modulate, geglu, gn_silu_conv2d, group_norm, linear, temporal_attention
-from ldmopt.ops._dispatch import backend_counts
+from ldmopt.ops import _dispatch, adaln_modulate, geglu, gn_silu_conv2d, group_norm, linear, temporal_attention
+from ldmopt.ops._dispatch import Backend, BackendTable, backend_counts, forced_backend
 
 
 def _grad_on_fresh_thread(y, inputs, dy):
@@ -71,10 +71,49 @@ def test_forced_backend_reaches_backward_on_another_thread(op):
 
 
 def test_nothing_forced_leaves_the_choice_to_the_backward():
-    # Forward in automatic mode, backward under a forced backend on the same thread: the backward's context decides.
+    # Forward in automatic mode, backward under a forced backend on the same thread: the backward's context decides
+    # (on a GPU's autograd threads that context is empty, and only LDMOPT_BACKEND forces such a backward).
     x, w, b = _leaves((2, 12, 5, 7), 12, 12)
     y = group_norm(x, 3, w, b, 1e-5)
     before = backend_counts[("group_norm_backward", "torch")]
     with ldmopt.use_backend("torch"):
         torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
     assert backend_counts[("group_norm_backward", "torch")] == before + 1
+
+
+def test_a_forward_backend_the_backward_lacks_is_chosen_automatically():
+    # Temporal attention has a cuda forward but no cuda backward: a forward forced onto cuda must still train.
+    table = BackendTable("toy_backward", [Backend("triton", lambda: "triton"), Backend("torch", lambda: "torch")])
+    with ldmopt.use_backend("cuda"):
+        forward_context = _dispatch._forced.get()
+    token = _dispatch._forced.set(_dispatch._inherited(forward_context, None))
+    try:
+        assert table() == "triton"
+    finally:
+        _dispatch._forced.reset(token)
+    with ldmopt.use_backend("cuda"), pytest.raises(ldmopt.BackendUnavailableError, match="has only"):
+        table()  # forced by the caller, not inherited: still an error
+
+
+def test_forward_forcing_other_ops_keeps_the_backward_context():
+    x, w, b = _leaves((2, 12, 5, 7), 12, 12)
+    with ldmopt.use_backend("triton", ops=["linear"]):  # says nothing about group_norm
+        y = group_norm(x, 3, w, b, 1e-5)
+    before = backend_counts[("group_norm_backward", "torch")]
+    with ldmopt.use_backend("torch"):
+        torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+    assert backend_counts[("group_norm_backward", "torch")] == before + 1
+
+
+def test_naming_an_op_forces_its_backward_and_nesting_merges():
+    with ldmopt.use_backend("torch"), ldmopt.use_backend("triton", ops=["linear"]):
+        assert forced_backend("linear") == forced_backend("linear_backward") == "triton"
+        assert forced_backend("group_norm") == "torch"
+        with ldmopt.use_backend("auto", ops=["group_norm"]):
+            assert forced_backend("group_norm") is None and forced_backend("geglu") == "torch"
+    x, w, b = _leaves((2, 12, 5, 7), 12, 12)
+    with ldmopt.use_backend("torch", ops=["group_norm"]):
+        y = group_norm(x, 3, w, b, 1e-5)
+    before = backend_counts.copy()
+    _grad_on_fresh_thread(y, [x, w, b], torch.randn_like(y))
+    assert backend_counts[("group_norm_backward", "torch")] == before[("group_norm_backward", "torch")] + 1
