@@ -40,9 +40,9 @@ def _cuda_extension():
         return [], {}, "skipped: torch is not importable at build time (install with --no-build-isolation)"
     if torch.version.cuda is None:
         return [], {}, f"skipped: torch {torch.__version__} is not a CUDA build"
-    cuda_home = _cuda_home(cpp_extension.CUDA_HOME, torch)
+    cuda_home, cuda_include, why_not = _cuda_home(cpp_extension.CUDA_HOME, torch)
     if cuda_home is None:
-        return [], {}, "skipped: no CUDA toolkit with nvcc and its headers found (set CUDA_HOME)"
+        return [], {}, f"skipped: {why_not}"
     # torch reads its module-level CUDA_HOME when it builds the include paths and the nvcc command line.
     cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = cuda_home
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
@@ -50,7 +50,7 @@ def _cuda_extension():
     if not sources:
         return [], {}, "skipped: csrc/ has no sources"
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-    include_dirs = [os.path.join(ROOT, "csrc")]
+    include_dirs = [os.path.join(ROOT, "csrc"), cuda_include]
     # pip's CUDA 13 torch wheels carry the CUDA headers (cuda_runtime.h, cuda_fp16.h, ...) under nvidia/cu13/include.
     torch_site = os.path.dirname(os.path.dirname(torch.__file__))
     for sub in ("cu13", "cu12"):
@@ -83,26 +83,42 @@ def _cuda_extension():
     return [ext], {"build_ext": _timed_build_ext(cpp_extension, info)}, info
 
 
-def _cuda_home(detected: str | None, torch) -> str | None:
-    """A CUDA toolkit root with bin/nvcc and the runtime headers. torch's own guess can be a wrapper script's prefix:
-    with CUDA_HOME unset and /usr/local/bin/nvcc a shell script calling the real one, it picks /usr/local, whose
-    include/ lacks crt/host_config.h, and the host compile fails. Candidates: CUDA_HOME, CUDA_PATH, torch's guess,
-    the nvcc on PATH (links resolved), /usr/local/cuda, and the CUDA wheels beside torch."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), detected]
+def _cuda_headers(root: str) -> str | None:
+    """The include directory of a CUDA toolkit at ``root`` (include/, or targets/<arch>/include as conda-forge lays
+    it out), or None when it has no nvcc or no runtime headers."""
+    if shutil.which("nvcc", path=os.path.join(root, "bin")) is None:
+        return None
+    for include in [os.path.join(root, "include"), *sorted(glob.glob(os.path.join(root, "targets", "*", "include")))]:
+        if os.path.isfile(os.path.join(include, "crt", "host_config.h")):
+            return include
+    return None
+
+
+def _cuda_home(detected: str | None, torch) -> tuple[str | None, str | None, str]:
+    """(toolkit root, its include directory, why not). A CUDA_HOME or CUDA_PATH the user set is used or refused, never
+    replaced. Otherwise torch's guess is checked, as it can be a wrapper script's prefix: with /usr/local/bin/nvcc a
+    shell script calling the real one, it picks /usr/local, whose include/ lacks crt/host_config.h, and the host
+    compile fails. Then the nvcc on PATH (links resolved), /usr/local/cuda and the CUDA wheels beside torch."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root:
+            include = _cuda_headers(root)
+            why = "" if include else f"{var}={root} has no bin/nvcc with crt/host_config.h in include/ or targets/*"
+            return (root if include else None), include, why
+    candidates = [detected]
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     candidates.append("/usr/local/cuda")
     torch_site = os.path.dirname(os.path.dirname(torch.__file__))
     candidates += [os.path.join(torch_site, "nvidia", sub) for sub in ("cu13", "cu12")]
-    for root in candidates:
-        if (
-            root
-            and shutil.which("nvcc", path=os.path.join(root, "bin")) is not None
-            and os.path.isfile(os.path.join(root, "include", "crt", "host_config.h"))
-        ):
-            return root
-    return None
+    for root in filter(None, candidates):
+        include = _cuda_headers(root)
+        if include:
+            if root != detected:
+                _say(f"CUDA toolkit: {root} (torch guessed {detected}, which has no nvcc with runtime headers)")
+            return root, include, ""
+    return None, None, "no CUDA toolkit with nvcc and its headers found (set CUDA_HOME)"
 
 
 def _nvcc_version(cuda_home: str) -> str | None:
