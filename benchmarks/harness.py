@@ -57,8 +57,9 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, min_r
     fn()
     torch.cuda.synchronize()
     estimate_ms = (time.perf_counter() - start) * 1e3
-    rep = max(rep, min_reps * estimate_ms)
-    warmup = max(warmup, 2 * estimate_ms)
+    # do_bench's own estimate (5 runs, L2 flush included) is a little longer than this one: one run of slack.
+    rep = max(rep, (min_reps + 1) * estimate_ms)
+    warmup = max(warmup, 3 * estimate_ms)
     p50, p20, p80 = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
     return Timing(p50, p20, p80)
 

@@ -17,6 +17,7 @@ log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
 # summary): each stage gets at most its own cap and never more than what is left, less a margin for the summary.
 START=$(date +%s)
 TOTAL="${LDMOPT_RUN_BUDGET:-$([ "$MODE" = "quick" ] && echo 560 || echo 7200)}"
+case "$TOTAL" in ''|*[!0-9]*) echo "LDMOPT_RUN_BUDGET must be whole seconds, got '$TOTAL'" >&2; exit 2 ;; esac
 stage_budget() {  # stage_budget CAP -> seconds this stage may run
   local left=$(( TOTAL - ($(date +%s) - START) - 25 ))
   [ "$left" -lt "$1" ] && echo $(( left > 10 ? left : 10 )) || echo "$1"
@@ -38,11 +39,13 @@ if ! $PY -c "import diffusers" 2>/dev/null; then
 fi
 log "building ldmopt (+ ldmopt._C) with MAX_JOBS=${MAX_JOBS:-16}"
 export MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-if ! $PY -m pip install --no-index --no-deps --no-build-isolation -e . >"$RESULTS/build.log" 2>&1; then
+if ! timeout -k 5 "$(stage_budget 240)" $PY -m pip install --no-index --no-deps --no-build-isolation -e . \
+    >"$RESULTS/build.log" 2>&1; then
   log "build failed; last lines:"; tail -20 "$RESULTS/build.log"
   # Without an install nothing below runs: keep the Triton and reference backends at least.
   log "installing without the CUDA extension (LDMOPT_SKIP_CUDA_BUILD=1)"
-  LDMOPT_SKIP_CUDA_BUILD=1 $PY -m pip install --no-index --no-deps --no-build-isolation -e . >>"$RESULTS/build.log" 2>&1 \
+  LDMOPT_SKIP_CUDA_BUILD=1 timeout -k 5 "$(stage_budget 120)" \
+    $PY -m pip install --no-index --no-deps --no-build-isolation -e . >>"$RESULTS/build.log" 2>&1 \
     || log "install failed again (see build.log)"
 fi
 $PY -m ldmopt info | tee "$RESULTS/info.txt"
@@ -50,15 +53,15 @@ $PY -m ldmopt info | tee "$RESULTS/info.txt"
 log "GPU correctness at real shapes"
 CHECK_ARGS=()
 [ "$MODE" = "quick" ] && CHECK_ARGS+=(--quick)
-timeout "$(stage_budget 180)" $PY benchmarks/check_gpu.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_gpu.txt"
+timeout -k 5 "$(stage_budget 180)" $PY benchmarks/check_gpu.py ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} 2>&1 | tee "$RESULTS/check_gpu.txt"
 log "CUDA C++ backend vs Triton vs reference"
-timeout "$(stage_budget 240)" $PY benchmarks/check_cuda_backend.py "${CHECK_ARGS[@]}" 2>&1 | tee "$RESULTS/check_cuda_backend.txt"
+timeout -k 5 "$(stage_budget 240)" $PY benchmarks/check_cuda_backend.py ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} 2>&1 | tee "$RESULTS/check_cuda_backend.txt"
 
 log "benchmarks ($MODE)"
 export LDMOPT_BENCH_QUICK=$([ "$MODE" = "quick" ] && echo 1 || echo 0)
 BUDGET=$(stage_budget "$([ "$MODE" = "quick" ] && echo 330 || echo 3600)")
 # Per-op benchmarks first, whole models last, so a run cut at the budget still has every kernel's figures.
-timeout "$BUDGET" $PY -m pytest -q -p no:cacheprovider --timeout=300 \
+timeout -k 5 "$BUDGET" $PY -m pytest -q -p no:cacheprovider --timeout=300 \
   benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py benchmarks/bench_temporal_block.py \
   benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py benchmarks/bench_training.py \
   2>&1 | tail -n 400 >"$RESULTS/pytest.txt"
