@@ -85,7 +85,12 @@ def use_backend(name: str, ops: Sequence[str] | None = None) -> Iterator[None]:
     name = name.lower()
     if name != "auto" and name not in BACKEND_NAMES:
         raise ValueError(f"use_backend: name={name!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")
-    policy = _Policy(None if name == "auto" else name, None if ops is None else frozenset(ops), _forced.get())
+    with _in_context(_Policy(None if name == "auto" else name, None if ops is None else frozenset(ops), _forced.get())):
+        yield
+
+
+@contextlib.contextmanager
+def _in_context(policy: _Policy | None) -> Iterator[None]:
     token = _forced.set(policy)
     try:
         yield
@@ -111,11 +116,8 @@ def register_autograd_keeping_backend(op, backward: Callable, setup_context: Cal
     def run_backward(ctx, *grads):
         if ctx.ldmopt_forced is None:
             return backward(ctx, *grads)
-        token = _forced.set(_inherited(ctx.ldmopt_forced, _forced.get()))
-        try:
+        with _in_context(_inherited(ctx.ldmopt_forced, _forced.get())):
             return backward(ctx, *grads)
-        finally:
-            _forced.reset(token)
 
     op.register_autograd(run_backward, setup_context=setup)
 

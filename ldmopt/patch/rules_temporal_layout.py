@@ -34,6 +34,12 @@ def _container_forward(self, hidden_states, *args, **kwargs):
 
 class _LayoutRule(ClassSwapRule):
     family = "temporal_layout"
+    #: module -> why it can never run in token order (None when it can): the module-level check of ldmopt.nn's path
+    static_reason = None
+
+    def reasons(self, site: Site) -> list[str]:
+        reason = type(self).static_reason(site.module)
+        return [reason] if reason else []
 
     def shallow(self, site: Site) -> set[str]:
         return set(self.touched(site))  # the children of every bypassed module still run
@@ -41,6 +47,7 @@ class _LayoutRule(ClassSwapRule):
 
 class SVDTemporalBlockRule(_LayoutRule):
     name = "svd_temporal_block"
+    static_reason = staticmethod(L.svd_block_static_reason)
     description = "SVD temporal block in (B, F, N, C) order: strided attention, single-key attn2, no permute copies"
 
     def methods(self, site: Site):
@@ -51,10 +58,6 @@ class SVDTemporalBlockRule(_LayoutRule):
 
         return (TemporalBasicTransformerBlock,)
 
-    def reasons(self, site: Site) -> list[str]:
-        reason = L.svd_block_static_reason(site.module)
-        return [reason] if reason else []
-
     def touched(self, site: Site) -> dict[str, nn.Module]:
         block = site.module
         # norm2 only feeds attn2's query, which the single-key shortcut skips (unless attn2 has a residual connection).
@@ -64,6 +67,7 @@ class SVDTemporalBlockRule(_LayoutRule):
 
 class TemporalContainerRule(_LayoutRule):
     name = "temporal_container"
+    static_reason = staticmethod(L.container_static_reason)
     description = "AnimateDiff/UNet3D temporal transformer in (B, F, N, C) order: no permute copies"
 
     def methods(self, site: Site):
@@ -74,10 +78,6 @@ class TemporalContainerRule(_LayoutRule):
         from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
 
         return (AnimateDiffTransformer3D, TransformerTemporalModel)
-
-    def reasons(self, site: Site) -> list[str]:
-        reason = L.container_static_reason(site.module)
-        return [reason] if reason else []
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
         out: dict[str, nn.Module] = {"": site.module}
@@ -95,6 +95,7 @@ class LatteTemporalRule(_LayoutRule):
     modulation and gated residual as in ``adaln_block`` (ldmopt.nn.temporal_layout.latte_forward)."""
 
     name = "latte_temporal"
+    static_reason = staticmethod(L.latte_static_reason)
     description = "Latte: temporal blocks on (B, F, N, C) tokens, no permute copies; adaLN + gated-residual fused"
 
     def methods(self, site: Site):
@@ -104,10 +105,6 @@ class LatteTemporalRule(_LayoutRule):
         from diffusers.models.transformers.latte_transformer_3d import LatteTransformer3DModel
 
         return (LatteTransformer3DModel,)
-
-    def reasons(self, site: Site) -> list[str]:
-        reason = L.latte_static_reason(site.module)
-        return [reason] if reason else []
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
         out: dict[str, nn.Module] = {"": site.module}
