@@ -40,7 +40,8 @@ def _cuda_extension():
         return [], {}, "skipped: torch is not importable at build time (install with --no-build-isolation)"
     if torch.version.cuda is None:
         return [], {}, f"skipped: torch {torch.__version__} is not a CUDA build"
-    cuda_home, cuda_include, why_not = _cuda_home(cpp_extension.CUDA_HOME, torch)
+    torch_site = os.path.dirname(os.path.dirname(torch.__file__))
+    cuda_home, cuda_include, why_not = _cuda_home(cpp_extension.CUDA_HOME, torch_site)
     if cuda_home is None:
         return [], {}, f"skipped: {why_not}"
     # torch reads its module-level CUDA_HOME when it builds the include paths and the nvcc command line.
@@ -52,7 +53,6 @@ def _cuda_extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     include_dirs = [os.path.join(ROOT, "csrc"), cuda_include]
     # pip's CUDA 13 torch wheels carry the CUDA headers (cuda_runtime.h, cuda_fp16.h, ...) under nvidia/cu13/include.
-    torch_site = os.path.dirname(os.path.dirname(torch.__file__))
     for sub in ("cu13", "cu12"):
         candidate = os.path.join(torch_site, "nvidia", sub, "include")
         if os.path.isdir(candidate):
@@ -94,7 +94,7 @@ def _cuda_headers(root: str) -> str | None:
     return None
 
 
-def _cuda_home(detected: str | None, torch) -> tuple[str | None, str | None, str]:
+def _cuda_home(detected: str | None, torch_site: str) -> tuple[str | None, str | None, str]:
     """(toolkit root, its include directory, why not). A CUDA_HOME or CUDA_PATH the user set is used or refused, never
     replaced. Otherwise torch's guess is checked, as it can be a wrapper script's prefix: with /usr/local/bin/nvcc a
     shell script calling the real one, it picks /usr/local, whose include/ lacks crt/host_config.h, and the host
@@ -110,7 +110,6 @@ def _cuda_home(detected: str | None, torch) -> tuple[str | None, str | None, str
     if nvcc:
         candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     candidates.append("/usr/local/cuda")
-    torch_site = os.path.dirname(os.path.dirname(torch.__file__))
     candidates += [os.path.join(torch_site, "nvidia", sub) for sub in ("cu13", "cu12")]
     for root in filter(None, candidates):
         include = _cuda_headers(root)

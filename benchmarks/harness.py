@@ -12,6 +12,7 @@ import datetime as _dt
 import functools
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,10 +47,8 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, min_r
 
     ``warmup`` and ``rep`` are milliseconds, as in do_bench, which runs ``rep / estimate`` times: a 100 ms model
     step would get one timed run and meaningless quantiles. One untimed call measures the step first, and the window
-    is widened to at least ``min_reps`` runs (and two warm-up runs). Call ``fn`` once before, so that compile and
+    is widened to at least ``min_reps`` runs and two warm-ups. Call ``fn`` once before, so that compile and
     autotune costs stay out of that measurement."""
-    import time
-
     import triton.testing
 
     torch.cuda.synchronize()
