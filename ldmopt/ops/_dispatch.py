@@ -179,10 +179,15 @@ class BackendTable:
     def reasons(self, *args) -> dict[str, list[str]]:
         return {b.name: b.refuse(*args) for b in self.backends}
 
-    def select(self, *args) -> Backend:
+    def forced(self) -> str | None:
+        """The backend forced for this op in this context (None: chosen automatically)."""
         forced, inherited = _resolve(self.op_name)
         if inherited and forced not in {b.name for b in self.backends}:
-            forced = None  # the forward's backend has no backward of this op: choose automatically
+            return None  # the forward's backend has no backward of this op: choose automatically
+        return forced
+
+    def select(self, *args) -> Backend:
+        forced = self.forced()
         if forced is not None:
             for backend in self.backends:
                 if backend.name == forced:

@@ -23,7 +23,6 @@ from ._dispatch import (
     Backend,
     BackendTable,
     backend_counts,
-    forced_backend,
     register_autograd_keeping_backend,
     triton_refusals,
 )
@@ -46,7 +45,7 @@ def _is_channels_last(t: Tensor) -> bool:
 def _run(table: BackendTable, *args):
     """table(*args), recording why the preferred backends refused when the reference runs instead."""
     backend = table.select(*args)
-    if backend.name == "torch" and forced_backend(table.op_name) is None:
+    if backend.name == "torch" and table.forced() is None:
         for other in table.backends:
             if other.name != "torch":
                 for reason in other.refuse(*args):
