@@ -38,6 +38,9 @@ class CompileRecord:
     #: the tensor-core instruction family in the PTX: "wgmma" (Hopper warpgroup MMA), "mma" (Ampere mma.sync) or
     #: "" (none: CUDA-core kernels, or fp32 dots kept in IEEE precision)
     mma: str = ""
+    #: the widest global-memory read one thread issues, in bytes (ld.global or cp.async): 16 is a full 128-bit
+    #: vector; 2 or 4 for fp16 data means scalar loads, several times the instructions for the same bytes
+    load_bytes: int = 0
 
 
 def kernel_modules() -> list[str]:
@@ -77,6 +80,22 @@ def tensor_core_instruction(ptx: str) -> str:
     return "mma" if re.search(r"\bmma\.sync\.aligned", ptx) else ""
 
 
+_LD_GLOBAL = re.compile(r"\bld\.global(?:\.[\w:]+)*?\.(?:v(\d)\.)?[bfsu](\d+)\s")
+_CP_ASYNC = re.compile(
+    r"\bcp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)"
+)
+
+
+def widest_global_load(ptx: str) -> int:
+    """Bytes of the widest global-memory read per thread in the PTX: ld.global (vector count x element width),
+    cp.async (its copy size) or a TMA bulk copy (counted as 16: it moves whole tiles)."""
+    widths = [int(v or 1) * int(bits) // 8 for v, bits in _LD_GLOBAL.findall(ptx)]
+    widths += [int(n, 0) for n in _CP_ASYNC.findall(ptx)]
+    if "cp.async.bulk.tensor" in ptx:
+        widths.append(16)
+    return max(widths, default=0)
+
+
 def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -103,8 +122,11 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
         problems.append(f"{local} bytes of stack/local memory per thread (register spills)")
     if shared > SHARED_MEMORY_LIMIT[arch]:
         problems.append(f"shared memory {shared} B over the sm_{arch} limit {SHARED_MEMORY_LIMIT[arch]} B")
-    mma = tensor_core_instruction(compiled.asm["ptx"])
-    return CompileRecord(spec["name"], arch, regs, shared, local, not problems, "; ".join(problems), mma)
+    ptx = compiled.asm["ptx"]
+    return CompileRecord(
+        spec["name"], arch, regs, shared, local, not problems, "; ".join(problems), tensor_core_instruction(ptx),
+        widest_global_load(ptx),
+    )
 
 
 def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None = None) -> list[CompileRecord]:
@@ -128,12 +150,12 @@ def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None
 
 def format_table(records: list[CompileRecord]) -> str:
     width = max([len(r.kernel) for r in records] + [6])
-    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  mma    status"]
+    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  mma    load(B)  status"]
     for r in records:
         status = "ok" if r.ok else "FAIL: " + r.problem
         lines.append(
             f"{r.kernel:<{width}}  sm_{r.arch}  {r.registers:5d}  {r.shared_bytes:9d}  {r.spill_bytes:8d}"
-            f"  {r.mma or '-':<5}  {status}"
+            f"  {r.mma or '-':<5}  {r.load_bytes:7d}  {status}"
         )
     return "\n".join(lines)
 
