@@ -124,7 +124,14 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
         problems.append(f"shared memory {shared} B over the sm_{arch} limit {SHARED_MEMORY_LIMIT[arch]} B")
     ptx = compiled.asm["ptx"]
     return CompileRecord(
-        spec["name"], arch, regs, shared, local, not problems, "; ".join(problems), tensor_core_instruction(ptx),
+        spec["name"],
+        arch,
+        regs,
+        shared,
+        local,
+        not problems,
+        "; ".join(problems),
+        tensor_core_instruction(ptx),
         widest_global_load(ptx),
     )
 
