@@ -123,17 +123,9 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     if shared > SHARED_MEMORY_LIMIT[arch]:
         problems.append(f"shared memory {shared} B over the sm_{arch} limit {SHARED_MEMORY_LIMIT[arch]} B")
     ptx = compiled.asm["ptx"]
-    return CompileRecord(
-        spec["name"],
-        arch,
-        regs,
-        shared,
-        local,
-        not problems,
-        "; ".join(problems),
-        tensor_core_instruction(ptx),
-        widest_global_load(ptx),
-    )
+    record = CompileRecord(spec["name"], arch, regs, shared, local, not problems, "; ".join(problems))
+    record.mma, record.load_bytes = tensor_core_instruction(ptx), widest_global_load(ptx)
+    return record
 
 
 def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None = None) -> list[CompileRecord]:
