@@ -1,7 +1,8 @@
 """End-to-end denoising steps of real-size models (random weights from the embedded configs, no downloads).
 
 Providers per model: diffusers eager (SDPA, channels-last), ldmopt.patch, torch.compile(max-autotune) and
-ldmopt.patch + torch.compile. Figures: ms per step, it/s, peak memory, and the operator-category split before and
+ldmopt.patch + torch.compile; each is also timed captured as a CUDA graph (``<provider>+graph`` rows: the step
+without any host overhead). Figures: ms per step, it/s, peak memory, and the operator-category split before and
 after patching from ldmopt.profile (written to results/e2e_categories.json and plotted). On CPU the GPU benchmarks
 skip and `test_analytic_projection_cpu` checks the analytic model of the same settings instead.
 """
@@ -91,12 +92,28 @@ def bench_denoising_step(name, provider, bench_recorder):
         op="e2e-step", case=name, dtype="fp16", mode="fwd", provider=provider, timing=timing, peak_mem=peak,
         note=f"{1000 / timing.median_ms:.2f} it/s {note}".strip(),
     )  # fmt: skip
+    _record_graphed(name, provider, step, bench_recorder)
     if provider in ("eager", "ldmopt"):
         prof = ldmopt.profile(step, steps=3, warmup=1, modules=model)
         _CATEGORY_SPLITS.setdefault(name, {})[provider] = {k: v for k, v in prof.shares().items() if v > 0}
         _write_category_splits()
     if provider.startswith("ldmopt"):
         ldmopt.unpatch(model)
+
+
+def _record_graphed(name: str, provider: str, step, bench_recorder) -> None:
+    """The same step captured as a CUDA graph, on the model already built (a row with the reason if capture fails)."""
+    try:
+        replay = harness.cuda_graphed(step)
+        timing = harness.time_fn(replay, warmup=3, rep=20)
+    except Exception as exc:
+        bench_recorder.record(op="e2e-step", case=name, dtype="fp16", mode="fwd", provider=f"{provider}+graph",
+                              timing=None, note=f"capture failed: {type(exc).__name__}: {str(exc)[:100]}")  # fmt: skip
+        return
+    bench_recorder.record(
+        op="e2e-step", case=name, dtype="fp16", mode="fwd", provider=f"{provider}+graph", timing=timing,
+        note=f"{1000 / timing.median_ms:.2f} it/s",
+    )  # fmt: skip
 
 
 def _write_category_splits() -> None:

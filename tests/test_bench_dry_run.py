@@ -32,6 +32,7 @@ def mocked_timing(monkeypatch, tmp_path):
     monkeypatch.setattr(harness, "time_fn", lambda fn, **_: (fn(), harness.Timing(1.0, 0.9, 1.1))[1])
     monkeypatch.setattr(harness, "peak_memory", lambda fn: (fn(), 2**20)[1])  # nonzero: notes divide by it
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(harness, "cuda_graphed", lambda fn, **_: fn)  # capture needs a GPU; replay = the call
     return _Rows()
 
 
@@ -62,8 +63,10 @@ def test_e2e_step_providers(mocked_timing, monkeypatch):
     with ldmopt.use_backend("torch"):
         for provider in ("eager", "ldmopt"):
             bench_e2e.bench_denoising_step("dit-256", provider, mocked_timing)
-    assert len(mocked_timing.rows) == 2 and not _failed(mocked_timing.rows), mocked_timing.rows
-    assert "patched" in mocked_timing.rows[1]["note"]
+    providers = [r["provider"] for r in mocked_timing.rows]
+    assert providers == ["eager", "eager+graph", "ldmopt", "ldmopt+graph"], providers
+    assert not _failed(mocked_timing.rows), mocked_timing.rows
+    assert "patched" in mocked_timing.rows[2]["note"]
 
 
 def test_temporal_block_providers(mocked_timing, monkeypatch):
