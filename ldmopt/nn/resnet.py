@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops._dispatch import call
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
@@ -188,7 +189,7 @@ def fused_resnet_forward(
         out = _diffusers_forward(block, input_tensor, temb)
         if out_stats is None:
             return out
-        return out, gn_conv2d_stats(out.detach(), out_stats[0], float(out_stats[1]))
+        return out, call(gn_conv2d_stats, out.detach(), out_stats[0], float(out_stats[1]))
     x = input_tensor
     norm1, norm2 = block.norm1, block.norm2
     t = None

@@ -98,6 +98,97 @@ def _in_context(policy: _Policy | None) -> Iterator[None]:
         _forced.reset(token)
 
 
+# ------------------------------------------------------------------------------------------------ eager fast path
+#
+# A torch.library custom op costs 10-25 us of host time per call in eager mode (the Python dispatcher, its autograd
+# wrapper, a dynamo-disabled frame), several times an aten op's. Whole-model steps make hundreds of these calls, and
+# small models (DiT-XL/2 at 256 px) are host-bound: that cost alone can make a patched model slower than the unfused
+# one. Eager calls on plain tensors therefore run the op's implementation directly, through a torch.autograd.Function
+# built from the same setup_context/backward when gradients are needed. Everything else keeps the custom op: tracing
+# (torch.compile, export), tensor subclasses (FakeTensor, DTensor), dispatch or function modes (FlopCounterMode,
+# TorchDispatchMode), functorch transforms, meta tensors and the profiler (whose per-category split reads op names).
+
+_EAGER: dict[object, Callable] = {}
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _no_mode_active() -> bool:
+    return not (
+        torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._autograd._profiler_enabled()
+    )
+
+
+def _eager_grad_needs(args: Sequence) -> bool | None:
+    """None when an argument needs the dispatcher (a tensor subclass or a meta tensor), else whether autograd must
+    record the call (grad mode on and some tensor argument requires grad)."""
+    grad_mode = torch.is_grad_enabled()
+    needs = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN_TENSORS or a.is_meta:
+                return None
+            needs = needs or (grad_mode and a.requires_grad)
+    return needs
+
+
+def call(op, *args):
+    """``op(*args)``, through the eager fast path when nothing needs the dispatcher (see above)."""
+    if not torch.compiler.is_compiling():
+        fast = _EAGER.get(op)
+        if fast is not None and _no_mode_active():
+            needs_grad = _eager_grad_needs(args)
+            if needs_grad is not None:
+                return fast(needs_grad, *args)
+    return op(*args)
+
+
+def _implementation(op) -> Callable | None:
+    # The function the custom op was defined from (CustomOpDef keeps it; None on a torch that does not).
+    return getattr(op, "_init_fn", None)
+
+
+def register_eager(op, mutated: Sequence[int] = ()) -> None:
+    """Let ``call`` run ``op``'s implementation directly when no input needs a gradient (ops without autograd: they
+    keep the custom op's error otherwise). ``mutated``: positions of the arguments the op writes, whose version
+    counters are bumped as the custom op would."""
+    impl = _implementation(op)
+    if impl is None:
+        return
+
+    def fast(needs_grad, *args):
+        if needs_grad:
+            return op(*args)
+        out = impl(*args)
+        for i in mutated:
+            torch.autograd.graph.increment_version(args[i])
+        return out
+
+    _EAGER[op] = fast
+
+
+def _register_eager_autograd(op, setup: Callable, backward: Callable) -> None:
+    impl = _implementation(op)
+    if impl is None:
+        return
+    function = type(
+        f"{getattr(op, '_name', 'ldmopt_op')}_eager",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(impl),
+            "setup_context": staticmethod(setup),
+            "backward": staticmethod(backward),
+        },
+    )
+
+    def fast(needs_grad, *args):
+        return function.apply(*args) if needs_grad else impl(*args)
+
+    _EAGER[op] = fast
+
+
 def register_autograd_keeping_backend(op, backward: Callable, setup_context: Callable) -> None:
     """``op.register_autograd`` whose backward runs under the backends forced when the forward ran.
 
@@ -120,6 +211,7 @@ def register_autograd_keeping_backend(op, backward: Callable, setup_context: Cal
             return backward(ctx, *grads)
 
     op.register_autograd(run_backward, setup_context=setup)
+    _register_eager_autograd(op, setup, run_backward)
 
 
 def _inherited(policy: _Policy | None, outer: _Policy | None) -> _Policy | None:
@@ -145,11 +237,12 @@ def triton_refusals(*args, dtypes: Sequence[torch.dtype] = (torch.float32, torch
         return [why]
     reasons = []
     tensors = tensors_in(args)
-    devices = {t.device.type for t in tensors}
-    if devices - {"cuda"} and not (devices <= {"cpu"} and _env.interpreter_enabled()):
-        reasons.append(
-            f"tensors on {sorted(devices)}: Triton runs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1"
-        )
+    if not all(t.is_cuda for t in tensors):  # is_cuda first: it is called on every op call, and cheaper than .device
+        devices = {t.device.type for t in tensors}
+        if devices - {"cuda"} and not (devices <= {"cpu"} and _env.interpreter_enabled()):
+            reasons.append(
+                f"tensors on {sorted(devices)}: Triton runs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1"
+            )
     for t in tensors:
         if t.is_floating_point() and t.dtype not in dtypes:
             reasons.append(f"dtype {t.dtype} is not supported (supported: {', '.join(map(str, dtypes))})")

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_tensor
-from ._dispatch import Backend, BackendTable, register_autograd_keeping_backend, triton_refusals
+from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad, per_sample
 
 # ------------------------------------------------------------------------------------------------ torch reference
@@ -156,7 +156,7 @@ def _backward(ctx, dy, dsum, _dmean, _drstd):
         mean, rstd = _stats_torch(s, ctx.eps)
     if dy is None:
         dy = torch.zeros_like(s)
-    dx, dscale, dshift = adaln_modulate_bwd(dy, s, mean, rstd, scale, dsum)
+    dx, dscale, dshift = call(adaln_modulate_bwd, dy, s, mean, rstd, scale, dsum)
     need_dx, need_dscale, need_dshift, need_dres = ctx.needs_input_grad[:4]
     return (
         dx if need_dx else None,
@@ -170,6 +170,7 @@ def _backward(ctx, dy, dsum, _dmean, _drstd):
 
 
 register_autograd_keeping_backend(adaln_modulate_fwd, _backward, _setup_context)
+register_eager(adaln_modulate_bwd)
 
 
 # ------------------------------------------------------------------------------------------------ public function
@@ -217,6 +218,6 @@ def adaln_modulate(
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     save = needs_grad(x, scale, shift, residual)
     store_sum = residual is not None and (return_residual or save)
-    y, s, _mean, _rstd = adaln_modulate_fwd(x.reshape(-1, c), scale, shift, residual, float(eps), store_sum, save)
+    y, s, _mean, _rstd = call(adaln_modulate_fwd, x.reshape(-1, c), scale, shift, residual, float(eps), store_sum, save)
     y = y.view(x.shape)
     return (y, s.view(x.shape)) if return_residual else y

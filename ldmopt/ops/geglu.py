@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_operands
-from ._dispatch import Backend, BackendTable, register_autograd_keeping_backend, triton_refusals
+from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import (
     TRITON_DTYPES,
     activation_grad_torch,
@@ -118,7 +118,7 @@ def _backward(ctx, dy, _dpre):
     if pre is None:
         # Only when a caller asked for no saved pre-activation yet needs gradients: recompute it.
         pre = gemm_torch(x, weight, bias).to(x.dtype)
-    dpre, dbias = geglu_bwd(dy, pre)
+    dpre, dbias = call(geglu_bwd, dy, pre)
     dx = torch.matmul(dpre, weight) if need_dx else None
     dw = torch.matmul(dpre.t(), x) if need_dw else None
     db = dbias.to(bias.dtype) if need_db else None
@@ -126,6 +126,7 @@ def _backward(ctx, dy, _dpre):
 
 
 register_autograd_keeping_backend(geglu_fwd, _backward, _setup_context)
+register_eager(geglu_bwd)
 
 
 # ------------------------------------------------------------------------------------------------ public function
@@ -143,5 +144,5 @@ def geglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     x, weight, bias = autocast_operands(x, weight, bias)
     check_linear_args("geglu", x, weight, bias, rows_multiple=2)
     rows, k = weight.shape
-    y, _pre = geglu_fwd(x.reshape(-1, k), weight, bias, needs_grad(x, weight, bias))
+    y, _pre = call(geglu_fwd, x.reshape(-1, k), weight, bias, needs_grad(x, weight, bias))
     return y.view(*x.shape[:-1], rows // 2)

@@ -23,7 +23,9 @@ from ._dispatch import (
     Backend,
     BackendTable,
     backend_counts,
+    call,
     register_autograd_keeping_backend,
+    register_eager,
     triton_refusals,
 )
 
@@ -131,6 +133,9 @@ def gn_conv2d_stats(x: Tensor, num_groups: int, eps: float) -> tuple[Tensor, Ten
     """(mean, rstd) [N, G] of x in fp32 (fp64 for fp64 x); not differentiable (gn_conv2d's backward accounts for it)."""
     mean, rstd = _run(STATS, x, num_groups, eps)
     return mean, rstd
+
+
+register_eager(gn_conv2d_stats)
 
 
 @gn_conv2d_stats.register_fake
@@ -399,7 +404,7 @@ def gn_silu_conv2d(
         check_vector("gn_weight", gn_weight, c_in, x)
         check_vector("gn_bias", gn_bias, c_in, x)
         if stats is None:
-            mean, rstd = gn_conv2d_stats(x.detach(), num_groups, float(eps))
+            mean, rstd = call(gn_conv2d_stats, x.detach(), num_groups, float(eps))
         else:
             mean, rstd = stats
             for name, t in (("stats[0] (mean)", mean), ("stats[1] (rstd)", rstd)):
@@ -442,8 +447,8 @@ def gn_silu_conv2d(
     out_groups, out_eps = (0, 0.0) if out_stats is None else out_stats
     if out_stats is not None and (not isinstance(out_groups, int) or out_groups <= 0 or c_out % out_groups):
         raise ValueError(f"out_stats groups={out_groups!r} must be a positive int dividing C_out={c_out}")
-    y, out_mean, out_rstd = gn_conv2d_op(
-        x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, num_groups,
+    y, out_mean, out_rstd = call(
+        gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, num_groups,
         activation or "", stride, padding, resample, residual_resample, shortcut_resample, float(output_scale),
         out_groups, float(out_eps),
     )  # fmt: skip

@@ -14,8 +14,10 @@ from ._checks import check_activation, check_tensor, check_vector, memory_format
 from ._dispatch import (
     Backend,
     BackendTable,
+    call,
     cuda_extension_refusals,
     register_autograd_keeping_backend,
+    register_eager,
     triton_refusals,
 )
 
@@ -186,13 +188,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dweight, dbias = group_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.num_groups, ctx.activation)
+    dx, dweight, dbias = call(group_norm_bwd, dy, x, weight, bias, mean, rstd, ctx.num_groups, ctx.activation)
     dweight = dweight.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
     dbias = dbias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
     return dx, dweight, dbias, None, None, None
 
 
 register_autograd_keeping_backend(group_norm_fwd, _backward, _setup_context)
+register_eager(group_norm_bwd)
 
 
 # ------------------------------------------------------------------------------------------------ public function
@@ -224,5 +227,5 @@ def group_norm(
     check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
     if not (x.is_contiguous() or x.is_contiguous(memory_format=memory_format_of(x))):
         x = x.contiguous()
-    y, _mean, _rstd = group_norm_fwd(x, weight, bias, num_groups, float(eps), activation or "")
+    y, _mean, _rstd = call(group_norm_fwd, x, weight, bias, num_groups, float(eps), activation or "")
     return y

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ._autocast import autocast_operands
 from ._checks import check_activation, check_tensor
-from ._dispatch import Backend, BackendTable, register_autograd_keeping_backend, triton_refusals
+from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 
 SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -207,7 +207,7 @@ def _backward(ctx, dy, _dpre):
         if (activation is not None or need_dgate) and pre is None:
             # Only when a caller asked for no saved pre-activation yet needs gradients: recompute it.
             pre = gemm_torch(x, weight, bias).to(x.dtype)
-        dz, dbias, dgate = linear_bwd(dy, pre if activation is not None or need_dgate else None, gate,
+        dz, dbias, dgate = call(linear_bwd, dy, pre if activation is not None or need_dgate else None, gate,
                                       activation or "", need_dgate)  # fmt: skip
     if dz.dtype != weight.dtype:
         dz = dz.to(weight.dtype)  # dy arrived in the promoted dtype (e.g. an fp32 residual stream under autocast)
@@ -219,6 +219,7 @@ def _backward(ctx, dy, _dpre):
 
 
 register_autograd_keeping_backend(linear_fwd, _backward, _setup_context)
+register_eager(linear_bwd)
 
 
 # ------------------------------------------------------------------------------------------------ public function
@@ -289,5 +290,5 @@ def linear(
     save_pre = (activation is not None or (gate is not None and gate.requires_grad)) and needs_grad(
         x, weight, bias, gate
     )
-    y, _pre = linear_fwd(x2, weight, bias, gate, residual, activation or "", save_pre)
+    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre)
     return y.view(out_shape)

@@ -45,8 +45,10 @@ from ._checks import check_tensor
 from ._dispatch import (
     Backend,
     BackendTable,
+    call,
     cuda_extension_refusals,
     register_autograd_keeping_backend,
+    register_eager,
     tensors_in,
     triton_refusals,
 )
@@ -264,11 +266,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout):
     q, k, v = ctx.saved_tensors
-    dq, dk, dv = temporal_attention_bwd(dout, q, k, v, ctx.scale)
+    dq, dk, dv = call(temporal_attention_bwd, dout, q, k, v, ctx.scale)
     return dq, dk, dv, None
 
 
 register_autograd_keeping_backend(temporal_attention_fwd, _backward, _setup_context)
+register_eager(temporal_attention_fwd_out, mutated=(4,))
+register_eager(temporal_attention_bwd)
 
 
 # ------------------------------------------------------------------------------------------------ public function
@@ -323,6 +327,6 @@ def temporal_attention(
     _check_inputs(q, k, v, scale, out)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if out is None:
-        return temporal_attention_fwd(q, k, v, scale)
-    temporal_attention_fwd_out(q, k, v, scale, out)
+        return call(temporal_attention_fwd, q, k, v, scale)
+    call(temporal_attention_fwd_out, q, k, v, scale, out)
     return out
