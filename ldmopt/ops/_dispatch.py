@@ -105,8 +105,9 @@ def _in_context(policy: _Policy | None) -> Iterator[None]:
 # small models (DiT-XL/2 at 256 px) are host-bound: that cost alone can make a patched model slower than the unfused
 # one. Eager calls on plain tensors therefore run the op's implementation directly, through a torch.autograd.Function
 # built from the same setup_context/backward when gradients are needed. Everything else keeps the custom op: tracing
-# (torch.compile, export), tensor subclasses (FakeTensor, DTensor), dispatch or function modes (FlopCounterMode,
-# TorchDispatchMode), functorch transforms, meta tensors and the profiler (whose per-category split reads op names).
+# (torch.compile, export, torch.jit.trace), tensor subclasses (FakeTensor, DTensor), dispatch or function modes
+# (FlopCounterMode, TorchDispatchMode, torch.device), functorch transforms, forward-mode AD, meta tensors and the
+# profiler (whose per-category split reads op names).
 
 _EAGER: dict[object, Callable] = {}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -118,6 +119,8 @@ def _no_mode_active() -> bool:
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._are_functorch_transforms_active()
         or torch._C._autograd._profiler_enabled()
+        or torch._C._get_tracing_state() is not None  # torch.jit.trace (and the ONNX exporter on it)
+        or torch.autograd.forward_ad._current_level >= 0  # dual tensors: their tangents would flow through aten
     )
 
 

@@ -133,3 +133,20 @@ def test_fast_path_equals_custom_op_under_autocast(name):
     torch.testing.assert_close(y_fast, y_slow, rtol=0, atol=0)
     for a, b in zip(grads_fast, grads_slow, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_jit_trace_and_forward_ad_keep_the_custom_op():
+    x, w, b = torch.randn(2, 8, 4, 4), torch.randn(8), torch.randn(8)
+    with ops.use_backend("torch"):
+        traced = torch.jit.trace(lambda t: ops.group_norm(t, 2, w, b, activation="silu"), (x,))
+    assert "ldmopt::group_norm_fwd" in str(traced.graph), "the trace must record the op, not its reference code"
+    torch.testing.assert_close(traced(x), ops.group_norm(x, 2, w, b, activation="silu"))
+    # Dual tensors: the custom op has no forward-mode formula, so its tangent is None whichever backend runs; the
+    # reference code's aten ops would carry one, wrong for gn_silu_conv2d (its statistics come from a detached x).
+    import torch.autograd.forward_ad as fwAD
+
+    conv_w = torch.randn(5, 8, 3, 3)
+    with ops.use_backend("torch"), fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        y = ops.gn_silu_conv2d(dual.to(memory_format=torch.channels_last), w, b, 2, 1e-5, conv_w)
+        assert fwAD.unpack_dual(y).tangent is None
