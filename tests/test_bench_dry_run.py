@@ -188,3 +188,33 @@ def test_training_providers(mocked_timing, no_compile, monkeypatch):
     assert all(r["case"] == "sd15-128px-b1" for r in rows), rows
     assert "top: " in rows[0]["note"] and "vs eager" in rows[2]["note"], [r["note"] for r in rows]
     assert (harness.RESULTS_DIR / "training_profile.md").exists()
+
+
+def test_host_overhead_providers(mocked_timing, monkeypatch):
+    from benchmarks import bench_host_overhead as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "CALLS", 2)
+    monkeypatch.setattr(B, "WINDOWS", 3)
+    with ldmopt.use_backend("torch"):
+        for case in B.CASES:
+            B.bench_host_overhead(case, mocked_timing)
+    rows = mocked_timing.rows
+    assert len(rows) == 4 * len(B.CASES) and not _failed(rows), _failed(rows)
+    assert {(r["provider"], r["mode"]) for r in rows} == {
+        ("eager", "fwd"),
+        ("ldmopt", "fwd"),
+        ("eager", "fwd-grad"),
+        ("ldmopt", "fwd-grad"),
+    }
+    assert all(r["note"].endswith("us/call") for r in rows)
+
+
+def test_host_overhead_cases_compare_the_same_function(monkeypatch):
+    from benchmarks import bench_host_overhead as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    tensors = B._tensors(torch.float32)
+    with ldmopt.use_backend("torch"):
+        for case, (fused, unfused) in B.CASES.items():
+            torch.testing.assert_close(fused(tensors), unfused(tensors), rtol=1e-4, atol=1e-4, msg=case)
