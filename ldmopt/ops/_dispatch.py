@@ -260,7 +260,7 @@ def cuda_extension_refusals(op_symbol: str, *args) -> list[str]:
         return [why]
     if not hasattr(torch.ops.ldmopt, op_symbol):
         return [f"ldmopt._C has no kernel {op_symbol!r} (extension built from older sources?)"]
-    if any(t.device.type != "cuda" for t in tensors_in(args)):
+    if not all(t.is_cuda for t in tensors_in(args)):
         return ["tensors are not on a CUDA device"]
     return []
 
