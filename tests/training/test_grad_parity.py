@@ -4,12 +4,13 @@ versus the stock model, gradient of every parameter compared.
 Errors are measured against the same stock model run in float64, as Frobenius norms. Rules (the repository's
 "2x PyTorch's own error", applied to gradients):
 - whole gradient (all parameters as one vector): patched error <= 2 x the stock model's error in the same precision;
-- each parameter tensor: patched error <= 4 x stock error + FLOOR x |grad| (FLOOR: 1e-5 fp32, 1e-3 under bf16
-  autocast). Per tensor the factor is 4, not 2: the worst of ~400 tensors whose errors are both rounding noise
-  reaches ~2x by chance alone, and with ~800 tensors (tiny AnimateDiff) 4x was once exceeded where the stock error
-  happened to be small (4.6e-11 vs 1.1e-11 on a gradient of norm 2e-5): the fp32 floor of 1e-5 relative covers
-  such lucky draws. A wrong backward (a missing term, the affine parameters left out of the SiLU
-  derivative) errs by O(1) relative to the gradient, 1e5x the fp32 rounding error, and fails by far.
+- each parameter tensor: patched error <= 16 x stock error + FLOOR x |grad| (FLOOR: 1e-5 fp32, 1e-3 under bf16
+  autocast). Per tensor the factor is 16, not 2: it bounds the worst of ~400-800 ratios of two rounding-noise draws.
+  Tiny AnimateDiff's mid-block attention to_q/to_k gradients come from cancelling terms (norms ~1e-6) and carry
+  1e-5 relative fp32 error in the stock model too; over 50 draws the worst ratio there reached ~7 (e.g. 6.1e-11 vs
+  1.0e-11), so a factor of 4 failed about one run in seven. A wrong backward (a missing term, the affine parameters
+  left out of the SiLU derivative) errs by O(1) relative to the gradient, 1e4-1e5x the fp32 rounding error, and
+  fails by far under either factor.
 
 Covered: the zoo's tiny SD1.5, SDXL, DiT and AnimateDiff on the reference backend (channels-last, as on a GPU);
 bf16 autocast; gradient checkpointing; torch.compile (aot_eager); a small UNet and the tiny DiT with every op forced
@@ -28,7 +29,7 @@ import torch
 import ldmopt
 from ldmopt import configs
 
-FACTOR_TOTAL, FACTOR_TENSOR = 2.0, 4.0
+FACTOR_TOTAL, FACTOR_TENSOR = 2.0, 16.0
 FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 
 
