@@ -28,6 +28,7 @@ from ._dispatch import (
     register_eager,
     triton_refusals,
 )
+from .group_norm import group_norm_bwd
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
 RESAMPLES = ("none", "up", "down")
@@ -299,7 +300,7 @@ def _backward(ctx, dy, _dmean, _drstd):
         if need_da:
             da = _resample_backward(da_r, resample, x)
             if normalize:
-                dx, dgw, dgb = torch.ops.ldmopt.group_norm_bwd(da, x, gw, gb, mean, rstd, groups, act or "")
+                dx, dgw, dgb = call(group_norm_bwd, da, x, gw, gb, mean, rstd, groups, act or "")
                 grads[0] = dx
                 grads[3] = dgw.to(gw.dtype) if gw is not None and need[3] else None
                 grads[4] = dgb.to(gb.dtype) if gb is not None and need[4] else None
