@@ -1,5 +1,7 @@
 """Ahead-of-time compile gate: every Triton kernel compiles for sm_80 and sm_90 without a GPU, with no register
-spills and shared memory within the target's limit.
+spills and shared memory within the target's limit. Each record also names the tensor-core instruction the compiler
+chose (wgmma / mma.sync) and the widest global load (16 bytes for a vectorised streaming kernel), which the tests
+check per kernel family.
 
 Each module of ``ldmopt.kernels`` exposes ``aot_specs()``: representative configurations (signature, constexprs,
 num_warps, num_stages, and the divisibility Triton specialises at run time: ``attrs`` or ``divisible_by_16``).
