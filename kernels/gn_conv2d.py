@@ -338,7 +338,9 @@ def gn_conv2d_fwd(
     out_rstd = new_output((n, out_groups), device=x.device, dtype=torch.float32)
     if out_groups:
         ws, counters = _stats_workspace(x.device, n, c_out)
-        block_cpg = next_power_of_2(c_out // out_groups)
+        # At least 64 channels per group tile: the finalisation is a few KB per image, and one tile shape for every
+        # group size up to 64 means one compiled variant (times the autotune configs) instead of one per size.
+        block_cpg = max(64, next_power_of_2(c_out // out_groups))
         block_g = max(1, min(next_power_of_2(out_groups), 1024 // block_cpg))
     else:
         ws, counters, block_cpg, block_g = x, x, 1, 1
@@ -404,7 +406,7 @@ def _aot_spec(
         KH=kh, KW=kh, STRIDE=stride, PAD=kh // 2, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
         ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
         HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc, SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
-        OUT_STATS=out_stats, STATS_BLOCK_G=32, STATS_BLOCK_CPG=16, DOT_PRECISION="tf32", IDX64=False,
+        OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, DOT_PRECISION="tf32", IDX64=False,
         BM=bm, BN=bn, BK=bk,
     )  # fmt: skip
     fn = _gn_conv2d_fwd_kernel.fn
