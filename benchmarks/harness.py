@@ -81,14 +81,22 @@ def cuda_graphed(fn: Callable[[], object], warmup_calls: int = 3) -> Callable[[]
     requires, which also keeps autotuning and lazy initialisation out of the graph. Raises what capture raises
     (host syncs, CPU tensors, unsupported ops)."""
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    caller = torch.cuda.current_stream()
+    side.wait_stream(caller)
     with torch.cuda.stream(side):
         for _ in range(warmup_calls):
             fn()
-    torch.cuda.current_stream().wait_stream(side)
+    caller.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    try:
+        # capture_error_mode="thread_local": other threads' CUDA calls (none here) do not invalidate the capture.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+    except Exception:
+        # torch.cuda.graph ends the capture before it restores the stream, so a failed end would leave every later
+        # benchmark of this process on the capture stream: put the caller's stream back, then report.
+        torch.cuda.set_stream(caller)
+        raise
     return graph.replay
 
 

@@ -30,19 +30,21 @@ _GRID_AXIS0_LIMIT = 2**31 - 1
 
 
 @triton.jit
-def _seq_offsets(s, N, H, stride_b, stride_n, stride_h):
-    # s indexes the flattened (b, n, h) space, h fastest.
+def _seq_offsets(s, N, H, stride_b, stride_n, stride_h, ALIGN: tl.constexpr):
+    # s indexes the flattened (b, n, h) space, h fastest. ALIGN (checked by the launcher) divides every stride: with
+    # a head stride of 40 or 72 Triton cannot see that itself (it only marks multiples of 16), and loads stay scalar.
     h = s % H
     t = s // H
     n = t % N
     b = t // N
-    return b.to(tl.int64) * stride_b + n.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h
+    return tl.multiple_of(b.to(tl.int64) * stride_b + n.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h, ALIGN)
 
 
 @triton.jit
-def _tile_ptrs(ptr, seq_off, f, d, stride_f, stride_d):
+def _tile_ptrs(ptr, seq_off, f, d, stride_f, stride_d, ALIGN: tl.constexpr):
     # [P, F, D] addresses of a head-dim chunk of BLOCK_P sequences.
-    return ptr + seq_off[:, None, None] + (f[None, :, None] * stride_f + d[None, None, :] * stride_d)
+    frame_off = tl.multiple_of(f * stride_f, ALIGN)
+    return ptr + seq_off[:, None, None] + (frame_off[None, :, None] + d[None, None, :] * stride_d)
 
 
 @triton.jit
@@ -76,13 +78,14 @@ def _scores(
     D,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     # acc += A B^T over the head dim, A and B [P, F, D] in chunks of BLOCK_D.
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         mask = row_mask & (d < D)[None, None, :]
-        a = tl.load(_tile_ptrs(a_ptr, a_off, f, d, stride_af, stride_ad), mask=mask, other=0.0)
-        b = tl.load(_tile_ptrs(b_ptr, b_off, f, d, stride_bf, stride_bd), mask=mask, other=0.0)
+        a = tl.load(_tile_ptrs(a_ptr, a_off, f, d, stride_af, stride_ad, ALIGN), mask=mask, other=0.0)
+        b = tl.load(_tile_ptrs(b_ptr, b_off, f, d, stride_bf, stride_bd, ALIGN), mask=mask, other=0.0)
         acc = _bdot(a, tl.permute(b, (0, 2, 1)), acc, DOT_PRECISION)
     return acc
 
@@ -116,28 +119,29 @@ def _temporal_attention_fwd_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     f = tl.arange(0, BLOCK_F)
     row_mask = (s < n_seq)[:, None, None] & (f < F)[None, :, None]
-    q_off = _seq_offsets(s, N, H, stride_qb, stride_qn, stride_qh)
-    k_off = _seq_offsets(s, N, H, stride_kb, stride_kn, stride_kh)
-    v_off = _seq_offsets(s, N, H, stride_vb, stride_vn, stride_vh)
-    o_off = _seq_offsets(s, N, H, stride_ob, stride_on, stride_oh)
+    q_off = _seq_offsets(s, N, H, stride_qb, stride_qn, stride_qh, ALIGN)
+    k_off = _seq_offsets(s, N, H, stride_kb, stride_kn, stride_kh, ALIGN)
+    v_off = _seq_offsets(s, N, H, stride_vb, stride_vn, stride_vh, ALIGN)
+    o_off = _seq_offsets(s, N, H, stride_ob, stride_on, stride_oh, ALIGN)
 
     acc = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_F], dtype=tl.float32)
     acc = _scores(
         acc, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
-        BLOCK_D, DOT_PRECISION,
+        BLOCK_D, DOT_PRECISION, ALIGN,
     )  # fmt: skip
     p = _softmax(acc, (f < F)[None, None, :], qk_scale).to(v_ptr.dtype.element_ty)
     zero_o = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         mask = row_mask & (d < D)[None, None, :]
-        v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd), mask=mask, other=0.0)
+        v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd, ALIGN), mask=mask, other=0.0)
         o = _bdot(p, v, zero_o, DOT_PRECISION)
-        tl.store(_tile_ptrs(o_ptr, o_off, f, d, stride_of, stride_od), o.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(_tile_ptrs(o_ptr, o_off, f, d, stride_of, stride_od, ALIGN), o.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -167,24 +171,25 @@ def _temporal_attention_bwd_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     f = tl.arange(0, BLOCK_F)
     row_mask = (s < n_seq)[:, None, None] & (f < F)[None, :, None]
-    q_off = _seq_offsets(s, N, H, stride_qb, stride_qn, stride_qh)
-    k_off = _seq_offsets(s, N, H, stride_kb, stride_kn, stride_kh)
-    v_off = _seq_offsets(s, N, H, stride_vb, stride_vn, stride_vh)
-    do_off = _seq_offsets(s, N, H, stride_dob, stride_don, stride_doh)
+    q_off = _seq_offsets(s, N, H, stride_qb, stride_qn, stride_qh, ALIGN)
+    k_off = _seq_offsets(s, N, H, stride_kb, stride_kn, stride_kh, ALIGN)
+    v_off = _seq_offsets(s, N, H, stride_vb, stride_vn, stride_vh, ALIGN)
+    do_off = _seq_offsets(s, N, H, stride_dob, stride_don, stride_doh, ALIGN)
 
     zeros = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_F], dtype=tl.float32)
     acc = _scores(
         zeros, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
-        BLOCK_D, DOT_PRECISION,
+        BLOCK_D, DOT_PRECISION, ALIGN,
     )  # fmt: skip
     p = _softmax(acc, (f < F)[None, None, :], qk_scale)
     dp = _scores(
         zeros, do_ptr, v_ptr, do_off, v_off, stride_dof, stride_dod, stride_vf, stride_vd, f, row_mask, D,
-        BLOCK_D, DOT_PRECISION,
+        BLOCK_D, DOT_PRECISION, ALIGN,
     )  # fmt: skip
     # Padded query rows have dO = 0, hence dP = 0 and dS = 0: they add nothing to dK and dV.
     ds = p * (dp - tl.sum(p * dp, axis=2)[:, :, None]) * scale
@@ -192,22 +197,28 @@ def _temporal_attention_bwd_kernel(
     ds = ds.to(k_ptr.dtype.element_ty)
     p_t = tl.permute(p.to(do_ptr.dtype.element_ty), (0, 2, 1))
 
-    dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh)
-    dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh)
-    dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh)
+    dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh, ALIGN)
+    dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh, ALIGN)
+    dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh, ALIGN)
     zero_o = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         mask = row_mask & (d < D)[None, None, :]
-        do = tl.load(_tile_ptrs(do_ptr, do_off, f, d, stride_dof, stride_dod), mask=mask, other=0.0)
+        do = tl.load(_tile_ptrs(do_ptr, do_off, f, d, stride_dof, stride_dod, ALIGN), mask=mask, other=0.0)
         dv = _bdot(p_t, do, zero_o, DOT_PRECISION)
-        tl.store(_tile_ptrs(dv_ptr, dv_off, f, d, stride_dvf, stride_dvd), dv.to(dv_ptr.dtype.element_ty), mask=mask)
-        k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd), mask=mask, other=0.0)
+        tl.store(
+            _tile_ptrs(dv_ptr, dv_off, f, d, stride_dvf, stride_dvd, ALIGN), dv.to(dv_ptr.dtype.element_ty), mask=mask
+        )
+        k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd, ALIGN), mask=mask, other=0.0)
         dq = _bdot(ds, k, zero_o, DOT_PRECISION)
-        tl.store(_tile_ptrs(dq_ptr, dq_off, f, d, stride_dqf, stride_dqd), dq.to(dq_ptr.dtype.element_ty), mask=mask)
-        q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd), mask=mask, other=0.0)
+        tl.store(
+            _tile_ptrs(dq_ptr, dq_off, f, d, stride_dqf, stride_dqd, ALIGN), dq.to(dq_ptr.dtype.element_ty), mask=mask
+        )
+        q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd, ALIGN), mask=mask, other=0.0)
         dk = _bdot(ds_t, q, zero_o, DOT_PRECISION)
-        tl.store(_tile_ptrs(dk_ptr, dk_off, f, d, stride_dkf, stride_dkd), dk.to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            _tile_ptrs(dk_ptr, dk_off, f, d, stride_dkf, stride_dkd, ALIGN), dk.to(dk_ptr.dtype.element_ty), mask=mask
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers
@@ -248,6 +259,17 @@ def launch_grid(n_seq: int, f: int, d: int, dtype: torch.dtype = torch.float16, 
     return grid
 
 
+def row_alignment(*tensors: torch.Tensor) -> int:
+    """ALIGN: the largest power of two, up to 16 bytes of elements, that divides the batch, frame, pixel and head
+    strides of every view. Each sequence's rows then start at a multiple of it (pointers Triton checks itself), so
+    loads of that many head-dim elements are vectorised; 1 disables the hint."""
+    align = 16 // tensors[0].element_size()
+    strides = [st for t in tensors for st in t.stride()[:4]]
+    while align > 1 and any(st % align for st in strides):
+        align //= 2
+    return align
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get full-precision products (the reference is fp32 math); fp16/bf16 use tensor cores natively.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -286,7 +308,7 @@ def temporal_attention_fwd(
     _temporal_attention_fwd_kernel[launch_grid(n_seq, f, d, q.dtype)](
         out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, scale * _LOG2E,
         D=d, BLOCK_P=cfg["BLOCK_P"], BLOCK_F=cfg["BLOCK_F"], BLOCK_D=cfg["BLOCK_D"],
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(out, q, k, v), num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out
 
@@ -304,7 +326,8 @@ def temporal_attention_bwd(
         dq, dk, dv, dout, q, k, v, *dq.stride(), *dk.stride(), *dv.stride(), *dout.stride(), *q.stride(),
         *k.stride(), *v.stride(), n_seq, n, h, f, scale, scale * _LOG2E,
         D=d, BLOCK_P=cfg["BLOCK_P"], BLOCK_F=cfg["BLOCK_F"], BLOCK_D=cfg["BLOCK_D"],
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(dq, dk, dv, dout, q, k, v),
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     return dq, dk, dv
 
@@ -336,6 +359,8 @@ def aot_specs() -> list[dict]:
                 cfg = block_config(f, d, dtypes[dtype], backward)
                 constexprs.update({key: cfg[key] for key in ("BLOCK_P", "BLOCK_F", "BLOCK_D")}, D=d)
                 constexprs["DOT_PRECISION"] = _dot_precision(dtypes[dtype])
+                # diffusers' (B*N, F, heads*d) views: every stride a multiple of d, of 8 (fp16) or 4 (fp32) elements.
+                constexprs["ALIGN"] = 16 // dtypes[dtype].itemsize
                 kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
                 specs.append(
                     dict(
@@ -344,10 +369,13 @@ def aot_specs() -> list[dict]:
                         signature=sig,
                         constexprs=constexprs,
                         num_warps=cfg["num_warps"],
-                        # Pointers and the batch/frame/pixel/head strides (multiples of heads*d) are multiples of
-                        # 16 at the real shapes; Triton specialises them at launch.
+                        # What Triton marks at launch at the real shapes: pointers, and the batch/frame/pixel strides
+                        # (multiples of heads*d); the head stride d only when d is a multiple of 16 (not 40 or 72).
                         divisible_by_16=[
-                            k for k in sig if k.endswith("_ptr") or (k.startswith("stride_") and k not in constexprs)
+                            k
+                            for k in sig
+                            if k.endswith("_ptr")
+                            or (k.startswith("stride_") and k not in constexprs and (d % 16 == 0 or k[-1] != "h"))
                         ],
                     )
                 )

@@ -82,18 +82,22 @@ def tensor_core_instruction(ptx: str) -> str:
     return "mma" if re.search(r"\bmma\.sync\.aligned", ptx) else ""
 
 
-_LD_GLOBAL = re.compile(r"\bld\.global(?:\.[\w:]+)*?\.(?:v(\d)\.)?[bfsu](\d+)\s")
+# ld[.volatile|.relaxed.gpu|...].global[.nc|.L1::evict_last|...][.v2|.v4|.v8].<type><bits>[x2]
+_LD_GLOBAL = re.compile(r"\bld(?:\.\w+)*?\.global(?:\.[\w:]+)*?\.(?:v(\d)\.)?[bfsu](\d+)(x2)?\s")
+# cp.async.ca|cg.shared[::cta].global[.L2::128B|...] [dst], [src], <bytes>
 _CP_ASYNC = re.compile(
-    r"\bcp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)"
+    r"\bcp\.async\.c[ag]\.shared(?:::\w+)?\.global(?:\.[\w:]+)*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)"
 )
+# TMA loads copy global -> shared (stores run shared -> global and do not count)
+_TMA_LOAD = re.compile(r"\bcp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global")
 
 
 def widest_global_load(ptx: str) -> int:
     """Bytes of the widest global-memory read per thread in the PTX: ld.global (vector count x element width),
-    cp.async (its copy size) or a TMA bulk copy (counted as 16: it moves whole tiles)."""
-    widths = [int(v or 1) * int(bits) // 8 for v, bits in _LD_GLOBAL.findall(ptx)]
+    cp.async (its copy size) or a TMA bulk load (counted as 16: it moves whole tiles)."""
+    widths = [int(v or 1) * int(bits) * (2 if pair else 1) // 8 for v, bits, pair in _LD_GLOBAL.findall(ptx)]
     widths += [int(n, 0) for n in _CP_ASYNC.findall(ptx)]
-    if "cp.async.bulk.tensor" in ptx:
+    if _TMA_LOAD.search(ptx):
         widths.append(16)
     return max(widths, default=0)
 

@@ -253,3 +253,41 @@ def test_torch_compile_fullgraph(backend):
     eager.sum().backward()
     assert_close(out, eager.detach().double(), torch.float32, "compiled forward")
     assert_close(grad_compiled, x.grad.double(), torch.float32, "compiled backward")
+
+
+def test_row_alignment_divides_every_stride():
+    from ldmopt.kernels.temporal_attention import row_alignment
+
+    def diffusers(d, heads, dtype, f=16):
+        return torch.empty(6, f, heads * d, dtype=dtype).view(6, f, 1, heads, d)
+
+    assert row_alignment(diffusers(40, 8, torch.float16)) == 8  # 16 bytes: AnimateDiff's head dim 40
+    assert row_alignment(diffusers(72, 16, torch.bfloat16)) == 8  # Latte
+    assert row_alignment(diffusers(40, 8, torch.float32)) == 4
+    assert row_alignment(diffusers(20, 3, torch.float16)) == 4  # head stride 20
+    assert row_alignment(diffusers(7, 3, torch.float16)) == 1  # no hint at all
+    packed = torch.empty(6, 16, 3 * 320, dtype=torch.float16).view(6, 16, 3, 8, 40)
+    assert row_alignment(*(packed[:, :, i : i + 1] for i in range(3))) == 8  # q, k, v of a fused to_qkv output
+    odd_frames = torch.empty(6, 16, 8 * 40 + 2, dtype=torch.float16)[:, :, : 8 * 40].view(6, 16, 1, 8, 40)
+    assert row_alignment(odd_frames) == 2  # frame stride 322: the weakest stride decides
+    assert row_alignment(diffusers(40, 8, torch.float16), odd_frames) == 2
+
+
+def test_aot_specs_compile_what_runs():
+    # The AOT gate's hints must hold for real activations, or it checks a variant no launch uses (a head stride of 40
+    # once counted as a multiple of 16 there, hiding scalar loads): every argument a spec marks divisible by 16 is,
+    # and its ALIGN is what the launcher computes.
+    from ldmopt.kernels.temporal_attention import aot_specs, row_alignment
+
+    channels = {40: 320, 64: 320, 72: 1152, 80: 640, 160: 1280}
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    for spec in aot_specs():
+        d = spec["constexprs"]["D"]
+        dtype = dtypes[spec["name"].rsplit(",", 1)[1].rstrip("]")]
+        view = torch.empty(4, spec["constexprs"]["BLOCK_F"], channels[d], dtype=dtype)
+        view = view.view(4, view.shape[1], 1, channels[d] // d, d)
+        strides = dict(zip("bfnhd", view.stride(), strict=True))
+        for name in spec["divisible_by_16"]:
+            if name.startswith("stride_"):
+                assert strides[name[-1]] % 16 == 0, f"{spec['name']}: {name}={strides[name[-1]]} is marked %16"
+        assert spec["constexprs"]["ALIGN"] == row_alignment(view), spec["name"]
