@@ -94,14 +94,13 @@ def us_per_call(fn) -> harness.Timing:
     """Median (p20, p80) over WINDOWS windows of CALLS calls, in ms per call, the device synchronised around each
     window: in this regime the host issues the calls no faster than this."""
     fn()
-    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     per_call = []
     for _ in range(WINDOWS):
-        sync()
+        harness.synchronize(DEVICE)
         start = time.perf_counter()
         for _ in range(CALLS):
             fn()
-        sync()
+        harness.synchronize(DEVICE)
         per_call.append((time.perf_counter() - start) * 1e3 / CALLS)
     q = statistics.quantiles(per_call, n=5)
     return harness.Timing(statistics.median(per_call), q[0], q[3])

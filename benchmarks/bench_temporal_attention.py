@@ -140,11 +140,6 @@ def _providers(shape, layout, device):
     return providers
 
 
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def _reference(q, k, v, shape, layout, chunk=4096):
     """fp32 SDPA in chunks of sequences small enough for every backend's grid."""
     to_bnfc, from_bnfc, _ = _split(*shape, layout)
@@ -184,7 +179,7 @@ def bench_temporal_attention(case, dtype, layout, mode, bench_recorder):
             else:
                 run = lambda fn=fn: torch.autograd.grad(fn(q, k, v), (q, k, v), dy)
             out = run()
-            _sync()
+            harness.synchronize(DEVICE)
             if reference is not None:
                 note = f"max|err| vs fp32 SDPA {(out.float() - reference).abs().max().item():.2e}"
             timing = harness.time_fn(run)
@@ -194,7 +189,7 @@ def bench_temporal_attention(case, dtype, layout, mode, bench_recorder):
         except ImportError as exc:
             note = f"unavailable: {type(exc).__name__}: {str(exc)[:100]}"
         except Exception as exc:  # grid limits, unsupported head dims, xformers' missing extensions
-            _sync()
+            harness.synchronize(DEVICE)
             note = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
         bench_recorder.record(
             op="temporal_attention",

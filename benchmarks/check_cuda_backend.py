@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 import ldmopt
+from benchmarks.check_gpu import BOUND, rel_err  # one error measure and one bound per dtype for both scripts
 from ldmopt import _env
 
 DEVICE = "cuda"  # tests/test_check_scripts_dry_run.py runs these checks on the CPU with tiny shapes
-BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 BACKENDS = ("cuda", "triton")
 GROUPS = 32
 DTYPES, QUICK_DTYPES = (torch.float16, torch.bfloat16), (torch.float16,)
@@ -47,12 +47,6 @@ ATTENTION_SHAPES = {
     "latte-32x32": (2048, 16, 16, 72),
 }
 QUICK_ATTENTION = ("animatediff-64x64", "svd-72x128", "latte-32x32")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if torch.isnan(out).any():
-        return float("nan")
-    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
 
 
 def _group_norm_cases(quick: bool):

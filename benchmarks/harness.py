@@ -63,6 +63,12 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, min_r
     return Timing(p50, p20, p80)
 
 
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (benchmarks' dry runs pass "cpu", where there is none)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def peak_memory(fn: Callable[[], object]) -> int:
     """Peak CUDA memory allocated (bytes) above what was allocated before one call of ``fn``."""
     torch.cuda.synchronize()

@@ -208,7 +208,7 @@ def _backward(ctx, dy, _dpre):
             # Only when a caller asked for no saved pre-activation yet needs gradients: recompute it.
             pre = gemm_torch(x, weight, bias).to(x.dtype)
         dz, dbias, dgate = call(linear_bwd, dy, pre if activation is not None or need_dgate else None, gate,
-                                      activation or "", need_dgate)  # fmt: skip
+                                activation or "", need_dgate)  # fmt: skip
     if dz.dtype != weight.dtype:
         dz = dz.to(weight.dtype)  # dy arrived in the promoted dtype (e.g. an fp32 residual stream under autocast)
     dx = torch.matmul(dz, weight) if need_dx else None
