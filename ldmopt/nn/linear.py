@@ -19,11 +19,13 @@ hooks (accelerate offload), stays on the stock path with that reason. The forwar
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.geglu import geglu
 from ..ops.linear import SUPPORTED_ACTIVATIONS, linear
+from .child_check import count_stock, readable
 
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -57,11 +59,26 @@ def feed_forward_reasons(ff: object) -> list[str]:
     return [reason] if reason else []
 
 
+def stock_gated_residual(y: Tensor, gate: Tensor, residual: Tensor) -> Tensor:
+    """``residual + gate * y`` as diffusers computes it, gate shaped as :func:`ldmopt.ops.linear` takes it."""
+    if y.dim() > 2:
+        gate = gate.reshape(gate.shape[0], *([1] * (y.dim() - 2)), gate.shape[-1])
+    return residual + gate * y
+
+
+def gated_residual_linear(layer: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, where: str, name: str) -> Tensor:
+    """``residual + gate * layer(x)``: one GEMM with the bias, gate and residual in its epilogue while ``layer`` is a
+    plain nn.Linear, else ``layer``'s own forward and the stock ops (see child_check)."""
+    if readable(layer):
+        return linear(x, layer.weight, layer.bias, gate=gate, residual=residual)
+    count_stock(where, name, layer)
+    return stock_gated_residual(layer(x), gate, residual)
+
+
 def ff_gated_residual(ff: nn.Module, x: Tensor, gate: Tensor, residual: Tensor) -> Tensor:
     """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue."""
     h = ff.net[1](ff.net[0](x))
-    out = ff.net[2]
-    return linear(h, out.weight, out.bias, gate=gate, residual=residual)
+    return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", "ff.net.2")
 
 
 def _shell(cls):
@@ -100,7 +117,11 @@ class FusedGEGLU(nn.Module):
 
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         # *args/**kwargs: diffusers' deprecated `scale` argument, ignored as diffusers ignores it.
-        return geglu(hidden_states, self.proj.weight, self.proj.bias)
+        if readable(self.proj):
+            return geglu(hidden_states, self.proj.weight, self.proj.bias)
+        count_stock("GEGLU", "proj", self.proj)
+        h, gate = self.proj(hidden_states).chunk(2, dim=-1)
+        return h * F.gelu(gate)
 
 
 class FusedGELU(nn.Module):
@@ -138,8 +159,11 @@ class FusedGELU(nn.Module):
         return new
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        activation = _GELU_APPROXIMATE[self.approximate]
-        return linear(hidden_states, self.proj.weight, self.proj.bias, activation=activation)
+        if readable(self.proj):
+            activation = _GELU_APPROXIMATE[self.approximate]
+            return linear(hidden_states, self.proj.weight, self.proj.bias, activation=activation)
+        count_stock("GELU", "proj", self.proj)
+        return F.gelu(self.proj(hidden_states), approximate=self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

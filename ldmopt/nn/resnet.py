@@ -3,7 +3,8 @@
 Interface for the patcher (ldmopt/patch/) and for users:
 
 - ``can_fuse(block) -> list[str]``: why this block instance can never take the fused path (empty list: it can).
-  Static properties only (class, time_embedding_norm, activation, resampling kernel, conv shapes).
+  Properties of the block, not of the inputs (class, time_embedding_norm, activation, resampling kernel, conv
+  shapes, forward hooks on the children it reads); asked on every call, as children can change after patching.
 - ``fused_resnet_forward(block, input_tensor, temb=None, *, stats=None, out_stats=None) -> Tensor``: a drop-in for
   ``ResnetBlock2D.forward`` that reads the block's own parameters (nothing copied). Bind it to an instance with
   ``block.forward = types.MethodType(fused_resnet_forward, block)`` and undo with ``del block.forward``. Inputs the
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from ..ops._dispatch import call
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d
+from .child_check import unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
@@ -96,6 +98,8 @@ def _resample_kind(block) -> tuple[str, str]:
 def _conv_reasons(name: str, conv, kernel: int) -> list[str]:
     if not isinstance(conv, torch.nn.Conv2d):
         return [f"{name} is {type(conv).__name__}, not nn.Conv2d (LoRA/quantised layers stay on the stock path)"]
+    if conv._forward_hooks or conv._forward_pre_hooks:
+        return [unreadable_reason(name, conv)]
     expect = ((kernel, kernel), (1, 1), (kernel // 2, kernel // 2), (1, 1), 1, "zeros")
     got = (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
     if got != expect:
@@ -124,8 +128,11 @@ def can_fuse(block) -> list[str]:
     if not isinstance(block.nonlinearity, torch.nn.SiLU):
         reasons.append(f"nonlinearity {type(block.nonlinearity).__name__} (only SiLU/swish is fused)")
     for name in ("norm1", "norm2"):
-        if not isinstance(getattr(block, name), torch.nn.GroupNorm):
-            reasons.append(f"{name} is {type(getattr(block, name)).__name__}, not nn.GroupNorm")
+        norm = getattr(block, name)
+        if not isinstance(norm, torch.nn.GroupNorm):
+            reasons.append(f"{name} is {type(norm).__name__}, not nn.GroupNorm")
+        elif norm._forward_hooks or norm._forward_pre_hooks:
+            reasons.append(unreadable_reason(name, norm))
     reasons += _conv_reasons("conv1", block.conv1, 3) + _conv_reasons("conv2", block.conv2, 3)
     if block.conv_shortcut is not None:
         reasons += _conv_reasons("conv_shortcut", block.conv_shortcut, 1)

@@ -154,6 +154,7 @@ _FALLBACK_COUNTERS = (
     ("ldmopt.nn.resnet", "fallback_reasons", _module_fallback),
     ("ldmopt.ops.gn_conv2d", "fallback_reasons", _op_fallback),
     ("ldmopt.nn.temporal_layout", "fallback_reasons", _layout_fallback),
+    ("ldmopt.nn.child_check", "fallback_reasons", str),
 )
 # Per-call layout-copy counters: (module, attribute, label prefix).
 _LAYOUT_COUNTERS = (("ldmopt.nn.resnet", "ResnetBlock2D: "), ("ldmopt.nn.temporal_layout", ""))

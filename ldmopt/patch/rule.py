@@ -11,7 +11,11 @@ Two ways of editing, both keeping the parameter objects (no copies) and the stat
   :func:`fused_class`) whose ``forward`` runs fused ops and whose ``extra_repr`` says so; hooks, parameters and
   identity stay;
 - child swap: a child is replaced by an ldmopt module built with ``from_module`` (sharing the Parameter objects),
-  and a child whose work moved into its neighbour by :class:`FusedAway`, which has no state.
+  and a child whose work moved into its neighbour by :class:`FusedAway`, which has no state; ``restore_child``
+  puts the original back and keeps what was done to the replacement meanwhile (a LoRA loaded after patching).
+
+Children can change after patching (LoRA adapters, offload hooks): a fused path that reads a child's weights instead
+of calling it checks the child on every call (ldmopt.nn.child_check).
 """
 
 from __future__ import annotations
@@ -160,11 +164,24 @@ class ClassSwapRule(Rule):
 
 
 class FusedAway(nn.Identity):
-    """Stands where a module whose work moved into a neighbour was (e.g. a SiLU now applied inside a GroupNorm)."""
+    """Stands where a module whose work moved into a neighbour was (e.g. a SiLU now applied inside a GroupNorm).
 
-    def __init__(self, into: str) -> None:
+    ``stock`` and ``home=(parent, attr, fused)``: while ``parent.<attr>`` is no longer ``fused`` (a LoRA layer now
+    wraps it, and ``fused`` then skips the moved work), the moved work is done here by ``stock``. Neither is a child,
+    so ``state_dict`` and ``modules()`` are those of a plain identity.
+    """
+
+    def __init__(self, into: str, stock: nn.Module | None = None, home: tuple | None = None) -> None:
         super().__init__()
         self.into = into
+        self.__dict__["_ldmopt_stock"] = stock
+        self.__dict__["_ldmopt_home"] = home
+
+    def forward(self, x):
+        home = self.__dict__.get("_ldmopt_home")
+        if home is None or home[0]._modules.get(home[1]) is home[2]:
+            return x
+        return self._ldmopt_stock(x)
 
     def extra_repr(self) -> str:
         return f"fused into {self.into} by ldmopt"
@@ -175,3 +192,24 @@ def set_child(parent: nn.Module, attr: str, child: nn.Module) -> nn.Module:
     old = parent._modules[attr]
     parent._modules[attr] = child
     return old
+
+
+def restore_child(parent: nn.Module, attr: str, original: nn.Module, fused: nn.Module) -> None:
+    """Put ``original`` back where ``fused`` was installed, keeping what changed while patched: children, parameters
+    and buffers of ``fused`` replaced since (a LoRA layer around its projection) move into ``original``, and a
+    wrapper installed around ``fused`` (PEFT wraps the very layer a LoRA targets) stays, wrapping ``original``. A
+    module put in ``fused``'s place by someone else is left there."""
+    for registry in ("_modules", "_parameters", "_buffers"):
+        mine, theirs = getattr(fused, registry), getattr(original, registry)
+        for name, value in mine.items():
+            if name in theirs and theirs[name] is not value:
+                theirs[name] = value
+    current = parent._modules.get(attr)
+    if current is fused:
+        parent._modules[attr] = original
+        return
+    for holder in current.modules() if isinstance(current, nn.Module) else ():
+        for name, child in holder._modules.items():
+            if child is fused:
+                holder._modules[name] = original
+                return

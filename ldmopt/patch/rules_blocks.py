@@ -23,9 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn.linear import feed_forward_reasons, ff_gated_residual, plain_layer_norm_reason, plain_linear_reason
+from ..nn.linear import (
+    feed_forward_reasons,
+    ff_gated_residual,
+    gated_residual_linear,
+    plain_layer_norm_reason,
+    plain_linear_reason,
+)
 from ..ops.adaln_modulate import adaln_modulate
-from ..ops.linear import linear
 from .rule import ClassSwapRule, Rule, Site
 
 
@@ -147,7 +152,9 @@ def _flux_single_forward(
         hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
     )
     hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
-    hidden_states = linear(hidden_states, self.proj_out.weight, self.proj_out.bias, gate=gate, residual=residual)
+    hidden_states = gated_residual_linear(
+        self.proj_out, hidden_states, gate, residual, "FluxSingleTransformerBlock", "proj_out"
+    )
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import resnet as R
+from ..nn.child_check import count_stock, readable
 from ..ops.gn_conv2d import gn_silu_conv2d
 from .rule import ClassSwapRule, Rule, Site
 
@@ -61,7 +62,19 @@ def _proj_in_as_conv(proj_in: nn.Module) -> tuple[Tensor, Tensor | None]:
     return (weight[:, :, None, None] if weight.dim() == 2 else weight), proj_in.bias
 
 
+def _norm_proj_in_readable(self, where: str) -> bool:
+    """Whether ``norm`` and ``proj_in`` are still what the fused path reads (child_check); counts why not."""
+    for name, kinds in (("norm", (nn.GroupNorm,)), ("proj_in", (nn.Linear, nn.Conv2d))):
+        child = self._modules.get(name)
+        if not readable(child, *kinds):
+            count_stock(where, name, child)
+            return False
+    return True
+
+
 def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tensor, int]:
+    if not _norm_proj_in_readable(self, "Transformer2DModel"):
+        return type(self)._ldmopt_base._operate_on_continuous_inputs(self, hidden_states)
     batch, _, height, width = hidden_states.shape
     weight, bias = _proj_in_as_conv(self.proj_in)
     norm = self.norm
@@ -145,7 +158,11 @@ def _spatiotemporal_forward(
     """``TransformerSpatioTemporalModel.forward`` with GroupNorm fused into proj_in and channels-last kept."""
     from diffusers.models.transformers.transformer_temporal import TransformerTemporalModelOutput
 
-    if encoder_hidden_states is None or image_only_indicator is None:
+    if (
+        encoder_hidden_states is None
+        or image_only_indicator is None
+        or not _norm_proj_in_readable(self, "TransformerSpatioTemporalModel")
+    ):
         base = type(self)._ldmopt_base
         return base.forward(self, hidden_states, encoder_hidden_states, image_only_indicator, return_dict)
     batch_frames, channels, height, width = hidden_states.shape

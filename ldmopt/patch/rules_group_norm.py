@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.group_norm import GroupNorm as _LdmoptGroupNorm
-from .rule import FusedAway, Rule, Site, set_child
+from .rule import FusedAway, Rule, Site, restore_child, set_child
 
 
 class PatchedGroupNorm(_LdmoptGroupNorm):
@@ -79,14 +79,15 @@ class GroupNormSiLUHead(Rule):
 
     def replace(self, site: Site) -> Any:
         m = site.module
-        norm = set_child(m, "conv_norm_out", PatchedGroupNorm.from_module(m.conv_norm_out, "silu"))
-        act = set_child(m, "conv_act", FusedAway("conv_norm_out"))
-        return norm, act
+        norm, away = PatchedGroupNorm.from_module(m.conv_norm_out, "silu"), FusedAway("conv_norm_out")
+        return {
+            "conv_norm_out": (set_child(m, "conv_norm_out", norm), norm),
+            "conv_act": (set_child(m, "conv_act", away), away),
+        }
 
     def restore(self, site: Site, data: Any) -> None:
-        norm, act = data
-        set_child(site.module, "conv_norm_out", norm)
-        set_child(site.module, "conv_act", act)
+        for attr, (original, fused) in data.items():
+            restore_child(site.module, attr, original, fused)
 
 
 def _gn_silu_pairs(seq: nn.Sequential) -> list[tuple[str, str]]:
@@ -122,13 +123,14 @@ class GroupNormSiLUSequential(Rule):
         seq = site.module
         old = {}
         for norm_key, act_key in _gn_silu_pairs(seq):
-            old[norm_key] = set_child(seq, norm_key, PatchedGroupNorm.from_module(seq._modules[norm_key], "silu"))
-            old[act_key] = set_child(seq, act_key, FusedAway(f"[{norm_key}]"))
+            norm, away = PatchedGroupNorm.from_module(seq._modules[norm_key], "silu"), FusedAway(f"[{norm_key}]")
+            old[norm_key] = set_child(seq, norm_key, norm), norm
+            old[act_key] = set_child(seq, act_key, away), away
         return old
 
     def restore(self, site: Site, data: Any) -> None:
-        for key, module in data.items():
-            set_child(site.module, key, module)
+        for key, (original, fused) in data.items():
+            restore_child(site.module, key, original, fused)
 
 
 class GroupNormAnywhere(Rule):
@@ -150,10 +152,11 @@ class GroupNormAnywhere(Rule):
         return {"": site.module}
 
     def replace(self, site: Site) -> Any:
-        return set_child(site.parent, site.attr, PatchedGroupNorm.from_module(site.module, None))
+        fused = PatchedGroupNorm.from_module(site.module, None)
+        return set_child(site.parent, site.attr, fused), fused
 
     def restore(self, site: Site, data: Any) -> None:
-        set_child(site.parent, site.attr, data)
+        restore_child(site.parent, site.attr, *data)
 
 
 RULES: list[Rule] = [GroupNormSiLUHead(), GroupNormSiLUSequential(), GroupNormAnywhere()]

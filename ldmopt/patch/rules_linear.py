@@ -19,7 +19,8 @@ from typing import Any
 from torch import nn
 
 from ..nn import linear as L
-from .rule import FusedAway, Rule, Site, set_child
+from ..ops.linear import linear
+from .rule import FusedAway, Rule, Site, restore_child, set_child
 
 
 class _ChildSwap(Rule):
@@ -38,10 +39,11 @@ class _ChildSwap(Rule):
         return {"": site.module, **{name: getattr(site.module, name) for name in self.bypassed}}
 
     def replace(self, site: Site) -> Any:
-        return set_child(site.parent, site.attr, self.fused_cls.from_module(site.module))
+        fused = self.fused_cls.from_module(site.module)
+        return set_child(site.parent, site.attr, fused), fused
 
     def restore(self, site: Site, data: Any) -> None:
-        set_child(site.parent, site.attr, data)
+        restore_child(site.parent, site.attr, *data)
 
 
 class GEGLURule(_ChildSwap):
@@ -134,13 +136,31 @@ class FluxMLPRule(Rule):
 
     def replace(self, site: Site) -> Any:
         m = site.module
-        proj = set_child(m, "proj_mlp", L.FusedLinear.from_module(m.proj_mlp, activation="gelu_tanh"))
-        act = set_child(m, "act_mlp", FusedAway("proj_mlp"))
-        return proj, act
+        fused = _ProjMLP.from_module(m.proj_mlp, activation="gelu_tanh")
+        fused.__dict__["_ldmopt_home"] = (m, "proj_mlp")
+        away = FusedAway("proj_mlp", stock=m.act_mlp, home=(m, "proj_mlp", fused))
+        return set_child(m, "proj_mlp", fused), fused, set_child(m, "act_mlp", away), away
 
     def restore(self, site: Site, data: Any) -> None:
-        set_child(site.module, "proj_mlp", data[0])
-        set_child(site.module, "act_mlp", data[1])
+        proj, fused, act, away = data
+        restore_child(site.module, "proj_mlp", proj, fused)
+        restore_child(site.module, "act_mlp", act, away)
+
+
+class _ProjMLP(L.FusedLinear):
+    """A Flux single block's ``proj_mlp`` with the GELU(tanh) of ``act_mlp`` in its epilogue, while it is the block's
+    ``proj_mlp``. Wrapped by a layer installed after patch (PEFT's LoRA layer calls it as its base layer, then adds
+    the low-rank update), it computes the plain projection the wrapper expects, and the FusedAway standing in for
+    ``act_mlp`` applies the GELU to the wrapper's sum."""
+
+    def forward(self, x, *, gate=None, residual=None):
+        block, attr = self.__dict__["_ldmopt_home"]
+        if block._modules.get(attr) is self:
+            return super().forward(x, gate=gate, residual=residual)
+        return linear(x, self.weight, self.bias, gate=gate, residual=residual)
+
+    def _get_name(self) -> str:
+        return "FusedLinear"
 
 
 RULES: list[Rule] = [

@@ -1,0 +1,104 @@
+"""Children changed after ``ldmopt.patch``: LoRA adapters loaded into a patched model, hooks added later.
+
+The fused paths read some children's weights instead of calling them; a LoRA layer wrapped around such a child after
+patching (``pipe.load_lora_weights`` on a patched pipeline) must still count, and ``unpatch`` must keep it.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import ldmopt
+from tests.patch import models
+from tests.patch.helpers import assert_outputs_close, output_tensor
+
+peft = pytest.importorskip("peft")
+
+#: Every projection a fused path reads (plus attention and norm projections, called as before) that exists in the
+#: family: GEGLU/GELU proj, FF out (gated residual), proj_in (GroupNorm fused into it), Flux proj_mlp/proj_out,
+#: adaLN linear, resnet convs.
+TARGETS = {
+    "sd15": ["to_q", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut"],
+    "sdxl": ["proj_in", "ff.net.0.proj", "ff.net.2", "conv1", "time_emb_proj"],
+    "dit": ["to_q", "ff.net.0.proj", "ff.net.2", "linear", "proj_out_2"],
+    "pixart": ["ff.net.0.proj", "ff.net.2", "proj_out"],
+    "sd3": ["to_q", "ff.net.0.proj", "ff.net.2", "ff_context.net.2", "linear"],
+    "flux": ["ff.net.0.proj", "ff.net.2", "ff_context.net.2", "linear", "proj_mlp", "proj_out"],
+    "svd": ["proj_in", "ff.net.0.proj", "ff.net.2", "conv1"],
+    "latte": ["ff.net.0.proj", "ff.net.2", "proj_out"],
+}
+
+
+def _run(model, kwargs):
+    with torch.no_grad():
+        return output_tensor(model(**kwargs))
+
+
+def _add_lora(model, targets):
+    config = peft.LoraConfig(r=4, target_modules=targets)
+    if hasattr(model, "add_adapter"):
+        model.add_adapter(config)
+    else:  # models without diffusers' PeftAdapterMixin
+        peft.inject_adapter_in_model(config, model)
+
+
+def _stock_and_patched(family):
+    stock = models.BUILDERS[family]().eval()
+    patched = models.BUILDERS[family]().eval()
+    patched.load_state_dict(stock.state_dict())
+    return stock, patched
+
+
+@pytest.mark.parametrize("family", sorted(TARGETS))
+def test_lora_loaded_after_patch_counts_and_survives_unpatch(family):
+    stock, patched = _stock_and_patched(family)
+    x = models.inputs(family, stock)
+    report = ldmopt.patch(patched)
+    assert report.total > 0
+    for model in (stock, patched):
+        _add_lora(model, TARGETS[family])
+    for name, p in stock.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)  # peft starts B at zero, a no-op update
+    keys = list(stock.state_dict())
+    assert list(patched.state_dict()) == keys
+    patched.load_state_dict(stock.state_dict())
+    ref = _run(stock, x)
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(patched, x), ref, name=f"{family} + LoRA after patch")
+    assert any("ran the stock path" in reason for reason in report.fallbacks()), report.fallbacks()
+    ldmopt.unpatch(patched)
+    assert list(patched.state_dict()) == keys
+    assert torch.equal(_run(patched, x), ref), "unpatch dropped or altered a LoRA layer loaded while patched"
+
+
+def test_lora_unloaded_while_patched_resumes_the_fused_path():
+    stock, patched = _stock_and_patched("flux")
+    x = models.inputs("flux", stock)
+    ref = _run(stock, x)
+    report = ldmopt.patch(patched)
+    patched.add_adapter(peft.LoraConfig(r=4, target_modules=TARGETS["flux"]))
+    patched.unload_lora()  # peft puts the base layers back: ldmopt's fused modules
+    assert report.fallbacks() == {}
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(patched, x), ref, name="flux after LoRA unload")
+    assert not [r for r in report.fallbacks() if "ran the stock path" in r], report.fallbacks()
+    assert report.backends()["linear"]["torch"] > 0
+
+
+def test_forward_hook_added_after_patch_is_not_bypassed():
+    stock, patched = _stock_and_patched("dit")
+    x = models.inputs("dit", stock)
+    report = ldmopt.patch(patched)
+
+    def double_input(module, args):
+        return (args[0] * 2,)
+
+    for model in (stock, patched):
+        for name, m in model.named_modules():
+            if name.endswith("ff.net.2") or name.endswith("ff.net.0.proj"):
+                m.register_forward_pre_hook(double_input)
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(patched, x), _run(stock, x), name="dit with hooks added after patch")
+    hooked = [r for r in report.fallbacks() if "forward hooks" in r]
+    assert hooked, report.fallbacks()
