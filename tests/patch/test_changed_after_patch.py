@@ -102,3 +102,19 @@ def test_forward_hook_added_after_patch_is_not_bypassed():
         assert_outputs_close(_run(patched, x), _run(stock, x), name="dit with hooks added after patch")
     hooked = [r for r in report.fallbacks() if "forward hooks" in r]
     assert hooked, report.fallbacks()
+
+
+class _MarkedWeight(torch.Tensor):
+    """A tensor subclass standing in for a quantized weight (torchao keeps nn.Linear and swaps the weight)."""
+
+
+def test_weight_swapped_for_a_tensor_subclass_after_patch_takes_the_stock_path():
+    stock, patched = _stock_and_patched("pixart")
+    x = models.inputs("pixart", stock)
+    report = ldmopt.patch(patched)
+    for name, m in patched.named_modules():
+        if name.endswith("ff.net.2"):
+            m.weight = nn.Parameter(m.weight.detach().clone().as_subclass(_MarkedWeight))
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(patched, x), _run(stock, x), name="pixart with subclass weights")
+    assert [r for r in report.fallbacks() if "_MarkedWeight" in r], report.fallbacks()
