@@ -81,8 +81,10 @@ def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tens
     h = gn_silu_conv2d(
         hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None
     )
-    inner_dim = h.shape[1]
-    return h.permute(0, 2, 3, 1).reshape(batch, height * width, inner_dim), inner_dim
+    tokens = h.permute(0, 2, 3, 1).reshape(batch, height * width, h.shape[1])
+    # What diffusers returns as inner_dim, and later reshapes proj_out's output with: proj_in's output channels for a
+    # 1x1 conv, but the INPUT channels for a linear projection (applied after that reshape there).
+    return tokens, hidden_states.shape[1] if self.use_linear_projection else h.shape[1]
 
 
 def _t2d_get_output_for_continuous_inputs(self, hidden_states, residual, batch_size, height, width, inner_dim):

@@ -284,3 +284,25 @@ def test_fuse_qkv_projections_interplay(order):
     else:  # the projections stay fused (diffusers keeps to_qkv), the processors are the stock ones again
         assert after["processors"] == before["processors"]
     assert torch.allclose(_run(unet, x), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("linear_projection", [False, True])
+def test_transformer2d_inner_dim_other_than_in_channels(linear_projection):
+    # proj_in maps 32 channels to 2 heads x 8 = 16: diffusers reshapes proj_out's output (32 channels) with the
+    # *input* channel count in the linear-projection case, which the fused proj_in path must return likewise.
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    model = Transformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=32,
+        norm_num_groups=8,
+        cross_attention_dim=24,
+        use_linear_projection=linear_projection,
+    ).eval()
+    x = {"hidden_states": torch.randn(2, 32, 5, 3), "encoder_hidden_states": torch.randn(2, 4, 24)}
+    ref = _run(model, x)
+    report = ldmopt.patch(model)
+    assert report.counts()["transformer2d_in"] == 1
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(model, x), ref, name=f"linear_projection={linear_projection}")
