@@ -52,6 +52,13 @@ def _resnet_block_class():
     return ResnetBlock2D, ""
 
 
+def _callable_name(fn) -> str:
+    """A name without a memory address, so that the report groups the blocks that share a reason."""
+    if isinstance(fn, functools.partial):
+        return f"partial({_callable_name(fn.func)})"
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
 def _resample_kind(block) -> tuple[str, str]:
     """("none" | "up" | "down", reason if the resampling is not nearest-2x / 2x2-average)."""
     from diffusers.models.downsampling import Downsample2D
@@ -70,7 +77,7 @@ def _resample_kind(block) -> tuple[str, str]:
             and up.keywords.get("scale_factor") in (2, 2.0)
         ):
             return "up", ""
-        return "up", f"upsample {up!r} is not nearest 2x (kernel='fir'?)"
+        return "up", f"upsample {_callable_name(up)} is not nearest 2x (kernel='fir'?)"
     if down is not None:
         if isinstance(down, Downsample2D):
             pool = down.conv
@@ -91,7 +98,7 @@ def _resample_kind(block) -> tuple[str, str]:
             and down.keywords.get("stride") == 2
         ):
             return "down", ""
-        return "down", f"downsample {down!r} is not a 2x2 average pool (kernel='fir'?)"
+        return "down", f"downsample {_callable_name(down)} is not a 2x2 average pool (kernel='fir'?)"
     return "none", ""
 
 
