@@ -8,11 +8,14 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 | gn_conv            | resnet              | ResnetBlock2D                                | GN+SiLU in conv loads     |
 | gn_conv            | transformer2d_in    | Transformer2DModel (continuous input)        | GN in proj_in's loads     |
 | gn_conv            | spatiotemporal_in   | TransformerSpatioTemporalModel (SVD)         | GN in proj_in's loads     |
-| group_norm         | group_norm_silu     | Encoder, Decoder, the UNets' output head     | conv_norm_out + conv_act  |
+| group_norm         | group_norm_silu     | VAE encoders/decoders (also SVD, Allegro,    | conv_norm_out + conv_act  |
+|                    |                     | HunyuanVideo), the UNets' output head        |                           |
 | group_norm         | group_norm_silu_seq | nn.Sequential (GroupNorm, SiLU)              | GN+SiLU in one pass       |
 | group_norm         | group_norm          | nn.GroupNorm anywhere else                   | ldmopt GroupNorm kernel   |
 | feed_forward       | geglu / gelu        | GEGLU / GELU                                 | GEGLU/GELU GEMM epilogue  |
-| feed_forward       | flux_mlp            | FluxSingleTransformerBlock                   | proj_mlp + GELU(tanh)     |
+| feed_forward       | flux_mlp            | FluxSingleTransformerBlock and look-alikes   | proj_mlp + GELU(tanh)     |
+|                    |                     | (Chroma, HunyuanVideo, HunyuanImage, Bria,   |                           |
+|                    |                     | LongCat, Motif)                              |                           |
 | adaln              | adaln_zero(_single) | AdaLayerNormZero, -ZeroSingle                | LayerNorm + modulation    |
 | adaln              | adaln_continuous    | AdaLayerNormContinuous                       | LayerNorm + modulation    |
 | adaln              | adaln_block         | BasicTransformerBlock (ada_norm_zero/single) | residual+LN+modulation;   |

@@ -92,6 +92,21 @@ class Rule:
         return []
 
 
+def diffusers_classes(*paths: str) -> tuple[type, ...]:
+    """The classes ``"module:Class"`` (module relative to ``diffusers.models``) that this diffusers has; a class it
+    predates is left out, so a rule keyed by it simply matches nothing there."""
+    import importlib
+
+    found = []
+    for path in paths:
+        module, name = path.split(":")
+        try:
+            found.append(getattr(importlib.import_module(f"diffusers.models.{module}"), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
 # ------------------------------------------------------------------------------------------------ class swap
 
 _FUSED_CLASSES: dict[tuple, type] = {}

@@ -1,8 +1,9 @@
 """GroupNorm rules: GroupNorm+SiLU where the SiLU is the next op, and plain GroupNorm everywhere else.
 
-- ``group_norm_silu``: models whose forward runs ``conv_act(conv_norm_out(x))`` (VAE Encoder/Decoder, the UNets'
-  output head) and ``nn.Sequential`` with a ``GroupNorm, SiLU`` pair (UNet3D's TemporalConvLayer): the GroupNorm
-  becomes ``ldmopt.nn.GroupNorm(activation="silu")`` sharing its parameters, the SiLU a :class:`FusedAway`.
+- ``group_norm_silu``: models whose forward runs ``conv_act(conv_norm_out(x))`` (VAE Encoder/Decoder, the video
+  VAEs' of SVD, Allegro and HunyuanVideo, the UNets' output head) and ``nn.Sequential`` with a ``GroupNorm, SiLU``
+  pair (UNet3D's TemporalConvLayer): the GroupNorm becomes ``ldmopt.nn.GroupNorm(activation="silu")`` sharing its
+  parameters, the SiLU a :class:`FusedAway`.
 - ``group_norm``: any other ``nn.GroupNorm`` (Transformer2DModel.norm, attention group_norm, resnet norms not taken
   by the resnet rule) becomes ``ldmopt.nn.GroupNorm`` sharing its parameters.
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.group_norm import GroupNorm as _LdmoptGroupNorm
-from .rule import FusedAway, Rule, Site, restore_child, set_child
+from .rule import FusedAway, Rule, Site, diffusers_classes, restore_child, set_child
 
 
 class PatchedGroupNorm(_LdmoptGroupNorm):
@@ -49,25 +50,23 @@ class GroupNormSiLUHead(Rule):
     description = "GroupNorm+SiLU in one pass (conv_norm_out + conv_act)"
 
     def targets(self) -> tuple[type, ...]:
-        from diffusers import (
-            UNet2DConditionModel,
-            UNet2DModel,
-            UNet3DConditionModel,
-            UNetMotionModel,
-            UNetSpatioTemporalConditionModel,
-        )
-        from diffusers.models.autoencoders.vae import Decoder, Encoder
-
         # Each of these forwards runs `sample = self.conv_act(self.conv_norm_out(sample))` when conv_norm_out is a
-        # GroupNorm (Decoder uses SpatialNorm instead when norm_type="spatial"; match() rejects that).
-        return (
-            Encoder,
-            Decoder,
-            UNet2DConditionModel,
-            UNet2DModel,
-            UNet3DConditionModel,
-            UNetMotionModel,
-            UNetSpatioTemporalConditionModel,
+        # GroupNorm, and uses conv_act nowhere else (read in diffusers 0.42; the decoders use SpatialNorm instead when
+        # norm_type="spatial", which match() rejects).
+        return diffusers_classes(
+            "autoencoders.vae:Encoder",
+            "autoencoders.vae:Decoder",
+            "autoencoders.vae:MaskConditionDecoder",
+            "autoencoders.autoencoder_kl_temporal_decoder:TemporalDecoder",
+            "autoencoders.autoencoder_kl_allegro:AllegroEncoder3D",
+            "autoencoders.autoencoder_kl_allegro:AllegroDecoder3D",
+            "autoencoders.autoencoder_kl_hunyuan_video:HunyuanVideoEncoder3D",
+            "autoencoders.autoencoder_kl_hunyuan_video:HunyuanVideoDecoder3D",
+            "unets.unet_2d_condition:UNet2DConditionModel",
+            "unets.unet_2d:UNet2DModel",
+            "unets.unet_3d_condition:UNet3DConditionModel",
+            "unets.unet_motion_model:UNetMotionModel",
+            "unets.unet_spatio_temporal_condition:UNetSpatioTemporalConditionModel",
         )
 
     def match(self, site: Site) -> bool:

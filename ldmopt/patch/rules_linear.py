@@ -2,8 +2,9 @@
 
 - ``geglu`` (feed_forward): diffusers ``GEGLU`` -> ``FusedGEGLU`` (SD/SDXL/AnimateDiff/SVD/ModelScope feed-forwards).
 - ``gelu`` (feed_forward): diffusers ``GELU`` (erf or tanh) -> ``FusedGELU`` (DiT, PixArt, SD3, Flux, Latte).
-- ``flux_mlp`` (feed_forward): ``FluxSingleTransformerBlock.proj_mlp`` + ``act_mlp`` (GELU tanh) -> one
-  ``FusedLinear(activation="gelu_tanh")``, ``act_mlp`` -> :class:`FusedAway`.
+- ``flux_mlp`` (feed_forward): ``proj_mlp`` + ``act_mlp`` (GELU tanh) of Flux's single block and its look-alikes
+  (Chroma, HunyuanVideo, HunyuanImage, Bria, LongCat, Motif) -> one ``FusedLinear(activation="gelu_tanh")``,
+  ``act_mlp`` -> :class:`FusedAway`.
 - ``adaln_zero`` / ``adaln_zero_single`` / ``adaln_continuous`` (adaln): ``AdaLayerNormZero`` (DiT, SD3, Flux),
   ``AdaLayerNormZeroSingle`` (Flux single blocks), ``AdaLayerNormContinuous`` (SD3/Flux ``norm_out``) -> the fused
   norms, which keep calling the stock ``emb``/``silu``/``linear`` children and fuse LayerNorm + modulation.
@@ -20,7 +21,7 @@ from torch import nn
 
 from ..nn import linear as L
 from ..ops.linear import linear
-from .rule import FusedAway, Rule, Site, restore_child, set_child
+from .rule import FusedAway, Rule, Site, diffusers_classes, restore_child, set_child
 
 
 class _ChildSwap(Rule):
@@ -111,17 +112,30 @@ class AdaLNContinuousRule(_ChildSwap):
         return (AdaLayerNormContinuous,)
 
 
+#: Single-stream blocks whose forward computes ``act_mlp(proj_mlp(x))`` and uses neither child anywhere else (read
+#: in diffusers 0.42): Flux and the models built on its single block.
+SINGLE_STREAM_BLOCKS = (
+    "transformers.transformer_flux:FluxSingleTransformerBlock",
+    "transformers.transformer_chroma:ChromaSingleTransformerBlock",
+    "transformers.transformer_hunyuan_video:HunyuanVideoSingleTransformerBlock",
+    "transformers.transformer_hunyuan_video:HunyuanVideoTokenReplaceSingleTransformerBlock",
+    "transformers.transformer_hunyuanimage:HunyuanImageSingleTransformerBlock",
+    "transformers.transformer_bria:BriaSingleTransformerBlock",
+    "transformers.transformer_bria_fibo:BriaFiboSingleTransformerBlock",
+    "transformers.transformer_longcat_image:LongCatImageSingleTransformerBlock",
+    "transformers.transformer_motif_video:MotifVideoSingleTransformerBlock",
+)
+
+
 class FluxMLPRule(Rule):
-    """``FluxSingleTransformerBlock``: its forward computes ``act_mlp(proj_mlp(x))`` with act_mlp = GELU(tanh)."""
+    """A Flux-style single-stream block: its forward computes ``act_mlp(proj_mlp(x))`` with act_mlp = GELU(tanh)."""
 
     name = "flux_mlp"
     family = "feed_forward"
-    description = "Flux single-block MLP: proj_mlp GEMM with bias + GELU(tanh) epilogue"
+    description = "Flux-style single-block MLP: proj_mlp GEMM with bias + GELU(tanh) epilogue"
 
     def targets(self) -> tuple[type, ...]:
-        from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
-
-        return (FluxSingleTransformerBlock,)
+        return diffusers_classes(*SINGLE_STREAM_BLOCKS)
 
     def match(self, site: Site) -> bool:
         act = site.module._modules.get("act_mlp")
