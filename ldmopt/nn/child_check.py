@@ -18,31 +18,47 @@ from torch import nn
 #: "<where> ran the stock path: <why>" -> calls in this process.
 fallback_reasons: Counter[str] = Counter()
 
+#: Weight types a fused kernel may read (a tensor subclass, e.g. a quantized weight, needs the module's own ops).
+PLAIN_WEIGHTS = (nn.Parameter, torch.Tensor, type(None))
 
-_PLAIN_WEIGHTS = (nn.Parameter, torch.Tensor, type(None))
+
+def hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs more than its class's forward: forward (pre-)hooks, or a forward replaced on
+    the instance (accelerate's offload and diffusers' hooks wrap ``module.forward``)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in module.__dict__
+
+
+def plain_weight(module: nn.Module) -> bool:
+    return type(module._parameters.get("weight")) in PLAIN_WEIGHTS
 
 
 def readable(layer: object, *kinds: type) -> bool:
     """Whether a fused path may read ``layer``'s parameters in place of calling it: exactly one of ``kinds``
-    (default nn.Linear; a LoRA or quantized layer is another class), no forward hooks, and a plain weight tensor
+    (default nn.Linear; a LoRA or quantized layer is another class), not :func:`hooked`, and a plain weight tensor
     (torchao-style quantization keeps the class and swaps the weight for a tensor subclass)."""
     if type(layer) not in (kinds or (nn.Linear,)):
         return False
-    if layer._forward_hooks or layer._forward_pre_hooks:
-        return False
-    return type(layer._parameters.get("weight")) in _PLAIN_WEIGHTS
+    return not hooked(layer) and plain_weight(layer)
+
+
+def _class_name(obj: object) -> str:
+    cls = type(obj)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def unreadable_reason(name: str, layer: object) -> str:
     """Why :func:`readable` refused ``layer`` (for the report)."""
     if isinstance(layer, nn.Module):
-        if layer._forward_hooks or layer._forward_pre_hooks:
-            return f"{name} has forward hooks (e.g. accelerate offload) that reading its weights would bypass"
-        weight = layer._parameters.get("weight")
-        if type(weight) not in _PLAIN_WEIGHTS:
-            return f"{name}.weight is a {type(weight).__name__} (a quantized tensor?), not a plain tensor"
-    return f"{name} is {type(layer).__name__} (a LoRA/PEFT or quantized layer added after patch?)"
+        if hooked(layer):
+            return f"{name} has forward hooks or a wrapped forward (accelerate/diffusers hooks) the fused path bypasses"
+        if not plain_weight(layer):
+            return f"{name}.weight is a {_class_name(layer.weight)} (a quantized tensor?), not a plain tensor"
+    return f"{name} is a {_class_name(layer)} (a LoRA/PEFT or quantized layer added after patch?)"
+
+
+def count_reason(where: str, reason: str) -> None:
+    fallback_reasons[f"{where} ran the stock path: {reason}"] += 1
 
 
 def count_stock(where: str, name: str, layer: object) -> None:
-    fallback_reasons[f"{where} ran the stock path: {unreadable_reason(name, layer)}"] += 1
+    count_reason(where, unreadable_reason(name, layer))

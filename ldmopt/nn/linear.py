@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.geglu import geglu
-from ..ops.linear import SUPPORTED_ACTIVATIONS, linear
-from .child_check import count_stock, readable
+from ..ops.linear import SUPPORTED_ACTIVATIONS, activation_torch, linear
+from .child_check import count_stock, plain_weight, readable
 
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -59,11 +59,14 @@ def feed_forward_reasons(ff: object) -> list[str]:
     return [reason] if reason else []
 
 
-def stock_gated_residual(y: Tensor, gate: Tensor, residual: Tensor) -> Tensor:
-    """``residual + gate * y`` as diffusers computes it, gate shaped as :func:`ldmopt.ops.linear` takes it."""
-    if y.dim() > 2:
-        gate = gate.reshape(gate.shape[0], *([1] * (y.dim() - 2)), gate.shape[-1])
-    return residual + gate * y
+def stock_gated_residual(y: Tensor, gate: Tensor | None, residual: Tensor | None) -> Tensor:
+    """``residual + gate * y`` as diffusers computes it, gate shaped as :func:`ldmopt.ops.linear` takes it (either
+    may be None)."""
+    if gate is not None:
+        if y.dim() > 2:
+            gate = gate.reshape(gate.shape[0], *([1] * (y.dim() - 2)), gate.shape[-1])
+        y = gate * y
+    return y if residual is None else residual + y
 
 
 def gated_residual_linear(layer: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, where: str, name: str) -> Tensor:
@@ -211,7 +214,15 @@ class FusedLinear(nn.Linear):
         return new
 
     def forward(self, x: Tensor, *, gate: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-        return linear(x, self.weight, self.bias, activation=self.activation, gate=gate, residual=residual)
+        return self.compute(x, self.activation, gate, residual)
+
+    def compute(self, x: Tensor, activation: str | None, gate: Tensor | None, residual: Tensor | None) -> Tensor:
+        """The fused GEMM, or with a weight that is a tensor subclass (a quantized weight, whose own F.linear must
+        run) the unfused ops."""
+        if plain_weight(self):
+            return linear(x, self.weight, self.bias, activation=activation, gate=gate, residual=residual)
+        count_stock("FusedLinear", "the layer", self)
+        return stock_gated_residual(activation_torch(activation, F.linear(x, self.weight, self.bias)), gate, residual)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")

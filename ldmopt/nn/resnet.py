@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..ops._dispatch import call
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d
-from .child_check import unreadable_reason
+from .child_check import readable, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
@@ -103,10 +103,8 @@ def _resample_kind(block) -> tuple[str, str]:
 
 
 def _conv_reasons(name: str, conv, kernel: int) -> list[str]:
-    if not isinstance(conv, torch.nn.Conv2d):
-        return [f"{name} is {type(conv).__name__}, not nn.Conv2d (LoRA/quantised layers stay on the stock path)"]
-    if conv._forward_hooks or conv._forward_pre_hooks:
-        return [unreadable_reason(name, conv)]
+    if not readable(conv, torch.nn.Conv2d):
+        return [unreadable_reason(name, conv) + " (LoRA/quantised/hooked layers stay on the stock path)"]
     expect = ((kernel, kernel), (1, 1), (kernel // 2, kernel // 2), (1, 1), 1, "zeros")
     got = (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
     if got != expect:
@@ -136,9 +134,7 @@ def can_fuse(block) -> list[str]:
         reasons.append(f"nonlinearity {type(block.nonlinearity).__name__} (only SiLU/swish is fused)")
     for name in ("norm1", "norm2"):
         norm = getattr(block, name)
-        if not isinstance(norm, torch.nn.GroupNorm):
-            reasons.append(f"{name} is {type(norm).__name__}, not nn.GroupNorm")
-        elif norm._forward_hooks or norm._forward_pre_hooks:
+        if not readable(norm, torch.nn.GroupNorm):
             reasons.append(unreadable_reason(name, norm))
     reasons += _conv_reasons("conv1", block.conv1, 3) + _conv_reasons("conv2", block.conv2, 3)
     if block.conv_shortcut is not None:

@@ -20,11 +20,14 @@ of calling it checks the child on every call (ldmopt.nn.child_check).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import nn
+
+from ..nn.child_check import count_reason, hooked, unreadable_reason
 
 #: Kernel families a user can select with ``patch(..., families={...})``.
 FAMILIES = ("group_norm", "gn_conv", "feed_forward", "adaln", "temporal_layout", "temporal_attention", "svd_attn2")
@@ -123,6 +126,7 @@ def fused_class(base: type, forward: Callable | dict[str, Callable], label: str)
     key = (base, *sorted(methods.items(), key=lambda kv: kv[0]))
     cls = _FUSED_CLASSES.get(key)
     if cls is None:
+        guarded = {name: _guarded(base, name, fn) for name, fn in methods.items()}
 
         def extra_repr(self) -> str:
             inner = base.extra_repr(self)
@@ -136,7 +140,7 @@ def fused_class(base: type, forward: Callable | dict[str, Callable], label: str)
             base.__name__,
             (base,),
             {
-                **methods,
+                **guarded,
                 "extra_repr": extra_repr,
                 "__reduce_ex__": __reduce_ex__,
                 "_ldmopt_base": base,
@@ -148,6 +152,24 @@ def fused_class(base: type, forward: Callable | dict[str, Callable], label: str)
         )
         _FUSED_CLASSES[key] = cls
     return cls
+
+
+def _guarded(base: type, name: str, fn: Callable) -> Callable:
+    """``fn``, or ``base``'s own method while a child the fused path bypasses changed since patching (see
+    :meth:`ClassSwapRule.guarded`)."""
+
+    def method(self, *args, **kwargs):
+        for parent, attr, child, where in self.__dict__.get("_ldmopt_guards", ()):
+            now = parent._modules.get(attr)
+            if now is not child or hooked(now):
+                why = unreadable_reason(where, now) if now is child else f"{where} was replaced after patch"
+                count_reason(type(self).__name__, why)
+                return getattr(base, name)(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = fn.__doc__
+    return method
 
 
 def _rebuild_fused(base: type, methods: dict[str, Callable], label: str) -> nn.Module:
@@ -163,40 +185,103 @@ def swap_class(module: nn.Module, cls: type) -> type:
 
 
 class ClassSwapRule(Rule):
-    """A rule that edits by class swap: :meth:`methods` gives the fused ``forward`` (or a dict of methods)."""
+    """A rule that edits by class swap: :meth:`methods` gives the fused ``forward`` (or a dict of methods).
+
+    The children the fused methods bypass can change after patching (diffusers' layer-skip guidance hooks ``ff``,
+    accelerate wraps a norm's forward, a module is replaced): every call of a fused method first checks the
+    :meth:`guarded` children and runs the stock method when one was replaced or hooked."""
+
+    #: Touched children whose fused use the forward checks itself per call (ldmopt.nn.child_check.readable), so
+    #: that a LoRA on them costs only that one fusion, not the whole block's.
+    checked_in_forward: tuple[str, ...] = ()
 
     def methods(self, site: Site) -> Callable | dict[str, Callable]:
         raise NotImplementedError
 
+    def guarded(self, site: Site) -> dict[str, nn.Module]:
+        """Children checked before each fused call: the touched ones but the module itself."""
+        return {k: v for k, v in self.touched(site).items() if k and k not in self.checked_in_forward}
+
     def replace(self, site: Site) -> Any:
+        guards = []
+        for name, child in self.guarded(site).items():
+            parent_name, _, attr = name.rpartition(".")
+            guards.append((site.module.get_submodule(parent_name), attr, child, name))
+        site.module.__dict__["_ldmopt_guards"] = tuple(guards)
         return swap_class(site.module, fused_class(type(site.module), self.methods(site), self.description))
 
     def restore(self, site: Site, data: Any) -> None:
         swap_class(site.module, data)
+        site.module.__dict__.pop("_ldmopt_guards", None)
 
 
 # ------------------------------------------------------------------------------------------------ child swap
 
 
-class FusedAway(nn.Identity):
-    """Stands where a module whose work moved into a neighbour was (e.g. a SiLU now applied inside a GroupNorm).
+class MovedWork:
+    """The link between a module that took over its neighbour's work (a GroupNorm applying the SiLU after it,
+    ``proj_mlp`` the GELU) and the :class:`FusedAway` left in the neighbour's place.
 
-    ``stock`` and ``home=(parent, attr, fused)``: while ``parent.<attr>`` is no longer ``fused`` (a LoRA layer now
-    wraps it, and ``fused`` then skips the moved work), the moved work is done here by ``stock``. Neither is a child,
-    so ``state_dict`` and ``modules()`` are those of a plain identity.
+    Both ask :meth:`intact` on every call: while both still sit in their parent's slots without hooks, the producer
+    does the work and the FusedAway passes through; otherwise (a LoRA wraps the producer, either was replaced or
+    hooked) the producer computes only its own part and the FusedAway runs ``stock``, the module it replaced, so
+    every hook sees what it would see on the stock model.
     """
 
-    def __init__(self, into: str, stock: nn.Module | None = None, home: tuple | None = None) -> None:
+    def __init__(self, parent: nn.Module, producer: str, away: str, stock: nn.Module) -> None:
+        self.parent, self.producer_attr, self.away_attr, self.stock = parent, producer, away, stock
+        self.producer: nn.Module | None = None
+        self.away: nn.Module | None = None
+
+    def intact(self) -> bool:
+        slots = self.parent._modules
+        producer, away = slots.get(self.producer_attr), slots.get(self.away_attr)
+        return producer is self.producer and away is self.away and not (hooked(producer) or hooked(away))
+
+    def __deepcopy__(self, memo: dict) -> MovedWork:
+        # Copied with its parent (a whole-model copy): a link between the copies. Copied without it (peft's
+        # modules_to_save copies the one layer it wraps): the same link, so the copy sees that it is not the one
+        # in the parent's slot and leaves the moved work to the FusedAway.
+        if id(self.parent) not in memo:
+            return self
+        new = MovedWork.__new__(MovedWork)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+
+def link_moved_work(parent: nn.Module, producer_attr: str, producer: nn.Module, away_attr: str) -> nn.Module:
+    """Link ``producer`` (already built, not yet installed) to a new FusedAway for ``parent.<away_attr>``; returns
+    the FusedAway. Neither holds the link as a child, so state_dict and modules() are unchanged."""
+    link = MovedWork(parent, producer_attr, away_attr, parent._modules[away_attr])
+    away = FusedAway(producer_attr, link)
+    link.producer, link.away = producer, away
+    producer.__dict__["_ldmopt_link"] = link
+    return away
+
+
+def moved_work_intact(producer: nn.Module) -> bool:
+    """For a producer's forward: whether to do the moved work (True also when it was built without a link)."""
+    link = producer.__dict__.get("_ldmopt_link")
+    return link is None or link.intact()
+
+
+class FusedAway(nn.Identity):
+    """Stands where a module whose work moved into a neighbour was (e.g. a SiLU now applied inside a GroupNorm);
+    runs that module itself while the :class:`MovedWork` link says the neighbour no longer does the work."""
+
+    def __init__(self, into: str, link: MovedWork | None = None) -> None:
         super().__init__()
         self.into = into
-        self.__dict__["_ldmopt_stock"] = stock
-        self.__dict__["_ldmopt_home"] = home
+        self.__dict__["_ldmopt_link"] = link
 
     def forward(self, x):
-        home = self.__dict__.get("_ldmopt_home")
-        if home is None or home[0]._modules.get(home[1]) is home[2]:
+        link = self.__dict__.get("_ldmopt_link")
+        if link is None or link.intact():
             return x
-        return self._ldmopt_stock(x)
+        why = f"{link.away_attr} ran on its own: {link.producer_attr} was wrapped, replaced or hooked after patch"
+        count_reason(type(link.parent).__name__, why)
+        return link.stock(x)
 
     def extra_repr(self) -> str:
         return f"fused into {self.into} by ldmopt"

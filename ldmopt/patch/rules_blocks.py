@@ -99,6 +99,7 @@ class AdaLNBlockRule(ClassSwapRule):
     name = "adaln_block"
     family = "adaln"
     description = "adaLN block: residual+LayerNorm+modulation in one row kernel, FF out GEMM with gated residual"
+    checked_in_forward = ("ff.net.2",)
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.attention import BasicTransformerBlock
@@ -164,6 +165,7 @@ class FluxSingleGatedRule(ClassSwapRule):
     name = "flux_single_gated"
     family = "adaln"
     description = "Flux single block: proj_out GEMM with the gated residual in its epilogue"
+    checked_in_forward = ("proj_out",)
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
@@ -266,6 +268,7 @@ class JointBlockRule(ClassSwapRule):
     name = "joint_block"
     family = "adaln"
     description = "SD3/Flux joint block: residual+LayerNorm+modulation per stream, FF out GEMM with gated residual"
+    checked_in_forward = ("ff.net.2", "ff_context.net.2")
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.attention import JointTransformerBlock

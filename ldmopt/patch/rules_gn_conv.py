@@ -112,6 +112,7 @@ class Transformer2DInRule(ClassSwapRule):
     name = "transformer2d_in"
     family = "gn_conv"
     description = "Transformer2DModel: GroupNorm fused into proj_in's loads; channels-last kept on the way out"
+    checked_in_forward = ("norm", "proj_in")
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.transformers.transformer_2d import Transformer2DModel
@@ -201,6 +202,7 @@ class SpatioTemporalInRule(ClassSwapRule):
     name = "spatiotemporal_in"
     family = "gn_conv"
     description = "SVD TransformerSpatioTemporalModel: GroupNorm fused into proj_in's loads; channels-last kept"
+    checked_in_forward = ("norm", "proj_in")
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.transformers.transformer_temporal import TransformerSpatioTemporalModel

@@ -17,18 +17,22 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..nn.child_check import plain_weight
 from ..nn.group_norm import GroupNorm as _LdmoptGroupNorm
-from .rule import FusedAway, Rule, Site, diffusers_classes, restore_child, set_child
+from ..ops.group_norm import group_norm
+from .rule import Rule, Site, diffusers_classes, link_moved_work, moved_work_intact, restore_child, set_child
 
 
 class PatchedGroupNorm(_LdmoptGroupNorm):
     """``ldmopt.nn.GroupNorm`` as ``patch`` installs it; inputs the fused op does not take (2-D) go to torch."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() in (3, 4, 5):
-            return super().forward(x)
+        # The SiLU it took over goes back to its FusedAway when the pair was broken up after patching (rule.py).
+        activation = self.activation if moved_work_intact(self) else None
+        if x.dim() in (3, 4, 5) and plain_weight(self):
+            return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, activation)
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
-        return F.silu(y) if self.activation == "silu" else y
+        return F.silu(y) if activation == "silu" else y
 
     def _get_name(self) -> str:
         return "ldmopt.GroupNorm"
@@ -42,6 +46,26 @@ def _is_stock_silu(m: Any) -> bool:
     return type(m) is nn.SiLU
 
 
+#: Models whose forward runs ``sample = self.conv_act(self.conv_norm_out(sample))`` when conv_norm_out is a GroupNorm,
+#: and uses conv_act nowhere else (read in diffusers 0.42; the decoders use SpatialNorm instead when
+#: norm_type="spatial", which match() rejects).
+GROUP_NORM_SILU_HEADS = (
+    "autoencoders.vae:Encoder",
+    "autoencoders.vae:Decoder",
+    "autoencoders.vae:MaskConditionDecoder",
+    "autoencoders.autoencoder_kl_temporal_decoder:TemporalDecoder",
+    "autoencoders.autoencoder_kl_allegro:AllegroEncoder3D",
+    "autoencoders.autoencoder_kl_allegro:AllegroDecoder3D",
+    "autoencoders.autoencoder_kl_hunyuan_video:HunyuanVideoEncoder3D",
+    "autoencoders.autoencoder_kl_hunyuan_video:HunyuanVideoDecoder3D",
+    "unets.unet_2d_condition:UNet2DConditionModel",
+    "unets.unet_2d:UNet2DModel",
+    "unets.unet_3d_condition:UNet3DConditionModel",
+    "unets.unet_motion_model:UNetMotionModel",
+    "unets.unet_spatio_temporal_condition:UNetSpatioTemporalConditionModel",
+)
+
+
 class GroupNormSiLUHead(Rule):
     """``conv_norm_out`` (GroupNorm) followed by ``conv_act`` (SiLU) in the model's forward."""
 
@@ -50,24 +74,7 @@ class GroupNormSiLUHead(Rule):
     description = "GroupNorm+SiLU in one pass (conv_norm_out + conv_act)"
 
     def targets(self) -> tuple[type, ...]:
-        # Each of these forwards runs `sample = self.conv_act(self.conv_norm_out(sample))` when conv_norm_out is a
-        # GroupNorm, and uses conv_act nowhere else (read in diffusers 0.42; the decoders use SpatialNorm instead when
-        # norm_type="spatial", which match() rejects).
-        return diffusers_classes(
-            "autoencoders.vae:Encoder",
-            "autoencoders.vae:Decoder",
-            "autoencoders.vae:MaskConditionDecoder",
-            "autoencoders.autoencoder_kl_temporal_decoder:TemporalDecoder",
-            "autoencoders.autoencoder_kl_allegro:AllegroEncoder3D",
-            "autoencoders.autoencoder_kl_allegro:AllegroDecoder3D",
-            "autoencoders.autoencoder_kl_hunyuan_video:HunyuanVideoEncoder3D",
-            "autoencoders.autoencoder_kl_hunyuan_video:HunyuanVideoDecoder3D",
-            "unets.unet_2d_condition:UNet2DConditionModel",
-            "unets.unet_2d:UNet2DModel",
-            "unets.unet_3d_condition:UNet3DConditionModel",
-            "unets.unet_motion_model:UNetMotionModel",
-            "unets.unet_spatio_temporal_condition:UNetSpatioTemporalConditionModel",
-        )
+        return diffusers_classes(*GROUP_NORM_SILU_HEADS)
 
     def match(self, site: Site) -> bool:
         m = site.module
@@ -78,7 +85,8 @@ class GroupNormSiLUHead(Rule):
 
     def replace(self, site: Site) -> Any:
         m = site.module
-        norm, away = PatchedGroupNorm.from_module(m.conv_norm_out, "silu"), FusedAway("conv_norm_out")
+        norm = PatchedGroupNorm.from_module(m.conv_norm_out, "silu")
+        away = link_moved_work(m, "conv_norm_out", norm, "conv_act")
         return {
             "conv_norm_out": (set_child(m, "conv_norm_out", norm), norm),
             "conv_act": (set_child(m, "conv_act", away), away),
@@ -122,7 +130,8 @@ class GroupNormSiLUSequential(Rule):
         seq = site.module
         old = {}
         for norm_key, act_key in _gn_silu_pairs(seq):
-            norm, away = PatchedGroupNorm.from_module(seq._modules[norm_key], "silu"), FusedAway(f"[{norm_key}]")
+            norm = PatchedGroupNorm.from_module(seq._modules[norm_key], "silu")
+            away = link_moved_work(seq, norm_key, norm, act_key)
             old[norm_key] = set_child(seq, norm_key, norm), norm
             old[act_key] = set_child(seq, act_key, away), away
         return old

@@ -20,8 +20,7 @@ from typing import Any
 from torch import nn
 
 from ..nn import linear as L
-from ..ops.linear import linear
-from .rule import FusedAway, Rule, Site, diffusers_classes, restore_child, set_child
+from .rule import Rule, Site, diffusers_classes, link_moved_work, moved_work_intact, restore_child, set_child
 
 
 class _ChildSwap(Rule):
@@ -151,8 +150,7 @@ class FluxMLPRule(Rule):
     def replace(self, site: Site) -> Any:
         m = site.module
         fused = _ProjMLP.from_module(m.proj_mlp, activation="gelu_tanh")
-        fused.__dict__["_ldmopt_home"] = (m, "proj_mlp")
-        away = FusedAway("proj_mlp", stock=m.act_mlp, home=(m, "proj_mlp", fused))
+        away = link_moved_work(m, "proj_mlp", fused, "act_mlp")
         return set_child(m, "proj_mlp", fused), fused, set_child(m, "act_mlp", away), away
 
     def restore(self, site: Site, data: Any) -> None:
@@ -162,16 +160,14 @@ class FluxMLPRule(Rule):
 
 
 class _ProjMLP(L.FusedLinear):
-    """A Flux single block's ``proj_mlp`` with the GELU(tanh) of ``act_mlp`` in its epilogue, while it is the block's
-    ``proj_mlp``. Wrapped by a layer installed after patch (PEFT's LoRA layer calls it as its base layer, then adds
-    the low-rank update), it computes the plain projection the wrapper expects, and the FusedAway standing in for
-    ``act_mlp`` applies the GELU to the wrapper's sum."""
+    """A single-stream block's ``proj_mlp`` with the GELU(tanh) of ``act_mlp`` in its epilogue while the pair is
+    intact (rule.py's MovedWork). Wrapped by a layer installed after patch (PEFT's LoRA layer calls it as its base
+    layer, then adds the low-rank update), it computes the plain projection the wrapper expects, and the FusedAway in
+    ``act_mlp``'s place applies the GELU to the wrapper's sum."""
 
     def forward(self, x, *, gate=None, residual=None):
-        block, attr = self.__dict__["_ldmopt_home"]
-        if block._modules.get(attr) is self:
-            return super().forward(x, gate=gate, residual=residual)
-        return linear(x, self.weight, self.bias, gate=gate, residual=residual)
+        activation = self.activation if moved_work_intact(self) else None
+        return self.compute(x, activation, gate, residual)
 
     def _get_name(self) -> str:
         return "FusedLinear"

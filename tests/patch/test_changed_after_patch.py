@@ -118,3 +118,88 @@ def test_weight_swapped_for_a_tensor_subclass_after_patch_takes_the_stock_path()
     with ldmopt.use_backend("torch"):
         assert_outputs_close(_run(patched, x), _run(stock, x), name="pixart with subclass weights")
     assert [r for r in report.fallbacks() if "_MarkedWeight" in r], report.fallbacks()
+
+
+def _assert_same_as_stock(stock, patched, x, name):
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(patched, x), _run(stock, x), name=name)
+
+
+@pytest.mark.parametrize("family,fqn", [("sd3", "transformer_blocks"), ("dit", "transformer_blocks")])
+def test_layer_skip_guidance_hooks_after_patch(family, fqn):
+    # diffusers' guiders (SkipLayerGuidance) skip a block's feed-forward by hooking `ff`, which the fused block
+    # forward does not call: the block must take its stock forward then.
+    from diffusers.hooks import LayerSkipConfig, apply_layer_skip
+
+    stock, patched = _stock_and_patched(family)
+    x = models.inputs(family, stock)
+    report = ldmopt.patch(patched)
+    unskipped = _run(stock, x)
+    for model in (stock, patched):
+        apply_layer_skip(model, LayerSkipConfig(indices=[0], fqn=fqn, skip_attention=False, skip_ff=True))
+    assert (_run(stock, x) - unskipped).abs().max() > 1e-3
+    _assert_same_as_stock(stock, patched, x, f"{family} with layer skip")
+    assert [r for r in report.fallbacks() if "ff has forward hooks or a wrapped forward" in r], report.fallbacks()
+
+
+def test_wrapped_forward_after_patch_is_not_bypassed():
+    # accelerate and diffusers hooks replace `module.forward` on the instance instead of registering torch hooks.
+    import types
+
+    stock, patched = _stock_and_patched("sd15")
+    x = models.inputs("sd15", stock)
+    ldmopt.patch(patched)
+
+    def doubled(self, hidden, *args, **kwargs):
+        return type(self).forward(self, 2 * hidden, *args, **kwargs)
+
+    for model in (stock, patched):
+        for name, m in model.named_modules():
+            if name.endswith(("resnets.0.conv1", "attentions.0.proj_in", "ff.net.0.proj")):
+                m.forward = types.MethodType(doubled, m)
+    _assert_same_as_stock(stock, patched, x, "sd15 with wrapped forwards")
+
+
+@pytest.mark.parametrize("family,producer", [("flux", "proj_mlp"), ("vae", "conv_norm_out")])
+def test_moved_activation_pair_broken_up_after_patch(family, producer):
+    # A GELU/SiLU moved into its producer (proj_mlp, conv_norm_out) goes back where it was when the producer is
+    # hooked, copied by peft's modules_to_save, or replaced after patching.
+    stock, patched = _stock_and_patched(family)
+    x = models.inputs(family, stock)
+    report = ldmopt.patch(patched)
+
+    def shifted(module, args, output):
+        return output + 0.25
+
+    for model in (stock, patched):
+        for name, m in model.named_modules():
+            if name.endswith(producer):
+                m.register_forward_hook(shifted)
+    _assert_same_as_stock(stock, patched, x, f"{family}: hook on {producer}")
+    assert [r for r in report.fallbacks() if "ran on its own" in r], report.fallbacks()
+    ldmopt.unpatch(patched)
+
+    stock, patched = _stock_and_patched(family)
+    ldmopt.patch(patched)
+    config = peft.LoraConfig(r=4, target_modules=["to_q"], modules_to_save=[producer])
+    for model in (stock, patched):
+        peft.inject_adapter_in_model(config, model)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "modules_to_save" in name or "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    patched.load_state_dict(stock.state_dict())
+    _assert_same_as_stock(stock, patched, x, f"{family}: modules_to_save={producer}")
+    ldmopt.unpatch(patched)
+    assert torch.allclose(_run(patched, x), _run(stock, x), rtol=1e-4, atol=1e-5)
+
+
+def test_norm_replaced_after_patch_keeps_its_silu():
+    stock, patched = _stock_and_patched("vae")
+    x = models.inputs("vae", stock)
+    ldmopt.patch(patched)
+    for model in (stock, patched):
+        old = model.decoder.conv_norm_out
+        model.decoder.conv_norm_out = nn.GroupNorm(old.num_groups, old.num_channels, old.eps)
+    patched.decoder.conv_norm_out.load_state_dict(stock.decoder.conv_norm_out.state_dict())
+    _assert_same_as_stock(stock, patched, x, "vae with conv_norm_out replaced")

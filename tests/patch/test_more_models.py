@@ -101,3 +101,13 @@ def test_patched_matches_stock_and_unpatches(name):
         assert_outputs_close(output_tensor(model(**inputs)), ref, name=name)
     ldmopt.unpatch(model)
     assert_same_snapshot(before, snapshot(model))
+
+
+def test_every_keyed_class_path_resolves_in_this_diffusers():
+    # diffusers_classes leaves out what a diffusers lacks; on the pinned one every path must resolve (no typos).
+    from ldmopt.patch.rule import diffusers_classes
+    from ldmopt.patch.rules_group_norm import GROUP_NORM_SILU_HEADS
+    from ldmopt.patch.rules_linear import SINGLE_STREAM_BLOCKS
+
+    for paths in (GROUP_NORM_SILU_HEADS, SINGLE_STREAM_BLOCKS):
+        assert len(diffusers_classes(*paths)) == len(paths)
