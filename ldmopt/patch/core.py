@@ -301,9 +301,26 @@ def patch(
 
 def unpatch(pipe_or_model: Any) -> int:
     """Undo every ``patch`` on the pipeline's models (or the model): the same module objects, classes, processors
-    and forwards are back, so state_dict is bit-for-bit what it was. Returns how many patches were undone."""
+    and forwards are back, so state_dict is bit-for-bit what it was. Returns how many patches were undone. Raises
+    :class:`PatchError`, restoring nothing, when hooks, wrapped forwards or parametrizations were attached to
+    ldmopt's modules while patched (they would be lost, or keep calling ldmopt's forward)."""
     undone = 0
-    for _, model in _models_of(pipe_or_model, for_patch=False):
+    models = _models_of(pipe_or_model, for_patch=False)
+    problems = [
+        problem
+        for _, model in models
+        for m in model.modules()
+        for rec in m.__dict__.get(_RECORDS, ())
+        for problem in rec.rule.changed_since_patch(rec.site, rec.data)
+    ]
+    if problems:
+        # Checked before anything is restored: the model stays fully patched, and nothing is half undone.
+        raise PatchError(
+            "unpatch would drop what was attached to ldmopt's modules while patched, or leave a wrapped forward "
+            "calling ldmopt's: remove those hooks/parametrizations first (e.g. accelerate's remove_hook_from_module "
+            "or pipe.remove_all_hooks()), or attach them after unpatch:\n  " + "\n  ".join(problems)
+        )
+    for _, model in models:
         holders = [m for m in model.modules() if _RECORDS in m.__dict__]
         for holder in holders:
             records = holder.__dict__.pop(_RECORDS)

@@ -94,6 +94,22 @@ class Rule:
         reads them)."""
         return []
 
+    def installed(self, data: Any) -> list[nn.Module]:
+        """The ldmopt modules :meth:`replace` put in the model (child swaps), for :meth:`changed_since_patch`."""
+        return []
+
+    def changed_since_patch(self, site: Site, data: Any) -> list[str]:
+        """What was attached while patched to what :meth:`restore` takes out again, and would be lost with it: hooks,
+        a forward wrapped on the instance, a parametrization (which changes the class)."""
+        problems = []
+        for module in self.installed(data):
+            where = f"{site.name or 'the model'}: ldmopt's {module._get_name()}"
+            if hooked(module):
+                problems.append(f"{where} got hooks or a wrapped forward while patched")
+            elif not type(module).__module__.startswith("ldmopt."):
+                problems.append(f"{where} became a {type(module).__name__} while patched (a parametrization?)")
+        return problems
+
 
 def diffusers_classes(*paths: str) -> tuple[type, ...]:
     """The classes ``"module:Class"`` (module relative to ``diffusers.models``) that this diffusers has; a class it
@@ -213,6 +229,15 @@ class ClassSwapRule(Rule):
     def restore(self, site: Site, data: Any) -> None:
         swap_class(site.module, data)
         site.module.__dict__.pop("_ldmopt_guards", None)
+
+    def changed_since_patch(self, site: Site, data: Any) -> list[str]:
+        # patch skips modules with instance forwards, so one now was added while patched and calls the fused forward.
+        where = site.name or "the model"
+        if "forward" in site.module.__dict__:
+            return [f"{where}: its forward was wrapped while patched (accelerate/diffusers hook) and calls ldmopt's"]
+        if "_ldmopt_base" not in type(site.module).__dict__:
+            return [f"{where}: its class became {type(site.module).__name__} while patched (a parametrization?)"]
+        return []
 
 
 # ------------------------------------------------------------------------------------------------ child swap

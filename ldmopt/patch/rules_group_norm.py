@@ -96,6 +96,9 @@ class GroupNormSiLUHead(Rule):
         for attr, (original, fused) in data.items():
             restore_child(site.module, attr, original, fused)
 
+    def installed(self, data: Any) -> list[nn.Module]:
+        return [fused for _, fused in data.values()]
+
 
 def _gn_silu_pairs(seq: nn.Sequential) -> list[tuple[str, str]]:
     keys = list(seq._modules)
@@ -140,6 +143,9 @@ class GroupNormSiLUSequential(Rule):
         for key, (original, fused) in data.items():
             restore_child(site.module, key, original, fused)
 
+    def installed(self, data: Any) -> list[nn.Module]:
+        return [fused for _, fused in data.values()]
+
 
 class GroupNormAnywhere(Rule):
     """Any other ``nn.GroupNorm``: same math through ldmopt's kernel (channels-last aware, fp32 statistics)."""
@@ -165,6 +171,9 @@ class GroupNormAnywhere(Rule):
 
     def restore(self, site: Site, data: Any) -> None:
         restore_child(site.parent, site.attr, *data)
+
+    def installed(self, data: Any) -> list[nn.Module]:
+        return [data[1]]
 
 
 RULES: list[Rule] = [GroupNormSiLUHead(), GroupNormSiLUSequential(), GroupNormAnywhere()]

@@ -45,6 +45,9 @@ class _ChildSwap(Rule):
     def restore(self, site: Site, data: Any) -> None:
         restore_child(site.parent, site.attr, *data)
 
+    def installed(self, data: Any) -> list[nn.Module]:
+        return [data[1]]
+
 
 class GEGLURule(_ChildSwap):
     name = "geglu"
@@ -157,6 +160,9 @@ class FluxMLPRule(Rule):
         proj, fused, act, away = data
         restore_child(site.module, "proj_mlp", proj, fused)
         restore_child(site.module, "act_mlp", act, away)
+
+    def installed(self, data: Any) -> list[nn.Module]:
+        return [data[1], data[3]]
 
 
 class _ProjMLP(L.FusedLinear):

@@ -171,12 +171,18 @@ def test_moved_activation_pair_broken_up_after_patch(family, producer):
     def shifted(module, args, output):
         return output + 0.25
 
+    handles = []
     for model in (stock, patched):
         for name, m in model.named_modules():
             if name.endswith(producer):
-                m.register_forward_hook(shifted)
+                handles.append((model, m.register_forward_hook(shifted)))
     _assert_same_as_stock(stock, patched, x, f"{family}: hook on {producer}")
     assert [r for r in report.fallbacks() if "ran on its own" in r], report.fallbacks()
+    with pytest.raises(ldmopt.patch.PatchError, match="got hooks or a wrapped forward while patched"):
+        ldmopt.unpatch(patched)  # the hook sits on ldmopt's module: unpatch would drop it
+    for model, handle in handles:
+        if model is patched:
+            handle.remove()
     ldmopt.unpatch(patched)
 
     stock, patched = _stock_and_patched(family)
@@ -203,3 +209,33 @@ def test_norm_replaced_after_patch_keeps_its_silu():
         model.decoder.conv_norm_out = nn.GroupNorm(old.num_groups, old.num_channels, old.eps)
     patched.decoder.conv_norm_out.load_state_dict(stock.decoder.conv_norm_out.state_dict())
     _assert_same_as_stock(stock, patched, x, "vae with conv_norm_out replaced")
+
+
+def test_unpatch_refuses_to_drop_what_was_attached_to_ldmopt_modules():
+    import types
+
+    from torch.nn.utils import parametrize
+
+    from ldmopt.patch import PatchError, is_patched
+
+    model = models.flux().eval()
+    x = models.inputs("flux", model)
+    ref = _run(model, x)
+    ldmopt.patch(model)
+    block = model.transformer_blocks[0]
+    block.forward = types.MethodType(type(block).forward, block)  # what accelerate's add_hook_to_module does
+    proj = model.single_transformer_blocks[0].proj_mlp
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 1.5 * w
+
+    parametrize.register_parametrization(proj, "weight", Scale())
+    with pytest.raises(PatchError, match=r"transformer_blocks\.0: its forward was wrapped") as err:
+        ldmopt.unpatch(model)
+    assert "single_transformer_blocks.0: ldmopt's FusedLinear became a Parametrized" in str(err.value)
+    assert is_patched(model)  # nothing was half undone
+    del block.forward
+    parametrize.remove_parametrizations(proj, "weight", leave_parametrized=False)
+    assert ldmopt.unpatch(model) > 0
+    assert torch.equal(_run(model, x), ref)
