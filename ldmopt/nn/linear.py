@@ -78,10 +78,11 @@ def gated_residual_linear(layer: nn.Module, x: Tensor, gate: Tensor, residual: T
     return stock_gated_residual(layer(x), gate, residual)
 
 
-def ff_gated_residual(ff: nn.Module, x: Tensor, gate: Tensor, residual: Tensor) -> Tensor:
-    """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue."""
+def ff_gated_residual(ff: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, name: str = "ff") -> Tensor:
+    """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue
+    (``name``: the feed-forward's attribute in its block, for the report)."""
     h = ff.net[1](ff.net[0](x))
-    return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", "ff.net.2")
+    return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2")
 
 
 def _shell(cls):

@@ -183,11 +183,11 @@ class FluxSingleGatedRule(ClassSwapRule):
         return _flux_single_forward
 
 
-def _stream(hidden, pending, scale, shift, gate, norm, ff):
+def _stream(hidden, pending, scale, shift, gate, norm, ff, name="ff"):
     """``h = hidden + pending; h + gate * ff(layer_norm(h) * (1 + scale) + shift)``: the residual add, LayerNorm and
     modulation in one row kernel, the feed-forward's output projection with the gated residual in one GEMM."""
     normed, hidden = adaln_modulate(pending, scale, shift, residual=hidden, eps=norm.eps, return_residual=True)
-    return ff_gated_residual(ff, normed, gate, hidden)
+    return ff_gated_residual(ff, normed, gate, hidden, name)
 
 
 def _sd3_joint_forward(
@@ -224,8 +224,9 @@ def _sd3_joint_forward(
         return None, hidden_states
     pending = c_gate_msa.unsqueeze(1) * context_attn_output
     encoder_hidden_states = _stream(
-        encoder_hidden_states, pending, c_scale_mlp, c_shift_mlp, c_gate_mlp, self.norm2_context, self.ff_context
-    )
+        encoder_hidden_states, pending, c_scale_mlp, c_shift_mlp, c_gate_mlp, self.norm2_context, self.ff_context,
+        name="ff_context",
+    )  # fmt: skip
     return encoder_hidden_states, hidden_states
 
 
@@ -254,8 +255,9 @@ def _flux_double_forward(
         hidden_states = hidden_states + attention_outputs[2]
     pending = c_gate_msa.unsqueeze(1) * context_attn_output
     encoder_hidden_states = _stream(
-        encoder_hidden_states, pending, c_scale_mlp, c_shift_mlp, c_gate_mlp, self.norm2_context, self.ff_context
-    )
+        encoder_hidden_states, pending, c_scale_mlp, c_shift_mlp, c_gate_mlp, self.norm2_context, self.ff_context,
+        name="ff_context",
+    )  # fmt: skip
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
