@@ -85,6 +85,13 @@ def ff_gated_residual(ff: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, 
     return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2")
 
 
+def _stock_gelu(x: Tensor, approximate: str) -> Tensor:
+    """diffusers' GELU/GEGLU activation, including its fp32 upcast of fp16 on MPS (the stock fall-back path)."""
+    if x.device.type == "mps" and x.dtype == torch.float16:
+        return F.gelu(x.float(), approximate=approximate).to(x.dtype)
+    return F.gelu(x, approximate=approximate)
+
+
 def _shell(cls):
     new = cls.__new__(cls)
     nn.Module.__init__(new)
@@ -125,7 +132,7 @@ class FusedGEGLU(nn.Module):
             return geglu(hidden_states, self.proj.weight, self.proj.bias)
         count_stock("GEGLU", "proj", self.proj)
         h, gate = self.proj(hidden_states).chunk(2, dim=-1)
-        return h * F.gelu(gate)
+        return h * _stock_gelu(gate, "none")
 
 
 class FusedGELU(nn.Module):
@@ -167,7 +174,7 @@ class FusedGELU(nn.Module):
             activation = _GELU_APPROXIMATE[self.approximate]
             return linear(hidden_states, self.proj.weight, self.proj.bias, activation=activation)
         count_stock("GELU", "proj", self.proj)
-        return F.gelu(self.proj(hidden_states), approximate=self.approximate)
+        return _stock_gelu(self.proj(hidden_states), self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
