@@ -10,8 +10,8 @@ Two ways of editing, both keeping the parameter objects (no copies) and the stat
 - class swap (:class:`ClassSwapRule`): the instance's ``__class__`` becomes a subclass of its own class (from
   :func:`fused_class`) whose ``forward`` runs fused ops and whose ``extra_repr`` says so; hooks, parameters and
   identity stay;
-- child swap: a child is replaced by an ldmopt module built with ``from_module`` (sharing the Parameter objects),
-  and a child whose work moved into its neighbour by :class:`FusedAway`, which has no state; ``restore_child``
+- child swap (:class:`ChildSwapRule`): a child is replaced by an ldmopt module built with ``from_module`` (sharing
+  the Parameter objects), and a child whose work moved into its neighbour by :class:`FusedAway`; ``restore_child``
   puts the original back and keeps what was done to the replacement meanwhile (a LoRA loaded after patching).
 
 Children can change after patching (LoRA adapters, offload hooks): a fused path that reads a child's weights instead
@@ -21,6 +21,7 @@ of calling it checks the child on every call (ldmopt.nn.child_check).
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -94,28 +95,15 @@ class Rule:
         reads them)."""
         return []
 
-    def installed(self, data: Any) -> list[nn.Module]:
-        """The ldmopt modules :meth:`replace` put in the model (child swaps), for :meth:`changed_since_patch`."""
-        return []
-
     def changed_since_patch(self, site: Site, data: Any) -> list[str]:
-        """What was attached while patched to what :meth:`restore` takes out again, and would be lost with it: hooks,
-        a forward wrapped on the instance, a parametrization (which changes the class)."""
-        problems = []
-        for module in self.installed(data):
-            where = f"{site.name or 'the model'}: ldmopt's {module._get_name()}"
-            if hooked(module):
-                problems.append(f"{where} got hooks or a wrapped forward while patched")
-            elif not type(module).__module__.startswith("ldmopt."):
-                problems.append(f"{where} became a {type(module).__name__} while patched (a parametrization?)")
-        return problems
+        """What was attached while patched to what :meth:`restore` takes out again, and would be lost with it (unpatch
+        refuses then): hooks, a forward wrapped on the instance, a parametrization (which changes the class)."""
+        return []
 
 
 def diffusers_classes(*paths: str) -> tuple[type, ...]:
     """The classes ``"module:Class"`` (module relative to ``diffusers.models``) that this diffusers has; a class it
     predates is left out, so a rule keyed by it simply matches nothing there."""
-    import importlib
-
     found = []
     for path in paths:
         module, name = path.split(":")
@@ -338,3 +326,31 @@ def restore_child(parent: nn.Module, attr: str, original: nn.Module, fused: nn.M
             if child is fused:
                 holder._modules[name] = original
                 return
+
+
+class ChildSwapRule(Rule):
+    """A rule that edits by child swap: :meth:`swaps` builds the new children (ldmopt modules sharing the originals'
+    parameters, FusedAways) of one parent; restoring puts the originals back through :func:`restore_child`."""
+
+    def swaps(self, site: Site) -> tuple[nn.Module, dict[str, nn.Module]]:
+        """(parent, {attribute: new child}); built before any is installed."""
+        raise NotImplementedError
+
+    def replace(self, site: Site) -> Any:
+        parent, children = self.swaps(site)
+        return parent, {attr: (set_child(parent, attr, child), child) for attr, child in children.items()}
+
+    def restore(self, site: Site, data: Any) -> None:
+        parent, swapped = data
+        for attr, (original, fused) in swapped.items():
+            restore_child(parent, attr, original, fused)
+
+    def changed_since_patch(self, site: Site, data: Any) -> list[str]:
+        problems = []
+        for _, fused in data[1].values():
+            where = f"{site.name or 'the model'}: ldmopt's {fused._get_name()}"
+            if hooked(fused):
+                problems.append(f"{where} got hooks or a wrapped forward while patched")
+            elif not type(fused).__module__.startswith("ldmopt."):
+                problems.append(f"{where} became a {type(fused).__name__} while patched (a parametrization?)")
+        return problems

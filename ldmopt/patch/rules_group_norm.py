@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..nn.child_check import plain_weight
 from ..nn.group_norm import GroupNorm as _LdmoptGroupNorm
 from ..ops.group_norm import group_norm
-from .rule import Rule, Site, diffusers_classes, link_moved_work, moved_work_intact, restore_child, set_child
+from .rule import ChildSwapRule, Rule, Site, diffusers_classes, link_moved_work, moved_work_intact
 
 
 class PatchedGroupNorm(_LdmoptGroupNorm):
@@ -66,7 +66,7 @@ GROUP_NORM_SILU_HEADS = (
 )
 
 
-class GroupNormSiLUHead(Rule):
+class GroupNormSiLUHead(ChildSwapRule):
     """``conv_norm_out`` (GroupNorm) followed by ``conv_act`` (SiLU) in the model's forward."""
 
     name = "group_norm_silu"
@@ -83,21 +83,10 @@ class GroupNormSiLUHead(Rule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {"conv_norm_out": site.module.conv_norm_out, "conv_act": site.module.conv_act}
 
-    def replace(self, site: Site) -> Any:
+    def swaps(self, site: Site) -> tuple[nn.Module, dict[str, nn.Module]]:
         m = site.module
         norm = PatchedGroupNorm.from_module(m.conv_norm_out, "silu")
-        away = link_moved_work(m, "conv_norm_out", norm, "conv_act")
-        return {
-            "conv_norm_out": (set_child(m, "conv_norm_out", norm), norm),
-            "conv_act": (set_child(m, "conv_act", away), away),
-        }
-
-    def restore(self, site: Site, data: Any) -> None:
-        for attr, (original, fused) in data.items():
-            restore_child(site.module, attr, original, fused)
-
-    def installed(self, data: Any) -> list[nn.Module]:
-        return [fused for _, fused in data.values()]
+        return m, {"conv_norm_out": norm, "conv_act": link_moved_work(m, "conv_norm_out", norm, "conv_act")}
 
 
 def _gn_silu_pairs(seq: nn.Sequential) -> list[tuple[str, str]]:
@@ -113,7 +102,7 @@ def _gn_silu_pairs(seq: nn.Sequential) -> list[tuple[str, str]]:
     return pairs
 
 
-class GroupNormSiLUSequential(Rule):
+class GroupNormSiLUSequential(ChildSwapRule):
     """``nn.Sequential(..., GroupNorm, SiLU, ...)``: the SiLU consumes the GroupNorm's output directly."""
 
     name = "group_norm_silu_seq"
@@ -129,25 +118,16 @@ class GroupNormSiLUSequential(Rule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {k: site.module._modules[k] for pair in _gn_silu_pairs(site.module) for k in pair}
 
-    def replace(self, site: Site) -> Any:
+    def swaps(self, site: Site) -> tuple[nn.Module, dict[str, nn.Module]]:
         seq = site.module
-        old = {}
+        children = {}
         for norm_key, act_key in _gn_silu_pairs(seq):
             norm = PatchedGroupNorm.from_module(seq._modules[norm_key], "silu")
-            away = link_moved_work(seq, norm_key, norm, act_key)
-            old[norm_key] = set_child(seq, norm_key, norm), norm
-            old[act_key] = set_child(seq, act_key, away), away
-        return old
-
-    def restore(self, site: Site, data: Any) -> None:
-        for key, (original, fused) in data.items():
-            restore_child(site.module, key, original, fused)
-
-    def installed(self, data: Any) -> list[nn.Module]:
-        return [fused for _, fused in data.values()]
+            children[norm_key], children[act_key] = norm, link_moved_work(seq, norm_key, norm, act_key)
+        return seq, children
 
 
-class GroupNormAnywhere(Rule):
+class GroupNormAnywhere(ChildSwapRule):
     """Any other ``nn.GroupNorm``: same math through ldmopt's kernel (channels-last aware, fp32 statistics)."""
 
     name = "group_norm"
@@ -165,15 +145,8 @@ class GroupNormAnywhere(Rule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {"": site.module}
 
-    def replace(self, site: Site) -> Any:
-        fused = PatchedGroupNorm.from_module(site.module, None)
-        return set_child(site.parent, site.attr, fused), fused
-
-    def restore(self, site: Site, data: Any) -> None:
-        restore_child(site.parent, site.attr, *data)
-
-    def installed(self, data: Any) -> list[nn.Module]:
-        return [data[1]]
+    def swaps(self, site: Site) -> tuple[nn.Module, dict[str, nn.Module]]:
+        return site.parent, {site.attr: PatchedGroupNorm.from_module(site.module, None)}
 
 
 RULES: list[Rule] = [GroupNormSiLUHead(), GroupNormSiLUSequential(), GroupNormAnywhere()]

@@ -15,15 +15,13 @@ Tolerances: those of the ldmopt.nn.linear modules (within 2x the error of the st
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from ..nn import linear as L
-from .rule import Rule, Site, diffusers_classes, link_moved_work, moved_work_intact, restore_child, set_child
+from .rule import ChildSwapRule, Rule, Site, diffusers_classes, link_moved_work, moved_work_intact
 
 
-class _ChildSwap(Rule):
+class _ChildSwap(ChildSwapRule):
     """Replace the matched module, in its parent, by ``fused_cls.from_module(module)``."""
 
     fused_cls: type
@@ -38,15 +36,8 @@ class _ChildSwap(Rule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {"": site.module, **{name: getattr(site.module, name) for name in self.bypassed}}
 
-    def replace(self, site: Site) -> Any:
-        fused = self.fused_cls.from_module(site.module)
-        return set_child(site.parent, site.attr, fused), fused
-
-    def restore(self, site: Site, data: Any) -> None:
-        restore_child(site.parent, site.attr, *data)
-
-    def installed(self, data: Any) -> list[nn.Module]:
-        return [data[1]]
+    def swaps(self, site: Site) -> tuple[nn.Module, dict[str, nn.Module]]:
+        return site.parent, {site.attr: self.fused_cls.from_module(site.module)}
 
 
 class GEGLURule(_ChildSwap):
@@ -129,7 +120,7 @@ SINGLE_STREAM_BLOCKS = (
 )
 
 
-class FluxMLPRule(Rule):
+class FluxMLPRule(ChildSwapRule):
     """A Flux-style single-stream block: its forward computes ``act_mlp(proj_mlp(x))`` with act_mlp = GELU(tanh)."""
 
     name = "flux_mlp"
@@ -150,19 +141,10 @@ class FluxMLPRule(Rule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {"proj_mlp": site.module.proj_mlp, "act_mlp": site.module.act_mlp}
 
-    def replace(self, site: Site) -> Any:
+    def swaps(self, site: Site) -> tuple[nn.Module, dict[str, nn.Module]]:
         m = site.module
         fused = _ProjMLP.from_module(m.proj_mlp, activation="gelu_tanh")
-        away = link_moved_work(m, "proj_mlp", fused, "act_mlp")
-        return set_child(m, "proj_mlp", fused), fused, set_child(m, "act_mlp", away), away
-
-    def restore(self, site: Site, data: Any) -> None:
-        proj, fused, act, away = data
-        restore_child(site.module, "proj_mlp", proj, fused)
-        restore_child(site.module, "act_mlp", act, away)
-
-    def installed(self, data: Any) -> list[nn.Module]:
-        return [data[1], data[3]]
+        return m, {"proj_mlp": fused, "act_mlp": link_moved_work(m, "proj_mlp", fused, "act_mlp")}
 
 
 class _ProjMLP(L.FusedLinear):
