@@ -39,6 +39,8 @@ class ResnetBlockRule(ClassSwapRule):
     name = "resnet"
     family = "gn_conv"
     description = "ResnetBlock2D: GN+SiLU fused into conv1/conv2 loads, temb/shortcut/stats in epilogues"
+    # can_fuse, asked on every call, already checks these (class, hooks, weight): the guard need not again.
+    checked_in_forward = ("norm1", "norm2", "conv1", "conv2", "conv_shortcut")
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.resnet import ResnetBlock2D
