@@ -241,14 +241,15 @@ def linear_fwd(
     residual: torch.Tensor | None,
     activation: str | None,
     save_pre: bool,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in the promoted dtype of x, gate and
-    residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K], weight [N, K], gate [B, N]
-    with M % B == 0, residual [M, N]; any strides."""
+    """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in ``dtype``, by default the promoted
+    dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
+    weight [N, K], gate [B, N] with M % B == 0, residual [M, N]; any strides."""
     m, k = x.shape
     n = weight.shape[0]
     bias = None if bias is None else bias.contiguous()  # read with unit stride
-    y = new_output((m, n), device=x.device, dtype=out_dtype(x, gate, residual))
+    y = new_output((m, n), device=x.device, dtype=dtype or out_dtype(x, gate, residual))
     pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=x.dtype)
     tokens = m // gate.shape[0] if gate is not None else m
     gs = gate.stride() if gate is not None else (0, 0)

@@ -1,10 +1,12 @@
-"""adaLN modulation: ``s = x (+ residual)``, ``y = layer_norm(s, eps) * (1 + scale[b]) + shift[b]`` (LayerNorm without
-affine parameters), the AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous / PixArt pattern.
+"""adaLN modulation: ``s = x (+ residual)`` or ``s = residual + gate[b] * x``, ``y = layer_norm(s, eps) * (1 +
+scale[b]) + shift[b]`` (LayerNorm without affine parameters), the AdaLayerNormZero / AdaLayerNormZeroSingle /
+AdaLayerNormContinuous / PixArt pattern, and Wan's gated residual add before its norms.
 
 Custom ops ``ldmopt::adaln_modulate_fwd`` / ``ldmopt::adaln_modulate_bwd``; backends triton
 (kernels/adaln_modulate.py) and torch (reference, fp32 math; fp64 for fp64 inputs). Saved for backward: the
-normalised input s (x itself, or the residual sum the forward writes anyway), per-row fp32 mean/rstd and scale; the
-unfused path keeps s, its statistics and the normalised activations, so this saves less.
+normalised input s (x itself, or the residual sum the forward writes anyway), per-row fp32 mean/rstd and scale (and x
+and the gate with a gate); the unfused path keeps s, its statistics and the normalised activations (and x and the gate
+for the product), so this saves less.
 """
 
 from __future__ import annotations
@@ -24,20 +26,31 @@ def _stats_torch(s: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return mean, torch.rsqrt(var + eps)
 
 
-def _fwd_torch(x, scale, shift, residual, eps, store_sum, save):
-    cd = compute_dtype(x)
+def _gated_sum_torch(x, residual, gate):
+    """residual + gate[b] * x in fp32 (fp64 for fp64), rounded to the residual's dtype."""
+    cd = compute_dtype(residual)
     m, c = x.shape
-    s = x + residual if residual is not None else x  # rounded to x's dtype, as the unfused add
+    prod = x.to(cd).view(gate.shape[0], -1, c) * gate.to(cd)[:, None, :]
+    return (residual.to(cd) + prod.view(m, c)).to(residual.dtype)
+
+
+def _fwd_torch(x, scale, shift, residual, gate, eps, store_sum, save):
+    m, c = x.shape
+    if gate is not None:
+        s = _gated_sum_torch(x, residual, gate)
+    else:
+        s = x + residual if residual is not None else x  # rounded to x's dtype, as the unfused add
+    cd = compute_dtype(s)
     mean, rstd = _stats_torch(s, eps)
     xhat = (s.to(cd) - mean[:, None]) * rstd[:, None]
     y = xhat.view(scale.shape[0], -1, c) * (1.0 + scale.to(cd))[:, None, :] + shift.to(cd)[:, None, :]
     empty = x.new_empty((0,))
     if not save:
         mean, rstd = mean.new_empty((0,)), rstd.new_empty((0,))
-    return y.view(m, c).to(x.dtype, copy=True), (s.clone() if store_sum else empty), mean, rstd
+    return y.view(m, c).to(s.dtype, copy=True), (s.clone() if store_sum else empty), mean, rstd
 
 
-def _bwd_torch(dy, s, mean, rstd, scale, dsum):
+def _bwd_torch(dy, s, mean, rstd, scale, dsum, x, gate):
     cd = compute_dtype(s)
     m, c = s.shape
     b = scale.shape[0]
@@ -49,16 +62,20 @@ def _bwd_torch(dy, s, mean, rstd, scale, dsum):
     dx = rstd.to(cd)[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
     if dsum is not None:
         dx = dx + dsum.to(cd)
-    return dx.to(s.dtype), dscale, dshift
+    if gate is None:
+        return dx.to(s.dtype), dscale, dshift, s.new_empty((0,)), dscale.new_empty((0,))
+    dxg = (dx.view(b, -1, c) * gate.to(cd)[:, None, :]).view(m, c)
+    dgate = (dx * x.to(cd)).view(b, -1, c).sum(1)
+    return dx.to(s.dtype), dscale, dshift, dxg.to(x.dtype), dgate
 
 
 # ------------------------------------------------------------------------------------------------ triton
 
 
-def _triton_refuse(x, scale, shift, residual, *args) -> list[str]:
+def _triton_refuse(x, scale, shift, residual, gate, *args) -> list[str]:
     from ldmopt import _env
 
-    reasons = triton_refusals(x, scale, shift, residual, dtypes=TRITON_DTYPES)
+    reasons = triton_refusals(x, scale, shift, residual, gate, dtypes=TRITON_DTYPES)
     if not reasons and _env.triton_available():
         from ldmopt.kernels.adaln_modulate import MAX_C
 
@@ -67,23 +84,36 @@ def _triton_refuse(x, scale, shift, residual, *args) -> list[str]:
     return reasons
 
 
-def _fwd_triton(x, scale, shift, residual, eps, store_sum, save):
+def _triton_refuse_bwd(dy, s, mean, rstd, scale, dsum, x, gate) -> list[str]:
+    reasons = _triton_refuse(s, scale, dy, dsum, gate, x)
+    if not reasons and gate is not None and s.dtype == torch.float32:
+        from ldmopt.kernels.adaln_modulate import MAX_GATED_FP32_BWD_C
+
+        if s.shape[-1] > MAX_GATED_FP32_BWD_C:
+            reasons.append(
+                f"gated fp32 backward rows of C={s.shape[-1]} channels (triton's register budget holds up to "
+                f"{MAX_GATED_FP32_BWD_C})"
+            )
+    return reasons
+
+
+def _fwd_triton(x, scale, shift, residual, gate, eps, store_sum, save):
     from ldmopt.kernels.adaln_modulate import adaln_fwd
 
-    return adaln_fwd(x, scale, shift, residual, eps, store_sum, save)
+    return adaln_fwd(x, scale, shift, residual, gate, eps, store_sum, save)
 
 
-def _bwd_triton(dy, s, mean, rstd, scale, dsum):
+def _bwd_triton(dy, s, mean, rstd, scale, dsum, x, gate):
     from ldmopt.kernels.adaln_modulate import adaln_bwd
 
-    return adaln_bwd(dy, s, mean, rstd, scale, dsum)
+    return adaln_bwd(dy, s, mean, rstd, scale, dsum, x, gate)
 
 
 FORWARD = BackendTable("adaln_modulate", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
 BACKWARD = BackendTable(
     "adaln_modulate_backward",
     [
-        Backend("triton", _bwd_triton, lambda dy, s, mean, rstd, scale, dsum: _triton_refuse(s, scale, dy, dsum)),
+        Backend("triton", _bwd_triton, _triton_refuse_bwd),
         Backend("torch", _bwd_torch),
     ],
 )
@@ -98,71 +128,90 @@ def adaln_modulate_fwd(
     scale: Tensor,
     shift: Tensor,
     residual: Tensor | None,
+    gate: Tensor | None,
     eps: float,
     store_sum: bool,
     save: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, s, mean, rstd): x, residual [M, C]; scale, shift [B, C] (rows grouped by sample, M % B == 0).
-    s = x + residual ([M, C], empty unless store_sum); mean/rstd per row in the compute dtype (empty unless save)."""
-    return FORWARD(x, scale, shift, residual, eps, store_sum, save)
+    """(y, s, mean, rstd): x, residual [M, C]; gate, scale, shift [B, C] (rows grouped by sample, M % B == 0).
+    s = x + residual, or residual + gate[b] * x (gate needs a residual), [M, C], empty unless store_sum; y and s in x's
+    dtype, the residual's with a gate; mean/rstd per row in the compute dtype (empty unless save)."""
+    return FORWARD(x, scale, shift, residual, gate, eps, store_sum, save)
 
 
 @adaln_modulate_fwd.register_fake
-def _(x, scale, shift, residual, eps, store_sum, save):
-    stats = x.new_empty((x.shape[0],) if save else (0,), dtype=compute_dtype(x))
-    s = torch.empty_like(x) if store_sum else x.new_empty((0,))
-    return torch.empty_like(x), s, stats, torch.empty_like(stats)
+def _(x, scale, shift, residual, gate, eps, store_sum, save):
+    dtype = residual.dtype if gate is not None else x.dtype
+    stats = x.new_empty((x.shape[0],) if save else (0,), dtype=compute_dtype(x.new_empty((0,), dtype=dtype)))
+    s = x.new_empty(x.shape if store_sum else (0,), dtype=dtype)
+    return x.new_empty(x.shape, dtype=dtype), s, stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("ldmopt::adaln_modulate_bwd", mutates_args=())
 def adaln_modulate_bwd(
-    dy: Tensor, s: Tensor, mean: Tensor, rstd: Tensor, scale: Tensor, dsum: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(ds, dscale, dshift): ds [M, C] in s's dtype is the gradient of x and of the residual (dsum, the gradient that
-    reached the returned sum, included); dscale/dshift [B, C] in the compute dtype."""
-    return BACKWARD(dy, s, mean, rstd, scale, dsum)
+    dy: Tensor,
+    s: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    scale: Tensor,
+    dsum: Tensor | None,
+    x: Tensor | None,
+    gate: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(ds, dscale, dshift, dx, dgate): ds [M, C] in s's dtype is the gradient of the residual, and of x without a
+    gate (dsum, the gradient that reached the returned sum, included); dscale/dshift [B, C] in the compute dtype. With a
+    gate (x: the gated input): dx = ds * gate[b] in x's dtype, dgate [B, C] in the compute dtype; else both empty."""
+    return BACKWARD(dy, s, mean, rstd, scale, dsum, x, gate)
 
 
 @adaln_modulate_bwd.register_fake
-def _(dy, s, mean, rstd, scale, dsum):
+def _(dy, s, mean, rstd, scale, dsum, x, gate):
     per = s.new_empty(scale.shape, dtype=compute_dtype(s))
-    return torch.empty_like(s), per, torch.empty_like(per)
+    if gate is None:
+        return torch.empty_like(s), per, torch.empty_like(per), s.new_empty((0,)), per.new_empty((0,))
+    return torch.empty_like(s), per, torch.empty_like(per), torch.empty_like(x), torch.empty_like(per)
 
 
 def _setup_context(ctx, inputs, output):
-    x, scale, shift, residual, eps, store_sum, save = inputs
+    x, scale, shift, residual, gate, eps, store_sum, save = inputs
     _y, s, mean, rstd = output
-    # Keep x and residual alive only when their sum was not written (a caller asked for no saved state).
+    # Keep x and residual alive only when their sum was not written (a caller asked for no saved state); x and the
+    # gate also when there is a gate (d x needs the gate, d gate needs x).
     sources = (None, None)
     if residual is None:
         s = x
     elif not store_sum:
         s, sources = None, (x, residual)
-    ctx.save_for_backward(s, *sources, mean if save else None, rstd if save else None, scale)
+    elif gate is not None:
+        sources = (x, None)
+    ctx.save_for_backward(s, *sources, mean if save else None, rstd if save else None, scale, gate)
     ctx.eps = eps
     ctx.shift_dtype = shift.dtype
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dsum, _dmean, _drstd):
-    s, x, residual, mean, rstd, scale = ctx.saved_tensors
+    s, x, residual, mean, rstd, scale, gate = ctx.saved_tensors
     if s is None:
-        s = x + residual
+        s = _gated_sum_torch(x, residual, gate) if gate is not None else x + residual
     if dsum is not None and dsum.shape != s.shape:
         dsum = None  # the gradient of an empty (unwritten) sum output
     if dy is None and dsum is None:
-        return (None,) * 7
+        return (None,) * 8
     if mean is None:
         mean, rstd = _stats_torch(s, ctx.eps)
     if dy is None:
         dy = torch.zeros_like(s)
-    dx, dscale, dshift = call(adaln_modulate_bwd, dy, s, mean, rstd, scale, dsum)
-    need_dx, need_dscale, need_dshift, need_dres = ctx.needs_input_grad[:4]
+    ds, dscale, dshift, dxg, dgate = call(adaln_modulate_bwd, dy, s, mean, rstd, scale, dsum, x, gate)
+    need_dx, need_dscale, need_dshift, need_dres, need_dgate = ctx.needs_input_grad[:5]
+    if gate is None:
+        dxg = ds
     return (
-        dx if need_dx else None,
+        dxg if need_dx else None,
         dscale.to(scale.dtype) if need_dscale else None,
         dshift.to(ctx.shift_dtype) if need_dshift else None,
-        dx if need_dres else None,
+        ds if need_dres else None,
+        dgate.to(gate.dtype) if need_dgate else None,
         None,
         None,
         None,
@@ -182,6 +231,7 @@ def adaln_modulate(
     shift: Tensor,
     *,
     residual: Tensor | None = None,
+    gate: Tensor | None = None,
     eps: float = 1e-6,
     return_residual: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -192,9 +242,13 @@ def adaln_modulate(
     row (M, C) for 2-D x. LayerNorm has no affine parameters (diffusers' adaLN norms); x and a residual of another
     dtype are promoted first, as ``x + residual`` would be (under autocast an fp32 gate makes the gated attention
     output fp32 while the stream is bf16); the sum s is rounded to x's dtype as the unfused add does; statistics and
-    modulation in fp32. ``return_residual=True`` returns ``(y, s)``
-    (needs ``residual``). Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in x's
-    dtype.
+    modulation in fp32. ``return_residual=True`` returns ``(y, s)`` (needs ``residual``).
+
+    ``gate`` (shaped like scale; needs ``residual``) makes the sum the gated residual add ``s = residual + gate[b] * x``
+    computed in fp32 and rounded to the residual's dtype, in which y is returned too: Wan's
+    ``(h.float() + attn_output * gate).type_as(h)`` before its norms, without the product ever stored.
+
+    Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
     check_tensor("x", x)
     if x.dim() < 2:
@@ -202,13 +256,17 @@ def adaln_modulate(
     c = x.shape[-1]
     scale = per_sample("scale", scale, x, c)
     shift = per_sample("shift", shift, x, c)
+    if gate is not None:
+        if residual is None:
+            raise ValueError("gate needs a residual (the gated sum is residual + gate * x)")
+        gate = per_sample("gate", gate, x, c)
     if residual is not None:
         check_tensor("residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
         if residual.device != x.device:
             raise TypeError(f"residual is on {residual.device}; expected x's device {x.device}")
-        if residual.dtype != x.dtype:  # as `x + residual` would: e.g. an fp32 gated attention output + bf16 stream
+        if residual.dtype != x.dtype and gate is None:  # as `x + residual`: e.g. an fp32 gated output + bf16 stream
             dtype = torch.promote_types(x.dtype, residual.dtype)
             x, residual = x.to(dtype), residual.to(dtype)
         residual = residual.reshape(-1, c)
@@ -216,8 +274,10 @@ def adaln_modulate(
         raise ValueError("return_residual=True needs a residual (the sum x + residual is what it returns)")
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    save = needs_grad(x, scale, shift, residual)
+    save = needs_grad(x, scale, shift, residual, gate)
     store_sum = residual is not None and (return_residual or save)
-    y, s, _mean, _rstd = call(adaln_modulate_fwd, x.reshape(-1, c), scale, shift, residual, float(eps), store_sum, save)
+    y, s, _mean, _rstd = call(
+        adaln_modulate_fwd, x.reshape(-1, c), scale, shift, residual, gate, float(eps), store_sum, save
+    )
     y = y.view(x.shape)
     return (y, s.view(x.shape)) if return_residual else y

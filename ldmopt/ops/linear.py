@@ -90,7 +90,7 @@ def _out_dtype(x: Tensor, gate: Tensor | None, residual: Tensor | None) -> torch
     return dtype
 
 
-def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre):
+def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype):
     cd = torch.float64 if _out_dtype(x, gate, residual) == torch.float64 else torch.float32
     z = gemm_torch(x, weight, bias)
     out = activation_torch(activation, z)
@@ -99,7 +99,7 @@ def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre):
     if residual is not None:
         out = out + residual.to(cd)
     pre = z.to(x.dtype, copy=True) if save_pre else x.new_empty((0,))
-    return out.to(_out_dtype(x, gate, residual), copy=True), pre
+    return out.to(dtype or _out_dtype(x, gate, residual), copy=True), pre
 
 
 def _bwd_torch(dy, pre, gate, activation, need_dgate):
@@ -123,10 +123,10 @@ def _triton_refuse_fwd(x, weight, bias, gate, residual, *args) -> list[str]:
     return triton_refusals(x, weight, bias, gate, residual, dtypes=TRITON_DTYPES)
 
 
-def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre):
+def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype):
     from ldmopt.kernels.linear import linear_fwd as launch
 
-    return launch(x, weight, bias, gate, residual, activation, save_pre)
+    return launch(x, weight, bias, gate, residual, activation, save_pre, dtype)
 
 
 def _bwd_triton(dy, pre, gate, activation, need_dgate):
@@ -158,16 +158,17 @@ def linear_fwd(
     residual: Tensor | None,
     activation: str,
     save_pre: bool,
+    dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor]:
     """(y [M, N], pre): x [M, K], weight [N, K], bias [N], gate [B, N] (rows grouped by sample, M % B == 0),
-    residual [M, N]. y has the promoted dtype of x, gate and residual. pre = x W^T + bias ([M, N] in x's dtype, saved
-    for backward) when save_pre, else empty."""
-    return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre)
+    residual [M, N]. y has ``dtype``, by default the promoted dtype of x, gate and residual. pre = x W^T + bias
+    ([M, N] in x's dtype, saved for backward) when save_pre, else empty."""
+    return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype)
 
 
 @linear_fwd.register_fake
-def _(x, weight, bias, gate, residual, activation, save_pre):
-    y = x.new_empty((x.shape[0], weight.shape[0]), dtype=_out_dtype(x, gate, residual))
+def _(x, weight, bias, gate, residual, activation, save_pre, dtype):
+    y = x.new_empty((x.shape[0], weight.shape[0]), dtype=dtype or _out_dtype(x, gate, residual))
     return y, (x.new_empty(y.shape) if save_pre else x.new_empty((0,)))
 
 
@@ -188,7 +189,7 @@ def _(dy, pre, gate, activation, need_dgate):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, gate, _residual, activation, save_pre = inputs
+    x, weight, bias, gate, _residual, activation, save_pre, _dtype = inputs
     ctx.save_for_backward(x, weight, bias, gate, output[1] if save_pre else None)
     ctx.activation = activation or None
     ctx.set_materialize_grads(False)
@@ -197,7 +198,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, _dpre):
     x, weight, bias, gate, pre = ctx.saved_tensors
     if dy is None:
-        return (None,) * 7
+        return (None,) * 8
     need_dx, need_dw, need_db, need_dgate, need_dres = ctx.needs_input_grad[:5]
     activation = ctx.activation
     if activation is None and gate is None:
@@ -215,7 +216,7 @@ def _backward(ctx, dy, _dpre):
     dw = torch.matmul(dz.t(), x) if need_dw else None
     db = dbias.to(bias.dtype) if need_db else None
     dg = dgate.to(gate.dtype) if need_dgate else None
-    return dx, dw, db, dg, (dy if need_dres else None), None, None
+    return dx, dw, db, dg, (dy if need_dres else None), None, None, None
 
 
 register_autograd_keeping_backend(linear_fwd, _backward, _setup_context)
@@ -258,6 +259,7 @@ def linear(
     activation: str | None = None,
     gate: Tensor | None = None,
     residual: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``residual + gate[b] * act(x @ weight.T + bias)`` in one GEMM with a fused epilogue.
 
@@ -265,7 +267,9 @@ def linear(
     None, "gelu" (erf), "gelu_tanh" or "silu". ``gate`` (DiT/SD3/Flux gated residual) is one [N] vector per sample
     x.shape[0], shaped (B, N) or (B, 1, N), broadcast over the tokens; for 2-D x it is one vector per row (M, N).
     ``residual`` has the output's shape [..., N]. Accumulation and epilogue in fp32, one rounding to x's dtype at the
-    end. gate and residual may have another float dtype: the output takes the promoted dtype, as the unfused ops do.
+    end. gate and residual may have another float dtype: the output takes the promoted dtype, as the unfused ops do, or
+    ``out_dtype`` (one rounding of the fp32 epilogue, e.g. Wan's ``(h.float() + ff(x).float() * gate).type_as(h)``
+    with an fp32 gate and a bf16 stream: ``out_dtype=h.dtype``).
     Under torch.autocast x, weight and bias are cast to the autocast dtype first, as F.linear does. Tolerance versus
     an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
@@ -290,5 +294,7 @@ def linear(
     save_pre = (activation is not None or (gate is not None and gate.requires_grad)) and needs_grad(
         x, weight, bias, gate
     )
-    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre)
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
+    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype)
     return y.view(out_shape)

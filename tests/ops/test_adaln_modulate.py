@@ -225,12 +225,13 @@ def test_opcheck():
     x, scale, shift, residual = _make((2, 5, 24), (2, 24), torch.float32)
     x2, r2 = x.reshape(10, 24), residual.reshape(10, 24)
     scale.requires_grad_()
-    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_fwd, (x2, scale, shift, r2, 1e-6, True, True))
-    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_fwd, (x2, scale, shift, None, 1e-6, False, False))
-    _, s, mean, rstd = torch.ops.ldmopt.adaln_modulate_fwd(x2, scale.detach(), shift, r2, 1e-6, True, True)
+    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_fwd, (x2, scale, shift, r2, None, 1e-6, True, True))
+    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_fwd, (x2, scale, shift, None, None, 1e-6, False, False))
+    _, s, mean, rstd = torch.ops.ldmopt.adaln_modulate_fwd(x2, scale.detach(), shift, r2, None, 1e-6, True, True)
     dy = torch.randn(10, 24)
-    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_bwd, (dy, s, mean, rstd, scale.detach(), torch.randn(10, 24)))
-    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_bwd, (dy, s, mean, rstd, scale.detach(), None))
+    args = (dy, s, mean, rstd, scale.detach())
+    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_bwd, (*args, torch.randn(10, 24), None, None))
+    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_bwd, (*args, None, None, None))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

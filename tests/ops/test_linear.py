@@ -227,9 +227,10 @@ def test_opcheck():
     x2, res2 = x.reshape(10, 24), res.reshape(10, 16)
     w.requires_grad_()
     gate.requires_grad_()
-    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, b, gate, res2, "gelu", True))
-    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, None, None, None, "", False))
-    _, pre = torch.ops.ldmopt.linear_fwd(x2, w.detach(), b, gate.detach(), res2, "gelu", True)
+    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, b, gate, res2, "gelu", True, None))
+    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, b, gate, res2, "gelu", True, torch.float16))
+    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, None, None, None, "", False, None))
+    _, pre = torch.ops.ldmopt.linear_fwd(x2, w.detach(), b, gate.detach(), res2, "gelu", True, None)
     dy = torch.randn(10, 16)
     torch.library.opcheck(torch.ops.ldmopt.linear_bwd, (dy, pre, gate.detach(), "gelu", True))
     torch.library.opcheck(torch.ops.ldmopt.linear_bwd, (dy, None, gate.detach(), "", False))
@@ -262,3 +263,34 @@ def test_strided_bias_is_read_with_its_stride():
     with ldmopt.use_backend("triton"):
         y = linear(x, w, b)
     torch.testing.assert_close(y.double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("shape", [(2, 9, 40), (23, 40)])
+def test_out_dtype_rounds_the_fp32_epilogue_once(backend, shape):
+    """Wan's feed-forward residual: fp16 stream, fp32 gate, ``(h.float() + ff.float() * gate).type_as(h)``. With
+    out_dtype the output stays in the stream's dtype (the promoted dtype would be fp32), forward and backward."""
+    n = 72
+    x, w, b, _, _ = _inputs(shape, n, torch.float16, False)
+    gate = torch.randn((shape[0], 1, n) if len(shape) == 3 else (shape[0], n), dtype=torch.float32)
+    res = torch.randn((*shape[:-1], n), dtype=torch.float16)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, gate, res)]
+    with ldmopt.use_backend(backend):
+        y = linear(leaves[0], leaves[1], leaves[2], gate=leaves[3], residual=leaves[4], out_dtype=torch.float16)
+    assert y.dtype == torch.float16 and y.shape == res.shape
+    ref_leaves = [t.double().requires_grad_() for t in (x, w, b, gate, res)]
+    expect = ref_leaves[4] + F.linear(*ref_leaves[:3]) * ref_leaves[3]
+    wan = (res.float() + F.linear(x, w, b).float() * gate).to(torch.float16)  # the stock ops, in fp16/fp32
+    assert_within_torch_error(y, expect, wan, f"out_dtype fp16 {shape}")
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad((y.float() * dy.float()).sum(), leaves)
+    want = torch.autograd.grad((expect * dy.double()).sum(), ref_leaves)
+    for name, g, e, leaf in zip(("dx", "dw", "db", "dgate", "dres"), got, want, leaves):
+        assert g.dtype == leaf.dtype, name
+        torch.testing.assert_close(g.double(), e, atol=3e-2 * e.abs().max().item(), rtol=3e-2, msg=name)
+
+
+def test_out_dtype_must_be_a_float_dtype():
+    x, w, b, _, _ = _inputs((4, 8), 6, torch.float32, False)
+    with pytest.raises(TypeError, match="out_dtype must be a floating torch"):
+        linear(x, w, b, out_dtype=torch.int32)
