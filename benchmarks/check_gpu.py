@@ -143,6 +143,26 @@ def _ref_adaln(x, scale, shift, res):
     return F.layer_norm(x + res, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
 
 
+def _run_adaln_gated(x, scale, shift, res, gate):
+    from ldmopt.ops.adaln_modulate import adaln_modulate
+
+    return adaln_modulate(x, scale, shift, residual=res, gate=gate)
+
+
+def _ref_adaln_gated(x, scale, shift, res, gate):
+    return _ref_adaln(gate[:, None] * x, scale, shift, res)
+
+
+def _run_gated_wan(x, w, b, gate, res):
+    from ldmopt.ops.linear import linear
+
+    return linear(x, w, b, gate=gate, residual=res, out_dtype=res.dtype)
+
+
+#: Wan keeps its modulation (scale, shift, gate) in fp32 while the stream is bf16/fp16: these inputs stay fp32.
+_FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,)}
+
+
 @check("fused_linear")
 def _fused_linear(quick: bool):
     """GEGLU, bias+GELU-tanh and gated-residual GEMMs and adaLN modulation, forward and all gradients, vs fp64."""
@@ -152,11 +172,14 @@ def _fused_linear(quick: bool):
             if n is None:
                 scale, shift = torch.randn(bsz, k, device=DEVICE) * 0.5, torch.randn(bsz, k, device=DEVICE)
                 inputs = [x, scale, shift, torch.randn_like(x)]
+                if run is _run_adaln_gated:
+                    inputs.append(torch.randn(bsz, k, device=DEVICE))
             else:
                 inputs = [x, torch.randn(n, k, device=DEVICE) * k**-0.5, torch.randn(n, device=DEVICE) * 0.1]
-                if run is _run_gated:
+                if run in (_run_gated, _run_gated_wan):
                     inputs += [torch.randn(bsz, n, device=DEVICE), torch.randn(bsz, t, n, device=DEVICE)]
-            inputs = [v.to(dtype) for v in inputs]
+            keep = _FP32_INPUTS.get(run, ())
+            inputs = [v if i in keep else v.to(dtype) for i, v in enumerate(inputs)]
             leaves64 = [v.double().requires_grad_() for v in inputs]
             ref = ref_fn(*leaves64)
             dy = torch.randn(ref.shape, device=DEVICE).to(dtype)
@@ -267,6 +290,8 @@ CASES: dict[str, dict[str, tuple]] = {
         "gelu_tanh-pixart": (_run_gelu, _ref_gelu, 2, 4096, 1152, 4608),
         "gated-pixart": (_run_gated, _ref_gated, 2, 4096, 1152, 1152),
         "adaln-pixart": (_run_adaln, _ref_adaln, 2, 4096, 1152, None),
+        "adaln-gated-wan14b": (_run_adaln_gated, _ref_adaln_gated, 1, 8192, 5120, None),
+        "gated-wan1.3b-ffn": (_run_gated_wan, _ref_gated, 1, 8192, 8960, 1536),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)
         "animatediff-512-l0": (2, 16, 4096, 8, 40),

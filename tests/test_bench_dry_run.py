@@ -218,3 +218,20 @@ def test_host_overhead_cases_compare_the_same_function(monkeypatch):
     with ldmopt.use_backend("torch"):
         for case, (fused, unfused) in B.CASES.items():
             torch.testing.assert_close(fused(tensors), unfused(tensors), rtol=1e-4, atol=1e-4, msg=case)
+
+
+def test_wan_block_providers(mocked_timing, monkeypatch):
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_wan_block as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "QUICK", True)  # no torch.compile provider
+    monkeypatch.setattr(B, "TEXT_TOKENS", 7)
+    monkeypatch.setattr(B, "CASES", {"tiny": (64, 2, 96, (3, 6, 10))})
+    with ldmopt.use_backend("torch"):
+        for mode in ("fwd", "fwd+bwd"):
+            B.bench_wan_block("tiny", torch.float32, mode, mocked_timing)
+    rows = mocked_timing.rows
+    assert [r["provider"] for r in rows] == ["eager", "ldmopt"] * 2 and not _failed(rows), rows
+    errs = [float(r["note"].split("; ")[0].rsplit(" ", 1)[1]) for r in rows]
+    assert max(errs) < 1e-5 and all("fell back" not in r["note"] for r in rows), rows

@@ -50,12 +50,13 @@ def plain_layer_norm_reason(name: str, norm: object) -> str | None:
     return None
 
 
-def feed_forward_reasons(ff: object) -> list[str]:
-    """Why a diffusers FeedForward cannot end in :func:`ff_gated_residual`'s GEMM epilogue (empty when it can)."""
+def feed_forward_reasons(ff: object, name: str = "ff") -> list[str]:
+    """Why a diffusers FeedForward cannot end in :func:`ff_gated_residual`'s GEMM epilogue (empty when it can);
+    ``name``: its attribute in the block, for the messages."""
     net = getattr(ff, "net", None)
     if not isinstance(net, nn.ModuleList) or len(net) != 3:
-        return ["ff is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"]
-    reason = plain_linear_reason("ff.net.2", net[2])
+        return [f"{name} is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"]
+    reason = plain_linear_reason(f"{name}.net.2", net[2])
     return [reason] if reason else []
 
 
@@ -69,20 +70,26 @@ def stock_gated_residual(y: Tensor, gate: Tensor | None, residual: Tensor | None
     return y if residual is None else residual + y
 
 
-def gated_residual_linear(layer: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, where: str, name: str) -> Tensor:
+def gated_residual_linear(
+    layer: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, where: str, name: str, out_dtype=None
+) -> Tensor:
     """``residual + gate * layer(x)``: one GEMM with the bias, gate and residual in its epilogue while ``layer`` is a
-    plain nn.Linear, else ``layer``'s own forward and the stock ops (see child_check)."""
+    plain nn.Linear, else ``layer``'s own forward and the stock ops (see child_check). ``out_dtype``: the result's
+    dtype (the stock path computes in the promoted dtype, then casts, as Wan's ``.type_as(h)``)."""
     if readable(layer):
-        return linear(x, layer.weight, layer.bias, gate=gate, residual=residual)
+        return linear(x, layer.weight, layer.bias, gate=gate, residual=residual, out_dtype=out_dtype)
     count_stock(where, name, layer)
-    return stock_gated_residual(layer(x), gate, residual)
+    out = stock_gated_residual(layer(x), gate, residual)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
-def ff_gated_residual(ff: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, name: str = "ff") -> Tensor:
+def ff_gated_residual(
+    ff: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, name: str = "ff", out_dtype=None
+) -> Tensor:
     """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue
-    (``name``: the feed-forward's attribute in its block, for the report)."""
+    (``name``: the feed-forward's attribute in its block, for the report; ``out_dtype`` as in gated_residual_linear)."""
     h = ff.net[1](ff.net[0](x))
-    return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2")
+    return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2", out_dtype)
 
 
 def _stock_gelu(x: Tensor, approximate: str) -> Tensor:

@@ -22,6 +22,10 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     |                                              | gated residual in FF GEMM |
 | adaln              | joint_block         | JointTransformerBlock, FluxTransformerBlock  | the same, per stream      |
 | adaln              | flux_single_gated   | FluxSingleTransformerBlock                   | gated residual, proj_out  |
+| adaln              | wan_block           | WanTransformerBlock (Wan 2.1/2.2, VACE,      | fp32 gated adds + norms + |
+|                    |                     | Animate, ChronoEdit), SkyReelsV2 block       | modulation in 3 row       |
+|                    |                     |                                              | kernels; FF out GEMM with |
+|                    |                     |                                              | fp32 gate + residual      |
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |

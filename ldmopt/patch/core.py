@@ -45,9 +45,18 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_group_norm import RULES as group_norm_rules
     from .rules_linear import RULES as linear_rules
     from .rules_temporal_layout import RULES as temporal_layout_rules
+    from .rules_wan import RULES as wan_rules
 
     # Temporal layout before the attention processors: its containers claim the attention modules they bypass.
-    return (*gn_conv_rules, *block_rules, *linear_rules, *group_norm_rules, *temporal_layout_rules, *attention_rules)
+    return (
+        *gn_conv_rules,
+        *block_rules,
+        *wan_rules,
+        *linear_rules,
+        *group_norm_rules,
+        *temporal_layout_rules,
+        *attention_rules,
+    )
 
 
 @functools.cache

@@ -108,6 +108,7 @@ def test_every_keyed_class_path_resolves_in_this_diffusers():
     from ldmopt.patch.rule import diffusers_classes
     from ldmopt.patch.rules_group_norm import GROUP_NORM_SILU_HEADS
     from ldmopt.patch.rules_linear import SINGLE_STREAM_BLOCKS
+    from ldmopt.patch.rules_wan import WAN_BLOCKS
 
-    for paths in (GROUP_NORM_SILU_HEADS, SINGLE_STREAM_BLOCKS):
+    for paths in (GROUP_NORM_SILU_HEADS, SINGLE_STREAM_BLOCKS, WAN_BLOCKS):
         assert len(diffusers_classes(*paths)) == len(paths)

@@ -1,0 +1,110 @@
+"""One Wan 2.1 transformer block at 480p x 81 frames (21 x 30 x 52 = 32,760 tokens after the 1x2x2 patch embed):
+diffusers' forward (fp32 norms, modulation and gated adds around bf16 attention and GEMMs, as the pipeline runs it)
+vs ``ldmopt.patch`` (rule ``wan_block`` plus the GELU feed-forward projection) vs torch.compile of diffusers' block.
+
+Cases (batch 1: Wan's pipeline runs the conditional and unconditional passes as separate calls; 512 text tokens):
+- ``wan2.1-1.3b-480p``: dim 1536, 12 heads of 128, ffn 8960;
+- ``wan2.1-14b-480p``: dim 5120, 40 heads of 128, ffn 13824.
+The block keeps what diffusers keeps in fp32 (``_keep_in_fp32_modules``: scale_shift_table, norm1-3) and runs the
+rest in bf16. Bytes: the token stream read and written once (a lower bound). The row's note carries the max relative
+error of the provider's output against eager. What to expect is a projection until measured: the elementwise passes
+are ~10% of a step at 480p by a bandwidth count, the attention most of the rest.
+LDMOPT_BENCH_QUICK=1 keeps the 1.3B case, forward only, no compile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from benchmarks import harness
+
+pytestmark = harness.gpu_only
+
+QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
+DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+TEXT_TOKENS = 512
+# name: (dim, heads, ffn_dim, (frames, height, width) of the latent after the VAE's 4x8x8 compression)
+CASES = {
+    "wan2.1-1.3b-480p": (1536, 12, 8960, (21, 60, 104)),
+    "wan2.1-14b-480p": (5120, 40, 13824, (21, 60, 104)),
+}
+QUICK_CASES = ("wan2.1-1.3b-480p",)
+
+
+def _setup(case, dtype):
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
+
+    dim, heads, ffn, (f, h, w) = CASES[case]
+    block = WanTransformerBlock(dim, ffn, heads, qk_norm="rms_norm_across_heads", cross_attn_norm=True, eps=1e-6)
+    block = block.to(device=DEVICE, dtype=dtype).eval()
+    for name in ("norm1", "norm2", "norm3"):  # as from_pretrained(torch_dtype=bf16) leaves them
+        getattr(block, name).float()
+    block.scale_shift_table.data = block.scale_shift_table.data.float()
+    rope = WanRotaryPosEmbed(dim // heads, (1, 2, 2), 1024).to(DEVICE)
+    rotary = rope(torch.empty(1, 16, f, h, w, device=DEVICE))
+    tokens = f * (h // 2) * (w // 2)
+    hidden = torch.randn(1, tokens, dim, device=DEVICE, dtype=dtype)
+    context = torch.randn(1, TEXT_TOKENS, dim, device=DEVICE, dtype=dtype)
+    temb = torch.randn(1, 6, dim, device=DEVICE, dtype=torch.float32)  # the time embedder runs in fp32
+    return block, (hidden, context, temb, rotary)
+
+
+def _max_rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not QUICK or c in QUICK_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.parametrize("mode", ["fwd"] if QUICK else ["fwd", "fwd+bwd"])
+def bench_wan_block(case, dtype, mode, bench_recorder):
+    pytest.importorskip("diffusers")
+    import ldmopt
+
+    block, args = _setup(case, dtype)
+    hidden = args[0]
+    nbytes = 2 * hidden.numel() * hidden.element_size()
+    with torch.no_grad():
+        reference = block(*args)
+    stock = lambda: block(*args)
+    providers = {"eager": (stock, None), "ldmopt": (stock, ldmopt.patch)}
+    if not QUICK:
+        providers["compile"] = (harness.compiled(stock, mode="max-autotune-no-cudagraphs"), None)
+    if mode == "fwd+bwd":
+        block.train()
+        hidden.requires_grad_(True)
+        grad_out = torch.randn_like(reference)
+        params = [hidden, *block.parameters()]
+    for name, (fn, install) in providers.items():
+        if mode == "fwd":
+
+            def run(fn=fn):
+                with torch.no_grad():
+                    return fn()
+        else:
+
+            def run(fn=fn):
+                return torch.autograd.grad(fn(), params, grad_out, allow_unused=True)
+
+        report = None
+        try:
+            if install is not None:
+                report = install(block, training=mode == "fwd+bwd")
+                assert report.counts().get("wan_block") == 1, str(report)
+            with torch.no_grad():
+                note = f"max rel err vs eager {_max_rel_err(fn(), reference):.1e}"
+            timing, peak = harness.time_fn(run), harness.peak_memory(run)
+            if report is not None and report.fallbacks():
+                note += f"; fell back: {report.fallbacks()}"
+        except Exception as exc:  # a provider that cannot run is a row with the reason
+            timing, peak = None, None
+            note = f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
+        finally:
+            if report is not None:
+                ldmopt.unpatch(block)
+        bench_recorder.record(
+            op="wan_block", case=case, dtype=str(dtype).removeprefix("torch."), mode=mode, provider=name,
+            timing=timing, bytes=nbytes, peak_mem=peak, note=note,
+        )  # fmt: skip
