@@ -159,6 +159,16 @@ def _run_gated_wan(x, w, b, gate, res):
     return linear(x, w, b, gate=gate, residual=res, out_dtype=res.dtype)
 
 
+def _run_rms_norm(x, weight, bias):
+    from ldmopt.ops.rms_norm import rms_norm
+
+    return rms_norm(x, weight, bias, eps=1e-6)
+
+
+def _ref_rms_norm(x, weight, bias):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight + bias
+
+
 #: Wan keeps its modulation (scale, shift, gate) in fp32 while the stream is bf16/fp16: these inputs stay fp32.
 _FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,)}
 
@@ -169,7 +179,9 @@ def _fused_linear(quick: bool):
     for case, (run, ref_fn, bsz, t, k, n) in _cases("fused_linear", quick).items():
         for dtype in DTYPES:
             x = torch.randn(bsz, t, k, device=DEVICE)
-            if n is None:
+            if run is _run_rms_norm:  # (x, weight, bias): the norm's affine is near 1, as trained ones are
+                inputs = [x, 1 + 0.3 * torch.randn(k, device=DEVICE), 0.1 * torch.randn(k, device=DEVICE)]
+            elif n is None:
                 scale, shift = torch.randn(bsz, k, device=DEVICE) * 0.5, torch.randn(bsz, k, device=DEVICE)
                 inputs = [x, scale, shift, torch.randn_like(x)]
                 if run is _run_adaln_gated:
@@ -283,7 +295,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "sd-32x32x320-640": (2, 320, 640, 32, 1280),
         "vae-128x128x256-128": (1, 256, 128, 128, None),
     },
-    # (fused, reference, B, T, K, N); GEMM weights are [N, K] (GEGLU: N = 2I); adaLN uses C = K.
+    # (fused, reference, B, T, K, N); GEMM weights are [N, K] (GEGLU: N = 2I); adaLN and RMSNorm use C = K.
     "fused_linear": {
         "geglu-sd15-l0": (_run_geglu, _ref_geglu, 2, 4096, 320, 2560),
         "geglu-sdxl": (_run_geglu, _ref_geglu, 2, 1024, 1280, 10240),
@@ -292,6 +304,8 @@ CASES: dict[str, dict[str, tuple]] = {
         "adaln-pixart": (_run_adaln, _ref_adaln, 2, 4096, 1152, None),
         "adaln-gated-wan14b": (_run_adaln_gated, _ref_adaln_gated, 1, 8192, 5120, None),
         "gated-wan1.3b-ffn": (_run_gated_wan, _ref_gated, 1, 8192, 8960, 1536),
+        "rms_norm-sd35-qk": (_run_rms_norm, _ref_rms_norm, 2, 4096 * 24, 64, 0),
+        "rms_norm-c3072": (_run_rms_norm, _ref_rms_norm, 1, 4096, 3072, 0),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)
         "animatediff-512-l0": (2, 16, 4096, 8, 40),

@@ -235,3 +235,17 @@ def test_wan_block_providers(mocked_timing, monkeypatch):
     assert [r["provider"] for r in rows] == ["eager", "ldmopt"] * 2 and not _failed(rows), rows
     errs = [float(r["note"].split("; ")[0].rsplit(" ", 1)[1]) for r in rows]
     assert max(errs) < 1e-5 and all("fell back" not in r["note"] for r in rows), rows
+
+
+def test_rms_norm_providers(mocked_timing, no_compile, monkeypatch):
+    from benchmarks import bench_rms_norm as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "SHAPES", {"tiny": (13, 40)})
+    with ldmopt.use_backend("triton"):
+        for mode in ("fwd", "fwd+bwd"):
+            B.bench_rms_norm("tiny", torch.float16, mode, mocked_timing)
+    rows = mocked_timing.rows
+    assert len(rows) == 2 * 4 and not _failed(rows), _failed(rows)
+    errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
+    assert max(errs) < 1e-2, rows  # fp16 outputs against the fp32 composition

@@ -7,6 +7,7 @@ from .geglu import geglu
 from .gn_conv2d import gn_silu_conv2d
 from .group_norm import group_norm
 from .linear import linear
+from .rms_norm import rms_norm
 from .temporal_attention import temporal_attention
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "gn_silu_conv2d",
     "group_norm",
     "linear",
+    "rms_norm",
     "temporal_attention",
     "use_backend",
 ]

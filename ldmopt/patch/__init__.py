@@ -26,6 +26,9 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     | Animate, ChronoEdit), SkyReelsV2 block       | modulation in 3 row       |
 |                    |                     |                                              | kernels; FF out GEMM with |
 |                    |                     |                                              | fp32 gate + residual      |
+| rms_norm           | rms_norm            | diffusers RMSNorm (q/k norms of SD3.5,       | one row kernel, fp32      |
+|                    |                     | HunyuanVideo, LTX, CogView4, Qwen-Image ...; | statistics and affine     |
+|                    |                     | torch.nn.RMSNorm is fused by torch already)  |                           |
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |

@@ -31,7 +31,16 @@ from torch import nn
 from ..nn.child_check import count_reason, hooked, unreadable_reason
 
 #: Kernel families a user can select with ``patch(..., families={...})``.
-FAMILIES = ("group_norm", "gn_conv", "feed_forward", "adaln", "temporal_layout", "temporal_attention", "svd_attn2")
+FAMILIES = (
+    "group_norm",
+    "gn_conv",
+    "feed_forward",
+    "adaln",
+    "rms_norm",
+    "temporal_layout",
+    "temporal_attention",
+    "svd_attn2",
+)
 
 
 @dataclass

@@ -130,6 +130,7 @@ def test_sd35_dual_attention_joint_block():
     kwargs = models.inputs("sd3", model)
     ref = _run(model, kwargs)
     report = ldmopt.patch(model)
-    assert report.counts() == dict(adaln_continuous=2, adaln_zero=2, gelu=3, joint_block=2)
+    # rms_norm: the query/key norms (rms_norm qk_norm) of the joint and the second attention of both blocks.
+    assert report.counts() == dict(adaln_continuous=2, adaln_zero=2, gelu=3, joint_block=2, rms_norm=10)
     with ldmopt.use_backend("torch"):
         assert_outputs_close(_run(model, kwargs), ref, name="sd3.5")

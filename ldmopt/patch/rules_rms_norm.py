@@ -1,0 +1,66 @@
+"""RMSNorm rule (family ``rms_norm``): diffusers' ``RMSNorm`` (the query/key norms of Flux, SD3.5, Wan, HunyuanVideo,
+LTX, CogView4, Qwen-Image and more, and some blocks' own norms) runs as one ``ldmopt.ops.rms_norm`` row kernel instead
+of eight elementwise passes with an fp32 copy of the activation.
+
+A class swap (see rule.py): same instance, same parameters. The output dtype is the stock module's: the weight's when
+it is fp16/bf16, fp32 (the promoted dtype) when it is fp32, the input's without a weight; the stock module rounds to
+half precision before multiplying by a half weight, the fused kernel once at the end (within 2x the stock error). A
+weight that is not a plain tensor (quantized) or an NPU input runs the stock forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..nn.child_check import count_reason, plain_weight
+from ..ops.rms_norm import rms_norm
+from .rule import ClassSwapRule, Rule, Site, diffusers_classes
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    if weight is None:
+        return x.dtype
+    if weight.dtype in _HALF:
+        return weight.dtype
+    return torch.promote_types(torch.promote_types(x.dtype, torch.float32), weight.dtype)
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.device.type == "npu" or not plain_weight(self):
+        if not plain_weight(self):
+            count_reason("RMSNorm", "weight is not a plain tensor (quantized?)")
+        return type(self)._ldmopt_base.forward(self, hidden_states)
+    weight, bias = self.weight, self.bias
+    return rms_norm(hidden_states, weight, bias, self.eps, out_dtype=_out_dtype(hidden_states, weight))
+
+
+class RMSNormRule(ClassSwapRule):
+    name = "rms_norm"
+    family = "rms_norm"
+    description = "RMSNorm in one row kernel (fp32 statistics and affine)"
+
+    def targets(self) -> tuple[type, ...]:
+        return diffusers_classes("normalization:RMSNorm")
+
+    def reasons(self, site: Site) -> list[str]:
+        norm = site.module
+        reasons = []
+        if len(getattr(norm, "dim", ())) != 1:
+            reasons.append(f"normalises over dims {tuple(getattr(norm, 'dim', ()))}; the kernel takes one last dim")
+        for name in ("weight", "bias"):
+            t = getattr(norm, name, None)
+            if t is not None and (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 1):
+                reasons.append(f"{name} is not a floating-point vector")
+        return reasons
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {"": site.module}
+
+    def methods(self, site: Site):
+        return _rms_norm_forward
+
+
+RULES: list[Rule] = [RMSNormRule()]

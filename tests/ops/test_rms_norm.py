@@ -1,0 +1,168 @@
+"""ldmopt.ops.rms_norm and the ``rms_norm`` patch rule: against PyTorch in fp64 and against diffusers' RMSNorm."""
+
+import pytest
+import torch
+
+import ldmopt
+from ldmopt.ops.rms_norm import rms_norm
+from tests.tolerances import assert_close, assert_within_torch_error
+
+
+def _reference(x, weight=None, bias=None, eps=1e-6):
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y + bias if bias is not None else y
+
+
+SHAPES = [(3, 13, 72), (37, 40), (2, 5, 3, 24)]  # odd row counts, C not a power of two, per-head 4-D
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_forward(shape, dtype, affine, backend):
+    x = (torch.randn(shape, dtype=torch.float64) * 2 + 0.3).to(dtype)
+    c = shape[-1]
+    weight = (1 + 0.5 * torch.randn(c, dtype=torch.float64)).to(dtype) if affine != "none" else None
+    bias = (0.3 * torch.randn(c, dtype=torch.float64)).to(dtype) if affine == "weight+bias" else None
+    with ldmopt.use_backend(backend):
+        y = rms_norm(x, weight, bias, eps=1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    as64 = [t.double() if t is not None else None for t in (x, weight, bias)]
+    lowp = _reference(x.float(), *(t.float() if t is not None else None for t in (weight, bias))).to(dtype)
+    assert_within_torch_error(y, _reference(*as64), lowp, f"rms_norm {shape} {dtype} {affine}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_backward_matches_autograd(shape, backend):
+    c = shape[-1]
+    leaves = [torch.randn(shape) * 1.5, 1 + 0.5 * torch.randn(c), 0.3 * torch.randn(c)]
+    leaves = [t.requires_grad_() for t in leaves]
+    with ldmopt.use_backend(backend):
+        y = rms_norm(*leaves)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad((y * dy).sum(), leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    expect = torch.autograd.grad((_reference(*ref_leaves) * dy.double()).sum(), ref_leaves)
+    for name, g, e in zip(("dx", "dweight", "dbias"), got, expect):
+        assert_close(g, e, torch.float32, f"{backend} {name} {shape}")
+
+
+def test_half_input_fp32_weight_backward_dtypes():
+    x = torch.randn(6, 40, dtype=torch.float16, requires_grad=True)
+    w = (1 + 0.5 * torch.randn(40)).requires_grad_()
+    with ldmopt.use_backend("triton"):
+        y = rms_norm(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    assert dx.dtype == torch.float16 and dw.dtype == torch.float32
+
+
+def test_gradcheck_reference_path():
+    leaves = [torch.randn(4, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64) + 1,
+              torch.randn(6, dtype=torch.float64)]  # fmt: skip
+    with ldmopt.use_backend("torch"):
+        assert torch.autograd.gradcheck(lambda *t: rms_norm(*t), [t.requires_grad_() for t in leaves])
+
+
+def test_opcheck_and_compile():
+    x, w = torch.randn(10, 24), torch.randn(24).requires_grad_()
+    torch.library.opcheck(torch.ops.ldmopt.rms_norm_fwd, (x, w, None, 1e-6, torch.float32, True))
+    torch.library.opcheck(torch.ops.ldmopt.rms_norm_fwd, (x, None, None, 1e-6, torch.float16, False))
+    _, rstd = torch.ops.ldmopt.rms_norm_fwd(x, w.detach(), None, 1e-6, torch.float32, True)
+    torch.library.opcheck(torch.ops.ldmopt.rms_norm_bwd, (torch.randn(10, 24), x, rstd, w.detach()))
+    torch.library.opcheck(torch.ops.ldmopt.rms_norm_bwd, (torch.randn(10, 24), x, rstd, None))
+    torch._dynamo.reset()
+    xs = torch.randn(2, 5, 24, requires_grad=True)
+    out = torch.compile(lambda a, b: rms_norm(a, b) * 2, backend="aot_eager", fullgraph=True)(xs, w)
+    got = torch.autograd.grad(out.sum(), (xs, w))
+    expect_out = rms_norm(xs, w) * 2
+    expect = torch.autograd.grad(expect_out.sum(), (xs, w))
+    assert_close(out, expect_out.detach().double(), torch.float32, "compiled")
+    for g, e in zip(got, expect):
+        assert_close(g, e.double(), torch.float32, "compiled grads")
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: rms_norm(torch.randn(4, 8), torch.randn(6)), r"weight must have shape \(8,\)"),
+        (lambda: rms_norm(torch.randn(4, 8), eps=-1.0), "eps must be a non-negative float"),
+        (lambda: rms_norm(torch.randn(4, 8), out_dtype=torch.int8), "out_dtype must be a floating torch"),
+        (lambda: rms_norm(torch.randn(4, 0)), "x is empty"),
+        (lambda: rms_norm(torch.tensor(1.0)), "at least 1 dim"),
+    ],
+)
+def test_bad_input_messages(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+# ------------------------------------------------------------------------------------------------ the patch rule
+
+
+@pytest.mark.parametrize(
+    "input_dtype,weight_dtype,affine",
+    [
+        (torch.float32, torch.float32, True),
+        (torch.float16, torch.float16, True),  # stock rounds to fp16 before the weight; the kernel once
+        (torch.float16, torch.float32, True),  # an fp32 weight makes the stock output fp32
+        (torch.float16, None, False),
+    ],
+)
+def test_patched_diffusers_rms_norm_matches_stock(input_dtype, weight_dtype, affine):
+    from diffusers.models.normalization import RMSNorm
+
+    norm = RMSNorm(40, eps=1e-6, elementwise_affine=affine)
+    if affine:
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.5 * torch.randn(40))
+        norm.to(weight_dtype)
+    x = (torch.randn(3, 7, 40) * 2).to(input_dtype)
+    stock = norm(x)
+    exact = RMSNorm(40, eps=1e-6, elementwise_affine=affine).double()
+    if affine:
+        exact.weight.data = norm.weight.data.double()
+    expect = exact(x.double())
+    report = ldmopt.patch(norm)
+    assert report.counts() == {"rms_norm": 1}, str(report)
+    with ldmopt.use_backend("triton"):
+        fused = norm(x)
+    assert fused.dtype == stock.dtype
+    assert_within_torch_error(fused, expect, stock, f"patched RMSNorm {input_dtype} {weight_dtype}")
+    ldmopt.unpatch(norm)
+    assert type(norm) is RMSNorm
+
+
+def test_patched_sd3_with_rms_qk_norm_matches_stock():
+    from diffusers import SD3Transformer2DModel
+
+    from tests.patch.helpers import assert_same_snapshot, output_tensor, snapshot
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+        pos_embed_max_size=16, qk_norm="rms_norm",
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm_" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+            elif not p.any():
+                p.normal_(std=0.1)
+    inputs = dict(hidden_states=torch.randn(2, 4, 8, 8), encoder_hidden_states=torch.randn(2, 5, 32),
+                  pooled_projections=torch.randn(2, 16), timestep=torch.tensor([10, 500]))  # fmt: skip
+    with torch.no_grad():
+        ref = output_tensor(model(**inputs))
+    before = snapshot(model)
+    report = ldmopt.patch(model)
+    assert report.counts().get("rms_norm", 0) >= 8, str(report)  # q/k (+ added q/k) norms of both blocks
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        out = output_tensor(model(**inputs))
+    assert_close(out, ref.double(), torch.float32, "sd3 rms qk-norm")
+    ldmopt.unpatch(model)
+    assert_same_snapshot(before, snapshot(model))
