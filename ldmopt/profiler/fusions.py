@@ -17,6 +17,12 @@ Rules (names as reported):
 - ``GEMM epilogue (gated residual)``: GEMM -> mul(gate) -> add(residual).
 - ``temporal permutes``: copies that materialise a frame-major layout in or next to a temporal block (the
   temporal attention kernel reads frames by stride).
+- ``RMSNorm (diffusers)``: diffusers' RMSNorm module runs eight ops (fp32 copy, square, mean, rsqrt, two
+  multiplies, casts); ldmopt's row kernel reads x once and writes y once (torch.nn.RMSNorm is already one fused op).
+- ``fp32 round trips (Wan blocks)``: the casts of the token stream to fp32 and back around the norms, modulation
+  and gated adds of Wan-style blocks (``wan_block`` rule): the row kernels and the GEMM epilogue read and write the
+  stream in its own dtype, so the casts go and their neighbours move half the bytes. Runs after the rules above,
+  whose chains may pass through one such cast (GEMM -> cast -> mul(gate) -> add(residual)).
 """
 
 from __future__ import annotations
@@ -33,7 +39,21 @@ GELU_EPILOGUE = "GEMM + GELU epilogue"
 ADALN = "adaLN (LayerNorm + modulate)"
 GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 TEMPORAL_PERMUTES = "temporal permutes"
-FUSIONS = (GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, TEMPORAL_PERMUTES)
+RMS_NORM = "RMSNorm (diffusers)"
+WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
+FUSIONS = (
+    GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS
+)  # fmt: skip
+#: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
+#: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
+WAN_BLOCK_CLASSES = frozenset({"WanTransformerBlock", "SkyReelsV2TransformerBlock"})
+DIFFUSERS_RMS_NORM = "diffusers.models.normalization.RMSNorm"
+
+
+def _in_wan_block(rec: OpRecord) -> bool:
+    module, _, name = rec.owner.rpartition(".")
+    return module.startswith("diffusers.") and name in WAN_BLOCK_CLASSES
+
 
 _COPIES = {"clone", "copy_", "contiguous", "_to_copy"}
 _GELU = {"gelu", "gelu_"}
@@ -58,6 +78,14 @@ class _Plan:
 
     def free(self, *indices: int) -> bool:
         return all(i not in self.rule for i in indices)
+
+    def add_saving(self, rule: str, index: int, nbytes: int) -> None:
+        """More bytes saved on a record another rule may have claimed already (capped at the record's bytes)."""
+        before = self.saved.get(index, 0)
+        after = max(before, min(self.records[index].bytes, before + max(0, nbytes)))
+        self.saved[index] = after
+        self.rule.setdefault(index, rule)
+        self.stats[rule].bytes_saved += after - before
 
     def claim(self, rule: str, savings: dict[int, int], removed: tuple[int, ...] = ()) -> None:
         stat = self.stats[rule]
@@ -102,6 +130,11 @@ def plan_fusions(records: list[OpRecord]) -> tuple[dict[int, int], dict[int, str
     for rec in records:
         if rec.base in _COPIES and rec.category == C.LAYOUT:
             _temporal_permute(plan, records, rec)
+    for run in _rms_norm_runs(records):
+        _rms_norm(plan, run)
+    for rec in records:
+        if rec.base == "_to_copy" and _in_wan_block(rec) and rec.layer is None:
+            _wan_round_trip(plan, records, rec)
     return plan.saved, plan.rule, plan.removed, plan.stats
 
 
@@ -154,13 +187,16 @@ def _adaln(plan: _Plan, records: list[OpRecord], ln: OpRecord) -> None:
 def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None:
     if len(mul.in_bytes) != 2 or not plan.free(mul.index):
         return
-    # The activation comes from the largest GEMM; the gate may come from another (the adaLN projection).
-    sources = [records[p] for p in mul.producers if p >= 0]
-    gemms = [r for r in sources if r.base in _GEMMS and r.category == C.LINEAR]
-    gemm = max(gemms, key=lambda r: r.out_bytes, default=None)
-    if gemm is None or set(gemm.consumers) != {mul.index}:
+    # The activation comes from the largest GEMM; the gate may come from another (the adaLN projection). Wan casts
+    # the GEMM output to fp32 first (ff(x).float() * gate): look through that one cast.
+    direct = {p: _through_cast(records, records[p], mul.index) for p in mul.producers if p >= 0}
+    gemms = [(p, r) for p, r in direct.items() if r.base in _GEMMS and r.category == C.LINEAR]
+    source, gemm = max(gemms, key=lambda pr: pr[1].out_bytes, default=(-1, None))
+    if gemm is None or set(records[source].consumers) != {mul.index}:
         return
-    gate = _other_inputs(mul, gemm.index)
+    if source != gemm.index and set(gemm.consumers) != {source}:
+        return  # the GEMM output is read elsewhere too: it must be written anyway
+    gate = _other_inputs(mul, source)
     add = _sole_consumer(records, mul)
     if not gate or max(gate) >= gemm.out_bytes or add is None or add.base != "add" or not plan.free(add.index):
         return
@@ -200,3 +236,61 @@ def _temporal_permute(plan: _Plan, records: list[OpRecord], copy: OpRecord) -> N
     neighbours = [records[p] for p in copy.producers if p >= 0] + [records[c] for c in copy.consumers]
     if copy.temporal or any(r.temporal for r in neighbours):
         plan.claim(TEMPORAL_PERMUTES, {copy.index: copy.bytes}, removed=(copy.index,))
+
+
+def _is_cast(rec: OpRecord) -> bool:
+    return rec.base == "_to_copy" and len(rec.in_bytes) == 1 and rec.out_bytes != rec.in_bytes[0]
+
+
+def _through_cast(records: list[OpRecord], rec: OpRecord, consumer: int) -> OpRecord:
+    """The producer behind ``rec`` when ``rec`` is a dtype cast whose only consumer is ``consumer``."""
+    if _is_cast(rec) and set(rec.consumers) == {consumer} and rec.producers[0] >= 0:
+        return records[rec.producers[0]]
+    return rec
+
+
+def _wan_round_trip(plan: _Plan, records: list[OpRecord], cast: OpRecord) -> None:
+    if not _is_cast(cast) or cast.index in plan.removed:
+        return
+    up = cast.out_bytes > cast.in_bytes[0]
+    plan.removed.add(cast.index)
+    plan.stats[WAN_ROUND_TRIPS].ops_removed += 1
+    plan.stats[WAN_ROUND_TRIPS].count += 1
+    plan.add_saving(WAN_ROUND_TRIPS, cast.index, cast.bytes)
+    if up:
+        # Consumers read the stream in its own dtype instead of the fp32 copy.
+        for c in set(cast.consumers):
+            consumer = records[c]
+            if c in plan.removed:
+                continue
+            wide = sum(b for p, b in zip(consumer.producers, consumer.in_bytes) if p == cast.index)
+            plan.add_saving(WAN_ROUND_TRIPS, c, wide - cast.in_bytes[0])
+    elif cast.producers[0] >= 0 and cast.producers[0] not in plan.removed:
+        # The producer writes the stream's dtype directly (the cast's output), not an fp32 tensor.
+        producer = records[cast.producers[0]]
+        plan.add_saving(WAN_ROUND_TRIPS, producer.index, producer.out_bytes - cast.out_bytes)
+
+
+def _rms_norm_runs(records: list[OpRecord]) -> list[list[OpRecord]]:
+    """Consecutive records of one diffusers RMSNorm call (same module path)."""
+    runs: list[list[OpRecord]] = []
+    for rec in records:
+        if rec.owner != DIFFUSERS_RMS_NORM:
+            continue
+        if runs and runs[-1][-1].index == rec.index - 1 and runs[-1][-1].path == rec.path:
+            runs[-1].append(rec)
+        else:
+            runs.append([rec])
+    return runs
+
+
+def _rms_norm(plan: _Plan, run: list[OpRecord]) -> None:
+    if len(run) < 3 or not plan.free(*(r.index for r in run)):
+        return
+    # What the row kernel still moves: x (the run's first input), the weight and bias (parameters), and y.
+    x_read = run[0].in_bytes[0]
+    params = sum(b for r in run[1:] for p, b in zip(r.producers, r.in_bytes) if p < 0 and b < x_read)
+    last = run[-1]
+    savings = {r.index: r.bytes for r in run[:-1]}
+    savings[last.index] = max(0, last.bytes - (x_read + params + last.out_bytes))
+    plan.claim(RMS_NORM, savings, removed=tuple(r.index for r in run[:-1]))

@@ -54,6 +54,7 @@ class OpRecord:
     dtype: str
     layer: str | None = None  # kind of the enclosing attention module (projections included), if any
     consumers: list[int] = field(default_factory=list)
+    owner: str = ""  # "module.Class" of the innermost module whose forward ran the op
 
     @property
     def bytes(self) -> int:
@@ -71,6 +72,10 @@ def tensor_bytes(t: torch.Tensor) -> int:
         if stride != 0:
             numel *= size
     return numel * t.element_size()
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -138,6 +143,7 @@ class Recorder(TorchDispatchMode):
             temporal=is_temporal_path(path),
             layer=next((f.attention_kind for f in reversed(stack) if f.role == "attention"), None),
             dtype=str(outputs[0].dtype if outputs else inputs[0].dtype if inputs else "").replace("torch.", ""),
+            owner=_qualified(type(stack[-1].module)) if stack else "",
         )
         for p in rec.producers:
             if p >= 0:
@@ -204,7 +210,9 @@ class Recorder(TorchDispatchMode):
 
 
 class AttentionRegions(TorchFunctionMode):
-    """Records each ``F.scaled_dot_product_attention`` call as one fused operator of the ``Recorder``."""
+    """Records each ``F.scaled_dot_product_attention`` call as one fused operator of the ``Recorder``, and each
+    ``F.rms_norm`` (torch.nn.RMSNorm: Flux's and Wan's query/key norms) as the one ``_fused_rms_norm`` kernel torch
+    runs on a GPU when the weight has the input's dtype (on meta and CPU it decomposes into eight ops)."""
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
@@ -212,6 +220,8 @@ class AttentionRegions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.rms_norm:
+            return self._rms_norm(func, args, kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         rec = self.recorder
@@ -232,4 +242,24 @@ class AttentionRegions(TorchFunctionMode):
         if kind is not None:
             stack[-1].attention_calls += 1
         rec.add_attention(q, k, v, mask, out, kind)
+        return out
+
+    def _rms_norm(self, func, args, kwargs):
+        names = ("input", "normalized_shape", "weight", "eps")
+        x, _shape, weight, _eps = (args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names))
+        fused = (weight is None or weight.dtype == x.dtype) and not (
+            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+        )  # torch's own conditions for the fused kernel (rms_norm_symint); otherwise the composite runs
+        if not fused:
+            return func(*args, **kwargs)
+        rec = self.recorder
+        rec.suppress += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            rec.suppress -= 1
+        name = "aten::_fused_rms_norm"
+        stack = rec.scopes.stack
+        category = C.classify_op(name, attention_kind=attention_context(stack), in_norm=in_norm(stack))
+        rec.add(name, category, 0, [t for t in (x, weight) if isinstance(t, torch.Tensor)], [out])
         return out

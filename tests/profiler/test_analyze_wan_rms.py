@@ -1,0 +1,112 @@
+"""The analytic model on Wan-style blocks and torch's RMSNorm: what the GPU runs, as is and as ldmopt patches it."""
+
+import torch
+from torch import nn
+
+from ldmopt.profiler import analyze
+from ldmopt.profiler import categories as C
+from ldmopt.profiler.fusions import ADALN, GATED_RESIDUAL, RMS_NORM, WAN_ROUND_TRIPS
+
+
+def _wan_model(layers=2, dim=64, ffn=96):
+    from diffusers import WanTransformer3DModel
+
+    with torch.device("meta"):
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=dim // 2, in_channels=4, out_channels=4,
+            text_dim=24, freq_dim=16, ffn_dim=ffn, num_layers=layers, cross_attn_norm=True,
+        )  # fmt: skip
+    model = model.to(torch.bfloat16)
+    for block in model.blocks:  # what from_pretrained(torch_dtype=bf16) keeps in fp32
+        block.scale_shift_table.data = block.scale_shift_table.data.float()
+        for name in ("norm1", "norm2", "norm3"):
+            getattr(block, name).float()
+    return model
+
+
+def _wan_inputs(batch=1, frames=3, h=8, w=10):
+    meta = dict(device="meta")
+    return {
+        "hidden_states": torch.empty(batch, 4, frames, h, w, dtype=torch.bfloat16, **meta),
+        "timestep": torch.empty(batch, **meta),
+        "encoder_hidden_states": torch.empty(batch, 7, 24, dtype=torch.bfloat16, **meta),
+        "return_dict": False,
+    }
+
+
+def test_wan_round_trips_and_epilogues_are_projected():
+    a = analyze(_wan_model(), inputs=_wan_inputs(), dtype="bf16", gpu="H200")
+    trips = a.fusions[WAN_ROUND_TRIPS]
+    # Per block: hidden.float() before norm1, the two gated adds and norm3, their .type_as(h), ff.float(), temb.float()
+    assert trips.count >= 2 * 8 and trips.ops_removed == trips.count
+    assert a.fusions[ADALN].count >= 2 * 2  # norm1 and norm3 modulations of both blocks
+    assert a.fusions[GATED_RESIDUAL].count >= 2 * 2  # attn1 to_out and the feed-forward, through its fp32 cast
+    removed = {r.index for r in a.records if r.base == "_to_copy" and r.owner.endswith(".WanTransformerBlock")}
+    assert removed and a.patched_bytes < a.total_bytes
+    layout = a.categories[C.LAYOUT]
+    assert layout.patched_bytes < 0.5 * layout.bytes  # the block's fp32 casts are most of the layout traffic
+
+
+def test_round_trips_only_in_wan_blocks():
+    class CastBlock(nn.Module):  # the same casts in a block ldmopt does not patch
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(32, elementwise_affine=False)
+
+        def forward(self, x):
+            return self.norm(x.float()).type_as(x)
+
+    with torch.device("meta"):
+        block = CastBlock().to(torch.bfloat16)
+    x = torch.empty(2, 50, 32, device="meta", dtype=torch.bfloat16)
+    a = analyze(block, inputs=(x,), dtype="bf16")
+    assert a.fusions[WAN_ROUND_TRIPS].count == 0 and a.patched_bytes == a.total_bytes
+
+
+def test_torch_rms_norm_is_one_fused_op_when_torch_fuses_it():
+    """torch.nn.RMSNorm runs aten::_fused_rms_norm on a GPU when the weight has the input's dtype (one read, one
+    write); with another weight dtype torch runs the composite (eight ops), and so does the count."""
+
+    def records(weight_dtype):
+        with torch.device("meta"):
+            norm = nn.RMSNorm(128, eps=1e-6).to(weight_dtype)
+        x = torch.empty(4, 300, 128, device="meta", dtype=torch.bfloat16)
+        return analyze(norm, inputs=(x,), dtype="bf16").records
+
+    fused = records(torch.bfloat16)
+    assert [r.name for r in fused] == ["aten::_fused_rms_norm"]
+    assert fused[0].category == C.NORM
+    assert fused[0].in_bytes == (4 * 300 * 128 * 2, 128 * 2) and fused[0].out_bytes == 4 * 300 * 128 * 2
+    composite = records(torch.float32)
+    assert len(composite) > 4 and all(r.name != "aten::_fused_rms_norm" for r in composite)
+
+
+def test_diffusers_rms_norm_is_projected_as_one_row_kernel():
+    """diffusers' RMSNorm (SD3.5's qk norms) runs eight ops as is; patched, one read of x and one write of y each."""
+    from diffusers import SD3Transformer2DModel
+
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
+            pos_embed_max_size=16, qk_norm="rms_norm",
+        ).to(torch.bfloat16)  # fmt: skip
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    inputs = dict(hidden_states=torch.empty(2, 4, 16, 16, **meta), encoder_hidden_states=torch.empty(2, 9, 32, **meta),
+                  pooled_projections=torch.empty(2, 16, **meta), timestep=torch.empty(2, device="meta"),
+                  return_dict=False)  # fmt: skip
+    a = analyze(model, inputs=inputs, dtype="bf16")
+    norms = sum(type(m).__name__ == "RMSNorm" for m in model.modules())
+    assert norms == 8 and a.fusions[RMS_NORM].count == norms  # q, k, added q, added k per block
+    runs = [r for r in a.records if r.owner == "diffusers.models.normalization.RMSNorm"]
+    assert a.fusions[RMS_NORM].ops_removed == len(runs) - norms
+    norm = a.categories[C.NORM]
+    assert norm.patched_bytes < 0.4 * norm.bytes
+
+
+def test_torch_rms_norm_composite_is_not_claimed():
+    with torch.device("meta"):
+        norm = nn.RMSNorm(128, eps=1e-6)  # fp32 weight, bf16 input: torch runs the composite, ldmopt leaves it
+    x = torch.empty(4, 300, 128, device="meta", dtype=torch.bfloat16)
+    a = analyze(norm, inputs=(x,), dtype="bf16")
+    assert a.fusions[RMS_NORM].count == 0 and a.patched_bytes == a.total_bytes
