@@ -11,9 +11,11 @@ lookups) and otherwise computes the stock composition through the child's own fo
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 #: "<where> ran the stock path: <why>" -> calls in this process.
 fallback_reasons: Counter[str] = Counter()
@@ -22,10 +24,37 @@ fallback_reasons: Counter[str] = Counter()
 PLAIN_WEIGHTS = (nn.Parameter, torch.Tensor, type(None))
 
 
+def observer(hook: Callable) -> Callable:
+    """Mark a module hook as one of ldmopt's own observers (the profiler's scope hooks): it only watches, so a fused
+    path that bypasses the module may ignore it, and profiling a patched model measures the fused path."""
+    hook._ldmopt_observer = True
+    return hook
+
+
+def _foreign(hooks: dict) -> bool:
+    return any(not getattr(h, "_ldmopt_observer", False) for h in hooks.values())
+
+
+def _global_hooks() -> bool:
+    return bool(
+        _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks
+    )
+
+
 def hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs more than its class's forward: forward (pre-)hooks, or a forward replaced on
-    the instance (accelerate's offload and diffusers' hooks wrap ``module.forward``)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in module.__dict__
+    """Whether calling ``module`` runs more than its class's forward: forward or backward (pre-)hooks (but ldmopt's
+    own observers), global module hooks, or a forward replaced on the instance (accelerate's offload and diffusers'
+    hooks wrap ``module.forward``)."""
+    return (
+        (bool(module._forward_hooks) and _foreign(module._forward_hooks))
+        or (bool(module._forward_pre_hooks) and _foreign(module._forward_pre_hooks))
+        or bool(module._backward_hooks or module._backward_pre_hooks)
+        or "forward" in module.__dict__
+        or _global_hooks()
+    )
 
 
 def plain_weight(module: nn.Module) -> bool:
@@ -50,7 +79,10 @@ def unreadable_reason(name: str, layer: object) -> str:
     """Why :func:`readable` refused ``layer`` (for the report)."""
     if isinstance(layer, nn.Module):
         if hooked(layer):
-            return f"{name} has forward hooks or a wrapped forward (accelerate/diffusers hooks) the fused path bypasses"
+            return (
+                f"{name} has hooks (forward, backward or global) or a wrapped forward (accelerate/diffusers hooks) "
+                "the fused path would bypass"
+            )
         if not plain_weight(layer):
             return f"{name}.weight is a {_class_name(layer.weight)} (a quantized tensor?), not a plain tensor"
     return f"{name} is a {_class_name(layer)} (a LoRA/PEFT or quantized layer added after patch?)"
@@ -62,3 +94,13 @@ def count_reason(where: str, reason: str) -> None:
 
 def count_stock(where: str, name: str, layer: object) -> None:
     count_reason(where, unreadable_reason(name, layer))
+
+
+def stock(module: nn.Module, name: str = "forward") -> Callable:
+    """The stock method ``name`` of ``module``, bound to it: the base class's for a class-swapped module, through
+    ``super()`` (diffusers marks its blocks allow_in_graph, and torch.compile(fullgraph=True) cannot read a method off
+    such a class object), else the class's own (a module with an instance-level forward installed)."""
+    cls = type(module)
+    if "_ldmopt_base" in cls.__dict__:
+        return getattr(super(cls, module), name)
+    return getattr(cls, name).__get__(module, cls)

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.temporal_attention import MAX_FRAMES
+from .child_check import stock
 from .linear import feed_forward_reasons, ff_gated_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
@@ -322,8 +323,8 @@ def latte_forward(
     base = getattr(type(self), "_ldmopt_base", type(self))
     reason = latte_reason(self, hidden_states, timestep, encoder_hidden_states)
     if _counted(base, reason):
-        return base.forward(
-            self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask, enable_temporal_attentions,
+        return stock(self)(
+            hidden_states, timestep, encoder_hidden_states, encoder_attention_mask, enable_temporal_attentions,
             return_dict,
         )  # fmt: skip
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -393,7 +394,7 @@ def run_container(container: nn.Module, hidden_states: Tensor, *args, counter=No
         call.get("cross_attention_kwargs"),
     )
     if _counted(base, reason, counter):
-        return base.forward(container, hidden_states, *args, **kwargs)
+        return stock(container)(hidden_states, *args, **kwargs)
     out = container_bfnc(container, hidden_states, call.get("num_frames", 1))
     if base.__name__ == "AnimateDiffTransformer3D":
         return out
@@ -412,7 +413,7 @@ def run_svd_block(
     base = getattr(type(block), "_ldmopt_base", type(block))
     reason = svd_block_reason(block, hidden_states, num_frames, encoder_hidden_states)
     if _counted(base, reason, counter):
-        return base.forward(block, hidden_states, num_frames, encoder_hidden_states)
+        return stock(block)(hidden_states, num_frames, encoder_hidden_states)
     return svd_block_bfnc(block, hidden_states, num_frames, encoder_hidden_states)
 
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import nn
 
-from ..nn.child_check import count_reason, hooked, unreadable_reason
+from ..nn.child_check import count_reason, hooked, stock, unreadable_reason
 
 #: Kernel families a user can select with ``patch(..., families={...})``.
 FAMILIES = (
@@ -164,7 +165,22 @@ def fused_class(base: type, forward: Callable | dict[str, Callable], label: str)
             },
         )
         _FUSED_CLASSES[key] = cls
+        _mirror_block_registry(base, cls)
     return cls
+
+
+def _mirror_block_registry(base: type, cls: type) -> None:
+    """Register ``cls`` wherever diffusers registered ``base`` as a transformer block: its block-level hooks
+    (FirstBlockCache, MagCache, layer skip, SkipLayerGuidance) look blocks up by exact class."""
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+    except ImportError:
+        return
+    try:
+        metadata = TransformerBlockRegistry.get(base)
+    except Exception:  # not a registered block (ValueError), or a diffusers whose registry cannot load
+        return
+    TransformerBlockRegistry.register(cls, copy.copy(metadata))
 
 
 def _guarded(base: type, name: str, fn: Callable) -> Callable:
@@ -177,11 +193,13 @@ def _guarded(base: type, name: str, fn: Callable) -> Callable:
             if now is not child or hooked(now):
                 why = unreadable_reason(where, now) if now is child else f"{where} was replaced after patch"
                 count_reason(type(self).__name__, why)
-                return getattr(base, name)(self, *args, **kwargs)
+                return stock(self, name)(*args, **kwargs)
         return fn(self, *args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = fn.__doc__
+    # The base method's signature: diffusers' hooks read arguments by name through it (TransformerBlockMetadata).
+    method.__signature__ = inspect.signature(getattr(base, name))
     return method
 
 

@@ -31,7 +31,7 @@ from ..nn.linear import (
     plain_linear_reason,
 )
 from ..ops.adaln_modulate import adaln_modulate
-from .rule import ClassSwapRule, Rule, Site
+from .rule import ClassSwapRule, Rule, Site, stock
 
 
 def _adaln_block_forward(
@@ -47,8 +47,8 @@ def _adaln_block_forward(
 ) -> torch.Tensor:
     kwargs = dict(cross_attention_kwargs or {})
     if self._chunk_size is not None or "gligen" in kwargs or hidden_states.dim() != 3:
-        return type(self)._ldmopt_base.forward(
-            self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
+        return stock(self)(
+            hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
             cross_attention_kwargs, class_labels, added_cond_kwargs,
         )  # fmt: skip
     kwargs.pop("scale", None)  # deprecated and ignored by diffusers too
@@ -198,7 +198,7 @@ def _sd3_joint_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     if self._chunk_size is not None:
-        return type(self)._ldmopt_base.forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+        return stock(self)(hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
     joint_attention_kwargs = joint_attention_kwargs or {}
     if self.use_dual_attention:
         norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = self.norm1(

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..nn import resnet as R
 from ..nn.child_check import count_stock, readable
 from ..ops.gn_conv2d import gn_silu_conv2d
-from .rule import ClassSwapRule, Rule, Site
+from .rule import ClassSwapRule, Rule, Site, stock
 
 # Children whose forward the fused path does not call (nonlinearity still runs on temb, but not on the main path).
 _BYPASSED = ("norm1", "norm2", "conv1", "conv2", "conv_shortcut", "dropout", "nonlinearity", "upsample", "downsample")
@@ -76,7 +76,7 @@ def _norm_proj_in_readable(self, where: str) -> bool:
 
 def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tensor, int]:
     if not _norm_proj_in_readable(self, "Transformer2DModel"):
-        return type(self)._ldmopt_base._operate_on_continuous_inputs(self, hidden_states)
+        return stock(self, "_operate_on_continuous_inputs")(hidden_states)
     batch, _, height, width = hidden_states.shape
     weight, bias = _proj_in_as_conv(self.proj_in)
     norm = self.norm
@@ -168,8 +168,7 @@ def _spatiotemporal_forward(
         or image_only_indicator is None
         or not _norm_proj_in_readable(self, "TransformerSpatioTemporalModel")
     ):
-        base = type(self)._ldmopt_base
-        return base.forward(self, hidden_states, encoder_hidden_states, image_only_indicator, return_dict)
+        return stock(self)(hidden_states, encoder_hidden_states, image_only_indicator, return_dict)
     batch_frames, channels, height, width = hidden_states.shape
     num_frames = image_only_indicator.shape[-1]
     batch_size = batch_frames // num_frames

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..nn.child_check import count_reason, plain_weight
 from ..ops.rms_norm import rms_norm
-from .rule import ClassSwapRule, Rule, Site, diffusers_classes
+from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -32,7 +32,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.device.type == "npu" or not plain_weight(self):
         if not plain_weight(self):
             count_reason("RMSNorm", "weight is not a plain tensor (quantized?)")
-        return type(self)._ldmopt_base.forward(self, hidden_states)
+        return stock(self)(hidden_states)
     weight, bias = self.weight, self.bias
     return rms_norm(hidden_states, weight, bias, self.eps, out_dtype=_out_dtype(hidden_states, weight))
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..nn.linear import feed_forward_reasons, ff_gated_residual
 from ..ops.adaln_modulate import adaln_modulate
-from .rule import ClassSwapRule, Rule, Site, diffusers_classes
+from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 
 #: The blocks with Wan's forward (the three WanTransformerBlock classes are copies in separate modules).
 WAN_BLOCKS = (
@@ -60,11 +60,12 @@ def _rows(chunks: list[torch.Tensor], hidden: torch.Tensor):
 
 
 def _affine_as_modulation(norm: nn.LayerNorm, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An affine LayerNorm's weight and bias as adaln's ``(1 + scale, shift)``, one vector per row of ``like``'s
-    modulation (scale = weight - 1 is exact for weights in [0.5, 2] and within an fp32 ulp otherwise)."""
+    """A LayerNorm's weight and bias as adaln's ``(1 + scale, shift)``, one vector per row of ``like``'s modulation
+    (scale = weight - 1 is exact for weights in [0.5, 2] and within an fp32 ulp otherwise; zeros without affine)."""
     rows, c = like.shape[0], like.shape[-1]
-    scale = (norm.weight.float() - 1.0).expand(rows, c)
-    shift = norm.bias.float().expand(rows, c) if norm.bias is not None else scale.new_zeros(()).expand(rows, c)
+    zeros = like.new_zeros((), dtype=torch.float32).expand(rows, c)
+    scale = (norm.weight.float() - 1.0).expand(rows, c) if norm.weight is not None else zeros
+    shift = norm.bias.float().expand(rows, c) if norm.bias is not None else zeros
     return (scale, shift) if like.dim() == 2 else (scale[:, None], shift[:, None])
 
 
@@ -111,16 +112,14 @@ def _usable(hidden_states: torch.Tensor, chunks: list[torch.Tensor] | None) -> b
 def _wan_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
     chunks = _chunks(self, temb, skyreels=False)
     if not _usable(hidden_states, chunks):
-        return type(self)._ldmopt_base.forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
+        return stock(self)(hidden_states, encoder_hidden_states, temb, rotary_emb)
     return _fused_body(self, hidden_states, encoder_hidden_states, chunks, None, rotary_emb)
 
 
 def _skyreels_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask):
     chunks = _chunks(self, temb, skyreels=True)
     if not _usable(hidden_states, chunks):
-        return type(self)._ldmopt_base.forward(
-            self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask
-        )
+        return stock(self)(hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask)
     return _fused_body(self, hidden_states, encoder_hidden_states, chunks, attention_mask, rotary_emb)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..nn.child_check import observer
 from .categories import TEMPORAL_MARKERS, attention_kind_of, is_attention_module, is_norm_module
 
 ATTENTION_SCOPE = "ldmopt.attention."
@@ -62,10 +63,10 @@ class ModuleScopes:
                 seen.add(id(module))
                 path = ".".join(p for p in (prefix, name) if p)
                 role = "attention" if is_attention_module(module) else "norm" if is_norm_module(module) else "module"
-                self._handles.append(
-                    module.register_forward_pre_hook(self._pre_hook(path, role), with_kwargs=True, prepend=True)
-                )
-                self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+                # Observers (child_check.observer): a patched block's fused path may bypass the hooked children.
+                pre, post = observer(self._pre_hook(path, role)), observer(self._post_hook())
+                self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                self._handles.append(module.register_forward_hook(post, always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:

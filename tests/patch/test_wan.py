@@ -164,3 +164,101 @@ def test_skyreels_block_matches_stock_per_sample_and_diffusion_forcing():
     with torch.no_grad(), ldmopt.use_backend("triton"):
         for t, ref in zip((temb3, temb4), refs):
             assert_close(block(hidden, context, t, rotary, None), ref.double(), torch.float32, f"skyreels {t.dim()}-D")
+
+
+# ------------------------------------------------------------------------------------------------ after-patch hooks
+
+
+def test_block_level_caches_and_layer_skip_accept_patched_blocks():
+    """diffusers' FirstBlockCache, MagCache and whole-block layer skip look blocks up by exact class in their
+    TransformerBlockRegistry: the fused class is registered like its base, and the result equals stock's."""
+    from diffusers.hooks import FirstBlockCacheConfig, LayerSkipConfig, apply_first_block_cache, apply_layer_skip
+
+    inputs = _wan_inputs()
+    outs = {}
+    for patched in (False, True):
+        for kind in ("fbc", "skip"):
+            model = _wan()
+            if patched:
+                ldmopt.patch(model)
+            if kind == "fbc":
+                apply_first_block_cache(model, FirstBlockCacheConfig(threshold=0.05))
+                with torch.no_grad(), model.cache_context("cond"), ldmopt.use_backend("torch"):
+                    outs[patched, kind] = [output_tensor(model(**inputs)) for _ in range(2)]
+            else:
+                apply_layer_skip(model, LayerSkipConfig(indices=[1], fqn="blocks", skip_attention=True, skip_ff=True))
+                with torch.no_grad(), ldmopt.use_backend("torch"):
+                    outs[patched, kind] = [output_tensor(model(**inputs))]
+    for kind in ("fbc", "skip"):
+        for got, want in zip(outs[True, kind], outs[False, kind]):
+            assert_close(got, want.double(), torch.float32, f"{kind} patched vs stock")
+
+
+def test_fall_back_compiles_fullgraph():
+    """A hook added after patch sends the block to diffusers' forward, which torch.compile(fullgraph=True) must trace
+    (diffusers marks the block allow_in_graph; the stock method is reached through super())."""
+    torch._dynamo.reset()
+    model = _wan()
+    inputs = _wan_inputs()
+    ldmopt.patch(model)
+    model.blocks[1].norm3.register_forward_hook(lambda mod, args, out: out * 0.5)
+    with torch.no_grad():
+        eager = output_tensor(model(**inputs))
+        compiled = output_tensor(torch.compile(model, backend="aot_eager", fullgraph=True)(**inputs))
+    assert_close(compiled, eager.double(), torch.float32, "compiled fall-back")
+
+
+def test_backward_and_global_hooks_after_patch_run():
+    from torch.nn.modules.module import register_module_forward_hook
+
+    inputs = _wan_inputs()
+    results = {}
+    for patched in (False, True):
+        model = _wan().train()
+        if patched:
+            ldmopt.patch(model, training=True)
+        calls, seen = [], []
+
+        def zero_grads(mod, grad_in, grad_out, calls=calls):
+            calls.append(1)
+            return tuple(g * 0 if g is not None else None for g in grad_in)
+
+        model.blocks[1].norm1.register_full_backward_hook(zero_grads)
+        output_tensor(model(**inputs)).sum().backward()
+        handle = register_module_forward_hook(lambda mod, args, out, seen=seen: seen.append(type(mod).__name__))
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            handle.remove()
+        results[patched] = (len(calls), model.blocks[0].scale_shift_table.grad.clone(), seen.count("FP32LayerNorm"))
+    assert results[True][0] == results[False][0] == 1
+    assert_close(results[True][1], results[False][1].double(), torch.float32, "grad with a zeroing backward hook")
+    assert results[True][2] == results[False][2] > 0
+
+
+def test_profiler_scopes_do_not_send_patched_blocks_to_the_stock_path():
+    """ldmopt.profile / analyze hook every module to track scopes; those observers must not count as user hooks."""
+    from ldmopt.nn.child_check import fallback_reasons
+    from ldmopt.profiler.scopes import ModuleScopes
+
+    model = _wan()
+    report = ldmopt.patch(model)
+    fallback_reasons.clear()
+    with torch.no_grad(), ModuleScopes(model), ldmopt.use_backend("torch"):
+        model(**_wan_inputs())
+    assert not report.fallbacks() and not fallback_reasons, report.fallbacks()
+
+
+def test_non_affine_norm2_is_fused_too():
+    from diffusers.models.normalization import FP32LayerNorm
+
+    model = _wan()
+    for block in model.blocks:
+        block.norm2 = FP32LayerNorm(40, 1e-6, elementwise_affine=False)
+    inputs = _wan_inputs()
+    with torch.no_grad():
+        ref = output_tensor(model(**inputs))
+    assert ldmopt.patch(model).counts().get("wan_block") == 2
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        assert_close(output_tensor(model(**inputs)), ref.double(), torch.float32, "non-affine norm2")

@@ -1,0 +1,36 @@
+"""Profiling a patched model measures the fused path: the profiler's scope hooks on every module are observers, not
+the user hooks that send a patched block to the stock path (bench_e2e.py and the demo profile patched models)."""
+
+import torch
+
+import ldmopt
+from ldmopt import configs
+from ldmopt.nn.child_check import fallback_reasons, hooked
+
+
+def test_profile_of_a_patched_unet_runs_the_fused_path():
+    model = configs.build_model("sd15", tiny=True, device="cpu", dtype=torch.float32)
+    inputs = configs.example_inputs(model, batch=1)
+    report = ldmopt.patch(model)
+    assert report.counts().get("resnet", 0) > 0
+    fallback_reasons.clear()
+    with ldmopt.use_backend("torch"):
+        prof = ldmopt.profile(lambda: configs.run_model(model, inputs), steps=1, warmup=0, modules=model)
+    assert prof.shares()
+    assert not report.fallbacks() and not fallback_reasons, report.fallbacks()
+    assert report.backends().get("gn_conv2d"), report.backends()
+
+
+def test_observer_hooks_do_not_count_but_user_hooks_do():
+    from ldmopt.profiler.scopes import ModuleScopes
+
+    layer = torch.nn.Linear(4, 4)
+    with ModuleScopes(layer):
+        assert layer._forward_hooks and not hooked(layer)
+        handle = layer.register_forward_hook(lambda *a: None)
+        assert hooked(layer)
+        handle.remove()
+    handle = layer.register_full_backward_hook(lambda *a: None)
+    assert hooked(layer)
+    handle.remove()
+    assert not hooked(layer)
