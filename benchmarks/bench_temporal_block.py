@@ -113,22 +113,14 @@ def bench_temporal_block(case, dtype, mode, bench_recorder):
     }
     if not QUICK:
         providers["compile"] = (harness.compiled(stock, mode="max-autotune-no-cudagraphs"), None, None)
+    params, grad_out = (), None
     if mode == "fwd+bwd":
         module.train()
         x.requires_grad_(True)
         grad_out = torch.randn_like(reference)
         params = [x, *module.parameters()]
     for name, (fn, install, uninstall) in providers.items():
-        if mode == "fwd":
-
-            def run(fn=fn):
-                with torch.no_grad():
-                    return fn()
-        else:
-
-            def run(fn=fn):
-                return torch.autograd.grad(fn(), params, grad_out, allow_unused=True)
-
+        run = harness.step_of(fn, mode, params, grad_out)
         temporal_layout.fallback_reasons.clear()
         installed = install(module) if install else None
         try:

@@ -72,22 +72,14 @@ def bench_wan_block(case, dtype, mode, bench_recorder):
     providers = {"eager": (stock, None), "ldmopt": (stock, ldmopt.patch)}
     if not QUICK:
         providers["compile"] = (harness.compiled(stock, mode="max-autotune-no-cudagraphs"), None)
+    params, grad_out = (), None
     if mode == "fwd+bwd":
         block.train()
         hidden.requires_grad_(True)
         grad_out = torch.randn_like(reference)
         params = [hidden, *block.parameters()]
     for name, (fn, install) in providers.items():
-        if mode == "fwd":
-
-            def run(fn=fn):
-                with torch.no_grad():
-                    return fn()
-        else:
-
-            def run(fn=fn):
-                return torch.autograd.grad(fn(), params, grad_out, allow_unused=True)
-
+        run = harness.step_of(fn, mode, params, grad_out)
         report = None
         try:
             if install is not None:

@@ -106,6 +106,19 @@ def cuda_graphed(fn: Callable[[], object], warmup_calls: int = 3) -> Callable[[]
     return graph.replay
 
 
+def step_of(fn: Callable[[], torch.Tensor], mode: str, params=(), grad_out=None) -> Callable[[], object]:
+    """What a benchmark times for ``mode``: "fwd" runs ``fn`` without autograd; "fwd+bwd" also takes the gradients
+    of ``params`` for ``grad_out``."""
+    if mode == "fwd":
+
+        def forward():
+            with torch.no_grad():
+                return fn()
+
+        return forward
+    return lambda: torch.autograd.grad(fn(), params, grad_out, allow_unused=True)
+
+
 def compiled(fn: Callable, mode: str | None = "max-autotune", **kwargs) -> Callable:
     """torch.compile(fn) with ``mode`` (fullgraph off so baselines compile whatever they can)."""
     return torch.compile(fn, mode=mode, **kwargs)

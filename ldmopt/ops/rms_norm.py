@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_tensor
+from ._checks import check_tensor, check_vector
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad
 
@@ -159,14 +159,8 @@ def rms_norm(
     if x.dim() < 1:
         raise ValueError("x must have at least 1 dim ([..., C]), got a 0-d tensor")
     c = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        check_tensor(name, t, ndim=(1,))
-        if t.shape[0] != c:
-            raise ValueError(f"{name} must have shape ({c},) for x with C={c}, got {tuple(t.shape)}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    check_vector("weight", weight, c, x)
+    check_vector("bias", bias, c, x)
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
