@@ -43,10 +43,11 @@ def _rms_norm_fwd_kernel(
 ):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
+    c64 = c.to(tl.int64)  # a column stride (a channel of an NCHW tensor) times C can pass 2^31
     r_ok = rows < M
     c_ok = c < C
     mask = r_ok[:, None] & c_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + c[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + c64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / C + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
@@ -79,6 +80,7 @@ def _rms_norm_bwd_kernel(
 ):
     chunk = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
+    c64 = c.to(tl.int64)  # as in the forward
     c_ok = c < C
     if HAS_WEIGHT:
         w = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
@@ -88,8 +90,8 @@ def _rms_norm_bwd_kernel(
         rows = r_begin + r0 + tl.arange(0, BLOCK_R)
         r_ok = rows < M
         mask = r_ok[:, None] & c_ok[None, :]
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + c[None, :] * stride_dyc, mask=mask, other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + c[None, :] * stride_xc, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + c64[None, :] * stride_dyc, mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + c64[None, :] * stride_xc, mask=mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=r_ok, other=0.0)
         dy = dy.to(tl.float32)
         xhat = x.to(tl.float32) * rstd[:, None]

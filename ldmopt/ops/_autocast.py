@@ -11,7 +11,7 @@ def autocast_operands(x: Tensor, *others: Tensor | None) -> tuple[Tensor | None,
     autocast dtype); unchanged outside autocast. The casts are ordinary differentiable ops, so fp32 master weights
     get fp32 gradients as with the unfused module."""
     device = x.device.type
-    if not torch.is_autocast_enabled(device):
+    if device == "meta" or not torch.is_autocast_enabled(device):  # meta: no autocast (the cost model's tensors)
         return (x, *others)
     dtype = torch.get_autocast_dtype(device)
 

@@ -20,21 +20,34 @@ from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:
+    """The stock module's output dtype: x's without a weight; with one, the product's (the normalised x is cast to a
+    half-precision weight's dtype first, else stays fp32), promoted with the bias."""
     if weight is None:
         return x.dtype
-    if weight.dtype in _HALF:
-        return weight.dtype
-    return torch.promote_types(torch.promote_types(x.dtype, torch.float32), weight.dtype)
+    dtype = (
+        weight.dtype
+        if weight.dtype in _HALF
+        else torch.promote_types(torch.promote_types(x.dtype, torch.float32), weight.dtype)
+    )
+    return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if hidden_states.device.type == "npu" or not plain_weight(self):
+    # Stock for: NPU inputs (diffusers' own NPU kernel), empty tensors (stock returns them empty), rows not contiguous
+    # in memory (DC-AE normalises channels of an NCHW tensor through movedim: the kernel's reads would be strided,
+    # and stock keeps that layout for the next conv), and quantized weights.
+    if (
+        hidden_states.device.type == "npu"
+        or hidden_states.numel() == 0
+        or hidden_states.stride(-1) != 1
+        or not plain_weight(self)
+    ):
         if not plain_weight(self):
             count_reason("RMSNorm", "weight is not a plain tensor (quantized?)")
         return stock(self)(hidden_states)
     weight, bias = self.weight, self.bias
-    return rms_norm(hidden_states, weight, bias, self.eps, out_dtype=_out_dtype(hidden_states, weight))
+    return rms_norm(hidden_states, weight, bias, self.eps, out_dtype=_out_dtype(hidden_states, weight, bias))
 
 
 class RMSNormRule(ClassSwapRule):

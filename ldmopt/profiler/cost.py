@@ -297,9 +297,13 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -
         cost.bytes += rec.bytes
         cost.ops += 1
         cost.time_s += spec.op_time(rec.flops, rec.bytes, key)
-        if rec.index in removed:
-            continue
         patched = rec.bytes - saved.get(rec.index, 0)
+        if rec.index in removed:
+            # The op is gone, but a rule may leave some of its bytes counted: the bias/gate/shift reads and the
+            # output write the fusing kernel still does (e.g. the adaLN add, the gated-residual add).
+            cost.patched_bytes += patched
+            cost.patched_time_s += spec.op_time(0, patched, key) if patched else 0.0
+            continue
         cost.patched_bytes += patched
         cost.patched_ops += 1
         cost.patched_time_s += spec.op_time(rec.flops, patched, key)

@@ -22,7 +22,9 @@ Rules (names as reported):
 - ``fp32 round trips (Wan blocks)``: the casts of the token stream to fp32 and back around the norms, modulation
   and gated adds of Wan-style blocks (``wan_block`` rule): the row kernels and the GEMM epilogue read and write the
   stream in its own dtype, so the casts go and their neighbours move half the bytes. Runs after the rules above,
-  whose chains may pass through one such cast (GEMM -> cast -> mul(gate) -> add(residual)).
+  whose chains may pass through one such cast in these blocks (GEMM -> cast -> mul(gate) -> add(residual)).
+  Approximations: a block without norm2 (cross_attn_norm=False) keeps one stock gated add the projection counts as
+  fused, and a block the rule refuses (another norm or feed-forward) is still projected as patched.
 """
 
 from __future__ import annotations
@@ -132,8 +134,13 @@ def plan_fusions(records: list[OpRecord]) -> tuple[dict[int, int], dict[int, str
             _temporal_permute(plan, records, rec)
     for run in _rms_norm_runs(records):
         _rms_norm(plan, run)
-    for rec in records:
-        if rec.base == "_to_copy" and _in_wan_block(rec) and rec.layer is None:
+    stream_bytes: dict[int, int] = {}  # per Wan block call: its widest cast, a cast of the token stream
+    wan_casts = [r for r in records if _is_cast(r) and _in_wan_block(r) and r.layer is None]
+    for rec in wan_casts:
+        stream_bytes[rec.call] = max(stream_bytes.get(rec.call, 0), rec.in_bytes[0])
+    for rec in wan_casts:
+        # Casts of the small modulation vectors (temb.float()) stay: the fused forward still forms the chunks.
+        if 8 * rec.in_bytes[0] >= stream_bytes[rec.call]:
             _wan_round_trip(plan, records, rec)
     return plan.saved, plan.rule, plan.removed, plan.stats
 
@@ -243,8 +250,9 @@ def _is_cast(rec: OpRecord) -> bool:
 
 
 def _through_cast(records: list[OpRecord], rec: OpRecord, consumer: int) -> OpRecord:
-    """The producer behind ``rec`` when ``rec`` is a dtype cast whose only consumer is ``consumer``."""
-    if _is_cast(rec) and set(rec.consumers) == {consumer} and rec.producers[0] >= 0:
+    """The producer behind ``rec`` when ``rec`` is a dtype cast in a Wan block (the blocks ldmopt fuses that way) whose
+    only consumer is ``consumer``."""
+    if _is_cast(rec) and _in_wan_block(rec) and set(rec.consumers) == {consumer} and rec.producers[0] >= 0:
         return records[rec.producers[0]]
     return rec
 
@@ -272,12 +280,12 @@ def _wan_round_trip(plan: _Plan, records: list[OpRecord], cast: OpRecord) -> Non
 
 
 def _rms_norm_runs(records: list[OpRecord]) -> list[list[OpRecord]]:
-    """Consecutive records of one diffusers RMSNorm call (same module path)."""
+    """Consecutive records of one diffusers RMSNorm call (the same norm applied to q, then k, is two calls)."""
     runs: list[list[OpRecord]] = []
     for rec in records:
         if rec.owner != DIFFUSERS_RMS_NORM:
             continue
-        if runs and runs[-1][-1].index == rec.index - 1 and runs[-1][-1].path == rec.path:
+        if runs and runs[-1][-1].index == rec.index - 1 and runs[-1][-1].call == rec.call:
             runs[-1].append(rec)
         else:
             runs.append([rec])

@@ -55,6 +55,7 @@ class OpRecord:
     layer: str | None = None  # kind of the enclosing attention module (projections included), if any
     consumers: list[int] = field(default_factory=list)
     owner: str = ""  # "module.Class" of the innermost module whose forward ran the op
+    call: int = 0  # which call of that module (ModuleScopes' frame counter)
 
     @property
     def bytes(self) -> int:
@@ -76,6 +77,13 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    """aten's suggest_memory_format() is channels-last (2d or 3d): such strides, and not plainly contiguous."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    fmt = formats.get(x.dim())
+    return fmt is not None and x.is_contiguous(memory_format=fmt) and not x.is_contiguous()
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -144,6 +152,7 @@ class Recorder(TorchDispatchMode):
             layer=next((f.attention_kind for f in reversed(stack) if f.role == "attention"), None),
             dtype=str(outputs[0].dtype if outputs else inputs[0].dtype if inputs else "").replace("torch.", ""),
             owner=_qualified(type(stack[-1].module)) if stack else "",
+            call=stack[-1].call if stack else 0,
         )
         for p in rec.producers:
             if p >= 0:
@@ -247,9 +256,9 @@ class AttentionRegions(TorchFunctionMode):
     def _rms_norm(self, func, args, kwargs):
         names = ("input", "normalized_shape", "weight", "eps")
         x, _shape, weight, _eps = (args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names))
-        fused = (weight is None or weight.dtype == x.dtype) and not (
-            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-        )  # torch's own conditions for the fused kernel (rms_norm_symint); otherwise the composite runs
+        # torch's own conditions for the fused kernel (rms_norm_symint): same dtypes, and not a tensor whose
+        # suggested memory format is channels-last (2d or 3d); otherwise the composite runs.
+        fused = (weight is None or weight.dtype == x.dtype) and not _channels_last(x)
         if not fused:
             return func(*args, **kwargs)
         rec = self.recorder

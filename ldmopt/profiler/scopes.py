@@ -28,6 +28,7 @@ class Frame:
     attention_kind: str | None = None
     attention_calls: int = 0  # attention computations recorded in this call (cost model)
     annotation: object = None
+    call: int = 0  # which module call this is (a module called twice opens two frames)
 
 
 class ModuleScopes:
@@ -40,6 +41,7 @@ class ModuleScopes:
         self.annotate = annotate
         self.stack: list[Frame] = []
         self._handles: list = []
+        self._calls = 0
 
     # ------------------------------------------------------------------ queries used by the cost model
     @property
@@ -78,7 +80,8 @@ class ModuleScopes:
 
     def _pre_hook(self, path: str, role: str):
         def hook(module, args, kwargs):
-            frame = Frame(path, module, role)
+            self._calls += 1
+            frame = Frame(path, module, role, call=self._calls)
             if role == "attention":
                 frame.attention_kind = attention_kind_of(path, module, args, kwargs)
                 if self.annotate:

@@ -166,3 +166,38 @@ def test_patched_sd3_with_rms_qk_norm_matches_stock():
     assert_close(out, ref.double(), torch.float32, "sd3 rms qk-norm")
     ldmopt.unpatch(model)
     assert_same_snapshot(before, snapshot(model))
+
+
+def test_patched_rms_norm_keeps_stock_behaviour_at_the_edges():
+    from diffusers.models.normalization import RMSNorm
+
+    norm = RMSNorm(16, eps=1e-6, elementwise_affine=True, bias=True)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(16))
+        norm.bias.copy_(0.1 * torch.randn(16))
+    norm.weight.data = norm.weight.data.half()  # a half weight with an fp32 bias: stock's output is fp32
+    x = torch.randn(2, 5, 16, dtype=torch.float16)
+    stock = norm(x)
+    empty = norm(torch.randn(0, 7, 16, dtype=torch.float16))
+    nchw = torch.randn(2, 16, 3, 5)  # DC-AE normalises channels through movedim: rows strided in memory
+    stock_nchw = norm(nchw.movedim(1, -1)).movedim(-1, 1)
+    ldmopt.patch(norm)
+    with ldmopt.use_backend("triton"):
+        fused = norm(x)
+        assert fused.dtype == stock.dtype == torch.float32
+        torch.testing.assert_close(fused, stock, atol=2e-3, rtol=2e-3)
+        out = norm(torch.randn(0, 7, 16, dtype=torch.float16))
+        assert out.shape == empty.shape and out.dtype == empty.dtype  # empty in, empty out, as stock
+        patched_nchw = norm(nchw.movedim(1, -1)).movedim(-1, 1)
+    assert patched_nchw.stride() == stock_nchw.stride()  # the layout the next conv sees is stock's
+    torch.testing.assert_close(patched_nchw, stock_nchw)
+
+
+def test_strided_columns():
+    """Rows whose columns are apart in memory (the op takes any strides; the kernel's column offsets are 64-bit, as
+    a channel stride of a huge NCHW tensor times C can pass 2^31, which this small case cannot allocate)."""
+    base = torch.randn(3, 8)  # rows of 3, columns 8 apart: x.t() has stride (1, 8)
+    x = base.t()
+    with ldmopt.use_backend("triton"):
+        y = rms_norm(x, None, None, eps=1e-6)
+    torch.testing.assert_close(y, _reference(x.double()).float(), atol=1e-5, rtol=1e-5)

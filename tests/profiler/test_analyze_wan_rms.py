@@ -110,3 +110,60 @@ def test_torch_rms_norm_composite_is_not_claimed():
     x = torch.empty(4, 300, 128, device="meta", dtype=torch.bfloat16)
     a = analyze(norm, inputs=(x,), dtype="bf16")
     assert a.fusions[RMS_NORM].count == 0 and a.patched_bytes == a.total_bytes
+
+
+def test_projected_savings_add_up():
+    """Bytes saved per fusion add up to the total minus the patched bytes: a removed op keeps what its rule left
+    counted (the gate/shift/residual reads and the fusing kernel's output write), nothing is saved twice."""
+    a = analyze(_wan_model(), inputs=_wan_inputs(), dtype="bf16")
+    saved = sum(f.bytes_saved for f in a.fusions.values())
+    assert saved > 0 and a.total_bytes - a.patched_bytes == saved
+    dit = analyze("dit", tiny=True)
+    assert dit.total_bytes - dit.patched_bytes == sum(f.bytes_saved for f in dit.fusions.values())
+
+
+def test_cast_look_through_only_in_wan_blocks():
+    class CastEpilogue(nn.Module):  # GEMM -> fp32 cast -> gate -> residual, in a block ldmopt does not fuse so
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x, gate):
+            return (x.float() + self.proj(x).float() * gate).type_as(x)
+
+    with torch.device("meta"):
+        block = CastEpilogue().to(torch.bfloat16)
+    x, gate = torch.empty(2, 50, 32, device="meta", dtype=torch.bfloat16), torch.empty(2, 1, 32, device="meta")
+    a = analyze(block, inputs=(x, gate), dtype="bf16")
+    assert a.fusions[GATED_RESIDUAL].count == 0 and a.patched_bytes == a.total_bytes
+
+
+def test_one_diffusers_rms_norm_called_twice_is_two_kernels():
+    from diffusers.models.normalization import RMSNorm
+
+    class SharedNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = RMSNorm(64, eps=1e-6)
+
+        def forward(self, q, k):
+            return self.norm(q), self.norm(k)
+
+    with torch.device("meta"):
+        module = SharedNorm().to(torch.bfloat16)
+    q = torch.empty(2, 100, 64, device="meta", dtype=torch.bfloat16)
+    a = analyze(module, inputs=(q, q.clone()), dtype="bf16")
+    assert a.fusions[RMS_NORM].count == 2
+    kernel_bytes = 2 * (2 * q.numel() * 2 + 64 * 2)  # per call: x read, y written, the weight
+    assert a.patched_bytes == kernel_bytes
+
+
+def test_a_patched_model_can_be_analysed_on_meta():
+    """The fused ops run on meta tensors too (no autocast query for the meta device): analyze counts ldmopt's ops."""
+    import ldmopt
+    from ldmopt import configs
+
+    model = configs.build_model("dit", tiny=True)
+    assert ldmopt.patch(model).counts()
+    a = analyze(model, tiny=True)
+    assert any(r.name.startswith("ldmopt::") for r in a.records)
