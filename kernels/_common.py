@@ -89,3 +89,16 @@ def new_output(*args, like: torch.Tensor | None = None, **kwargs) -> torch.Tenso
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
+
+
+#: Elements per row tile of the row kernels (adaLN, RMSNorm): 4K fp32 values keep each thread at 16 per live tensor.
+ROW_TILE = 4096
+
+
+def row_tiles(c: int, max_rows: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps) of a row kernel holding whole rows of ``c``: ~ROW_TILE elements per tile (at most
+    ``max_rows`` rows), 16 fp32 values per thread."""
+    block_c = next_power_of_2(c)
+    block_r = max(1, min(max_rows, ROW_TILE // block_c))
+    warps = max(1, min(16, block_r * block_c // 512))
+    return block_r, block_c, warps

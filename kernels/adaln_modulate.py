@@ -18,15 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import new_output, next_power_of_2
+from ._common import new_output, row_tiles
 from .linear import divisibility_attrs, row_chunks
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
 MAX_C = 8192
 #: The gated backward holds a third column sum: fp32 rows wider than this would spill on sm_80 (bf16 fits to MAX_C).
 MAX_GATED_FP32_BWD_C = 4096
-# Elements per tile: 4K fp32 values keep each thread at 16 per live tensor with 8 warps.
-_TILE = 4096
 
 
 @triton.jit
@@ -178,11 +176,8 @@ def _adaln_bwd_kernel(
 
 
 def tiles(c: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps): whole rows, ~4K elements per tile, 16 fp32 values per thread at 4K."""
-    block_c = next_power_of_2(c)
-    block_r = max(1, min(16, _TILE // block_c))
-    warps = max(1, min(16, block_r * block_c // 512))
-    return block_r, block_c, warps
+    """(BLOCK_R, BLOCK_C, num_warps): whole rows, at most 16 per tile."""
+    return row_tiles(c, 16)
 
 
 def adaln_fwd(

@@ -14,13 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import new_output, next_power_of_2
+from ._common import new_output, row_tiles
 from .linear import divisibility_attrs
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
 MAX_C = 8192
-# Elements per tile: 4K fp32 values keep each thread at 16 per live tensor with 8 warps.
-_TILE = 4096
 
 
 @triton.jit
@@ -111,11 +109,8 @@ def _rms_norm_bwd_kernel(
 
 
 def tiles(c: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps): whole rows, ~4K elements per tile, 16 fp32 values per thread at 4K."""
-    block_c = next_power_of_2(c)
-    block_r = max(1, min(64, _TILE // block_c))
-    warps = max(1, min(16, block_r * block_c // 512))
-    return block_r, block_c, warps
+    """(BLOCK_R, BLOCK_C, num_warps): whole rows, at most 64 per tile."""
+    return row_tiles(c, 64)
 
 
 def rms_norm_fwd(
