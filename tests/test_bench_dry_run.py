@@ -242,6 +242,7 @@ def test_rms_norm_providers(mocked_timing, no_compile, monkeypatch):
 
     monkeypatch.setattr(B, "DEVICE", "cpu")
     monkeypatch.setattr(B, "SHAPES", {"tiny": (13, 40)})
+    monkeypatch.setattr(B, "QUICK", False)  # all four providers (compile is the identity here)
     with ldmopt.use_backend("triton"):
         for mode in ("fwd", "fwd+bwd"):
             B.bench_rms_norm("tiny", torch.float16, mode, mocked_timing)
