@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..nn.child_check import count_reason
 from ..nn.linear import feed_forward_reasons, ff_gated_residual
 from ..ops.adaln_modulate import adaln_modulate
 from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
@@ -102,23 +103,27 @@ def _fused_body(self, hidden_states, encoder_hidden_states, chunks, attention_ma
     return out.view(shape)
 
 
-def _usable(hidden_states: torch.Tensor, chunks: list[torch.Tensor] | None) -> bool:
-    if chunks is None or hidden_states.dim() != 3:
-        return False
-    b, t, _ = hidden_states.shape
-    return all(m.dim() == 3 and m.shape[0] in (1, b) and m.shape[1] in (1, t) for m in chunks)
+def _usable(self, hidden_states: torch.Tensor, chunks: list[torch.Tensor] | None) -> bool:
+    """Whether the fused forward takes these shapes; otherwise the stock forward runs, counted in the report."""
+    ok = chunks is not None and hidden_states.dim() == 3
+    if ok:
+        b, t, _ = hidden_states.shape
+        ok = all(m.dim() == 3 and m.shape[0] in (1, b) and m.shape[1] in (1, t) for m in chunks)
+    if not ok:
+        count_reason(type(self).__name__, "hidden states / temb shapes the fused forward does not take")
+    return ok
 
 
 def _wan_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
     chunks = _chunks(self, temb, skyreels=False)
-    if not _usable(hidden_states, chunks):
+    if not _usable(self, hidden_states, chunks):
         return stock(self)(hidden_states, encoder_hidden_states, temb, rotary_emb)
     return _fused_body(self, hidden_states, encoder_hidden_states, chunks, None, rotary_emb)
 
 
 def _skyreels_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask):
     chunks = _chunks(self, temb, skyreels=True)
-    if not _usable(hidden_states, chunks):
+    if not _usable(self, hidden_states, chunks):
         return stock(self)(hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask)
     return _fused_body(self, hidden_states, encoder_hidden_states, chunks, attention_mask, rotary_emb)
 

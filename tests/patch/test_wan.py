@@ -262,3 +262,17 @@ def test_non_affine_norm2_is_fused_too():
     assert ldmopt.patch(model).counts().get("wan_block") == 2
     with torch.no_grad(), ldmopt.use_backend("torch"):
         assert_close(output_tensor(model(**inputs)), ref.double(), torch.float32, "non-affine norm2")
+
+
+def test_shapes_the_fused_forward_does_not_take_run_stock_and_are_counted():
+    model = _wan()
+    block = model.blocks[0]
+    rotary = model.rope(R(1, 4, 3, 6, 10))
+    args = (R(1, 45, 40), R(1, 7, 40), R(2, 6, 40), rotary)  # temb batch 2 for hidden batch 1: stock broadcasts
+    with torch.no_grad():
+        ref = block(*args)
+    report = ldmopt.patch(model)
+    with torch.no_grad():
+        out = block(*args)
+    assert_close(out, ref.double(), torch.float32, "stock fall-back")
+    assert any("shapes the fused forward does not take" in r for r in report.fallbacks()), report.fallbacks()
