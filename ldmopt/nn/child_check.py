@@ -44,17 +44,22 @@ def _global_hooks() -> bool:
     )
 
 
-def hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs more than its class's forward: forward or backward (pre-)hooks (but ldmopt's
-    own observers), global module hooks, or a forward replaced on the instance (accelerate's offload and diffusers'
-    hooks wrap ``module.forward``)."""
+def attached_hooks(module: nn.Module) -> bool:
+    """Whether something is attached to ``module`` itself: forward or backward (pre-)hooks (but ldmopt's own
+    observers), or a forward replaced on the instance (accelerate's offload and diffusers' hooks wrap
+    ``module.forward``). What unpatch would drop with the module."""
     return (
         (bool(module._forward_hooks) and _foreign(module._forward_hooks))
         or (bool(module._forward_pre_hooks) and _foreign(module._forward_pre_hooks))
         or bool(module._backward_hooks or module._backward_pre_hooks)
         or "forward" in module.__dict__
-        or _global_hooks()
     )
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs more than its class's forward: :func:`attached_hooks`, or global module hooks
+    (which a fused path that does not call the module would skip too)."""
+    return attached_hooks(module) or _global_hooks()
 
 
 def plain_weight(module: nn.Module) -> bool:

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..nn.child_check import count_reason, hooked, stock, unreadable_reason
+from ..nn.child_check import attached_hooks, count_reason, hooked, stock, unreadable_reason
 
 #: Kernel families a user can select with ``patch(..., families={...})``.
 FAMILIES = (
@@ -376,7 +376,7 @@ class ChildSwapRule(Rule):
         problems = []
         for _, fused in data[1].values():
             where = f"{site.name or 'the model'}: ldmopt's {fused._get_name()}"
-            if hooked(fused):
+            if attached_hooks(fused):  # global hooks are not the module's: unpatch drops nothing of them
                 problems.append(f"{where} got hooks or a wrapped forward while patched")
             elif not type(fused).__module__.startswith("ldmopt."):
                 problems.append(f"{where} became a {type(fused).__name__} while patched (a parametrization?)")

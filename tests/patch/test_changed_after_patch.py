@@ -240,3 +240,26 @@ def test_unpatch_refuses_to_drop_what_was_attached_to_ldmopt_modules():
     parametrize.remove_parametrizations(proj, "weight", leave_parametrized=False)
     assert ldmopt.unpatch(model) > 0
     assert torch.equal(_run(model, x), ref)
+
+
+def test_global_module_hooks_take_the_stock_path_and_do_not_block_unpatch():
+    """A global hook (register_module_forward_hook) sees every module call: fused paths that would skip calls fall
+    back while it is registered; it belongs to no module, so unpatch drops nothing of it and goes ahead."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = models.vae().eval()
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        ref = output_tensor(model(x))
+    report = ldmopt.patch(model)
+    seen = []
+    handle = register_module_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
+    try:
+        with torch.no_grad(), ldmopt.use_backend("torch"):
+            assert_outputs_close(output_tensor(model(x)), ref, name="vae with a global hook")
+        assert "SiLU" in seen and any("hooks" in r for r in report.fallbacks()), report.fallbacks()
+        assert ldmopt.unpatch(model) > 0
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        assert torch.equal(output_tensor(model(x)), ref)
