@@ -40,6 +40,19 @@ def check_vector(name: str, t: torch.Tensor | None, length: int, like: torch.Ten
         raise ValueError(f"{name} is on {t.device} but the input is on {like.device}")
 
 
+def check_eps(eps: object) -> float:
+    """A normalisation's epsilon: a non-negative real number, returned as a float."""
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    return float(eps)
+
+
+def check_out_dtype(out_dtype: object) -> None:
+    """An optional output dtype: None or a floating torch.dtype."""
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
+
+
 def check_activation(name: str, value: str | None, supported: Sequence[str | None]) -> str | None:
     if value not in supported:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {list(supported)}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_tensor
+from ._checks import check_eps, check_tensor
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad, per_sample
 
@@ -272,12 +272,9 @@ def adaln_modulate(
         residual = residual.reshape(-1, c)
     elif return_residual:
         raise ValueError("return_residual=True needs a residual (the sum x + residual is what it returns)")
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    eps = check_eps(eps)
     save = needs_grad(x, scale, shift, residual, gate)
     store_sum = residual is not None and (return_residual or save)
-    y, s, _mean, _rstd = call(
-        adaln_modulate_fwd, x.reshape(-1, c), scale, shift, residual, gate, float(eps), store_sum, save
-    )
+    y, s, _mean, _rstd = call(adaln_modulate_fwd, x.reshape(-1, c), scale, shift, residual, gate, eps, store_sum, save)
     y = y.view(x.shape)
     return (y, s.view(x.shape)) if return_residual else y

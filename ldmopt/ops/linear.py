@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_operands
-from ._checks import check_activation, check_tensor
+from ._checks import check_activation, check_out_dtype, check_tensor
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 
 SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
@@ -294,7 +294,6 @@ def linear(
     save_pre = (activation is not None or (gate is not None and gate.requires_grad)) and needs_grad(
         x, weight, bias, gate
     )
-    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
-        raise TypeError(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
+    check_out_dtype(out_dtype)
     y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype)
     return y.view(out_shape)

@@ -1,6 +1,7 @@
 """RMSNorm: ``y = x * rsqrt(mean(x^2, -1) + eps) [* weight] [+ bias]`` in one pass over each row, fp32 statistics and
-affine, one rounding of y. The query/key norms of Flux, SD3.5, Wan, HunyuanVideo and others (diffusers ``RMSNorm``),
-which the stock module runs as eight elementwise passes with an fp32 copy of the activation.
+affine, one rounding of y. The query/key norms of SD3.5, HunyuanVideo, LTX and others (diffusers' ``RMSNorm``, which
+runs as eight elementwise passes with an fp32 copy of the activation; torch.nn.RMSNorm, in Flux and Wan, is already
+one fused kernel on a GPU).
 
 Custom ops ``ldmopt::rms_norm_fwd`` / ``ldmopt::rms_norm_bwd``; backends triton (kernels/rms_norm.py) and torch
 (reference, fp32 math; fp64 for fp64 inputs). Saved for backward: x and the per-row fp32 rstd (the unfused path keeps
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_tensor, check_vector
+from ._checks import check_eps, check_out_dtype, check_tensor, check_vector
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad
 
@@ -161,10 +162,8 @@ def rms_norm(
     c = x.shape[-1]
     check_vector("weight", weight, c, x)
     check_vector("bias", bias, c, x)
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
-        raise TypeError(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
+    eps = check_eps(eps)
+    check_out_dtype(out_dtype)
     save = needs_grad(x, weight, bias)
-    y, _rstd = call(rms_norm_fwd, x.reshape(-1, c), weight, bias, float(eps), out_dtype or x.dtype, save)
+    y, _rstd = call(rms_norm_fwd, x.reshape(-1, c), weight, bias, eps, out_dtype or x.dtype, save)
     return y.view(x.shape)
