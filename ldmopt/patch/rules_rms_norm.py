@@ -1,6 +1,7 @@
-"""RMSNorm rule (family ``rms_norm``): diffusers' ``RMSNorm`` (the query/key norms of Flux, SD3.5, Wan, HunyuanVideo,
-LTX, CogView4, Qwen-Image and more, and some blocks' own norms) runs as one ``ldmopt.ops.rms_norm`` row kernel instead
-of eight elementwise passes with an fp32 copy of the activation.
+"""RMSNorm rule (family ``rms_norm``): diffusers' ``RMSNorm`` (the query/key norms of SD3.5, HunyuanVideo, LTX,
+CogView4, Sana and more, and some blocks' own norms) runs as one ``ldmopt.ops.rms_norm`` row kernel instead of eight
+elementwise passes with an fp32 copy of the activation. torch.nn.RMSNorm (Flux, Wan) is left alone: torch already runs
+it as one fused kernel on a GPU.
 
 A class swap (see rule.py): same instance, same parameters. The output dtype is the stock module's: the weight's when
 it is fp16/bf16, fp32 (the promoted dtype) when it is fp32, the input's without a weight; the stock module rounds to
@@ -37,14 +38,10 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # Stock for: NPU inputs (diffusers' own NPU kernel), empty tensors (stock returns them empty), rows not contiguous
     # in memory (DC-AE normalises channels of an NCHW tensor through movedim: the kernel's reads would be strided,
     # and stock keeps that layout for the next conv), and quantized weights.
-    if (
-        hidden_states.device.type == "npu"
-        or hidden_states.numel() == 0
-        or hidden_states.stride(-1) != 1
-        or not plain_weight(self)
-    ):
-        if not plain_weight(self):
-            count_reason("RMSNorm", "weight is not a plain tensor (quantized?)")
+    plain = plain_weight(self)
+    if not plain:
+        count_reason("RMSNorm", "weight is not a plain tensor (quantized?)")
+    if not plain or hidden_states.device.type == "npu" or hidden_states.numel() == 0 or hidden_states.stride(-1) != 1:
         return stock(self)(hidden_states)
     weight, bias = self.weight, self.bias
     return rms_norm(hidden_states, weight, bias, self.eps, out_dtype=_out_dtype(hidden_states, weight, bias))
