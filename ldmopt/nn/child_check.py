@@ -75,8 +75,8 @@ def readable(layer: object, *kinds: type) -> bool:
     return not hooked(layer) and plain_weight(layer)
 
 
-def _class_name(obj: object) -> str:
-    cls = type(obj)
+def qualified_name(cls: type) -> str:
+    """``module.Class`` (builtins without their module)."""
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -89,8 +89,8 @@ def unreadable_reason(name: str, layer: object) -> str:
                 "the fused path would bypass"
             )
         if not plain_weight(layer):
-            return f"{name}.weight is a {_class_name(layer.weight)} (a quantized tensor?), not a plain tensor"
-    return f"{name} is a {_class_name(layer)} (a LoRA/PEFT or quantized layer added after patch?)"
+            return f"{name}.weight is a {qualified_name(type(layer.weight))} (a quantized tensor?), not a plain tensor"
+    return f"{name} is a {qualified_name(type(layer))} (a LoRA/PEFT or quantized layer added after patch?)"
 
 
 def count_reason(where: str, reason: str) -> None:

@@ -302,7 +302,7 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -
             # The op is gone, but a rule may leave some of its bytes counted: the bias/gate/shift reads and the
             # output write the fusing kernel still does (e.g. the adaLN add, the gated-residual add).
             cost.patched_bytes += patched
-            cost.patched_time_s += spec.op_time(0, patched, key) if patched else 0.0
+            cost.patched_time_s += spec.op_time(0, patched, key)
             continue
         cost.patched_bytes += patched
         cost.patched_ops += 1

@@ -258,7 +258,7 @@ def _through_cast(records: list[OpRecord], rec: OpRecord, consumer: int) -> OpRe
 
 
 def _wan_round_trip(plan: _Plan, records: list[OpRecord], cast: OpRecord) -> None:
-    if not _is_cast(cast) or cast.index in plan.removed:
+    if cast.index in plan.removed:
         return
     up = cast.out_bytes > cast.in_bytes[0]
     plan.removed.add(cast.index)

@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..nn.child_check import qualified_name
 from . import categories as C
 from .scopes import ModuleScopes, attention_context, in_norm, is_temporal_path
 
@@ -73,10 +74,6 @@ def tensor_bytes(t: torch.Tensor) -> int:
         if stride != 0:
             numel *= size
     return numel * t.element_size()
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _channels_last(x: torch.Tensor) -> bool:
@@ -151,7 +148,7 @@ class Recorder(TorchDispatchMode):
             temporal=is_temporal_path(path),
             layer=next((f.attention_kind for f in reversed(stack) if f.role == "attention"), None),
             dtype=str(outputs[0].dtype if outputs else inputs[0].dtype if inputs else "").replace("torch.", ""),
-            owner=_qualified(type(stack[-1].module)) if stack else "",
+            owner=qualified_name(type(stack[-1].module)) if stack else "",
             call=stack[-1].call if stack else 0,
         )
         for p in rec.producers:
