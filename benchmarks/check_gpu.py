@@ -8,6 +8,7 @@ Run: python benchmarks/check_gpu.py [--quick]
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -169,6 +170,30 @@ def _ref_rms_norm(x, weight, bias):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight + bias
 
 
+def _wan_angles(positions, channels, device):
+    """Wan-like RoPE tables (cos, sin) [positions, half] fp32 for heads of gcd(channels, 128) (128 at real shapes)."""
+    half = math.gcd(channels, 128) // 2
+    theta = torch.arange(positions, device=device, dtype=torch.float64)[:, None] * (
+        10000.0 ** (-torch.arange(half, device=device, dtype=torch.float64) / half)
+    )
+    return theta.cos().float(), theta.sin().float()
+
+
+def _run_rms_norm_rope(x, weight):
+    from ldmopt.ops.rms_norm import rms_norm
+
+    return rms_norm(x, weight, None, eps=1e-6, rope=_wan_angles(x.shape[-2], x.shape[-1], x.device))
+
+
+def _ref_rms_norm_rope(x, weight):
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    cos, sin = (t.double() for t in _wan_angles(x.shape[-2], x.shape[-1], x.device))
+    pairs = y.unflatten(-1, (-1, cos.shape[1], 2))  # [B, T, heads, half, 2]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-3)
+
+
 #: Wan keeps its modulation (scale, shift, gate) in fp32 while the stream is bf16/fp16: these inputs stay fp32.
 _FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,)}
 
@@ -181,6 +206,8 @@ def _fused_linear(quick: bool):
             x = torch.randn(bsz, t, k, device=DEVICE)
             if run is _run_rms_norm:  # (x, weight, bias): the norm's affine is near 1, as trained ones are
                 inputs = [x, 1 + 0.3 * torch.randn(k, device=DEVICE), 0.1 * torch.randn(k, device=DEVICE)]
+            elif run is _run_rms_norm_rope:  # (x, weight); the angles are fixed tables
+                inputs = [x, 1 + 0.3 * torch.randn(k, device=DEVICE)]
             elif n is None:
                 scale, shift = torch.randn(bsz, k, device=DEVICE) * 0.5, torch.randn(bsz, k, device=DEVICE)
                 inputs = [x, scale, shift, torch.randn_like(x)]
@@ -306,6 +333,8 @@ CASES: dict[str, dict[str, tuple]] = {
         "gated-wan1.3b-ffn": (_run_gated_wan, _ref_gated, 1, 8192, 8960, 1536),
         "rms_norm-sd35-qk": (_run_rms_norm, _ref_rms_norm, 2, 4096 * 24, 64, 0),
         "rms_norm-c3072": (_run_rms_norm, _ref_rms_norm, 1, 4096, 3072, 0),
+        "rms_rope-wan1.3b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 8192, 1536, 0),
+        "rms_rope-wan14b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 4096, 5120, 0),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)
         "animatediff-512-l0": (2, 16, 4096, 8, 40),
@@ -320,7 +349,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "animatediff-64x64x320": (_motion, 320, 8, 64),
     },
 }
-FULL_ONLY = {"vae-512", "vae-128x128x256-128", "geglu-sdxl", "latte-512", "animatediff-64x64x320"}
+FULL_ONLY = {"rms_rope-wan14b", "vae-512", "vae-128x128x256-128", "geglu-sdxl", "latte-512", "animatediff-64x64x320"}
 
 
 def run_checks(quick: bool, only: list[str] | None = None) -> int:

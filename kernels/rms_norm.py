@@ -1,4 +1,5 @@
-"""RMSNorm: ``y = x * rsqrt(mean(x^2) + eps) [* weight] [+ bias]``, forward and backward, in one row kernel each.
+"""RMSNorm: ``y = x * rsqrt(mean(x^2) + eps) [* weight] [+ bias]``, forward and backward, in one row kernel each,
+optionally followed by a rotary position embedding of the normalised row (Wan's query/key norm + RoPE).
 
 Layout: x is addressed as [M, C] rows with arbitrary strides (M = all leading dims: tokens, or tokens x heads for a
 per-head query/key norm); weight and bias are [C]. y is a fresh contiguous [M, C] in the caller's dtype; rstd fp32
@@ -6,6 +7,10 @@ per-head query/key norm); weight and bias are [C]. y is a fresh contiguous [M, C
 int64 row offsets.
 Backward, per chunk of rows: dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * weight, plus per-chunk column sums
 of dy * xhat (d weight).
+
+RoPE (ROPE): the row holds heads of HALF_D pairs (y[2i], y[2i+1]); pair i of row r turns by the angle at position
+r % P, column i % HALF_D of the [P, HALF_D] cos/sin tables (any strides, any float dtype, read in fp32). The
+backward turns dy back by the same angle before the norm's backward.
 """
 
 from __future__ import annotations
@@ -22,19 +27,48 @@ MAX_C = 8192
 
 
 @triton.jit
+def _rotate_pairs(y, cos, sin, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Each pair (y[2i], y[2i+1]) of a [BLOCK_R, BLOCK_C] tile turned by its angle: ``y * cos + partner * sin`` with
+    partner = (-y[2i+1], y[2i]) and cos/sin given per column (the pair's angle twice), all in y's register layout."""
+    even, odd = tl.split(tl.reshape(y, [BLOCK_R, BLOCK_C // 2, 2]))
+    partner = tl.reshape(tl.join(-odd, even), [BLOCK_R, BLOCK_C])
+    return y * cos + partner * sin
+
+
+@triton.jit
+def _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P, HALF_D,
+                 BLOCK_C: tl.constexpr):  # fmt: skip
+    """fp32 (cos, sin) [rows, BLOCK_C] of each row's position (row % P) and each column's pair (c // 2 % HALF_D)."""
+    position = rows % P
+    column = tl.arange(0, BLOCK_C) // 2 % HALF_D
+    cos = tl.load(cos_ptr + position[:, None] * stride_cp + column[None, :] * stride_cd, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position[:, None] * stride_sp + column[None, :] * stride_sd, mask=mask, other=0.0)
+    return cos.to(tl.float32), sin.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     y_ptr,  # [M, C] contiguous
     rstd_ptr,  # [M] fp32
     x_ptr,
     w_ptr,  # [C] (HAS_WEIGHT)
     b_ptr,  # [C] (HAS_BIAS)
+    cos_ptr,  # [P, HALF_D] (ROPE)
+    sin_ptr,  # [P, HALF_D] (ROPE)
     stride_xm,
     stride_xc,
+    stride_cp,
+    stride_cd,
+    stride_sp,
+    stride_sd,
     M,
     C,
+    P,
+    HALF_D,
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ROPE: tl.constexpr,
     STORE_RSTD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -52,6 +86,10 @@ def _rms_norm_fwd_kernel(
         y = y * tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         y = y + tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if ROPE:
+        cos, sin = _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P, HALF_D,
+                                BLOCK_C)  # fmt: skip
+        y = _rotate_pairs(y, cos, sin, BLOCK_R, BLOCK_C)
     tl.store(y_ptr + rows[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if STORE_RSTD:
         tl.store(rstd_ptr + rows, rstd, mask=r_ok)
@@ -65,14 +103,23 @@ def _rms_norm_bwd_kernel(
     x_ptr,
     rstd_ptr,
     w_ptr,
+    cos_ptr,  # [P, HALF_D] (ROPE)
+    sin_ptr,
     stride_dym,
     stride_dyc,
     stride_xm,
     stride_xc,
+    stride_cp,
+    stride_cd,
+    stride_sp,
+    stride_sd,
     M,
     C,
+    P,
+    HALF_D,
     ROWS_PER_PROG,
     HAS_WEIGHT: tl.constexpr,
+    ROPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -92,6 +139,10 @@ def _rms_norm_bwd_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_xm + c64[None, :] * stride_xc, mask=mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=r_ok, other=0.0)
         dy = dy.to(tl.float32)
+        if ROPE:  # the gradient of the normalised row: dy turned back by the same angles
+            cos, sin = _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P,
+                                    HALF_D, BLOCK_C)  # fmt: skip
+            dy = _rotate_pairs(dy, cos, -sin, BLOCK_R, BLOCK_C)
         xhat = x.to(tl.float32) * rstd[:, None]
         if HAS_WEIGHT:
             sum_dw += tl.sum(dy * xhat, axis=0)
@@ -113,6 +164,14 @@ def tiles(c: int) -> tuple[int, int, int]:
     return row_tiles(c, 64)
 
 
+def _rope_args(rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor) -> list:
+    """(cos, sin, their 4 strides, P, HALF_D) for the kernels; placeholders without RoPE."""
+    if rope is None:
+        return [x, x, 0, 0, 0, 0, 1, 1]
+    cos, sin = rope
+    return [cos, sin, cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), cos.shape[0], cos.shape[1]]
+
+
 def rms_norm_fwd(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -120,24 +179,32 @@ def rms_norm_fwd(
     eps: float,
     dtype: torch.dtype,
     store_rstd: bool,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [M, C] in ``dtype``, rstd fp32 [M] or empty unless store_rstd). x [M, C] any strides; weight, bias [C]."""
+    """(y [M, C] in ``dtype``, rstd fp32 [M] or empty unless store_rstd). x [M, C] any strides; weight, bias [C];
+    rope: (cos, sin) [P, HALF_D] with P dividing M and 2 * HALF_D dividing C."""
     m, c = x.shape
     block_r, block_c, warps = tiles(c)
     y = new_output((m, c), device=x.device, dtype=dtype)
     rstd = new_output((m,) if store_rstd else (0,), device=x.device, dtype=torch.float32)
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
+    cos, sin, *rope_ints = _rope_args(rope, x)
     _rms_norm_fwd_kernel[(triton.cdiv(m, block_r),)](
-        y, rstd, x, weight if weight is not None else x, bias if bias is not None else x, x.stride(0), x.stride(1),
-        m, c, eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, STORE_RSTD=store_rstd,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        y, rstd, x, weight if weight is not None else x, bias if bias is not None else x, cos, sin, x.stride(0),
+        x.stride(1), *rope_ints[:4], m, c, *rope_ints[4:], eps, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, ROPE=rope is not None, STORE_RSTD=store_rstd, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=warps,
     )  # fmt: skip
     return y, rstd
 
 
 def rms_norm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [M, C] in x's dtype, dweight fp32 [C] or empty without a weight). dy, x [M, C] any strides."""
     m, c = x.shape
@@ -149,9 +216,11 @@ def rms_norm_bwd(
     dx = new_output((m, c), device=x.device, dtype=x.dtype)
     part_dw = torch.empty((chunks, c) if weight is not None else (0,), device=x.device, dtype=torch.float32)
     weight = weight.contiguous() if weight is not None else None
+    cos, sin, *rope_ints = _rope_args(rope, x)
     _rms_norm_bwd_kernel[(chunks,)](
-        dx, part_dw, dy, x, rstd, weight if weight is not None else x, dy.stride(0), dy.stride(1), x.stride(0),
-        x.stride(1), m, c, rows, HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        dx, part_dw, dy, x, rstd, weight if weight is not None else x, cos, sin, dy.stride(0), dy.stride(1),
+        x.stride(0), x.stride(1), *rope_ints[:4], m, c, *rope_ints[4:], rows, HAS_WEIGHT=weight is not None,
+        ROPE=rope is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     dw = part_dw.sum(0) if weight is not None else part_dw
     return dx, dw
@@ -160,31 +229,42 @@ def rms_norm_bwd(
 def aot_specs() -> list[dict]:
     """Representative compile configurations for the ahead-of-time gate (sm_80 / sm_90, no GPU needed)."""
     specs = []
-    # Flux/SD3 per-head query/key norms (128), Wan's across heads (1536, 5120), the widest supported row in fp32.
-    for dtype, c, weight in (("bf16", 128, True), ("fp16", 1536, True), ("bf16", 5120, True), ("fp32", MAX_C, False)):
+    rope_types = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_cp": "i32", "stride_cd": "i32", "stride_sp": "i32",
+                  "stride_sd": "i32", "P": "i32", "HALF_D": "i32"}  # fmt: skip
+    # Flux/SD3 per-head query/key norms (128), Wan's across heads (1536, 5120) with and without its RoPE, the widest
+    # supported row in fp32.
+    cases = (("bf16", 128, True, False), ("fp16", 1536, True, False), ("bf16", 5120, True, False),
+             ("fp32", MAX_C, False, False), ("bf16", 1536, True, True), ("bf16", 5120, True, True),
+             ("fp32", 5120, True, True))  # fmt: skip
+    for dtype, c, weight, rope in cases:
         block_r, block_c, warps = tiles(c)
+        tag = f"{dtype},C={c},weight={weight},rope={rope}"
         signature = {
             "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
             "b_ptr": f"*{dtype}", "stride_xm": "i32", "stride_xc": "i32", "M": "i32", "C": "i32", "eps": "fp32",
+            **rope_types,
         }  # fmt: skip
         constexprs = {
-            "stride_xc": 1, "HAS_WEIGHT": weight, "HAS_BIAS": False, "STORE_RSTD": True, "BLOCK_R": block_r,
-            "BLOCK_C": block_c,
+            "stride_xc": 1, "HAS_WEIGHT": weight, "HAS_BIAS": False, "ROPE": rope, "STORE_RSTD": True,
+            "BLOCK_R": block_r, "BLOCK_C": block_c,
         }  # fmt: skip
-        attrs = divisibility_attrs(_rms_norm_fwd_kernel, signature, constexprs, skip=("M",))
+        attrs = divisibility_attrs(_rms_norm_fwd_kernel, signature, constexprs, skip=("M", "P", "HALF_D"))
         specs.append(
-            dict(name=f"rms_norm_fwd[{dtype},C={c},weight={weight}]", fn=_rms_norm_fwd_kernel, signature=signature,
-                 constexprs=constexprs, attrs=attrs, num_warps=warps)
+            dict(name=f"rms_norm_fwd[{tag}]", fn=_rms_norm_fwd_kernel, signature=signature, constexprs=constexprs,
+                 attrs=attrs, num_warps=warps)
         )  # fmt: skip
         signature = {
             "dx_ptr": f"*{dtype}", "part_dw_ptr": "*fp32", "dy_ptr": f"*{dtype}", "x_ptr": f"*{dtype}",
             "rstd_ptr": "*fp32", "w_ptr": f"*{dtype}", "stride_dym": "i32", "stride_dyc": "i32", "stride_xm": "i32",
-            "stride_xc": "i32", "M": "i32", "C": "i32", "ROWS_PER_PROG": "i32",
+            "stride_xc": "i32", "M": "i32", "C": "i32", "ROWS_PER_PROG": "i32", **rope_types,
         }  # fmt: skip
-        constexprs = {"stride_dyc": 1, "stride_xc": 1, "HAS_WEIGHT": weight, "BLOCK_R": block_r, "BLOCK_C": block_c}
-        attrs = divisibility_attrs(_rms_norm_bwd_kernel, signature, constexprs, skip=("M", "ROWS_PER_PROG"))
+        constexprs = {"stride_dyc": 1, "stride_xc": 1, "HAS_WEIGHT": weight, "ROPE": rope, "BLOCK_R": block_r,
+                      "BLOCK_C": block_c}  # fmt: skip
+        attrs = divisibility_attrs(
+            _rms_norm_bwd_kernel, signature, constexprs, skip=("M", "ROWS_PER_PROG", "P", "HALF_D")
+        )
         specs.append(
-            dict(name=f"rms_norm_bwd[{dtype},C={c},weight={weight}]", fn=_rms_norm_bwd_kernel, signature=signature,
-                 constexprs=constexprs, attrs=attrs, num_warps=warps)
+            dict(name=f"rms_norm_bwd[{tag}]", fn=_rms_norm_bwd_kernel, signature=signature, constexprs=constexprs,
+                 attrs=attrs, num_warps=warps)
         )  # fmt: skip
     return specs

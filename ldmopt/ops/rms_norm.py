@@ -3,6 +3,10 @@ affine, one rounding of y. The query/key norms of SD3.5, HunyuanVideo, LTX and o
 runs as eight elementwise passes with an fp32 copy of the activation; torch.nn.RMSNorm, in Flux and Wan, is already
 one fused kernel on a GPU).
 
+Optionally followed by a rotary position embedding of y in the same pass (``rope``): Wan's query/key norm across
+heads and RoPE, which diffusers runs as one norm kernel and eight elementwise passes over strided halves, half of
+them writing fp32 temporaries.
+
 Custom ops ``ldmopt::rms_norm_fwd`` / ``ldmopt::rms_norm_bwd``; backends triton (kernels/rms_norm.py) and torch
 (reference, fp32 math; fp64 for fp64 inputs). Saved for backward: x and the per-row fp32 rstd (the unfused path keeps
 the fp32 copy of x, the normalised activation and its rounded copy).
@@ -20,7 +24,17 @@ from .linear import TRITON_DTYPES, compute_dtype, needs_grad
 # ------------------------------------------------------------------------------------------------ torch reference
 
 
-def _fwd_torch(x, weight, bias, eps, dtype, save):
+def _rotate_pairs(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Pairs (y[2i], y[2i+1]) of each row turned by the angle of the row's position (row % P) and pair (i % HALF_D)."""
+    m, c = y.shape
+    p, half = cos.shape
+    pairs = y.view(m // p, p, c // (2 * half), half, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = (t.to(y.dtype).view(1, p, 1, half) for t in (cos, sin))
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).view(m, c)
+
+
+def _fwd_torch(x, weight, bias, eps, dtype, save, cos=None, sin=None):
     cd = compute_dtype(x)
     xc = x.to(cd)
     rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
@@ -29,13 +43,17 @@ def _fwd_torch(x, weight, bias, eps, dtype, save):
         y = y * weight.to(cd)
     if bias is not None:
         y = y + bias.to(cd)
+    if cos is not None:
+        y = _rotate_pairs(y, cos, sin)
     return y.to(dtype), (rstd if save else rstd.new_empty((0,)))
 
 
-def _bwd_torch(dy, x, rstd, weight):
+def _bwd_torch(dy, x, rstd, weight, cos=None, sin=None):
     cd = compute_dtype(x)
     xhat = x.to(cd) * rstd.to(cd)[:, None]
     dyc = dy.to(cd)
+    if cos is not None:  # the gradient of the normalised row: dy turned back by the same angles
+        dyc = _rotate_pairs(dyc, cos, -sin)
     g = dyc * weight.to(cd) if weight is not None else dyc
     dx = rstd.to(cd)[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     dw = (dyc * xhat).sum(0) if weight is not None else xhat.new_empty((0,))
@@ -45,10 +63,10 @@ def _bwd_torch(dy, x, rstd, weight):
 # ------------------------------------------------------------------------------------------------ triton
 
 
-def _triton_refuse(x, weight, bias, *args) -> list[str]:
+def _triton_refuse(x, weight, bias, eps=None, dtype=None, save=None, cos=None, sin=None) -> list[str]:
     from ldmopt import _env
 
-    reasons = triton_refusals(x, weight, bias, dtypes=TRITON_DTYPES)
+    reasons = triton_refusals(x, weight, bias, cos, sin, dtypes=TRITON_DTYPES)
     if not reasons and _env.triton_available():
         from ldmopt.kernels.rms_norm import MAX_C
 
@@ -57,23 +75,27 @@ def _triton_refuse(x, weight, bias, *args) -> list[str]:
     return reasons
 
 
-def _fwd_triton(x, weight, bias, eps, dtype, save):
+def _fwd_triton(x, weight, bias, eps, dtype, save, cos=None, sin=None):
     from ldmopt.kernels.rms_norm import rms_norm_fwd
 
-    return rms_norm_fwd(x, weight, bias, eps, dtype, save)
+    return rms_norm_fwd(x, weight, bias, eps, dtype, save, rope=(cos, sin) if cos is not None else None)
 
 
-def _bwd_triton(dy, x, rstd, weight):
+def _bwd_triton(dy, x, rstd, weight, cos=None, sin=None):
     from ldmopt.kernels.rms_norm import rms_norm_bwd
 
-    return rms_norm_bwd(dy, x, rstd, weight)
+    return rms_norm_bwd(dy, x, rstd, weight, rope=(cos, sin) if cos is not None else None)
+
+
+def _bwd_triton_refuse(dy, x, rstd, weight, cos=None, sin=None) -> list[str]:
+    return _triton_refuse(x, weight, dy, cos=cos, sin=sin)
 
 
 FORWARD = BackendTable("rms_norm", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
 BACKWARD = BackendTable(
     "rms_norm_backward",
     [
-        Backend("triton", _bwd_triton, lambda dy, x, rstd, weight: _triton_refuse(x, weight, dy)),
+        Backend("triton", _bwd_triton, _bwd_triton_refuse),
         Backend("torch", _bwd_torch),
     ],
 )
@@ -84,54 +106,62 @@ BACKWARD = BackendTable(
 
 @torch.library.custom_op("ldmopt::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, dtype: torch.dtype, save: bool
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    dtype: torch.dtype,
+    save: bool,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(y [M, C] in ``dtype``, rstd [M] in the compute dtype, empty unless save): x [M, C]; weight, bias [C]."""
-    return FORWARD(x, weight, bias, eps, dtype, save)
+    """(y [M, C] in ``dtype``, rstd [M] in the compute dtype, empty unless save): x [M, C]; weight, bias [C];
+    cos, sin: RoPE angles [P, HALF_D] (row r at position r % P) or None."""
+    return FORWARD(x, weight, bias, eps, dtype, save, cos, sin)
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, bias, eps, dtype, save):
+def _(x, weight, bias, eps, dtype, save, cos=None, sin=None):
     rstd = x.new_empty((x.shape[0],) if save else (0,), dtype=compute_dtype(x))
     return x.new_empty(x.shape, dtype=dtype), rstd
 
 
 @torch.library.custom_op("ldmopt::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+def rms_norm_bwd(
+    dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, cos: Tensor | None = None, sin: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(dx [M, C] in x's dtype, dweight [C] in the compute dtype, empty without a weight)."""
-    return BACKWARD(dy, x, rstd, weight)
+    return BACKWARD(dy, x, rstd, weight, cos, sin)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, x, rstd, weight):
+def _(dy, x, rstd, weight, cos=None, sin=None):
     dw = x.new_empty((x.shape[1],) if weight is not None else (0,), dtype=compute_dtype(x))
     return torch.empty_like(x), dw
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps, _dtype, save = inputs
-    ctx.save_for_backward(x, output[1] if save else None, weight)
+    x, weight, bias, eps, _dtype, save, cos, sin = inputs
+    ctx.save_for_backward(x, output[1] if save else None, weight, cos, sin)
     ctx.eps = eps
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _drstd):
-    x, rstd, weight = ctx.saved_tensors
+    x, rstd, weight, cos, sin = ctx.saved_tensors
     if dy is None:
-        return (None,) * 6
+        return (None,) * 8
     if rstd is None:  # a caller asked for no saved state yet needs gradients: recompute the statistics
         rstd = torch.rsqrt(x.to(compute_dtype(x)).pow(2).mean(-1) + ctx.eps)
-    dx, dw = call(rms_norm_bwd, dy, x, rstd, weight)
+    dx, dw = call(rms_norm_bwd, dy, x, rstd, weight, cos, sin)
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     db = dy.sum(0, dtype=compute_dtype(dy)) if need_db else None
     return (
         dx if need_dx else None,
         dw.to(weight.dtype) if need_dw else None,
         db.to(ctx.bias_dtype) if need_db else None,
-        None,
-        None,
-        None,
+        *(None,) * 5,
     )
 
 
@@ -142,6 +172,37 @@ register_eager(rms_norm_bwd)
 # ------------------------------------------------------------------------------------------------ public function
 
 
+def _check_rope(rope: object, x: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor] | tuple[None, None]:
+    """rope as the kernels read it: (cos, sin) [P, HALF_D], P the positions of x's rows, 2 * HALF_D dividing C."""
+    if rope is None:
+        return None, None
+    if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
+        raise TypeError(f"rope must be a (cos, sin) pair of tensors or None, got {type(rope).__name__}")
+    cos, sin = rope
+    for name, t in (("rope cos", cos), ("rope sin", sin)):
+        check_tensor(name, t, ndim=(2,))
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but the input is on {x.device}")
+        if t.requires_grad:
+            raise ValueError(f"{name} requires grad; rms_norm's RoPE takes fixed angles (detach them)")
+    if sin.shape != cos.shape:
+        raise ValueError(f"rope cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    positions, half = cos.shape
+    if x.shape[-1] % (2 * half):
+        raise ValueError(
+            f"rope angles of {half} pairs per head do not divide x's last dim {x.shape[-1]} into heads of {2 * half}"
+        )
+    rows = x.numel() // x.shape[-1]
+    if x.dim() < 2 or (x.shape[-2] != positions and rows != positions):
+        raise ValueError(
+            f"rope angles for {positions} positions do not match x of shape {tuple(x.shape)}: give one row of angles "
+            "per position (x [..., P, C]) or per row of x"
+        )
+    if bias is not None:
+        raise ValueError("bias with rope is not supported (RoPE'd query/key norms have no bias)")
+    return cos, sin
+
+
 def rms_norm(
     x: Tensor,
     weight: Tensor | None = None,
@@ -149,11 +210,18 @@ def rms_norm(
     eps: float = 1e-6,
     *,
     out_dtype: torch.dtype | None = None,
+    rope: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * weight + bias`` over the last dim, in one pass over each row.
 
     x is [..., C] (any leading dims: tokens, or tokens x heads for a per-head norm); weight and bias are [C] or None,
     of any float dtype. Statistics and affine in fp32, one rounding to ``out_dtype`` (default x's dtype).
+
+    ``rope=(cos, sin)``, each [P, D/2]: a rotary embedding of the normalised rows, in the same pass. x is [..., P, C]
+    with C = heads x D; pair i of each head, ``(y[2i], y[2i+1])``, becomes ``(y[2i] cos - y[2i+1] sin,
+    y[2i] sin + y[2i+1] cos)`` with the angle of its position and pair. (Wan's tables are repeated per pair: pass
+    ``freqs_cos[..., 0::2]`` and ``freqs_sin[..., 1::2]``, views.) The angles take no gradient; no bias with rope.
+
     Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
     check_tensor("x", x)  # also refuses empty tensors
@@ -164,6 +232,7 @@ def rms_norm(
     check_vector("bias", bias, c, x)
     eps = check_eps(eps)
     check_out_dtype(out_dtype)
+    cos, sin = _check_rope(rope, x, bias)
     save = needs_grad(x, weight, bias)
-    y, _rstd = call(rms_norm_fwd, x.reshape(-1, c), weight, bias, eps, out_dtype or x.dtype, save)
+    y, _rstd = call(rms_norm_fwd, x.reshape(-1, c), weight, bias, eps, out_dtype or x.dtype, save, cos, sin)
     return y.view(x.shape)

@@ -101,6 +101,114 @@ def test_bad_input_messages(call, match):
         call()
 
 
+# ------------------------------------------------------------------------------------------------ with RoPE
+
+
+def _rope_reference(y, cos, sin):
+    """Pairs of each head turned by the angle of the row's position: y [..., P, C] (or [M, C] with per-row angles)."""
+    p, half = cos.shape
+    pairs = y.reshape(-1, p, y.shape[-1] // (2 * half), half, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    c, s = cos.view(1, p, 1, half).to(y.dtype), sin.view(1, p, 1, half).to(y.dtype)
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).reshape(y.shape)
+
+
+def _angles(positions, half, wan_views=False):
+    """(cos, sin) [positions, half] fp32; with wan_views, as strided views of Wan's repeated [1, P, 1, 2 * half]."""
+    theta = torch.randn(positions, half, dtype=torch.float64) * 3
+    if not wan_views:
+        return theta.cos().float(), theta.sin().float()
+    cos = theta.cos().repeat_interleave(2, -1).float().view(1, positions, 1, 2 * half)
+    sin = theta.sin().repeat_interleave(2, -1).float().view(1, positions, 1, 2 * half)
+    return cos[..., 0::2].flatten(0, 2), sin[..., 1::2].flatten(0, 2)
+
+
+ROPE_CASES = [  # (x shape, heads x head size): odd positions, C = 18 not a power of two (pairs masked), per-row angles
+    ((2, 5, 18), 3, "positions"),
+    ((3, 7, 40), 2, "positions"),
+    ((4, 24), 2, "rows"),
+]
+
+
+@pytest.mark.parametrize("shape,heads,per", ROPE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rope_forward(shape, heads, per, dtype, backend):
+    c = shape[-1]
+    half = c // heads // 2
+    positions = shape[-2] if per == "positions" else shape[0]
+    cos, sin = _angles(positions, half, wan_views=per == "positions")
+    x = (torch.randn(shape, dtype=torch.float64) * 2 + 0.3).to(dtype)
+    weight = (1 + 0.5 * torch.randn(c, dtype=torch.float64)).to(dtype)
+    with ldmopt.use_backend(backend):
+        y = rms_norm(x, weight, eps=1e-6, rope=(cos, sin))
+    assert y.dtype == dtype and y.shape == x.shape
+    exact = _rope_reference(_reference(x.double(), weight.double()), cos.double(), sin.double())
+    lowp = _rope_reference(_reference(x.float(), weight.float()).to(dtype), cos, sin).to(dtype)  # as diffusers
+    assert_within_torch_error(y, exact, lowp, f"rms_norm+rope {shape} {dtype}")
+
+
+@pytest.mark.parametrize("shape,heads,per", ROPE_CASES)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rope_backward_matches_autograd(shape, heads, per, backend):
+    c = shape[-1]
+    half = c // heads // 2
+    cos, sin = _angles(shape[-2] if per == "positions" else shape[0], half)
+    x, w = (torch.randn(shape) * 1.5).requires_grad_(), (1 + 0.5 * torch.randn(c)).requires_grad_()
+    with ldmopt.use_backend(backend):
+        y = rms_norm(x, w, rope=(cos, sin))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad((y * dy).sum(), (x, w))
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = _rope_reference(_reference(x64, w64), cos.double(), sin.double())
+    expect = torch.autograd.grad((ref * dy.double()).sum(), (x64, w64))
+    for name, g, e in zip(("dx", "dweight"), got, expect):
+        assert_close(g, e, torch.float32, f"{backend} rope {name} {shape}")
+
+
+def test_rope_gradcheck_reference_path_and_opcheck():
+    cos, sin = (t.double() for t in _angles(3, 2))
+    leaves = [torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64) + 1]
+    with ldmopt.use_backend("torch"):
+        assert torch.autograd.gradcheck(lambda *t: rms_norm(*t, rope=(cos, sin)), [t.requires_grad_() for t in leaves])
+    x, w = torch.randn(6, 8), torch.randn(8)
+    cos, sin = _angles(3, 2, wan_views=True)
+    torch.library.opcheck(torch.ops.ldmopt.rms_norm_fwd, (x, w, None, 1e-6, torch.float32, True, cos, sin))
+    _, rstd = torch.ops.ldmopt.rms_norm_fwd(x, w, None, 1e-6, torch.float32, True, cos, sin)
+    torch.library.opcheck(torch.ops.ldmopt.rms_norm_bwd, (torch.randn(6, 8), x, rstd, w, cos, sin))
+
+
+def test_rope_compiles_fullgraph():
+    torch._dynamo.reset()
+    cos, sin = _angles(5, 3)
+    xs, w = torch.randn(2, 5, 12, requires_grad=True), (1 + torch.randn(12)).requires_grad_()
+    fn = torch.compile(lambda a, b: rms_norm(a, b, rope=(cos, sin)) * 2, backend="aot_eager", fullgraph=True)
+    out = fn(xs, w)
+    got = torch.autograd.grad(out.sum(), (xs, w))
+    expect_out = rms_norm(xs, w, rope=(cos, sin)) * 2
+    expect = torch.autograd.grad(expect_out.sum(), (xs, w))
+    assert_close(out, expect_out.detach().double(), torch.float32, "compiled rope")
+    for g, e in zip(got, expect):
+        assert_close(g, e.double(), torch.float32, "compiled rope grads")
+
+
+@pytest.mark.parametrize(
+    "rope,bias,match",
+    [
+        ((torch.ones(5, 2),), None, r"rope must be a \(cos, sin\) pair"),
+        ((torch.ones(5, 2), torch.ones(5, 3)), None, "cos and sin must have the same shape"),
+        ((torch.ones(5, 3), torch.ones(5, 3)), None, "do not divide x's last dim 8"),
+        ((torch.ones(4, 2), torch.ones(4, 2)), None, "angles for 4 positions do not match x of shape"),
+        ((torch.ones(5, 2, requires_grad=True), torch.ones(5, 2)), None, "rope cos requires grad"),
+        ((torch.ones(5, 2), torch.ones(5, 2)), torch.ones(8), "bias with rope is not supported"),
+        ((torch.ones(5, 2, dtype=torch.int32), torch.ones(5, 2)), None, "rope cos has dtype torch.int32"),
+    ],
+)
+def test_rope_bad_input_messages(rope, bias, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        rms_norm(torch.randn(2, 5, 8), None, bias, rope=rope)
+
+
 # ------------------------------------------------------------------------------------------------ the patch rule
 
 
