@@ -29,6 +29,8 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 | rms_norm           | rms_norm            | diffusers RMSNorm (q/k norms of SD3.5,       | one row kernel, fp32      |
 |                    |                     | HunyuanVideo, LTX, CogView4, Qwen-Image ...; | statistics and affine     |
 |                    |                     | torch.nn.RMSNorm is fused by torch already)  |                           |
+| rms_norm           | wan_qk_norm_rope    | WanAttention (self-attention), SkyReelsV2    | q/k RMSNorm + RoPE in one |
+|                    |                     | Attention; the stock processor's own steps   | row kernel each           |
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |

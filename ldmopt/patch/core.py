@@ -47,6 +47,7 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_rms_norm import RULES as rms_norm_rules
     from .rules_temporal_layout import RULES as temporal_layout_rules
     from .rules_wan import RULES as wan_rules
+    from .rules_wan_attention import RULES as wan_attention_rules
 
     # Temporal layout before the attention processors: its containers claim the attention modules they bypass.
     return (
@@ -56,6 +57,7 @@ def _rules() -> tuple[Rule, ...]:
         *linear_rules,
         *group_norm_rules,
         *rms_norm_rules,
+        *wan_attention_rules,
         *temporal_layout_rules,
         *attention_rules,
     )
