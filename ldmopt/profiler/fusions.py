@@ -25,6 +25,9 @@ Rules (names as reported):
   whose chains may pass through one such cast in these blocks (GEMM -> cast -> mul(gate) -> add(residual)).
   Approximations: a block without norm2 (cross_attn_norm=False) keeps one stock gated add the projection counts as
   fused, and a block the rule refuses (another norm or feed-forward) is still projected as patched.
+- ``RMSNorm + RoPE (Wan attention)``: in Wan-style self-attention (``wan_qk_norm_rope`` rule), the elementwise ops
+  that rotate the query/key norm's output (multiplies by cos/sin, add/sub, the strided copies into a fresh tensor)
+  go: the norm's row kernel rotates before its one write. The angle tables stay read once per norm.
 """
 
 from __future__ import annotations
@@ -43,13 +46,19 @@ GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 TEMPORAL_PERMUTES = "temporal permutes"
 RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
+WAN_ROPE = "RMSNorm + RoPE (Wan attention)"
 FUSIONS = (
-    GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS
+    GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS,
+    WAN_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
 #: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
 WAN_BLOCK_CLASSES = frozenset({"WanTransformerBlock", "SkyReelsV2TransformerBlock"})
 DIFFUSERS_RMS_NORM = "diffusers.models.normalization.RMSNorm"
+TORCH_RMS_NORM = "torch.nn.modules.normalization.RMSNorm"
+#: Attention modules whose processor applies RoPE to the query/key norms' outputs (ldmopt/patch/rules_wan_attention.py).
+WAN_ATTENTION_CLASSES = frozenset({"WanAttention", "SkyReelsV2Attention"})
+_ROPE_OPS = {"empty_like", "mul", "sub", "add", "copy_", "_to_copy", "neg", "stack", "cat"}
 
 
 def _in_wan_block(rec: OpRecord) -> bool:
@@ -134,6 +143,9 @@ def plan_fusions(records: list[OpRecord]) -> tuple[dict[int, int], dict[int, str
             _temporal_permute(plan, records, rec)
     for run in _rms_norm_runs(records):
         _rms_norm(plan, run)
+    for rec in records:
+        if rec.owner == TORCH_RMS_NORM:
+            _wan_rope(plan, records, rec)
     stream_bytes: dict[int, int] = {}  # per Wan block call: its widest cast, a cast of the token stream
     wan_casts = [r for r in records if _is_cast(r) and _in_wan_block(r) and r.layer is None]
     for rec in wan_casts:
@@ -302,3 +314,34 @@ def _rms_norm(plan: _Plan, run: list[OpRecord]) -> None:
     savings = {r.index: r.bytes for r in run[:-1]}
     savings[last.index] = max(0, last.bytes - (x_read + params + last.out_bytes))
     plan.claim(RMS_NORM, savings, removed=tuple(r.index for r in run[:-1]))
+
+
+def _in_wan_attention(rec: OpRecord) -> bool:
+    module, _, name = rec.owner.rpartition(".")
+    return module.startswith("diffusers.") and name in WAN_ATTENTION_CLASSES
+
+
+def _wan_rope(plan: _Plan, records: list[OpRecord], norm: OpRecord) -> None:
+    """The rotation of one query/key norm's output: the elementwise ops of the attention's own forward reached from
+    the norm's output. Removed; their reads of anything else (the angle tables) stay, once each."""
+    chain: list[int] = []
+    todo = [c for c in norm.consumers if _in_wan_attention(records[c])]
+    while todo:
+        rec = records[todo.pop()]
+        if rec.index in chain or rec.base not in _ROPE_OPS or rec.owner != records[norm.consumers[0]].owner:
+            continue
+        chain.append(rec.index)
+        todo.extend(c for c in rec.consumers if _in_wan_attention(records[c]))
+    if not any(records[i].base == "mul" for i in chain) or not plan.free(*chain):
+        return
+    kept: dict[int, int] = {}  # producer outside the chain -> the bytes one read of it costs
+    savings = {}
+    for i in sorted(chain):
+        rec = records[i]
+        keep = 0
+        for p, b in zip(rec.producers, rec.in_bytes):
+            if p != norm.index and p not in chain and p not in kept:
+                kept[p] = b
+                keep += b
+        savings[i] = rec.bytes - keep
+    plan.claim(WAN_ROPE, savings, removed=tuple(sorted(chain)))

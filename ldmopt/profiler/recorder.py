@@ -27,6 +27,8 @@ from .scopes import ModuleScopes, attention_context, in_norm, is_temporal_path
 #: the trailing underscore, which the check below also accepts.
 _INPLACE_TAG = getattr(torch.Tag, "inplace", None)
 _FREE_OPS = {"_unsafe_view", "lift_fresh", "detach", "alias", "_reshape_alias", "set_", "resize_", "_has_compatible"}
+#: Allocations without a fill: they move no bytes and read nothing of their argument (empty_like(x) takes x's shape).
+_ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 
 
 @dataclass
@@ -194,6 +196,9 @@ class Recorder(TorchDispatchMode):
             self.add_attention(args[0], args[1], args[2], None, outputs[0], kind)
             return out
         category = C.classify_op(name, attention_kind=kind, in_norm=in_norm(stack))
+        if base in _ALLOCATIONS:
+            self.add(name, category, 0, [], outputs, out_bytes=0)
+            return out
         flops = 0
         if base in ("mm", "addmm", "_addmm_activation", "bmm", "baddbmm"):
             flops = _mm_flops(base, args, outputs[0])

@@ -5,7 +5,7 @@ from torch import nn
 
 from ldmopt.profiler import analyze
 from ldmopt.profiler import categories as C
-from ldmopt.profiler.fusions import ADALN, GATED_RESIDUAL, RMS_NORM, WAN_ROUND_TRIPS
+from ldmopt.profiler.fusions import ADALN, GATED_RESIDUAL, RMS_NORM, WAN_ROPE, WAN_ROUND_TRIPS
 
 
 def _wan_model(layers=2, dim=64, ffn=96):
@@ -17,7 +17,8 @@ def _wan_model(layers=2, dim=64, ffn=96):
             text_dim=24, freq_dim=16, ffn_dim=ffn, num_layers=layers, cross_attn_norm=True,
         )  # fmt: skip
     model = model.to(torch.bfloat16)
-    for block in model.blocks:  # what from_pretrained(torch_dtype=bf16) keeps in fp32
+    model.rope.float()  # what from_pretrained(torch_dtype=bf16) keeps in fp32: the rotary tables,
+    for block in model.blocks:  # the modulation table and the block norms
         block.scale_shift_table.data = block.scale_shift_table.data.float()
         for name in ("norm1", "norm2", "norm3"):
             getattr(block, name).float()
@@ -167,3 +168,34 @@ def test_a_patched_model_can_be_analysed_on_meta():
     assert ldmopt.patch(model).counts()
     a = analyze(model, tiny=True)
     assert any(r.name.startswith("ldmopt::") for r in a.records)
+
+
+def test_wan_rope_is_projected_into_the_norm_kernel():
+    """Wan's processor rotates the query and key norms' outputs with eight elementwise ops each (four multiplies by
+    the angle tables, a sub, an add, two strided copies); patched, the norm's row kernel rotates before its write."""
+    model = _wan_model(layers=2)
+    a = analyze(model, inputs=_wan_inputs(), dtype="bf16", gpu="H200")
+    rope = a.fusions[WAN_ROPE]
+    assert rope.count == 2 * 2 and rope.ops_removed == 2 * 2 * 8  # q and k of each block's self-attention
+    in_attn1 = [r for r in a.records if r.path.endswith("attn1") and r.base in ("mul", "sub", "add", "copy_")]
+    assert len(in_attn1) == rope.ops_removed
+    cross = [r for r in a.records if r.path.endswith("attn2") and r.base in ("mul", "sub", "add", "copy_")]
+    assert not cross  # no RoPE in cross-attention
+    # What stays of each chain: one read of each angle table (the kernel still reads cos and sin).
+    angle_reads = sum(min(b for b in r.in_bytes) for r in in_attn1 if r.base == "mul") // 4
+    assert a.total_bytes - a.patched_bytes >= rope.bytes_saved > 0
+    assert rope.bytes_saved == sum(r.bytes for r in in_attn1) - 2 * angle_reads
+
+
+def test_allocations_move_no_bytes():
+    class Fresh(nn.Module):
+        def forward(self, x):
+            out = torch.empty_like(x)
+            out[..., 0::2] = x[..., 1::2] * 2
+            out[..., 1::2] = x[..., 0::2]
+            return out
+
+    x = torch.empty(2, 50, 32, device="meta", dtype=torch.bfloat16)
+    records = analyze(Fresh(), inputs=(x,), dtype="bf16").records
+    empty = [r for r in records if r.base == "empty_like"]
+    assert len(empty) == 1 and empty[0].bytes == 0 and empty[0].producers == ()
