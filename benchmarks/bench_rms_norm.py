@@ -5,6 +5,11 @@ Cases: SD3.5-large per-head q/k norms at 1024 px (2 x 4096 tokens x 38 heads of 
 per-head norm (1 x 33,000 tokens x 24 heads of 128), and a whole-row norm of 3072. Bytes: x read once, y written once
 (forward); x and dy read, dx written (backward part). LDMOPT_BENCH_QUICK=1 keeps the first case, forward only, no
 compile.
+
+``bench_rms_norm_rope``: Wan's self-attention query norm across heads followed by its RoPE (one query; the key is the
+same again), at 480p x 81 frames (32,760 tokens) for Wan 2.1 1.3B (1536 = 12 x 128) and 14B (5120 = 40 x 128):
+torch's fused norm + diffusers' rotation (eight elementwise passes over strided halves) vs ldmopt's one kernel
+(``rms_norm(..., rope=)``) vs torch.compile of the pair. Bytes: q read once and written once.
 """
 
 from __future__ import annotations
@@ -76,5 +81,73 @@ def bench_rms_norm(case, dtype, mode, bench_recorder):
             timing, note = None, f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
         bench_recorder.record(
             op="rms_norm", case=case, dtype=str(dtype).removeprefix("torch."), mode=mode, provider=name,
+            timing=timing, bytes=nbytes, note=note,
+        )  # fmt: skip
+
+
+ROPE_SHAPES = {  # name: (tokens, heads, head size)
+    "wan1.3b-480p": (32_760, 12, 128),
+    "wan14b-480p": (32_760, 40, 128),
+}
+
+
+def _wan_tables(tokens, head_dim):
+    """Wan's rotary tables as its processor receives them: [1, S, 1, D] fp32, each angle repeated for a pair."""
+    half = head_dim // 2
+    freqs = 10000.0 ** (-torch.arange(half, device=DEVICE, dtype=torch.float64) / half)
+    theta = (torch.arange(tokens, device=DEVICE, dtype=torch.float64)[:, None] * freqs).repeat_interleave(2, -1)
+    return theta.cos().float().view(1, tokens, 1, head_dim), theta.sin().float().view(1, tokens, 1, head_dim)
+
+
+def _wan_eager(q, w, heads, tables):
+    # WanAttnProcessor: torch's RMSNorm over all heads, then the rotation on [B, S, H, D] with fp32 tables
+    q = F.rms_norm(q, (q.shape[-1],), w, EPS).unflatten(2, (heads, -1))
+    x1, x2 = q.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = tables[0][..., 0::2], tables[1][..., 1::2]
+    out = torch.empty_like(q)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(q)
+
+
+def _wan_ldmopt(q, w, heads, tables):
+    angles = (tables[0][..., 0::2].flatten(0, 2), tables[1][..., 1::2].flatten(0, 2))
+    return ldmopt.ops.rms_norm(q, w, None, EPS, rope=angles).unflatten(2, (heads, -1))
+
+
+@pytest.mark.parametrize("case", list(ROPE_SHAPES)[:1] if QUICK else list(ROPE_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.parametrize("mode", ["fwd"] if QUICK else ["fwd", "fwd+bwd"])
+def bench_rms_norm_rope(case, dtype, mode, bench_recorder):
+    tokens, heads, head_dim = ROPE_SHAPES[case]
+    c = heads * head_dim
+    q = torch.randn(1, tokens, c, device=DEVICE, dtype=dtype)
+    w = (1 + 0.3 * torch.randn(c, device=DEVICE)).to(dtype)
+    tables = _wan_tables(tokens, head_dim)
+    reference = _wan_eager(q.float(), w.float(), heads, tables)
+    providers = {"eager-diffusers": _wan_eager, "ldmopt": _wan_ldmopt}
+    if not QUICK:
+        providers["compile"] = harness.compiled(_wan_eager, mode="max-autotune-no-cudagraphs")
+    elem = q.element_size() * q.numel()
+    if mode == "fwd+bwd":
+        q.requires_grad_(True)
+        w.requires_grad_(True)
+    dy = torch.randn(reference.shape, device=DEVICE, dtype=dtype)
+    for name, fn in providers.items():
+        if mode == "fwd":
+            run = lambda fn=fn: fn(q, w, heads, tables)
+            nbytes = 2 * elem
+        else:
+            run = lambda fn=fn: torch.autograd.grad(fn(q, w, heads, tables), (q, w), dy)
+            nbytes = 5 * elem  # forward q, y; backward q, dy, dq
+        try:
+            with torch.no_grad():
+                out = fn(q, w, heads, tables)
+            err = ((out.float() - reference).abs().max() / reference.abs().max()).item()
+            timing, note = harness.time_fn(run), f"max rel err vs fp32 {err:.1e}"
+        except Exception as exc:  # a provider that cannot run is a row with the reason
+            timing, note = None, f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
+        bench_recorder.record(
+            op="rms_norm_rope", case=case, dtype=str(dtype).removeprefix("torch."), mode=mode, provider=name,
             timing=timing, bytes=nbytes, note=note,
         )  # fmt: skip

@@ -1,6 +1,7 @@
 """One Wan 2.1 transformer block at 480p x 81 frames (21 x 30 x 52 = 32,760 tokens after the 1x2x2 patch embed):
 diffusers' forward (fp32 norms, modulation and gated adds around bf16 attention and GEMMs, as the pipeline runs it)
-vs ``ldmopt.patch`` (rule ``wan_block`` plus the GELU feed-forward projection) vs torch.compile of diffusers' block.
+vs ``ldmopt.patch`` (rule ``wan_block``, the GELU feed-forward projection and the self-attention's query/key norm +
+RoPE, ``wan_qk_norm_rope``) vs torch.compile of diffusers' block.
 
 Cases (batch 1: Wan's pipeline runs the conditional and unconditional passes as separate calls; 512 text tokens):
 - ``wan2.1-1.3b-480p``: dim 1536, 12 heads of 128, ffn 8960;
@@ -84,7 +85,7 @@ def bench_wan_block(case, dtype, mode, bench_recorder):
         try:
             if install is not None:
                 report = install(block, training=mode == "fwd+bwd")
-                assert report.counts().get("wan_block") == 1, str(report)
+                assert report.counts().get("wan_block") == report.counts().get("wan_qk_norm_rope") == 1, str(report)
             with torch.no_grad():
                 note = f"max rel err vs eager {_max_rel_err(fn(), reference):.1e}"
             timing, peak = harness.time_fn(run), harness.peak_memory(run)
