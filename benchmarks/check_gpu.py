@@ -182,7 +182,8 @@ def _wan_angles(positions, channels, device):
 def _run_rms_norm_rope(x, weight):
     from ldmopt.ops.rms_norm import rms_norm
 
-    return rms_norm(x, weight, None, eps=1e-6, rope=_wan_angles(x.shape[-2], x.shape[-1], x.device))
+    angles = _wan_angles(x.shape[-2], x.shape[-1], x.device)
+    return rms_norm(x, weight, None, eps=1e-6, rope=angles, rope_layout="pairs")
 
 
 def _ref_rms_norm_rope(x, weight):
@@ -192,6 +193,30 @@ def _ref_rms_norm_rope(x, weight):
     even, odd = pairs[..., 0], pairs[..., 1]
     cos, sin = cos[:, None], sin[:, None]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-3)
+
+
+def _flux_tables(positions, head, device):
+    """Flux-layout tables (cos, sin) [positions, head] fp32, one value per element (each element its own angle)."""
+    theta = torch.arange(positions, device=device, dtype=torch.float64)[:, None] * (
+        10000.0 ** (-torch.arange(head, device=device, dtype=torch.float64) / head)
+    )
+    return theta.cos().float(), theta.sin().float()
+
+
+def _run_rms_norm_rope_heads(x, weight):
+    from ldmopt.ops.rms_norm import rms_norm
+
+    heads = x.unflatten(-1, (-1, weight.numel()))  # [B, T, H, D]: Flux's per-head norm
+    tables = _flux_tables(x.shape[-2], weight.numel(), x.device)
+    return rms_norm(heads, weight, None, eps=1e-6, rope=tables, rope_layout="elements", rope_dim=-3).flatten(-2)
+
+
+def _ref_rms_norm_rope_heads(x, weight):
+    heads = x.unflatten(-1, (-1, weight.numel()))
+    y = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    cos, sin = (t.double()[:, None] for t in _flux_tables(x.shape[-2], weight.numel(), x.device))
+    real, imag = y.unflatten(-1, (-1, 2)).unbind(-1)
+    return (y * cos + torch.stack((-imag, real), dim=-1).flatten(-2) * sin).flatten(-2)
 
 
 #: Wan keeps its modulation (scale, shift, gate) in fp32 while the stream is bf16/fp16: these inputs stay fp32.
@@ -206,8 +231,9 @@ def _fused_linear(quick: bool):
             x = torch.randn(bsz, t, k, device=DEVICE)
             if run is _run_rms_norm:  # (x, weight, bias): the norm's affine is near 1, as trained ones are
                 inputs = [x, 1 + 0.3 * torch.randn(k, device=DEVICE), 0.1 * torch.randn(k, device=DEVICE)]
-            elif run is _run_rms_norm_rope:  # (x, weight); the angles are fixed tables
-                inputs = [x, 1 + 0.3 * torch.randn(k, device=DEVICE)]
+            elif run in (_run_rms_norm_rope, _run_rms_norm_rope_heads):  # (x, weight); the angles are fixed tables
+                width = k if run is _run_rms_norm_rope else n  # a per-head norm's weight: one head (N)
+                inputs = [x, 1 + 0.3 * torch.randn(width, device=DEVICE)]
             elif n is None:
                 scale, shift = torch.randn(bsz, k, device=DEVICE) * 0.5, torch.randn(bsz, k, device=DEVICE)
                 inputs = [x, scale, shift, torch.randn_like(x)]
@@ -322,7 +348,8 @@ CASES: dict[str, dict[str, tuple]] = {
         "sd-32x32x320-640": (2, 320, 640, 32, 1280),
         "vae-128x128x256-128": (1, 256, 128, 128, None),
     },
-    # (fused, reference, B, T, K, N); GEMM weights are [N, K] (GEGLU: N = 2I); adaLN and RMSNorm use C = K.
+    # (fused, reference, B, T, K, N); GEMM weights are [N, K] (GEGLU: N = 2I); adaLN and RMSNorm use C = K (the
+    # per-head RMSNorm + RoPE: heads of N).
     "fused_linear": {
         "geglu-sd15-l0": (_run_geglu, _ref_geglu, 2, 4096, 320, 2560),
         "geglu-sdxl": (_run_geglu, _ref_geglu, 2, 1024, 1280, 10240),
@@ -335,6 +362,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "rms_norm-c3072": (_run_rms_norm, _ref_rms_norm, 1, 4096, 3072, 0),
         "rms_rope-wan1.3b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 8192, 1536, 0),
         "rms_rope-wan14b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 4096, 5120, 0),
+        "rms_rope-flux-heads": (_run_rms_norm_rope_heads, _ref_rms_norm_rope_heads, 1, 4608, 3072, 128),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)
         "animatediff-512-l0": (2, 16, 4096, 8, 40),

@@ -8,12 +8,16 @@ int64 row offsets.
 Backward, per chunk of rows: dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * weight, plus per-chunk column sums
 of dy * xhat (d weight).
 
-RoPE (ROPE): the row holds heads of HALF_D pairs (y[2i], y[2i+1]); pair i of row r turns by the angle at position
-r % P, column i % HALF_D of the [P, HALF_D] cos/sin tables (any strides, any float dtype, read in fp32). The
-backward turns dy back by the same angle before the norm's backward.
+RoPE (ROPE): ``y * cos + partner(y) * sin`` with partner(y) = (-y[2i+1], y[2i]) per pair: row r reads the cos/sin
+tables [P, W] (any strides, fp16/bf16/fp32, read in fp32) at position (r // ROWS_PER_POS) % P (ROWS_PER_POS: heads
+when each row is one head), column (c // COL_DIV) % W: COL_DIV 2 for one angle per pair (W = D/2, Wan), 1 for one
+value per element (W = D, diffusers' "real" layout: Flux). The backward: dy * cos - partner(dy * sin), then the
+norm's backward.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,20 +31,18 @@ MAX_C = 8192
 
 
 @triton.jit
-def _rotate_pairs(y, cos, sin, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Each pair (y[2i], y[2i+1]) of a [BLOCK_R, BLOCK_C] tile turned by its angle: ``y * cos + partner * sin`` with
-    partner = (-y[2i+1], y[2i]) and cos/sin given per column (the pair's angle twice), all in y's register layout."""
+def _partner(y, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(-y[2i+1], y[2i]) for each pair of a [BLOCK_R, BLOCK_C] tile, in y's register layout (no shared memory)."""
     even, odd = tl.split(tl.reshape(y, [BLOCK_R, BLOCK_C // 2, 2]))
-    partner = tl.reshape(tl.join(-odd, even), [BLOCK_R, BLOCK_C])
-    return y * cos + partner * sin
+    return tl.reshape(tl.join(-odd, even), [BLOCK_R, BLOCK_C])
 
 
 @triton.jit
-def _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P, HALF_D,
-                 BLOCK_C: tl.constexpr):  # fmt: skip
-    """fp32 (cos, sin) [rows, BLOCK_C] of each row's position (row % P) and each column's pair (c // 2 % HALF_D)."""
-    position = rows % P
-    column = tl.arange(0, BLOCK_C) // 2 % HALF_D
+def _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P, ROWS_PER_POS, W,
+                 COL_DIV, BLOCK_C: tl.constexpr):  # fmt: skip
+    """fp32 (cos, sin) [rows, BLOCK_C]: each row's position, each column's table entry (see the module docstring)."""
+    position = rows // ROWS_PER_POS % P
+    column = tl.arange(0, BLOCK_C) // COL_DIV % W
     cos = tl.load(cos_ptr + position[:, None] * stride_cp + column[None, :] * stride_cd, mask=mask, other=0.0)
     sin = tl.load(sin_ptr + position[:, None] * stride_sp + column[None, :] * stride_sd, mask=mask, other=0.0)
     return cos.to(tl.float32), sin.to(tl.float32)
@@ -53,8 +55,8 @@ def _rms_norm_fwd_kernel(
     x_ptr,
     w_ptr,  # [C] (HAS_WEIGHT)
     b_ptr,  # [C] (HAS_BIAS)
-    cos_ptr,  # [P, HALF_D] (ROPE)
-    sin_ptr,  # [P, HALF_D] (ROPE)
+    cos_ptr,  # [P, W] (ROPE)
+    sin_ptr,  # [P, W] (ROPE)
     stride_xm,
     stride_xc,
     stride_cp,
@@ -64,7 +66,9 @@ def _rms_norm_fwd_kernel(
     M,
     C,
     P,
-    HALF_D,
+    ROWS_PER_POS,
+    W,
+    COL_DIV,
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -87,9 +91,9 @@ def _rms_norm_fwd_kernel(
     if HAS_BIAS:
         y = y + tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if ROPE:
-        cos, sin = _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P, HALF_D,
-                                BLOCK_C)  # fmt: skip
-        y = _rotate_pairs(y, cos, sin, BLOCK_R, BLOCK_C)
+        cos, sin = _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P,
+                                ROWS_PER_POS, W, COL_DIV, BLOCK_C)  # fmt: skip
+        y = y * cos + _partner(y, BLOCK_R, BLOCK_C) * sin
     tl.store(y_ptr + rows[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if STORE_RSTD:
         tl.store(rstd_ptr + rows, rstd, mask=r_ok)
@@ -103,7 +107,7 @@ def _rms_norm_bwd_kernel(
     x_ptr,
     rstd_ptr,
     w_ptr,
-    cos_ptr,  # [P, HALF_D] (ROPE)
+    cos_ptr,  # [P, W] (ROPE)
     sin_ptr,
     stride_dym,
     stride_dyc,
@@ -116,7 +120,9 @@ def _rms_norm_bwd_kernel(
     M,
     C,
     P,
-    HALF_D,
+    ROWS_PER_POS,
+    W,
+    COL_DIV,
     ROWS_PER_PROG,
     HAS_WEIGHT: tl.constexpr,
     ROPE: tl.constexpr,
@@ -141,8 +147,8 @@ def _rms_norm_bwd_kernel(
         dy = dy.to(tl.float32)
         if ROPE:  # the gradient of the normalised row: dy turned back by the same angles
             cos, sin = _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P,
-                                    HALF_D, BLOCK_C)  # fmt: skip
-            dy = _rotate_pairs(dy, cos, -sin, BLOCK_R, BLOCK_C)
+                                    ROWS_PER_POS, W, COL_DIV, BLOCK_C)  # fmt: skip
+            dy = dy * cos - _partner(dy * sin, BLOCK_R, BLOCK_C)
         xhat = x.to(tl.float32) * rstd[:, None]
         if HAS_WEIGHT:
             sum_dw += tl.sum(dy * xhat, axis=0)
@@ -164,12 +170,22 @@ def tiles(c: int) -> tuple[int, int, int]:
     return row_tiles(c, 64)
 
 
-def _rope_args(rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor) -> list:
-    """(cos, sin, their 4 strides, P, HALF_D) for the kernels; placeholders without RoPE."""
+class Rope(NamedTuple):
+    """The rotary tables [P, W] and how rows and columns map onto them (see the module docstring)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows_per_position: int = 1
+    per_pair: bool = True  # W = D/2 (one angle per pair) rather than W = D (one value per element)
+
+
+def _rope_args(rope: Rope | None, x: torch.Tensor) -> list:
+    """(cos, sin, their 4 strides, P, ROWS_PER_POS, W, COL_DIV) for the kernels; placeholders without RoPE."""
     if rope is None:
-        return [x, x, 0, 0, 0, 0, 1, 1]
-    cos, sin = rope
-    return [cos, sin, cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), cos.shape[0], cos.shape[1]]
+        return [x, x, 0, 0, 0, 0, 1, 1, 1, 1]
+    cos, sin, rows_per_position, per_pair = rope
+    strides = [cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1)]
+    return [cos, sin, *strides, cos.shape[0], rows_per_position, cos.shape[1], 2 if per_pair else 1]
 
 
 def rms_norm_fwd(
@@ -179,10 +195,10 @@ def rms_norm_fwd(
     eps: float,
     dtype: torch.dtype,
     store_rstd: bool,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope: Rope | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, C] in ``dtype``, rstd fp32 [M] or empty unless store_rstd). x [M, C] any strides; weight, bias [C];
-    rope: (cos, sin) [P, HALF_D] with P dividing M and 2 * HALF_D dividing C."""
+    rope: the tables and their mapping, applied to y."""
     m, c = x.shape
     block_r, block_c, warps = tiles(c)
     y = new_output((m, c), device=x.device, dtype=dtype)
@@ -204,7 +220,7 @@ def rms_norm_bwd(
     x: torch.Tensor,
     rstd: torch.Tensor,
     weight: torch.Tensor | None,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope: Rope | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [M, C] in x's dtype, dweight fp32 [C] or empty without a weight). dy, x [M, C] any strides."""
     m, c = x.shape
@@ -230,12 +246,14 @@ def aot_specs() -> list[dict]:
     """Representative compile configurations for the ahead-of-time gate (sm_80 / sm_90, no GPU needed)."""
     specs = []
     rope_types = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_cp": "i32", "stride_cd": "i32", "stride_sp": "i32",
-                  "stride_sd": "i32", "P": "i32", "HALF_D": "i32"}  # fmt: skip
-    # Flux/SD3 per-head query/key norms (128), Wan's across heads (1536, 5120) with and without its RoPE, the widest
-    # supported row in fp32.
+                  "stride_sd": "i32", "P": "i32", "ROWS_PER_POS": "i32", "W": "i32", "COL_DIV": "i32"}  # fmt: skip
+    # Not multiples of 16 in use: Wan's table views step 2 columns, COL_DIV is 1 or 2, heads and positions any.
+    unaligned = ("stride_cd", "stride_sd", "P", "ROWS_PER_POS", "W", "COL_DIV")
+    # Flux/SD3 per-head query/key norms (128), Wan's across heads (1536, 5120), each with and without RoPE, the
+    # widest supported row in fp32.
     cases = (("bf16", 128, True, False), ("fp16", 1536, True, False), ("bf16", 5120, True, False),
-             ("fp32", MAX_C, False, False), ("bf16", 1536, True, True), ("bf16", 5120, True, True),
-             ("fp32", 5120, True, True))  # fmt: skip
+             ("fp32", MAX_C, False, False), ("bf16", 128, True, True), ("bf16", 1536, True, True),
+             ("bf16", 5120, True, True), ("fp32", 5120, True, True))  # fmt: skip
     for dtype, c, weight, rope in cases:
         block_r, block_c, warps = tiles(c)
         tag = f"{dtype},C={c},weight={weight},rope={rope}"
@@ -248,7 +266,7 @@ def aot_specs() -> list[dict]:
             "stride_xc": 1, "HAS_WEIGHT": weight, "HAS_BIAS": False, "ROPE": rope, "STORE_RSTD": True,
             "BLOCK_R": block_r, "BLOCK_C": block_c,
         }  # fmt: skip
-        attrs = divisibility_attrs(_rms_norm_fwd_kernel, signature, constexprs, skip=("M", "P", "HALF_D"))
+        attrs = divisibility_attrs(_rms_norm_fwd_kernel, signature, constexprs, skip=("M", *unaligned))
         specs.append(
             dict(name=f"rms_norm_fwd[{tag}]", fn=_rms_norm_fwd_kernel, signature=signature, constexprs=constexprs,
                  attrs=attrs, num_warps=warps)
@@ -260,9 +278,7 @@ def aot_specs() -> list[dict]:
         }  # fmt: skip
         constexprs = {"stride_dyc": 1, "stride_xc": 1, "HAS_WEIGHT": weight, "ROPE": rope, "BLOCK_R": block_r,
                       "BLOCK_C": block_c}  # fmt: skip
-        attrs = divisibility_attrs(
-            _rms_norm_bwd_kernel, signature, constexprs, skip=("M", "ROWS_PER_PROG", "P", "HALF_D")
-        )
+        attrs = divisibility_attrs(_rms_norm_bwd_kernel, signature, constexprs, skip=("M", "ROWS_PER_PROG", *unaligned))
         specs.append(
             dict(name=f"rms_norm_bwd[{tag}]", fn=_rms_norm_bwd_kernel, signature=signature, constexprs=constexprs,
                  attrs=attrs, num_warps=warps)

@@ -24,17 +24,22 @@ from .linear import TRITON_DTYPES, compute_dtype, needs_grad
 # ------------------------------------------------------------------------------------------------ torch reference
 
 
-def _rotate_pairs(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Pairs (y[2i], y[2i+1]) of each row turned by the angle of the row's position (row % P) and pair (i % HALF_D)."""
-    m, c = y.shape
-    p, half = cos.shape
-    pairs = y.view(m // p, p, c // (2 * half), half, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = (t.to(y.dtype).view(1, p, 1, half) for t in (cos, sin))
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).view(m, c)
+def _partner(y: Tensor) -> Tensor:
+    """(-y[2i+1], y[2i]) for each pair of each row of y [M, C]."""
+    pairs = y.view(y.shape[0], -1, 2)
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).view(y.shape)
 
 
-def _fwd_torch(x, weight, bias, eps, dtype, save, cos=None, sin=None):
+def _tables(y: Tensor, cos: Tensor, sin: Tensor, rows_per_position: int, per_pair: bool) -> tuple[Tensor, Tensor]:
+    """cos and sin as [M, C] in y's dtype: row r at position (r // rows_per_position) % P, column c at table column
+    (c // 2) % W for one angle per pair, c % W for one value per element."""
+    (m, c), (p, w) = y.shape, cos.shape
+    position = torch.arange(m, device=y.device) // rows_per_position % p
+    column = torch.arange(c, device=y.device) // (2 if per_pair else 1) % w
+    return tuple(t.to(y.dtype)[position][:, column] for t in (cos, sin))
+
+
+def _fwd_torch(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
     cd = compute_dtype(x)
     xc = x.to(cd)
     rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
@@ -44,16 +49,18 @@ def _fwd_torch(x, weight, bias, eps, dtype, save, cos=None, sin=None):
     if bias is not None:
         y = y + bias.to(cd)
     if cos is not None:
-        y = _rotate_pairs(y, cos, sin)
+        cos, sin = _tables(y, cos, sin, rope_rows, rope_per_pair)
+        y = y * cos + _partner(y) * sin
     return y.to(dtype), (rstd if save else rstd.new_empty((0,)))
 
 
-def _bwd_torch(dy, x, rstd, weight, cos=None, sin=None):
+def _bwd_torch(dy, x, rstd, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
     cd = compute_dtype(x)
     xhat = x.to(cd) * rstd.to(cd)[:, None]
     dyc = dy.to(cd)
-    if cos is not None:  # the gradient of the normalised row: dy turned back by the same angles
-        dyc = _rotate_pairs(dyc, cos, -sin)
+    if cos is not None:  # the gradient of the normalised row (the transpose of the rotation)
+        cos, sin = _tables(dyc, cos, sin, rope_rows, rope_per_pair)
+        dyc = dyc * cos - _partner(dyc * sin)
     g = dyc * weight.to(cd) if weight is not None else dyc
     dx = rstd.to(cd)[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     dw = (dyc * xhat).sum(0) if weight is not None else xhat.new_empty((0,))
@@ -63,7 +70,7 @@ def _bwd_torch(dy, x, rstd, weight, cos=None, sin=None):
 # ------------------------------------------------------------------------------------------------ triton
 
 
-def _triton_refuse(x, weight, bias, eps=None, dtype=None, save=None, cos=None, sin=None) -> list[str]:
+def _triton_refuse(x, weight, bias, eps=None, dtype=None, save=None, cos=None, sin=None, *rope_mapping) -> list[str]:
     from ldmopt import _env
 
     reasons = triton_refusals(x, weight, bias, cos, sin, dtypes=TRITON_DTYPES)
@@ -75,19 +82,20 @@ def _triton_refuse(x, weight, bias, eps=None, dtype=None, save=None, cos=None, s
     return reasons
 
 
-def _fwd_triton(x, weight, bias, eps, dtype, save, cos=None, sin=None):
-    from ldmopt.kernels.rms_norm import rms_norm_fwd
+def _fwd_triton(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
+    from ldmopt.kernels.rms_norm import Rope, rms_norm_fwd
 
-    return rms_norm_fwd(x, weight, bias, eps, dtype, save, rope=(cos, sin) if cos is not None else None)
-
-
-def _bwd_triton(dy, x, rstd, weight, cos=None, sin=None):
-    from ldmopt.kernels.rms_norm import rms_norm_bwd
-
-    return rms_norm_bwd(dy, x, rstd, weight, rope=(cos, sin) if cos is not None else None)
+    rope = Rope(cos, sin, rope_rows, rope_per_pair) if cos is not None else None
+    return rms_norm_fwd(x, weight, bias, eps, dtype, save, rope=rope)
 
 
-def _bwd_triton_refuse(dy, x, rstd, weight, cos=None, sin=None) -> list[str]:
+def _bwd_triton(dy, x, rstd, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
+    from ldmopt.kernels.rms_norm import Rope, rms_norm_bwd
+
+    return rms_norm_bwd(dy, x, rstd, weight, rope=Rope(cos, sin, rope_rows, rope_per_pair) if cos is not None else None)
+
+
+def _bwd_triton_refuse(dy, x, rstd, weight, cos=None, sin=None, *rope_mapping) -> list[str]:
     return _triton_refuse(x, weight, dy, cos=cos, sin=sin)
 
 
@@ -114,35 +122,46 @@ def rms_norm_fwd(
     save: bool,
     cos: Tensor | None = None,
     sin: Tensor | None = None,
+    rope_rows: int = 1,
+    rope_per_pair: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(y [M, C] in ``dtype``, rstd [M] in the compute dtype, empty unless save): x [M, C]; weight, bias [C];
-    cos, sin: RoPE angles [P, HALF_D] (row r at position r % P) or None."""
-    return FORWARD(x, weight, bias, eps, dtype, save, cos, sin)
+    cos, sin: RoPE tables [P, W] or None; row r reads position (r // rope_rows) % P; column c reads (c // 2) % W with
+    rope_per_pair (one angle per pair), c % W without (one value per element)."""
+    return FORWARD(x, weight, bias, eps, dtype, save, cos, sin, rope_rows, rope_per_pair)
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, bias, eps, dtype, save, cos=None, sin=None):
+def _(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
     rstd = x.new_empty((x.shape[0],) if save else (0,), dtype=compute_dtype(x))
     return x.new_empty(x.shape, dtype=dtype), rstd
 
 
 @torch.library.custom_op("ldmopt::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd(
-    dy: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, cos: Tensor | None = None, sin: Tensor | None = None
+    dy: Tensor,
+    x: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+    rope_rows: int = 1,
+    rope_per_pair: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(dx [M, C] in x's dtype, dweight [C] in the compute dtype, empty without a weight)."""
-    return BACKWARD(dy, x, rstd, weight, cos, sin)
+    return BACKWARD(dy, x, rstd, weight, cos, sin, rope_rows, rope_per_pair)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, x, rstd, weight, cos=None, sin=None):
+def _(dy, x, rstd, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
     dw = x.new_empty((x.shape[1],) if weight is not None else (0,), dtype=compute_dtype(x))
     return torch.empty_like(x), dw
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps, _dtype, save, cos, sin = inputs
+    x, weight, bias, eps, _dtype, save, cos, sin, rope_rows, rope_per_pair = inputs
     ctx.save_for_backward(x, output[1] if save else None, weight, cos, sin)
+    ctx.rope_mapping = (rope_rows, rope_per_pair)
     ctx.eps = eps
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.set_materialize_grads(False)
@@ -151,17 +170,17 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, _drstd):
     x, rstd, weight, cos, sin = ctx.saved_tensors
     if dy is None:
-        return (None,) * 8
+        return (None,) * 10
     if rstd is None:  # a caller asked for no saved state yet needs gradients: recompute the statistics
         rstd = torch.rsqrt(x.to(compute_dtype(x)).pow(2).mean(-1) + ctx.eps)
-    dx, dw = call(rms_norm_bwd, dy, x, rstd, weight, cos, sin)
+    dx, dw = call(rms_norm_bwd, dy, x, rstd, weight, cos, sin, *ctx.rope_mapping)
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     db = dy.sum(0, dtype=compute_dtype(dy)) if need_db else None
     return (
         dx if need_dx else None,
         dw.to(weight.dtype) if need_dw else None,
         db.to(ctx.bias_dtype) if need_db else None,
-        *(None,) * 5,
+        *(None,) * 7,
     )
 
 
@@ -172,12 +191,20 @@ register_eager(rms_norm_bwd)
 # ------------------------------------------------------------------------------------------------ public function
 
 
-def _check_rope(rope: object, x: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor] | tuple[None, None]:
-    """rope as the kernels read it: (cos, sin) [P, HALF_D], P the positions of x's rows, 2 * HALF_D dividing C."""
+_ROPE_LAYOUTS = ("pairs", "elements")
+
+
+def _check_rope(rope: object, layout: object, dim: object, x: Tensor, bias: Tensor | None) -> tuple:
+    """(cos, sin, rows per position, per pair) as the kernels read them, or (None, None, 1, True) without rope."""
     if rope is None:
-        return None, None
+        return None, None, 1, True
     if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
         raise TypeError(f"rope must be a (cos, sin) pair of tensors or None, got {type(rope).__name__}")
+    if layout not in _ROPE_LAYOUTS:  # no default: [P, D] tables read as pairs would silently rotate wrongly
+        raise ValueError(
+            f"rope_layout must be one of {_ROPE_LAYOUTS} with rope (pairs: tables [P, D/2], one angle per pair; "
+            f"elements: tables [P, D], one value per element), got {layout!r}"
+        )
     cos, sin = rope
     for name, t in (("rope cos", cos), ("rope sin", sin)):
         check_tensor(name, t, ndim=(2,))
@@ -187,20 +214,28 @@ def _check_rope(rope: object, x: Tensor, bias: Tensor | None) -> tuple[Tensor, T
             raise ValueError(f"{name} requires grad; rms_norm's RoPE takes fixed angles (detach them)")
     if sin.shape != cos.shape:
         raise ValueError(f"rope cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    positions, half = cos.shape
-    if x.shape[-1] % (2 * half):
+    positions, width = cos.shape
+    head = 2 * width if layout == "pairs" else width
+    if head % 2 or x.shape[-1] % head:
         raise ValueError(
-            f"rope angles of {half} pairs per head do not divide x's last dim {x.shape[-1]} into heads of {2 * half}"
+            f"rope tables of {width} columns ({layout}: heads of {head}) do not divide x's last dim {x.shape[-1]} into "
+            "heads of an even size"
         )
+    if not (isinstance(dim, int) and -x.dim() <= dim <= -2):
+        raise ValueError(f"rope_dim must be a dim of x before the last (from {-x.dim()} to -2), got {dim!r}")
     rows = x.numel() // x.shape[-1]
-    if x.dim() < 2 or (x.shape[-2] != positions and rows != positions):
+    if x.shape[dim] == positions:
+        rows_per_position = x[(0,) * (x.dim() + dim + 1)].numel() // x.shape[-1]  # the dims between dim and C
+    elif rows == positions:
+        rows_per_position = 1
+    else:
         raise ValueError(
-            f"rope angles for {positions} positions do not match x of shape {tuple(x.shape)}: give one row of angles "
-            "per position (x [..., P, C]) or per row of x"
+            f"rope tables for {positions} positions do not match x of shape {tuple(x.shape)} at rope_dim={dim}: give "
+            "one row of tables per position along rope_dim, or per row of x"
         )
     if bias is not None:
         raise ValueError("bias with rope is not supported (RoPE'd query/key norms have no bias)")
-    return cos, sin
+    return cos, sin, rows_per_position, layout == "pairs"
 
 
 def rms_norm(
@@ -211,16 +246,27 @@ def rms_norm(
     *,
     out_dtype: torch.dtype | None = None,
     rope: tuple[Tensor, Tensor] | None = None,
+    rope_layout: str | None = None,
+    rope_dim: int = -2,
 ) -> Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * weight + bias`` over the last dim, in one pass over each row.
 
     x is [..., C] (any leading dims: tokens, or tokens x heads for a per-head norm); weight and bias are [C] or None,
     of any float dtype. Statistics and affine in fp32, one rounding to ``out_dtype`` (default x's dtype).
 
-    ``rope=(cos, sin)``, each [P, D/2]: a rotary embedding of the normalised rows, in the same pass. x is [..., P, C]
-    with C = heads x D; pair i of each head, ``(y[2i], y[2i+1])``, becomes ``(y[2i] cos - y[2i+1] sin,
-    y[2i] sin + y[2i+1] cos)`` with the angle of its position and pair. (Wan's tables are repeated per pair: pass
-    ``freqs_cos[..., 0::2]`` and ``freqs_sin[..., 1::2]``, views.) The angles take no gradient; no bias with rope.
+    ``rope=(cos, sin)``: a rotary embedding of the normalised rows, in the same pass, ``y * cos + partner * sin``
+    with partner = ``(-y[2i+1], y[2i])`` for each pair of each head (C = heads x D, or one head per row). The tables
+    are [P, W] with P the positions, along ``rope_dim`` of x (dims between it and the last share a position: the
+    heads of x [B, S, H, D] with rope_dim=-3), or one per row of x:
+
+    - ``rope_layout="pairs"``: W = D/2, one angle per pair (Wan, whose tables repeat each angle: pass
+      ``freqs_cos[..., 0::2]`` and ``freqs_sin[..., 1::2]``, views);
+    - ``rope_layout="elements"``: W = D, one value per element, diffusers' ``apply_rotary_emb(use_real=True,
+      use_real_unbind_dim=-1)`` layout (Flux).
+
+    ``rope_layout`` has no default: the shape of the tables alone cannot tell [P, D/2] from [P, D]. The tables take
+    no gradient; no bias with rope. fp16/bf16/fp32 tables are read by the kernel; fp64 ones (diffusers builds them
+    so on MPS) send the call to the torch reference backend.
 
     Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
@@ -232,7 +278,7 @@ def rms_norm(
     check_vector("bias", bias, c, x)
     eps = check_eps(eps)
     check_out_dtype(out_dtype)
-    cos, sin = _check_rope(rope, x, bias)
+    rope_args = _check_rope(rope, rope_layout, rope_dim, x, bias)
     save = needs_grad(x, weight, bias)
-    y, _rstd = call(rms_norm_fwd, x.reshape(-1, c), weight, bias, eps, out_dtype or x.dtype, save, cos, sin)
+    y, _rstd = call(rms_norm_fwd, x.reshape(-1, c), weight, bias, eps, out_dtype or x.dtype, save, *rope_args)
     return y.view(x.shape)

@@ -104,6 +104,10 @@ def test_bad_input_messages(call, match):
 # ------------------------------------------------------------------------------------------------ with RoPE
 
 
+def x_rows(shape):
+    return torch.Size(shape[:-1]).numel()
+
+
 def _rope_reference(y, cos, sin):
     """Pairs of each head turned by the angle of the row's position: y [..., P, C] (or [M, C] with per-row angles)."""
     p, half = cos.shape
@@ -123,10 +127,11 @@ def _angles(positions, half, wan_views=False):
     return cos[..., 0::2].flatten(0, 2), sin[..., 1::2].flatten(0, 2)
 
 
-ROPE_CASES = [  # (x shape, heads x head size): odd positions, C = 18 not a power of two (pairs masked), per-row angles
+ROPE_CASES = [  # (x shape, heads): odd positions, C = 18 not a power of two (pairs masked), angles per row of x
     ((2, 5, 18), 3, "positions"),
     ((3, 7, 40), 2, "positions"),
     ((4, 24), 2, "rows"),
+    ((2, 5, 24), 2, "rows"),  # 10 rows of angles for x [2, 5, C]: row b * 5 + s reads its own row, not row s
 ]
 
 
@@ -136,12 +141,12 @@ ROPE_CASES = [  # (x shape, heads x head size): odd positions, C = 18 not a powe
 def test_rope_forward(shape, heads, per, dtype, backend):
     c = shape[-1]
     half = c // heads // 2
-    positions = shape[-2] if per == "positions" else shape[0]
+    positions = shape[-2] if per == "positions" else x_rows(shape)
     cos, sin = _angles(positions, half, wan_views=per == "positions")
     x = (torch.randn(shape, dtype=torch.float64) * 2 + 0.3).to(dtype)
     weight = (1 + 0.5 * torch.randn(c, dtype=torch.float64)).to(dtype)
     with ldmopt.use_backend(backend):
-        y = rms_norm(x, weight, eps=1e-6, rope=(cos, sin))
+        y = rms_norm(x, weight, eps=1e-6, rope=(cos, sin), rope_layout="pairs")
     assert y.dtype == dtype and y.shape == x.shape
     exact = _rope_reference(_reference(x.double(), weight.double()), cos.double(), sin.double())
     lowp = _rope_reference(_reference(x.float(), weight.float()).to(dtype), cos, sin).to(dtype)  # as diffusers
@@ -153,10 +158,10 @@ def test_rope_forward(shape, heads, per, dtype, backend):
 def test_rope_backward_matches_autograd(shape, heads, per, backend):
     c = shape[-1]
     half = c // heads // 2
-    cos, sin = _angles(shape[-2] if per == "positions" else shape[0], half)
+    cos, sin = _angles(shape[-2] if per == "positions" else x_rows(shape), half)
     x, w = (torch.randn(shape) * 1.5).requires_grad_(), (1 + 0.5 * torch.randn(c)).requires_grad_()
     with ldmopt.use_backend(backend):
-        y = rms_norm(x, w, rope=(cos, sin))
+        y = rms_norm(x, w, rope=(cos, sin), rope_layout="pairs")
     dy = torch.randn_like(y)
     got = torch.autograd.grad((y * dy).sum(), (x, w))
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -170,7 +175,8 @@ def test_rope_gradcheck_reference_path_and_opcheck():
     cos, sin = (t.double() for t in _angles(3, 2))
     leaves = [torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64) + 1]
     with ldmopt.use_backend("torch"):
-        assert torch.autograd.gradcheck(lambda *t: rms_norm(*t, rope=(cos, sin)), [t.requires_grad_() for t in leaves])
+        fn = lambda *t: rms_norm(*t, rope=(cos, sin), rope_layout="pairs")
+        assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in leaves])
     x, w = torch.randn(6, 8), torch.randn(8)
     cos, sin = _angles(3, 2, wan_views=True)
     torch.library.opcheck(torch.ops.ldmopt.rms_norm_fwd, (x, w, None, 1e-6, torch.float32, True, cos, sin))
@@ -182,14 +188,50 @@ def test_rope_compiles_fullgraph():
     torch._dynamo.reset()
     cos, sin = _angles(5, 3)
     xs, w = torch.randn(2, 5, 12, requires_grad=True), (1 + torch.randn(12)).requires_grad_()
-    fn = torch.compile(lambda a, b: rms_norm(a, b, rope=(cos, sin)) * 2, backend="aot_eager", fullgraph=True)
+    pairs = dict(rope=(cos, sin), rope_layout="pairs")
+    fn = torch.compile(lambda a, b: rms_norm(a, b, **pairs) * 2, backend="aot_eager", fullgraph=True)
     out = fn(xs, w)
     got = torch.autograd.grad(out.sum(), (xs, w))
-    expect_out = rms_norm(xs, w, rope=(cos, sin)) * 2
+    expect_out = rms_norm(xs, w, **pairs) * 2
     expect = torch.autograd.grad(expect_out.sum(), (xs, w))
     assert_close(out, expect_out.detach().double(), torch.float32, "compiled rope")
     for g, e in zip(got, expect):
         assert_close(g, e.double(), torch.float32, "compiled rope grads")
+
+
+def _flux_reference(x, weight, cos, sin):
+    """Flux's per-head norm and rotation: x [B, S, H, D] normalised per head, then diffusers' apply_rotary_emb (tables
+    [S, D], one value per element, sequence on dim 1)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    return apply_rotary_emb(_reference(x, weight), (cos, sin), sequence_dim=1)
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 3, 6), (1, 5, 2, 16)])  # (B, S, H, D): odd S, D not a power of two
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rope_elements_per_head_matches_diffusers_rotation(shape, dtype, backend):
+    pytest.importorskip("diffusers")
+    _, s, _, d = shape
+    cos, sin = torch.randn(s, d), torch.randn(s, d)  # not repeated per pair: each element reads its own value
+    x = (torch.randn(shape, dtype=torch.float64) * 2).to(dtype)
+    weight = (1 + 0.5 * torch.randn(d, dtype=torch.float64)).to(dtype)
+    with ldmopt.use_backend(backend):
+        y = rms_norm(x, weight, eps=1e-6, rope=(cos, sin), rope_layout="elements", rope_dim=-3)
+    exact = _flux_reference(x.double(), weight.double(), cos.double(), sin.double())
+    lowp = _flux_reference(_reference(x.float(), weight.float()).to(dtype), torch.ones(d), cos, sin)  # as Flux
+    assert_within_torch_error(y, exact, lowp, f"rms_norm+rope elements {shape} {dtype}")
+    x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
+    xs, ws = x.float().requires_grad_(), weight.float().requires_grad_()
+    with ldmopt.use_backend(backend):
+        y32 = rms_norm(xs, ws, eps=1e-6, rope=(cos, sin), rope_layout="elements", rope_dim=-3)
+    dy = torch.randn_like(y32)
+    got = torch.autograd.grad((y32 * dy).sum(), (xs, ws))
+    expect = torch.autograd.grad(
+        (_flux_reference(x64, w64, cos.double(), sin.double()) * dy.double()).sum(), (x64, w64)
+    )
+    for name, g, e in zip(("dx", "dweight"), got, expect):
+        assert_close(g, e, torch.float32, f"{backend} elements {name} {shape}")
 
 
 @pytest.mark.parametrize(
@@ -197,8 +239,8 @@ def test_rope_compiles_fullgraph():
     [
         ((torch.ones(5, 2),), None, r"rope must be a \(cos, sin\) pair"),
         ((torch.ones(5, 2), torch.ones(5, 3)), None, "cos and sin must have the same shape"),
-        ((torch.ones(5, 3), torch.ones(5, 3)), None, "do not divide x's last dim 8"),
-        ((torch.ones(4, 2), torch.ones(4, 2)), None, "angles for 4 positions do not match x of shape"),
+        ((torch.ones(5, 3), torch.ones(5, 3)), None, "heads of 6\\) do not divide x's last dim 8"),
+        ((torch.ones(4, 2), torch.ones(4, 2)), None, "tables for 4 positions do not match x of shape"),
         ((torch.ones(5, 2, requires_grad=True), torch.ones(5, 2)), None, "rope cos requires grad"),
         ((torch.ones(5, 2), torch.ones(5, 2)), torch.ones(8), "bias with rope is not supported"),
         ((torch.ones(5, 2, dtype=torch.int32), torch.ones(5, 2)), None, "rope cos has dtype torch.int32"),
@@ -206,7 +248,23 @@ def test_rope_compiles_fullgraph():
 )
 def test_rope_bad_input_messages(rope, bias, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        rms_norm(torch.randn(2, 5, 8), None, bias, rope=rope)
+        rms_norm(torch.randn(2, 5, 8), None, bias, rope=rope, rope_layout="pairs")
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rope_layout="halves"), "rope_layout must be one of"),
+        (dict(rope_layout=None), r"rope_layout must be one of .* with rope \(pairs: tables \[P, D/2\]"),
+        (dict(rope_dim=-1), "rope_dim must be a dim of x before the last"),
+        (dict(rope_dim=-4), "rope_dim must be a dim of x before the last"),
+    ],
+)
+def test_rope_mapping_bad_input_messages(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rms_norm(
+            torch.randn(2, 5, 8), None, rope=(torch.ones(5, 2), torch.ones(5, 2)), **{"rope_layout": "pairs", **kwargs}
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the patch rule
