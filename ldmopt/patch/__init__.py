@@ -31,6 +31,8 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     | torch.nn.RMSNorm is fused by torch already)  |                           |
 | rms_norm           | wan_qk_norm_rope    | WanAttention (self-attention), SkyReelsV2    | q/k RMSNorm + RoPE in one |
 |                    |                     | Attention; the stock processor's own steps   | row kernel each           |
+| rms_norm           | flux_qk_norm_rope   | FluxAttention (Flux.1, Chroma); the stock    | per-head q/k RMSNorm +    |
+|                    |                     | processor's own steps                        | RoPE, one kernel a stream |
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |

@@ -41,6 +41,7 @@ class _Record:
 def _rules() -> tuple[Rule, ...]:
     from .rules_attention import RULES as attention_rules
     from .rules_blocks import RULES as block_rules
+    from .rules_flux_attention import RULES as flux_attention_rules
     from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
     from .rules_linear import RULES as linear_rules
@@ -58,6 +59,7 @@ def _rules() -> tuple[Rule, ...]:
         *group_norm_rules,
         *rms_norm_rules,
         *wan_attention_rules,
+        *flux_attention_rules,
         *temporal_layout_rules,
         *attention_rules,
     )

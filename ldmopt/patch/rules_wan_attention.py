@@ -33,6 +33,14 @@ WAN_ATTENTIONS = (
 )
 
 
+def processor_reasons(attn: nn.Module) -> list[str]:
+    """Why ``attn``'s processor is not the stock one of its class (whose steps the fused forward reproduces)."""
+    default = getattr(type(attn), "_ldmopt_base", type(attn))._default_processor_cls
+    if type(attn.processor) is default:
+        return []
+    return [f"its processor is {type(attn.processor).__name__}, not diffusers' {default.__name__}"]
+
+
 def _angles(rotary_emb: object, b: int, s: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | str:
     """Wan's (freqs_cos, freqs_sin) [1 or B, S, 1, D], each angle repeated for both members of a pair, as the
     kernel's per-pair tables [P, D/2] (views): cos from the even, sin from the odd columns, as the processor reads
@@ -46,39 +54,44 @@ def _angles(rotary_emb: object, b: int, s: int, head_dim: int) -> tuple[torch.Te
             return f"rotary tables of shape {tuple(getattr(t, 'shape', ()))}, not [1 or {b}, {s}, 1, {head_dim}]"
         if t.requires_grad:
             return "rotary tables that require grad"
+    if freqs_cos.shape != freqs_sin.shape:
+        return f"rotary cos and sin of shapes {tuple(freqs_cos.shape)} and {tuple(freqs_sin.shape)}"
     return freqs_cos[..., 0::2].flatten(0, 2), freqs_sin[..., 1::2].flatten(0, 2)
 
 
-def _norm_rope(norm: nn.RMSNorm, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``norm(x)`` followed by the processor's RoPE, in x's dtype (torch's rms_norm returns the input's dtype)."""
+def norm_rope(norm: nn.RMSNorm, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor], **mapping) -> torch.Tensor:
+    """``norm(x)`` (a torch.nn.RMSNorm) followed by a processor's RoPE, in x's dtype as torch's rms_norm returns it;
+    ``mapping``: rms_norm's rope_layout / rope_dim."""
     eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
-    return rms_norm(x, norm.weight, None, eps, rope=angles)
+    return rms_norm(x, norm.weight, None, eps, rope=angles, **{"rope_layout": "pairs", **mapping})
+
+
+def _call_angles(self, hidden_states, encoder_hidden_states, rotary_emb, kwargs) -> tuple | str:
+    """The kernel's angle tables for this call, or why the call keeps the stock forward."""
+    reasons = processor_reasons(self)
+    if reasons:
+        return reasons[0]
+    if encoder_hidden_states is not None or kwargs:
+        return "called with encoder_hidden_states or extra arguments"
+    if rotary_emb is None:
+        return "called without rotary_emb"
+    if hidden_states.dim() != 3:
+        return f"hidden states of shape {tuple(hidden_states.shape)}, not [B, S, C]"
+    return _angles(rotary_emb, *hidden_states.shape[:2], self.inner_dim // self.heads)
 
 
 def _wan_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                            **kwargs):  # fmt: skip
-    base = type(self)._ldmopt_base
-    processor = self.processor
-    angles = why = None
-    if type(processor) is not base._default_processor_cls:
-        why = f"its processor is {type(processor).__name__}, not diffusers' {base._default_processor_cls.__name__}"
-    elif encoder_hidden_states is not None or kwargs:
-        why = "called with encoder_hidden_states or extra arguments"
-    elif rotary_emb is None:
-        why = "called without rotary_emb"
-    elif hidden_states.dim() != 3:
-        why = f"hidden states of shape {tuple(hidden_states.shape)}, not [B, S, C]"
-    else:
-        angles = _angles(rotary_emb, *hidden_states.shape[:2], self.inner_dim // self.heads)
-        why = angles if isinstance(angles, str) else None
-    if why is not None:
-        count_reason(type(self).__name__, why)
+    angles = _call_angles(self, hidden_states, encoder_hidden_states, rotary_emb, kwargs)
+    if isinstance(angles, str):
+        count_reason(type(self).__name__, angles)
         return stock(self)(hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
 
+    processor, base = self.processor, type(self)._ldmopt_base
     helpers = sys.modules[base.__module__]  # the processor's own projection and attention functions
     query, key, value = helpers._get_qkv_projections(self, hidden_states, None)
-    query = _norm_rope(self.norm_q, query, angles).unflatten(2, (self.heads, -1))
-    key = _norm_rope(self.norm_k, key, angles).unflatten(2, (self.heads, -1))
+    query = norm_rope(self.norm_q, query, angles).unflatten(2, (self.heads, -1))
+    key = norm_rope(self.norm_k, key, angles).unflatten(2, (self.heads, -1))
     value = value.unflatten(2, (self.heads, -1))
     out = helpers.dispatch_attention_fn(
         query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
@@ -88,7 +101,8 @@ def _wan_attention_forward(self, hidden_states, encoder_hidden_states=None, atte
     return self.to_out[1](self.to_out[0](out))
 
 
-def _rms_norm_reason(name: str, norm: object, width: int) -> str | None:
+def rms_norm_reason(name: str, norm: object, width: int) -> str | None:
+    """Why ``norm`` is not a torch.nn.RMSNorm over the last ``width`` channels with a plain (or no) weight."""
     if type(norm) is not nn.RMSNorm:
         return f"{name} is {type(norm).__name__}, not torch.nn.RMSNorm"
     if tuple(norm.normalized_shape) != (width,):
@@ -114,13 +128,10 @@ class WanQKNormRopeRule(ClassSwapRule):
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
         width = attn.inner_dim
-        reasons = [r for r in (_rms_norm_reason(n, getattr(attn, n, None), width) for n in ("norm_q", "norm_k")) if r]
+        reasons = [r for r in (rms_norm_reason(n, getattr(attn, n, None), width) for n in ("norm_q", "norm_k")) if r]
         if width % attn.heads or (width // attn.heads) % 2:
             reasons.append(f"{width} channels in {attn.heads} heads: the rotary pairs need an even head size")
-        default = type(attn)._default_processor_cls
-        if type(attn.processor) is not default:
-            reasons.append(f"its processor is {type(attn.processor).__name__}, not diffusers' {default.__name__}")
-        return reasons
+        return reasons + processor_reasons(attn)
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
         attn = site.module

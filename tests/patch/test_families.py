@@ -35,7 +35,7 @@ EXPECTED = {
     "dit": (dict(adaln_block=2, adaln_zero=2, gelu=2), 0),
     "pixart-alpha": (dict(adaln_block=2, gelu=2), 0),
     "sd3": (dict(adaln_continuous=2, adaln_zero=3, gelu=3, joint_block=2), 0),
-    "flux": (dict(FLUX, joint_block=1), 0),
+    "flux": (dict(FLUX, joint_block=1, flux_qk_norm_rope=3), 0),
     # Video: the temporal containers/blocks run whole in (B, F, N, C) order (their attention modules are claimed
     # by temporal_container / svd_temporal_block, so temporal_attention installs no processor there).
     "animatediff": (dict(UNET, geglu=23, group_norm=13, temporal_container=13), 0),

@@ -76,10 +76,11 @@ def test_gradients_match_stock():
     out = attn(hidden, None, None, rotary)
     weights = torch.randn_like(out)
     expect = torch.autograd.grad((out * weights).sum(), leaves)
-    ldmopt.patch(attn, training=True)
+    report = ldmopt.patch(attn, training=True)
     with ldmopt.use_backend("triton"):
         out2 = attn(hidden, None, None, rotary)
     got = torch.autograd.grad((out2 * weights).sum(), leaves)
+    assert not report.fallbacks() and report.backends().get("rms_norm", {}).get("triton") == 2, report.backends()
     assert_close(out2, out.detach().double(), torch.float32, "forward")
     for name, g, e in zip(["hidden", *params], got, expect):
         assert_close(g, e.double(), torch.float32, f"grad {name}")
@@ -89,7 +90,8 @@ def test_skyreels_and_per_sample_rotary_match_stock():
     model = _with_qk_affine(_skyreels())
     attn = model.blocks[1].attn1
     hidden, rotary = _attention_args(model)
-    per_sample = tuple(t.expand(2, *t.shape[1:]).contiguous() for t in rotary)  # [B, S, 1, D]: one table per sample
+    # [B, S, 1, D]: one table per sample, the second sample's positions shifted (a row must read its own sample's)
+    per_sample = tuple(torch.cat([t, t.roll(7, dims=1)]) for t in rotary)
     with torch.no_grad():
         refs = [attn(hidden, None, None, r) for r in (rotary, per_sample)]
     report = ldmopt.patch(model)
@@ -151,9 +153,24 @@ def test_patched_attention_compiles_fullgraph():
     torch._dynamo.reset()
     model = _with_qk_affine(_wan())
     attn = model.blocks[0].attn1
-    ldmopt.patch(model)
+    report = ldmopt.patch(model)
     hidden, rotary = _attention_args(model)
     with torch.no_grad():
         eager = attn(hidden, None, None, rotary)
         compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)(hidden, None, None, rotary)
     assert_close(compiled, eager.double(), torch.float32, "compiled wan attention")
+    assert not report.fallbacks(), report.fallbacks()
+
+
+def test_cos_and_sin_of_different_batch_run_stock():
+    """diffusers broadcasts a per-sample cos against a shared sin; the fused forward takes equal shapes only."""
+    model = _with_qk_affine(_wan())
+    attn = model.blocks[0].attn1
+    hidden, (cos, sin) = _attention_args(model)
+    mixed = (cos.expand(2, *cos.shape[1:]), sin)
+    with torch.no_grad():
+        ref = attn(hidden, None, None, mixed)
+        report = ldmopt.patch(model)
+        out = attn(hidden, None, None, mixed)
+    assert_close(out, ref.double(), torch.float32, "mixed tables")
+    assert any("rotary cos and sin of shapes" in r for r in report.fallbacks()), report.fallbacks()
