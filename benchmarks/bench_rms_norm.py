@@ -6,10 +6,12 @@ per-head norm (1 x 33,000 tokens x 24 heads of 128), and a whole-row norm of 307
 (forward); x and dy read, dx written (backward part). LDMOPT_BENCH_QUICK=1 keeps the first case, forward only, no
 compile.
 
-``bench_rms_norm_rope``: Wan's self-attention query norm across heads followed by its RoPE (one query; the key is the
-same again), at 480p x 81 frames (32,760 tokens) for Wan 2.1 1.3B (1536 = 12 x 128) and 14B (5120 = 40 x 128):
-torch's fused norm + diffusers' rotation (eight elementwise passes over strided halves) vs ldmopt's one kernel
-(``rms_norm(..., rope=)``) vs torch.compile of the pair. Bytes: q read once and written once.
+``bench_rms_norm_rope``: an attention's query norm followed by its RoPE (one query; the key is the same again): Wan's
+norm across heads at 480p x 81 frames (32,760 tokens) for Wan 2.1 1.3B (1536 = 12 x 128) and 14B (5120 = 40 x 128),
+and Flux.1's per-head norm at 1024 px (4096 image + 512 text tokens, 24 heads of 128). Providers: torch's fused norm
++ diffusers' rotation (Wan: eight elementwise passes over strided halves; Flux: negation, interleave, fp32 casts,
+multiplies, add, cast back) vs ldmopt's one kernel (``rms_norm(..., rope=)``) vs torch.compile of the pair. Bytes: q
+read once and written once.
 """
 
 from __future__ import annotations
@@ -85,18 +87,21 @@ def bench_rms_norm(case, dtype, mode, bench_recorder):
         )  # fmt: skip
 
 
-ROPE_SHAPES = {  # name: (tokens, heads, head size)
-    "wan1.3b-480p": (32_760, 12, 128),
-    "wan14b-480p": (32_760, 40, 128),
+ROPE_SHAPES = {  # name: (tokens, heads, head size, processor)
+    "wan1.3b-480p": (32_760, 12, 128, "wan"),
+    "flux-1024": (4096 + 512, 24, 128, "flux"),
+    "wan14b-480p": (32_760, 40, 128, "wan"),
 }
 
 
-def _wan_tables(tokens, head_dim):
-    """Wan's rotary tables as its processor receives them: [1, S, 1, D] fp32, each angle repeated for a pair."""
+def _tables(tokens, head_dim, processor):
+    """The rotary tables as the processor receives them, fp32, each angle repeated for a pair: Wan [1, S, 1, D],
+    Flux [S, D]."""
     half = head_dim // 2
     freqs = 10000.0 ** (-torch.arange(half, device=DEVICE, dtype=torch.float64) / half)
     theta = (torch.arange(tokens, device=DEVICE, dtype=torch.float64)[:, None] * freqs).repeat_interleave(2, -1)
-    return theta.cos().float().view(1, tokens, 1, head_dim), theta.sin().float().view(1, tokens, 1, head_dim)
+    shape = (1, tokens, 1, head_dim) if processor == "wan" else (tokens, head_dim)
+    return theta.cos().float().view(shape), theta.sin().float().view(shape)
 
 
 def _wan_eager(q, w, heads, tables):
@@ -112,22 +117,40 @@ def _wan_eager(q, w, heads, tables):
 
 def _wan_ldmopt(q, w, heads, tables):
     angles = (tables[0][..., 0::2].flatten(0, 2), tables[1][..., 1::2].flatten(0, 2))
-    return ldmopt.ops.rms_norm(q, w, None, EPS, rope=angles).unflatten(2, (heads, -1))
+    return ldmopt.ops.rms_norm(q, w, None, EPS, rope=angles, rope_layout="pairs").unflatten(2, (heads, -1))
 
 
-@pytest.mark.parametrize("case", list(ROPE_SHAPES)[:1] if QUICK else list(ROPE_SHAPES))
+def _flux_eager(q, w, heads, tables):
+    # FluxAttnProcessor: torch's RMSNorm per head on [B, S, H, D], then apply_rotary_emb(use_real_unbind_dim=-1)
+    q = F.rms_norm(q.unflatten(-1, (heads, -1)), (q.shape[-1] // heads,), w, EPS)
+    cos, sin = tables[0][None, :, None, :], tables[1][None, :, None, :]
+    real, imag = q.reshape(*q.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (q.float() * cos + rotated.float() * sin).to(q.dtype)
+
+
+def _flux_ldmopt(q, w, heads, tables):
+    q = q.unflatten(-1, (heads, -1))
+    return ldmopt.ops.rms_norm(q, w, None, EPS, rope=tables, rope_layout="elements", rope_dim=-3)
+
+
+ROPE_PROVIDERS = {"wan": (_wan_eager, _wan_ldmopt), "flux": (_flux_eager, _flux_ldmopt)}
+
+
+@pytest.mark.parametrize("case", list(ROPE_SHAPES)[:2] if QUICK else list(ROPE_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 @pytest.mark.parametrize("mode", ["fwd"] if QUICK else ["fwd", "fwd+bwd"])
 def bench_rms_norm_rope(case, dtype, mode, bench_recorder):
-    tokens, heads, head_dim = ROPE_SHAPES[case]
+    tokens, heads, head_dim, processor = ROPE_SHAPES[case]
     c = heads * head_dim
+    eager, fused = ROPE_PROVIDERS[processor]
     q = torch.randn(1, tokens, c, device=DEVICE, dtype=dtype)
-    w = (1 + 0.3 * torch.randn(c, device=DEVICE)).to(dtype)
-    tables = _wan_tables(tokens, head_dim)
-    reference = _wan_eager(q.float(), w.float(), heads, tables)
-    providers = {"eager-diffusers": _wan_eager, "ldmopt": _wan_ldmopt}
+    w = (1 + 0.3 * torch.randn(c if processor == "wan" else head_dim, device=DEVICE)).to(dtype)
+    tables = _tables(tokens, head_dim, processor)
+    reference = eager(q.float(), w.float(), heads, tables)
+    providers = {"eager-diffusers": eager, "ldmopt": fused}
     if not QUICK:
-        providers["compile"] = harness.compiled(_wan_eager, mode="max-autotune-no-cudagraphs")
+        providers["compile"] = harness.compiled(eager, mode="max-autotune-no-cudagraphs")
     elem = q.element_size() * q.numel()
     if mode == "fwd+bwd":
         q.requires_grad_(True)

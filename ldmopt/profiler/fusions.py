@@ -25,9 +25,13 @@ Rules (names as reported):
   whose chains may pass through one such cast in these blocks (GEMM -> cast -> mul(gate) -> add(residual)).
   Approximations: a block without norm2 (cross_attn_norm=False) keeps one stock gated add the projection counts as
   fused, and a block the rule refuses (another norm or feed-forward) is still projected as patched.
-- ``RMSNorm + RoPE (Wan attention)``: in Wan-style self-attention (``wan_qk_norm_rope`` rule), the elementwise ops
-  that rotate the query/key norm's output (multiplies by cos/sin, add/sub, the strided copies into a fresh tensor)
-  go: the norm's row kernel rotates before its one write. The angle tables stay read once per norm.
+- ``q/k RMSNorm + RoPE (Wan, Flux attention)``: in Wan-style self-attention and Flux attention
+  (``wan_qk_norm_rope``, ``flux_qk_norm_rope`` rules), the elementwise ops that rotate the query/key norms' outputs
+  (casts to fp32, multiplies by cos/sin, add/sub, the partner's negation and interleave, the copies back) go: the
+  norm's row kernel rotates before its one write. The angle tables stay read once per rotated tensor; Flux's
+  concatenation of the text and image streams stays (the fused forward concatenates the rotated streams).
+  Approximation: every such attention is projected as patched, also one the rule would leave stock (another
+  processor, hooked norms).
 """
 
 from __future__ import annotations
@@ -46,19 +50,20 @@ GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 TEMPORAL_PERMUTES = "temporal permutes"
 RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
-WAN_ROPE = "RMSNorm + RoPE (Wan attention)"
+QK_NORM_ROPE = "q/k RMSNorm + RoPE (Wan, Flux attention)"
 FUSIONS = (
     GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS,
-    WAN_ROPE,
+    QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
 #: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
 WAN_BLOCK_CLASSES = frozenset({"WanTransformerBlock", "SkyReelsV2TransformerBlock"})
 DIFFUSERS_RMS_NORM = "diffusers.models.normalization.RMSNorm"
 TORCH_RMS_NORM = "torch.nn.modules.normalization.RMSNorm"
-#: Attention modules whose processor applies RoPE to the query/key norms' outputs (ldmopt/patch/rules_wan_attention.py).
-WAN_ATTENTION_CLASSES = frozenset({"WanAttention", "SkyReelsV2Attention"})
-_ROPE_OPS = {"empty_like", "mul", "sub", "add", "copy_", "_to_copy", "neg", "stack", "cat"}
+#: Attention modules whose processor rotates the query/key norms' outputs (ldmopt/patch/rules_*_attention.py).
+ROPE_ATTENTION_CLASSES = frozenset({"WanAttention", "SkyReelsV2Attention", "FluxAttention"})
+_ROPE_OPS = {"empty_like", "mul", "sub", "add", "copy_", "_to_copy", "neg", "stack"}
+_KEPT_ON_THE_WAY = {"cat"}  # Flux concatenates the normalised text and image streams before rotating: still done
 
 
 def _in_wan_block(rec: OpRecord) -> bool:
@@ -145,7 +150,7 @@ def plan_fusions(records: list[OpRecord]) -> tuple[dict[int, int], dict[int, str
         _rms_norm(plan, run)
     for rec in records:
         if rec.owner == TORCH_RMS_NORM:
-            _wan_rope(plan, records, rec)
+            _qk_norm_rope(plan, records, rec)
     stream_bytes: dict[int, int] = {}  # per Wan block call: its widest cast, a cast of the token stream
     wan_casts = [r for r in records if _is_cast(r) and _in_wan_block(r) and r.layer is None]
     for rec in wan_casts:
@@ -316,22 +321,27 @@ def _rms_norm(plan: _Plan, run: list[OpRecord]) -> None:
     plan.claim(RMS_NORM, savings, removed=tuple(r.index for r in run[:-1]))
 
 
-def _in_wan_attention(rec: OpRecord) -> bool:
+def _in_rope_attention(rec: OpRecord) -> bool:
     module, _, name = rec.owner.rpartition(".")
-    return module.startswith("diffusers.") and name in WAN_ATTENTION_CLASSES
+    return module.startswith("diffusers.") and name in ROPE_ATTENTION_CLASSES
 
 
-def _wan_rope(plan: _Plan, records: list[OpRecord], norm: OpRecord) -> None:
+def _qk_norm_rope(plan: _Plan, records: list[OpRecord], norm: OpRecord) -> None:
     """The rotation of one query/key norm's output: the elementwise ops of the attention's own forward reached from
-    the norm's output. Removed; their reads of anything else (the angle tables) stay, once each."""
+    the norm's output (through a concatenation, which stays). Removed; their reads of anything else (the angle
+    tables) stay, once each."""
+    attention = next((records[c].owner for c in norm.consumers if _in_rope_attention(records[c])), None)
     chain: list[int] = []
-    todo = [c for c in norm.consumers if _in_wan_attention(records[c])]
+    seen: set[int] = set()
+    todo = list(norm.consumers)
     while todo:
         rec = records[todo.pop()]
-        if rec.index in chain or rec.base not in _ROPE_OPS or rec.owner != records[norm.consumers[0]].owner:
+        if rec.index in seen or rec.owner != attention or rec.base not in _ROPE_OPS | _KEPT_ON_THE_WAY:
             continue
-        chain.append(rec.index)
-        todo.extend(c for c in rec.consumers if _in_wan_attention(records[c]))
+        seen.add(rec.index)
+        if rec.base in _ROPE_OPS:
+            chain.append(rec.index)
+        todo.extend(rec.consumers)
     if not any(records[i].base == "mul" for i in chain) or not plan.free(*chain):
         return
     kept: dict[int, int] = {}  # producer outside the chain -> the bytes one read of it costs
@@ -340,8 +350,8 @@ def _wan_rope(plan: _Plan, records: list[OpRecord], norm: OpRecord) -> None:
         rec = records[i]
         keep = 0
         for p, b in zip(rec.producers, rec.in_bytes):
-            if p != norm.index and p not in chain and p not in kept:
+            if p != norm.index and p not in seen and p not in kept:
                 kept[p] = b
                 keep += b
         savings[i] = rec.bytes - keep
-    plan.claim(WAN_ROPE, savings, removed=tuple(sorted(chain)))
+    plan.claim(QK_NORM_ROPE, savings, removed=tuple(sorted(chain)))

@@ -5,7 +5,7 @@ from torch import nn
 
 from ldmopt.profiler import analyze
 from ldmopt.profiler import categories as C
-from ldmopt.profiler.fusions import ADALN, GATED_RESIDUAL, RMS_NORM, WAN_ROPE, WAN_ROUND_TRIPS
+from ldmopt.profiler.fusions import ADALN, GATED_RESIDUAL, QK_NORM_ROPE, RMS_NORM, WAN_ROUND_TRIPS, plan_fusions
 
 
 def _wan_model(layers=2, dim=64, ffn=96):
@@ -175,7 +175,7 @@ def test_wan_rope_is_projected_into_the_norm_kernel():
     the angle tables, a sub, an add, two strided copies); patched, the norm's row kernel rotates before its write."""
     model = _wan_model(layers=2)
     a = analyze(model, inputs=_wan_inputs(), dtype="bf16", gpu="H200")
-    rope = a.fusions[WAN_ROPE]
+    rope = a.fusions[QK_NORM_ROPE]
     assert rope.count == 2 * 2 and rope.ops_removed == 2 * 2 * 8  # q and k of each block's self-attention
     in_attn1 = [r for r in a.records if r.path.endswith("attn1") and r.base in ("mul", "sub", "add", "copy_")]
     assert len(in_attn1) == rope.ops_removed
@@ -199,3 +199,30 @@ def test_allocations_move_no_bytes():
     records = analyze(Fresh(), inputs=(x,), dtype="bf16").records
     empty = [r for r in records if r.base == "empty_like"]
     assert len(empty) == 1 and empty[0].bytes == 0 and empty[0].producers == ()
+
+
+def test_flux_rope_is_projected_into_the_norm_kernels():
+    """Flux rotates q and k after concatenating text and image streams: negation, interleave, three casts, two
+    multiplies and an add per tensor go; the concatenations stay (the fused forward concatenates rotated streams)."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=32,
+            num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12, axes_dims_rope=(8, 12, 12),
+        ).to(torch.bfloat16)  # fmt: skip
+    meta = dict(device="meta")
+    inputs = dict(
+        hidden_states=torch.empty(1, 60, 16, dtype=torch.bfloat16, **meta),
+        encoder_hidden_states=torch.empty(1, 7, 24, dtype=torch.bfloat16, **meta),
+        pooled_projections=torch.empty(1, 12, dtype=torch.bfloat16, **meta), timestep=torch.empty(1, **meta),
+        img_ids=torch.empty(60, 3, **meta), txt_ids=torch.empty(7, 3, **meta), return_dict=False,
+    )  # fmt: skip
+    a = analyze(model, inputs=inputs, dtype="bf16", gpu="H200")
+    rope = a.fusions[QK_NORM_ROPE]
+    assert rope.count == 2 * 3 and rope.ops_removed == 8 * rope.count  # q and k of three attentions
+    rotation = [r for r in a.records if r.path.endswith(".attn") and r.base in ("neg", "stack", "mul", "_to_copy")]
+    assert len(rotation) + rope.count == rope.ops_removed  # and one add per tensor
+    _saved, _rule, removed, _stats = plan_fusions(a.records)
+    cats = [r for r in a.records if r.path.endswith(".attn") and r.base == "cat"]
+    assert len(cats) == 3 and not removed & {r.index for r in cats}  # q, k, v of the double block stay
