@@ -62,28 +62,35 @@ def bench_rms_norm(case, dtype, mode, bench_recorder):
     x = torch.randn(rows, c, device=DEVICE, dtype=dtype)
     weight = (1 + 0.3 * torch.randn(c, device=DEVICE)).to(dtype)
     reference = _diffusers_eager(x.float(), weight.float())
+    _time_providers("rms_norm", case, dtype, mode, _providers(), (x, weight), (), reference, bench_recorder)
+
+
+def _time_providers(op, case, dtype, mode, providers, leaves, extra, reference, bench_recorder):
+    """One row per provider ``fn(*leaves, *extra)``: forward, or forward and the gradients of ``leaves`` (x, weight).
+    Bytes: x read and y written (forward); x, dy read and dx written in addition (backward)."""
+    x = leaves[0]
     elem = x.element_size() * x.numel()
     if mode == "fwd+bwd":
-        x.requires_grad_(True)
-        weight.requires_grad_(True)
-    dy = torch.randn_like(x)
-    for name, fn in _providers().items():
+        for t in leaves:
+            t.requires_grad_(True)
+    dy = torch.randn(reference.shape, device=x.device, dtype=x.dtype)
+    for name, fn in providers.items():
         if mode == "fwd":
-            run = lambda fn=fn: fn(x, weight)
+            run = lambda fn=fn: fn(*leaves, *extra)
             nbytes = 2 * elem
         else:
-            run = lambda fn=fn: torch.autograd.grad(fn(x, weight), (x, weight), dy)
-            nbytes = 5 * elem  # forward x, y; backward x, dy, dx
+            run = lambda fn=fn: torch.autograd.grad(fn(*leaves, *extra), leaves, dy)
+            nbytes = 5 * elem
         try:
             with torch.no_grad():
-                out = fn(x, weight)
+                out = fn(*leaves, *extra)
             err = ((out.float() - reference).abs().max() / reference.abs().max()).item()
             timing, note = harness.time_fn(run), f"max rel err vs fp32 {err:.1e}"
         except Exception as exc:  # a provider that cannot run is a row with the reason
             timing, note = None, f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
         bench_recorder.record(
-            op="rms_norm", case=case, dtype=str(dtype).removeprefix("torch."), mode=mode, provider=name,
-            timing=timing, bytes=nbytes, note=note,
+            op=op, case=case, dtype=str(dtype).removeprefix("torch."), mode=mode, provider=name, timing=timing,
+            bytes=nbytes, note=note,
         )  # fmt: skip
 
 
@@ -151,26 +158,4 @@ def bench_rms_norm_rope(case, dtype, mode, bench_recorder):
     providers = {"eager-diffusers": eager, "ldmopt": fused}
     if not QUICK:
         providers["compile"] = harness.compiled(eager, mode="max-autotune-no-cudagraphs")
-    elem = q.element_size() * q.numel()
-    if mode == "fwd+bwd":
-        q.requires_grad_(True)
-        w.requires_grad_(True)
-    dy = torch.randn(reference.shape, device=DEVICE, dtype=dtype)
-    for name, fn in providers.items():
-        if mode == "fwd":
-            run = lambda fn=fn: fn(q, w, heads, tables)
-            nbytes = 2 * elem
-        else:
-            run = lambda fn=fn: torch.autograd.grad(fn(q, w, heads, tables), (q, w), dy)
-            nbytes = 5 * elem  # forward q, y; backward q, dy, dq
-        try:
-            with torch.no_grad():
-                out = fn(q, w, heads, tables)
-            err = ((out.float() - reference).abs().max() / reference.abs().max()).item()
-            timing, note = harness.time_fn(run), f"max rel err vs fp32 {err:.1e}"
-        except Exception as exc:  # a provider that cannot run is a row with the reason
-            timing, note = None, f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
-        bench_recorder.record(
-            op="rms_norm_rope", case=case, dtype=str(dtype).removeprefix("torch."), mode=mode, provider=name,
-            timing=timing, bytes=nbytes, note=note,
-        )  # fmt: skip
+    _time_providers("rms_norm_rope", case, dtype, mode, providers, (q, w), (heads, tables), reference, bench_recorder)
