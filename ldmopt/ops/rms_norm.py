@@ -226,12 +226,12 @@ def _check_rope(rope: object, layout: object, dim: object, x: Tensor, bias: Tens
     rows = x.numel() // x.shape[-1]
     if x.shape[dim] == positions:
         rows_per_position = x[(0,) * (x.dim() + dim + 1)].numel() // x.shape[-1]  # the dims between dim and C
-    elif rows == positions:
+    elif rows == positions and dim == -2:  # one row of tables per row of x (heads between would be ambiguous)
         rows_per_position = 1
     else:
         raise ValueError(
             f"rope tables for {positions} positions do not match x of shape {tuple(x.shape)} at rope_dim={dim}: give "
-            "one row of tables per position along rope_dim, or per row of x"
+            "one row of tables per position along rope_dim, or (rope_dim=-2) per row of x"
         )
     if bias is not None:
         raise ValueError("bias with rope is not supported (RoPE'd query/key norms have no bias)")

@@ -10,7 +10,8 @@ positions of the tables, the image tokens after them, as the concatenation order
 processor: its projections, the concatenation, the attention backend and parallel config, the output projections.
 
 A module whose processor is not the stock one (IP-Adapter, a user's), a call with joint_attention_kwargs the stock
-processor would drop, or tables that do not match the tokens keep the stock forward, with the reason in the report.
+processor would warn about and drop, or tables that do not match the tokens keep the stock forward, with the reason
+in the report. IP-Adapter inputs, which the stock forward drops quietly for a stock processor, are dropped too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 from .rules_wan_attention import norm_rope, processor_reasons, rms_norm_reason
 
 _ELEMENTS = dict(rope_layout="elements", rope_dim=-3)  # tables [S, D], one value per element; x [B, S, H, D]
+#: What FluxAttention.forward drops without a word when the processor does not take it: IP-Adapter inputs, which
+#: pipelines with an adapter pass to every block, also those whose attention keeps the stock processor.
+_DROPPED_QUIETLY = {"ip_adapter_masks", "ip_hidden_states"}
 
 
 def _call_tables(self, hidden_states, encoder_hidden_states, image_rotary_emb, kwargs) -> tuple | str:
@@ -32,7 +36,7 @@ def _call_tables(self, hidden_states, encoder_hidden_states, image_rotary_emb, k
     reasons = processor_reasons(self)
     if reasons:
         return reasons[0]
-    if kwargs:
+    if set(kwargs) - _DROPPED_QUIETLY:  # stock warns about these, then drops them
         return f"called with attention kwargs {sorted(kwargs)}"
     if image_rotary_emb is None:
         return "called without image_rotary_emb"
@@ -49,7 +53,8 @@ def _call_tables(self, hidden_states, encoder_hidden_states, image_rotary_emb, k
             return f"rotary tables of shape {tuple(getattr(t, 'shape', ()))}, not [{tokens}, {self.head_dim}]"
         if t.requires_grad:
             return "rotary tables that require grad"
-    return tuple(image_rotary_emb)
+    # As apply_rotary_emb does: tables built from ids left on another device are moved to the tokens'.
+    return tuple(t.to(hidden_states.device) for t in image_rotary_emb)
 
 
 def _flux_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None,

@@ -41,7 +41,7 @@ def processor_reasons(attn: nn.Module) -> list[str]:
     return [f"its processor is {type(attn.processor).__name__}, not diffusers' {default.__name__}"]
 
 
-def _angles(rotary_emb: object, b: int, s: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | str:
+def _angles(rotary_emb: object, b: int, s: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor] | str:
     """Wan's (freqs_cos, freqs_sin) [1 or B, S, 1, D], each angle repeated for both members of a pair, as the
     kernel's per-pair tables [P, D/2] (views): cos from the even, sin from the odd columns, as the processor reads
     them. A string says why they cannot be used."""
@@ -54,6 +54,8 @@ def _angles(rotary_emb: object, b: int, s: int, head_dim: int) -> tuple[torch.Te
             return f"rotary tables of shape {tuple(getattr(t, 'shape', ()))}, not [1 or {b}, {s}, 1, {head_dim}]"
         if t.requires_grad:
             return "rotary tables that require grad"
+        if t.device != device:
+            return f"rotary tables on {t.device}, the tokens on {device}"
     if freqs_cos.shape != freqs_sin.shape:
         return f"rotary cos and sin of shapes {tuple(freqs_cos.shape)} and {tuple(freqs_sin.shape)}"
     return freqs_cos[..., 0::2].flatten(0, 2), freqs_sin[..., 1::2].flatten(0, 2)
@@ -77,7 +79,7 @@ def _call_angles(self, hidden_states, encoder_hidden_states, rotary_emb, kwargs)
         return "called without rotary_emb"
     if hidden_states.dim() != 3:
         return f"hidden states of shape {tuple(hidden_states.shape)}, not [B, S, C]"
-    return _angles(rotary_emb, *hidden_states.shape[:2], self.inner_dim // self.heads)
+    return _angles(rotary_emb, *hidden_states.shape[:2], self.inner_dim // self.heads, hidden_states.device)
 
 
 def _wan_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,

@@ -219,7 +219,9 @@ def test_rope_elements_per_head_matches_diffusers_rotation(shape, dtype, backend
     with ldmopt.use_backend(backend):
         y = rms_norm(x, weight, eps=1e-6, rope=(cos, sin), rope_layout="elements", rope_dim=-3)
     exact = _flux_reference(x.double(), weight.double(), cos.double(), sin.double())
-    lowp = _flux_reference(_reference(x.float(), weight.float()).to(dtype), torch.ones(d), cos, sin)  # as Flux
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    lowp = apply_rotary_emb(_reference(x.float(), weight.float()).to(dtype), (cos, sin), sequence_dim=1)  # as Flux
     assert_within_torch_error(y, exact, lowp, f"rms_norm+rope elements {shape} {dtype}")
     x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
     xs, ws = x.float().requires_grad_(), weight.float().requires_grad_()
@@ -367,3 +369,12 @@ def test_strided_columns():
     with ldmopt.use_backend("triton"):
         y = rms_norm(x, None, None, eps=1e-6)
     torch.testing.assert_close(y, _reference(x.double()).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_per_row_tables_only_without_heads_between():
+    """Tables with as many rows as x has rows are read one per row only at rope_dim=-2: with heads between the
+    positions and the channels that reading would give the heads of one token different angles."""
+    x, tables = torch.randn(1, 4, 3, 8), (torch.ones(12, 4), torch.ones(12, 4))
+    with pytest.raises(ValueError, match=r"tables for 12 positions do not match x of shape \(1, 4, 3, 8\)"):
+        rms_norm(x, rope=tables, rope_layout="pairs", rope_dim=-3)
+    assert rms_norm(x.flatten(1, 2), rope=tables, rope_layout="pairs").shape == (1, 12, 8)

@@ -87,9 +87,11 @@ def test_half_attention_within_torch_error(dtype, stream):
         exact = _as_tuple(copy.deepcopy(attn).double()(*cast(torch.float64), None, tuple(t.double() for t in tables)))
         low = copy.deepcopy(attn).to(dtype)
         stock = _as_tuple(low(*cast(dtype), None, tables))
-        assert ldmopt.patch(low).counts() == {"flux_qk_norm_rope": 1}
+        report = ldmopt.patch(low)
+        assert report.counts() == {"flux_qk_norm_rope": 1}
         with ldmopt.use_backend("triton"):
             fused = _as_tuple(low(*cast(dtype), None, tables))
+    assert not report.fallbacks() and report.backends()["rms_norm"]["triton"] == (4 if stream == "double" else 2)
     assert len(fused) == len(stock) == len(exact) == (2 if stream == "double" else 1)
     for got, want, ref, name in zip(fused, stock, exact, ("image", "text")):
         assert got.dtype == want.dtype == dtype
@@ -168,4 +170,20 @@ def test_patched_attention_compiles_fullgraph():
         compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)(hidden, text, None, tables)
     for got, want in zip(compiled, eager):
         assert_close(got, want.double(), torch.float32, "compiled flux attention")
+    assert not report.fallbacks(), report.fallbacks()
+
+
+def test_tables_on_another_device_and_ip_adapter_inputs():
+    """apply_rotary_emb moves the tables to the tokens' device (ids left on the CPU); FluxAttention.forward drops
+    IP-Adapter inputs quietly for a stock processor: both keep the fused path, as both work on the stock one."""
+    model = _flux()
+    attn = model.transformer_blocks[0].attn.to("meta")
+    hidden, text, tables = _attention_args(model)
+    hidden, text = hidden.to("meta"), text.to("meta")
+    ip = dict(ip_hidden_states=[R(2, 4, 48)])
+    with torch.no_grad():
+        stock = attn(hidden, text, None, tables, **ip)
+        report = ldmopt.patch(attn)
+        fused = attn(hidden, text, None, tables, **ip)
+    assert [t.shape for t in fused] == [t.shape for t in stock] and fused[0].device.type == "meta"
     assert not report.fallbacks(), report.fallbacks()

@@ -59,9 +59,11 @@ def test_half_attention_within_torch_error(dtype):
         exact = exact_attn(hidden.double(), None, None, tuple(t.double() for t in rotary))
         low = copy.deepcopy(attn).to(dtype)
         stock = low(hidden.to(dtype), None, None, rotary)
-        assert ldmopt.patch(low).counts() == {"wan_qk_norm_rope": 1}
+        report = ldmopt.patch(low)
+        assert report.counts() == {"wan_qk_norm_rope": 1}
         with ldmopt.use_backend("triton"):
             fused = low(hidden.to(dtype), None, None, rotary)
+    assert not report.fallbacks() and report.backends()["rms_norm"]["triton"] == 2
     assert fused.dtype == stock.dtype == dtype
     assert_within_torch_error(fused, exact, stock, f"wan attention {dtype}")
 
