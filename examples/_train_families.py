@@ -323,6 +323,28 @@ class LatteDenoiser(Denoiser):
         return _cfhw(out[:, : x.shape[2]])
 
 
+class WanDenoiser(Denoiser):
+    """Wan 2.1/2.2 text-to-video: (B, C, F, h, w) latents (``--frames`` counts latent frames here), text tokens of
+    ``text_dim``; the model patches 1 x 2 x 2 and reads positions through its rotary embedding (any frame count)."""
+
+    video = True
+
+    def __init__(self, model, num_classes, image_size):
+        super().__init__(model, num_classes, image_size)
+        if model.config.image_dim is not None:
+            raise SystemExit(f"{self.kind} with an image encoder input (image-to-video) is not supported")
+        self._tokens(model.config.text_dim)
+
+    def check_resolution(self, resolution, factor, name):
+        patch, latent = self.model.config.patch_size[1], resolution // factor
+        if latent % patch:
+            raise SystemExit(f"--model {name}: {resolution}px is {latent}x{latent} latents; Wan patches "
+                             f"{patch}x{patch}: use a --resolution that is a multiple of {patch * factor}")  # fmt: skip
+
+    def forward(self, x, t, labels, first_frame=None):
+        return _cfhw(self.model(_cfhw(x), timestep=t, encoder_hidden_states=self.text(labels), return_dict=False)[0])
+
+
 FAMILIES: dict[str, type[Denoiser]] = {
     "UNet2DConditionModel": UNet2DConditionDenoiser,
     "UNet2DModel": UNet2DDenoiser,
@@ -334,6 +356,7 @@ FAMILIES: dict[str, type[Denoiser]] = {
     "UNet3DConditionModel": UNet3DDenoiser,
     "UNetSpatioTemporalConditionModel": SVDDenoiser,
     "LatteTransformer3DModel": LatteDenoiser,
+    "WanTransformer3DModel": WanDenoiser,
 }
 VIDEO_CLASSES = tuple(name for name, cls in FAMILIES.items() if cls.video)
 

@@ -13,8 +13,8 @@ Eight GPUs (NCCL), an image folder, a zoo config (SD1.5-size UNet on 256px image
         --batch-size 256 --mixed-precision bf16 --gradient-checkpointing --report-to tensorboard
 
 Any zoo denoiser (``--help`` lists them; ``--tiny`` for the tiny variants): SD1.5/2.1/XL, DiT,
-PixArt-alpha/Sigma, SD3, Flux (image models on coloured shapes) and AnimateDiff, SVD/SVD-XT, ModelScope, Latte
-(video models on clips of ``--frames`` frames in which the shapes move; sample grids show one clip per row)::
+PixArt-alpha/Sigma, SD3, Flux (image models on coloured shapes) and AnimateDiff, SVD/SVD-XT, ModelScope, Latte, Wan
+2.1 (video models on clips of ``--frames`` frames in which the shapes move; sample grids show one clip per row)::
 
     python examples/train_ldm.py --model animatediff --frames 16 --resolution 256 --mixed-precision bf16
 

@@ -11,7 +11,8 @@ and how the model is built. Other parts of ldmopt (the cost model, the patcher's
 - ``example_inputs(name_or_model, resolution=..., frames=..., batch=...)``: keyword arguments for one denoiser call
   (or VAE decode) at that setting; ``run_model(model, inputs)`` makes the call.
 
-Resolutions are in pixels; all of these models work on a latent 8x smaller. ``batch`` counts the
+Resolutions are in pixels; all of these models work on a latent 8x smaller. Frames are video frames; Wan's VAE also
+compresses time 4x (81 frames are 21 latent frames), the other video models denoise every frame. ``batch`` counts the
 classifier-free-guidance copies (2 for the CFG models, 1 for Flux-dev, which is guidance-distilled, and the VAEs).
 """
 
@@ -106,6 +107,10 @@ ZOO: dict[str, ZooEntry] = {
                "ModelScope text-to-video 1.7B", _BY_CONFIG, ("modelscope-t2v",)),
         _entry("latte", "LatteTransformer3DModel", ["latte1.json"], 512, 16, 2, 120,
                "Latte-1 text-to-video", _BY_CONFIG),
+        _entry("wan2.1-1.3b", "WanTransformer3DModel", ["wan21_t2v_1.3b.json"], (480, 832), 81, 1, 512,
+               "Wan 2.1 text-to-video 1.3B (81 frames = 21 latent frames; one call per guidance branch)",
+               _BY_CONFIG + "; what from_pretrained keeps in fp32 (_keep_in_fp32_modules: rotary tables, time "
+               "embedder, modulation tables, block norms) stays fp32", ("wan", "wan2.1", "wan2.1-t2v-1.3b")),
     ]
 }  # fmt: skip
 
@@ -184,8 +189,21 @@ _TINY: dict[str, dict[str, Any]] = {
         "caption_channels": 32,
         "video_length": 4,
     },
+    "wan2.1-1.3b": {
+        "num_layers": 2,
+        "num_attention_heads": 2,
+        "attention_head_dim": 24,  # the rotary embedding splits a head 8 / 8 / 8 over frames, height, width
+        "ffn_dim": 56,
+        "freq_dim": 16,
+        "text_dim": 32,
+        "rope_max_seq_len": 64,
+    },
 }
 _TINY["svd-xt"] = _TINY["svd"]
+#: Temporal compression of the VAE in front of the denoiser (frames = 1 + factor * (latent frames - 1)); the other
+#: video models of the zoo denoise every frame.
+_TEMPORAL_FACTOR = {"wan2.1-1.3b": 4}
+_TINY_FRAMES = {"wan2.1-1.3b": 5}  # two latent frames
 _TINY_ADAPTER = {
     "block_out_channels": [16, 32, 32, 32],
     "motion_layers_per_block": 1,
@@ -292,9 +310,24 @@ def build_model(
     # SVD's mix_factor is made with the legacy torch.Tensor([...]) constructor, which ignores the device context.
     with _quiet_diffusers():
         model = model.to(device=device, dtype=dtype).eval()
+    _keep_fp32(model)
     model.ldmopt_zoo_name = entry.name
     model.ldmopt_tiny = tiny
     return model
+
+
+def _keep_fp32(model: nn.Module) -> None:
+    """Parameters and buffers under the class's ``_keep_in_fp32_modules`` back to fp32, as ``from_pretrained``
+    leaves them (Wan: rotary tables, time embedder, modulation tables, block norms)."""
+    keys = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not keys:
+        return
+    for module_name, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                full = f"{module_name}.{name}" if module_name else name
+                if t is not None and t.is_floating_point() and keys & set(full.split(".")):
+                    t.data = t.data.float()
 
 
 @dataclass
@@ -371,7 +404,7 @@ def example_inputs(
         if entry.cls == "AutoencoderKL":
             default_res = (64, 64)
         res = _resolution(resolution, default_res)
-        frames = frames or (config.get("video_length", 4) if entry.is_video else None)
+        frames = frames or _TINY_FRAMES.get(entry.name) or (config.get("video_length", 4) if entry.is_video else None)
         # SVD's context is one CLIP image embedding at any size; the other families get a short text sequence.
         tokens = text_tokens or (entry.text_tokens if entry.text_tokens == 1 else _TINY_TEXT_TOKENS)
     else:
@@ -384,7 +417,15 @@ def example_inputs(
     if res[0] % VAE_SCALE or res[1] % VAE_SCALE:
         raise ValueError(f"resolution {res} must be a multiple of {VAE_SCALE} pixels (the VAE factor)")
     h, w = res[0] // VAE_SCALE, res[1] // VAE_SCALE
-    kwargs = _build_kwargs(entry, config, batch, frames, h, w, tokens, dtype, device)
+    latent_frames = frames
+    if entry.name in _TEMPORAL_FACTOR and frames is not None:
+        factor = _TEMPORAL_FACTOR[entry.name]
+        if (frames - 1) % factor:
+            raise ValueError(
+                f"{entry.name} takes 1 + {factor}k frames (its VAE compresses time {factor}x), got {frames}"
+            )
+        latent_frames = (frames - 1) // factor + 1
+    kwargs = _build_kwargs(entry, config, batch, latent_frames, h, w, tokens, dtype, device)
     method = "decode" if entry.cls == "AutoencoderKL" else "forward"
     return ModelInputs(method, kwargs, res, frames, batch)
 
@@ -462,6 +503,9 @@ def _build_kwargs(entry, config, b, f, h, w, tokens, dtype, device) -> dict[str,
         if config.get("guidance_embeds"):
             kw["guidance"] = torch.full((b,), 3.5, dtype=dtype, device=device)
         return kw
+    if cls == "WanTransformer3DModel":
+        return {"hidden_states": rand(b, config["in_channels"], f, h, w), "timestep": steps(),
+                "encoder_hidden_states": rand(b, tokens, config["text_dim"]), "return_dict": False}  # fmt: skip
     if cls == "LatteTransformer3DModel":
         return {"hidden_states": rand(b, config["in_channels"], f, h, w), "timestep": steps(),
                 "encoder_hidden_states": rand(b, tokens, config["caption_channels"]), "return_dict": False}  # fmt: skip

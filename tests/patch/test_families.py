@@ -42,6 +42,7 @@ EXPECTED = {
     "svd": (SVD, 0),
     "modelscope": (dict(UNET, geglu=21, group_norm=11, group_norm_silu_seq=56, temporal_container=11), 0),
     "latte": (dict(adaln_block=2, gelu=4, latte_temporal=1), 0),
+    "wan2.1-1.3b": (dict(gelu=2, wan_block=2, wan_qk_norm_rope=2), 0),
 }
 #: Families none of whose ResnetBlock2D may fall back to diffusers' forward.
 ALL_RESNETS_FUSED = {"sd15", "sd21", "sdxl", "sd15-vae", "animatediff", "svd", "modelscope"}

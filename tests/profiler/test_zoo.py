@@ -13,6 +13,7 @@ PARAMS = {
     "pixart-alpha": 611_349_152,
     "svd": 1_524_623_082,
     "latte": 1_057_246_880,
+    "wan2.1-1.3b": 1_418_996_800,
 }
 
 
@@ -28,8 +29,9 @@ def test_real_configs_build_on_meta_with_documented_size(name):
 def test_registry_lists_every_model_and_resolves_aliases():
     assert configs.names() == [
         "sd15", "sd21", "sdxl", "sd15-vae", "sdxl-vae", "dit", "pixart-alpha", "pixart-sigma", "sd3", "flux",
-        "animatediff", "svd", "svd-xt", "modelscope", "latte",
+        "animatediff", "svd", "svd-xt", "modelscope", "latte", "wan2.1-1.3b",
     ]  # fmt: skip
+    assert configs.get("Wan").name == "wan2.1-1.3b"
     assert configs.get("SD1.5").name == "sd15"
     assert configs.get("animatediff").cls == "UNetMotionModel"
     unet, adapter = configs.load_config("animatediff")
@@ -69,3 +71,26 @@ def test_example_inputs_follow_the_study_settings():
     assert vae.method == "decode" and vae.kwargs["z"].shape == (1, 4, 32, 32)
     with pytest.raises(ValueError, match="multiple of 8"):
         configs.example_inputs("sd15", resolution=500)
+
+
+def test_wan_keeps_what_from_pretrained_keeps_in_fp32_and_compresses_time():
+    model = configs.build_model("wan", dtype=torch.bfloat16)
+    block = model.blocks[0]
+    fp32 = [
+        model.rope.freqs_cos,
+        block.scale_shift_table,
+        block.norm2.weight,
+        model.condition_embedder.time_embedder.linear_1.weight,
+    ]
+    assert all(t.dtype == torch.float32 for t in fp32)
+    assert block.attn1.to_q.weight.dtype == block.attn1.norm_q.weight.dtype == torch.bfloat16
+    inputs = configs.example_inputs(model)
+    assert inputs.kwargs["hidden_states"].shape == (1, 16, 21, 60, 104) and inputs.frames == 81
+    assert inputs.kwargs["encoder_hidden_states"].shape == (1, 512, 4096)
+    with pytest.raises(ValueError, match="takes 1 \\+ 4k frames"):
+        configs.example_inputs(model, frames=16)
+    tiny = configs.build_model("wan", tiny=True, device="cpu", dtype=torch.float32)
+    assert sum(p.numel() for p in tiny.parameters()) < 3_000_000
+    with torch.no_grad():
+        out = configs.run_model(tiny, configs.example_inputs(tiny))[0]
+    assert out.shape == (1, 16, 2, 8, 8) and torch.isfinite(out).all()

@@ -58,6 +58,7 @@ def train_ldm():
         pytest.param("sd3", [], "adaln_modulate_backward", id="sd3"),
         pytest.param("flux", [], "adaln_modulate_backward", id="flux"),
         pytest.param("latte", VIDEO, "temporal_attention_backward", id="latte"),
+        pytest.param("wan2.1-1.3b", VIDEO, "rms_norm_backward", id="wan"),
         pytest.param("animatediff", [*VIDEO, *TORCH], "temporal_attention_backward", id="animatediff"),
         pytest.param("modelscope", [*VIDEO, *TORCH], "temporal_attention_backward", id="modelscope"),
         pytest.param("svd", [*VIDEO, *TORCH], "temporal_attention_backward", id="svd"),
