@@ -187,3 +187,19 @@ def test_tables_on_another_device_and_ip_adapter_inputs():
         fused = attn(hidden, text, None, tables, **ip)
     assert [t.shape for t in fused] == [t.shape for t in stock] and fused[0].device.type == "meta"
     assert not report.fallbacks(), report.fallbacks()
+
+
+def test_under_autocast_matches_stock():
+    """fp32 model under bf16 autocast: the projections hand bf16 q/k to the fused norms, whose fp32 weights the
+    kernel reads as they are; stock's norm runs on the same bf16 inputs. (The other families' GEMMs are left out:
+    the Triton interpreter computes bf16 tl.dot wrongly on the CPU.)"""
+    model = _flux()
+    inputs = _inputs()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = output_tensor(model(**inputs))
+    report = ldmopt.patch(model, families=["rms_norm"])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), ldmopt.use_backend("triton"):
+        out = output_tensor(model(**inputs))
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert report.counts() == {"flux_qk_norm_rope": 2} and not report.fallbacks()
+    assert_close(out, ref.double(), torch.bfloat16, "flux under autocast")

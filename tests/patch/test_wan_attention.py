@@ -176,3 +176,17 @@ def test_cos_and_sin_of_different_batch_run_stock():
         out = attn(hidden, None, None, mixed)
     assert_close(out, ref.double(), torch.float32, "mixed tables")
     assert any("rotary cos and sin of shapes" in r for r in report.fallbacks()), report.fallbacks()
+
+
+def test_under_autocast_matches_stock():
+    """fp32 model under bf16 autocast (the Triton interpreter's bf16 tl.dot is wrong on the CPU: only the norms)."""
+    model = _with_qk_affine(_wan())
+    inputs = _wan_inputs()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = output_tensor(model(**inputs))
+    report = ldmopt.patch(model, families=["rms_norm"])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), ldmopt.use_backend("triton"):
+        out = output_tensor(model(**inputs))
+    assert out.dtype == ref.dtype
+    assert report.counts() == {"wan_qk_norm_rope": 2} and not report.fallbacks()
+    assert_close(out, ref.double(), torch.bfloat16, "wan under autocast")
