@@ -8,7 +8,8 @@ compile.
 
 ``bench_rms_norm_rope``: an attention's query norm followed by its RoPE (one query; the key is the same again): Wan's
 norm across heads at 480p x 81 frames (32,760 tokens) for Wan 2.1 1.3B (1536 = 12 x 128) and 14B (5120 = 40 x 128),
-and Flux.1's per-head norm at 1024 px (4096 image + 512 text tokens, 24 heads of 128). Providers: torch's fused norm
+Flux.1's per-head norm at 1024 px (4096 image + 512 text tokens, 24 heads of 128) and Qwen-Image's at 1328 px (6889
+image + 256 text tokens; diffusers' RMSNorm and a complex rotation). Providers: torch's fused norm
 + diffusers' rotation (Wan: eight elementwise passes over strided halves; Flux: negation, interleave, fp32 casts,
 multiplies, add, cast back) vs ldmopt's one kernel (``rms_norm(..., rope=)``) vs torch.compile of the pair. Bytes: q
 read once and written once.
@@ -97,6 +98,7 @@ def _time_providers(op, case, dtype, mode, providers, leaves, extra, reference, 
 ROPE_SHAPES = {  # name: (tokens, heads, head size, processor)
     "wan1.3b-480p": (32_760, 12, 128, "wan"),
     "flux-1024": (4096 + 512, 24, 128, "flux"),
+    "qwen-image-1328": (83 * 83 + 256, 24, 128, "qwen"),
     "wan14b-480p": (32_760, 40, 128, "wan"),
 }
 
@@ -107,6 +109,8 @@ def _tables(tokens, head_dim, processor):
     half = head_dim // 2
     freqs = 10000.0 ** (-torch.arange(half, device=DEVICE, dtype=torch.float64) / half)
     theta = (torch.arange(tokens, device=DEVICE, dtype=torch.float64)[:, None] * freqs).repeat_interleave(2, -1)
+    if processor == "qwen":  # complex [S, D/2], one angle per pair
+        return torch.polar(torch.ones_like(theta[:, 0::2]), theta[:, 0::2]).to(torch.complex64)
     shape = (1, tokens, 1, head_dim) if processor == "wan" else (tokens, head_dim)
     return theta.cos().float().view(shape), theta.sin().float().view(shape)
 
@@ -141,7 +145,24 @@ def _flux_ldmopt(q, w, heads, tables):
     return ldmopt.ops.rms_norm(q, w, None, EPS, rope=tables, rope_layout="elements", rope_dim=-3)
 
 
-ROPE_PROVIDERS = {"wan": (_wan_eager, _wan_ldmopt), "flux": (_flux_eager, _flux_ldmopt)}
+def _qwen_eager(q, w, heads, freqs):
+    # QwenDoubleStreamAttnProcessor2_0: diffusers' RMSNorm per head, then apply_rotary_emb_qwen(use_real=False)
+    q = _diffusers_eager(q.unflatten(-1, (heads, -1)), w)
+    rotated = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2)) * freqs.unsqueeze(1)
+    return torch.view_as_real(rotated).flatten(3).type_as(q)
+
+
+def _qwen_ldmopt(q, w, heads, freqs):
+    pairs = torch.view_as_real(freqs)
+    tables = (pairs[..., 0], pairs[..., 1])
+    return ldmopt.ops.rms_norm(
+        q.unflatten(-1, (heads, -1)), w, None, EPS, rope=tables, rope_layout="pairs", rope_dim=-3
+    )
+
+
+ROPE_PROVIDERS = {
+    "wan": (_wan_eager, _wan_ldmopt), "flux": (_flux_eager, _flux_ldmopt), "qwen": (_qwen_eager, _qwen_ldmopt)
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(ROPE_SHAPES)[:2] if QUICK else list(ROPE_SHAPES))

@@ -256,13 +256,13 @@ def test_rms_norm_rope_providers(mocked_timing, no_compile, monkeypatch):
     from benchmarks import bench_rms_norm as B
 
     monkeypatch.setattr(B, "DEVICE", "cpu")
-    monkeypatch.setattr(B, "ROPE_SHAPES", {"wan": (15, 3, 8, "wan"), "flux": (15, 3, 8, "flux")})
+    monkeypatch.setattr(B, "ROPE_SHAPES", {p: (15, 3, 8, p) for p in ("wan", "flux", "qwen")})
     monkeypatch.setattr(B, "QUICK", False)  # all three providers (compile is the identity here)
     with ldmopt.use_backend("triton"):
-        for case in ("wan", "flux"):
+        for case in ("wan", "flux", "qwen"):
             for mode in ("fwd", "fwd+bwd"):
                 B.bench_rms_norm_rope(case, torch.float32, mode, mocked_timing)
     rows = mocked_timing.rows
-    assert len(rows) == 2 * 2 * 3 and not _failed(rows), _failed(rows)
+    assert len(rows) == 3 * 2 * 3 and not _failed(rows), _failed(rows)
     errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
     assert max(errs) < 1e-5, rows  # fp32: the kernel against diffusers' rotation in fp32

@@ -33,6 +33,8 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     | Attention; the stock processor's own steps   | row kernel each           |
 | rms_norm           | flux_qk_norm_rope   | FluxAttention (Flux.1, Chroma); the stock    | per-head q/k RMSNorm +    |
 |                    |                     | processor's own steps                        | RoPE, one kernel a stream |
+| rms_norm           | qwen_qk_norm_rope   | Attention with Qwen-Image's double-stream    | the same, complex tables  |
+|                    |                     | processor                                    | read as cos/sin views     |
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |

@@ -45,6 +45,7 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
     from .rules_linear import RULES as linear_rules
+    from .rules_qwen_attention import RULES as qwen_attention_rules
     from .rules_rms_norm import RULES as rms_norm_rules
     from .rules_temporal_layout import RULES as temporal_layout_rules
     from .rules_wan import RULES as wan_rules
@@ -60,6 +61,7 @@ def _rules() -> tuple[Rule, ...]:
         *rms_norm_rules,
         *wan_attention_rules,
         *flux_attention_rules,
+        *qwen_attention_rules,
         *temporal_layout_rules,
         *attention_rules,
     )

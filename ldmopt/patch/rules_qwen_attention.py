@@ -1,0 +1,153 @@
+"""Qwen-Image attention (family ``rms_norm``, rule ``qwen_qk_norm_rope``): the per-head query/key RMSNorms of both
+streams and the rotary embedding in one row kernel per tensor.
+
+Qwen-Image's blocks use diffusers' generic ``Attention`` with ``QwenDoubleStreamAttnProcessor2_0``: diffusers'
+``RMSNorm`` per head (eight elementwise passes each) and ``apply_rotary_emb_qwen`` on complex tables (an fp32 copy of
+q, the complex multiply, the real view, a cast back). The tables are complex [S, D/2]: their real and imaginary
+parts are the cos and sin of one angle per pair, which ``ldmopt.ops.rms_norm(..., rope_layout="pairs")`` reads as
+strided views. The fused forward keeps the rest of the processor: projections, the joint text/image mask it builds
+from ``encoder_hidden_states_mask``, the concatenation, the attention backend and parallel config, the output
+projections. The output dtype of each norm is the stock module's (a half-precision weight's dtype).
+
+Another processor, a call the fused forward does not take (no rotary tables or text stream, kwargs the stock
+forward would warn about, tables that do not match the tokens) keeps the stock forward, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..nn.child_check import count_reason, qualified_name
+from ..ops.rms_norm import rms_norm
+from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
+from .rules_rms_norm import _out_dtype
+
+_PAIRS = dict(rope_layout="pairs", rope_dim=-3)  # x [B, S, H, D], tables [S, D/2]
+_QUIET = {"ip_adapter_masks", "ip_hidden_states"}  # what Attention.forward drops without a warning
+_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+#: The stock processor, by qualified name (a subclass is another processor; no import inside a traced forward).
+PROCESSOR = "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0"
+
+
+def _tables(freqs: object, tokens: int, half: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """cos and sin [tokens, half] as views of complex tables, or why they cannot be used."""
+    if not isinstance(freqs, torch.Tensor) or not freqs.is_complex() or freqs.shape != (tokens, half):
+        return f"rotary tables {tuple(getattr(freqs, 'shape', ()))} are not complex [{tokens}, {half}]"
+    if freqs.requires_grad or freqs.device != device:
+        return "rotary tables that require grad or sit on another device"
+    pairs = torch.view_as_real(freqs)
+    return pairs[..., 0], pairs[..., 1]
+
+
+def _call_tables(self, hidden_states, encoder_hidden_states, attention_mask, kwargs) -> tuple | str:
+    """((image cos, sin), (text cos, sin)) for this call, or why the call keeps the stock forward."""
+    if qualified_name(type(self.processor)) != PROCESSOR:
+        return f"its processor is {type(self.processor).__name__}, not diffusers' QwenDoubleStreamAttnProcessor2_0"
+    extra = set(kwargs) - {"encoder_hidden_states_mask", "image_rotary_emb"} - _QUIET
+    if extra:
+        return f"called with attention kwargs {sorted(extra)}"
+    rotary = kwargs.get("image_rotary_emb")
+    if rotary is None or encoder_hidden_states is None or attention_mask is not None:
+        return "called without image_rotary_emb or encoder_hidden_states, or with an attention_mask (stock raises)"
+    if hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3:
+        return "token tensors that are not [B, S, C]"
+    if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2):
+        return "image_rotary_emb is not an (image, text) pair"
+    half = self.inner_dim // self.heads // 2
+    device = hidden_states.device
+    image = _tables(rotary[0], hidden_states.shape[1], half, device)
+    text = _tables(rotary[1], encoder_hidden_states.shape[1], half, device)
+    return next((t for t in (image, text) if isinstance(t, str)), (image, text))
+
+
+def _norm_rope(norm: nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """diffusers' RMSNorm on x [B, S, H, D], then the rotation, in the stock norm's output dtype."""
+    return rms_norm(x, norm.weight, None, norm.eps, out_dtype=_out_dtype(x, norm.weight, None), rope=tables, **_PAIRS)
+
+
+def _joint_mask(hidden_states, encoder_hidden_states_mask):
+    """The processor's mask over [text, image] keys: the text mask, then every image token."""
+    if encoder_hidden_states_mask is None:
+        return None
+    image = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+    return torch.cat([encoder_hidden_states_mask, image], dim=1)[:, None, None, :]
+
+
+def _qwen_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+    tables = _call_tables(self, hidden_states, encoder_hidden_states, attention_mask, kwargs)
+    if isinstance(tables, str):
+        count_reason(type(self).__name__, tables)
+        return stock(self)(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+
+    (image_tables, text_tables), processor = tables, self.processor
+    mask = _joint_mask(hidden_states, kwargs.get("encoder_hidden_states_mask"))
+    head = (-1, self.inner_dim // self.heads)  # as the processor: a fixed head size (tensor parallelism)
+    img_q, img_k, img_v = (proj(hidden_states).unflatten(-1, head) for proj in (self.to_q, self.to_k, self.to_v))
+    txt = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+    txt_q, txt_k, txt_v = (proj(encoder_hidden_states).unflatten(-1, head) for proj in txt)
+    img_q, img_k = _norm_rope(self.norm_q, img_q, image_tables), _norm_rope(self.norm_k, img_k, image_tables)
+    txt_q, txt_k = _norm_rope(self.norm_added_q, txt_q, text_tables), _norm_rope(self.norm_added_k, txt_k, text_tables)
+    # [text, image], as the processor concatenates them
+    query, key = torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1)
+    value = torch.cat([txt_v, img_v], dim=1)
+
+    helpers = sys.modules[type(processor).__module__]  # the processor's own attention function
+    out = helpers.dispatch_attention_fn(
+        query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )  # fmt: skip
+    out = out.flatten(2, 3).to(query.dtype)
+    text = encoder_hidden_states.shape[1]
+    image_out = self.to_out[0](out[:, text:, :].contiguous())
+    if len(self.to_out) > 1:
+        image_out = self.to_out[1](image_out)
+    return image_out, self.to_add_out(out[:, :text, :].contiguous())
+
+
+def _norm_reason(name: str, norm: object, width: int) -> str | None:
+    from diffusers.models.normalization import RMSNorm
+
+    if not isinstance(norm, RMSNorm):
+        return f"{name} is {type(norm).__name__}, not diffusers' RMSNorm"
+    if tuple(norm.dim) != (width,) or getattr(norm, "bias", None) is not None:
+        return f"{name} normalises {tuple(norm.dim)} or has a bias (the kernel rotates {width}-wide heads, no bias)"
+    if norm.weight is not None and not (isinstance(norm.weight, torch.Tensor) and norm.weight.is_floating_point()):
+        return f"{name}.weight is not a floating-point tensor"
+    return None
+
+
+class QwenQKNormRopeRule(ClassSwapRule):
+    name = "qwen_qk_norm_rope"
+    family = "rms_norm"
+    description = "Qwen-Image attention: per-head query/key RMSNorm + RoPE in one row kernel per stream"
+
+    def targets(self) -> tuple[type, ...]:
+        return diffusers_classes("attention_processor:Attention")
+
+    def match(self, site: Site) -> bool:
+        return qualified_name(type(getattr(site.module, "processor", None))) == PROCESSOR
+
+    def reasons(self, site: Site) -> list[str]:
+        attn = site.module
+        head = attn.inner_dim // attn.heads
+        reasons = [_norm_reason(n, getattr(attn, n, None), head) for n in _NORMS]
+        reasons = [r for r in reasons if r]
+        if head % 2:
+            reasons.append(f"head size {head} is odd: the rotary pairs need an even one")
+        if getattr(attn, "to_add_out", None) is None or getattr(attn, "add_q_proj", None) is None:
+            reasons.append("no text-stream projections (add_q_proj / to_add_out)")
+        return reasons
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {"": site.module, **{n: getattr(site.module, n) for n in _NORMS}}
+
+    def methods(self, site: Site):
+        return _qwen_attention_forward
+
+
+RULES: list[Rule] = [QwenQKNormRopeRule()]

@@ -1,0 +1,149 @@
+"""The ``qwen_qk_norm_rope`` rule: Qwen-Image attention (diffusers' per-head RMSNorms of both streams + the complex
+RoPE in one row kernel per tensor) against QwenDoubleStreamAttnProcessor2_0, fp32 and half, forward and backward."""
+
+import copy
+
+import pytest
+import torch
+
+import ldmopt
+from tests.patch.helpers import assert_same_snapshot, output_tensor, snapshot
+from tests.tolerances import assert_close, assert_within_torch_error
+
+diffusers = pytest.importorskip("diffusers")
+R = torch.randn
+FRAMES, HEIGHT, WIDTH, TEXT = 1, 3, 5, 7  # patches; odd token counts
+
+
+def _qwen(seed=0):
+    torch.manual_seed(seed)
+    model = diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".norm_" in name and name.endswith("weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))  # non-trivial q/k norm weights
+            elif not p.any():
+                p.normal_(std=0.1)
+    return model.eval()
+
+
+def _inputs(batch=2, padded=True):
+    mask = torch.ones(batch, TEXT)
+    if padded:
+        mask[-1, TEXT - 2 :] = 0  # the last prompt is shorter: its padding is masked out of the joint attention
+    return dict(
+        hidden_states=R(batch, FRAMES * HEIGHT * WIDTH, 16), encoder_hidden_states=R(batch, TEXT, 24),
+        encoder_hidden_states_mask=mask, timestep=torch.tensor([0.3, 0.7][:batch]),
+        img_shapes=[[(FRAMES, HEIGHT, WIDTH)]] * batch, return_dict=False,
+    )  # fmt: skip
+
+
+def _attention_args(model, batch=2):
+    """(image [B, S, C], text [B, T, C], rotary tables) as the blocks' attention sees them."""
+    tables = model.pos_embed([[(FRAMES, HEIGHT, WIDTH)]] * batch, max_txt_seq_len=TEXT, device=torch.device("cpu"))
+    dim = model.config.num_attention_heads * model.config.attention_head_dim
+    return R(batch, FRAMES * HEIGHT * WIDTH, dim), R(batch, TEXT, dim), tables
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_qwen_model_matches_stock(padded):
+    model = _qwen()
+    inputs = _inputs(padded=padded)
+    with torch.no_grad():
+        ref = output_tensor(model(**inputs))
+    before = snapshot(model)
+    report = ldmopt.patch(model)
+    assert report.counts().get("qwen_qk_norm_rope") == 2, str(report)
+    assert report.counts().get("rms_norm") == 1  # the text input's norm; the attention norms are the rule's
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        out = output_tensor(model(**inputs))
+    assert not report.fallbacks(), report.fallbacks()
+    assert_close(out, ref.double(), torch.float32, f"qwen padded={padded}")
+    ldmopt.unpatch(model)
+    assert type(model.transformer_blocks[0].attn).__name__ == "Attention"
+    assert_same_snapshot(before, snapshot(model))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_half_attention_within_torch_error(dtype):
+    """The fused kernel rounds once; diffusers rounds the norm's output, then the rotation's: both against fp64."""
+    model = _qwen()
+    attn = model.transformer_blocks[0].attn
+    image, text, tables = _attention_args(model)
+    mask = torch.ones(2, TEXT)
+    kwargs = dict(encoder_hidden_states_mask=mask, image_rotary_emb=tables)
+    with torch.no_grad():
+        wide = dict(encoder_hidden_states_mask=mask, image_rotary_emb=tuple(t.to(torch.complex128) for t in tables))
+        exact = copy.deepcopy(attn).double()(image.double(), text.double(), **wide)
+        low = copy.deepcopy(attn).to(dtype)
+        stock = low(image.to(dtype), text.to(dtype), **kwargs)
+        report = ldmopt.patch(low)
+        assert report.counts() == {"qwen_qk_norm_rope": 1}
+        with ldmopt.use_backend("triton"):
+            fused = low(image.to(dtype), text.to(dtype), **kwargs)
+    assert not report.fallbacks() and report.backends()["rms_norm"]["triton"] == 4
+    for got, want, ref, name in zip(fused, stock, exact, ("image", "text")):
+        assert got.dtype == want.dtype == dtype
+        assert_within_torch_error(got, ref, want, f"qwen {name} {dtype}")
+
+
+def test_gradients_match_stock():
+    model = _qwen().train()
+    attn = model.transformer_blocks[1].attn
+    image, text, tables = _attention_args(model)
+    leaves = [image.requires_grad_(), text.requires_grad_(), *attn.parameters()]
+    names = ["image", "text", *dict(attn.named_parameters())]
+    kwargs = dict(encoder_hidden_states_mask=None, image_rotary_emb=tables)
+    out = attn(image, text, **kwargs)
+    weights = [torch.randn_like(o) for o in out]
+    expect = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), leaves)
+    report = ldmopt.patch(attn, training=True)
+    with ldmopt.use_backend("triton"):
+        out2 = attn(image, text, **kwargs)
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out2, weights)), leaves)
+    assert not report.fallbacks() and report.backends()["rms_norm"]["triton"] == 4
+    for o2, o in zip(out2, out):
+        assert_close(o2, o.detach().double(), torch.float32, "forward")
+    for name, g, e in zip(names, got, expect):
+        assert_close(g, e.double(), torch.float32, f"grad {name}")
+
+
+def test_other_processors_and_calls_keep_the_stock_forward():
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    class MyProcessor(QwenDoubleStreamAttnProcessor2_0):
+        pass
+
+    model = _qwen()
+    model.transformer_blocks[1].attn.set_processor(MyProcessor())
+    report = ldmopt.patch(model)
+    assert report.counts().get("qwen_qk_norm_rope") == 1, str(report)
+    assert report.counts().get("rms_norm") == 1 + 4  # the other block's norms now go to the rms_norm rule
+    attn = model.transformer_blocks[0].attn
+    image, text, tables = _attention_args(model)
+    with torch.no_grad():
+        fused = attn(image, text, image_rotary_emb=tables)
+        attn.set_processor(MyProcessor())  # after patch: counted per call
+        swapped = attn(image, text, image_rotary_emb=tables)
+    for got, want in zip(fused, swapped):
+        assert_close(got, want.double(), torch.float32, "user processor")
+    assert any("MyProcessor" in r for r in report.fallbacks()), report.fallbacks()
+
+
+def test_patched_attention_compiles_fullgraph():
+    torch._dynamo.reset()
+    model = _qwen()
+    attn = model.transformer_blocks[0].attn
+    report = ldmopt.patch(model)
+    image, text, tables = _attention_args(model)
+    mask = torch.ones(2, TEXT)
+    fn = lambda a, b: attn(a, b, encoder_hidden_states_mask=mask, image_rotary_emb=tables)
+    with torch.no_grad():
+        eager = fn(image, text)
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(image, text)
+    for got, want in zip(compiled, eager):
+        assert_close(got, want.double(), torch.float32, "compiled qwen attention")
+    assert not report.fallbacks(), report.fallbacks()
