@@ -309,25 +309,29 @@ def build_model(
             model = _from_config(entry.cls, config)
     # SVD's mix_factor is made with the legacy torch.Tensor([...]) constructor, which ignores the device context.
     with _quiet_diffusers():
-        model = model.to(device=device, dtype=dtype).eval()
-    _keep_fp32(model)
+        model = model.to(device=device)
+        kept = _kept_in_fp32(model)  # fp32 copies taken before the cast: the cast would round them
+        model = model.to(dtype=dtype).eval()
+    for store, name, value in kept:
+        store[name].data = value
     model.ldmopt_zoo_name = entry.name
     model.ldmopt_tiny = tiny
     return model
 
 
-def _keep_fp32(model: nn.Module) -> None:
-    """Parameters and buffers under the class's ``_keep_in_fp32_modules`` back to fp32, as ``from_pretrained``
-    leaves them (Wan: rotary tables, time embedder, modulation tables, block norms)."""
+def _kept_in_fp32(model: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    """(parameter or buffer store, name, fp32 value) of every tensor under the class's ``_keep_in_fp32_modules``, as
+    ``from_pretrained`` keeps them (matched on dotted name parts; Wan: rotary tables, time embedder, modulation
+    tables, block norms)."""
     keys = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    if not keys:
-        return
-    for module_name, module in model.named_modules():
+    kept = []
+    for module_name, module in model.named_modules() if keys else ():
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
                 full = f"{module_name}.{name}" if module_name else name
                 if t is not None and t.is_floating_point() and keys & set(full.split(".")):
-                    t.data = t.data.float()
+                    kept.append((store, name, t.detach().float().clone()))
+    return kept
 
 
 @dataclass

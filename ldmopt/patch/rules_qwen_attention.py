@@ -135,6 +135,7 @@ class QwenQKNormRopeRule(ClassSwapRule):
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
         head = attn.inner_dim // attn.heads
+        # A missing norm (qk_norm off, no text stream) is a reason, and is left out of touched().
         reasons = [_norm_reason(n, getattr(attn, n, None), head) for n in _NORMS]
         reasons = [r for r in reasons if r]
         if head % 2:
@@ -144,7 +145,8 @@ class QwenQKNormRopeRule(ClassSwapRule):
         return reasons
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
-        return {"": site.module, **{n: getattr(site.module, n) for n in _NORMS}}
+        norms = {n: getattr(site.module, n, None) for n in _NORMS}
+        return {"": site.module, **{n: m for n, m in norms.items() if isinstance(m, nn.Module)}}
 
     def methods(self, site: Site):
         return _qwen_attention_forward

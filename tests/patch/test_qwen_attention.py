@@ -147,3 +147,14 @@ def test_patched_attention_compiles_fullgraph():
     for got, want in zip(compiled, eager):
         assert_close(got, want.double(), torch.float32, "compiled qwen attention")
     assert not report.fallbacks(), report.fallbacks()
+
+
+def test_attention_without_norms_or_text_stream_is_skipped_with_reasons():
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    no_norms = Attention(query_dim=32, heads=2, dim_head=16, added_kv_proj_dim=32, context_pre_only=False,
+                         bias=True, processor=QwenDoubleStreamAttnProcessor2_0(), qk_norm=None)  # fmt: skip
+    report = ldmopt.patch(no_norms)
+    assert not report.counts() and report.skipped, str(report)
+    assert any("norm_q is NoneType" in why for s in report.skipped for why in s.reasons), str(report)

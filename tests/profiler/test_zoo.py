@@ -84,6 +84,10 @@ def test_wan_keeps_what_from_pretrained_keeps_in_fp32_and_compresses_time():
     ]
     assert all(t.dtype == torch.float32 for t in fp32)
     assert block.attn1.to_q.weight.dtype == block.attn1.norm_q.weight.dtype == torch.bfloat16
+    half, exact = (
+        configs.build_model("wan", tiny=True, device="cpu", dtype=d) for d in (torch.bfloat16, torch.float32)
+    )
+    assert torch.equal(half.rope.freqs_cos, exact.rope.freqs_cos)  # kept tables are not rounded through bf16
     inputs = configs.example_inputs(model)
     assert inputs.kwargs["hidden_states"].shape == (1, 16, 21, 60, 104) and inputs.frames == 81
     assert inputs.kwargs["encoder_hidden_states"].shape == (1, 512, 4096)
