@@ -35,6 +35,8 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     | processor's own steps                        | RoPE, one kernel a stream |
 | rms_norm           | qwen_qk_norm_rope   | Attention with Qwen-Image's double-stream    | the same, complex tables  |
 |                    |                     | processor                                    | read as cos/sin views     |
+| rms_norm           | hunyuan_video_qk_   | Attention with HunyuanVideo's processor      | per-head q/k RMSNorm; the |
+|                    | norm_rope           | (with q/k norms)                             | video tokens' RoPE in it  |
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |

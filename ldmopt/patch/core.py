@@ -44,6 +44,7 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_flux_attention import RULES as flux_attention_rules
     from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
+    from .rules_hunyuan_attention import RULES as hunyuan_attention_rules
     from .rules_linear import RULES as linear_rules
     from .rules_qwen_attention import RULES as qwen_attention_rules
     from .rules_rms_norm import RULES as rms_norm_rules
@@ -62,6 +63,7 @@ def _rules() -> tuple[Rule, ...]:
         *wan_attention_rules,
         *flux_attention_rules,
         *qwen_attention_rules,
+        *hunyuan_attention_rules,
         *temporal_layout_rules,
         *attention_rules,
     )

@@ -109,7 +109,7 @@ def _qwen_attention_forward(self, hidden_states, encoder_hidden_states=None, att
     return image_out, self.to_add_out(out[:, :text, :].contiguous())
 
 
-def _norm_reason(name: str, norm: object, width: int) -> str | None:
+def norm_reason(name: str, norm: object, width: int) -> str | None:
     from diffusers.models.normalization import RMSNorm
 
     if not isinstance(norm, RMSNorm):
@@ -136,7 +136,7 @@ class QwenQKNormRopeRule(ClassSwapRule):
         attn = site.module
         head = attn.inner_dim // attn.heads
         # A missing norm (qk_norm off, no text stream) is a reason, and is left out of touched().
-        reasons = [_norm_reason(n, getattr(attn, n, None), head) for n in _NORMS]
+        reasons = [norm_reason(n, getattr(attn, n, None), head) for n in _NORMS]
         reasons = [r for r in reasons if r]
         if head % 2:
             reasons.append(f"head size {head} is odd: the rotary pairs need an even one")

@@ -45,3 +45,30 @@ def assert_outputs_close(actual: torch.Tensor, expected: torch.Tensor, atol=ATOL
     err = (actual.double() - expected.double()).abs().max().item()
     bound = atol + rtol * expected.double().abs().max().item()
     assert err <= bound, f"{name}: patched vs stock max error {err:.3e} > {bound:.3e}"
+
+
+def assert_fused_grads_match_stock(module: nn.Module, call, inputs: list[torch.Tensor], rms_norm_calls: int) -> None:
+    """``call(module, *inputs)`` and the gradients of its inputs and all of ``module``'s parameters, stock and then
+    patched for training on the Triton backend (fp32 tolerances), the fused path asserted: no fall-backs, and
+    ldmopt's rms_norm kernel run ``rms_norm_calls`` times."""
+    import ldmopt
+    from tests.tolerances import assert_close
+
+    def outputs():
+        out = call(module, *inputs)
+        return out if isinstance(out, tuple) else (out,)
+
+    leaves = [*(t.requires_grad_() for t in inputs), *module.parameters()]
+    names = [*(f"input {i}" for i in range(len(inputs))), *dict(module.named_parameters())]
+    out = outputs()
+    weights = [torch.randn_like(o) for o in out]
+    expect = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), leaves)
+    report = ldmopt.patch(module, training=True)
+    with ldmopt.use_backend("triton"):
+        fused = outputs()
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(fused, weights)), leaves)
+    assert not report.fallbacks() and report.backends()["rms_norm"]["triton"] == rms_norm_calls, report.backends()
+    for f, o in zip(fused, out):
+        assert_close(f, o.detach().double(), torch.float32, "forward")
+    for name, g, e in zip(names, got, expect):
+        assert_close(g, e.double(), torch.float32, f"grad {name}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ldmopt
-from tests.patch.helpers import assert_same_snapshot, output_tensor, snapshot
+from tests.patch.helpers import assert_fused_grads_match_stock, assert_same_snapshot, output_tensor, snapshot
 from tests.tolerances import assert_close, assert_within_torch_error
 
 diffusers = pytest.importorskip("diffusers")
@@ -100,22 +100,9 @@ def test_half_attention_within_torch_error(dtype, stream):
 
 def test_gradients_match_stock():
     model = _flux().train()
-    attn = model.transformer_blocks[0].attn
     hidden, text, tables = _attention_args(model)
-    leaves = [hidden.requires_grad_(), text.requires_grad_(), *attn.parameters()]
-    names = ["hidden", "text", *dict(attn.named_parameters())]
-    out, text_out = attn(hidden, text, None, tables)
-    weights = torch.randn_like(out), torch.randn_like(text_out)
-    expect = torch.autograd.grad((out * weights[0]).sum() + (text_out * weights[1]).sum(), leaves)
-    report = ldmopt.patch(attn, training=True)
-    with ldmopt.use_backend("triton"):
-        out2, text_out2 = attn(hidden, text, None, tables)
-    assert not report.fallbacks() and report.backends().get("rms_norm", {}).get("triton") == 4, report.backends()
-    got = torch.autograd.grad((out2 * weights[0]).sum() + (text_out2 * weights[1]).sum(), leaves)
-    assert_close(out2, out.detach().double(), torch.float32, "forward")
-    assert_close(text_out2, text_out.detach().double(), torch.float32, "forward (text)")
-    for name, g, e in zip(names, got, expect):
-        assert_close(g, e.double(), torch.float32, f"grad {name}")
+    call = lambda attn, h, t: attn(h, t, None, tables)
+    assert_fused_grads_match_stock(model.transformer_blocks[0].attn, call, [hidden, text], rms_norm_calls=4)
 
 
 def test_other_processors_and_calls_keep_the_stock_forward():

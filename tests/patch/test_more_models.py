@@ -109,6 +109,18 @@ def test_every_keyed_class_path_resolves_in_this_diffusers():
     from ldmopt.patch.rules_group_norm import GROUP_NORM_SILU_HEADS
     from ldmopt.patch.rules_linear import SINGLE_STREAM_BLOCKS
     from ldmopt.patch.rules_wan import WAN_BLOCKS
+    from ldmopt.patch.rules_wan_attention import WAN_ATTENTIONS
 
-    for paths in (GROUP_NORM_SILU_HEADS, SINGLE_STREAM_BLOCKS, WAN_BLOCKS):
+    for paths in (GROUP_NORM_SILU_HEADS, SINGLE_STREAM_BLOCKS, WAN_BLOCKS, WAN_ATTENTIONS):
         assert len(diffusers_classes(*paths)) == len(paths)
+
+
+def test_processors_matched_by_name_exist_in_this_diffusers():
+    import importlib
+
+    from ldmopt.nn.child_check import qualified_name
+    from ldmopt.patch import rules_hunyuan_attention, rules_qwen_attention
+
+    for name in (rules_qwen_attention.PROCESSOR, rules_hunyuan_attention.PROCESSOR):
+        module, _, cls = name.rpartition(".")
+        assert qualified_name(getattr(importlib.import_module(module), cls)) == name

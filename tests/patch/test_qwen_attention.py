@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ldmopt
-from tests.patch.helpers import assert_same_snapshot, output_tensor, snapshot
+from tests.patch.helpers import assert_fused_grads_match_stock, assert_same_snapshot, output_tensor, snapshot
 from tests.tolerances import assert_close, assert_within_torch_error
 
 diffusers = pytest.importorskip("diffusers")
@@ -92,23 +92,9 @@ def test_half_attention_within_torch_error(dtype):
 
 def test_gradients_match_stock():
     model = _qwen().train()
-    attn = model.transformer_blocks[1].attn
     image, text, tables = _attention_args(model)
-    leaves = [image.requires_grad_(), text.requires_grad_(), *attn.parameters()]
-    names = ["image", "text", *dict(attn.named_parameters())]
-    kwargs = dict(encoder_hidden_states_mask=None, image_rotary_emb=tables)
-    out = attn(image, text, **kwargs)
-    weights = [torch.randn_like(o) for o in out]
-    expect = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), leaves)
-    report = ldmopt.patch(attn, training=True)
-    with ldmopt.use_backend("triton"):
-        out2 = attn(image, text, **kwargs)
-    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out2, weights)), leaves)
-    assert not report.fallbacks() and report.backends()["rms_norm"]["triton"] == 4
-    for o2, o in zip(out2, out):
-        assert_close(o2, o.detach().double(), torch.float32, "forward")
-    for name, g, e in zip(names, got, expect):
-        assert_close(g, e.double(), torch.float32, f"grad {name}")
+    call = lambda attn, i, t: attn(i, t, encoder_hidden_states_mask=None, image_rotary_emb=tables)
+    assert_fused_grads_match_stock(model.transformer_blocks[1].attn, call, [image, text], rms_norm_calls=4)
 
 
 def test_other_processors_and_calls_keep_the_stock_forward():

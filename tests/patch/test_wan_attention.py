@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ldmopt
-from tests.patch.helpers import assert_same_snapshot, output_tensor, snapshot
+from tests.patch.helpers import assert_fused_grads_match_stock, assert_same_snapshot, output_tensor, snapshot
 from tests.patch.test_wan import _skyreels, _wan, _wan_inputs
 from tests.tolerances import assert_close, assert_within_torch_error
 
@@ -70,22 +70,9 @@ def test_half_attention_within_torch_error(dtype):
 
 def test_gradients_match_stock():
     model = _with_qk_affine(_wan()).train()
-    attn = model.blocks[0].attn1
     hidden, rotary = _attention_args(model)
-    hidden.requires_grad_()
-    params = dict(attn.named_parameters())
-    leaves = [hidden, *params.values()]
-    out = attn(hidden, None, None, rotary)
-    weights = torch.randn_like(out)
-    expect = torch.autograd.grad((out * weights).sum(), leaves)
-    report = ldmopt.patch(attn, training=True)
-    with ldmopt.use_backend("triton"):
-        out2 = attn(hidden, None, None, rotary)
-    got = torch.autograd.grad((out2 * weights).sum(), leaves)
-    assert not report.fallbacks() and report.backends().get("rms_norm", {}).get("triton") == 2, report.backends()
-    assert_close(out2, out.detach().double(), torch.float32, "forward")
-    for name, g, e in zip(["hidden", *params], got, expect):
-        assert_close(g, e.double(), torch.float32, f"grad {name}")
+    call = lambda attn, h: attn(h, None, None, rotary)
+    assert_fused_grads_match_stock(model.blocks[0].attn1, call, [hidden], rms_norm_calls=2)
 
 
 def test_skyreels_and_per_sample_rotary_match_stock():

@@ -1,0 +1,140 @@
+"""HunyuanVideo attention (family ``rms_norm``, rule ``hunyuan_video_qk_norm_rope``): the per-head query/key RMSNorms
+and the rotary embedding of the video tokens in one row kernel per tensor.
+
+HunyuanVideo's blocks use diffusers' generic ``Attention`` with ``HunyuanVideoAttnProcessor2_0``: diffusers'
+``RMSNorm`` per head (eight elementwise passes each), then ``apply_rotary_emb`` on the video tokens only (fp32
+copies, the partner's negation and interleave, two multiplies, an add, a cast back; about seven passes more). In the
+single-stream blocks the text tokens ride along after the video tokens, normalised but not rotated. The fused
+forward normalises and rotates the video tokens' q and k with ``ldmopt.ops.rms_norm(..., rope_layout="elements")``,
+normalises the text tokens' q and k with the same kernel without rotation, and keeps the rest of the processor:
+projections, concatenations, attention backend and parallel config, the split and the output projections. Each
+norm's output dtype is the stock module's.
+
+Another processor, a call without rotary tables or with other kwargs, tables that do not match the video tokens:
+the stock forward, with the reason in the report. An attention without query/key norms (the token refiner's) is
+left alone at patch time.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..nn.child_check import count_reason, qualified_name
+from ..ops.rms_norm import rms_norm
+from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
+from .rules_qwen_attention import norm_reason
+from .rules_rms_norm import _out_dtype
+
+#: The stock processor, by qualified name (a subclass is another processor; no import inside a traced forward).
+PROCESSOR = "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0"
+_ELEMENTS = dict(rope_layout="elements", rope_dim=-3)  # x [B, S, H, D], tables [S, D]
+_QUIET = {"ip_adapter_masks", "ip_hidden_states"}  # what Attention.forward drops without a warning
+
+
+def _norm(norm: nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """diffusers' RMSNorm of x [B, S, H, D] in the stock module's output dtype, then the rotation when given."""
+    rope = dict(rope=tables, **_ELEMENTS) if tables is not None else {}
+    return rms_norm(x, norm.weight, None, norm.eps, out_dtype=_out_dtype(x, norm.weight, None), **rope)
+
+
+def _call_tables(self, hidden_states, encoder_hidden_states, kwargs) -> tuple | str:
+    """(cos, sin) [video tokens, D] for this call, or why the call keeps the stock forward."""
+    if qualified_name(type(self.processor)) != PROCESSOR:
+        return f"its processor is {type(self.processor).__name__}, not diffusers' HunyuanVideoAttnProcessor2_0"
+    extra = set(kwargs) - {"image_rotary_emb"} - _QUIET
+    if extra:
+        return f"called with attention kwargs {sorted(extra)}"
+    tables = kwargs.get("image_rotary_emb")
+    if tables is None:
+        return "called without image_rotary_emb"
+    if hidden_states.dim() != 3 or (encoder_hidden_states is not None and encoder_hidden_states.dim() != 3):
+        return "token tensors that are not [B, S, C]"
+    if not (isinstance(tables, (tuple, list)) and len(tables) == 2):
+        return "image_rotary_emb is not a (cos, sin) pair"
+    shape = (hidden_states.shape[1], self.inner_dim // self.heads)
+    for t in tables:
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.requires_grad:
+            return f"rotary tables of shape {tuple(getattr(t, 'shape', ()))}, not {list(shape)} without grad"
+    # As apply_rotary_emb does: tables on another device are moved to the tokens'.
+    return tuple(t.to(hidden_states.device) for t in tables)
+
+
+def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+    tables = _call_tables(self, hidden_states, encoder_hidden_states, kwargs)
+    if isinstance(tables, str):
+        count_reason(type(self).__name__, tables)
+        return stock(self)(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+
+    processor, video = self.processor, hidden_states.shape[1]
+    single_stream = self.add_q_proj is None and encoder_hidden_states is not None
+    if single_stream:  # [video, text] in one stream: both normalised, only the video tokens rotated
+        hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    query, key, value = (
+        proj(hidden_states).unflatten(2, (self.heads, -1)) for proj in (self.to_q, self.to_k, self.to_v)
+    )
+    if single_stream:
+        query = torch.cat([_norm(self.norm_q, query[:, :video], tables), _norm(self.norm_q, query[:, video:])], dim=1)
+        key = torch.cat([_norm(self.norm_k, key[:, :video], tables), _norm(self.norm_k, key[:, video:])], dim=1)
+    else:
+        query, key = _norm(self.norm_q, query, tables), _norm(self.norm_k, key, tables)
+    if self.add_q_proj is not None and encoder_hidden_states is not None:
+        added = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        text_q, text_k, text_v = (proj(encoder_hidden_states).unflatten(2, (self.heads, -1)) for proj in added)
+        text_q, text_k = _norm(self.norm_added_q, text_q), _norm(self.norm_added_k, text_k)
+        query, key = torch.cat([query, text_q], dim=1), torch.cat([key, text_k], dim=1)
+        value = torch.cat([value, text_v], dim=1)
+
+    helpers = sys.modules[type(processor).__module__]  # the processor's own attention function
+    out = helpers.dispatch_attention_fn(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+        backend=processor._attention_backend, parallel_config=processor._parallel_config,
+    )  # fmt: skip
+    out = out.flatten(2, 3).to(query.dtype)
+    if encoder_hidden_states is None:
+        return out, None
+    text = encoder_hidden_states.shape[1]
+    out, text_out = out[:, :-text], out[:, -text:]
+    if getattr(self, "to_out", None) is not None:
+        out = self.to_out[1](self.to_out[0](out))
+    if getattr(self, "to_add_out", None) is not None:
+        text_out = self.to_add_out(text_out)
+    return out, text_out
+
+
+def _norm_names(attn: nn.Module) -> tuple[str, ...]:
+    return ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.add_q_proj is not None else ())
+
+
+class HunyuanVideoQKNormRopeRule(ClassSwapRule):
+    name = "hunyuan_video_qk_norm_rope"
+    family = "rms_norm"
+    description = "HunyuanVideo attention: per-head query/key RMSNorm + RoPE of the video tokens in one row kernel"
+
+    def targets(self) -> tuple[type, ...]:
+        return diffusers_classes("attention_processor:Attention")
+
+    def match(self, site: Site) -> bool:
+        processor = qualified_name(type(getattr(site.module, "processor", None))) == PROCESSOR
+        return processor and getattr(site.module, "norm_q", None) is not None  # the token refiner has no q/k norms
+
+    def reasons(self, site: Site) -> list[str]:
+        attn = site.module
+        head = attn.inner_dim // attn.heads
+        reasons = [norm_reason(n, getattr(attn, n, None), head) for n in _norm_names(attn)]
+        reasons = [r for r in reasons if r]
+        if head % 2:
+            reasons.append(f"head size {head} is odd: the rotary pairs need an even one")
+        return reasons
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        norms = {n: getattr(site.module, n, None) for n in _norm_names(site.module)}
+        return {"": site.module, **{n: m for n, m in norms.items() if isinstance(m, nn.Module)}}
+
+    def methods(self, site: Site):
+        return _hunyuan_attention_forward
+
+
+RULES: list[Rule] = [HunyuanVideoQKNormRopeRule()]
