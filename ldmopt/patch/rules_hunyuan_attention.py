@@ -5,14 +5,16 @@ HunyuanVideo's blocks use diffusers' generic ``Attention`` with ``HunyuanVideoAt
 ``RMSNorm`` per head (eight elementwise passes each), then ``apply_rotary_emb`` on the video tokens only (fp32
 copies, the partner's negation and interleave, two multiplies, an add, a cast back; about seven passes more). In the
 single-stream blocks the text tokens ride along after the video tokens, normalised but not rotated. The fused
-forward normalises and rotates the video tokens' q and k with ``ldmopt.ops.rms_norm(..., rope_layout="elements")``,
-normalises the text tokens' q and k with the same kernel without rotation, and keeps the rest of the processor:
-projections, concatenations, attention backend and parallel config, the split and the output projections. Each
-norm's output dtype is the stock module's.
+forward normalises and rotates q and k with ``ldmopt.ops.rms_norm(..., rope_layout="elements")``, one call per
+tensor: in the single-stream blocks over all tokens, with tables extended by cos = 1, sin = 0 rows for the text
+(an exact identity), so q and k are neither sliced nor concatenated. The rest is the processor's: projections,
+concatenations, attention backend and parallel config, the split and the output projections. Each norm's output
+dtype is the stock module's (under autocast: fp32 from a bf16 input with an fp32 weight).
 
-Another processor, a call without rotary tables or with other kwargs, tables that do not match the video tokens:
-the stock forward, with the reason in the report. An attention without query/key norms (the token refiner's) is
-left alone at patch time.
+Another processor (the token refiner's attention has diffusers' plain one), a call without rotary tables or with
+other kwargs, tables that do not match the video tokens, an empty token tensor: the stock forward, with the reason
+in the report. The head size is the norms' width, as the processor's ``unflatten(2, (heads, -1))`` leaves it under
+tensor parallelism (local heads, the global inner_dim).
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ def _call_tables(self, hidden_states, encoder_hidden_states, kwargs) -> tuple | 
     tables = kwargs.get("image_rotary_emb")
     if tables is None:
         return "called without image_rotary_emb"
-    if hidden_states.dim() != 3 or (encoder_hidden_states is not None and encoder_hidden_states.dim() != 3):
-        return "token tensors that are not [B, S, C]"
+    streams = [t for t in (hidden_states, encoder_hidden_states) if t is not None]
+    if any(t.dim() != 3 or t.numel() == 0 for t in streams):
+        return f"token tensors of shapes {[tuple(t.shape) for t in streams]}, not non-empty [B, S, C]"
     if not (isinstance(tables, (tuple, list)) and len(tables) == 2):
         return "image_rotary_emb is not a (cos, sin) pair"
-    shape = (hidden_states.shape[1], self.inner_dim // self.heads)
+    shape = (hidden_states.shape[1], _head(self))
     for t in tables:
         if not isinstance(t, torch.Tensor) or t.shape != shape or t.requires_grad:
             return f"rotary tables of shape {tuple(getattr(t, 'shape', ()))}, not {list(shape)} without grad"
@@ -75,11 +78,13 @@ def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, 
     query, key, value = (
         proj(hidden_states).unflatten(2, (self.heads, -1)) for proj in (self.to_q, self.to_k, self.to_v)
     )
-    if single_stream:
-        query = torch.cat([_norm(self.norm_q, query[:, :video], tables), _norm(self.norm_q, query[:, video:])], dim=1)
-        key = torch.cat([_norm(self.norm_k, key[:, :video], tables), _norm(self.norm_k, key[:, video:])], dim=1)
-    else:
-        query, key = _norm(self.norm_q, query, tables), _norm(self.norm_k, key, tables)
+    if single_stream:  # the text rows turn by zero: cos = 1, sin = 0 (exact), one kernel over all tokens
+        text, (cos, sin) = hidden_states.shape[1] - video, tables
+        tables = (
+            torch.cat([cos, cos.new_ones(text, cos.shape[1])]),
+            torch.cat([sin, sin.new_zeros(text, sin.shape[1])]),
+        )
+    query, key = _norm(self.norm_q, query, tables), _norm(self.norm_k, key, tables)
     if self.add_q_proj is not None and encoder_hidden_states is not None:
         added = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
         text_q, text_k, text_v = (proj(encoder_hidden_states).unflatten(2, (self.heads, -1)) for proj in added)
@@ -104,6 +109,11 @@ def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, 
     return out, text_out
 
 
+def _head(attn: nn.Module) -> int:
+    """The per-head width: the norms' (diffusers' RMSNorm keeps its normalised dims in ``dim``)."""
+    return attn.norm_q.dim[0]
+
+
 def _norm_names(attn: nn.Module) -> tuple[str, ...]:
     return ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.add_q_proj is not None else ())
 
@@ -117,12 +127,13 @@ class HunyuanVideoQKNormRopeRule(ClassSwapRule):
         return diffusers_classes("attention_processor:Attention")
 
     def match(self, site: Site) -> bool:
-        processor = qualified_name(type(getattr(site.module, "processor", None))) == PROCESSOR
-        return processor and getattr(site.module, "norm_q", None) is not None  # the token refiner has no q/k norms
+        return qualified_name(type(getattr(site.module, "processor", None))) == PROCESSOR
 
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
-        head = attn.inner_dim // attn.heads
+        if not hasattr(getattr(attn, "norm_q", None), "dim"):
+            return [f"norm_q is {type(getattr(attn, 'norm_q', None)).__name__}, not diffusers' RMSNorm"]
+        head = _head(attn)
         reasons = [norm_reason(n, getattr(attn, n, None), head) for n in _norm_names(attn)]
         reasons = [r for r in reasons if r]
         if head % 2:
