@@ -25,8 +25,8 @@ Rules (names as reported):
   whose chains may pass through one such cast in these blocks (GEMM -> cast -> mul(gate) -> add(residual)).
   Approximations: a block without norm2 (cross_attn_norm=False) keeps one stock gated add the projection counts as
   fused, and a block the rule refuses (another norm or feed-forward) is still projected as patched.
-- ``q/k RMSNorm + RoPE (Wan, Flux attention)``: in Wan-style self-attention and Flux attention
-  (``wan_qk_norm_rope``, ``flux_qk_norm_rope`` rules), the elementwise ops that rotate the query/key norms' outputs
+- ``q/k RMSNorm + RoPE``: in Wan-style self-attention and Flux, Qwen-Image and HunyuanVideo attention
+  (the ``*_qk_norm_rope`` rules), the elementwise ops that rotate the query/key norms' outputs
   (casts to fp32, multiplies by cos/sin, add/sub, the partner's negation and interleave, the copies back) go: the
   norm's row kernel rotates before its one write. The angle tables stay read once per rotated tensor; Flux's
   concatenation of the text and image streams stays (the fused forward concatenates the rotated streams).
@@ -50,7 +50,7 @@ GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 TEMPORAL_PERMUTES = "temporal permutes"
 RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
-QK_NORM_ROPE = "q/k RMSNorm + RoPE (Wan, Flux attention)"
+QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
     GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS,
     QK_NORM_ROPE,
@@ -60,9 +60,16 @@ FUSIONS = (
 WAN_BLOCK_CLASSES = frozenset({"WanTransformerBlock", "SkyReelsV2TransformerBlock"})
 DIFFUSERS_RMS_NORM = "diffusers.models.normalization.RMSNorm"
 TORCH_RMS_NORM = "torch.nn.modules.normalization.RMSNorm"
-#: Attention modules whose processor rotates the query/key norms' outputs (ldmopt/patch/rules_*_attention.py).
+#: Attention modules whose processor rotates the query/key norms' outputs (ldmopt/patch/rules_*_attention.py), and
+#: the processors of diffusers' generic Attention that do (its records carry the processor's name).
 ROPE_ATTENTION_CLASSES = frozenset({"WanAttention", "SkyReelsV2Attention", "FluxAttention"})
-_ROPE_OPS = {"empty_like", "mul", "sub", "add", "copy_", "_to_copy", "neg", "stack"}
+GENERIC_ATTENTION = "diffusers.models.attention_processor.Attention"
+ROPE_PROCESSORS = frozenset({
+    "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0",
+    "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0",
+})  # fmt: skip
+# clone: the copy a reshape makes of the sliced video tokens (HunyuanVideo's single-stream blocks)
+_ROPE_OPS = {"empty_like", "mul", "sub", "add", "copy_", "_to_copy", "neg", "stack", "clone"}
 _KEPT_ON_THE_WAY = {"cat"}  # Flux concatenates the normalised text and image streams before rotating: still done
 
 
@@ -151,6 +158,8 @@ def plan_fusions(records: list[OpRecord]) -> tuple[dict[int, int], dict[int, str
     for rec in records:
         if rec.owner == TORCH_RMS_NORM:
             _qk_norm_rope(plan, records, rec)
+    for run in _rms_norm_runs(records):  # diffusers' RMSNorm (Qwen-Image, HunyuanVideo): from its last op
+        _qk_norm_rope(plan, records, run[-1])
     stream_bytes: dict[int, int] = {}  # per Wan block call: its widest cast, a cast of the token stream
     wan_casts = [r for r in records if _is_cast(r) and _in_wan_block(r) and r.layer is None]
     for rec in wan_casts:
@@ -322,6 +331,8 @@ def _rms_norm(plan: _Plan, run: list[OpRecord]) -> None:
 
 
 def _in_rope_attention(rec: OpRecord) -> bool:
+    if rec.owner == GENERIC_ATTENTION:
+        return rec.processor in ROPE_PROCESSORS
     module, _, name = rec.owner.rpartition(".")
     return module.startswith("diffusers.") and name in ROPE_ATTENTION_CLASSES
 

@@ -59,6 +59,7 @@ class OpRecord:
     consumers: list[int] = field(default_factory=list)
     owner: str = ""  # "module.Class" of the innermost module whose forward ran the op
     call: int = 0  # which call of that module (ModuleScopes' frame counter)
+    processor: str = ""  # "module.Class" of that module's attention processor, if it has one
 
     @property
     def bytes(self) -> int:
@@ -67,6 +68,11 @@ class OpRecord:
     @property
     def base(self) -> str:
         return C.op_base_name(self.name)[1]
+
+
+def _processor_name(module: torch.nn.Module) -> str:
+    processor = getattr(module, "processor", None)
+    return qualified_name(type(processor)) if processor is not None else ""
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -152,6 +158,7 @@ class Recorder(TorchDispatchMode):
             dtype=str(outputs[0].dtype if outputs else inputs[0].dtype if inputs else "").replace("torch.", ""),
             owner=qualified_name(type(stack[-1].module)) if stack else "",
             call=stack[-1].call if stack else 0,
+            processor=_processor_name(stack[-1].module) if stack else "",
         )
         for p in rec.producers:
             if p >= 0:

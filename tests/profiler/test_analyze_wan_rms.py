@@ -226,3 +226,35 @@ def test_flux_rope_is_projected_into_the_norm_kernels():
     _saved, _rule, removed, _stats = plan_fusions(a.records)
     cats = [r for r in a.records if r.path.endswith(".attn") and r.base == "cat"]
     assert len(cats) == 3 and not removed & {r.index for r in cats}  # q, k, v of the double block stay
+
+
+def test_rope_of_generic_attention_processors_is_projected():
+    """Qwen-Image and HunyuanVideo rotate in diffusers' generic Attention: their records carry the processor's name,
+    so only those processors' rotations are projected (SD3's generic Attention rotates nothing)."""
+    from diffusers import HunyuanVideoTransformer3DModel, QwenImageTransformer2DModel
+
+    meta = dict(device="meta")
+    with torch.device("meta"):
+        qwen = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
+        ).to(torch.bfloat16)  # fmt: skip
+        hunyuan = HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, text_embed_dim=24, pooled_projection_dim=12,
+            rope_axes_dim=(4, 6, 6),
+        ).to(torch.bfloat16)  # fmt: skip
+    bf16 = dict(dtype=torch.bfloat16, **meta)
+    qwen_inputs = dict(
+        hidden_states=torch.empty(1, 15, 16, **bf16), encoder_hidden_states=torch.empty(1, 7, 24, **bf16),
+        encoder_hidden_states_mask=None, timestep=torch.empty(1, **meta), img_shapes=[[(1, 3, 5)]], return_dict=False,
+    )  # fmt: skip
+    rope = analyze(qwen, inputs=qwen_inputs, dtype="bf16").fusions[QK_NORM_ROPE]
+    assert rope.count == 2 * 4 and rope.ops_removed == 3 * rope.count  # cast, complex multiply, cast back
+    hunyuan_inputs = dict(
+        hidden_states=torch.empty(1, 4, 3, 6, 10, **bf16), timestep=torch.empty(1, dtype=torch.long, **meta),
+        encoder_hidden_states=torch.empty(1, 7, 24, **bf16), encoder_attention_mask=torch.ones(1, 7, **meta),
+        pooled_projections=torch.empty(1, 12, **bf16), guidance=torch.empty(1, **meta), return_dict=False,
+    )  # fmt: skip
+    rope = analyze(hunyuan, inputs=hunyuan_inputs, dtype="bf16").fusions[QK_NORM_ROPE]
+    assert rope.count == 2 * 2 and rope.ops_removed == 8 * rope.count  # q, k of the dual and the single block
