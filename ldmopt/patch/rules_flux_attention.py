@@ -22,13 +22,10 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason
+from .qk_norm_rope import QUIET_KWARGS, processor_reasons, torch_norm_rope, torch_rms_norm_reason
 from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
-from .rules_wan_attention import norm_rope, processor_reasons, rms_norm_reason
 
 _ELEMENTS = dict(rope_layout="elements", rope_dim=-3)  # tables [S, D], one value per element; x [B, S, H, D]
-#: What FluxAttention.forward drops without a word when the processor does not take it: IP-Adapter inputs, which
-#: pipelines with an adapter pass to every block, also those whose attention keeps the stock processor.
-_DROPPED_QUIETLY = {"ip_adapter_masks", "ip_hidden_states"}
 
 
 def _call_tables(self, hidden_states, encoder_hidden_states, image_rotary_emb, kwargs) -> tuple | str:
@@ -36,7 +33,7 @@ def _call_tables(self, hidden_states, encoder_hidden_states, image_rotary_emb, k
     reasons = processor_reasons(self)
     if reasons:
         return reasons[0]
-    if set(kwargs) - _DROPPED_QUIETLY:  # stock warns about these, then drops them
+    if set(kwargs) - QUIET_KWARGS:  # stock warns about these, then drops them
         return f"called with attention kwargs {sorted(kwargs)}"
     if image_rotary_emb is None:
         return "called without image_rotary_emb"
@@ -72,13 +69,13 @@ def _flux_attention_forward(self, hidden_states, encoder_hidden_states=None, att
     heads = (-1, self.head_dim)  # as the processor: a fixed head size, the head count absorbed (tensor parallelism)
     text = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
     image_tables = tuple(t[text:] for t in tables)
-    query = norm_rope(self.norm_q, query.unflatten(-1, heads), image_tables, **_ELEMENTS)
-    key = norm_rope(self.norm_k, key.unflatten(-1, heads), image_tables, **_ELEMENTS)
+    query = torch_norm_rope(self.norm_q, query.unflatten(-1, heads), image_tables, **_ELEMENTS)
+    key = torch_norm_rope(self.norm_k, key.unflatten(-1, heads), image_tables, **_ELEMENTS)
     value = value.unflatten(-1, heads)
     if encoder_hidden_states is not None:
         text_tables = tuple(t[:text] for t in tables)
-        encoder_query = norm_rope(self.norm_added_q, encoder_query.unflatten(-1, heads), text_tables, **_ELEMENTS)
-        encoder_key = norm_rope(self.norm_added_k, encoder_key.unflatten(-1, heads), text_tables, **_ELEMENTS)
+        encoder_query = torch_norm_rope(self.norm_added_q, encoder_query.unflatten(-1, heads), text_tables, **_ELEMENTS)
+        encoder_key = torch_norm_rope(self.norm_added_k, encoder_key.unflatten(-1, heads), text_tables, **_ELEMENTS)
         query = torch.cat([encoder_query, query], dim=1)
         key = torch.cat([encoder_key, key], dim=1)
         value = torch.cat([encoder_value.unflatten(-1, heads), value], dim=1)
@@ -109,7 +106,7 @@ class FluxQKNormRopeRule(ClassSwapRule):
 
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
-        reasons = [rms_norm_reason(n, getattr(attn, n, None), attn.head_dim) for n in self._norms(attn)]
+        reasons = [torch_rms_norm_reason(n, getattr(attn, n, None), attn.head_dim) for n in self._norms(attn)]
         reasons = [r for r in reasons if r]
         if attn.head_dim % 2:
             reasons.append(f"head size {attn.head_dim} is odd: the rotary pairs need an even one")

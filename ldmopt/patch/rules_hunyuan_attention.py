@@ -25,28 +25,19 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
-from ..ops.rms_norm import rms_norm
-from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
-from .rules_qwen_attention import norm_reason
-from .rules_rms_norm import _out_dtype
+from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_norm_rope
+from .rule import Rule, Site, stock
 
 #: The stock processor, by qualified name (a subclass is another processor; no import inside a traced forward).
 PROCESSOR = "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0"
 _ELEMENTS = dict(rope_layout="elements", rope_dim=-3)  # x [B, S, H, D], tables [S, D]
-_QUIET = {"ip_adapter_masks", "ip_hidden_states"}  # what Attention.forward drops without a warning
-
-
-def _norm(norm: nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """diffusers' RMSNorm of x [B, S, H, D] in the stock module's output dtype, then the rotation when given."""
-    rope = dict(rope=tables, **_ELEMENTS) if tables is not None else {}
-    return rms_norm(x, norm.weight, None, norm.eps, out_dtype=_out_dtype(x, norm.weight, None), **rope)
 
 
 def _call_tables(self, hidden_states, encoder_hidden_states, kwargs) -> tuple | str:
     """(cos, sin) [video tokens, D] for this call, or why the call keeps the stock forward."""
     if qualified_name(type(self.processor)) != PROCESSOR:
         return f"its processor is {type(self.processor).__name__}, not diffusers' HunyuanVideoAttnProcessor2_0"
-    extra = set(kwargs) - {"image_rotary_emb"} - _QUIET
+    extra = set(kwargs) - {"image_rotary_emb"} - QUIET_KWARGS
     if extra:
         return f"called with attention kwargs {sorted(extra)}"
     tables = kwargs.get("image_rotary_emb")
@@ -84,11 +75,14 @@ def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, 
             torch.cat([cos, cos.new_ones(text, cos.shape[1])]),
             torch.cat([sin, sin.new_zeros(text, sin.shape[1])]),
         )
-    query, key = _norm(self.norm_q, query, tables), _norm(self.norm_k, key, tables)
+    query, key = (
+        diffusers_norm_rope(self.norm_q, query, tables, **_ELEMENTS),
+        diffusers_norm_rope(self.norm_k, key, tables, **_ELEMENTS),
+    )
     if self.add_q_proj is not None and encoder_hidden_states is not None:
         added = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
         text_q, text_k, text_v = (proj(encoder_hidden_states).unflatten(2, (self.heads, -1)) for proj in added)
-        text_q, text_k = _norm(self.norm_added_q, text_q), _norm(self.norm_added_k, text_k)
+        text_q, text_k = diffusers_norm_rope(self.norm_added_q, text_q), diffusers_norm_rope(self.norm_added_k, text_k)
         query, key = torch.cat([query, text_q], dim=1), torch.cat([key, text_k], dim=1)
         value = torch.cat([value, text_v], dim=1)
 
@@ -118,31 +112,16 @@ def _norm_names(attn: nn.Module) -> tuple[str, ...]:
     return ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.add_q_proj is not None else ())
 
 
-class HunyuanVideoQKNormRopeRule(ClassSwapRule):
+class HunyuanVideoQKNormRopeRule(ProcessorQKNormRopeRule):
     name = "hunyuan_video_qk_norm_rope"
-    family = "rms_norm"
     description = "HunyuanVideo attention: per-head query/key RMSNorm + RoPE of the video tokens in one row kernel"
+    processor = PROCESSOR
 
-    def targets(self) -> tuple[type, ...]:
-        return diffusers_classes("attention_processor:Attention")
+    def norm_names(self, attn: nn.Module) -> tuple[str, ...]:
+        return _norm_names(attn)
 
-    def match(self, site: Site) -> bool:
-        return qualified_name(type(getattr(site.module, "processor", None))) == PROCESSOR
-
-    def reasons(self, site: Site) -> list[str]:
-        attn = site.module
-        if not hasattr(getattr(attn, "norm_q", None), "dim"):
-            return [f"norm_q is {type(getattr(attn, 'norm_q', None)).__name__}, not diffusers' RMSNorm"]
-        head = _head(attn)
-        reasons = [norm_reason(n, getattr(attn, n, None), head) for n in _norm_names(attn)]
-        reasons = [r for r in reasons if r]
-        if head % 2:
-            reasons.append(f"head size {head} is odd: the rotary pairs need an even one")
-        return reasons
-
-    def touched(self, site: Site) -> dict[str, nn.Module]:
-        norms = {n: getattr(site.module, n, None) for n in _norm_names(site.module)}
-        return {"": site.module, **{n: m for n, m in norms.items() if isinstance(m, nn.Module)}}
+    def head(self, attn: nn.Module) -> int:
+        return _head(attn)
 
     def methods(self, site: Site):
         return _hunyuan_attention_forward

@@ -21,12 +21,10 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
-from ..ops.rms_norm import rms_norm
-from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
-from .rules_rms_norm import _out_dtype
+from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_norm_rope
+from .rule import Rule, Site, stock
 
 _PAIRS = dict(rope_layout="pairs", rope_dim=-3)  # x [B, S, H, D], tables [S, D/2]
-_QUIET = {"ip_adapter_masks", "ip_hidden_states"}  # what Attention.forward drops without a warning
 _NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
@@ -48,7 +46,7 @@ def _call_tables(self, hidden_states, encoder_hidden_states, attention_mask, kwa
     """((image cos, sin), (text cos, sin)) for this call, or why the call keeps the stock forward."""
     if qualified_name(type(self.processor)) != PROCESSOR:
         return f"its processor is {type(self.processor).__name__}, not diffusers' QwenDoubleStreamAttnProcessor2_0"
-    extra = set(kwargs) - {"encoder_hidden_states_mask", "image_rotary_emb"} - _QUIET
+    extra = set(kwargs) - {"encoder_hidden_states_mask", "image_rotary_emb"} - QUIET_KWARGS
     if extra:
         return f"called with attention kwargs {sorted(extra)}"
     rotary = kwargs.get("image_rotary_emb")
@@ -63,11 +61,6 @@ def _call_tables(self, hidden_states, encoder_hidden_states, attention_mask, kwa
     image = _tables(rotary[0], hidden_states.shape[1], half, device)
     text = _tables(rotary[1], encoder_hidden_states.shape[1], half, device)
     return next((t for t in (image, text) if isinstance(t, str)), (image, text))
-
-
-def _norm_rope(norm: nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """diffusers' RMSNorm on x [B, S, H, D], then the rotation, in the stock norm's output dtype."""
-    return rms_norm(x, norm.weight, None, norm.eps, out_dtype=_out_dtype(x, norm.weight, None), rope=tables, **_PAIRS)
 
 
 def _joint_mask(hidden_states, encoder_hidden_states_mask):
@@ -90,8 +83,10 @@ def _qwen_attention_forward(self, hidden_states, encoder_hidden_states=None, att
     img_q, img_k, img_v = (proj(hidden_states).unflatten(-1, head) for proj in (self.to_q, self.to_k, self.to_v))
     txt = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
     txt_q, txt_k, txt_v = (proj(encoder_hidden_states).unflatten(-1, head) for proj in txt)
-    img_q, img_k = _norm_rope(self.norm_q, img_q, image_tables), _norm_rope(self.norm_k, img_k, image_tables)
-    txt_q, txt_k = _norm_rope(self.norm_added_q, txt_q, text_tables), _norm_rope(self.norm_added_k, txt_k, text_tables)
+    img_q = diffusers_norm_rope(self.norm_q, img_q, image_tables, **_PAIRS)
+    img_k = diffusers_norm_rope(self.norm_k, img_k, image_tables, **_PAIRS)
+    txt_q = diffusers_norm_rope(self.norm_added_q, txt_q, text_tables, **_PAIRS)
+    txt_k = diffusers_norm_rope(self.norm_added_k, txt_k, text_tables, **_PAIRS)
     # [text, image], as the processor concatenates them
     query, key = torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1)
     value = torch.cat([txt_v, img_v], dim=1)
@@ -109,44 +104,21 @@ def _qwen_attention_forward(self, hidden_states, encoder_hidden_states=None, att
     return image_out, self.to_add_out(out[:, :text, :].contiguous())
 
 
-def norm_reason(name: str, norm: object, width: int) -> str | None:
-    from diffusers.models.normalization import RMSNorm
-
-    if not isinstance(norm, RMSNorm):
-        return f"{name} is {type(norm).__name__}, not diffusers' RMSNorm"
-    if tuple(norm.dim) != (width,) or getattr(norm, "bias", None) is not None:
-        return f"{name} normalises {tuple(norm.dim)} or has a bias (the kernel rotates {width}-wide heads, no bias)"
-    if norm.weight is not None and not (isinstance(norm.weight, torch.Tensor) and norm.weight.is_floating_point()):
-        return f"{name}.weight is not a floating-point tensor"
-    return None
-
-
-class QwenQKNormRopeRule(ClassSwapRule):
+class QwenQKNormRopeRule(ProcessorQKNormRopeRule):
     name = "qwen_qk_norm_rope"
-    family = "rms_norm"
     description = "Qwen-Image attention: per-head query/key RMSNorm + RoPE in one row kernel per stream"
+    processor = PROCESSOR
 
-    def targets(self) -> tuple[type, ...]:
-        return diffusers_classes("attention_processor:Attention")
+    def norm_names(self, attn: nn.Module) -> tuple[str, ...]:
+        return _NORMS
 
-    def match(self, site: Site) -> bool:
-        return qualified_name(type(getattr(site.module, "processor", None))) == PROCESSOR
+    def head(self, attn: nn.Module) -> int:
+        return attn.inner_dim // attn.heads  # as the processor computes it
 
-    def reasons(self, site: Site) -> list[str]:
-        attn = site.module
-        head = attn.inner_dim // attn.heads
-        # A missing norm (qk_norm off, no text stream) is a reason, and is left out of touched().
-        reasons = [norm_reason(n, getattr(attn, n, None), head) for n in _NORMS]
-        reasons = [r for r in reasons if r]
-        if head % 2:
-            reasons.append(f"head size {head} is odd: the rotary pairs need an even one")
+    def extra_reasons(self, attn: nn.Module) -> list[str]:
         if getattr(attn, "to_add_out", None) is None or getattr(attn, "add_q_proj", None) is None:
-            reasons.append("no text-stream projections (add_q_proj / to_add_out)")
-        return reasons
-
-    def touched(self, site: Site) -> dict[str, nn.Module]:
-        norms = {n: getattr(site.module, n, None) for n in _NORMS}
-        return {"": site.module, **{n: m for n, m in norms.items() if isinstance(m, nn.Module)}}
+            return ["no text-stream projections (add_q_proj / to_add_out)"]
+        return []
 
     def methods(self, site: Site):
         return _qwen_attention_forward

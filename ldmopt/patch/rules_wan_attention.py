@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason
-from ..ops.rms_norm import rms_norm
+from .qk_norm_rope import processor_reasons, torch_norm_rope, torch_rms_norm_reason
 from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 
 #: Attention classes with Wan's processor (the WanAttention classes are copies in separate modules).
@@ -31,14 +31,6 @@ WAN_ATTENTIONS = (
     "transformers.transformer_wan_animate:WanAttention",
     "transformers.transformer_skyreels_v2:SkyReelsV2Attention",
 )
-
-
-def processor_reasons(attn: nn.Module) -> list[str]:
-    """Why ``attn``'s processor is not the stock one of its class (whose steps the fused forward reproduces)."""
-    default = getattr(type(attn), "_ldmopt_base", type(attn))._default_processor_cls
-    if type(attn.processor) is default:
-        return []
-    return [f"its processor is {type(attn.processor).__name__}, not diffusers' {default.__name__}"]
 
 
 def _angles(rotary_emb: object, b: int, s: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor] | str:
@@ -59,13 +51,6 @@ def _angles(rotary_emb: object, b: int, s: int, head_dim: int, device) -> tuple[
     if freqs_cos.shape != freqs_sin.shape:
         return f"rotary cos and sin of shapes {tuple(freqs_cos.shape)} and {tuple(freqs_sin.shape)}"
     return freqs_cos[..., 0::2].flatten(0, 2), freqs_sin[..., 1::2].flatten(0, 2)
-
-
-def norm_rope(norm: nn.RMSNorm, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor], **mapping) -> torch.Tensor:
-    """``norm(x)`` (a torch.nn.RMSNorm) followed by a processor's RoPE, in x's dtype as torch's rms_norm returns it;
-    ``mapping``: rms_norm's rope_layout / rope_dim."""
-    eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
-    return rms_norm(x, norm.weight, None, eps, rope=angles, **{"rope_layout": "pairs", **mapping})
 
 
 def _call_angles(self, hidden_states, encoder_hidden_states, rotary_emb, kwargs) -> tuple | str:
@@ -92,8 +77,8 @@ def _wan_attention_forward(self, hidden_states, encoder_hidden_states=None, atte
     processor, base = self.processor, type(self)._ldmopt_base
     helpers = sys.modules[base.__module__]  # the processor's own projection and attention functions
     query, key, value = helpers._get_qkv_projections(self, hidden_states, None)
-    query = norm_rope(self.norm_q, query, angles).unflatten(2, (self.heads, -1))
-    key = norm_rope(self.norm_k, key, angles).unflatten(2, (self.heads, -1))
+    query = torch_norm_rope(self.norm_q, query, angles).unflatten(2, (self.heads, -1))
+    key = torch_norm_rope(self.norm_k, key, angles).unflatten(2, (self.heads, -1))
     value = value.unflatten(2, (self.heads, -1))
     out = helpers.dispatch_attention_fn(
         query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
@@ -101,18 +86,6 @@ def _wan_attention_forward(self, hidden_states, encoder_hidden_states=None, atte
     )  # fmt: skip
     out = out.flatten(2, 3).type_as(query)
     return self.to_out[1](self.to_out[0](out))
-
-
-def rms_norm_reason(name: str, norm: object, width: int) -> str | None:
-    """Why ``norm`` is not a torch.nn.RMSNorm over the last ``width`` channels with a plain (or no) weight."""
-    if type(norm) is not nn.RMSNorm:
-        return f"{name} is {type(norm).__name__}, not torch.nn.RMSNorm"
-    if tuple(norm.normalized_shape) != (width,):
-        return f"{name} normalises {tuple(norm.normalized_shape)}, not the {width} channels of all heads"
-    weight = norm.weight
-    if weight is not None and (not weight.is_floating_point() or weight.shape != (width,)):
-        return f"{name}.weight is not a floating vector of {width}"
-    return None
 
 
 class WanQKNormRopeRule(ClassSwapRule):
@@ -130,7 +103,9 @@ class WanQKNormRopeRule(ClassSwapRule):
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
         width = attn.inner_dim
-        reasons = [r for r in (rms_norm_reason(n, getattr(attn, n, None), width) for n in ("norm_q", "norm_k")) if r]
+        reasons = [
+            r for r in (torch_rms_norm_reason(n, getattr(attn, n, None), width) for n in ("norm_q", "norm_k")) if r
+        ]
         if width % attn.heads or (width // attn.heads) % 2:
             reasons.append(f"{width} channels in {attn.heads} heads: the rotary pairs need an even head size")
         return reasons + processor_reasons(attn)

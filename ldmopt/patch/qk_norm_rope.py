@@ -1,0 +1,107 @@
+"""What the query/key norm + RoPE rules share (rules_{wan,flux,qwen,hunyuan}_attention.py): the norm checks and
+calls for torch's and diffusers' RMSNorm, the processor check, and a base rule for diffusers' generic ``Attention``
+keyed by the qualified name of its processor.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..nn.child_check import qualified_name
+from ..ops.rms_norm import rms_norm
+from .rule import ClassSwapRule, Site, diffusers_classes
+from .rules_rms_norm import _out_dtype
+
+#: What Attention.forward / FluxAttention.forward drop without a warning when the processor does not take them.
+QUIET_KWARGS = frozenset({"ip_adapter_masks", "ip_hidden_states"})
+
+
+def processor_reasons(attn: nn.Module) -> list[str]:
+    """Why ``attn``'s processor is not the stock one of its class (whose steps the fused forward reproduces)."""
+    default = getattr(type(attn), "_ldmopt_base", type(attn))._default_processor_cls
+    if type(attn.processor) is default:
+        return []
+    return [f"its processor is {type(attn.processor).__name__}, not diffusers' {default.__name__}"]
+
+
+def torch_rms_norm_reason(name: str, norm: object, width: int) -> str | None:
+    """Why ``norm`` is not a torch.nn.RMSNorm over the last ``width`` channels with a plain (or no) weight."""
+    if type(norm) is not nn.RMSNorm:
+        return f"{name} is {type(norm).__name__}, not torch.nn.RMSNorm"
+    if tuple(norm.normalized_shape) != (width,):
+        return f"{name} normalises {tuple(norm.normalized_shape)}, not the {width} channels the kernel rotates"
+    weight = norm.weight
+    if weight is not None and (not weight.is_floating_point() or weight.shape != (width,)):
+        return f"{name}.weight is not a floating vector of {width}"
+    return None
+
+
+def torch_norm_rope(norm: nn.RMSNorm, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], **mapping):
+    """``norm(x)`` (a torch.nn.RMSNorm) then a processor's RoPE, in x's dtype as torch's rms_norm returns it;
+    ``mapping``: rms_norm's rope_layout (default pairs) / rope_dim."""
+    eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+    return rms_norm(x, norm.weight, None, eps, rope=tables, **{"rope_layout": "pairs", **mapping})
+
+
+def diffusers_norm_reason(name: str, norm: object, width: int) -> str | None:
+    """Why ``norm`` is not diffusers' RMSNorm over ``width`` channels, without bias, with a plain (or no) weight."""
+    from diffusers.models.normalization import RMSNorm
+
+    if not isinstance(norm, RMSNorm):
+        return f"{name} is {type(norm).__name__}, not diffusers' RMSNorm"
+    if tuple(norm.dim) != (width,) or getattr(norm, "bias", None) is not None:
+        return f"{name} normalises {tuple(norm.dim)} or has a bias (the kernel rotates {width}-wide heads, no bias)"
+    if norm.weight is not None and not (isinstance(norm.weight, torch.Tensor) and norm.weight.is_floating_point()):
+        return f"{name}.weight is not a floating-point tensor"
+    return None
+
+
+def diffusers_norm_rope(norm: nn.Module, x: torch.Tensor, tables=None, **mapping) -> torch.Tensor:
+    """diffusers' RMSNorm of x in the stock module's output dtype, then the rotation when ``tables`` are given
+    (``mapping``: rms_norm's rope_layout / rope_dim)."""
+    rope = dict(rope=tables, **mapping) if tables is not None else {}
+    return rms_norm(x, norm.weight, None, norm.eps, out_dtype=_out_dtype(x, norm.weight, None), **rope)
+
+
+class ProcessorQKNormRopeRule(ClassSwapRule):
+    """A rule on diffusers' generic ``Attention`` whose processor is exactly ``processor`` (by qualified name: a
+    subclass is another processor, and no import runs inside a traced forward), with diffusers' RMSNorm q/k norms."""
+
+    family = "rms_norm"
+    processor: ClassVar[str]
+
+    def norm_names(self, attn: nn.Module) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def head(self, attn: nn.Module) -> int:
+        """The per-head width the norms and tables have."""
+        raise NotImplementedError
+
+    def extra_reasons(self, attn: nn.Module) -> list[str]:
+        return []
+
+    def targets(self) -> tuple[type, ...]:
+        return diffusers_classes("attention_processor:Attention")
+
+    def match(self, site: Site) -> bool:
+        return qualified_name(type(getattr(site.module, "processor", None))) == self.processor
+
+    def reasons(self, site: Site) -> list[str]:
+        attn = site.module
+        first = self.norm_names(attn)[0]
+        if not hasattr(getattr(attn, first, None), "dim"):  # no head size to check against
+            return [f"{first} is {type(getattr(attn, first, None)).__name__}, not diffusers' RMSNorm"]
+        head = self.head(attn)
+        reasons = [diffusers_norm_reason(n, getattr(attn, n, None), head) for n in self.norm_names(attn)]
+        reasons = [r for r in reasons if r]
+        if head % 2:
+            reasons.append(f"head size {head} is odd: the rotary pairs need an even one")
+        return reasons + self.extra_reasons(attn)
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        # A missing norm (qk_norm off, no text stream) is a reason above, and is left out here.
+        norms = {n: getattr(site.module, n, None) for n in self.norm_names(site.module)}
+        return {"": site.module, **{n: m for n, m in norms.items() if isinstance(m, nn.Module)}}
