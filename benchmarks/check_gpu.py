@@ -219,6 +219,31 @@ def _ref_rms_norm_rope_heads(x, weight):
     return (y * cos + torch.stack((-imag, real), dim=-1).flatten(-2) * sin).flatten(-2)
 
 
+def _qwen_freqs(positions, half, device):
+    """Qwen-Image-layout tables: complex64 [positions, half], one unit rotation per pair."""
+    theta = torch.arange(positions, device=device, dtype=torch.float64)[:, None] * (
+        10000.0 ** (-torch.arange(half, device=device, dtype=torch.float64) / half)
+    )
+    return torch.polar(torch.ones_like(theta), theta).to(torch.complex64)
+
+
+def _run_rms_norm_rope_complex(x, weight):
+    """Qwen-Image's layout: per-head rows, complex tables [T, D/2] read as cos/sin views (one angle per pair)."""
+    from ldmopt.ops.rms_norm import rms_norm
+
+    pairs = torch.view_as_real(_qwen_freqs(x.shape[-2], weight.numel() // 2, x.device))
+    heads = x.unflatten(-1, (-1, weight.numel()))
+    tables = (pairs[..., 0], pairs[..., 1])
+    return rms_norm(heads, weight, None, eps=1e-6, rope=tables, rope_layout="pairs", rope_dim=-3).flatten(-2)
+
+
+def _ref_rms_norm_rope_complex(x, weight):
+    heads = x.unflatten(-1, (-1, weight.numel()))
+    y = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    freqs = _qwen_freqs(x.shape[-2], weight.numel() // 2, x.device).to(torch.complex128)[:, None]
+    return torch.view_as_real(torch.view_as_complex(y.unflatten(-1, (-1, 2)).contiguous()) * freqs).flatten(-3)
+
+
 #: Wan keeps its modulation (scale, shift, gate) in fp32 while the stream is bf16/fp16: these inputs stay fp32.
 _FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,)}
 
@@ -231,7 +256,7 @@ def _fused_linear(quick: bool):
             x = torch.randn(bsz, t, k, device=DEVICE)
             if run is _run_rms_norm:  # (x, weight, bias): the norm's affine is near 1, as trained ones are
                 inputs = [x, 1 + 0.3 * torch.randn(k, device=DEVICE), 0.1 * torch.randn(k, device=DEVICE)]
-            elif run in (_run_rms_norm_rope, _run_rms_norm_rope_heads):  # (x, weight); the angles are fixed tables
+            elif run in (_run_rms_norm_rope, _run_rms_norm_rope_heads, _run_rms_norm_rope_complex):  # fixed tables
                 width = k if run is _run_rms_norm_rope else n  # a per-head norm's weight: one head (N)
                 inputs = [x, 1 + 0.3 * torch.randn(width, device=DEVICE)]
             elif n is None:
@@ -363,6 +388,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "rms_rope-wan1.3b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 8192, 1536, 0),
         "rms_rope-wan14b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 4096, 5120, 0),
         "rms_rope-flux-heads": (_run_rms_norm_rope_heads, _ref_rms_norm_rope_heads, 1, 4608, 3072, 128),
+        "rms_rope-qwen-complex": (_run_rms_norm_rope_complex, _ref_rms_norm_rope_complex, 1, 7145, 3072, 128),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)
         "animatediff-512-l0": (2, 16, 4096, 8, 40),

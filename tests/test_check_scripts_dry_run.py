@@ -54,6 +54,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
             "rms_norm": (C._run_rms_norm, C._ref_rms_norm, 2, 7, 40, 0),
             "rms_rope": (C._run_rms_norm_rope, C._ref_rms_norm_rope, 2, 7, 40, 0),
             "rms_rope-heads": (C._run_rms_norm_rope_heads, C._ref_rms_norm_rope_heads, 2, 7, 40, 8),
+            "rms_rope-complex": (C._run_rms_norm_rope_complex, C._ref_rms_norm_rope_complex, 2, 7, 40, 8),
         },
         "temporal_attention": {"ta": (2, 5, 6, 2, 24)},
         "temporal_layout": {"motion": (C._motion, 96, 3, 2), "svd": (C._svd, 64, 2, 2)},
