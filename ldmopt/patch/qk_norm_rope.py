@@ -13,7 +13,7 @@ from torch import nn
 from ..nn.child_check import qualified_name
 from ..ops.rms_norm import rms_norm
 from .rule import ClassSwapRule, Site, diffusers_classes
-from .rules_rms_norm import _out_dtype
+from .rules_rms_norm import stock_out_dtype
 
 #: What Attention.forward / FluxAttention.forward drop without a warning when the processor does not take them.
 QUIET_KWARGS = frozenset({"ip_adapter_masks", "ip_hidden_states"})
@@ -63,7 +63,7 @@ def diffusers_norm_rope(norm: nn.Module, x: torch.Tensor, tables=None, **mapping
     """diffusers' RMSNorm of x in the stock module's output dtype, then the rotation when ``tables`` are given
     (``mapping``: rms_norm's rope_layout / rope_dim)."""
     rope = dict(rope=tables, **mapping) if tables is not None else {}
-    return rms_norm(x, norm.weight, None, norm.eps, out_dtype=_out_dtype(x, norm.weight, None), **rope)
+    return rms_norm(x, norm.weight, None, norm.eps, out_dtype=stock_out_dtype(x, norm.weight, None), **rope)
 
 
 class ProcessorQKNormRopeRule(ClassSwapRule):

@@ -21,7 +21,7 @@ from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:
+def stock_out_dtype(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.dtype:
     """The stock module's output dtype: x's without a weight; with one, the product's (the normalised x is cast to a
     half-precision weight's dtype first, else stays fp32), promoted with the bias."""
     if weight is None:
@@ -44,7 +44,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if not plain or hidden_states.device.type == "npu" or hidden_states.numel() == 0 or hidden_states.stride(-1) != 1:
         return stock(self)(hidden_states)
     weight, bias = self.weight, self.bias
-    return rms_norm(hidden_states, weight, bias, self.eps, out_dtype=_out_dtype(hidden_states, weight, bias))
+    return rms_norm(hidden_states, weight, bias, self.eps, out_dtype=stock_out_dtype(hidden_states, weight, bias))
 
 
 class RMSNormRule(ClassSwapRule):

@@ -72,3 +72,15 @@ def assert_fused_grads_match_stock(module: nn.Module, call, inputs: list[torch.T
         assert_close(f, o.detach().double(), torch.float32, "forward")
     for name, g, e in zip(names, got, expect):
         assert_close(g, e.double(), torch.float32, f"grad {name}")
+
+
+def with_nontrivial_norms(model: nn.Module) -> nn.Module:
+    """``model`` in eval mode with its query/key norm weights drawn around 1 (a norm of ones hides a wrong weight)
+    and its zero-initialised layers (output projections, gates) drawn small, so no difference is hidden."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".norm_" in name and name.endswith("weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+            elif not p.any():
+                p.normal_(std=0.1)
+    return model.eval()

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 import ldmopt
-from tests.patch.helpers import assert_fused_grads_match_stock, assert_same_snapshot, output_tensor, snapshot
+from tests.patch.helpers import (
+    assert_fused_grads_match_stock,
+    assert_same_snapshot,
+    output_tensor,
+    snapshot,
+    with_nontrivial_norms,
+)
 from tests.tolerances import assert_close, assert_within_torch_error
 
 diffusers = pytest.importorskip("diffusers")
@@ -21,13 +27,7 @@ def _flux(seed=0):
         patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=3,
         joint_attention_dim=24, pooled_projection_dim=12, axes_dims_rope=(4, 6, 6),
     )  # fmt: skip
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".norm_" in name and name.endswith("weight"):
-                p.copy_(1 + 0.5 * torch.randn_like(p))  # non-trivial q/k norm weights
-            elif not p.any():
-                p.normal_(std=0.1)
-    return model.eval()
+    return with_nontrivial_norms(model)
 
 
 def _inputs(batch=2):
