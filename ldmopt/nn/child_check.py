@@ -31,6 +31,28 @@ def observer(hook: Callable) -> Callable:
     return hook
 
 
+class observed:  # lower case: used like a function, in a with statement
+    """Runs ``module``'s observer hooks (the profiler's scopes) around work a fused path does in place of calling it,
+    with the arguments the module would have been called with, so that a profile attributes that work to the
+    module (an attention's kind, its record_function scope). Nothing when no observer is attached."""
+
+    def __init__(self, module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> None:
+        self.module, self.args, self.kwargs = module, args, kwargs or {}
+
+    def __enter__(self) -> None:
+        for hook_id, hook in self.module._forward_pre_hooks.items():
+            if getattr(hook, "_ldmopt_observer", False):
+                if self.module._forward_pre_hooks_with_kwargs.get(hook_id):
+                    hook(self.module, self.args, self.kwargs)
+                else:
+                    hook(self.module, self.args)
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.module._forward_hooks.values():
+            if getattr(hook, "_ldmopt_observer", False):
+                hook(self.module, self.args, None)
+
+
 def _foreign(hooks: dict) -> bool:
     return any(not getattr(h, "_ldmopt_observer", False) for h in hooks.values())
 

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
+from .attention_residual import project_out
 
 #: Container class name -> attribute holding its temporal blocks (None: every Attention under the container).
 TEMPORAL_CONTAINERS = {
@@ -101,11 +102,14 @@ def unsupported_reason(attn) -> str | None:
     return None
 
 
-def temporal_self_attention(attn, x: Tensor, context: Tensor | None, bfn: tuple[int, int, int]) -> Tensor:
+def temporal_self_attention(
+    attn, x: Tensor, context: Tensor | None, bfn: tuple[int, int, int], residual: Tensor | None = None
+) -> Tensor:
     """What an Attention module computes on token-major activations ``x`` of shape (..., C), with the attention over
     frames done by the strided kernel: ``x.view(*bfn, C)`` must index tokens as (B, F, N); ``context`` (same shape)
     gives the keys and values instead of ``x`` when not None. Projections (fused or not), per-head norm_q/norm_k,
     ``attn.scale``, to_out, residual_connection and rescale_output_factor as diffusers applies them; no copies.
+    ``residual`` (the block's token stream, x's shape) is added in to_out's GEMM epilogue when given.
     """
     heads, c = attn.heads, attn.inner_dim
     fused = attn.fused_projections
@@ -130,11 +134,7 @@ def temporal_self_attention(attn, x: Tensor, context: Tensor | None, bfn: tuple[
         k = attn.norm_k(k)
     out = temporal_attention(q, k, v, scale=attn.scale)
     # The output is torch.empty_like(q): token-major whenever q is a dense view or a qkv slice.
-    out = attn.to_out[0](out.reshape(*x.shape[:-1], c))
-    out = attn.to_out[1](out)
-    if attn.residual_connection:
-        out = out + x
-    return out / attn.rescale_output_factor
+    return project_out(attn, out.reshape(*x.shape[:-1], c), x, residual, "temporal attention")
 
 
 def single_key_attention(attn, context: Tensor, queries: Tensor | None = None) -> Tensor:

@@ -37,8 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.adaln_modulate import adaln_modulate
+from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
-from .child_check import stock
+from .child_check import hooked, readable, stock
 from .linear import feed_forward_reasons, ff_gated_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
@@ -113,10 +114,8 @@ def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, con
     bf, n, c = hidden_states.shape
     b = bf // num_frames
     x = hidden_states.view(b, num_frames, n, c)
-    h = block.ff_in(block.norm_in(x))
-    if block.is_res:
-        h = h + x
-    h = temporal_self_attention(block.attn1, block.norm1(h), None, (b, num_frames, n)) + h
+    h = ff_residual(block.ff_in, block.norm_in(x), x) if block.is_res else block.ff_in(block.norm_in(x))
+    h = temporal_self_attention(block.attn1, block.norm1(h), None, (b, num_frames, n), residual=h)
     if block.attn2 is not None:
         attn2 = block.attn2
         # (B*N, 1, C) context rows -> (B, 1, N, C), broadcast over the frames.
@@ -126,8 +125,7 @@ def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, con
         if attn2.residual_connection:
             out = out + block.norm2(h)
         h = out / attn2.rescale_output_factor + h
-    ff = block.ff(block.norm3(h))
-    h = ff + h if block.is_res else ff
+    h = ff_residual(block.ff, block.norm3(h), h) if block.is_res else block.ff(block.norm3(h))
     return h.view(bf, n, -1)
 
 
@@ -219,14 +217,22 @@ def _with_positions(pos_embed, x: Tensor) -> Tensor:
     return x if pos_embed is None else x + pos_embed.pe[:, : x.shape[1], None]
 
 
+def ff_residual(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``ff(x) + residual``, the add in ``ff.net[2]``'s GEMM epilogue when ``ff`` is diffusers' FeedForward
+    [act, dropout, Linear] without hooks (else the stock call and add)."""
+    if type(ff).__name__ != "FeedForward" or hooked(ff) or feed_forward_reasons(ff):
+        return ff(x) + residual
+    return ff_gated_residual(ff, x, None, residual)
+
+
 def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
     """``BasicTransformerBlock.forward`` (norm_type "layer_norm", self-attention only) on (B, F, N, C) tokens."""
     normed = _with_positions(block.pos_embed, block.norm1(x))
-    x = temporal_self_attention(block.attn1, normed, None, bfn) + x
+    x = temporal_self_attention(block.attn1, normed, None, bfn, residual=x)
     if block.attn2 is not None:
         normed = _with_positions(block.pos_embed, block.norm2(x))
-        x = temporal_self_attention(block.attn2, normed, None, bfn) + x
-    return block.ff(block.norm3(x)) + x
+        x = temporal_self_attention(block.attn2, normed, None, bfn, residual=x)
+    return ff_residual(block.ff, block.norm3(x), x)
 
 
 def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int) -> Tensor:
@@ -246,6 +252,10 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
     t = container.proj_in(normed.reshape(b, num_frames, h * w, c))
     for block in container.transformer_blocks:
         t = _basic_block_bfnc(block, t, (b, num_frames, h * w))
+    if x is hidden_states and readable(container.proj_out):
+        # Channels-last in: the residual is the token array itself, added in proj_out's GEMM epilogue.
+        out = linear(t, container.proj_out.weight, container.proj_out.bias, residual=tokens.view((*t.shape[:-1], c)))
+        return out.view(bf, h, w, c).permute(0, 3, 1, 2)
     t = container.proj_out(t)
     # A binary op's output takes its first operand's layout when the layouts differ: the input's.
     return hidden_states + t.view(bf, h, w, -1).permute(0, 3, 1, 2)

@@ -22,6 +22,9 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     |                                              | gated residual in FF GEMM |
 | adaln              | joint_block         | JointTransformerBlock, FluxTransformerBlock  | the same, per stream      |
 | adaln              | flux_single_gated   | FluxSingleTransformerBlock                   | gated residual, proj_out  |
+| residual           | residual_block      | BasicTransformerBlock (layer_norm: SD1.5,    | attention and FF residual |
+|                    |                     | SDXL, SVD, AnimateDiff, ModelScope UNets)    | adds in the output GEMMs' |
+|                    |                     |                                              | epilogues                 |
 | adaln              | wan_block           | WanTransformerBlock (Wan 2.1/2.2, VACE,      | fp32 gated adds + norms + |
 |                    |                     | Animate, ChronoEdit), SkyReelsV2 block       | modulation in 3 row       |
 |                    |                     |                                              | kernels; FF out GEMM with |

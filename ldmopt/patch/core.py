@@ -47,6 +47,7 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_hunyuan_attention import RULES as hunyuan_attention_rules
     from .rules_linear import RULES as linear_rules
     from .rules_qwen_attention import RULES as qwen_attention_rules
+    from .rules_residual import RULES as residual_rules
     from .rules_rms_norm import RULES as rms_norm_rules
     from .rules_temporal_layout import RULES as temporal_layout_rules
     from .rules_wan import RULES as wan_rules
@@ -56,6 +57,7 @@ def _rules() -> tuple[Rule, ...]:
     return (
         *gn_conv_rules,
         *block_rules,
+        *residual_rules,
         *wan_rules,
         *linear_rules,
         *group_norm_rules,

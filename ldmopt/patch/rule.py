@@ -37,6 +37,7 @@ FAMILIES = (
     "gn_conv",
     "feed_forward",
     "adaln",
+    "residual",
     "rms_norm",
     "temporal_layout",
     "temporal_attention",

@@ -47,10 +47,12 @@ def assert_outputs_close(actual: torch.Tensor, expected: torch.Tensor, atol=ATOL
     assert err <= bound, f"{name}: patched vs stock max error {err:.3e} > {bound:.3e}"
 
 
-def assert_fused_grads_match_stock(module: nn.Module, call, inputs: list[torch.Tensor], rms_norm_calls: int) -> None:
+def assert_fused_grads_match_stock(
+    module: nn.Module, call, inputs: list[torch.Tensor], rms_norm_calls: int, op: str = "rms_norm"
+) -> None:
     """``call(module, *inputs)`` and the gradients of its inputs and all of ``module``'s parameters, stock and then
     patched for training on the Triton backend (fp32 tolerances), the fused path asserted: no fall-backs, and
-    ldmopt's rms_norm kernel run ``rms_norm_calls`` times."""
+    ldmopt's ``op`` kernel run ``rms_norm_calls`` times."""
     import ldmopt
     from tests.tolerances import assert_close
 
@@ -67,7 +69,7 @@ def assert_fused_grads_match_stock(module: nn.Module, call, inputs: list[torch.T
     with ldmopt.use_backend("triton"):
         fused = outputs()
     got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(fused, weights)), leaves)
-    assert not report.fallbacks() and report.backends()["rms_norm"]["triton"] == rms_norm_calls, report.backends()
+    assert not report.fallbacks() and report.backends()[op]["triton"] == rms_norm_calls, report.backends()
     for f, o in zip(fused, out):
         assert_close(f, o.detach().double(), torch.float32, "forward")
     for name, g, e in zip(names, got, expect):

@@ -15,7 +15,13 @@ def test_tiny_sd_pipeline_patched_vs_stock():
     before = {name: snapshot(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     report = ldmopt.patch(pipe)
     assert set(report.models) == {"unet", "vae", "text_encoder"}
-    assert report.counts("unet") == {"geglu": 10, "group_norm_silu": 1, "resnet": 14, "transformer2d_in": 10}
+    assert report.counts("unet") == {
+        "geglu": 10,
+        "group_norm_silu": 1,
+        "residual_block": 10,
+        "resnet": 14,
+        "transformer2d_in": 10,
+    }
     assert report.counts("vae") == {"group_norm": 2, "group_norm_silu": 2, "resnet": 16}
     assert report.counts("text_encoder") == {}
     with ldmopt.use_backend("torch"):

@@ -34,3 +34,18 @@ def test_observer_hooks_do_not_count_but_user_hooks_do():
     assert hooked(layer)
     handle.remove()
     assert not hooked(layer)
+
+
+def test_fused_attention_keeps_its_kind():
+    # residual_block runs the attention's work without calling the module: its observer hooks still open the
+    # module's scope, so the profile splits spatial and cross-attention as for the stock model.
+    model = configs.build_model("sd15", tiny=True, device="cpu", dtype=torch.float32)
+    inputs = configs.example_inputs(model, batch=1)
+    report = ldmopt.patch(model)
+    assert report.counts().get("residual_block", 0) > 0
+    with ldmopt.use_backend("torch"):
+        prof = ldmopt.profile(lambda: configs.run_model(model, inputs), steps=1, warmup=0, modules=model)
+    shares = prof.shares()
+    assert shares["attention.spatial"] > 0 and shares["attention.cross"] > 0, shares
+    assert not shares.get("attention.unattributed"), shares
+    assert report.backends()["linear"], report.backends()

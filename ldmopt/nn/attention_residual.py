@@ -1,0 +1,154 @@
+"""A block's residual add moved into the GEMM epilogue of the attention's output projection.
+
+UNet transformer blocks (SD1.5/SDXL/SVD/AnimateDiff ``BasicTransformerBlock``, "layer_norm") add the attention's
+output to the token stream: diffusers' processor runs ``to_out[0]`` (one GEMM writing the projection), ``to_out[1]``
+(dropout, p=0), ``/ rescale_output_factor`` (a full pass even when the factor is 1) and the block adds the residual
+(another pass reading two tensors). Here ``to_out[0]`` runs as ``ldmopt.ops.linear(core, W, b, residual=r)``: the
+GEMM writes ``r + core W^T + b`` once, in fp32 before its one rounding.
+
+:func:`sdpa_attention_residual` reproduces diffusers' ``AttnProcessor2_0`` / ``FusedAttnProcessor2_0`` (the default
+processors of every ``Attention`` on torch 2) step by step (projections, mask preparation, q/k norms, SDPA without
+``attn.scale``, as they call it) up to the output projection. Anything else runs ``attn(...) + residual`` exactly as
+the stock block, the reason counted in ``fallback_reasons``: another processor (IP-Adapter, xformers, ldmopt's
+temporal one), hooks on the attention module (diffusers' layer-skip and cache hooks), extra attention kwargs, a
+spatial/group norm inside the attention, ``residual_connection`` or a rescale factor other than 1, or an output
+projection that cannot be read as a plain nn.Linear (LoRA added after patching) or active dropout.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops.linear import linear
+from .child_check import count_reason, hooked, observed, readable, unreadable_reason
+
+#: diffusers processors whose steps :func:`sdpa_attention_residual` reproduces (class names; exact types are checked).
+MIRRORED_PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0")
+
+
+def _mirrored(processor: object) -> bool:
+    from diffusers.models import attention_processor as P
+
+    return type(processor) in tuple(getattr(P, name) for name in MIRRORED_PROCESSORS if hasattr(P, name))
+
+
+def _ldmopt_processor(processor: object) -> bool:
+    """ldmopt's temporal and single-key processors (SVD's spatial cross-attention over its one image token): their
+    output is not a full GEMM over the tokens, so the add stays as it is."""
+    return type(processor).__module__.startswith("ldmopt.")
+
+
+def _dropout_active(layer: nn.Module) -> bool:
+    return not isinstance(layer, nn.Dropout) or (layer.training and layer.p > 0)
+
+
+def epilogue_reason(attn: nn.Module, name: str = "attn") -> str | None:
+    """Why ``attn``'s output projection cannot take a residual in its epilogue (None when it can): whatever follows
+    ``to_out[0]`` in the processor must be the identity."""
+    if attn.residual_connection:
+        return f"{name}.residual_connection is set (the attention adds its own input)"
+    if attn.rescale_output_factor != 1.0:
+        return f"{name}.rescale_output_factor is {attn.rescale_output_factor} (only 1.0)"
+    out = attn.to_out
+    if len(out) != 2 or _dropout_active(out[1]):
+        return f"{name}.to_out is not [Linear, inactive Dropout]"
+    if not readable(out[0]):
+        return unreadable_reason(f"{name}.to_out.0", out[0])
+    return None
+
+
+def static_reason(attn: nn.Module, name: str = "attn") -> str | None:
+    """What about ``attn`` itself (not its processor or the call) keeps the stock path: spatial/group norms."""
+    if attn.spatial_norm is not None or attn.group_norm is not None:
+        return f"{name} has a spatial_norm or group_norm (VAE-style attention)"
+    return None
+
+
+def call_reason(attn: nn.Module, hidden_states: Tensor, kwargs: dict, name: str = "attn") -> str | None:
+    """Why this call of ``attn`` runs stock (None when the mirrored processor path serves it)."""
+    if hooked(attn):
+        return f"{name} has hooks or a wrapped forward"
+    if not _mirrored(attn.processor):
+        return f"{name} runs {type(attn.processor).__name__} (mirrored: {', '.join(MIRRORED_PROCESSORS)})"
+    if kwargs:
+        return f"attention kwargs {sorted(kwargs)}"
+    if hidden_states.dim() != 3:
+        return f"{name} input has {hidden_states.dim()} dims (only (B, tokens, C))"
+    return static_reason(attn, name) or epilogue_reason(attn, name)
+
+
+def _projections(attn: nn.Module, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    # FusedAttnProcessor2_0 (after fuse_qkv_projections) reads to_qkv / to_kv; AttnProcessor2_0 always to_q/k/v.
+    fused = type(attn.processor).__name__ == "FusedAttnProcessor2_0"
+    if context is not None and attn.norm_cross:
+        context = attn.norm_encoder_hidden_states(context)
+    if fused and context is None:
+        return attn.to_qkv(x).chunk(3, dim=-1)
+    if fused:
+        return (attn.to_q(x), *attn.to_kv(context).chunk(2, dim=-1))
+    source = x if context is None else context
+    return attn.to_q(x), attn.to_k(source), attn.to_v(source)
+
+
+def sdpa_core(attn: nn.Module, x: Tensor, context: Tensor | None, mask: Tensor | None) -> Tensor:
+    """The mirrored processor's tensor just before ``to_out[0]``: (B, tokens, heads * head_dim)."""
+    batch, seq_len = (x if context is None else context).shape[:2]
+    if mask is not None:
+        mask = attn.prepare_attention_mask(mask, seq_len, batch)
+        mask = mask.view(batch, attn.heads, -1, mask.shape[-1])
+    q, k, v = _projections(attn, x, context)
+    head_dim = k.shape[-1] // attn.heads
+    q, k, v = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (q, k, v))
+    if attn.norm_q is not None:
+        q = attn.norm_q(q)
+    if attn.norm_k is not None:
+        k = attn.norm_k(k)
+    # As the stock processors: no scale argument (attn.scale is the default 1/sqrt(head_dim) they assume).
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    return out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(q.dtype)
+
+
+def sdpa_attention_residual(
+    attn: nn.Module,
+    hidden_states: Tensor,
+    residual: Tensor,
+    encoder_hidden_states: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    where: str = "Attention",
+    name: str = "attn",
+    **kwargs,
+) -> Tensor:
+    """``attn(hidden_states, encoder_hidden_states, attention_mask, **kwargs) + residual``, the add in the output
+    projection's GEMM epilogue when the call is one the mirrored processors serve (see the module docstring)."""
+    # "scale" is deprecated and ignored by the mirrored processors; a fall-back passes it on, as the stock block does.
+    reason = call_reason(attn, hidden_states, {k: v for k, v in kwargs.items() if k != "scale"}, name)
+    if reason is None and residual.shape != (*hidden_states.shape[:-1], attn.to_out[0].out_features):
+        reason = f"residual shape {tuple(residual.shape)} is not the attention output's"
+    if reason is not None:
+        if not _ldmopt_processor(attn.processor):  # ldmopt's own processors are a fused path, not a fall-back
+            count_reason(where, reason)
+        out = attn(hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask, **kwargs)
+        return out + residual
+    context = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
+    with observed(attn, (hidden_states,), context):
+        core = sdpa_core(attn, hidden_states, encoder_hidden_states, attention_mask)
+        layer = attn.to_out[0]
+        return linear(core, layer.weight, layer.bias, residual=residual)
+
+
+def project_out(attn: nn.Module, core: Tensor, x: Tensor, residual: Tensor | None, where: str) -> Tensor:
+    """What a processor does after the attention core ``core`` (..., heads * head_dim) of input ``x``: to_out,
+    residual_connection and rescale_output_factor; plus ``residual`` when given, in the GEMM epilogue when
+    :func:`epilogue_reason` allows, else as the stock add (counted)."""
+    if residual is not None:
+        reason = epilogue_reason(attn)
+        if reason is None:
+            layer = attn.to_out[0]
+            return linear(core, layer.weight, layer.bias, residual=residual)
+        count_reason(where, reason)
+    out = attn.to_out[1](attn.to_out[0](core))
+    if attn.residual_connection:
+        out = out + x
+    out = out / attn.rescale_output_factor
+    return out if residual is None else out + residual

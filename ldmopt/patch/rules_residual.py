@@ -1,0 +1,106 @@
+"""Residual-epilogue rule (family ``residual``): the three residual adds of UNet transformer blocks in GEMM epilogues.
+
+- ``residual_block``: ``BasicTransformerBlock`` with ``norm_type`` "layer_norm" (the spatial and cross-attention
+  blocks of SD1.5, SD2.1, SDXL, SVD, AnimateDiff and ModelScope UNets). The self-attention and cross-attention
+  outputs are added to the token stream by their output projection's GEMM (``ldmopt.nn.attention_residual``:
+  diffusers' default processor reproduced up to ``to_out``, whose ``/ 1.0`` pass also goes), and the feed-forward's
+  by ``ff.net[2]``'s. The norms, the attention projections and ``ff.net[0]`` (GEGLU, its own rule) are called as
+  before. Attention masks are served (diffusers' mask preparation is called).
+
+A class swap (see rule.py): same instance, same children and parameters. Per call, an attention the mirrored
+processors do not serve (another processor, hooks on the attention module, extra attention kwargs, an output
+projection wrapped after patching, e.g. by a LoRA) runs as diffusers calls it, followed by the stock add, the reason
+counted in the report's fall-backs; feed-forward chunking, GLIGEN kwargs and 4-D hidden states run the stock forward.
+Tolerance: the linear op's (the fused path rounds once where the stock path rounds after the GEMM and after the add).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn.attention_residual import sdpa_attention_residual as attend
+from ..nn.attention_residual import static_reason
+from ..nn.linear import ff_gated_residual
+from .rule import ClassSwapRule, Rule, Site, stock
+
+NORM_TYPES = ("layer_norm",)  # "layer_norm_i2vgen" blocks have no norm3: their stock forward cannot run
+
+
+def _residual_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    encoder_hidden_states: torch.Tensor | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+    timestep: torch.LongTensor | None = None,
+    cross_attention_kwargs: dict[str, Any] | None = None,
+    class_labels: torch.LongTensor | None = None,
+    added_cond_kwargs: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    kwargs = dict(cross_attention_kwargs or {})
+    if self._chunk_size is not None or "gligen" in kwargs or hidden_states.dim() != 3:
+        return stock(self)(
+            hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
+            cross_attention_kwargs, class_labels, added_cond_kwargs,
+        )  # fmt: skip
+    where = type(self).__name__
+    normed = self.norm1(hidden_states)
+    if self.pos_embed is not None:
+        normed = self.pos_embed(normed)
+    context = encoder_hidden_states if self.only_cross_attention else None
+    hidden_states = attend(self.attn1, normed, hidden_states, context, attention_mask, where, "attn1", **kwargs)
+    if self.attn2 is not None:
+        normed = self.norm2(hidden_states)
+        if self.pos_embed is not None:
+            normed = self.pos_embed(normed)
+        hidden_states = attend(
+            self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask, where, "attn2", **kwargs
+        )
+    return ff_gated_residual(self.ff, self.norm3(hidden_states), None, hidden_states)
+
+
+class ResidualBlockRule(ClassSwapRule):
+    name = "residual_block"
+    family = "residual"
+    description = "UNet transformer block: attention and feed-forward residual adds in the output GEMMs' epilogues"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.attention import BasicTransformerBlock
+
+        return (BasicTransformerBlock,)
+
+    def match(self, site: Site) -> bool:
+        return getattr(site.module, "norm_type", None) in NORM_TYPES
+
+    def reasons(self, site: Site) -> list[str]:
+        block = site.module
+        reasons = ["GLIGEN fuser (attention_type 'gated') is not fused"] if hasattr(block, "fuser") else []
+        for name in ("attn1", "attn2"):
+            attn = getattr(block, name, None)
+            reason = None if attn is None else static_reason(attn, name)
+            if reason:
+                reasons.append(reason)
+        net = getattr(block.ff, "net", None)
+        if type(block.ff).__name__ != "FeedForward" or not isinstance(net, nn.ModuleList) or len(net) != 3:
+            reasons.append("ff is not diffusers' FeedForward [act, dropout, Linear] (final_dropout or a custom one)")
+        return reasons
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        # Only the block and its feed-forward (whose forward no longer runs; its children do). The output
+        # projections read instead of called (ff.net.2, attn*.to_out.0) are checked on every call instead, so a LoRA
+        # on one of them costs that one epilogue, not the block; the attention modules are still called whenever
+        # their processor is not the mirrored one, and other rules may give them processors.
+        block = site.module
+        return {"": block, "ff": block.ff}
+
+    def shallow(self, site: Site) -> set[str]:
+        return {"", "ff"}  # ff's children net.0 / net.1 are still called
+
+    def methods(self, site: Site):
+        return _residual_block_forward
+
+
+RULES: list[Rule] = [ResidualBlockRule()]

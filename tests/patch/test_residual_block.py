@@ -1,0 +1,246 @@
+"""The ``residual_block`` rule: UNet transformer blocks (BasicTransformerBlock, "layer_norm") with the attention and
+feed-forward residual adds in the output projections' GEMM epilogues, against diffusers' own block (its default
+processor), forward and backward, and every per-call fall-back."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ldmopt
+from ldmopt.nn.child_check import fallback_reasons
+from tests.patch.helpers import assert_fused_grads_match_stock, assert_same_snapshot, snapshot
+from tests.tolerances import assert_close, assert_within_torch_error
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
+from diffusers.models.attention_processor import AttnProcessor, FusedAttnProcessor2_0  # noqa: E402
+
+R = torch.randn
+DIM, CONTEXT_DIM, TOKENS, CONTEXT_TOKENS = 40, 24, 37, 7
+
+
+def _block(**overrides) -> BasicTransformerBlock:
+    """A block with odd sizes (40 channels, 2 heads of 20) and every weight drawn: LayerNorm affine around 1 / 0,
+    projections at their fan-in scale, biases non-zero."""
+    kwargs = dict(
+        dim=DIM, num_attention_heads=2, attention_head_dim=20, cross_attention_dim=CONTEXT_DIM,
+        activation_fn="geglu", norm_type="layer_norm",
+    )  # fmt: skip
+    block = BasicTransformerBlock(**{**kwargs, **overrides}).eval()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.startswith("norm") and name.endswith("weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.3 * torch.randn_like(p))
+    return block
+
+
+def _inputs(batch=3):
+    return R(batch, TOKENS, DIM), R(batch, CONTEXT_TOKENS, CONTEXT_DIM)
+
+
+def _call(block, hidden, context, **kwargs):
+    return block(hidden, encoder_hidden_states=context, **kwargs)
+
+
+def _exact(block, hidden, context, **kwargs):
+    """The stock block in fp64: the reference both the stock fp32 and the fused results are measured against."""
+    double = lambda t: t.double() if isinstance(t, torch.Tensor) else t
+    kwargs = {k: double(v) for k, v in kwargs.items()}
+    with torch.no_grad():
+        return _call(copy.deepcopy(block).double(), double(hidden), double(context), **kwargs)
+
+
+def _patched_matches_stock(block, hidden, context, sites, **kwargs):
+    exact = _exact(block, hidden, context, **kwargs)
+    with torch.no_grad():
+        ref = _call(block, hidden, context, **kwargs)
+    before = snapshot(block)
+    report = ldmopt.patch(block)
+    assert report.counts() == {"geglu": 1, "residual_block": 1}, str(report)
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        out = _call(block, hidden, context, **kwargs)
+    assert not report.fallbacks(), report.fallbacks()
+    # One linear GEMM per fused residual add (the GEGLU projection is its own op).
+    assert report.backends()["linear"] == {"triton": sites}, report.backends()
+    assert_within_torch_error(out, exact, ref, "residual block")
+    ldmopt.unpatch(block)
+    assert_same_snapshot(before, snapshot(block))
+    return out
+
+
+@pytest.mark.parametrize(
+    "variant,overrides,sites",
+    [
+        ("self+cross", {}, 3),
+        ("no attn2", dict(cross_attention_dim=None), 2),
+        ("double self-attention", dict(cross_attention_dim=None, double_self_attention=True), 3),
+        ("only cross-attention", dict(only_cross_attention=True), 3),
+    ],
+)
+def test_block_matches_stock(variant, overrides, sites):
+    block = _block(**overrides)
+    hidden, context = _inputs()
+    if overrides.get("cross_attention_dim", CONTEXT_DIM) is None and not overrides.get("double_self_attention"):
+        context = None
+    if overrides.get("double_self_attention"):
+        context = None  # attn2 attends to the block's own tokens
+    _patched_matches_stock(block, hidden, context, sites)
+
+
+def test_masks_match_stock():
+    # diffusers' mask preparation (prepare_attention_mask, per-head view), an additive bias per key.
+    block = _block()
+    hidden, context = _inputs()
+    mask = torch.where(torch.rand(3, 1, TOKENS) < 0.2, -1e4, 0.0)
+    context_mask = torch.where(torch.rand(3, 1, CONTEXT_TOKENS) < 0.3, -1e4, 0.0)
+    _patched_matches_stock(block, hidden, context, 3, attention_mask=mask, encoder_attention_mask=context_mask)
+
+
+def test_fused_qkv_projections_match_stock():
+    block = _block()
+    for attn in (block.attn1, block.attn2):
+        attn.fuse_projections()
+        attn.set_processor(FusedAttnProcessor2_0())
+    hidden, context = _inputs()
+    _patched_matches_stock(block, hidden, context, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_low_precision_within_torch_error(dtype):
+    """The fused GEMM rounds once; diffusers rounds the projection, then the sum: both against fp64."""
+    block = _block()
+    hidden, context = _inputs()
+    with torch.no_grad():
+        exact = copy.deepcopy(block).double()(hidden.double(), encoder_hidden_states=context.double())
+        low = copy.deepcopy(block).to(dtype)
+        stock = low(hidden.to(dtype), encoder_hidden_states=context.to(dtype))
+        report = ldmopt.patch(low)
+        with ldmopt.use_backend("triton"):
+            fused = low(hidden.to(dtype), encoder_hidden_states=context.to(dtype))
+    assert not report.fallbacks() and report.backends()["linear"] == {"triton": 3}, report.backends()
+    assert fused.dtype == stock.dtype == dtype
+    assert_within_torch_error(fused, exact, stock, f"residual block {dtype}")
+
+
+def test_gradients_match_stock():
+    block = _block().train()
+    hidden, context = _inputs(batch=2)
+    assert_fused_grads_match_stock(block, _call, [hidden, context], 3, op="linear")
+
+
+def test_under_autocast_matches_stock():
+    # fp32 weights under bf16 autocast: the GEMM runs on bf16 operands, the residual stays fp32 (the sum is fp32).
+    block = _block()
+    hidden, context = _inputs()
+    exact = _exact(block, hidden, context)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _call(block, hidden, context)
+        report = ldmopt.patch(block)
+        with ldmopt.use_backend("torch"):
+            out = _call(block, hidden, context)
+    assert not report.fallbacks(), report.fallbacks()
+    assert out.dtype == ref.dtype == torch.float32
+    # Stock rounds each projection to bf16 before the fp32 add; the epilogue adds in fp32 first.
+    assert_within_torch_error(out, exact, ref, "residual block under autocast")
+
+
+def test_compiles_fullgraph():
+    torch._dynamo.reset()
+    block = _block()
+    hidden, context = _inputs()
+    report = ldmopt.patch(block)
+    with torch.no_grad():
+        eager = _call(block, hidden, context)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(hidden, encoder_hidden_states=context)
+    assert_close(compiled, eager.double(), torch.float32, "compiled residual block")
+    assert not report.fallbacks(), report.fallbacks()
+
+
+class _Wrapped(nn.Linear):
+    """Stands for a LoRA/quantized projection installed after patching: not a plain nn.Linear."""
+
+
+def _wrap_to_out(block):
+    old = block.attn1.to_out[0]
+    new = _Wrapped(old.in_features, old.out_features)
+    new.load_state_dict(old.state_dict())
+    block.attn1.to_out[0] = new
+
+
+def _change(block, change, calls):
+    if change == "processor":
+        block.attn1.set_processor(AttnProcessor())
+    elif change == "hook":
+        block.attn2.register_forward_hook(lambda *a: calls.append(1))
+    elif change == "wrapped to_out":
+        _wrap_to_out(block)
+
+
+@pytest.mark.parametrize(
+    "change,expected,fused_adds",
+    [
+        ("processor", "attn1 runs AttnProcessor", 2),
+        ("hook", "attn2 has hooks", 2),
+        ("wrapped to_out", "attn1.to_out.0", 2),
+        ("ip-adapter kwargs", "attention kwargs", 1),  # both attentions fall back; the feed-forward stays fused
+    ],
+)
+def test_per_call_fallbacks_match_stock(change, expected, fused_adds):
+    """Changed after patching: what the mirrored processor does not serve runs diffusers' attention and the stock
+    add, the reason counted; the other residual adds stay fused."""
+    block = _block()
+    hidden, context = _inputs()
+    stock_block = copy.deepcopy(block)
+    kwargs = {}
+    if change == "ip-adapter kwargs":  # dropped quietly by Attention.forward for the default processor
+        kwargs = dict(cross_attention_kwargs={"ip_adapter_masks": None})
+    report = ldmopt.patch(block)
+    stock_calls, calls = [], []
+    _change(stock_block, change, stock_calls)
+    _change(block, change, calls)
+    exact = _exact(stock_block, hidden, context, **kwargs)
+    fallback_reasons.clear()
+    stock_calls.clear()  # the fp64 copy's hook ran too
+    with torch.no_grad():
+        ref = _call(stock_block, hidden, context, **kwargs)
+        with ldmopt.use_backend("triton"):
+            out = _call(block, hidden, context, **kwargs)
+    reasons = list(fallback_reasons)
+    assert any(expected in r for r in reasons), reasons
+    assert calls == stock_calls  # a hooked attention still ran as a module
+    assert_within_torch_error(out, exact, ref, change)
+    assert report.backends()["linear"] == {"triton": fused_adds}, report.backends()
+
+
+def test_chunked_feed_forward_and_gligen_run_stock():
+    block = _block()
+    block.set_chunk_feed_forward(1, dim=0)
+    hidden, context = _inputs()
+    with torch.no_grad():
+        ref = _call(block, hidden, context)
+        report = ldmopt.patch(block)
+        out = _call(block, hidden, context)
+    assert report.counts()["residual_block"] == 1 and "linear" not in report.backends()
+    torch.testing.assert_close(out, ref)
+    gated = _block(attention_type="gated")
+    report = ldmopt.patch(gated)
+    skipped = [s for s in report.skipped if s.rule == "residual_block"]
+    assert skipped and "GLIGEN" in skipped[0].reasons[0]
+
+
+def test_unet_blocks_patched_and_state_dict_unchanged():
+    from tests.patch import models
+
+    unet = models.sd15_unet().eval()
+    keys = list(unet.state_dict())
+    report = ldmopt.patch(unet)
+    blocks = [m for m in unet.modules() if isinstance(m, BasicTransformerBlock)]
+    assert report.counts()["residual_block"] == len(blocks) > 0
+    assert list(unet.state_dict()) == keys
+    assert "residual" in ldmopt.patch.FAMILIES
