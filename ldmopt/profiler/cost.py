@@ -288,7 +288,8 @@ def _record_dtype(rec: OpRecord, spec: GPUSpec, default: str) -> str:
 
 def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -> Analysis:
     records = recorder.records
-    saved, _rule, removed, fusion_stats = plan_fusions(records)
+    single_key = frozenset(call.path for call in recorder.attention if call.kv_len == 1)
+    saved, _rule, removed, fusion_stats = plan_fusions(records, single_key)
     cats = {c: CategoryCost() for c in C.CATEGORIES}
     for rec in records:
         cost = cats[rec.category]

@@ -15,6 +15,13 @@ Rules (names as reported):
 - ``GEMM + GELU epilogue``: GEMM -> gelu (GELU-tanh feed-forwards of DiT/PixArt/SD3/Flux, Flux ``proj_mlp``).
 - ``adaLN (LayerNorm + modulate)``: layer_norm -> mul(1 + scale) -> add(shift) in one row kernel.
 - ``GEMM epilogue (gated residual)``: GEMM -> mul(gate) -> add(residual).
+- ``GEMM epilogue (residual)``: the un-gated residual adds of UNet transformer blocks (``residual_block``) and of
+  the temporal blocks and containers run in token order (``temporal_layout``): GEMM (``to_out.0``, ``ff.net.2``,
+  a container's ``proj_out``) -> [the attention's ``/ rescale_output_factor``] -> [a permute copy another rule
+  removed] -> add(residual). The add's read of the residual stays (in the epilogue). Not counted: an add whose sum
+  feeds an adaLN modulation (``adaln_block`` fuses that add into its row kernel instead), the output projection of
+  a single-key attention (SVD's ``attn2``: its shortcut output is broadcast, the add stays). Approximation: a
+  BasicTransformerBlock with norm_type "ada_norm"/"ada_norm_continuous" (no ldmopt rule) would be counted.
 - ``temporal permutes``: copies that materialise a frame-major layout in or next to a temporal block (the
   temporal attention kernel reads frames by stride).
 - ``RMSNorm (diffusers)``: diffusers' RMSNorm module runs eight ops (fp32 copy, square, mean, rsqrt, two
@@ -47,13 +54,14 @@ GEGLU = "GEGLU tail"
 GELU_EPILOGUE = "GEMM + GELU epilogue"
 ADALN = "adaLN (LayerNorm + modulate)"
 GATED_RESIDUAL = "GEMM epilogue (gated residual)"
+RESIDUAL = "GEMM epilogue (residual)"
 TEMPORAL_PERMUTES = "temporal permutes"
 RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
 QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
-    GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS,
-    QK_NORM_ROPE,
+    GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, RESIDUAL, TEMPORAL_PERMUTES, RMS_NORM,
+    WAN_ROUND_TRIPS, QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
 #: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
@@ -79,6 +87,11 @@ def _in_wan_block(rec: OpRecord) -> bool:
 
 
 _COPIES = {"clone", "copy_", "contiguous", "_to_copy"}
+#: Modules whose un-gated residual adds ldmopt moves into a GEMM epilogue (ldmopt/patch/rules_residual.py and the
+#: token-order forwards of ldmopt/nn/temporal_layout.py), by class name.
+RESIDUAL_OWNERS = frozenset({
+    "BasicTransformerBlock", "TemporalBasicTransformerBlock", "AnimateDiffTransformer3D", "TransformerTemporalModel",
+})  # fmt: skip
 _GELU = {"gelu", "gelu_"}
 _SILU = {"silu", "silu_"}
 _GEMMS = {"mm", "addmm", "_addmm_activation", "bmm", "baddbmm"}
@@ -133,8 +146,12 @@ def _other_inputs(rec: OpRecord, producer: int) -> list[int]:
     return [b for p, b in zip(rec.producers, rec.in_bytes) if p != producer]
 
 
-def plan_fusions(records: list[OpRecord]) -> tuple[dict[int, int], dict[int, str], set[int], dict[str, FusionStat]]:
-    """Bytes saved per record index, the rule that saved them, records removed outright, per-rule totals."""
+def plan_fusions(
+    records: list[OpRecord], single_key: frozenset[str] = frozenset()
+) -> tuple[dict[int, int], dict[int, str], set[int], dict[str, FusionStat]]:
+    """Bytes saved per record index, the rule that saved them, records removed outright, per-rule totals.
+    ``single_key``: paths of attention modules called with one key/value token (their output projection is not
+    fused with the residual)."""
     plan = _Plan(records)
     by_base: dict[str, list[OpRecord]] = {}
     for rec in records:
@@ -153,6 +170,9 @@ def plan_fusions(records: list[OpRecord]) -> tuple[dict[int, int], dict[int, str
     for rec in records:
         if rec.base in _COPIES and rec.category == C.LAYOUT:
             _temporal_permute(plan, records, rec)
+    for rec in records:
+        if rec.base in _GEMMS and rec.category == C.LINEAR:
+            _residual_epilogue(plan, records, rec, single_key)
     for run in _rms_norm_runs(records):
         _rms_norm(plan, run)
     for rec in records:
@@ -238,6 +258,30 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
         return
     plan.claim(GATED_RESIDUAL, {mul.index: mul.bytes - sum(gate), add.index: add.bytes - residual[0]},
                removed=(mul.index, add.index))  # fmt: skip
+
+
+def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, single_key: frozenset[str]) -> None:
+    if any(gemm.path.startswith(f"{path}.") for path in single_key):
+        return
+    chain: list[OpRecord] = []  # the rescale pass, removed here; permute copies another rule already removed
+    rec = _sole_consumer(records, gemm)
+    while rec is not None and rec.base != "add":
+        rescale = rec.base in ("div", "mul") and len(rec.in_bytes) == 1 and rec.owner.endswith(".Attention")
+        if not (rescale and plan.free(rec.index)) and not (rec.base in _COPIES and rec.index in plan.removed):
+            return
+        chain.append(rec)
+        rec = _sole_consumer(records, rec)
+    add, source = rec, (chain[-1] if chain else gemm)
+    if add is None or len(add.in_bytes) != 2 or not plan.free(add.index):
+        return
+    if add.owner.rpartition(".")[2] not in RESIDUAL_OWNERS or any(plan.rule.get(c) == ADALN for c in add.consumers):
+        return
+    residual = _other_inputs(add, source.index)
+    if len(residual) != 1 or residual[0] != add.out_bytes or source.out_bytes != add.out_bytes:
+        return
+    savings = {r.index: r.bytes for r in chain if r.index not in plan.removed}
+    savings[add.index] = add.bytes - residual[0]
+    plan.claim(RESIDUAL, savings, removed=(*savings,))
 
 
 def _conv_epilogue(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> None:

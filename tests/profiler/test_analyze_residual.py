@@ -1,0 +1,55 @@
+"""The analytic model's ``GEMM epilogue (residual)`` fusion: which residual adds of UNet transformer blocks it
+projects as fused (those the ``residual_block`` rule and the token-order temporal forwards fuse), and which not."""
+
+import torch
+
+from ldmopt.profiler import analyze
+from ldmopt.profiler.fusions import ADALN, RESIDUAL, plan_fusions
+
+
+def _blocks(model, name):
+    return [m for m in model.modules() if type(m).__name__ == name]
+
+
+def _claimed_adds(a):
+    _saved, rule, removed, _stats = plan_fusions(a.records, frozenset(c.path for c in a.attention if c.kv_len == 1))
+    adds = [r for r in a.records if r.base == "add" and rule.get(r.index) == RESIDUAL]
+    assert all(r.index in removed for r in adds)
+    return adds
+
+
+def test_unet_blocks_three_residuals_each():
+    from ldmopt.configs import build_model
+
+    model = build_model("sd15", tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200")
+    blocks = len(_blocks(model, "BasicTransformerBlock"))
+    stat = a.fusions[RESIDUAL]
+    # attn1, attn2 and the feed-forward; each attention's "/ rescale_output_factor" goes too.
+    assert stat.count == 3 * blocks > 0
+    assert stat.ops_removed == 3 * blocks + 2 * blocks
+    assert all(r.owner.endswith(".BasicTransformerBlock") for r in _claimed_adds(a))
+    elementwise = a.categories["elementwise"]
+    assert elementwise.patched_bytes < elementwise.bytes
+
+
+def test_svd_single_key_attention_keeps_its_add():
+    # SVD's attn2 (one image-embedding key, spatial and temporal) runs the single-key shortcut: a broadcast add stays.
+    from ldmopt.configs import build_model
+
+    model = build_model("svd", tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200", frames=2)
+    spatial = len(_blocks(model, "BasicTransformerBlock"))
+    temporal = len(_blocks(model, "TemporalBasicTransformerBlock"))
+    # Spatial: attn1 + ff. Temporal: ff_in (is_res), attn1 + ff.
+    assert a.fusions[RESIDUAL].count == 2 * spatial + 3 * temporal
+    for add in _claimed_adds(a):
+        sources = [a.records[p] for p in add.producers if p >= 0]
+        assert sources and not any(".attn2" in r.path for r in sources), add
+
+
+def test_adaln_blocks_are_not_counted():
+    # PixArt's attn2 output is added inside the adaLN row kernel (adaln_block), not in a GEMM epilogue.
+    a = analyze("pixart-alpha", tiny=True, gpu="H200")
+    assert a.fusions[RESIDUAL].count == 0
+    assert a.fusions[ADALN].count > 0
