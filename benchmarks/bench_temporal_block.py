@@ -86,10 +86,6 @@ def _install_processors(module):
     return install
 
 
-def _max_rel_err(out, ref) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-
-
 @pytest.mark.parametrize("case", [c for c in CASES if not QUICK or c in QUICK_CASES])
 @pytest.mark.parametrize(
     "dtype", [torch.float16] if QUICK else [torch.float16, torch.bfloat16], ids=["fp16"] if QUICK else ["fp16", "bf16"]
@@ -127,7 +123,7 @@ def bench_temporal_block(case, dtype, mode, bench_recorder):
             if name == "ldmopt":
                 assert installed.blocks, f"nothing installed: {installed.skipped}"
             with torch.no_grad():
-                note = f"max rel err vs eager {_max_rel_err(fn(), reference):.1e}"
+                note = f"max rel err vs eager {harness.max_rel_err(fn(), reference):.1e}"
             timing, peak = harness.time_fn(run), harness.peak_memory(run)
             if name == "ldmopt" and any(f.fallback_reasons for f in installed.forwards.values()):
                 reasons = {r for f in installed.forwards.values() for r in f.fallback_reasons}

@@ -53,16 +53,11 @@ def _setup(case, dtype):
     return block, (hidden, context, temb, rotary)
 
 
-def _max_rel_err(out, ref) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-
-
 @pytest.mark.parametrize("case", [c for c in CASES if not QUICK or c in QUICK_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 @pytest.mark.parametrize("mode", ["fwd"] if QUICK else ["fwd", "fwd+bwd"])
 def bench_wan_block(case, dtype, mode, bench_recorder):
     pytest.importorskip("diffusers")
-    import ldmopt
 
     block, args = _setup(case, dtype)
     hidden = args[0]
@@ -70,34 +65,14 @@ def bench_wan_block(case, dtype, mode, bench_recorder):
     with torch.no_grad():
         reference = block(*args)
     stock = lambda: block(*args)
-    providers = {"eager": (stock, None), "ldmopt": (stock, ldmopt.patch)}
-    if not QUICK:
-        providers["compile"] = (harness.compiled(stock, mode="max-autotune-no-cudagraphs"), None)
     params, grad_out = (), None
     if mode == "fwd+bwd":
         block.train()
         hidden.requires_grad_(True)
         grad_out = torch.randn_like(reference)
         params = [hidden, *block.parameters()]
-    for name, (fn, install) in providers.items():
-        run = harness.step_of(fn, mode, params, grad_out)
-        report = None
-        try:
-            if install is not None:
-                report = install(block, training=mode == "fwd+bwd")
-                assert report.counts().get("wan_block") == report.counts().get("wan_qk_norm_rope") == 1, str(report)
-            with torch.no_grad():
-                note = f"max rel err vs eager {_max_rel_err(fn(), reference):.1e}"
-            timing, peak = harness.time_fn(run), harness.peak_memory(run)
-            if report is not None and report.fallbacks():
-                note += f"; fell back: {report.fallbacks()}"
-        except Exception as exc:  # a provider that cannot run is a row with the reason
-            timing, peak = None, None
-            note = f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
-        finally:
-            if report is not None:
-                ldmopt.unpatch(block)
-        bench_recorder.record(
-            op="wan_block", case=case, dtype=str(dtype).removeprefix("torch."), mode=mode, provider=name,
-            timing=timing, bytes=nbytes, peak_mem=peak, note=note,
-        )  # fmt: skip
+    harness.record_patch_providers(
+        bench_recorder, block, stock, reference, mode, params, grad_out,
+        expect={"wan_block": 1, "wan_qk_norm_rope": 1}, with_compile=not QUICK,
+        op="wan_block", case=case, dtype=str(dtype).removeprefix("torch."), bytes=nbytes,
+    )  # fmt: skip

@@ -119,6 +119,45 @@ def step_of(fn: Callable[[], torch.Tensor], mode: str, params=(), grad_out=None)
     return lambda: torch.autograd.grad(fn(), params, grad_out, allow_unused=True)
 
 
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|, the note every provider row carries against eager."""
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+def record_patch_providers(
+    recorder, module, stock: Callable, reference: torch.Tensor, mode: str, params=(), grad_out=None, *,
+    expect: dict[str, int], with_compile: bool, **row,
+) -> None:  # fmt: skip
+    """One row each for diffusers' ``module`` called by ``stock`` (eager), the same under ``ldmopt.patch`` (patched
+    only while timed; ``expect``: rule -> modules it must have replaced) and, ``with_compile``, torch.compile of the
+    stock call. A provider that cannot run is a row with the reason; fall-backs go in the note."""
+    import ldmopt
+
+    providers = {"eager": (stock, False), "ldmopt": (stock, True)}
+    if with_compile:
+        providers["compile"] = (compiled(stock, mode="max-autotune-no-cudagraphs"), False)
+    for name, (fn, patched) in providers.items():
+        run = step_of(fn, mode, params, grad_out)
+        report = None
+        try:
+            if patched:
+                report = ldmopt.patch(module, training=mode == "fwd+bwd")
+                counts = report.counts()
+                assert all(counts.get(rule) == n for rule, n in expect.items()), str(report)
+            with torch.no_grad():
+                note = f"max rel err vs eager {max_rel_err(fn(), reference):.1e}"
+            timing, peak = time_fn(run), peak_memory(run)
+            if report is not None and report.fallbacks():
+                note += f"; fell back: {report.fallbacks()}"
+        except Exception as exc:
+            timing, peak = None, None
+            note = f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
+        finally:
+            if report is not None:
+                ldmopt.unpatch(module)
+        recorder.record(provider=name, mode=mode, timing=timing, peak_mem=peak, note=note, **row)
+
+
 def compiled(fn: Callable, mode: str | None = "max-autotune", **kwargs) -> Callable:
     """torch.compile(fn) with ``mode`` (fullgraph off so baselines compile whatever they can)."""
     return torch.compile(fn, mode=mode, **kwargs)

@@ -65,7 +65,8 @@ BUDGET=$(stage_budget "$([ "$MODE" = "quick" ] && echo 330 || echo 3600)")
 # (the Wan block, RMSNorm), so that it can only lose its own rows to the budget.
 timeout -k 5 "$BUDGET" $PY -m pytest -q -p no:cacheprovider --timeout=300 \
   benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py benchmarks/bench_temporal_block.py \
-  benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py benchmarks/bench_training.py \
+  benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_transformer_block.py \
+  benchmarks/bench_e2e.py benchmarks/bench_training.py \
   benchmarks/bench_host_overhead.py benchmarks/bench_wan_block.py benchmarks/bench_rms_norm.py \
   2>&1 | tail -n 400 >"$RESULTS/pytest.txt"
 log "pytest exit: ${PIPESTATUS[0]} (124 = stopped at the ${BUDGET}s budget; rows so far are kept)"
