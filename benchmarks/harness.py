@@ -135,6 +135,9 @@ def record_patch_providers(
 
     providers = {"eager": (stock, False), "ldmopt": (stock, True)}
     if with_compile:
+        # Every case compiles the same code object: without a reset the recompile limit is hit after a few cases,
+        # and dynamo then runs the rest eagerly (a "compile" row that timed eager), or guesses dynamic shapes.
+        torch._dynamo.reset()
         providers["compile"] = (compiled(stock, mode="max-autotune-no-cudagraphs"), False)
     for name, (fn, patched) in providers.items():
         run = step_of(fn, mode, params, grad_out)

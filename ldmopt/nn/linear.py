@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.geglu import geglu
 from ..ops.linear import SUPPORTED_ACTIVATIONS, activation_torch, linear
-from .child_check import count_stock, plain_weight, readable
+from .child_check import count_reason, count_stock, hooked, plain_weight, readable
 
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -90,6 +90,17 @@ def ff_gated_residual(
     (``name``: the feed-forward's attribute in its block, for the report; ``out_dtype`` as in gated_residual_linear)."""
     h = ff.net[1](ff.net[0](x))
     return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2", out_dtype)
+
+
+def ff_residual(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``ff(x) + residual``, the add in ``ff.net[2]``'s GEMM epilogue when ``ff`` is diffusers' FeedForward
+    [act, dropout, Linear] without hooks, checked per call (else the stock call and add: final_dropout, a hooked or
+    replaced feed-forward; a wrapped ``net[2]`` is counted in ``fallback_reasons`` by ff_gated_residual)."""
+    reasons = feed_forward_reasons(ff) if type(ff).__name__ == "FeedForward" else [f"ff is {type(ff).__name__}"]
+    if reasons or hooked(ff):
+        count_reason("FeedForward", reasons[0] if reasons else "ff has hooks or a wrapped forward")
+        return ff(x) + residual
+    return ff_gated_residual(ff, x, None, residual)
 
 
 def _stock_gelu(x: Tensor, approximate: str) -> Tensor:

@@ -39,8 +39,8 @@ from torch import Tensor, nn
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
-from .child_check import hooked, readable, stock
-from .linear import feed_forward_reasons, ff_gated_residual, plain_layer_norm_reason
+from .child_check import readable, stock
+from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
     _stock_or_ours,
@@ -215,14 +215,6 @@ def container_reason(
 def _with_positions(pos_embed, x: Tensor) -> Tensor:
     # SinusoidalPositionalEmbedding adds pe[:, :F] along the sequence axis; here F is axis 1 of (B, F, N, C).
     return x if pos_embed is None else x + pos_embed.pe[:, : x.shape[1], None]
-
-
-def ff_residual(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
-    """``ff(x) + residual``, the add in ``ff.net[2]``'s GEMM epilogue when ``ff`` is diffusers' FeedForward
-    [act, dropout, Linear] without hooks (else the stock call and add)."""
-    if type(ff).__name__ != "FeedForward" or hooked(ff) or feed_forward_reasons(ff):
-        return ff(x) + residual
-    return ff_gated_residual(ff, x, None, residual)
 
 
 def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:

@@ -10,7 +10,9 @@
 A class swap (see rule.py): same instance, same children and parameters. Per call, an attention the mirrored
 processors do not serve (another processor, hooks on the attention module, extra attention kwargs, an output
 projection wrapped after patching, e.g. by a LoRA) runs as diffusers calls it, followed by the stock add, the reason
-counted in the report's fall-backs; feed-forward chunking, GLIGEN kwargs and 4-D hidden states run the stock forward.
+counted in the report's fall-backs; a feed-forward that is not diffusers' [act, dropout, Linear] (final_dropout) or
+is hooked runs as a module, followed by the add; feed-forward chunking, GLIGEN kwargs and 4-D hidden states run the
+stock forward.
 Tolerance: the linear op's (the fused path rounds once where the stock path rounds after the GEMM and after the add).
 """
 
@@ -23,7 +25,7 @@ from torch import nn
 
 from ..nn.attention_residual import sdpa_attention_residual as attend
 from ..nn.attention_residual import static_reason
-from ..nn.linear import ff_gated_residual
+from ..nn.linear import ff_residual
 from .rule import ClassSwapRule, Rule, Site, stock
 
 NORM_TYPES = ("layer_norm",)  # "layer_norm_i2vgen" blocks have no norm3: their stock forward cannot run
@@ -59,7 +61,7 @@ def _residual_block_forward(
         hidden_states = attend(
             self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask, where, "attn2", **kwargs
         )
-    return ff_gated_residual(self.ff, self.norm3(hidden_states), None, hidden_states)
+    return ff_residual(self.ff, self.norm3(hidden_states), hidden_states)
 
 
 class ResidualBlockRule(ClassSwapRule):
@@ -83,21 +85,14 @@ class ResidualBlockRule(ClassSwapRule):
             reason = None if attn is None else static_reason(attn, name)
             if reason:
                 reasons.append(reason)
-        net = getattr(block.ff, "net", None)
-        if type(block.ff).__name__ != "FeedForward" or not isinstance(net, nn.ModuleList) or len(net) != 3:
-            reasons.append("ff is not diffusers' FeedForward [act, dropout, Linear] (final_dropout or a custom one)")
         return reasons
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
-        # Only the block and its feed-forward (whose forward no longer runs; its children do). The output
-        # projections read instead of called (ff.net.2, attn*.to_out.0) are checked on every call instead, so a LoRA
-        # on one of them costs that one epilogue, not the block; the attention modules are still called whenever
-        # their processor is not the mirrored one, and other rules may give them processors.
-        block = site.module
-        return {"": block, "ff": block.ff}
-
-    def shallow(self, site: Site) -> set[str]:
-        return {"", "ff"}  # ff's children net.0 / net.1 are still called
+        # Only the block's own forward is replaced. What its fused path reads instead of calling (the attentions'
+        # to_out.0, the feed-forward and its net.2) is checked on every call, so a LoRA or hook on one of them costs
+        # that one epilogue, not the block; the attention modules are still called whenever their processor is not
+        # the mirrored one, and other rules may give them processors.
+        return {"": site.module}
 
     def methods(self, site: Site):
         return _residual_block_forward

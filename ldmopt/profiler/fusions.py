@@ -20,8 +20,12 @@ Rules (names as reported):
   a container's ``proj_out``) -> [the attention's ``/ rescale_output_factor``] -> [a permute copy another rule
   removed] -> add(residual). The add's read of the residual stays (in the epilogue). Not counted: an add whose sum
   feeds an adaLN modulation (``adaln_block`` fuses that add into its row kernel instead), the output projection of
-  a single-key attention (SVD's ``attn2``: its shortcut output is broadcast, the add stays). Approximation: a
-  BasicTransformerBlock with norm_type "ada_norm"/"ada_norm_continuous" (no ldmopt rule) would be counted.
+  a single-key attention (SVD's ``attn2``: its shortcut output is broadcast, the add stays). Approximations, counted
+  although the patched run keeps the stock add: a BasicTransformerBlock with norm_type "ada_norm" or
+  "ada_norm_continuous" (no ldmopt rule), a feed-forward with final_dropout, an attention with
+  rescale_output_factor != 1, a temporal container over more than 64 frames, and a container fed NCHW activations
+  (ModelScope's ``transformer_in`` after ``conv_in``: the patched run copies its input to channels-last, uncounted,
+  and keeps the proj_out add so that the output keeps the input's layout).
 - ``temporal permutes``: copies that materialise a frame-major layout in or next to a temporal block (the
   temporal attention kernel reads frames by stride).
 - ``RMSNorm (diffusers)``: diffusers' RMSNorm module runs eight ops (fp32 copy, square, mean, rsqrt, two

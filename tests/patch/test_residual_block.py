@@ -218,6 +218,30 @@ def test_per_call_fallbacks_match_stock(change, expected, fused_adds):
     assert report.backends()["linear"] == {"triton": fused_adds}, report.backends()
 
 
+@pytest.mark.parametrize("change", ["final_dropout", "hooked ff"])
+def test_feed_forward_kept_stock_attention_still_fused(change):
+    block = _block(final_dropout=change == "final_dropout")
+    hidden, context = _inputs()
+    stock_block = copy.deepcopy(block)
+    report = ldmopt.patch(block)
+    assert report.counts()["residual_block"] == 1
+    calls, stock_calls = [], []
+    if change == "hooked ff":  # e.g. diffusers' layer-skip guidance, added after patching
+        block.ff.register_forward_hook(lambda *a: calls.append(1))
+        stock_block.ff.register_forward_hook(lambda *a: stock_calls.append(1))
+    exact = _exact(stock_block, hidden, context)
+    stock_calls.clear()
+    fallback_reasons.clear()
+    with torch.no_grad():
+        ref = _call(stock_block, hidden, context)
+        with ldmopt.use_backend("triton"):
+            out = _call(block, hidden, context)
+    assert calls == stock_calls == ([1] if change == "hooked ff" else [])
+    assert any(r.startswith("FeedForward ran the stock path") for r in fallback_reasons), dict(fallback_reasons)
+    assert report.backends()["linear"] == {"triton": 2}, report.backends()  # both attentions' epilogues
+    assert_within_torch_error(out, exact, ref, change)
+
+
 def test_chunked_feed_forward_and_gligen_run_stock():
     block = _block()
     block.set_chunk_feed_forward(1, dim=0)
