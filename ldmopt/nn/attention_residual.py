@@ -53,6 +53,8 @@ def epilogue_reason(attn: nn.Module, name: str = "attn") -> str | None:
     out = attn.to_out
     if len(out) != 2 or _dropout_active(out[1]):
         return f"{name}.to_out is not [Linear, inactive Dropout]"
+    if hooked(out[1]):
+        return f"{name}.to_out.1 has hooks or a wrapped forward"
     if not readable(out[0]):
         return unreadable_reason(f"{name}.to_out.0", out[0])
     return None
@@ -115,12 +117,14 @@ def sdpa_attention_residual(
     residual: Tensor,
     encoder_hidden_states: Tensor | None = None,
     attention_mask: Tensor | None = None,
+    kwargs: dict | None = None,
     where: str = "Attention",
     name: str = "attn",
-    **kwargs,
 ) -> Tensor:
     """``attn(hidden_states, encoder_hidden_states, attention_mask, **kwargs) + residual``, the add in the output
-    projection's GEMM epilogue when the call is one the mirrored processors serve (see the module docstring)."""
+    projection's GEMM epilogue when the call is one the mirrored processors serve (see the module docstring).
+    ``kwargs``: the block's cross_attention_kwargs, passed on as a dict (any key, as diffusers passes them)."""
+    kwargs = kwargs or {}
     # "scale" is deprecated and ignored by the mirrored processors; a fall-back passes it on, as the stock block does.
     reason = call_reason(attn, hidden_states, {k: v for k, v in kwargs.items() if k != "scale"}, name)
     if reason is None and residual.shape != (*hidden_states.shape[:-1], attn.to_out[0].out_features):

@@ -48,9 +48,12 @@ class observed:  # lower case: used like a function, in a with statement
                     hook(self.module, self.args)
 
     def __exit__(self, *exc) -> None:
-        for hook in self.module._forward_hooks.values():
+        for hook_id, hook in self.module._forward_hooks.items():
             if getattr(hook, "_ldmopt_observer", False):
-                hook(self.module, self.args, None)
+                if self.module._forward_hooks_with_kwargs.get(hook_id):
+                    hook(self.module, self.args, self.kwargs, None)
+                else:
+                    hook(self.module, self.args, None)
 
 
 def _foreign(hooks: dict) -> bool:

@@ -96,9 +96,16 @@ def ff_residual(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     """``ff(x) + residual``, the add in ``ff.net[2]``'s GEMM epilogue when ``ff`` is diffusers' FeedForward
     [act, dropout, Linear] without hooks, checked per call (else the stock call and add: final_dropout, a hooked or
     replaced feed-forward; a wrapped ``net[2]`` is counted in ``fallback_reasons`` by ff_gated_residual)."""
-    reasons = feed_forward_reasons(ff) if type(ff).__name__ == "FeedForward" else [f"ff is {type(ff).__name__}"]
-    if reasons or hooked(ff):
-        count_reason("FeedForward", reasons[0] if reasons else "ff has hooks or a wrapped forward")
+    # Structure only: a wrapped or hooked net[2] is ff_gated_residual's per-call check (which, unlike the patch-time
+    # feed_forward_reasons, lets the profiler's observer hooks through).
+    net = getattr(ff, "net", None)
+    reason = None
+    if type(ff).__name__ != "FeedForward" or not isinstance(net, nn.ModuleList) or len(net) != 3:
+        reason = f"{type(ff).__name__} is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"
+    elif hooked(ff):
+        reason = "ff has hooks or a wrapped forward"
+    if reason is not None:
+        count_reason("FeedForward", reason)
         return ff(x) + residual
     return ff_gated_residual(ff, x, None, residual)
 

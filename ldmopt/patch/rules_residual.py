@@ -53,13 +53,13 @@ def _residual_block_forward(
     if self.pos_embed is not None:
         normed = self.pos_embed(normed)
     context = encoder_hidden_states if self.only_cross_attention else None
-    hidden_states = attend(self.attn1, normed, hidden_states, context, attention_mask, where, "attn1", **kwargs)
+    hidden_states = attend(self.attn1, normed, hidden_states, context, attention_mask, kwargs, where, "attn1")
     if self.attn2 is not None:
         normed = self.norm2(hidden_states)
         if self.pos_embed is not None:
             normed = self.pos_embed(normed)
         hidden_states = attend(
-            self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask, where, "attn2", **kwargs
+            self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask, kwargs, where, "attn2"
         )
     return ff_residual(self.ff, self.norm3(hidden_states), hidden_states)
 

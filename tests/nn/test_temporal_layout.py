@@ -43,6 +43,21 @@ def test_svd_block_in_bfnc_order_matches_stock(models, with_processors):
     assert_close(got, expected.double(), torch.float32, "svd block")
 
 
+def test_svd_block_epilogues_survive_the_profiler(models):
+    # ff_in, attn1 and ff add their residuals in GEMM epilogues, also under the profiler's observer hooks.
+    from ldmopt.nn.child_check import fallback_reasons
+    from ldmopt.profiler.scopes import ModuleScopes
+
+    temporal = copy.deepcopy(models["svd"].down_blocks[0].attentions[0].temporal_transformer_blocks[0])
+    x, context = torch.randn(2 * FRAMES, 6, 64), torch.randn(2 * 6, 1, 16)
+    report = ldmopt.patch(temporal)
+    fallback_reasons.clear()
+    with torch.no_grad(), ModuleScopes(temporal), ldmopt.use_backend("torch"):
+        temporal(x, num_frames=FRAMES, encoder_hidden_states=context)
+    assert not fallback_reasons, dict(fallback_reasons)
+    assert report.backends()["linear"] == {"torch": 3}, report.backends()
+
+
 def test_svd_block_issues_no_activation_copy(models):
     temporal = copy.deepcopy(models["svd"].down_blocks[0].attentions[0].temporal_transformer_blocks[0])
     x, context = torch.randn(2 * FRAMES, 6, 64), torch.randn(2 * 6, 1, 16)

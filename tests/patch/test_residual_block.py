@@ -268,3 +268,48 @@ def test_unet_blocks_patched_and_state_dict_unchanged():
     assert report.counts()["residual_block"] == len(blocks) > 0
     assert list(unet.state_dict()) == keys
     assert "residual" in ldmopt.patch.FAMILIES
+
+
+def test_any_cross_attention_kwargs_key_is_passed_on():
+    # Keys that are also helper parameter names must reach the attention (which drops what it does not take).
+    block = _block()
+    hidden, context = _inputs()
+    kwargs = dict(cross_attention_kwargs={"name": 1, "where": 2, "residual": 3, "kwargs": 4})
+    with torch.no_grad():
+        ref = _call(block, hidden, context, **kwargs)
+        ldmopt.patch(block)
+        with ldmopt.use_backend("torch"):
+            out = _call(block, hidden, context, **kwargs)
+    assert_close(out, ref.double(), torch.float32, "kwargs")
+
+
+def test_hook_on_output_dropout_runs():
+    block = _block()
+    hidden, context = _inputs()
+    stock_block = copy.deepcopy(block)
+    ldmopt.patch(block)
+    for b in (block, stock_block):  # a hook that changes the output: skipping it would show
+        b.attn1.to_out[1].register_forward_hook(lambda module, args, out: 0.5 * out)
+    exact = _exact(stock_block, hidden, context)
+    fallback_reasons.clear()
+    with torch.no_grad():
+        ref = _call(stock_block, hidden, context)
+        with ldmopt.use_backend("triton"):
+            out = _call(block, hidden, context)
+    assert any("attn1.to_out.1 has hooks" in r for r in fallback_reasons), dict(fallback_reasons)
+    assert_within_torch_error(out, exact, ref, "hooked dropout")
+
+
+def test_profiler_observers_keep_every_epilogue():
+    # The profiler's scope hooks sit on every module, to_out.0 and ff.net.2 included: they are observers, so a
+    # profiled block still runs (and measures) all three fused epilogues.
+    from ldmopt.profiler.scopes import ModuleScopes
+
+    block = _block()
+    hidden, context = _inputs()
+    report = ldmopt.patch(block)
+    fallback_reasons.clear()
+    with torch.no_grad(), ModuleScopes(block), ldmopt.use_backend("torch"):
+        _call(block, hidden, context)
+    assert not fallback_reasons, dict(fallback_reasons)
+    assert report.backends()["linear"] == {"torch": 3}, report.backends()
