@@ -18,6 +18,7 @@ path rounds after each op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,23 +35,43 @@ from ..ops.adaln_modulate import adaln_modulate
 from .rule import ClassSwapRule, Rule, Site, stock
 
 
-def _adaln_block_forward(
-    self,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    encoder_hidden_states: torch.Tensor | None = None,
-    encoder_attention_mask: torch.Tensor | None = None,
-    timestep: torch.LongTensor | None = None,
-    cross_attention_kwargs: dict[str, Any] | None = None,
-    class_labels: torch.LongTensor | None = None,
-    added_cond_kwargs: dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    kwargs = dict(cross_attention_kwargs or {})
-    if self._chunk_size is not None or "gligen" in kwargs or hidden_states.dim() != 3:
-        return stock(self)(
-            hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
-            cross_attention_kwargs, class_labels, added_cond_kwargs,
+def basic_block_forward(fused: Callable) -> Callable:
+    """A ``BasicTransformerBlock.forward`` with diffusers' signature that runs ``fused(self, hidden_states,
+    attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, kwargs, class_labels)`` (``kwargs``: a
+    copy of the cross-attention kwargs), or the stock forward for what no fused block path covers: feed-forward
+    chunking, GLIGEN kwargs, hidden states that are not (B, tokens, C)."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        timestep: torch.LongTensor | None = None,
+        cross_attention_kwargs: dict[str, Any] | None = None,
+        class_labels: torch.LongTensor | None = None,
+        added_cond_kwargs: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        kwargs = dict(cross_attention_kwargs or {})
+        if self._chunk_size is not None or "gligen" in kwargs or hidden_states.dim() != 3:
+            return stock(self)(
+                hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
+                cross_attention_kwargs, class_labels, added_cond_kwargs,
+            )  # fmt: skip
+        return fused(
+            self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, kwargs,
+            class_labels,
         )  # fmt: skip
+
+    forward.__name__ = forward.__qualname__ = fused.__name__
+    forward.__doc__ = fused.__doc__
+    return forward
+
+
+@basic_block_forward
+def _adaln_block_forward(
+    self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, kwargs, class_labels
+) -> torch.Tensor:
     kwargs.pop("scale", None)  # deprecated and ignored by diffusers too
     single = self.norm_type == "ada_norm_single"
     if single:

@@ -18,36 +18,22 @@ Tolerance: the linear op's (the fused path rounds once where the stock path roun
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from ..nn.attention_residual import sdpa_attention_residual as attend
 from ..nn.attention_residual import static_reason
 from ..nn.linear import ff_residual
-from .rule import ClassSwapRule, Rule, Site, stock
+from .rule import ClassSwapRule, Rule, Site
+from .rules_blocks import basic_block_forward
 
 NORM_TYPES = ("layer_norm",)  # "layer_norm_i2vgen" blocks have no norm3: their stock forward cannot run
 
 
+@basic_block_forward
 def _residual_block_forward(
-    self,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    encoder_hidden_states: torch.Tensor | None = None,
-    encoder_attention_mask: torch.Tensor | None = None,
-    timestep: torch.LongTensor | None = None,
-    cross_attention_kwargs: dict[str, Any] | None = None,
-    class_labels: torch.LongTensor | None = None,
-    added_cond_kwargs: dict[str, torch.Tensor] | None = None,
+    self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, kwargs, class_labels
 ) -> torch.Tensor:
-    kwargs = dict(cross_attention_kwargs or {})
-    if self._chunk_size is not None or "gligen" in kwargs or hidden_states.dim() != 3:
-        return stock(self)(
-            hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
-            cross_attention_kwargs, class_labels, added_cond_kwargs,
-        )  # fmt: skip
     where = type(self).__name__
     normed = self.norm1(hidden_states)
     if self.pos_embed is not None:
