@@ -63,7 +63,8 @@ def basic_block_forward(fused: Callable) -> Callable:
             class_labels,
         )  # fmt: skip
 
-    forward.__name__ = forward.__qualname__ = fused.__name__
+    # Pickled by reference (torch.save of a patched model): the module-level name the decorated function is bound to.
+    forward.__name__, forward.__qualname__, forward.__module__ = fused.__name__, fused.__qualname__, fused.__module__
     forward.__doc__ = fused.__doc__
     return forward
 
