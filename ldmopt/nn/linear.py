@@ -50,13 +50,18 @@ def plain_layer_norm_reason(name: str, norm: object) -> str | None:
     return None
 
 
+def feed_forward_shape_reason(ff: object, name: str = "ff") -> str | None:
+    """Why ``ff`` is not laid out as diffusers' FeedForward [act, dropout, Linear] (None when it is)."""
+    net = getattr(ff, "net", None)
+    if not isinstance(net, nn.ModuleList) or len(net) != 3:
+        return f"{name} is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"
+    return None
+
+
 def feed_forward_reasons(ff: object, name: str = "ff") -> list[str]:
     """Why a diffusers FeedForward cannot end in :func:`ff_gated_residual`'s GEMM epilogue (empty when it can);
     ``name``: its attribute in the block, for the messages."""
-    net = getattr(ff, "net", None)
-    if not isinstance(net, nn.ModuleList) or len(net) != 3:
-        return [f"{name} is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"]
-    reason = plain_linear_reason(f"{name}.net.2", net[2])
+    reason = feed_forward_shape_reason(ff, name) or plain_linear_reason(f"{name}.net.2", ff.net[2])
     return [reason] if reason else []
 
 
@@ -98,12 +103,10 @@ def ff_residual(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     replaced feed-forward; a wrapped ``net[2]`` is counted in ``fallback_reasons`` by ff_gated_residual)."""
     # Structure only: a wrapped or hooked net[2] is ff_gated_residual's per-call check (which, unlike the patch-time
     # feed_forward_reasons, lets the profiler's observer hooks through).
-    net = getattr(ff, "net", None)
-    reason = None
-    if type(ff).__name__ != "FeedForward" or not isinstance(net, nn.ModuleList) or len(net) != 3:
-        reason = f"{type(ff).__name__} is not [act, dropout, Linear] (final_dropout or a custom feed-forward)"
-    elif hooked(ff):
-        reason = "ff has hooks or a wrapped forward"
+    if type(ff).__name__ != "FeedForward":
+        reason = f"ff is {type(ff).__name__}, not diffusers' FeedForward"
+    else:
+        reason = feed_forward_shape_reason(ff) or ("ff has hooks or a wrapped forward" if hooked(ff) else None)
     if reason is not None:
         count_reason("FeedForward", reason)
         return ff(x) + residual

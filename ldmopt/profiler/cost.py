@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import categories as C
-from .fusions import FUSIONS, FusionStat, plan_fusions
+from .fusions import FUSIONS, FusionStat, plan_fusions, single_key_paths
 from .gpus import GPUSpec, dtype_key, get_gpu
 from .recorder import AttentionCall, AttentionRegions, OpRecord, Recorder
 from .scopes import ModuleScopes
@@ -288,8 +288,7 @@ def _record_dtype(rec: OpRecord, spec: GPUSpec, default: str) -> str:
 
 def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -> Analysis:
     records = recorder.records
-    single_key = frozenset(call.path for call in recorder.attention if call.kv_len == 1)
-    saved, _rule, removed, fusion_stats = plan_fusions(records, single_key)
+    saved, _rule, removed, fusion_stats = plan_fusions(records, single_key_paths(recorder.attention))
     cats = {c: CategoryCost() for c in C.CATEGORIES}
     for rec in records:
         cost = cats[rec.category]

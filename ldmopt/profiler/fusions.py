@@ -140,6 +140,12 @@ class _Plan:
             stat.ops_removed += 1
 
 
+def single_key_paths(calls) -> frozenset[str]:
+    """Paths of the attention modules among ``calls`` (recorder AttentionCalls) called with one key/value token: the
+    ``single_key`` argument of :func:`plan_fusions`."""
+    return frozenset(call.path for call in calls if call.kv_len == 1)
+
+
 def _sole_consumer(records: list[OpRecord], rec: OpRecord) -> OpRecord | None:
     consumers = set(rec.consumers)
     return records[consumers.pop()] if len(consumers) == 1 else None

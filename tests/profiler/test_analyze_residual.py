@@ -4,7 +4,7 @@ projects as fused (those the ``residual_block`` rule and the token-order tempora
 import torch
 
 from ldmopt.profiler import analyze
-from ldmopt.profiler.fusions import ADALN, RESIDUAL, plan_fusions
+from ldmopt.profiler.fusions import ADALN, RESIDUAL, plan_fusions, single_key_paths
 
 
 def _blocks(model, name):
@@ -12,7 +12,7 @@ def _blocks(model, name):
 
 
 def _claimed_adds(a):
-    _saved, rule, removed, _stats = plan_fusions(a.records, frozenset(c.path for c in a.attention if c.kv_len == 1))
+    _saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
     adds = [r for r in a.records if r.base == "add" and rule.get(r.index) == RESIDUAL]
     assert all(r.index in removed for r in adds)
     return adds
