@@ -3,8 +3,9 @@ part of its backward.
 
 Layout: x is addressed as [M, K] with arbitrary strides (M = samples x tokens), the weight as nn.Linear's [N, K] with
 arbitrary strides, y is a fresh contiguous [M, N]. gate is [B, N] (any strides) applied to row m through sample
-b = m // T (T = M / B tokens per sample); residual is [M, N] with any strides. fp32/fp16/bf16 in and out; fp32
-accumulation; int64 row offsets.
+b = m // T (T = M / B tokens per sample); residual is [M, N], or [B', T', N] with M = B' T' (a token stream whose
+sample and token axes do not merge into one row stride, e.g. a transposed patch embedding), with any strides.
+fp32/fp16/bf16 in and out; fp32 accumulation; int64 row offsets.
 Algorithm: one flat K loop of tl.dot over [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles in grouped tile order (L2 reuse
 of the weight columns), then bias, activation, gate and residual on the fp32 accumulator. Backward: a row-chunked
 elementwise kernel writes dz = act'(z) * gate * dy and per-chunk column sums for d(bias) and d(gate); the matmuls
@@ -95,17 +96,20 @@ def _linear_fwd_kernel(
     stride_wk,
     stride_gb,
     stride_gn,
-    stride_rm,
+    stride_rb,
+    stride_rt,
     stride_rn,
     M,
     N,
     K,
     T,
+    RES_T,  # residual rows per stride_rb step (RESIDUAL_3D)
     M_BUCKET,  # autotune key only
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_GATE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    RESIDUAL_3D: tl.constexpr,
     STORE_PRE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -143,7 +147,11 @@ def _linear_fwd_kernel(
         g = tl.load(gate_ptr + sample[:, None] * stride_gb + rn[None, :] * stride_gn, mask=mask, other=0.0)
         out = out * g.to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rm64[:, None] * stride_rm + rn[None, :] * stride_rn, mask=mask, other=0.0)
+        if RESIDUAL_3D:  # int32 div/mod (rows < 2^31), int64 offsets
+            r_rows = (rm // RES_T).to(tl.int64) * stride_rb + (rm % RES_T).to(tl.int64) * stride_rt
+        else:
+            r_rows = rm64 * stride_rt
+        r = tl.load(res_ptr + r_rows[:, None] + rn[None, :] * stride_rn, mask=mask, other=0.0)
         out = out + r.to(tl.float32)
     tl.store(y_ptr + out_offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -245,7 +253,7 @@ def linear_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in ``dtype``, by default the promoted
     dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
-    weight [N, K], gate [B, N] with M % B == 0, residual [M, N]; any strides."""
+    weight [N, K], gate [B, N] with M % B == 0, residual [M, N] or [B', T', N] (B' T' = M); any strides."""
     m, k = x.shape
     n = weight.shape[0]
     bias = None if bias is None else bias.contiguous()  # read with unit stride
@@ -253,7 +261,12 @@ def linear_fwd(
     pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=x.dtype)
     tokens = m // gate.shape[0] if gate is not None else m
     gs = gate.stride() if gate is not None else (0, 0)
-    rs = residual.stride() if residual is not None else (0, 0)
+    if residual is None:
+        res_t, rs = m, (0, 0, 0)
+    elif residual.dim() == 2:
+        res_t, rs = m, (0, *residual.stride())
+    else:
+        res_t, rs = residual.shape[1], residual.stride()
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
@@ -261,9 +274,10 @@ def linear_fwd(
     _linear_fwd_tuned[grid](
         y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
         residual if residual is not None else x, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        gs[0], gs[1], rs[0], rs[1], m, n, k, tokens, m_bucket(m),
+        gs[0], gs[1], rs[0], rs[1], rs[2], m, n, k, tokens, max(res_t, 1), m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
-        HAS_RESIDUAL=residual is not None, STORE_PRE=save_pre, INPUT_PRECISION=input_precision(x.dtype),
+        HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
+        STORE_PRE=save_pre, INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
 
@@ -322,20 +336,22 @@ def divisibility_attrs(fn, signature: dict, constexprs: dict, skip: tuple[str, .
     }
 
 
-def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre):
+def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False):
     bm, bn, bk, warps, stages = tile
     signature = {
         "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
         "b_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "stride_xm": "i32",
         "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32", "stride_gb": "i32", "stride_gn": "i32",
-        "stride_rm": "i32", "stride_rn": "i32", "M": "i32", "N": "i32", "K": "i32", "T": "i32", "M_BUCKET": "i32",
+        "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32", "M": "i32", "N": "i32", "K": "i32", "T": "i32",
+        "RES_T": "i32", "M_BUCKET": "i32",
     }  # fmt: skip
     constexprs = {
         "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "ACTIVATION": ACTIVATIONS[activation][0],
-        "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual, "STORE_PRE": store_pre,
+        "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual, "RESIDUAL_3D": residual_3d,
+        "STORE_PRE": store_pre,
         "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
     }  # fmt: skip
-    attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=("M", "T", "M_BUCKET"))
+    attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=("M", "T", "RES_T", "M_BUCKET"))
     return dict(name=name, fn=_linear_fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs,
                 num_warps=warps, num_stages=stages)  # fmt: skip
 
@@ -351,6 +367,8 @@ def aot_specs() -> list[dict]:
     specs.append(_fwd_spec("linear_fwd[bf16,gelu_tanh]", "bf16", main, "gelu_tanh", False, False, False))
     specs.append(_fwd_spec("linear_fwd[bf16,gate+residual]", "bf16", main, None, True, True, True))
     specs.append(_fwd_spec("linear_fwd[fp16,gelu,gate+residual]", "fp16", main, "gelu", True, True, True))
+    # An attention output projection's gated residual epilogue on a [B, T, N] residual of any strides.
+    specs.append(_fwd_spec("linear_fwd[fp16,gate+residual 3-D]", "fp16", main, None, True, True, False, True))
     specs.append(_fwd_spec("linear_fwd[fp32,gelu_tanh]", "fp32", (128, 128, 32, 8, 3), "gelu_tanh", False, False, True))
     block_m, block_n = bwd_tiles(4608)
     for dtype, act, gate in (("fp16", "gelu_tanh", False), ("bf16", None, True), ("fp16", "gelu", True)):

@@ -97,9 +97,10 @@ def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype):
     if gate is not None:
         out = (out.view(gate.shape[0], -1, out.shape[-1]) * gate.to(cd)[:, None, :]).view(out.shape)
     if residual is not None:
-        out = out + residual.to(cd)
+        out = out + residual.to(cd).reshape(out.shape)
     pre = z.to(x.dtype, copy=True) if save_pre else x.new_empty((0,))
-    return out.to(dtype or _out_dtype(x, gate, residual), copy=True), pre
+    # out is a fresh tensor (z itself at most, which pre copies): no copy needed to keep the outputs unaliased.
+    return out.to(dtype or _out_dtype(x, gate, residual)), pre
 
 
 def _bwd_torch(dy, pre, gate, activation, need_dgate):
@@ -161,8 +162,8 @@ def linear_fwd(
     dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor]:
     """(y [M, N], pre): x [M, K], weight [N, K], bias [N], gate [B, N] (rows grouped by sample, M % B == 0),
-    residual [M, N]. y has ``dtype``, by default the promoted dtype of x, gate and residual. pre = x W^T + bias
-    ([M, N] in x's dtype, saved for backward) when save_pre, else empty."""
+    residual [M, N] or [B', T', N] with B' T' = M (any strides). y has ``dtype``, by default the promoted dtype of
+    x, gate and residual. pre = x W^T + bias ([M, N] in x's dtype, saved for backward) when save_pre, else empty."""
     return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype)
 
 
@@ -189,9 +190,10 @@ def _(dy, pre, gate, activation, need_dgate):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, gate, _residual, activation, save_pre, _dtype = inputs
+    x, weight, bias, gate, residual, activation, save_pre, _dtype = inputs
     ctx.save_for_backward(x, weight, bias, gate, output[1] if save_pre else None)
     ctx.activation = activation or None
+    ctx.residual_shape = None if residual is None else residual.shape
     ctx.set_materialize_grads(False)
 
 
@@ -216,7 +218,8 @@ def _backward(ctx, dy, _dpre):
     dw = torch.matmul(dz.t(), x) if need_dw else None
     db = dbias.to(bias.dtype) if need_db else None
     dg = dgate.to(gate.dtype) if need_dgate else None
-    return dx, dw, db, dg, (dy if need_dres else None), None, None, None
+    dres = dy.reshape(ctx.residual_shape) if need_dres else None
+    return dx, dw, db, dg, dres, None, None, None
 
 
 register_autograd_keeping_backend(linear_fwd, _backward, _setup_context)
@@ -249,6 +252,21 @@ def check_linear_args(name: str, x: Tensor, weight: Tensor, bias: Tensor | None,
         check_tensor("bias", bias, ndim=(1,))
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"{name}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def _residual_rows(residual: Tensor, n: int) -> Tensor:
+    """The residual as [M, N] rows, else as [B', T', N] (a stream whose sample and token axes have no common row
+    stride, e.g. a transposed patch embedding: the kernel addresses both), viewed without a copy where possible."""
+    try:
+        return residual.view(-1, n)
+    except RuntimeError:
+        pass
+    if residual.dim() >= 3:
+        try:
+            return residual.view(-1, residual.shape[-2], n)
+        except RuntimeError:
+            pass
+    return residual.reshape(-1, n)
 
 
 def linear(
@@ -289,7 +307,7 @@ def linear(
             raise ValueError(f"residual must have the output's shape {out_shape}, got {tuple(residual.shape)}")
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
-        residual = residual.reshape(-1, n)
+        residual = _residual_rows(residual, n)
     x2 = x.reshape(-1, k)
     save_pre = (activation is not None or (gate is not None and gate.requires_grad)) and needs_grad(
         x, weight, bias, gate

@@ -70,6 +70,46 @@ def test_gate_shaped_b1n_and_no_bias():
     assert_close(y_gate_only, _reference(x.double(), w.double(), None, None, gate.double()), torch.float32)
 
 
+def _channels_major_residual(b, t, n, dtype):
+    """[B, T, N] with strides (N*T, 1, T): a transposed [B, N, T] tensor (Latte's patch embedding output), whose
+    sample and token axes have no common row stride."""
+    res = torch.randn(b, n, t, dtype=dtype).transpose(1, 2)
+    with pytest.raises(RuntimeError):
+        res.view(-1, n)
+    return res
+
+
+class _NoCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func.__name__.split(".")[0] not in ("clone", "copy_", "contiguous"), func
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_residual_read_in_place(dtype):
+    # The kernel addresses the residual by sample and token strides: no copy of it, forward or backward.
+    x, w, b, gate, _ = _inputs((3, 13, 40), 72, dtype, True)
+    res = _channels_major_residual(3, 13, 72, dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, gate)] + [res.detach().requires_grad_()]
+    dy = torch.randn(3, 13, 72, dtype=dtype)
+    with ldmopt.use_backend("triton"):
+        with _NoCopies():
+            y = linear(*leaves[:3], gate=leaves[3], residual=leaves[4])
+        y.backward(dy)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    expect = _reference(*ref[:3], None, *ref[3:])
+    expect.backward(dy.double())
+    lowp = [t.detach().clone().requires_grad_() for t in leaves]
+    stock = _reference(*lowp[:3], None, *lowp[3:])
+    stock.backward(dy)
+    assert_within_torch_error(y, expect, stock, f"strided residual {dtype}")
+    assert leaves[4].grad.shape == res.shape
+    for name, got, r, lp in zip(("dx", "dweight", "dbias", "dgate", "dresidual"), leaves, ref, lowp):
+        assert_within_torch_error(got.grad, r.grad, lp.grad, f"{name} {dtype}")
+    with ldmopt.use_backend("torch"):
+        assert_close(linear(x, w, b, gate=gate, residual=res), expect, dtype, "reference backend")
+
+
 @pytest.mark.parametrize("shape,n", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("activation,gated", [("gelu_tanh", False), (None, True), ("gelu", True), ("silu", False)])
@@ -230,6 +270,8 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, b, gate, res2, "gelu", True, None))
     torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, b, gate, res2, "gelu", True, torch.float16))
     torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, None, None, None, "", False, None))
+    strided = _channels_major_residual(2, 5, 16, torch.float32).requires_grad_()
+    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (x2, w, b, gate, strided, "", False, None))
     _, pre = torch.ops.ldmopt.linear_fwd(x2, w.detach(), b, gate.detach(), res2, "gelu", True, None)
     dy = torch.randn(10, 16)
     torch.library.opcheck(torch.ops.ldmopt.linear_bwd, (dy, pre, gate.detach(), "gelu", True))
