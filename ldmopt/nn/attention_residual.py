@@ -1,10 +1,13 @@
-"""A block's residual add moved into the GEMM epilogue of the attention's output projection.
+"""A block's residual add (and the adaLN gate before it) moved into the GEMM epilogue of the attention's output
+projection.
 
 UNet transformer blocks (SD1.5/SDXL/SVD/AnimateDiff ``BasicTransformerBlock``, "layer_norm") add the attention's
 output to the token stream: diffusers' processor runs ``to_out[0]`` (one GEMM writing the projection), ``to_out[1]``
 (dropout, p=0), ``/ rescale_output_factor`` (a full pass even when the factor is 1) and the block adds the residual
 (another pass reading two tensors). Here ``to_out[0]`` runs as ``ldmopt.ops.linear(core, W, b, residual=r)``: the
-GEMM writes ``r + core W^T + b`` once, in fp32 before its one rounding.
+GEMM writes ``r + core W^T + b`` once, in fp32 before its one rounding. adaLN blocks (DiT, PixArt: "ada_norm_zero",
+"ada_norm_single") multiply the attention output by a per-sample gate first: ``r + gate[b] * (core W^T + b)``, the
+same GEMM, which saves the gate's pass too.
 
 :func:`sdpa_attention_residual` reproduces diffusers' ``AttnProcessor2_0`` / ``FusedAttnProcessor2_0`` (the default
 processors of every ``Attention`` on torch 2) step by step (projections, mask preparation, q/k norms, SDPA without
@@ -22,6 +25,7 @@ from torch import Tensor, nn
 
 from ..ops.linear import linear
 from .child_check import count_reason, hooked, observed, readable, unreadable_reason
+from .linear import stock_gated_residual
 
 #: diffusers processors whose steps :func:`sdpa_attention_residual` reproduces (class names; exact types are checked).
 MIRRORED_PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0")
@@ -111,6 +115,15 @@ def sdpa_core(attn: nn.Module, x: Tensor, context: Tensor | None, mask: Tensor |
     return out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(q.dtype)
 
 
+def _gate_reason(gate: Tensor | None, residual: Tensor, width: int) -> str | None:
+    if gate is None:
+        return None
+    per_sample = gate.dim() in (2, 3) and gate.shape[0] == residual.shape[0] and gate.shape[-1] == width
+    if not per_sample or (gate.dim() == 3 and gate.shape[1] != 1):
+        return f"gate shape {tuple(gate.shape)} is not one vector per sample ({residual.shape[0]}, 1, {width})"
+    return None
+
+
 def sdpa_attention_residual(
     attn: nn.Module,
     hidden_states: Tensor,
@@ -120,39 +133,46 @@ def sdpa_attention_residual(
     kwargs: dict | None = None,
     where: str = "Attention",
     name: str = "attn",
+    gate: Tensor | None = None,
 ) -> Tensor:
-    """``attn(hidden_states, encoder_hidden_states, attention_mask, **kwargs) + residual``, the add in the output
-    projection's GEMM epilogue when the call is one the mirrored processors serve (see the module docstring).
-    ``kwargs``: the block's cross_attention_kwargs, passed on as a dict (any key, as diffusers passes them)."""
+    """``residual + gate * attn(hidden_states, encoder_hidden_states, attention_mask, **kwargs)`` (no gate: ``attn(...)
+    + residual``), the gate and the add in the output projection's GEMM epilogue when the call is one the mirrored
+    processors serve (see the module docstring). ``kwargs``: the block's cross_attention_kwargs, passed on as a dict
+    (any key, as diffusers passes them). ``gate``: one vector per sample, (B, 1, C) or (B, C)."""
     kwargs = kwargs or {}
     # "scale" is deprecated and ignored by the mirrored processors; a fall-back passes it on, as the stock block does.
     reason = call_reason(attn, hidden_states, {k: v for k, v in kwargs.items() if k != "scale"}, name)
-    if reason is None and residual.shape != (*hidden_states.shape[:-1], attn.to_out[0].out_features):
+    width = attn.to_out[0].out_features if reason is None else None
+    if reason is None and residual.shape != (*hidden_states.shape[:-1], width):
         reason = f"residual shape {tuple(residual.shape)} is not the attention output's"
+    if reason is None:
+        reason = _gate_reason(gate, residual, width)
     if reason is not None:
         if not _ldmopt_processor(attn.processor):  # ldmopt's own processors are a fused path, not a fall-back
             count_reason(where, reason)
         out = attn(hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask, **kwargs)
-        return out + residual
+        return stock_gated_residual(out, gate, residual)
     context = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
     with observed(attn, (hidden_states,), context):
         core = sdpa_core(attn, hidden_states, encoder_hidden_states, attention_mask)
         layer = attn.to_out[0]
-        return linear(core, layer.weight, layer.bias, residual=residual)
+        return linear(core, layer.weight, layer.bias, gate=gate, residual=residual)
 
 
-def project_out(attn: nn.Module, core: Tensor, x: Tensor, residual: Tensor | None, where: str) -> Tensor:
+def project_out(
+    attn: nn.Module, core: Tensor, x: Tensor, residual: Tensor | None, where: str, gate: Tensor | None = None
+) -> Tensor:
     """What a processor does after the attention core ``core`` (..., heads * head_dim) of input ``x``: to_out,
-    residual_connection and rescale_output_factor; plus ``residual`` when given, in the GEMM epilogue when
-    :func:`epilogue_reason` allows, else as the stock add (counted)."""
+    residual_connection and rescale_output_factor; plus ``residual`` (after the per-sample ``gate``) when given, in
+    the GEMM epilogue when :func:`epilogue_reason` allows, else as the stock ops (counted)."""
     if residual is not None:
-        reason = epilogue_reason(attn)
+        reason = epilogue_reason(attn) or _gate_reason(gate, residual, attn.to_out[0].out_features)
         if reason is None:
             layer = attn.to_out[0]
-            return linear(core, layer.weight, layer.bias, residual=residual)
+            return linear(core, layer.weight, layer.bias, gate=gate, residual=residual)
         count_reason(where, reason)
     out = attn.to_out[1](attn.to_out[0](core))
     if attn.residual_connection:
         out = out + x
     out = out / attn.rescale_output_factor
-    return out if residual is None else out + residual
+    return out if residual is None else stock_gated_residual(out, gate, residual)

@@ -103,13 +103,19 @@ def unsupported_reason(attn) -> str | None:
 
 
 def temporal_self_attention(
-    attn, x: Tensor, context: Tensor | None, bfn: tuple[int, int, int], residual: Tensor | None = None
+    attn,
+    x: Tensor,
+    context: Tensor | None,
+    bfn: tuple[int, int, int],
+    residual: Tensor | None = None,
+    gate: Tensor | None = None,
 ) -> Tensor:
     """What an Attention module computes on token-major activations ``x`` of shape (..., C), with the attention over
     frames done by the strided kernel: ``x.view(*bfn, C)`` must index tokens as (B, F, N); ``context`` (same shape)
     gives the keys and values instead of ``x`` when not None. Projections (fused or not), per-head norm_q/norm_k,
     ``attn.scale``, to_out, residual_connection and rescale_output_factor as diffusers applies them; no copies.
-    ``residual`` (the block's token stream, x's shape) is added in to_out's GEMM epilogue when given.
+    ``residual`` (the block's token stream, x's shape) is added in to_out's GEMM epilogue when given, after the
+    per-sample ``gate`` ((B, 1, C), adaLN blocks) when given.
     """
     heads, c = attn.heads, attn.inner_dim
     fused = attn.fused_projections
@@ -134,7 +140,7 @@ def temporal_self_attention(
         k = attn.norm_k(k)
     out = temporal_attention(q, k, v, scale=attn.scale)
     # The output is torch.empty_like(q): token-major whenever q is a dense view or a qkv slice.
-    return project_out(attn, out.reshape(*x.shape[:-1], c), x, residual, "temporal attention")
+    return project_out(attn, out.reshape(*x.shape[:-1], c), x, residual, "temporal attention", gate)
 
 
 def single_key_attention(attn, context: Tensor, queries: Tensor | None = None) -> Tensor:

@@ -306,8 +306,8 @@ def _latte_temporal_block(block: nn.Module, x: Tensor, emb: Tensor, bfn: tuple[i
     chunks = (block.scale_shift_table[None] + emb.reshape(b, 6, -1)).chunk(6, dim=1)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
     normed = adaln_modulate(x, scale_msa, shift_msa, eps=block.norm1.eps)
-    pending = gate_msa * temporal_self_attention(block.attn1, normed, None, bfn)
-    normed, x = adaln_modulate(pending, scale_mlp, shift_mlp, residual=x, eps=block.norm2.eps, return_residual=True)
+    x = temporal_self_attention(block.attn1, normed, None, bfn, residual=x, gate=gate_msa)  # gated epilogue
+    normed = adaln_modulate(x, scale_mlp, shift_mlp, eps=block.norm2.eps)
     return ff_gated_residual(block.ff, normed, gate_mlp, x)
 
 

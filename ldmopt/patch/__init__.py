@@ -18,8 +18,9 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     | LongCat, Motif)                              |                           |
 | adaln              | adaln_zero(_single) | AdaLayerNormZero, -ZeroSingle                | LayerNorm + modulation    |
 | adaln              | adaln_continuous    | AdaLayerNormContinuous                       | LayerNorm + modulation    |
-| adaln              | adaln_block         | BasicTransformerBlock (ada_norm_zero/single) | residual+LN+modulation;   |
-|                    |                     |                                              | gated residual in FF GEMM |
+| adaln              | adaln_block         | BasicTransformerBlock (ada_norm_zero/single: | LN+modulation; attention  |
+|                    |                     | DiT, PixArt, Latte)                          | and FF (gated) residuals  |
+|                    |                     |                                              | in the output GEMMs       |
 | adaln              | joint_block         | JointTransformerBlock, FluxTransformerBlock  | the same, per stream      |
 | adaln              | flux_single_gated   | FluxSingleTransformerBlock                   | gated residual, proj_out  |
 | residual           | residual_block      | BasicTransformerBlock (layer_norm: SD1.5,    | attention and FF residual |

@@ -1,11 +1,13 @@
 """Transformer-block rules (family ``adaln``): adaLN modulation and gated residuals inside a block's forward.
 
 - ``adaln_block``: ``BasicTransformerBlock`` with ``norm_type`` "ada_norm_zero" (DiT) or "ada_norm_single" (PixArt,
-  Latte). The feed-forward's LayerNorm + ``(1 + scale) / shift`` runs as one ``adaln_modulate`` row kernel that
-  also adds the residual just before it; PixArt/Latte's ``scale_shift_table`` self-attention modulation likewise;
-  the feed-forward output projection runs as one GEMM with the gated residual ``h + gate * (x W^T + b)`` in its
-  epilogue. The attention modules, ``norm1`` of ada_norm_zero (its own rule) and ``ff.net[0]`` (the feed-forward
-  rules) are called as before.
+  Latte). The feed-forward's LayerNorm + ``(1 + scale) / shift`` runs as one ``adaln_modulate`` row kernel;
+  PixArt/Latte's ``scale_shift_table`` self-attention modulation likewise. Every residual add is in a GEMM epilogue:
+  the self-attention's gated ``h + gate * (o W^T + b)`` and the cross-attention's ``h + o W^T + b`` in ``to_out.0``
+  (``ldmopt.nn.attention_residual``: diffusers' default processor reproduced up to ``to_out``, with per-call
+  fall-backs to the attention module and the stock ops), the feed-forward's gated residual in ``ff.net[2]``. The
+  attention projections, ``norm1`` of ada_norm_zero (its own rule) and ``ff.net[0]`` (the feed-forward rules) are
+  called as before.
 - ``joint_block``: SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: the same two fusions for the
   image and the context stream (the attention runs as before).
 - ``flux_single_gated``: ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(...)`` as one GEMM epilogue.
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nn.attention_residual import sdpa_attention_residual as attend
 from ..nn.linear import (
     feed_forward_reasons,
     ff_gated_residual,
@@ -89,38 +92,31 @@ def _adaln_block_forward(
         ff_norm = self.norm3
     if self.pos_embed is not None:
         norm_hidden_states = self.pos_embed(norm_hidden_states)
-    attn_output = self.attn1(
-        norm_hidden_states,
-        encoder_hidden_states=encoder_hidden_states if self.only_cross_attention else None,
-        attention_mask=attention_mask,
-        **kwargs,
+    where = type(self).__name__
+    context = encoder_hidden_states if self.only_cross_attention else None
+    # h + gate * attn1(...) and h + attn2(...): the gate and the adds in the output projections' GEMM epilogues.
+    hidden_states = attend(
+        self.attn1, norm_hidden_states, hidden_states, context, attention_mask, kwargs, where, "attn1", gate=gate_msa
     )
-    # The residual add that precedes the feed-forward norm happens inside adaln_modulate (returned as the sum).
-    pending = gate_msa * attn_output
     if self.attn2 is not None:
-        hidden_states = pending + hidden_states
         if single:
-            norm_hidden_states = hidden_states
+            norm_hidden_states = hidden_states  # PixArt: no norm before the cross-attention
         else:
             norm_hidden_states = self.norm2(hidden_states)
             if self.pos_embed is not None:
                 norm_hidden_states = self.pos_embed(norm_hidden_states)
-        pending = self.attn2(
-            norm_hidden_states,
-            encoder_hidden_states=encoder_hidden_states,
-            attention_mask=encoder_attention_mask,
-            **kwargs,
-        )
-    norm_hidden_states, hidden_states = adaln_modulate(
-        pending, scale_mlp, shift_mlp, residual=hidden_states, eps=ff_norm.eps, return_residual=True
-    )
+        hidden_states = attend(
+            self.attn2, norm_hidden_states, hidden_states, encoder_hidden_states, encoder_attention_mask, kwargs,
+            where, "attn2",
+        )  # fmt: skip
+    norm_hidden_states = adaln_modulate(hidden_states, scale_mlp, shift_mlp, eps=ff_norm.eps)
     return ff_gated_residual(self.ff, norm_hidden_states, gate_mlp, hidden_states)
 
 
 class AdaLNBlockRule(ClassSwapRule):
     name = "adaln_block"
     family = "adaln"
-    description = "adaLN block: residual+LayerNorm+modulation in one row kernel, FF out GEMM with gated residual"
+    description = "adaLN block: LayerNorm+modulation row kernels; attention and FF residuals in the output GEMMs"
     checked_in_forward = ("ff.net.2",)
 
     def targets(self) -> tuple[type, ...]:

@@ -14,13 +14,14 @@ Rules (names as reported):
 - ``GEGLU tail``: GEMM -> chunk -> gelu(gate) * hidden: one GEMM with two accumulators writes I columns, not 2I.
 - ``GEMM + GELU epilogue``: GEMM -> gelu (GELU-tanh feed-forwards of DiT/PixArt/SD3/Flux, Flux ``proj_mlp``).
 - ``adaLN (LayerNorm + modulate)``: layer_norm -> mul(1 + scale) -> add(shift) in one row kernel.
-- ``GEMM epilogue (gated residual)``: GEMM -> mul(gate) -> add(residual).
+- ``GEMM epilogue (gated residual)``: GEMM -> [the attention's ``/ rescale_output_factor``, removed] -> mul(gate)
+  -> add(residual): the feed-forward and attention outputs of adaLN blocks (DiT, PixArt, SD3, Flux, Wan).
 - ``GEMM epilogue (residual)``: the un-gated residual adds of UNet transformer blocks (``residual_block``) and of
   the temporal blocks and containers run in token order (``temporal_layout``): GEMM (``to_out.0``, ``ff.net.2``,
   a container's ``proj_out``) -> [the attention's ``/ rescale_output_factor``] -> [a permute copy another rule
-  removed] -> add(residual). The add's read of the residual stays (in the epilogue). Not counted: an add whose sum
-  feeds an adaLN modulation (``adaln_block`` fuses that add into its row kernel instead), the output projection of
-  a single-key attention (SVD's ``attn2``: its shortcut output is broadcast, the add stays). Approximations, counted
+  removed] -> add(residual), and PixArt's cross-attention add (``adaln_block``). The add's read of the residual
+  stays (in the epilogue). Not counted: the output projection of a single-key attention (SVD's ``attn2``: its
+  shortcut output is broadcast, the add stays). Approximations, counted
   although the patched run keeps the stock add: a BasicTransformerBlock with norm_type "ada_norm" or
   "ada_norm_continuous" (no ldmopt rule), a feed-forward with final_dropout, an attention with
   rescale_output_factor != 1, a temporal container over more than 64 frames, and a container fed NCHW activations
@@ -252,13 +253,17 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
         return
     # The activation comes from the largest GEMM; the gate may come from another (the adaLN projection). Wan casts
     # the GEMM output to fp32 first (ff(x).float() * gate): look through that one cast.
-    direct = {p: _through_cast(records, records[p], mul.index) for p in mul.producers if p >= 0}
+    # An attention's "/ rescale_output_factor" pass may sit between (adaLN blocks' gated attention output).
+    direct = {
+        p: _through_cast(records, _through_rescale(records, records[p]), mul.index) for p in mul.producers if p >= 0
+    }
     gemms = [(p, r) for p, r in direct.items() if r.base in _GEMMS and r.category == C.LINEAR]
     source, gemm = max(gemms, key=lambda pr: pr[1].out_bytes, default=(-1, None))
     if gemm is None or set(records[source].consumers) != {mul.index}:
         return
     if source != gemm.index and set(gemm.consumers) != {source}:
         return  # the GEMM output is read elsewhere too: it must be written anyway
+    rescale = records[source] if _is_rescale(records[source]) else None
     gate = _other_inputs(mul, source)
     add = _sole_consumer(records, mul)
     if not gate or max(gate) >= gemm.out_bytes or add is None or add.base != "add" or not plan.free(add.index):
@@ -266,8 +271,10 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
     residual = _other_inputs(add, mul.index)
     if len(residual) != 1 or residual[0] < gemm.out_bytes:
         return
-    plan.claim(GATED_RESIDUAL, {mul.index: mul.bytes - sum(gate), add.index: add.bytes - residual[0]},
-               removed=(mul.index, add.index))  # fmt: skip
+    savings = {mul.index: mul.bytes - sum(gate), add.index: add.bytes - residual[0]}
+    if rescale is not None and plan.free(rescale.index):
+        savings[rescale.index] = rescale.bytes
+    plan.claim(GATED_RESIDUAL, savings, removed=tuple(savings))
 
 
 def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, single_key: frozenset[str]) -> None:
@@ -276,15 +283,14 @@ def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, sin
     chain: list[OpRecord] = []  # the rescale pass, removed here; permute copies another rule already removed
     rec = _sole_consumer(records, gemm)
     while rec is not None and rec.base != "add":
-        rescale = rec.base in ("div", "mul") and len(rec.in_bytes) == 1 and rec.owner.endswith(".Attention")
-        if not (rescale and plan.free(rec.index)) and not (rec.base in _COPIES and rec.index in plan.removed):
+        if not (_is_rescale(rec) and plan.free(rec.index)) and not (rec.base in _COPIES and rec.index in plan.removed):
             return
         chain.append(rec)
         rec = _sole_consumer(records, rec)
     add, source = rec, (chain[-1] if chain else gemm)
     if add is None or len(add.in_bytes) != 2 or not plan.free(add.index):
         return
-    if add.owner.rpartition(".")[2] not in RESIDUAL_OWNERS or any(plan.rule.get(c) == ADALN for c in add.consumers):
+    if add.owner.rpartition(".")[2] not in RESIDUAL_OWNERS:
         return
     residual = _other_inputs(add, source.index)
     if len(residual) != 1 or residual[0] != add.out_bytes or source.out_bytes != add.out_bytes:
@@ -323,6 +329,20 @@ def _temporal_permute(plan: _Plan, records: list[OpRecord], copy: OpRecord) -> N
     neighbours = [records[p] for p in copy.producers if p >= 0] + [records[c] for c in copy.consumers]
     if copy.temporal or any(r.temporal for r in neighbours):
         plan.claim(TEMPORAL_PERMUTES, {copy.index: copy.bytes}, removed=(copy.index,))
+
+
+def _is_rescale(rec: OpRecord) -> bool:
+    """diffusers' attention processors' ``/ rescale_output_factor`` (a scalar divide or multiply)."""
+    return rec.base in ("div", "mul") and len(rec.in_bytes) == 1 and rec.owner.endswith(".Attention")
+
+
+def _through_rescale(records: list[OpRecord], rec: OpRecord) -> OpRecord:
+    """The GEMM behind ``rec`` when ``rec`` is an attention's rescale pass, read by nothing else, of that GEMM."""
+    if _is_rescale(rec) and rec.producers and rec.producers[0] >= 0:
+        gemm = records[rec.producers[0]]
+        if gemm.base in _GEMMS and set(gemm.consumers) == {rec.index}:
+            return gemm
+    return rec
 
 
 def _is_cast(rec: OpRecord) -> bool:

@@ -1,5 +1,6 @@
-"""The analytic model's ``GEMM epilogue (residual)`` fusion: which residual adds of UNet transformer blocks it
-projects as fused (those the ``residual_block`` rule and the token-order temporal forwards fuse), and which not."""
+"""The analytic model's ``GEMM epilogue (residual)`` and ``(gated residual)`` fusions: which residual adds of
+transformer blocks it projects as fused (those the ``residual_block`` and ``adaln_block`` rules and the token-order
+temporal forwards fuse), and which not."""
 
 import torch
 
@@ -48,8 +49,18 @@ def test_svd_single_key_attention_keeps_its_add():
         assert sources and not any(".attn2" in r.path for r in sources), add
 
 
-def test_adaln_blocks_are_not_counted():
-    # PixArt's attn2 output is added inside the adaLN row kernel (adaln_block), not in a GEMM epilogue.
-    a = analyze("pixart-alpha", tiny=True, gpu="H200")
-    assert a.fusions[RESIDUAL].count == 0
+def test_adaln_blocks_attention_epilogues():
+    # PixArt (adaln_block): attn1's gated residual and attn2's add in the output projections' epilogues, each
+    # attention's "/ rescale_output_factor" removed with them; the feed-forward's gated residual likewise.
+    from ldmopt.configs import build_model
+    from ldmopt.profiler.fusions import GATED_RESIDUAL
+
+    model = build_model("pixart-alpha", tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200")
+    blocks = len(_blocks(model, "BasicTransformerBlock"))
+    assert a.fusions[RESIDUAL].count == blocks > 0  # attn2
+    assert a.fusions[GATED_RESIDUAL].count == 2 * blocks  # attn1, ff
     assert a.fusions[ADALN].count > 0
+    _saved, _rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
+    rescales = [r for r in a.records if r.base == "div" and r.owner.endswith(".Attention")]
+    assert len(rescales) == 2 * blocks and all(r.index in removed for r in rescales)

@@ -1,0 +1,166 @@
+"""The ``adaln_block`` rule's attention epilogues: in DiT ("ada_norm_zero") and PixArt/Latte ("ada_norm_single")
+blocks, the self-attention's gated residual ``h + gate * attn1(...)`` and the cross-attention's ``h + attn2(...)`` run
+in the output projections' GEMM epilogues. Against diffusers' own block (its default processor) in fp64, fp32 and
+fp16, forward and backward, with masks and per-call fall-backs."""
+
+import copy
+
+import pytest
+import torch
+
+import ldmopt
+from ldmopt.nn.child_check import fallback_reasons
+from tests.patch.helpers import assert_fused_grads_match_stock, assert_same_snapshot, snapshot
+from tests.tolerances import assert_close, assert_within_torch_error
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
+from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
+
+DIM, CONTEXT_DIM, TOKENS, CONTEXT_TOKENS, BATCH = 40, 24, 37, 7, 3
+# Linear GEMMs per block call: the GELU projection, one per attention epilogue, the feed-forward output's.
+SITES = {"dit": 3, "pixart": 4, "latte": 3}
+
+
+def _block(kind: str) -> BasicTransformerBlock:
+    """Odd sizes (40 channels, 2 heads of 20), every weight drawn (the adaLN tables and the zero-initialised
+    projections too), so that a wrong gate or a dropped add shows."""
+    kwargs = dict(
+        dim=DIM, num_attention_heads=2, attention_head_dim=20, activation_fn="gelu-approximate",
+        norm_elementwise_affine=False,
+    )  # fmt: skip
+    if kind == "dit":
+        kwargs.update(norm_type="ada_norm_zero", num_embeds_ada_norm=1000)
+    else:
+        kwargs.update(norm_type="ada_norm_single", norm_eps=1e-6)
+        if kind == "pixart":
+            kwargs.update(cross_attention_dim=CONTEXT_DIM)
+    block = BasicTransformerBlock(**kwargs).eval()
+    if kind == "dit":  # no random class-label drop in training mode: stock and fused runs see the same labels
+        block.norm1.emb.class_embedder.dropout_prob = 0.0
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.3 * torch.randn_like(p))
+    return block
+
+
+def _inputs(kind: str, batch: int = BATCH) -> dict:
+    kw = dict(hidden_states=torch.randn(batch, TOKENS, DIM))
+    if kind == "dit":
+        kw.update(timestep=torch.randint(0, 1000, (batch,)), class_labels=torch.randint(0, 1000, (batch,)))
+    else:  # the model's t_embedder output: six modulation vectors per sample
+        kw.update(timestep=0.5 * torch.randn(batch, 6 * DIM))
+    if kind == "pixart":
+        kw.update(encoder_hidden_states=torch.randn(batch, CONTEXT_TOKENS, CONTEXT_DIM))
+    return kw
+
+
+def _exact(block, kw):
+    double = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+    with torch.no_grad():
+        return copy.deepcopy(block).double()(**double)
+
+
+def _patched_matches_stock(kind, block, kw, sites):
+    exact = _exact(block, kw)
+    with torch.no_grad():
+        ref = block(**kw)
+    before = snapshot(block)
+    report = ldmopt.patch(block)
+    assert report.counts()["adaln_block"] == 1, str(report)
+    fallback_reasons.clear()
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        out = block(**kw)
+    assert not report.fallbacks(), report.fallbacks()
+    assert report.backends()["linear"] == {"triton": sites}, report.backends()
+    assert_within_torch_error(out, exact, ref, f"{kind} block")
+    ldmopt.unpatch(block)
+    assert_same_snapshot(before, snapshot(block))
+
+
+@pytest.mark.parametrize("kind", ["dit", "pixart", "latte"])
+def test_block_matches_stock(kind):
+    _patched_matches_stock(kind, _block(kind), _inputs(kind), SITES[kind])
+
+
+def test_pixart_text_mask_matches_stock():
+    # PixArt passes the text padding as an additive bias per key (diffusers' mask preparation, per-head view).
+    kw = _inputs("pixart")
+    kw["encoder_attention_mask"] = torch.where(torch.rand(BATCH, 1, CONTEXT_TOKENS) < 0.3, -1e4, 0.0)
+    _patched_matches_stock("pixart", _block("pixart"), kw, SITES["pixart"])
+
+
+@pytest.mark.parametrize("kind", ["dit", "pixart"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_low_precision_within_torch_error(kind, dtype):
+    """The fused GEMM rounds once; diffusers rounds the projection, the gated product and the sum."""
+    block, kw = _block(kind), _inputs(kind)
+    exact = _exact(block, kw)
+    low = copy.deepcopy(block).to(dtype)
+    kw_low = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kw.items()}
+    with torch.no_grad():
+        stock = low(**kw_low)
+        report = ldmopt.patch(low)
+        with ldmopt.use_backend("triton"):
+            fused = low(**kw_low)
+    assert not report.fallbacks() and report.backends()["linear"] == {"triton": SITES[kind]}, report.backends()
+    assert fused.dtype == stock.dtype == dtype
+    assert_within_torch_error(fused, exact, stock, f"{kind} block {dtype}")
+
+
+@pytest.mark.parametrize("kind", ["dit", "pixart"])
+def test_gradients_match_stock(kind):
+    block = _block(kind).train()
+    kw = _inputs(kind, batch=2)
+    names = [k for k, v in kw.items() if v.is_floating_point()]
+
+    def call(module, *tensors):
+        return module(**{**kw, **dict(zip(names, tensors))})
+
+    assert_fused_grads_match_stock(block, call, [kw[k] for k in names], SITES[kind], op="linear")
+
+
+def test_compiles_fullgraph():
+    torch._dynamo.reset()
+    block, kw = _block("pixart"), _inputs("pixart")
+    report = ldmopt.patch(block)
+    with torch.no_grad():
+        eager = block(**kw)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(**kw)
+    assert_close(compiled, eager.double(), torch.float32, "compiled adaLN block")
+    assert not report.fallbacks(), report.fallbacks()
+
+
+@pytest.mark.parametrize(
+    "change,expected,fused",
+    [
+        ("processor", "attn1 runs AttnProcessor", 3),  # attn2 and the feed-forward stay fused
+        ("hook", "attn2 has hooks", 3),
+        ("ip-adapter kwargs", "attention kwargs", 2),  # both attentions fall back
+    ],
+)
+def test_per_call_fallbacks_match_stock(change, expected, fused):
+    """Changed after patching: the attention runs as diffusers calls it, then the stock gate and add, the reason
+    counted; the other epilogues stay fused."""
+    block, kw = _block("pixart"), _inputs("pixart")
+    stock_block = copy.deepcopy(block)
+    if change == "ip-adapter kwargs":  # dropped quietly by Attention.forward for the default processor
+        kw["cross_attention_kwargs"] = {"ip_adapter_masks": None}
+    report = ldmopt.patch(block)
+    calls, stock_calls = [], []
+    for b, log in ((block, calls), (stock_block, stock_calls)):
+        if change == "processor":
+            b.attn1.set_processor(AttnProcessor())
+        elif change == "hook":
+            b.attn2.register_forward_hook(lambda *a, log=log: log.append(1))
+    exact = _exact(stock_block, kw)
+    fallback_reasons.clear()
+    stock_calls.clear()  # the fp64 copy's hook ran too
+    with torch.no_grad():
+        ref = stock_block(**kw)
+        with ldmopt.use_backend("triton"):
+            out = block(**kw)
+    assert any(expected in r for r in fallback_reasons), list(fallback_reasons)
+    assert calls == stock_calls  # a hooked attention still ran as a module
+    assert_within_torch_error(out, exact, ref, change)
+    assert report.backends()["linear"] == {"triton": fused}, report.backends()
