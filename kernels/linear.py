@@ -5,6 +5,8 @@ Layout: x is addressed as [M, K] with arbitrary strides (M = samples x tokens), 
 arbitrary strides, y is a fresh contiguous [M, N]. gate is [B, N] (any strides) applied to row m through sample
 b = m // T (T = M / B tokens per sample); residual is [M, N], or [B', T', N] with M = B' T' (a token stream whose
 sample and token axes do not merge into one row stride, e.g. a transposed patch embedding), with any strides.
+The input may come in two parts, x [M, K] and x_tail [M, K2] (any strides), read as their concatenation along K
+against the weight's K + K2 columns: a concatenation made only for this GEMM is never written.
 fp32/fp16/bf16 in and out; fp32 accumulation; int64 row offsets.
 Algorithm: one flat K loop of tl.dot over [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles in grouped tile order (L2 reuse
 of the weight columns), then bias, activation, gate and residual on the fp32 accumulator. Backward: a row-chunked
@@ -82,6 +84,22 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def accumulate_k(
+    acc, a_ptrs, b_ptrs, rk, K, stride_ak, stride_bk, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr
+):
+    """acc + A B over K: A tiles [BLOCK_M, BLOCK_K] at a_ptrs, B tiles [BLOCK_K, BLOCK_N] at b_ptrs; only the K tail is
+    masked (rows and columns past the edge wrap onto valid ones)."""
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _linear_fwd_kernel(
     y_ptr,  # [M, N] contiguous
     pre_ptr,  # [M, N] contiguous: x W^T + bias, written when STORE_PRE (saved for backward)
@@ -90,6 +108,7 @@ def _linear_fwd_kernel(
     b_ptr,  # [N]
     gate_ptr,  # [B, N]
     res_ptr,  # [M, N]
+    x2_ptr,  # [M, K2] (HAS_TAIL): the input's last K2 columns
     stride_xm,
     stride_xk,
     stride_wn,
@@ -99,9 +118,12 @@ def _linear_fwd_kernel(
     stride_rb,
     stride_rt,
     stride_rn,
+    stride_x2m,
+    stride_x2k,
     M,
     N,
     K,
+    K2,
     T,
     RES_T,  # residual rows per stride_rb step (RESIDUAL_3D)
     M_BUCKET,  # autotune key only
@@ -110,6 +132,7 @@ def _linear_fwd_kernel(
     HAS_GATE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     RESIDUAL_3D: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
     STORE_PRE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -122,16 +145,16 @@ def _linear_fwd_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # Rows/columns past the edge wrap onto valid ones, so only the K tail needs a load mask; the store masks them.
-    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
-    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+    rows = (rm % M).to(tl.int64)
+    w_rows = (rn % N).to(tl.int64)[None, :] * stride_wn
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :] * stride_xk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk < K - k0
-        a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    acc = accumulate_k(acc, x_ptrs, w_ptr + w_rows + rk[:, None] * stride_wk, rk, K, stride_xk, stride_wk, BLOCK_K,
+                       INPUT_PRECISION)  # fmt: skip
+    if HAS_TAIL:  # the weight's last K2 columns against the second part of the input
+        x2_ptrs = x2_ptr + rows[:, None] * stride_x2m + rk[None, :] * stride_x2k
+        w2_ptrs = w_ptr + w_rows + (K + rk)[:, None] * stride_wk
+        acc = accumulate_k(acc, x2_ptrs, w2_ptrs, rk, K2, stride_x2k, stride_wk, BLOCK_K, INPUT_PRECISION)
 
     n_ok = rn < N
     mask = (rm < M)[:, None] & n_ok[None, :]
@@ -250,11 +273,15 @@ def linear_fwd(
     activation: str | None,
     save_pre: bool,
     dtype: torch.dtype | None = None,
+    x_tail: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in ``dtype``, by default the promoted
     dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
-    weight [N, K], gate [B, N] with M % B == 0, residual [M, N] or [B', T', N] (B' T' = M); any strides."""
+    weight [N, K], gate [B, N] with M % B == 0, residual [M, N] or [B', T', N] (B' T' = M); any strides. With
+    x_tail [M, K2] the input is [x | x_tail] and the weight [N, K + K2]."""
     m, k = x.shape
+    k2 = x_tail.shape[1] if x_tail is not None else 0
+    x2s = x_tail.stride() if x_tail is not None else (0, 0)
     n = weight.shape[0]
     bias = None if bias is None else bias.contiguous()  # read with unit stride
     y = new_output((m, n), device=x.device, dtype=dtype or out_dtype(x, gate, residual))
@@ -273,11 +300,12 @@ def linear_fwd(
 
     _linear_fwd_tuned[grid](
         y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
-        residual if residual is not None else x, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        gs[0], gs[1], rs[0], rs[1], rs[2], m, n, k, tokens, max(res_t, 1), m_bucket(m),
+        residual if residual is not None else x, x_tail if x_tail is not None else x, x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1], m, n, k, k2, tokens,
+        max(res_t, 1), m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
-        STORE_PRE=save_pre, INPUT_PRECISION=input_precision(x.dtype),
+        HAS_TAIL=x_tail is not None, STORE_PRE=save_pre, INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
 
@@ -336,18 +364,20 @@ def divisibility_attrs(fn, signature: dict, constexprs: dict, skip: tuple[str, .
     }
 
 
-def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False):
+def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False, tail=False):
     bm, bn, bk, warps, stages = tile
     signature = {
         "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
-        "b_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "stride_xm": "i32",
-        "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32", "stride_gb": "i32", "stride_gn": "i32",
-        "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32", "M": "i32", "N": "i32", "K": "i32", "T": "i32",
-        "RES_T": "i32", "M_BUCKET": "i32",
+        "b_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}",
+        "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32", "stride_gb": "i32",
+        "stride_gn": "i32", "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32", "stride_x2m": "i32",
+        "stride_x2k": "i32", "M": "i32", "N": "i32", "K": "i32", "K2": "i32", "T": "i32", "RES_T": "i32",
+        "M_BUCKET": "i32",
     }  # fmt: skip
     constexprs = {
-        "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "ACTIVATION": ACTIVATIONS[activation][0],
-        "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual, "RESIDUAL_3D": residual_3d,
+        "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "stride_x2k": 1,
+        "ACTIVATION": ACTIVATIONS[activation][0], "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual,
+        "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail,
         "STORE_PRE": store_pre,
         "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
     }  # fmt: skip
@@ -369,6 +399,13 @@ def aot_specs() -> list[dict]:
     specs.append(_fwd_spec("linear_fwd[fp16,gelu,gate+residual]", "fp16", main, "gelu", True, True, True))
     # An attention output projection's gated residual epilogue on a [B, T, N] residual of any strides.
     specs.append(_fwd_spec("linear_fwd[fp16,gate+residual 3-D]", "fp16", main, None, True, True, False, True))
+    # Flux's single-stream proj_out: [attention | MLP] read in two parts, gated residual epilogue.
+    specs.append(
+        _fwd_spec("linear_fwd[bf16,two-part x,gate+residual]", "bf16", main, None, True, True, False, False, True)
+    )
+    specs.append(
+        _fwd_spec("linear_fwd[fp16,two-part x,gelu_tanh]", "fp16", main, "gelu_tanh", False, False, True, False, True)
+    )
     specs.append(_fwd_spec("linear_fwd[fp32,gelu_tanh]", "fp32", (128, 128, 32, 8, 3), "gelu_tanh", False, False, True))
     block_m, block_n = bwd_tiles(4608)
     for dtype, act, gate in (("fp16", "gelu_tanh", False), ("bf16", None, True), ("fp16", "gelu", True)):

@@ -2,7 +2,8 @@
 
 Custom ops ``ldmopt::linear_fwd`` / ``ldmopt::linear_bwd``; backends triton (kernels/linear.py) and torch (reference,
 fp32 math; fp64 for fp64 inputs). Backward: dX and dW with torch.matmul, the elementwise part (activation derivative,
-gate, d(bias), d(gate)) in one Triton pass over dy and the saved pre-activation.
+gate, d(bias), d(gate)) in one Triton pass over dy and the saved pre-activation. The input may come in two parts
+(``x_tail``), read as their concatenation along channels without writing it.
 """
 
 from __future__ import annotations
@@ -90,9 +91,13 @@ def _out_dtype(x: Tensor, gate: Tensor | None, residual: Tensor | None) -> torch
     return dtype
 
 
-def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype):
+def _joined(x: Tensor, x_tail: Tensor | None) -> Tensor:
+    return x if x_tail is None else torch.cat([x, x_tail], dim=-1)
+
+
+def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None):
     cd = torch.float64 if _out_dtype(x, gate, residual) == torch.float64 else torch.float32
-    z = gemm_torch(x, weight, bias)
+    z = gemm_torch(_joined(x, x_tail), weight, bias)
     out = activation_torch(activation, z)
     if gate is not None:
         out = (out.view(gate.shape[0], -1, out.shape[-1]) * gate.to(cd)[:, None, :]).view(out.shape)
@@ -120,14 +125,14 @@ def _bwd_torch(dy, pre, gate, activation, need_dgate):
 # ------------------------------------------------------------------------------------------------ triton
 
 
-def _triton_refuse_fwd(x, weight, bias, gate, residual, *args) -> list[str]:
-    return triton_refusals(x, weight, bias, gate, residual, dtypes=TRITON_DTYPES)
+def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None) -> list[str]:
+    return triton_refusals(x, weight, bias, gate, residual, x_tail, dtypes=TRITON_DTYPES)
 
 
-def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype):
+def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None):
     from ldmopt.kernels.linear import linear_fwd as launch
 
-    return launch(x, weight, bias, gate, residual, activation, save_pre, dtype)
+    return launch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail)
 
 
 def _bwd_triton(dy, pre, gate, activation, need_dgate):
@@ -160,15 +165,17 @@ def linear_fwd(
     activation: str,
     save_pre: bool,
     dtype: torch.dtype | None,
+    x_tail: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(y [M, N], pre): x [M, K], weight [N, K], bias [N], gate [B, N] (rows grouped by sample, M % B == 0),
+    """(y [M, N], pre): x [M, K] (with x_tail [M, K2]: the input is [x | x_tail], weight [N, K + K2]), weight [N, K],
+    bias [N], gate [B, N] (rows grouped by sample, M % B == 0),
     residual [M, N] or [B', T', N] with B' T' = M (any strides). y has ``dtype``, by default the promoted dtype of
     x, gate and residual. pre = x W^T + bias ([M, N] in x's dtype, saved for backward) when save_pre, else empty."""
-    return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype)
+    return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail)
 
 
 @linear_fwd.register_fake
-def _(x, weight, bias, gate, residual, activation, save_pre, dtype):
+def _(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None):
     y = x.new_empty((x.shape[0], weight.shape[0]), dtype=dtype or _out_dtype(x, gate, residual))
     return y, (x.new_empty(y.shape) if save_pre else x.new_empty((0,)))
 
@@ -190,18 +197,20 @@ def _(dy, pre, gate, activation, need_dgate):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, gate, residual, activation, save_pre, _dtype = inputs
-    ctx.save_for_backward(x, weight, bias, gate, output[1] if save_pre else None)
+    x, weight, bias, gate, residual, activation, save_pre, _dtype, *tail = inputs
+    x_tail = tail[0] if tail else None
+    ctx.save_for_backward(x, weight, bias, gate, output[1] if save_pre else None, x_tail)
     ctx.activation = activation or None
     ctx.residual_shape = None if residual is None else residual.shape
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _dpre):
-    x, weight, bias, gate, pre = ctx.saved_tensors
+    x, weight, bias, gate, pre, x_tail = ctx.saved_tensors
     if dy is None:
-        return (None,) * 8
+        return (None,) * 9
     need_dx, need_dw, need_db, need_dgate, need_dres = ctx.needs_input_grad[:5]
+    need_dtail = len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8]
     activation = ctx.activation
     if activation is None and gate is None:
         dz, dgate = dy, None
@@ -209,17 +218,27 @@ def _backward(ctx, dy, _dpre):
     else:
         if (activation is not None or need_dgate) and pre is None:
             # Only when a caller asked for no saved pre-activation yet needs gradients: recompute it.
-            pre = gemm_torch(x, weight, bias).to(x.dtype)
+            pre = gemm_torch(_joined(x, x_tail), weight, bias).to(x.dtype)
         dz, dbias, dgate = call(linear_bwd, dy, pre if activation is not None or need_dgate else None, gate,
                                 activation or "", need_dgate)  # fmt: skip
     if dz.dtype != weight.dtype:
         dz = dz.to(weight.dtype)  # dy arrived in the promoted dtype (e.g. an fp32 residual stream under autocast)
-    dx = torch.matmul(dz, weight) if need_dx else None
-    dw = torch.matmul(dz.t(), x) if need_dw else None
+    k = x.shape[1]
+    if x_tail is None:
+        dx, dtail = (torch.matmul(dz, weight) if need_dx else None), None
+    elif need_dx or need_dtail:
+        dx_joined = torch.matmul(dz, weight)  # one GEMM; each part's gradient is a column view of it
+        dx, dtail = dx_joined[:, :k], dx_joined[:, k:]
+    else:
+        dx = dtail = None
+    dw = None
+    if need_dw:
+        dzt = dz.t()
+        dw = torch.matmul(dzt, x) if x_tail is None else torch.cat([dzt @ x, dzt @ x_tail], dim=1)
     db = dbias.to(bias.dtype) if need_db else None
     dg = dgate.to(gate.dtype) if need_dgate else None
     dres = dy.reshape(ctx.residual_shape) if need_dres else None
-    return dx, dw, db, dg, dres, None, None, None
+    return dx, dw, db, dg, dres, None, None, None, (dtail if need_dtail else None)
 
 
 register_autograd_keeping_backend(linear_fwd, _backward, _setup_context)
@@ -229,16 +248,18 @@ register_eager(linear_bwd)
 # ------------------------------------------------------------------------------------------------ public function
 
 
-def check_linear_args(name: str, x: Tensor, weight: Tensor, bias: Tensor | None, rows_multiple: int = 1) -> None:
-    """Shared checks of x [..., K], weight [N*rows_multiple, K] and bias [N*rows_multiple] (messages name ``name``)."""
+def check_linear_args(
+    name: str, x: Tensor, weight: Tensor, bias: Tensor | None, rows_multiple: int = 1, k: int | None = None
+) -> None:
+    """Shared checks of x [..., K], weight [N*rows_multiple, K] and bias [N*rows_multiple] (messages name ``name``;
+    ``k``: the input's width when x is only its first part)."""
+    k = x.shape[-1] if k is None else k
     check_tensor("x", x)
     if x.dim() < 1:
         raise ValueError(f"{name}: x must have at least 1 dim ([..., K]), got shape {tuple(x.shape)}")
     check_tensor("weight", weight, ndim=(2,))
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"{name}: weight has shape {tuple(weight.shape)}, expected (N, {x.shape[-1]}) for x with K={x.shape[-1]}"
-        )
+    if weight.shape[1] != k:
+        raise ValueError(f"{name}: weight has shape {tuple(weight.shape)}, expected (N, {k}) for x with K={k}")
     if weight.shape[0] % rows_multiple:
         raise ValueError(f"{name}: weight has {weight.shape[0]} rows, expected a multiple of {rows_multiple}")
     for arg, t in (("weight", weight), ("bias", bias)):
@@ -269,8 +290,33 @@ def _residual_rows(residual: Tensor, n: int) -> Tensor:
     return residual.reshape(-1, n)
 
 
+def _split_input(x: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """(x, x_tail): a tensor, or the two parts of an input concatenated along its last axis."""
+    if isinstance(x, torch.Tensor):
+        return x, None
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        count = len(x) if isinstance(x, (tuple, list)) else type(x).__name__
+        raise ValueError(
+            f"linear: x must be a tensor or a pair of tensors (concatenated along the last axis), got {count}"
+        )
+    head, tail = x
+    check_tensor("x[0]", head)
+    check_tensor("x[1]", tail)
+    if head.dim() < 1 or tail.shape[:-1] != head.shape[:-1]:
+        raise ValueError(
+            f"linear: x[1] has shape {tuple(tail.shape)}; it must match x[0] {tuple(head.shape)} in every axis but "
+            "the last"
+        )
+    if tail.dtype != head.dtype or tail.device != head.device:
+        raise TypeError(
+            f"linear: x[1] has dtype {tail.dtype} on {tail.device} but x[0] has {head.dtype} on {head.device}; "
+            "both parts must match"
+        )
+    return head, tail
+
+
 def linear(
-    x: Tensor,
+    x: Tensor | tuple[Tensor, Tensor],
     weight: Tensor,
     bias: Tensor | None = None,
     *,
@@ -281,9 +327,12 @@ def linear(
 ) -> Tensor:
     """``residual + gate[b] * act(x @ weight.T + bias)`` in one GEMM with a fused epilogue.
 
-    x is [..., K] (any leading dims), weight [N, K] and bias [N] as in nn.Linear, same dtype as x. ``activation``:
-    None, "gelu" (erf), "gelu_tanh" or "silu". ``gate`` (DiT/SD3/Flux gated residual) is one [N] vector per sample
-    x.shape[0], shaped (B, N) or (B, 1, N), broadcast over the tokens; for 2-D x it is one vector per row (M, N).
+    x is [..., K] (any leading dims), weight [N, K] and bias [N] as in nn.Linear, same dtype as x. x may also be a pair
+    ``(x_head, x_tail)`` of [..., K1] and [..., K2] tensors (K1 + K2 = K, same leading shape and dtype) read as their
+    concatenation along the last axis, which is never written (Flux's ``proj_out(cat([attn, mlp], -1))``).
+    ``activation``: None, "gelu" (erf), "gelu_tanh" or "silu". ``gate`` (DiT/SD3/Flux gated residual) is one [N]
+    vector per sample x.shape[0], shaped (B, N) or (B, 1, N), broadcast over the tokens; for 2-D x it is one vector
+    per row (M, N).
     ``residual`` has the output's shape [..., N]. Accumulation and epilogue in fp32, one rounding to x's dtype at the
     end. gate and residual may have another float dtype: the output takes the promoted dtype, as the unfused ops do, or
     ``out_dtype`` (one rounding of the fp32 epilogue, e.g. Wan's ``(h.float() + ff(x).float() * gate).type_as(h)``
@@ -291,11 +340,13 @@ def linear(
     Under torch.autocast x, weight and bias are cast to the autocast dtype first, as F.linear does. Tolerance versus
     an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
+    x, x_tail = _split_input(x)
     check_tensor("x", x)
-    x, weight, bias = autocast_operands(x, weight, bias)
-    check_linear_args("linear", x, weight, bias)
+    x, weight, bias, x_tail = autocast_operands(x, weight, bias, x_tail)
+    # The weight's K is checked against the joined width (both parts' channels).
+    check_linear_args("linear", x, weight, bias, k=x.shape[-1] + (0 if x_tail is None else x_tail.shape[-1]))
     check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
-    n, k = weight.shape
+    n = weight.shape[0]
     out_shape = (*x.shape[:-1], n)
     if gate is not None:
         if x.dim() < 2:
@@ -308,10 +359,11 @@ def linear(
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
         residual = _residual_rows(residual, n)
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, x.shape[-1])
+    tail2 = None if x_tail is None else x_tail.reshape(-1, x_tail.shape[-1])
     save_pre = (activation is not None or (gate is not None and gate.requires_grad)) and needs_grad(
-        x, weight, bias, gate
+        x, weight, bias, gate, x_tail
     )
     check_out_dtype(out_dtype)
-    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype)
+    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype, tail2)
     return y.view(out_shape)

@@ -1,0 +1,119 @@
+"""ldmopt.ops.linear with a two-part input ``(x_head, x_tail)``: the GEMM reads the concatenation along channels
+(Flux's single-stream ``proj_out(cat([attn, mlp], -1))``) without it being written. Interpreter and reference
+backend, against fp64 on the materialised concatenation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ldmopt
+from ldmopt.ops.linear import linear
+from tests.tolerances import assert_close, assert_within_torch_error
+
+# K1 = 24 and K2 = 40: neither a multiple of the interpreter's 32-wide K tile, so both K loops run a masked tail.
+K1, K2, N = 24, 40, 72
+
+
+def _inputs(shape, dtype, gated=True):
+    head = torch.randn((*shape, K1), dtype=dtype)
+    tail = torch.randn((*shape, K2), dtype=dtype)
+    weight = (torch.randn(N, K1 + K2, dtype=torch.float64) * (K1 + K2) ** -0.5).to(dtype)
+    bias = (0.5 * torch.randn(N, dtype=torch.float64)).to(dtype)
+    gate = torch.randn((shape[0], 1, N) if len(shape) == 2 else (shape[0], N), dtype=dtype) if gated else None
+    residual = torch.randn((*shape, N), dtype=dtype) if gated else None
+    return head, tail, weight, bias, gate, residual
+
+
+def _reference(head, tail, weight, bias, gate, residual, activation=None):
+    out = F.linear(torch.cat([head, tail], -1), weight, bias)
+    if activation == "gelu_tanh":
+        out = F.gelu(out, approximate="tanh")
+    if gate is not None:
+        out = out * gate
+    return out if residual is None else out + residual
+
+
+def _fused(head, tail, weight, bias, gate, residual, activation=None):
+    return linear((head, tail), weight, bias, activation=activation, gate=gate, residual=residual)
+
+
+@pytest.mark.parametrize("shape", [(3, 13), (37,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation,gated", [(None, True), ("gelu_tanh", False), ("gelu_tanh", True)])
+def test_forward_triton(shape, dtype, activation, gated):
+    inputs = _inputs(shape, dtype, gated)
+    with ldmopt.use_backend("triton"):
+        y = _fused(*inputs, activation)
+    assert y.shape == (*shape, N) and y.dtype == dtype
+    exact = _reference(*(t.double() if t is not None else None for t in inputs), activation)
+    assert_within_torch_error(y, exact, _reference(*inputs, activation), f"{shape} {dtype} {activation} {gated}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_triton_vs_autograd(dtype):
+    inputs = _inputs((3, 13), dtype)
+    dy = torch.randn(3, 13, N, dtype=dtype)
+    names = ("dhead", "dtail", "dweight", "dbias", "dgate", "dresidual")
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with ldmopt.use_backend("triton"):
+        _fused(*leaves, "gelu_tanh").backward(dy)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    _reference(*exact, "gelu_tanh").backward(dy.double())
+    stock = [t.detach().clone().requires_grad_() for t in inputs]
+    _reference(*stock, "gelu_tanh").backward(dy)
+    for name, got, e, s in zip(names, leaves, exact, stock):
+        assert got.grad.shape == got.shape and got.grad.dtype == dtype
+        assert_within_torch_error(got.grad, e.grad, s.grad, f"{name} {dtype}")
+
+
+def test_gradcheck_reference_fp64():
+    inputs = [t.requires_grad_() for t in _inputs((2, 3), torch.float64)]
+    with ldmopt.use_backend("torch"):
+        assert torch.autograd.gradcheck(lambda *t: _fused(*t, "gelu_tanh"), inputs)
+
+
+def test_reference_backend_and_strided_parts():
+    # Parts that are views with a row stride (slices of wider tensors) are read in place by the kernel.
+    head, tail, w, b, gate, res = _inputs((3, 13), torch.float32)
+    wide = torch.randn(3, 13, K2 + 8)
+    tail = wide[..., 8:]
+    exact = _reference(head.double(), tail.double(), w.double(), b.double(), gate.double(), res.double())
+    for backend in ("triton", "torch"):
+        with ldmopt.use_backend(backend):
+            assert_close(_fused(head, tail, w, b, gate, res), exact, torch.float32, backend)
+
+
+def test_opcheck():
+    head, tail, w, b, gate, res = _inputs((10,), torch.float32)
+    w.requires_grad_()
+    tail.requires_grad_()
+    op = torch.ops.ldmopt.linear_fwd
+    torch.library.opcheck(op, (head, w, b, gate, res, "gelu_tanh", True, None, tail))
+    torch.library.opcheck(op, (head, w, None, None, None, "", False, torch.float16, tail))
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    inputs = [t.requires_grad_() for t in _inputs((2, 5), torch.float32)]
+    compiled = torch.compile(lambda *t: _fused(*t, "gelu_tanh"), backend="aot_eager", fullgraph=True)
+    out = compiled(*inputs)
+    got = torch.autograd.grad(out.sum(), inputs)
+    expect = _reference(*inputs, "gelu_tanh")
+    want = torch.autograd.grad(expect.sum(), inputs)
+    assert_close(out, expect.detach().double(), torch.float32, "compiled forward")
+    for name, g, e in zip(("dhead", "dtail", "dw", "db", "dgate", "dres"), got, want):
+        assert_close(g, e.double(), torch.float32, f"compiled {name}")
+
+
+@pytest.mark.parametrize(
+    "parts,weight,match",
+    [
+        ((torch.randn(2, 8), torch.randn(2, 4), torch.randn(2, 4)), torch.randn(5, 16), "a pair of tensors"),
+        ((torch.randn(2, 8), torch.randn(3, 4)), torch.randn(5, 12), r"x\[1\] has shape \(3, 4\)"),
+        ((torch.randn(2, 8), torch.randn(2, 4)), torch.randn(5, 8), r"weight has shape \(5, 8\), expected \(N, 12\)"),
+        ((torch.randn(2, 8), torch.randn(2, 4).half()), torch.randn(5, 12), r"x\[1\] has dtype torch.float16"),
+    ],
+)
+def test_bad_parts_raise(parts, weight, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        linear(parts, weight)
