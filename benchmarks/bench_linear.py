@@ -3,6 +3,8 @@
 - GEGLU (SD UNets, AnimateDiff): one dual-accumulator GEMM writing I columns vs diffusers' proj -> chunk -> gelu -> mul.
 - GELU-tanh projection (PixArt, Flux): bias + GELU epilogue vs F.linear + F.gelu.
 - gated residual (DiT/PixArt attention output): ``res + gate[b] * (x W^T + b)`` in the GEMM epilogue.
+- two-part input (Flux single-stream ``proj_out``): ``res + gate[b] * ([attn | mlp] W^T + b)`` reading both parts in
+  place vs concatenating first (eager, and ldmopt's GEMM on the concatenation).
 - adaLN: residual add + LayerNorm + ``x * (1 + scale[b]) + shift[b]`` in one row kernel.
 
 FLOPs counted: 2*M*K*N per GEMM (x3 for forward+backward). Bytes counted for adaLN: x, residual read and y, s written
@@ -43,6 +45,7 @@ GELU_CASES = {
     "flux": (4608, 3072, 12288),
 }
 GATED_CASES = {"pixart-attn-out": (2, 4096, 1152, 1152)}  # (B, T, K, N)
+CONCAT_CASES = {"flux-single-proj-out": (1, 4608, 3072, 12288, 3072)}  # (B, T, K attention, K mlp, N); Flux runs bf16
 ADALN_CASES = {"pixart": (2, 4096, 1152)}  # (B, T, C)
 
 
@@ -171,6 +174,40 @@ def bench_linear_gated_residual(case, dtype_name, mode, bench_recorder):
     flops = 2 * bsz * t * k * n * (1 if mode == "fwd" else 3)
     _measure(bench_recorder, "linear_gated_residual", case, dtype_name, mode, providers, inputs, (x, w, b, gate),
              flops=flops)  # fmt: skip
+
+
+def _eager_concat_gated(attn, mlp, w, b, gate, res):
+    return res + gate[:, None, :] * F.linear(torch.cat([attn, mlp], dim=-1), w, b)
+
+
+def _ldmopt_concat_gated(attn, mlp, w, b, gate, res):
+    return linear((attn, mlp), w, b, gate=gate, residual=res)
+
+
+def _ldmopt_gated_on_cat(attn, mlp, w, b, gate, res):
+    return linear(torch.cat([attn, mlp], dim=-1), w, b, gate=gate, residual=res)
+
+
+@pytest.mark.parametrize("case", list(CONCAT_CASES))
+@pytest.mark.parametrize("dtype_name", ["bf16"])
+@pytest.mark.parametrize("mode", MODES)
+def bench_linear_concat_gated(case, dtype_name, mode, bench_recorder):
+    bsz, t, k_attn, k_mlp, n = CONCAT_CASES[case]
+    dtype, grad = DTYPES[dtype_name], mode == "fwd+bwd"
+    _, w, b = _params(1, k_attn + k_mlp, n, dtype, grad)
+    attn = torch.randn(bsz, t, k_attn, device=DEVICE, dtype=dtype, requires_grad=grad)
+    mlp = torch.randn(bsz, t, k_mlp, device=DEVICE, dtype=dtype, requires_grad=grad)
+    gate = torch.randn(bsz, n, device=DEVICE, dtype=dtype, requires_grad=grad)
+    res = torch.randn(bsz, t, n, device=DEVICE, dtype=dtype, requires_grad=grad)
+    inputs = (attn, mlp, w, b, gate, res)
+    providers = {
+        "ldmopt": _triton(_ldmopt_concat_gated),
+        "ldmopt-on-cat": _triton(_ldmopt_gated_on_cat),
+        "eager": _eager_concat_gated,
+    }
+    providers = _with_compile(providers, _eager_concat_gated, True)
+    flops = 2 * bsz * t * (k_attn + k_mlp) * n * (1 if mode == "fwd" else 3)
+    _measure(bench_recorder, "linear_concat_gated", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
 
 
 def _eager_adaln(x, scale, shift, res):

@@ -134,6 +134,14 @@ def _ref_gated(x, w, b, gate, res):
     return res + gate[:, None] * F.linear(x, w, b)
 
 
+def _run_gated_concat(x, w, b, gate, res):
+    """Flux's single-stream proj_out: x read as two parts, [attention | MLP] (a fifth and four fifths), in place."""
+    from ldmopt.ops.linear import linear
+
+    split = x.shape[-1] // 5
+    return linear((x[..., :split], x[..., split:]), w, b, gate=gate, residual=res)
+
+
 def _run_adaln(x, scale, shift, res):
     from ldmopt.ops.adaln_modulate import adaln_modulate
 
@@ -266,7 +274,7 @@ def _fused_linear(quick: bool):
                     inputs.append(torch.randn(bsz, k, device=DEVICE))
             else:
                 inputs = [x, torch.randn(n, k, device=DEVICE) * k**-0.5, torch.randn(n, device=DEVICE) * 0.1]
-                if run in (_run_gated, _run_gated_wan):
+                if run in (_run_gated, _run_gated_wan, _run_gated_concat):
                     inputs += [torch.randn(bsz, n, device=DEVICE), torch.randn(bsz, t, n, device=DEVICE)]
             keep = _FP32_INPUTS.get(run, ())
             inputs = [v if i in keep else v.to(dtype) for i, v in enumerate(inputs)]
@@ -380,6 +388,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "geglu-sdxl": (_run_geglu, _ref_geglu, 2, 1024, 1280, 10240),
         "gelu_tanh-pixart": (_run_gelu, _ref_gelu, 2, 4096, 1152, 4608),
         "gated-pixart": (_run_gated, _ref_gated, 2, 4096, 1152, 1152),
+        "gated-two-part-flux-single": (_run_gated_concat, _ref_gated, 1, 2048, 15360, 3072),
         "adaln-pixart": (_run_adaln, _ref_adaln, 2, 4096, 1152, None),
         "adaln-gated-wan14b": (_run_adaln_gated, _ref_adaln_gated, 1, 8192, 5120, None),
         "gated-wan1.3b-ffn": (_run_gated_wan, _ref_gated, 1, 8192, 8960, 1536),

@@ -76,15 +76,22 @@ def stock_gated_residual(y: Tensor, gate: Tensor | None, residual: Tensor | None
 
 
 def gated_residual_linear(
-    layer: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, where: str, name: str, out_dtype=None
+    layer: nn.Module,
+    x: Tensor | tuple[Tensor, Tensor],
+    gate: Tensor,
+    residual: Tensor,
+    where: str,
+    name: str,
+    out_dtype=None,
 ) -> Tensor:
     """``residual + gate * layer(x)``: one GEMM with the bias, gate and residual in its epilogue while ``layer`` is a
-    plain nn.Linear, else ``layer``'s own forward and the stock ops (see child_check). ``out_dtype``: the result's
-    dtype (the stock path computes in the promoted dtype, then casts, as Wan's ``.type_as(h)``)."""
+    plain nn.Linear, else ``layer``'s own forward and the stock ops (see child_check). ``x``: a tensor, or two read as
+    their concatenation along channels (the GEMM reads them in place; the stock path concatenates). ``out_dtype``:
+    the result's dtype (the stock path computes in the promoted dtype, then casts, as Wan's ``.type_as(h)``)."""
     if readable(layer):
         return linear(x, layer.weight, layer.bias, gate=gate, residual=residual, out_dtype=out_dtype)
     count_stock(where, name, layer)
-    out = stock_gated_residual(layer(x), gate, residual)
+    out = stock_gated_residual(layer(x if isinstance(x, Tensor) else torch.cat(x, dim=-1)), gate, residual)
     return out if out_dtype is None else out.to(out_dtype)
 
 

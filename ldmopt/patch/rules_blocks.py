@@ -10,7 +10,9 @@
   called as before.
 - ``joint_block``: SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: the same two fusions for the
   image and the context stream (the attention runs as before).
-- ``flux_single_gated``: ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(...)`` as one GEMM epilogue.
+- ``flux_single_gated``: ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(cat([attn, mlp], -1))`` as one
+  GEMM that reads the attention output and the MLP activation in place (the concatenation is never written), with
+  the gated residual in its epilogue.
 
 Both are class swaps (see rule.py): same instance, same children and parameters. A call the fused forward does not
 cover (feed-forward chunking, GLIGEN kwargs, 4-D hidden states) runs the stock forward. Tolerance: the ops'
@@ -170,9 +172,9 @@ def _flux_single_forward(
     attn_output = self.attn(
         hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
     )
-    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    # proj_out(cat([attn, mlp], -1)): the GEMM reads both parts in place, the concatenation is never written.
     hidden_states = gated_residual_linear(
-        self.proj_out, hidden_states, gate, residual, "FluxSingleTransformerBlock", "proj_out"
+        self.proj_out, (attn_output, mlp_hidden_states), gate, residual, "FluxSingleTransformerBlock", "proj_out"
     )
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
@@ -182,7 +184,7 @@ def _flux_single_forward(
 class FluxSingleGatedRule(ClassSwapRule):
     name = "flux_single_gated"
     family = "adaln"
-    description = "Flux single block: proj_out GEMM with the gated residual in its epilogue"
+    description = "Flux single block: proj_out GEMM reading [attn | mlp] in place, gated residual in its epilogue"
     checked_in_forward = ("proj_out",)
 
     def targets(self) -> tuple[type, ...]:

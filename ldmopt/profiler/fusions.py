@@ -27,6 +27,9 @@ Rules (names as reported):
   rescale_output_factor != 1, a temporal container over more than 64 frames, and a container fed NCHW activations
   (ModelScope's ``transformer_in`` after ``conv_in``: the patched run copies its input to channels-last, uncounted,
   and keeps the proj_out add so that the output keeps the input's layout).
+- ``concatenation -> GEMM loads``: Flux's single-stream blocks concatenate the attention output and the MLP
+  activation along channels only for ``proj_out`` to read them (``flux_single_gated``): the GEMM's K loop reads the
+  two tensors where they are, so the concatenation (both read, the sum written) goes.
 - ``temporal permutes``: copies that materialise a frame-major layout in or next to a temporal block (the
   temporal attention kernel reads frames by stride).
 - ``RMSNorm (diffusers)``: diffusers' RMSNorm module runs eight ops (fp32 copy, square, mean, rsqrt, two
@@ -59,14 +62,15 @@ GEGLU = "GEGLU tail"
 GELU_EPILOGUE = "GEMM + GELU epilogue"
 ADALN = "adaLN (LayerNorm + modulate)"
 GATED_RESIDUAL = "GEMM epilogue (gated residual)"
+CONCAT_GEMM = "concatenation -> GEMM loads"
 RESIDUAL = "GEMM epilogue (residual)"
 TEMPORAL_PERMUTES = "temporal permutes"
 RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
 QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
-    GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, RESIDUAL, TEMPORAL_PERMUTES, RMS_NORM,
-    WAN_ROUND_TRIPS, QK_NORM_ROPE,
+    GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, RESIDUAL, CONCAT_GEMM, TEMPORAL_PERMUTES,
+    RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
 #: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
@@ -97,6 +101,8 @@ _COPIES = {"clone", "copy_", "contiguous", "_to_copy"}
 RESIDUAL_OWNERS = frozenset({
     "BasicTransformerBlock", "TemporalBasicTransformerBlock", "AnimateDiffTransformer3D", "TransformerTemporalModel",
 })  # fmt: skip
+#: Blocks whose channel concatenation feeding a GEMM ldmopt's GEMM reads in two parts (rules_blocks.py).
+CONCAT_GEMM_OWNERS = frozenset({"FluxSingleTransformerBlock"})
 _GELU = {"gelu", "gelu_"}
 _SILU = {"silu", "silu_"}
 _GEMMS = {"mm", "addmm", "_addmm_activation", "bmm", "baddbmm"}
@@ -184,6 +190,8 @@ def plan_fusions(
     for rec in records:
         if rec.base in _GEMMS and rec.category == C.LINEAR:
             _residual_epilogue(plan, records, rec, single_key)
+    for cat in by_base.get("cat", []):
+        _concat_gemm(plan, records, cat)
     for run in _rms_norm_runs(records):
         _rms_norm(plan, run)
     for rec in records:
@@ -298,6 +306,14 @@ def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, sin
     savings = {r.index: r.bytes for r in chain if r.index not in plan.removed}
     savings[add.index] = add.bytes - residual[0]
     plan.claim(RESIDUAL, savings, removed=(*savings,))
+
+
+def _concat_gemm(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
+    gemm = _sole_consumer(records, cat)
+    if cat.owner.rpartition(".")[2] not in CONCAT_GEMM_OWNERS or gemm is None or gemm.base not in _GEMMS:
+        return
+    if len(cat.in_bytes) == 2 and plan.free(cat.index):
+        plan.claim(CONCAT_GEMM, {cat.index: cat.bytes}, removed=(cat.index,))
 
 
 def _conv_epilogue(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> None:

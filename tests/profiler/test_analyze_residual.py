@@ -64,3 +64,21 @@ def test_adaln_blocks_attention_epilogues():
     _saved, _rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
     rescales = [r for r in a.records if r.base == "div" and r.owner.endswith(".Attention")]
     assert len(rescales) == 2 * blocks and all(r.index in removed for r in rescales)
+
+
+def test_flux_single_block_concatenation_is_read_by_proj_out():
+    # flux_single_gated: proj_out reads [attn | mlp] in place; the block's first concatenation (text and image
+    # streams, read by the norm and kept as the residual) stays.
+    from ldmopt.configs import build_model
+    from ldmopt.profiler.fusions import CONCAT_GEMM
+
+    model = build_model("flux", tiny=True, device="meta", dtype=torch.bfloat16)
+    a = analyze(model, gpu="H200", dtype="bf16")
+    singles = len(_blocks(model, "FluxSingleTransformerBlock"))
+    stat = a.fusions[CONCAT_GEMM]
+    assert stat.count == stat.ops_removed == singles > 0
+    _saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
+    cats = [r for r in a.records if r.base == "cat" and r.owner.endswith(".FluxSingleTransformerBlock")]
+    fused = [r for r in cats if r.index in removed]
+    assert len(cats) == 2 * singles and len(fused) == singles
+    assert all(rule[r.index] == CONCAT_GEMM and a.records[r.consumers[0]].path.endswith(".proj_out") for r in fused)
