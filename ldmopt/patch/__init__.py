@@ -21,7 +21,10 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 | adaln              | adaln_block         | BasicTransformerBlock (ada_norm_zero/single: | LN+modulation; attention  |
 |                    |                     | DiT, PixArt, Latte)                          | and FF (gated) residuals  |
 |                    |                     |                                              | in the output GEMMs       |
-| adaln              | joint_block         | JointTransformerBlock, FluxTransformerBlock  | the same, per stream      |
+| adaln              | joint_block         | JointTransformerBlock, FluxTransformerBlock  | per stream: gated update  |
+|                    |                     |                                              | + LN + modulation in one  |
+|                    |                     |                                              | row kernel; FF gated      |
+|                    |                     |                                              | residual in its GEMM      |
 | adaln              | flux_single_gated   | FluxSingleTransformerBlock                   | gated residual, proj_out  |
 | residual           | residual_block      | BasicTransformerBlock (layer_norm: SD1.5,    | attention and FF residual |
 |                    |                     | SDXL, SVD, AnimateDiff, ModelScope UNets)    | adds in the output GEMMs' |

@@ -8,8 +8,9 @@
   fall-backs to the attention module and the stock ops), the feed-forward's gated residual in ``ff.net[2]``. The
   attention projections, ``norm1`` of ada_norm_zero (its own rule) and ``ff.net[0]`` (the feed-forward rules) are
   called as before.
-- ``joint_block``: SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: the same two fusions for the
-  image and the context stream (the attention runs as before).
+- ``joint_block``: SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: per stream, the attention's
+  gated residual update ``h + gate * attn``, LayerNorm and modulation in one row kernel (the product never written),
+  and the feed-forward's gated residual in its output GEMM (the attention runs as before).
 - ``flux_single_gated``: ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(cat([attn, mlp], -1))`` as one
   GEMM that reads the attention output and the MLP activation in place (the concatenation is never written), with
   the gated residual in its epilogue.
@@ -203,10 +204,18 @@ class FluxSingleGatedRule(ClassSwapRule):
         return _flux_single_forward
 
 
-def _stream(hidden, pending, scale, shift, gate, norm, ff, name="ff"):
-    """``h = hidden + pending; h + gate * ff(layer_norm(h) * (1 + scale) + shift)``: the residual add, LayerNorm and
-    modulation in one row kernel, the feed-forward's output projection with the gated residual in one GEMM."""
-    normed, hidden = adaln_modulate(pending, scale, shift, residual=hidden, eps=norm.eps, return_residual=True)
+def _stream(hidden, update, update_gate, scale, shift, gate, norm, ff, name="ff"):
+    """``h = hidden + update_gate * update; h + gate * ff(layer_norm(h) * (1 + scale) + shift)``: the gated residual
+    add, LayerNorm and modulation in one row kernel, the feed-forward's output projection with the gated residual in
+    one GEMM. ``update_gate`` is one vector per sample (B, C)."""
+    if torch.promote_types(torch.promote_types(update.dtype, update_gate.dtype), hidden.dtype) == hidden.dtype:
+        # The gate's multiply in the row kernel too (it rounds the sum to the stream's dtype, as the stock add does).
+        normed, hidden = adaln_modulate(
+            update, scale, shift, residual=hidden, gate=update_gate, eps=norm.eps, return_residual=True
+        )
+    else:  # the gated update would promote the stream (an fp32 gate on a bf16 stream): the stock product first
+        pending = update_gate.unsqueeze(1) * update
+        normed, hidden = adaln_modulate(pending, scale, shift, residual=hidden, eps=norm.eps, return_residual=True)
     return ff_gated_residual(ff, normed, gate, hidden, name)
 
 
@@ -235,17 +244,16 @@ def _sd3_joint_forward(
     attn_output, context_attn_output = self.attn(
         hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states, **joint_attention_kwargs
     )
-    pending = gate_msa.unsqueeze(1) * attn_output
+    update, update_gate = attn_output, gate_msa
     if self.use_dual_attention:
-        hidden_states = hidden_states + pending
-        pending = gate_msa2.unsqueeze(1) * self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
-    hidden_states = _stream(hidden_states, pending, scale_mlp, shift_mlp, gate_mlp, self.norm2, self.ff)
+        hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+        update, update_gate = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs), gate_msa2
+    hidden_states = _stream(hidden_states, update, update_gate, scale_mlp, shift_mlp, gate_mlp, self.norm2, self.ff)
     if self.context_pre_only:
         return None, hidden_states
-    pending = c_gate_msa.unsqueeze(1) * context_attn_output
     encoder_hidden_states = _stream(
-        encoder_hidden_states, pending, c_scale_mlp, c_shift_mlp, c_gate_mlp, self.norm2_context, self.ff_context,
-        name="ff_context",
+        encoder_hidden_states, context_attn_output, c_gate_msa, c_scale_mlp, c_shift_mlp, c_gate_mlp,
+        self.norm2_context, self.ff_context, name="ff_context",
     )  # fmt: skip
     return encoder_hidden_states, hidden_states
 
@@ -269,14 +277,12 @@ def _flux_double_forward(
         **(joint_attention_kwargs or {}),
     )
     attn_output, context_attn_output = attention_outputs[:2]
-    pending = gate_msa.unsqueeze(1) * attn_output
-    hidden_states = _stream(hidden_states, pending, scale_mlp, shift_mlp, gate_mlp, self.norm2, self.ff)
+    hidden_states = _stream(hidden_states, attn_output, gate_msa, scale_mlp, shift_mlp, gate_mlp, self.norm2, self.ff)
     if len(attention_outputs) == 3:  # IP-Adapter output, added after the feed-forward as diffusers does
         hidden_states = hidden_states + attention_outputs[2]
-    pending = c_gate_msa.unsqueeze(1) * context_attn_output
     encoder_hidden_states = _stream(
-        encoder_hidden_states, pending, c_scale_mlp, c_shift_mlp, c_gate_mlp, self.norm2_context, self.ff_context,
-        name="ff_context",
+        encoder_hidden_states, context_attn_output, c_gate_msa, c_scale_mlp, c_shift_mlp, c_gate_mlp,
+        self.norm2_context, self.ff_context, name="ff_context",
     )  # fmt: skip
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
@@ -284,12 +290,12 @@ def _flux_double_forward(
 
 
 class JointBlockRule(ClassSwapRule):
-    """SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: both streams' residual + LayerNorm +
-    modulation in one row kernel each, and their feed-forward output GEMMs with the gated residual epilogue."""
+    """SD3 ``JointTransformerBlock`` and Flux ``FluxTransformerBlock``: both streams' gated residual update + LayerNorm
+    + modulation in one row kernel each, and their feed-forward output GEMMs with the gated residual epilogue."""
 
     name = "joint_block"
     family = "adaln"
-    description = "SD3/Flux joint block: residual+LayerNorm+modulation per stream, FF out GEMM with gated residual"
+    description = "SD3/Flux joint block: gated residual+LayerNorm+modulation per stream, FF out GEMM epilogue"
     checked_in_forward = ("ff.net.2", "ff_context.net.2")
 
     def targets(self) -> tuple[type, ...]:

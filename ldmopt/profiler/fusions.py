@@ -13,7 +13,9 @@ Rules (names as reported):
   by a scalar]: the conv writes the final tensor. Saves 2 passes per broadcast add, 4 for residual + scale.
 - ``GEGLU tail``: GEMM -> chunk -> gelu(gate) * hidden: one GEMM with two accumulators writes I columns, not 2I.
 - ``GEMM + GELU epilogue``: GEMM -> gelu (GELU-tanh feed-forwards of DiT/PixArt/SD3/Flux, Flux ``proj_mlp``).
-- ``adaLN (LayerNorm + modulate)``: layer_norm -> mul(1 + scale) -> add(shift) in one row kernel.
+- ``adaLN (LayerNorm + modulate)``: layer_norm -> mul(1 + scale) -> add(shift) in one row kernel. In SD3 and Flux
+  joint blocks (``joint_block``) the gated residual update before the norm, mul(gate) -> add(residual), runs in the
+  same row kernel: the product is neither written nor read back (the update, gate and residual are still read).
 - ``GEMM epilogue (gated residual)``: GEMM -> [the attention's ``/ rescale_output_factor``, removed] -> mul(gate)
   -> add(residual): the feed-forward and attention outputs of adaLN blocks (DiT, PixArt, SD3, Flux, Wan).
 - ``GEMM epilogue (residual)``: the un-gated residual adds of UNet transformer blocks (``residual_block``) and of
@@ -182,6 +184,8 @@ def plan_fusions(
         _adaln(plan, records, ln)
     for mul in by_base.get("mul", []):
         _gated_residual(plan, records, mul)
+    for mul in by_base.get("mul", []):
+        _gated_update_into_adaln(plan, records, mul)
     for conv in by_base.get("convolution", []):
         _conv_epilogue(plan, records, conv)
     for rec in records:
@@ -283,6 +287,22 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
     if rescale is not None and plan.free(rescale.index):
         savings[rescale.index] = rescale.bytes
     plan.claim(GATED_RESIDUAL, savings, removed=tuple(savings))
+
+
+#: Blocks whose gated residual update before an adaLN norm runs in the norm's row kernel (rules_blocks._stream).
+GATED_UPDATE_OWNERS = frozenset({"JointTransformerBlock", "FluxTransformerBlock"})
+
+
+def _gated_update_into_adaln(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None:
+    add = _sole_consumer(records, mul)
+    if mul.owner.rpartition(".")[2] not in GATED_UPDATE_OWNERS or len(mul.in_bytes) != 2 or add is None:
+        return
+    if add.base != "add" or len(add.in_bytes) != 2 or not plan.free(mul.index, add.index):
+        return
+    if min(mul.in_bytes) >= mul.out_bytes or not any(plan.rule.get(c) == ADALN for c in add.consumers):
+        return  # not a per-sample gate times the update, or the sum does not feed a fused adaLN norm
+    # The product's write and its read by the add go; the add's other reads and its write stay (in the row kernel).
+    plan.claim(ADALN, {mul.index: mul.out_bytes, add.index: mul.out_bytes}, removed=(mul.index, add.index))
 
 
 def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, single_key: frozenset[str]) -> None:

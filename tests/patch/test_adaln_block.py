@@ -164,3 +164,77 @@ def test_per_call_fallbacks_match_stock(change, expected, fused):
     assert calls == stock_calls  # a hooked attention still ran as a module
     assert_within_torch_error(out, exact, ref, change)
     assert report.backends()["linear"] == {"triton": fused}, report.backends()
+
+
+# ------------------------------------------------------------------------------------------------ SD3 / Flux joint
+
+
+def _joint_block(kind: str):
+    from diffusers.models.attention import JointTransformerBlock
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+    if kind == "sd3":
+        block = JointTransformerBlock(dim=DIM, num_attention_heads=2, attention_head_dim=20)
+    else:
+        block = FluxTransformerBlock(dim=DIM, num_attention_heads=2, attention_head_dim=20)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.3 * torch.randn_like(p))
+    return block.eval()
+
+
+def _joint_inputs():
+    return [torch.randn(BATCH, TOKENS, DIM), torch.randn(BATCH, CONTEXT_TOKENS, DIM), torch.randn(BATCH, DIM)]
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_joint_block_gated_update_in_the_row_kernel(kind, dtype):
+    """SD3/Flux joint blocks: ``h + gate * attn`` runs inside the adaLN row kernel (no product written), both
+    streams, against diffusers' block in fp64 and in the same dtype."""
+    block, inputs = _joint_block(kind), _joint_inputs()
+
+    def run(module, tensors):
+        hidden, context, temb = tensors
+        if kind == "sd3":
+            return module(hidden_states=hidden, encoder_hidden_states=context, temb=temb)
+        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+        ids = torch.zeros(CONTEXT_TOKENS + TOKENS, 3)
+        ids[CONTEXT_TOKENS:, 2] = torch.arange(TOKENS)
+        rotary = tuple(t.to(hidden.dtype) for t in FluxPosEmbed(theta=10000, axes_dim=[4, 8, 8])(ids))
+        out = module(hidden_states=hidden, encoder_hidden_states=context, temb=temb, image_rotary_emb=rotary)
+        return out[::-1]  # (context, image) as SD3's
+
+    with torch.no_grad():
+        exact = run(copy.deepcopy(block).double(), [t.double() for t in inputs])
+        low = copy.deepcopy(block).to(dtype)
+        low_inputs = [t.to(dtype) for t in inputs]
+        stock = run(low, low_inputs)
+        report = ldmopt.patch(low)
+        assert report.counts()["joint_block"] == 1, str(report)
+        with ldmopt.use_backend("triton"):
+            fused = run(low, low_inputs)
+    assert not report.fallbacks(), report.fallbacks()
+    # norm1 and norm1_context (adaln_zero) and the two streams' residual + norm2 (joint_block)
+    assert report.backends()["adaln_modulate"] == {"triton": 4}, report.backends()
+    for name, f, e, s in zip(("context", "image"), fused, exact, stock):
+        assert f.dtype == dtype
+        assert_within_torch_error(f, e, s, f"{kind} joint block {name} {dtype}")
+
+
+def test_joint_stream_keeps_promotion_of_an_fp32_gate():
+    # An fp32 gate on a bf16 stream promotes the stock sum to fp32 (fp32 feed-forward weights then serve it): the
+    # fused stream does the same, through the stock product.
+    from ldmopt.patch.rules_blocks import _stream
+
+    block = _joint_block("sd3")
+    hidden, update = torch.randn(2, 5, DIM, dtype=torch.bfloat16), torch.randn(2, 5, DIM, dtype=torch.bfloat16)
+    gate, scale, shift, ff_gate = (torch.randn(2, DIM) for _ in range(4))
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        out = _stream(hidden, update, gate, scale, shift, ff_gate, block.norm2, block.ff)
+        h = hidden + gate[:, None] * update
+        normed = torch.nn.functional.layer_norm(h, (DIM,), eps=block.norm2.eps) * (1 + scale[:, None]) + shift[:, None]
+        expect = h + ff_gate[:, None] * block.ff(normed)
+    assert out.dtype == expect.dtype == torch.float32
+    assert_close(out, expect.double(), torch.float32, "fp32 gate on a bf16 stream")
