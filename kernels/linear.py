@@ -188,7 +188,10 @@ LINEAR_TILES = [
     (64, 128, 64, 4, 4),
     (64, 64, 64, 4, 4),
 ]
-_linear_fwd_tuned = triton.autotune(configs=gemm_configs(LINEAR_TILES), key=["M_BUCKET", "N", "K"])(_linear_fwd_kernel)
+# K2 in the key: a two-part GEMM tunes apart from a one-part one with the same first part.
+_linear_fwd_tuned = triton.autotune(configs=gemm_configs(LINEAR_TILES), key=["M_BUCKET", "N", "K", "K2"])(
+    _linear_fwd_kernel
+)
 
 
 @triton.jit

@@ -118,7 +118,8 @@ def sdpa_core(attn: nn.Module, x: Tensor, context: Tensor | None, mask: Tensor |
 def _gate_reason(gate: Tensor | None, residual: Tensor, width: int) -> str | None:
     if gate is None:
         return None
-    per_sample = gate.dim() in (2, 3) and gate.shape[0] == residual.shape[0] and gate.shape[-1] == width
+    # One vector per sample, or one for the whole batch (broadcast, as the stock multiply does).
+    per_sample = gate.dim() in (2, 3) and gate.shape[0] in (1, residual.shape[0]) and gate.shape[-1] == width
     if not per_sample or (gate.dim() == 3 and gate.shape[1] != 1):
         return f"gate shape {tuple(gate.shape)} is not one vector per sample ({residual.shape[0]}, 1, {width})"
     return None
@@ -165,6 +166,8 @@ def project_out(
     """What a processor does after the attention core ``core`` (..., heads * head_dim) of input ``x``: to_out,
     residual_connection and rescale_output_factor; plus ``residual`` (after the per-sample ``gate``) when given, in
     the GEMM epilogue when :func:`epilogue_reason` allows, else as the stock ops (counted)."""
+    if gate is not None and residual is None:
+        raise ValueError("project_out: a gate needs a residual (the gated sum is residual + gate * out)")
     if residual is not None:
         reason = epilogue_reason(attn) or _gate_reason(gate, residual, attn.to_out[0].out_features)
         if reason is None:

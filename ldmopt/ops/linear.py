@@ -62,11 +62,15 @@ def gemm_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 def per_sample(name: str, t: Tensor, x: Tensor, width: int) -> Tensor:
     """A per-sample modulation vector as a [B, width] view (no copy): ``t`` is [B, width] or [B, 1, ..., width] with
-    B = x.shape[0]; for 2-D x (rows without a sample axis) it is one vector per row, [M, width]."""
+    B = x.shape[0]; for 2-D x (rows without a sample axis) it is one vector per row, [M, width]. A batch of one is
+    broadcast over the samples (a stride-0 view), as the stock elementwise ops broadcast it (e.g. one timestep for a
+    batch)."""
     check_tensor(name, t)
     if t.device != x.device:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     b = x.shape[0]
+    if t.dim() >= 2 and t.shape[0] == 1 and b > 1:
+        t = t.expand(b, *t.shape[1:])
     ok = t.dim() >= 2 and t.shape[0] == b and t.shape[-1] == width and all(d == 1 for d in t.shape[1:-1])
     if not ok or t.dim() > max(2, x.dim()):
         raise ValueError(
@@ -307,12 +311,17 @@ def _split_input(x: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | No
             f"linear: x[1] has shape {tuple(tail.shape)}; it must match x[0] {tuple(head.shape)} in every axis but "
             "the last"
         )
-    if tail.dtype != head.dtype or tail.device != head.device:
-        raise TypeError(
-            f"linear: x[1] has dtype {tail.dtype} on {tail.device} but x[0] has {head.dtype} on {head.device}; "
-            "both parts must match"
-        )
+    if tail.device != head.device:
+        raise ValueError(f"linear: x[1] is on {tail.device} but x[0] is on {head.device}; both parts must match")
     return head, tail
+
+
+def _common_dtype(x: Tensor, x_tail: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Two parts of different dtypes promoted to a common one, as ``torch.cat`` would (one part is copied then)."""
+    if x_tail is None or x_tail.dtype == x.dtype:
+        return x, x_tail
+    dtype = torch.promote_types(x.dtype, x_tail.dtype)
+    return x.to(dtype), x_tail.to(dtype)
 
 
 def linear(
@@ -328,8 +337,9 @@ def linear(
     """``residual + gate[b] * act(x @ weight.T + bias)`` in one GEMM with a fused epilogue.
 
     x is [..., K] (any leading dims), weight [N, K] and bias [N] as in nn.Linear, same dtype as x. x may also be a pair
-    ``(x_head, x_tail)`` of [..., K1] and [..., K2] tensors (K1 + K2 = K, same leading shape and dtype) read as their
-    concatenation along the last axis, which is never written (Flux's ``proj_out(cat([attn, mlp], -1))``).
+    ``(x_head, x_tail)`` of [..., K1] and [..., K2] tensors (K1 + K2 = K, same leading shape) read as their
+    concatenation along the last axis, which is never written (Flux's ``proj_out(cat([attn, mlp], -1))``); parts of
+    different dtypes are promoted to a common one first, as ``torch.cat`` does (after autocast's casts).
     ``activation``: None, "gelu" (erf), "gelu_tanh" or "silu". ``gate`` (DiT/SD3/Flux gated residual) is one [N]
     vector per sample x.shape[0], shaped (B, N) or (B, 1, N), broadcast over the tokens; for 2-D x it is one vector
     per row (M, N).
@@ -343,6 +353,7 @@ def linear(
     x, x_tail = _split_input(x)
     check_tensor("x", x)
     x, weight, bias, x_tail = autocast_operands(x, weight, bias, x_tail)
+    x, x_tail = _common_dtype(x, x_tail)
     # The weight's K is checked against the joined width (both parts' channels).
     check_linear_args("linear", x, weight, bias, k=x.shape[-1] + (0 if x_tail is None else x_tail.shape[-1]))
     check_activation("activation", activation, SUPPORTED_ACTIVATIONS)

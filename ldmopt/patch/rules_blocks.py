@@ -79,7 +79,6 @@ def basic_block_forward(fused: Callable) -> Callable:
 def _adaln_block_forward(
     self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, kwargs, class_labels
 ) -> torch.Tensor:
-    kwargs.pop("scale", None)  # deprecated and ignored by diffusers too
     single = self.norm_type == "ada_norm_single"
     if single:
         batch = hidden_states.shape[0]

@@ -265,9 +265,13 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
         return
     # The activation comes from the largest GEMM; the gate may come from another (the adaLN projection). Wan casts
     # the GEMM output to fp32 first (ff(x).float() * gate): look through that one cast.
-    # An attention's "/ rescale_output_factor" pass may sit between (adaLN blocks' gated attention output).
+    # An attention's "/ rescale_output_factor" pass may sit between, in the blocks whose attention output ldmopt
+    # gates in the epilogue (adaln_block: DiT, PixArt, Latte), not in blocks no rule patches (e.g. Allegro's).
+    rescaled = mul.owner.rpartition(".")[2] in GATED_ATTENTION_OWNERS
     direct = {
-        p: _through_cast(records, _through_rescale(records, records[p]), mul.index) for p in mul.producers if p >= 0
+        p: _through_cast(records, _through_rescale(records, records[p]) if rescaled else records[p], mul.index)
+        for p in mul.producers
+        if p >= 0
     }
     gemms = [(p, r) for p, r in direct.items() if r.base in _GEMMS and r.category == C.LINEAR]
     source, gemm = max(gemms, key=lambda pr: pr[1].out_bytes, default=(-1, None))
@@ -289,6 +293,8 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
     plan.claim(GATED_RESIDUAL, savings, removed=tuple(savings))
 
 
+#: Blocks whose gated attention output (after the processor's rescale pass) ldmopt adds in to_out's GEMM epilogue.
+GATED_ATTENTION_OWNERS = frozenset({"BasicTransformerBlock"})
 #: Blocks whose gated residual update before an adaLN norm runs in the norm's row kernel (rules_blocks._stream).
 GATED_UPDATE_OWNERS = frozenset({"JointTransformerBlock", "FluxTransformerBlock"})
 

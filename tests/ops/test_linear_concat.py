@@ -111,9 +111,23 @@ def test_torch_compile_fullgraph():
         ((torch.randn(2, 8), torch.randn(2, 4), torch.randn(2, 4)), torch.randn(5, 16), "a pair of tensors"),
         ((torch.randn(2, 8), torch.randn(3, 4)), torch.randn(5, 12), r"x\[1\] has shape \(3, 4\)"),
         ((torch.randn(2, 8), torch.randn(2, 4)), torch.randn(5, 8), r"weight has shape \(5, 8\), expected \(N, 12\)"),
-        ((torch.randn(2, 8), torch.randn(2, 4).half()), torch.randn(5, 12), r"x\[1\] has dtype torch.float16"),
+        ((torch.randn(2, 8), torch.randn(2, 4, device="meta")), torch.randn(5, 12), r"x\[1\] is on meta"),
     ],
 )
 def test_bad_parts_raise(parts, weight, match):
     with pytest.raises((ValueError, TypeError), match=match):
         linear(parts, weight)
+
+
+def test_parts_of_different_dtypes_promote_as_cat_does():
+    # torch.cat promotes (fp32, fp16) to fp32; under autocast both parts take the autocast dtype, as F.linear's input.
+    head, tail, w, b = torch.randn(5, K1), torch.randn(5, K2).half(), torch.randn(N, K1 + K2), torch.randn(N)
+    with ldmopt.use_backend("triton"):
+        y = linear((head, tail), w, b)
+        with torch.autocast("cpu", dtype=torch.float16):
+            y_amp = linear((head, tail), w, b)
+            stock_amp = F.linear(torch.cat([head, tail], -1), w, b)
+    assert y.dtype == torch.float32 and y_amp.dtype == stock_amp.dtype == torch.float16
+    exact = F.linear(torch.cat([head.double(), tail.double()], -1), w.double(), b.double())
+    assert_close(y, exact, torch.float32, "promoted parts")
+    assert_within_torch_error(y_amp, exact, stock_amp, "parts under autocast")

@@ -83,6 +83,13 @@ def test_block_matches_stock(kind):
     _patched_matches_stock(kind, _block(kind), _inputs(kind), SITES[kind])
 
 
+def test_dit_one_timestep_for_the_batch_broadcasts():
+    # Stock broadcasts a (1,) timestep and class label over the batch (its modulation vectors are (1, C)).
+    kw = _inputs("dit")
+    kw.update(timestep=kw["timestep"][:1], class_labels=kw["class_labels"][:1])
+    _patched_matches_stock("dit", _block("dit"), kw, SITES["dit"])
+
+
 def test_pixart_text_mask_matches_stock():
     # PixArt passes the text padding as an additive bias per key (diffusers' mask preparation, per-head view).
     kw = _inputs("pixart")
