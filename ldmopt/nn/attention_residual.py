@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.linear import linear
+from ..ops.linear import linear, per_sample
 from .child_check import count_reason, hooked, observed, readable, unreadable_reason
 from .linear import stock_gated_residual
 
@@ -116,12 +116,13 @@ def sdpa_core(attn: nn.Module, x: Tensor, context: Tensor | None, mask: Tensor |
 
 
 def _gate_reason(gate: Tensor | None, residual: Tensor, width: int) -> str | None:
+    """Why ``ops.linear`` cannot take ``gate`` for this residual (its own check, as a reason instead of an error)."""
     if gate is None:
         return None
-    # One vector per sample, or one for the whole batch (broadcast, as the stock multiply does).
-    per_sample = gate.dim() in (2, 3) and gate.shape[0] in (1, residual.shape[0]) and gate.shape[-1] == width
-    if not per_sample or (gate.dim() == 3 and gate.shape[1] != 1):
-        return f"gate shape {tuple(gate.shape)} is not one vector per sample ({residual.shape[0]}, 1, {width})"
+    try:
+        per_sample("gate", gate, residual, width)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

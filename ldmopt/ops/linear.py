@@ -172,9 +172,9 @@ def linear_fwd(
     x_tail: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(y [M, N], pre): x [M, K] (with x_tail [M, K2]: the input is [x | x_tail], weight [N, K + K2]), weight [N, K],
-    bias [N], gate [B, N] (rows grouped by sample, M % B == 0),
-    residual [M, N] or [B', T', N] with B' T' = M (any strides). y has ``dtype``, by default the promoted dtype of
-    x, gate and residual. pre = x W^T + bias ([M, N] in x's dtype, saved for backward) when save_pre, else empty."""
+    bias [N], gate [B, N] (rows grouped by sample, M % B == 0), residual [M, N] or [B', T', N] with B' T' = M (any
+    strides). y has ``dtype``, by default the promoted dtype of x, gate and residual. pre = x W^T + bias ([M, N] in
+    x's dtype, saved for backward) when save_pre, else empty."""
     return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail)
 
 

@@ -92,6 +92,11 @@ _ROPE_OPS = {"empty_like", "mul", "sub", "add", "copy_", "_to_copy", "neg", "sta
 _KEPT_ON_THE_WAY = {"cat"}  # Flux concatenates the normalised text and image streams before rotating: still done
 
 
+def _owner_class(rec: OpRecord) -> str:
+    """The class name of the module that ran ``rec`` (its owner without the module path)."""
+    return rec.owner.rpartition(".")[2]
+
+
 def _in_wan_block(rec: OpRecord) -> bool:
     module, _, name = rec.owner.rpartition(".")
     return module.startswith("diffusers.") and name in WAN_BLOCK_CLASSES
@@ -267,7 +272,7 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
     # the GEMM output to fp32 first (ff(x).float() * gate): look through that one cast.
     # An attention's "/ rescale_output_factor" pass may sit between, in the blocks whose attention output ldmopt
     # gates in the epilogue (adaln_block: DiT, PixArt, Latte), not in blocks no rule patches (e.g. Allegro's).
-    rescaled = mul.owner.rpartition(".")[2] in GATED_ATTENTION_OWNERS
+    rescaled = _owner_class(mul) in GATED_ATTENTION_OWNERS
     direct = {
         p: _through_cast(records, _through_rescale(records, records[p]) if rescaled else records[p], mul.index)
         for p in mul.producers
@@ -301,7 +306,7 @@ GATED_UPDATE_OWNERS = frozenset({"JointTransformerBlock", "FluxTransformerBlock"
 
 def _gated_update_into_adaln(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None:
     add = _sole_consumer(records, mul)
-    if mul.owner.rpartition(".")[2] not in GATED_UPDATE_OWNERS or len(mul.in_bytes) != 2 or add is None:
+    if _owner_class(mul) not in GATED_UPDATE_OWNERS or len(mul.in_bytes) != 2 or add is None:
         return
     if add.base != "add" or len(add.in_bytes) != 2 or not plan.free(mul.index, add.index):
         return
@@ -324,7 +329,7 @@ def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, sin
     add, source = rec, (chain[-1] if chain else gemm)
     if add is None or len(add.in_bytes) != 2 or not plan.free(add.index):
         return
-    if add.owner.rpartition(".")[2] not in RESIDUAL_OWNERS:
+    if _owner_class(add) not in RESIDUAL_OWNERS:
         return
     residual = _other_inputs(add, source.index)
     if len(residual) != 1 or residual[0] != add.out_bytes or source.out_bytes != add.out_bytes:
@@ -336,7 +341,7 @@ def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, sin
 
 def _concat_gemm(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
     gemm = _sole_consumer(records, cat)
-    if cat.owner.rpartition(".")[2] not in CONCAT_GEMM_OWNERS or gemm is None or gemm.base not in _GEMMS:
+    if _owner_class(cat) not in CONCAT_GEMM_OWNERS or gemm is None or gemm.base not in _GEMMS:
         return
     if len(cat.in_bytes) == 2 and plan.free(cat.index):
         plan.claim(CONCAT_GEMM, {cat.index: cat.bytes}, removed=(cat.index,))
