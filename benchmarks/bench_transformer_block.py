@@ -55,18 +55,8 @@ def bench_transformer_block(case, dtype, mode, bench_recorder):
     pytest.importorskip("diffusers")
 
     block, (hidden, context) = _setup(case, dtype)
-    nbytes = 2 * hidden.numel() * hidden.element_size()
-    with torch.no_grad():
-        reference = block(hidden, encoder_hidden_states=context)
-    stock = lambda: block(hidden, encoder_hidden_states=context)
-    params, grad_out = (), None
-    if mode == "fwd+bwd":
-        block.train()
-        hidden.requires_grad_(True)
-        grad_out = torch.randn_like(reference)
-        params = [hidden, *block.parameters()]
-    harness.record_patch_providers(
-        bench_recorder, block, stock, reference, mode, params, grad_out,
-        expect={"geglu": 1, "residual_block": 1}, with_compile=not QUICK,
-        op="transformer_block", case=case, dtype=str(dtype).removeprefix("torch."), bytes=nbytes,
+    harness.record_block_providers(
+        bench_recorder, block, lambda: block(hidden, encoder_hidden_states=context), hidden, mode,
+        expect={"geglu": 1, "residual_block": 1}, with_compile=not QUICK, op="transformer_block", case=case,
+        dtype=dtype,
     )  # fmt: skip

@@ -61,18 +61,7 @@ def bench_wan_block(case, dtype, mode, bench_recorder):
 
     block, args = _setup(case, dtype)
     hidden = args[0]
-    nbytes = 2 * hidden.numel() * hidden.element_size()
-    with torch.no_grad():
-        reference = block(*args)
-    stock = lambda: block(*args)
-    params, grad_out = (), None
-    if mode == "fwd+bwd":
-        block.train()
-        hidden.requires_grad_(True)
-        grad_out = torch.randn_like(reference)
-        params = [hidden, *block.parameters()]
-    harness.record_patch_providers(
-        bench_recorder, block, stock, reference, mode, params, grad_out,
-        expect={"wan_block": 1, "wan_qk_norm_rope": 1}, with_compile=not QUICK,
-        op="wan_block", case=case, dtype=str(dtype).removeprefix("torch."), bytes=nbytes,
+    harness.record_block_providers(
+        bench_recorder, block, lambda: block(*args), hidden, mode, expect={"wan_block": 1, "wan_qk_norm_rope": 1},
+        with_compile=not QUICK, op="wan_block", case=case, dtype=dtype,
     )  # fmt: skip

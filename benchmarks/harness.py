@@ -161,6 +161,28 @@ def record_patch_providers(
         recorder.record(provider=name, mode=mode, timing=timing, peak_mem=peak, note=note, **row)
 
 
+def record_block_providers(
+    recorder, block, call: Callable, hidden: torch.Tensor, mode: str, *, expect: dict[str, int], with_compile: bool,
+    op: str, case: str, dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """:func:`record_patch_providers` for one transformer block called by ``call()`` on the token stream ``hidden``:
+    the eager output is the reference; fwd+bwd differentiates the stream and every parameter; bytes counted: the
+    stream read and written once."""
+    nbytes = 2 * hidden.numel() * hidden.element_size()
+    with torch.no_grad():
+        reference = call()
+    params, grad_out = (), None
+    if mode == "fwd+bwd":
+        block.train()
+        hidden.requires_grad_(True)
+        grad_out = torch.randn_like(reference)
+        params = [hidden, *block.parameters()]
+    record_patch_providers(
+        recorder, block, call, reference, mode, params, grad_out, expect=expect, with_compile=with_compile, op=op,
+        case=case, dtype=str(dtype).removeprefix("torch."), bytes=nbytes,
+    )  # fmt: skip
+
+
 def compiled(fn: Callable, mode: str | None = "max-autotune", **kwargs) -> Callable:
     """torch.compile(fn) with ``mode`` (fullgraph off so baselines compile whatever they can)."""
     return torch.compile(fn, mode=mode, **kwargs)
