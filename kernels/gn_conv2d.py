@@ -1,11 +1,12 @@
 """Implicit-GEMM 2-D convolution whose loader applies GroupNorm + activation, with a fused epilogue.
 
-Computes ``y = (conv(act(gn(x)), W) + bias + temb[n] + shortcut + residual) / output_scale`` and, optionally, the
-per-(n, group) statistics of y for the next GroupNorm. x is NHWC (channels-last; any strides are accepted, channel
-stride 1 is the fast path), fp32/fp16/bf16; accumulation, GroupNorm math and statistics in fp32 (statistics sums in
-fp64). Kernels 1x1 and 3x3, stride 1 or 2, zero padding applied after the activation; nearest 2x upsampling or 2x2
-average pooling of the conv input is index arithmetic in the loader; an optional 1x1 "shortcut" conv of a second
-input accumulates into the same tile.
+Computes ``y = (residual + gate[n, oh] * (conv(act(gn(x)), W) + bias + temb[n, oh] + shortcut)) / output_scale``
+(temb and gate per image or per output row) and, optionally, the per-(n, group) statistics of y for the next
+GroupNorm. x is NHWC (channels-last; any strides are accepted, channel stride 1 is the fast path), fp32/fp16/bf16;
+accumulation, GroupNorm math and statistics in fp32 (statistics sums in fp64). Kernels 1x1, 3x3 and 3x1 (a temporal
+conv over a (video, channel, frame, pixel) view), stride 1 or 2, zero padding applied after the activation; nearest
+2x upsampling or 2x2 average pooling of the conv input is index arithmetic in the loader; an optional 1x1 "shortcut"
+conv of a second input accumulates into the same tile.
 Algorithm: one program per (image, BM output pixels, BN output channels); ONE flat loop over kh*kw*channel-blocks
 stages an [BM, BK] input tile (normalised with per-(n, c) scale/shift [BK] vectors) and a [BK, BN] weight tile into
 tl.dot. Output statistics: per-column centred sums of the tile are added in fp64 to a per-(n, c) workspace; the last
@@ -124,8 +125,8 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
 
 @triton.autotune(
     configs=_configs(),
-    key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "STRIDE", "RESAMPLE", "HAS_SC", "NORMALIZE", "OUT_STATS", "HAS_TEMB",
-         "HAS_RES", "IDX64"],
+    key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "KW", "STRIDE", "RESAMPLE", "HAS_SC", "NORMALIZE", "OUT_STATS",
+         "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64"],
 )  # fmt: skip
 @triton.jit
 def _gn_conv2d_fwd_kernel(
@@ -141,25 +142,27 @@ def _gn_conv2d_fwd_kernel(
     beta_ptr,
     w_ptr,  # [C_out, C_in, KH, KW] (strides)
     bias_ptr,  # [C_out]
-    temb_ptr,  # [N, C_out] (strides)
+    temb_ptr,  # [N, C_out] or [N, C_out, OH] (strides; sth = 0 for the former)
     res_ptr,  # [N, RH, RW, C_out] (strides)
     xs_ptr,  # shortcut input [N, HS, WS, C_sc] (strides)
     ws_w_ptr,  # shortcut weight [C_out, C_sc] (strides)
     bias2_ptr,  # shortcut bias [C_out]
+    gate_ptr,  # [N, OH] fp32 (strides; sgh = 0 for one gate per image)
     sxn, sxh, sxw, sxc,
     swo, swi, swh, sww,
     syn, syh, syw, syc,
-    stn, stc,
+    stn, stc, sth,
+    sgn, sgh,
     srn, srh, srw, src,
     ssn, ssh, ssw, ssc,
     swso, swsi,
     H, W, C_in, OH, OW, C_out, G_in, HR, WR, HS, WS, C_sc, G_out,
     out_eps, inv_scale,
     KEY_S, KEY_CIN, KEY_COUT,
-    KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     RESAMPLE: tl.constexpr, NORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr,
-    HAS_RES: tl.constexpr, RES_RESAMPLE: tl.constexpr,
+    TEMB_ROWS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, RES_RESAMPLE: tl.constexpr,
     HAS_SC: tl.constexpr, SC_RESAMPLE: tl.constexpr, HAS_BIAS2: tl.constexpr,
     OUT_STATS: tl.constexpr, STATS_BLOCK_G: tl.constexpr, STATS_BLOCK_CPG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -210,8 +213,8 @@ def _gn_conv2d_fwd_kernel(
         else:
             scale = tl.zeros([BK], dtype=tl.float32)
             shift = scale
-        ih = oh * STRIDE + (kh - PAD)
-        iw = ow * STRIDE + (kw - PAD)
+        ih = oh * STRIDE + (kh - PAD_H)
+        iw = ow * STRIDE + (kw - PAD_W)
         a = _stage_input(x_base, ih, iw, m_mask, ci, c_mask, sxh, sxw, sxc, H, W, scale, shift,
                          RESAMPLE, NORMALIZE, ACTIVATION, IDX64)  # fmt: skip
         b = tl.load(w_ptr + w_cols + ci[:, None] * swi + kh * swh + kw * sww,
@@ -237,7 +240,13 @@ def _gn_conv2d_fwd_kernel(
     if HAS_BIAS2:
         acc += tl.load(bias2_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_TEMB:
-        acc += tl.load(temb_ptr + n * stn + offs_n * stc, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if TEMB_ROWS:  # one vector per output row (a temporal conv's per-frame embedding)
+            temb_off = n * stn + oh[:, None] * sth + offs_n[None, :] * stc
+            acc += tl.load(temb_ptr + temb_off, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(temb_ptr + n * stn + offs_n * stc, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_GATE:  # everything but the residual is scaled (SVD's alpha blend of spatial and temporal paths)
+        acc *= tl.load(gate_ptr + n * sgn + oh * sgh, mask=m_mask, other=0.0)[:, None]
     if HAS_RES:
         zero_n = tl.zeros([BN], dtype=tl.float32)
         acc += _stage_input(res_ptr + n.to(tl.int64) * srn, oh, ow, m_mask, offs_n, n_mask, srh, srw, src, HR, WR,
@@ -285,10 +294,10 @@ def _resampled_size(h: int, w: int, resample: str) -> tuple[int, int]:
     return h, w
 
 
-def conv_output_size(h: int, w: int, kernel: int, stride: int, padding: int, resample: str) -> tuple[int, int]:
+def conv_output_size(h: int, w: int, kernel: tuple[int, int], stride: int, padding: tuple[int, int], resample: str):
     """(OH, OW) of the conv applied to x (H, W) after ``resample``."""
     hc, wc = _resampled_size(h, w, resample)
-    return (hc + 2 * padding - kernel) // stride + 1, (wc + 2 * padding - kernel) // stride + 1
+    return (hc + 2 * padding[0] - kernel[0]) // stride + 1, (wc + 2 * padding[1] - kernel[1]) // stride + 1
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -311,10 +320,11 @@ def gn_conv2d_fwd(
     shortcut_x: torch.Tensor | None,
     shortcut_weight: torch.Tensor | None,
     shortcut_bias: torch.Tensor | None,
+    gate: torch.Tensor | None,
     num_groups: int,
     activation: str | None,
     stride: int,
-    padding: int,
+    padding: tuple[int, int],
     resample: str,
     residual_resample: str,
     shortcut_resample: str,
@@ -325,6 +335,7 @@ def gn_conv2d_fwd(
     """One launch: (y [N, C_out, OH, OW] channels-last, out_mean [N, out_groups] fp32, out_rstd).
 
     ``mean is None`` skips the normalisation prologue (plain conv). out_groups=0: no statistics (empty tensors).
+    temb: [N, C_out] or [N, C_out, OH]; gate: [N, 1] or [N, OH] fp32.
     """
     n, c_in, h, w = x.shape
     c_out, _, kh, kw = weight.shape
@@ -332,7 +343,7 @@ def gn_conv2d_fwd(
     mean, rstd, gamma, beta, bias, shortcut_bias = (
         None if t is None else t.contiguous() for t in (mean, rstd, gamma, beta, bias, shortcut_bias)
     )
-    oh, ow = conv_output_size(h, w, kh, stride, padding, resample)
+    oh, ow = conv_output_size(h, w, (kh, kw), stride, padding, resample)
     y = new_output((n, c_out, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     out_mean = new_output((n, out_groups), device=x.device, dtype=torch.float32)
     out_rstd = new_output((n, out_groups), device=x.device, dtype=torch.float32)
@@ -345,6 +356,7 @@ def gn_conv2d_fwd(
     else:
         ws, counters, block_cpg, block_g = x, x, 1, 1
     normalize = mean is not None
+    temb_rows = temb is not None and temb.dim() == 3
     dummy = x
     res_h, res_w = residual.shape[2:] if residual is not None else (1, 1)
     sc_h, sc_w = shortcut_x.shape[2:] if shortcut_x is not None else (1, 1)
@@ -364,16 +376,20 @@ def gn_conv2d_fwd(
         shortcut_x if shortcut_x is not None else dummy,
         shortcut_weight if shortcut_weight is not None else dummy,
         shortcut_bias if shortcut_bias is not None else dummy,
+        gate if gate is not None else dummy,
         *strides4(x), *weight.stride(), *strides4(y),
-        *(temb.stride() if temb is not None else (0, 0)),
+        *(temb.stride()[:2] if temb is not None else (0, 0)), temb.stride(2) if temb_rows else 0,
+        *((gate.stride(0), gate.stride(1) if gate.shape[1] > 1 else 0) if gate is not None else (0, 0)),
         *strides4(residual), *strides4(shortcut_x),
         *(shortcut_weight.stride()[:2] if shortcut_weight is not None else (0, 0)),
         h, w, c_in, oh, ow, c_out, num_groups if normalize else 1, res_h, res_w, sc_h, sc_w, c_sc,
         max(out_groups, 1), float(out_eps), 1.0 / float(output_scale),
         min(next_power_of_2(s), 1 << 16), next_power_of_2(c_in), next_power_of_2(c_out),
-        KH=kh, KW=kw, STRIDE=stride, PAD=padding, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
+        KH=kh, KW=kw, STRIDE=stride, PAD_H=padding[0], PAD_W=padding[1], RESAMPLE=RESAMPLE[resample],
+        NORMALIZE=normalize,
         ACTIVATION=ACTIVATIONS[activation][0], HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None,
-        HAS_BIAS=bias is not None, HAS_TEMB=temb is not None, HAS_RES=residual is not None,
+        HAS_BIAS=bias is not None, HAS_TEMB=temb is not None, TEMB_ROWS=temb_rows, HAS_GATE=gate is not None,
+        HAS_RES=residual is not None,
         RES_RESAMPLE=RESAMPLE[residual_resample], HAS_SC=shortcut_x is not None,
         SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None, OUT_STATS=out_groups > 0,
         STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, DOT_PRECISION=_dot_precision(x.dtype),
@@ -382,7 +398,7 @@ def gn_conv2d_fwd(
     return y, out_mean, out_rstd
 
 
-_FP32_PTRS = ("out_mean_ptr", "out_rstd_ptr", "mean_ptr", "rstd_ptr")
+_FP32_PTRS = ("out_mean_ptr", "out_rstd_ptr", "mean_ptr", "rstd_ptr", "gate_ptr")
 
 
 def _aot_spec(
@@ -391,6 +407,7 @@ def _aot_spec(
     cfg,
     *,
     kh=3,
+    kw=None,
     stride=1,
     resample="none",
     normalize=True,
@@ -398,14 +415,18 @@ def _aot_spec(
     res=False,
     sc=False,
     out_stats=False,
+    temb_rows=False,
+    gate=False,
 ) -> dict:
     bm, bn, bk, warps, stages = cfg
+    kw = kh if kw is None else kw
     # Channels-last activations and weights (model.to(memory_format=torch.channels_last)): unit channel strides.
     constexprs = {"sxc": 1, "swi": 1, "syc": 1, "src": 1, "ssc": 1, "swsi": 1}
     constexprs.update(
-        KH=kh, KW=kh, STRIDE=stride, PAD=kh // 2, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
+        KH=kh, KW=kw, STRIDE=stride, PAD_H=kh // 2, PAD_W=kw // 2, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
         ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
-        HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc, SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
+        TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc,
+        SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
         OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, DOT_PRECISION="tf32", IDX64=False,
         BM=bm, BN=bn, BK=bk,
     )  # fmt: skip
@@ -449,4 +470,8 @@ def aot_specs() -> list[dict]:
         _aot_spec("gn_conv2d[fp16,3x3,stride2,plain]", "fp16", big, stride=2, normalize=False),
         _aot_spec("gn_conv2d[fp16,1x1,gn]", "fp16", big, kh=1),
         _aot_spec("gn_conv2d[fp32,3x3,conv1:temb+stats]", "fp32", tall, temb=True, out_stats=True),
+        # SVD's temporal resnet (3x1 over frames): per-frame temb + statistics, then residual + per-frame blend gate
+        _aot_spec("gn_conv2d[fp16,3x1,temporal conv1]", "fp16", big, kw=1, temb=True, temb_rows=True, out_stats=True),
+        _aot_spec("gn_conv2d[fp16,3x1,temporal conv2]", "fp16", big, kw=1, res=True, gate=True),
+        _aot_spec("gn_conv2d[bf16,3x1,temporal conv2,64x128]", "bf16", tall, kw=1, res=True, gate=True),
     ]

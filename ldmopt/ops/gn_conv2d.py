@@ -74,10 +74,21 @@ def _resample_backward(grad: Tensor, mode: str, like: Tensor) -> Tensor:
     return grad
 
 
-def conv_output_size(h: int, w: int, kernel: int, stride: int, padding: int, resample: str) -> tuple[int, int]:
-    """(OH, OW) of a ``kernel`` x ``kernel`` conv applied to an (h, w) input after ``resample``."""
+def conv_output_size(h: int, w: int, kernel, stride: int, padding, resample: str) -> tuple[int, int]:
+    """(OH, OW) of a ``kernel`` (int or (kh, kw)) conv with ``padding`` (int or (ph, pw)) applied to an (h, w) input
+    after ``resample``."""
+    (kh, kw), (ph, pw) = _pair(kernel), _pair(padding)
     hc, wc = {"up": (2 * h, 2 * w), "down": (h // 2, w // 2)}.get(resample, (h, w))
-    return (hc + 2 * padding - kernel) // stride + 1, (wc + 2 * padding - kernel) // stride + 1
+    return (hc + 2 * ph - kh) // stride + 1, (wc + 2 * pw - kw) // stride + 1
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _rows(t: Tensor) -> Tensor:
+    """A per-image ([N, C]) or per-output-row ([N, C, OH]) vector as a broadcastable [N, C, OH|1, 1] view."""
+    return t[:, :, None, None] if t.dim() == 2 else t[:, :, :, None]
 
 
 def _normalize(x: Tensor, mean: Tensor, rstd: Tensor, gw: Tensor | None, gb: Tensor | None, groups: int, act):
@@ -148,18 +159,27 @@ def _(x, num_groups, eps):
 # ------------------------------------------------------------------------------------------------ fused conv op
 
 
-def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
-               res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
-    """The reference: the unfused composition, rounding the activation to x's dtype as an unfused model stores it."""
+def _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample, sc_resample):
+    """conv + bias + temb + shortcut in the statistics dtype: what the gate scales."""
     cd = _stats_dtype(x)
     a = x if mean is None else _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype)
-    z = F.conv2d(_resample(a, resample).to(cd), w.to(cd), None, stride, padding)
+    z = F.conv2d(_resample(a, resample).to(cd), w.to(cd), None, stride, list(padding))
     if b is not None:
         z = z + b.to(cd)[:, None, None]
     if temb is not None:
-        z = z + temb.to(cd)[:, :, None, None]
+        z = z + _rows(temb.to(cd))
     if sx is not None:
         z = z + F.conv2d(_resample(sx.to(cd), sc_resample), sw.to(cd), None if sb is None else sb.to(cd))
+    return z
+
+
+def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
+               res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
+    """The reference: the unfused composition, rounding the activation to x's dtype as an unfused model stores it."""
+    cd = _stats_dtype(x)
+    z = _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample, sc_resample)
+    if gate is not None:
+        z = z * gate.to(cd)[:, None, :, None]
     if res is not None:
         z = z + _resample(res.to(cd), res_resample)
     y = _channels_last_like(z.shape, x)
@@ -171,17 +191,17 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, 
     return y, mean_o, rstd_o
 
 
-def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
-                   res_resample, sc_resample, output_scale, out_groups, out_eps) -> list[str]:  # fmt: skip
+def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding,
+                   resample, res_resample, sc_resample, output_scale, out_groups, out_eps) -> list[str]:  # fmt: skip
     reasons = triton_refusals(x, w, sx, dtypes=_TRITON_DTYPES)
     if not _is_channels_last(x):
         reasons.append(f"x (strides {x.stride()}) is not channels-last; the loader reads NHWC channel vectors")
     kh, kw = w.shape[2:]
-    if (kh, kw) not in ((1, 1), (3, 3)):
-        reasons.append(f"kernel {kh}x{kw}: the triton kernel serves 1x1 and 3x3")
-    if stride not in (1, 2) or padding > kh // 2:
+    if (kh, kw) not in ((1, 1), (3, 3), (3, 1)):
+        reasons.append(f"kernel {kh}x{kw}: the triton kernel serves 1x1, 3x3 and 3x1 (temporal)")
+    if stride not in (1, 2) or padding[0] > kh // 2 or padding[1] > kw // 2:
         reasons.append(
-            f"stride={stride}, padding={padding} with a {kh}x{kw} kernel (served: stride 1/2, padding<=k//2)"
+            f"stride={stride}, padding={tuple(padding)} with a {kh}x{kw} kernel (served: stride 1/2, padding<=k//2)"
         )
     if resample != "none" and stride != 1:
         reasons.append(f"resample={resample!r} with stride {stride} (resampling is served with stride 1)")
@@ -193,12 +213,14 @@ def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, a
     return reasons
 
 
-def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
+def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
                 res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
 
-    return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample,
-                         res_resample, sc_resample, output_scale, out_groups, out_eps)  # fmt: skip
+    gate = None if gate is None else gate.float()
+    return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride,
+                         tuple(padding), resample, res_resample, sc_resample, output_scale, out_groups,
+                         out_eps)  # fmt: skip
 
 
 FORWARD = BackendTable("gn_conv2d", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
@@ -218,10 +240,11 @@ def gn_conv2d_op(
     shortcut_x: Tensor | None,
     shortcut_weight: Tensor | None,
     shortcut_bias: Tensor | None,
+    gate: Tensor | None,
     num_groups: int,
     activation: str,
     stride: int,
-    padding: int,
+    padding: list[int],
     resample: str,
     residual_resample: str,
     shortcut_resample: str,
@@ -232,7 +255,7 @@ def gn_conv2d_op(
     """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation."""
     y, out_mean, out_rstd = _run(
         FORWARD, x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
-        shortcut_bias, num_groups, activation or None, stride, padding, resample, residual_resample,
+        shortcut_bias, gate, num_groups, activation or None, stride, padding, resample, residual_resample,
         shortcut_resample, output_scale, out_groups, out_eps,
     )  # fmt: skip
     return y, out_mean, out_rstd
@@ -240,24 +263,27 @@ def gn_conv2d_op(
 
 @gn_conv2d_op.register_fake
 def _(x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight, shortcut_bias,
-      num_groups, activation, stride, padding, resample, residual_resample, shortcut_resample, output_scale,
+      gate, num_groups, activation, stride, padding, resample, residual_resample, shortcut_resample, output_scale,
       out_groups, out_eps):  # fmt: skip
-    oh, ow = conv_output_size(x.shape[2], x.shape[3], weight.shape[2], stride, padding, resample)
+    oh, ow = conv_output_size(x.shape[2], x.shape[3], weight.shape[2:], stride, padding, resample)
     y = _channels_last_like((x.shape[0], weight.shape[0], oh, ow), x)
     stats = x.new_empty((x.shape[0], out_groups), dtype=torch.float32 if out_groups == 0 else _stats_dtype(x))
     return y, stats, torch.empty_like(stats)
 
 
 def _setup_context(ctx, inputs, output):
-    (x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, groups, act, stride, padding, resample, res_resample,
+    (x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample, res_resample,
      sc_resample, output_scale, _out_groups, _out_eps) = inputs  # fmt: skip
-    ctx.save_for_backward(x, mean, rstd, gw, gb, w, sx, sw)
-    ctx.conf = (groups, act or None, stride, padding, resample, res_resample, sc_resample, output_scale)
+    # The gate's gradient needs what it scaled: bias, temb and the shortcut's bias are kept only then.
+    keep = gate is not None and ctx.needs_input_grad[12]
+    ctx.save_for_backward(x, mean, rstd, gw, gb, w, sx, sw, gate, *((b, temb, sb) if keep else (None,) * 3))
+    ctx.conf = (groups, act or None, stride, tuple(padding), resample, res_resample, sc_resample, output_scale)
     ctx.meta = {
         "bias": None if b is None else b.dtype,
-        "temb": None if temb is None else temb.dtype,
+        "temb": None if temb is None else (temb.dtype, temb.dim()),
         "sb": None if sb is None else sb.dtype,
         "res": None if res is None else tuple(res.shape),
+        "gate": None if gate is None else (gate.dtype, tuple(gate.shape)),
     }
 
 
@@ -275,22 +301,33 @@ def _conv_backward(g, inp, w, stride, padding, mask):
             None,
         )
     return torch.ops.aten.convolution_backward(
-        g, inp.to(g.dtype), w.to(g.dtype), None, [stride] * 2, [padding] * 2, [1, 1], False, [0, 0], 1, [*mask, False]
-    )
+        g, inp.to(g.dtype), w.to(g.dtype), None, [stride] * 2, list(padding), [1, 1], False, [0, 0], 1,
+        [*mask, False],
+    )  # fmt: skip
 
 
 def _backward(ctx, dy, _dmean, _drstd):
-    x, mean, rstd, gw, gb, w, sx, sw = ctx.saved_tensors
+    x, mean, rstd, gw, gb, w, sx, sw, gate, b, temb, sb = ctx.saved_tensors
     groups, act, stride, padding, resample, res_resample, sc_resample, output_scale = ctx.conf
     need = ctx.needs_input_grad
     g = dy if output_scale == 1.0 else dy / output_scale
-    grads = [None] * 22
+    grads = [None] * 23
+    if need[8]:
+        grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
+    if gate is not None:
+        if need[12]:
+            # d gate[n, oh] = sum over (c, ow) of g * (conv + bias + temb + shortcut), recomputed: one more conv.
+            z = _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample,
+                          sc_resample)  # fmt: skip
+            dgate = (g.to(z.dtype) * z).sum((1, 3))
+            dtype, shape = ctx.meta["gate"]
+            grads[12] = (dgate.sum(1, keepdim=True) if shape[1] == 1 else dgate).to(dtype)
+        g = (g.to(_stats_dtype(x)) * gate.to(_stats_dtype(x))[:, None, :, None]).to(g.dtype)
     if need[6]:
         grads[6] = _sum_channels(g, (0, 2, 3), ctx.meta["bias"])
     if need[7]:
-        grads[7] = _sum_channels(g, (2, 3), ctx.meta["temb"])
-    if need[8]:
-        grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
+        dtype, dims = ctx.meta["temb"]
+        grads[7] = _sum_channels(g, (2, 3) if dims == 2 else (3,), dtype)
     normalize = mean is not None
     need_da = need[0] or (normalize and (need[3] or need[4]))
     if need_da or need[5]:
@@ -307,7 +344,7 @@ def _backward(ctx, dy, _dmean, _drstd):
             else:
                 grads[0] = da.to(x.dtype)
     if sx is not None and (need[9] or need[10]):
-        dsx_r, dsw = _conv_backward(g, _resample(sx, sc_resample), sw, 1, 0, [need[9], need[10]])[:2]
+        dsx_r, dsw = _conv_backward(g, _resample(sx, sc_resample), sw, 1, (0, 0), [need[9], need[10]])[:2]
         grads[9] = _resample_backward(dsx_r, sc_resample, sx) if need[9] else None
         grads[10] = dsw
     if need[11]:
@@ -336,7 +373,7 @@ def gn_silu_conv2d(
     conv_weight: Tensor,
     conv_bias: Tensor | None = None,
     stride: int = 1,
-    padding: int = 1,
+    padding: int | tuple[int, int] = 1,
     *,
     activation: str | None = "silu",
     normalize: bool = True,
@@ -345,6 +382,7 @@ def gn_silu_conv2d(
     temb: Tensor | None = None,
     residual: Tensor | None = None,
     residual_resample: str = "none",
+    gate: Tensor | None = None,
     shortcut: tuple[Tensor, Tensor, Tensor | None] | None = None,
     shortcut_resample: str = "none",
     output_scale: float = 1.0,
@@ -355,10 +393,10 @@ def gn_silu_conv2d(
     Math (x is (N, C_in, H, W), best channels-last; every sum in fp32)::
 
         a = resample(act((x - mean) * rstd * gn_weight + gn_bias))    # per (n, group) mean/rstd; zero padding after
-        y = (conv2d(a, conv_weight, conv_bias, stride, padding)       #   the activation
-             + temb[:, :, None, None]                                 # temb: (N, C_out), e.g. a time embedding
-             + conv2d(resample_sc(shortcut_x), shortcut_weight, shortcut_bias)     # 1x1 shortcut conv
-             + resample_res(residual)) / output_scale
+        z = (conv2d(a, conv_weight, conv_bias, stride, padding)       #   the activation
+             + temb[:, :, None, None]                                 # temb: (N, C_out), e.g. a time embedding,
+             + conv2d(resample_sc(shortcut_x), shortcut_weight, shortcut_bias))    # or (N, C_out, OH): per row
+        y = (resample_res(residual) + gate[:, None, :, None] * z) / output_scale  # gate: (N,) or (N, OH)
 
     ``resample``: "none", "up" (nearest 2x) or "down" (2x2 average pool) of the conv input, done by index arithmetic.
     ``stats=(mean, rstd)`` ([N, G] fp32, e.g. from a previous call's ``out_stats``) skips the statistics pass; they
@@ -366,12 +404,18 @@ def gn_silu_conv2d(
     conv (gn_* and num_groups ignored). ``out_stats=(groups, eps)`` also returns ``(mean, rstd)`` of y for the next
     GroupNorm, produced by the conv's epilogue; autograd treats them as constants.
 
+    Temporal convolutions: a (3, 1) kernel with ``padding=(1, 0)`` over a (video, channel, frame, pixel) view of
+    channels-last frames is a Conv3d with kernel (3, 1, 1); GroupNorm statistics of that view are per video, as a
+    5-D GroupNorm's are. A per-frame ``temb`` (N, C_out, frames) and ``gate`` (N, frames) serve SVD's temporal
+    resnet and its blend with the spatial path (ldmopt.nn.temporal_resnet). The gate is applied in fp32; its
+    gradient recomputes the convolution once in backward.
+
     Under torch.autocast, x, conv weight/bias, temb, residual and the shortcut's tensors are cast to the autocast
     dtype first (the identity residual is thereby rounded to it, where diffusers would add it in its own dtype).
 
     Returns y (channels-last, x's dtype) or ``(y, (mean, rstd))``. Tolerance versus an fp64 reference: within 2x the
     error of PyTorch's own unfused computation in x's dtype. The Triton kernel serves channels-last fp32/fp16/bf16 with
-    1x1/3x3 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why). fp32
+    1x1/3x3/3x1 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why). fp32
     inputs use TF32 tensor cores on GPUs unless ``torch.backends.cudnn.allow_tf32`` is False, as PyTorch's conv does.
     Output statistics sum in fp64 atomics, so they can differ in the last bit between runs.
     """
@@ -389,11 +433,11 @@ def gn_silu_conv2d(
             f"C={c_in} channels (grouped convolutions are not supported)"
         )
     check_vector("conv_bias", conv_bias, c_out, x)
-    for name, value in (("stride", stride), ("padding", padding)):
-        if not isinstance(value, int) or value < (1 if name == "stride" else 0):
-            raise ValueError(
-                f"{name} must be a {'positive' if name == 'stride' else 'non-negative'} int, got {value!r}"
-            )
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride must be a positive int, got {stride!r}")
+    pads = (padding,) * 2 if isinstance(padding, int) else tuple(padding) if isinstance(padding, (tuple, list)) else ()
+    if len(pads) != 2 or not all(isinstance(p, int) and p >= 0 for p in pads):
+        raise ValueError(f"padding must be a non-negative int or a pair of them, got {padding!r}")
     for name, value in (("resample", resample), ("residual_resample", residual_resample)):
         _check_resample(name, value)
     _check_resample("shortcut_resample", shortcut_resample)
@@ -414,17 +458,25 @@ def gn_silu_conv2d(
     else:
         gn_weight = gn_bias = None
         num_groups = 0
-    oh, ow = conv_output_size(h, w, conv_weight.shape[2], stride, padding, resample)
+    oh, ow = conv_output_size(h, w, conv_weight.shape[2:], stride, pads, resample)
     if oh <= 0 or ow <= 0:
         raise ValueError(f"x of spatial size {h}x{w} is too small for this convolution (output {oh}x{ow})")
     if not output_scale:
         raise ValueError(f"output_scale={output_scale!r}: the output is divided by it, so it must be non-zero")
-    for name, t in (("temb", temb), ("residual", residual), *zip(("shortcut_x", "shortcut_weight"), shortcut or ())):
+    operands = (("temb", temb), ("residual", residual), ("gate", gate))
+    for name, t in (*operands, *zip(("shortcut_x", "shortcut_weight"), shortcut or ())):
         check_same_device(name, t, x)
     if temb is not None:
-        check_tensor("temb", temb, ndim=(2,))
-        if tuple(temb.shape) != (n, c_out):
-            raise ValueError(f"temb must have shape ({n}, {c_out}), got {tuple(temb.shape)}")
+        check_tensor("temb", temb, ndim=(2, 3))
+        if tuple(temb.shape) not in ((n, c_out), (n, c_out, oh)):
+            raise ValueError(
+                f"temb must have shape ({n}, {c_out}) or, per output row, ({n}, {c_out}, {oh}); got {tuple(temb.shape)}"
+            )
+    if gate is not None:
+        check_tensor("gate", gate, ndim=(1, 2))
+        if tuple(gate.shape) not in ((n,), (n, 1), (n, oh)):
+            raise ValueError(f"gate must have shape ({n},) or, per output row, ({n}, {oh}); got {tuple(gate.shape)}")
+        gate = gate.reshape(n, -1)
     if residual is not None:
         check_tensor("residual", residual, ndim=(4,))
         rh, rw = conv_output_size(*residual.shape[2:], 1, 1, 0, residual_resample)
@@ -449,8 +501,8 @@ def gn_silu_conv2d(
     if out_stats is not None and (not isinstance(out_groups, int) or out_groups <= 0 or c_out % out_groups):
         raise ValueError(f"out_stats groups={out_groups!r} must be a positive int dividing C_out={c_out}")
     y, out_mean, out_rstd = call(
-        gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, num_groups,
-        activation or "", stride, padding, resample, residual_resample, shortcut_resample, float(output_scale),
-        out_groups, float(out_eps),
+        gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, gate,
+        num_groups, activation or "", stride, list(pads), resample, residual_resample, shortcut_resample,
+        float(output_scale), out_groups, float(out_eps),
     )  # fmt: skip
     return y if out_stats is None else (y, (out_mean, out_rstd))

@@ -242,7 +242,7 @@ def test_unsupported_kernel_size_runs_reference():
     w = torch.randn(4, 8, 5, 5) * 0.1
     op_module.fallback_reasons.clear()
     y = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 2)
-    assert ("gn_conv2d", "triton", "kernel 5x5: the triton kernel serves 1x1 and 3x3") in op_module.fallback_reasons
+    assert ("gn_conv2d", "triton", "kernel 5x5: the triton kernel serves 1x1, 3x3 and 3x1 (temporal)") in op_module.fallback_reasons
     _check(y, (x, gw, gb, groups, w, b, 1, 2), {}, "5x5 reference")
 
 
@@ -261,7 +261,9 @@ def _bad(**over):
         (_bad(conv_weight=torch.randn(4, 4, 3, 3)), "grouped convolutions are not supported"),
         (_bad(num_groups=3), "num_groups=3 must be a positive int dividing C=8"),
         (_bad(gn_weight=torch.randn(7)), r"gn_weight must have shape \(8,\)"),
-        (_bad(temb=torch.randn(2, 5)), r"temb must have shape \(2, 4\)"),
+        (_bad(temb=torch.randn(2, 5)), r"temb must have shape \(2, 4\) or, per output row, \(2, 4, 5\)"),
+        (_bad(gate=torch.randn(2, 4)), r"gate must have shape \(2,\) or, per output row, \(2, 5\); got \(2, 4\)"),
+        (_bad(padding=(1,)), r"padding must be a non-negative int or a pair of them, got \(1,\)"),
         (_bad(resample="bilinear"), "resample='bilinear' is not supported"),
         (_bad(residual=torch.randn(2, 4, 3, 3)), "residual of shape"),
         (_bad(out_stats=(3, 1e-5)), "out_stats groups=3 must be a positive int dividing C_out=4"),
@@ -279,8 +281,8 @@ def test_opcheck():
     x, gw, gb, groups, w, b = _inputs(2, 4, 3, 5, 6, 3, torch.float32, groups=2)
     mean, rstd = torch.ops.ldmopt.gn_conv2d_stats(x, groups, 1e-5)
     temb = torch.randn(2, 6)
-    args = (x.requires_grad_(), mean, rstd, gw, gb, w.requires_grad_(), b, temb, None, None, None, None, groups,
-            "silu", 1, 1, "down", "none", "none", 1.0, 3, 1e-5)  # fmt: skip
+    args = (x.requires_grad_(), mean, rstd, gw, gb, w.requires_grad_(), b, temb, None, None, None, None, None,
+            groups, "silu", 1, [1, 1], "down", "none", "none", 1.0, 3, 1e-5)  # fmt: skip
     torch.library.opcheck(torch.ops.ldmopt.gn_conv2d, args)
     torch.library.opcheck(torch.ops.ldmopt.gn_conv2d_stats, (x.detach(), groups, 1e-5))
 
