@@ -103,6 +103,38 @@ def _resnet_block(quick: bool):
             yield case, dtype, "triton", [out, mean, rstd], [ref, mu, torch.rsqrt(var + 1e-6)]
 
 
+@check("svd_resnet_block")
+def _svd_resnet_block(quick: bool):
+    """SVD's SpatioTemporalResBlock as patched (spatial resnet + temporal (3, 1) convs with the blend in the
+    epilogue) vs diffusers' own block in fp64, with an image-only video in the batch; forward and input gradient."""
+    from diffusers.models.resnet import SpatioTemporalResBlock
+
+    from ldmopt.nn.temporal_resnet import fused_spatiotemporal_forward
+
+    for case, (videos, frames, channels, height, width, temb_channels) in _cases("svd_resnet_block", quick).items():
+        ref_block = SpatioTemporalResBlock(channels, channels, temb_channels=temb_channels).to(DEVICE).eval()
+        with torch.no_grad():
+            for name, p in ref_block.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+            ref_block.time_mixer.mix_factor.fill_(0.3)
+        x = torch.randn(videos * frames, channels, height, width, device=DEVICE).to(memory_format=torch.channels_last)
+        temb = torch.randn(videos * frames, temb_channels, device=DEVICE)
+        indicator = torch.zeros(videos, frames, device=DEVICE)
+        indicator[-1] = 1.0  # an image-only video: its blend weight is 1
+        dy = torch.randn_like(x)
+        x64 = x.double().requires_grad_()
+        ref = ref_block.double()(x64, temb.double(), indicator)
+        (dx64,) = torch.autograd.grad(ref, x64, dy.double())
+        for dtype in DTYPES:
+            block = ref_block.to(dtype)
+            xi = x.to(dtype).requires_grad_()
+            with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")):
+                out = fused_spatiotemporal_forward(block, xi, temb.to(dtype), indicator)
+                (dx,) = torch.autograd.grad(out, xi, dy.to(dtype))
+            yield case, dtype, "triton", [out, dx], [ref, dx64]
+
+
 def _run_geglu(x, w, b):
     from ldmopt.ops.geglu import geglu
 
@@ -381,6 +413,10 @@ CASES: dict[str, dict[str, tuple]] = {
         "sd-32x32x320-640": (2, 320, 640, 32, 1280),
         "vae-128x128x256-128": (1, 256, 128, 128, None),
     },
+    "svd_resnet_block": {  # (videos, frames, C, H, W, temb channels)
+        "svd-36x64x640": (2, 14, 640, 36, 64, 1280),
+        "svd-72x128x320": (2, 14, 320, 72, 128, 1280),
+    },
     # (fused, reference, B, T, K, N); GEMM weights are [N, K] (GEGLU: N = 2I); adaLN and RMSNorm use C = K (the
     # per-head RMSNorm + RoPE: heads of N).
     "fused_linear": {
@@ -412,7 +448,15 @@ CASES: dict[str, dict[str, tuple]] = {
         "animatediff-64x64x320": (_motion, 320, 8, 64),
     },
 }
-FULL_ONLY = {"rms_rope-wan14b", "vae-512", "vae-128x128x256-128", "geglu-sdxl", "latte-512", "animatediff-64x64x320"}
+FULL_ONLY = {
+    "rms_rope-wan14b",
+    "svd-72x128x320",
+    "vae-512",
+    "vae-128x128x256-128",
+    "geglu-sdxl",
+    "latte-512",
+    "animatediff-64x64x320",
+}
 
 
 def run_checks(quick: bool, only: list[str] | None = None) -> int:

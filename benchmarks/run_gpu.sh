@@ -62,13 +62,13 @@ export LDMOPT_BENCH_QUICK=$([ "$MODE" = "quick" ] && echo 1 || echo 0)
 BUDGET=$(stage_budget "$([ "$MODE" = "quick" ] && echo 330 || echo 3600)")
 # Per-op benchmarks first, whole models next, so a run cut at the budget still has every kernel's figures; then the
 # host-overhead rows (their tiny shapes compile kernel variants of their own); last what lies beyond the issues' lists
-# (the UNet transformer block's residual epilogues, the Wan block, RMSNorm), so that it can only lose its own rows
+# (the UNet transformer block's residual epilogues, the Wan block, RMSNorm, SVD's temporal resnet), so that it can only lose its own rows
 # to the budget.
 timeout -k 5 "$BUDGET" $PY -m pytest -q -p no:cacheprovider --timeout=300 \
   benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py benchmarks/bench_temporal_block.py \
   benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py benchmarks/bench_training.py \
   benchmarks/bench_host_overhead.py benchmarks/bench_transformer_block.py benchmarks/bench_wan_block.py \
-  benchmarks/bench_rms_norm.py \
+  benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py \
   2>&1 | tail -n 400 >"$RESULTS/pytest.txt"
 log "pytest exit: ${PIPESTATUS[0]} (124 = stopped at the ${BUDGET}s budget; rows so far are kept)"
 tail -5 "$RESULTS/pytest.txt"

@@ -256,6 +256,25 @@ def test_transformer_block_providers(mocked_timing, monkeypatch):
     assert max(errs) < 1e-5 and all("fell back" not in r["note"] for r in rows), rows
 
 
+def test_svd_resnet_providers(mocked_timing, monkeypatch):
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_svd_resnet as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "QUICK", True)  # no torch.compile provider
+    monkeypatch.setattr(B, "BATCH", 1)
+    monkeypatch.setattr(B, "FRAMES", 3)
+    monkeypatch.setattr(B, "TEMB_CHANNELS", 16)
+    monkeypatch.setattr(B, "CASES", {"tiny": (64, 3, 5)})
+    with ldmopt.use_backend("torch"):
+        for mode in ("fwd", "fwd+bwd"):
+            B.bench_svd_resnet("tiny", torch.float32, mode, mocked_timing)
+    rows = mocked_timing.rows
+    assert [r["provider"] for r in rows] == ["eager", "ldmopt"] * 2 and not _failed(rows), rows
+    errs = [float(r["note"].split("; ")[0].rsplit(" ", 1)[1]) for r in rows]
+    assert max(errs) < 1e-5 and all("fell back" not in r["note"] for r in rows), rows
+
+
 def test_rms_norm_providers(mocked_timing, no_compile, monkeypatch):
     from benchmarks import bench_rms_norm as B
 

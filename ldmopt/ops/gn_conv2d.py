@@ -319,7 +319,8 @@ def _backward(ctx, dy, _dmean, _drstd):
             # d gate[n, oh] = sum over (c, ow) of g * (conv + bias + temb + shortcut), recomputed: one more conv.
             z = _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample,
                           sc_resample)  # fmt: skip
-            dgate = (g.to(z.dtype) * z).sum((1, 3))
+            # fp64 sums: the gate (SVD's blend factor) sees every element of the tensor.
+            dgate = (g.to(z.dtype) * z).sum((1, 3), dtype=torch.float64)
             dtype, shape = ctx.meta["gate"]
             grads[12] = (dgate.sum(1, keepdim=True) if shape[1] == 1 else dgate).to(dtype)
         g = (g.to(_stats_dtype(x)) * gate.to(_stats_dtype(x))[:, None, :, None]).to(g.dtype)

@@ -8,6 +8,11 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 | gn_conv            | resnet              | ResnetBlock2D                                | GN+SiLU in conv loads     |
 | gn_conv            | transformer2d_in    | Transformer2DModel (continuous input)        | GN in proj_in's loads     |
 | gn_conv            | spatiotemporal_in   | TransformerSpatioTemporalModel (SVD)         | GN in proj_in's loads     |
+| gn_conv            | spatiotemporal_     | SpatioTemporalResBlock (SVD UNet and VAE     | temporal resnet: GN+SiLU  |
+|                    | resnet              | decoder)                                     | in (3,1) conv loads, temb |
+|                    |                     |                                              | per frame, alpha blend in |
+|                    |                     |                                              | the epilogue              |
+| gn_conv            | temporal_conv       | TemporalConvLayer (UNet3D: ModelScope)       | four (3,1) fused convs    |
 | group_norm         | group_norm_silu     | VAE encoders/decoders (also SVD, Allegro,    | conv_norm_out + conv_act  |
 |                    |                     | HunyuanVideo), the UNets' output head        |                           |
 | group_norm         | group_norm_silu_seq | nn.Sequential (GroupNorm, SiLU)              | GN+SiLU in one pass       |

@@ -157,7 +157,11 @@ _FALLBACK_COUNTERS = (
     ("ldmopt.nn.child_check", "fallback_reasons", str),
 )
 # Per-call layout-copy counters: (module, attribute, label prefix).
-_LAYOUT_COUNTERS = (("ldmopt.nn.resnet", "ResnetBlock2D: "), ("ldmopt.nn.temporal_layout", ""))
+_LAYOUT_COUNTERS = (
+    ("ldmopt.nn.resnet", "ResnetBlock2D: "),
+    ("ldmopt.nn.temporal_layout", ""),
+    ("ldmopt.nn.temporal_resnet", ""),
+)
 
 
 def layout_copy_counts() -> Counter:

@@ -12,6 +12,10 @@
   and stays fused.
 - ``spatiotemporal_in``: SVD's ``TransformerSpatioTemporalModel``: the same GroupNorm + ``proj_in`` (a Linear) in one
   ``gn_silu_conv2d(activation=None)`` and channels-last kept on the way out; the blocks run as in diffusers.
+- ``spatiotemporal_resnet``: SVD's ``SpatioTemporalResBlock`` runs ``ldmopt.nn.temporal_resnet``'s fused forward:
+  its temporal resnet (Conv3d (3, 1, 1)) as two (3, 1) fused convs over a (video, C, frame, pixel) view, the
+  AlphaBlender mix in conv2's epilogue.
+- ``temporal_conv``: the UNet3D's ``TemporalConvLayer`` (ModelScope) as four such convs.
 
 All are class swaps (rule.py). Tolerance: the ops' (within 2x the error of the unfused PyTorch ops in the input
 dtype).
@@ -23,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import resnet as R
+from ..nn import temporal_resnet as TR
 from ..nn.child_check import count_stock, readable
 from ..ops.gn_conv2d import gn_silu_conv2d
 from .rule import ClassSwapRule, Rule, Site, stock
@@ -227,4 +232,78 @@ class SpatioTemporalInRule(ClassSwapRule):
         return _spatiotemporal_forward
 
 
-RULES: list[Rule] = [ResnetBlockRule(), Transformer2DInRule(), SpatioTemporalInRule()]
+def _spatiotemporal_resblock_forward(self, hidden_states, temb=None, image_only_indicator=None):
+    return TR.fused_spatiotemporal_forward(self, hidden_states, temb, image_only_indicator)
+
+
+class SpatioTemporalResBlockRule(ClassSwapRule):
+    name = "spatiotemporal_resnet"
+    family = "gn_conv"
+    description = (
+        "SpatioTemporalResBlock: temporal resnet as two (3,1) convs with GN+SiLU in the loads, per-frame temb and the "
+        "AlphaBlender mix in the epilogues; channels-last kept"
+    )
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.resnet import SpatioTemporalResBlock
+
+        return (SpatioTemporalResBlock,)
+
+    def reasons(self, site: Site) -> list[str]:
+        return TR.spatiotemporal_reasons(site.module)
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        temporal = site.module.temporal_res_block
+        bypassed = {f"temporal_res_block.{k}": getattr(temporal, k, None) for k in _TEMPORAL_BYPASSED}
+        return {
+            "": site.module,
+            "temporal_res_block": temporal,
+            "time_mixer": site.module.time_mixer,
+            **{k: v for k, v in bypassed.items() if isinstance(v, nn.Module)},
+        }
+
+    def shallow(self, site: Site) -> set[str]:
+        # The spatial resnet and time_emb_proj still run as modules (and are checked by their own rules/calls).
+        return {"", "temporal_res_block"}
+
+    def methods(self, site: Site):
+        return _spatiotemporal_resblock_forward
+
+
+_TEMPORAL_BYPASSED = ("norm1", "conv1", "norm2", "conv2", "dropout", "conv_shortcut")
+
+
+def _temporal_conv_forward(self, hidden_states, num_frames=1):
+    return TR.fused_temporal_conv_forward(self, hidden_states, num_frames)
+
+
+class TemporalConvLayerRule(ClassSwapRule):
+    name = "temporal_conv"
+    family = "gn_conv"
+    description = "TemporalConvLayer: four (3,1) convs with GN+SiLU in the loads and the identity in the last epilogue"
+
+    def targets(self) -> tuple[type, ...]:
+        from diffusers.models.resnet import TemporalConvLayer
+
+        return (TemporalConvLayer,)
+
+    def reasons(self, site: Site) -> list[str]:
+        return TR.temporal_conv_reasons(site.module)
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        # Every stage and its children: the walk visits what is not listed (their GroupNorm would be patched again).
+        stages = {k: getattr(site.module, k) for k in ("conv1", "conv2", "conv3", "conv4")}
+        children = {f"{k}.{i}": m for k, seq in stages.items() for i, m in seq._modules.items()}
+        return {"": site.module, **stages, **children}
+
+    def methods(self, site: Site):
+        return _temporal_conv_forward
+
+
+RULES: list[Rule] = [
+    ResnetBlockRule(),
+    Transformer2DInRule(),
+    SpatioTemporalInRule(),
+    SpatioTemporalResBlockRule(),
+    TemporalConvLayerRule(),
+]

@@ -9,8 +9,16 @@ Rules (names as reported):
 - ``GroupNorm(+SiLU) -> conv/GEMM loads``: GroupNorm -> [SiLU] -> [layout copy] -> convolution or GEMM. The
   conv reads the GroupNorm input through ``silu(a*x + b)``; a separate statistics pass still reads ``x`` once.
   Saves the normalised tensor's write, the SiLU pass and any copy between (3 tensor passes with SiLU, 1 without).
+  Convolutions: 2-D ones, and the Conv3d (kernel (3, 1, 1)) of the temporal blocks ldmopt fuses
+  (TemporalResnetBlock, TemporalConvLayer); any other Conv3d (a video VAE's 3x3x3) stays cuDNN's, unfused.
+- ``GroupNorm statistics from the conv epilogue``: when that GroupNorm's input is the output of the previous fused
+  conv of the same block (ResnetBlock2D's norm2, the temporal blocks' later norms), the conv's epilogue produced
+  the statistics: the statistics pass goes too (norm1 of each block keeps it).
 - ``conv epilogue (temb / residual / scale)``: convolution -> add(broadcast temb) or add(residual) [-> div or mul
   by a scalar]: the conv writes the final tensor. Saves 2 passes per broadcast add, 4 for residual + scale.
+- ``alpha blend -> conv epilogue``: SVD's SpatioTemporalResBlock blends ``alpha * x + (1 - alpha) * (x + conv)``
+  after a temporal resnet whose residual add the conv epilogue took; the conv writes ``x + (1 - alpha) * conv``, so
+  the two products and the add go (the transformers' blends stay).
 - ``GEGLU tail``: GEMM -> chunk -> gelu(gate) * hidden: one GEMM with two accumulators writes I columns, not 2I.
 - ``GEMM + GELU epilogue``: GEMM -> gelu (GELU-tanh feed-forwards of DiT/PixArt/SD3/Flux, Flux ``proj_mlp``).
 - ``adaLN (LayerNorm + modulate)``: layer_norm -> mul(1 + scale) -> add(shift) in one row kernel. In SD3 and Flux
@@ -65,14 +73,16 @@ GELU_EPILOGUE = "GEMM + GELU epilogue"
 ADALN = "adaLN (LayerNorm + modulate)"
 GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 CONCAT_GEMM = "concatenation -> GEMM loads"
+GN_STATS = "GroupNorm statistics from the conv epilogue"
+ALPHA_BLEND = "alpha blend -> conv epilogue"
 RESIDUAL = "GEMM epilogue (residual)"
 TEMPORAL_PERMUTES = "temporal permutes"
 RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
 QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
-    GN_CONV, CONV_EPILOGUE, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, RESIDUAL, CONCAT_GEMM, TEMPORAL_PERMUTES,
-    RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
+    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, RESIDUAL, CONCAT_GEMM,
+    TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
 #: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
@@ -110,6 +120,11 @@ RESIDUAL_OWNERS = frozenset({
 })  # fmt: skip
 #: Blocks whose channel concatenation feeding a GEMM ldmopt's GEMM reads in two parts (rules_blocks.py).
 CONCAT_GEMM_OWNERS = frozenset({"FluxSingleTransformerBlock"})
+#: Blocks whose Conv3d (kernel (3, 1, 1)) ldmopt runs as a fused (3, 1) conv (ldmopt/nn/temporal_resnet.py); other
+#: Conv3d (a video VAE's 3x3x3) stay cuDNN's.
+TEMPORAL_CONV_OWNERS = frozenset({"TemporalResnetBlock", "TemporalConvLayer"})
+#: Blocks whose fused convs hand the next GroupNorm of the same block its statistics (no statistics pass).
+STATS_CHAIN_OWNERS = frozenset({"ResnetBlock2D", *TEMPORAL_CONV_OWNERS})
 _GELU = {"gelu", "gelu_"}
 _SILU = {"silu", "silu_"}
 _GEMMS = {"mm", "addmm", "_addmm_activation", "bmm", "baddbmm"}
@@ -129,6 +144,7 @@ class _Plan:
         self.rule: dict[int, str] = {}
         self.removed: set[int] = set()
         self.stats = {name: FusionStat() for name in FUSIONS}
+        self.block_class = _block_classes(records)  # module path -> class name
 
     def free(self, *indices: int) -> bool:
         return all(i not in self.rule for i in indices)
@@ -193,6 +209,10 @@ def plan_fusions(
         _gated_update_into_adaln(plan, records, mul)
     for conv in by_base.get("convolution", []):
         _conv_epilogue(plan, records, conv)
+    for gn in by_base.get("native_group_norm", []):
+        _statistics_from_epilogue(plan, records, gn)
+    for add in by_base.get("add", []):
+        _alpha_blend(plan, records, add)
     for rec in records:
         if rec.base in _COPIES and rec.category == C.LAYOUT:
             _temporal_permute(plan, records, rec)
@@ -228,7 +248,7 @@ def _group_norm_prologue(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> 
     if nxt is not None and nxt.base in _COPIES:
         chain.append(nxt)
         nxt = _sole_consumer(records, nxt)
-    if nxt is None or not (nxt.base == "convolution" or nxt.base in _GEMMS) or not plan.free(*(r.index for r in chain)):
+    if nxt is None or not (_served_conv(plan, nxt) or nxt.base in _GEMMS) or not plan.free(*(r.index for r in chain)):
         return
     # The statistics pass still reads x once; everything else the chain moved stays in registers.
     savings = {gn.index: gn.bytes - gn.in_bytes[0]}
@@ -347,7 +367,32 @@ def _concat_gemm(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
         plan.claim(CONCAT_GEMM, {cat.index: cat.bytes}, removed=(cat.index,))
 
 
+def _block_classes(records: list[OpRecord]) -> dict[str, str]:
+    """Module path -> class name, for the modules that ran an operator themselves."""
+    return {r.path: _owner_class(r) for r in records if r.owner}
+
+
+def _ancestors(path: str):
+    while path:
+        path = path.rpartition(".")[0]
+        yield path
+
+
+def _enclosing(plan: _Plan, rec: OpRecord, classes: frozenset[str]) -> str | None:
+    """Path of the innermost module around ``rec`` whose class is one of ``classes``."""
+    return next((p for p in (rec.path, *_ancestors(rec.path)) if plan.block_class.get(p) in classes), None)
+
+
+def _served_conv(plan: _Plan, rec: OpRecord) -> bool:
+    """A convolution ldmopt's fused conv computes: 2-D, or the temporal Conv3d of the blocks it fuses."""
+    if rec.base != "convolution":
+        return False
+    return _owner_class(rec) != "Conv3d" or _enclosing(plan, rec, TEMPORAL_CONV_OWNERS) is not None
+
+
 def _conv_epilogue(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> None:
+    if not _served_conv(plan, conv):
+        return
     add = _sole_consumer(records, conv)
     if add is None or add.base != "add" or len(add.in_bytes) != 2 or not plan.free(add.index):
         return
@@ -368,6 +413,47 @@ def _conv_epilogue(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> None
         savings[scale.index] = scale.bytes
         removed.append(scale.index)
     plan.claim(CONV_EPILOGUE, savings, removed=tuple(removed))
+
+
+def _statistics_from_epilogue(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> None:
+    """A GroupNorm read through a conv's loads whose input the previous fused conv of the same block wrote (directly
+    or through its epilogue's time-embedding add): that conv's epilogue produced the statistics, so the statistics
+    pass GN_CONV left counted goes too (ResnetBlock2D norm2, the temporal blocks' later norms)."""
+    if plan.rule.get(gn.index) != GN_CONV or not gn.producers or gn.producers[0] < 0:
+        return
+    producer = records[gn.producers[0]]
+    if producer.base == "add" and plan.rule.get(producer.index) == CONV_EPILOGUE and producer.index in plan.removed:
+        producer = next((records[p] for p in producer.producers if p >= 0 and records[p].base == "convolution"), None)
+    if producer is None or not _served_conv(plan, producer):
+        return
+    block = _enclosing(plan, gn, STATS_CHAIN_OWNERS)
+    if block is None or not producer.path.startswith(block + "."):
+        return
+    plan.add_saving(GN_STATS, gn.index, gn.bytes)
+    plan.removed.add(gn.index)
+    plan.stats[GN_STATS].count += 1
+    plan.stats[GN_STATS].ops_removed += 1
+
+
+def _alpha_blend(plan: _Plan, records: list[OpRecord], add: OpRecord) -> None:
+    """SVD's ``alpha * x + (1 - alpha) * (x + conv(...))`` after a temporal resnet whose final add the conv epilogue
+    took: the fused conv writes ``x + (1 - alpha) * conv(...)``, so both products and the blend's add go."""
+    if _owner_class(add) != "AlphaBlender" or len(add.producers) != 2 or not plan.free(add.index):
+        return
+    muls = [records[p] for p in add.producers if p >= 0]
+    if len(muls) != 2 or any(m.base != "mul" or _owner_class(m) != "AlphaBlender" for m in muls):
+        return
+    if not plan.free(*(m.index for m in muls)):
+        return
+    inputs = [records[p] for m in muls for p in m.producers if p >= 0]
+    if not any(
+        plan.rule.get(r.index) == CONV_EPILOGUE
+        and r.index in plan.removed
+        and _enclosing(plan, r, frozenset({"TemporalResnetBlock"})) is not None
+        for r in inputs
+    ):
+        return
+    plan.claim(ALPHA_BLEND, {r.index: r.bytes for r in (*muls, add)}, removed=(muls[0].index, muls[1].index, add.index))
 
 
 def _temporal_permute(plan: _Plan, records: list[OpRecord], copy: OpRecord) -> None:

@@ -22,7 +22,7 @@ from tests.patch.helpers import (
 )
 
 UNET = dict(geglu=10, group_norm_silu=1, resnet=14, residual_block=10, transformer2d_in=10)
-SVD = dict(geglu=30, group_norm=28, group_norm_silu=1, resnet=14, spatiotemporal_in=10, svd_attn2=10)
+SVD = dict(geglu=30, group_norm_silu=1, resnet=14, spatiotemporal_in=10, spatiotemporal_resnet=14, svd_attn2=10)
 SVD["residual_block"] = 10
 SVD["svd_temporal_block"] = 10
 FLUX = dict(adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2)
@@ -41,7 +41,7 @@ EXPECTED = {
     # by temporal_container / svd_temporal_block, so temporal_attention installs no processor there).
     "animatediff": (dict(UNET, geglu=23, group_norm=13, temporal_container=13), 0),
     "svd": (SVD, 0),
-    "modelscope": (dict(UNET, geglu=21, group_norm=11, group_norm_silu_seq=56, temporal_container=11), 0),
+    "modelscope": (dict(UNET, geglu=21, group_norm=11, temporal_conv=14, temporal_container=11), 0),
     "latte": (dict(adaln_block=2, gelu=4, latte_temporal=1), 0),
     "wan2.1-1.3b": (dict(gelu=2, wan_block=2, wan_qk_norm_rope=2), 0),
 }
