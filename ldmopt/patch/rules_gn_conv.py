@@ -7,11 +7,12 @@
   (NCHW instead of channels-last, dtype mismatch, dropout in training) run diffusers' forward per call, counted in
   ``ldmopt.nn.resnet.fallback_reasons`` (the report shows them).
 - ``transformer2d_in``: ``Transformer2DModel`` with continuous input: ``norm`` (GroupNorm) + ``proj_in`` (1x1 conv,
-  or Linear read as a 1x1 conv) in one ``gn_silu_conv2d(activation=None)``; on the way out, the ``.contiguous()``
-  back to NCHW is skipped when the residual is channels-last, so the next ResnetBlock2D gets channels-last input
-  and stays fused.
+  or Linear read as a 1x1 conv) in one ``gn_silu_conv2d(activation=None)``; on the way out, when the residual is
+  channels-last, ``proj_out`` (Linear or 1x1 conv) runs as one GEMM over the tokens with the residual added in its
+  epilogue and writes channels-last, so the next ResnetBlock2D gets channels-last input and stays fused (a LoRA or
+  hooks on ``proj_out``, checked per call, keep the stock projection and add).
 - ``spatiotemporal_in``: SVD's ``TransformerSpatioTemporalModel``: the same GroupNorm + ``proj_in`` (a Linear) in one
-  ``gn_silu_conv2d(activation=None)`` and channels-last kept on the way out; the blocks run as in diffusers.
+  ``gn_silu_conv2d(activation=None)`` and the same ``proj_out`` + residual epilogue; the blocks run as in diffusers.
 - ``spatiotemporal_resnet``: SVD's ``SpatioTemporalResBlock`` runs ``ldmopt.nn.temporal_resnet``'s fused forward:
   its temporal resnet (Conv3d (3, 1, 1)) as two (3, 1) fused convs over a (video, C, frame, pixel) view, the
   AlphaBlender mix in conv2's epilogue.
@@ -30,6 +31,7 @@ from ..nn import resnet as R
 from ..nn import temporal_resnet as TR
 from ..nn.child_check import count_stock, readable
 from ..ops.gn_conv2d import gn_silu_conv2d
+from ..ops.linear import linear
 from .rule import ClassSwapRule, Rule, Site, stock
 
 # Children whose forward the fused path does not call (nonlinearity still runs on temb, but not on the main path).
@@ -94,7 +96,34 @@ def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tens
     return tokens, hidden_states.shape[1] if self.use_linear_projection else h.shape[1]
 
 
+def _proj_out_residual(where: str, proj_out: nn.Module, tokens: Tensor, residual: Tensor) -> Tensor | None:
+    """``proj_out(tokens) + residual`` with the add in the GEMM epilogue, as channels-last (N, C, H, W) like the
+    residual; None when the residual is not channels-last, or proj_out is not a plain Linear or 1x1 conv (a LoRA,
+    hooks: counted in ``child_check.fallback_reasons``)."""
+    if not residual.is_contiguous(memory_format=torch.channels_last):
+        return None
+    if readable(proj_out, nn.Linear):
+        weight = proj_out.weight
+    elif readable(proj_out, nn.Conv2d) and _is_pointwise(proj_out):
+        weight = proj_out.weight[:, :, 0, 0]
+    else:
+        count_stock(where, "proj_out", proj_out)
+        return None
+    n, c, h, w = residual.shape
+    res_tokens = residual.permute(0, 2, 3, 1).reshape(n, h * w, c)  # a view: channels-last memory is token order
+    out = linear(tokens.reshape(n, h * w, -1), weight, proj_out.bias, residual=res_tokens)
+    return out.view(n, h, w, c).permute(0, 3, 1, 2)
+
+
+def _is_pointwise(conv: nn.Conv2d) -> bool:
+    geometry = (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
+    return geometry == ((1, 1), (1, 1), (0, 0), (1, 1), 1, "zeros")
+
+
 def _t2d_get_output_for_continuous_inputs(self, hidden_states, residual, batch_size, height, width, inner_dim):
+    fused = _proj_out_residual("Transformer2DModel", self.proj_out, hidden_states, residual)
+    if fused is not None:
+        return fused
     keep_channels_last = residual.is_contiguous(memory_format=torch.channels_last)
     if not self.use_linear_projection:
         hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
@@ -196,11 +225,13 @@ def _spatiotemporal_forward(
         hidden_states = self.time_mixer(
             x_spatial=hidden_states, x_temporal=mixed, image_only_indicator=image_only_indicator
         )
-    hidden_states = self.proj_out(hidden_states)
-    hidden_states = hidden_states.reshape(batch_frames, height, width, channels).permute(0, 3, 1, 2)
-    if not residual.is_contiguous(memory_format=torch.channels_last):
-        hidden_states = hidden_states.contiguous()
-    output = hidden_states + residual
+    output = _proj_out_residual("TransformerSpatioTemporalModel", self.proj_out, hidden_states, residual)
+    if output is None:
+        hidden_states = self.proj_out(hidden_states)
+        hidden_states = hidden_states.reshape(batch_frames, height, width, channels).permute(0, 3, 1, 2)
+        if not residual.is_contiguous(memory_format=torch.channels_last):
+            hidden_states = hidden_states.contiguous()
+        output = hidden_states + residual
     return TransformerTemporalModelOutput(sample=output) if return_dict else (output,)
 
 

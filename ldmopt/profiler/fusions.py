@@ -8,14 +8,16 @@ input for its statistics pass, the residual, the broadcast scale/shift/gate/temb
 Rules (names as reported):
 - ``GroupNorm(+SiLU) -> conv/GEMM loads``: GroupNorm -> [SiLU] -> [layout copy] -> convolution or GEMM. The
   conv reads the GroupNorm input through ``silu(a*x + b)``; a separate statistics pass still reads ``x`` once.
-  Saves the normalised tensor's write, the SiLU pass and any copy between (3 tensor passes with SiLU, 1 without).
+  Saves the normalised tensor's write, the SiLU pass and any copy between (3 tensor passes with SiLU, 1 without),
+  and the bias add a Linear on a strided input runs apart (mm + add; the fused conv adds the bias).
   Convolutions: 2-D ones, and the Conv3d (kernel (3, 1, 1)) of the temporal blocks ldmopt fuses
   (TemporalResnetBlock, TemporalConvLayer); any other Conv3d (a video VAE's 3x3x3) stays cuDNN's, unfused.
 - ``GroupNorm statistics from the conv epilogue``: when that GroupNorm's input is the output of the previous fused
   conv of the same block (ResnetBlock2D's norm2, the temporal blocks' later norms), the conv's epilogue produced
   the statistics: the statistics pass goes too (norm1 of each block keeps it).
 - ``conv epilogue (temb / residual / scale)``: convolution -> add(broadcast temb) or add(residual) [-> div or mul
-  by a scalar]: the conv writes the final tensor. Saves 2 passes per broadcast add, 4 for residual + scale.
+  by a scalar]: the conv writes the final tensor. Saves 2 passes per broadcast add, 4 for residual + scale. A UNet
+  container's 1x1 ``proj_out`` (Transformer2DModel, SD1.5) also loses the copy of its tokens to NCHW before it.
 - ``alpha blend -> conv epilogue``: SVD's SpatioTemporalResBlock blends ``alpha * x + (1 - alpha) * (x + conv)``
   after a temporal resnet whose residual add the conv epilogue took; the conv writes ``x + (1 - alpha) * conv``, so
   the two products and the add go (the transformers' blends stay).
@@ -29,7 +31,8 @@ Rules (names as reported):
 - ``GEMM epilogue (residual)``: the un-gated residual adds of UNet transformer blocks (``residual_block``) and of
   the temporal blocks and containers run in token order (``temporal_layout``): GEMM (``to_out.0``, ``ff.net.2``,
   a container's ``proj_out``) -> [the attention's ``/ rescale_output_factor``] -> [a permute copy another rule
-  removed] -> add(residual), and PixArt's cross-attention add (``adaln_block``). The add's read of the residual
+  removed, or the ``.contiguous()`` back to NCHW of a Transformer2DModel / TransformerSpatioTemporalModel, whose
+  ``proj_out`` writes channels-last with the residual in its epilogue] -> add(residual), and PixArt's cross-attention add (``adaln_block``). The add's read of the residual
   stays (in the epilogue). Not counted: the output projection of a single-key attention (SVD's ``attn2``: its
   shortcut output is broadcast, the add stays). Approximations, counted
   although the patched run keeps the stock add: a BasicTransformerBlock with norm_type "ada_norm" or
@@ -115,8 +118,12 @@ def _in_wan_block(rec: OpRecord) -> bool:
 _COPIES = {"clone", "copy_", "contiguous", "_to_copy"}
 #: Modules whose un-gated residual adds ldmopt moves into a GEMM epilogue (ldmopt/patch/rules_residual.py and the
 #: token-order forwards of ldmopt/nn/temporal_layout.py), by class name.
+#: Containers whose proj_out writes channels-last with the residual in its epilogue (rules_gn_conv.py): the copy
+#: back to NCHW before their add goes with it.
+CONTAINER_OWNERS = frozenset({"Transformer2DModel", "TransformerSpatioTemporalModel"})
 RESIDUAL_OWNERS = frozenset({
     "BasicTransformerBlock", "TemporalBasicTransformerBlock", "AnimateDiffTransformer3D", "TransformerTemporalModel",
+    *CONTAINER_OWNERS,
 })  # fmt: skip
 #: Blocks whose channel concatenation feeding a GEMM ldmopt's GEMM reads in two parts (rules_blocks.py).
 CONCAT_GEMM_OWNERS = frozenset({"FluxSingleTransformerBlock"})
@@ -253,6 +260,11 @@ def _group_norm_prologue(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> 
     # The statistics pass still reads x once; everything else the chain moved stays in registers.
     savings = {gn.index: gn.bytes - gn.in_bytes[0]}
     savings.update({r.index: r.bytes for r in chain[1:]})
+    # A Linear on a strided input runs mm + add(bias); the fused conv adds the bias in its epilogue.
+    bias = _sole_consumer(records, nxt)
+    if nxt.base == "mm" and bias is not None and bias.base == "add" and bias.path == nxt.path and plan.free(bias.index):
+        savings[bias.index] = bias.bytes - sum(_other_inputs(bias, nxt.index))
+        chain.append(bias)
     plan.claim(GN_CONV, savings, removed=tuple(r.index for r in chain[1:]))
 
 
@@ -342,7 +354,10 @@ def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, sin
     chain: list[OpRecord] = []  # the rescale pass, removed here; permute copies another rule already removed
     rec = _sole_consumer(records, gemm)
     while rec is not None and rec.base != "add":
-        if not (_is_rescale(rec) and plan.free(rec.index)) and not (rec.base in _COPIES and rec.index in plan.removed):
+        container_copy = rec.base in _COPIES and _owner_class(rec) in CONTAINER_OWNERS and plan.free(rec.index)
+        if not ((_is_rescale(rec) and plan.free(rec.index)) or container_copy) and not (
+            rec.base in _COPIES and rec.index in plan.removed
+        ):
             return
         chain.append(rec)
         rec = _sole_consumer(records, rec)
@@ -412,6 +427,19 @@ def _conv_epilogue(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> None
     ):
         savings[scale.index] = scale.bytes
         removed.append(scale.index)
+    # A container's 1x1 proj_out reads the tokens where they are: the copy to NCHW before it goes too.
+    copy = records[conv.producers[0]] if conv.producers and conv.producers[0] >= 0 else None
+    if (
+        residual
+        and _owner_class(add) in CONTAINER_OWNERS
+        and copy is not None
+        and copy.base in _COPIES
+        and _owner_class(copy) in CONTAINER_OWNERS
+        and _sole_consumer(records, copy) is conv
+        and plan.free(copy.index)
+    ):
+        savings[copy.index] = copy.bytes
+        removed.append(copy.index)
     plan.claim(CONV_EPILOGUE, savings, removed=tuple(removed))
 
 

@@ -42,8 +42,9 @@ def test_svd_single_key_attention_keeps_its_add():
     a = analyze(model, gpu="H200", frames=2)
     spatial = len(_blocks(model, "BasicTransformerBlock"))
     temporal = len(_blocks(model, "TemporalBasicTransformerBlock"))
-    # Spatial: attn1 + ff. Temporal: ff_in (is_res), attn1 + ff.
-    assert a.fusions[RESIDUAL].count == 2 * spatial + 3 * temporal
+    containers = len(_blocks(model, "TransformerSpatioTemporalModel"))
+    # Spatial: attn1 + ff. Temporal: ff_in (is_res), attn1 + ff. Each container's proj_out + its input.
+    assert a.fusions[RESIDUAL].count == 2 * spatial + 3 * temporal + containers
     for add in _claimed_adds(a):
         sources = [a.records[p] for p in add.producers if p >= 0]
         assert sources and not any(".attn2" in r.path for r in sources), add

@@ -91,3 +91,25 @@ def test_other_conv3d_stays_unfused():
     conv = next(r for r in a.records if r.base == "convolution")
     assert not rule.get(a.records[conv.producers[0]].index)  # the SiLU before it stays
     assert not [r for r in a.records if rule.get(r.index) in (GN_CONV, CONV_EPILOGUE)]
+
+
+def test_container_proj_out_adds_the_residual_and_skips_the_nchw_copy():
+    from ldmopt.configs import build_model
+    from ldmopt.profiler.fusions import RESIDUAL
+
+    for name, frames in (("sdxl", None), ("sd15", None), ("svd", 2)):
+        model = build_model(name, tiny=True, device="meta", dtype=torch.float16)
+        a = analyze(model, gpu="H200", frames=frames)
+        rule, removed = _plan(a)
+        containers = {"Transformer2DModel", "TransformerSpatioTemporalModel"}
+        owned = [r for r in a.records if r.owner.rpartition(".")[2] in containers]
+        copies = [r for r in owned if r.base in ("clone", "contiguous", "copy_")]
+        adds = [r for r in owned if r.base == "add" and r.in_bytes[0] == r.out_bytes == r.in_bytes[1]]
+        assert copies and all(r.index in removed for r in copies), name
+        # The output add goes (GEMM epilogue, or conv epilogue for SD1.5's 1x1 proj_out); SVD's "+ emb" before the
+        # temporal block stays (its time embedding is broadcast: not a same-shape add).
+        assert adds and all(r.index in removed and rule[r.index] in (RESIDUAL, CONV_EPILOGUE) for r in adds), name
+        # A Linear proj_in on the GroupNorm's strided output: its separate bias add goes with the fused conv.
+        for r in a.records:
+            if r.base == "add" and r.path.endswith(".proj_in"):
+                assert r.index in removed and rule[r.index] == GN_CONV, r
