@@ -8,6 +8,7 @@ Run: python benchmarks/check_gpu.py [--quick]
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import sys
@@ -109,8 +110,6 @@ def _svd_resnet_block(quick: bool):
     epilogue) vs diffusers' own block in fp64, with an image-only video in the batch; forward and input gradient."""
     from diffusers.models.resnet import SpatioTemporalResBlock
 
-    from ldmopt.nn.temporal_resnet import fused_spatiotemporal_forward
-
     for case, (videos, frames, channels, height, width, temb_channels) in _cases("svd_resnet_block", quick).items():
         ref_block = SpatioTemporalResBlock(channels, channels, temb_channels=temb_channels).to(DEVICE).eval()
         with torch.no_grad():
@@ -127,11 +126,14 @@ def _svd_resnet_block(quick: bool):
         ref = ref_block.double()(x64, temb.double(), indicator)
         (dx64,) = torch.autograd.grad(ref, x64, dy.double())
         for dtype in DTYPES:
-            block = ref_block.to(dtype)
+            block = copy.deepcopy(ref_block).to(dtype)
+            report = ldmopt.patch(block)  # the spatial ResnetBlock2D fused too: its output feeds the temporal convs
+            assert report.counts() == {"resnet": 1, "spatiotemporal_resnet": 1}, str(report)
             xi = x.to(dtype).requires_grad_()
             with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")):
-                out = fused_spatiotemporal_forward(block, xi, temb.to(dtype), indicator)
+                out = block(xi, temb.to(dtype), indicator)
                 (dx,) = torch.autograd.grad(out, xi, dy.to(dtype))
+            assert not report.fallbacks(), report.fallbacks()
             yield case, dtype, "triton", [out, dx], [ref, dx64]
 
 

@@ -16,7 +16,9 @@ statistics: ``ldmopt.ops.gn_conv2d`` runs these blocks with no layout copy, Grou
 path (empty: it can). Inputs the fused path does not serve (dtype mismatch outside autocast, dropout in training, no
 ``image_only_indicator``, frames not dividing the batch) run diffusers' forward, counted in
 ``ldmopt.nn.child_check.fallback_reasons``; NCHW input is converted to channels-last once (``layout_conversions``).
-Tolerance versus diffusers: within 2x the error diffusers makes in the input dtype (fp64 reference).
+Tolerance versus diffusers: within 2x the error diffusers makes in the input dtype (fp64 reference). Under
+torch.autocast the output has the autocast dtype (the spatial input, the blend's residual, is cast to it first), where
+diffusers' blend returns the model's dtype; fp64 models blend in fp64.
 """
 
 from __future__ import annotations
@@ -88,13 +90,17 @@ def spatiotemporal_reasons(block) -> list[str]:
     return reasons
 
 
-def _blend_gate(mixer, image_only_indicator: Tensor, batch: int, frames: int, dtype: torch.dtype) -> Tensor:
+def _blend_gate(mixer, image_only_indicator: Tensor, batch: int, frames: int, dtype: torch.dtype) -> Tensor | None:
     """(batch, frames) ``1 - alpha`` in fp32 (fp64 for fp64 models): the weight of AlphaBlender's temporal input
-    (autograd reaches mix_factor)."""
+    (autograd reaches mix_factor), broadcast as diffusers broadcasts alpha; None when it does not broadcast (diffusers
+    raises)."""
     alpha = mixer.get_alpha(image_only_indicator, 5).to(torch.float64 if dtype == torch.float64 else torch.float32)
     if mixer.switch_spatial_to_temporal_mix:
         alpha = 1.0 - alpha
-    alpha = alpha.reshape(batch, frames) if alpha.numel() == batch * frames else alpha.reshape(-1)[:1]
+    # learned_with_images: (videos', 1, frames', 1, 1); fixed / learned: one value.
+    alpha = alpha.reshape(alpha.shape[0], alpha.shape[2]) if alpha.dim() == 5 else alpha.reshape(1, -1)
+    if alpha.shape[0] not in (1, batch) or alpha.shape[1] not in (1, frames):
+        return None
     return (1.0 - alpha).expand(batch, frames)
 
 
@@ -157,13 +163,19 @@ def fused_spatiotemporal_forward(
         )
         if temporal.time_emb_proj is not None and temb is None:
             reasons.append("temb is None for a temporal resnet with time_emb_proj (diffusers raises)")
+    gate = None
+    if not reasons:
+        batch = hidden_states.shape[0] // frames
+        gate = _blend_gate(block.time_mixer, image_only_indicator, batch, frames, hidden_states.dtype)
+        if gate is None:
+            shape = tuple(image_only_indicator.shape)
+            reasons.append(f"image_only_indicator of shape {shape} does not broadcast to ({batch}, {frames}) videos")
     if reasons:
         for reason in reasons:
             count_reason("SpatioTemporalResBlock", reason)
         return _stock_forward(block, hidden_states, temb, image_only_indicator)
     spatial = _channels_last(block.spatial_res_block(hidden_states, temb), "SpatioTemporalResBlock")
     height, width = spatial.shape[2:]
-    batch = spatial.shape[0] // frames
     x = _video_view(spatial, frames)
     t = None
     if temporal.time_emb_proj is not None:
@@ -173,7 +185,6 @@ def fused_spatiotemporal_forward(
         x, n1.weight, n1.bias, n1.num_groups, n1.eps, temporal.conv1.weight[..., 0], temporal.conv1.bias, 1, (1, 0),
         temb=t, out_stats=(n2.num_groups, n2.eps),
     )  # fmt: skip
-    gate = _blend_gate(block.time_mixer, image_only_indicator, batch, frames, spatial.dtype)
     y = gn_silu_conv2d(
         h, n2.weight, n2.bias, n2.num_groups, n2.eps, temporal.conv2.weight[..., 0], temporal.conv2.bias, 1, (1, 0),
         stats=stats, residual=x, gate=gate,

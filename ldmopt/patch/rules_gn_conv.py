@@ -301,7 +301,8 @@ class SpatioTemporalResBlockRule(ClassSwapRule):
         return _spatiotemporal_resblock_forward
 
 
-_TEMPORAL_BYPASSED = ("norm1", "conv1", "norm2", "conv2", "dropout", "conv_shortcut")
+# nonlinearity still runs on temb, but not on the main path (its hooks would be skipped there).
+_TEMPORAL_BYPASSED = ("norm1", "conv1", "norm2", "conv2", "dropout", "conv_shortcut", "nonlinearity")
 
 
 def _temporal_conv_forward(self, hidden_states, num_frames=1):

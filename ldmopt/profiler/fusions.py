@@ -32,11 +32,11 @@ Rules (names as reported):
   the temporal blocks and containers run in token order (``temporal_layout``): GEMM (``to_out.0``, ``ff.net.2``,
   a container's ``proj_out``) -> [the attention's ``/ rescale_output_factor``] -> [a permute copy another rule
   removed, or the ``.contiguous()`` back to NCHW of a Transformer2DModel / TransformerSpatioTemporalModel, whose
-  ``proj_out`` writes channels-last with the residual in its epilogue] -> add(residual), and PixArt's cross-attention add (``adaln_block``). The add's read of the residual
-  stays (in the epilogue). Not counted: the output projection of a single-key attention (SVD's ``attn2``: its
-  shortcut output is broadcast, the add stays). Approximations, counted
-  although the patched run keeps the stock add: a BasicTransformerBlock with norm_type "ada_norm" or
-  "ada_norm_continuous" (no ldmopt rule), a feed-forward with final_dropout, an attention with
+  ``proj_out`` writes channels-last with the residual in its epilogue] -> add(residual), and PixArt's
+  cross-attention add (``adaln_block``). The add's read of the residual stays (in the epilogue). Not counted: the
+  output projection of a single-key attention (SVD's ``attn2``: its shortcut output is broadcast, the add stays).
+  Approximations, counted although the patched run keeps the stock add: a BasicTransformerBlock with norm_type
+  "ada_norm" or "ada_norm_continuous" (no ldmopt rule), a feed-forward with final_dropout, an attention with
   rescale_output_factor != 1, a temporal container over more than 64 frames, and a container fed NCHW activations
   (ModelScope's ``transformer_in`` after ``conv_in``: the patched run copies its input to channels-last, uncounted,
   and keeps the proj_out add so that the output keeps the input's layout).

@@ -203,3 +203,35 @@ def test_torch_compile_fullgraph():
         eager = block(x, t, indicator)
         compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(x, t, indicator)
     assert_close(compiled, eager.double(), torch.float32, "compiled")
+
+
+@pytest.mark.parametrize("shape", [(1, FRAMES), (FRAMES,)], ids=["1xF", "F"])
+def test_broadcast_image_only_indicator_blends_as_diffusers(shape):
+    block = _svd_block()
+    x, t, _ = _svd_inputs(torch.float32)
+    indicator = torch.zeros(shape)
+    indicator.view(-1)[-1] = 1.0
+    with torch.no_grad():
+        ref = block(x, t, indicator)
+        with ldmopt.use_backend("torch"):
+            out = fused_spatiotemporal_forward(block, x, t, indicator)
+    assert_close(out, ref.double(), torch.float32, f"indicator {shape}")
+
+
+def test_indicator_that_does_not_broadcast_runs_diffusers_and_raises_as_it_does():
+    block = _svd_block()
+    x, t, _ = _svd_inputs(torch.float32)
+    indicator = torch.zeros(BATCH + 1, FRAMES)
+    child_check.fallback_reasons.clear()
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        fused_spatiotemporal_forward(block, x, t, indicator)
+    assert any("does not broadcast" in r for r in child_check.fallback_reasons), child_check.fallback_reasons
+
+
+def test_hooked_temporal_nonlinearity_keeps_the_block_stock():
+    block = _svd_block()
+    block.temporal_res_block.nonlinearity.register_forward_hook(lambda *a: None)
+    report = ldmopt.patch(block)
+    assert "spatiotemporal_resnet" not in report.counts()
+    reasons = " ".join(r for s in report.skipped if s.rule == "spatiotemporal_resnet" for r in s.reasons)
+    assert "temporal_res_block.nonlinearity" in reasons and "hook" in reasons, reasons

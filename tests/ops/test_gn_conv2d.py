@@ -242,7 +242,8 @@ def test_unsupported_kernel_size_runs_reference():
     w = torch.randn(4, 8, 5, 5) * 0.1
     op_module.fallback_reasons.clear()
     y = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 2)
-    assert ("gn_conv2d", "triton", "kernel 5x5: the triton kernel serves 1x1, 3x3 and 3x1 (temporal)") in op_module.fallback_reasons
+    reason = "kernel 5x5: the triton kernel serves 1x1, 3x3 and 3x1 (temporal)"
+    assert ("gn_conv2d", "triton", reason) in op_module.fallback_reasons
     _check(y, (x, gw, gb, groups, w, b, 1, 2), {}, "5x5 reference")
 
 
