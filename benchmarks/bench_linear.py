@@ -47,6 +47,7 @@ GELU_CASES = {
 GATED_CASES = {"pixart-attn-out": (2, 4096, 1152, 1152)}  # (B, T, K, N)
 CONCAT_CASES = {"flux-single-proj-out": (1, 4608, 3072, 12288, 3072)}  # (B, T, K attention, K mlp, N); Flux runs bf16
 ADALN_CASES = {"pixart": (2, 4096, 1152)}  # (B, T, C)
+BLEND_CASES = {"svd-proj-out-l0": (28, 9216, 320), "svd-proj-out-l1": (28, 2304, 640)}  # (frames, tokens, C)
 
 
 def _quick() -> bool:
@@ -208,6 +209,39 @@ def bench_linear_concat_gated(case, dtype_name, mode, bench_recorder):
     providers = _with_compile(providers, _eager_concat_gated, True)
     flops = 2 * bsz * t * (k_attn + k_mlp) * n * (1 if mode == "fwd" else 3)
     _measure(bench_recorder, "linear_concat_gated", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
+
+
+def _eager_blend(spatial, temporal, w, b, alpha, res):
+    a = alpha[:, None, None].to(spatial.dtype)  # diffusers' AlphaBlender, then proj_out and the container's add
+    return F.linear(a * spatial + (1.0 - a) * temporal, w, b) + res
+
+
+def _ldmopt_blend(spatial, temporal, w, b, alpha, res):
+    return linear((spatial, temporal), w, b, residual=res, mix=alpha)
+
+
+def _ldmopt_on_blend(spatial, temporal, w, b, alpha, res):
+    a = alpha[:, None, None].to(spatial.dtype)
+    return linear(a * spatial + (1.0 - a) * temporal, w, b, residual=res)
+
+
+@pytest.mark.parametrize("case", list(BLEND_CASES))
+@pytest.mark.parametrize("dtype_name", ["fp16"])
+@pytest.mark.parametrize("mode", MODES)
+def bench_linear_blend(case, dtype_name, mode, bench_recorder):
+    """SVD's container proj_out: the AlphaBlender mix formed in the GEMM's loads vs blending first."""
+    frames, t, c = BLEND_CASES[case]
+    dtype, grad = DTYPES[dtype_name], mode == "fwd+bwd"
+    _, w, b = _params(1, c, c, dtype, grad)
+    spatial, temporal, res = (
+        torch.randn(frames, t, c, device=DEVICE, dtype=dtype, requires_grad=grad) for _ in range(3)
+    )
+    alpha = torch.rand(frames, device=DEVICE, requires_grad=grad)
+    inputs = (spatial, temporal, w, b, alpha, res)
+    providers = {"ldmopt": _triton(_ldmopt_blend), "ldmopt-on-blend": _triton(_ldmopt_on_blend), "eager": _eager_blend}
+    providers = _with_compile(providers, _eager_blend, True)
+    flops = 2 * frames * t * c * c * (1 if mode == "fwd" else 3)
+    _measure(bench_recorder, "linear_blend", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
 
 
 def _eager_adaln(x, scale, shift, res):

@@ -176,6 +176,20 @@ def _run_gated_concat(x, w, b, gate, res):
     return linear((x[..., :split], x[..., split:]), w, b, gate=gate, residual=res)
 
 
+def _run_blend(x, w, b, mix, res):
+    """SVD's container proj_out: the AlphaBlender mix of two token streams (x's halves) formed in the GEMM's loads."""
+    from ldmopt.ops.linear import linear
+
+    half = x.shape[-1] // 2
+    return linear((x[..., :half], x[..., half:]), w, b, residual=res, mix=mix)
+
+
+def _ref_blend(x, w, b, mix, res):
+    half = x.shape[-1] // 2
+    m = mix[:, None, None]
+    return F.linear(m * x[..., :half] + (1 - m) * x[..., half:], w, b) + res
+
+
 def _run_adaln(x, scale, shift, res):
     from ldmopt.ops.adaln_modulate import adaln_modulate
 
@@ -287,7 +301,7 @@ def _ref_rms_norm_rope_complex(x, weight):
 
 
 #: Wan keeps its modulation (scale, shift, gate) in fp32 while the stream is bf16/fp16: these inputs stay fp32.
-_FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,)}
+_FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,), _run_blend: (3,)}
 
 
 @check("fused_linear")
@@ -306,6 +320,10 @@ def _fused_linear(quick: bool):
                 inputs = [x, scale, shift, torch.randn_like(x)]
                 if run is _run_adaln_gated:
                     inputs.append(torch.randn(bsz, k, device=DEVICE))
+            elif run is _run_blend:  # two [bsz, t, k] streams as x's halves; one blend weight per frame
+                inputs = [torch.randn(bsz, t, 2 * k, device=DEVICE), torch.randn(n, k, device=DEVICE) * k**-0.5,
+                          torch.randn(n, device=DEVICE) * 0.1, torch.rand(bsz, device=DEVICE),
+                          torch.randn(bsz, t, n, device=DEVICE)]  # fmt: skip
             else:
                 inputs = [x, torch.randn(n, k, device=DEVICE) * k**-0.5, torch.randn(n, device=DEVICE) * 0.1]
                 if run in (_run_gated, _run_gated_wan, _run_gated_concat):
@@ -427,6 +445,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "gelu_tanh-pixart": (_run_gelu, _ref_gelu, 2, 4096, 1152, 4608),
         "gated-pixart": (_run_gated, _ref_gated, 2, 4096, 1152, 1152),
         "gated-two-part-flux-single": (_run_gated_concat, _ref_gated, 1, 2048, 15360, 3072),
+        "blend-svd-proj_out": (_run_blend, _ref_blend, 28, 2304, 640, 640),  # 14 frames x 2 (CFG), level 2
         "adaln-pixart": (_run_adaln, _ref_adaln, 2, 4096, 1152, None),
         "adaln-gated-wan14b": (_run_adaln_gated, _ref_adaln_gated, 1, 8192, 5120, None),
         "gated-wan1.3b-ffn": (_run_gated_wan, _ref_gated, 1, 8192, 8960, 1536),

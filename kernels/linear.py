@@ -6,7 +6,9 @@ arbitrary strides, y is a fresh contiguous [M, N]. gate is [B, N] (any strides) 
 b = m // T (T = M / B tokens per sample); residual is [M, N], or [B', T', N] with M = B' T' (a token stream whose
 sample and token axes do not merge into one row stride, e.g. a transposed patch embedding), with any strides.
 The input may come in two parts, x [M, K] and x_tail [M, K2] (any strides), read as their concatenation along K
-against the weight's K + K2 columns: a concatenation made only for this GEMM is never written.
+against the weight's K + K2 columns: a concatenation made only for this GEMM is never written. Or, blended
+(BLEND), two [M, K] inputs read as ``mix[m // T_MIX] * x + (1 - mix[m // T_MIX]) * x_tail`` (SVD's AlphaBlender
+before a container's proj_out), mixed in fp32 and rounded once to the input dtype before the dot.
 fp32/fp16/bf16 in and out; fp32 accumulation; int64 row offsets.
 Algorithm: one flat K loop of tl.dot over [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles in grouped tile order (L2 reuse
 of the weight columns), then bias, activation, gate and residual on the fp32 accumulator. Backward: a row-chunked
@@ -100,6 +102,25 @@ def accumulate_k(
 
 
 @triton.jit
+def accumulate_k_blend(
+    acc, a_ptrs, a2_ptrs, mix, b_ptrs, rk, K, stride_ak, stride_a2k, stride_bk, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """accumulate_k of the per-row blend ``mix * A + (1 - mix) * A2`` (mix [BLOCK_M] fp32), formed in registers."""
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        a2 = tl.load(a2_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        blended = mix[:, None] * a.to(tl.float32) + (1.0 - mix[:, None]) * a2  # exact at mix 0 and 1
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(blended.to(a.dtype), b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        a2_ptrs += BLOCK_K * stride_a2k
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _linear_fwd_kernel(
     y_ptr,  # [M, N] contiguous
     pre_ptr,  # [M, N] contiguous: x W^T + bias, written when STORE_PRE (saved for backward)
@@ -108,7 +129,8 @@ def _linear_fwd_kernel(
     b_ptr,  # [N]
     gate_ptr,  # [B, N]
     res_ptr,  # [M, N]
-    x2_ptr,  # [M, K2] (HAS_TAIL): the input's last K2 columns
+    x2_ptr,  # [M, K2] (HAS_TAIL): the input's last K2 columns; [M, K] (BLEND): the second input
+    mix_ptr,  # [M / T_MIX] fp32 (BLEND): the first input's weight per group of T_MIX rows
     stride_xm,
     stride_xk,
     stride_wn,
@@ -125,6 +147,7 @@ def _linear_fwd_kernel(
     K,
     K2,
     T,
+    T_MIX,
     RES_T,  # residual rows per stride_rb step (RESIDUAL_3D)
     M_BUCKET,  # autotune key only
     ACTIVATION: tl.constexpr,
@@ -133,6 +156,7 @@ def _linear_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     RESIDUAL_3D: tl.constexpr,
     HAS_TAIL: tl.constexpr,
+    BLEND: tl.constexpr,
     STORE_PRE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -149,8 +173,14 @@ def _linear_fwd_kernel(
     w_rows = (rn % N).to(tl.int64)[None, :] * stride_wn
     x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :] * stride_xk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = accumulate_k(acc, x_ptrs, w_ptr + w_rows + rk[:, None] * stride_wk, rk, K, stride_xk, stride_wk, BLOCK_K,
-                       INPUT_PRECISION)  # fmt: skip
+    w_ptrs = w_ptr + w_rows + rk[:, None] * stride_wk
+    if BLEND:
+        mix = tl.load(mix_ptr + rows // T_MIX)
+        x2_ptrs = x2_ptr + rows[:, None] * stride_x2m + rk[None, :] * stride_x2k
+        acc = accumulate_k_blend(acc, x_ptrs, x2_ptrs, mix, w_ptrs, rk, K, stride_xk, stride_x2k, stride_wk, BLOCK_K,
+                                 INPUT_PRECISION)  # fmt: skip
+    else:
+        acc = accumulate_k(acc, x_ptrs, w_ptrs, rk, K, stride_xk, stride_wk, BLOCK_K, INPUT_PRECISION)
     if HAS_TAIL:  # the weight's last K2 columns against the second part of the input
         x2_ptrs = x2_ptr + rows[:, None] * stride_x2m + rk[None, :] * stride_x2k
         w2_ptrs = w_ptr + w_rows + (K + rk)[:, None] * stride_wk
@@ -189,7 +219,7 @@ LINEAR_TILES = [
     (64, 64, 64, 4, 4),
 ]
 # K2 in the key: a two-part GEMM tunes apart from a one-part one with the same first part.
-_linear_fwd_tuned = triton.autotune(configs=gemm_configs(LINEAR_TILES), key=["M_BUCKET", "N", "K", "K2"])(
+_linear_fwd_tuned = triton.autotune(configs=gemm_configs(LINEAR_TILES), key=["M_BUCKET", "N", "K", "K2", "BLEND"])(
     _linear_fwd_kernel
 )
 
@@ -277,13 +307,16 @@ def linear_fwd(
     save_pre: bool,
     dtype: torch.dtype | None = None,
     x_tail: torch.Tensor | None = None,
+    mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in ``dtype``, by default the promoted
     dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
     weight [N, K], gate [B, N] with M % B == 0, residual [M, N] or [B', T', N] (B' T' = M); any strides. With
-    x_tail [M, K2] the input is [x | x_tail] and the weight [N, K + K2]."""
+    x_tail [M, K2] the input is [x | x_tail] and the weight [N, K + K2]; with mix [S] (fp32, M % S == 0) as well,
+    x_tail is [M, K] and the input mix[row // (M / S)] * x + (1 - mix) * x_tail."""
     m, k = x.shape
-    k2 = x_tail.shape[1] if x_tail is not None else 0
+    blend = mix is not None
+    k2 = x_tail.shape[1] if x_tail is not None and not blend else 0
     x2s = x_tail.stride() if x_tail is not None else (0, 0)
     n = weight.shape[0]
     bias = None if bias is None else bias.contiguous()  # read with unit stride
@@ -303,12 +336,14 @@ def linear_fwd(
 
     _linear_fwd_tuned[grid](
         y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
-        residual if residual is not None else x, x_tail if x_tail is not None else x, x.stride(0), x.stride(1),
+        residual if residual is not None else x, x_tail if x_tail is not None else x,
+        mix.contiguous() if blend else x, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1], m, n, k, k2, tokens,
-        max(res_t, 1), m_bucket(m),
+        m // mix.shape[0] if blend else 1, max(res_t, 1), m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
-        HAS_TAIL=x_tail is not None, STORE_PRE=save_pre, INPUT_PRECISION=input_precision(x.dtype),
+        HAS_TAIL=x_tail is not None and not blend, BLEND=blend, STORE_PRE=save_pre,
+        INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
 
@@ -367,24 +402,24 @@ def divisibility_attrs(fn, signature: dict, constexprs: dict, skip: tuple[str, .
     }
 
 
-def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False, tail=False):
+def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False, tail=False, blend=False):
     bm, bn, bk, warps, stages = tile
     signature = {
         "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
         "b_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}",
-        "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32", "stride_gb": "i32",
-        "stride_gn": "i32", "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32", "stride_x2m": "i32",
-        "stride_x2k": "i32", "M": "i32", "N": "i32", "K": "i32", "K2": "i32", "T": "i32", "RES_T": "i32",
-        "M_BUCKET": "i32",
+        "mix_ptr": "*fp32", "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
+        "stride_gb": "i32", "stride_gn": "i32", "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32",
+        "stride_x2m": "i32", "stride_x2k": "i32", "M": "i32", "N": "i32", "K": "i32", "K2": "i32", "T": "i32",
+        "T_MIX": "i32", "RES_T": "i32", "M_BUCKET": "i32",
     }  # fmt: skip
     constexprs = {
         "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "stride_x2k": 1,
         "ACTIVATION": ACTIVATIONS[activation][0], "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual,
-        "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail,
+        "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail, "BLEND": blend,
         "STORE_PRE": store_pre,
         "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
     }  # fmt: skip
-    attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=("M", "T", "RES_T", "M_BUCKET"))
+    attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=("M", "T", "T_MIX", "RES_T", "M_BUCKET"))
     return dict(name=name, fn=_linear_fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs,
                 num_warps=warps, num_stages=stages)  # fmt: skip
 
@@ -409,6 +444,11 @@ def aot_specs() -> list[dict]:
     specs.append(
         _fwd_spec("linear_fwd[fp16,two-part x,gelu_tanh]", "fp16", main, "gelu_tanh", False, False, True, False, True)
     )
+    # SVD's container proj_out: the AlphaBlender's two inputs mixed per frame in the loads, residual epilogue.
+    for dtype, tile in (("fp16", main), ("bf16", (128, 64, 64, 4, 4))):
+        specs.append(
+            _fwd_spec(f"linear_fwd[{dtype},blended x,residual]", dtype, tile, None, False, True, False, blend=True)
+        )
     specs.append(_fwd_spec("linear_fwd[fp32,gelu_tanh]", "fp32", (128, 128, 32, 8, 3), "gelu_tanh", False, False, True))
     block_m, block_n = bwd_tiles(4608)
     for dtype, act, gate in (("fp16", "gelu_tanh", False), ("bf16", None, True), ("fp16", "gelu", True)):

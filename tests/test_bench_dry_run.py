@@ -112,12 +112,14 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
     monkeypatch.setattr(B, "GATED_CASES", {"a": (2, 7, 40, 24)})
     monkeypatch.setattr(B, "ADALN_CASES", {"a": (2, 7, 40)})
     monkeypatch.setattr(B, "CONCAT_CASES", {"a": (2, 7, 24, 40, 16)})
+    monkeypatch.setattr(B, "BLEND_CASES", {"a": (3, 7, 40)})
     benches = {
         B.bench_geglu: B.GEGLU_CASES,
         B.bench_linear_gelu_tanh: B.GELU_CASES,
         B.bench_linear_gated_residual: B.GATED_CASES,
         B.bench_adaln_modulate: B.ADALN_CASES,
         B.bench_linear_concat_gated: B.CONCAT_CASES,
+        B.bench_linear_blend: B.BLEND_CASES,
     }
     for bench, cases in benches.items():
         for case in cases:
@@ -127,7 +129,7 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
     skipped = [r for r in rows if r["note"] == "skipped in quick mode"]
     assert {(r["op"], r["case"]) for r in skipped} == {("geglu", "b"), ("linear_gelu_tanh", "b")}
     assert not _failed([r for r in rows if r not in skipped]), _failed(rows)
-    assert len(rows) == 2 * (2 * 4 + 2 * 4 + 4 + 3 + 4), len(rows)  # (cases x providers) x modes
+    assert len(rows) == 2 * (2 * 4 + 2 * 4 + 4 + 3 + 4 + 4), len(rows)  # (cases x providers) x modes
 
 
 def test_resnet_block_providers(mocked_timing, no_compile, monkeypatch):

@@ -52,6 +52,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
             "adaln": (C._run_adaln, C._ref_adaln, 2, 7, 40, None),
             "adaln-gated": (C._run_adaln_gated, C._ref_adaln_gated, 2, 7, 40, None),
             "gated-out_dtype": (C._run_gated_wan, C._ref_gated, 2, 7, 40, 24),
+            "blend": (C._run_blend, C._ref_blend, 3, 7, 40, 24),
             "rms_norm": (C._run_rms_norm, C._ref_rms_norm, 2, 7, 40, 0),
             "rms_rope": (C._run_rms_norm_rope, C._ref_rms_norm_rope, 2, 7, 40, 0),
             "rms_rope-heads": (C._run_rms_norm_rope_heads, C._ref_rms_norm_rope_heads, 2, 7, 40, 8),

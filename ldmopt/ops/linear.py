@@ -3,7 +3,8 @@
 Custom ops ``ldmopt::linear_fwd`` / ``ldmopt::linear_bwd``; backends triton (kernels/linear.py) and torch (reference,
 fp32 math; fp64 for fp64 inputs). Backward: dX and dW with torch.matmul, the elementwise part (activation derivative,
 gate, d(bias), d(gate)) in one Triton pass over dy and the saved pre-activation. The input may come in two parts
-(``x_tail``), read as their concatenation along channels without writing it.
+(``x_tail``), read as their concatenation along channels without writing it, or blended per sample (``mix``:
+``mix * x + (1 - mix) * x_tail``, SVD's AlphaBlender before its container's proj_out) without writing the blend.
 """
 
 from __future__ import annotations
@@ -95,13 +96,21 @@ def _out_dtype(x: Tensor, gate: Tensor | None, residual: Tensor | None) -> torch
     return dtype
 
 
-def _joined(x: Tensor, x_tail: Tensor | None) -> Tensor:
-    return x if x_tail is None else torch.cat([x, x_tail], dim=-1)
+def _joined(x: Tensor, x_tail: Tensor | None, mix: Tensor | None = None) -> Tensor:
+    """The GEMM's input: x, [x | x_tail], or the per-sample blend mix * x + (1 - mix) * x_tail (computed in the
+    compute dtype, rounded once to x's dtype, as the fused kernel does)."""
+    if x_tail is None:
+        return x
+    if mix is None:
+        return torch.cat([x, x_tail], dim=-1)
+    cd = compute_dtype(x)
+    m = mix.to(cd).repeat_interleave(x.shape[0] // mix.shape[0])[:, None]
+    return (m * x.to(cd) + (1.0 - m) * x_tail.to(cd)).to(x.dtype)
 
 
-def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None):
+def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
     cd = torch.float64 if _out_dtype(x, gate, residual) == torch.float64 else torch.float32
-    z = gemm_torch(_joined(x, x_tail), weight, bias)
+    z = gemm_torch(_joined(x, x_tail, mix), weight, bias)
     out = activation_torch(activation, z)
     if gate is not None:
         out = (out.view(gate.shape[0], -1, out.shape[-1]) * gate.to(cd)[:, None, :]).view(out.shape)
@@ -129,14 +138,15 @@ def _bwd_torch(dy, pre, gate, activation, need_dgate):
 # ------------------------------------------------------------------------------------------------ triton
 
 
-def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None) -> list[str]:
-    return triton_refusals(x, weight, bias, gate, residual, x_tail, dtypes=TRITON_DTYPES)
+def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
+    return triton_refusals(x, weight, bias, gate, residual, x_tail, mix, dtypes=TRITON_DTYPES)
 
 
-def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None):
+def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
     from ldmopt.kernels.linear import linear_fwd as launch
 
-    return launch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail)
+    mix = None if mix is None else mix.float()
+    return launch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail, mix)
 
 
 def _bwd_triton(dy, pre, gate, activation, need_dgate):
@@ -170,16 +180,18 @@ def linear_fwd(
     save_pre: bool,
     dtype: torch.dtype | None,
     x_tail: Tensor | None = None,
+    mix: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(y [M, N], pre): x [M, K] (with x_tail [M, K2]: the input is [x | x_tail], weight [N, K + K2]), weight [N, K],
-    bias [N], gate [B, N] (rows grouped by sample, M % B == 0), residual [M, N] or [B', T', N] with B' T' = M (any
-    strides). y has ``dtype``, by default the promoted dtype of x, gate and residual. pre = x W^T + bias ([M, N] in
-    x's dtype, saved for backward) when save_pre, else empty."""
-    return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail)
+    """(y [M, N], pre): x [M, K] (with x_tail [M, K2]: the input is [x | x_tail], weight [N, K + K2]; with mix [S]
+    as well, x_tail is [M, K] and the input mix[s] * x + (1 - mix[s]) * x_tail for the rows of sample s, M % S == 0),
+    weight [N, K], bias [N], gate [B, N] (rows grouped by sample, M % B == 0), residual [M, N] or [B', T', N] with
+    B' T' = M (any strides). y has ``dtype``, by default the promoted dtype of x, gate and residual. pre = x W^T + bias
+    ([M, N] in x's dtype, saved for backward) when save_pre, else empty."""
+    return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail, mix)
 
 
 @linear_fwd.register_fake
-def _(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None):
+def _(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
     y = x.new_empty((x.shape[0], weight.shape[0]), dtype=dtype or _out_dtype(x, gate, residual))
     return y, (x.new_empty(y.shape) if save_pre else x.new_empty((0,)))
 
@@ -203,18 +215,20 @@ def _(dy, pre, gate, activation, need_dgate):
 def _setup_context(ctx, inputs, output):
     x, weight, bias, gate, residual, activation, save_pre, _dtype, *tail = inputs
     x_tail = tail[0] if tail else None
-    ctx.save_for_backward(x, weight, bias, gate, output[1] if save_pre else None, x_tail)
+    mix = tail[1] if len(tail) > 1 else None
+    ctx.save_for_backward(x, weight, bias, gate, output[1] if save_pre else None, x_tail, mix)
     ctx.activation = activation or None
     ctx.residual_shape = None if residual is None else residual.shape
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _dpre):
-    x, weight, bias, gate, pre, x_tail = ctx.saved_tensors
+    x, weight, bias, gate, pre, x_tail, mix = ctx.saved_tensors
     if dy is None:
-        return (None,) * 9
+        return (None,) * 10
     need_dx, need_dw, need_db, need_dgate, need_dres = ctx.needs_input_grad[:5]
     need_dtail = len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8]
+    need_dmix = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
     activation = ctx.activation
     if activation is None and gate is None:
         dz, dgate = dy, None
@@ -222,13 +236,16 @@ def _backward(ctx, dy, _dpre):
     else:
         if (activation is not None or need_dgate) and pre is None:
             # Only when a caller asked for no saved pre-activation yet needs gradients: recompute it.
-            pre = gemm_torch(_joined(x, x_tail), weight, bias).to(x.dtype)
+            pre = gemm_torch(_joined(x, x_tail, mix), weight, bias).to(x.dtype)
         dz, dbias, dgate = call(linear_bwd, dy, pre if activation is not None or need_dgate else None, gate,
                                 activation or "", need_dgate)  # fmt: skip
     if dz.dtype != weight.dtype:
         dz = dz.to(weight.dtype)  # dy arrived in the promoted dtype (e.g. an fp32 residual stream under autocast)
     k = x.shape[1]
-    if x_tail is None:
+    dmix = None
+    if mix is not None:
+        dx, dtail, dmix = _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmix)
+    elif x_tail is None:
         dx, dtail = (torch.matmul(dz, weight) if need_dx else None), None
     elif need_dx or need_dtail:
         dx_joined = torch.matmul(dz, weight)  # one GEMM; each part's gradient is a column view of it
@@ -238,11 +255,32 @@ def _backward(ctx, dy, _dpre):
     dw = None
     if need_dw:
         dzt = dz.t()
-        dw = torch.matmul(dzt, x) if x_tail is None else torch.cat([dzt @ x, dzt @ x_tail], dim=1)
+        if mix is not None:
+            dw = torch.matmul(dzt, _joined(x, x_tail, mix))  # the blend, recomputed as the kernel formed it
+        else:
+            dw = torch.matmul(dzt, x) if x_tail is None else torch.cat([dzt @ x, dzt @ x_tail], dim=1)
     db = dbias.to(bias.dtype) if need_db else None
     dg = dgate.to(gate.dtype) if need_dgate else None
     dres = dy.reshape(ctx.residual_shape) if need_dres else None
-    return dx, dw, db, dg, dres, None, None, None, (dtail if need_dtail else None)
+    return dx, dw, db, dg, dres, None, None, None, (dtail if need_dtail else None), dmix
+
+
+def _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmix):
+    """(dx, dx_tail, dmix) of the input mix[s] * x + (1 - mix[s]) * x_tail: one GEMM for its gradient dA, then
+    dx = mix dA, dx_tail = (1 - mix) dA and dmix[s] = sum over the sample's rows of dA . (x - x_tail) (fp64 sums)."""
+    if not (need_dx or need_dtail or need_dmix):
+        return None, None, None
+    cd = compute_dtype(x)
+    da = torch.matmul(dz, weight).to(cd)
+    rows = x.shape[0] // mix.shape[0]
+    m = mix.to(cd).repeat_interleave(rows)[:, None]
+    dx = (m * da).to(x.dtype) if need_dx else None
+    dtail = ((1.0 - m) * da).to(x_tail.dtype) if need_dtail else None
+    dmix = None
+    if need_dmix:
+        per_row = (da * (x.to(cd) - x_tail.to(cd))).sum(1, dtype=torch.float64)
+        dmix = per_row.view(mix.shape[0], rows).sum(1).to(mix.dtype)
+    return dx, dtail, dmix
 
 
 register_autograd_keeping_backend(linear_fwd, _backward, _setup_context)
@@ -333,13 +371,17 @@ def linear(
     gate: Tensor | None = None,
     residual: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    mix: Tensor | None = None,
 ) -> Tensor:
     """``residual + gate[b] * act(x @ weight.T + bias)`` in one GEMM with a fused epilogue.
 
     x is [..., K] (any leading dims), weight [N, K] and bias [N] as in nn.Linear, same dtype as x. x may also be a pair
     ``(x_head, x_tail)`` of [..., K1] and [..., K2] tensors (K1 + K2 = K, same leading shape) read as their
     concatenation along the last axis, which is never written (Flux's ``proj_out(cat([attn, mlp], -1))``); parts of
-    different dtypes are promoted to a common one first, as ``torch.cat`` does (after autocast's casts).
+    different dtypes are promoted to a common one first, as ``torch.cat`` does (after autocast's casts). With ``mix``
+    (one weight per sample x.shape[0]: shape (B,), (B, 1, ..., 1) or a single value) the pair has one shape and the
+    input is their blend ``mix * x_head + (1 - mix) * x_tail`` (diffusers' AlphaBlender before SVD's proj_out),
+    formed in fp32 in the GEMM's loads and rounded once to the input dtype; the blend is never written.
     ``activation``: None, "gelu" (erf), "gelu_tanh" or "silu". ``gate`` (DiT/SD3/Flux gated residual) is one [N]
     vector per sample x.shape[0], shaped (B, N) or (B, 1, N), broadcast over the tokens; for 2-D x it is one vector
     per row (M, N).
@@ -354,8 +396,11 @@ def linear(
     check_tensor("x", x)
     x, weight, bias, x_tail = autocast_operands(x, weight, bias, x_tail)
     x, x_tail = _common_dtype(x, x_tail)
-    # The weight's K is checked against the joined width (both parts' channels).
-    check_linear_args("linear", x, weight, bias, k=x.shape[-1] + (0 if x_tail is None else x_tail.shape[-1]))
+    if mix is not None:
+        mix = _per_sample_mix(mix, x, x_tail)
+    # The weight's K is checked against the joined width (both parts' channels; a blend's is one part's).
+    joined_k = x.shape[-1] + (0 if x_tail is None or mix is not None else x_tail.shape[-1])
+    check_linear_args("linear", x, weight, bias, k=joined_k)
     check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
     n = weight.shape[0]
     out_shape = (*x.shape[:-1], n)
@@ -373,8 +418,27 @@ def linear(
     x2 = x.reshape(-1, x.shape[-1])
     tail2 = None if x_tail is None else x_tail.reshape(-1, x_tail.shape[-1])
     save_pre = (activation is not None or (gate is not None and gate.requires_grad)) and needs_grad(
-        x, weight, bias, gate, x_tail
+        x, weight, bias, gate, x_tail, mix
     )
     check_out_dtype(out_dtype)
-    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype, tail2)
+    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype, tail2, mix)
     return y.view(out_shape)
+
+
+def _per_sample_mix(mix: Tensor, x: Tensor, x_tail: Tensor | None) -> Tensor:
+    """The blend weight as one value per sample x.shape[0] ([B], a view where possible)."""
+    if x_tail is None or x_tail.shape != x.shape:
+        got = "one tensor" if x_tail is None else f"parts of shapes {tuple(x.shape)} and {tuple(x_tail.shape)}"
+        raise ValueError(f"linear: mix blends two inputs of one shape, x=(x_head, x_tail); got {got}")
+    check_tensor("mix", mix)
+    if mix.device != x.device:
+        raise ValueError(f"mix is on {mix.device} but x is on {x.device}")
+    b = x.shape[0] if x.dim() >= 2 else 1
+    if mix.numel() == 1:
+        return mix.reshape(1).expand(b)
+    if x.dim() < 2 or mix.shape[0] != b or mix.numel() != b:
+        raise ValueError(
+            f"mix must hold one value per sample x.shape[0] ({b},), or (B, 1, ..., 1), for x of shape "
+            f"{tuple(x.shape)}; got {tuple(mix.shape)}"
+        )
+    return mix.reshape(b)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..nn import resnet as R
 from ..nn import temporal_resnet as TR
-from ..nn.child_check import count_stock, readable
+from ..nn.child_check import count_stock, hooked, readable
 from ..ops.gn_conv2d import gn_silu_conv2d
 from ..ops.linear import linear
 from .rule import ClassSwapRule, Rule, Site, stock
@@ -96,23 +96,41 @@ def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tens
     return tokens, hidden_states.shape[1] if self.use_linear_projection else h.shape[1]
 
 
-def _proj_out_residual(where: str, proj_out: nn.Module, tokens: Tensor, residual: Tensor) -> Tensor | None:
-    """``proj_out(tokens) + residual`` with the add in the GEMM epilogue, as channels-last (N, C, H, W) like the
-    residual; None when the residual is not channels-last, or proj_out is not a plain Linear or 1x1 conv (a LoRA,
-    hooks: counted in ``child_check.fallback_reasons``)."""
+def _proj_out_fusable(where: str, proj_out: nn.Module, residual: Tensor) -> bool:
+    """Whether proj_out + residual can run as one GEMM with the add in its epilogue: a channels-last residual and a
+    plain Linear or 1x1 conv (a LoRA or hooks keep the stock path, counted in ``child_check.fallback_reasons``)."""
     if not residual.is_contiguous(memory_format=torch.channels_last):
-        return None
-    if readable(proj_out, nn.Linear):
-        weight = proj_out.weight
-    elif readable(proj_out, nn.Conv2d) and _is_pointwise(proj_out):
-        weight = proj_out.weight[:, :, 0, 0]
-    else:
-        count_stock(where, "proj_out", proj_out)
-        return None
+        return False
+    if readable(proj_out, nn.Linear) or (readable(proj_out, nn.Conv2d) and _is_pointwise(proj_out)):
+        return True
+    count_stock(where, "proj_out", proj_out)
+    return False
+
+
+def _proj_out_residual(proj_out: nn.Module, tokens, residual: Tensor, mix: Tensor | None = None) -> Tensor:
+    """``proj_out(tokens) + residual`` (when _proj_out_fusable) with the add in the GEMM epilogue, as channels-last
+    (N, C, H, W) like the residual. tokens may be a pair blended per frame by ``mix`` (ops.linear)."""
+    weight = proj_out.weight if proj_out.weight.dim() == 2 else proj_out.weight[:, :, 0, 0]
     n, c, h, w = residual.shape
     res_tokens = residual.permute(0, 2, 3, 1).reshape(n, h * w, c)  # a view: channels-last memory is token order
-    out = linear(tokens.reshape(n, h * w, -1), weight, proj_out.bias, residual=res_tokens)
+    x = tuple(t.reshape(n, h * w, -1) for t in tokens) if isinstance(tokens, tuple) else tokens.reshape(n, h * w, -1)
+    out = linear(x, weight, proj_out.bias, residual=res_tokens, mix=mix)
     return out.view(n, h, w, c).permute(0, 3, 1, 2)
+
+
+def _blend_weight(mixer: nn.Module, image_only_indicator: Tensor, rows: int) -> Tensor | None:
+    """AlphaBlender's weight of its spatial input per frame ([rows] or one value, fp32; fp64 for an fp64 mixer), as
+    its forward computes it for 3-D tokens; None when the mixer is not diffusers' own, hooked, or its alpha does not
+    broadcast over the frames (the stock mixer runs, and raises where diffusers does)."""
+    from diffusers.models.resnet import AlphaBlender
+
+    if type(mixer) is not AlphaBlender or hooked(mixer):
+        return None
+    alpha = mixer.get_alpha(image_only_indicator, 3)
+    alpha = alpha.to(torch.float64 if alpha.dtype == torch.float64 else torch.float32)
+    if mixer.switch_spatial_to_temporal_mix:
+        alpha = 1.0 - alpha
+    return alpha.reshape(-1) if alpha.numel() in (1, rows) else None
 
 
 def _is_pointwise(conv: nn.Conv2d) -> bool:
@@ -121,9 +139,8 @@ def _is_pointwise(conv: nn.Conv2d) -> bool:
 
 
 def _t2d_get_output_for_continuous_inputs(self, hidden_states, residual, batch_size, height, width, inner_dim):
-    fused = _proj_out_residual("Transformer2DModel", self.proj_out, hidden_states, residual)
-    if fused is not None:
-        return fused
+    if _proj_out_fusable("Transformer2DModel", self.proj_out, residual):
+        return _proj_out_residual(self.proj_out, hidden_states, residual)
     keep_channels_last = residual.is_contiguous(memory_format=torch.channels_last)
     if not self.use_linear_projection:
         hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
@@ -216,16 +233,25 @@ def _spatiotemporal_forward(
     hidden_states = h.permute(0, 2, 3, 1).reshape(batch_frames, height * width, h.shape[1])
     frame_index = torch.arange(num_frames, device=hidden_states.device).repeat(batch_size, 1).reshape(-1)
     emb = self.time_pos_embed(self.time_proj(frame_index).to(dtype=hidden_states.dtype))[:, None, :]
-    for block, temporal_block in zip(self.transformer_blocks, self.temporal_transformer_blocks, strict=True):
+    pairs = list(zip(self.transformer_blocks, self.temporal_transformer_blocks, strict=True))
+    fuse_out = _proj_out_fusable("TransformerSpatioTemporalModel", self.proj_out, residual)
+    output = None
+    for i, (block, temporal_block) in enumerate(pairs):
         if torch.is_grad_enabled() and self.gradient_checkpointing:
             hidden_states = self._gradient_checkpointing_func(block, hidden_states, None, encoder_hidden_states, None)
         else:
             hidden_states = block(hidden_states, encoder_hidden_states=encoder_hidden_states)
         mixed = temporal_block(hidden_states + emb, num_frames=num_frames, encoder_hidden_states=time_context)
+        mix = _blend_weight(self.time_mixer, image_only_indicator, batch_frames) if i == len(pairs) - 1 else None
+        if fuse_out and mix is not None:
+            # The last blend is read by proj_out's loads: neither it nor its products are written.
+            output = _proj_out_residual(self.proj_out, (hidden_states, mixed), residual, mix)
+            break
         hidden_states = self.time_mixer(
             x_spatial=hidden_states, x_temporal=mixed, image_only_indicator=image_only_indicator
         )
-    output = _proj_out_residual("TransformerSpatioTemporalModel", self.proj_out, hidden_states, residual)
+    if output is None and fuse_out:
+        output = _proj_out_residual(self.proj_out, hidden_states, residual)
     if output is None:
         hidden_states = self.proj_out(hidden_states)
         hidden_states = hidden_states.reshape(batch_frames, height, width, channels).permute(0, 3, 1, 2)

@@ -20,7 +20,10 @@ Rules (names as reported):
   container's 1x1 ``proj_out`` (Transformer2DModel, SD1.5) also loses the copy of its tokens to NCHW before it.
 - ``alpha blend -> conv epilogue``: SVD's SpatioTemporalResBlock blends ``alpha * x + (1 - alpha) * (x + conv)``
   after a temporal resnet whose residual add the conv epilogue took; the conv writes ``x + (1 - alpha) * conv``, so
-  the two products and the add go (the transformers' blends stay).
+  the two products and the add go.
+- ``alpha blend -> GEMM loads``: SVD's TransformerSpatioTemporalModel blends the last block's spatial and temporal
+  outputs only for ``proj_out`` to read: the GEMM's loads form the blend from both (``ops.linear``'s ``mix``), so the
+  products and the add go, less the one more input the GEMM reads.
 - ``GEGLU tail``: GEMM -> chunk -> gelu(gate) * hidden: one GEMM with two accumulators writes I columns, not 2I.
 - ``GEMM + GELU epilogue``: GEMM -> gelu (GELU-tanh feed-forwards of DiT/PixArt/SD3/Flux, Flux ``proj_mlp``).
 - ``adaLN (LayerNorm + modulate)``: layer_norm -> mul(1 + scale) -> add(shift) in one row kernel. In SD3 and Flux
@@ -78,14 +81,15 @@ GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 CONCAT_GEMM = "concatenation -> GEMM loads"
 GN_STATS = "GroupNorm statistics from the conv epilogue"
 ALPHA_BLEND = "alpha blend -> conv epilogue"
+BLEND_GEMM = "alpha blend -> GEMM loads"
 RESIDUAL = "GEMM epilogue (residual)"
 TEMPORAL_PERMUTES = "temporal permutes"
 RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
 QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
-    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, RESIDUAL, CONCAT_GEMM,
-    TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
+    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, RESIDUAL,
+    CONCAT_GEMM, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
 #: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
@@ -474,6 +478,8 @@ def _alpha_blend(plan: _Plan, records: list[OpRecord], add: OpRecord) -> None:
     if not plan.free(*(m.index for m in muls)):
         return
     inputs = [records[p] for m in muls for p in m.producers if p >= 0]
+    if _blend_into_gemm(plan, records, add, muls):
+        return
     if not any(
         plan.rule.get(r.index) == CONV_EPILOGUE
         and r.index in plan.removed
@@ -482,6 +488,20 @@ def _alpha_blend(plan: _Plan, records: list[OpRecord], add: OpRecord) -> None:
     ):
         return
     plan.claim(ALPHA_BLEND, {r.index: r.bytes for r in (*muls, add)}, removed=(muls[0].index, muls[1].index, add.index))
+
+
+def _blend_into_gemm(plan: _Plan, records: list[OpRecord], add: OpRecord, muls: list[OpRecord]) -> bool:
+    """SVD's container blend read by its proj_out (the last block's): the GEMM's loads form
+    ``alpha * x + (1 - alpha) * y`` from both inputs, so the products and the add go; the GEMM reads one more input."""
+    gemm = _sole_consumer(records, add)
+    if gemm is None or gemm.base not in _GEMMS or not gemm.path.endswith(".proj_out"):
+        return False
+    if _enclosing(plan, add, frozenset({"TransformerSpatioTemporalModel"})) is None:
+        return False
+    savings = {m.index: m.bytes for m in muls}
+    savings[add.index] = add.bytes - add.out_bytes  # the second input the GEMM now reads
+    plan.claim(BLEND_GEMM, savings, removed=(muls[0].index, muls[1].index, add.index))
+    return True
 
 
 def _temporal_permute(plan: _Plan, records: list[OpRecord], copy: OpRecord) -> None:

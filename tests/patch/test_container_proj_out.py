@@ -87,3 +87,67 @@ def test_wrapped_proj_out_keeps_the_stock_projection():
         ref = model(x, encoder_hidden_states=context).sample
     assert_close(out, ref.double(), torch.float32, "wrapped proj_out")
     assert any(r.startswith("Transformer2DModel ran the stock path: proj_out") for r in child_check.fallback_reasons)
+
+
+def _svd_container():
+    from diffusers.models.transformers.transformer_temporal import TransformerSpatioTemporalModel
+
+    model = TransformerSpatioTemporalModel(num_attention_heads=2, attention_head_dim=16, in_channels=32,
+                                           cross_attention_dim=24)  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (1.0 if name.endswith("mix_factor") else 0.2))
+    return model.eval()
+
+
+def test_svd_container_blend_is_read_by_proj_out(monkeypatch):
+    from diffusers.models.resnet import AlphaBlender
+
+    model = _svd_container()
+    frames = 3
+    x = torch.randn(2 * frames, 32, 3, 5).contiguous(memory_format=torch.channels_last)
+    context = torch.randn(2 * frames, 1, 24)
+    indicator = torch.zeros(2, frames)
+    indicator[1] = 1.0  # an image-only video
+    with torch.no_grad():
+        ref = model(x, context, image_only_indicator=indicator).sample
+    report = ldmopt.patch(model)
+    assert report.counts().get("spatiotemporal_in") == 1
+    blends = []
+    original = AlphaBlender.forward
+    monkeypatch.setattr(AlphaBlender, "forward", lambda self, *a, **k: blends.append(1) or original(self, *a, **k))
+    child_check.fallback_reasons.clear()
+    leaf = x.clone().requires_grad_()
+    with ldmopt.use_backend("torch"):
+        out = model(leaf, context, image_only_indicator=indicator).sample
+    assert not blends and not child_check.fallback_reasons  # the blend ran inside proj_out's GEMM
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_close(out, ref.double(), torch.float32, "blended proj_out")
+    out.sum().backward()
+    assert model.time_mixer.mix_factor.grad is not None and model.time_mixer.mix_factor.grad.abs().item() > 0
+    # fp64: equal to diffusers' blend to rounding, gradient of the blend factor included.
+    model64 = _svd_container().double()
+    model64.load_state_dict(model.state_dict())
+    stock64 = _svd_container().double()
+    stock64.load_state_dict(model.state_dict())
+    ldmopt.unpatch(model)
+    ldmopt.patch(model64)
+    grads = []
+    for m in (model64, stock64):
+        m.zero_grad()
+        m(x.double(), context.double(), image_only_indicator=indicator.double()).sample.square().sum().backward()
+        grads.append(m.time_mixer.mix_factor.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
+
+
+def test_svd_container_triton_interpreter():
+    model = _svd_container()
+    x = torch.randn(4, 32, 3, 5).contiguous(memory_format=torch.channels_last)
+    context, indicator = torch.randn(4, 1, 24), torch.zeros(2, 2)
+    with torch.no_grad():
+        ref = model(x, context, image_only_indicator=indicator).sample
+        report = ldmopt.patch(model)
+        with ldmopt.use_backend("triton", ops=("linear", "gn_conv2d", "gn_conv2d_stats")):
+            out = model(x, context, image_only_indicator=indicator).sample
+    assert report.backends()["linear"].get("triton", 0) > 0, report.backends()
+    assert_close(out, ref.double(), torch.float32, "blended proj_out (triton)")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ldmopt.profiler import analyze
-from ldmopt.profiler.fusions import ALPHA_BLEND, CONV_EPILOGUE, GN_CONV, GN_STATS, plan_fusions
+from ldmopt.profiler.fusions import ALPHA_BLEND, BLEND_GEMM, CONV_EPILOGUE, GN_CONV, GN_STATS, plan_fusions
 
 
 def _plan(a):
@@ -34,10 +34,12 @@ def test_svd_temporal_resnets_blend_in_the_epilogue():
     # Each resnet block's blend (two products and the add) goes; the transformers' blends stay.
     assert a.fusions[ALPHA_BLEND].count == resblocks > 0
     assert a.fusions[ALPHA_BLEND].ops_removed == 3 * resblocks
+    # The containers' blends go into their proj_out's loads (one per container: SVD has one block each).
+    assert a.fusions[BLEND_GEMM].count == _count(model, "TransformerSpatioTemporalModel") > 0
     blend_ops = [r for r in a.records if r.owner.endswith(".AlphaBlender") and r.base in ("mul", "add")]
     for r in blend_ops:
-        in_resnet = ".resnets." in r.path or ".mid_block.resnets." in r.path
-        assert (r.index in removed) == in_resnet, r
+        expected = ALPHA_BLEND if ".resnets." in r.path else BLEND_GEMM
+        assert r.index in removed and rule[r.index] == expected, r
     # Every Conv3d is a temporal resnet's (3, 1, 1): fused with GroupNorm + SiLU in its loads.
     convs3d = [r for r in a.records if r.base == "convolution" and r.owner.endswith(".Conv3d")]
     norms = [a.records[r.producers[0]] for r in convs3d]
