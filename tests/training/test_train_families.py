@@ -155,7 +155,9 @@ def test_video_denoiser_grad_parity(name):
         target = torch.randn_like(ref(**kwargs64)[0])
     ref_loss, ref_grads = _grads(ref, kwargs64, target)
     loss, grads = _fused_grads(fused, kwargs64, target)
-    assert abs(loss - ref_loss) <= 1e-12 * ref_loss, (loss, ref_loss)
+    # 1e-11: float64 rounding through the tiny SVD's ill-conditioning (see above; its fused blocks reorder sums,
+    # e.g. the blend as x + (1 - alpha) * conv(...) instead of alpha * x + (1 - alpha) * (x + conv(...))).
+    assert abs(loss - ref_loss) <= 1e-11 * ref_loss, (loss, ref_loss)
     total = sum(g.norm() ** 2 for g in ref_grads.values()) ** 0.5
     worst = max(((grads[n] - g).norm() / total, n) for n, g in ref_grads.items())
     assert worst[0] <= 1e-9, worst
