@@ -2,6 +2,7 @@
 a timed row, not a 'failed' one (a GPU run is rare and short; a Python error in a benchmark would waste it)."""
 
 import functools
+import importlib
 
 import pytest
 import torch
@@ -224,53 +225,25 @@ def test_host_overhead_cases_compare_the_same_function(monkeypatch):
             torch.testing.assert_close(fused(tensors), unfused(tensors), rtol=1e-4, atol=1e-4, msg=case)
 
 
-def test_wan_block_providers(mocked_timing, monkeypatch):
-    pytest.importorskip("diffusers")
-    from benchmarks import bench_wan_block as B
+# Block benchmarks driven by harness.record_block_providers: module (and its bench function) -> tiny settings.
+_BLOCK_BENCHES = {
+    "bench_wan_block": dict(TEXT_TOKENS=7, CASES={"tiny": (64, 2, 96, (3, 6, 10))}),
+    "bench_transformer_block": dict(TEXT_TOKENS=7, CASES={"tiny": (40, 2, 37, 24)}),
+    "bench_svd_resnet": dict(BATCH=1, FRAMES=3, TEMB_CHANNELS=16, CASES={"tiny": (64, 3, 5)}),
+}
 
-    monkeypatch.setattr(B, "DEVICE", "cpu")
-    monkeypatch.setattr(B, "QUICK", True)  # no torch.compile provider
-    monkeypatch.setattr(B, "TEXT_TOKENS", 7)
-    monkeypatch.setattr(B, "CASES", {"tiny": (64, 2, 96, (3, 6, 10))})
+
+@pytest.mark.parametrize("module", list(_BLOCK_BENCHES))
+def test_block_bench_providers(module, mocked_timing, monkeypatch):
+    pytest.importorskip("diffusers")
+    bench = importlib.import_module(f"benchmarks.{module}")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "QUICK", True)  # no torch.compile provider
+    for name, value in _BLOCK_BENCHES[module].items():
+        monkeypatch.setattr(bench, name, value)
     with ldmopt.use_backend("torch"):
         for mode in ("fwd", "fwd+bwd"):
-            B.bench_wan_block("tiny", torch.float32, mode, mocked_timing)
-    rows = mocked_timing.rows
-    assert [r["provider"] for r in rows] == ["eager", "ldmopt"] * 2 and not _failed(rows), rows
-    errs = [float(r["note"].split("; ")[0].rsplit(" ", 1)[1]) for r in rows]
-    assert max(errs) < 1e-5 and all("fell back" not in r["note"] for r in rows), rows
-
-
-def test_transformer_block_providers(mocked_timing, monkeypatch):
-    pytest.importorskip("diffusers")
-    from benchmarks import bench_transformer_block as B
-
-    monkeypatch.setattr(B, "DEVICE", "cpu")
-    monkeypatch.setattr(B, "QUICK", True)  # no torch.compile provider
-    monkeypatch.setattr(B, "TEXT_TOKENS", 7)
-    monkeypatch.setattr(B, "CASES", {"tiny": (40, 2, 37, 24)})
-    with ldmopt.use_backend("torch"):
-        for mode in ("fwd", "fwd+bwd"):
-            B.bench_transformer_block("tiny", torch.float32, mode, mocked_timing)
-    rows = mocked_timing.rows
-    assert [r["provider"] for r in rows] == ["eager", "ldmopt"] * 2 and not _failed(rows), rows
-    errs = [float(r["note"].split("; ")[0].rsplit(" ", 1)[1]) for r in rows]
-    assert max(errs) < 1e-5 and all("fell back" not in r["note"] for r in rows), rows
-
-
-def test_svd_resnet_providers(mocked_timing, monkeypatch):
-    pytest.importorskip("diffusers")
-    from benchmarks import bench_svd_resnet as B
-
-    monkeypatch.setattr(B, "DEVICE", "cpu")
-    monkeypatch.setattr(B, "QUICK", True)  # no torch.compile provider
-    monkeypatch.setattr(B, "BATCH", 1)
-    monkeypatch.setattr(B, "FRAMES", 3)
-    monkeypatch.setattr(B, "TEMB_CHANNELS", 16)
-    monkeypatch.setattr(B, "CASES", {"tiny": (64, 3, 5)})
-    with ldmopt.use_backend("torch"):
-        for mode in ("fwd", "fwd+bwd"):
-            B.bench_svd_resnet("tiny", torch.float32, mode, mocked_timing)
+            getattr(bench, module)("tiny", torch.float32, mode, mocked_timing)
     rows = mocked_timing.rows
     assert [r["provider"] for r in rows] == ["eager", "ldmopt"] * 2 and not _failed(rows), rows
     errs = [float(r["note"].split("; ")[0].rsplit(" ", 1)[1]) for r in rows]

@@ -187,6 +187,14 @@ def linear_fwd(
     weight [N, K], bias [N], gate [B, N] (rows grouped by sample, M % B == 0), residual [M, N] or [B', T', N] with
     B' T' = M (any strides). y has ``dtype``, by default the promoted dtype of x, gate and residual. pre = x W^T + bias
     ([M, N] in x's dtype, saved for backward) when save_pre, else empty."""
+    if mix is not None and (
+        x_tail is None or x_tail.shape != x.shape or mix.dim() != 1 or not mix.numel() or x.shape[0] % mix.numel()
+    ):
+        tail = None if x_tail is None else tuple(x_tail.shape)
+        raise ValueError(
+            f"linear_fwd: mix of shape {tuple(mix.shape)} needs x_tail shaped like x {tuple(x.shape)} (got {tail}) "
+            "and one value per equal group of rows"
+        )
     return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail, mix)
 
 
@@ -278,8 +286,9 @@ def _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmi
     dtail = ((1.0 - m) * da).to(x_tail.dtype) if need_dtail else None
     dmix = None
     if need_dmix:
-        per_row = (da * (x.to(cd) - x_tail.to(cd))).sum(1, dtype=torch.float64)
-        dmix = per_row.view(mix.shape[0], rows).sum(1).to(mix.dtype)
+        # Per-row dot products in the compute dtype, then fp64 sums over each sample's rows (no fp64 M x K copy).
+        per_row = (da * (x.to(cd) - x_tail.to(cd))).sum(1)
+        dmix = per_row.to(torch.float64).view(mix.shape[0], rows).sum(1).to(mix.dtype)
     return dx, dtail, dmix
 
 
@@ -381,7 +390,8 @@ def linear(
     different dtypes are promoted to a common one first, as ``torch.cat`` does (after autocast's casts). With ``mix``
     (one weight per sample x.shape[0]: shape (B,), (B, 1, ..., 1) or a single value) the pair has one shape and the
     input is their blend ``mix * x_head + (1 - mix) * x_tail`` (diffusers' AlphaBlender before SVD's proj_out),
-    formed in fp32 in the GEMM's loads and rounded once to the input dtype; the blend is never written.
+    formed in fp32 in the GEMM's loads and rounded once to the input dtype; the blend is never written. (Under
+    torch.autocast both parts are cast to the autocast dtype first, as F.linear would cast the blend.)
     ``activation``: None, "gelu" (erf), "gelu_tanh" or "silu". ``gate`` (DiT/SD3/Flux gated residual) is one [N]
     vector per sample x.shape[0], shaped (B, N) or (B, 1, N), broadcast over the tokens; for 2-D x it is one vector
     per row (M, N).

@@ -102,7 +102,8 @@ def _proj_out_fusable(where: str, proj_out: nn.Module, residual: Tensor) -> bool
     if not residual.is_contiguous(memory_format=torch.channels_last):
         return False
     if readable(proj_out, nn.Linear) or (readable(proj_out, nn.Conv2d) and _is_pointwise(proj_out)):
-        return True
+        # Another width broadcasts in diffusers' add (a 1-channel proj_out); the epilogue adds like shapes only.
+        return proj_out.weight.shape[0] == residual.shape[1]
     count_stock(where, "proj_out", proj_out)
     return False
 
@@ -125,6 +126,7 @@ def _blend_weight(mixer: nn.Module, image_only_indicator: Tensor, rows: int) -> 
     from diffusers.models.resnet import AlphaBlender
 
     if type(mixer) is not AlphaBlender or hooked(mixer):
+        count_stock("TransformerSpatioTemporalModel", "time_mixer", mixer)
         return None
     alpha = mixer.get_alpha(image_only_indicator, 3)
     alpha = alpha.to(torch.float64 if alpha.dtype == torch.float64 else torch.float32)

@@ -112,3 +112,9 @@ def test_bad_mix_arguments(kwargs, match):
     x = kwargs.get("x", lambda a, b: (a, b))(xa, xb)
     with pytest.raises(ValueError, match=match):
         linear(x, weight, bias, mix=kwargs.get("mix", mix))
+
+
+def test_raw_op_refuses_a_mix_that_does_not_group_the_rows():
+    x, xt, w = torch.randn(10, 8), torch.randn(10, 8), torch.randn(5, 8)
+    with pytest.raises(ValueError, match=r"mix of shape \(3,\) needs x_tail shaped like x"):
+        torch.ops.ldmopt.linear_fwd(x, w, None, None, None, "", False, None, xt, torch.rand(3))

@@ -151,3 +151,33 @@ def test_svd_container_triton_interpreter():
             out = model(x, context, image_only_indicator=indicator).sample
     assert report.backends()["linear"].get("triton", 0) > 0, report.backends()
     assert_close(out, ref.double(), torch.float32, "blended proj_out (triton)")
+
+
+def test_narrower_proj_out_broadcasts_as_diffusers():
+    # A 1x1 proj_out to one channel: diffusers' add broadcasts it over the residual's channels; the epilogue adds
+    # like shapes only, so this container keeps the stock projection and add.
+    model = t2d.Transformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=32, out_channels=1,
+                                   norm_num_groups=8, cross_attention_dim=24).eval()  # fmt: skip
+    x, context = _inputs()
+    with torch.no_grad():
+        ref = model(x, encoder_hidden_states=context).sample
+        ldmopt.patch(model)
+        with ldmopt.use_backend("torch"):
+            out = model(x, encoder_hidden_states=context).sample
+    assert out.shape == ref.shape == (2, 32, 5, 3)
+    assert_close(out, ref.double(), torch.float32, "broadcast proj_out")
+
+
+def test_hooked_time_mixer_keeps_the_stock_blend_counted():
+    model = _svd_container()
+    model.time_mixer.register_forward_hook(lambda *a: None)
+    x = torch.randn(4, 32, 3, 5).contiguous(memory_format=torch.channels_last)
+    context, indicator = torch.randn(4, 1, 24), torch.zeros(2, 2)
+    with torch.no_grad():
+        ref = model(x, context, image_only_indicator=indicator).sample
+        ldmopt.patch(model)
+        child_check.fallback_reasons.clear()
+        with ldmopt.use_backend("torch"):
+            out = model(x, context, image_only_indicator=indicator).sample
+    assert_close(out, ref.double(), torch.float32, "hooked time_mixer")
+    assert any("time_mixer" in r for r in child_check.fallback_reasons), child_check.fallback_reasons
