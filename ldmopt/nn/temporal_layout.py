@@ -37,9 +37,11 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.adaln_modulate import adaln_modulate
+from ..ops.gn_conv2d import gn_silu_conv2d
 from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
-from .child_check import readable, stock
+from .child_check import hooked, plain_weight, readable, stock
+from .group_norm import GroupNorm as LdmoptGroupNorm
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
@@ -227,6 +229,16 @@ def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) ->
     return ff_residual(block.ff, block.norm3(x), x)
 
 
+def _norm_proj_in_fusable(container: nn.Module) -> bool:
+    """Whether the container's GroupNorm can be read through proj_in's loads: an affine torch GroupNorm (or ldmopt's,
+    without an activation) and a plain nn.Linear, neither hooked nor wrapped (checked per call)."""
+    norm, proj_in = container.norm, container.proj_in
+    ours = isinstance(norm, LdmoptGroupNorm) and norm.activation is None
+    if not (type(norm) is nn.GroupNorm or ours) or not norm.affine or hooked(norm) or not plain_weight(norm):
+        return False
+    return readable(proj_in)
+
+
 def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int) -> Tensor:
     """The container's forward in token order (call only when :func:`container_reason` is None). The result has the
     input's memory layout (channels-last in, channels-last out)."""
@@ -237,11 +249,21 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
         layout_conversions[f"{type(container).__name__}: NCHW input copied to channels-last"] += 1
         x = x.contiguous(memory_format=torch.channels_last)
     tokens = x.permute(0, 2, 3, 1).view(b, num_frames, h, w, c)
-    # GroupNorm over (C/G, F, H, W) per video, on the channels_last_3d (B, C, F, H, W) view of the same memory.
-    normed = container.norm(tokens.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
-    if not normed.is_contiguous():
-        layout_conversions[f"{type(container).__name__}: GroupNorm returned a non-channels-last output"] += 1
-    t = container.proj_in(normed.reshape(b, num_frames, h * w, c))
+    if _norm_proj_in_fusable(container):
+        # GroupNorm in proj_in's loads: a 1x1 conv over the channels-last (B, C, F, H*W) view, whose per-image
+        # statistics are the video's over (C/G, F, H, W); the output's memory is (B, F, N, C') token order.
+        norm, proj_in = container.norm, container.proj_in
+        view = tokens.view(b, num_frames, h * w, c).permute(0, 3, 1, 2)
+        t = gn_silu_conv2d(
+            view, norm.weight, norm.bias, norm.num_groups, norm.eps, proj_in.weight[:, :, None, None], proj_in.bias,
+            1, 0, activation=None,
+        ).permute(0, 2, 3, 1)  # fmt: skip
+    else:
+        # GroupNorm over (C/G, F, H, W) per video, on the channels_last_3d (B, C, F, H, W) view of the same memory.
+        normed = container.norm(tokens.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
+        if not normed.is_contiguous():
+            layout_conversions[f"{type(container).__name__}: GroupNorm returned a non-channels-last output"] += 1
+        t = container.proj_in(normed.reshape(b, num_frames, h * w, c))
     for block in container.transformer_blocks:
         t = _basic_block_bfnc(block, t, (b, num_frames, h * w))
     if x is hidden_states and readable(container.proj_out):

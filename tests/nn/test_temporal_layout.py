@@ -409,3 +409,26 @@ def test_svd_shortcuts_give_every_parameter_its_gradient(models):
     assert skipped and all(torch.count_nonzero(got[n]) == 0 for n in skipped)
     for name, grad in got.items():
         assert_close(grad, expected[name].double(), torch.float32, f"d{name}")
+
+
+@pytest.mark.parametrize("family", CONTAINER_FAMILIES)
+def test_container_group_norm_runs_in_proj_in_loads(models, family):
+    container = _container(family, models)
+    x = _input(channels_last=True)
+    install = install_temporal_blocks(container)
+    try:
+        with torch.no_grad(), _CopyRecorder() as ops:
+            got = _call(container, x)
+        names = [name for name, _ in ops.ops]
+        assert "gn_conv2d" in names and not [n for n in names if "group_norm" in n], names
+        # A hook on the norm keeps it a module call of its own (the hook sees its output), then proj_in.
+        seen = []
+        container.norm.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+        with torch.no_grad():
+            hooked_out = _call(container, x)
+        assert seen and torch.allclose(hooked_out, got, rtol=1e-4, atol=1e-5)
+    finally:
+        uninstall_temporal_blocks(install)
+    with torch.no_grad():
+        expected = _call(container, x)
+    assert_close(got, expected.double(), torch.float32, family)
