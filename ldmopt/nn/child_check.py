@@ -126,6 +126,11 @@ def count_stock(where: str, name: str, layer: object) -> None:
     count_reason(where, unreadable_reason(name, layer))
 
 
+def stock_class(module: nn.Module) -> type:
+    """The module's own class, past the patcher's class swap (``fused_class`` marks its subclasses ``_ldmopt_base``)."""
+    return next((cls for cls in type(module).__mro__ if "_ldmopt_base" not in cls.__dict__), type(module))
+
+
 def stock(module: nn.Module, name: str = "forward") -> Callable:
     """The stock method ``name`` of ``module``, bound to it: the base class's for a class-swapped module, through
     ``super()`` (diffusers marks its blocks allow_in_graph, and torch.compile(fullgraph=True) cannot read a method off

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..ops._dispatch import call
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d
-from .child_check import readable, unreadable_reason
+from .child_check import readable, stock_class, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
@@ -143,17 +143,23 @@ def can_fuse(block) -> list[str]:
     return reasons
 
 
+def dtype_reasons(x: Tensor, weight: Tensor) -> list[str]:
+    """Why the fused convs cannot take ``x`` with these weights: an autocast dtype they do not serve, or (outside
+    autocast) an input dtype other than the weights'."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        if torch.get_autocast_dtype(device) not in (torch.float16, torch.bfloat16, torch.float32):
+            return [f"autocast dtype {torch.get_autocast_dtype(device)} is not fp16/bf16/fp32"]
+        return []
+    return [f"input dtype {x.dtype} differs from the weights' {weight.dtype}"] if x.dtype != weight.dtype else []
+
+
 def runtime_reasons(block, input_tensor: Tensor, temb: Tensor | None) -> list[str]:
     """Reasons these inputs take diffusers' forward instead of the fused one."""
     reasons = []
     if not isinstance(input_tensor, Tensor) or input_tensor.dim() != 4:
         return ["input is not a 4-D tensor"]
-    device = input_tensor.device.type
-    if torch.is_autocast_enabled(device):
-        if torch.get_autocast_dtype(device) not in (torch.float16, torch.bfloat16, torch.float32):
-            reasons.append(f"autocast dtype {torch.get_autocast_dtype(device)} is not fp16/bf16/fp32")
-    elif input_tensor.dtype != block.conv1.weight.dtype:
-        reasons.append(f"input dtype {input_tensor.dtype} differs from the weights' {block.conv1.weight.dtype}")
+    reasons += dtype_reasons(input_tensor, block.conv1.weight)
     if temb is not None and block.time_emb_proj is None:
         reasons.append("temb given to a block without time_emb_proj (diffusers adds it unprojected)")
     if block.training and block.dropout.p > 0:
@@ -165,10 +171,7 @@ def _stock_class(block) -> type:
     """The block's own class, past classes ldmopt made (the patcher's swaps, FusedResnetBlock2D)."""
     if isinstance(block, FusedResnetBlock2D):
         return block._ldmopt_source_cls
-    for cls in type(block).__mro__:
-        if "_ldmopt_base" not in cls.__dict__:
-            return cls
-    return type(block)
+    return stock_class(block)
 
 
 def _diffusers_forward(block, input_tensor, temb):

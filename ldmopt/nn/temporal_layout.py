@@ -52,6 +52,7 @@ from .temporal_attention import (
     unsupported_reason,
     zero_gradient_anchor,
 )
+from .temporal_resnet import video_view
 
 #: Class name -> kind of every module that can run in (B, F, N, C) order.
 SVD_BLOCKS = ("TemporalBasicTransformerBlock",)
@@ -253,10 +254,9 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
         # GroupNorm in proj_in's loads: a 1x1 conv over the channels-last (B, C, F, H*W) view, whose per-image
         # statistics are the video's over (C/G, F, H, W); the output's memory is (B, F, N, C') token order.
         norm, proj_in = container.norm, container.proj_in
-        view = tokens.view(b, num_frames, h * w, c).permute(0, 3, 1, 2)
         t = gn_silu_conv2d(
-            view, norm.weight, norm.bias, norm.num_groups, norm.eps, proj_in.weight[:, :, None, None], proj_in.bias,
-            1, 0, activation=None,
+            video_view(x, num_frames), norm.weight, norm.bias, norm.num_groups, norm.eps,
+            proj_in.weight[:, :, None, None], proj_in.bias, 1, 0, activation=None,
         ).permute(0, 2, 3, 1)  # fmt: skip
     else:
         # GroupNorm over (C/G, F, H, W) per video, on the channels_last_3d (B, C, F, H, W) view of the same memory.

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.gn_conv2d import gn_silu_conv2d
-from .child_check import count_reason, hooked, readable, unreadable_reason
+from .child_check import count_reason, hooked, readable, stock, stock_class, unreadable_reason
+from .resnet import dtype_reasons
 
 #: How often a fused forward converted an NCHW input to channels-last (one copy) before fusing.
 layout_conversions: Counter[str] = Counter()
@@ -90,13 +91,18 @@ def spatiotemporal_reasons(block) -> list[str]:
     return reasons
 
 
+def spatial_weight(mixer, image_only_indicator: Tensor, ndims: int, dtype: torch.dtype | None = None) -> Tensor:
+    """AlphaBlender's weight of its spatial input, as its forward computes it for ``ndims``-D inputs (switch
+    included), in fp32, or fp64 when ``dtype`` (default: the weight's own) is fp64; autograd reaches mix_factor."""
+    alpha = mixer.get_alpha(image_only_indicator, ndims)
+    alpha = alpha.to(torch.float64 if (dtype or alpha.dtype) == torch.float64 else torch.float32)
+    return 1.0 - alpha if mixer.switch_spatial_to_temporal_mix else alpha
+
+
 def _blend_gate(mixer, image_only_indicator: Tensor, batch: int, frames: int, dtype: torch.dtype) -> Tensor | None:
-    """(batch, frames) ``1 - alpha`` in fp32 (fp64 for fp64 models): the weight of AlphaBlender's temporal input
-    (autograd reaches mix_factor), broadcast as diffusers broadcasts alpha; None when it does not broadcast (diffusers
-    raises)."""
-    alpha = mixer.get_alpha(image_only_indicator, 5).to(torch.float64 if dtype == torch.float64 else torch.float32)
-    if mixer.switch_spatial_to_temporal_mix:
-        alpha = 1.0 - alpha
+    """(batch, frames) ``1 - alpha`` in fp32 (fp64 for fp64 models): the weight of AlphaBlender's temporal input,
+    broadcast as diffusers broadcasts alpha; None when it does not broadcast (diffusers raises)."""
+    alpha = spatial_weight(mixer, image_only_indicator, 5, dtype)
     # learned_with_images: (videos', 1, frames', 1, 1); fixed / learned: one value.
     alpha = alpha.reshape(alpha.shape[0], alpha.shape[2]) if alpha.dim() == 5 else alpha.reshape(1, -1)
     if alpha.shape[0] not in (1, batch) or alpha.shape[1] not in (1, frames):
@@ -104,14 +110,14 @@ def _blend_gate(mixer, image_only_indicator: Tensor, batch: int, frames: int, dt
     return (1.0 - alpha).expand(batch, frames)
 
 
-def _video_view(frames_cl: Tensor, frames: int) -> Tensor:
+def video_view(frames_cl: Tensor, frames: int) -> Tensor:
     """(videos, C, frames, H*W) view of channels-last (videos*frames, C, H, W): channels-last itself."""
     bf, c, h, w = frames_cl.shape
     return frames_cl.permute(0, 2, 3, 1).reshape(bf // frames, frames, h * w, c).permute(0, 3, 1, 2)
 
 
 def _frames_view(view: Tensor, h: int, w: int) -> Tensor:
-    """The inverse of _video_view: (videos*frames, C, H, W) channels-last."""
+    """The inverse of video_view: (videos*frames, C, H, W) channels-last."""
     b, c, f, _ = view.shape
     return view.permute(0, 2, 3, 1).reshape(b * f, h, w, c).permute(0, 3, 1, 2)
 
@@ -122,12 +128,7 @@ def _runtime_reasons(x: Tensor, frames: int, weight: Tensor, dropouts) -> list[s
     reasons = []
     if frames <= 0 or x.shape[0] % frames:
         reasons.append(f"{x.shape[0]} frames in the batch are not a multiple of num_frames={frames}")
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        if torch.get_autocast_dtype(device) not in (torch.float16, torch.bfloat16, torch.float32):
-            reasons.append(f"autocast dtype {torch.get_autocast_dtype(device)} is not fp16/bf16/fp32")
-    elif x.dtype != weight.dtype:
-        reasons.append(f"input dtype {x.dtype} differs from the weights' {weight.dtype}")
+    reasons += dtype_reasons(x, weight)
     reasons += [f"dropout p={d.p} in training mode" for d in dropouts if d.training and d.p > 0]
     return reasons
 
@@ -137,15 +138,6 @@ def _channels_last(x: Tensor, where: str) -> Tensor:
         return x
     layout_conversions[f"{where}: NCHW input converted to channels-last"] += 1
     return x.contiguous(memory_format=torch.channels_last)
-
-
-def _stock_class(module) -> type:
-    """The module's own class, past the patcher's class swap."""
-    return next(cls for cls in type(module).__mro__ if "_ldmopt_base" not in cls.__dict__)
-
-
-def _stock_forward(module, *args):
-    return _stock_class(module).forward(module, *args)
 
 
 def fused_spatiotemporal_forward(
@@ -173,10 +165,10 @@ def fused_spatiotemporal_forward(
     if reasons:
         for reason in reasons:
             count_reason("SpatioTemporalResBlock", reason)
-        return _stock_forward(block, hidden_states, temb, image_only_indicator)
+        return stock(block)(hidden_states, temb, image_only_indicator)
     spatial = _channels_last(block.spatial_res_block(hidden_states, temb), "SpatioTemporalResBlock")
     height, width = spatial.shape[2:]
-    x = _video_view(spatial, frames)
+    x = video_view(spatial, frames)
     t = None
     if temporal.time_emb_proj is not None:
         t = temporal.time_emb_proj(temporal.nonlinearity(temb.reshape(batch, frames, -1))).transpose(1, 2)
@@ -206,8 +198,8 @@ def _temporal_conv_stages(layer) -> list[tuple[str, nn.Module, nn.Module, list[n
 def temporal_conv_reasons(layer) -> list[str]:
     """Why this TemporalConvLayer can never run fused."""
     reasons = []
-    if _stock_class(layer).forward is not _diffusers_class("TemporalConvLayer").forward:
-        return [f"{_stock_class(layer).__qualname__} overrides TemporalConvLayer.forward"]
+    if stock_class(layer).forward is not _diffusers_class("TemporalConvLayer").forward:
+        return [f"{stock_class(layer).__qualname__} overrides TemporalConvLayer.forward"]
     stages = _temporal_conv_stages(layer)
     for name, norm, _, _ in stages:
         if norm is None:
@@ -235,9 +227,9 @@ def fused_temporal_conv_forward(layer, hidden_states: Tensor, num_frames: int = 
     if reasons:
         for reason in reasons:
             count_reason("TemporalConvLayer", reason)
-        return _stock_forward(layer, hidden_states, num_frames)
+        return stock(layer)(hidden_states, num_frames)
     height, width = hidden_states.shape[2:]
-    x = _video_view(_channels_last(hidden_states, "TemporalConvLayer"), num_frames)
+    x = video_view(_channels_last(hidden_states, "TemporalConvLayer"), num_frames)
     h, stats = x, None
     for i, (_, norm, conv, _) in enumerate(stages):
         last = i == len(stages) - 1

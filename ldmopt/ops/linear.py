@@ -104,8 +104,13 @@ def _joined(x: Tensor, x_tail: Tensor | None, mix: Tensor | None = None) -> Tens
     if mix is None:
         return torch.cat([x, x_tail], dim=-1)
     cd = compute_dtype(x)
-    m = mix.to(cd).repeat_interleave(x.shape[0] // mix.shape[0])[:, None]
+    m = _row_weights(mix, x.shape[0], cd)
     return (m * x.to(cd) + (1.0 - m) * x_tail.to(cd)).to(x.dtype)
+
+
+def _row_weights(mix: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """[rows, 1]: each sample's blend weight repeated over its rows (rows grouped by sample, rows % S == 0)."""
+    return mix.to(dtype).repeat_interleave(rows // mix.shape[0])[:, None]
 
 
 def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
@@ -281,7 +286,7 @@ def _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmi
     cd = compute_dtype(x)
     da = torch.matmul(dz, weight).to(cd)
     rows = x.shape[0] // mix.shape[0]
-    m = mix.to(cd).repeat_interleave(rows)[:, None]
+    m = _row_weights(mix, x.shape[0], cd)
     dx = (m * da).to(x.dtype) if need_dx else None
     dtail = ((1.0 - m) * da).to(x_tail.dtype) if need_dtail else None
     dmix = None

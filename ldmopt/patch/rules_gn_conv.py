@@ -128,16 +128,16 @@ def _blend_weight(mixer: nn.Module, image_only_indicator: Tensor, rows: int) -> 
     if type(mixer) is not AlphaBlender or hooked(mixer):
         count_stock("TransformerSpatioTemporalModel", "time_mixer", mixer)
         return None
-    alpha = mixer.get_alpha(image_only_indicator, 3)
-    alpha = alpha.to(torch.float64 if alpha.dtype == torch.float64 else torch.float32)
-    if mixer.switch_spatial_to_temporal_mix:
-        alpha = 1.0 - alpha
+    alpha = TR.spatial_weight(mixer, image_only_indicator, 3)
     return alpha.reshape(-1) if alpha.numel() in (1, rows) else None
 
 
+def _geometry(conv: nn.Conv2d) -> tuple:
+    return (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
+
+
 def _is_pointwise(conv: nn.Conv2d) -> bool:
-    geometry = (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
-    return geometry == ((1, 1), (1, 1), (0, 0), (1, 1), 1, "zeros")
+    return _geometry(conv) == ((1, 1), (1, 1), (0, 0), (1, 1), 1, "zeros")
 
 
 def _t2d_get_output_for_continuous_inputs(self, hidden_states, residual, batch_size, height, width, inner_dim):
@@ -187,9 +187,8 @@ class Transformer2DInRule(ClassSwapRule):
             return []
         if type(proj) is not nn.Conv2d:
             return [f"proj_in is {type(proj).__name__}, not a plain nn.Conv2d (LoRA/quantized layers stay stock)"]
-        geometry = (proj.kernel_size, proj.stride, proj.padding, proj.dilation, proj.groups, proj.padding_mode)
-        if geometry != ((1, 1), (1, 1), (0, 0), (1, 1), 1, "zeros"):
-            return [f"proj_in is not a plain 1x1 convolution ({geometry})"]
+        if not _is_pointwise(proj):
+            return [f"proj_in is not a plain 1x1 convolution ({_geometry(proj)})"]
         return []
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
