@@ -65,6 +65,20 @@ def gelu_tanh_grad(x, dy):
     return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner)
 
 
+@triton.jit
+def layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k, k_ok, HAS_NORM_WEIGHT: tl.constexpr,
+                 HAS_NORM_BIAS: tl.constexpr):  # fmt: skip
+    """LayerNorm of an input tile a [BLOCK_M, BLOCK_K] (columns k, k_ok masking the tail) from fp32 row statistics
+    mean and rstd [BLOCK_M] and the affine weight/bias [K], in fp32; the caller rounds it once to the GEMM's operand
+    dtype, as the unfused norm's output is rounded (or cast by autocast) before the GEMM reads it."""
+    h = (a.to(tl.float32) - mean[:, None]) * rstd[:, None]
+    if HAS_NORM_WEIGHT:
+        h = h * tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_NORM_BIAS:
+        h = h + tl.load(norm_b_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    return h
+
+
 #: activation name -> (forward, gradient) jit functions, passed to kernels as constexpr arguments.
 ACTIVATIONS = {
     None: (identity, identity_grad),

@@ -2,7 +2,8 @@
 of ``GEGLU.proj`` (value rows [0, I), gate rows [I, 2I)), forward and the elementwise part of its backward.
 
 Layout: x is addressed as [M, K] with arbitrary strides, the weight as [2I, K] with arbitrary strides, y is a fresh
-contiguous [M, I]. fp32/fp16/bf16 in and out; fp32 accumulation; int64 row offsets.
+contiguous [M, I]. fp32/fp16/bf16 in and out; fp32 accumulation; int64 row offsets. With NORM the input is x's rows
+LayerNorm'd in the loads from fp32 row statistics (diffusers' norm3 -> GEGLU feed-forward, the norm never written).
 Algorithm: one GEMM with two fp32 accumulators sharing each x tile (one flat K loop, grouped tile order); the epilogue
 writes I columns instead of the 2I-wide projection. When a backward pass will follow, the epilogue also stores the
 pre-activation [h | g] (2I columns, what the unfused path keeps alive too) so backward is one elementwise pass:
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import gelu_erf, gelu_erf_grad, new_output
+from ._common import gelu_erf, gelu_erf_grad, layer_normed, new_output
 from .linear import (
     bwd_tiles,
     divisibility_attrs,
@@ -24,6 +25,7 @@ from .linear import (
     input_precision,
     m_bucket,
     prune_by_arch,
+    prune_wide_input,
     row_chunks,
 )
 
@@ -37,6 +39,9 @@ def _geglu_fwd_kernel(
     x_ptr,
     w_ptr,  # [2I, K]
     b_ptr,  # [2I]
+    stats_ptr,  # [2, M] fp32 (NORM): the input rows' mean, then their rstd
+    norm_w_ptr,  # [K] (NORM_WEIGHT)
+    norm_b_ptr,  # [K] (NORM_BIAS)
     stride_xm,
     stride_xk,
     stride_wn,
@@ -46,6 +51,9 @@ def _geglu_fwd_kernel(
     K,
     M_BUCKET,  # autotune key only
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr,
+    NORM_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -58,15 +66,21 @@ def _geglu_fwd_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # Rows/columns past the edge wrap onto valid ones, so only the K tail needs a load mask; the store masks them.
-    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
+    rows = (rm % M).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :] * stride_xk
     wh_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
     wg_ptrs = w_ptr + (rn % N + N).to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
     acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if NORM:
+        mean = tl.load(stats_ptr + rows)
+        rstd = tl.load(stats_ptr + M + rows)
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
         a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
         wh = tl.load(wh_ptrs, mask=k_ok[:, None], other=0.0)
+        if NORM:  # rounded to the weight's dtype (x may be wider: an fp32 stream under autocast)
+            a = layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k0 + rk, k_ok, NORM_WEIGHT, NORM_BIAS).to(wh.dtype)
         wg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
         acc_h = tl.dot(a, wh, acc_h, input_precision=INPUT_PRECISION)
         acc_g = tl.dot(a, wg, acc_g, input_precision=INPUT_PRECISION)
@@ -99,10 +113,17 @@ GEGLU_TILES = [
     (128, 64, 32, 8, 4, 80),
     (64, 64, 64, 4, 4, 80),
 ]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    # Two accumulators leave no room for fp32 A tiles (an fp32 stream under autocast) at 128x128x64 on any arch.
+    return prune_wide_input(prune_by_arch(configs, named_args), named_args, below_major=100)
+
+
 _geglu_fwd_tuned = triton.autotune(
     configs=gemm_configs(GEGLU_TILES),
-    key=["M_BUCKET", "N", "K"],
-    prune_configs_by={"early_config_prune": prune_by_arch},
+    key=["M_BUCKET", "N", "K", "NORM"],
+    prune_configs_by={"early_config_prune": _prune},
 )(_geglu_fwd_kernel)
 
 
@@ -154,22 +175,31 @@ def _geglu_bwd_kernel(
 
 
 def geglu_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, save_pre: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    save_pre: bool,
+    norm: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, I], pre): y = (x Wh^T + bh) * gelu_erf(x Wg^T + bg); pre = [h | g] ([M, 2I]) when save_pre, else an
-    empty tensor. x [M, K], weight [2I, K], bias [2I]; any strides."""
+    empty tensor. x [M, K], weight [2I, K], bias [2I]; any strides. With norm = (stats [2, M] fp32 contiguous mean
+    and rstd, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads."""
     m, k = x.shape
     n = weight.shape[0] // 2
     bias = None if bias is None else bias.contiguous()  # read with unit stride
-    y = new_output((m, n), device=x.device, dtype=x.dtype)
-    pre = new_output((m, 2 * n) if save_pre else (0,), device=x.device, dtype=x.dtype)
+    stats, norm_w, norm_b = norm if norm is not None else (None, None, None)
+    y = new_output((m, n), device=x.device, dtype=weight.dtype)
+    pre = new_output((m, 2 * n) if save_pre else (0,), device=x.device, dtype=weight.dtype)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     _geglu_fwd_tuned[grid](
-        y, pre, x, weight, bias if bias is not None else x, x.stride(0), x.stride(1), weight.stride(0),
-        weight.stride(1), m, n, k, m_bucket(m), HAS_BIAS=bias is not None, STORE_PRE=save_pre,
+        y, pre, x, weight, bias if bias is not None else x, stats if stats is not None else x,
+        norm_w.contiguous() if norm_w is not None else x, norm_b.contiguous() if norm_b is not None else x,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), m, n, k, m_bucket(m),
+        HAS_BIAS=bias is not None, NORM=stats is not None, NORM_WEIGHT=norm_w is not None,
+        NORM_BIAS=norm_b is not None, STORE_PRE=save_pre,
         INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
@@ -194,15 +224,18 @@ def aot_specs() -> list[dict]:
     """Representative compile configurations for the ahead-of-time gate (sm_80 / sm_90, no GPU needed)."""
     specs = []
 
-    def fwd(name, dtype, tile, store_pre):
+    def fwd(name, dtype, tile, store_pre, norm=False, x_dtype=None):
         bm, bn, bk, warps, stages, arch = tile
         signature = {
-            "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
-            "b_ptr": f"*{dtype}", "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
+            "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{x_dtype or dtype}",
+            "w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "stats_ptr": "*fp32", "norm_w_ptr": f"*{dtype}",
+            "norm_b_ptr": f"*{dtype}",
+            "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
             "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
         }  # fmt: skip
         constexprs = {
-            "stride_xk": 1, "stride_wk": 1, "HAS_BIAS": True, "STORE_PRE": store_pre, "INPUT_PRECISION": "tf32",
+            "stride_xk": 1, "stride_wk": 1, "HAS_BIAS": True, "NORM": norm, "NORM_WEIGHT": norm, "NORM_BIAS": norm,
+            "STORE_PRE": store_pre, "INPUT_PRECISION": "tf32",
             "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
         }  # fmt: skip
         attrs = divisibility_attrs(_geglu_fwd_kernel, signature, constexprs, skip=("M", "M_BUCKET"))
@@ -220,6 +253,17 @@ def aot_specs() -> list[dict]:
             specs.append(fwd(f"geglu_fwd[{dtype},infer,{tag}]", dtype, tile, False))
     specs.append(fwd("geglu_fwd[bf16,train,128x128x64,sm90+]", "bf16", GEGLU_TILES[0], True))
     specs.append(fwd("geglu_fwd[bf16,train,128x64x64]", "bf16", GEGLU_TILES[2], True))
+    # diffusers' norm3 LayerNorm'd in the loads (UNet feed-forwards), inference and training.
+    for dtype, tile, train in (("fp16", GEGLU_TILES[0], False), ("fp16", GEGLU_TILES[2], True),
+                               ("bf16", GEGLU_TILES[0], True), ("fp16", GEGLU_TILES[5], False)):  # fmt: skip
+        tag = "x".join(map(str, tile[:3])) + ("" if tile[5] <= 80 else f",sm{tile[5]}+")
+        specs.append(fwd(f"geglu_fwd[{dtype},layer-normed x,{'train' if train else 'infer'},{tag}]", dtype, tile,
+                         train, norm=True))  # fmt: skip
+    # Under autocast: an fp32 stream normalised and rounded to the fp16 weight's dtype (128x128x64 pruned: _prune).
+    for tile in (GEGLU_TILES[1], GEGLU_TILES[2]):
+        tag = "x".join(map(str, tile[:3])) + ("" if tile[5] <= 80 else f",sm{tile[5]}+")
+        specs.append(fwd(f"geglu_fwd[fp32 x,fp16 w,layer-normed x,train,{tag}]", "fp16", tile, True, norm=True,
+                         x_dtype="fp32"))  # fmt: skip
     specs.append(fwd("geglu_fwd[fp32,infer,128x64x32]", "fp32", (128, 64, 32, 8, 3, 80), False))
     block_m, block_n = bwd_tiles(1280)
     for dtype in ("fp16", "bf16"):

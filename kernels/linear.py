@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, new_output, next_power_of_2
+from ._common import ACTIVATIONS, layer_normed, new_output, next_power_of_2
 
 # Programs to aim for in the backward elementwise pass (several waves on a large GPU).
 _TARGET_PROGRAMS = 1024
@@ -57,6 +57,21 @@ def prune_by_arch(configs: list[triton.Config], named_args: dict, **kwargs) -> l
         return configs
     major, minor = torch.cuda.get_device_capability(x.device)
     kept = [c for c in configs if getattr(c, "min_arch", 0) <= 10 * major + minor]
+    return kept or configs
+
+
+def prune_wide_input(
+    configs: list[triton.Config], named_args: dict, below_major: int = 9, **kwargs
+) -> list[triton.Config]:
+    """Below compute capability ``below_major``.0, drop the 128x128x64 tiles when an fp32 input is rounded to a 16-bit
+    weight's dtype in the loads (a LayerNorm'd stream under autocast): its fp32 A tiles spill there (asked at tuning
+    time, never at import)."""
+    x, w = named_args["x_ptr"], named_args["w_ptr"]
+    if x.device.type != "cuda" or x.element_size() <= w.element_size():
+        return configs
+    if torch.cuda.get_device_capability(x.device)[0] >= below_major:
+        return configs
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] < 128 * 128 * 64]
     return kept or configs
 
 
@@ -121,6 +136,24 @@ def accumulate_k_blend(
 
 
 @triton.jit
+def accumulate_k_normed(
+    acc, a_ptrs, b_ptrs, mean, rstd, norm_w_ptr, norm_b_ptr, rk, K, stride_ak, stride_bk,
+    HAS_NORM_WEIGHT: tl.constexpr, HAS_NORM_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """accumulate_k of the LayerNorm'd rows (layer_normed: fp32 statistics mean/rstd [BLOCK_M]), formed in registers
+    and rounded to B's dtype (A may be wider: an fp32 stream under autocast)."""
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        h = layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k0 + rk, k_ok, HAS_NORM_WEIGHT, HAS_NORM_BIAS)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(h.to(b.dtype), b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _linear_fwd_kernel(
     y_ptr,  # [M, N] contiguous
     pre_ptr,  # [M, N] contiguous: x W^T + bias, written when STORE_PRE (saved for backward)
@@ -131,6 +164,9 @@ def _linear_fwd_kernel(
     res_ptr,  # [M, N]
     x2_ptr,  # [M, K2] (HAS_TAIL): the input's last K2 columns; [M, K] (BLEND): the second input
     mix_ptr,  # [M / T_MIX] fp32 (BLEND): the first input's weight per group of T_MIX rows
+    stats_ptr,  # [2, M] fp32 (NORM): the input rows' mean, then their rstd
+    norm_w_ptr,  # [K] (NORM_WEIGHT): the LayerNorm's weight
+    norm_b_ptr,  # [K] (NORM_BIAS): the LayerNorm's bias
     stride_xm,
     stride_xk,
     stride_wn,
@@ -157,6 +193,9 @@ def _linear_fwd_kernel(
     RESIDUAL_3D: tl.constexpr,
     HAS_TAIL: tl.constexpr,
     BLEND: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr,
+    NORM_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -179,6 +218,11 @@ def _linear_fwd_kernel(
         x2_ptrs = x2_ptr + rows[:, None] * stride_x2m + rk[None, :] * stride_x2k
         acc = accumulate_k_blend(acc, x_ptrs, x2_ptrs, mix, w_ptrs, rk, K, stride_xk, stride_x2k, stride_wk, BLOCK_K,
                                  INPUT_PRECISION)  # fmt: skip
+    elif NORM:
+        mean = tl.load(stats_ptr + rows)
+        rstd = tl.load(stats_ptr + M + rows)
+        acc = accumulate_k_normed(acc, x_ptrs, w_ptrs, mean, rstd, norm_w_ptr, norm_b_ptr, rk, K, stride_xk, stride_wk,
+                                  NORM_WEIGHT, NORM_BIAS, BLOCK_K, INPUT_PRECISION)  # fmt: skip
     else:
         acc = accumulate_k(acc, x_ptrs, w_ptrs, rk, K, stride_xk, stride_wk, BLOCK_K, INPUT_PRECISION)
     if HAS_TAIL:  # the weight's last K2 columns against the second part of the input
@@ -218,10 +262,12 @@ LINEAR_TILES = [
     (64, 128, 64, 4, 4),
     (64, 64, 64, 4, 4),
 ]
-# K2 in the key: a two-part GEMM tunes apart from a one-part one with the same first part.
-_linear_fwd_tuned = triton.autotune(configs=gemm_configs(LINEAR_TILES), key=["M_BUCKET", "N", "K", "K2", "BLEND"])(
-    _linear_fwd_kernel
-)
+# K2, BLEND and NORM in the key: a two-part, blended or normed GEMM tunes apart from a plain one of the same shape.
+_linear_fwd_tuned = triton.autotune(
+    configs=gemm_configs(LINEAR_TILES),
+    key=["M_BUCKET", "N", "K", "K2", "BLEND", "NORM"],
+    prune_configs_by={"early_config_prune": prune_wide_input},
+)(_linear_fwd_kernel)
 
 
 @triton.jit
@@ -308,20 +354,23 @@ def linear_fwd(
     dtype: torch.dtype | None = None,
     x_tail: torch.Tensor | None = None,
     mix: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in ``dtype``, by default the promoted
     dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
     weight [N, K], gate [B, N] with M % B == 0, residual [M, N] or [B', T', N] (B' T' = M); any strides. With
     x_tail [M, K2] the input is [x | x_tail] and the weight [N, K + K2]; with mix [S] (fp32, M % S == 0) as well,
-    x_tail is [M, K] and the input mix[row // (M / S)] * x + (1 - mix) * x_tail."""
+    x_tail is [M, K] and the input mix[row // (M / S)] * x + (1 - mix) * x_tail. With norm = (stats [2, M] fp32
+    contiguous mean and rstd, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads."""
     m, k = x.shape
     blend = mix is not None
     k2 = x_tail.shape[1] if x_tail is not None and not blend else 0
     x2s = x_tail.stride() if x_tail is not None else (0, 0)
     n = weight.shape[0]
     bias = None if bias is None else bias.contiguous()  # read with unit stride
+    stats, norm_w, norm_b = norm if norm is not None else (None, None, None)
     y = new_output((m, n), device=x.device, dtype=dtype or out_dtype(x, gate, residual))
-    pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=x.dtype)
+    pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=weight.dtype)
     tokens = m // gate.shape[0] if gate is not None else m
     gs = gate.stride() if gate is not None else (0, 0)
     if residual is None:
@@ -337,12 +386,15 @@ def linear_fwd(
     _linear_fwd_tuned[grid](
         y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
         residual if residual is not None else x, x_tail if x_tail is not None else x,
-        mix.contiguous() if blend else x, x.stride(0), x.stride(1),
+        mix.contiguous() if blend else x, stats if stats is not None else x,
+        norm_w.contiguous() if norm_w is not None else x, norm_b.contiguous() if norm_b is not None else x,
+        x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1], m, n, k, k2, tokens,
         m // mix.shape[0] if blend else 1, max(res_t, 1), m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
-        HAS_TAIL=x_tail is not None and not blend, BLEND=blend, STORE_PRE=save_pre,
+        HAS_TAIL=x_tail is not None and not blend, BLEND=blend, NORM=stats is not None,
+        NORM_WEIGHT=norm_w is not None, NORM_BIAS=norm_b is not None, STORE_PRE=save_pre,
         INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
@@ -402,12 +454,16 @@ def divisibility_attrs(fn, signature: dict, constexprs: dict, skip: tuple[str, .
     }
 
 
-def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False, tail=False, blend=False):
+def _fwd_spec(
+    name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False, tail=False, blend=False, norm=False,
+    x_dtype=None,
+):  # fmt: skip
     bm, bn, bk, warps, stages = tile
     signature = {
-        "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
+        "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{x_dtype or dtype}", "w_ptr": f"*{dtype}",
         "b_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}",
-        "mix_ptr": "*fp32", "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
+        "mix_ptr": "*fp32", "stats_ptr": "*fp32", "norm_w_ptr": f"*{dtype}", "norm_b_ptr": f"*{dtype}",
+        "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
         "stride_gb": "i32", "stride_gn": "i32", "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32",
         "stride_x2m": "i32", "stride_x2k": "i32", "M": "i32", "N": "i32", "K": "i32", "K2": "i32", "T": "i32",
         "T_MIX": "i32", "RES_T": "i32", "M_BUCKET": "i32",
@@ -415,8 +471,8 @@ def _fwd_spec(name, dtype, tile, activation, gate, residual, store_pre, residual
     constexprs = {
         "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "stride_x2k": 1,
         "ACTIVATION": ACTIVATIONS[activation][0], "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual,
-        "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail, "BLEND": blend,
-        "STORE_PRE": store_pre,
+        "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail, "BLEND": blend, "NORM": norm, "NORM_WEIGHT": norm,
+        "NORM_BIAS": norm, "STORE_PRE": store_pre,
         "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
     }  # fmt: skip
     attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=("M", "T", "T_MIX", "RES_T", "M_BUCKET"))
@@ -449,6 +505,18 @@ def aot_specs() -> list[dict]:
         specs.append(
             _fwd_spec(f"linear_fwd[{dtype},blended x,residual]", dtype, tile, None, False, True, False, blend=True)
         )
+    # A LayerNorm read in the loads (UNet blocks' norm -> q/k/v projections, norm3 -> GELU feed-forward).
+    for dtype, tile, act in (("fp16", main, None), ("bf16", main, "gelu"), ("fp16", (64, 128, 64, 4, 4), None)):
+        tag = "x".join(map(str, tile[:3]))
+        specs.append(_fwd_spec(f"linear_fwd[{dtype},layer-normed x,{act},{tag}]", dtype, tile, act, False, False,
+                               act is not None, norm=True))  # fmt: skip
+    # Under autocast: an fp32 stream normalised and rounded to the fp16 weight's dtype in the loads; below sm_90 the
+    # 128x128x64 tiles are pruned (prune_wide_input).
+    for tile, archs in ((main, (90,)), ((128, 128, 32, 8, 4), (80, 90)), ((64, 128, 64, 4, 4), (80, 90))):
+        tag = "x".join(map(str, tile[:3]))
+        spec = _fwd_spec(f"linear_fwd[fp32 x,fp16 w,layer-normed x,{tag}]", "fp16", tile, None, False, False, False,
+                         norm=True, x_dtype="fp32")  # fmt: skip
+        specs.append({**spec, "archs": archs})
     specs.append(_fwd_spec("linear_fwd[fp32,gelu_tanh]", "fp32", (128, 128, 32, 8, 3), "gelu_tanh", False, False, True))
     block_m, block_n = bwd_tiles(4608)
     for dtype, act, gate in (("fp16", "gelu_tanh", False), ("bf16", None, True), ("fp16", "gelu", True)):

@@ -6,6 +6,7 @@ from .adaln_modulate import adaln_modulate
 from .geglu import geglu
 from .gn_conv2d import gn_silu_conv2d
 from .group_norm import group_norm
+from .layer_norm_linear import layer_norm_linear, layer_norm_stats
 from .linear import linear
 from .rms_norm import rms_norm
 from .temporal_attention import temporal_attention
@@ -17,6 +18,8 @@ __all__ = [
     "geglu",
     "gn_silu_conv2d",
     "group_norm",
+    "layer_norm_linear",
+    "layer_norm_stats",
     "linear",
     "rms_norm",
     "temporal_attention",

@@ -305,10 +305,16 @@ register_eager(linear_bwd)
 
 
 def check_linear_args(
-    name: str, x: Tensor, weight: Tensor, bias: Tensor | None, rows_multiple: int = 1, k: int | None = None
+    name: str,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    rows_multiple: int = 1,
+    k: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Shared checks of x [..., K], weight [N*rows_multiple, K] and bias [N*rows_multiple] (messages name ``name``;
-    ``k``: the input's width when x is only its first part)."""
+    ``k``: the input's width when x is only its first part; ``dtype``: the weight's required dtype, x's by default)."""
     k = x.shape[-1] if k is None else k
     check_tensor("x", x)
     if x.dim() < 1:
@@ -321,7 +327,9 @@ def check_linear_args(
     for arg, t in (("weight", weight), ("bias", bias)):
         if t is None:
             continue
-        if t.dtype != x.dtype:
+        if dtype is not None and t.dtype != dtype:
+            raise TypeError(f"{name}: {arg} has dtype {t.dtype}, expected {dtype}")
+        if dtype is None and t.dtype != x.dtype:
             raise TypeError(f"{name}: {arg} has dtype {t.dtype} but x has {x.dtype}; matching dtypes are required")
         if t.device != x.device:
             raise ValueError(f"{name}: {arg} is on {t.device} but x is on {x.device}")

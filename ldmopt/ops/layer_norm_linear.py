@@ -1,0 +1,265 @@
+"""A LayerNorm read through the loads of the GEMM after it: ``act(layer_norm(x) @ weight.T + bias)``, or GEGLU.
+
+Custom ops ``ldmopt::layer_norm_stats`` (fp32 row mean and rstd, [2, M]: one read of x) and
+``ldmopt::layer_norm_linear_fwd`` (the GEMM normalising each input tile in registers from those statistics, in fp32,
+rounded once to the weight's dtype as the norm's output would be, then the dot); backends triton (kernels/
+layer_norm_stats.py, and kernels/linear.py / kernels/geglu.py with ``NORM``) and torch (reference, fp32 math; fp64 for
+fp64 inputs).
+
+What it saves: the unfused norm reads x and writes its output, which the GEMM reads; here the statistics pass reads x
+and the GEMM reads x: the norm's output is never written. Several GEMMs reading one norm (diffusers' to_q, to_k and
+to_v) share one statistics pass (``stats=``).
+
+Backward: the elementwise part of the epilogue as ``ldmopt::linear_bwd`` / ``ldmopt::geglu_bwd``, then dH = dz W and
+dW = dz^T h with h recomputed from the saved statistics, and LayerNorm's backward from the same statistics in the
+compute dtype (fp32, fp64 for fp64): dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dH w.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._autocast import autocast_operands
+from ._checks import check_activation, check_eps, check_tensor
+from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
+from .geglu import _fwd_torch as _geglu_fwd_torch
+from .geglu import geglu_bwd
+from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad
+from .linear import _fwd_torch as _linear_fwd_torch
+
+#: Epilogues after the normalised GEMM: an activation of ``ops.linear``, or diffusers' GEGLU (``weight`` [2I, K]).
+SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu", "geglu")
+
+
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    return compute_dtype(x)
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def _stats_torch(x, eps):
+    xc = x.to(_stats_dtype(x))
+    mean = xc.mean(1)
+    var = (xc - mean[:, None]).square().mean(1)
+    return torch.stack([mean, torch.rsqrt(var + eps)])
+
+
+def _stats_triton(x, eps):
+    from ldmopt.kernels.layer_norm_stats import layer_norm_stats as launch
+
+    return launch(x, eps)
+
+
+def _stats_refuse_triton(x, eps):
+    from ldmopt.kernels.layer_norm_stats import MAX_C
+
+    reasons = triton_refusals(x, dtypes=TRITON_DTYPES)
+    if x.shape[1] > MAX_C:
+        reasons.append(f"rows of {x.shape[1]} channels (the statistics kernel holds rows of at most {MAX_C})")
+    return reasons
+
+
+STATS = BackendTable(
+    "layer_norm_stats", [Backend("triton", _stats_triton, _stats_refuse_triton), Backend("torch", _stats_torch)]
+)
+
+
+@torch.library.custom_op("ldmopt::layer_norm_stats", mutates_args=())
+def layer_norm_stats_op(x: Tensor, eps: float) -> Tensor:
+    """[2, M]: the means, then the rstds 1 / sqrt(var + eps) (biased variance) of x's rows [M, C], in the compute dtype
+    (fp32; fp64 for fp64 x). Not differentiable: layer_norm_linear's backward differentiates through them."""
+    return STATS(x, eps)
+
+
+@layer_norm_stats_op.register_fake
+def _(x, eps):
+    return x.new_empty((2, x.shape[0]), dtype=_stats_dtype(x))
+
+
+register_eager(layer_norm_stats_op)
+
+
+# ------------------------------------------------------------------------------------------------ normalised GEMM
+
+
+def _normalised_torch(x: Tensor, stats: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None) -> Tensor:
+    """The LayerNorm's output in the compute dtype, from the saved statistics."""
+    cd = stats.dtype
+    h = (x.to(cd) - stats[0][:, None]) * stats[1][:, None]
+    if norm_weight is not None:
+        h = h * norm_weight.to(cd)
+    if norm_bias is not None:
+        h = h + norm_bias.to(cd)
+    return h
+
+
+def _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
+    h = _normalised_torch(x, stats, norm_weight, norm_bias).to(weight.dtype)  # the norm's output, as a GEMM reads it
+    if activation == "geglu":
+        return _geglu_fwd_torch(h, weight, bias, save_pre)
+    return _linear_fwd_torch(h, weight, bias, None, None, activation, save_pre, weight.dtype)
+
+
+def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
+    norm = (stats, norm_weight, norm_bias)
+    if activation == "geglu":
+        from ldmopt.kernels.geglu import geglu_fwd as launch_geglu
+
+        return launch_geglu(x, weight, bias, save_pre, norm=norm)
+    from ldmopt.kernels.linear import linear_fwd as launch
+
+    return launch(x, weight, bias, None, None, activation, save_pre, weight.dtype, norm=norm)
+
+
+def _refuse_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
+    reasons = triton_refusals(x, stats, norm_weight, norm_bias, weight, bias, dtypes=TRITON_DTYPES)
+    if stats.dtype != torch.float32:
+        reasons.append(f"statistics in {stats.dtype} (the kernels read fp32)")
+    return reasons
+
+
+FORWARD = BackendTable(
+    "layer_norm_linear", [Backend("triton", _fwd_triton, _refuse_triton), Backend("torch", _fwd_torch)]
+)
+
+
+@torch.library.custom_op("ldmopt::layer_norm_linear_fwd", mutates_args=())
+def layer_norm_linear_fwd(
+    x: Tensor,
+    stats: Tensor,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str,
+    save_pre: bool,
+) -> tuple[Tensor, Tensor]:
+    """(y, pre): y = act(h W^T + bias) [M, N] (GEGLU: [M, N / 2]) in the weight's dtype, h = the LayerNorm of x [M, K]
+    from stats [2, M] (layer_norm_stats) and the affine norm_weight/norm_bias [K] (or None). pre: the GEMM's output
+    ([M, N], saved for backward) when save_pre, else empty."""
+    return FORWARD(x, stats, norm_weight, norm_bias, weight, bias, activation or None, save_pre)
+
+
+@layer_norm_linear_fwd.register_fake
+def _(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
+    n = weight.shape[0]
+    y = x.new_empty((x.shape[0], n // 2 if activation == "geglu" else n), dtype=weight.dtype)
+    return y, x.new_empty((x.shape[0], n) if save_pre else (0,), dtype=weight.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre = inputs
+    ctx.save_for_backward(x, stats, norm_weight, norm_bias, weight, bias, output[1] if save_pre else None)
+    ctx.activation = activation or None
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, _dpre):
+    x, stats, norm_weight, norm_bias, weight, bias, pre = ctx.saved_tensors
+    if dy is None:
+        return (None,) * 8
+    need_dx, _, need_dnw, need_dnb, need_dw, need_db = ctx.needs_input_grad[:6]
+    activation = ctx.activation
+    h = _normalised_torch(x, stats, norm_weight, norm_bias)
+    h_low = h.to(weight.dtype)  # what the GEMM read
+    if pre is None and activation is not None:
+        pre = (_fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, True))[1]
+    if activation == "geglu":
+        dz, dbias = call(geglu_bwd, dy, pre)
+    elif activation is None:
+        dz, dbias = dy, (dy.sum(0, dtype=compute_dtype(dy)) if need_db else None)
+    else:
+        dz, dbias, _ = call(linear_bwd, dy, pre, None, activation, False)
+    dz = dz.to(weight.dtype)
+    dw = torch.matmul(dz.t(), h_low) if need_dw else None
+    db = dbias.to(bias.dtype) if need_db else None
+    dx = dnw = dnb = None
+    if need_dx or need_dnw or need_dnb:
+        cd = stats.dtype
+        dh = torch.matmul(dz, weight).to(cd)
+        xhat = (x.to(cd) - stats[0][:, None]) * stats[1][:, None]
+        if need_dnw:
+            dnw = (dh * xhat).sum(0).to(norm_weight.dtype)
+        if need_dnb:
+            dnb = dh.sum(0).to(norm_bias.dtype)
+        if need_dx:
+            g = dh * norm_weight.to(cd) if norm_weight is not None else dh
+            mean_g = g.mean(1, keepdim=True)
+            mean_gx = (g * xhat).mean(1, keepdim=True)
+            dx = (stats[1][:, None] * (g - mean_g - xhat * mean_gx)).to(x.dtype)
+    return dx, None, dnw, dnb, dw, db, None, None
+
+
+register_autograd_keeping_backend(layer_norm_linear_fwd, _backward, _setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ public functions
+
+
+def layer_norm_stats(x: Tensor, eps: float = 1e-5) -> Tensor:
+    """The row statistics of ``layer_norm(x)`` over its last axis: [2, M] (M = x.numel() / x.shape[-1]), the means
+    then the rstds 1 / sqrt(var + eps), in fp32 (fp64 for fp64 x). Computed once and passed as ``stats=`` to several
+    :func:`layer_norm_linear` calls that read the same norm. No gradient flows through them (x is detached): the
+    GEMMs' backward differentiates through the statistics themselves."""
+    check_tensor("x", x)
+    eps = check_eps(eps)
+    if x.dim() < 1 or not x.shape[-1]:
+        raise ValueError(f"layer_norm_stats: x must be [..., C] with C > 0, got shape {tuple(x.shape)}")
+    return call(layer_norm_stats_op, x.detach().reshape(-1, x.shape[-1]), eps)
+
+
+def layer_norm_linear(
+    x: Tensor,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    eps: float = 1e-5,
+    activation: str | None = None,
+    stats: Tensor | None = None,
+) -> Tensor:
+    """``act(F.linear(F.layer_norm(x, (K,), norm_weight, norm_bias, eps), weight, bias))`` with the norm read in the
+    GEMM's loads: its output is never written.
+
+    x is [..., K]; norm_weight / norm_bias [K] or None (nn.LayerNorm's affine); weight [N, K] and bias [N] as in
+    nn.Linear. ``activation``: None, "gelu" (erf), "gelu_tanh", "silu" or "geglu" (diffusers' GEGLU: weight is
+    ``GEGLU.proj``'s [2I, K], value rows first, and the output [..., I] is ``h * gelu(g)``). ``stats``: this x's
+    :func:`layer_norm_stats` with the same eps, to share one statistics pass between GEMMs reading one norm (else
+    computed here). The norm is formed in fp32 and rounded once to the weight's dtype, as the unfused norm's output
+    is (or as autocast casts it); the output has the weight's dtype. Under torch.autocast the weight and bias are
+    cast to the autocast dtype (as F.linear does) and x, whose fp32 norm autocast keeps in fp32, is read as it is.
+    Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the weight's dtype.
+    """
+    check_tensor("x", x)
+    autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
+    if autocast:
+        _, weight, bias = autocast_operands(x, weight, bias)
+    k = x.shape[-1] if x.dim() else 0
+    check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
+    # Outside autocast the weight has x's dtype, as F.linear of the norm's output requires; under it, any float x.
+    check_linear_args("layer_norm_linear", x, weight, bias, rows_multiple=2 if activation == "geglu" else 1,
+                      dtype=weight.dtype if autocast and x.is_floating_point() else None)  # fmt: skip
+    for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if t is not None:
+            check_tensor(name, t, ndim=(1,))
+            if t.shape[0] != k or t.device != x.device:
+                raise ValueError(
+                    f"layer_norm_linear: {name} must be a ({k},) tensor on {x.device}, got {tuple(t.shape)} on "
+                    f"{t.device}"
+                )
+    rows = x.reshape(-1, k)
+    if stats is None:
+        stats = layer_norm_stats(x, eps)
+    elif stats.shape != (2, rows.shape[0]) or stats.dtype != _stats_dtype(x) or stats.device != x.device:
+        raise ValueError(
+            f"layer_norm_linear: stats must be layer_norm_stats(x) of shape (2, {rows.shape[0]}) in "
+            f"{_stats_dtype(x)} on {x.device}, got {tuple(stats.shape)} in {stats.dtype} on {stats.device}"
+        )
+    save_pre = activation is not None and needs_grad(x, norm_weight, norm_bias, weight, bias)
+    y, _pre = call(
+        layer_norm_linear_fwd, rows, stats.detach(), norm_weight, norm_bias, weight, bias, activation or "", save_pre
+    )
+    return y.view(*x.shape[:-1], y.shape[-1])
