@@ -6,6 +6,8 @@
 - two-part input (Flux single-stream ``proj_out``): ``res + gate[b] * ([attn | mlp] W^T + b)`` reading both parts in
   place vs concatenating first (eager, and ldmopt's GEMM on the concatenation).
 - adaLN: residual add + LayerNorm + ``x * (1 + scale[b]) + shift[b]`` in one row kernel.
+- LayerNorm in the GEMMs' loads (UNet blocks): norm1 -> to_q/to_k/to_v from one statistics pass, and norm3 -> the
+  GEGLU projection, vs F.layer_norm then the GEMMs (eager; ldmopt's GEGLU on the written norm).
 
 FLOPs counted: 2*M*K*N per GEMM (x3 for forward+backward). Bytes counted for adaLN: x, residual read and y, s written
 (forward); dy, s, ds read and dx written on top (backward), so GB/s is the minimum traffic over time.
@@ -26,6 +28,7 @@ import ldmopt
 from benchmarks import harness
 from ldmopt.ops.adaln_modulate import adaln_modulate
 from ldmopt.ops.geglu import geglu
+from ldmopt.ops.layer_norm_linear import layer_norm_linear, layer_norm_stats
 from ldmopt.ops.linear import linear
 
 pytestmark = harness.gpu_only
@@ -47,6 +50,8 @@ GELU_CASES = {
 GATED_CASES = {"pixart-attn-out": (2, 4096, 1152, 1152)}  # (B, T, K, N)
 CONCAT_CASES = {"flux-single-proj-out": (1, 4608, 3072, 12288, 3072)}  # (B, T, K attention, K mlp, N); Flux runs bf16
 ADALN_CASES = {"pixart": (2, 4096, 1152)}  # (B, T, C)
+LN_QKV_CASES = {"sd15-l0": (8192, 320), "sdxl-l1": (8192, 640), "sdxl-l2": (2048, 1280)}  # (M, C), batch 2
+LN_GEGLU_CASES = {"sdxl-l1": (8192, 640, 2560), "sdxl-l2": (2048, 1280, 5120)}  # (M, C, I)
 BLEND_CASES = {"svd-proj-out-l0": (28, 9216, 320), "svd-proj-out-l1": (28, 2304, 640)}  # (frames, tokens, C)
 
 
@@ -269,3 +274,66 @@ def bench_adaln_modulate(case, dtype_name, mode, bench_recorder):
     nbytes = 4 * elem if mode == "fwd" else 8 * elem
     _measure(bench_recorder, "adaln_modulate", case, dtype_name, mode, providers, (x, scale, shift, res),
              (x, scale, shift, res), nbytes=nbytes)  # fmt: skip
+
+
+def _norm_params(c, dtype, grad):
+    nw = (1 + 0.2 * torch.randn(c, device=DEVICE)).to(dtype).requires_grad_(grad)
+    nb = (0.1 * torch.randn(c, device=DEVICE)).to(dtype).requires_grad_(grad)
+    return nw, nb
+
+
+def _eager_ln_qkv(x, nw, nb, wq, wk, wv):
+    h = F.layer_norm(x, x.shape[-1:], nw, nb)
+    return F.linear(h, wq), F.linear(h, wk), F.linear(h, wv)
+
+
+def _ldmopt_ln_qkv(x, nw, nb, wq, wk, wv):
+    stats = layer_norm_stats(x)
+    return tuple(layer_norm_linear(x, nw, nb, w, stats=stats) for w in (wq, wk, wv))
+
+
+@pytest.mark.parametrize("case", list(LN_QKV_CASES))
+@pytest.mark.parametrize("dtype_name", ["fp16"])
+@pytest.mark.parametrize("mode", MODES)
+def bench_layer_norm_qkv(case, dtype_name, mode, bench_recorder):
+    """A UNet block's norm1 -> to_q, to_k, to_v (no bias): the norm read in the three GEMMs' loads."""
+    m, c = LN_QKV_CASES[case]
+    dtype, grad = DTYPES[dtype_name], mode == "fwd+bwd"
+    x = torch.randn(m, c, device=DEVICE, dtype=dtype, requires_grad=grad)
+    weights = [_params(1, c, c, dtype, grad)[1] for _ in range(3)]
+    inputs = (x, *_norm_params(c, dtype, grad), *weights)
+    providers = {"ldmopt": _triton(_ldmopt_ln_qkv), "eager": _eager_ln_qkv}
+    providers = _with_compile(providers, _eager_ln_qkv, case == next(iter(LN_QKV_CASES)))
+    flops = 3 * 2 * m * c * c * (1 if mode == "fwd" else 3)
+    _measure(bench_recorder, "layer_norm_qkv", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
+
+
+def _eager_ln_geglu(x, nw, nb, w, b):
+    return _eager_geglu(F.layer_norm(x, x.shape[-1:], nw, nb), w, b)
+
+
+def _ldmopt_ln_geglu(x, nw, nb, w, b):
+    return layer_norm_linear(x, nw, nb, w, b, activation="geglu")
+
+
+def _ldmopt_geglu_after_ln(x, nw, nb, w, b):
+    return geglu(F.layer_norm(x, x.shape[-1:], nw, nb), w, b)
+
+
+@pytest.mark.parametrize("case", list(LN_GEGLU_CASES))
+@pytest.mark.parametrize("dtype_name", ["fp16"])
+@pytest.mark.parametrize("mode", MODES)
+def bench_layer_norm_geglu(case, dtype_name, mode, bench_recorder):
+    """A UNet block's norm3 -> GEGLU: the norm read in the dual-accumulator GEMM's loads vs written first."""
+    m, c, i = LN_GEGLU_CASES[case]
+    dtype, grad = DTYPES[dtype_name], mode == "fwd+bwd"
+    x, w, b = _params(m, c, 2 * i, dtype, grad)
+    inputs = (x, *_norm_params(c, dtype, grad), w, b)
+    providers = {
+        "ldmopt": _triton(_ldmopt_ln_geglu),
+        "ldmopt-geglu-after-norm": _triton(_ldmopt_geglu_after_ln),
+        "eager": _eager_ln_geglu,
+    }
+    providers = _with_compile(providers, _eager_ln_geglu, case == next(iter(LN_GEGLU_CASES)))
+    flops = 2 * m * c * 2 * i * (1 if mode == "fwd" else 3)
+    _measure(bench_recorder, "layer_norm_geglu", case, dtype_name, mode, providers, inputs, inputs, flops=flops)

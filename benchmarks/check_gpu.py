@@ -190,6 +190,21 @@ def _ref_blend(x, w, b, mix, res):
     return F.linear(m * x[..., :half] + (1 - m) * x[..., half:], w, b) + res
 
 
+def _run_ln_linear(x, nw, nb, w, b):
+    """A UNet block's norm -> projection: the LayerNorm read in the GEMM's loads (ops.layer_norm_linear)."""
+    from ldmopt.ops.layer_norm_linear import layer_norm_linear
+
+    return layer_norm_linear(x, nw, nb, w, b, activation="geglu" if w.shape[0] > 2 * x.shape[-1] else None)
+
+
+def _ref_ln_linear(x, nw, nb, w, b):
+    z = F.linear(F.layer_norm(x, x.shape[-1:], nw, nb), w, b)
+    if w.shape[0] > 2 * x.shape[-1]:  # GEGLU (I = 4 C in the UNets)
+        h, g = z.chunk(2, dim=-1)
+        return h * F.gelu(g)
+    return z
+
+
 def _run_adaln(x, scale, shift, res):
     from ldmopt.ops.adaln_modulate import adaln_modulate
 
@@ -320,6 +335,9 @@ def _fused_linear(quick: bool):
                 inputs = [x, scale, shift, torch.randn_like(x)]
                 if run is _run_adaln_gated:
                     inputs.append(torch.randn(bsz, k, device=DEVICE))
+            elif run is _run_ln_linear:  # a token stream off zero mean; the norm's affine near 1
+                inputs = [x + 0.5, 1 + 0.3 * torch.randn(k, device=DEVICE), 0.1 * torch.randn(k, device=DEVICE),
+                          torch.randn(n, k, device=DEVICE) * k**-0.5, torch.randn(n, device=DEVICE) * 0.1]  # fmt: skip
             elif run is _run_blend:  # two [bsz, t, k] streams as x's halves; one blend weight per frame
                 inputs = [torch.randn(bsz, t, 2 * k, device=DEVICE), torch.randn(n, k, device=DEVICE) * k**-0.5,
                           torch.randn(n, device=DEVICE) * 0.1, torch.rand(bsz, device=DEVICE),
@@ -446,6 +464,8 @@ CASES: dict[str, dict[str, tuple]] = {
         "gated-pixart": (_run_gated, _ref_gated, 2, 4096, 1152, 1152),
         "gated-two-part-flux-single": (_run_gated_concat, _ref_gated, 1, 2048, 15360, 3072),
         "blend-svd-proj_out": (_run_blend, _ref_blend, 28, 2304, 640, 640),  # 14 frames x 2 (CFG), level 2
+        "ln-q-sd15-l0": (_run_ln_linear, _ref_ln_linear, 2, 4096, 320, 320),
+        "ln-geglu-sdxl-l1": (_run_ln_linear, _ref_ln_linear, 2, 4096, 640, 5120),
         "adaln-pixart": (_run_adaln, _ref_adaln, 2, 4096, 1152, None),
         "adaln-gated-wan14b": (_run_adaln_gated, _ref_adaln_gated, 1, 8192, 5120, None),
         "gated-wan1.3b-ffn": (_run_gated_wan, _ref_gated, 1, 8192, 8960, 1536),

@@ -114,6 +114,8 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
     monkeypatch.setattr(B, "ADALN_CASES", {"a": (2, 7, 40)})
     monkeypatch.setattr(B, "CONCAT_CASES", {"a": (2, 7, 24, 40, 16)})
     monkeypatch.setattr(B, "BLEND_CASES", {"a": (3, 7, 40)})
+    monkeypatch.setattr(B, "LN_QKV_CASES", {"a": (13, 40), "b": (5, 24)})
+    monkeypatch.setattr(B, "LN_GEGLU_CASES", {"a": (13, 40, 24)})
     benches = {
         B.bench_geglu: B.GEGLU_CASES,
         B.bench_linear_gelu_tanh: B.GELU_CASES,
@@ -121,6 +123,8 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
         B.bench_adaln_modulate: B.ADALN_CASES,
         B.bench_linear_concat_gated: B.CONCAT_CASES,
         B.bench_linear_blend: B.BLEND_CASES,
+        B.bench_layer_norm_qkv: B.LN_QKV_CASES,
+        B.bench_layer_norm_geglu: B.LN_GEGLU_CASES,
     }
     for bench, cases in benches.items():
         for case in cases:
@@ -128,9 +132,10 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
                 bench(case, "fp16", mode, mocked_timing)
     rows = mocked_timing.rows
     skipped = [r for r in rows if r["note"] == "skipped in quick mode"]
-    assert {(r["op"], r["case"]) for r in skipped} == {("geglu", "b"), ("linear_gelu_tanh", "b")}
+    skipped_cases = {("geglu", "b"), ("linear_gelu_tanh", "b"), ("layer_norm_qkv", "b")}
+    assert {(r["op"], r["case"]) for r in skipped} == skipped_cases
     assert not _failed([r for r in rows if r not in skipped]), _failed(rows)
-    assert len(rows) == 2 * (2 * 4 + 2 * 4 + 4 + 3 + 4 + 4), len(rows)  # (cases x providers) x modes
+    assert len(rows) == 2 * (2 * 4 + 2 * 4 + 4 + 3 + 4 + 4 + 2 * 3 + 4), len(rows)  # (cases x providers) x modes
 
 
 def test_resnet_block_providers(mocked_timing, no_compile, monkeypatch):

@@ -53,6 +53,8 @@ def test_check_gpu_every_check(monkeypatch, capsys):
             "adaln-gated": (C._run_adaln_gated, C._ref_adaln_gated, 2, 7, 40, None),
             "gated-out_dtype": (C._run_gated_wan, C._ref_gated, 2, 7, 40, 24),
             "blend": (C._run_blend, C._ref_blend, 3, 7, 40, 24),
+            "ln-linear": (C._run_ln_linear, C._ref_ln_linear, 2, 7, 40, 24),
+            "ln-geglu": (C._run_ln_linear, C._ref_ln_linear, 2, 7, 40, 160),
             "rms_norm": (C._run_rms_norm, C._ref_rms_norm, 2, 7, 40, 0),
             "rms_rope": (C._run_rms_norm_rope, C._ref_rms_norm_rope, 2, 7, 40, 0),
             "rms_rope-heads": (C._run_rms_norm_rope_heads, C._ref_rms_norm_rope_heads, 2, 7, 40, 8),

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..ops.linear import linear, per_sample
 from .child_check import count_reason, hooked, observed, readable, unreadable_reason
+from .layer_norm_input import NormedInput, apply, as_tensor
 from .linear import stock_gated_residual
 
 #: diffusers processors whose steps :func:`sdpa_attention_residual` reproduces (class names; exact types are checked).
@@ -84,21 +85,24 @@ def call_reason(attn: nn.Module, hidden_states: Tensor, kwargs: dict, name: str 
     return static_reason(attn, name) or epilogue_reason(attn, name)
 
 
-def _projections(attn: nn.Module, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def _projections(attn: nn.Module, x: Tensor | NormedInput, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     # FusedAttnProcessor2_0 (after fuse_qkv_projections) reads to_qkv / to_kv; AttnProcessor2_0 always to_q/k/v.
+    # A NormedInput x: each projection of it reads the norm in its loads (one shared statistics pass).
     fused = type(attn.processor).__name__ == "FusedAttnProcessor2_0"
     if context is not None and attn.norm_cross:
         context = attn.norm_encoder_hidden_states(context)
     if fused and context is None:
-        return attn.to_qkv(x).chunk(3, dim=-1)
+        return apply(attn.to_qkv, x, "to_qkv").chunk(3, dim=-1)
     if fused:
-        return (attn.to_q(x), *attn.to_kv(context).chunk(2, dim=-1))
-    source = x if context is None else context
-    return attn.to_q(x), attn.to_k(source), attn.to_v(source)
+        return (apply(attn.to_q, x, "to_q"), *attn.to_kv(context).chunk(2, dim=-1))
+    if context is not None:
+        return apply(attn.to_q, x, "to_q"), attn.to_k(context), attn.to_v(context)
+    return apply(attn.to_q, x, "to_q"), apply(attn.to_k, x, "to_k"), apply(attn.to_v, x, "to_v")
 
 
-def sdpa_core(attn: nn.Module, x: Tensor, context: Tensor | None, mask: Tensor | None) -> Tensor:
-    """The mirrored processor's tensor just before ``to_out[0]``: (B, tokens, heads * head_dim)."""
+def sdpa_core(attn: nn.Module, x: Tensor | NormedInput, context: Tensor | None, mask: Tensor | None) -> Tensor:
+    """The mirrored processor's tensor just before ``to_out[0]``: (B, tokens, heads * head_dim). ``x`` may be a
+    :class:`NormedInput`, read by the projections in their loads."""
     batch, seq_len = (x if context is None else context).shape[:2]
     if mask is not None:
         mask = attn.prepare_attention_mask(mask, seq_len, batch)
@@ -128,7 +132,7 @@ def _gate_reason(gate: Tensor | None, residual: Tensor, width: int) -> str | Non
 
 def sdpa_attention_residual(
     attn: nn.Module,
-    hidden_states: Tensor,
+    hidden_states: Tensor | NormedInput,
     residual: Tensor,
     encoder_hidden_states: Tensor | None = None,
     attention_mask: Tensor | None = None,
@@ -140,7 +144,9 @@ def sdpa_attention_residual(
     """``residual + gate * attn(hidden_states, encoder_hidden_states, attention_mask, **kwargs)`` (no gate: ``attn(...)
     + residual``), the gate and the add in the output projection's GEMM epilogue when the call is one the mirrored
     processors serve (see the module docstring). ``kwargs``: the block's cross_attention_kwargs, passed on as a dict
-    (any key, as diffusers passes them). ``gate``: one vector per sample, (B, 1, C) or (B, C)."""
+    (any key, as diffusers passes them). ``gate``: one vector per sample, (B, 1, C) or (B, C). ``hidden_states``
+    may be a :class:`NormedInput` (a block's norm, then read in the projections' loads; the stock call gets its
+    output)."""
     kwargs = kwargs or {}
     # "scale" is deprecated and ignored by the mirrored processors; a fall-back passes it on, as the stock block does.
     reason = call_reason(attn, hidden_states, {k: v for k, v in kwargs.items() if k != "scale"}, name)
@@ -152,7 +158,10 @@ def sdpa_attention_residual(
     if reason is not None:
         if not _ldmopt_processor(attn.processor):  # ldmopt's own processors are a fused path, not a fall-back
             count_reason(where, reason)
-        out = attn(hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask, **kwargs)
+        out = attn(
+            as_tensor(hidden_states), encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
+            **kwargs,
+        )  # fmt: skip
         return stock_gated_residual(out, gate, residual)
     context = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
     with observed(attn, (hidden_states,), context):
@@ -162,7 +171,12 @@ def sdpa_attention_residual(
 
 
 def project_out(
-    attn: nn.Module, core: Tensor, x: Tensor, residual: Tensor | None, where: str, gate: Tensor | None = None
+    attn: nn.Module,
+    core: Tensor,
+    x: Tensor | NormedInput,
+    residual: Tensor | None,
+    where: str,
+    gate: Tensor | None = None,
 ) -> Tensor:
     """What a processor does after the attention core ``core`` (..., heads * head_dim) of input ``x``: to_out,
     residual_connection and rescale_output_factor; plus ``residual`` (after the per-sample ``gate``) when given, in
@@ -177,6 +191,6 @@ def project_out(
         count_reason(where, reason)
     out = attn.to_out[1](attn.to_out[0](core))
     if attn.residual_connection:
-        out = out + x
+        out = out + as_tensor(x)
     out = out / attn.rescale_output_factor
     return out if residual is None else stock_gated_residual(out, gate, residual)

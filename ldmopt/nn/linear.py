@@ -26,6 +26,7 @@ from ..ops.adaln_modulate import adaln_modulate
 from ..ops.geglu import geglu
 from ..ops.linear import SUPPORTED_ACTIVATIONS, activation_torch, linear
 from .child_check import count_reason, count_stock, hooked, plain_weight, readable
+from .layer_norm_input import NormedInput, as_tensor
 
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -96,15 +97,17 @@ def gated_residual_linear(
 
 
 def ff_gated_residual(
-    ff: nn.Module, x: Tensor, gate: Tensor, residual: Tensor, name: str = "ff", out_dtype=None
+    ff: nn.Module, x: Tensor | NormedInput, gate: Tensor, residual: Tensor, name: str = "ff", out_dtype=None
 ) -> Tensor:
     """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue
-    (``name``: the feed-forward's attribute in its block, for the report; ``out_dtype`` as in gated_residual_linear)."""
-    h = ff.net[1](ff.net[0](x))
+    (``name``: the feed-forward's attribute in its block, for the report; ``out_dtype`` as in gated_residual_linear).
+    ``x`` may be a NormedInput (ldmopt.nn.layer_norm_input): the first projection then reads the norm in its loads."""
+    first = x.activate(ff.net[0], f"{name}.net.0") if isinstance(x, NormedInput) else ff.net[0](x)
+    h = ff.net[1](first)
     return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2", out_dtype)
 
 
-def ff_residual(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+def ff_residual(ff: nn.Module, x: Tensor | NormedInput, residual: Tensor) -> Tensor:
     """``ff(x) + residual``, the add in ``ff.net[2]``'s GEMM epilogue when ``ff`` is diffusers' FeedForward
     [act, dropout, Linear] without hooks, checked per call (else the stock call and add: final_dropout, a hooked or
     replaced feed-forward; a wrapped ``net[2]`` is counted in ``fallback_reasons`` by ff_gated_residual)."""
@@ -116,7 +119,7 @@ def ff_residual(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
         reason = feed_forward_shape_reason(ff) or ("ff has hooks or a wrapped forward" if hooked(ff) else None)
     if reason is not None:
         count_reason("FeedForward", reason)
-        return ff(x) + residual
+        return ff(as_tensor(x)) + residual
     return ff_gated_residual(ff, x, None, residual)
 
 

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
 from .attention_residual import project_out
+from .layer_norm_input import NormedInput, apply
 
 #: Container class name -> attribute holding its temporal blocks (None: every Attention under the container).
 TEMPORAL_CONTAINERS = {
@@ -104,7 +105,7 @@ def unsupported_reason(attn) -> str | None:
 
 def temporal_self_attention(
     attn,
-    x: Tensor,
+    x: Tensor | NormedInput,
     context: Tensor | None,
     bfn: tuple[int, int, int],
     residual: Tensor | None = None,
@@ -115,23 +116,24 @@ def temporal_self_attention(
     gives the keys and values instead of ``x`` when not None. Projections (fused or not), per-head norm_q/norm_k,
     ``attn.scale``, to_out, residual_connection and rescale_output_factor as diffusers applies them; no copies.
     ``residual`` (the block's token stream, x's shape) is added in to_out's GEMM epilogue when given, after the
-    per-sample ``gate`` ((B, 1, C), adaLN blocks) when given.
+    per-sample ``gate`` ((B, 1, C), adaLN blocks) when given. ``x`` may be a :class:`NormedInput` (a block's norm,
+    read in the projections' loads).
     """
     heads, c = attn.heads, attn.inner_dim
     fused = attn.fused_projections
     if context is None and fused and getattr(attn, "to_qkv", None) is not None:
-        qkv = attn.to_qkv(x)
+        qkv = apply(attn.to_qkv, x, "to_qkv")
         q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]
     else:
         source = x if context is None else context
         if context is not None and attn.norm_cross:
             source = attn.norm_encoder_hidden_states(source)
-        q = attn.to_q(x)
+        q = apply(attn.to_q, x, "to_q")
         if fused and getattr(attn, "to_kv", None) is not None:
-            kv = attn.to_kv(source)
+            kv = apply(attn.to_kv, source, "to_kv")
             k, v = kv[..., :c], kv[..., c:]
         else:
-            k, v = attn.to_k(source), attn.to_v(source)
+            k, v = apply(attn.to_k, source, "to_k"), apply(attn.to_v, source, "to_v")
     # (..., C) -> (B, F, N, heads, head_dim): a view (the last axis of every slice is contiguous).
     q, k, v = (t.view(*bfn, heads, c // heads) for t in (q, k, v))
     if attn.norm_q is not None:

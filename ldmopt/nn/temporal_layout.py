@@ -42,6 +42,7 @@ from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
 from .child_check import hooked, plain_weight, readable, stock
 from .group_norm import GroupNorm as LdmoptGroupNorm
+from .layer_norm_input import NormedInput
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
@@ -117,8 +118,14 @@ def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, con
     bf, n, c = hidden_states.shape
     b = bf // num_frames
     x = hidden_states.view(b, num_frames, n, c)
-    h = ff_residual(block.ff_in, block.norm_in(x), x) if block.is_res else block.ff_in(block.norm_in(x))
-    h = temporal_self_attention(block.attn1, block.norm1(h), None, (b, num_frames, n), residual=h)
+    where = type(block).__name__
+    # Each norm that only feeds GEMMs is read in their loads (NormedInput); norm2 feeds the skipped query path.
+    if block.is_res:
+        h = ff_residual(block.ff_in, NormedInput(block.norm_in, x, where, "norm_in"), x)
+    else:
+        h = block.ff_in(block.norm_in(x))
+    normed = NormedInput(block.norm1, h, where, "norm1")
+    h = temporal_self_attention(block.attn1, normed, None, (b, num_frames, n), residual=h)
     if block.attn2 is not None:
         attn2 = block.attn2
         # (B*N, 1, C) context rows -> (B, 1, N, C), broadcast over the frames.
@@ -128,7 +135,10 @@ def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, con
         if attn2.residual_connection:
             out = out + block.norm2(h)
         h = out / attn2.rescale_output_factor + h
-    h = ff_residual(block.ff, block.norm3(h), h) if block.is_res else block.ff(block.norm3(h))
+    if block.is_res:
+        h = ff_residual(block.ff, NormedInput(block.norm3, h, where, "norm3"), h)
+    else:
+        h = block.ff(block.norm3(h))
     return h.view(bf, n, -1)
 
 
@@ -221,13 +231,20 @@ def _with_positions(pos_embed, x: Tensor) -> Tensor:
 
 
 def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
-    """``BasicTransformerBlock.forward`` (norm_type "layer_norm", self-attention only) on (B, F, N, C) tokens."""
-    normed = _with_positions(block.pos_embed, block.norm1(x))
-    x = temporal_self_attention(block.attn1, normed, None, bfn, residual=x)
+    """``BasicTransformerBlock.forward`` (norm_type "layer_norm", self-attention only) on (B, F, N, C) tokens; a norm
+    whose output only feeds GEMMs (no positions added) is read in their loads."""
+    where = type(block).__name__
+
+    def normed(name: str, t: Tensor) -> Tensor | NormedInput:
+        norm = getattr(block, name)
+        if block.pos_embed is None:
+            return NormedInput(norm, t, where, name)
+        return _with_positions(block.pos_embed, norm(t))
+
+    x = temporal_self_attention(block.attn1, normed("norm1", x), None, bfn, residual=x)
     if block.attn2 is not None:
-        normed = _with_positions(block.pos_embed, block.norm2(x))
-        x = temporal_self_attention(block.attn2, normed, None, bfn, residual=x)
-    return ff_residual(block.ff, block.norm3(x), x)
+        x = temporal_self_attention(block.attn2, normed("norm2", x), None, bfn, residual=x)
+    return ff_residual(block.ff, NormedInput(block.norm3, x, where, "norm3"), x)
 
 
 def _norm_proj_in_fusable(container: nn.Module) -> bool:

@@ -4,8 +4,11 @@
   blocks of SD1.5, SD2.1, SDXL, SVD, AnimateDiff and ModelScope UNets). The self-attention and cross-attention
   outputs are added to the token stream by their output projection's GEMM (``ldmopt.nn.attention_residual``:
   diffusers' default processor reproduced up to ``to_out``, whose ``/ 1.0`` pass also goes), and the feed-forward's
-  by ``ff.net[2]``'s. The norms, the attention projections and ``ff.net[0]`` (GEGLU, its own rule) are called as
-  before. Attention masks are served (diffusers' mask preparation is called).
+  by ``ff.net[2]``'s. Each LayerNorm is read in the loads of the GEMMs after it (``ldmopt.nn.layer_norm_input``:
+  norm1 by to_q/to_k/to_v, norm2 by the cross-attention's to_q, norm3 by the feed-forward's fused GEGLU/GELU
+  projection, from one statistics pass each): the norms' outputs are never written. Blocks with positional
+  embeddings (added to the norm's output) call the norms as before. Attention masks are served (diffusers' mask
+  preparation is called).
 
 A class swap (see rule.py): same instance, same children and parameters. Per call, an attention the mirrored
 processors do not serve (another processor, hooks on the attention module, extra attention kwargs, an output
@@ -23,6 +26,7 @@ from torch import nn
 
 from ..nn.attention_residual import sdpa_attention_residual as attend
 from ..nn.attention_residual import static_reason
+from ..nn.layer_norm_input import NormedInput
 from ..nn.linear import ff_residual
 from .rule import ClassSwapRule, Rule, Site
 from .rules_blocks import basic_block_forward
@@ -35,25 +39,31 @@ def _residual_block_forward(
     self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, kwargs, class_labels
 ) -> torch.Tensor:
     where = type(self).__name__
-    normed = self.norm1(hidden_states)
-    if self.pos_embed is not None:
-        normed = self.pos_embed(normed)
+    # Without positional embeddings each norm's output only feeds GEMMs, which read it in their loads.
+    if self.pos_embed is None:
+        normed = NormedInput(self.norm1, hidden_states, where, "norm1")
+    else:
+        normed = self.pos_embed(self.norm1(hidden_states))
     context = encoder_hidden_states if self.only_cross_attention else None
     hidden_states = attend(self.attn1, normed, hidden_states, context, attention_mask, kwargs, where, "attn1")
     if self.attn2 is not None:
-        normed = self.norm2(hidden_states)
-        if self.pos_embed is not None:
-            normed = self.pos_embed(normed)
+        if self.pos_embed is None:
+            normed = NormedInput(self.norm2, hidden_states, where, "norm2")
+        else:
+            normed = self.pos_embed(self.norm2(hidden_states))
         hidden_states = attend(
             self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask, kwargs, where, "attn2"
         )
-    return ff_residual(self.ff, self.norm3(hidden_states), hidden_states)
+    return ff_residual(self.ff, NormedInput(self.norm3, hidden_states, where, "norm3"), hidden_states)
 
 
 class ResidualBlockRule(ClassSwapRule):
     name = "residual_block"
     family = "residual"
-    description = "UNet transformer block: attention and feed-forward residual adds in the output GEMMs' epilogues"
+    description = (
+        "UNet transformer block: attention and feed-forward residual adds in the output GEMMs' epilogues, LayerNorms "
+        "read in the loads of the GEMMs after them"
+    )
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.attention import BasicTransformerBlock

@@ -29,6 +29,12 @@ Rules (names as reported):
 - ``adaLN (LayerNorm + modulate)``: layer_norm -> mul(1 + scale) -> add(shift) in one row kernel. In SD3 and Flux
   joint blocks (``joint_block``) the gated residual update before the norm, mul(gate) -> add(residual), runs in the
   same row kernel: the product is neither written nor read back (the update, gate and residual are still read).
+- ``LayerNorm -> GEMM loads``: a UNet transformer block's LayerNorm whose output only GEMMs read (norm1 -> to_q,
+  to_k, to_v; norm2 -> the cross-attention's to_q; norm3 -> the feed-forward's first projection; SVD's temporal
+  blocks' norm_in and norm3 likewise): each GEMM normalises x in its loads (``ops.layer_norm_linear``) from one
+  statistics pass, which still reads x; the norm's output write goes (the GEMMs read x instead of it: same bytes).
+  Not counted: norms whose output gets positional embeddings first (AnimateDiff motion modules' norm1/norm2), and
+  the norm before a single-key attention (SVD's attn2, whose query path is skipped).
 - ``GEMM epilogue (gated residual)``: GEMM -> [the attention's ``/ rescale_output_factor``, removed] -> mul(gate)
   -> add(residual): the feed-forward and attention outputs of adaLN blocks (DiT, PixArt, SD3, Flux, Wan).
 - ``GEMM epilogue (residual)``: the un-gated residual adds of UNet transformer blocks (``residual_block``) and of
@@ -77,6 +83,7 @@ CONV_EPILOGUE = "conv epilogue (temb / residual / scale)"
 GEGLU = "GEGLU tail"
 GELU_EPILOGUE = "GEMM + GELU epilogue"
 ADALN = "adaLN (LayerNorm + modulate)"
+LN_GEMM = "LayerNorm -> GEMM loads"
 GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 CONCAT_GEMM = "concatenation -> GEMM loads"
 GN_STATS = "GroupNorm statistics from the conv epilogue"
@@ -88,7 +95,8 @@ RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
 QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
-    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, GATED_RESIDUAL, RESIDUAL,
+    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, GATED_RESIDUAL,
+    RESIDUAL,
     CONCAT_GEMM, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
@@ -214,6 +222,8 @@ def plan_fusions(
         _gelu_epilogues(plan, records, gelu)
     for ln in by_base.get("native_layer_norm", []):
         _adaln(plan, records, ln)
+    for ln in by_base.get("native_layer_norm", []):
+        _layer_norm_gemm_loads(plan, records, ln, single_key)
     for mul in by_base.get("mul", []):
         _gated_residual(plan, records, mul)
     for mul in by_base.get("mul", []):
@@ -338,6 +348,26 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
 GATED_ATTENTION_OWNERS = frozenset({"BasicTransformerBlock"})
 #: Blocks whose gated residual update before an adaLN norm runs in the norm's row kernel (rules_blocks._stream).
 GATED_UPDATE_OWNERS = frozenset({"JointTransformerBlock", "FluxTransformerBlock"})
+
+
+#: Blocks whose LayerNorms ldmopt reads in the GEMMs' loads (ldmopt.nn.layer_norm_input), and which of their norms.
+LN_GEMM_NORMS = {
+    "BasicTransformerBlock": frozenset({"norm1", "norm2", "norm3"}),
+    "TemporalBasicTransformerBlock": frozenset({"norm_in", "norm1", "norm3"}),
+}
+
+
+def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, single_key: frozenset[str]) -> None:
+    block, _, name = ln.path.rpartition(".")
+    norms = LN_GEMM_NORMS.get(plan.block_class.get(block, ""), ())
+    if name not in norms or not ln.consumers or not plan.free(ln.index):
+        return
+    gemms = [records[c] for c in set(ln.consumers)]
+    if not all(g.base in _GEMMS and g.category == C.LINEAR for g in gemms):
+        return  # something else reads the norm's output (positional embeddings): it is written
+    if any(g.path.startswith(f"{path}.") for g in gemms for path in single_key):
+        return  # a single-key attention's query path: the patched block calls the norm (the processor skips it)
+    plan.claim(LN_GEMM, {ln.index: ln.out_bytes})
 
 
 def _gated_update_into_adaln(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None:

@@ -56,7 +56,7 @@ def _exact(block, hidden, context, **kwargs):
         return _call(copy.deepcopy(block).double(), double(hidden), double(context), **kwargs)
 
 
-def _patched_matches_stock(block, hidden, context, sites, **kwargs):
+def _patched_matches_stock(block, hidden, context, sites, normed=None, **kwargs):
     exact = _exact(block, hidden, context, **kwargs)
     with torch.no_grad():
         ref = _call(block, hidden, context, **kwargs)
@@ -68,6 +68,9 @@ def _patched_matches_stock(block, hidden, context, sites, **kwargs):
     assert not report.fallbacks(), report.fallbacks()
     # One linear GEMM per fused residual add (the GEGLU projection is its own op).
     assert report.backends()["linear"] == {"triton": sites}, report.backends()
+    if normed is not None:  # GEMMs that read a norm in their loads, and the norms' statistics passes
+        assert report.backends()["layer_norm_linear"] == {"triton": normed}, report.backends()
+        assert report.backends()["layer_norm_stats"] == {"triton": sites}, report.backends()
     assert_within_torch_error(out, exact, ref, "residual block")
     ldmopt.unpatch(block)
     assert_same_snapshot(before, snapshot(block))
@@ -75,22 +78,23 @@ def _patched_matches_stock(block, hidden, context, sites, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "variant,overrides,sites",
+    "variant,overrides,sites,normed",
     [
-        ("self+cross", {}, 3),
-        ("no attn2", dict(cross_attention_dim=None), 2),
-        ("double self-attention", dict(cross_attention_dim=None, double_self_attention=True), 3),
-        ("only cross-attention", dict(only_cross_attention=True), 3),
+        ("self+cross", {}, 3, 5),  # q, k, v of norm1; q of norm2; the GEGLU of norm3
+        ("no attn2", dict(cross_attention_dim=None), 2, 4),
+        ("double self-attention", dict(cross_attention_dim=None, double_self_attention=True), 3, 7),
+        ("only cross-attention", dict(only_cross_attention=True), 3, 3),
+        ("no norm affine", dict(norm_elementwise_affine=False), 3, 5),
     ],
 )
-def test_block_matches_stock(variant, overrides, sites):
+def test_block_matches_stock(variant, overrides, sites, normed):
     block = _block(**overrides)
     hidden, context = _inputs()
     if overrides.get("cross_attention_dim", CONTEXT_DIM) is None and not overrides.get("double_self_attention"):
         context = None
     if overrides.get("double_self_attention"):
         context = None  # attn2 attends to the block's own tokens
-    _patched_matches_stock(block, hidden, context, sites)
+    _patched_matches_stock(block, hidden, context, sites, normed)
 
 
 def test_masks_match_stock():
@@ -108,7 +112,7 @@ def test_fused_qkv_projections_match_stock():
         attn.fuse_projections()
         attn.set_processor(FusedAttnProcessor2_0())
     hidden, context = _inputs()
-    _patched_matches_stock(block, hidden, context, 3)
+    _patched_matches_stock(block, hidden, context, 3, normed=3)  # to_qkv, attn2's to_q, the GEGLU
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -313,3 +317,71 @@ def test_profiler_observers_keep_every_epilogue():
         _call(block, hidden, context)
     assert not fallback_reasons, dict(fallback_reasons)
     assert report.backends()["linear"] == {"torch": 3}, report.backends()
+
+
+def test_norms_are_read_in_the_gemms_loads_not_called(monkeypatch):
+    # The three LayerNorms never run as modules: their outputs are formed in the GEMMs' loads.
+    calls = []
+    stock_forward = nn.LayerNorm.forward
+    monkeypatch.setattr(nn.LayerNorm, "forward", lambda self, x: calls.append(1) or stock_forward(self, x))
+    block = _block()
+    hidden, context = _inputs()
+    ldmopt.patch(block)
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        _call(block, hidden, context)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "change,expected,normed",
+    [
+        ("hooked norm3", "norm3 has hooks", 4),  # the hook changes the output: skipping it would show
+        # A LoRA on one projection: it reads the norm's output, written once, which to_v then reads too.
+        ("wrapped to_k", "to_k is a", 3),
+        ("norm subclass", "norm2 is _Norm, not nn.LayerNorm", 4),
+    ],
+)
+def test_norm_fallbacks_match_stock(change, expected, normed):
+    block = _block()
+    hidden, context = _inputs()
+    report = ldmopt.patch(block)
+    stock_block = copy.deepcopy(block)
+    ldmopt.unpatch(stock_block)
+    for b in (block, stock_block):
+        if change == "hooked norm3":
+            b.norm3.register_forward_hook(lambda module, args, out: 0.5 * out)
+        elif change == "wrapped to_k":
+            old = b.attn1.to_k
+            b.attn1.to_k = _Wrapped(old.in_features, old.out_features, bias=False)
+            b.attn1.to_k.load_state_dict(old.state_dict())
+        else:
+            old = b.norm2
+            b.norm2 = _Norm(DIM)
+            b.norm2.load_state_dict(old.state_dict())
+    exact = _exact(stock_block, hidden, context)
+    fallback_reasons.clear()
+    with torch.no_grad():
+        ref = _call(stock_block, hidden, context)
+        with ldmopt.use_backend("triton"):
+            out = _call(block, hidden, context)
+    assert any(expected in r for r in fallback_reasons), dict(fallback_reasons)
+    assert report.backends()["layer_norm_linear"] == {"triton": normed}, report.backends()
+    assert_within_torch_error(out, exact, ref, change)
+
+
+class _Norm(nn.LayerNorm):
+    """A LayerNorm subclass (another forward could hide behind it): read as a module, never in the loads."""
+
+
+def test_positional_embeddings_keep_the_attention_norms():
+    # AnimateDiff-style blocks add sinusoidal positions to norm1/norm2's output: those norms run; norm3 is read.
+    block = _block(positional_embeddings="sinusoidal", num_positional_embeddings=TOKENS)
+    hidden, context = _inputs()
+    exact = _exact(block, hidden, context)
+    with torch.no_grad():
+        ref = _call(block, hidden, context)
+        report = ldmopt.patch(block)
+        with ldmopt.use_backend("triton"):
+            out = _call(block, hidden, context)
+    assert report.backends()["layer_norm_linear"] == {"triton": 1}, report.backends()
+    assert_within_torch_error(out, exact, ref, "positional embeddings")

@@ -83,3 +83,41 @@ def test_flux_single_block_concatenation_is_read_by_proj_out():
     fused = [r for r in cats if r.index in removed]
     assert len(cats) == 2 * singles and len(fused) == singles
     assert all(rule[r.index] == CONCAT_GEMM and a.records[r.consumers[0]].path.endswith(".proj_out") for r in fused)
+
+
+def _claimed_norms(a):
+    from ldmopt.profiler.fusions import LN_GEMM
+
+    _saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
+    norms = [r for r in a.records if r.base == "native_layer_norm" and rule.get(r.index) == LN_GEMM]
+    assert not any(r.index in removed for r in norms)  # the statistics pass stays
+    return norms
+
+
+def test_unet_block_norms_are_read_in_the_gemm_loads():
+    from ldmopt.configs import build_model
+    from ldmopt.profiler.fusions import LN_GEMM
+
+    model = build_model("sd15", tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200")
+    blocks = len(_blocks(model, "BasicTransformerBlock"))
+    norms = _claimed_norms(a)
+    assert sorted({r.path.rsplit(".", 1)[1] for r in norms}) == ["norm1", "norm2", "norm3"]
+    assert len(norms) == a.fusions[LN_GEMM].count == 3 * blocks > 0
+    # Exactly the norms' output writes: the statistics pass still reads x.
+    assert a.fusions[LN_GEMM].bytes_saved == sum(r.out_bytes for r in norms)
+
+
+def test_positional_and_single_key_norms_stay():
+    # AnimateDiff's motion-module norm1/norm2 get positions added: written. SVD's norm2 feeds a single-key
+    # attention whose query path ldmopt skips: not read by a GEMM in the patched run.
+    from ldmopt.configs import build_model
+
+    model = build_model("animatediff", tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200", frames=2)
+    motion = [r for r in _claimed_norms(a) if ".motion_modules." in r.path]
+    assert motion and {r.path.rsplit(".", 1)[1] for r in motion} == {"norm3"}
+    model = build_model("svd", tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200", frames=2)
+    names = {r.path.rsplit(".", 1)[1] for r in _claimed_norms(a)}
+    assert names == {"norm_in", "norm1", "norm3"}, names

@@ -1,0 +1,117 @@
+"""A LayerNorm's output that the GEMMs after it read through their loads instead of from memory.
+
+diffusers' UNet transformer blocks (``BasicTransformerBlock``, norm_type "layer_norm") hand each LayerNorm's output
+to GEMMs only: norm1 to the self-attention's to_q, to_k and to_v, norm2 to the cross-attention's to_q, norm3 to the
+feed-forward's first projection (GEGLU or GELU). :class:`NormedInput` stands for ``norm(x)`` in those calls: every
+GEMM that can normalises x in its loads (``ops.layer_norm_linear``) from one statistics pass they share, so the
+norm's output is never written. Anything else asks for :meth:`NormedInput.tensor`, the norm module's own output,
+computed once.
+
+Checked per call (else the stock modules run, the reason counted in ``fallback_reasons``): the norm is exactly
+nn.LayerNorm over the last axis with plain parameters and no hooks; each projection is :func:`readable` (a LoRA,
+hooks or a quantized weight keep that one projection stock); the feed-forward's first layer is ldmopt's fused GEGLU
+or GELU (the feed_forward family) without hooks. Tolerance: ``ops.layer_norm_linear``'s (the norm rounded once to
+the weight's dtype, as the stock norm's output is).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..ops.layer_norm_linear import layer_norm_linear, layer_norm_stats
+from .child_check import count_reason, count_stock, hooked, observed, plain_weight, readable
+
+
+def norm_reason(norm: object, x: Tensor, name: str = "norm") -> str | None:
+    """Why ``norm(x)`` cannot be read in a GEMM's loads (None when it can)."""
+    if type(norm) is not nn.LayerNorm:
+        return f"{name} is {type(norm).__name__}, not nn.LayerNorm"
+    if hooked(norm):
+        return f"{name} has hooks or a wrapped forward"
+    if tuple(norm.normalized_shape) != (x.shape[-1],):
+        return f"{name} normalises over {tuple(norm.normalized_shape)}, not the last axis ({x.shape[-1]},)"
+    if not plain_weight(norm) or type(norm._parameters.get("bias")) not in (nn.Parameter, Tensor, type(None)):
+        return f"{name}'s parameters are not plain tensors"
+    return None
+
+
+class NormedInput:
+    """``norm(x)``, read by the GEMMs after it in their loads (see the module docstring). ``where``: the block's
+    class name, for fall-back reasons."""
+
+    def __init__(self, norm: nn.Module, x: Tensor, where: str, name: str = "norm") -> None:
+        self.norm, self.x, self.where, self.name = norm, x, where, name
+        self.reason = norm_reason(norm, x, name)
+        self._out: Tensor | None = None
+        self._stats: Tensor | None = None
+        self._rows: Tensor | None = None
+        self._counted = False
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    def dim(self) -> int:
+        return self.x.dim()
+
+    def tensor(self) -> Tensor:
+        """The norm module's output (the stock call), computed once."""
+        if self._out is None:
+            self._out = self.norm(self.x)
+        return self._out
+
+    def _fused_ok(self) -> bool:
+        if self.reason is not None:
+            if not self._counted:
+                count_reason(self.where, self.reason)
+                self._counted = True
+            return False
+        return self._out is None  # once written (a consumer needed it), GEMMs read it as the stock ones do
+
+    def _statistics(self) -> tuple[Tensor, Tensor]:
+        """(x as [M, C] rows, their statistics), once: rows whose leading axes do not merge are copied here, once,
+        as the stock norm copies them internally, not by every GEMM."""
+        if self._stats is None:
+            self._rows = self.x.reshape(-1, self.x.shape[-1])
+            with observed(self.norm, (self.x,)):  # a profile attributes the statistics pass to the norm
+                self._stats = layer_norm_stats(self._rows, self.norm.eps)
+        return self._rows, self._stats
+
+    def _normed_gemm(self, module: nn.Module, layer: nn.Linear, activation: str | None) -> Tensor:
+        rows, stats = self._statistics()
+        with observed(module, (self,)):
+            y = layer_norm_linear(rows, self.norm.weight, self.norm.bias, layer.weight, layer.bias, eps=self.norm.eps,
+                                  activation=activation, stats=stats)  # fmt: skip
+        return y.view(*self.x.shape[:-1], y.shape[-1])
+
+    def project(self, layer: nn.Module, name: str) -> Tensor:
+        """``layer(norm(x))`` for an nn.Linear ``layer`` (``name``: its path in the block, for the report)."""
+        if self._fused_ok():
+            if readable(layer):
+                return self._normed_gemm(layer, layer, None)
+            count_stock(self.where, name, layer)
+        return layer(self.tensor())
+
+    def activate(self, act: nn.Module, name: str) -> Tensor:
+        """``act(norm(x))`` for a feed-forward's first layer (``name``: its path, for the report). Read in the loads
+        when it is ldmopt's FusedGEGLU or FusedGELU; another layer (the feed_forward family off) gets the norm's
+        output, as does a fused one that would itself run stock (it counts why)."""
+        from .linear import _GELU_APPROXIMATE, FusedGEGLU, FusedGELU  # nn.linear imports this module
+
+        if type(act) in (FusedGEGLU, FusedGELU) and self._fused_ok():
+            if hooked(act):
+                count_reason(self.where, f"{name} has hooks or a wrapped forward")
+            elif readable(act.proj) and (type(act) is FusedGEGLU or act.approximate in _GELU_APPROXIMATE):
+                activation = "geglu" if type(act) is FusedGEGLU else _GELU_APPROXIMATE[act.approximate]
+                return self._normed_gemm(act, act.proj, activation)
+        return act(self.tensor())
+
+
+def apply(layer: nn.Module, x: Tensor | NormedInput, name: str) -> Tensor:
+    """``layer(x)`` for a tensor or a :class:`NormedInput` (whose norm the GEMM then reads in its loads)."""
+    return x.project(layer, name) if isinstance(x, NormedInput) else layer(x)
+
+
+def as_tensor(x: Tensor | NormedInput) -> Tensor:
+    """The tensor ``x`` stands for (a NormedInput's norm output, computed once)."""
+    return x.tensor() if isinstance(x, NormedInput) else x
