@@ -34,7 +34,14 @@ Rules (names as reported):
   blocks' norm_in and norm3 likewise): each GEMM normalises x in its loads (``ops.layer_norm_linear``) from one
   statistics pass, which still reads x; the norm's output write goes (the GEMMs read x instead of it: same bytes).
   Not counted: norms whose output gets positional embeddings first (AnimateDiff motion modules' norm1/norm2), and
-  the norm before a single-key attention (SVD's attn2, whose query path is skipped).
+  the norm before a single-key attention (SVD's attn2, whose query path is skipped: the shortcut rule).
+- ``single-key attention shortcut``: SVD's ``attn2`` attends over one image-embedding token, so its softmax is 1 and
+  ldmopt's SingleKeyAttnProcessor computes ``to_out(to_v(context))`` on that token and broadcasts it: the query and
+  key projections, the attention and the full-size ``to_out`` GEMM and ``/ rescale_output_factor`` go (to_v stays,
+  one token per sample), the block's add reads a vector per sample instead of the attention output, and the norm
+  before it (norm2), which only the skipped query path reads, goes too in the temporal blocks run in token order
+  (the spatial blocks still compute it, as stock). Approximation: the broadcast ``to_out`` on one token per sample
+  is not counted.
 - ``GEMM epilogue (gated residual)``: GEMM -> [the attention's ``/ rescale_output_factor``, removed] -> mul(gate)
   -> add(residual): the feed-forward and attention outputs of adaLN blocks (DiT, PixArt, SD3, Flux, Wan).
 - ``GEMM epilogue (residual)``: the un-gated residual adds of UNet transformer blocks (``residual_block``) and of
@@ -43,7 +50,7 @@ Rules (names as reported):
   removed, or the ``.contiguous()`` back to NCHW of a Transformer2DModel / TransformerSpatioTemporalModel, whose
   ``proj_out`` writes channels-last with the residual in its epilogue] -> add(residual), and PixArt's
   cross-attention add (``adaln_block``). The add's read of the residual stays (in the epilogue). Not counted: the
-  output projection of a single-key attention (SVD's ``attn2``: its shortcut output is broadcast, the add stays).
+  output projection of a single-key attention (SVD's ``attn2``: the single-key shortcut above, whose add stays).
   Approximations, counted although the patched run keeps the stock add: a BasicTransformerBlock with norm_type
   "ada_norm" or "ada_norm_continuous" (no ldmopt rule), a feed-forward with final_dropout, an attention with
   rescale_output_factor != 1, a temporal container over more than 64 frames, and a container fed NCHW activations
@@ -84,6 +91,7 @@ GEGLU = "GEGLU tail"
 GELU_EPILOGUE = "GEMM + GELU epilogue"
 ADALN = "adaLN (LayerNorm + modulate)"
 LN_GEMM = "LayerNorm -> GEMM loads"
+SINGLE_KEY = "single-key attention shortcut"
 GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 CONCAT_GEMM = "concatenation -> GEMM loads"
 GN_STATS = "GroupNorm statistics from the conv epilogue"
@@ -95,8 +103,8 @@ RMS_NORM = "RMSNorm (diffusers)"
 WAN_ROUND_TRIPS = "fp32 round trips (Wan blocks)"
 QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
-    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, GATED_RESIDUAL,
-    RESIDUAL,
+    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, SINGLE_KEY,
+    GATED_RESIDUAL, RESIDUAL,
     CONCAT_GEMM, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
@@ -216,6 +224,7 @@ def plan_fusions(
     for rec in records:
         by_base.setdefault(rec.base, []).append(rec)
 
+    _single_key_shortcut(plan, records, single_key)
     for gn in by_base.get("native_group_norm", []):
         _group_norm_prologue(plan, records, gn)
     for gelu in [r for base in _GELU for r in by_base.get(base, [])]:
@@ -368,6 +377,46 @@ def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, s
     if any(g.path.startswith(f"{path}.") for g in gemms for path in single_key):
         return  # a single-key attention's query path: the patched block calls the norm (the processor skips it)
     plan.claim(LN_GEMM, {ln.index: ln.out_bytes})
+
+
+def _single_key_shortcut(plan: _Plan, records: list[OpRecord], single_key: frozenset[str]) -> None:
+    by_attention: dict[str, list[OpRecord]] = {}
+    for rec in records:
+        path = next((p for p in _ancestors_and_self(rec.path) if p in single_key), None)
+        if path is not None:
+            by_attention.setdefault(path, []).append(rec)
+    for path, inside in by_attention.items():
+        gone = [r for r in inside if r.path != f"{path}.to_v" and plan.free(r.index)]
+        if not gone:
+            continue
+        ids = {r.index for r in inside}
+        savings = {r.index: r.bytes for r in gone}
+        for rec in gone:
+            for c in set(rec.consumers) - ids:  # the block's add: a broadcast vector per sample instead of rec
+                if records[c].base == "add" and plan.free(c):
+                    savings[c] = rec.out_bytes
+        norm = _query_norm(plan, records, inside, path)
+        if norm is not None:
+            savings[norm.index] = norm.bytes
+        plan.claim(SINGLE_KEY, savings, removed=tuple(r.index for r in gone) + ((norm.index,) if norm else ()))
+
+
+def _query_norm(plan: _Plan, records: list[OpRecord], inside: list[OpRecord], path: str) -> OpRecord | None:
+    """The temporal block's norm2 feeding only a single-key attention's skipped query path (None otherwise)."""
+    block = path.rpartition(".")[0]
+    if plan.block_class.get(block) != "TemporalBasicTransformerBlock":
+        return None
+    ids = {r.index for r in inside}
+    norm = next((records[p] for r in inside for p in r.producers if p >= 0 and records[p].path == f"{block}.norm2"),
+                None)  # fmt: skip
+    if norm is None or norm.base != "native_layer_norm" or not set(norm.consumers) <= ids or not plan.free(norm.index):
+        return None
+    return norm
+
+
+def _ancestors_and_self(path: str):
+    yield path
+    yield from _ancestors(path)
 
 
 def _gated_update_into_adaln(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None:

@@ -121,3 +121,25 @@ def test_positional_and_single_key_norms_stay():
     a = analyze(model, gpu="H200", frames=2)
     names = {r.path.rsplit(".", 1)[1] for r in _claimed_norms(a)}
     assert names == {"norm_in", "norm1", "norm3"}, names
+
+
+def test_svd_single_key_attention_shortcut():
+    # SVD's attn2 (one key) runs as to_out(to_v(context)) broadcast: the query path, the attention and the full-size
+    # to_out go, to_v stays; the temporal blocks' norm2 (read only by the skipped to_q) goes, the spatial one stays.
+    from ldmopt.configs import build_model
+    from ldmopt.profiler.fusions import SINGLE_KEY
+
+    model = build_model("svd", tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200", frames=2)
+    single = single_key_paths(a.attention)
+    _saved, rule, removed, _stats = plan_fusions(a.records, single)
+    blocks = len(_blocks(model, "BasicTransformerBlock")) + len(_blocks(model, "TemporalBasicTransformerBlock"))
+    assert len(single) == blocks > 0
+    assert a.fusions[SINGLE_KEY].count == len(single)
+    for path in single:
+        inside = {r.path.removeprefix(path): r.index in removed for r in a.records if r.path.startswith(path)}
+        assert inside[".to_q"] and inside[".to_out.0"] and inside[""] and not inside[".to_v"], inside
+    for r in a.records:
+        if r.path.endswith(".norm2") and r.base == "native_layer_norm":
+            temporal = ".temporal_transformer_blocks." in r.path
+            assert (r.index in removed) == temporal and (rule.get(r.index) == SINGLE_KEY) == temporal, r.path
