@@ -72,8 +72,10 @@ def layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k, k_ok, HAS_NORM_WEIGHT
     mean and rstd [BLOCK_M] and the affine weight/bias [K], in fp32; the caller rounds it once to the GEMM's operand
     dtype, as the unfused norm's output is rounded (or cast by autocast) before the GEMM reads it."""
     h = (a.to(tl.float32) - mean[:, None]) * rstd[:, None]
-    if HAS_NORM_WEIGHT:
+    if HAS_NORM_WEIGHT:  # the weight's masked load zeroes the K tail
         h = h * tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    else:  # zero the K tail: -mean * rstd there can overflow the operand dtype, and inf * 0 in the dot is NaN
+        h = tl.where(k_ok[None, :], h, 0.0)
     if HAS_NORM_BIAS:
         h = h + tl.load(norm_b_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
     return h

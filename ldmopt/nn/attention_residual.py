@@ -85,29 +85,34 @@ def call_reason(attn: nn.Module, hidden_states: Tensor, kwargs: dict, name: str 
     return static_reason(attn, name) or epilogue_reason(attn, name)
 
 
-def _projections(attn: nn.Module, x: Tensor | NormedInput, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def _projections(
+    attn: nn.Module, x: Tensor | NormedInput, context: Tensor | None, name: str = "attn"
+) -> tuple[Tensor, Tensor, Tensor]:
     # FusedAttnProcessor2_0 (after fuse_qkv_projections) reads to_qkv / to_kv; AttnProcessor2_0 always to_q/k/v.
     # A NormedInput x: each projection of it reads the norm in its loads (one shared statistics pass).
     fused = type(attn.processor).__name__ == "FusedAttnProcessor2_0"
     if context is not None and attn.norm_cross:
         context = attn.norm_encoder_hidden_states(context)
     if fused and context is None:
-        return apply(attn.to_qkv, x, "to_qkv").chunk(3, dim=-1)
+        return apply(attn.to_qkv, x, f"{name}.to_qkv").chunk(3, dim=-1)
     if fused:
-        return (apply(attn.to_q, x, "to_q"), *attn.to_kv(context).chunk(2, dim=-1))
+        return (apply(attn.to_q, x, f"{name}.to_q"), *attn.to_kv(context).chunk(2, dim=-1))
     if context is not None:
-        return apply(attn.to_q, x, "to_q"), attn.to_k(context), attn.to_v(context)
-    return apply(attn.to_q, x, "to_q"), apply(attn.to_k, x, "to_k"), apply(attn.to_v, x, "to_v")
+        return apply(attn.to_q, x, f"{name}.to_q"), attn.to_k(context), attn.to_v(context)
+    return tuple(apply(getattr(attn, p), x, f"{name}.{p}") for p in ("to_q", "to_k", "to_v"))
 
 
-def sdpa_core(attn: nn.Module, x: Tensor | NormedInput, context: Tensor | None, mask: Tensor | None) -> Tensor:
+def sdpa_core(
+    attn: nn.Module, x: Tensor | NormedInput, context: Tensor | None, mask: Tensor | None, name: str = "attn"
+) -> Tensor:
     """The mirrored processor's tensor just before ``to_out[0]``: (B, tokens, heads * head_dim). ``x`` may be a
-    :class:`NormedInput`, read by the projections in their loads."""
+    :class:`NormedInput`, read by the projections in their loads (``name``: the attention's attribute, for the
+    report)."""
     batch, seq_len = (x if context is None else context).shape[:2]
     if mask is not None:
         mask = attn.prepare_attention_mask(mask, seq_len, batch)
         mask = mask.view(batch, attn.heads, -1, mask.shape[-1])
-    q, k, v = _projections(attn, x, context)
+    q, k, v = _projections(attn, x, context, name)
     head_dim = k.shape[-1] // attn.heads
     q, k, v = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (q, k, v))
     if attn.norm_q is not None:
@@ -165,7 +170,7 @@ def sdpa_attention_residual(
         return stock_gated_residual(out, gate, residual)
     context = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
     with observed(attn, (hidden_states,), context):
-        core = sdpa_core(attn, hidden_states, encoder_hidden_states, attention_mask)
+        core = sdpa_core(attn, hidden_states, encoder_hidden_states, attention_mask, name)
         layer = attn.to_out[0]
         return linear(core, layer.weight, layer.bias, gate=gate, residual=residual)
 

@@ -110,6 +110,7 @@ def temporal_self_attention(
     bfn: tuple[int, int, int],
     residual: Tensor | None = None,
     gate: Tensor | None = None,
+    name: str = "attn",
 ) -> Tensor:
     """What an Attention module computes on token-major activations ``x`` of shape (..., C), with the attention over
     frames done by the strided kernel: ``x.view(*bfn, C)`` must index tokens as (B, F, N); ``context`` (same shape)
@@ -117,23 +118,23 @@ def temporal_self_attention(
     ``attn.scale``, to_out, residual_connection and rescale_output_factor as diffusers applies them; no copies.
     ``residual`` (the block's token stream, x's shape) is added in to_out's GEMM epilogue when given, after the
     per-sample ``gate`` ((B, 1, C), adaLN blocks) when given. ``x`` may be a :class:`NormedInput` (a block's norm,
-    read in the projections' loads).
+    read in the projections' loads; ``name``: the attention's attribute, for the report).
     """
     heads, c = attn.heads, attn.inner_dim
     fused = attn.fused_projections
     if context is None and fused and getattr(attn, "to_qkv", None) is not None:
-        qkv = apply(attn.to_qkv, x, "to_qkv")
+        qkv = apply(attn.to_qkv, x, f"{name}.to_qkv")
         q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]
     else:
         source = x if context is None else context
         if context is not None and attn.norm_cross:
             source = attn.norm_encoder_hidden_states(source)
-        q = apply(attn.to_q, x, "to_q")
+        q = apply(attn.to_q, x, f"{name}.to_q")
         if fused and getattr(attn, "to_kv", None) is not None:
-            kv = apply(attn.to_kv, source, "to_kv")
+            kv = apply(attn.to_kv, source, f"{name}.to_kv")
             k, v = kv[..., :c], kv[..., c:]
         else:
-            k, v = apply(attn.to_k, source, "to_k"), apply(attn.to_v, source, "to_v")
+            k, v = apply(attn.to_k, source, f"{name}.to_k"), apply(attn.to_v, source, f"{name}.to_v")
     # (..., C) -> (B, F, N, heads, head_dim): a view (the last axis of every slice is contiguous).
     q, k, v = (t.view(*bfn, heads, c // heads) for t in (q, k, v))
     if attn.norm_q is not None:

@@ -125,7 +125,7 @@ def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, con
     else:
         h = block.ff_in(block.norm_in(x))
     normed = NormedInput(block.norm1, h, where, "norm1")
-    h = temporal_self_attention(block.attn1, normed, None, (b, num_frames, n), residual=h)
+    h = temporal_self_attention(block.attn1, normed, None, (b, num_frames, n), residual=h, name="attn1")
     if block.attn2 is not None:
         attn2 = block.attn2
         # (B*N, 1, C) context rows -> (B, 1, N, C), broadcast over the frames.
@@ -241,9 +241,9 @@ def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) ->
             return NormedInput(norm, t, where, name)
         return _with_positions(block.pos_embed, norm(t))
 
-    x = temporal_self_attention(block.attn1, normed("norm1", x), None, bfn, residual=x)
+    x = temporal_self_attention(block.attn1, normed("norm1", x), None, bfn, residual=x, name="attn1")
     if block.attn2 is not None:
-        x = temporal_self_attention(block.attn2, normed("norm2", x), None, bfn, residual=x)
+        x = temporal_self_attention(block.attn2, normed("norm2", x), None, bfn, residual=x, name="attn2")
     return ff_residual(block.ff, NormedInput(block.norm3, x, where, "norm3"), x)
 
 

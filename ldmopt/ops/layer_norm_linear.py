@@ -103,7 +103,7 @@ def _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, save_
 
 
 def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
-    norm = (stats, norm_weight, norm_bias)
+    norm = (stats.contiguous(), norm_weight, norm_bias)  # the kernels index [2, M] densely (a slice is copied)
     if activation == "geglu":
         from ldmopt.kernels.geglu import geglu_fwd as launch_geglu
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..nn.attention_residual import sdpa_attention_residual as attend
+from ..nn.layer_norm_input import NormedInput
 from ..nn.linear import (
     feed_forward_reasons,
     ff_gated_residual,
@@ -103,10 +104,10 @@ def _adaln_block_forward(
     if self.attn2 is not None:
         if single:
             norm_hidden_states = hidden_states  # PixArt: no norm before the cross-attention
+        elif self.pos_embed is None:  # DiT-style cross-attention: norm2 read in to_q's loads
+            norm_hidden_states = NormedInput(self.norm2, hidden_states, where, "norm2")
         else:
-            norm_hidden_states = self.norm2(hidden_states)
-            if self.pos_embed is not None:
-                norm_hidden_states = self.pos_embed(norm_hidden_states)
+            norm_hidden_states = self.pos_embed(self.norm2(hidden_states))
         hidden_states = attend(
             self.attn2, norm_hidden_states, hidden_states, encoder_hidden_states, encoder_attention_mask, kwargs,
             where, "attn2",

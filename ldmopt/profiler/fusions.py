@@ -35,6 +35,8 @@ Rules (names as reported):
   statistics pass, which still reads x; the norm's output write goes (the GEMMs read x instead of it: same bytes).
   Not counted: norms whose output gets positional embeddings first (AnimateDiff motion modules' norm1/norm2), and
   the norm before a single-key attention (SVD's attn2, whose query path is skipped: the shortcut rule).
+  Approximation, counted although the patched run keeps the norm: norm3 of a BasicTransformerBlock with norm_type
+  "ada_norm" (no ldmopt rule).
 - ``single-key attention shortcut``: SVD's ``attn2`` attends over one image-embedding token, so its softmax is 1 and
   ldmopt's SingleKeyAttnProcessor computes ``to_out(to_v(context))`` on that token and broadcasts it: the query and
   key projections, the attention and the full-size ``to_out`` GEMM and ``/ rescale_output_factor`` go (to_v stays,
@@ -376,7 +378,8 @@ def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, s
         return  # something else reads the norm's output (positional embeddings): it is written
     if any(g.path.startswith(f"{path}.") for g in gemms for path in single_key):
         return  # a single-key attention's query path: the patched block calls the norm (the processor skips it)
-    plan.claim(LN_GEMM, {ln.index: ln.out_bytes})
+    # The norm's output (x's size) is not written; the statistics (mean, rstd) still are.
+    plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0]})
 
 
 def _single_key_shortcut(plan: _Plan, records: list[OpRecord], single_key: frozenset[str]) -> None:

@@ -202,3 +202,25 @@ def test_bad_input_messages(kwargs, error, match):
 def test_stats_refuse_bad_eps():
     with pytest.raises(ValueError, match="eps"):
         layer_norm_stats(torch.randn(3, 4), -1.0)
+
+
+@pytest.mark.parametrize("act", [None, "geglu"])
+def test_k_tail_without_affine_stays_finite(act):
+    # A constant row (variance 0) at 100 with eps=1e-6: -mean * rstd = -1e5 overflows fp16 in the K tail's padding
+    # unless the tail is zeroed (K=40 leaves a tail in the 32-wide interpreter tiles); no norm weight zeroes it.
+    x, _, _, w, b = _inputs((3, 40), 8, torch.float16, affine=False, act=act)
+    x[1] = 100.0
+    with ldmopt.use_backend("triton"):
+        y = layer_norm_linear(x, None, None, w, b, eps=1e-6, activation=act)
+    expect = _reference(*_double((x, None, None, w, b)), act, eps=1e-6)
+    assert_within_torch_error(y, expect, _reference(x, None, None, w, b, act, eps=1e-6), f"constant row {act}")
+
+
+def test_statistics_of_a_row_slice():
+    # stats for rows 6: of a larger batch, as a strided [2, M] slice: the GEMM reads the right rows' statistics.
+    x, nw, nb, w, b = _inputs((12, 40), 16, torch.float32)
+    stats = layer_norm_stats(x, EPS)[:, 6:]
+    for backend in ("triton", "torch"):
+        with ldmopt.use_backend(backend):
+            y = layer_norm_linear(x[6:], nw, nb, w, b, eps=EPS, stats=stats)
+        assert_close(y, _reference(*_double((x[6:], nw, nb, w, b)), None), torch.float32, backend)

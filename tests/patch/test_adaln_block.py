@@ -19,7 +19,7 @@ from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
 
 DIM, CONTEXT_DIM, TOKENS, CONTEXT_TOKENS, BATCH = 40, 24, 37, 7, 3
 # Linear GEMMs per block call: the GELU projection, one per attention epilogue, the feed-forward output's.
-SITES = {"dit": 3, "pixart": 4, "latte": 3}
+SITES = {"dit": 3, "pixart": 4, "latte": 3, "dit-cross": 4}
 
 
 def _block(kind: str) -> BasicTransformerBlock:
@@ -29,14 +29,16 @@ def _block(kind: str) -> BasicTransformerBlock:
         dim=DIM, num_attention_heads=2, attention_head_dim=20, activation_fn="gelu-approximate",
         norm_elementwise_affine=False,
     )  # fmt: skip
-    if kind == "dit":
+    if kind.startswith("dit"):
         kwargs.update(norm_type="ada_norm_zero", num_embeds_ada_norm=1000)
+        if kind == "dit-cross":  # a DiT-style block with cross-attention: its plain norm2 feeds attn2's to_q
+            kwargs.update(cross_attention_dim=CONTEXT_DIM)
     else:
         kwargs.update(norm_type="ada_norm_single", norm_eps=1e-6)
         if kind == "pixart":
             kwargs.update(cross_attention_dim=CONTEXT_DIM)
     block = BasicTransformerBlock(**kwargs).eval()
-    if kind == "dit":  # no random class-label drop in training mode: stock and fused runs see the same labels
+    if kind.startswith("dit"):  # no random class-label drop in training mode: stock and fused runs see the same labels
         block.norm1.emb.class_embedder.dropout_prob = 0.0
     with torch.no_grad():
         for p in block.parameters():
@@ -46,11 +48,11 @@ def _block(kind: str) -> BasicTransformerBlock:
 
 def _inputs(kind: str, batch: int = BATCH) -> dict:
     kw = dict(hidden_states=torch.randn(batch, TOKENS, DIM))
-    if kind == "dit":
+    if kind.startswith("dit"):
         kw.update(timestep=torch.randint(0, 1000, (batch,)), class_labels=torch.randint(0, 1000, (batch,)))
     else:  # the model's t_embedder output: six modulation vectors per sample
         kw.update(timestep=0.5 * torch.randn(batch, 6 * DIM))
-    if kind == "pixart":
+    if kind in ("pixart", "dit-cross"):
         kw.update(encoder_hidden_states=torch.randn(batch, CONTEXT_TOKENS, CONTEXT_DIM))
     return kw
 
@@ -61,7 +63,7 @@ def _exact(block, kw):
         return copy.deepcopy(block).double()(**double)
 
 
-def _patched_matches_stock(kind, block, kw, sites):
+def _patched_matches_stock(kind, block, kw, sites, normed=None):
     exact = _exact(block, kw)
     with torch.no_grad():
         ref = block(**kw)
@@ -73,6 +75,7 @@ def _patched_matches_stock(kind, block, kw, sites):
         out = block(**kw)
     assert not report.fallbacks(), report.fallbacks()
     assert report.backends()["linear"] == {"triton": sites}, report.backends()
+    assert report.backends().get("layer_norm_linear") == normed, report.backends()
     assert_within_torch_error(out, exact, ref, f"{kind} block")
     ldmopt.unpatch(block)
     assert_same_snapshot(before, snapshot(block))
@@ -81,6 +84,11 @@ def _patched_matches_stock(kind, block, kw, sites):
 @pytest.mark.parametrize("kind", ["dit", "pixart", "latte"])
 def test_block_matches_stock(kind):
     _patched_matches_stock(kind, _block(kind), _inputs(kind), SITES[kind])
+
+
+def test_dit_cross_attention_reads_norm2_in_to_q_loads():
+    # norm2 has no affine here and 40 channels: the K tail of the normalised tiles is masked without a weight.
+    _patched_matches_stock("dit-cross", _block("dit-cross"), _inputs("dit-cross"), 4, normed={"triton": 1})
 
 
 def test_dit_one_timestep_for_the_batch_broadcasts():
