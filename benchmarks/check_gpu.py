@@ -197,6 +197,26 @@ def _run_ln_linear(x, nw, nb, w, b):
     return layer_norm_linear(x, nw, nb, w, b, activation="geglu" if w.shape[0] > 2 * x.shape[-1] else None)
 
 
+def _frame_table(x):
+    """A fixed sinusoid-like table, 16 frames x C, in x's dtype (AnimateDiff's positions, one row per frame)."""
+    c = x.shape[-1]
+    return torch.sin(torch.arange(16 * c, device=x.device, dtype=torch.float64).view(16, c) * 0.01).to(x.dtype)
+
+
+def _run_ln_linear_pos(x, nw, nb, w, b):
+    """A motion module's norm1 -> to_q with the frame positions added in the loads (x: 16 frames of T / 16 rows)."""
+    from ldmopt.ops.layer_norm_linear import layer_norm_linear
+
+    rows = x.shape[1] // 16
+    return layer_norm_linear(x, nw, nb, w, b, positions=_frame_table(x).detach(), position_rows=rows)
+
+
+def _ref_ln_linear_pos(x, nw, nb, w, b):
+    h = F.layer_norm(x, x.shape[-1:], nw, nb).view(x.shape[0], 16, -1, x.shape[-1])
+    h = h + _frame_table(x)[None, :, None, :]
+    return F.linear(h.view(x.shape), w, b)
+
+
 def _ref_ln_linear(x, nw, nb, w, b):
     z = F.linear(F.layer_norm(x, x.shape[-1:], nw, nb), w, b)
     if w.shape[0] > 2 * x.shape[-1]:  # GEGLU (I = 4 C in the UNets)
@@ -335,7 +355,7 @@ def _fused_linear(quick: bool):
                 inputs = [x, scale, shift, torch.randn_like(x)]
                 if run is _run_adaln_gated:
                     inputs.append(torch.randn(bsz, k, device=DEVICE))
-            elif run is _run_ln_linear:  # a token stream off zero mean; the norm's affine near 1
+            elif run in (_run_ln_linear, _run_ln_linear_pos):  # a token stream off zero mean; the norm's affine near 1
                 inputs = [x + 0.5, 1 + 0.3 * torch.randn(k, device=DEVICE), 0.1 * torch.randn(k, device=DEVICE),
                           torch.randn(n, k, device=DEVICE) * k**-0.5, torch.randn(n, device=DEVICE) * 0.1]  # fmt: skip
             elif run is _run_blend:  # two [bsz, t, k] streams as x's halves; one blend weight per frame
@@ -466,6 +486,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "blend-svd-proj_out": (_run_blend, _ref_blend, 28, 2304, 640, 640),  # 14 frames x 2 (CFG), level 2
         "ln-q-sd15-l0": (_run_ln_linear, _ref_ln_linear, 2, 4096, 320, 320),
         "ln-geglu-sdxl-l1": (_run_ln_linear, _ref_ln_linear, 2, 4096, 640, 5120),
+        "ln-q-positions-animatediff": (_run_ln_linear_pos, _ref_ln_linear_pos, 2, 16 * 1024, 320, 320),
         "adaln-pixart": (_run_adaln, _ref_adaln, 2, 4096, 1152, None),
         "adaln-gated-wan14b": (_run_adaln_gated, _ref_adaln_gated, 1, 8192, 5120, None),
         "gated-wan1.3b-ffn": (_run_gated_wan, _ref_gated, 1, 8192, 8960, 1536),

@@ -67,10 +67,11 @@ def gelu_tanh_grad(x, dy):
 
 @triton.jit
 def layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k, k_ok, HAS_NORM_WEIGHT: tl.constexpr,
-                 HAS_NORM_BIAS: tl.constexpr):  # fmt: skip
+                 HAS_NORM_BIAS: tl.constexpr, pos_ptr=None, pos_rows=None, HAS_POS: tl.constexpr = False):  # fmt: skip
     """LayerNorm of an input tile a [BLOCK_M, BLOCK_K] (columns k, k_ok masking the tail) from fp32 row statistics
-    mean and rstd [BLOCK_M] and the affine weight/bias [K], in fp32; the caller rounds it once to the GEMM's operand
-    dtype, as the unfused norm's output is rounded (or cast by autocast) before the GEMM reads it."""
+    mean and rstd [BLOCK_M] and the affine weight/bias [K], in fp32, plus (HAS_POS) a positional embedding per row
+    (its table row's offset pos_rows [BLOCK_M]); the caller rounds it once to the GEMM's operand dtype, as the
+    unfused norm's output is rounded (or cast by autocast) before the GEMM reads it."""
     h = (a.to(tl.float32) - mean[:, None]) * rstd[:, None]
     if HAS_NORM_WEIGHT:  # the weight's masked load zeroes the K tail
         h = h * tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
@@ -78,6 +79,8 @@ def layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k, k_ok, HAS_NORM_WEIGHT
         h = tl.where(k_ok[None, :], h, 0.0)
     if HAS_NORM_BIAS:
         h = h + tl.load(norm_b_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_POS:
+        h = h + tl.load(pos_ptr + pos_rows[:, None] + k[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
     return h
 
 

@@ -137,15 +137,17 @@ def accumulate_k_blend(
 
 @triton.jit
 def accumulate_k_normed(
-    acc, a_ptrs, b_ptrs, mean, rstd, norm_w_ptr, norm_b_ptr, rk, K, stride_ak, stride_bk,
-    HAS_NORM_WEIGHT: tl.constexpr, HAS_NORM_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    acc, a_ptrs, b_ptrs, mean, rstd, norm_w_ptr, norm_b_ptr, pos_ptr, pos_rows, rk, K, stride_ak, stride_bk,
+    HAS_NORM_WEIGHT: tl.constexpr, HAS_NORM_BIAS: tl.constexpr, HAS_POS: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """accumulate_k of the LayerNorm'd rows (layer_normed: fp32 statistics mean/rstd [BLOCK_M]), formed in registers
     and rounded to B's dtype (A may be wider: an fp32 stream under autocast)."""
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        h = layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k0 + rk, k_ok, HAS_NORM_WEIGHT, HAS_NORM_BIAS)
+        h = layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k0 + rk, k_ok, HAS_NORM_WEIGHT, HAS_NORM_BIAS, pos_ptr,
+                         pos_rows, HAS_POS)  # fmt: skip
         b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(h.to(b.dtype), b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
@@ -167,6 +169,7 @@ def _linear_fwd_kernel(
     stats_ptr,  # [2, M] fp32 (NORM): the input rows' mean, then their rstd
     norm_w_ptr,  # [K] (NORM_WEIGHT): the LayerNorm's weight
     norm_b_ptr,  # [K] (NORM_BIAS): the LayerNorm's bias
+    pos_ptr,  # [P, K] (NORM_POS): added to the norm, row m taking table row (m // POS_ROWS) % P
     stride_xm,
     stride_xk,
     stride_wn,
@@ -178,6 +181,7 @@ def _linear_fwd_kernel(
     stride_rn,
     stride_x2m,
     stride_x2k,
+    stride_pp,
     M,
     N,
     K,
@@ -185,6 +189,8 @@ def _linear_fwd_kernel(
     T,
     T_MIX,
     RES_T,  # residual rows per stride_rb step (RESIDUAL_3D)
+    POS_ROWS,  # consecutive rows per positional-table row (NORM_POS)
+    POS_P,  # the positional table's rows (NORM_POS)
     M_BUCKET,  # autotune key only
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -196,6 +202,7 @@ def _linear_fwd_kernel(
     NORM: tl.constexpr,
     NORM_WEIGHT: tl.constexpr,
     NORM_BIAS: tl.constexpr,
+    NORM_POS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -221,8 +228,10 @@ def _linear_fwd_kernel(
     elif NORM:
         mean = tl.load(stats_ptr + rows)
         rstd = tl.load(stats_ptr + M + rows)
-        acc = accumulate_k_normed(acc, x_ptrs, w_ptrs, mean, rstd, norm_w_ptr, norm_b_ptr, rk, K, stride_xk, stride_wk,
-                                  NORM_WEIGHT, NORM_BIAS, BLOCK_K, INPUT_PRECISION)  # fmt: skip
+        pos_rows = ((rows // POS_ROWS) % POS_P) * stride_pp
+        acc = accumulate_k_normed(acc, x_ptrs, w_ptrs, mean, rstd, norm_w_ptr, norm_b_ptr, pos_ptr, pos_rows, rk, K,
+                                  stride_xk, stride_wk, NORM_WEIGHT, NORM_BIAS, NORM_POS, BLOCK_K,
+                                  INPUT_PRECISION)  # fmt: skip
     else:
         acc = accumulate_k(acc, x_ptrs, w_ptrs, rk, K, stride_xk, stride_wk, BLOCK_K, INPUT_PRECISION)
     if HAS_TAIL:  # the weight's last K2 columns against the second part of the input
@@ -355,13 +364,15 @@ def linear_fwd(
     x_tail: torch.Tensor | None = None,
     mix: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
+    positions: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in ``dtype``, by default the promoted
     dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
     weight [N, K], gate [B, N] with M % B == 0, residual [M, N] or [B', T', N] (B' T' = M); any strides. With
     x_tail [M, K2] the input is [x | x_tail] and the weight [N, K + K2]; with mix [S] (fp32, M % S == 0) as well,
     x_tail is [M, K] and the input mix[row // (M / S)] * x + (1 - mix) * x_tail. With norm = (stats [2, M] fp32
-    contiguous mean and rstd, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads."""
+    contiguous mean and rstd, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads,
+    plus, with positions = (table [P, K] with unit column stride, rows per table row R), table[(m // R) % P]."""
     m, k = x.shape
     blend = mix is not None
     k2 = x_tail.shape[1] if x_tail is not None and not blend else 0
@@ -369,6 +380,7 @@ def linear_fwd(
     n = weight.shape[0]
     bias = None if bias is None else bias.contiguous()  # read with unit stride
     stats, norm_w, norm_b = norm if norm is not None else (None, None, None)
+    pos, pos_rows = positions if positions is not None else (None, 1)
     y = new_output((m, n), device=x.device, dtype=dtype or out_dtype(x, gate, residual))
     pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=weight.dtype)
     tokens = m // gate.shape[0] if gate is not None else m
@@ -388,13 +400,14 @@ def linear_fwd(
         residual if residual is not None else x, x_tail if x_tail is not None else x,
         mix.contiguous() if blend else x, stats if stats is not None else x,
         norm_w.contiguous() if norm_w is not None else x, norm_b.contiguous() if norm_b is not None else x,
-        x.stride(0), x.stride(1),
-        weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1], m, n, k, k2, tokens,
-        m // mix.shape[0] if blend else 1, max(res_t, 1), m_bucket(m),
+        pos if pos is not None else x, x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1],
+        pos.stride(0) if pos is not None else 0, m, n, k, k2, tokens, m // mix.shape[0] if blend else 1, max(res_t, 1),
+        pos_rows, pos.shape[0] if pos is not None else 1, m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
         HAS_TAIL=x_tail is not None and not blend, BLEND=blend, NORM=stats is not None,
-        NORM_WEIGHT=norm_w is not None, NORM_BIAS=norm_b is not None, STORE_PRE=save_pre,
+        NORM_WEIGHT=norm_w is not None, NORM_BIAS=norm_b is not None, NORM_POS=pos is not None, STORE_PRE=save_pre,
         INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
@@ -456,26 +469,29 @@ def divisibility_attrs(fn, signature: dict, constexprs: dict, skip: tuple[str, .
 
 def _fwd_spec(
     name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False, tail=False, blend=False, norm=False,
-    x_dtype=None,
+    x_dtype=None, pos=False,
 ):  # fmt: skip
     bm, bn, bk, warps, stages = tile
     signature = {
         "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{x_dtype or dtype}", "w_ptr": f"*{dtype}",
         "b_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}",
         "mix_ptr": "*fp32", "stats_ptr": "*fp32", "norm_w_ptr": f"*{dtype}", "norm_b_ptr": f"*{dtype}",
+        "pos_ptr": f"*{dtype}",
         "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
         "stride_gb": "i32", "stride_gn": "i32", "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32",
-        "stride_x2m": "i32", "stride_x2k": "i32", "M": "i32", "N": "i32", "K": "i32", "K2": "i32", "T": "i32",
-        "T_MIX": "i32", "RES_T": "i32", "M_BUCKET": "i32",
+        "stride_x2m": "i32", "stride_x2k": "i32", "stride_pp": "i32", "M": "i32", "N": "i32", "K": "i32", "K2": "i32",
+        "T": "i32",
+        "T_MIX": "i32", "RES_T": "i32", "POS_ROWS": "i32", "POS_P": "i32", "M_BUCKET": "i32",
     }  # fmt: skip
     constexprs = {
         "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "stride_x2k": 1,
         "ACTIVATION": ACTIVATIONS[activation][0], "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual,
         "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail, "BLEND": blend, "NORM": norm, "NORM_WEIGHT": norm,
-        "NORM_BIAS": norm, "STORE_PRE": store_pre,
+        "NORM_BIAS": norm, "NORM_POS": pos, "STORE_PRE": store_pre,
         "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
     }  # fmt: skip
-    attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=("M", "T", "T_MIX", "RES_T", "M_BUCKET"))
+    skip = ("M", "T", "T_MIX", "RES_T", "POS_ROWS", "POS_P", "M_BUCKET")
+    attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=skip)
     return dict(name=name, fn=_linear_fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs,
                 num_warps=warps, num_stages=stages)  # fmt: skip
 
@@ -510,6 +526,9 @@ def aot_specs() -> list[dict]:
         tag = "x".join(map(str, tile[:3]))
         specs.append(_fwd_spec(f"linear_fwd[{dtype},layer-normed x,{act},{tag}]", dtype, tile, act, False, False,
                                act is not None, norm=True))  # fmt: skip
+    # AnimateDiff's motion modules: sinusoidal positions (one table row per frame) added to the norm in the loads.
+    specs.append(_fwd_spec("linear_fwd[fp16,layer-normed x + positions]", "fp16", main, None, False, False, False,
+                           norm=True, pos=True))  # fmt: skip
     # Under autocast: an fp32 stream normalised and rounded to the fp16 weight's dtype in the loads; below sm_90 the
     # 128x128x64 tiles are pruned (prune_wide_input).
     for tile, archs in ((main, (90,)), ((128, 128, 32, 8, 4), (80, 90)), ((64, 128, 64, 4, 4), (80, 90))):

@@ -55,6 +55,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
             "blend": (C._run_blend, C._ref_blend, 3, 7, 40, 24),
             "ln-linear": (C._run_ln_linear, C._ref_ln_linear, 2, 7, 40, 24),
             "ln-geglu": (C._run_ln_linear, C._ref_ln_linear, 2, 7, 40, 160),
+            "ln-positions": (C._run_ln_linear_pos, C._ref_ln_linear_pos, 2, 32, 40, 24),
             "rms_norm": (C._run_rms_norm, C._ref_rms_norm, 2, 7, 40, 0),
             "rms_rope": (C._run_rms_norm_rope, C._ref_rms_norm_rope, 2, 7, 40, 0),
             "rms_rope-heads": (C._run_rms_norm_rope_heads, C._ref_rms_norm_rope_heads, 2, 7, 40, 8),

@@ -16,6 +16,8 @@ the weight's dtype, as the stock norm's output is).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor, nn
 
 from ..ops.layer_norm_linear import layer_norm_linear, layer_norm_stats
@@ -35,12 +37,35 @@ def norm_reason(norm: object, x: Tensor, name: str = "norm") -> str | None:
     return None
 
 
+def sinusoidal_table(pos_embed: object, length: int) -> Tensor | None:
+    """diffusers' SinusoidalPositionalEmbedding table for ``length`` positions ([length, C], a view), or None when
+    ``pos_embed`` is something else, hooked, or too short (the caller then adds it as a module)."""
+    cls = type(pos_embed)
+    if cls.__name__ != "SinusoidalPositionalEmbedding" or not cls.__module__.startswith("diffusers."):
+        return None
+    pe = getattr(pos_embed, "pe", None)
+    if hooked(pos_embed) or not isinstance(pe, Tensor) or pe.dim() != 3 or pe.shape[1] < length:
+        return None
+    return pe[0, :length]
+
+
 class NormedInput:
     """``norm(x)``, read by the GEMMs after it in their loads (see the module docstring). ``where``: the block's
-    class name, for fall-back reasons."""
+    class name, for fall-back reasons. ``positions`` = (table [P, C], rows per table row R): a positional embedding
+    added to the norm's output, row m of x's rows taking table[(m // R) % P], in the loads too; ``finish`` adds it
+    to the norm module's output on the stock path (e.g. the SinusoidalPositionalEmbedding module)."""
 
-    def __init__(self, norm: nn.Module, x: Tensor, where: str, name: str = "norm") -> None:
+    def __init__(
+        self,
+        norm: nn.Module,
+        x: Tensor,
+        where: str,
+        name: str = "norm",
+        positions: tuple[Tensor, int] | None = None,
+        finish: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         self.norm, self.x, self.where, self.name = norm, x, where, name
+        self.positions, self.finish = positions, finish
         self.reason = norm_reason(norm, x, name)
         self._out: Tensor | None = None
         self._stats: Tensor | None = None
@@ -57,7 +82,8 @@ class NormedInput:
     def tensor(self) -> Tensor:
         """The norm module's output (the stock call), computed once."""
         if self._out is None:
-            self._out = self.norm(self.x)
+            out = self.norm(self.x)
+            self._out = out if self.finish is None else self.finish(out)
         return self._out
 
     def _fused_ok(self) -> bool:
@@ -79,9 +105,10 @@ class NormedInput:
 
     def _normed_gemm(self, module: nn.Module, layer: nn.Linear, activation: str | None) -> Tensor:
         rows, stats = self._statistics()
+        table, per = self.positions if self.positions is not None else (None, 1)
         with observed(module, (self,)):
             y = layer_norm_linear(rows, self.norm.weight, self.norm.bias, layer.weight, layer.bias, eps=self.norm.eps,
-                                  activation=activation, stats=stats)  # fmt: skip
+                                  activation=activation, stats=stats, positions=table, position_rows=per)  # fmt: skip
         return y.view(*self.x.shape[:-1], y.shape[-1])
 
     def project(self, layer: nn.Module, name: str) -> Tensor:

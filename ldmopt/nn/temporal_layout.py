@@ -42,7 +42,7 @@ from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
 from .child_check import hooked, plain_weight, readable, stock
 from .group_norm import GroupNorm as LdmoptGroupNorm
-from .layer_norm_input import NormedInput
+from .layer_norm_input import NormedInput, sinusoidal_table
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
@@ -231,15 +231,21 @@ def _with_positions(pos_embed, x: Tensor) -> Tensor:
 
 
 def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
-    """``BasicTransformerBlock.forward`` (norm_type "layer_norm", self-attention only) on (B, F, N, C) tokens; a norm
-    whose output only feeds GEMMs (no positions added) is read in their loads."""
+    """``BasicTransformerBlock.forward`` (norm_type "layer_norm", self-attention only) on (B, F, N, C) tokens; each
+    norm is read in the loads of the GEMMs after it, with diffusers' sinusoidal positions (one per frame) added
+    there too."""
     where = type(block).__name__
 
     def normed(name: str, t: Tensor) -> Tensor | NormedInput:
         norm = getattr(block, name)
         if block.pos_embed is None:
             return NormedInput(norm, t, where, name)
-        return _with_positions(block.pos_embed, norm(t))
+        table = sinusoidal_table(block.pos_embed, t.shape[1])
+        if table is None:
+            return _with_positions(block.pos_embed, norm(t))
+        # (B, F, N, C) rows ((b F + f) N + n) take table row f: one per frame, N rows each.
+        finish = lambda y: _with_positions(block.pos_embed, y)
+        return NormedInput(norm, t, where, name, positions=(table, t.shape[2]), finish=finish)
 
     x = temporal_self_attention(block.attn1, normed("norm1", x), None, bfn, residual=x, name="attn1")
     if block.attn2 is not None:

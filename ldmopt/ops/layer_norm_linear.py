@@ -84,25 +84,34 @@ register_eager(layer_norm_stats_op)
 # ------------------------------------------------------------------------------------------------ normalised GEMM
 
 
-def _normalised_torch(x: Tensor, stats: Tensor, norm_weight: Tensor | None, norm_bias: Tensor | None) -> Tensor:
-    """The LayerNorm's output in the compute dtype, from the saved statistics."""
+def _position_rows(positions: Tensor, rows: int, position_rows: int) -> Tensor:
+    """positions[(m // position_rows) % P] for every row m: [rows, K]."""
+    index = torch.arange(rows, device=positions.device) // position_rows % positions.shape[0]
+    return positions.index_select(0, index)
+
+
+def _normalised_torch(x, stats, norm_weight, norm_bias, positions=None, position_rows=1) -> Tensor:
+    """The LayerNorm's output (plus the positions) in the compute dtype, from the saved statistics."""
     cd = stats.dtype
     h = (x.to(cd) - stats[0][:, None]) * stats[1][:, None]
     if norm_weight is not None:
         h = h * norm_weight.to(cd)
     if norm_bias is not None:
         h = h + norm_bias.to(cd)
+    if positions is not None:
+        h = h + _position_rows(positions, x.shape[0], position_rows).to(cd)
     return h
 
 
-def _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
-    h = _normalised_torch(x, stats, norm_weight, norm_bias).to(weight.dtype)  # the norm's output, as a GEMM reads it
+def _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
+    # The norm's output (plus positions), rounded once as a GEMM reads it.
+    h = _normalised_torch(x, stats, norm_weight, norm_bias, positions, position_rows).to(weight.dtype)
     if activation == "geglu":
         return _geglu_fwd_torch(h, weight, bias, save_pre)
     return _linear_fwd_torch(h, weight, bias, None, None, activation, save_pre, weight.dtype)
 
 
-def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
+def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
     norm = (stats.contiguous(), norm_weight, norm_bias)  # the kernels index [2, M] densely (a slice is copied)
     if activation == "geglu":
         from ldmopt.kernels.geglu import geglu_fwd as launch_geglu
@@ -110,13 +119,18 @@ def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save
         return launch_geglu(x, weight, bias, save_pre, norm=norm)
     from ldmopt.kernels.linear import linear_fwd as launch
 
-    return launch(x, weight, bias, None, None, activation, save_pre, weight.dtype, norm=norm)
+    pos = None
+    if positions is not None:  # the kernel reads table rows with unit column stride
+        pos = (positions if positions.stride(1) == 1 else positions.contiguous(), position_rows)
+    return launch(x, weight, bias, None, None, activation, save_pre, weight.dtype, norm=norm, positions=pos)
 
 
-def _refuse_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
-    reasons = triton_refusals(x, stats, norm_weight, norm_bias, weight, bias, dtypes=TRITON_DTYPES)
+def _refuse_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, _rows=1):
+    reasons = triton_refusals(x, stats, norm_weight, norm_bias, weight, bias, positions, dtypes=TRITON_DTYPES)
     if stats.dtype != torch.float32:
         reasons.append(f"statistics in {stats.dtype} (the kernels read fp32)")
+    if positions is not None and activation == "geglu":
+        reasons.append("positions with GEGLU (the GEGLU kernel adds none; diffusers adds them before attention only)")
     return reasons
 
 
@@ -135,37 +149,43 @@ def layer_norm_linear_fwd(
     bias: Tensor | None,
     activation: str,
     save_pre: bool,
+    positions: Tensor | None = None,
+    position_rows: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """(y, pre): y = act(h W^T + bias) [M, N] (GEGLU: [M, N / 2]) in the weight's dtype, h = the LayerNorm of x [M, K]
-    from stats [2, M] (layer_norm_stats) and the affine norm_weight/norm_bias [K] (or None). pre: the GEMM's output
-    ([M, N], saved for backward) when save_pre, else empty."""
-    return FORWARD(x, stats, norm_weight, norm_bias, weight, bias, activation or None, save_pre)
+    from stats [2, M] (layer_norm_stats) and the affine norm_weight/norm_bias [K] (or None), plus, with positions
+    [P, K], positions[(m // position_rows) % P] on row m. pre: the GEMM's output ([M, N], saved for backward) when
+    save_pre, else empty."""
+    act = activation or None
+    return FORWARD(x, stats, norm_weight, norm_bias, weight, bias, act, save_pre, positions, position_rows)
 
 
 @layer_norm_linear_fwd.register_fake
-def _(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre):
+def _(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
     n = weight.shape[0]
     y = x.new_empty((x.shape[0], n // 2 if activation == "geglu" else n), dtype=weight.dtype)
     return y, x.new_empty((x.shape[0], n) if save_pre else (0,), dtype=weight.dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre = inputs
-    ctx.save_for_backward(x, stats, norm_weight, norm_bias, weight, bias, output[1] if save_pre else None)
+    x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, *rest = inputs
+    positions = rest[0] if rest else None
+    ctx.save_for_backward(x, stats, norm_weight, norm_bias, weight, bias, output[1] if save_pre else None, positions)
+    ctx.position_rows = rest[1] if len(rest) > 1 else 1
     ctx.activation = activation or None
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _dpre):
-    x, stats, norm_weight, norm_bias, weight, bias, pre = ctx.saved_tensors
+    x, stats, norm_weight, norm_bias, weight, bias, pre, positions = ctx.saved_tensors
     if dy is None:
-        return (None,) * 8
+        return (None,) * 10
     need_dx, _, need_dnw, need_dnb, need_dw, need_db = ctx.needs_input_grad[:6]
     activation = ctx.activation
-    h = _normalised_torch(x, stats, norm_weight, norm_bias)
-    h_low = h.to(weight.dtype)  # what the GEMM read
-    if pre is None and activation is not None:
-        pre = (_fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, True))[1]
+    h_low = _normalised_torch(x, stats, norm_weight, norm_bias, positions, ctx.position_rows).to(weight.dtype)
+    if pre is None and activation is not None:  # what the GEMM read, and its output
+        pre = _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, True, positions, ctx.position_rows)
+        pre = pre[1]
     if activation == "geglu":
         dz, dbias = call(geglu_bwd, dy, pre)
     elif activation is None:
@@ -189,7 +209,7 @@ def _backward(ctx, dy, _dpre):
             mean_g = g.mean(1, keepdim=True)
             mean_gx = (g * xhat).mean(1, keepdim=True)
             dx = (stats[1][:, None] * (g - mean_g - xhat * mean_gx)).to(x.dtype)
-    return dx, None, dnw, dnb, dw, db, None, None
+    return dx, None, dnw, dnb, dw, db, None, None, None, None  # positions: a fixed table (checked)
 
 
 register_autograd_keeping_backend(layer_norm_linear_fwd, _backward, _setup_context)
@@ -220,6 +240,8 @@ def layer_norm_linear(
     eps: float = 1e-5,
     activation: str | None = None,
     stats: Tensor | None = None,
+    positions: Tensor | None = None,
+    position_rows: int = 1,
 ) -> Tensor:
     """``act(F.linear(F.layer_norm(x, (K,), norm_weight, norm_bias, eps), weight, bias))`` with the norm read in the
     GEMM's loads: its output is never written.
@@ -228,10 +250,13 @@ def layer_norm_linear(
     nn.Linear. ``activation``: None, "gelu" (erf), "gelu_tanh", "silu" or "geglu" (diffusers' GEGLU: weight is
     ``GEGLU.proj``'s [2I, K], value rows first, and the output [..., I] is ``h * gelu(g)``). ``stats``: this x's
     :func:`layer_norm_stats` with the same eps, to share one statistics pass between GEMMs reading one norm (else
-    computed here). The norm is formed in fp32 and rounded once to the weight's dtype, as the unfused norm's output
-    is (or as autocast casts it); the output has the weight's dtype. Under torch.autocast the weight and bias are
-    cast to the autocast dtype (as F.linear does) and x, whose fp32 norm autocast keeps in fp32, is read as it is.
-    Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the weight's dtype.
+    computed here). ``positions`` [P, K]: a fixed table (no gradient; diffusers' sinusoidal embeddings) added to the
+    norm's output, row m of x's rows [M, K] taking ``positions[(m // position_rows) % P]`` (P frames of
+    ``position_rows`` tokens each, repeating). The norm is formed in fp32 and rounded once to the weight's dtype, as the
+    unfused norm's output is (or as autocast casts it); the output has the weight's dtype. Under torch.autocast the
+    weight and bias are cast to the autocast dtype (as F.linear does) and x, whose fp32 norm autocast keeps in fp32, is
+    read as it is. Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the weight's
+    dtype.
     """
     check_tensor("x", x)
     autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
@@ -258,8 +283,16 @@ def layer_norm_linear(
             f"layer_norm_linear: stats must be layer_norm_stats(x) of shape (2, {rows.shape[0]}) in "
             f"{_stats_dtype(x)} on {x.device}, got {tuple(stats.shape)} in {stats.dtype} on {stats.device}"
         )
+    if positions is not None:
+        check_tensor("positions", positions, ndim=(2,))
+        if positions.shape[1] != k or positions.device != x.device or positions.requires_grad:
+            raise ValueError(
+                f"layer_norm_linear: positions must be a fixed [P, {k}] table on {x.device} (no gradient), got "
+                f"{tuple(positions.shape)} on {positions.device}, requires_grad={positions.requires_grad}"
+            )
+        if not isinstance(position_rows, int) or position_rows < 1:
+            raise ValueError(f"layer_norm_linear: position_rows must be a positive int, got {position_rows!r}")
     save_pre = activation is not None and needs_grad(x, norm_weight, norm_bias, weight, bias)
-    y, _pre = call(
-        layer_norm_linear_fwd, rows, stats.detach(), norm_weight, norm_bias, weight, bias, activation or "", save_pre
-    )
+    y, _pre = call(layer_norm_linear_fwd, rows, stats.detach(), norm_weight, norm_bias, weight, bias, activation or "",
+                   save_pre, positions, position_rows)  # fmt: skip
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..nn.attention_residual import sdpa_attention_residual as attend
 from ..nn.attention_residual import static_reason
-from ..nn.layer_norm_input import NormedInput
+from ..nn.layer_norm_input import NormedInput, sinusoidal_table
 from ..nn.linear import ff_residual
 from .rule import ClassSwapRule, Rule, Site
 from .rules_blocks import basic_block_forward
@@ -39,22 +39,29 @@ def _residual_block_forward(
     self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, kwargs, class_labels
 ) -> torch.Tensor:
     where = type(self).__name__
-    # Without positional embeddings each norm's output only feeds GEMMs, which read it in their loads.
-    if self.pos_embed is None:
-        normed = NormedInput(self.norm1, hidden_states, where, "norm1")
-    else:
-        normed = self.pos_embed(self.norm1(hidden_states))
+    # Each norm's output (plus sinusoidal positions) only feeds GEMMs, which read it in their loads.
+    normed = _normed(self, "norm1", hidden_states, where)
     context = encoder_hidden_states if self.only_cross_attention else None
     hidden_states = attend(self.attn1, normed, hidden_states, context, attention_mask, kwargs, where, "attn1")
     if self.attn2 is not None:
-        if self.pos_embed is None:
-            normed = NormedInput(self.norm2, hidden_states, where, "norm2")
-        else:
-            normed = self.pos_embed(self.norm2(hidden_states))
+        normed = _normed(self, "norm2", hidden_states, where)
         hidden_states = attend(
             self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask, kwargs, where, "attn2"
         )
     return ff_residual(self.ff, NormedInput(self.norm3, hidden_states, where, "norm3"), hidden_states)
+
+
+def _normed(block: nn.Module, name: str, x: torch.Tensor, where: str):
+    """``pos_embed(norm(x))`` (or ``norm(x)``) as a NormedInput the GEMMs read in their loads; a positional
+    embedding that is not diffusers' sinusoidal table (or is hooked) is added by its module, as stock."""
+    norm = getattr(block, name)
+    if block.pos_embed is None:
+        return NormedInput(norm, x, where, name)
+    table = sinusoidal_table(block.pos_embed, x.shape[1]) if x.dim() == 3 else None
+    if table is None:
+        return block.pos_embed(norm(x))
+    # (B, T, C) rows b * T + t take table row t.
+    return NormedInput(norm, x, where, name, positions=(table, 1), finish=block.pos_embed)
 
 
 class ResidualBlockRule(ClassSwapRule):

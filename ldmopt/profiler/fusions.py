@@ -33,8 +33,9 @@ Rules (names as reported):
   to_k, to_v; norm2 -> the cross-attention's to_q; norm3 -> the feed-forward's first projection; SVD's temporal
   blocks' norm_in and norm3 likewise): each GEMM normalises x in its loads (``ops.layer_norm_linear``) from one
   statistics pass, which still reads x; the norm's output write goes (the GEMMs read x instead of it: same bytes).
-  Not counted: norms whose output gets positional embeddings first (AnimateDiff motion modules' norm1/norm2), and
-  the norm before a single-key attention (SVD's attn2, whose query path is skipped: the shortcut rule).
+  diffusers' sinusoidal positional embedding added to the norm's output (AnimateDiff motion modules' norm1/norm2) is
+  added in the loads too: its add goes (the table rows read are not counted). Not counted: the norm before a
+  single-key attention (SVD's attn2, whose query path is skipped: the shortcut rule).
   Approximation, counted although the patched run keeps the norm: norm3 of a BasicTransformerBlock with norm_type
   "ada_norm" (no ldmopt rule).
 - ``single-key attention shortcut``: SVD's ``attn2`` attends over one image-embedding token, so its softmax is 1 and
@@ -374,12 +375,20 @@ def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, s
     if name not in norms or not ln.consumers or not plan.free(ln.index):
         return
     gemms = [records[c] for c in set(ln.consumers)]
+    positions = gemms[0] if len(gemms) == 1 and _owner_class(gemms[0]) == "SinusoidalPositionalEmbedding" else None
+    if positions is not None:  # norm -> + pe[t] -> GEMMs: the table row is added in the loads too
+        if positions.base != "add" or not positions.consumers or not plan.free(positions.index):
+            return
+        gemms = [records[c] for c in set(positions.consumers)]
     if not all(g.base in _GEMMS and g.category == C.LINEAR for g in gemms):
-        return  # something else reads the norm's output (positional embeddings): it is written
+        return  # something else reads the norm's output: it is written
     if any(g.path.startswith(f"{path}.") for g in gemms for path in single_key):
         return  # a single-key attention's query path: the patched block calls the norm (the processor skips it)
-    # The norm's output (x's size) is not written; the statistics (mean, rstd) still are.
-    plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0]})
+    # The norm's output (x's size) is not written; the statistics (mean, rstd) still are. The positions' add goes.
+    if positions is None:
+        plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0]})
+    else:
+        plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0], positions.index: positions.bytes}, removed=(positions.index,))
 
 
 def _single_key_shortcut(plan: _Plan, records: list[OpRecord], single_key: frozenset[str]) -> None:

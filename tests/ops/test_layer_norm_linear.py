@@ -224,3 +224,70 @@ def test_statistics_of_a_row_slice():
         with ldmopt.use_backend(backend):
             y = layer_norm_linear(x[6:], nw, nb, w, b, eps=EPS, stats=stats)
         assert_close(y, _reference(*_double((x[6:], nw, nb, w, b)), None), torch.float32, backend)
+
+
+def _with_positions(x, nw, nb, w, b, table, rows_per, act=None):
+    # F.layer_norm, then table[(m // rows_per) % P] added to row m (diffusers' sinusoidal embedding over frames).
+    h = F.layer_norm(x, (x.shape[-1],), nw, nb, EPS)
+    index = torch.arange(h.shape[0]) // rows_per % table.shape[0]
+    z = F.linear(h + table[index], w, b)
+    return F.gelu(z) if act == "gelu" else z
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_positions_added_to_the_norm_per_frame(dtype, backend):
+    # 3 frames of 5 tokens, repeating over 2 videos: 30 rows; K=40 leaves a tail in the interpreter's tiles.
+    x, nw, nb, w, b = _inputs((30, 40), 24, dtype)
+    table = torch.randn(3, 40).to(dtype)
+    with ldmopt.use_backend(backend), torch.no_grad():
+        y = layer_norm_linear(x, nw, nb, w, b, eps=EPS, activation="gelu", positions=table, position_rows=5)
+    expect = _with_positions(*_double((x, nw, nb, w, b, table)), 5, "gelu")
+    lowp = _with_positions(x, nw, nb, w, b, table, 5, "gelu")
+    assert_within_torch_error(y, expect, lowp, f"positions {dtype} {backend}")
+
+
+def test_positions_backward_vs_autograd():
+    x, nw, nb, w, b = _inputs((30, 40), 24, torch.float32)
+    table = torch.randn(3, 40)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, nw, nb, w, b)]
+    dy = torch.randn(30, 24)
+    with ldmopt.use_backend("triton"):
+        layer_norm_linear(*leaves, eps=EPS, activation="gelu", positions=table, position_rows=5).backward(dy)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    _with_positions(*ref, table.double(), 5, "gelu").backward(dy.double())
+    for name, got, want in zip(("dx", "dnw", "dnb", "dw", "db"), leaves, ref):
+        assert_close(got.grad, want.grad, torch.float32, name)
+
+
+def test_positions_with_geglu_run_the_torch_backend():
+    x, nw, nb, w, b = _inputs((12, 40), 8, torch.float32, act="geglu")
+    table = torch.randn(4, 40)
+    y = layer_norm_linear(x, nw, nb, w, b, activation="geglu", positions=table, position_rows=3)
+    z = _with_positions(*_double((x, nw, nb, w, b, table)), 3)
+    h, g = z.chunk(2, dim=-1)
+    assert_close(y, h * F.gelu(g), torch.float32, "geglu + positions")
+    with ldmopt.use_backend("triton"), pytest.raises(ldmopt.BackendUnavailableError, match="positions with GEGLU"):
+        layer_norm_linear(x, nw, nb, w, b, activation="geglu", positions=table, position_rows=3)
+
+
+@pytest.mark.parametrize(
+    "positions,rows,match",
+    [
+        (torch.randn(3, 7), 1, r"positions must be a fixed \[P, 40\] table"),
+        (torch.randn(3, 40, requires_grad=True), 1, "requires_grad=True"),
+        (torch.randn(3, 40), 0, "position_rows must be a positive int"),
+    ],
+)
+def test_bad_positions(positions, rows, match):
+    x, nw, nb, w, b = _inputs((6, 40), 8, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        layer_norm_linear(x, nw, nb, w, b, positions=positions, position_rows=rows)
+
+
+def test_opcheck_with_positions():
+    x, nw, nb, w, b = _inputs((12, 24), 16, torch.float32)
+    stats = layer_norm_stats(x, EPS)
+    w.requires_grad_()
+    table = torch.randn(4, 24)
+    torch.library.opcheck(torch.ops.ldmopt.layer_norm_linear_fwd, (x, stats, nw, nb, w, b, "gelu", True, table, 3))

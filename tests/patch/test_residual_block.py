@@ -373,15 +373,24 @@ class _Norm(nn.LayerNorm):
     """A LayerNorm subclass (another forward could hide behind it): read as a module, never in the loads."""
 
 
-def test_positional_embeddings_keep_the_attention_norms():
-    # AnimateDiff-style blocks add sinusoidal positions to norm1/norm2's output: those norms run; norm3 is read.
-    block = _block(positional_embeddings="sinusoidal", num_positional_embeddings=TOKENS)
+@pytest.mark.parametrize("hooked", [False, True])
+def test_positional_embeddings_added_in_the_loads(hooked):
+    # Sinusoidal positions on norm1/norm2's output (diffusers' pos_embed) are added in the projections' loads too;
+    # a hooked pos_embed keeps those two norms and the module call (norm3 is read in the loads either way).
+    block = _block(positional_embeddings="sinusoidal", num_positional_embeddings=TOKENS + 3)
+    calls, stock_calls = [], []
+    stock_block = copy.deepcopy(block)
+    if hooked:
+        block.pos_embed.register_forward_hook(lambda *a: calls.append(1))
+        stock_block.pos_embed.register_forward_hook(lambda *a: stock_calls.append(1))
     hidden, context = _inputs()
-    exact = _exact(block, hidden, context)
+    exact = _exact(stock_block, hidden, context)
+    stock_calls.clear()
     with torch.no_grad():
-        ref = _call(block, hidden, context)
+        ref = _call(stock_block, hidden, context)
         report = ldmopt.patch(block)
         with ldmopt.use_backend("triton"):
             out = _call(block, hidden, context)
-    assert report.backends()["layer_norm_linear"] == {"triton": 1}, report.backends()
-    assert_within_torch_error(out, exact, ref, "positional embeddings")
+    assert calls == stock_calls == ([1, 1] if hooked else [])
+    assert report.backends()["layer_norm_linear"] == {"triton": 1 if hooked else 5}, report.backends()
+    assert_within_torch_error(out, exact, ref, f"positional embeddings, hooked={hooked}")

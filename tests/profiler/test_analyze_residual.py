@@ -108,15 +108,19 @@ def test_unet_block_norms_are_read_in_the_gemm_loads():
     assert a.fusions[LN_GEMM].bytes_saved == sum(r.in_bytes[0] for r in norms) < sum(r.out_bytes for r in norms)
 
 
-def test_positional_and_single_key_norms_stay():
-    # AnimateDiff's motion-module norm1/norm2 get positions added: written. SVD's norm2 feeds a single-key
-    # attention whose query path ldmopt skips: not read by a GEMM in the patched run.
+def test_positional_and_single_key_norms():
+    # AnimateDiff's motion-module norm1/norm2 get sinusoidal positions added: the add goes with the norm's write.
+    # SVD's norm2 feeds a single-key attention whose query path ldmopt skips: not read by a GEMM in the patched run.
     from ldmopt.configs import build_model
+    from ldmopt.profiler.fusions import LN_GEMM
 
     model = build_model("animatediff", tiny=True, device="meta", dtype=torch.float16)
     a = analyze(model, gpu="H200", frames=2)
     motion = [r for r in _claimed_norms(a) if ".motion_modules." in r.path]
-    assert motion and {r.path.rsplit(".", 1)[1] for r in motion} == {"norm3"}
+    assert motion and {r.path.rsplit(".", 1)[1] for r in motion} == {"norm1", "norm2", "norm3"}
+    _saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
+    adds = [r for r in a.records if r.owner.endswith(".SinusoidalPositionalEmbedding") and r.base == "add"]
+    assert adds and all(r.index in removed and rule[r.index] == LN_GEMM for r in adds)
     model = build_model("svd", tiny=True, device="meta", dtype=torch.float16)
     a = analyze(model, gpu="H200", frames=2)
     names = {r.path.rsplit(".", 1)[1] for r in _claimed_norms(a)}
