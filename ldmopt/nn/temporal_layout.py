@@ -225,27 +225,31 @@ def container_reason(
     return container_static_reason(container)
 
 
-def _with_positions(pos_embed, x: Tensor) -> Tensor:
-    # SinusoidalPositionalEmbedding adds pe[:, :F] along the sequence axis; here F is axis 1 of (B, F, N, C).
-    return x if pos_embed is None else x + pos_embed.pe[:, : x.shape[1], None]
+def _with_positions(pos_embed, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
+    """x + pe[f] for tokens x indexed as (B, F, N) (shaped (B, F, N, C) or (B, F*N, C)): SinusoidalPositionalEmbedding
+    adds pe[:, :F] along the frame axis of diffusers' (B*N, F, C) layout."""
+    if pos_embed is None:
+        return x
+    return (x.view(*bfn, x.shape[-1]) + pos_embed.pe[:, : bfn[1], None]).view(x.shape)
 
 
 def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
-    """``BasicTransformerBlock.forward`` (norm_type "layer_norm", self-attention only) on (B, F, N, C) tokens; each
-    norm is read in the loads of the GEMMs after it, with diffusers' sinusoidal positions (one per frame) added
-    there too."""
+    """``BasicTransformerBlock.forward`` (norm_type "layer_norm", self-attention only) on tokens indexed as (B, F, N)
+    (shaped (B, F, N, C), or (B, F*N, C)); each norm is read in the loads of the GEMMs after it, with diffusers'
+    sinusoidal positions (one per frame) added there too."""
     where = type(block).__name__
+    frames, tokens = bfn[1], bfn[2]
 
     def normed(name: str, t: Tensor) -> Tensor | NormedInput:
         norm = getattr(block, name)
         if block.pos_embed is None:
             return NormedInput(norm, t, where, name)
-        table = sinusoidal_table(block.pos_embed, t.shape[1])
+        table = sinusoidal_table(block.pos_embed, frames)
         if table is None:
-            return _with_positions(block.pos_embed, norm(t))
-        # (B, F, N, C) rows ((b F + f) N + n) take table row f: one per frame, N rows each.
-        finish = lambda y: _with_positions(block.pos_embed, y)
-        return NormedInput(norm, t, where, name, positions=(table, t.shape[2]), finish=finish)
+            return _with_positions(block.pos_embed, norm(t), bfn)
+        # Rows ((b F + f) N + n) take table row f: one per frame, N rows each.
+        finish = lambda y: _with_positions(block.pos_embed, y, bfn)
+        return NormedInput(norm, t, where, name, positions=(table, tokens), finish=finish)
 
     x = temporal_self_attention(block.attn1, normed("norm1", x), None, bfn, residual=x, name="attn1")
     if block.attn2 is not None:

@@ -11,7 +11,7 @@ from ldmopt.nn import temporal_layout as L
 from ldmopt.nn.temporal_attention import install_processors, uninstall_processors
 from ldmopt.nn.temporal_layout import install_temporal_blocks, uninstall_temporal_blocks
 from tests.nn.test_temporal_processor import BUILDERS, FRAMES, _container_call, _CopyRecorder
-from tests.tolerances import assert_close
+from tests.tolerances import assert_close, assert_within_torch_error
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -432,3 +432,25 @@ def test_container_group_norm_runs_in_proj_in_loads(models, family):
     with torch.no_grad():
         expected = _call(container, x)
     assert_close(got, expected.double(), torch.float32, family)
+
+
+@pytest.mark.parametrize("tokens_3d", [False, True])
+def test_token_order_block_adds_frame_positions_in_any_token_shape(tokens_3d):
+    # A layer_norm block with sinusoidal positions run in (B, F, N) token order, given as (B, F, N, C) (AnimateDiff's
+    # containers) or as (B, F*N, C) (Latte's layer_norm path): row ((b F + f) N + n) takes table row f, as diffusers'
+    # block does on its (B*N, F, C) layout.
+    from diffusers.models.attention import BasicTransformerBlock
+
+    from ldmopt.nn.temporal_layout import _basic_block_bfnc
+
+    b, f, n, c = 2, 3, 4, 40
+    block = BasicTransformerBlock(c, 2, 20, norm_type="layer_norm", positional_embeddings="sinusoidal",
+                                  num_positional_embeddings=f * n).eval()  # fmt: skip
+    x = torch.randn(b, f, n, c)
+    with torch.no_grad():
+        stock = block(x.permute(0, 2, 1, 3).reshape(b * n, f, c)).view(b, n, f, c).permute(0, 2, 1, 3)
+        exact = copy.deepcopy(block).double()(x.double().permute(0, 2, 1, 3).reshape(b * n, f, c))
+        exact = exact.view(b, n, f, c).permute(0, 2, 1, 3)
+        with ldmopt.use_backend("triton"):
+            out = _basic_block_bfnc(block, x.reshape(b, f * n, c) if tokens_3d else x, (b, f, n))
+    assert_within_torch_error(out.reshape(b, f, n, c), exact, stock, f"positions, 3-D tokens={tokens_3d}")
