@@ -20,6 +20,7 @@ projection that cannot be read as a plain nn.Linear (LoRA added after patching) 
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -163,6 +164,9 @@ def sdpa_attention_residual(
     if reason is not None:
         if not _ldmopt_processor(attn.processor):  # ldmopt's own processors are a fused path, not a fall-back
             count_reason(where, reason)
+        if isinstance(hidden_states, NormedInput) and _queries_unread(attn, hidden_states, encoder_hidden_states,
+                                                                      attention_mask, kwargs):  # fmt: skip
+            return _without_the_norm(attn, hidden_states, encoder_hidden_states, residual, gate)
         out = attn(
             as_tensor(hidden_states), encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
             **kwargs,
@@ -173,6 +177,28 @@ def sdpa_attention_residual(
         core = sdpa_core(attn, hidden_states, encoder_hidden_states, attention_mask, name)
         layer = attn.to_out[0]
         return linear(core, layer.weight, layer.bias, gate=gate, residual=residual)
+
+
+def _queries_unread(attn: nn.Module, normed: NormedInput, context, mask, kwargs: dict) -> bool:
+    """Whether this call of ``attn`` reads only its queries' shape, not their values: ldmopt's single-key shortcut
+    (SVD's attn2) on inputs its kernel path serves, no hooks or kwargs that could look at the queries."""
+    processor = attn.processor
+    if not getattr(processor, "skips_queries", False) or hooked(attn) or any(k != "scale" for k in kwargs):
+        return False
+    if normed.reason is not None:  # a hooked or other norm runs, as stock
+        return False
+    return processor._call_reason(attn, normed.x, context, mask) is None
+
+
+def _without_the_norm(attn: nn.Module, normed: NormedInput, context, residual: Tensor, gate: Tensor | None) -> Tensor:
+    """The attention on queries whose values it never reads, so the norm before it is not computed: the norm's input
+    stands in for its output (same shape); its parameters get the zero gradients the stock path gives them."""
+    from .temporal_attention import zero_gradient_anchor  # that module imports this one
+
+    out = attn(normed.x, encoder_hidden_states=context)
+    if torch.is_grad_enabled():
+        out = zero_gradient_anchor(out, [normed.norm])
+    return stock_gated_residual(out, gate, residual)
 
 
 def project_out(

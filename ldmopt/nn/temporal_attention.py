@@ -263,6 +263,9 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
     Falls back for masks, 4-D inputs, contexts longer than one token, added projections and dropout in training.
     """
 
+    #: The kernel path reads only the queries' shape (ldmopt.nn.attention_residual then skips the norm before it).
+    skips_queries = True
+
     def _call_reason(self, attn, hidden_states, encoder_hidden_states, attention_mask) -> str | None:
         if encoder_hidden_states is None:
             return "self-attention (no encoder_hidden_states)"

@@ -42,9 +42,8 @@ Rules (names as reported):
   ldmopt's SingleKeyAttnProcessor computes ``to_out(to_v(context))`` on that token and broadcasts it: the query and
   key projections, the attention and the full-size ``to_out`` GEMM and ``/ rescale_output_factor`` go (to_v stays,
   one token per sample), the block's add reads a vector per sample instead of the attention output, and the norm
-  before it (norm2), which only the skipped query path reads, goes too in the temporal blocks run in token order
-  (the spatial blocks still compute it, as stock). Approximation: the broadcast ``to_out`` on one token per sample
-  is not counted.
+  before it (norm2), which only the skipped query path reads, goes too (the patched spatial and temporal blocks do
+  not compute it). Approximation: the broadcast ``to_out`` on one token per sample is not counted.
 - ``GEMM epilogue (gated residual)``: GEMM -> [the attention's ``/ rescale_output_factor``, removed] -> mul(gate)
   -> add(residual): the feed-forward and attention outputs of adaLN blocks (DiT, PixArt, SD3, Flux, Wan).
 - ``GEMM epilogue (residual)``: the un-gated residual adds of UNet transformer blocks (``residual_block``) and of
@@ -414,9 +413,9 @@ def _single_key_shortcut(plan: _Plan, records: list[OpRecord], single_key: froze
 
 
 def _query_norm(plan: _Plan, records: list[OpRecord], inside: list[OpRecord], path: str) -> OpRecord | None:
-    """The temporal block's norm2 feeding only a single-key attention's skipped query path (None otherwise)."""
+    """The block's norm2 feeding only a single-key attention's skipped query path (None otherwise)."""
     block = path.rpartition(".")[0]
-    if plan.block_class.get(block) != "TemporalBasicTransformerBlock":
+    if plan.block_class.get(block) not in ("TemporalBasicTransformerBlock", "BasicTransformerBlock"):
         return None
     ids = {r.index for r in inside}
     norm = next((records[p] for r in inside for p in r.producers if p >= 0 and records[p].path == f"{block}.norm2"),

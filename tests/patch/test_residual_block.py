@@ -394,3 +394,36 @@ def test_positional_embeddings_added_in_the_loads(hooked):
     assert calls == stock_calls == ([1, 1] if hooked else [])
     assert report.backends()["layer_norm_linear"] == {"triton": 1 if hooked else 5}, report.backends()
     assert_within_torch_error(out, exact, ref, f"positional embeddings, hooked={hooked}")
+
+
+@pytest.mark.parametrize("hooked_norm", [False, True])
+def test_single_key_cross_attention_skips_its_norm(monkeypatch, hooked_norm):
+    # SVD's spatial attn2 runs ldmopt's single-key shortcut, which reads only the queries' shape: norm2 is not
+    # computed (a hooked norm2 is), and its parameters still get the stock path's zero gradients.
+    from ldmopt.nn.temporal_attention import SingleKeyAttnProcessor
+
+    block = _block()
+    hidden, context = R(3, TOKENS, DIM), R(3, 1, CONTEXT_DIM)
+    stock_block = copy.deepcopy(block)
+    hook_calls, stock_hook_calls = [], []
+    if hooked_norm:
+        block.norm2.register_forward_hook(lambda *a: hook_calls.append(1))
+        stock_block.norm2.register_forward_hook(lambda *a: stock_hook_calls.append(1))
+    exact = _exact(stock_block, hidden, context)
+    stock_hook_calls.clear()
+    with torch.no_grad():
+        ref = _call(stock_block, hidden, context)
+    ldmopt.patch(block)
+    block.attn2.set_processor(SingleKeyAttnProcessor())
+    calls = []
+    stock_forward = nn.LayerNorm.forward
+    monkeypatch.setattr(nn.LayerNorm, "forward", lambda self, x: calls.append(1) or stock_forward(self, x))
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        out = _call(block, hidden, context)
+    assert calls == ([1] if hooked_norm else []) and hook_calls == stock_hook_calls
+    assert_within_torch_error(out, exact, ref, "single-key attention")
+    block.train()
+    with ldmopt.use_backend("torch"):
+        _call(block, hidden.requires_grad_(), context).sum().backward()
+    assert block.norm2.weight.grad is not None and not block.norm2.weight.grad.any()
+    assert hidden.grad is not None and block.norm1.weight.grad.any()
