@@ -183,7 +183,8 @@ def _queries_unread(attn: nn.Module, normed: NormedInput, context, mask, kwargs:
     """Whether this call of ``attn`` reads only its queries' shape, not their values: ldmopt's single-key shortcut
     (SVD's attn2) on inputs its kernel path serves, no hooks or kwargs that could look at the queries."""
     processor = attn.processor
-    if not getattr(processor, "skips_queries", False) or hooked(attn) or any(k != "scale" for k in kwargs):
+    reads_queries = getattr(processor, "reads_queries", None)
+    if reads_queries is None or reads_queries(attn) or hooked(attn) or any(k != "scale" for k in kwargs):
         return False
     if normed.reason is not None:  # a hooked or other norm runs, as stock
         return False

@@ -263,8 +263,11 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
     Falls back for masks, 4-D inputs, contexts longer than one token, added projections and dropout in training.
     """
 
-    #: The kernel path reads only the queries' shape (ldmopt.nn.attention_residual then skips the norm before it).
-    skips_queries = True
+    @staticmethod
+    def reads_queries(attn) -> bool:
+        """Whether the kernel path reads the queries' values, not only their shape: only for ``residual_connection``
+        (ldmopt.nn.attention_residual skips the norm before the attention otherwise)."""
+        return bool(attn.residual_connection)
 
     def _call_reason(self, attn, hidden_states, encoder_hidden_states, attention_mask) -> str | None:
         if encoder_hidden_states is None:

@@ -382,7 +382,7 @@ def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, s
     if not all(g.base in _GEMMS and g.category == C.LINEAR for g in gemms):
         return  # something else reads the norm's output: it is written
     if any(g.path.startswith(f"{path}.") for g in gemms for path in single_key):
-        return  # a single-key attention's query path: the patched block calls the norm (the processor skips it)
+        return  # a single-key attention's skipped query path: the shortcut rule removes the norm
     # The norm's output (x's size) is not written; the statistics (mean, rstd) still are. The positions' add goes.
     if positions is None:
         plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0]})

@@ -396,13 +396,16 @@ def test_positional_embeddings_added_in_the_loads(hooked):
     assert_within_torch_error(out, exact, ref, f"positional embeddings, hooked={hooked}")
 
 
-@pytest.mark.parametrize("hooked_norm", [False, True])
-def test_single_key_cross_attention_skips_its_norm(monkeypatch, hooked_norm):
+@pytest.mark.parametrize("change", ["none", "hooked norm", "residual connection"])
+def test_single_key_cross_attention_skips_its_norm(monkeypatch, change):
     # SVD's spatial attn2 runs ldmopt's single-key shortcut, which reads only the queries' shape: norm2 is not
-    # computed (a hooked norm2 is), and its parameters still get the stock path's zero gradients.
+    # computed, and its parameters still get the stock path's zero gradients. A hooked norm2 runs; so does one whose
+    # output the attention adds back (residual_connection: the shortcut reads the queries' values then).
     from ldmopt.nn.temporal_attention import SingleKeyAttnProcessor
 
+    hooked_norm = change == "hooked norm"
     block = _block()
+    block.attn2.residual_connection = change == "residual connection"
     hidden, context = R(3, TOKENS, DIM), R(3, 1, CONTEXT_DIM)
     stock_block = copy.deepcopy(block)
     hook_calls, stock_hook_calls = [], []
@@ -420,10 +423,15 @@ def test_single_key_cross_attention_skips_its_norm(monkeypatch, hooked_norm):
     monkeypatch.setattr(nn.LayerNorm, "forward", lambda self, x: calls.append(1) or stock_forward(self, x))
     with torch.no_grad(), ldmopt.use_backend("triton"):
         out = _call(block, hidden, context)
-    assert calls == ([1] if hooked_norm else []) and hook_calls == stock_hook_calls
-    assert_within_torch_error(out, exact, ref, "single-key attention")
+    assert calls == ([] if change == "none" else [1]) and hook_calls == stock_hook_calls
+    assert_within_torch_error(out, exact, ref, f"single-key attention, {change}")
     block.train()
     with ldmopt.use_backend("torch"):
         _call(block, hidden.requires_grad_(), context).sum().backward()
-    assert block.norm2.weight.grad is not None and not block.norm2.weight.grad.any()
-    assert hidden.grad is not None and block.norm1.weight.grad.any()
+    stock_block.train()
+    stock_hidden = hidden.detach().requires_grad_()
+    _call(stock_block, stock_hidden, context).sum().backward()
+    assert block.norm2.weight.grad is not None
+    for name, p in block.named_parameters():
+        torch.testing.assert_close(p.grad, stock_block.get_parameter(name).grad, atol=1e-4, rtol=1e-4, msg=name)
+    torch.testing.assert_close(hidden.grad, stock_hidden.grad, atol=1e-4, rtol=1e-4)
