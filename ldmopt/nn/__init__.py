@@ -1,6 +1,7 @@
 """Drop-in nn.Modules backed by ldmopt's fused ops (same parameters and state_dict keys as the modules they replace)."""
 
 from .group_norm import GroupNorm
+from .layer_norm_linear import FusedLayerNormLinear
 from .linear import (
     FusedAdaLayerNormContinuous,
     FusedAdaLayerNormZero,
@@ -31,6 +32,7 @@ __all__ = [
     "FusedAdaLayerNormZeroSingle",
     "FusedGEGLU",
     "FusedGELU",
+    "FusedLayerNormLinear",
     "FusedLinear",
     "FusedResnetBlock2D",
     "GroupNorm",
