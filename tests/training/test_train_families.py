@@ -139,7 +139,8 @@ def test_video_denoiser_grad_parity(name):
     SVD gets the float64 check only: the tiny SVD is ill-conditioned in fp32 (the stock model's output errs by 1e-5
     to 5e-4 relative to float64 from one draw to the next, the fused one's usually less), and each
     ``time_mixer.mix_factor`` gradient is a sum over whole activations with heavy cancellation, so "2x the stock
-    model's error on the same draw" fails by chance; float64 equality to 1e-9 is the stricter proof there."""
+    model's error on the same draw" fails by chance; float64 equality (to 1e-7 of the gradients' norm) is the
+    stricter proof there."""
     denoiser, _, channels = _train_model.build_denoiser(name, 16, 16, 2, tiny=True, frames=2)
     stock = _train_families.channels_last_(_Call(denoiser.train()))
     x = _train_families.to_layout(torch.randn(2, 2, channels, 8, 8), channels_last=True)
@@ -160,7 +161,9 @@ def test_video_denoiser_grad_parity(name):
     assert abs(loss - ref_loss) <= 1e-11 * ref_loss, (loss, ref_loss)
     total = sum(g.norm() ** 2 for g in ref_grads.values()) ** 0.5
     worst = max(((grads[n] - g).norm() / total, n) for n, g in ref_grads.items())
-    assert worst[0] <= 1e-9, worst
+    # 1e-7: the same ill-conditioning amplifies float64 rounding in some draws (LDMOPT_TEST_SEED=87266959: 9.5e-9 on
+    # a downsampler's conv weight, and 1.2e-8 at the commit before the 2026-12-01 LayerNorm fusions).
+    assert worst[0] <= 1e-7, worst
     assert "temporal_attention_backward" in report.backends(), report.backends()
     assert not report.fallbacks() and not report.layout_copies(), (report.fallbacks(), report.layout_copies())
 
