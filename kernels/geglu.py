@@ -24,6 +24,7 @@ from .linear import (
     grouped_tile,
     input_precision,
     m_bucket,
+    norm_operands,
     prune_by_arch,
     prune_wide_input,
     row_chunks,
@@ -182,12 +183,12 @@ def geglu_fwd(
     norm: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, I], pre): y = (x Wh^T + bh) * gelu_erf(x Wg^T + bg); pre = [h | g] ([M, 2I]) when save_pre, else an
-    empty tensor. x [M, K], weight [2I, K], bias [2I]; any strides. With norm = (stats [2, M] fp32 contiguous mean
-    and rstd, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads."""
+    empty tensor. x [M, K], weight [2I, K], bias [2I]; any strides. With norm = (stats [2, M] fp32 mean
+    and rstd, any strides, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads."""
     m, k = x.shape
     n = weight.shape[0] // 2
     bias = None if bias is None else bias.contiguous()  # read with unit stride
-    stats, norm_w, norm_b = norm if norm is not None else (None, None, None)
+    norm_pointers, norm_flags = norm_operands(norm, x)
     y = new_output((m, n), device=x.device, dtype=weight.dtype)
     pre = new_output((m, 2 * n) if save_pre else (0,), device=x.device, dtype=weight.dtype)
 
@@ -195,11 +196,8 @@ def geglu_fwd(
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     _geglu_fwd_tuned[grid](
-        y, pre, x, weight, bias if bias is not None else x, stats if stats is not None else x,
-        norm_w.contiguous() if norm_w is not None else x, norm_b.contiguous() if norm_b is not None else x,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), m, n, k, m_bucket(m),
-        HAS_BIAS=bias is not None, NORM=stats is not None, NORM_WEIGHT=norm_w is not None,
-        NORM_BIAS=norm_b is not None, STORE_PRE=save_pre,
+        y, pre, x, weight, bias if bias is not None else x, *norm_pointers, x.stride(0), x.stride(1), weight.stride(0),
+        weight.stride(1), m, n, k, m_bucket(m), HAS_BIAS=bias is not None, **norm_flags, STORE_PRE=save_pre,
         INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre

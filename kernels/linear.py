@@ -75,6 +75,15 @@ def prune_wide_input(
     return kept or configs
 
 
+def norm_operands(norm: tuple | None, placeholder: torch.Tensor) -> tuple[tuple, dict]:
+    """The NORM kernel arguments (stats, weight, bias pointers; the weight and bias read with unit stride) and their
+    constexpr flags for norm = (stats, weight or None, bias or None), or None; ``placeholder`` fills unused pointers."""
+    stats, weight, bias = norm if norm is not None else (None, None, None)
+    pointers = tuple(t.contiguous() if t is not None else placeholder for t in (stats, weight, bias))
+    flags = dict(NORM=stats is not None, NORM_WEIGHT=weight is not None, NORM_BIAS=bias is not None)
+    return pointers, flags
+
+
 def m_bucket(m: int) -> int:
     """Autotune key for the row count: the next power of two, so every resolution does not re-tune."""
     return next_power_of_2(m)
@@ -370,16 +379,16 @@ def linear_fwd(
     dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
     weight [N, K], gate [B, N] with M % B == 0, residual [M, N] or [B', T', N] (B' T' = M); any strides. With
     x_tail [M, K2] the input is [x | x_tail] and the weight [N, K + K2]; with mix [S] (fp32, M % S == 0) as well,
-    x_tail is [M, K] and the input mix[row // (M / S)] * x + (1 - mix) * x_tail. With norm = (stats [2, M] fp32
-    contiguous mean and rstd, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads,
-    plus, with positions = (table [P, K] with unit column stride, rows per table row R), table[(m // R) % P]."""
+    x_tail is [M, K] and the input mix[row // (M / S)] * x + (1 - mix) * x_tail. With norm = (stats [2, M] fp32 mean
+    and rstd, any strides, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads, plus,
+    with positions = (table [P, K] with unit column stride, rows per table row R), table[(m // R) % P]."""
     m, k = x.shape
     blend = mix is not None
     k2 = x_tail.shape[1] if x_tail is not None and not blend else 0
     x2s = x_tail.stride() if x_tail is not None else (0, 0)
     n = weight.shape[0]
     bias = None if bias is None else bias.contiguous()  # read with unit stride
-    stats, norm_w, norm_b = norm if norm is not None else (None, None, None)
+    norm_pointers, norm_flags = norm_operands(norm, x)
     pos, pos_rows = positions if positions is not None else (None, 1)
     y = new_output((m, n), device=x.device, dtype=dtype or out_dtype(x, gate, residual))
     pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=weight.dtype)
@@ -398,16 +407,14 @@ def linear_fwd(
     _linear_fwd_tuned[grid](
         y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
         residual if residual is not None else x, x_tail if x_tail is not None else x,
-        mix.contiguous() if blend else x, stats if stats is not None else x,
-        norm_w.contiguous() if norm_w is not None else x, norm_b.contiguous() if norm_b is not None else x,
-        pos if pos is not None else x, x.stride(0), x.stride(1),
+        mix.contiguous() if blend else x, *norm_pointers, pos if pos is not None else x, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1],
         pos.stride(0) if pos is not None else 0, m, n, k, k2, tokens, m // mix.shape[0] if blend else 1, max(res_t, 1),
         pos_rows, pos.shape[0] if pos is not None else 1, m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
-        HAS_TAIL=x_tail is not None and not blend, BLEND=blend, NORM=stats is not None,
-        NORM_WEIGHT=norm_w is not None, NORM_BIAS=norm_b is not None, NORM_POS=pos is not None, STORE_PRE=save_pre,
+        HAS_TAIL=x_tail is not None and not blend, BLEND=blend, **norm_flags, NORM_POS=pos is not None,
+        STORE_PRE=save_pre,
         INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre

@@ -87,8 +87,9 @@ def hooked(module: nn.Module) -> bool:
     return attached_hooks(module) or _global_hooks()
 
 
-def plain_weight(module: nn.Module) -> bool:
-    return type(module._parameters.get("weight")) in PLAIN_WEIGHTS
+def plain_weight(module: nn.Module, name: str = "weight") -> bool:
+    """Whether the parameter ``name`` is a plain tensor (or absent), not a tensor subclass."""
+    return type(module._parameters.get(name)) in PLAIN_WEIGHTS
 
 
 def readable(layer: object, *kinds: type) -> bool:

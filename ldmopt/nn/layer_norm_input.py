@@ -32,7 +32,7 @@ def norm_reason(norm: object, x: Tensor, name: str = "norm") -> str | None:
         return f"{name} has hooks or a wrapped forward"
     if tuple(norm.normalized_shape) != (x.shape[-1],):
         return f"{name} normalises over {tuple(norm.normalized_shape)}, not the last axis ({x.shape[-1]},)"
-    if not plain_weight(norm) or type(norm._parameters.get("bias")) not in (nn.Parameter, Tensor, type(None)):
+    if not plain_weight(norm) or not plain_weight(norm, "bias"):
         return f"{name}'s parameters are not plain tensors"
     return None
 
@@ -132,6 +132,28 @@ class NormedInput:
                 activation = "geglu" if type(act) is FusedGEGLU else _GELU_APPROXIMATE[act.approximate]
                 return self._normed_gemm(act, act.proj, activation)
         return act(self.tensor())
+
+
+def normed_with_positions(
+    norm: nn.Module,
+    x: Tensor,
+    where: str,
+    name: str,
+    pos_embed: nn.Module | None,
+    length: int,
+    rows_per_position: int,
+    add_positions: Callable[[Tensor], Tensor],
+) -> Tensor | NormedInput:
+    """``norm(x)``, plus ``pos_embed``'s first ``length`` positions when it is set, as a NormedInput the GEMMs read
+    in their loads: row m of x's rows takes position (m // rows_per_position) % length. ``add_positions`` adds them
+    to a tensor as the stock path does; a positional embedding that is not diffusers' sinusoidal table (or is
+    hooked) is added that way to the norm module's output."""
+    if pos_embed is None:
+        return NormedInput(norm, x, where, name)
+    table = sinusoidal_table(pos_embed, length)
+    if table is None:
+        return add_positions(norm(x))
+    return NormedInput(norm, x, where, name, positions=(table, rows_per_position), finish=add_positions)
 
 
 def apply(layer: nn.Module, x: Tensor | NormedInput, name: str) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from ..ops._checks import check_activation
 from ..ops.layer_norm_linear import SUPPORTED_ACTIVATIONS, layer_norm_linear
 
 
@@ -32,7 +33,7 @@ class FusedLayerNormLinear(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _check_activation(activation)
+        check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
         rows = 2 * out_features if activation == "geglu" else out_features
         affine = elementwise_affine
         self.norm = nn.LayerNorm(in_features, eps=eps, elementwise_affine=affine, device=device, dtype=dtype)
@@ -43,7 +44,7 @@ class FusedLayerNormLinear(nn.Module):
     def from_modules(cls, norm: nn.LayerNorm, proj: nn.Linear, activation: str | None = None) -> FusedLayerNormLinear:
         """A FusedLayerNormLinear sharing ``norm`` and ``proj`` (no copies): exactly nn.LayerNorm over the last axis
         and nn.Linear of matching width."""
-        _check_activation(activation)
+        check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
         if type(norm) is not nn.LayerNorm or len(norm.normalized_shape) != 1:
             raise TypeError(f"FusedLayerNormLinear.from_modules: norm must be nn.LayerNorm over one axis, got {norm}")
         if type(proj) is not nn.Linear or proj.in_features != norm.normalized_shape[0]:
@@ -65,8 +66,3 @@ class FusedLayerNormLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
-
-
-def _check_activation(activation: str | None) -> None:
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")

@@ -42,7 +42,7 @@ from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
 from .child_check import hooked, plain_weight, readable, stock
 from .group_norm import GroupNorm as LdmoptGroupNorm
-from .layer_norm_input import NormedInput, sinusoidal_table
+from .layer_norm_input import NormedInput, normed_with_positions
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
@@ -228,8 +228,6 @@ def container_reason(
 def _with_positions(pos_embed, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
     """x + pe[f] for tokens x indexed as (B, F, N) (shaped (B, F, N, C) or (B, F*N, C)): SinusoidalPositionalEmbedding
     adds pe[:, :F] along the frame axis of diffusers' (B*N, F, C) layout."""
-    if pos_embed is None:
-        return x
     return (x.view(*bfn, x.shape[-1]) + pos_embed.pe[:, : bfn[1], None]).view(x.shape)
 
 
@@ -238,18 +236,11 @@ def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) ->
     (shaped (B, F, N, C), or (B, F*N, C)); each norm is read in the loads of the GEMMs after it, with diffusers'
     sinusoidal positions (one per frame) added there too."""
     where = type(block).__name__
-    frames, tokens = bfn[1], bfn[2]
 
     def normed(name: str, t: Tensor) -> Tensor | NormedInput:
-        norm = getattr(block, name)
-        if block.pos_embed is None:
-            return NormedInput(norm, t, where, name)
-        table = sinusoidal_table(block.pos_embed, frames)
-        if table is None:
-            return _with_positions(block.pos_embed, norm(t), bfn)
-        # Rows ((b F + f) N + n) take table row f: one per frame, N rows each.
-        finish = lambda y: _with_positions(block.pos_embed, y, bfn)
-        return NormedInput(norm, t, where, name, positions=(table, tokens), finish=finish)
+        # Rows ((b F + f) N + n) take position f: one per frame, N rows each.
+        add = lambda y: _with_positions(block.pos_embed, y, bfn)
+        return normed_with_positions(getattr(block, name), t, where, name, block.pos_embed, bfn[1], bfn[2], add)
 
     x = temporal_self_attention(block.attn1, normed("norm1", x), None, bfn, residual=x, name="attn1")
     if block.attn2 is not None:

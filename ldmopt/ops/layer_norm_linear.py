@@ -32,15 +32,11 @@ from .linear import _fwd_torch as _linear_fwd_torch
 SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu", "geglu")
 
 
-def _stats_dtype(x: Tensor) -> torch.dtype:
-    return compute_dtype(x)
-
-
 # ------------------------------------------------------------------------------------------------ statistics
 
 
 def _stats_torch(x, eps):
-    xc = x.to(_stats_dtype(x))
+    xc = x.to(compute_dtype(x))
     mean = xc.mean(1)
     var = (xc - mean[:, None]).square().mean(1)
     return torch.stack([mean, torch.rsqrt(var + eps)])
@@ -75,7 +71,7 @@ def layer_norm_stats_op(x: Tensor, eps: float) -> Tensor:
 
 @layer_norm_stats_op.register_fake
 def _(x, eps):
-    return x.new_empty((2, x.shape[0]), dtype=_stats_dtype(x))
+    return x.new_empty((2, x.shape[0]), dtype=compute_dtype(x))
 
 
 register_eager(layer_norm_stats_op)
@@ -90,29 +86,38 @@ def _position_rows(positions: Tensor, rows: int, position_rows: int) -> Tensor:
     return positions.index_select(0, index)
 
 
-def _normalised_torch(x, stats, norm_weight, norm_bias, positions=None, position_rows=1) -> Tensor:
-    """The LayerNorm's output (plus the positions) in the compute dtype, from the saved statistics."""
-    cd = stats.dtype
-    h = (x.to(cd) - stats[0][:, None]) * stats[1][:, None]
+def _standardised(x: Tensor, stats: Tensor) -> Tensor:
+    """(x - mean) * rstd per row, in the statistics' dtype (the compute dtype)."""
+    return (x.to(stats.dtype) - stats[0][:, None]) * stats[1][:, None]
+
+
+def _affine(xhat, norm_weight, norm_bias, positions=None, position_rows=1) -> Tensor:
+    """The LayerNorm's output (plus the positions) from the standardised rows, in their dtype."""
+    cd, h = xhat.dtype, xhat
     if norm_weight is not None:
         h = h * norm_weight.to(cd)
     if norm_bias is not None:
         h = h + norm_bias.to(cd)
     if positions is not None:
-        h = h + _position_rows(positions, x.shape[0], position_rows).to(cd)
+        h = h + _position_rows(positions, xhat.shape[0], position_rows).to(cd)
     return h
 
 
 def _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
     # The norm's output (plus positions), rounded once as a GEMM reads it.
-    h = _normalised_torch(x, stats, norm_weight, norm_bias, positions, position_rows).to(weight.dtype)
+    h = _affine(_standardised(x, stats), norm_weight, norm_bias, positions, position_rows).to(weight.dtype)
+    return _gemm_torch(h, weight, bias, activation, save_pre)
+
+
+def _gemm_torch(h, weight, bias, activation, save_pre):
+    """(y, pre) of the GEMM and its epilogue on the norm's output h, as the linear and GEGLU references compute it."""
     if activation == "geglu":
         return _geglu_fwd_torch(h, weight, bias, save_pre)
     return _linear_fwd_torch(h, weight, bias, None, None, activation, save_pre, weight.dtype)
 
 
 def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
-    norm = (stats.contiguous(), norm_weight, norm_bias)  # the kernels index [2, M] densely (a slice is copied)
+    norm = (stats, norm_weight, norm_bias)
     if activation == "geglu":
         from ldmopt.kernels.geglu import geglu_fwd as launch_geglu
 
@@ -182,10 +187,12 @@ def _backward(ctx, dy, _dpre):
         return (None,) * 10
     need_dx, _, need_dnw, need_dnb, need_dw, need_db = ctx.needs_input_grad[:6]
     activation = ctx.activation
-    h_low = _normalised_torch(x, stats, norm_weight, norm_bias, positions, ctx.position_rows).to(weight.dtype)
-    if pre is None and activation is not None:  # what the GEMM read, and its output
-        pre = _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, True, positions, ctx.position_rows)
-        pre = pre[1]
+    xhat = _standardised(x, stats)
+    h_low = None  # what the GEMM read: for dW, or to recompute its output
+    if need_dw or (pre is None and activation is not None):
+        h_low = _affine(xhat, norm_weight, norm_bias, positions, ctx.position_rows).to(weight.dtype)
+    if pre is None and activation is not None:
+        pre = _gemm_torch(h_low, weight, bias, activation, True)[1]
     if activation == "geglu":
         dz, dbias = call(geglu_bwd, dy, pre)
     elif activation is None:
@@ -199,7 +206,6 @@ def _backward(ctx, dy, _dpre):
     if need_dx or need_dnw or need_dnb:
         cd = stats.dtype
         dh = torch.matmul(dz, weight).to(cd)
-        xhat = (x.to(cd) - stats[0][:, None]) * stats[1][:, None]
         if need_dnw:
             dnw = (dh * xhat).sum(0).to(norm_weight.dtype)
         if need_dnb:
@@ -278,10 +284,10 @@ def layer_norm_linear(
     rows = x.reshape(-1, k)
     if stats is None:
         stats = layer_norm_stats(x, eps)
-    elif stats.shape != (2, rows.shape[0]) or stats.dtype != _stats_dtype(x) or stats.device != x.device:
+    elif stats.shape != (2, rows.shape[0]) or stats.dtype != compute_dtype(x) or stats.device != x.device:
         raise ValueError(
             f"layer_norm_linear: stats must be layer_norm_stats(x) of shape (2, {rows.shape[0]}) in "
-            f"{_stats_dtype(x)} on {x.device}, got {tuple(stats.shape)} in {stats.dtype} on {stats.device}"
+            f"{compute_dtype(x)} on {x.device}, got {tuple(stats.shape)} in {stats.dtype} on {stats.device}"
         )
     if positions is not None:
         check_tensor("positions", positions, ndim=(2,))

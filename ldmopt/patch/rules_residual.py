@@ -6,9 +6,9 @@
   diffusers' default processor reproduced up to ``to_out``, whose ``/ 1.0`` pass also goes), and the feed-forward's
   by ``ff.net[2]``'s. Each LayerNorm is read in the loads of the GEMMs after it (``ldmopt.nn.layer_norm_input``:
   norm1 by to_q/to_k/to_v, norm2 by the cross-attention's to_q, norm3 by the feed-forward's fused GEGLU/GELU
-  projection, from one statistics pass each): the norms' outputs are never written. Blocks with positional
-  embeddings (added to the norm's output) call the norms as before. Attention masks are served (diffusers' mask
-  preparation is called).
+  projection, from one statistics pass each): the norms' outputs are never written. diffusers' sinusoidal
+  positional embeddings on norm1/norm2 are added in the same loads; another (or hooked) one is called as a module
+  on the norm's output. Attention masks are served (diffusers' mask preparation is called).
 
 A class swap (see rule.py): same instance, same children and parameters. Per call, an attention the mirrored
 processors do not serve (another processor, hooks on the attention module, extra attention kwargs, an output
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..nn.attention_residual import sdpa_attention_residual as attend
 from ..nn.attention_residual import static_reason
-from ..nn.layer_norm_input import NormedInput, sinusoidal_table
+from ..nn.layer_norm_input import NormedInput, normed_with_positions
 from ..nn.linear import ff_residual
 from .rule import ClassSwapRule, Rule, Site
 from .rules_blocks import basic_block_forward
@@ -52,16 +52,8 @@ def _residual_block_forward(
 
 
 def _normed(block: nn.Module, name: str, x: torch.Tensor, where: str):
-    """``pos_embed(norm(x))`` (or ``norm(x)``) as a NormedInput the GEMMs read in their loads; a positional
-    embedding that is not diffusers' sinusoidal table (or is hooked) is added by its module, as stock."""
-    norm = getattr(block, name)
-    if block.pos_embed is None:
-        return NormedInput(norm, x, where, name)
-    table = sinusoidal_table(block.pos_embed, x.shape[1]) if x.dim() == 3 else None
-    if table is None:
-        return block.pos_embed(norm(x))
-    # (B, T, C) rows b * T + t take table row t.
-    return NormedInput(norm, x, where, name, positions=(table, 1), finish=block.pos_embed)
+    """``pos_embed(norm(x))`` (or ``norm(x)``) read in the GEMMs' loads: (B, T, C) rows b * T + t take position t."""
+    return normed_with_positions(getattr(block, name), x, where, name, block.pos_embed, x.shape[1], 1, block.pos_embed)
 
 
 class ResidualBlockRule(ClassSwapRule):

@@ -381,7 +381,7 @@ def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, s
         gemms = [records[c] for c in set(positions.consumers)]
     if not all(g.base in _GEMMS and g.category == C.LINEAR for g in gemms):
         return  # something else reads the norm's output: it is written
-    if any(g.path.startswith(f"{path}.") for g in gemms for path in single_key):
+    if any(_single_key_attention(g, single_key) for g in gemms):
         return  # a single-key attention's skipped query path: the shortcut rule removes the norm
     # The norm's output (x's size) is not written; the statistics (mean, rstd) still are. The positions' add goes.
     if positions is None:
@@ -393,7 +393,7 @@ def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, s
 def _single_key_shortcut(plan: _Plan, records: list[OpRecord], single_key: frozenset[str]) -> None:
     by_attention: dict[str, list[OpRecord]] = {}
     for rec in records:
-        path = next((p for p in _ancestors_and_self(rec.path) if p in single_key), None)
+        path = _single_key_attention(rec, single_key)
         if path is not None:
             by_attention.setdefault(path, []).append(rec)
     for path, inside in by_attention.items():
@@ -406,28 +406,25 @@ def _single_key_shortcut(plan: _Plan, records: list[OpRecord], single_key: froze
             for c in set(rec.consumers) - ids:  # the block's add: a broadcast vector per sample instead of rec
                 if records[c].base == "add" and plan.free(c):
                     savings[c] = rec.out_bytes
-        norm = _query_norm(plan, records, inside, path)
+        norm = _query_norm(plan, records, inside, ids, path)
         if norm is not None:
             savings[norm.index] = norm.bytes
         plan.claim(SINGLE_KEY, savings, removed=tuple(r.index for r in gone) + ((norm.index,) if norm else ()))
 
 
-def _query_norm(plan: _Plan, records: list[OpRecord], inside: list[OpRecord], path: str) -> OpRecord | None:
-    """The block's norm2 feeding only a single-key attention's skipped query path (None otherwise)."""
+def _query_norm(
+    plan: _Plan, records: list[OpRecord], inside: list[OpRecord], ids: set[int], path: str
+) -> OpRecord | None:
+    """The block's norm2 feeding only the skipped query path of the single-key attention at ``path`` (its records
+    ``inside``, their indices ``ids``), else None."""
     block = path.rpartition(".")[0]
     if plan.block_class.get(block) not in ("TemporalBasicTransformerBlock", "BasicTransformerBlock"):
         return None
-    ids = {r.index for r in inside}
     norm = next((records[p] for r in inside for p in r.producers if p >= 0 and records[p].path == f"{block}.norm2"),
                 None)  # fmt: skip
     if norm is None or norm.base != "native_layer_norm" or not set(norm.consumers) <= ids or not plan.free(norm.index):
         return None
     return norm
-
-
-def _ancestors_and_self(path: str):
-    yield path
-    yield from _ancestors(path)
 
 
 def _gated_update_into_adaln(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None:
@@ -443,7 +440,7 @@ def _gated_update_into_adaln(plan: _Plan, records: list[OpRecord], mul: OpRecord
 
 
 def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, single_key: frozenset[str]) -> None:
-    if any(gemm.path.startswith(f"{path}.") for path in single_key):
+    if _single_key_attention(gemm, single_key) is not None:
         return
     chain: list[OpRecord] = []  # the rescale pass, removed here; permute copies another rule already removed
     rec = _sole_consumer(records, gemm)
@@ -485,6 +482,11 @@ def _ancestors(path: str):
     while path:
         path = path.rpartition(".")[0]
         yield path
+
+
+def _single_key_attention(rec: OpRecord, single_key: frozenset[str]) -> str | None:
+    """Path of the single-key attention module that ran ``rec`` (itself or a child), else None."""
+    return next((p for p in (rec.path, *_ancestors(rec.path)) if p in single_key), None)
 
 
 def _enclosing(plan: _Plan, rec: OpRecord, classes: frozenset[str]) -> str | None:
