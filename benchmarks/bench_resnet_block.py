@@ -6,7 +6,9 @@ GroupNorm), compile (torch.compile max-autotune-no-cudagraphs of that forward), 
 statistics + two fused convs), ldmopt+stats (norm1 statistics handed over by the producer, as in a chained UNet: two
 launches). Op "gn_conv2d": the GroupNorm+SiLU -> 3x3 conv alone: eager (F.group_norm, F.silu, cuDNN conv), cudnn-conv
 (cuDNN conv of an already activated input: the conv's own cost), ldmopt (fused, statistics inside), ldmopt+stats,
-ldmopt-plain (our implicit GEMM without the prologue, the like-for-like conv vs cuDNN).
+ldmopt-plain (our implicit GEMM without the prologue, the like-for-like conv vs cuDNN). Op "resnet_skip": an up block's
+resnet on its skip connection: eager and compile concatenate then run diffusers' block, ldmopt-cat concatenates then
+runs the fused block, ldmopt reads (hidden, skip) in place (the concatenation is never written).
 FLOPs are the convolutions' 2*MACs; bytes the minimum traffic (activations read/written once, weights once).
 Targets (H200): whole block >= 1.25x eager channels-last at 64x64x320 and 32x32x640, not slower than compile.
 """
@@ -42,6 +44,13 @@ BLOCKS = {
     "vae1024-dec-1024x1024x128": (1, 128, 128, 1024, None, 1e-6),
 }
 QUICK_BLOCKS = ("sd15-64x64x320", "sd15-32x32x640")
+# name: (batch, hidden channels, skip channels, out channels, H=W): UNet up-block resnets (in = hidden + skip).
+SKIP_BLOCKS = {
+    "sd15-up3-64x64-640+320": (2, 640, 320, 320, 64),
+    "sd15-up2-32x32-1280+640": (2, 1280, 640, 640, 32),
+    "sdxl-up2-128x128-320+320": (2, 320, 320, 320, 128),
+}
+QUICK_SKIP_BLOCKS = ("sd15-up3-64x64-640+320",)
 GROUPS = 32
 
 
@@ -157,3 +166,48 @@ def bench_gn_conv2d(case, dtype, bench_recorder):
     }
     for name, fn in providers.items():
         _record(bench_recorder, "gn_conv2d", case, dtype, "fwd", name, fn, flops, nbytes)
+
+
+@pytest.mark.parametrize("case", list(QUICK_SKIP_BLOCKS) if QUICK else list(SKIP_BLOCKS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def bench_resnet_skip(case, dtype, bench_recorder):
+    """An up block's first resnet on ``cat([hidden, skip], 1)``, with and without writing the concatenation."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from ldmopt.nn.resnet import fused_resnet_forward
+
+    n, c_hidden, c_skip, cout, size = SKIP_BLOCKS[case]
+    cin = c_hidden + c_skip
+    block = ResnetBlock2D(in_channels=cin, out_channels=cout, temb_channels=1280, groups=GROUPS)
+    block = block.to(device=DEVICE, dtype=dtype, memory_format=torch.channels_last).eval()
+    hidden, skip = (
+        torch.randn(n, c, size, size, device=DEVICE, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        for c in (c_hidden, c_skip)
+    )
+    temb = torch.randn(n, 1280, device=DEVICE, dtype=dtype)
+    flops = _conv_flops(n, cin, cout, size) + _conv_flops(n, cout, cout, size) + _conv_flops(n, cin, cout, size, 1)
+    elem = hidden.element_size()
+    act_in, act_out = n * cin * size * size * elem, n * cout * size * size * elem
+    # Without the concatenation: the parts read three times (statistics, conv1, shortcut), h written and read, out
+    # written, weights once. Eager adds the concatenation's read and write.
+    nbytes = 3 * act_in + 3 * act_out + sum(p.numel() * p.element_size() for p in block.parameters())
+
+    def cat_block(h, s, t):
+        return ResnetBlock2D.forward(block, torch.cat([h, s], dim=1), t)
+
+    providers = {
+        "eager": cat_block,
+        "compile": harness.compiled(cat_block, mode="max-autotune-no-cudagraphs"),
+        "ldmopt-cat": lambda h, s, t: fused_resnet_forward(block, torch.cat([h, s], dim=1), t),
+        "ldmopt": lambda h, s, t: fused_resnet_forward(block, (h, s), t),
+    }
+    if QUICK:  # the quick GPU run compares with compile on the plain block (bench_resnet_block) only
+        providers.pop("compile")
+    for name, fwd in providers.items():
+
+        def run(fwd=fwd):
+            with torch.no_grad():
+                return fwd(hidden, skip, temb)
+
+        _record(bench_recorder, "resnet_skip", case, dtype, "fwd", name, run, flops, nbytes)

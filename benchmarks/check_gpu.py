@@ -75,6 +75,14 @@ def _group_norm(quick: bool):
                 yield case, dtype, backend, [y, *grads], [ref, *grads64]
 
 
+def _random_norm_affine(block: torch.nn.Module) -> None:
+    """Non-trivial GroupNorm weights and biases (a fresh block's are ones and zeros), in place."""
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+
+
 @check("resnet_block")
 def _resnet_block(quick: bool):
     """Fused ResnetBlock2D vs diffusers' own block in fp64 (also exercises the conv epilogue's statistics handoff)."""
@@ -85,10 +93,7 @@ def _resnet_block(quick: bool):
     for case, (n, c_in, c_out, hw, temb_channels) in _cases("resnet_block", quick).items():
         ref_block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=temb_channels)
         ref_block = ref_block.to(DEVICE).eval()
-        with torch.no_grad():
-            for name, p in ref_block.named_parameters():
-                if "norm" in name:
-                    p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+        _random_norm_affine(ref_block)
         x = torch.randn(n, c_in, hw, hw, device=DEVICE).to(memory_format=torch.channels_last)
         temb = torch.randn(n, temb_channels, device=DEVICE) if temb_channels else None
         with torch.no_grad():
@@ -104,6 +109,34 @@ def _resnet_block(quick: bool):
             yield case, dtype, "triton", [out, mean, rstd], [ref, mu, torch.rsqrt(var + 1e-6)]
 
 
+@check("resnet_skip")
+def _resnet_skip(quick: bool):
+    """A UNet up block's resnet on its skip connection read in place, ``x=(hidden, skip)`` (never concatenated), vs
+    diffusers' block on ``torch.cat([hidden, skip], 1)`` in fp64: forward and both parts' gradients."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from ldmopt.nn import fused_resnet_forward
+
+    for case, (n, c_hidden, c_skip, c_out, hw, temb_channels) in _cases("resnet_skip", quick).items():
+        ref_block = ResnetBlock2D(in_channels=c_hidden + c_skip, out_channels=c_out, temb_channels=temb_channels)
+        ref_block = ref_block.to(DEVICE).eval()
+        _random_norm_affine(ref_block)
+        hidden = torch.randn(n, c_hidden, hw, hw, device=DEVICE).to(memory_format=torch.channels_last)
+        skip = (torch.randn(n, c_skip, hw, hw, device=DEVICE) * 0.5 - 0.3).to(memory_format=torch.channels_last)
+        temb = torch.randn(n, temb_channels, device=DEVICE)
+        dy = torch.randn(n, c_out, hw, hw, device=DEVICE).to(memory_format=torch.channels_last)
+        parts64 = [t.double().requires_grad_() for t in (hidden, skip)]
+        ref = ref_block.double()(torch.cat(parts64, 1), temb.double())
+        grads64 = torch.autograd.grad(ref, parts64, dy.double())
+        for dtype in DTYPES:
+            block = ref_block.to(dtype)
+            parts = [t.to(dtype).requires_grad_() for t in (hidden, skip)]
+            with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")):
+                out = fused_resnet_forward(block, tuple(parts), temb.to(dtype))
+                grads = torch.autograd.grad(out, parts, dy.to(dtype))
+            yield case, dtype, "triton", [out, *grads], [ref, *grads64]
+
+
 @check("svd_resnet_block")
 def _svd_resnet_block(quick: bool):
     """SVD's SpatioTemporalResBlock as patched (spatial resnet + temporal (3, 1) convs with the blend in the
@@ -112,10 +145,8 @@ def _svd_resnet_block(quick: bool):
 
     for case, (videos, frames, channels, height, width, temb_channels) in _cases("svd_resnet_block", quick).items():
         ref_block = SpatioTemporalResBlock(channels, channels, temb_channels=temb_channels).to(DEVICE).eval()
+        _random_norm_affine(ref_block)
         with torch.no_grad():
-            for name, p in ref_block.named_parameters():
-                if "norm" in name:
-                    p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
             ref_block.time_mixer.mix_factor.fill_(0.3)
         x = torch.randn(videos * frames, channels, height, width, device=DEVICE).to(memory_format=torch.channels_last)
         temb = torch.randn(videos * frames, temb_channels, device=DEVICE)
@@ -471,6 +502,11 @@ CASES: dict[str, dict[str, tuple]] = {
         "sd-32x32x320-640": (2, 320, 640, 32, 1280),
         "vae-128x128x256-128": (1, 256, 128, 128, None),
     },
+    "resnet_skip": {  # (N, C hidden, C skip, C_out, H = W, temb channels): SD1.5 / SDXL up-block resnets
+        "sd15-up3-64x64-640+320": (2, 640, 320, 320, 64, 1280),
+        "sd15-up1-16x16-1280+640": (2, 1280, 640, 1280, 16, 1280),
+        "sdxl-up2-128x128-320+320": (2, 320, 320, 320, 128, 1280),
+    },
     "svd_resnet_block": {  # (videos, frames, C, H, W, temb channels)
         "svd-36x64x640": (2, 14, 640, 36, 64, 1280),
         "svd-72x128x320": (2, 14, 320, 72, 128, 1280),
@@ -511,6 +547,7 @@ CASES: dict[str, dict[str, tuple]] = {
     },
 }
 FULL_ONLY = {
+    "sdxl-up2-128x128-320+320",
     "rms_rope-wan14b",
     "svd-72x128x320",
     "vae-512",

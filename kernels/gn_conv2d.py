@@ -6,7 +6,9 @@ GroupNorm. x is NHWC (channels-last; any strides are accepted, channel stride 1 
 accumulation, GroupNorm math and statistics in fp32 (statistics sums in fp64). Kernels 1x1, 3x3 and 3x1 (a temporal
 conv over a (video, channel, frame, pixel) view), stride 1 or 2, zero padding applied after the activation; nearest
 2x upsampling or 2x2 average pooling of the conv input is index arithmetic in the loader; an optional 1x1 "shortcut"
-conv of a second input accumulates into the same tile.
+conv of a second input accumulates into the same tile. Either input may come in two channel parts (a UNet up block's
+``cat([hidden, skip], 1)``): each channel block lies in one part and is loaded from where that part lies, so the
+concatenation is never written.
 Algorithm: one program per (image, BM output pixels, BN output channels); ONE flat loop over kh*kw*channel-blocks
 stages an [BM, BK] input tile (normalised with per-(n, c) scale/shift [BK] vectors) and a [BK, BN] weight tile into
 tl.dot. Output statistics: per-column centred sums of the tile are added in fp64 to a per-(n, c) workspace; the last
@@ -103,6 +105,25 @@ def _stage_input(
 
 
 @triton.jit
+def _channel_part(cb, n_cb_head, C_head, C, kk, head, tail, s_head_h, s_head_w, s_head_c, s_tail_h, s_tail_w,
+                  s_tail_c, TWO_PART: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """Where channel block ``cb`` of the input lies: (base, strides h/w/c, channels within the part, channels of the
+    input, mask). With TWO_PART, blocks ``< n_cb_head`` read the head (channels [0, C_head)), the rest the tail."""
+    if not TWO_PART:
+        ci = cb * BK + kk
+        return head, s_head_h, s_head_w, s_head_c, ci, ci, ci < C
+    in_tail = cb >= n_cb_head
+    local = tl.where(in_tail, cb - n_cb_head, cb) * BK + kk
+    c_lo = tl.where(in_tail, C_head, 0)
+    count = tl.where(in_tail, C - C_head, C_head)
+    base = tl.where(in_tail, tail, head)
+    sh = tl.where(in_tail, s_tail_h, s_head_h)
+    sw = tl.where(in_tail, s_tail_w, s_head_w)
+    sc = tl.where(in_tail, s_tail_c, s_head_c)
+    return base, sh, sw, sc, local, c_lo + local, local < count
+
+
+@triton.jit
 def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr):
     """Per-group mean/rstd of image n from the per-channel fp64 sums in ws [N, C, 2]."""
     cpg = C // G
@@ -126,7 +147,7 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
 @triton.autotune(
     configs=_configs(),
     key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "KW", "STRIDE", "RESAMPLE", "HAS_SC", "NORMALIZE", "OUT_STATS",
-         "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64"],
+         "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64", "X_TWO_PART", "SC_TWO_PART"],
 )  # fmt: skip
 @triton.jit
 def _gn_conv2d_fwd_kernel(
@@ -135,7 +156,8 @@ def _gn_conv2d_fwd_kernel(
     counter_ptr,  # [N] int32, zeroed by the launcher
     out_mean_ptr,  # [N, G_out] fp32
     out_rstd_ptr,
-    x_ptr,  # [N, H, W, C_in] (strides)
+    x_ptr,  # [N, H, W, C_in] (strides), or its first C_head channels when X_TWO_PART
+    x2_ptr,  # X_TWO_PART: channels [C_head, C_in) of the input [N, H, W, C_in - C_head] (strides)
     mean_ptr,  # [N, G_in] fp32
     rstd_ptr,
     gamma_ptr,  # [C_in]
@@ -144,19 +166,22 @@ def _gn_conv2d_fwd_kernel(
     bias_ptr,  # [C_out]
     temb_ptr,  # [N, C_out] or [N, C_out, OH] (strides; sth = 0 for the former)
     res_ptr,  # [N, RH, RW, C_out] (strides)
-    xs_ptr,  # shortcut input [N, HS, WS, C_sc] (strides)
+    xs_ptr,  # shortcut input [N, HS, WS, C_sc] (strides), or its first C_sc_head channels when SC_TWO_PART
+    xs2_ptr,  # SC_TWO_PART: the rest of the shortcut input's channels
     ws_w_ptr,  # shortcut weight [C_out, C_sc] (strides)
     bias2_ptr,  # shortcut bias [C_out]
     gate_ptr,  # [N, OH] fp32 (strides; sgh = 0 for one gate per image)
     sxn, sxh, sxw, sxc,
+    sx2n, sx2h, sx2w, sx2c,
     swo, swi, swh, sww,
     syn, syh, syw, syc,
     stn, stc, sth,
     sgn, sgh,
     srn, srh, srw, src,
     ssn, ssh, ssw, ssc,
+    ss2n, ss2h, ss2w, ss2c,
     swso, swsi,
-    H, W, C_in, OH, OW, C_out, G_in, HR, WR, HS, WS, C_sc, G_out,
+    H, W, C_in, OH, OW, C_out, G_in, HR, WR, HS, WS, C_sc, G_out, C_head, C_sc_head,
     out_eps, inv_scale,
     KEY_S, KEY_CIN, KEY_COUT,
     KH: tl.constexpr, KW: tl.constexpr, STRIDE: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
@@ -167,6 +192,7 @@ def _gn_conv2d_fwd_kernel(
     OUT_STATS: tl.constexpr, STATS_BLOCK_G: tl.constexpr, STATS_BLOCK_CPG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     IDX64: tl.constexpr,
+    X_TWO_PART: tl.constexpr, SC_TWO_PART: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     S = OH * OW
@@ -188,7 +214,10 @@ def _gn_conv2d_fwd_kernel(
 
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     x_base = x_ptr + n.to(tl.int64) * sxn
-    n_cb = tl.cdiv(C_in, BK)
+    x2_base = x2_ptr + n.to(tl.int64) * sx2n  # read only with X_TWO_PART
+    # Each part's channels in whole blocks, so that a block reads one part (one part: C_head == C_in).
+    n_cb_head = tl.cdiv(C_head, BK)
+    n_cb = n_cb_head + tl.cdiv(C_in - C_head, BK)
     if NORMALIZE:
         cpg_in = C_in // G_in
     # One flat loop over (kh, kw, channel block): nested loops defeat the pipeliner and spill.
@@ -197,8 +226,9 @@ def _gn_conv2d_fwd_kernel(
         cb = it - tap * n_cb
         kh = tap // KW
         kw = tap - kh * KW
-        ci = cb * BK + kk
-        c_mask = ci < C_in
+        part, sph, spw, spc, c_local, ci, c_mask = _channel_part(
+            cb, n_cb_head, C_head, C_in, kk, x_base, x2_base, sxh, sxw, sxc, sx2h, sx2w, sx2c, X_TWO_PART, BK
+        )
         if NORMALIZE:
             grp = n * G_in + ci // cpg_in
             mu = tl.load(mean_ptr + grp, mask=c_mask, other=0.0)
@@ -215,7 +245,7 @@ def _gn_conv2d_fwd_kernel(
             shift = scale
         ih = oh * STRIDE + (kh - PAD_H)
         iw = ow * STRIDE + (kw - PAD_W)
-        a = _stage_input(x_base, ih, iw, m_mask, ci, c_mask, sxh, sxw, sxc, H, W, scale, shift,
+        a = _stage_input(part, ih, iw, m_mask, c_local, c_mask, sph, spw, spc, H, W, scale, shift,
                          RESAMPLE, NORMALIZE, ACTIVATION, IDX64)  # fmt: skip
         b = tl.load(w_ptr + w_cols + ci[:, None] * swi + kh * swh + kw * sww,
                     mask=c_mask[:, None] & n_mask[None, :], other=0.0)  # fmt: skip
@@ -224,12 +254,15 @@ def _gn_conv2d_fwd_kernel(
     if HAS_SC:
         # 1x1 stride-1 shortcut conv of a second input (optionally resampled) into the same accumulator.
         xs_base = xs_ptr + n.to(tl.int64) * ssn
+        xs2_base = xs2_ptr + n.to(tl.int64) * ss2n  # read only with SC_TWO_PART
         ws_cols = offs_n[None, :] * swso
-        for cb in range(0, tl.cdiv(C_sc, BK)):
-            ci = cb * BK + kk
-            c_mask = ci < C_sc
+        n_sc_head = tl.cdiv(C_sc_head, BK)
+        for cb in range(0, n_sc_head + tl.cdiv(C_sc - C_sc_head, BK)):
+            part, sph, spw, spc, c_local, ci, c_mask = _channel_part(
+                cb, n_sc_head, C_sc_head, C_sc, kk, xs_base, xs2_base, ssh, ssw, ssc, ss2h, ss2w, ss2c, SC_TWO_PART, BK
+            )
             zero = tl.zeros([BK], dtype=tl.float32)
-            a = _stage_input(xs_base, oh, ow, m_mask, ci, c_mask, ssh, ssw, ssc, HS, WS, zero, zero,
+            a = _stage_input(part, oh, ow, m_mask, c_local, c_mask, sph, spw, spc, HS, WS, zero, zero,
                              SC_RESAMPLE, False, ACTIVATION, IDX64)  # fmt: skip
             b = tl.load(ws_w_ptr + ws_cols + ci[:, None] * swsi, mask=c_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a.to(ws_w_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
@@ -331,13 +364,17 @@ def gn_conv2d_fwd(
     output_scale: float,
     out_groups: int,
     out_eps: float,
+    x_tail: torch.Tensor | None = None,
+    shortcut_x_tail: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch: (y [N, C_out, OH, OW] channels-last, out_mean [N, out_groups] fp32, out_rstd).
 
     ``mean is None`` skips the normalisation prologue (plain conv). out_groups=0: no statistics (empty tensors).
-    temb: [N, C_out] or [N, C_out, OH]; gate: [N, 1] or [N, OH] fp32.
+    temb: [N, C_out] or [N, C_out, OH]; gate: [N, 1] or [N, OH] fp32. ``x_tail`` / ``shortcut_x_tail``: the input is
+    ``cat([x, x_tail], 1)`` (likewise the shortcut's), read where the parts lie.
     """
-    n, c_in, h, w = x.shape
+    n, c_head, h, w = x.shape
+    c_in = c_head + (x_tail.shape[1] if x_tail is not None else 0)
     c_out, _, kh, kw = weight.shape
     # Per-channel vectors and statistics are read with unit stride.
     mean, rstd, gamma, beta, bias, shortcut_bias = (
@@ -360,7 +397,8 @@ def gn_conv2d_fwd(
     dummy = x
     res_h, res_w = residual.shape[2:] if residual is not None else (1, 1)
     sc_h, sc_w = shortcut_x.shape[2:] if shortcut_x is not None else (1, 1)
-    c_sc = shortcut_x.shape[1] if shortcut_x is not None else 1
+    c_sc_head = shortcut_x.shape[1] if shortcut_x is not None else 1
+    c_sc = c_sc_head + (shortcut_x_tail.shape[1] if shortcut_x_tail is not None else 0)
 
     def strides4(t):  # (n, h, w, c) order
         return (t.stride(0), t.stride(2), t.stride(3), t.stride(1)) if t is not None else (0, 0, 0, 0)
@@ -368,22 +406,23 @@ def gn_conv2d_fwd(
     s = oh * ow
     grid = lambda meta: (n * triton.cdiv(s, meta["BM"]) * triton.cdiv(c_out, meta["BN"]),)
     _gn_conv2d_fwd_kernel[grid](
-        y, ws, counters, out_mean, out_rstd, x,
+        y, ws, counters, out_mean, out_rstd, x, x_tail if x_tail is not None else dummy,
         mean if normalize else dummy, rstd if normalize else dummy,
         gamma if gamma is not None else dummy, beta if beta is not None else dummy,
         weight, bias if bias is not None else dummy, temb if temb is not None else dummy,
         residual if residual is not None else dummy,
         shortcut_x if shortcut_x is not None else dummy,
+        shortcut_x_tail if shortcut_x_tail is not None else dummy,
         shortcut_weight if shortcut_weight is not None else dummy,
         shortcut_bias if shortcut_bias is not None else dummy,
         gate if gate is not None else dummy,
-        *strides4(x), *weight.stride(), *strides4(y),
+        *strides4(x), *strides4(x_tail), *weight.stride(), *strides4(y),
         *(temb.stride()[:2] if temb is not None else (0, 0)), temb.stride(2) if temb_rows else 0,
         *((gate.stride(0), gate.stride(1) if gate.shape[1] > 1 else 0) if gate is not None else (0, 0)),
-        *strides4(residual), *strides4(shortcut_x),
+        *strides4(residual), *strides4(shortcut_x), *strides4(shortcut_x_tail),
         *(shortcut_weight.stride()[:2] if shortcut_weight is not None else (0, 0)),
         h, w, c_in, oh, ow, c_out, num_groups if normalize else 1, res_h, res_w, sc_h, sc_w, c_sc,
-        max(out_groups, 1), float(out_eps), 1.0 / float(output_scale),
+        max(out_groups, 1), c_head, c_sc_head, float(out_eps), 1.0 / float(output_scale),
         min(next_power_of_2(s), 1 << 16), next_power_of_2(c_in), next_power_of_2(c_out),
         KH=kh, KW=kw, STRIDE=stride, PAD_H=padding[0], PAD_W=padding[1], RESAMPLE=RESAMPLE[resample],
         NORMALIZE=normalize,
@@ -393,7 +432,9 @@ def gn_conv2d_fwd(
         RES_RESAMPLE=RESAMPLE[residual_resample], HAS_SC=shortcut_x is not None,
         SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None, OUT_STATS=out_groups > 0,
         STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, DOT_PRECISION=_dot_precision(x.dtype),
-        IDX64=max(t[0].numel() for t in (x, y, residual, shortcut_x) if t is not None) >= INT64_INDEX_FROM,
+        IDX64=max(t[0].numel() for t in (x, x_tail, y, residual, shortcut_x, shortcut_x_tail) if t is not None)
+        >= INT64_INDEX_FROM,
+        X_TWO_PART=x_tail is not None, SC_TWO_PART=shortcut_x_tail is not None,
     )  # fmt: skip
     return y, out_mean, out_rstd
 
@@ -417,18 +458,19 @@ def _aot_spec(
     out_stats=False,
     temb_rows=False,
     gate=False,
+    two_part=False,
 ) -> dict:
     bm, bn, bk, warps, stages = cfg
     kw = kh if kw is None else kw
     # Channels-last activations and weights (model.to(memory_format=torch.channels_last)): unit channel strides.
-    constexprs = {"sxc": 1, "swi": 1, "syc": 1, "src": 1, "ssc": 1, "swsi": 1}
+    constexprs = {"sxc": 1, "sx2c": 1, "swi": 1, "syc": 1, "src": 1, "ssc": 1, "ss2c": 1, "swsi": 1}
     constexprs.update(
         KH=kh, KW=kw, STRIDE=stride, PAD_H=kh // 2, PAD_W=kw // 2, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
         ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
         TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc,
         SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
         OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, DOT_PRECISION="tf32", IDX64=False,
-        BM=bm, BN=bn, BK=bk,
+        X_TWO_PART=two_part and normalize, SC_TWO_PART=two_part and sc, BM=bm, BN=bn, BK=bk,
     )  # fmt: skip
     fn = _gn_conv2d_fwd_kernel.fn
     sig = {}
@@ -465,6 +507,16 @@ def aot_specs() -> list[dict]:
         _aot_spec("gn_conv2d[bf16,3x3,conv1:temb+stats]", "bf16", big, temb=True, out_stats=True),
         _aot_spec("gn_conv2d[fp16,3x3,conv1:temb+stats,64x64x64]", "fp16", small, temb=True, out_stats=True),
         _aot_spec("gn_conv2d[fp16,3x3,conv2:residual]", "fp16", narrow, res=True),
+        # UNet up blocks: conv1 reads cat([hidden, skip]) in two parts, conv2's shortcut likewise
+        _aot_spec(
+            "gn_conv2d[fp16,3x3,conv1:skip parts+temb+stats]", "fp16", big, temb=True, out_stats=True, two_part=True
+        ),
+        _aot_spec(
+            "gn_conv2d[fp16,3x3,conv2:shortcut skip parts+stats]", "fp16", big, sc=True, out_stats=True, two_part=True
+        ),
+        _aot_spec(
+            "gn_conv2d[bf16,3x3,conv1:skip parts,64x64x64]", "bf16", small, temb=True, out_stats=True, two_part=True
+        ),
         _aot_spec("gn_conv2d[fp16,3x3,up]", "fp16", narrow, resample="up", temb=True, out_stats=True),
         _aot_spec("gn_conv2d[fp16,3x3,down+shortcut]", "fp16", tall, resample="down", sc=True, out_stats=True),
         _aot_spec("gn_conv2d[fp16,3x3,stride2,plain]", "fp16", big, stride=2, normalize=False),

@@ -80,13 +80,15 @@ def _welford_merge(count, mean, m2, x, mask, n_b):
 
 @triton.jit
 def _group_norm_fwd_partial_kernel(
-    part_mean_ptr,  # [N, n_chunks, C] fp32
-    part_m2_ptr,  # [N, n_chunks, C] fp32
+    part_mean_ptr,  # [N, n_chunks, C_total] fp32
+    part_m2_ptr,  # [N, n_chunks, C_total] fp32
     x_ptr,
     stride_xn,
     stride_xc,
     stride_xs,
     C,
+    C_total,  # the partials' row: x's channels are [c_offset, c_offset + C) of a channel concatenation
+    c_offset,
     S,
     S_PER_PROG,
     n_chunks,
@@ -109,7 +111,7 @@ def _group_norm_fwd_partial_kernel(
         x = tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32)
         n_b = tl.minimum(s_end - s0, BLOCK_S).to(tl.float32)
         count, mean, m2 = _welford_merge(count, mean, m2, x, mask, n_b)
-    out = (n * n_chunks + pid_chunk) * C + c
+    out = (n * n_chunks + pid_chunk) * C_total + c_offset + c
     tl.store(part_mean_ptr + out, mean, mask=c_mask)
     tl.store(part_m2_ptr + out, m2, mask=c_mask)
 
@@ -311,18 +313,27 @@ def _affine_args(weight: torch.Tensor | None, bias: torch.Tensor | None, x: torc
     return w, b, weight is not None, bias is not None
 
 
-def group_norm_stats(x: torch.Tensor, num_groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(n, group) mean and rstd, [N, G] fp32, of x viewed as (N, C, S) (the split statistics passes)."""
-    n, c, s, (sxn, sxc, sxs) = as_ncs(x)
-    block_s, block_c = _tiles(c, s, sxc == 1)
-    n_cblocks = triton.cdiv(c, block_c)
-    s_per_prog, n_chunks = _chunks(n, n_cblocks, s, block_s)
+def group_norm_stats(
+    x: torch.Tensor, num_groups: int, eps: float, x_tail: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(n, group) mean and rstd, [N, G] fp32, of x viewed as (N, C, S) (the split statistics passes), or of
+    ``cat([x, x_tail], 1)``: one partials pass per part into the same per-channel rows, so groups may straddle the
+    parts and the concatenation is never written."""
+    parts = [(t, *as_ncs(t)) for t in (x, x_tail) if t is not None]
+    n, s = parts[0][1], parts[0][3]
+    c = sum(p[2] for p in parts)
+    tiles = [_tiles(pc, s, strides[1] == 1) for _, _, pc, _, strides in parts]
+    n_cblocks = [triton.cdiv(pc, block_c) for (_, _, pc, _, _), (_, block_c) in zip(parts, tiles)]
+    s_per_prog, n_chunks = _chunks(n, sum(n_cblocks), s, max(block_s for block_s, _ in tiles))
     part_mean = torch.empty((n, n_chunks, c), device=x.device, dtype=torch.float32)
     part_m2 = torch.empty_like(part_mean)
-    _group_norm_fwd_partial_kernel[(n * n_chunks * n_cblocks,)](
-        part_mean, part_m2, x, sxn, sxc, sxs, c, s, s_per_prog, n_chunks, n_cblocks,
-        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
-    )  # fmt: skip
+    c_offset = 0
+    for (t, _, pc, _, (sxn, sxc, sxs)), (block_s, block_c), cblocks in zip(parts, tiles, n_cblocks):
+        _group_norm_fwd_partial_kernel[(n * n_chunks * cblocks,)](
+            part_mean, part_m2, t, sxn, sxc, sxs, pc, c, c_offset, s, s_per_prog, n_chunks, cblocks,
+            BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
+        )  # fmt: skip
+        c_offset += pc
     mean = new_output((n, num_groups), device=x.device, dtype=torch.float32)
     rstd = new_output((n, num_groups), device=x.device, dtype=torch.float32)
     block_r = min(1024, next_power_of_2(n_chunks * (c // num_groups)))
@@ -406,8 +417,9 @@ def aot_specs() -> list[dict]:
             dict(
                 name=f"group_norm_fwd_partial[{tag}]",
                 fn=_group_norm_fwd_partial_kernel,
-                signature={"part_mean_ptr": "*fp32", "part_m2_ptr": "*fp32", "x_ptr": f"*{dtype}", **xs, **sizes,
-                           "S_PER_PROG": "i32", "n_chunks": "i32", "n_cblocks": "i32"},
+                signature={"part_mean_ptr": "*fp32", "part_m2_ptr": "*fp32", "x_ptr": f"*{dtype}", **xs, "C": "i32",
+                           "C_total": "i32", "c_offset": "i32", "S": "i32", "S_PER_PROG": "i32", "n_chunks": "i32",
+                           "n_cblocks": "i32"},
                 constexprs={**x1, **tile},
             ),
             dict(

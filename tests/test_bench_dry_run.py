@@ -150,8 +150,11 @@ def test_resnet_block_providers(mocked_timing, no_compile, monkeypatch):
             B.bench_resnet_block("temb-32to96", torch.float16, mode, mocked_timing)
         B.bench_resnet_block("vae-32", torch.float16, "fwd", mocked_timing)  # no time embedding, no shortcut
         B.bench_gn_conv2d("temb-32to96", torch.float16, mocked_timing)
+    monkeypatch.setattr(B, "SKIP_BLOCKS", {"skip": (1, 40, 24, 32, 3)})
+    with ldmopt.use_backend("torch"):
+        B.bench_resnet_skip("skip", torch.float16, mocked_timing)
     rows = mocked_timing.rows
-    assert len(rows) == 4 + 3 + 4 + 5 and not _failed(rows), _failed(rows)
+    assert len(rows) == 4 + 3 + 4 + 5 + 4 and not _failed(rows), _failed(rows)
     assert not [r["note"] for r in rows if r["note"]], "no provider fell back or failed"
 
 

@@ -29,17 +29,22 @@ def assert_close(
 
 
 def assert_within_torch_error(
-    actual: torch.Tensor, reference64: torch.Tensor, torch_lowp: torch.Tensor, name: str = ""
+    actual: torch.Tensor,
+    reference64: torch.Tensor,
+    torch_lowp: torch.Tensor,
+    name: str = "",
+    ulp_dtype: torch.dtype | None = None,
 ) -> None:
     """max|actual - ref| <= FACTOR * max|torch_lowp - ref| + FLOOR[dtype] + one ulp of max|ref| in the dtype.
 
     The ulp term: both results are rounded to the low-precision dtype at different points (a fused kernel once, the
     unfused ops after each op), so at the largest magnitudes they may differ by a rounding step that PyTorch's own
     error did not happen to show (seen: a temb gradient of magnitude 20 in fp16, where one ulp is 0.0156, reduced
-    in a different order when the machine was loaded)."""
+    in a different order when the machine was loaded). ``ulp_dtype``: the dtype whose rounding step that term uses
+    when it is not ``actual``'s (an fp32 gradient summed from products of fp16-rounded activations)."""
     assert not torch.isnan(actual).any(), f"{name}: NaN in output (unwritten elements?)"
     ours = (actual.double() - reference64).abs().max().item()
     theirs = (torch_lowp.double() - reference64).abs().max().item()
-    ulp = torch.finfo(actual.dtype).eps * reference64.abs().max().item()
+    ulp = torch.finfo(ulp_dtype or actual.dtype).eps * reference64.abs().max().item()
     bound = FACTOR * theirs + FLOOR[actual.dtype] + ulp
     assert ours <= bound, f"{name}: max error {ours:.3e} > {FACTOR} x PyTorch's {theirs:.3e} + floor + 1 ulp {ulp:.1e}"

@@ -14,6 +14,9 @@ Interface for the patcher (ldmopt/patch/) and for users:
   ``stats=(mean, rstd)``: norm1 statistics of ``input_tensor`` when the producer already computed them (skips two
   launches); ``out_stats=(groups, eps)`` also returns ``(mean, rstd)`` of the output for the NEXT GroupNorm:
   ``(output, (mean, rstd))``.
+  ``input_tensor`` may be a pair ``(hidden, skip)`` standing for ``torch.cat([hidden, skip], 1)`` (a UNet up block's
+  skip connection): the statistics pass, conv1's loads and the 1x1 shortcut read the two tensors where they lie, so
+  the concatenation is never written (ldmopt.patch's ``up_block_skip`` rule passes it so).
 - ``FusedResnetBlock2D(block)``: an nn.Module that adopts the block's submodules (same parameters, same state_dict
   keys) and runs ``fused_resnet_forward``.
 
@@ -154,10 +157,25 @@ def dtype_reasons(x: Tensor, weight: Tensor) -> list[str]:
     return [f"input dtype {x.dtype} differs from the weights' {weight.dtype}"] if x.dtype != weight.dtype else []
 
 
-def runtime_reasons(block, input_tensor: Tensor, temb: Tensor | None) -> list[str]:
+def _parts_reasons(parts) -> list[str]:
+    head, tail = parts
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in parts):
+        return ["a channel-concatenation part is not a 4-D tensor"]
+    if head.shape[0] != tail.shape[0] or head.shape[2:] != tail.shape[2:] or head.dtype != tail.dtype:
+        return [f"skip parts {tuple(head.shape)} {head.dtype} and {tuple(tail.shape)} {tail.dtype} differ in batch, "
+                "spatial size or dtype"]  # fmt: skip
+    return []
+
+
+def runtime_reasons(block, input_tensor: Tensor | tuple[Tensor, Tensor], temb: Tensor | None) -> list[str]:
     """Reasons these inputs take diffusers' forward instead of the fused one."""
     reasons = []
-    if not isinstance(input_tensor, Tensor) or input_tensor.dim() != 4:
+    if isinstance(input_tensor, tuple):
+        reasons += _parts_reasons(input_tensor)
+        if reasons:
+            return reasons
+        input_tensor = input_tensor[0]
+    elif not isinstance(input_tensor, Tensor) or input_tensor.dim() != 4:
         return ["input is not a 4-D tensor"]
     reasons += dtype_reasons(input_tensor, block.conv1.weight)
     if temb is not None and block.time_emb_proj is None:
@@ -178,9 +196,18 @@ def _diffusers_forward(block, input_tensor, temb):
     return _stock_class(block).forward(block, input_tensor, temb)
 
 
+def _channels_last(where: str, x: Tensor) -> Tensor:
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    # One copy of the input costs less than the stock path's separate GroupNorm, SiLU and add passes, and the
+    # fused output is channels-last, so the blocks after this one need no conversion.
+    layout_conversions[f"NCHW {where} converted to channels-last"] += 1
+    return x.contiguous(memory_format=torch.channels_last)
+
+
 def fused_resnet_forward(
     block,
-    input_tensor: Tensor,
+    input_tensor: Tensor | tuple[Tensor, Tensor],
     temb: Tensor | None = None,
     *args,
     stats: tuple[Tensor, Tensor] | None = None,
@@ -190,20 +217,22 @@ def fused_resnet_forward(
     """``ResnetBlock2D.forward`` in two fused convolutions (see the module docstring). Tolerance versus diffusers'
     forward: within 2x the error diffusers itself makes in the input dtype (fp64 reference); extra positional
     arguments (diffusers' deprecated ``scale``) are ignored as diffusers does."""
+    if isinstance(input_tensor, list):
+        input_tensor = tuple(input_tensor)
     reasons = can_fuse(block) or runtime_reasons(block, input_tensor, temb)
-    if not reasons and not input_tensor.is_contiguous(memory_format=torch.channels_last):
-        # One copy of the input costs less than the stock path's separate GroupNorm, SiLU and add passes, and the
-        # fused output is channels-last, so the blocks after this one need no conversion.
-        layout_conversions["NCHW input converted to channels-last"] += 1
-        input_tensor = input_tensor.contiguous(memory_format=torch.channels_last)
     if reasons:
         for reason in reasons:
             fallback_reasons[reason] += 1
+        if isinstance(input_tensor, tuple):
+            input_tensor = torch.cat(input_tensor, dim=1)
         out = _diffusers_forward(block, input_tensor, temb)
         if out_stats is None:
             return out
         return out, call(gn_conv2d_stats, out.detach(), out_stats[0], float(out_stats[1]))
-    x = input_tensor
+    if isinstance(input_tensor, tuple):
+        x = (_channels_last("hidden part", input_tensor[0]), _channels_last("skip part", input_tensor[1]))
+    else:
+        x = _channels_last("input", input_tensor)
     norm1, norm2 = block.norm1, block.norm2
     t = None
     if block.time_emb_proj is not None and temb is not None:
@@ -216,8 +245,9 @@ def fused_resnet_forward(
     if block.conv_shortcut is not None:
         cs = block.conv_shortcut
         around = {"shortcut": (x, cs.weight, cs.bias), "shortcut_resample": resample}
-    else:
-        around = {"residual": x, "residual_resample": resample}
+    else:  # in == out channels: an identity residual (a concatenation is materialised for it)
+        residual = torch.cat(x, dim=1) if isinstance(x, tuple) else x
+        around = {"residual": residual, "residual_resample": resample}
     return gn_silu_conv2d(
         h, norm2.weight, norm2.bias, norm2.num_groups, norm2.eps, block.conv2.weight, block.conv2.bias, 1, 1,
         stats=h_stats, output_scale=block.output_scale_factor, out_stats=out_stats, **around,
@@ -242,5 +272,8 @@ class FusedResnetBlock2D(torch.nn.Module):
         self.training = block.training
         self._ldmopt_source_cls = _stock_class(block)
 
-    def forward(self, input_tensor: Tensor, temb: Tensor | None = None, *args, **kwargs) -> Tensor:
+    def forward(
+        self, input_tensor: Tensor | tuple[Tensor, Tensor], temb: Tensor | None = None, *args, **kwargs
+    ) -> Tensor:
+        """``input_tensor``: the block's input, or a pair ``(hidden, skip)`` read as their channel concatenation."""
         return fused_resnet_forward(self, input_tensor, temb, *args, **kwargs)

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.gn_conv2d import gn_silu_conv2d
-from .child_check import count_reason, hooked, readable, stock, stock_class, unreadable_reason
-from .resnet import dtype_reasons
+from .child_check import count_reason, hooked, observed, readable, stock, stock_class, unreadable_reason
+from .resnet import dtype_reasons, fused_resnet_forward
 
 #: How often a fused forward converted an NCHW input to channels-last (one copy) before fusing.
 layout_conversions: Counter[str] = Counter()
@@ -141,10 +141,20 @@ def _channels_last(x: Tensor, where: str) -> Tensor:
 
 
 def fused_spatiotemporal_forward(
-    block, hidden_states: Tensor, temb: Tensor | None = None, image_only_indicator: Tensor | None = None
+    block,
+    hidden_states: Tensor | tuple[Tensor, Tensor],
+    temb: Tensor | None = None,
+    image_only_indicator: Tensor | None = None,
 ) -> Tensor:
     """``SpatioTemporalResBlock.forward``: spatial resnet (as patched), then the temporal resnet and the blend in two
-    fused convolutions (see the module docstring)."""
+    fused convolutions (see the module docstring).
+
+    ``hidden_states`` may be a pair ``(hidden, skip)`` standing for their channel concatenation (an SVD up block's
+    skip connection), handed to the spatial resnet's ``fused_resnet_forward``, which reads it in place: the caller
+    (ldmopt.patch's ``up_block_skip``) passes a pair only when ``spatial_res_block`` runs that fused forward."""
+    parts = hidden_states if isinstance(hidden_states, tuple) else None
+    if parts is not None:
+        hidden_states = parts[0]  # what the checks below read: batch, spatial size, dtype (the parts agree on them)
     temporal = block.temporal_res_block
     if image_only_indicator is None:
         reasons = ["no image_only_indicator (diffusers needs it for the frame count)"]
@@ -165,8 +175,15 @@ def fused_spatiotemporal_forward(
     if reasons:
         for reason in reasons:
             count_reason("SpatioTemporalResBlock", reason)
+        if parts is not None:
+            hidden_states = torch.cat(parts, dim=1)
         return stock(block)(hidden_states, temb, image_only_indicator)
-    spatial = _channels_last(block.spatial_res_block(hidden_states, temb), "SpatioTemporalResBlock")
+    if parts is not None:
+        with observed(block.spatial_res_block, (hidden_states, temb)):
+            spatial = fused_resnet_forward(block.spatial_res_block, parts, temb)
+    else:
+        spatial = block.spatial_res_block(hidden_states, temb)
+    spatial = _channels_last(spatial, "SpatioTemporalResBlock")
     height, width = spatial.shape[2:]
     x = video_view(spatial, frames)
     t = None

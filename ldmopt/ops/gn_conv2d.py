@@ -112,38 +112,46 @@ def _channels_last_like(shape, x: Tensor, dtype: torch.dtype | None = None) -> T
 # ------------------------------------------------------------------------------------------------ statistics op
 
 
-def _stats_torch(x, num_groups, eps):
+def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:
+    """The channel concatenation a two-part input stands for (the reference path and backward materialise it)."""
+    return head if tail is None else torch.cat([head, tail], dim=1)
+
+
+def _stats_torch(x, num_groups, eps, x_tail=None):
+    x = _cat(x, x_tail)
     var, mean = torch.var_mean(x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1), dim=-1, unbiased=False)
     return mean, torch.rsqrt(var + eps)
 
 
-def _stats_triton(x, num_groups, eps):
-    # kernels/group_norm.py's Welford partial + finalize passes (two launches)
+def _stats_triton(x, num_groups, eps, x_tail=None):
+    # kernels/group_norm.py's Welford partial + finalize passes (two launches; three for a two-part x)
     from ldmopt.kernels.group_norm import group_norm_stats
 
-    return group_norm_stats(x, num_groups, eps)
+    return group_norm_stats(x, num_groups, eps, x_tail)
 
 
-def _stats_triton_refuse(x: Tensor) -> list[str]:
-    reasons = triton_refusals(x, dtypes=_TRITON_DTYPES)
-    if not spatial_dims_flatten(x):
-        reasons.append(f"x strides {x.stride()}: its spatial dims do not flatten into one strided axis")
+def _stats_triton_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
+    reasons = triton_refusals(x, x_tail, dtypes=_TRITON_DTYPES)
+    for name, t in (("x", x), ("x_tail", x_tail)):
+        if t is not None and not spatial_dims_flatten(t):
+            reasons.append(f"{name} strides {t.stride()}: its spatial dims do not flatten into one strided axis")
     return reasons
 
 
 STATS = BackendTable(
     "gn_conv2d_stats",
     [
-        Backend("triton", _stats_triton, lambda x, *a: _stats_triton_refuse(x)),
+        Backend("triton", _stats_triton, lambda x, groups, eps, x_tail=None: _stats_triton_refuse(x, x_tail)),
         Backend("torch", _stats_torch),
     ],
 )
 
 
 @torch.library.custom_op("ldmopt::gn_conv2d_stats", mutates_args=())
-def gn_conv2d_stats(x: Tensor, num_groups: int, eps: float) -> tuple[Tensor, Tensor]:
-    """(mean, rstd) [N, G] of x in fp32 (fp64 for fp64 x); not differentiable (gn_conv2d's backward accounts for it)."""
-    mean, rstd = _run(STATS, x, num_groups, eps)
+def gn_conv2d_stats(x: Tensor, num_groups: int, eps: float, x_tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(mean, rstd) [N, G] of x (or of ``cat([x, x_tail], 1)``) in fp32 (fp64 for fp64 x); not differentiable
+    (gn_conv2d's backward accounts for it)."""
+    mean, rstd = _run(STATS, x, num_groups, eps, x_tail)
     return mean, rstd
 
 
@@ -151,7 +159,7 @@ register_eager(gn_conv2d_stats)
 
 
 @gn_conv2d_stats.register_fake
-def _(x, num_groups, eps):
+def _(x, num_groups, eps, x_tail=None):
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
     return stats, torch.empty_like(stats)
 
@@ -174,8 +182,9 @@ def _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride
 
 
 def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
-               res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
+               res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None):  # fmt: skip
     """The reference: the unfused composition, rounding the activation to x's dtype as an unfused model stores it."""
+    x, sx = _cat(x, x_tail), _cat(sx, sx_tail)
     cd = _stats_dtype(x)
     z = _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample, sc_resample)
     if gate is not None:
@@ -192,10 +201,12 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
 
 
 def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding,
-                   resample, res_resample, sc_resample, output_scale, out_groups, out_eps) -> list[str]:  # fmt: skip
-    reasons = triton_refusals(x, w, sx, dtypes=_TRITON_DTYPES)
-    if not _is_channels_last(x):
-        reasons.append(f"x (strides {x.stride()}) is not channels-last; the loader reads NHWC channel vectors")
+                   resample, res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None,
+                   sx_tail=None) -> list[str]:  # fmt: skip
+    reasons = triton_refusals(x, w, sx, x_tail, sx_tail, dtypes=_TRITON_DTYPES)
+    for name, t in (("x", x), ("x_tail", x_tail)):
+        if t is not None and not _is_channels_last(t):
+            reasons.append(f"{name} (strides {t.stride()}) is not channels-last; the loader reads NHWC channel vectors")
     kh, kw = w.shape[2:]
     if (kh, kw) not in ((1, 1), (3, 3), (3, 1)):
         reasons.append(f"kernel {kh}x{kw}: the triton kernel serves 1x1, 3x3 and 3x1 (temporal)")
@@ -205,7 +216,13 @@ def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, gro
         )
     if resample != "none" and stride != 1:
         reasons.append(f"resample={resample!r} with stride {stride} (resampling is served with stride 1)")
-    for name, t in (("weight", w), ("shortcut_x", sx), ("shortcut_weight", sw)):
+    for name, t in (
+        ("weight", w),
+        ("shortcut_x", sx),
+        ("shortcut_weight", sw),
+        ("x_tail", x_tail),
+        ("shortcut_x_tail", sx_tail),
+    ):
         if t is not None and t.dtype != x.dtype:
             reasons.append(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
     if mean is not None and (mean.dtype != torch.float32 or rstd.dtype != torch.float32):
@@ -214,13 +231,13 @@ def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, gro
 
 
 def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
-                res_resample, sc_resample, output_scale, out_groups, out_eps):  # fmt: skip
+                res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
 
     gate = None if gate is None else gate.float()
     return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride,
                          tuple(padding), resample, res_resample, sc_resample, output_scale, out_groups,
-                         out_eps)  # fmt: skip
+                         out_eps, x_tail, sx_tail)  # fmt: skip
 
 
 FORWARD = BackendTable("gn_conv2d", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
@@ -251,12 +268,15 @@ def gn_conv2d_op(
     output_scale: float,
     out_groups: int,
     out_eps: float,
+    x_tail: Tensor | None = None,
+    shortcut_x_tail: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation."""
+    """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation.
+    ``x_tail`` / ``shortcut_x_tail``: the input is ``cat([x, x_tail], 1)`` (the shortcut's likewise), never written."""
     y, out_mean, out_rstd = _run(
         FORWARD, x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
         shortcut_bias, gate, num_groups, activation or None, stride, padding, resample, residual_resample,
-        shortcut_resample, output_scale, out_groups, out_eps,
+        shortcut_resample, output_scale, out_groups, out_eps, x_tail, shortcut_x_tail,
     )  # fmt: skip
     return y, out_mean, out_rstd
 
@@ -264,7 +284,7 @@ def gn_conv2d_op(
 @gn_conv2d_op.register_fake
 def _(x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight, shortcut_bias,
       gate, num_groups, activation, stride, padding, resample, residual_resample, shortcut_resample, output_scale,
-      out_groups, out_eps):  # fmt: skip
+      out_groups, out_eps, x_tail=None, shortcut_x_tail=None):  # fmt: skip
     oh, ow = conv_output_size(x.shape[2], x.shape[3], weight.shape[2:], stride, padding, resample)
     y = _channels_last_like((x.shape[0], weight.shape[0], oh, ow), x)
     stats = x.new_empty((x.shape[0], out_groups), dtype=torch.float32 if out_groups == 0 else _stats_dtype(x))
@@ -273,10 +293,11 @@ def _(x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_
 
 def _setup_context(ctx, inputs, output):
     (x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample, res_resample,
-     sc_resample, output_scale, _out_groups, _out_eps) = inputs  # fmt: skip
+     sc_resample, output_scale, _out_groups, _out_eps, x_tail, sx_tail) = (*inputs, None, None)[:25]  # fmt: skip
     # The gate's gradient needs what it scaled: bias, temb and the shortcut's bias are kept only then.
     keep = gate is not None and ctx.needs_input_grad[12]
-    ctx.save_for_backward(x, mean, rstd, gw, gb, w, sx, sw, gate, *((b, temb, sb) if keep else (None,) * 3))
+    ctx.save_for_backward(x, mean, rstd, gw, gb, w, sx, sw, gate, *((b, temb, sb) if keep else (None,) * 3), x_tail,
+                          sx_tail)  # fmt: skip
     ctx.conf = (groups, act or None, stride, tuple(padding), resample, res_resample, sc_resample, output_scale)
     ctx.meta = {
         "bias": None if b is None else b.dtype,
@@ -306,12 +327,24 @@ def _conv_backward(g, inp, w, stride, padding, mask):
     )  # fmt: skip
 
 
+def _split_channels(grad: Tensor | None, head: Tensor, tail: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """(d head, d tail) of a gradient with respect to ``cat([head, tail], 1)``."""
+    if grad is None or tail is None:
+        return grad, None
+    return grad[:, : head.shape[1]], grad[:, head.shape[1] :]
+
+
 def _backward(ctx, dy, _dmean, _drstd):
-    x, mean, rstd, gw, gb, w, sx, sw, gate, b, temb, sb = ctx.saved_tensors
+    x_head, mean, rstd, gw, gb, w, sx_head, sw, gate, b, temb, sb, x_tail, sx_tail = ctx.saved_tensors
+    # A two-part input is concatenated here, for backward only (the unfused block keeps the concatenation alive).
+    x, sx = _cat(x_head, x_tail), _cat(sx_head, sx_tail)
     groups, act, stride, padding, resample, res_resample, sc_resample, output_scale = ctx.conf
-    need = ctx.needs_input_grad
+    given = len(ctx.needs_input_grad)  # 23 when a caller leaves out the optional tails
+    need = [*ctx.needs_input_grad, False, False][:25]
+    need[0] = need[0] or need[23]
+    need[9] = need[9] or need[24]
     g = dy if output_scale == 1.0 else dy / output_scale
-    grads = [None] * 23
+    grads = [None] * 25
     if need[8]:
         grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
     if gate is not None:
@@ -350,13 +383,38 @@ def _backward(ctx, dy, _dmean, _drstd):
         grads[10] = dsw
     if need[11]:
         grads[11] = _sum_channels(g, (0, 2, 3), ctx.meta["sb"])
-    return tuple(grads)
+    grads[0], grads[23] = _split_channels(grads[0], x_head, x_tail)
+    grads[9], grads[24] = _split_channels(grads[9], sx_head, sx_tail)
+    return tuple(grads[:given])
 
 
 register_autograd_keeping_backend(gn_conv2d_op, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------------------------------------ public function
+
+
+def _channel_parts(name: str, x) -> tuple[Tensor, Tensor | None]:
+    """(head, tail) of an input given as a tensor or as the pair ``(head, tail)`` standing for their channel
+    concatenation; the pair must agree in everything but the channel count."""
+    if isinstance(x, Tensor):
+        return x, None
+    if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, Tensor) for t in x)):
+        raise TypeError(f"{name} must be a tensor or a pair (head, tail) of tensors concatenated along channels")
+    head, tail = x
+    check_tensor(f"{name}[0]", head, ndim=(4,))
+    check_tensor(f"{name}[1]", tail, ndim=(4,))
+    check_same_device(f"{name}[1]", tail, head)
+    if head.shape[0] != tail.shape[0] or head.shape[2:] != tail.shape[2:] or head.dtype != tail.dtype:
+        raise ValueError(
+            f"{name}: the parts of a channel concatenation must agree in batch, spatial size and dtype; got "
+            f"{tuple(head.shape)} {head.dtype} and {tuple(tail.shape)} {tail.dtype}"
+        )
+    return head, tail
+
+
+def _channels(head: Tensor, tail: Tensor | None) -> int:
+    return head.shape[1] + (0 if tail is None else tail.shape[1])
 
 
 def _check_resample(name: str, value: str) -> str:
@@ -366,7 +424,7 @@ def _check_resample(name: str, value: str) -> str:
 
 
 def gn_silu_conv2d(
-    x: Tensor,
+    x: Tensor | tuple[Tensor, Tensor],
     gn_weight: Tensor | None,
     gn_bias: Tensor | None,
     num_groups: int,
@@ -384,7 +442,7 @@ def gn_silu_conv2d(
     residual: Tensor | None = None,
     residual_resample: str = "none",
     gate: Tensor | None = None,
-    shortcut: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    shortcut: tuple[Tensor | tuple[Tensor, Tensor], Tensor, Tensor | None] | None = None,
     shortcut_resample: str = "none",
     output_scale: float = 1.0,
     out_stats: tuple[int, float] | None = None,
@@ -411,6 +469,10 @@ def gn_silu_conv2d(
     resnet and its blend with the spatial path (ldmopt.nn.temporal_resnet). The gate is applied in fp32; its
     gradient recomputes the convolution once in backward.
 
+    A UNet up block's ``cat([hidden, skip], 1)``: pass ``x=(hidden, skip)`` (and the shortcut's input likewise); the
+    statistics pass and the loaders read each channel block where its part lies, so the concatenation is never
+    written (backward materialises it once, transiently). The parts must agree in batch, spatial size and dtype.
+
     Under torch.autocast, x, conv weight/bias, temb, residual and the shortcut's tensors are cast to the autocast
     dtype first (the identity residual is thereby rounded to it, where diffusers would add it in its own dtype).
 
@@ -420,13 +482,22 @@ def gn_silu_conv2d(
     inputs use TF32 tensor cores on GPUs unless ``torch.backends.cudnn.allow_tf32`` is False, as PyTorch's conv does.
     Output statistics sum in fp64 atomics, so they can differ in the last bit between runs.
     """
+    x, x_tail = _channel_parts("x", x)
     check_tensor("x", x, ndim=(4,))
     check_tensor("conv_weight", conv_weight, ndim=(4,))
     # Under torch.autocast the conv operands are cast as F.conv2d casts them; GroupNorm math stays fp32 regardless.
-    x, conv_weight, conv_bias, temb, residual = autocast_operands(x, conv_weight, conv_bias, temb, residual)
+    x, conv_weight, conv_bias, temb, residual, x_tail = autocast_operands(
+        x, conv_weight, conv_bias, temb, residual, x_tail
+    )
+    sx_tail = None
     if shortcut is not None:
-        shortcut = autocast_operands(*shortcut)
-    n, c_in, h, w = x.shape
+        if not (isinstance(shortcut, (tuple, list)) and len(shortcut) == 3):
+            raise TypeError("shortcut must be (shortcut_x, shortcut_weight, shortcut_bias or None)")
+        sx_head, sx_tail = _channel_parts("shortcut_x", shortcut[0])
+        shortcut = autocast_operands(sx_head, *shortcut[1:], sx_tail)
+        shortcut, sx_tail = shortcut[:3], shortcut[3]
+    n, _, h, w = x.shape
+    c_in = _channels(x, x_tail)
     c_out = conv_weight.shape[0]
     if conv_weight.shape[1] != c_in:
         raise ValueError(
@@ -450,7 +521,8 @@ def gn_silu_conv2d(
         check_vector("gn_weight", gn_weight, c_in, x)
         check_vector("gn_bias", gn_bias, c_in, x)
         if stats is None:
-            mean, rstd = call(gn_conv2d_stats, x.detach(), num_groups, float(eps))
+            tail = None if x_tail is None else x_tail.detach()
+            mean, rstd = call(gn_conv2d_stats, x.detach(), num_groups, float(eps), tail)
         else:
             mean, rstd = stats
             for name, t in (("stats[0] (mean)", mean), ("stats[1] (rstd)", rstd)):
@@ -492,10 +564,11 @@ def gn_silu_conv2d(
         check_tensor("shortcut_x", sx, ndim=(4,))
         check_tensor("shortcut_weight", sw, ndim=(4,))
         sh, sww = conv_output_size(*sx.shape[2:], 1, 1, 0, shortcut_resample)
-        if sx.shape[0] != n or (sh, sww) != (oh, ow) or tuple(sw.shape) != (c_out, sx.shape[1], 1, 1):
+        c_sc = _channels(sx, sx_tail)
+        if sx.shape[0] != n or (sh, sww) != (oh, ow) or tuple(sw.shape) != (c_out, c_sc, 1, 1):
             raise ValueError(
-                f"shortcut (x {tuple(sx.shape)}, weight {tuple(sw.shape)}, shortcut_resample={shortcut_resample!r}) "
-                f"must be a 1x1 conv to the output ({n}, {c_out}, {oh}, {ow})"
+                f"shortcut (x {(n, c_sc, *sx.shape[2:])}, weight {tuple(sw.shape)}, "
+                f"shortcut_resample={shortcut_resample!r}) must be a 1x1 conv to the output ({n}, {c_out}, {oh}, {ow})"
             )
         check_vector("shortcut_bias", sb, c_out, x)
     out_groups, out_eps = (0, 0.0) if out_stats is None else out_stats
@@ -504,6 +577,6 @@ def gn_silu_conv2d(
     y, out_mean, out_rstd = call(
         gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, gate,
         num_groups, activation or "", stride, list(pads), resample, residual_resample, shortcut_resample,
-        float(output_scale), out_groups, float(out_eps),
+        float(output_scale), out_groups, float(out_eps), x_tail, sx_tail,
     )  # fmt: skip
     return y if out_stats is None else (y, (out_mean, out_rstd))

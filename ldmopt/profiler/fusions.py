@@ -61,6 +61,11 @@ Rules (names as reported):
 - ``concatenation -> GEMM loads``: Flux's single-stream blocks concatenate the attention output and the MLP
   activation along channels only for ``proj_out`` to read them (``flux_single_gated``): the GEMM's K loop reads the
   two tensors where they are, so the concatenation (both read, the sum written) goes.
+- ``skip concatenation -> conv loads``: the UNet up blocks (SD's, AnimateDiff's, UNet3D's and SVD's; ``up_block_skip``)
+  concatenate the running activation with the down path's skip only for the next ResnetBlock2D's (in SVD, the
+  SpatioTemporalResBlock's spatial one) norm1 statistics, conv1 loads and 1x1 ``conv_shortcut`` to read it: they
+  read the two parts where they lie, so the concatenation (both read, the sum written) goes; their own reads are
+  unchanged.
 - ``temporal permutes``: copies that materialise a frame-major layout in or next to a temporal block (the
   temporal attention kernel reads frames by stride).
 - ``RMSNorm (diffusers)``: diffusers' RMSNorm module runs eight ops (fp32 copy, square, mean, rsqrt, two
@@ -96,6 +101,7 @@ LN_GEMM = "LayerNorm -> GEMM loads"
 SINGLE_KEY = "single-key attention shortcut"
 GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 CONCAT_GEMM = "concatenation -> GEMM loads"
+SKIP_CONCAT = "skip concatenation -> conv loads"
 GN_STATS = "GroupNorm statistics from the conv epilogue"
 ALPHA_BLEND = "alpha blend -> conv epilogue"
 BLEND_GEMM = "alpha blend -> GEMM loads"
@@ -107,7 +113,7 @@ QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
     GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, SINGLE_KEY,
     GATED_RESIDUAL, RESIDUAL,
-    CONCAT_GEMM, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
+    CONCAT_GEMM, SKIP_CONCAT, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
 #: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
@@ -149,6 +155,11 @@ RESIDUAL_OWNERS = frozenset({
 })  # fmt: skip
 #: Blocks whose channel concatenation feeding a GEMM ldmopt's GEMM reads in two parts (rules_blocks.py).
 CONCAT_GEMM_OWNERS = frozenset({"FluxSingleTransformerBlock"})
+#: Up blocks whose resnets read the skip concatenation in two parts (ldmopt/patch/rules_up_block.py).
+SKIP_CONCAT_OWNERS = frozenset({
+    "UpBlock2D", "CrossAttnUpBlock2D", "UpBlockMotion", "CrossAttnUpBlockMotion", "UpBlock3D", "CrossAttnUpBlock3D",
+    "UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal",
+})  # fmt: skip
 #: Blocks whose Conv3d (kernel (3, 1, 1)) ldmopt runs as a fused (3, 1) conv (ldmopt/nn/temporal_resnet.py); other
 #: Conv3d (a video VAE's 3x3x3) stay cuDNN's.
 TEMPORAL_CONV_OWNERS = frozenset({"TemporalResnetBlock", "TemporalConvLayer"})
@@ -253,6 +264,7 @@ def plan_fusions(
             _residual_epilogue(plan, records, rec, single_key)
     for cat in by_base.get("cat", []):
         _concat_gemm(plan, records, cat)
+        _skip_concat(plan, records, cat)
     for run in _rms_norm_runs(records):
         _rms_norm(plan, run)
     for rec in records:
@@ -471,6 +483,20 @@ def _concat_gemm(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
         return
     if len(cat.in_bytes) == 2 and plan.free(cat.index):
         plan.claim(CONCAT_GEMM, {cat.index: cat.bytes}, removed=(cat.index,))
+
+
+def _skip_concat(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
+    if _owner_class(cat) not in SKIP_CONCAT_OWNERS or len(cat.in_bytes) != 2 or not cat.consumers:
+        return
+    # Every reader must be a child (norm1, conv_shortcut) of one of the block's ResnetBlock2D.
+    resnets = {records[i].path.rpartition(".")[0] for i in cat.consumers}
+    if len(resnets) != 1:
+        return
+    resnet = resnets.pop()
+    if plan.block_class.get(resnet) != "ResnetBlock2D" or not resnet.startswith(f"{cat.path}.resnets."):
+        return
+    if plan.free(cat.index):
+        plan.claim(SKIP_CONCAT, {cat.index: cat.bytes}, removed=(cat.index,))
 
 
 def _block_classes(records: list[OpRecord]) -> dict[str, str]:

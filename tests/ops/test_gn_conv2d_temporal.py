@@ -134,7 +134,10 @@ def test_backward_matches_autograd_of_the_5d_composition(dtype):
     for name, leaf, ours, ref, lowp in zip(names, leaves, grads["ours"], grads["ref"], grads["lowp"]):
         assert ours.dtype == leaf.dtype and ours.shape == ref.shape, name
         lowp = lowp.to(leaf.dtype)
-        assert_within_torch_error(ours, ref, lowp, f"{name} {dtype}")
+        # The fp32 gate's gradient sums products of the conv of the activation rounded to x's dtype (as the unfused
+        # model stores it), which the fp32 "lowp" run does not round: one rounding step of x's dtype (seed 16 failed
+        # with fp32's).
+        assert_within_torch_error(ours, ref, lowp, f"{name} {dtype}", ulp_dtype=dtype)
 
 
 def test_gradcheck_reference_fp64():

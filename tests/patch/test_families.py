@@ -21,8 +21,9 @@ from tests.patch.helpers import (
     snapshot,
 )
 
-UNET = dict(geglu=10, group_norm_silu=1, resnet=14, residual_block=10, transformer2d_in=10)
-SVD = dict(geglu=30, group_norm_silu=1, resnet=14, spatiotemporal_in=10, spatiotemporal_resnet=14, svd_attn2=10)
+UNET = dict(geglu=10, group_norm_silu=1, resnet=14, residual_block=10, transformer2d_in=10, up_block_skip=4)
+SVD = dict(geglu=30, group_norm_silu=1, resnet=14, spatiotemporal_in=10, spatiotemporal_resnet=14, svd_attn2=10,
+           up_block_skip=4)  # fmt: skip
 SVD["residual_block"] = 10
 SVD["svd_temporal_block"] = 10
 FLUX = dict(adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2)
@@ -30,7 +31,7 @@ FLUX = dict(adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, f
 EXPECTED = {
     "sd15": (UNET, 0),
     "sd21": (UNET, 0),
-    "sdxl": (dict(geglu=11, group_norm_silu=1, resnet=11, residual_block=11, transformer2d_in=7), 0),
+    "sdxl": (dict(geglu=11, group_norm_silu=1, resnet=11, residual_block=11, transformer2d_in=7, up_block_skip=3), 0),
     # The decoder's ResnetBlock2D have time_embedding_norm="group" and no temb: fused like "default".
     "sd15-vae": (dict(group_norm=2, group_norm_silu=2, resnet=16), 0),
     "dit": (dict(adaln_block=2, adaln_zero=2, gelu=2), 0),

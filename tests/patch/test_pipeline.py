@@ -21,6 +21,7 @@ def test_tiny_sd_pipeline_patched_vs_stock():
         "residual_block": 10,
         "resnet": 14,
         "transformer2d_in": 10,
+        "up_block_skip": 4,
     }
     assert report.counts("vae") == {"group_norm": 2, "group_norm_silu": 2, "resnet": 16}
     assert report.counts("text_encoder") == {}
