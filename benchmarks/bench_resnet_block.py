@@ -8,7 +8,8 @@ launches). Op "gn_conv2d": the GroupNorm+SiLU -> 3x3 conv alone: eager (F.group_
 (cuDNN conv of an already activated input: the conv's own cost), ldmopt (fused, statistics inside), ldmopt+stats,
 ldmopt-plain (our implicit GEMM without the prologue, the like-for-like conv vs cuDNN). Op "resnet_skip": an up block's
 resnet on its skip connection: eager and compile concatenate then run diffusers' block, ldmopt-cat concatenates then
-runs the fused block, ldmopt reads (hidden, skip) in place (the concatenation is never written).
+runs the fused block, ldmopt reads (hidden, skip) in place (the concatenation is never written). Op "upsample_conv":
+diffusers' Upsample2D (nearest 2x, then a 3x3 conv) vs ldmopt's conv reading the input through the 2x index map.
 FLOPs are the convolutions' 2*MACs; bytes the minimum traffic (activations read/written once, weights once).
 Targets (H200): whole block >= 1.25x eager channels-last at 64x64x320 and 32x32x640, not slower than compile.
 """
@@ -211,3 +212,44 @@ def bench_resnet_skip(case, dtype, bench_recorder):
                 return fwd(hidden, skip, temb)
 
         _record(bench_recorder, "resnet_skip", case, dtype, "fwd", name, run, flops, nbytes)
+
+
+# name: (batch, channels, H=W of the input): the UNet's and the VAE decoder's upsamplers.
+UPSAMPLERS = {
+    "sd15-unet-16to32x1280": (2, 1280, 16),
+    "sd15-unet-32to64x640": (2, 640, 32),
+    "vae1024-dec-256to512x512": (1, 512, 256),
+    "vae1024-dec-512to1024x256": (1, 256, 512),
+}
+QUICK_UPSAMPLERS = ("vae1024-dec-256to512x512",)
+
+
+@pytest.mark.parametrize("case", list(QUICK_UPSAMPLERS) if QUICK else list(UPSAMPLERS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def bench_upsample_conv(case, dtype, bench_recorder):
+    pytest.importorskip("diffusers")
+    from diffusers.models.upsampling import Upsample2D
+
+    from ldmopt.patch.rules_upsample import fused_upsample_forward
+
+    n, c, size = UPSAMPLERS[case]
+    block = Upsample2D(c, use_conv=True).to(device=DEVICE, dtype=dtype, memory_format=torch.channels_last).eval()
+    x = torch.randn(n, c, size, size, device=DEVICE, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    flops = _conv_flops(n, c, c, 2 * size)
+    elem = x.element_size()
+    # Fused: x read, the 2x output written, weights once. diffusers also writes and reads back 4x.
+    nbytes = x.numel() * elem * 5 + sum(p.numel() * p.element_size() for p in block.parameters())
+    providers = {
+        "eager": lambda: Upsample2D.forward(block, x),
+        "compile": harness.compiled(lambda: Upsample2D.forward(block, x), mode="max-autotune-no-cudagraphs"),
+        "ldmopt": lambda: fused_upsample_forward(block, x),
+    }
+    if QUICK:
+        providers.pop("compile")
+    for name, fn in providers.items():
+
+        def run(fn=fn):
+            with torch.no_grad():
+                return fn()
+
+        _record(bench_recorder, "upsample_conv", case, dtype, "fwd", name, run, flops, nbytes)

@@ -137,6 +137,26 @@ def _resnet_skip(quick: bool):
             yield case, dtype, "triton", [out, *grads], [ref, *grads64]
 
 
+@check("upsample_conv")
+def _upsample_conv(quick: bool):
+    """diffusers' Upsample2D as patched (nearest 2x read in the conv's loads) vs its own forward in fp64."""
+    from diffusers.models.upsampling import Upsample2D
+
+    for case, (n, channels, hw) in _cases("upsample_conv", quick).items():
+        ref_block = Upsample2D(channels, use_conv=True).to(DEVICE).eval()
+        x = torch.randn(n, channels, hw, hw, device=DEVICE).to(memory_format=torch.channels_last)
+        with torch.no_grad():
+            ref = ref_block.double()(x.double())
+        for dtype in DTYPES:
+            block = copy.deepcopy(ref_block).to(dtype=dtype, memory_format=torch.channels_last)
+            report = ldmopt.patch(block)
+            assert report.counts() == {"upsample_conv": 1}, str(report)
+            with torch.no_grad(), ldmopt.use_backend("triton", ops=("gn_conv2d",)):
+                out = block(x.to(dtype))
+            assert not report.fallbacks(), report.fallbacks()
+            yield case, dtype, "triton", [out], [ref]
+
+
 @check("svd_resnet_block")
 def _svd_resnet_block(quick: bool):
     """SVD's SpatioTemporalResBlock as patched (spatial resnet + temporal (3, 1) convs with the blend in the
@@ -507,6 +527,10 @@ CASES: dict[str, dict[str, tuple]] = {
         "sd15-up1-16x16-1280+640": (2, 1280, 640, 1280, 16, 1280),
         "sdxl-up2-128x128-320+320": (2, 320, 320, 320, 128, 1280),
     },
+    "upsample_conv": {  # (N, C, H = W of the input)
+        "sd15-unet-16to32x1280": (2, 1280, 16),
+        "vae1024-dec-256to512x512": (1, 512, 256),
+    },
     "svd_resnet_block": {  # (videos, frames, C, H, W, temb channels)
         "svd-36x64x640": (2, 14, 640, 36, 64, 1280),
         "svd-72x128x320": (2, 14, 320, 72, 128, 1280),
@@ -547,6 +571,7 @@ CASES: dict[str, dict[str, tuple]] = {
     },
 }
 FULL_ONLY = {
+    "vae1024-dec-256to512x512",
     "sdxl-up2-128x128-320+320",
     "rms_rope-wan14b",
     "svd-72x128x320",

@@ -458,7 +458,8 @@ def _aot_spec(
     out_stats=False,
     temb_rows=False,
     gate=False,
-    two_part=False,
+    x_two_part=False,
+    sc_two_part=False,
 ) -> dict:
     bm, bn, bk, warps, stages = cfg
     kw = kh if kw is None else kw
@@ -470,7 +471,7 @@ def _aot_spec(
         TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc,
         SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
         OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, DOT_PRECISION="tf32", IDX64=False,
-        X_TWO_PART=two_part and normalize, SC_TWO_PART=two_part and sc, BM=bm, BN=bn, BK=bk,
+        X_TWO_PART=x_two_part, SC_TWO_PART=sc_two_part, BM=bm, BN=bn, BK=bk,
     )  # fmt: skip
     fn = _gn_conv2d_fwd_kernel.fn
     sig = {}
@@ -509,17 +510,20 @@ def aot_specs() -> list[dict]:
         _aot_spec("gn_conv2d[fp16,3x3,conv2:residual]", "fp16", narrow, res=True),
         # UNet up blocks: conv1 reads cat([hidden, skip]) in two parts, conv2's shortcut likewise
         _aot_spec(
-            "gn_conv2d[fp16,3x3,conv1:skip parts+temb+stats]", "fp16", big, temb=True, out_stats=True, two_part=True
+            "gn_conv2d[fp16,3x3,conv1:skip parts+temb+stats]", "fp16", big, temb=True, out_stats=True, x_two_part=True
         ),
         _aot_spec(
-            "gn_conv2d[fp16,3x3,conv2:shortcut skip parts+stats]", "fp16", big, sc=True, out_stats=True, two_part=True
+            "gn_conv2d[fp16,3x3,conv2:shortcut parts+stats]", "fp16", big, sc=True, out_stats=True, sc_two_part=True
         ),
         _aot_spec(
-            "gn_conv2d[bf16,3x3,conv1:skip parts,64x64x64]", "bf16", small, temb=True, out_stats=True, two_part=True
+            "gn_conv2d[bf16,3x3,conv1:skip parts,64x64x64]", "bf16", small, temb=True, out_stats=True, x_two_part=True
         ),
         _aot_spec("gn_conv2d[fp16,3x3,up]", "fp16", narrow, resample="up", temb=True, out_stats=True),
         _aot_spec("gn_conv2d[fp16,3x3,down+shortcut]", "fp16", tall, resample="down", sc=True, out_stats=True),
         _aot_spec("gn_conv2d[fp16,3x3,stride2,plain]", "fp16", big, stride=2, normalize=False),
+        # Upsample2D: nearest 2x in the loads of a plain conv (the VAE decoder's upsamplers)
+        _aot_spec("gn_conv2d[fp16,3x3,upsampler]", "fp16", big, resample="up", normalize=False),
+        _aot_spec("gn_conv2d[bf16,3x3,upsampler,128x64]", "bf16", narrow, resample="up", normalize=False),
         _aot_spec("gn_conv2d[fp16,1x1,gn]", "fp16", big, kh=1),
         _aot_spec("gn_conv2d[fp32,3x3,conv1:temb+stats]", "fp32", tall, temb=True, out_stats=True),
         # SVD's temporal resnet (3x1 over frames): per-frame temb + statistics, then residual + per-frame blend gate

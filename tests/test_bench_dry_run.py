@@ -153,8 +153,11 @@ def test_resnet_block_providers(mocked_timing, no_compile, monkeypatch):
     monkeypatch.setattr(B, "SKIP_BLOCKS", {"skip": (1, 40, 24, 32, 3)})
     with ldmopt.use_backend("torch"):
         B.bench_resnet_skip("skip", torch.float16, mocked_timing)
+    monkeypatch.setattr(B, "UPSAMPLERS", {"up": (1, 24, 3)})
+    with ldmopt.use_backend("torch"):
+        B.bench_upsample_conv("up", torch.float16, mocked_timing)
     rows = mocked_timing.rows
-    assert len(rows) == 4 + 3 + 4 + 5 + 4 and not _failed(rows), _failed(rows)
+    assert len(rows) == 4 + 3 + 4 + 5 + 4 + 3 and not _failed(rows), _failed(rows)
     assert not [r["note"] for r in rows if r["note"]], "no provider fell back or failed"
 
 

@@ -46,6 +46,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
         "resnet_block": {"temb-32to96": (1, 32, 96, 3, 40), "vae-64to32": (1, 64, 32, 2, None)},
         "svd_resnet_block": {"svd-64": (2, 3, 64, 3, 2, 16)},
         "resnet_skip": {"skip-40+24to32": (1, 40, 24, 32, 3, 16)},
+        "upsample_conv": {"up-24": (2, 24, 3)},
         "fused_linear": {
             "geglu": (C._run_geglu, C._ref_geglu, 2, 7, 40, 48),
             "gelu_tanh": (C._run_gelu, C._ref_gelu, 2, 7, 40, 24),

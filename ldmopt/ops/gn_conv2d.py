@@ -117,6 +117,20 @@ def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:
     return head if tail is None else torch.cat([head, tail], dim=1)
 
 
+def _check_tail(name: str, head: Tensor | None, tail: Tensor | None) -> None:
+    """The ops' own check (they are callable through torch.ops): a tail must match its head but in channels, or the
+    kernels would index past it."""
+    if tail is None:
+        return
+    if head is None or tail.dim() != head.dim() or tail.shape[0] != head.shape[0] or tail.shape[2:] != head.shape[2:]:
+        shape = None if head is None else tuple(head.shape)
+        raise ValueError(
+            f"{name} of shape {tuple(tail.shape)} must match the first part {shape} in every dim but channels (1)"
+        )
+    if tail.dtype != head.dtype or tail.device != head.device:
+        raise ValueError(f"{name} ({tail.dtype}, {tail.device}) must have the first part's dtype and device")
+
+
 def _stats_torch(x, num_groups, eps, x_tail=None):
     x = _cat(x, x_tail)
     var, mean = torch.var_mean(x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1), dim=-1, unbiased=False)
@@ -151,6 +165,7 @@ STATS = BackendTable(
 def gn_conv2d_stats(x: Tensor, num_groups: int, eps: float, x_tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(mean, rstd) [N, G] of x (or of ``cat([x, x_tail], 1)``) in fp32 (fp64 for fp64 x); not differentiable
     (gn_conv2d's backward accounts for it)."""
+    _check_tail("x_tail", x, x_tail)
     mean, rstd = _run(STATS, x, num_groups, eps, x_tail)
     return mean, rstd
 
@@ -273,6 +288,8 @@ def gn_conv2d_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation.
     ``x_tail`` / ``shortcut_x_tail``: the input is ``cat([x, x_tail], 1)`` (the shortcut's likewise), never written."""
+    _check_tail("x_tail", x, x_tail)
+    _check_tail("shortcut_x_tail", shortcut_x, shortcut_x_tail)
     y, out_mean, out_rstd = _run(
         FORWARD, x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
         shortcut_bias, gate, num_groups, activation or None, stride, padding, resample, residual_resample,
@@ -336,13 +353,16 @@ def _split_channels(grad: Tensor | None, head: Tensor, tail: Tensor | None) -> t
 
 def _backward(ctx, dy, _dmean, _drstd):
     x_head, mean, rstd, gw, gb, w, sx_head, sw, gate, b, temb, sb, x_tail, sx_tail = ctx.saved_tensors
-    # A two-part input is concatenated here, for backward only (the unfused block keeps the concatenation alive).
-    x, sx = _cat(x_head, x_tail), _cat(sx_head, sx_tail)
     groups, act, stride, padding, resample, res_resample, sc_resample, output_scale = ctx.conf
     given = len(ctx.needs_input_grad)  # 23 when a caller leaves out the optional tails
     need = [*ctx.needs_input_grad, False, False][:25]
     need[0] = need[0] or need[23]
     need[9] = need[9] or need[24]
+    # A two-part input is concatenated here, for backward only and only where a gradient needs it (the unfused block
+    # keeps its concatenation alive all the way).
+    gate_grad = gate is not None and need[12]
+    x = _cat(x_head, x_tail) if x_tail is None or gate_grad or need[0] or need[3] or need[4] or need[5] else None
+    sx = _cat(sx_head, sx_tail) if sx_tail is None or gate_grad or need[9] or need[10] else None
     g = dy if output_scale == 1.0 else dy / output_scale
     grads = [None] * 25
     if need[8]:
@@ -356,7 +376,7 @@ def _backward(ctx, dy, _dmean, _drstd):
             dgate = (g.to(z.dtype) * z).sum((1, 3), dtype=torch.float64)
             dtype, shape = ctx.meta["gate"]
             grads[12] = (dgate.sum(1, keepdim=True) if shape[1] == 1 else dgate).to(dtype)
-        g = (g.to(_stats_dtype(x)) * gate.to(_stats_dtype(x))[:, None, :, None]).to(g.dtype)
+        g = (g.to(_stats_dtype(x_head)) * gate.to(_stats_dtype(x_head))[:, None, :, None]).to(g.dtype)
     if need[6]:
         grads[6] = _sum_channels(g, (0, 2, 3), ctx.meta["bias"])
     if need[7]:
@@ -471,7 +491,8 @@ def gn_silu_conv2d(
 
     A UNet up block's ``cat([hidden, skip], 1)``: pass ``x=(hidden, skip)`` (and the shortcut's input likewise); the
     statistics pass and the loaders read each channel block where its part lies, so the concatenation is never
-    written (backward materialises it once, transiently). The parts must agree in batch, spatial size and dtype.
+    written (backward materialises it transiently, where a gradient needs it). The parts must agree in batch, spatial
+    size and dtype.
 
     Under torch.autocast, x, conv weight/bias, temb, residual and the shortcut's tensors are cast to the autocast
     dtype first (the identity residual is thereby rounded to it, where diffusers would add it in its own dtype).

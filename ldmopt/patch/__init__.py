@@ -13,6 +13,9 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     |                                              | per frame, alpha blend in |
 |                    |                     |                                              | the epilogue              |
 | gn_conv            | temporal_conv       | TemporalConvLayer (UNet3D: ModelScope)       | four (3,1) fused convs    |
+| gn_conv            | up_block_skip       | the UNet up blocks (SD, SDXL, AnimateDiff,   | resnets read cat([hidden, |
+|                    |                     | ModelScope, SVD)                             | skip]) in place           |
+| gn_conv            | upsample_conv       | Upsample2D (UNet up blocks, VAE decoders)    | nearest 2x in conv loads  |
 | group_norm         | group_norm_silu     | VAE encoders/decoders (also SVD, Allegro,    | conv_norm_out + conv_act  |
 |                    |                     | HunyuanVideo), the UNets' output head        |                           |
 | group_norm         | group_norm_silu_seq | nn.Sequential (GroupNorm, SiLU)              | GN+SiLU in one pass       |

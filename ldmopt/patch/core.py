@@ -51,6 +51,7 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_rms_norm import RULES as rms_norm_rules
     from .rules_temporal_layout import RULES as temporal_layout_rules
     from .rules_up_block import RULES as up_block_rules
+    from .rules_upsample import RULES as upsample_rules
     from .rules_wan import RULES as wan_rules
     from .rules_wan_attention import RULES as wan_attention_rules
 
@@ -58,6 +59,7 @@ def _rules() -> tuple[Rule, ...]:
     return (
         *gn_conv_rules,
         *up_block_rules,
+        *upsample_rules,
         *block_rules,
         *residual_rules,
         *wan_rules,

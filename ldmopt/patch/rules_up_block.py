@@ -53,23 +53,39 @@ def _reads_parts(resnet: nn.Module) -> bool:
     return _runs_fused(resnet, ResnetBlockRule)
 
 
-def resnet_on_skip(resnet: nn.Module, hidden: Tensor, skip: Tensor, temb: Tensor | None) -> Tensor:
+#: How a class's diffusers forward calls its resnet outside gradient checkpointing (inside, always positionally):
+#: positional ``resnet(x, temb)``; "keywords" ``resnet(input_tensor=x, temb=temb)`` (the motion blocks); "svd"
+#: ``resnet(x, temb, image_only_indicator=indicator)``. Hooks that read the call's arguments see the same call.
+POSITIONAL, KEYWORDS, SVD = "positional", "keywords", "svd"
+
+
+def _call_arguments(style: str, x, args: tuple) -> tuple[tuple, dict]:
+    if style == KEYWORDS:
+        return (), {"input_tensor": x, "temb": args[0]}
+    if style == SVD:
+        return (x, args[0]), {"image_only_indicator": args[1]}
+    return (x, *args), {}
+
+
+def resnet_on_skip(resnet: nn.Module, hidden: Tensor, skip: Tensor, temb: Tensor | None, style=POSITIONAL) -> Tensor:
     """``resnet(torch.cat([hidden, skip], 1), temb)``, with the concatenation read in place when the resnet is fused."""
     if _reads_parts(resnet):
-        with observed(resnet, (hidden, temb)):  # the profiler's scope for the resnet
+        with observed(resnet, *_call_arguments(style, hidden, (temb,))):  # the profiler's scope for the resnet
             return R.fused_resnet_forward(resnet, (hidden, skip), temb)
-    return resnet(torch.cat([hidden, skip], dim=1), temb)
+    args, kwargs = _call_arguments(style, torch.cat([hidden, skip], dim=1), (temb,))
+    return resnet(*args, **kwargs)
 
 
-def spatiotemporal_on_skip(resnet: nn.Module, hidden: Tensor, skip: Tensor, temb, image_only_indicator) -> Tensor:
+def spatiotemporal_on_skip(resnet: nn.Module, hidden: Tensor, skip: Tensor, temb, image_only_indicator, style=SVD):
     """SVD's ``resnet(torch.cat([hidden, skip], 1), temb, image_only_indicator=...)``: the pair goes through the fused
     SpatioTemporalResBlock to its spatial ResnetBlock2D when both are fused."""
     from .rules_gn_conv import SpatioTemporalResBlockRule
 
     if _runs_fused(resnet, SpatioTemporalResBlockRule) and _reads_parts(resnet.spatial_res_block):
-        with observed(resnet, (hidden, temb, image_only_indicator)):
+        with observed(resnet, *_call_arguments(style, hidden, (temb, image_only_indicator))):
             return TR.fused_spatiotemporal_forward(resnet, (hidden, skip), temb, image_only_indicator)
-    return resnet(torch.cat([hidden, skip], dim=1), temb, image_only_indicator=image_only_indicator)
+    args, kwargs = _call_arguments(style, torch.cat([hidden, skip], dim=1), (temb, image_only_indicator))
+    return resnet(*args, **kwargs)
 
 
 def _up_layers(
@@ -80,6 +96,7 @@ def _up_layers(
     after=None,
     *,
     run_resnet=resnet_on_skip,
+    style: str = POSITIONAL,
     freeu: bool = True,
     checkpointing: bool = True,
 ) -> Tensor:
@@ -96,25 +113,32 @@ def _up_layers(
                 block.resolution_idx, hidden, skip, s1=block.s1, s2=block.s2, b1=block.b1, b2=block.b2
             )
         if checkpointing and torch.is_grad_enabled() and block.gradient_checkpointing:
-            run = functools.partial(run_resnet, resnet)
+            run = functools.partial(run_resnet, resnet, style=POSITIONAL)  # diffusers passes the resnet positionally
             hidden = block._gradient_checkpointing_func(run, hidden, skip, *resnet_args)
         else:
-            hidden = run_resnet(resnet, hidden, skip, *resnet_args)
+            hidden = run_resnet(resnet, hidden, skip, *resnet_args, style=style)
         if after is not None:
             hidden = after(i, hidden)
     return hidden
 
 
-def _upsample(block: nn.Module, hidden: Tensor, upsample_size) -> Tensor:
+def _upsample(block: nn.Module, hidden: Tensor, upsample_size, by_name: bool = False) -> Tensor:
+    """The upsamplers, called as the class's diffusers forward calls them (``by_name``: the motion blocks)."""
     if block.upsamplers is not None:
         for upsampler in block.upsamplers:
-            hidden = upsampler(hidden, upsample_size)
+            if by_name:
+                hidden = upsampler(hidden_states=hidden, output_size=upsample_size)
+            else:
+                hidden = upsampler(hidden, upsample_size)
     return hidden
 
 
-def _attend(block, i, hidden, encoder_hidden_states, cross_attention_kwargs, attention_mask, encoder_attention_mask):
+def _attend(block, i, hidden, encoder_hidden_states, cross_attention_kwargs, attention_mask, encoder_attention_mask,
+            by_name: bool = False):  # fmt: skip
+    args, kwargs = ((), {"hidden_states": hidden}) if by_name else ((hidden,), {})
     return block.attentions[i](
-        hidden,
+        *args,
+        **kwargs,
         encoder_hidden_states=encoder_hidden_states,
         cross_attention_kwargs=cross_attention_kwargs,
         attention_mask=attention_mask,
@@ -169,8 +193,8 @@ def up_block_motion_forward(
     def after(i, hidden):
         return self.motion_modules[i](hidden, num_frames=num_frames)
 
-    hidden = _up_layers(self, hidden_states, res_hidden_states_tuple, (temb,), after)
-    return _upsample(self, hidden, upsample_size)
+    hidden = _up_layers(self, hidden_states, res_hidden_states_tuple, (temb,), after, style=KEYWORDS)
+    return _upsample(self, hidden, upsample_size, by_name=True)
 
 
 def cross_attn_up_block_motion_forward(
@@ -192,11 +216,11 @@ def cross_attn_up_block_motion_forward(
 
     def after(i, hidden):
         hidden = _attend(self, i, hidden, encoder_hidden_states, cross_attention_kwargs, attention_mask,
-                         encoder_attention_mask)  # fmt: skip
+                         encoder_attention_mask, by_name=True)  # fmt: skip
         return self.motion_modules[i](hidden, num_frames=num_frames)
 
-    hidden = _up_layers(self, hidden_states, res_hidden_states_tuple, (temb,), after)
-    return _upsample(self, hidden, upsample_size)
+    hidden = _up_layers(self, hidden_states, res_hidden_states_tuple, (temb,), after, style=KEYWORDS)
+    return _upsample(self, hidden, upsample_size, by_name=True)
 
 
 def up_block_3d_forward(self, hidden_states, res_hidden_states_tuple, temb=None, upsample_size=None, num_frames=1):
@@ -238,7 +262,7 @@ def up_block_spatiotemporal_forward(
 ):
     """UpBlockSpatioTemporal.forward with the skip read in place."""
     hidden = _up_layers(self, hidden_states, res_hidden_states_tuple, (temb, image_only_indicator),
-                        run_resnet=spatiotemporal_on_skip, freeu=False)  # fmt: skip
+                        run_resnet=spatiotemporal_on_skip, style=SVD, freeu=False)  # fmt: skip
     return _upsample(self, hidden, upsample_size)
 
 
@@ -258,7 +282,7 @@ def cross_attn_up_block_spatiotemporal_forward(
                                   image_only_indicator=image_only_indicator, return_dict=False)[0]  # fmt: skip
 
     hidden = _up_layers(self, hidden_states, res_hidden_states_tuple, (temb, image_only_indicator), after,
-                        run_resnet=spatiotemporal_on_skip, freeu=False)  # fmt: skip
+                        run_resnet=spatiotemporal_on_skip, style=SVD, freeu=False)  # fmt: skip
     return _upsample(self, hidden, upsample_size)
 
 
@@ -272,8 +296,14 @@ _FORWARDS = {
     "UpBlockSpatioTemporal": up_block_spatiotemporal_forward,
     "CrossAttnUpBlockSpatioTemporal": cross_attn_up_block_spatiotemporal_forward,
 }
-#: The module whose forward a layer's first call reads the concatenation: ResnetBlock2D, or SVD's resnet pair.
-_READERS = frozenset({"ResnetBlock2D", "SpatioTemporalResBlock"})
+
+
+def _can_read_parts(resnet: nn.Module) -> bool:
+    """Whether a resnet of the block could read the pair: a ResnetBlock2D, or SVD's SpatioTemporalResBlock around
+    one, that the resnet rules would fuse (properties of the instance; calls are checked again each time)."""
+    if type(resnet).__name__ == "SpatioTemporalResBlock":
+        return not TR.spatiotemporal_reasons(resnet) and not R.can_fuse(resnet.spatial_res_block)
+    return not R.can_fuse(resnet)
 
 
 class UpBlockSkipRule(ClassSwapRule):
@@ -299,8 +329,8 @@ class UpBlockSkipRule(ClassSwapRule):
         own = stock_class(block)
         if own.forward is not base.forward:
             return [f"{own.__qualname__} overrides {base.__name__}.forward"]
-        if not any(type(r).__name__ in _READERS for r in block.resnets):
-            return ["no resnet is a ResnetBlock2D or SpatioTemporalResBlock (nothing reads the skip in place)"]
+        if not any(_can_read_parts(r) for r in block.resnets):
+            return ["none of its resnets can run fused (each would get the concatenation; see the resnet rules)"]
         return []
 
     def touched(self, site: Site) -> dict[str, nn.Module]:

@@ -65,7 +65,13 @@ Rules (names as reported):
   concatenate the running activation with the down path's skip only for the next ResnetBlock2D's (in SVD, the
   SpatioTemporalResBlock's spatial one) norm1 statistics, conv1 loads and 1x1 ``conv_shortcut`` to read it: they
   read the two parts where they lie, so the concatenation (both read, the sum written) goes; their own reads are
-  unchanged.
+  unchanged. Approximation, as for the GroupNorm rules: counted also where the resnet cannot run fused (another
+  time_embedding_norm, a non-SiLU activation), whose up block ldmopt leaves stock.
+- ``nearest upsample -> conv loads``: diffusers' Upsample2D (UNet up blocks, VAE decoder) writes the nearest 2x
+  upsampled tensor only for its conv to read (``upsample_conv``): the conv reads x by index arithmetic instead, so the
+  upsample (x read, 4x written) goes and the conv reads x, not 4x. Not counted: an upsampler with a norm of its own.
+  Approximation: counted for every other such pair, also where the patched run keeps diffusers' forward (an
+  output_size other than twice the input, a conv other than 3x3 or 1x1 "same"; no diffusers model builds those).
 - ``temporal permutes``: copies that materialise a frame-major layout in or next to a temporal block (the
   temporal attention kernel reads frames by stride).
 - ``RMSNorm (diffusers)``: diffusers' RMSNorm module runs eight ops (fp32 copy, square, mean, rsqrt, two
@@ -102,6 +108,7 @@ SINGLE_KEY = "single-key attention shortcut"
 GATED_RESIDUAL = "GEMM epilogue (gated residual)"
 CONCAT_GEMM = "concatenation -> GEMM loads"
 SKIP_CONCAT = "skip concatenation -> conv loads"
+UPSAMPLE_CONV = "nearest upsample -> conv loads"
 GN_STATS = "GroupNorm statistics from the conv epilogue"
 ALPHA_BLEND = "alpha blend -> conv epilogue"
 BLEND_GEMM = "alpha blend -> GEMM loads"
@@ -113,7 +120,7 @@ QK_NORM_ROPE = "q/k RMSNorm + RoPE"
 FUSIONS = (
     GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, SINGLE_KEY,
     GATED_RESIDUAL, RESIDUAL,
-    CONCAT_GEMM, SKIP_CONCAT, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
+    CONCAT_GEMM, SKIP_CONCAT, UPSAMPLE_CONV, TEMPORAL_PERMUTES, RMS_NORM, WAN_ROUND_TRIPS, QK_NORM_ROPE,
 )  # fmt: skip
 #: Blocks whose forward ldmopt.patch replaces by fp32-in-registers kernels (ldmopt/patch/rules_wan.py), by class name
 #: in any diffusers module, and the module ldmopt's rms_norm rule replaces (torch.nn.RMSNorm is left to torch).
@@ -265,6 +272,8 @@ def plan_fusions(
     for cat in by_base.get("cat", []):
         _concat_gemm(plan, records, cat)
         _skip_concat(plan, records, cat)
+    for up in by_base.get("upsample_nearest2d", []):
+        _upsample_conv(plan, records, up)
     for run in _rms_norm_runs(records):
         _rms_norm(plan, run)
     for rec in records:
@@ -497,6 +506,19 @@ def _skip_concat(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
         return
     if plan.free(cat.index):
         plan.claim(SKIP_CONCAT, {cat.index: cat.bytes}, removed=(cat.index,))
+
+
+def _upsample_conv(plan: _Plan, records: list[OpRecord], up: OpRecord) -> None:
+    conv = _sole_consumer(records, up)
+    if _owner_class(up) != "Upsample2D" or conv is None or conv.base != "convolution" or not plan.free(up.index):
+        return
+    if conv.path.rpartition(".")[0] != up.path or not conv.in_bytes or conv.producers[0] != up.index:
+        return
+    source = up.producers[0] if up.producers else -1
+    if source >= 0 and records[source].path.startswith(f"{up.path}."):
+        return  # a norm of the upsampler's own ran first: ldmopt leaves such an upsampler stock
+    plan.claim(UPSAMPLE_CONV, {up.index: up.bytes}, removed=(up.index,))
+    plan.add_saving(UPSAMPLE_CONV, conv.index, conv.in_bytes[0] - up.in_bytes[0])  # reads x, not 4x
 
 
 def _block_classes(records: list[OpRecord]) -> dict[str, str]:

@@ -179,3 +179,19 @@ def test_torch_compile_fullgraph_two_parts():
     torch.testing.assert_close(out, ref)
     out.sum().backward()
     assert head.grad is not None and torch.isfinite(head.grad).all()
+
+
+def test_ops_refuse_mismatched_tails():
+    # Through torch.ops nothing checks the pair first: the ops themselves refuse a tail the kernels would overrun.
+    head, _ = _parts(2, 4, 4, 4, 4, torch.float32)
+    tail = _cl(torch.randn(1, 4, 2, 2))
+    with pytest.raises(ValueError, match=r"x_tail of shape \(1, 4, 2, 2\) must match the first part \(2, 4, 4, 4\)"):
+        torch.ops.ldmopt.gn_conv2d_stats(head, 2, 1e-5, tail)
+    gw, gb, w, b, sw, sb = _block_params(8, 4, torch.float32)
+    mean, rstd = torch.ops.ldmopt.gn_conv2d_stats(head, 2, 1e-5, head)
+    args = (head, mean, rstd, gw, gb, w, b, None, None, head, sw, sb, None, 2, "silu", 1, [1, 1], "none", "none",
+            "none", 1.0, 0, 1e-5, head)  # fmt: skip
+    with pytest.raises(ValueError, match="shortcut_x_tail of shape"):
+        torch.ops.ldmopt.gn_conv2d(*args, tail.expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match="must have the first part's dtype"):
+        torch.ops.ldmopt.gn_conv2d(*args, head.double())

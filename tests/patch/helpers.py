@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Patched (reference backend) vs stock outputs, fp32: max|a - b| <= ATOL + RTOL * max|b|. The reference backend
 #: computes the same math in fp32 but in a different order (e.g. GroupNorm statistics), so only rounding differs.
 ATOL, RTOL = 1e-4, 1e-4
 #: Triton interpreter vs stock, fp32 (tl.dot accumulates in a different order).
 ATOL_TRITON, RTOL_TRITON = 5e-4, 5e-4
+
+
+class DispatchedOps(TorchDispatchMode):
+    """Records each aten op a block of code dispatches: ``(overload packet name, shape of its first output)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        self.calls.append((str(func.overloadpacket), tuple(first.shape) if torch.is_tensor(first) else None))
+        return out
+
+    def shapes(self, name: str, min_dims: int = 0) -> list[tuple]:
+        """Output shapes of the calls of aten op ``name`` (e.g. "aten.cat") with at least ``min_dims`` dims."""
+        return [shape for op, shape in self.calls if op == name and shape is not None and len(shape) >= min_dims]
 
 
 def snapshot(model: nn.Module) -> dict:
@@ -73,7 +92,12 @@ def assert_fused_grads_match_stock(
     for f, o in zip(fused, out):
         assert_close(f, o.detach().double(), torch.float32, "forward")
     for name, g, e in zip(names, got, expect):
-        assert_close(g, e.double(), torch.float32, f"grad {name}")
+        # Relative to the gradient's largest element, not per element: a weight gradient sums over every token, and
+        # summed in another order a small element of it moves by more than 2e-5 of itself (seed 18: 3.5e-5 at an
+        # element of 0.54).
+        err = (g.double() - e.double()).abs().max().item()
+        bound = 2e-5 + 2e-5 * e.double().abs().max().item()
+        assert not torch.isnan(g).any() and err <= bound, f"grad {name}: max error {err:.3e} > {bound:.3e}"
 
 
 def with_nontrivial_norms(model: nn.Module) -> nn.Module:

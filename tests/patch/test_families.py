@@ -21,19 +21,23 @@ from tests.patch.helpers import (
     snapshot,
 )
 
-UNET = dict(geglu=10, group_norm_silu=1, resnet=14, residual_block=10, transformer2d_in=10, up_block_skip=4)
+UNET = dict(
+    geglu=10, group_norm_silu=1, resnet=14, residual_block=10, transformer2d_in=10, up_block_skip=4, upsample_conv=3
+)
 SVD = dict(geglu=30, group_norm_silu=1, resnet=14, spatiotemporal_in=10, spatiotemporal_resnet=14, svd_attn2=10,
-           up_block_skip=4)  # fmt: skip
+           up_block_skip=4, upsample_conv=3)  # fmt: skip
 SVD["residual_block"] = 10
 SVD["svd_temporal_block"] = 10
+SDXL = dict(geglu=11, group_norm_silu=1, resnet=11, residual_block=11, transformer2d_in=7, up_block_skip=3)
+SDXL["upsample_conv"] = 2
 FLUX = dict(adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2)
 # Modules replaced per rule, and modules left stock, on each zoo tiny model.
 EXPECTED = {
     "sd15": (UNET, 0),
     "sd21": (UNET, 0),
-    "sdxl": (dict(geglu=11, group_norm_silu=1, resnet=11, residual_block=11, transformer2d_in=7, up_block_skip=3), 0),
+    "sdxl": (SDXL, 0),
     # The decoder's ResnetBlock2D have time_embedding_norm="group" and no temb: fused like "default".
-    "sd15-vae": (dict(group_norm=2, group_norm_silu=2, resnet=16), 0),
+    "sd15-vae": (dict(group_norm=2, group_norm_silu=2, resnet=16, upsample_conv=3), 0),
     "dit": (dict(adaln_block=2, adaln_zero=2, gelu=2), 0),
     "pixart-alpha": (dict(adaln_block=2, gelu=2), 0),
     "sd3": (dict(adaln_continuous=2, adaln_zero=3, gelu=3, joint_block=2), 0),

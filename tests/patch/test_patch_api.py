@@ -210,7 +210,7 @@ def test_compile_fullgraph_patched_unet():
     assert_outputs_close(out, ref, name="compiled")
     assert not report.fallbacks(), report.fallbacks()  # the fused paths ran, inside the compiled graph
     assert report.backends()["gn_conv2d"] == {
-        "torch": 2 * report.counts()["resnet"] + report.counts()["transformer2d_in"]
+        "torch": 2 * report.counts()["resnet"] + report.counts()["transformer2d_in"] + report.counts()["upsample_conv"]
     }
 
 

@@ -22,8 +22,9 @@ def test_tiny_sd_pipeline_patched_vs_stock():
         "resnet": 14,
         "transformer2d_in": 10,
         "up_block_skip": 4,
+        "upsample_conv": 3,
     }
-    assert report.counts("vae") == {"group_norm": 2, "group_norm_silu": 2, "resnet": 16}
+    assert report.counts("vae") == {"group_norm": 2, "group_norm_silu": 2, "resnet": 16, "upsample_conv": 3}
     assert report.counts("text_encoder") == {}
     with ldmopt.use_backend("torch"):
         patched, _ = run_sd(pipe, steps=2, seed=1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ldmopt
 from ldmopt.nn import child_check
@@ -16,6 +15,7 @@ from tests.patch import models
 from tests.patch.helpers import (
     ATOL_TRITON,
     RTOL_TRITON,
+    DispatchedOps,
     assert_outputs_close,
     assert_same_snapshot,
     output_tensor,
@@ -31,20 +31,6 @@ FAMILIES = {
     "svd": models.svd,
 }
 VIDEO = {"animatediff", "modelscope", "svd"}  # 5-D samples go in as they are
-
-
-class _Concatenations(TorchDispatchMode):
-    """Records the shapes of the 4-D (and 5-D) tensors aten.cat writes."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket is torch.ops.aten.cat and out.dim() >= 4:
-            self.shapes.append(tuple(out.shape))
-        return out
 
 
 def _model_and_inputs(family: str):
@@ -63,11 +49,11 @@ def test_patched_up_blocks_match_stock_without_concatenating(family):
         assert report.counts().get("up_block_skip") == 2, report
         R.fallback_reasons.clear()
         child_check.fallback_reasons.clear()
-        with ldmopt.use_backend("triton"), _Concatenations() as cats:
+        with ldmopt.use_backend("triton"), DispatchedOps() as ops:
             out = output_tensor(model(**kwargs))
     fallbacks = {**R.fallback_reasons, **child_check.fallback_reasons}
     assert not fallbacks, fallbacks
-    assert cats.shapes == [], f"concatenations written: {cats.shapes}"
+    assert ops.shapes("aten.cat", 4) == [], ops.shapes("aten.cat", 4)
     assert_outputs_close(out, expected, ATOL_TRITON, RTOL_TRITON, family)
     ldmopt.unpatch(model)
     assert_same_snapshot(before, snapshot(model))
@@ -76,9 +62,9 @@ def test_patched_up_blocks_match_stock_without_concatenating(family):
 def test_stock_unet_concatenates_in_every_up_resnet():
     # The dispatch check above can fail: the stock model writes one concatenation per up-block resnet.
     model, kwargs = _model_and_inputs("sd15")
-    with torch.no_grad(), _Concatenations() as cats:
+    with torch.no_grad(), DispatchedOps() as ops:
         model(**kwargs)
-    assert len(cats.shapes) == sum(len(b.resnets) for b in model.up_blocks)
+    assert len(ops.shapes("aten.cat", 4)) == sum(len(b.resnets) for b in model.up_blocks)
 
 
 def test_unfused_or_hooked_resnet_gets_the_concatenation():
@@ -89,11 +75,11 @@ def test_unfused_or_hooked_resnet_gets_the_concatenation():
     ldmopt.patch(model, filter_fn=lambda m, name: not name.startswith("up_blocks.0.resnets"))
     seen = []
     handle = model.up_blocks[1].resnets[0].register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
-    with torch.no_grad(), ldmopt.use_backend("triton"), _Concatenations() as cats:
+    with torch.no_grad(), ldmopt.use_backend("triton"), DispatchedOps() as ops:
         out = output_tensor(model(**kwargs))
     handle.remove()
     stock_resnets = len(model.up_blocks[0].resnets) + 1
-    assert len(cats.shapes) == stock_resnets, cats.shapes
+    assert len(ops.shapes("aten.cat", 4)) == stock_resnets, ops.shapes("aten.cat", 4)
     assert seen and seen[0] == model.up_blocks[1].resnets[0].conv1.in_channels  # the hook saw the concatenation
     assert_outputs_close(out, expected, ATOL_TRITON, RTOL_TRITON, "partly stock")
     ldmopt.unpatch(model)
@@ -155,3 +141,61 @@ def test_subclass_overriding_forward_is_skipped_with_reason():
     assert UpBlock2D in rule.targets() and type(block) not in rule.targets()  # the table keys exact classes
     reasons = rule.reasons(site)
     assert len(reasons) == 1 and reasons[0].endswith("MyUpBlock overrides UpBlock2D.forward"), reasons
+
+
+def test_motion_blocks_call_their_children_by_keyword_as_diffusers_does():
+    # Hooks that read kwargs see the calls diffusers makes: the resnet (fall-back path: hooked), attention, upsampler.
+    model, kwargs = _model_and_inputs("animatediff")
+    block = model.up_blocks[0]
+    seen = []
+
+    def record(module, args, kw):
+        seen.append((type(module).__name__, len(args), sorted(kw)))
+
+    def run():
+        seen.clear()
+        handles = [m.register_forward_pre_hook(record, with_kwargs=True)
+                   for m in (block.resnets[0], block.upsamplers[0], model.up_blocks[1].attentions[0])]  # fmt: skip
+        with torch.no_grad(), ldmopt.use_backend("torch"):
+            model(**kwargs)
+        for h in handles:
+            h.remove()
+        return list(seen)
+
+    stock_calls = run()
+    ldmopt.patch(model)
+    assert run() == stock_calls and stock_calls
+    ldmopt.unpatch(model)
+
+
+def test_up_block_whose_resnets_cannot_fuse_stays_stock_with_reason():
+    from diffusers import UNet2DConditionModel
+
+    model = UNet2DConditionModel(**{**models.TINY_UNET, "resnet_time_scale_shift": "scale_shift"})
+    report = ldmopt.patch(model)
+    assert "up_block_skip" not in report.counts()
+    reasons = [s.reasons for s in report.skipped if s.rule == "up_block_skip"]
+    assert len(reasons) == len(model.up_blocks) and all("none of its resnets can run fused" in r[0] for r in reasons)
+    ldmopt.unpatch(model)
+
+
+def test_motion_blocks_under_gradient_checkpointing_pass_the_resnet_positionally():
+    # diffusers' checkpointed call is _gradient_checkpointing_func(resnet, hidden_states, temb): positional.
+    model, kwargs = _model_and_inputs("animatediff")
+    model.train()
+    model.enable_gradient_checkpointing()
+    seen = []
+    resnet = model.up_blocks[0].resnets[0]
+
+    def run():
+        seen.clear()
+        handle = resnet.register_forward_pre_hook(lambda m, a, kw: seen.append((len(a), sorted(kw))), with_kwargs=True)
+        with ldmopt.use_backend("torch"):
+            output_tensor(model(**kwargs)).sum().backward()
+        handle.remove()
+        return list(seen)
+
+    stock_calls = run()
+    ldmopt.patch(model, training=True)
+    assert run() == stock_calls and stock_calls[0] == (2, [])
+    ldmopt.unpatch(model)

@@ -1,5 +1,6 @@
-"""The analytic model's ``skip concatenation -> conv loads`` fusion: the UNet up blocks' channel concatenation of the
-running activation with the down path's skip, which the patched resnets read in two parts (``up_block_skip``)."""
+"""The analytic model's ``skip concatenation -> conv loads`` fusion (the UNet up blocks' channel concatenation of the
+running activation with the down path's skip, which the patched resnets read in two parts: ``up_block_skip``) and
+``nearest upsample -> conv loads`` (Upsample2D's conv reading its input through index arithmetic: ``upsample_conv``)."""
 
 import pytest
 import torch
@@ -36,3 +37,22 @@ def test_other_concatenations_stay():
     a = analyze(model, gpu="H200", dtype="bf16")
     assert a.fusions[SKIP_CONCAT].count == 0
     assert any(r.base == "cat" for r in a.records)
+
+
+@pytest.mark.parametrize("name", ["sd15", "sd15-vae"])
+def test_upsampler_interpolation_goes_and_its_conv_reads_the_input(name):
+    from ldmopt.configs import build_model
+    from ldmopt.profiler.fusions import UPSAMPLE_CONV
+
+    model = build_model(name, tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200")
+    upsamplers = [m for m in model.modules() if type(m).__name__ == "Upsample2D" and m.use_conv]
+    saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
+    ups = [r for r in a.records if r.base == "upsample_nearest2d"]
+    assert len(ups) == len(upsamplers) == a.fusions[UPSAMPLE_CONV].count > 0
+    assert all(r.index in removed and rule[r.index] == UPSAMPLE_CONV for r in ups)
+    for up in ups:
+        (conv,) = [a.records[i] for i in up.consumers]
+        # The conv now reads x, a quarter of the upsampled tensor it read before.
+        assert conv.index not in removed and saved[conv.index] >= conv.in_bytes[0] - up.in_bytes[0] > 0
+        assert 4 * up.in_bytes[0] == conv.in_bytes[0]
