@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops._dispatch import call
-from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d
+from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place
 from .child_check import readable, stock_class, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
@@ -231,6 +231,8 @@ def fused_resnet_forward(
         return out, call(gn_conv2d_stats, out.detach(), out_stats[0], float(out_stats[1]))
     if isinstance(input_tensor, tuple):
         x = (_channels_last("hidden part", input_tensor[0]), _channels_last("skip part", input_tensor[1]))
+        if not reads_parts_in_place(*x):  # the reference backend: one concatenation here, not one per op
+            x = torch.cat(x, dim=1)
     else:
         x = _channels_last("input", input_tensor)
     norm1, norm2 = block.norm1, block.norm2

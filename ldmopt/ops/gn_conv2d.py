@@ -258,6 +258,16 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
 FORWARD = BackendTable("gn_conv2d", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
 
 
+def reads_parts_in_place(head: Tensor, tail: Tensor) -> bool:
+    """Whether the fused conv would read ``(head, tail)`` where they lie: the Triton backend can run (not forced
+    off, channels-last parts it takes). Otherwise the reference backend concatenates in every op it runs, and a caller
+    that makes several calls on the pair (a resnet block: statistics, conv1, shortcut) should concatenate once."""
+    if FORWARD.forced() not in (None, "triton"):
+        return False
+    layouts_ok = _is_channels_last(head) and _is_channels_last(tail)
+    return layouts_ok and not triton_refusals(head, tail, dtypes=_TRITON_DTYPES)
+
+
 @torch.library.custom_op("ldmopt::gn_conv2d", mutates_args=())
 def gn_conv2d_op(
     x: Tensor,

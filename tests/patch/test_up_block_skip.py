@@ -199,3 +199,14 @@ def test_motion_blocks_under_gradient_checkpointing_pass_the_resnet_positionally
     ldmopt.patch(model, training=True)
     assert run() == stock_calls and stock_calls[0] == (2, [])
     ldmopt.unpatch(model)
+
+
+def test_reference_backend_concatenates_once_per_resnet():
+    # Where the kernels cannot read the pair (here: the torch backend forced), the resnet concatenates once, as
+    # stock does, instead of once per op (statistics, conv1, shortcut).
+    model, kwargs = _model_and_inputs("sd15")
+    ldmopt.patch(model)
+    with torch.no_grad(), ldmopt.use_backend("torch"), DispatchedOps() as ops:
+        model(**kwargs)
+    assert len(ops.shapes("aten.cat", 4)) == sum(len(b.resnets) for b in model.up_blocks)
+    ldmopt.unpatch(model)
