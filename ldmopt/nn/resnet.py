@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops._dispatch import call
-from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place
+from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, same_but_channels
 from .child_check import readable, stock_class, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
@@ -161,7 +161,7 @@ def _parts_reasons(parts) -> list[str]:
     head, tail = parts
     if not all(isinstance(t, Tensor) and t.dim() == 4 for t in parts):
         return ["a channel-concatenation part is not a 4-D tensor"]
-    if head.shape[0] != tail.shape[0] or head.shape[2:] != tail.shape[2:] or head.dtype != tail.dtype:
+    if not same_but_channels(head, tail) or head.dtype != tail.dtype:
         return [f"skip parts {tuple(head.shape)} {head.dtype} and {tuple(tail.shape)} {tail.dtype} differ in batch, "
                 "spatial size or dtype"]  # fmt: skip
     return []
@@ -196,12 +196,12 @@ def _diffusers_forward(block, input_tensor, temb):
     return _stock_class(block).forward(block, input_tensor, temb)
 
 
-def _channels_last(where: str, x: Tensor) -> Tensor:
+def to_channels_last(x: Tensor, what: str) -> Tensor:
+    """``x`` channels-last for the fused convs, counting a copy in ``layout_conversions`` as "<what> converted to
+    channels-last" (the fused conv modules share the counter)."""
     if x.is_contiguous(memory_format=torch.channels_last):
         return x
-    # One copy of the input costs less than the stock path's separate GroupNorm, SiLU and add passes, and the
-    # fused output is channels-last, so the blocks after this one need no conversion.
-    layout_conversions[f"NCHW {where} converted to channels-last"] += 1
+    layout_conversions[f"{what} converted to channels-last"] += 1
     return x.contiguous(memory_format=torch.channels_last)
 
 
@@ -229,12 +229,14 @@ def fused_resnet_forward(
         if out_stats is None:
             return out
         return out, call(gn_conv2d_stats, out.detach(), out_stats[0], float(out_stats[1]))
+    # One copy of an NCHW input costs less than the stock path's separate GroupNorm, SiLU and add passes, and the
+    # fused output is channels-last, so the blocks after this one need no conversion.
     if isinstance(input_tensor, tuple):
-        x = (_channels_last("hidden part", input_tensor[0]), _channels_last("skip part", input_tensor[1]))
+        x = (to_channels_last(input_tensor[0], "NCHW hidden part"), to_channels_last(input_tensor[1], "NCHW skip part"))
         if not reads_parts_in_place(*x):  # the reference backend: one concatenation here, not one per op
             x = torch.cat(x, dim=1)
     else:
-        x = _channels_last("input", input_tensor)
+        x = to_channels_last(input_tensor, "NCHW input")
     norm1, norm2 = block.norm1, block.norm2
     t = None
     if block.time_emb_proj is not None and temb is not None:

@@ -117,12 +117,17 @@ def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:
     return head if tail is None else torch.cat([head, tail], dim=1)
 
 
+def same_but_channels(head: Tensor, tail: Tensor) -> bool:
+    """Whether two tensors' shapes can be concatenated along channels (dim 1): same rank, batch and spatial size."""
+    return head.dim() == tail.dim() and head.shape[0] == tail.shape[0] and head.shape[2:] == tail.shape[2:]
+
+
 def _check_tail(name: str, head: Tensor | None, tail: Tensor | None) -> None:
     """The ops' own check (they are callable through torch.ops): a tail must match its head but in channels, or the
     kernels would index past it."""
     if tail is None:
         return
-    if head is None or tail.dim() != head.dim() or tail.shape[0] != head.shape[0] or tail.shape[2:] != head.shape[2:]:
+    if head is None or not same_but_channels(head, tail):
         shape = None if head is None else tuple(head.shape)
         raise ValueError(
             f"{name} of shape {tuple(tail.shape)} must match the first part {shape} in every dim but channels (1)"
@@ -435,7 +440,7 @@ def _channel_parts(name: str, x) -> tuple[Tensor, Tensor | None]:
     check_tensor(f"{name}[0]", head, ndim=(4,))
     check_tensor(f"{name}[1]", tail, ndim=(4,))
     check_same_device(f"{name}[1]", tail, head)
-    if head.shape[0] != tail.shape[0] or head.shape[2:] != tail.shape[2:] or head.dtype != tail.dtype:
+    if not same_but_channels(head, tail) or head.dtype != tail.dtype:
         raise ValueError(
             f"{name}: the parts of a channel concatenation must agree in batch, spatial size and dtype; got "
             f"{tuple(head.shape)} {head.dtype} and {tuple(tail.shape)} {tail.dtype}"

@@ -122,11 +122,11 @@ def _up_layers(
     return hidden
 
 
-def _upsample(block: nn.Module, hidden: Tensor, upsample_size, by_name: bool = False) -> Tensor:
-    """The upsamplers, called as the class's diffusers forward calls them (``by_name``: the motion blocks)."""
+def _upsample(block: nn.Module, hidden: Tensor, upsample_size, style: str = POSITIONAL) -> Tensor:
+    """The upsamplers, called as the class's diffusers forward calls them (``style``, as for the resnets)."""
     if block.upsamplers is not None:
         for upsampler in block.upsamplers:
-            if by_name:
+            if style == KEYWORDS:
                 hidden = upsampler(hidden_states=hidden, output_size=upsample_size)
             else:
                 hidden = upsampler(hidden, upsample_size)
@@ -134,8 +134,8 @@ def _upsample(block: nn.Module, hidden: Tensor, upsample_size, by_name: bool = F
 
 
 def _attend(block, i, hidden, encoder_hidden_states, cross_attention_kwargs, attention_mask, encoder_attention_mask,
-            by_name: bool = False):  # fmt: skip
-    args, kwargs = ((), {"hidden_states": hidden}) if by_name else ((hidden,), {})
+            style: str = POSITIONAL):  # fmt: skip
+    args, kwargs = ((), {"hidden_states": hidden}) if style == KEYWORDS else ((hidden,), {})
     return block.attentions[i](
         *args,
         **kwargs,
@@ -194,7 +194,7 @@ def up_block_motion_forward(
         return self.motion_modules[i](hidden, num_frames=num_frames)
 
     hidden = _up_layers(self, hidden_states, res_hidden_states_tuple, (temb,), after, style=KEYWORDS)
-    return _upsample(self, hidden, upsample_size, by_name=True)
+    return _upsample(self, hidden, upsample_size, style=KEYWORDS)
 
 
 def cross_attn_up_block_motion_forward(
@@ -216,11 +216,11 @@ def cross_attn_up_block_motion_forward(
 
     def after(i, hidden):
         hidden = _attend(self, i, hidden, encoder_hidden_states, cross_attention_kwargs, attention_mask,
-                         encoder_attention_mask, by_name=True)  # fmt: skip
+                         encoder_attention_mask, style=KEYWORDS)  # fmt: skip
         return self.motion_modules[i](hidden, num_frames=num_frames)
 
     hidden = _up_layers(self, hidden_states, res_hidden_states_tuple, (temb,), after, style=KEYWORDS)
-    return _upsample(self, hidden, upsample_size, by_name=True)
+    return _upsample(self, hidden, upsample_size, style=KEYWORDS)
 
 
 def up_block_3d_forward(self, hidden_states, res_hidden_states_tuple, temb=None, upsample_size=None, num_frames=1):

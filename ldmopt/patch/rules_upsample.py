@@ -17,7 +17,6 @@ stock path writes.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from ..nn import resnet as R
@@ -75,9 +74,7 @@ def fused_upsample_forward(self, hidden_states: Tensor, output_size=None, *args,
             count_reason(_WHERE, reason)
         return stock(self)(hidden_states, output_size, *args, **kwargs)
     assert hidden_states.shape[1] == self.channels  # as diffusers asserts
-    if not hidden_states.is_contiguous(memory_format=torch.channels_last):
-        R.layout_conversions[f"{_WHERE}: NCHW input converted to channels-last"] += 1
-        hidden_states = hidden_states.contiguous(memory_format=torch.channels_last)
+    hidden_states = R.to_channels_last(hidden_states, f"{_WHERE}: NCHW input")
     k = conv.kernel_size[0]
     return gn_silu_conv2d(hidden_states, None, None, 0, 0.0, conv.weight, conv.bias, 1, k // 2, normalize=False,
                           resample="up")  # fmt: skip
