@@ -13,6 +13,10 @@ image + 256 text tokens; diffusers' RMSNorm and a complex rotation). Providers: 
 + diffusers' rotation (Wan: eight elementwise passes over strided halves; Flux: negation, interleave, fp32 casts,
 multiplies, add, cast back) vs ldmopt's one kernel (``rms_norm(..., rope=)``) vs torch.compile of the pair. Bytes: q
 read once and written once.
+
+``bench_rms_norm_rope_joint``: Flux.1's double-stream query at 1024 px: the text (512) and image (4096) streams each
+normalised with their own weight, concatenated and rotated (diffusers: two norms, the concatenation, the rotation)
+vs ldmopt's one kernel writing the joint tensor (``rms_norm((text, image), ..., cat_dim=1)``) vs torch.compile.
 """
 
 from __future__ import annotations
@@ -180,3 +184,40 @@ def bench_rms_norm_rope(case, dtype, mode, bench_recorder):
     if not QUICK:
         providers["compile"] = harness.compiled(eager, mode="max-autotune-no-cudagraphs")
     _time_providers("rms_norm_rope", case, dtype, mode, providers, (q, w), (heads, tables), reference, bench_recorder)
+
+
+FLUX_TEXT_TOKENS = 512
+
+
+def _flux_joint_eager(q, w_text, w_image, heads, tables):
+    # FluxAttnProcessor, double-stream blocks: each stream's RMSNorm per head, cat([text, image]), then the rotation
+    text, image = (t.unflatten(-1, (heads, -1)) for t in (q[:, :FLUX_TEXT_TOKENS], q[:, FLUX_TEXT_TOKENS:]))
+    d = text.shape[-1]
+    joint = torch.cat([F.rms_norm(text, (d,), w_text, EPS), F.rms_norm(image, (d,), w_image, EPS)], dim=1)
+    cos, sin = tables[0][None, :, None, :], tables[1][None, :, None, :]
+    real, imag = joint.reshape(*joint.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (joint.float() * cos + rotated.float() * sin).to(joint.dtype)
+
+
+def _flux_joint_ldmopt(q, w_text, w_image, heads, tables):
+    parts = tuple(t.unflatten(-1, (heads, -1)) for t in (q[:, :FLUX_TEXT_TOKENS], q[:, FLUX_TEXT_TOKENS:]))
+    return ldmopt.ops.rms_norm(parts, (w_text, w_image), None, EPS, rope=tables, rope_layout="elements", cat_dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.parametrize("mode", ["fwd"] if QUICK else ["fwd", "fwd+bwd"])
+def bench_rms_norm_rope_joint(dtype, mode, bench_recorder):
+    """Flux's double-stream query: the text and image streams normalised with their own weights, joined and rotated
+    (diffusers: two norms, a concatenation, the rotation's passes; ldmopt: one kernel writing the joint tensor)."""
+    tokens, heads, head_dim, _ = ROPE_SHAPES["flux-1024"]
+    q = torch.randn(1, tokens, heads * head_dim, device=DEVICE, dtype=dtype)  # [text | image] projections
+    w_text, w_image = ((1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype) for _ in range(2))
+    tables = _tables(tokens, head_dim, "flux")
+    reference = _flux_joint_eager(q.float(), w_text.float(), w_image.float(), heads, tables)
+    providers = {"eager-diffusers": _flux_joint_eager, "ldmopt": _flux_joint_ldmopt}
+    if not QUICK:
+        providers["compile"] = harness.compiled(_flux_joint_eager, mode="max-autotune-no-cudagraphs")
+    leaves = (q, w_text, w_image)
+    _time_providers("rms_norm_rope_joint", "flux-1024", dtype, mode, providers, leaves, (heads, tables), reference,
+                    bench_recorder)  # fmt: skip

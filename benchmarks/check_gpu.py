@@ -353,12 +353,33 @@ def _run_rms_norm_rope_heads(x, weight):
     return rms_norm(heads, weight, None, eps=1e-6, rope=tables, rope_layout="elements", rope_dim=-3).flatten(-2)
 
 
-def _ref_rms_norm_rope_heads(x, weight):
-    heads = x.unflatten(-1, (-1, weight.numel()))
+def _ref_rms_norm_rope_heads(x, weight, head=None):
+    """Per-head norm and Flux's rotation; ``weight`` [D], or per token [T, 1, D] (with ``head`` = D)."""
+    head = head or weight.numel()
+    heads = x.unflatten(-1, (-1, head))
     y = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    cos, sin = (t.double()[:, None] for t in _flux_tables(x.shape[-2], weight.numel(), x.device))
+    cos, sin = (t.double()[:, None] for t in _flux_tables(x.shape[-2], head, x.device))
     real, imag = y.unflatten(-1, (-1, 2)).unbind(-1)
     return (y * cos + torch.stack((-imag, real), dim=-1).flatten(-2) * sin).flatten(-2)
+
+
+FLUX_TEXT = 512  # text tokens before the image tokens of Flux's joint sequence
+
+
+def _run_rms_norm_rope_joint(x, w_text, w_image):
+    """Flux's double-stream q: [text | image] normalised with their own weights, joined and rotated in one kernel."""
+    from ldmopt.ops.rms_norm import rms_norm
+
+    heads = x.unflatten(-1, (-1, w_text.numel()))
+    tables = _flux_tables(x.shape[-2], w_text.numel(), x.device)
+    parts = (heads[:, :FLUX_TEXT], heads[:, FLUX_TEXT:])
+    return rms_norm(parts, (w_text, w_image), eps=1e-6, rope=tables, rope_layout="elements", cat_dim=1).flatten(-2)
+
+
+def _ref_rms_norm_rope_joint(x, w_text, w_image):
+    d = w_text.numel()
+    per_token = torch.cat([w_text.expand(FLUX_TEXT, d), w_image.expand(x.shape[1] - FLUX_TEXT, d)])[:, None]
+    return _ref_rms_norm_rope_heads(x, per_token, d)
 
 
 def _qwen_freqs(positions, half, device):
@@ -401,6 +422,8 @@ def _fused_linear(quick: bool):
             elif run in (_run_rms_norm_rope, _run_rms_norm_rope_heads, _run_rms_norm_rope_complex):  # fixed tables
                 width = k if run is _run_rms_norm_rope else n  # a per-head norm's weight: one head (N)
                 inputs = [x, 1 + 0.3 * torch.randn(width, device=DEVICE)]
+            elif run is _run_rms_norm_rope_joint:  # one weight per stream
+                inputs = [x, *(1 + 0.3 * torch.randn(n, device=DEVICE) for _ in range(2))]
             elif n is None:
                 scale, shift = torch.randn(bsz, k, device=DEVICE) * 0.5, torch.randn(bsz, k, device=DEVICE)
                 inputs = [x, scale, shift, torch.randn_like(x)]
@@ -555,6 +578,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "rms_rope-wan1.3b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 8192, 1536, 0),
         "rms_rope-wan14b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 4096, 5120, 0),
         "rms_rope-flux-heads": (_run_rms_norm_rope_heads, _ref_rms_norm_rope_heads, 1, 4608, 3072, 128),
+        "rms_rope-flux-joint": (_run_rms_norm_rope_joint, _ref_rms_norm_rope_joint, 1, 4608, 3072, 128),
         "rms_rope-qwen-complex": (_run_rms_norm_rope_complex, _ref_rms_norm_rope_complex, 1, 7145, 3072, 128),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)

@@ -13,6 +13,12 @@ tables [P, W] (any strides, fp16/bf16/fp32, read in fp32) at position (r // ROWS
 when each row is one head), column (c // COL_DIV) % W: COL_DIV 2 for one angle per pair (W = D/2, Wan), 1 for one
 value per element (W = D, diffusers' "real" layout: Flux). The backward: dy * cos - partner(dy * sin), then the
 norm's backward.
+
+Two parts (TWO_PART, forward only): y is the normalised concatenation of two inputs along a dim before C, e.g. Flux's
+text and image queries [B, T, H, D] and [B, S, H, D] -> [B, T + S, H, D], each part with its own weight (norm_added_q,
+norm_q). Row r of y is row ``within`` of sample ``r // (HEAD_ROWS + TAIL_ROWS)`` with ``within = r % (HEAD_ROWS +
+TAIL_ROWS)``: the head part's row (sample * HEAD_ROWS + within) while within < HEAD_ROWS, else the tail part's. The
+concatenation is never written; the RoPE position of a row is its position in y.
 """
 
 from __future__ import annotations
@@ -49,16 +55,47 @@ def _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, 
 
 
 @triton.jit
+def _load_rows(x_ptr, x2_ptr, w_ptr, w2_ptr, rows, c, c64, mask, c_ok, stride_xm, stride_xc, stride_x2m, stride_x2c,
+               HEAD_ROWS, TAIL_ROWS, HAS_WEIGHT: tl.constexpr, TWO_PART: tl.constexpr):  # fmt: skip
+    """fp32 (x [rows, C], weight [rows or 1, C]): the rows of x, or of the two parts' concatenation."""
+    w = 1.0  # no weight: the caller does not multiply
+    if TWO_PART:
+        within = rows % (HEAD_ROWS + TAIL_ROWS)
+        sample = rows // (HEAD_ROWS + TAIL_ROWS)
+        in_head = (within < HEAD_ROWS)[:, None]
+        head_rows = sample * HEAD_ROWS + within
+        tail_rows = sample * TAIL_ROWS + within - HEAD_ROWS  # negative (and masked off) for head rows
+        x = tl.load(x_ptr + head_rows[:, None] * stride_xm + c64[None, :] * stride_xc, mask=mask & in_head, other=0.0)
+        x2 = tl.load(x2_ptr + tail_rows[:, None] * stride_x2m + c64[None, :] * stride_x2c, mask=mask & ~in_head,
+                     other=0.0)  # fmt: skip
+        x = x.to(tl.float32) + x2.to(tl.float32)
+        if HAS_WEIGHT:
+            w_head = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            w_tail = tl.load(w2_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            w = tl.where(in_head, w_head, w_tail)
+    else:
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + c64[None, :] * stride_xc, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    return x, w
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     y_ptr,  # [M, C] contiguous
     rstd_ptr,  # [M] fp32
-    x_ptr,
+    x_ptr,  # [M, C], or the head part's rows (TWO_PART)
     w_ptr,  # [C] (HAS_WEIGHT)
     b_ptr,  # [C] (HAS_BIAS)
     cos_ptr,  # [P, W] (ROPE)
     sin_ptr,  # [P, W] (ROPE)
+    x2_ptr,  # the tail part's rows (TWO_PART)
+    w2_ptr,  # [C]: the tail part's weight (TWO_PART and HAS_WEIGHT)
     stride_xm,
     stride_xc,
+    stride_x2m,
+    stride_x2c,
     stride_cp,
     stride_cd,
     stride_sp,
@@ -69,11 +106,14 @@ def _rms_norm_fwd_kernel(
     ROWS_PER_POS,
     W,
     COL_DIV,
+    HEAD_ROWS,  # rows per sample of the head part (TWO_PART)
+    TAIL_ROWS,  # rows per sample of the tail part (TWO_PART)
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROPE: tl.constexpr,
     STORE_RSTD: tl.constexpr,
+    TWO_PART: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -83,11 +123,12 @@ def _rms_norm_fwd_kernel(
     r_ok = rows < M
     c_ok = c < C
     mask = r_ok[:, None] & c_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + c64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    x, w = _load_rows(x_ptr, x2_ptr, w_ptr, w2_ptr, rows, c, c64, mask, c_ok, stride_xm, stride_xc, stride_x2m,
+                      stride_x2c, HEAD_ROWS, TAIL_ROWS, HAS_WEIGHT, TWO_PART)  # fmt: skip
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / C + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        y = y * w
     if HAS_BIAS:
         y = y + tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if ROPE:
@@ -188,6 +229,16 @@ def _rope_args(rope: Rope | None, x: torch.Tensor) -> list:
     return [cos, sin, *strides, cos.shape[0], rows_per_position, cos.shape[1], 2 if per_pair else 1]
 
 
+class TailPart(NamedTuple):
+    """The second part of a two-part input: its rows [M2, C] (any strides), its weight [C] (None when the head part
+    has none), and the rows per sample of each part (HEAD_ROWS, TAIL_ROWS in the module docstring)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor | None
+    head_rows: int
+    tail_rows: int
+
+
 def rms_norm_fwd(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -196,20 +247,27 @@ def rms_norm_fwd(
     dtype: torch.dtype,
     store_rstd: bool,
     rope: Rope | None = None,
+    tail: TailPart | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, C] in ``dtype``, rstd fp32 [M] or empty unless store_rstd). x [M, C] any strides; weight, bias [C];
-    rope: the tables and their mapping, applied to y."""
+    rope: the tables and their mapping, applied to y; tail: a second part, y then normalising the concatenation
+    (M = both parts' rows; no bias)."""
     m, c = x.shape
+    x2, w2, head_rows, tail_rows = tail if tail is not None else (x, None, 1, 1)
+    if tail is not None:
+        m += x2.shape[0]
     block_r, block_c, warps = tiles(c)
     y = new_output((m, c), device=x.device, dtype=dtype)
     rstd = new_output((m,) if store_rstd else (0,), device=x.device, dtype=torch.float32)
     weight = weight.contiguous() if weight is not None else None
+    w2 = w2.contiguous() if w2 is not None else weight
     bias = bias.contiguous() if bias is not None else None
     cos, sin, *rope_ints = _rope_args(rope, x)
     _rms_norm_fwd_kernel[(triton.cdiv(m, block_r),)](
-        y, rstd, x, weight if weight is not None else x, bias if bias is not None else x, cos, sin, x.stride(0),
-        x.stride(1), *rope_ints[:4], m, c, *rope_ints[4:], eps, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, ROPE=rope is not None, STORE_RSTD=store_rstd, BLOCK_R=block_r, BLOCK_C=block_c,
+        y, rstd, x, weight if weight is not None else x, bias if bias is not None else x, cos, sin, x2,
+        w2 if w2 is not None else x, x.stride(0), x.stride(1), x2.stride(0), x2.stride(1), *rope_ints[:4], m, c,
+        *rope_ints[4:], head_rows, tail_rows, eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        ROPE=rope is not None, STORE_RSTD=store_rstd, TWO_PART=tail is not None, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=warps,
     )  # fmt: skip
     return y, rstd
@@ -251,26 +309,34 @@ def aot_specs() -> list[dict]:
     unaligned = ("stride_cd", "stride_sd", "P", "ROWS_PER_POS", "W", "COL_DIV")
     # Flux/SD3 per-head query/key norms (128), Wan's across heads (1536, 5120), each with and without RoPE, the
     # widest supported row in fp32.
+    # Flux's text + image query/key (two parts, per-head rows of 128) with and without weights.
     cases = (("bf16", 128, True, False), ("fp16", 1536, True, False), ("bf16", 5120, True, False),
              ("fp32", MAX_C, False, False), ("bf16", 128, True, True), ("bf16", 1536, True, True),
-             ("bf16", 5120, True, True), ("fp32", 5120, True, True))  # fmt: skip
-    for dtype, c, weight, rope in cases:
+             ("bf16", 5120, True, True), ("fp32", 5120, True, True), ("bf16", 128, True, True, True),
+             ("fp16", 128, False, True, True))  # fmt: skip
+    for dtype, c, weight, rope, *two_part in cases:
+        two_part = bool(two_part)
         block_r, block_c, warps = tiles(c)
         tag = f"{dtype},C={c},weight={weight},rope={rope}"
         signature = {
             "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
-            "b_ptr": f"*{dtype}", "stride_xm": "i32", "stride_xc": "i32", "M": "i32", "C": "i32", "eps": "fp32",
-            **rope_types,
+            "b_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "stride_xm": "i32", "stride_xc": "i32",
+            "stride_x2m": "i32", "stride_x2c": "i32", "M": "i32", "C": "i32", "HEAD_ROWS": "i32", "TAIL_ROWS": "i32",
+            "eps": "fp32", **rope_types,
         }  # fmt: skip
         constexprs = {
-            "stride_xc": 1, "HAS_WEIGHT": weight, "HAS_BIAS": False, "ROPE": rope, "STORE_RSTD": True,
-            "BLOCK_R": block_r, "BLOCK_C": block_c,
+            "stride_xc": 1, "stride_x2c": 1, "HAS_WEIGHT": weight, "HAS_BIAS": False, "ROPE": rope,
+            "STORE_RSTD": True, "TWO_PART": two_part, "BLOCK_R": block_r, "BLOCK_C": block_c,
         }  # fmt: skip
-        attrs = divisibility_attrs(_rms_norm_fwd_kernel, signature, constexprs, skip=("M", *unaligned))
+        # Rows per sample: Flux's 512 text and 4096 image tokens x 24 heads, but any count in general.
+        skip = ("M", "HEAD_ROWS", "TAIL_ROWS", *unaligned)
+        attrs = divisibility_attrs(_rms_norm_fwd_kernel, signature, constexprs, skip=skip)
         specs.append(
-            dict(name=f"rms_norm_fwd[{tag}]", fn=_rms_norm_fwd_kernel, signature=signature, constexprs=constexprs,
-                 attrs=attrs, num_warps=warps)
+            dict(name=f"rms_norm_fwd[{tag}{',two_part' if two_part else ''}]", fn=_rms_norm_fwd_kernel,
+                 signature=signature, constexprs=constexprs, attrs=attrs, num_warps=warps)
         )  # fmt: skip
+        if two_part:  # the backward runs per part: the one-part kernel
+            continue
         signature = {
             "dx_ptr": f"*{dtype}", "part_dw_ptr": "*fp32", "dy_ptr": f"*{dtype}", "x_ptr": f"*{dtype}",
             "rstd_ptr": "*fp32", "w_ptr": f"*{dtype}", "stride_dym": "i32", "stride_dyc": "i32", "stride_xm": "i32",

@@ -290,3 +290,19 @@ def test_rms_norm_rope_providers(mocked_timing, no_compile, monkeypatch):
     assert len(rows) == 3 * 2 * 3 and not _failed(rows), _failed(rows)
     errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
     assert max(errs) < 1e-5, rows  # fp32: the kernel against diffusers' rotation in fp32
+
+
+def test_rms_norm_rope_joint_providers(mocked_timing, no_compile, monkeypatch):
+    from benchmarks import bench_rms_norm as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "ROPE_SHAPES", {"flux-1024": (15, 3, 8, "flux")})
+    monkeypatch.setattr(B, "FLUX_TEXT_TOKENS", 4)
+    monkeypatch.setattr(B, "QUICK", False)
+    with ldmopt.use_backend("triton"):
+        for mode in ("fwd", "fwd+bwd"):
+            B.bench_rms_norm_rope_joint(torch.float32, mode, mocked_timing)
+    rows = mocked_timing.rows
+    assert len(rows) == 2 * 3 and not _failed(rows), _failed(rows)
+    errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
+    assert max(errs) < 1e-5, rows  # fp32: the joint kernel against diffusers' two norms, cat and rotation

@@ -9,6 +9,7 @@ from .group_norm import group_norm
 from .layer_norm_linear import layer_norm_linear, layer_norm_stats
 from .linear import linear
 from .rms_norm import rms_norm
+from .rms_norm_joint import rms_norm_joint
 from .temporal_attention import temporal_attention
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "layer_norm_stats",
     "linear",
     "rms_norm",
+    "rms_norm_joint",
     "temporal_attention",
     "use_backend",
 ]

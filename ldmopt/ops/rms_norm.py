@@ -239,15 +239,16 @@ def _check_rope(rope: object, layout: object, dim: object, x: Tensor, bias: Tens
 
 
 def rms_norm(
-    x: Tensor,
-    weight: Tensor | None = None,
+    x: Tensor | tuple[Tensor, Tensor],
+    weight: Tensor | tuple[Tensor | None, Tensor | None] | None = None,
     bias: Tensor | None = None,
     eps: float = 1e-6,
     *,
     out_dtype: torch.dtype | None = None,
     rope: tuple[Tensor, Tensor] | None = None,
     rope_layout: str | None = None,
-    rope_dim: int = -2,
+    rope_dim: int | None = None,
+    cat_dim: int | None = None,
 ) -> Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * weight + bias`` over the last dim, in one pass over each row.
 
@@ -268,8 +269,26 @@ def rms_norm(
     no gradient; no bias with rope. fp16/bf16/fp32 tables are read by the kernel; fp64 ones (diffusers builds them
     so on MPS) send the call to the torch reference backend.
 
+    ``x=(head, tail)`` with ``cat_dim``: the norm of ``torch.cat([head, tail], cat_dim)`` (a dim before the last),
+    each part with its own weight (``weight=(w_head, w_tail)``, or one for both), in one pass that never writes the
+    concatenation (Flux's text and image queries: ``cat_dim=1``). No bias; with rope the tables hold the joint
+    sequence's positions along ``cat_dim`` (``rope_dim`` defaults to it). See ``ops.rms_norm_joint``.
+
     Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
+    if isinstance(x, (tuple, list)):
+        from .rms_norm_joint import rms_norm_joint
+
+        if bias is not None:
+            raise ValueError("bias with two parts (x=(head, tail)) is not supported: query/key norms have none")
+        if cat_dim is None:
+            raise ValueError("x=(head, tail) needs cat_dim, the dim they are concatenated along")
+        return rms_norm_joint(x, weight, eps, cat_dim=cat_dim, out_dtype=out_dtype, rope=rope,
+                              rope_layout=rope_layout, rope_dim=rope_dim)  # fmt: skip
+    if cat_dim is not None:
+        raise ValueError(f"cat_dim={cat_dim!r} is for two parts, x=(head, tail); x is one tensor")
+    if rope_dim is None:
+        rope_dim = -2
     check_tensor("x", x)  # also refuses empty tensors
     if x.dim() < 1:
         raise ValueError("x must have at least 1 dim ([..., C]), got a 0-d tensor")
