@@ -39,11 +39,38 @@ def torch_rms_norm_reason(name: str, norm: object, width: int) -> str | None:
     return None
 
 
+def _torch_eps(norm: nn.RMSNorm, x: torch.Tensor) -> float:
+    """torch.nn.RMSNorm's epsilon for x (its default: the machine epsilon of x's compute dtype)."""
+    return norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+
+
 def torch_norm_rope(norm: nn.RMSNorm, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], **mapping):
     """``norm(x)`` (a torch.nn.RMSNorm) then a processor's RoPE, in x's dtype as torch's rms_norm returns it;
     ``mapping``: rms_norm's rope_layout (default pairs) / rope_dim."""
-    eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
-    return rms_norm(x, norm.weight, None, eps, rope=tables, **{"rope_layout": "pairs", **mapping})
+    return rms_norm(x, norm.weight, None, _torch_eps(norm, x), rope=tables, **{"rope_layout": "pairs", **mapping})
+
+
+def joint_norm_rope(parts, weights, eps, out_dtypes, tables, cat_dim: int, **mapping) -> torch.Tensor:
+    """``torch.cat([norm_0(parts[0]), norm_1(parts[1])], cat_dim)`` rotated over the joint sequence (``tables`` hold
+    its positions along cat_dim; ``mapping``: rms_norm's rope_layout / rope_dim): one kernel that writes neither the
+    normalised parts nor their concatenation. Norms of different epsilons or output dtypes cannot share it: each part
+    is normalised and rotated by its rows of the tables, then concatenated."""
+    if eps[0] == eps[1] and out_dtypes[0] == out_dtypes[1]:
+        return rms_norm(tuple(parts), tuple(weights), None, eps[0], out_dtype=out_dtypes[0], rope=tables,
+                        cat_dim=cat_dim, **mapping)  # fmt: skip
+    first = parts[0].shape[cat_dim]
+    rows = (slice(None, first), slice(first, None))
+    done = [
+        rms_norm(part, w, None, e, out_dtype=dt, rope=tuple(t[r] for t in tables), **mapping)
+        for part, w, e, dt, r in zip(parts, weights, eps, out_dtypes, rows)
+    ]
+    return torch.cat(done, dim=cat_dim)
+
+
+def torch_joint_norm_rope(norms, parts, tables, cat_dim: int, **mapping) -> torch.Tensor:
+    """:func:`joint_norm_rope` for two torch.nn.RMSNorm (each part's output in its dtype, as torch returns it)."""
+    weights, eps = [n.weight for n in norms], [_torch_eps(n, p) for n, p in zip(norms, parts)]
+    return joint_norm_rope(parts, weights, eps, [None, None], tables, cat_dim, **{"rope_layout": "pairs", **mapping})
 
 
 def diffusers_norm_reason(name: str, norm: object, width: int) -> str | None:
@@ -64,6 +91,13 @@ def diffusers_norm_rope(norm: nn.Module, x: torch.Tensor, tables=None, **mapping
     (``mapping``: rms_norm's rope_layout / rope_dim)."""
     rope = dict(rope=tables, **mapping) if tables is not None else {}
     return rms_norm(x, norm.weight, None, norm.eps, out_dtype=stock_out_dtype(x, norm.weight, None), **rope)
+
+
+def diffusers_joint_norm_rope(norms, parts, tables, cat_dim: int, **mapping) -> torch.Tensor:
+    """:func:`joint_norm_rope` for two of diffusers' RMSNorm (each part's output in the stock module's dtype)."""
+    weights, eps = [n.weight for n in norms], [n.eps for n in norms]
+    out_dtypes = [stock_out_dtype(p, n.weight, None) for n, p in zip(norms, parts)]
+    return joint_norm_rope(parts, weights, eps, out_dtypes, tables, cat_dim, **mapping)
 
 
 class ProcessorQKNormRopeRule(ClassSwapRule):

@@ -1,13 +1,17 @@
 """Flux attention (family ``rms_norm``, rule ``flux_qk_norm_rope``): the per-head query/key RMSNorms and the rotary
-embedding of Flux.1 (and Chroma, which uses the same attention) in one row kernel per tensor.
+embedding of Flux.1 (and Chroma, which uses the same attention) in one row kernel per tensor, which also joins the
+text and image streams.
 
 diffusers' FluxAttnProcessor runs ``norm_q`` / ``norm_k`` (and ``norm_added_q`` / ``norm_added_k`` for the text
 stream of the double-stream blocks) as torch kernels, concatenates text and image tokens, then rotates with
 ``apply_rotary_emb``: x.float() * cos + stack(-x_imag, x_real).float() * sin and a cast back, about seven passes
-over q and k each, most in fp32. The fused forward normalises and rotates each stream's q and k in one
-``ldmopt.ops.rms_norm(..., rope=, rope_layout="elements", rope_dim=-3)`` call (the text tokens at the first
-positions of the tables, the image tokens after them, as the concatenation orders them) and keeps the rest of the
-processor: its projections, the concatenation, the attention backend and parallel config, the output projections.
+over q and k each, most in fp32. The fused forward normalises, concatenates and rotates q (and k) in one
+``ldmopt.ops.rms_norm((text, image), (norm_added_q.weight, norm_q.weight), cat_dim=1, rope=,
+rope_layout="elements")`` call: each output row is read from its stream, normalised with that stream's weight and
+rotated by its position in the joint sequence, so neither the normalised streams nor their concatenation are
+written (norms of different epsilons: one call per stream, then the concatenation). It keeps the rest of the
+processor: its projections, the values' concatenation, the attention backend and parallel config, the output
+projections. A single-stream block's attention (no text projections) normalises and rotates q and k in place.
 
 A module whose processor is not the stock one (IP-Adapter, a user's), a call with joint_attention_kwargs the stock
 processor would warn about and drop, or tables that do not match the tokens keep the stock forward, with the reason
@@ -22,7 +26,13 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason
-from .qk_norm_rope import QUIET_KWARGS, processor_reasons, torch_norm_rope, torch_rms_norm_reason
+from .qk_norm_rope import (
+    QUIET_KWARGS,
+    processor_reasons,
+    torch_joint_norm_rope,
+    torch_norm_rope,
+    torch_rms_norm_reason,
+)
 from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 
 _ELEMENTS = dict(rope_layout="elements", rope_dim=-3)  # tables [S, D], one value per element; x [B, S, H, D]
@@ -68,16 +78,15 @@ def _flux_attention_forward(self, hidden_states, encoder_hidden_states=None, att
     )
     heads = (-1, self.head_dim)  # as the processor: a fixed head size, the head count absorbed (tensor parallelism)
     text = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
-    image_tables = tuple(t[text:] for t in tables)
-    query = torch_norm_rope(self.norm_q, query.unflatten(-1, heads), image_tables, **_ELEMENTS)
-    key = torch_norm_rope(self.norm_k, key.unflatten(-1, heads), image_tables, **_ELEMENTS)
     value = value.unflatten(-1, heads)
-    if encoder_hidden_states is not None:
-        text_tables = tuple(t[:text] for t in tables)
-        encoder_query = torch_norm_rope(self.norm_added_q, encoder_query.unflatten(-1, heads), text_tables, **_ELEMENTS)
-        encoder_key = torch_norm_rope(self.norm_added_k, encoder_key.unflatten(-1, heads), text_tables, **_ELEMENTS)
-        query = torch.cat([encoder_query, query], dim=1)
-        key = torch.cat([encoder_key, key], dim=1)
+    if encoder_hidden_states is None:
+        query = torch_norm_rope(self.norm_q, query.unflatten(-1, heads), tables, **_ELEMENTS)
+        key = torch_norm_rope(self.norm_k, key.unflatten(-1, heads), tables, **_ELEMENTS)
+    else:  # [text | image] tokens: each stream's norm, the rotation and the concatenation in one kernel per tensor
+        streams = (encoder_query.unflatten(-1, heads), query.unflatten(-1, heads))
+        query = torch_joint_norm_rope((self.norm_added_q, self.norm_q), streams, tables, 1, **_ELEMENTS)
+        streams = (encoder_key.unflatten(-1, heads), key.unflatten(-1, heads))
+        key = torch_joint_norm_rope((self.norm_added_k, self.norm_k), streams, tables, 1, **_ELEMENTS)
         value = torch.cat([encoder_value.unflatten(-1, heads), value], dim=1)
 
     out = helpers.dispatch_attention_fn(
@@ -95,7 +104,7 @@ def _flux_attention_forward(self, hidden_states, encoder_hidden_states=None, att
 class FluxQKNormRopeRule(ClassSwapRule):
     name = "flux_qk_norm_rope"
     family = "rms_norm"
-    description = "Flux attention: per-head query/key RMSNorm + RoPE in one row kernel per stream"
+    description = "Flux attention: per-head query/key RMSNorm + RoPE + text/image concatenation in one row kernel"
 
     def targets(self) -> tuple[type, ...]:
         return diffusers_classes("transformers.transformer_flux:FluxAttention")

@@ -7,9 +7,12 @@ copies, the partner's negation and interleave, two multiplies, an add, a cast ba
 single-stream blocks the text tokens ride along after the video tokens, normalised but not rotated. The fused
 forward normalises and rotates q and k with ``ldmopt.ops.rms_norm(..., rope_layout="elements")``, one call per
 tensor: in the single-stream blocks over all tokens, with tables extended by cos = 1, sin = 0 rows for the text
-(an exact identity), so q and k are neither sliced nor concatenated. The rest is the processor's: projections,
-concatenations, attention backend and parallel config, the split and the output projections. Each norm's output
-dtype is the stock module's (under autocast: fp32 from a bf16 input with an fp32 weight).
+(an exact identity), so q and k are neither sliced nor concatenated; in the double-stream blocks q (and k) of the
+video and text streams in one ``rms_norm((video, text), ..., cat_dim=1)`` call with the same identity rows for the
+text, which writes only their concatenation (norms of different epsilons or output dtypes: one call per stream,
+then the concatenation). The rest is the processor's: projections, the values' concatenation, attention backend and
+parallel config, the split and the output projections. Each norm's output dtype is the stock module's (under
+autocast: fp32 from a bf16 input with an fp32 weight).
 
 Another processor (the token refiner's attention has diffusers' plain one), a call without rotary tables or with
 other kwargs, tables that do not match the video tokens, an empty token tensor: the stock forward, with the reason
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
-from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_norm_rope
+from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_joint_norm_rope, diffusers_norm_rope
 from .rule import Rule, Site, stock
 
 #: The stock processor, by qualified name (a subclass is another processor; no import inside a traced forward).
@@ -56,6 +59,12 @@ def _call_tables(self, hidden_states, encoder_hidden_states, kwargs) -> tuple | 
     return tuple(t.to(hidden_states.device) for t in tables)
 
 
+def _identity_rows(tables, text: int):
+    """The video tokens' tables followed by ``text`` rows that turn by zero: cos = 1, sin = 0 (exact)."""
+    cos, sin = tables
+    return torch.cat([cos, cos.new_ones(text, cos.shape[1])]), torch.cat([sin, sin.new_zeros(text, sin.shape[1])])
+
+
 def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
     tables = _call_tables(self, hidden_states, encoder_hidden_states, kwargs)
     if isinstance(tables, str):
@@ -69,22 +78,21 @@ def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, 
     query, key, value = (
         proj(hidden_states).unflatten(2, (self.heads, -1)) for proj in (self.to_q, self.to_k, self.to_v)
     )
-    if single_stream:  # the text rows turn by zero: cos = 1, sin = 0 (exact), one kernel over all tokens
-        text, (cos, sin) = hidden_states.shape[1] - video, tables
-        tables = (
-            torch.cat([cos, cos.new_ones(text, cos.shape[1])]),
-            torch.cat([sin, sin.new_zeros(text, sin.shape[1])]),
-        )
-    query, key = (
-        diffusers_norm_rope(self.norm_q, query, tables, **_ELEMENTS),
-        diffusers_norm_rope(self.norm_k, key, tables, **_ELEMENTS),
-    )
+    if single_stream:  # the text rows turn by zero: one kernel over all tokens
+        tables = _identity_rows(tables, hidden_states.shape[1] - video)
     if self.add_q_proj is not None and encoder_hidden_states is not None:
+        # [video | text]: both streams' norms, the video tokens' rotation and the concatenation in one kernel each
         added = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
         text_q, text_k, text_v = (proj(encoder_hidden_states).unflatten(2, (self.heads, -1)) for proj in added)
-        text_q, text_k = diffusers_norm_rope(self.norm_added_q, text_q), diffusers_norm_rope(self.norm_added_k, text_k)
-        query, key = torch.cat([query, text_q], dim=1), torch.cat([key, text_k], dim=1)
+        tables = _identity_rows(tables, encoder_hidden_states.shape[1])
+        query = diffusers_joint_norm_rope((self.norm_q, self.norm_added_q), (query, text_q), tables, 1, **_ELEMENTS)
+        key = diffusers_joint_norm_rope((self.norm_k, self.norm_added_k), (key, text_k), tables, 1, **_ELEMENTS)
         value = torch.cat([value, text_v], dim=1)
+    else:
+        query, key = (
+            diffusers_norm_rope(self.norm_q, query, tables, **_ELEMENTS),
+            diffusers_norm_rope(self.norm_k, key, tables, **_ELEMENTS),
+        )
 
     helpers = sys.modules[type(processor).__module__]  # the processor's own attention function
     out = helpers.dispatch_attention_fn(

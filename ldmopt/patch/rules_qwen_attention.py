@@ -5,9 +5,12 @@ Qwen-Image's blocks use diffusers' generic ``Attention`` with ``QwenDoubleStream
 ``RMSNorm`` per head (eight elementwise passes each) and ``apply_rotary_emb_qwen`` on complex tables (an fp32 copy of
 q, the complex multiply, the real view, a cast back). The tables are complex [S, D/2]: their real and imaginary
 parts are the cos and sin of one angle per pair, which ``ldmopt.ops.rms_norm(..., rope_layout="pairs")`` reads as
-strided views. The fused forward keeps the rest of the processor: projections, the joint text/image mask it builds
-from ``encoder_hidden_states_mask``, the concatenation, the attention backend and parallel config, the output
-projections. The output dtype of each norm is the stock module's (a half-precision weight's dtype).
+strided views. q (and k) of both streams are normalised, rotated and concatenated [text | image] by one kernel that
+writes only the joint tensor (``rms_norm((text, image), ..., cat_dim=1)``; norms of different epsilons or output
+dtypes: one call per stream, then the concatenation). The fused forward keeps the rest of the processor:
+projections, the joint text/image mask it builds from ``encoder_hidden_states_mask``, the values' concatenation, the
+attention backend and parallel config, the output projections. The output dtype of each norm is the stock module's
+(a half-precision weight's dtype).
 
 Another processor, a call the fused forward does not take (no rotary tables or text stream, kwargs the stock
 forward would warn about, tables that do not match the tokens) keeps the stock forward, with the reason in the report.
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
-from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_norm_rope
+from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_joint_norm_rope
 from .rule import Rule, Site, stock
 
 _PAIRS = dict(rope_layout="pairs", rope_dim=-3)  # x [B, S, H, D], tables [S, D/2]
@@ -83,12 +86,10 @@ def _qwen_attention_forward(self, hidden_states, encoder_hidden_states=None, att
     img_q, img_k, img_v = (proj(hidden_states).unflatten(-1, head) for proj in (self.to_q, self.to_k, self.to_v))
     txt = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
     txt_q, txt_k, txt_v = (proj(encoder_hidden_states).unflatten(-1, head) for proj in txt)
-    img_q = diffusers_norm_rope(self.norm_q, img_q, image_tables, **_PAIRS)
-    img_k = diffusers_norm_rope(self.norm_k, img_k, image_tables, **_PAIRS)
-    txt_q = diffusers_norm_rope(self.norm_added_q, txt_q, text_tables, **_PAIRS)
-    txt_k = diffusers_norm_rope(self.norm_added_k, txt_k, text_tables, **_PAIRS)
-    # [text, image], as the processor concatenates them
-    query, key = torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1)
+    # [text, image], as the processor concatenates them: norms, rotation and concatenation in one kernel per tensor
+    tables = tuple(torch.cat(pair) for pair in zip(text_tables, image_tables))  # [T + S, D/2]: a few kB
+    query = diffusers_joint_norm_rope((self.norm_added_q, self.norm_q), (txt_q, img_q), tables, 1, **_PAIRS)
+    key = diffusers_joint_norm_rope((self.norm_added_k, self.norm_k), (txt_k, img_k), tables, 1, **_PAIRS)
     value = torch.cat([txt_v, img_v], dim=1)
 
     helpers = sys.modules[type(processor).__module__]  # the processor's own attention function

@@ -91,7 +91,9 @@ def test_half_attention_within_torch_error(dtype, stream):
         assert report.counts() == {"flux_qk_norm_rope": 1}
         with ldmopt.use_backend("triton"):
             fused = _as_tuple(low(*cast(dtype), None, tables))
-    assert not report.fallbacks() and report.backends()["rms_norm"]["triton"] == (4 if stream == "double" else 2)
+    # Double stream: q and k each one joint kernel over [text | image]; single stream: q and k in place.
+    op = "rms_norm_joint" if stream == "double" else "rms_norm"
+    assert not report.fallbacks() and report.backends() == {op: {"triton": 2}}, report.backends()
     assert len(fused) == len(stock) == len(exact) == (2 if stream == "double" else 1)
     for got, want, ref, name in zip(fused, stock, exact, ("image", "text")):
         assert got.dtype == want.dtype == dtype
@@ -102,7 +104,46 @@ def test_gradients_match_stock():
     model = _flux().train()
     hidden, text, tables = _attention_args(model)
     call = lambda attn, h, t: attn(h, t, None, tables)
-    assert_fused_grads_match_stock(model.transformer_blocks[0].attn, call, [hidden, text], rms_norm_calls=4)
+    assert_fused_grads_match_stock(
+        model.transformer_blocks[0].attn, call, [hidden, text], rms_norm_calls=2, op="rms_norm_joint"
+    )
+
+
+def test_double_stream_concatenates_only_the_values():
+    """The joint kernel writes [text | image] q and k itself: of the stock processor's three concatenations of the
+    streams (q, k, v), only the values' remains."""
+    from tests.patch.helpers import DispatchedOps
+
+    model = _flux()
+    attn = model.transformer_blocks[0].attn
+    hidden, text, tables = _attention_args(model)
+    joint = (2, TEXT + HEIGHT * WIDTH, 3, 16)
+    with torch.no_grad(), DispatchedOps() as stock_ops:
+        ref = attn(hidden, text, None, tables)
+    ldmopt.patch(model)
+    with torch.no_grad(), ldmopt.use_backend("triton"), DispatchedOps() as fused_ops:
+        out = attn(hidden, text, None, tables)
+    assert stock_ops.shapes("aten.cat").count(joint) == 3
+    assert fused_ops.shapes("aten.cat").count(joint) == 1, fused_ops.shapes("aten.cat")
+    for got, want in zip(out, ref):
+        assert_close(got, want.double(), torch.float32, "joint q/k")
+
+
+def test_norms_of_different_eps_run_per_stream():
+    """norm_added_q and norm_q with different epsilons cannot share one kernel's statistics: one call per stream,
+    then the concatenation, still matching diffusers."""
+    model = _flux()
+    attn = model.transformer_blocks[0].attn
+    attn.norm_added_q.eps, attn.norm_k.eps = 1e-2, None  # None: torch's default, the dtype's machine epsilon
+    hidden, text, tables = _attention_args(model)
+    with torch.no_grad():
+        ref = attn(hidden, text, None, tables)
+    report = ldmopt.patch(model)
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        out = attn(hidden, text, None, tables)
+    assert report.backends() == {"rms_norm": {"triton": 4}}, report.backends()
+    for got, want in zip(out, ref):
+        assert_close(got, want.double(), torch.float32, "per-stream eps")
 
 
 def test_other_processors_and_calls_keep_the_stock_forward():
