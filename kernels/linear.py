@@ -200,6 +200,7 @@ def _linear_fwd_kernel(
     RES_T,  # residual rows per stride_rb step (RESIDUAL_3D)
     POS_ROWS,  # consecutive rows per positional-table row (NORM_POS)
     POS_P,  # the positional table's rows (NORM_POS)
+    sat_max,  # SATURATE: the output clamped to [-sat_max, sat_max] before its rounding (NaN kept)
     M_BUCKET,  # autotune key only
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -213,6 +214,7 @@ def _linear_fwd_kernel(
     NORM_BIAS: tl.constexpr,
     NORM_POS: tl.constexpr,
     STORE_PRE: tl.constexpr,
+    SATURATE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -268,6 +270,9 @@ def _linear_fwd_kernel(
             r_rows = rm64 * stride_rt
         r = tl.load(res_ptr + r_rows[:, None] + rn[None, :] * stride_rn, mask=mask, other=0.0)
         out = out + r.to(tl.float32)
+    if SATURATE:  # Flux's fp16 clip(-65504, 65504), before the rounding that would overflow to inf
+        out = tl.minimum(tl.maximum(out, -sat_max, propagate_nan=tl.PropagateNan.ALL), sat_max,
+                         propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     tl.store(y_ptr + out_offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -374,6 +379,7 @@ def linear_fwd(
     mix: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
     positions: tuple[torch.Tensor, int] | None = None,
+    saturate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in ``dtype``, by default the promoted
     dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
@@ -381,7 +387,8 @@ def linear_fwd(
     x_tail [M, K2] the input is [x | x_tail] and the weight [N, K + K2]; with mix [S] (fp32, M % S == 0) as well,
     x_tail is [M, K] and the input mix[row // (M / S)] * x + (1 - mix) * x_tail. With norm = (stats [2, M] fp32 mean
     and rstd, any strides, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads, plus,
-    with positions = (table [P, K] with unit column stride, rows per table row R), table[(m // R) % P]."""
+    with positions = (table [P, K] with unit column stride, rows per table row R), table[(m // R) % P]. saturate: y
+    clamped to its dtype's finite range before the rounding (NaN kept)."""
     m, k = x.shape
     blend = mix is not None
     k2 = x_tail.shape[1] if x_tail is not None and not blend else 0
@@ -410,11 +417,11 @@ def linear_fwd(
         mix.contiguous() if blend else x, *norm_pointers, pos if pos is not None else x, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1],
         pos.stride(0) if pos is not None else 0, m, n, k, k2, tokens, m // mix.shape[0] if blend else 1, max(res_t, 1),
-        pos_rows, pos.shape[0] if pos is not None else 1, m_bucket(m),
+        pos_rows, pos.shape[0] if pos is not None else 1, torch.finfo(y.dtype).max, m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
         HAS_TAIL=x_tail is not None and not blend, BLEND=blend, **norm_flags, NORM_POS=pos is not None,
-        STORE_PRE=save_pre,
+        STORE_PRE=save_pre, SATURATE=saturate,
         INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
@@ -476,7 +483,7 @@ def divisibility_attrs(fn, signature: dict, constexprs: dict, skip: tuple[str, .
 
 def _fwd_spec(
     name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False, tail=False, blend=False, norm=False,
-    x_dtype=None, pos=False,
+    x_dtype=None, pos=False, saturate=False,
 ):  # fmt: skip
     bm, bn, bk, warps, stages = tile
     signature = {
@@ -488,13 +495,13 @@ def _fwd_spec(
         "stride_gb": "i32", "stride_gn": "i32", "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32",
         "stride_x2m": "i32", "stride_x2k": "i32", "stride_pp": "i32", "M": "i32", "N": "i32", "K": "i32", "K2": "i32",
         "T": "i32",
-        "T_MIX": "i32", "RES_T": "i32", "POS_ROWS": "i32", "POS_P": "i32", "M_BUCKET": "i32",
+        "T_MIX": "i32", "RES_T": "i32", "POS_ROWS": "i32", "POS_P": "i32", "sat_max": "fp32", "M_BUCKET": "i32",
     }  # fmt: skip
     constexprs = {
         "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "stride_x2k": 1,
         "ACTIVATION": ACTIVATIONS[activation][0], "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual,
         "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail, "BLEND": blend, "NORM": norm, "NORM_WEIGHT": norm,
-        "NORM_BIAS": norm, "NORM_POS": pos, "STORE_PRE": store_pre,
+        "NORM_BIAS": norm, "NORM_POS": pos, "STORE_PRE": store_pre, "SATURATE": saturate,
         "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
     }  # fmt: skip
     skip = ("M", "T", "T_MIX", "RES_T", "POS_ROWS", "POS_P", "M_BUCKET")
@@ -523,6 +530,9 @@ def aot_specs() -> list[dict]:
     specs.append(
         _fwd_spec("linear_fwd[fp16,two-part x,gelu_tanh]", "fp16", main, "gelu_tanh", False, False, True, False, True)
     )
+    # The same in fp16 for inference, saturated as Flux clips its fp16 stream.
+    specs.append(_fwd_spec("linear_fwd[fp16,two-part x,gate+residual,saturate]", "fp16", main, None, True, True, False,
+                           False, True, saturate=True))  # fmt: skip
     # SVD's container proj_out: the AlphaBlender's two inputs mixed per frame in the loads, residual epilogue.
     for dtype, tile in (("fp16", main), ("bf16", (128, 64, 64, 4, 4))):
         specs.append(

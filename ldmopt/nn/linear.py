@@ -84,27 +84,33 @@ def gated_residual_linear(
     where: str,
     name: str,
     out_dtype=None,
+    clip_fp16: bool = False,
 ) -> Tensor:
     """``residual + gate * layer(x)``: one GEMM with the bias, gate and residual in its epilogue while ``layer`` is a
     plain nn.Linear, else ``layer``'s own forward and the stock ops (see child_check). ``x``: a tensor, or two read as
     their concatenation along channels (the GEMM reads them in place; the stock path concatenates). ``out_dtype``:
-    the result's dtype (the stock path computes in the promoted dtype, then casts, as Wan's ``.type_as(h)``)."""
+    the result's dtype (the stock path computes in the promoted dtype, then casts, as Wan's ``.type_as(h)``).
+    ``clip_fp16``: an fp16 result clipped to [-65504, 65504] as Flux clips its stream (in the epilogue when fused)."""
     if readable(layer):
-        return linear(x, layer.weight, layer.bias, gate=gate, residual=residual, out_dtype=out_dtype)
+        return linear(x, layer.weight, layer.bias, gate=gate, residual=residual, out_dtype=out_dtype,
+                      clip_fp16=clip_fp16)  # fmt: skip
     count_stock(where, name, layer)
     out = stock_gated_residual(layer(x if isinstance(x, Tensor) else torch.cat(x, dim=-1)), gate, residual)
-    return out if out_dtype is None else out.to(out_dtype)
+    out = out if out_dtype is None else out.to(out_dtype)
+    return out.clip(-65504, 65504) if clip_fp16 and out.dtype == torch.float16 else out
 
 
 def ff_gated_residual(
-    ff: nn.Module, x: Tensor | NormedInput, gate: Tensor, residual: Tensor, name: str = "ff", out_dtype=None
-) -> Tensor:
+    ff: nn.Module, x: Tensor | NormedInput, gate: Tensor, residual: Tensor, name: str = "ff", out_dtype=None,
+    clip_fp16: bool = False,
+) -> Tensor:  # fmt: skip
     """``residual + gate * ff(x)`` with the output projection's bias, gate and residual in one GEMM epilogue
-    (``name``: the feed-forward's attribute in its block, for the report; ``out_dtype`` as in gated_residual_linear).
-    ``x`` may be a NormedInput (ldmopt.nn.layer_norm_input): the first projection then reads the norm in its loads."""
+    (``name``: the feed-forward's attribute in its block, for the report; ``out_dtype`` and ``clip_fp16`` as in
+    gated_residual_linear). ``x`` may be a NormedInput (ldmopt.nn.layer_norm_input): the first projection then reads
+    the norm in its loads."""
     first = x.activate(ff.net[0], f"{name}.net.0") if isinstance(x, NormedInput) else ff.net[0](x)
     h = ff.net[1](first)
-    return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2", out_dtype)
+    return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2", out_dtype, clip_fp16)
 
 
 def ff_residual(ff: nn.Module, x: Tensor | NormedInput, residual: Tensor) -> Tensor:

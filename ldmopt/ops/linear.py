@@ -113,7 +113,7 @@ def _row_weights(mix: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
     return mix.to(dtype).repeat_interleave(rows // mix.shape[0])[:, None]
 
 
-def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
+def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None, saturate=False):
     cd = torch.float64 if _out_dtype(x, gate, residual) == torch.float64 else torch.float32
     z = gemm_torch(_joined(x, x_tail, mix), weight, bias)
     out = activation_torch(activation, z)
@@ -122,8 +122,11 @@ def _fwd_torch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_t
     if residual is not None:
         out = out + residual.to(cd).reshape(out.shape)
     pre = z.to(x.dtype, copy=True) if save_pre else x.new_empty((0,))
+    dtype = dtype or _out_dtype(x, gate, residual)
+    if saturate:
+        out = out.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
     # out is a fresh tensor (z itself at most, which pre copies): no copy needed to keep the outputs unaliased.
-    return out.to(dtype or _out_dtype(x, gate, residual)), pre
+    return out.to(dtype), pre
 
 
 def _bwd_torch(dy, pre, gate, activation, need_dgate):
@@ -143,15 +146,16 @@ def _bwd_torch(dy, pre, gate, activation, need_dgate):
 # ------------------------------------------------------------------------------------------------ triton
 
 
-def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
+def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None,
+                       saturate=False):  # fmt: skip
     return triton_refusals(x, weight, bias, gate, residual, x_tail, mix, dtypes=TRITON_DTYPES)
 
 
-def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
+def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None, saturate=False):
     from ldmopt.kernels.linear import linear_fwd as launch
 
     mix = None if mix is None else mix.float()
-    return launch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail, mix)
+    return launch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail, mix, saturate=saturate)
 
 
 def _bwd_triton(dy, pre, gate, activation, need_dgate):
@@ -186,12 +190,15 @@ def linear_fwd(
     dtype: torch.dtype | None,
     x_tail: Tensor | None = None,
     mix: Tensor | None = None,
+    saturate: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(y [M, N], pre): x [M, K] (with x_tail [M, K2]: the input is [x | x_tail], weight [N, K + K2]; with mix [S]
     as well, x_tail is [M, K] and the input mix[s] * x + (1 - mix[s]) * x_tail for the rows of sample s, M % S == 0),
     weight [N, K], bias [N], gate [B, N] (rows grouped by sample, M % B == 0), residual [M, N] or [B', T', N] with
     B' T' = M (any strides). y has ``dtype``, by default the promoted dtype of x, gate and residual. pre = x W^T + bias
-    ([M, N] in x's dtype, saved for backward) when save_pre, else empty."""
+    ([M, N] in x's dtype, saved for backward) when save_pre, else empty. saturate: y clamped to its dtype's finite
+    range before the rounding, NaN kept (Flux's fp16 clip); forward only (``ops.linear`` clamps after the op when
+    gradients are needed)."""
     if mix is not None and (
         x_tail is None or x_tail.shape != x.shape or mix.dim() != 1 or not mix.numel() or x.shape[0] % mix.numel()
     ):
@@ -200,11 +207,11 @@ def linear_fwd(
             f"linear_fwd: mix of shape {tuple(mix.shape)} needs x_tail shaped like x {tuple(x.shape)} (got {tail}) "
             "and one value per equal group of rows"
         )
-    return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail, mix)
+    return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail, mix, saturate)
 
 
 @linear_fwd.register_fake
-def _(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None):
+def _(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None, saturate=False):
     y = x.new_empty((x.shape[0], weight.shape[0]), dtype=dtype or _out_dtype(x, gate, residual))
     return y, (x.new_empty(y.shape) if save_pre else x.new_empty((0,)))
 
@@ -229,6 +236,11 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, gate, residual, activation, save_pre, _dtype, *tail = inputs
     x_tail = tail[0] if tail else None
     mix = tail[1] if len(tail) > 1 else None
+    if len(tail) > 2 and tail[2]:
+        raise RuntimeError(
+            "ldmopt::linear_fwd with saturate=True has no backward (the clamp's gradient needs the unclamped "
+            "output); ldmopt.ops.linear(..., saturate=True) clamps after the op when gradients are needed"
+        )
     ctx.save_for_backward(x, weight, bias, gate, output[1] if save_pre else None, x_tail, mix)
     ctx.activation = activation or None
     ctx.residual_shape = None if residual is None else residual.shape
@@ -238,7 +250,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, _dpre):
     x, weight, bias, gate, pre, x_tail, mix = ctx.saved_tensors
     if dy is None:
-        return (None,) * 10
+        return (None,) * 11
     need_dx, need_dw, need_db, need_dgate, need_dres = ctx.needs_input_grad[:5]
     need_dtail = len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8]
     need_dmix = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
@@ -275,7 +287,7 @@ def _backward(ctx, dy, _dpre):
     db = dbias.to(bias.dtype) if need_db else None
     dg = dgate.to(gate.dtype) if need_dgate else None
     dres = dy.reshape(ctx.residual_shape) if need_dres else None
-    return dx, dw, db, dg, dres, None, None, None, (dtail if need_dtail else None), dmix
+    return dx, dw, db, dg, dres, None, None, None, (dtail if need_dtail else None), dmix, None
 
 
 def _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmix):
@@ -394,6 +406,7 @@ def linear(
     residual: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     mix: Tensor | None = None,
+    clip_fp16: bool = False,
 ) -> Tensor:
     """``residual + gate[b] * act(x @ weight.T + bias)`` in one GEMM with a fused epilogue.
 
@@ -412,6 +425,9 @@ def linear(
     end. gate and residual may have another float dtype: the output takes the promoted dtype, as the unfused ops do, or
     ``out_dtype`` (one rounding of the fp32 epilogue, e.g. Wan's ``(h.float() + ff(x).float() * gate).type_as(h)``
     with an fp32 gate and a bf16 stream: ``out_dtype=h.dtype``).
+    ``clip_fp16``: an fp16 result is clamped to [-65504, 65504] before it is rounded, NaN kept (Flux's
+    ``clip(-65504, 65504)`` of its fp16 stream, otherwise a pass of its own; other dtypes are left as they are). When
+    gradients are needed the clamp runs after the op, as torch.clamp (its gradient needs the unclamped values).
     Under torch.autocast x, weight and bias are cast to the autocast dtype first, as F.linear does. Tolerance versus
     an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
@@ -444,7 +460,12 @@ def linear(
         x, weight, bias, gate, x_tail, mix
     )
     check_out_dtype(out_dtype)
-    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype, tail2, mix)
+    saturate = clip_fp16 and (out_dtype or _out_dtype(x, gate, residual)) == torch.float16
+    clamp_after = saturate and needs_grad(x, weight, bias, gate, residual, x_tail, mix)
+    y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype, tail2, mix,
+                   saturate and not clamp_after)  # fmt: skip
+    if clamp_after:
+        y = y.clamp(-torch.finfo(y.dtype).max, torch.finfo(y.dtype).max)
     return y.view(out_shape)
 
 

@@ -33,7 +33,9 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    |                     |                                              | + LN + modulation in one  |
 |                    |                     |                                              | row kernel; FF gated      |
 |                    |                     |                                              | residual in its GEMM      |
-| adaln              | flux_single_gated   | FluxSingleTransformerBlock                   | gated residual, proj_out  |
+| adaln              | flux_single_gated   | FluxSingleTransformerBlock                   | gated residual + fp16 clip|
+|                    |                     |                                              | in proj_out; its input    |
+|                    |                     |                                              | halves read in place      |
 | residual           | residual_block      | BasicTransformerBlock (layer_norm: SD1.5,    | attention and FF residual |
 |                    |                     | SDXL, SVD, AnimateDiff, ModelScope UNets)    | adds in the output GEMMs' |
 |                    |                     |                                              | epilogues                 |
@@ -47,7 +49,8 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 | rms_norm           | wan_qk_norm_rope    | WanAttention (self-attention), SkyReelsV2    | q/k RMSNorm + RoPE in one |
 |                    |                     | Attention; the stock processor's own steps   | row kernel each           |
 | rms_norm           | flux_qk_norm_rope   | FluxAttention (Flux.1, Chroma); the stock    | per-head q/k RMSNorm +    |
-|                    |                     | processor's own steps                        | RoPE, one kernel a stream |
+|                    |                     | processor's own steps                        | RoPE + the text/image     |
+|                    |                     |                                              | join, one kernel a tensor |
 | rms_norm           | qwen_qk_norm_rope   | Attention with Qwen-Image's double-stream    | the same, complex tables  |
 |                    |                     | processor                                    | read as cos/sin views     |
 | rms_norm           | hunyuan_video_qk_   | Attention with HunyuanVideo's processor      | per-head q/k RMSNorm; the |

@@ -13,7 +13,9 @@
   and the feed-forward's gated residual in its output GEMM (the attention runs as before).
 - ``flux_single_gated``: ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(cat([attn, mlp], -1))`` as one
   GEMM that reads the attention output and the MLP activation in place (the concatenation is never written), with
-  the gated residual in its epilogue.
+  the gated residual in its epilogue. The block's input ``cat([text, image], 1)`` is a view when the two are the
+  halves of the previous single block's output, as FluxTransformer2DModel passes them (inference only: under
+  autograd or torch.compile the block concatenates).
 
 Both are class swaps (see rule.py): same instance, same children and parameters. A call the fused forward does not
 cover (feed-forward chunking, GLIGEN kwargs, 4-D hidden states) runs the stock forward. Tolerance: the ops'
@@ -157,6 +159,29 @@ class AdaLNBlockRule(ClassSwapRule):
         return _adaln_block_forward
 
 
+def adjacent_halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """``torch.cat([first, second], 1)`` as a view, when no gradient is asked and the two are the halves of one
+    tensor along dim 1 (the previous Flux single block's outputs, which FluxTransformer2DModel hands to the next: its
+    ``hidden[:, :text], hidden[:, text:]``); else None. Under autograd or torch.compile: None (the caller concatenates;
+    a view would bypass the graph's record of where the halves came from)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (first.requires_grad or second.requires_grad)):
+        return None
+    # Plain tensors only: a subclass (DTensor) or a functorch wrapper has no storage to compare.
+    plain = type(first) is torch.Tensor and type(second) is torch.Tensor
+    if not plain or torch._C._are_functorch_transforms_active():
+        return None
+    if first.dim() != second.dim() or first.dim() < 2 or first.dtype != second.dtype or first.device != second.device:
+        return None
+    if first.stride() != second.stride() or first.shape[:1] + first.shape[2:] != second.shape[:1] + second.shape[2:]:
+        return None
+    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+        return None
+    if second.storage_offset() != first.storage_offset() + first.shape[1] * first.stride(1):
+        return None
+    joint = (first.shape[0], first.shape[1] + second.shape[1], *first.shape[2:])
+    return first.as_strided(joint, first.stride(), first.storage_offset())
+
+
 def _flux_single_forward(
     self,
     hidden_states: torch.Tensor,
@@ -166,7 +191,9 @@ def _flux_single_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     text_seq_len = encoder_hidden_states.shape[1]
-    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    # [text | image]: the previous single block's two outputs are still one tensor, read in place (no copy).
+    joint = adjacent_halves(encoder_hidden_states, hidden_states)
+    hidden_states = joint if joint is not None else torch.cat([encoder_hidden_states, hidden_states], dim=1)
     residual = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
     mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
@@ -174,11 +201,11 @@ def _flux_single_forward(
         hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
     )
     # proj_out(cat([attn, mlp], -1)): the GEMM reads both parts in place, the concatenation is never written.
+    # diffusers clips an fp16 stream to +-65504 afterwards: here in the epilogue, before the rounding.
     hidden_states = gated_residual_linear(
-        self.proj_out, (attn_output, mlp_hidden_states), gate, residual, "FluxSingleTransformerBlock", "proj_out"
-    )
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
+        self.proj_out, (attn_output, mlp_hidden_states), gate, residual, "FluxSingleTransformerBlock", "proj_out",
+        clip_fp16=True,
+    )  # fmt: skip
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
@@ -204,10 +231,11 @@ class FluxSingleGatedRule(ClassSwapRule):
         return _flux_single_forward
 
 
-def _stream(hidden, update, update_gate, scale, shift, gate, norm, ff, name="ff"):
+def _stream(hidden, update, update_gate, scale, shift, gate, norm, ff, name="ff", clip_fp16=False):
     """``h = hidden + update_gate * update; h + gate * ff(layer_norm(h) * (1 + scale) + shift)``: the gated residual
     add, LayerNorm and modulation in one row kernel, the feed-forward's output projection with the gated residual in
-    one GEMM. ``update_gate`` is one vector per sample (B, C)."""
+    one GEMM (``clip_fp16``: an fp16 result clipped to +-65504 there, as Flux clips its text stream). ``update_gate``
+    is one vector per sample (B, C)."""
     if torch.promote_types(torch.promote_types(update.dtype, update_gate.dtype), hidden.dtype) == hidden.dtype:
         # The gate's multiply in the row kernel too (it rounds the sum to the stream's dtype, as the stock add does).
         normed, hidden = adaln_modulate(
@@ -216,7 +244,7 @@ def _stream(hidden, update, update_gate, scale, shift, gate, norm, ff, name="ff"
     else:  # the gated update would promote the stream (an fp32 gate on a bf16 stream): the stock product first
         pending = update_gate.unsqueeze(1) * update
         normed, hidden = adaln_modulate(pending, scale, shift, residual=hidden, eps=norm.eps, return_residual=True)
-    return ff_gated_residual(ff, normed, gate, hidden, name)
+    return ff_gated_residual(ff, normed, gate, hidden, name, clip_fp16=clip_fp16)
 
 
 def _sd3_joint_forward(
@@ -280,12 +308,11 @@ def _flux_double_forward(
     hidden_states = _stream(hidden_states, attn_output, gate_msa, scale_mlp, shift_mlp, gate_mlp, self.norm2, self.ff)
     if len(attention_outputs) == 3:  # IP-Adapter output, added after the feed-forward as diffusers does
         hidden_states = hidden_states + attention_outputs[2]
+    # diffusers clips an fp16 text stream to +-65504 afterwards: here in the feed-forward's epilogue.
     encoder_hidden_states = _stream(
         encoder_hidden_states, context_attn_output, c_gate_msa, c_scale_mlp, c_shift_mlp, c_gate_mlp,
-        self.norm2_context, self.ff_context, name="ff_context",
+        self.norm2_context, self.ff_context, name="ff_context", clip_fp16=True,
     )  # fmt: skip
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
 
 

@@ -131,3 +131,68 @@ def test_parts_of_different_dtypes_promote_as_cat_does():
     exact = F.linear(torch.cat([head.double(), tail.double()], -1), w.double(), b.double())
     assert_close(y, exact, torch.float32, "promoted parts")
     assert_within_torch_error(y_amp, exact, stock_amp, "parts under autocast")
+
+
+# ------------------------------------------------------------------------------------------------ clip_fp16
+
+
+def _overflowing(dtype):
+    """Flux-like fp16 stream values near the top of fp16's range: residual + gate * out passes 65504 on some rows
+    (past 65520 it would round to inf), stays below on others; one row NaN."""
+    head, tail, weight, bias, gate, residual = _inputs((2, 5), dtype)
+    residual = residual.double() * 1000
+    residual[0, :2] = 6.5e4
+    residual[1, 3] = -6.5e4
+    residual[1, 4, 7] = float("nan")
+    gate = (gate.double().abs() * 1e3 + 1e3).to(dtype)
+    return head, tail, weight, bias, gate, residual.to(dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_clip_fp16_saturates_in_the_epilogue(backend):
+    args = _overflowing(torch.float16)
+    with ldmopt.use_backend(backend), torch.no_grad():
+        clipped = linear((args[0], args[1]), *args[2:4], gate=args[4], residual=args[5], clip_fp16=True)
+        unclipped = _fused(*args)
+    ref = _reference(*(t.double() for t in args)).clamp(-65504, 65504)
+    assert torch.isinf(unclipped).any(), "the case must overflow fp16"
+    finite = ~torch.isnan(ref)
+    assert torch.equal(torch.isnan(clipped), ~finite) and clipped.abs()[finite].max() <= 65504
+    assert (clipped.abs() == 65504).any()
+    # Where the stock fp16 ops do not overflow on the way, within their error of the clipped fp64 result.
+    lowp = _reference(*args).clip(-65504, 65504)
+    keep = finite & (lowp.abs() < 65504)
+    assert_within_torch_error(clipped[keep], ref[keep], lowp[keep], "clip_fp16 unclipped rows")
+    assert torch.equal(clipped[finite & (ref.abs() >= 65520)], ref[finite & (ref.abs() >= 65520)].half())
+
+
+def test_clip_fp16_leaves_other_dtypes_and_keeps_gradients():
+    args = [t.float() for t in _overflowing(torch.float16)]
+    args[5][1, 4, 7] = 0.0
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        y = linear((args[0], args[1]), *args[2:4], gate=args[4], residual=args[5], clip_fp16=True)
+    assert y.abs().max() > 65504  # fp32: nothing clipped
+    half = [t.half().requires_grad_() for t in args]
+    with ldmopt.use_backend("triton"):
+        y = linear((half[0], half[1]), *half[2:4], gate=half[4], residual=half[5], clip_fp16=True)
+        with torch.no_grad():  # the fp16 result before the clamp: torch.clip's gradient passes strictly inside
+            passes = _fused(*half).abs() < 65504
+    assert not passes.all() and passes.any()
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad((y.float() * dy.float()).sum(), half)
+    ref_leaves = [t.detach().double().requires_grad_() for t in half]
+    expect = torch.autograd.grad((_reference(*ref_leaves) * (dy.double() * passes)).sum(), ref_leaves)
+    assert torch.equal(got[5], dy * passes)  # the residual's gradient: dy where not clamped, else 0
+    for name, g, e in zip(("x_head", "x_tail", "weight", "bias", "gate"), got, expect):
+        # The gates are ~1e3: fp16 gradients of that scale, compared relative to their largest element.
+        err, scale = (g.double() - e).abs().max().item(), e.abs().max().item()
+        assert torch.isfinite(g).all() and err <= 4e-3 * scale, f"clip_fp16 grad {name}: {err:.3g} vs {scale:.3g}"
+
+
+def test_saturate_op_has_no_backward_and_passes_opcheck():
+    x, tail = torch.randn(6, K1, dtype=torch.float16), torch.randn(6, K2, dtype=torch.float16)
+    weight = torch.randn(N, K1 + K2, dtype=torch.float16)
+    args = (x, weight, None, None, None, "", False, None, tail, None, True)
+    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="saturate=True has no backward"):
+        torch.ops.ldmopt.linear_fwd(x.requires_grad_(), *args[1:])

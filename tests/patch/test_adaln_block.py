@@ -253,3 +253,29 @@ def test_joint_stream_keeps_promotion_of_an_fp32_gate():
         expect = h + ff_gate[:, None] * block.ff(normed)
     assert out.dtype == expect.dtype == torch.float32
     assert_close(out, expect.double(), torch.float32, "fp32 gate on a bf16 stream")
+
+
+def test_flux_double_block_fp16_clip_in_the_epilogue():
+    """Flux's double block clips its fp16 text stream after ff_context's gated residual: patched, in that GEMM's
+    epilogue (no clamp pass), with the same saturated values."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    from tests.patch.helpers import DispatchedOps
+    from tests.patch.test_flux_single_block import _assert_clipped_like_stock
+
+    block = _joint_block("flux").half()
+    hidden, context, temb = (t.half() for t in _joint_inputs())
+    context[:, :2] = 6.55e4
+    ids = torch.zeros(CONTEXT_TOKENS + TOKENS, 3)
+    ids[CONTEXT_TOKENS:, 2] = torch.arange(TOKENS)
+    rotary = tuple(t.half() for t in FluxPosEmbed(theta=10000, axes_dim=[4, 8, 8])(ids))
+    kw = dict(hidden_states=hidden, encoder_hidden_states=context, temb=temb, image_rotary_emb=rotary)
+    with torch.no_grad():
+        stock = block(**kw)
+        ldmopt.patch(block)
+        with ldmopt.use_backend("triton"), DispatchedOps() as ops:
+            fused = block(**kw)
+    assert not ops.shapes("aten.clamp"), ops.shapes("aten.clamp")
+    _assert_clipped_like_stock(fused[0], stock[0], "flux double block context")
+    err = (fused[1].double() - stock[1].double()).abs().max().item()
+    assert err <= 2e-3 * stock[1].abs().max().item(), f"flux double block image: {err:.3g}"

@@ -10,7 +10,7 @@ from torch import nn
 
 import ldmopt
 from ldmopt.nn.child_check import fallback_reasons
-from tests.patch.helpers import assert_fused_grads_match_stock, assert_same_snapshot, snapshot
+from tests.patch.helpers import DispatchedOps, assert_fused_grads_match_stock, assert_same_snapshot, snapshot
 from tests.tolerances import assert_within_torch_error
 
 diffusers = pytest.importorskip("diffusers")
@@ -108,3 +108,75 @@ def test_wrapped_proj_out_runs_stock_on_the_concatenation():
     assert any("proj_out" in r for r in fallback_reasons), list(fallback_reasons)
     for f, e, s in zip(fused, exact, stock):
         assert_within_torch_error(f, e, s, "wrapped proj_out")
+
+
+def test_block_reads_the_previous_blocks_halves_in_place():
+    """FluxTransformer2DModel hands each single block the previous one's output split into [:, :text] and
+    [:, text:] views: patched, the block reads that tensor in place instead of concatenating the views again (no
+    grad asked), and gives the stock result."""
+    block = _block()
+    hidden, context, temb = _inputs()
+    with torch.no_grad():
+        text, image = _call(block, hidden, context, temb)  # the halves of one tensor, as the model passes them
+        ref = _call(block, image, text, temb)
+        ldmopt.patch(block)
+        with ldmopt.use_backend("triton"), DispatchedOps() as ops:
+            out = _call(block, image, text, temb)
+    assert ops.shapes("aten.cat").count((2, TEXT + IMAGE, DIM)) == 0, ops.shapes("aten.cat")
+    for got, want in zip(out, ref):
+        assert_within_torch_error(got, want.double(), want, "halves read in place")
+    with ldmopt.use_backend("triton"), DispatchedOps() as ops:  # with a gradient asked: the concatenation
+        out = _call(block, image.requires_grad_(), text, temb)
+    assert ops.shapes("aten.cat").count((2, TEXT + IMAGE, DIM)) == 1
+
+
+def test_adjacent_halves_only_for_the_halves_of_one_tensor():
+    from ldmopt.patch.rules_blocks import adjacent_halves
+
+    joint = torch.randn(2, 7, 6)
+    first, second = joint[:, :3], joint[:, 3:]
+    view = adjacent_halves(first, second)
+    assert view is not None and view.data_ptr() == joint.data_ptr() and torch.equal(view, joint)
+    assert adjacent_halves(second, first) is None  # the wrong order
+    assert adjacent_halves(first, joint[:, 4:]) is None  # a gap
+    assert adjacent_halves(first, second.clone()) is None  # another tensor
+    assert adjacent_halves(joint[:, :3, :5], joint[:, 3:, :5]) is not None  # strided columns: still one tensor
+    assert adjacent_halves(joint[:1, :3], joint[1:, 3:]) is None  # other samples
+    assert adjacent_halves(first, second.half()) is None
+    assert adjacent_halves(joint.requires_grad_()[:, :3], joint[:, 3:]) is None  # autograd: concatenate
+    with torch.no_grad():
+        assert adjacent_halves(joint[:, :3], joint[:, 3:]) is not None
+
+        class Sub(torch.Tensor):  # a subclass (DTensor, a quantized wrapper): no storage to compare, concatenate
+            pass
+
+        plain = torch.randn(2, 7, 6)
+        assert adjacent_halves(plain[:, :3].as_subclass(Sub), plain[:, 3:].as_subclass(Sub)) is None
+
+
+def _assert_clipped_like_stock(fused, stock, name):
+    """fp16 outputs where the stock block clipped its stream to +-65504: the same saturated values there (the fused
+    epilogue clamps before its rounding), close elsewhere, no inf."""
+    clipped = stock.abs() == 65504
+    assert clipped.any(), f"{name}: the case must saturate"
+    assert torch.isfinite(fused).all() and torch.equal(fused[clipped], stock[clipped]), name
+    scale = stock.abs().max().item()
+    err = (fused[~clipped].double() - stock[~clipped].double()).abs().max().item()
+    assert err <= 2e-3 * scale, f"{name}: {err:.3g} of {scale:.3g}"
+
+
+def test_fp16_clip_in_the_epilogue():
+    """diffusers clips the fp16 stream after proj_out's gated residual; patched, the epilogue clamps before it rounds:
+    no clamp pass, the same saturated values."""
+    block = _block().half()
+    hidden, context, temb = (t.half() for t in _inputs())
+    hidden[:, :3] = 6.55e4  # the residual at the top of fp16's range: gate * proj_out pushes some past it
+    context[0, 1] = -6.55e4
+    with torch.no_grad():
+        stock = _call(block, hidden, context, temb, _rotary(torch.float16))
+        ldmopt.patch(block)
+        with ldmopt.use_backend("triton"), DispatchedOps() as ops:
+            fused = _call(block, hidden, context, temb, _rotary(torch.float16))
+    assert not ops.shapes("aten.clamp"), ops.shapes("aten.clamp")
+    for name, f, s in zip(("context", "image"), fused, stock):
+        _assert_clipped_like_stock(f, s, f"single block {name}")
