@@ -69,20 +69,46 @@ def test_adaln_blocks_attention_epilogues():
 
 def test_flux_single_block_concatenation_is_read_by_proj_out():
     # flux_single_gated: proj_out reads [attn | mlp] in place; the block's first concatenation (text and image
-    # streams, read by the norm and kept as the residual) stays.
+    # streams, read by the norm and kept as the residual) is a view of the previous single block's output, except in
+    # the first single block, fed by the double blocks' two streams.
     from ldmopt.configs import build_model
-    from ldmopt.profiler.fusions import CONCAT_GEMM
+    from ldmopt.profiler.fusions import CONCAT_GEMM, HALVES_IN_PLACE
 
     model = build_model("flux", tiny=True, device="meta", dtype=torch.bfloat16)
     a = analyze(model, gpu="H200", dtype="bf16")
     singles = len(_blocks(model, "FluxSingleTransformerBlock"))
     stat = a.fusions[CONCAT_GEMM]
-    assert stat.count == stat.ops_removed == singles > 0
+    assert stat.count == stat.ops_removed == singles > 1
+    assert a.fusions[HALVES_IN_PLACE].count == singles - 1
     _saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
     cats = [r for r in a.records if r.base == "cat" and r.owner.endswith(".FluxSingleTransformerBlock")]
-    fused = [r for r in cats if r.index in removed]
+    fused = [r for r in cats if r.index in removed and rule[r.index] == CONCAT_GEMM]
     assert len(cats) == 2 * singles and len(fused) == singles
-    assert all(rule[r.index] == CONCAT_GEMM and a.records[r.consumers[0]].path.endswith(".proj_out") for r in fused)
+    assert all(a.records[r.consumers[0]].path.endswith(".proj_out") for r in fused)
+    joint = [r for r in cats if r.index in removed and rule[r.index] == HALVES_IN_PLACE]
+    assert [r.path for r in joint] == [f"single_transformer_blocks.{i}" for i in range(1, singles)]
+    assert all(len(set(r.producers)) == 1 for r in joint)
+
+
+def test_flux_qk_stream_concatenation_and_fp16_clips():
+    # The double blocks' [text | image] q and k are written by the joint norm kernel (the values' concatenation
+    # stays); every fp16 clip follows a gated-residual epilogue that clamps (single blocks' proj_out, double blocks'
+    # ff_context).
+    from ldmopt.configs import build_model
+    from ldmopt.profiler.fusions import CLIP_EPILOGUE, QK_CONCAT
+
+    model = build_model("flux", tiny=True, device="meta", dtype=torch.float16)
+    a = analyze(model, gpu="H200")
+    doubles = len(_blocks(model, "FluxTransformerBlock"))
+    singles = len(_blocks(model, "FluxSingleTransformerBlock"))
+    _saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
+    assert all(i in removed for i, name in rule.items() if name in (QK_CONCAT, CLIP_EPILOGUE))
+    attn_cats = [r for r in a.records if r.base == "cat" and r.owner.endswith(".FluxAttention")]
+    assert len(attn_cats) == 3 * doubles > 0
+    assert [rule.get(r.index) for r in attn_cats] == [QK_CONCAT, QK_CONCAT, None] * doubles
+    clamps = [r for r in a.records if r.base == "clamp"]
+    assert len(clamps) == doubles + singles and all(rule[r.index] == CLIP_EPILOGUE for r in clamps)
+    assert a.fusions[CLIP_EPILOGUE].ops_removed == len(clamps)
 
 
 def _claimed_norms(a):

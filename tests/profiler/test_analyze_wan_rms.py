@@ -5,7 +5,15 @@ from torch import nn
 
 from ldmopt.profiler import analyze
 from ldmopt.profiler import categories as C
-from ldmopt.profiler.fusions import ADALN, GATED_RESIDUAL, QK_NORM_ROPE, RMS_NORM, WAN_ROUND_TRIPS, plan_fusions
+from ldmopt.profiler.fusions import (
+    ADALN,
+    GATED_RESIDUAL,
+    QK_CONCAT,
+    QK_NORM_ROPE,
+    RMS_NORM,
+    WAN_ROUND_TRIPS,
+    plan_fusions,
+)
 
 
 def _wan_model(layers=2, dim=64, ffn=96):
@@ -203,7 +211,8 @@ def test_allocations_move_no_bytes():
 
 def test_flux_rope_is_projected_into_the_norm_kernels():
     """Flux rotates q and k after concatenating text and image streams: negation, interleave, three casts, two
-    multiplies and an add per tensor go; the concatenations stay (the fused forward concatenates rotated streams)."""
+    multiplies and an add per tensor go; the joint norm kernel writes the concatenated q and k (those two
+    concatenations go, the values' stays)."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
@@ -223,9 +232,9 @@ def test_flux_rope_is_projected_into_the_norm_kernels():
     assert rope.count == 2 * 3 and rope.ops_removed == 8 * rope.count  # q and k of three attentions
     rotation = [r for r in a.records if r.path.endswith(".attn") and r.base in ("neg", "stack", "mul", "_to_copy")]
     assert len(rotation) + rope.count == rope.ops_removed  # and one add per tensor
-    _saved, _rule, removed, _stats = plan_fusions(a.records)
-    cats = [r for r in a.records if r.path.endswith(".attn") and r.base == "cat"]
-    assert len(cats) == 3 and not removed & {r.index for r in cats}  # q, k, v of the double block stay
+    _saved, rule, removed, _stats = plan_fusions(a.records)
+    cats = [r for r in a.records if r.path.endswith(".attn") and r.base == "cat"]  # q, k, v of the double block
+    assert [(r.index in removed, rule.get(r.index)) for r in cats] == [(True, QK_CONCAT)] * 2 + [(False, None)]
 
 
 def test_rope_of_generic_attention_processors_is_projected():
@@ -249,12 +258,18 @@ def test_rope_of_generic_attention_processors_is_projected():
         hidden_states=torch.empty(1, 15, 16, **bf16), encoder_hidden_states=torch.empty(1, 7, 24, **bf16),
         encoder_hidden_states_mask=None, timestep=torch.empty(1, **meta), img_shapes=[[(1, 3, 5)]], return_dict=False,
     )  # fmt: skip
-    rope = analyze(qwen, inputs=qwen_inputs, dtype="bf16").fusions[QK_NORM_ROPE]
+    fusions = analyze(qwen, inputs=qwen_inputs, dtype="bf16").fusions
+    rope = fusions[QK_NORM_ROPE]
     assert rope.count == 2 * 4 and rope.ops_removed == 3 * rope.count  # cast, complex multiply, cast back
+    assert fusions[QK_CONCAT].count == 2 * 2  # [text | image] q and k of each block, written by the joint kernel
     hunyuan_inputs = dict(
         hidden_states=torch.empty(1, 4, 3, 6, 10, **bf16), timestep=torch.empty(1, dtype=torch.long, **meta),
         encoder_hidden_states=torch.empty(1, 7, 24, **bf16), encoder_attention_mask=torch.ones(1, 7, **meta),
         pooled_projections=torch.empty(1, 12, **bf16), guidance=torch.empty(1, **meta), return_dict=False,
     )  # fmt: skip
-    rope = analyze(hunyuan, inputs=hunyuan_inputs, dtype="bf16").fusions[QK_NORM_ROPE]
+    fusions = analyze(hunyuan, inputs=hunyuan_inputs, dtype="bf16").fusions
+    rope = fusions[QK_NORM_ROPE]
     assert rope.count == 2 * 2 and rope.ops_removed == 8 * rope.count  # q, k of the dual and the single block
+    # The dual block's [video | text] q and k (joint kernel); the single block's cat of the rotated video rows and
+    # the text rows of q and k (one kernel over all rows, the text rows turned by zero)
+    assert fusions[QK_CONCAT].count == 2 + 2
