@@ -1,12 +1,15 @@
 """RMSNorm: ``y = x * rsqrt(mean(x^2) + eps) [* weight] [+ bias]``, forward and backward, in one row kernel each,
-optionally followed by a rotary position embedding of the normalised row (Wan's query/key norm + RoPE).
+optionally followed by a rotary position embedding of the normalised row (Wan's query/key norm + RoPE). With CENTER
+the row is centred first: a LayerNorm, ``(x - mean) * rsqrt(var + eps)`` (CogVideoX's per-head query/key norms);
+its statistics are then [2, M]: rstd, then mean.
 
 Layout: x is addressed as [M, C] rows with arbitrary strides (M = all leading dims: tokens, or tokens x heads for a
 per-head query/key norm); weight and bias are [C]. y is a fresh contiguous [M, C] in the caller's dtype; rstd fp32
-[M]. Statistics and the affine in fp32 over the whole row held in registers (C <= MAX_C), one rounding of y,
-int64 row offsets.
-Backward, per chunk of rows: dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * weight, plus per-chunk column sums
-of dy * xhat (d weight).
+[M] ([2, M] with CENTER). Statistics and the affine in fp32 over the whole row held in registers (C <= MAX_C), one
+rounding of y, int64 row offsets.
+Backward, per chunk of rows: dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * weight (CENTER: g - mean(g) in
+place of g, the mean's gradient), plus per-chunk column sums of dy * xhat (d weight) and of dy (d bias, BIAS_GRAD),
+dy being the rotated row's gradient turned back with RoPE.
 
 RoPE (ROPE): ``y * cos + partner(y) * sin`` with partner(y) = (-y[2i+1], y[2i]) per pair: row r reads the cos/sin
 tables [P, W] (any strides, fp16/bf16/fp32, read in fp32) at position (r // ROWS_PER_POS) % P (ROWS_PER_POS: heads
@@ -84,7 +87,7 @@ def _load_rows(x_ptr, x2_ptr, w_ptr, w2_ptr, rows, c, c64, mask, c_ok, stride_xm
 @triton.jit
 def _rms_norm_fwd_kernel(
     y_ptr,  # [M, C] contiguous
-    rstd_ptr,  # [M] fp32
+    rstd_ptr,  # [M] fp32; [2, M] with CENTER (rstd, then mean)
     x_ptr,  # [M, C], or the head part's rows (TWO_PART)
     w_ptr,  # [C] (HAS_WEIGHT)
     b_ptr,  # [C] (HAS_BIAS)
@@ -114,6 +117,7 @@ def _rms_norm_fwd_kernel(
     ROPE: tl.constexpr,
     STORE_RSTD: tl.constexpr,
     TWO_PART: tl.constexpr,
+    CENTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -125,6 +129,9 @@ def _rms_norm_fwd_kernel(
     mask = r_ok[:, None] & c_ok[None, :]
     x, w = _load_rows(x_ptr, x2_ptr, w_ptr, w2_ptr, rows, c, c64, mask, c_ok, stride_xm, stride_xc, stride_x2m,
                       stride_x2c, HEAD_ROWS, TAIL_ROWS, HAS_WEIGHT, TWO_PART)  # fmt: skip
+    if CENTER:  # LayerNorm: the centred row (masked lanes stay 0)
+        mean = tl.sum(x, axis=1) / C
+        x = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / C + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
@@ -138,12 +145,15 @@ def _rms_norm_fwd_kernel(
     tl.store(y_ptr + rows[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if STORE_RSTD:
         tl.store(rstd_ptr + rows, rstd, mask=r_ok)
+        if CENTER:
+            tl.store(rstd_ptr + M + rows, mean, mask=r_ok)
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
     dx_ptr,  # [M, C] contiguous
     part_dw_ptr,  # [n_chunks, C] fp32 (HAS_WEIGHT)
+    part_db_ptr,  # [n_chunks, C] fp32 (BIAS_GRAD): column sums of the normalised row's gradient
     dy_ptr,
     x_ptr,
     rstd_ptr,
@@ -166,7 +176,9 @@ def _rms_norm_bwd_kernel(
     COL_DIV,
     ROWS_PER_PROG,
     HAS_WEIGHT: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
     ROPE: tl.constexpr,
+    CENTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -177,6 +189,7 @@ def _rms_norm_bwd_kernel(
     if HAS_WEIGHT:
         w = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
     sum_dw = tl.zeros([BLOCK_C], dtype=tl.float32)
+    sum_db = tl.zeros([BLOCK_C], dtype=tl.float32)
     r_begin = chunk.to(tl.int64) * ROWS_PER_PROG
     for r0 in range(0, ROWS_PER_PROG, BLOCK_R):
         rows = r_begin + r0 + tl.arange(0, BLOCK_R)
@@ -190,17 +203,27 @@ def _rms_norm_bwd_kernel(
             cos, sin = _load_angles(cos_ptr, sin_ptr, rows, mask, stride_cp, stride_cd, stride_sp, stride_sd, P,
                                     ROWS_PER_POS, W, COL_DIV, BLOCK_C)  # fmt: skip
             dy = dy * cos - _partner(dy * sin, BLOCK_R, BLOCK_C)
-        xhat = x.to(tl.float32) * rstd[:, None]
+        x = x.to(tl.float32)
+        if CENTER:
+            x = tl.where(mask, x - tl.load(rstd_ptr + M + rows, mask=r_ok, other=0.0)[:, None], 0.0)
+        xhat = x * rstd[:, None]
+        if BIAS_GRAD:
+            sum_db += tl.sum(dy, axis=0)
         if HAS_WEIGHT:
             sum_dw += tl.sum(dy * xhat, axis=0)
             g = dy * w[None, :]
         else:
             g = dy
         dot = tl.sum(g * xhat, axis=1) / C
-        dx = rstd[:, None] * (g - xhat * dot[:, None])
+        if CENTER:  # LayerNorm: the mean's gradient too
+            dx = rstd[:, None] * (g - tl.sum(g, axis=1)[:, None] / C - xhat * dot[:, None])
+        else:
+            dx = rstd[:, None] * (g - xhat * dot[:, None])
         tl.store(dx_ptr + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(part_dw_ptr + chunk * C + c, sum_dw, mask=c_ok)
+    if BIAS_GRAD:
+        tl.store(part_db_ptr + chunk * C + c, sum_db, mask=c_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers
@@ -248,17 +271,18 @@ def rms_norm_fwd(
     store_rstd: bool,
     rope: Rope | None = None,
     tail: TailPart | None = None,
+    center: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [M, C] in ``dtype``, rstd fp32 [M] or empty unless store_rstd). x [M, C] any strides; weight, bias [C];
-    rope: the tables and their mapping, applied to y; tail: a second part, y then normalising the concatenation
-    (M = both parts' rows; no bias)."""
+    """(y [M, C] in ``dtype``, rstd fp32 [M] ([2, M]: rstd, mean with center) or empty unless store_rstd). x [M, C]
+    any strides; weight, bias [C]; rope: the tables and their mapping, applied to y; tail: a second part, y then
+    normalising the concatenation (M = both parts' rows; no bias); center: a LayerNorm."""
     m, c = x.shape
     x2, w2, head_rows, tail_rows = tail if tail is not None else (x, None, 1, 1)
     if tail is not None:
         m += x2.shape[0]
     block_r, block_c, warps = tiles(c)
     y = new_output((m, c), device=x.device, dtype=dtype)
-    rstd = new_output((m,) if store_rstd else (0,), device=x.device, dtype=torch.float32)
+    rstd = new_output(((2, m) if center else (m,)) if store_rstd else (0,), device=x.device, dtype=torch.float32)
     weight = weight.contiguous() if weight is not None else None
     w2 = w2.contiguous() if w2 is not None else weight
     bias = bias.contiguous() if bias is not None else None
@@ -267,8 +291,8 @@ def rms_norm_fwd(
         y, rstd, x, weight if weight is not None else x, bias if bias is not None else x, cos, sin, x2,
         w2 if w2 is not None else x, x.stride(0), x.stride(1), x2.stride(0), x2.stride(1), *rope_ints[:4], m, c,
         *rope_ints[4:], head_rows, tail_rows, eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        ROPE=rope is not None, STORE_RSTD=store_rstd, TWO_PART=tail is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=warps,
+        ROPE=rope is not None, STORE_RSTD=store_rstd, TWO_PART=tail is not None, CENTER=center, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     return y, rstd
 
@@ -279,8 +303,11 @@ def rms_norm_bwd(
     rstd: torch.Tensor,
     weight: torch.Tensor | None,
     rope: Rope | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [M, C] in x's dtype, dweight fp32 [C] or empty without a weight). dy, x [M, C] any strides."""
+    center: bool = False,
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [M, C] in x's dtype, dweight fp32 [C] or empty without a weight, dbias fp32 [C] or empty unless
+    bias_grad). dy, x [M, C] any strides; rstd the forward's statistics ([2, M] with center)."""
     m, c = x.shape
     block_r, block_c, warps = tiles(c)
     # Enough programs to fill a GPU (a few per SM), each summing its d weight over a contiguous run of rows.
@@ -289,15 +316,17 @@ def rms_norm_bwd(
     chunks = triton.cdiv(m, rows)
     dx = new_output((m, c), device=x.device, dtype=x.dtype)
     part_dw = torch.empty((chunks, c) if weight is not None else (0,), device=x.device, dtype=torch.float32)
+    part_db = torch.empty((chunks, c) if bias_grad else (0,), device=x.device, dtype=torch.float32)
     weight = weight.contiguous() if weight is not None else None
     cos, sin, *rope_ints = _rope_args(rope, x)
     _rms_norm_bwd_kernel[(chunks,)](
-        dx, part_dw, dy, x, rstd, weight if weight is not None else x, cos, sin, dy.stride(0), dy.stride(1),
+        dx, part_dw, part_db, dy, x, rstd, weight if weight is not None else x, cos, sin, dy.stride(0), dy.stride(1),
         x.stride(0), x.stride(1), *rope_ints[:4], m, c, *rope_ints[4:], rows, HAS_WEIGHT=weight is not None,
-        ROPE=rope is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        BIAS_GRAD=bias_grad, ROPE=rope is not None, CENTER=center, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=warps,
     )  # fmt: skip
     dw = part_dw.sum(0) if weight is not None else part_dw
-    return dx, dw
+    return dx, dw, part_db.sum(0) if bias_grad else part_db
 
 
 def aot_specs() -> list[dict]:
@@ -309,15 +338,18 @@ def aot_specs() -> list[dict]:
     unaligned = ("stride_cd", "stride_sd", "P", "ROWS_PER_POS", "W", "COL_DIV")
     # Flux/SD3 per-head query/key norms (128), Wan's across heads (1536, 5120), each with and without RoPE, the
     # widest supported row in fp32.
-    # Flux's text + image query/key (two parts, per-head rows of 128) with and without weights.
-    cases = (("bf16", 128, True, False), ("fp16", 1536, True, False), ("bf16", 5120, True, False),
-             ("fp32", MAX_C, False, False), ("bf16", 128, True, True), ("bf16", 1536, True, True),
-             ("bf16", 5120, True, True), ("fp32", 5120, True, True), ("bf16", 128, True, True, True),
-             ("fp16", 128, False, True, True))  # fmt: skip
-    for dtype, c, weight, rope, *two_part in cases:
-        two_part = bool(two_part)
+    # Flux's text + image query/key (two parts, per-head rows of 128) with and without weights; CogVideoX's per-head
+    # LayerNorm (64, affine) + RoPE and a wide LayerNorm row.
+    cases = (("bf16", 128, True, False, ""), ("fp16", 1536, True, False, ""), ("bf16", 5120, True, False, ""),
+             ("fp32", MAX_C, False, False, ""), ("bf16", 128, True, True, ""), ("bf16", 1536, True, True, ""),
+             ("bf16", 5120, True, True, ""), ("fp32", 5120, True, True, ""), ("bf16", 128, True, True, "two_part"),
+             ("fp16", 128, False, True, "two_part"), ("bf16", 64, True, True, "layer_norm"),
+             ("fp16", 64, True, True, "layer_norm"), ("fp32", 3072, True, False, "layer_norm"),
+             ("bf16", 3072, True, False, "bias"))  # fmt: skip
+    for dtype, c, weight, rope, variant in cases:
+        two_part, center, bias = variant == "two_part", variant == "layer_norm", variant in ("layer_norm", "bias")
         block_r, block_c, warps = tiles(c)
-        tag = f"{dtype},C={c},weight={weight},rope={rope}"
+        tag = f"{dtype},C={c},weight={weight},rope={rope}" + (f",{variant}" if variant else "")
         signature = {
             "y_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
             "b_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "stride_xm": "i32", "stride_xc": "i32",
@@ -325,25 +357,25 @@ def aot_specs() -> list[dict]:
             "eps": "fp32", **rope_types,
         }  # fmt: skip
         constexprs = {
-            "stride_xc": 1, "stride_x2c": 1, "HAS_WEIGHT": weight, "HAS_BIAS": False, "ROPE": rope,
-            "STORE_RSTD": True, "TWO_PART": two_part, "BLOCK_R": block_r, "BLOCK_C": block_c,
+            "stride_xc": 1, "stride_x2c": 1, "HAS_WEIGHT": weight, "HAS_BIAS": bias, "ROPE": rope,
+            "STORE_RSTD": True, "TWO_PART": two_part, "CENTER": center, "BLOCK_R": block_r, "BLOCK_C": block_c,
         }  # fmt: skip
         # Rows per sample: Flux's 512 text and 4096 image tokens x 24 heads, but any count in general.
         skip = ("M", "HEAD_ROWS", "TAIL_ROWS", *unaligned)
         attrs = divisibility_attrs(_rms_norm_fwd_kernel, signature, constexprs, skip=skip)
         specs.append(
-            dict(name=f"rms_norm_fwd[{tag}{',two_part' if two_part else ''}]", fn=_rms_norm_fwd_kernel,
-                 signature=signature, constexprs=constexprs, attrs=attrs, num_warps=warps)
+            dict(name=f"rms_norm_fwd[{tag}]", fn=_rms_norm_fwd_kernel, signature=signature, constexprs=constexprs,
+                 attrs=attrs, num_warps=warps)
         )  # fmt: skip
         if two_part:  # the backward runs per part: the one-part kernel
             continue
         signature = {
-            "dx_ptr": f"*{dtype}", "part_dw_ptr": "*fp32", "dy_ptr": f"*{dtype}", "x_ptr": f"*{dtype}",
-            "rstd_ptr": "*fp32", "w_ptr": f"*{dtype}", "stride_dym": "i32", "stride_dyc": "i32", "stride_xm": "i32",
-            "stride_xc": "i32", "M": "i32", "C": "i32", "ROWS_PER_PROG": "i32", **rope_types,
+            "dx_ptr": f"*{dtype}", "part_dw_ptr": "*fp32", "part_db_ptr": "*fp32", "dy_ptr": f"*{dtype}",
+            "x_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "w_ptr": f"*{dtype}", "stride_dym": "i32", "stride_dyc": "i32",
+            "stride_xm": "i32", "stride_xc": "i32", "M": "i32", "C": "i32", "ROWS_PER_PROG": "i32", **rope_types,
         }  # fmt: skip
-        constexprs = {"stride_dyc": 1, "stride_xc": 1, "HAS_WEIGHT": weight, "ROPE": rope, "BLOCK_R": block_r,
-                      "BLOCK_C": block_c}  # fmt: skip
+        constexprs = {"stride_dyc": 1, "stride_xc": 1, "HAS_WEIGHT": weight, "BIAS_GRAD": bias, "ROPE": rope,
+                      "CENTER": center, "BLOCK_R": block_r, "BLOCK_C": block_c}  # fmt: skip
         attrs = divisibility_attrs(_rms_norm_bwd_kernel, signature, constexprs, skip=("M", "ROWS_PER_PROG", *unaligned))
         specs.append(
             dict(name=f"rms_norm_bwd[{tag}]", fn=_rms_norm_bwd_kernel, signature=signature, constexprs=constexprs,

@@ -8,7 +8,7 @@ from .gn_conv2d import gn_silu_conv2d
 from .group_norm import group_norm
 from .layer_norm_linear import layer_norm_linear, layer_norm_stats
 from .linear import linear
-from .rms_norm import rms_norm
+from .rms_norm import layer_norm_rope, rms_norm
 from .rms_norm_joint import rms_norm_joint
 from .temporal_attention import temporal_attention
 
@@ -20,6 +20,7 @@ __all__ = [
     "gn_silu_conv2d",
     "group_norm",
     "layer_norm_linear",
+    "layer_norm_rope",
     "layer_norm_stats",
     "linear",
     "rms_norm",

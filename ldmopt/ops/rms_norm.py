@@ -1,15 +1,16 @@
 """RMSNorm: ``y = x * rsqrt(mean(x^2, -1) + eps) [* weight] [+ bias]`` in one pass over each row, fp32 statistics and
 affine, one rounding of y. The query/key norms of SD3.5, HunyuanVideo, LTX and others (diffusers' ``RMSNorm``, which
 runs as eight elementwise passes with an fp32 copy of the activation; torch.nn.RMSNorm, in Flux and Wan, is already
-one fused kernel on a GPU).
+one fused kernel on a GPU). ``layer_norm_rope``: the same kernel centring each row first, a LayerNorm (CogVideoX's
+per-head query/key norms), whose statistics are then [2, M] (rstd, mean).
 
 Optionally followed by a rotary position embedding of y in the same pass (``rope``): Wan's query/key norm across
 heads and RoPE, which diffusers runs as one norm kernel and eight elementwise passes over strided halves, half of
 them writing fp32 temporaries.
 
 Custom ops ``ldmopt::rms_norm_fwd`` / ``ldmopt::rms_norm_bwd``; backends triton (kernels/rms_norm.py) and torch
-(reference, fp32 math; fp64 for fp64 inputs). Saved for backward: x and the per-row fp32 rstd (the unfused path keeps
-the fp32 copy of x, the normalised activation and its rounded copy).
+(reference, fp32 math; fp64 for fp64 inputs). Saved for backward: x and the per-row fp32 rstd (and mean, for the
+LayerNorm); the unfused path keeps the fp32 copy of x, the normalised activation and its rounded copy.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ def _tables(y: Tensor, cos: Tensor, sin: Tensor, rows_per_position: int, per_pai
     return tuple(t.to(y.dtype)[position][:, column] for t in (cos, sin))
 
 
-def _fwd_torch(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
+def _fwd_torch(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True, center=False):
     cd = compute_dtype(x)
     xc = x.to(cd)
+    mean = xc.mean(-1) if center else None
+    if center:
+        xc = xc - mean[:, None]
     rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
     y = xc * rstd[:, None]
     if weight is not None:
@@ -51,26 +55,33 @@ def _fwd_torch(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=
     if cos is not None:
         cos, sin = _tables(y, cos, sin, rope_rows, rope_per_pair)
         y = y * cos + _partner(y) * sin
-    return y.to(dtype), (rstd if save else rstd.new_empty((0,)))
+    if not save:
+        return y.to(dtype), rstd.new_empty((0,))
+    return y.to(dtype), torch.stack([rstd, mean]) if center else rstd
 
 
-def _bwd_torch(dy, x, rstd, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
+def _bwd_torch(dy, x, stats, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True, center=False,
+               bias_grad=False):  # fmt: skip
     cd = compute_dtype(x)
-    xhat = x.to(cd) * rstd.to(cd)[:, None]
+    rstd = (stats[0] if center else stats).to(cd)
+    xhat = (x.to(cd) - stats[1].to(cd)[:, None] if center else x.to(cd)) * rstd[:, None]
     dyc = dy.to(cd)
     if cos is not None:  # the gradient of the normalised row (the transpose of the rotation)
         cos, sin = _tables(dyc, cos, sin, rope_rows, rope_per_pair)
         dyc = dyc * cos - _partner(dyc * sin)
     g = dyc * weight.to(cd) if weight is not None else dyc
-    dx = rstd.to(cd)[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    if center:  # LayerNorm: the mean's gradient too
+        g = g - g.mean(-1, keepdim=True)
+    dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     dw = (dyc * xhat).sum(0) if weight is not None else xhat.new_empty((0,))
-    return dx.to(x.dtype), dw
+    db = dyc.sum(0) if bias_grad else xhat.new_empty((0,))
+    return dx.to(x.dtype), dw, db
 
 
 # ------------------------------------------------------------------------------------------------ triton
 
 
-def _triton_refuse(x, weight, bias, eps=None, dtype=None, save=None, cos=None, sin=None, *rope_mapping) -> list[str]:
+def _triton_refuse(x, weight, bias, eps=None, dtype=None, save=None, cos=None, sin=None, *mapping) -> list[str]:
     from ldmopt import _env
 
     reasons = triton_refusals(x, weight, bias, cos, sin, dtypes=TRITON_DTYPES)
@@ -82,20 +93,22 @@ def _triton_refuse(x, weight, bias, eps=None, dtype=None, save=None, cos=None, s
     return reasons
 
 
-def _fwd_triton(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
+def _fwd_triton(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True, center=False):
     from ldmopt.kernels.rms_norm import Rope, rms_norm_fwd
 
     rope = Rope(cos, sin, rope_rows, rope_per_pair) if cos is not None else None
-    return rms_norm_fwd(x, weight, bias, eps, dtype, save, rope=rope)
+    return rms_norm_fwd(x, weight, bias, eps, dtype, save, rope=rope, center=center)
 
 
-def _bwd_triton(dy, x, rstd, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
+def _bwd_triton(dy, x, stats, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True, center=False,
+                bias_grad=False):  # fmt: skip
     from ldmopt.kernels.rms_norm import Rope, rms_norm_bwd
 
-    return rms_norm_bwd(dy, x, rstd, weight, rope=Rope(cos, sin, rope_rows, rope_per_pair) if cos is not None else None)
+    rope = Rope(cos, sin, rope_rows, rope_per_pair) if cos is not None else None
+    return rms_norm_bwd(dy, x, stats, weight, rope=rope, center=center, bias_grad=bias_grad)
 
 
-def _bwd_triton_refuse(dy, x, rstd, weight, cos=None, sin=None, *rope_mapping) -> list[str]:
+def _bwd_triton_refuse(dy, x, rstd, weight, cos=None, sin=None, *mapping) -> list[str]:
     return _triton_refuse(x, weight, dy, cos=cos, sin=sin)
 
 
@@ -124,17 +137,19 @@ def rms_norm_fwd(
     sin: Tensor | None = None,
     rope_rows: int = 1,
     rope_per_pair: bool = True,
+    center: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(y [M, C] in ``dtype``, rstd [M] in the compute dtype, empty unless save): x [M, C]; weight, bias [C];
-    cos, sin: RoPE tables [P, W] or None; row r reads position (r // rope_rows) % P; column c reads (c // 2) % W with
-    rope_per_pair (one angle per pair), c % W without (one value per element)."""
-    return FORWARD(x, weight, bias, eps, dtype, save, cos, sin, rope_rows, rope_per_pair)
+    """(y [M, C] in ``dtype``, statistics in the compute dtype, empty unless save: rstd [M], or [2, M] (rstd, mean)
+    with center): x [M, C]; weight, bias [C]; cos, sin: RoPE tables [P, W] or None; row r reads position
+    (r // rope_rows) % P; column c reads (c // 2) % W with rope_per_pair (one angle per pair), c % W without (one
+    value per element). center: the row centred first, a LayerNorm."""
+    return FORWARD(x, weight, bias, eps, dtype, save, cos, sin, rope_rows, rope_per_pair, center)
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
-    rstd = x.new_empty((x.shape[0],) if save else (0,), dtype=compute_dtype(x))
-    return x.new_empty(x.shape, dtype=dtype), rstd
+def _(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=1, rope_per_pair=True, center=False):
+    stats = ((2, x.shape[0]) if center else (x.shape[0],)) if save else (0,)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(stats, dtype=compute_dtype(x))
 
 
 @torch.library.custom_op("ldmopt::rms_norm_bwd", mutates_args=())
@@ -147,40 +162,47 @@ def rms_norm_bwd(
     sin: Tensor | None = None,
     rope_rows: int = 1,
     rope_per_pair: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """(dx [M, C] in x's dtype, dweight [C] in the compute dtype, empty without a weight)."""
-    return BACKWARD(dy, x, rstd, weight, cos, sin, rope_rows, rope_per_pair)
+    center: bool = False,
+    bias_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx [M, C] in x's dtype, dweight [C] in the compute dtype (empty without a weight), dbias [C] in the compute
+    dtype (empty unless bias_grad)); rstd: the forward's statistics ([2, M] with center)."""
+    return BACKWARD(dy, x, rstd, weight, cos, sin, rope_rows, rope_per_pair, center, bias_grad)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, x, rstd, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True):
+def _(dy, x, rstd, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True, center=False, bias_grad=False):
     dw = x.new_empty((x.shape[1],) if weight is not None else (0,), dtype=compute_dtype(x))
-    return torch.empty_like(x), dw
+    db = x.new_empty((x.shape[1],) if bias_grad else (0,), dtype=compute_dtype(x))
+    return torch.empty_like(x), dw, db
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps, _dtype, save, cos, sin, rope_rows, rope_per_pair = inputs
+    x, weight, bias, eps, _dtype, save, cos, sin, rope_rows, rope_per_pair, *center = inputs
     ctx.save_for_backward(x, output[1] if save else None, weight, cos, sin)
     ctx.rope_mapping = (rope_rows, rope_per_pair)
+    ctx.center = bool(center and center[0])
     ctx.eps = eps
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _drstd):
-    x, rstd, weight, cos, sin = ctx.saved_tensors
+    x, stats, weight, cos, sin = ctx.saved_tensors
     if dy is None:
-        return (None,) * 10
-    if rstd is None:  # a caller asked for no saved state yet needs gradients: recompute the statistics
-        rstd = torch.rsqrt(x.to(compute_dtype(x)).pow(2).mean(-1) + ctx.eps)
-    dx, dw = call(rms_norm_bwd, dy, x, rstd, weight, cos, sin, *ctx.rope_mapping)
+        return (None,) * 11
+    if stats is None:  # a caller asked for no saved state yet needs gradients: recompute the statistics
+        xc = x.to(compute_dtype(x))
+        mean = xc.mean(-1) if ctx.center else None
+        rstd = torch.rsqrt((xc - mean[:, None] if ctx.center else xc).pow(2).mean(-1) + ctx.eps)
+        stats = torch.stack([rstd, mean]) if ctx.center else rstd
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    db = dy.sum(0, dtype=compute_dtype(dy)) if need_db else None
+    dx, dw, db = call(rms_norm_bwd, dy, x, stats, weight, cos, sin, *ctx.rope_mapping, ctx.center, need_db)
     return (
         dx if need_dx else None,
         dw.to(weight.dtype) if need_dw else None,
         db.to(ctx.bias_dtype) if need_db else None,
-        *(None,) * 7,
+        *(None,) * 8,
     )
 
 
@@ -289,6 +311,10 @@ def rms_norm(
         raise ValueError(f"cat_dim={cat_dim!r} is for two parts, x=(head, tail); x is one tensor")
     if rope_dim is None:
         rope_dim = -2
+    return _row_norm(x, weight, bias, eps, out_dtype, rope, rope_layout, rope_dim, center=False)
+
+
+def _row_norm(x, weight, bias, eps, out_dtype, rope, rope_layout, rope_dim, center: bool) -> Tensor:
     check_tensor("x", x)  # also refuses empty tensors
     if x.dim() < 1:
         raise ValueError("x must have at least 1 dim ([..., C]), got a 0-d tensor")
@@ -297,7 +323,31 @@ def rms_norm(
     check_vector("bias", bias, c, x)
     eps = check_eps(eps)
     check_out_dtype(out_dtype)
-    rope_args = _check_rope(rope, rope_layout, rope_dim, x, bias)
+    # A LayerNorm's bias is added before the rotation (CogVideoX); the RMSNorms rotated here have none.
+    rope_args = _check_rope(rope, rope_layout, rope_dim, x, None if center else bias)
     save = needs_grad(x, weight, bias)
-    y, _rstd = call(rms_norm_fwd, x.reshape(-1, c), weight, bias, eps, out_dtype or x.dtype, save, *rope_args)
+    y, _stats = call(rms_norm_fwd, x.reshape(-1, c), weight, bias, eps, out_dtype or x.dtype, save, *rope_args,
+                     center)  # fmt: skip
     return y.view(x.shape)
+
+
+def layer_norm_rope(
+    x: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    out_dtype: torch.dtype | None = None,
+    rope: tuple[Tensor, Tensor] | None = None,
+    rope_layout: str | None = None,
+    rope_dim: int = -2,
+) -> Tensor:
+    """``layer_norm(x) * weight + bias`` over the last dim, then (``rope``) its rotary embedding, in one pass over
+    each row: the per-head query/key LayerNorm + RoPE of CogVideoX (also CogView3-Plus, ConsisID), which diffusers
+    runs as torch's norm then about seven elementwise passes, most in fp32. Statistics, affine and rotation in fp32,
+    one rounding to ``out_dtype`` (default x's dtype). ``rope``, ``rope_layout`` and ``rope_dim`` as in
+    :func:`rms_norm`; the bias is added before the rotation, as the unfused modules do.
+
+    Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
+    """
+    return _row_norm(x, weight, bias, eps, out_dtype, rope, rope_layout, rope_dim, center=True)

@@ -161,7 +161,7 @@ def _backward(ctx, dy, _drstd):
     parts = zip((x_head, x_tail), (w_head, w_tail), _split(dy, samples, head_rows), _split(rstd, samples, head_rows),
                 _split_tables(cos, sin, head_rows, rope_rows))  # fmt: skip
     for x, w, dy_part, rstd_part, tables in parts:
-        grads.append(call(rms_norm_bwd, dy_part, x, rstd_part, w, *tables, rope_rows, per_pair))
+        grads.append(call(rms_norm_bwd, dy_part, x, rstd_part, w, *tables, rope_rows, per_pair)[:2])
     (dx_head, dw_head), (dx_tail, dw_tail) = grads
     need = ctx.needs_input_grad
     return (
