@@ -41,6 +41,7 @@ class _Record:
 def _rules() -> tuple[Rule, ...]:
     from .rules_attention import RULES as attention_rules
     from .rules_blocks import RULES as block_rules
+    from .rules_cogvideox_attention import RULES as cogvideox_attention_rules
     from .rules_flux_attention import RULES as flux_attention_rules
     from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
@@ -70,6 +71,7 @@ def _rules() -> tuple[Rule, ...]:
         *flux_attention_rules,
         *qwen_attention_rules,
         *hunyuan_attention_rules,
+        *cogvideox_attention_rules,
         *temporal_layout_rules,
         *attention_rules,
     )
