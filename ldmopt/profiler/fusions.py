@@ -89,8 +89,9 @@ Rules (names as reported):
   whose chains may pass through one such cast in these blocks (GEMM -> cast -> mul(gate) -> add(residual)).
   Approximations: a block without norm2 (cross_attn_norm=False) keeps one stock gated add the projection counts as
   fused, and a block the rule refuses (another norm or feed-forward) is still projected as patched.
-- ``q/k RMSNorm + RoPE``: in Wan-style self-attention and Flux, Qwen-Image and HunyuanVideo attention
-  (the ``*_qk_norm_rope`` rules), the elementwise ops that rotate the query/key norms' outputs
+- ``q/k RMSNorm + RoPE``: in Wan-style self-attention and Flux, Qwen-Image, HunyuanVideo and CogVideoX attention
+  (the ``*_qk_norm_rope`` rules; CogVideoX's norms are LayerNorms), the elementwise ops that rotate the query/key
+  norms' outputs
   (casts to fp32, multiplies by cos/sin, add/sub, the partner's negation and interleave, the copies back) go: the
   norm's row kernel rotates before its one write. The angle tables stay read once per rotated tensor.
   Approximation: every such attention is projected as patched, also one the rule would leave stock (another
@@ -134,6 +135,7 @@ from ._fusion_plan import (
     SINGLE_KEY,
     SKIP_CONCAT,
     TEMPORAL_PERMUTES,
+    TORCH_LAYER_NORM,
     TORCH_RMS_NORM,
     UPSAMPLE_CONV,
     WAN_ROUND_TRIPS,
@@ -248,7 +250,7 @@ def plan_fusions(
     for run in _rms_norm_runs(records):
         _rms_norm(plan, run)
     for rec in records:
-        if rec.owner == TORCH_RMS_NORM:
+        if rec.owner in (TORCH_RMS_NORM, TORCH_LAYER_NORM):  # a LayerNorm outside rope attentions: nothing to do
             _qk_norm_rope(plan, records, rec)
     for run in _rms_norm_runs(records):  # diffusers' RMSNorm (Qwen-Image, HunyuanVideo): from its last op
         _qk_norm_rope(plan, records, run[-1])

@@ -273,3 +273,29 @@ def test_rope_of_generic_attention_processors_is_projected():
     # The dual block's [video | text] q and k (joint kernel); the single block's cat of the rotated video rows and
     # the text rows of q and k (one kernel over all rows, the text rows turned by zero)
     assert fusions[QK_CONCAT].count == 2 + 2
+
+
+def test_cogvideox_layer_norm_rope_is_projected():
+    """CogVideoX rotates the video tokens of its per-head LayerNorm'd q and k and copies them back into the slice:
+    negation, interleave, three casts, two multiplies, an add and the copy go per tensor (the norm stays)."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    meta = dict(device="meta")
+    with torch.device("meta"):
+        model = CogVideoXTransformer3DModel(
+            num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=16,
+            text_embed_dim=24, num_layers=2, sample_width=8, sample_height=6, sample_frames=5, max_text_seq_length=7,
+            use_rotary_positional_embeddings=True,
+        ).to(torch.bfloat16)  # fmt: skip
+    bf16 = dict(dtype=torch.bfloat16, **meta)
+    inputs = dict(
+        hidden_states=torch.empty(1, 2, 4, 6, 8, **bf16), encoder_hidden_states=torch.empty(1, 7, 24, **bf16),
+        timestep=torch.empty(1, dtype=torch.long, **meta), return_dict=False,
+        image_rotary_emb=(torch.empty(24, 16, **meta), torch.empty(24, 16, **meta)),
+    )  # fmt: skip
+    a = analyze(model, inputs=inputs, dtype="bf16")
+    rope = a.fusions[QK_NORM_ROPE]
+    assert rope.count == 2 * 2 and rope.ops_removed == 9 * rope.count  # q and k of two layers
+    norms = [r for r in a.records if r.base == "native_layer_norm" and r.path.endswith((".norm_q", ".norm_k"))]
+    removed = plan_fusions(a.records)[2]
+    assert len(norms) == 4 and not removed & {r.index for r in norms}
