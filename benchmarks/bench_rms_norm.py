@@ -17,6 +17,10 @@ read once and written once.
 ``bench_rms_norm_rope_joint``: Flux.1's double-stream query at 1024 px: the text (512) and image (4096) streams each
 normalised with their own weight, concatenated and rotated (diffusers: two norms, the concatenation, the rotation)
 vs ldmopt's one kernel writing the joint tensor (``rms_norm((text, image), ..., cat_dim=1)``) vs torch.compile.
+
+``bench_layer_norm_rope``: CogVideoX-5B's query at 720x480 x 49 frames (226 text + 17,550 video tokens, 48 heads of
+64): torch's per-head LayerNorm, the video tokens' rotation and its copy into the slice vs ldmopt's one kernel
+(``layer_norm_rope``, the text rows turned by zero) vs torch.compile.
 """
 
 from __future__ import annotations
@@ -220,4 +224,45 @@ def bench_rms_norm_rope_joint(dtype, mode, bench_recorder):
         providers["compile"] = harness.compiled(_flux_joint_eager, mode="max-autotune-no-cudagraphs")
     leaves = (q, w_text, w_image)
     _time_providers("rms_norm_rope_joint", "flux-1024", dtype, mode, providers, leaves, (heads, tables), reference,
+                    bench_recorder)  # fmt: skip
+
+
+COGVIDEOX = {"cogvideox5b-49f": (226, 13 * 30 * 45, 48, 64)}  # text, video tokens (720x480, 49 frames), heads, head
+
+
+def _cogvideox_eager(q, w, b, heads, text, tables):
+    # CogVideoXAttnProcessor2_0: torch's LayerNorm per head on [B, H, S, D], apply_rotary_emb on the video tokens,
+    # written back into the slice
+    q = F.layer_norm(q.unflatten(-1, (heads, -1)).transpose(1, 2), (w.numel(),), w, b, EPS)
+    video = q[:, :, text:]
+    real, imag = video.reshape(*video.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    q[:, :, text:] = (video.float() * tables[0] + rotated.float() * tables[1]).to(q.dtype)
+    return q.transpose(1, 2)
+
+
+def _cogvideox_ldmopt(q, w, b, heads, text, tables):
+    ones, zeros = tables[0].new_ones(text, w.numel()), tables[0].new_zeros(text, w.numel())
+    joint = (torch.cat([ones, tables[0]]), torch.cat([zeros, tables[1]]))  # the text rows turn by zero
+    return ldmopt.ops.layer_norm_rope(q.unflatten(-1, (heads, -1)), w, b, EPS, rope=joint, rope_layout="elements",
+                                      rope_dim=-3)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(COGVIDEOX))
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.parametrize("mode", ["fwd"] if QUICK else ["fwd", "fwd+bwd"])
+def bench_layer_norm_rope(case, dtype, mode, bench_recorder):
+    """CogVideoX-5B's query at 720x480 x 49 frames: the per-head LayerNorm and the video tokens' rotation (diffusers:
+    torch's norm, about seven elementwise passes, the copy into the slice) vs ldmopt's one kernel vs torch.compile."""
+    text, video, heads, head_dim = COGVIDEOX[case]
+    q = torch.randn(1, text + video, heads * head_dim, device=DEVICE, dtype=dtype) + 0.3
+    w = (1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype)
+    b = (0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype)
+    theta = torch.randn(video, head_dim // 2, device=DEVICE, dtype=torch.float64)
+    tables = tuple(t.repeat_interleave(2, -1).float() for t in (theta.cos(), theta.sin()))
+    reference = _cogvideox_eager(q.float(), w.float(), b.float(), heads, text, tables)
+    providers = {"eager-diffusers": _cogvideox_eager, "ldmopt": _cogvideox_ldmopt}
+    if not QUICK:
+        providers["compile"] = harness.compiled(_cogvideox_eager, mode="max-autotune-no-cudagraphs")
+    _time_providers("layer_norm_rope", case, dtype, mode, providers, (q, w, b), (heads, text, tables), reference,
                     bench_recorder)  # fmt: skip

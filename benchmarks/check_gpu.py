@@ -9,18 +9,34 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 os.environ.setdefault("LDMOPT_POISON_OUTPUTS", "1")
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import ldmopt
+from benchmarks.check_gpu_norms import (
+    _ref_layer_norm_rope,
+    _ref_rms_norm,
+    _ref_rms_norm_rope,
+    _ref_rms_norm_rope_complex,
+    _ref_rms_norm_rope_heads,
+    _ref_rms_norm_rope_joint,
+    _run_layer_norm_rope,
+    _run_rms_norm,
+    _run_rms_norm_rope,
+    _run_rms_norm_rope_complex,
+    _run_rms_norm_rope_heads,
+    _run_rms_norm_rope_joint,
+)
 
 DEVICE = "cuda"  # tests/test_check_scripts_dry_run.py runs every check on the CPU with tiny CASES
 BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
@@ -302,111 +318,6 @@ def _run_gated_wan(x, w, b, gate, res):
     return linear(x, w, b, gate=gate, residual=res, out_dtype=res.dtype)
 
 
-def _run_rms_norm(x, weight, bias):
-    from ldmopt.ops.rms_norm import rms_norm
-
-    return rms_norm(x, weight, bias, eps=1e-6)
-
-
-def _ref_rms_norm(x, weight, bias):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight + bias
-
-
-def _wan_angles(positions, channels, device):
-    """Wan-like RoPE tables (cos, sin) [positions, half] fp32 for heads of gcd(channels, 128) (128 at real shapes)."""
-    half = math.gcd(channels, 128) // 2
-    theta = torch.arange(positions, device=device, dtype=torch.float64)[:, None] * (
-        10000.0 ** (-torch.arange(half, device=device, dtype=torch.float64) / half)
-    )
-    return theta.cos().float(), theta.sin().float()
-
-
-def _run_rms_norm_rope(x, weight):
-    from ldmopt.ops.rms_norm import rms_norm
-
-    angles = _wan_angles(x.shape[-2], x.shape[-1], x.device)
-    return rms_norm(x, weight, None, eps=1e-6, rope=angles, rope_layout="pairs")
-
-
-def _ref_rms_norm_rope(x, weight):
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    cos, sin = (t.double() for t in _wan_angles(x.shape[-2], x.shape[-1], x.device))
-    pairs = y.unflatten(-1, (-1, cos.shape[1], 2))  # [B, T, heads, half, 2]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[:, None], sin[:, None]
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-3)
-
-
-def _flux_tables(positions, head, device):
-    """Flux-layout tables (cos, sin) [positions, head] fp32, one value per element (each element its own angle)."""
-    theta = torch.arange(positions, device=device, dtype=torch.float64)[:, None] * (
-        10000.0 ** (-torch.arange(head, device=device, dtype=torch.float64) / head)
-    )
-    return theta.cos().float(), theta.sin().float()
-
-
-def _run_rms_norm_rope_heads(x, weight):
-    from ldmopt.ops.rms_norm import rms_norm
-
-    heads = x.unflatten(-1, (-1, weight.numel()))  # [B, T, H, D]: Flux's per-head norm
-    tables = _flux_tables(x.shape[-2], weight.numel(), x.device)
-    return rms_norm(heads, weight, None, eps=1e-6, rope=tables, rope_layout="elements", rope_dim=-3).flatten(-2)
-
-
-def _ref_rms_norm_rope_heads(x, weight, head=None):
-    """Per-head norm and Flux's rotation; ``weight`` [D], or per token [T, 1, D] (with ``head`` = D)."""
-    head = head or weight.numel()
-    heads = x.unflatten(-1, (-1, head))
-    y = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    cos, sin = (t.double()[:, None] for t in _flux_tables(x.shape[-2], head, x.device))
-    real, imag = y.unflatten(-1, (-1, 2)).unbind(-1)
-    return (y * cos + torch.stack((-imag, real), dim=-1).flatten(-2) * sin).flatten(-2)
-
-
-FLUX_TEXT = 512  # text tokens before the image tokens of Flux's joint sequence
-
-
-def _run_rms_norm_rope_joint(x, w_text, w_image):
-    """Flux's double-stream q: [text | image] normalised with their own weights, joined and rotated in one kernel."""
-    from ldmopt.ops.rms_norm import rms_norm
-
-    heads = x.unflatten(-1, (-1, w_text.numel()))
-    tables = _flux_tables(x.shape[-2], w_text.numel(), x.device)
-    parts = (heads[:, :FLUX_TEXT], heads[:, FLUX_TEXT:])
-    return rms_norm(parts, (w_text, w_image), eps=1e-6, rope=tables, rope_layout="elements", cat_dim=1).flatten(-2)
-
-
-def _ref_rms_norm_rope_joint(x, w_text, w_image):
-    d = w_text.numel()
-    per_token = torch.cat([w_text.expand(FLUX_TEXT, d), w_image.expand(x.shape[1] - FLUX_TEXT, d)])[:, None]
-    return _ref_rms_norm_rope_heads(x, per_token, d)
-
-
-def _qwen_freqs(positions, half, device):
-    """Qwen-Image-layout tables: complex64 [positions, half], one unit rotation per pair."""
-    theta = torch.arange(positions, device=device, dtype=torch.float64)[:, None] * (
-        10000.0 ** (-torch.arange(half, device=device, dtype=torch.float64) / half)
-    )
-    return torch.polar(torch.ones_like(theta), theta).to(torch.complex64)
-
-
-def _run_rms_norm_rope_complex(x, weight):
-    """Qwen-Image's layout: per-head rows, complex tables [T, D/2] read as cos/sin views (one angle per pair)."""
-    from ldmopt.ops.rms_norm import rms_norm
-
-    pairs = torch.view_as_real(_qwen_freqs(x.shape[-2], weight.numel() // 2, x.device))
-    heads = x.unflatten(-1, (-1, weight.numel()))
-    tables = (pairs[..., 0], pairs[..., 1])
-    return rms_norm(heads, weight, None, eps=1e-6, rope=tables, rope_layout="pairs", rope_dim=-3).flatten(-2)
-
-
-def _ref_rms_norm_rope_complex(x, weight):
-    heads = x.unflatten(-1, (-1, weight.numel()))
-    y = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    freqs = _qwen_freqs(x.shape[-2], weight.numel() // 2, x.device).to(torch.complex128)[:, None]
-    return torch.view_as_real(torch.view_as_complex(y.unflatten(-1, (-1, 2)).contiguous()) * freqs).flatten(-3)
-
-
 #: Wan keeps its modulation (scale, shift, gate) in fp32 while the stream is bf16/fp16: these inputs stay fp32.
 _FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,), _run_blend: (3,)}
 
@@ -422,6 +333,8 @@ def _fused_linear(quick: bool):
             elif run in (_run_rms_norm_rope, _run_rms_norm_rope_heads, _run_rms_norm_rope_complex):  # fixed tables
                 width = k if run is _run_rms_norm_rope else n  # a per-head norm's weight: one head (N)
                 inputs = [x, 1 + 0.3 * torch.randn(width, device=DEVICE)]
+            elif run is _run_layer_norm_rope:  # tokens off zero mean; per-head affine near (1, 0)
+                inputs = [x + 0.5, 1 + 0.3 * torch.randn(n, device=DEVICE), 0.1 * torch.randn(n, device=DEVICE)]
             elif run is _run_rms_norm_rope_joint:  # one weight per stream
                 inputs = [x, *(1 + 0.3 * torch.randn(n, device=DEVICE) for _ in range(2))]
             elif n is None:
@@ -579,6 +492,7 @@ CASES: dict[str, dict[str, tuple]] = {
         "rms_rope-wan14b": (_run_rms_norm_rope, _ref_rms_norm_rope, 1, 4096, 5120, 0),
         "rms_rope-flux-heads": (_run_rms_norm_rope_heads, _ref_rms_norm_rope_heads, 1, 4608, 3072, 128),
         "rms_rope-flux-joint": (_run_rms_norm_rope_joint, _ref_rms_norm_rope_joint, 1, 4608, 3072, 128),
+        "ln_rope-cogvideox5b": (_run_layer_norm_rope, _ref_layer_norm_rope, 1, 17_776, 3072, 64),
         "rms_rope-qwen-complex": (_run_rms_norm_rope_complex, _ref_rms_norm_rope_complex, 1, 7145, 3072, 128),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)

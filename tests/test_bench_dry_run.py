@@ -306,3 +306,18 @@ def test_rms_norm_rope_joint_providers(mocked_timing, no_compile, monkeypatch):
     assert len(rows) == 2 * 3 and not _failed(rows), _failed(rows)
     errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
     assert max(errs) < 1e-5, rows  # fp32: the joint kernel against diffusers' two norms, cat and rotation
+
+
+def test_layer_norm_rope_providers(mocked_timing, no_compile, monkeypatch):
+    from benchmarks import bench_rms_norm as B
+
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "COGVIDEOX", {"tiny": (3, 11, 2, 8)})
+    monkeypatch.setattr(B, "QUICK", False)
+    with ldmopt.use_backend("triton"):
+        for mode in ("fwd", "fwd+bwd"):
+            B.bench_layer_norm_rope("tiny", torch.float32, mode, mocked_timing)
+    rows = mocked_timing.rows
+    assert len(rows) == 2 * 3 and not _failed(rows), _failed(rows)
+    errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
+    assert max(errs) < 1e-5, rows  # fp32: the kernel against diffusers' norm, rotation and slice copy

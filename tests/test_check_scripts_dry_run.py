@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from benchmarks import bench_group_norm, check_cuda_backend, check_gpu, harness
+from benchmarks import bench_group_norm, check_cuda_backend, check_gpu, check_gpu_norms, harness
 from tests.test_bench_dry_run import _one_thread  # noqa: F401 (an autouse fixture: one intra-op thread)
 
 _ROW = re.compile(r"^(\S+)\s+(\S+)\s+(float32|float16)\s+(triton|cuda)\s+([-+.e\d ]+?)\s+(PASS|FAIL)$")
@@ -41,7 +41,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
     monkeypatch.setattr(C, "SVD_FRAMES", 3)
     monkeypatch.setattr(C, "SVD_CONTEXT_DIM", 24)
     monkeypatch.setattr(C, "REF_SEQUENCES", 4)  # the reference slices the sequences
-    monkeypatch.setattr(C, "FLUX_TEXT", 3)  # text tokens of the joint q/k case
+    monkeypatch.setattr(check_gpu_norms, "FLUX_TEXT", 3)  # text tokens of the joint q/k case
     cases = {
         "group_norm_silu": {"gn-96": (2, 96, 3, 5)},
         "resnet_block": {"temb-32to96": (1, 32, 96, 3, 40), "vae-64to32": (1, 64, 32, 2, None)},
@@ -64,6 +64,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
             "rms_rope-heads": (C._run_rms_norm_rope_heads, C._ref_rms_norm_rope_heads, 2, 7, 40, 8),
             "rms_rope-complex": (C._run_rms_norm_rope_complex, C._ref_rms_norm_rope_complex, 2, 7, 40, 8),
             "rms_rope-joint": (C._run_rms_norm_rope_joint, C._ref_rms_norm_rope_joint, 2, 7, 40, 8),
+            "ln_rope": (C._run_layer_norm_rope, C._ref_layer_norm_rope, 2, 7, 40, 8),
         },
         "temporal_attention": {"ta": (2, 5, 6, 2, 24)},
         "temporal_layout": {"motion": (C._motion, 96, 3, 2), "svd": (C._svd, 64, 2, 2)},
