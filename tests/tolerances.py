@@ -48,3 +48,16 @@ def assert_within_torch_error(
     ulp = torch.finfo(ulp_dtype or actual.dtype).eps * reference64.abs().max().item()
     bound = FACTOR * theirs + FLOOR[actual.dtype] + ulp
     assert ours <= bound, f"{name}: max error {ours:.3e} > {FACTOR} x PyTorch's {theirs:.3e} + floor + 1 ulp {ulp:.1e}"
+
+
+def assert_compiled_matches_eager(fn, leaves) -> None:
+    """``torch.compile(fn, fullgraph=True)`` (aot_eager: the custom ops' fakes and autograd registrations, no
+    codegen) gives eager's output and the gradients of ``leaves`` within fp32 tolerance."""
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves)
+    got = torch.autograd.grad(out.sum(), leaves)
+    expect_out = fn(*leaves)
+    expect = torch.autograd.grad(expect_out.sum(), leaves)
+    assert_close(out, expect_out.detach().double(), torch.float32, "compiled")
+    for g, e in zip(got, expect):
+        assert_close(g, e.double(), torch.float32, "compiled grads")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import ldmopt
 from ldmopt.ops import layer_norm_rope
-from tests.tolerances import assert_close, assert_within_torch_error
+from tests.tolerances import assert_close, assert_compiled_matches_eager, assert_within_torch_error
 
 
 def _rotate(y, cos, sin):
@@ -89,18 +89,10 @@ def test_gradcheck_reference_path_and_opcheck():
 
 
 def test_compiles_fullgraph():
-    torch._dynamo.reset()
     x, weight, bias, tables = _inputs((2, 5, 3, 16), torch.float32)
     leaves = [t.requires_grad_() for t in (x, weight, bias)]
     kw = dict(rope=tables, rope_layout="elements", rope_dim=-3)
-    fn = lambda a, w, b: layer_norm_rope(a, w, b, eps=1e-6, **kw) * 2
-    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves)
-    got = torch.autograd.grad(out.sum(), leaves)
-    expect_out = fn(*leaves)
-    expect = torch.autograd.grad(expect_out.sum(), leaves)
-    assert_close(out, expect_out.detach().double(), torch.float32, "compiled")
-    for g, e in zip(got, expect):
-        assert_close(g, e.double(), torch.float32, "compiled grads")
+    assert_compiled_matches_eager(lambda a, w, b: layer_norm_rope(a, w, b, eps=1e-6, **kw) * 2, leaves)
 
 
 @pytest.mark.parametrize(

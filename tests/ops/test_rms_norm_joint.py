@@ -6,7 +6,7 @@ import torch
 
 import ldmopt
 from ldmopt.ops.rms_norm import rms_norm
-from tests.tolerances import assert_close, assert_within_torch_error
+from tests.tolerances import assert_close, assert_compiled_matches_eager, assert_within_torch_error
 
 
 def _norm(x, weight, eps=1e-6):
@@ -121,21 +121,13 @@ def test_opcheck_and_compile():
         (head.requires_grad_(), tail, w_head.requires_grad_(), w_tail, 1e-6, torch.float32, True, 6, 9),
     ]:
         torch.library.opcheck(torch.ops.ldmopt.rms_norm_joint_fwd, args)
-    torch._dynamo.reset()
     parts = torch.randn(2, 2, 3, 8, requires_grad=True), torch.randn(2, 3, 3, 8, requires_grad=True)
     rope = dict(rope=(cos, sin), rope_layout="elements")
 
     def fn(a, b, wa, wb):
         return rms_norm((a, b), (wa, wb), cat_dim=1, **rope) * 2
 
-    leaves = (*parts, w_head, w_tail.requires_grad_())
-    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves)
-    got = torch.autograd.grad(out.sum(), leaves)
-    expect_out = fn(*leaves)
-    expect = torch.autograd.grad(expect_out.sum(), leaves)
-    assert_close(out, expect_out.detach().double(), torch.float32, "compiled")
-    for g, e in zip(got, expect):
-        assert_close(g, e.double(), torch.float32, "compiled grads")
+    assert_compiled_matches_eager(fn, (*parts, w_head, w_tail.requires_grad_()))
 
 
 def _parts():
