@@ -57,6 +57,8 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    | norm_rope           | (with q/k norms)                             | video tokens' RoPE in it  |
 | rms_norm           | cogvideox_qk_norm_  | Attention with CogVideoX's processor         | per-head q/k LayerNorm;   |
 |                    | rope                | (CogVideoX, CogView3-Plus, ConsisID)         | the video tokens' RoPE    |
+| rms_norm           | hunyuan_dit_qk_     | Attention with HunyuanDiT's processor        | per-head q/k LayerNorm +  |
+|                    | norm_rope           |                                              | RoPE in one kernel each   |
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |

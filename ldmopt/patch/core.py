@@ -41,11 +41,11 @@ class _Record:
 def _rules() -> tuple[Rule, ...]:
     from .rules_attention import RULES as attention_rules
     from .rules_blocks import RULES as block_rules
-    from .rules_cogvideox_attention import RULES as cogvideox_attention_rules
     from .rules_flux_attention import RULES as flux_attention_rules
     from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
     from .rules_hunyuan_attention import RULES as hunyuan_attention_rules
+    from .rules_layer_norm_attention import RULES as layer_norm_attention_rules
     from .rules_linear import RULES as linear_rules
     from .rules_qwen_attention import RULES as qwen_attention_rules
     from .rules_residual import RULES as residual_rules
@@ -71,7 +71,7 @@ def _rules() -> tuple[Rule, ...]:
         *flux_attention_rules,
         *qwen_attention_rules,
         *hunyuan_attention_rules,
-        *cogvideox_attention_rules,
+        *layer_norm_attention_rules,
         *temporal_layout_rules,
         *attention_rules,
     )

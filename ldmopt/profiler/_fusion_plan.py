@@ -43,7 +43,7 @@ FLUX_SINGLE_BLOCKS = frozenset({"FluxSingleTransformerBlock"})
 FLUX_BLOCKS = FLUX_SINGLE_BLOCKS | {"FluxTransformerBlock"}
 DIFFUSERS_RMS_NORM = "diffusers.models.normalization.RMSNorm"
 TORCH_RMS_NORM = "torch.nn.modules.normalization.RMSNorm"
-TORCH_LAYER_NORM = "torch.nn.modules.normalization.LayerNorm"  # CogVideoX's per-head query/key norms
+TORCH_LAYER_NORM = "torch.nn.modules.normalization.LayerNorm"  # CogVideoX's, HunyuanDiT's per-head q/k norms
 #: Attention modules whose processor rotates the query/key norms' outputs (ldmopt/patch/rules_*_attention.py), and
 #: the processors of diffusers' generic Attention that do (its records carry the processor's name).
 ROPE_ATTENTION_CLASSES = frozenset({"WanAttention", "SkyReelsV2Attention", "FluxAttention"})
@@ -52,6 +52,7 @@ ROPE_PROCESSORS = frozenset({
     "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0",
     "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0",
     "diffusers.models.attention_processor.CogVideoXAttnProcessor2_0",
+    "diffusers.models.attention_processor.HunyuanAttnProcessor2_0",
 })  # fmt: skip
 
 

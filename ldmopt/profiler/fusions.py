@@ -89,9 +89,9 @@ Rules (names as reported):
   whose chains may pass through one such cast in these blocks (GEMM -> cast -> mul(gate) -> add(residual)).
   Approximations: a block without norm2 (cross_attn_norm=False) keeps one stock gated add the projection counts as
   fused, and a block the rule refuses (another norm or feed-forward) is still projected as patched.
-- ``q/k RMSNorm + RoPE``: in Wan-style self-attention and Flux, Qwen-Image, HunyuanVideo and CogVideoX attention
-  (the ``*_qk_norm_rope`` rules; CogVideoX's norms are LayerNorms), the elementwise ops that rotate the query/key
-  norms' outputs
+- ``q/k RMSNorm + RoPE``: in Wan-style self-attention and Flux, Qwen-Image, HunyuanVideo, CogVideoX and HunyuanDiT
+  attention (the ``*_qk_norm_rope`` rules; the last two norm with LayerNorms), the elementwise ops that rotate the
+  query/key norms' outputs
   (casts to fp32, multiplies by cos/sin, add/sub, the partner's negation and interleave, the copies back) go: the
   norm's row kernel rotates before its one write. The angle tables stay read once per rotated tensor.
   Approximation: every such attention is projected as patched, also one the rule would leave stock (another

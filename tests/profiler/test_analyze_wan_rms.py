@@ -299,3 +299,26 @@ def test_cogvideox_layer_norm_rope_is_projected():
     norms = [r for r in a.records if r.base == "native_layer_norm" and r.path.endswith((".norm_q", ".norm_k"))]
     removed = plan_fusions(a.records)[2]
     assert len(norms) == 4 and not removed & {r.index for r in norms}
+
+
+def test_hunyuan_dit_layer_norm_rope_is_projected():
+    """HunyuanDiT rotates every query (and the self-attention's keys) after the per-head LayerNorms."""
+    from diffusers import HunyuanDiT2DModel
+
+    meta = dict(device="meta")
+    with torch.device("meta"):
+        model = HunyuanDiT2DModel(
+            num_attention_heads=2, attention_head_dim=8, in_channels=4, patch_size=2, sample_size=8, hidden_size=16,
+            num_layers=2, cross_attention_dim=24, cross_attention_dim_t5=32, pooled_projection_dim=12, text_len=5,
+            text_len_t5=6,
+        )  # fmt: skip
+    inputs = dict(
+        hidden_states=torch.empty(1, 4, 8, 8, **meta), timestep=torch.empty(1, **meta),
+        encoder_hidden_states=torch.empty(1, 5, 24, **meta), text_embedding_mask=torch.ones(1, 5, **meta),
+        encoder_hidden_states_t5=torch.empty(1, 6, 32, **meta), text_embedding_mask_t5=torch.ones(1, 6, **meta),
+        image_meta_size=torch.empty(1, 6, **meta), style=torch.zeros(1, dtype=torch.long, **meta),
+        image_rotary_emb=(torch.empty(16, 8, **meta), torch.empty(16, 8, **meta)), return_dict=False,
+    )  # fmt: skip
+    rope = analyze(model, inputs=inputs, dtype="fp32").fusions[QK_NORM_ROPE]
+    assert rope.count == 2 * 3  # per block: attn1's q and k, attn2's q (its keys are the text's, not rotated)
+    assert rope.ops_removed == 5 * rope.count  # negation, interleave, two multiplies, the add (fp32: no casts)
