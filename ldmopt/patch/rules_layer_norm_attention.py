@@ -50,7 +50,7 @@ def _layer_norm_reason(name: str, norm: object, head: int) -> str | None:
 
 def _out_dtype(x: torch.Tensor, norms: list[nn.LayerNorm]) -> torch.dtype | None:
     """The dtype torch's LayerNorm returns for x, or None where the fused path would not follow it."""
-    if torch.is_autocast_enabled(x.device.type):
+    if torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64:  # autocast leaves fp64 alone
         return torch.float32 if x.device.type == "cuda" else None  # layer_norm is on CUDA autocast's fp32 list
     params = [p for n in norms for p in (n.weight, n.bias) if p is not None]
     return x.dtype if all(p.dtype == x.dtype for p in params) else None
@@ -82,8 +82,8 @@ def _tables(self, tables, tokens: int, device: torch.device) -> tuple | str | No
     if not (isinstance(tables, (tuple, list)) and len(tables) == 2):
         return "image_rotary_emb is not a (cos, sin) pair"
     for t in tables:
-        if not isinstance(t, torch.Tensor) or t.requires_grad:
-            return "rotary tables that are not tensors, or require grad"
+        if not isinstance(t, torch.Tensor) or t.requires_grad or not t.is_floating_point():
+            return "rotary tables that are not floating-point tensors, or require grad"
         if t.shape != (tokens, head):
             return f"rotary tables of shape {tuple(t.shape)}, not [{tokens}, {head}]"
     return tuple(t.to(device) for t in tables)
@@ -138,6 +138,9 @@ def _hunyuan_dit_attention_forward(self, hidden_states, encoder_hidden_states=No
     reason = _call_reason(self, HUNYUAN_DIT, hidden_states, attention_mask, kwargs, {"image_rotary_emb", "temb"})
     if reason is None and (self.spatial_norm is not None or self.group_norm is not None):
         reason = "a spatial_norm or group_norm before the projections"
+    context = encoder_hidden_states
+    if reason is None and context is not None and (context.dim() != 3 or context.shape[0] != hidden_states.shape[0]):
+        reason = "encoder_hidden_states that are not [B, T, C] with the queries' batch"
     tables = reason or _tables(self, kwargs.get("image_rotary_emb"), hidden_states.shape[1], hidden_states.device)
     if isinstance(tables, str):
         count_reason(type(self).__name__, tables)

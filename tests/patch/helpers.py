@@ -105,7 +105,7 @@ def with_nontrivial_norms(model: nn.Module) -> nn.Module:
     and its zero-initialised layers (output projections, gates) drawn small, so no difference is hidden."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".norm_" in name and name.endswith("weight"):
+            if ".norm_" in f".{name}" and name.endswith("weight"):  # also a bare attention's own "norm_q.weight"
                 p.copy_(1 + 0.5 * torch.randn_like(p))
             elif not p.any():
                 p.normal_(std=0.1)

@@ -114,17 +114,33 @@ def test_patched_attention_compiles_fullgraph():
     assert not report.fallbacks(), report.fallbacks()
 
 
-def test_calls_the_fused_forward_does_not_take_run_stock():
+def test_masked_4d_and_mismatched_calls_run_stock():
     attn = _attention("self")
     hidden, _, tables = _attention_args("self")
     mask = torch.zeros(2, TOKENS)
     image = hidden.unflatten(1, (4, 4)).movedim(-1, 1).contiguous()  # 4-D [B, C, H, W]: the processor flattens it
-    calls = [dict(hidden_states=hidden, attention_mask=mask), dict(hidden_states=image)]
+    context = torch.randn(1, CONTEXT, 2 * HEAD)  # one sample of context for two of queries: stock re-batches it
+    calls = [dict(hidden_states=hidden, attention_mask=mask), dict(hidden_states=image),
+             dict(hidden_states=hidden, encoder_hidden_states=context, image_rotary_emb=None)]  # fmt: skip
     with torch.no_grad():
-        stock = [attn(**kw, image_rotary_emb=tables) for kw in calls]
+        stock = [attn(**{"image_rotary_emb": tables, **kw}) for kw in calls]
         report = ldmopt.patch(attn)
-        fused = [attn(**kw, image_rotary_emb=tables) for kw in calls]
+        fused = [attn(**{"image_rotary_emb": tables, **kw}) for kw in calls]
     for got, want in zip(fused, stock):
         assert torch.equal(got, want)
     reasons = " | ".join(report.fallbacks())
     assert "attention_mask" in reasons and "not non-empty [B, S, C]" in reasons, reasons
+    assert "the queries' batch" in reasons, reasons
+
+
+def test_norm_only_without_tables_matches_stock():
+    """Without rotary tables (HunyuanDiT always passes them, other users may not) only the norms run fused."""
+    attn = _attention("self")
+    hidden, _, _ = _attention_args("self")
+    with torch.no_grad():
+        stock = attn(hidden)
+        report = ldmopt.patch(attn)
+        with ldmopt.use_backend("triton"):
+            fused = attn(hidden)
+    assert not report.fallbacks() and report.backends() == {"rms_norm": {"triton": 2}}, report.backends()
+    assert_close(fused, stock.double(), torch.float32, "norms only")
