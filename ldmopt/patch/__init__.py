@@ -59,6 +59,8 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 |                    | rope                | (CogVideoX, CogView3-Plus, ConsisID)         | the video tokens' RoPE    |
 | rms_norm           | hunyuan_dit_qk_     | Attention with HunyuanDiT's processor        | per-head q/k LayerNorm +  |
 |                    | norm_rope           |                                              | RoPE in one kernel each   |
+| rms_norm           | ltx_qk_norm_rope    | LTXAttention (LTX-Video); the stock          | q/k RMSNorm across heads  |
+|                    |                     | processor's own steps                        | + RoPE, one kernel each   |
 | temporal_layout    | temporal_container  | AnimateDiffTransformer3D,                    | whole temporal transformer|
 |                    |                     | TransformerTemporalModel (UNet3D)            | in (B, F, N, C) order     |
 | temporal_layout    | svd_temporal_block  | TemporalBasicTransformerBlock (SVD)          | the same, one block       |

@@ -47,6 +47,7 @@ def _rules() -> tuple[Rule, ...]:
     from .rules_hunyuan_attention import RULES as hunyuan_attention_rules
     from .rules_layer_norm_attention import RULES as layer_norm_attention_rules
     from .rules_linear import RULES as linear_rules
+    from .rules_ltx_attention import RULES as ltx_attention_rules
     from .rules_qwen_attention import RULES as qwen_attention_rules
     from .rules_residual import RULES as residual_rules
     from .rules_rms_norm import RULES as rms_norm_rules
@@ -72,6 +73,7 @@ def _rules() -> tuple[Rule, ...]:
         *qwen_attention_rules,
         *hunyuan_attention_rules,
         *layer_norm_attention_rules,
+        *ltx_attention_rules,
         *temporal_layout_rules,
         *attention_rules,
     )

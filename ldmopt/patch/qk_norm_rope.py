@@ -39,7 +39,7 @@ def torch_rms_norm_reason(name: str, norm: object, width: int) -> str | None:
     return None
 
 
-def _torch_eps(norm: nn.RMSNorm, x: torch.Tensor) -> float:
+def torch_eps(norm: nn.RMSNorm, x: torch.Tensor) -> float:
     """torch.nn.RMSNorm's epsilon for x (its default: the machine epsilon of x's compute dtype)."""
     return norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
 
@@ -47,7 +47,7 @@ def _torch_eps(norm: nn.RMSNorm, x: torch.Tensor) -> float:
 def torch_norm_rope(norm: nn.RMSNorm, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], **mapping):
     """``norm(x)`` (a torch.nn.RMSNorm) then a processor's RoPE, in x's dtype as torch's rms_norm returns it;
     ``mapping``: rms_norm's rope_layout (default pairs) / rope_dim."""
-    return rms_norm(x, norm.weight, None, _torch_eps(norm, x), rope=tables, **{"rope_layout": "pairs", **mapping})
+    return rms_norm(x, norm.weight, None, torch_eps(norm, x), rope=tables, **{"rope_layout": "pairs", **mapping})
 
 
 def joint_norm_rope(parts, weights, eps, out_dtypes, tables, cat_dim: int, **mapping) -> torch.Tensor:
@@ -69,7 +69,7 @@ def joint_norm_rope(parts, weights, eps, out_dtypes, tables, cat_dim: int, **map
 
 def torch_joint_norm_rope(norms, parts, tables, cat_dim: int, **mapping) -> torch.Tensor:
     """:func:`joint_norm_rope` for two torch.nn.RMSNorm (each part's output in its dtype, as torch returns it)."""
-    weights, eps = [n.weight for n in norms], [_torch_eps(n, p) for n, p in zip(norms, parts)]
+    weights, eps = [n.weight for n in norms], [torch_eps(n, p) for n, p in zip(norms, parts)]
     return joint_norm_rope(parts, weights, eps, [None, None], tables, cat_dim, **{"rope_layout": "pairs", **mapping})
 
 

@@ -46,7 +46,7 @@ TORCH_RMS_NORM = "torch.nn.modules.normalization.RMSNorm"
 TORCH_LAYER_NORM = "torch.nn.modules.normalization.LayerNorm"  # CogVideoX's, HunyuanDiT's per-head q/k norms
 #: Attention modules whose processor rotates the query/key norms' outputs (ldmopt/patch/rules_*_attention.py), and
 #: the processors of diffusers' generic Attention that do (its records carry the processor's name).
-ROPE_ATTENTION_CLASSES = frozenset({"WanAttention", "SkyReelsV2Attention", "FluxAttention"})
+ROPE_ATTENTION_CLASSES = frozenset({"WanAttention", "SkyReelsV2Attention", "FluxAttention", "LTXAttention"})
 GENERIC_ATTENTION = "diffusers.models.attention_processor.Attention"
 ROPE_PROCESSORS = frozenset({
     "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0",

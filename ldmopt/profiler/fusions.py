@@ -89,13 +89,12 @@ Rules (names as reported):
   whose chains may pass through one such cast in these blocks (GEMM -> cast -> mul(gate) -> add(residual)).
   Approximations: a block without norm2 (cross_attn_norm=False) keeps one stock gated add the projection counts as
   fused, and a block the rule refuses (another norm or feed-forward) is still projected as patched.
-- ``q/k RMSNorm + RoPE``: in Wan-style self-attention and Flux, Qwen-Image, HunyuanVideo, CogVideoX and HunyuanDiT
-  attention (the ``*_qk_norm_rope`` rules; the last two norm with LayerNorms), the elementwise ops that rotate the
-  query/key norms' outputs
-  (casts to fp32, multiplies by cos/sin, add/sub, the partner's negation and interleave, the copies back) go: the
-  norm's row kernel rotates before its one write. The angle tables stay read once per rotated tensor.
-  Approximation: every such attention is projected as patched, also one the rule would leave stock (another
-  processor, hooked norms).
+- ``q/k RMSNorm + RoPE``: in Wan-style and LTX-Video self-attention and Flux, Qwen-Image, HunyuanVideo, CogVideoX
+  and HunyuanDiT attention (the ``*_qk_norm_rope`` rules; the last two norm with LayerNorms), the elementwise ops
+  that rotate the query/key norms' outputs (casts to fp32, multiplies by cos/sin, add/sub, the partner's negation
+  and interleave, the copies back) go: the norm's row kernel rotates before its one write. The angle tables stay
+  read once per rotated tensor. Approximation: every such attention is projected as patched, also one the rule
+  would leave stock (another processor, hooked norms).
 - ``q/k stream concatenation -> norm kernel``: the same attentions' concatenation of two streams' normalised (and
   rotated) queries or keys (Flux, Qwen-Image, HunyuanVideo's dual-stream blocks: text and image/video tokens) goes:
   one row kernel reads each stream and writes the joint tensor (``ops.rms_norm((head, tail), cat_dim=1)``), the

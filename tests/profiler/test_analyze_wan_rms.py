@@ -322,3 +322,24 @@ def test_hunyuan_dit_layer_norm_rope_is_projected():
     rope = analyze(model, inputs=inputs, dtype="fp32").fusions[QK_NORM_ROPE]
     assert rope.count == 2 * 3  # per block: attn1's q and k, attn2's q (its keys are the text's, not rotated)
     assert rope.ops_removed == 5 * rope.count  # negation, interleave, two multiplies, the add (fp32: no casts)
+
+
+def test_ltx_rope_is_projected():
+    """LTX-Video rotates its self-attention's q and k, normed across heads, on [B, S, C] with per-sample tables."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    meta = dict(device="meta")
+    with torch.device("meta"):
+        model = LTXVideoTransformer3DModel(
+            in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=12, cross_attention_dim=24,
+            num_layers=2, caption_channels=16,
+        ).to(torch.bfloat16)  # fmt: skip
+    bf16 = dict(dtype=torch.bfloat16, **meta)
+    inputs = dict(
+        hidden_states=torch.empty(1, 30, 8, **bf16), encoder_hidden_states=torch.empty(1, 6, 16, **bf16),
+        timestep=torch.empty(1, dtype=torch.long, **meta), encoder_attention_mask=torch.ones(1, 6, **meta),
+        num_frames=2, height=3, width=5, return_dict=False,
+    )  # fmt: skip
+    rope = analyze(model, inputs=inputs, dtype="bf16").fusions[QK_NORM_ROPE]
+    # negation, interleave, three casts, two multiplies, the add per tensor
+    assert rope.count == 2 * 2 and rope.ops_removed == 8 * rope.count
