@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy
 from .rule import FAMILIES, Rule, Site
 
 _RECORDS = "_ldmopt_records"
+#: Every module a live patch touched -> the model that holds its records (a patch of an enclosing model leaves no
+#: records in a submodule's own tree: this is how a later patch/unpatch of that submodule sees it).
+_CLAIMED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _QUANT_MODULE_PREFIXES = ("bitsandbytes", "torchao", "optimum.quanto", "gguf", "auto_gptq", "awq", "hqq")
 
 
@@ -227,6 +231,12 @@ def _plan(
             if rel:
                 inside.add(id(t))
     done = {(rec.rule.name, id(rec.site.module)) for rec in prior}
+    # Modules a patch of an enclosing model touched: already fused, their records are not in this tree.
+    own = {id(m) for m in model.modules()}
+    enclosing = [m for m in model.modules() if m in _CLAIMED_BY and id(_CLAIMED_BY[m]) not in own]
+    report.already_patched += len(enclosing)
+    claimed.update(id(m) for m in enclosing)
+    inside.update(id(m) for m in enclosing)
     context = {rule.name: rule.prepare(model) for rule in _rules() if rule.family in families}
     actions: list[tuple[Rule, Site]] = []
     for name, m in named:
@@ -257,6 +267,8 @@ def _plan(
 def _restore(records: list[_Record]) -> None:
     for rec in reversed(records):
         rec.rule.restore(rec.site, rec.data)
+        for touched in rec.rule.touched(rec.site).values():
+            _CLAIMED_BY.pop(touched, None)
 
 
 def patch(
@@ -318,6 +330,8 @@ def patch(
             for rule, site in actions:
                 data = rule.replace(site)
                 records.append(_Record(rule, site, data))
+                for touched in rule.touched(site).values():
+                    _CLAIMED_BY[touched] = model
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
                 report._counters.extend(rule.counters(data))
         except BaseException:
@@ -335,6 +349,14 @@ def unpatch(pipe_or_model: Any) -> int:
     ldmopt's modules while patched (they would be lost, or keep calling ldmopt's forward)."""
     undone = 0
     models = _models_of(pipe_or_model, for_patch=False)
+    for _, model in models:  # a submodule of a patched model: its records are with that model
+        own = {id(m) for m in model.modules()}
+        roots = [_CLAIMED_BY[m] for m in model.modules() if m in _CLAIMED_BY and id(_CLAIMED_BY[m]) not in own]
+        if roots:
+            raise PatchError(
+                f"ldmopt.unpatch: this {type(model).__name__} was patched as part of an enclosing "
+                f"{type(roots[0]).__name__}; unpatch that model (or pipeline) instead"
+            )
     problems = [
         problem
         for _, model in models

@@ -26,7 +26,7 @@ from .qk_norm_rope import processor_reasons, torch_eps, torch_rms_norm_reason
 from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 
 
-def _call_tables(self, hidden_states, image_rotary_emb, kwargs) -> tuple | str | None:
+def _call_tables(self, hidden_states, encoder_hidden_states, image_rotary_emb, kwargs) -> tuple | str | None:
     """(cos, sin) as the kernel reads them ([S, C] per position, or [B * S, C] per row), None without rotary
     tables, or why the call keeps the stock forward."""
     reasons = processor_reasons(self)
@@ -34,10 +34,13 @@ def _call_tables(self, hidden_states, image_rotary_emb, kwargs) -> tuple | str |
         return reasons[0]
     if kwargs:
         return f"called with attention kwargs {sorted(kwargs)}"
-    if hidden_states.dim() != 3 or hidden_states.numel() == 0:
-        return f"hidden states of shape {tuple(hidden_states.shape)}, not non-empty [B, S, C]"
+    for t in (hidden_states, encoder_hidden_states):
+        if t is not None and (t.dim() != 3 or t.numel() == 0):
+            return f"token tensors of shape {tuple(t.shape)}, not non-empty [B, S, C]"
     if image_rotary_emb is None:
         return None
+    if encoder_hidden_states is not None:  # the processor would rotate the context's keys by the queries' tables
+        return "rotary tables with encoder_hidden_states (the keys are the context's)"
     b, s, _ = hidden_states.shape
     c = self.inner_dim
     if not (isinstance(image_rotary_emb, (tuple, list)) and len(image_rotary_emb) == 2):
@@ -61,7 +64,7 @@ def _norm_rope(norm: nn.RMSNorm, x: torch.Tensor, tables) -> torch.Tensor:
 
 def _ltx_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None,
                            image_rotary_emb=None, **kwargs):  # fmt: skip
-    tables = _call_tables(self, hidden_states, image_rotary_emb, kwargs)
+    tables = _call_tables(self, hidden_states, encoder_hidden_states, image_rotary_emb, kwargs)
     if isinstance(tables, str):
         count_reason(type(self).__name__, tables)
         return stock(self)(hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, **kwargs)

@@ -30,7 +30,8 @@ def _inputs(batch=2):
     return dict(
         hidden_states=torch.randn(batch, FRAMES * HEIGHT * WIDTH, 8),
         encoder_hidden_states=torch.randn(batch, TEXT, 16),
-        timestep=torch.tensor([3, 700][:batch]), encoder_attention_mask=torch.tensor([[1] * TEXT, [1] * 4 + [0] * 2]),
+        timestep=torch.tensor([3, 700][:batch]),
+        encoder_attention_mask=torch.tensor([[1] * TEXT, [1] * 4 + [0] * 2])[:batch],
         num_frames=FRAMES, height=HEIGHT, width=WIDTH, return_dict=False,
     )  # fmt: skip
 
@@ -105,6 +106,7 @@ def test_other_processors_and_tables_run_stock():
         pass
 
     attn, other = _attention(), _attention()
+    reference = copy.deepcopy(attn)  # stays stock
     other.set_processor(MyProcessor())
     report = ldmopt.patch(torch.nn.ModuleList([attn, other]))
     assert report.counts() == {"ltx_qk_norm_rope": 1}, str(report)
@@ -113,4 +115,14 @@ def test_other_processors_and_tables_run_stock():
     wrong = tuple(t[:, 1:] for t in _tables(2))  # one token fewer than the queries
     with torch.no_grad(), pytest.raises(RuntimeError):  # diffusers' own error, from the stock path
         attn(hidden, image_rotary_emb=wrong)
-    assert any("rotary tables of shape" in r for r in report.fallbacks()), report.fallbacks()
+    # Tables with a context (the processor would rotate the context's keys by them) and an empty context: stock.
+    calls = [dict(encoder_hidden_states=hidden[:1], image_rotary_emb=_tables(2)),
+             dict(encoder_hidden_states=hidden[:, :0], image_rotary_emb=None)]  # fmt: skip
+    with torch.no_grad():
+        stock = [reference(hidden, **kw) for kw in calls]
+        fused = [attn(hidden, **kw) for kw in calls]
+    for got, want in zip(fused, stock):
+        assert torch.equal(got, want)
+    reasons = " | ".join(report.fallbacks())
+    assert "rotary tables of shape" in reasons and "with encoder_hidden_states" in reasons, reasons
+    assert "not non-empty [B, S, C]" in reasons, reasons

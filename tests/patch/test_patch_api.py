@@ -91,6 +91,27 @@ def test_patch_in_steps_equals_patch_at_once():
     assert_same_snapshot(before, snapshot(unet))
 
 
+def test_submodule_of_a_patched_model_is_not_patched_twice():
+    """A model patched whole, then one of its blocks on its own: the block is already fused (patching it again would
+    wrap the fused class in another, whose stock path then recursed); unpatching the block alone is refused with
+    the model to unpatch, and the model's unpatch restores everything."""
+    unet = models.sd15_unet().eval()
+    inputs = models.inputs("sd15", unet)
+    ref = _run(unet, inputs)
+    before = snapshot(unet)
+    whole = ldmopt.patch(unet)
+    block = unet.down_blocks[0]
+    again = ldmopt.patch(block)
+    assert again.total == 0 and again.already_patched > 0, str(again)
+    assert all("fused[fused[" not in type(m).__name__ for m in unet.modules())
+    with pytest.raises(PatchError, match="patched as part of an enclosing UNet2DConditionModel"):
+        ldmopt.unpatch(block)
+    assert_outputs_close(_run(unet, inputs), ref, name="after the second patch")
+    assert ldmopt.unpatch(unet) == whole.total
+    assert_same_snapshot(before, snapshot(unet))
+    assert ldmopt.unpatch(block) == 0 and ldmopt.patch(block).total > 0  # free again once the model is unpatched
+
+
 def test_repr_deepcopy_and_torch_save(tmp_path):
     unet = models.sd15_unet().eval()
     x = models.inputs("sd15", unet)
