@@ -109,6 +109,22 @@ def _norm_rope(norm: nn.LayerNorm, x: torch.Tensor, tables, out_dtype) -> torch.
     return layer_norm_rope(x, norm.weight, norm.bias, norm.eps, out_dtype=out_dtype, **rope)
 
 
+def _norm_rope_attention(self, query, key, value, tables) -> tuple[torch.Tensor, torch.dtype]:
+    """SDPA over the projections [B, S, C] with q and k normalised per head, and rotated (k only in
+    self-attention), by one kernel each, as both processors order their steps: the output [B, S, heads x head] and
+    the normalised queries' dtype."""
+    batch = query.shape[0]
+    head = key.shape[-1] // self.heads
+    query, key, value = (t.view(batch, -1, self.heads, head) for t in (query, key, value))
+    out_dtype = _out_dtype(query, [self.norm_q, self.norm_k])
+    query = _norm_rope(self.norm_q, query, tables, out_dtype)
+    key = _norm_rope(self.norm_k, key, None if self.is_cross_attention else tables, out_dtype)
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=0.0, is_causal=False
+    )
+    return out.transpose(1, 2).reshape(batch, -1, self.heads * head), query.dtype
+
+
 def _cogvideox_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
     tables = _cogvideox_tables(self, hidden_states, encoder_hidden_states, attention_mask, kwargs)
     if isinstance(tables, str):
@@ -117,18 +133,8 @@ def _cogvideox_attention_forward(self, hidden_states, encoder_hidden_states=None
 
     text = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    batch = hidden_states.shape[0]
-    query, key, value = (proj(hidden_states) for proj in (self.to_q, self.to_k, self.to_v))
-    head = key.shape[-1] // self.heads
-    query, key, value = (t.view(batch, -1, self.heads, head) for t in (query, key, value))
-    out_dtype = _out_dtype(query, [self.norm_q, self.norm_k])
-    query = _norm_rope(self.norm_q, query, tables, out_dtype)
-    key = _norm_rope(self.norm_k, key, None if self.is_cross_attention else tables, out_dtype)
-
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=0.0, is_causal=False
-    )
-    out = out.transpose(1, 2).reshape(batch, -1, self.heads * head)
+    projections = (proj(hidden_states) for proj in (self.to_q, self.to_k, self.to_v))
+    out, _ = _norm_rope_attention(self, *projections, tables)
     out = self.to_out[1](self.to_out[0](out))
     encoder_out, out = out.split([text, out.shape[1] - text], dim=1)
     return out, encoder_out
@@ -146,24 +152,15 @@ def _hunyuan_dit_attention_forward(self, hidden_states, encoder_hidden_states=No
         count_reason(type(self).__name__, tables)
         return stock(self)(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
 
-    residual, batch = hidden_states, hidden_states.shape[0]
+    residual = hidden_states
     query = self.to_q(hidden_states)
     if encoder_hidden_states is None:
         encoder_hidden_states = hidden_states
     elif self.norm_cross:
         encoder_hidden_states = self.norm_encoder_hidden_states(encoder_hidden_states)
     key, value = self.to_k(encoder_hidden_states), self.to_v(encoder_hidden_states)
-    head = key.shape[-1] // self.heads
-    query, key, value = (t.view(batch, -1, self.heads, head) for t in (query, key, value))
-    out_dtype = _out_dtype(query, [self.norm_q, self.norm_k])
-    query = _norm_rope(self.norm_q, query, tables, out_dtype)
-    key = _norm_rope(self.norm_k, key, None if self.is_cross_attention else tables, out_dtype)
-
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=0.0, is_causal=False
-    )
-    out = out.transpose(1, 2).reshape(batch, -1, self.heads * head).to(query.dtype)
-    out = self.to_out[1](self.to_out[0](out))
+    out, query_dtype = _norm_rope_attention(self, query, key, value, tables)
+    out = self.to_out[1](self.to_out[0](out.to(query_dtype)))  # as the processor casts SDPA's output
     if self.residual_connection:
         out = out + residual
     return out / self.rescale_output_factor
