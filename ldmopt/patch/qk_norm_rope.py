@@ -73,6 +73,27 @@ def torch_joint_norm_rope(norms, parts, tables, cat_dim: int, **mapping) -> torc
     return joint_norm_rope(parts, weights, eps, [None, None], tables, cat_dim, **{"rope_layout": "pairs", **mapping})
 
 
+def with_identity_rows(tables: tuple[torch.Tensor, torch.Tensor], rows: int, first: bool):
+    """(cos, sin) extended by ``rows`` rows that turn by zero (cos = 1, sin = 0: an exact identity), before the
+    tables' own rows when ``first`` (CogVideoX's text tokens lead the video's) or after them (HunyuanVideo's follow)."""
+    extended = []
+    for table, fill in zip(tables, (1.0, 0.0)):
+        identity = table.new_full((rows, table.shape[1]), fill)
+        extended.append(torch.cat([identity, table] if first else [table, identity]))
+    return tuple(extended)
+
+
+def processor_attention(helpers, processor, query, key, value, attn_mask=None) -> torch.Tensor:
+    """The attention step of a diffusers processor as the processor runs it: its module's ``dispatch_attention_fn``
+    (``helpers``) over [B, S, H, D] q, k and v with the processor's backend and parallel config, flattened to
+    [B, S, H * D] in the queries' dtype."""
+    out = helpers.dispatch_attention_fn(
+        query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=False,
+        backend=processor._attention_backend, parallel_config=processor._parallel_config,
+    )  # fmt: skip
+    return out.flatten(2, 3).to(query.dtype)
+
+
 def diffusers_norm_reason(name: str, norm: object, width: int) -> str | None:
     """Why ``norm`` is not diffusers' RMSNorm over ``width`` channels, without bias, with a plain (or no) weight."""
     from diffusers.models.normalization import RMSNorm

@@ -28,6 +28,7 @@ from torch import nn
 from ..nn.child_check import count_reason
 from .qk_norm_rope import (
     QUIET_KWARGS,
+    processor_attention,
     processor_reasons,
     torch_joint_norm_rope,
     torch_norm_rope,
@@ -89,11 +90,7 @@ def _flux_attention_forward(self, hidden_states, encoder_hidden_states=None, att
         key = torch_joint_norm_rope((self.norm_added_k, self.norm_k), streams, tables, 1, **_ELEMENTS)
         value = torch.cat([encoder_value.unflatten(-1, heads), value], dim=1)
 
-    out = helpers.dispatch_attention_fn(
-        query, key, value, attn_mask=attention_mask, backend=processor._attention_backend,
-        parallel_config=processor._parallel_config,
-    )  # fmt: skip
-    out = out.flatten(2, 3).to(query.dtype)
+    out = processor_attention(helpers, processor, query, key, value, attention_mask)
     if encoder_hidden_states is None:
         return out
     encoder_out, out = out.split_with_sizes([text, out.shape[1] - text], dim=1)

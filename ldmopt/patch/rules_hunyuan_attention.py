@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
-from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_joint_norm_rope, diffusers_norm_rope
+from .qk_norm_rope import (
+    QUIET_KWARGS,
+    ProcessorQKNormRopeRule,
+    diffusers_joint_norm_rope,
+    diffusers_norm_rope,
+    processor_attention,
+    with_identity_rows,
+)
 from .rule import Rule, Site, stock
 
 #: The stock processor, by qualified name (a subclass is another processor; no import inside a traced forward).
@@ -59,12 +66,6 @@ def _call_tables(self, hidden_states, encoder_hidden_states, kwargs) -> tuple | 
     return tuple(t.to(hidden_states.device) for t in tables)
 
 
-def _identity_rows(tables, text: int):
-    """The video tokens' tables followed by ``text`` rows that turn by zero: cos = 1, sin = 0 (exact)."""
-    cos, sin = tables
-    return torch.cat([cos, cos.new_ones(text, cos.shape[1])]), torch.cat([sin, sin.new_zeros(text, sin.shape[1])])
-
-
 def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
     tables = _call_tables(self, hidden_states, encoder_hidden_states, kwargs)
     if isinstance(tables, str):
@@ -79,12 +80,12 @@ def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, 
         proj(hidden_states).unflatten(2, (self.heads, -1)) for proj in (self.to_q, self.to_k, self.to_v)
     )
     if single_stream:  # the text rows turn by zero: one kernel over all tokens
-        tables = _identity_rows(tables, hidden_states.shape[1] - video)
+        tables = with_identity_rows(tables, hidden_states.shape[1] - video, first=False)
     if self.add_q_proj is not None and encoder_hidden_states is not None:
         # [video | text]: both streams' norms, the video tokens' rotation and the concatenation in one kernel each
         added = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
         text_q, text_k, text_v = (proj(encoder_hidden_states).unflatten(2, (self.heads, -1)) for proj in added)
-        tables = _identity_rows(tables, encoder_hidden_states.shape[1])
+        tables = with_identity_rows(tables, encoder_hidden_states.shape[1], first=False)
         query = diffusers_joint_norm_rope((self.norm_q, self.norm_added_q), (query, text_q), tables, 1, **_ELEMENTS)
         key = diffusers_joint_norm_rope((self.norm_k, self.norm_added_k), (key, text_k), tables, 1, **_ELEMENTS)
         value = torch.cat([value, text_v], dim=1)
@@ -95,11 +96,7 @@ def _hunyuan_attention_forward(self, hidden_states, encoder_hidden_states=None, 
         )
 
     helpers = sys.modules[type(processor).__module__]  # the processor's own attention function
-    out = helpers.dispatch_attention_fn(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-        backend=processor._attention_backend, parallel_config=processor._parallel_config,
-    )  # fmt: skip
-    out = out.flatten(2, 3).to(query.dtype)
+    out = processor_attention(helpers, processor, query, key, value, attention_mask)
     if encoder_hidden_states is None:
         return out, None
     text = encoder_hidden_states.shape[1]

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
 from ..ops.rms_norm import layer_norm_rope
-from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule
+from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, with_identity_rows
 from .rule import Rule, Site, stock
 
 #: The stock processors, by qualified name (a subclass is another processor; no import inside a traced forward).
@@ -100,8 +100,7 @@ def _cogvideox_tables(self, hidden_states, encoder_hidden_states, attention_mask
     tables = _tables(self, kwargs.get("image_rotary_emb"), hidden_states.shape[1], hidden_states.device)
     if not isinstance(tables, tuple):
         return tables
-    (cos, sin), text, head = tables, encoder_hidden_states.shape[1], tables[0].shape[1]
-    return torch.cat([cos.new_ones(text, head), cos]), torch.cat([sin.new_zeros(text, head), sin])
+    return with_identity_rows(tables, encoder_hidden_states.shape[1], first=True)
 
 
 def _norm_rope(norm: nn.LayerNorm, x: torch.Tensor, tables, out_dtype) -> torch.Tensor:

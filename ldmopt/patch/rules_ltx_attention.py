@@ -22,7 +22,7 @@ from torch import nn
 
 from ..nn.child_check import count_reason
 from ..ops.rms_norm import rms_norm
-from .qk_norm_rope import processor_reasons, torch_eps, torch_rms_norm_reason
+from .qk_norm_rope import processor_attention, processor_reasons, torch_eps, torch_rms_norm_reason
 from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 
 
@@ -80,11 +80,7 @@ def _ltx_attention_forward(self, hidden_states, encoder_hidden_states=None, atte
     value = self.to_v(context)
     query, key, value = (t.unflatten(2, (self.heads, -1)) for t in (query, key, value))
     helpers = sys.modules[type(processor).__module__]  # the processor's own attention function
-    out = helpers.dispatch_attention_fn(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-        backend=processor._attention_backend, parallel_config=processor._parallel_config,
-    )  # fmt: skip
-    out = out.flatten(2, 3).to(query.dtype)
+    out = processor_attention(helpers, processor, query, key, value, attention_mask)
     return self.to_out[1](self.to_out[0](out))
 
 

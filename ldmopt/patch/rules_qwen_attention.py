@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
-from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_joint_norm_rope
+from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_joint_norm_rope, processor_attention
 from .rule import Rule, Site, stock
 
 _PAIRS = dict(rope_layout="pairs", rope_dim=-3)  # x [B, S, H, D], tables [S, D/2]
@@ -93,11 +93,7 @@ def _qwen_attention_forward(self, hidden_states, encoder_hidden_states=None, att
     value = torch.cat([txt_v, img_v], dim=1)
 
     helpers = sys.modules[type(processor).__module__]  # the processor's own attention function
-    out = helpers.dispatch_attention_fn(
-        query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=processor._attention_backend,
-        parallel_config=processor._parallel_config,
-    )  # fmt: skip
-    out = out.flatten(2, 3).to(query.dtype)
+    out = processor_attention(helpers, processor, query, key, value, mask)
     text = encoder_hidden_states.shape[1]
     image_out = self.to_out[0](out[:, text:, :].contiguous())
     if len(self.to_out) > 1:

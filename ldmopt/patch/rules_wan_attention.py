@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..nn.child_check import count_reason
-from .qk_norm_rope import processor_reasons, torch_norm_rope, torch_rms_norm_reason
+from .qk_norm_rope import processor_attention, processor_reasons, torch_norm_rope, torch_rms_norm_reason
 from .rule import ClassSwapRule, Rule, Site, diffusers_classes, stock
 
 #: Attention classes with Wan's processor (the WanAttention classes are copies in separate modules).
@@ -80,11 +80,7 @@ def _wan_attention_forward(self, hidden_states, encoder_hidden_states=None, atte
     query = torch_norm_rope(self.norm_q, query, angles).unflatten(2, (self.heads, -1))
     key = torch_norm_rope(self.norm_k, key, angles).unflatten(2, (self.heads, -1))
     value = value.unflatten(2, (self.heads, -1))
-    out = helpers.dispatch_attention_fn(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-        backend=processor._attention_backend, parallel_config=processor._parallel_config,
-    )  # fmt: skip
-    out = out.flatten(2, 3).type_as(query)
+    out = processor_attention(helpers, processor, query, key, value, attention_mask)
     return self.to_out[1](self.to_out[0](out))
 
 
