@@ -26,9 +26,9 @@ from .rms_norm import _check_rope, _fwd_torch, rms_norm_bwd
 # ------------------------------------------------------------------------------------------------ the parts' rows
 
 
-def _check_rows(x_head: Tensor, x_tail: Tensor, head_rows: int, tail_rows: int, w_head=None, w_tail=None) -> int:
-    """The samples both parts hold, after checking what the kernel would otherwise overrun or read differently from
-    the reference (the op is callable through torch.ops with anything)."""
+def _check_rows(x_head: Tensor, x_tail: Tensor, head_rows: int, tail_rows: int, w_head=None, w_tail=None) -> None:
+    """What the kernel would otherwise overrun or read differently from the reference: whole samples of rows, as
+    many in each part, both weights or neither (the op is callable through torch.ops with anything)."""
     if (w_head is None) != (w_tail is None):
         raise ValueError("rms_norm_joint_fwd takes both parts' weights or neither (ops.rms_norm fills a missing one)")
     if x_head.dim() != 2 or x_tail.dim() != 2 or x_head.shape[1] != x_tail.shape[1]:
@@ -41,7 +41,6 @@ def _check_rows(x_head: Tensor, x_tail: Tensor, head_rows: int, tail_rows: int, 
     samples = x_head.shape[0] // head_rows
     if x_tail.shape[0] // tail_rows != samples:
         raise ValueError(f"the parts hold {samples} and {x_tail.shape[0] // tail_rows} samples; they must agree")
-    return samples
 
 
 def _split(t: Tensor, samples: int, head_rows: int) -> tuple[Tensor, Tensor]:
@@ -69,7 +68,7 @@ def _split_tables(cos, sin, head_rows, rope_rows):
 
 def _fwd_torch_joint(x_head, x_tail, w_head, w_tail, eps, dtype, save, head_rows, tail_rows, cos, sin, rope_rows,
                      rope_per_pair):  # fmt: skip
-    samples = _check_rows(x_head, x_tail, head_rows, tail_rows, w_head, w_tail)
+    samples = x_head.shape[0] // head_rows
     head_tables, tail_tables = _split_tables(cos, sin, head_rows, rope_rows)
     y_head, rstd_head = _fwd_torch(x_head, w_head, None, eps, dtype, save, *head_tables, rope_rows, rope_per_pair)
     y_tail, rstd_tail = _fwd_torch(x_tail, w_tail, None, eps, dtype, save, *tail_tables, rope_rows, rope_per_pair)
@@ -80,7 +79,6 @@ def _fwd_triton_joint(x_head, x_tail, w_head, w_tail, eps, dtype, save, head_row
                       rope_per_pair):  # fmt: skip
     from ldmopt.kernels.rms_norm import Rope, TailPart, rms_norm_fwd
 
-    _check_rows(x_head, x_tail, head_rows, tail_rows, w_head, w_tail)
     rope = Rope(cos, sin, rope_rows, rope_per_pair) if cos is not None else None
     tail = TailPart(x_tail, w_tail, head_rows, tail_rows)
     return rms_norm_fwd(x_head, w_head, None, eps, dtype, save, rope=rope, tail=tail)
@@ -127,6 +125,7 @@ def rms_norm_joint_fwd(
     """(y [M_head + M_tail, C] in ``dtype``, rstd [M] in the compute dtype, empty unless save): y's rows are, per
     sample, the head part's ``head_rows`` rows then the tail part's ``tail_rows``, each normalised with its part's
     weight (both or neither given), then rotated as ``ldmopt::rms_norm_fwd`` rotates row r of y."""
+    _check_rows(x_head, x_tail, head_rows, tail_rows, w_head, w_tail)  # before any backend reads the parts
     return FORWARD(x_head, x_tail, w_head, w_tail, eps, dtype, save, head_rows, tail_rows, cos, sin, rope_rows,
                    rope_per_pair)  # fmt: skip
 
