@@ -242,8 +242,9 @@ def _cogvideox_eager(q, w, b, heads, text, tables):
 
 
 def _cogvideox_ldmopt(q, w, b, heads, text, tables):
-    ones, zeros = tables[0].new_ones(text, w.numel()), tables[0].new_zeros(text, w.numel())
-    joint = (torch.cat([ones, tables[0]]), torch.cat([zeros, tables[1]]))  # the text rows turn by zero
+    from ldmopt.patch.qk_norm_rope import with_identity_rows
+
+    joint = with_identity_rows(tables, text, first=True)  # the text rows turn by zero, as the patched forward builds
     return ldmopt.ops.layer_norm_rope(q.unflatten(-1, (heads, -1)), w, b, EPS, rope=joint, rope_layout="elements",
                                       rope_dim=-3)  # fmt: skip
 
