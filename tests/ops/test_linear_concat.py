@@ -196,3 +196,18 @@ def test_saturate_op_has_no_backward_and_passes_opcheck():
     torch.library.opcheck(torch.ops.ldmopt.linear_fwd, args, test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(RuntimeError, match="saturate=True has no backward"):
         torch.ops.ldmopt.linear_fwd(x.requires_grad_(), *args[1:])
+
+
+def test_clip_fp16_compiles_fullgraph():
+    torch._dynamo.reset()
+    args = _overflowing(torch.float16)
+
+    def fn(head, tail, weight, bias, gate, residual):
+        return linear((head, tail), weight, bias, gate=gate, residual=residual, clip_fp16=True)
+
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        eager = fn(*args)
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
+    assert torch.equal(torch.isnan(compiled), torch.isnan(eager))
+    finite = ~torch.isnan(eager)
+    assert torch.equal(compiled[finite], eager[finite]) and compiled[finite].abs().max() <= 65504
