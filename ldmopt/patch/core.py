@@ -130,7 +130,8 @@ def _models_of(obj: Any, *, for_patch: bool) -> list[tuple[str, nn.Module]]:
                         f"ldmopt.patch: {where} is already compiled (torch.compile / Module.compile); patch first, "
                         "then compile"
                     )
-        out.append((name, model))
+        if all(model is not seen for _, seen in out):  # one model under two component names is walked once
+            out.append((name, model))
     return out
 
 
@@ -211,6 +212,7 @@ def _plan(
     filter_fn: Callable[[nn.Module, str], bool] | None,
     training: bool,
     report: PatchReport,
+    planned: dict[int, nn.Module],
 ) -> list[tuple[Rule, Site]]:
     table = _table()
     named = list(model.named_modules())
@@ -235,6 +237,8 @@ def _plan(
     own = {id(m) for m in model.modules()}
     enclosing = [m for m in model.modules() if m in _CLAIMED_BY and id(_CLAIMED_BY[m]) not in own]
     report.already_patched += len(enclosing)
+    # Modules that an earlier model of this same call shares with this one: that model's plan fuses them.
+    enclosing += [m for m in model.modules() if id(m) in planned]
     claimed.update(id(m) for m in enclosing)
     inside.update(id(m) for m in enclosing)
     context = {rule.name: rule.prepare(model) for rule in _rules() if rule.family in families}
@@ -259,6 +263,7 @@ def _plan(
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
                 continue
             actions.append((rule, site))
+            planned.update((id(t), t) for t in touched.values())
             claimed.update(id(t) for t in touched.values())
             inside.update(id(t) for rel, t in touched.items() if rel)
     return actions
@@ -295,7 +300,8 @@ def patch(
             train mode.)
 
     Parameters are shared with the stock modules (no copies), state_dict keys do not change, patching twice is a
-    no-op, and ``unpatch`` restores module types, forwards, processors and state_dict exactly.
+    no-op, a module that several components share is patched once, a rule that raises leaves every model of the
+    call as it was, and ``unpatch`` restores module types, forwards, processors and state_dict exactly.
     """
     from ..ops._dispatch import backend_counts
 
@@ -316,17 +322,21 @@ def patch(
         _layout_copies_at_patch=layout_copy_counts(),
     )
     plans = []
+    planned: dict[int, nn.Module] = {}  # touched by the plans so far: a module two models share is planned once
     for label, model in models:
         report.models[label] = type(model).__name__
-        plans.append((label, model, _plan(label, model, selected, filter_fn, training, report)))
+        plans.append((label, model, _plan(label, model, selected, filter_fn, training, report, planned)))
     if strict:
         refused = [s for s in report.skipped if not s.by_user]
         if refused:
             lines = "\n".join(f"  {s.where} [{s.rule}]: {'; '.join(s.reasons)}" for s in refused)
             raise PatchError(f"ldmopt.patch(strict=True): {len(refused)} modules would stay stock:\n" + lines)
-    for label, model, actions in plans:
-        records: list[_Record] = []
-        try:
+    # All or nothing across the pipeline's models: a replace that raises undoes this call's earlier ones too.
+    applied: list[tuple[nn.Module, list[_Record]]] = []
+    try:
+        for label, model, actions in plans:
+            records: list[_Record] = []
+            applied.append((model, records))
             for rule, site in actions:
                 data = rule.replace(site)
                 records.append(_Record(rule, site, data))
@@ -334,9 +344,11 @@ def patch(
                     _CLAIMED_BY[touched] = model
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
                 report._counters.extend(rule.counters(data))
-        except BaseException:
+    except BaseException:
+        for _, records in reversed(applied):
             _restore(records)
-            raise
+        raise
+    for model, records in applied:
         if records:
             model.__dict__.setdefault(_RECORDS, []).extend(records)
     return report
@@ -349,9 +361,9 @@ def unpatch(pipe_or_model: Any) -> int:
     ldmopt's modules while patched (they would be lost, or keep calling ldmopt's forward)."""
     undone = 0
     models = _models_of(pipe_or_model, for_patch=False)
+    in_call = {id(m) for _, model in models for m in model.modules()}  # records anywhere here are undone here
     for _, model in models:  # a submodule of a patched model: its records are with that model
-        own = {id(m) for m in model.modules()}
-        roots = [_CLAIMED_BY[m] for m in model.modules() if m in _CLAIMED_BY and id(_CLAIMED_BY[m]) not in own]
+        roots = [_CLAIMED_BY[m] for m in model.modules() if m in _CLAIMED_BY and id(_CLAIMED_BY[m]) not in in_call]
         if roots:
             raise PatchError(
                 f"ldmopt.unpatch: this {type(model).__name__} was patched as part of an enclosing "
@@ -371,7 +383,7 @@ def unpatch(pipe_or_model: Any) -> int:
             "calling ldmopt's: remove those hooks/parametrizations first (e.g. accelerate's remove_hook_from_module "
             "or pipe.remove_all_hooks()), or attach them after unpatch:\n  " + "\n  ".join(problems)
         )
-    for _, model in models:
+    for _, model in reversed(models):  # the reverse of patch's order, as models may share modules
         holders = [m for m in model.modules() if _RECORDS in m.__dict__]
         for holder in holders:
             records = holder.__dict__.pop(_RECORDS)

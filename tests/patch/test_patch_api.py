@@ -112,6 +112,54 @@ def test_submodule_of_a_patched_model_is_not_patched_twice():
     assert ldmopt.unpatch(block) == 0 and ldmopt.patch(block).total > 0  # free again once the model is unpatched
 
 
+class _Pipeline:
+    def __init__(self, **components):
+        self.components = components
+
+
+def test_models_shared_between_components_are_patched_once():
+    """A block of the UNet listed as a component of its own (before the UNet) and the UNet under two names: every
+    module is patched once, the report counts each once, and unpatching the pipeline restores everything."""
+    unet = models.sd15_unet().eval()
+    inputs = models.inputs("sd15", unet)
+    ref = _run(unet, inputs)
+    before = snapshot(unet)
+    alone = ldmopt.patch(models.sd15_unet().eval()).counts()
+    pipe = _Pipeline(block=nn.Sequential(unet.down_blocks[0]), unet=unet, alias=unet)
+    report = ldmopt.patch(pipe)
+    assert report.counts() == alone and set(report.models) == {"block", "unet"}
+    assert all("fused[fused[" not in type(m).__name__ for m in unet.modules())
+    assert_outputs_close(_run(unet, inputs), ref, name="shared")
+    assert ldmopt.unpatch(pipe) == sum(alone.values())
+    assert_same_snapshot(before, snapshot(unet))
+    assert torch.equal(_run(unet, inputs), ref)
+
+
+def test_a_replace_that_raises_undoes_the_whole_call(monkeypatch):
+    """patch is all or nothing across a pipeline's models: the VAE patched first is restored when a rule raises
+    while patching the UNet, and both can be patched afterwards."""
+    vae, unet = models.vae().eval(), models.sd15_unet().eval()
+    before = {"vae": snapshot(vae), "unet": snapshot(unet)}
+    pipe = _Pipeline(vae=vae, unet=unet)
+    geglu = next(r for r in rule_table()[type(unet.down_blocks[0].attentions[0].transformer_blocks[0].ff.net[0])])
+    calls = []
+
+    def failing_replace(site):
+        calls.append(site.name)
+        raise RuntimeError("replace failed")
+
+    monkeypatch.setattr(geglu, "replace", failing_replace)
+    with pytest.raises(RuntimeError, match="replace failed"):
+        ldmopt.patch(pipe)
+    assert calls and not is_patched(pipe)
+    assert_same_snapshot(before["vae"], snapshot(vae))
+    assert_same_snapshot(before["unet"], snapshot(unet))
+    monkeypatch.undo()
+    report = ldmopt.patch(pipe)
+    assert report.already_patched == 0 and report.total > 0
+    assert ldmopt.unpatch(pipe) == report.total
+
+
 def test_repr_deepcopy_and_torch_save(tmp_path):
     unet = models.sd15_unet().eval()
     x = models.inputs("sd15", unet)
