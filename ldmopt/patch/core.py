@@ -258,6 +258,14 @@ def _plan(
             touched = rule.touched(site)
             if any(id(t) in claimed for t in touched.values()):
                 continue  # an earlier rule on this module already fuses that part
+            # filter_fn also speaks for the children the fused forward would bypass or replace.
+            excluded = [
+                rel for rel, t in touched.items() if rel and filter_fn and not filter_fn(t, f"{qualified}.{rel}")
+            ]
+            if excluded:
+                why = f"excluded by filter_fn: {', '.join(excluded)} (which this rule bypasses or replaces)"
+                report.skipped.append(Skipped(label, name, rule.name, rule.family, (why,), True))
+                continue
             reasons = _generic_reasons(site, touched, rule.shallow(site)) + rule.reasons(site)
             if reasons:
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
@@ -291,8 +299,9 @@ def patch(
             vae ...) or one ``nn.Module``. A model already compiled (``torch.compile`` wrapper, ``Module.compile``)
             is refused: patch first, then compile.
         families: kernel families to apply (default: all); see ``ldmopt.patch.FAMILIES``.
-        filter_fn: ``filter_fn(module, qualified_name) -> bool``; False leaves that module alone (names are
-            prefixed with the pipeline component, e.g. ``"unet.down_blocks.0.resnets.0"``).
+        filter_fn: ``filter_fn(module, qualified_name) -> bool``; False leaves that module alone, and so every
+            rule that would bypass or replace it as part of a module around it (names are prefixed with the
+            pipeline component, e.g. ``"unet.down_blocks.0.resnets.0"``).
         strict: raise :class:`PatchError` listing every module that would stay on the stock path (for reasons
             other than ``filter_fn``), before changing anything.
         training: the model will be trained: modules whose fused path would skip a dropout with p > 0 stay on

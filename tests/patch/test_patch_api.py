@@ -205,6 +205,27 @@ def test_families_and_filter_fn():
     assert type(vae.decoder.conv_norm_out) is nn.GroupNorm
 
 
+def test_filter_fn_speaks_for_the_children_a_rule_bypasses():
+    """Excluding a child that a rule on its parent would bypass (Flux's q norm, a block's feed-forward) leaves that
+    rule off the parent too, reported as the user's choice; the same rule still patches the other blocks."""
+    model = models.flux().eval()
+    excluded = {"transformer_blocks.0.attn.norm_q", "transformer_blocks.0.ff"}
+    asked = []
+
+    def keep(module, name):
+        asked.append(name)
+        return name not in excluded
+
+    report = ldmopt.patch(model, filter_fn=keep)
+    assert excluded <= set(asked)
+    skipped = {(s.name, s.rule): s for s in report.skipped}
+    assert set(skipped) == {("transformer_blocks.0", "joint_block"), ("transformer_blocks.0.attn", "flux_qk_norm_rope")}
+    assert all(s.by_user and "excluded by filter_fn" in s.reasons[0] for s in skipped.values())
+    assert report.counts()["flux_qk_norm_rope"] == ldmopt.patch(models.flux().eval()).counts()["flux_qk_norm_rope"] - 1
+    assert not hasattr(type(model.transformer_blocks[0].attn), "_ldmopt_base")  # still the stock class
+    assert ldmopt.unpatch(model) == report.total
+
+
 def test_hooks_are_left_stock_and_strict_raises():
     vae = models.vae().eval()
     hooked = vae.encoder.down_blocks[0].resnets[0].norm1
