@@ -51,8 +51,8 @@ def _call_tables(self, hidden_states, encoder_hidden_states, image_rotary_emb, k
     if (encoder_hidden_states is not None) != (self.added_kv_proj_dim is not None):
         return "encoder_hidden_states given to an attention without text projections, or missing for one with them"
     streams = [t for t in (encoder_hidden_states, hidden_states) if t is not None]
-    if any(t.dim() != 3 for t in streams):
-        return f"token tensors of shapes {[tuple(t.shape) for t in streams]}, not [B, S, C]"
+    if any(t.dim() != 3 or t.numel() == 0 for t in streams):
+        return f"token tensors of shapes {[tuple(t.shape) for t in streams]}, not non-empty [B, S, C]"
     if not (isinstance(image_rotary_emb, (tuple, list)) and len(image_rotary_emb) == 2):
         return "image_rotary_emb is not a (cos, sin) pair"
     tokens = sum(t.shape[1] for t in streams)

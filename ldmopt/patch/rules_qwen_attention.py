@@ -55,8 +55,12 @@ def _call_tables(self, hidden_states, encoder_hidden_states, attention_mask, kwa
     rotary = kwargs.get("image_rotary_emb")
     if rotary is None or encoder_hidden_states is None or attention_mask is not None:
         return "called without image_rotary_emb or encoder_hidden_states, or with an attention_mask (stock raises)"
-    if hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3:
-        return "token tensors that are not [B, S, C]"
+    if (
+        hidden_states.dim() != 3
+        or encoder_hidden_states.dim() != 3
+        or not (hidden_states.numel() and encoder_hidden_states.numel())
+    ):
+        return "token tensors that are not non-empty [B, S, C]"
     if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2):
         return "image_rotary_emb is not an (image, text) pair"
     half = self.inner_dim // self.heads // 2

@@ -62,8 +62,8 @@ def _call_angles(self, hidden_states, encoder_hidden_states, rotary_emb, kwargs)
         return "called with encoder_hidden_states or extra arguments"
     if rotary_emb is None:
         return "called without rotary_emb"
-    if hidden_states.dim() != 3:
-        return f"hidden states of shape {tuple(hidden_states.shape)}, not [B, S, C]"
+    if hidden_states.dim() != 3 or hidden_states.numel() == 0:
+        return f"hidden states of shape {tuple(hidden_states.shape)}, not non-empty [B, S, C]"
     return _angles(rotary_emb, *hidden_states.shape[:2], self.inner_dim // self.heads, hidden_states.device)
 
 

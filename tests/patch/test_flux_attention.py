@@ -170,6 +170,21 @@ def test_other_processors_and_calls_keep_the_stock_forward():
     assert "without image_rotary_emb" in reasons and "rotary tables of shape" in reasons, reasons
 
 
+def test_no_text_tokens_run_stock():
+    """An empty text stream (a prompt of zero tokens): the stock forward, which returns an empty text output."""
+    model = _flux()
+    attn = model.transformer_blocks[0].attn
+    hidden, text, (cos, sin) = _attention_args(model)
+    text, cos, sin = text[:, :0], cos[TEXT:], sin[TEXT:]
+    with torch.no_grad():
+        ref = attn(hidden, text, None, (cos, sin))
+        report = ldmopt.patch(model)
+        out = attn(hidden, text, None, (cos, sin))
+    assert out[1].shape == ref[1].shape == text.shape
+    assert_close(out[0], ref[0].double(), torch.float32, "image stream")
+    assert "not non-empty [B, S, C]" in " | ".join(report.fallbacks()), report.fallbacks()
+
+
 def test_hooked_norm_runs_stock():
     model = _flux()
     attn = model.transformer_blocks[0].attn
