@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..nn.child_check import qualified_name
@@ -87,9 +88,17 @@ def processor_attention(helpers, processor, query, key, value, attn_mask=None) -
     """The attention step of a diffusers processor as the processor runs it: its module's ``dispatch_attention_fn``
     (``helpers``) over [B, S, H, D] q, k and v with the processor's backend and parallel config, flattened to
     [B, S, H * D] in the queries' dtype."""
+    if not hasattr(helpers, "dispatch_attention_fn"):  # HunyuanVideo's processor before diffusers 0.36: torch's SDPA
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask, dropout_p=0.0,
+            is_causal=False,
+        ).transpose(1, 2)  # fmt: skip
+        return out.flatten(2, 3).to(query.dtype)
+    # Context parallelism (``_parallel_config``) arrived in diffusers 0.36, after the dispatcher (0.35).
+    parallel = {"parallel_config": processor._parallel_config} if hasattr(processor, "_parallel_config") else {}
     out = helpers.dispatch_attention_fn(
         query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=False,
-        backend=processor._attention_backend, parallel_config=processor._parallel_config,
+        backend=processor._attention_backend, **parallel,
     )  # fmt: skip
     return out.flatten(2, 3).to(query.dtype)
 

@@ -21,8 +21,10 @@ of calling it checks the child on every call (ldmopt.nn.child_check).
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -123,6 +125,18 @@ def diffusers_classes(*paths: str) -> tuple[type, ...]:
         except (ImportError, AttributeError):
             continue
     return tuple(found)
+
+
+@functools.cache
+def diffusers_at_least(version: str) -> bool:
+    """Whether the installed diffusers is ``version`` or newer (release numbers only: 0.39.0.dev0 counts as 0.39.0),
+    for the few places where a stock processor's behaviour changed between releases."""
+    import diffusers
+
+    def release(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
+
+    return release(diffusers.__version__) >= release(version)
 
 
 # ------------------------------------------------------------------------------------------------ class swap

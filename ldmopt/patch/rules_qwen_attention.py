@@ -8,7 +8,8 @@ parts are the cos and sin of one angle per pair, which ``ldmopt.ops.rms_norm(...
 strided views. q (and k) of both streams are normalised, rotated and concatenated [text | image] by one kernel that
 writes only the joint tensor (``rms_norm((text, image), ..., cat_dim=1)``; norms of different epsilons or output
 dtypes: one call per stream, then the concatenation). The fused forward keeps the rest of the processor:
-projections, the joint text/image mask it builds from ``encoder_hidden_states_mask``, the values' concatenation, the
+projections, the joint text/image mask it builds from ``encoder_hidden_states_mask`` (diffusers 0.39 and newer; before,
+the ``attention_mask`` it was given, the text mask unused, as the stock processor did), the values' concatenation, the
 attention backend and parallel config, the output projections. The output dtype of each norm is the stock module's
 (a half-precision weight's dtype).
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
 from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, diffusers_joint_norm_rope, processor_attention
-from .rule import Rule, Site, stock
+from .rule import Rule, Site, diffusers_at_least, stock
 
 _PAIRS = dict(rope_layout="pairs", rope_dim=-3)  # x [B, S, H, D], tables [S, D/2]
 _NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
@@ -33,6 +34,9 @@ _NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 #: The stock processor, by qualified name (a subclass is another processor; no import inside a traced forward).
 PROCESSOR = "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0"
+#: From this release the processor builds the joint mask from ``encoder_hidden_states_mask`` and refuses an
+#: ``attention_mask``; before it, it attended with ``attention_mask`` as given and ignored the text mask.
+MASK_FROM_TEXT = "0.39"
 
 
 def _tables(freqs: object, tokens: int, half: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | str:
@@ -53,8 +57,10 @@ def _call_tables(self, hidden_states, encoder_hidden_states, attention_mask, kwa
     if extra:
         return f"called with attention kwargs {sorted(extra)}"
     rotary = kwargs.get("image_rotary_emb")
-    if rotary is None or encoder_hidden_states is None or attention_mask is not None:
-        return "called without image_rotary_emb or encoder_hidden_states, or with an attention_mask (stock raises)"
+    if rotary is None or encoder_hidden_states is None:
+        return "called without image_rotary_emb or encoder_hidden_states"
+    if attention_mask is not None and diffusers_at_least(MASK_FROM_TEXT):
+        return "called with an attention_mask (stock raises)"
     if (
         hidden_states.dim() != 3
         or encoder_hidden_states.dim() != 3
@@ -85,7 +91,10 @@ def _qwen_attention_forward(self, hidden_states, encoder_hidden_states=None, att
         return stock(self)(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
 
     (image_tables, text_tables), processor = tables, self.processor
-    mask = _joint_mask(hidden_states, kwargs.get("encoder_hidden_states_mask"))
+    if diffusers_at_least(MASK_FROM_TEXT):
+        mask = _joint_mask(hidden_states, kwargs.get("encoder_hidden_states_mask"))
+    else:
+        mask = attention_mask
     head = (-1, self.inner_dim // self.heads)  # as the processor: a fixed head size (tensor parallelism)
     img_q, img_k, img_v = (proj(hidden_states).unflatten(-1, head) for proj in (self.to_q, self.to_k, self.to_v))
     txt = (self.add_q_proj, self.add_k_proj, self.add_v_proj)

@@ -77,7 +77,8 @@ def _fused_body(self, hidden_states, encoder_hidden_states, chunks, attention_ma
 
     # 1. Self-attention on (norm1(h) * (1 + scale) + shift) in the stream dtype.
     norm_hidden_states = adaln_modulate(flat(hidden_states), scale_msa, shift_msa, eps=self.norm1.eps).view(shape)
-    attn_output = self.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
+    # rotary_emb by keyword: SkyReels-V2 blocks before diffusers 0.36 hold the generic Attention (processor kwargs).
+    attn_output = self.attn1(norm_hidden_states, None, attention_mask, rotary_emb=rotary_emb)
 
     # 2. The gated residual add and norm2 in one kernel (or the stock add when norm2 is an Identity).
     if isinstance(self.norm2, nn.Identity):
@@ -90,7 +91,7 @@ def _fused_body(self, hidden_states, encoder_hidden_states, chunks, attention_ma
             return_residual=True,
         )  # fmt: skip
         norm_hidden_states, hidden_states = norm_hidden_states.view(shape), hidden_states.view(shape)
-    attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    attn_output = self.attn2(norm_hidden_states, encoder_hidden_states)
 
     # 3. Residual add + norm3 + modulation, then the feed-forward with its fp32 gated residual in the GEMM epilogue.
     norm_hidden_states, hidden_states = adaln_modulate(

@@ -2,6 +2,7 @@
 RoPE in one row kernel per tensor) against QwenDoubleStreamAttnProcessor2_0, fp32 and half, forward and backward."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -30,20 +31,29 @@ def _qwen(seed=0):
     return with_nontrivial_norms(model)
 
 
+#: diffusers before 0.37 sized the text's rotary tables from per-prompt ``txt_seq_lens`` (and did not mask padding).
+TEXT_LENGTHS_API = "txt_seq_lens" in inspect.signature(diffusers.QwenImageTransformer2DModel.forward).parameters
+
+
 def _inputs(batch=2, padded=True):
     mask = torch.ones(batch, TEXT)
     if padded:
         mask[-1, TEXT - 2 :] = 0  # the last prompt is shorter: its padding is masked out of the joint attention
-    return dict(
+    inputs = dict(
         hidden_states=R(batch, FRAMES * HEIGHT * WIDTH, 16), encoder_hidden_states=R(batch, TEXT, 24),
         encoder_hidden_states_mask=mask, timestep=torch.tensor([0.3, 0.7][:batch]),
         img_shapes=[[(FRAMES, HEIGHT, WIDTH)]] * batch, return_dict=False,
     )  # fmt: skip
+    return {**inputs, "txt_seq_lens": [TEXT] * batch} if TEXT_LENGTHS_API else inputs
 
 
 def _attention_args(model, batch=2):
     """(image [B, S, C], text [B, T, C], rotary tables) as the blocks' attention sees them."""
-    tables = model.pos_embed([[(FRAMES, HEIGHT, WIDTH)]] * batch, max_txt_seq_len=TEXT, device=torch.device("cpu"))
+    shapes, text, cpu = [[(FRAMES, HEIGHT, WIDTH)]] * batch, TEXT, torch.device("cpu")
+    if TEXT_LENGTHS_API:
+        tables = model.pos_embed(shapes, [text] * batch, device=cpu)
+    else:
+        tables = model.pos_embed(shapes, max_txt_seq_len=text, device=cpu)
     dim = model.config.num_attention_heads * model.config.attention_head_dim
     return R(batch, FRAMES * HEIGHT * WIDTH, dim), R(batch, TEXT, dim), tables
 

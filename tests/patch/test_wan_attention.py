@@ -78,6 +78,8 @@ def test_gradients_match_stock():
 def test_skyreels_and_per_sample_rotary_match_stock():
     model = _with_qk_affine(_skyreels())
     attn = model.blocks[1].attn1
+    if type(attn).__name__ != "SkyReelsV2Attention":
+        pytest.skip(f"this diffusers' SkyReels-V2 blocks hold {type(attn).__name__}, not SkyReelsV2Attention (0.36+)")
     hidden, rotary = _attention_args(model)
     # [B, S, 1, D]: one table per sample, the second sample's positions shifted (a row must read its own sample's)
     per_sample = tuple(torch.cat([t, t.roll(7, dims=1)]) for t in rotary)
