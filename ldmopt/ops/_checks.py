@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -41,16 +42,29 @@ def check_vector(name: str, t: torch.Tensor | None, length: int, like: torch.Ten
 
 
 def check_eps(eps: object) -> float:
-    """A normalisation's epsilon: a non-negative real number, returned as a float."""
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    """A normalisation's epsilon: a finite non-negative real number (not a bool), returned as a float."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite non-negative float, got {eps!r}")
     return float(eps)
 
 
+#: What the kernels write: fp8 and other floating types would need scaling the epilogues do not do.
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_out_dtype(out_dtype: object) -> None:
-    """An optional output dtype: None or a floating torch.dtype."""
-    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
-        raise TypeError(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
+    """An optional output dtype: None or one of :data:`OUT_DTYPES`."""
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be None or one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype!r}")
+
+
+def dense(t: torch.Tensor, dtype: torch.dtype, *, copy: bool = False) -> torch.Tensor:
+    """``t`` in ``dtype``, dense row-major: the layout every kernel writes and the ops' fakes declare (a reference
+    computed from a transposed input keeps its strides otherwise). ``copy``: never ``t`` itself (an op's output must
+    not alias its input)."""
+    if not copy and t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def check_activation(name: str, value: str | None, supported: Sequence[str | None]) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_eps, check_tensor
+from ._checks import check_eps, check_tensor, dense
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad, per_sample
 
@@ -47,7 +47,7 @@ def _fwd_torch(x, scale, shift, residual, gate, eps, store_sum, save):
     empty = x.new_empty((0,))
     if not save:
         mean, rstd = mean.new_empty((0,)), rstd.new_empty((0,))
-    return y.view(m, c).to(s.dtype, copy=True), (s.clone() if store_sum else empty), mean, rstd
+    return dense(y.view(m, c), s.dtype), (dense(s, s.dtype, copy=True) if store_sum else empty), mean, rstd
 
 
 def _bwd_torch(dy, s, mean, rstd, scale, dsum, x, gate):
@@ -63,10 +63,10 @@ def _bwd_torch(dy, s, mean, rstd, scale, dsum, x, gate):
     if dsum is not None:
         dx = dx + dsum.to(cd)
     if gate is None:
-        return dx.to(s.dtype), dscale, dshift, s.new_empty((0,)), dscale.new_empty((0,))
+        return dense(dx, s.dtype), dscale, dshift, s.new_empty((0,)), dscale.new_empty((0,))
     dxg = (dx.view(b, -1, c) * gate.to(cd)[:, None, :]).view(m, c)
     dgate = (dx * x.to(cd)).view(b, -1, c).sum(1)
-    return dx.to(s.dtype), dscale, dshift, dxg.to(x.dtype), dgate
+    return dense(dx, s.dtype), dscale, dshift, dense(dxg, x.dtype), dgate
 
 
 # ------------------------------------------------------------------------------------------------ triton
@@ -136,6 +136,17 @@ def adaln_modulate_fwd(
     """(y, s, mean, rstd): x, residual [M, C]; gate, scale, shift [B, C] (rows grouped by sample, M % B == 0).
     s = x + residual, or residual + gate[b] * x (gate needs a residual), [M, C], empty unless store_sum; y and s in x's
     dtype, the residual's with a gate; mean/rstd per row in the compute dtype (empty unless save)."""
+    # Checked here too, not only in ops.adaln_modulate: the kernels index the per-sample rows from these shapes.
+    m, c = x.shape
+    for name, t in (("scale", scale), ("shift", shift), ("gate", gate)):
+        if t is not None and (t.shape != scale.shape or t.dim() != 2 or t.shape[1] != c or not len(t) or m % len(t)):
+            raise ValueError(
+                f"adaln_modulate_fwd: {name} of shape {tuple(t.shape)} is not [B, {c}] (as scale) with B dividing M={m}"
+            )
+    if gate is not None and residual is None:
+        raise ValueError("adaln_modulate_fwd: a gate needs a residual (the gated sum is residual + gate * x)")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"adaln_modulate_fwd: residual of shape {tuple(residual.shape)} is not x's {tuple(x.shape)}")
     return FORWARD(x, scale, shift, residual, gate, eps, store_sum, save)
 
 
@@ -168,8 +179,8 @@ def adaln_modulate_bwd(
 def _(dy, s, mean, rstd, scale, dsum, x, gate):
     per = s.new_empty(scale.shape, dtype=compute_dtype(s))
     if gate is None:
-        return torch.empty_like(s), per, torch.empty_like(per), s.new_empty((0,)), per.new_empty((0,))
-    return torch.empty_like(s), per, torch.empty_like(per), torch.empty_like(x), torch.empty_like(per)
+        return s.new_empty(s.shape), per, torch.empty_like(per), s.new_empty((0,)), per.new_empty((0,))
+    return s.new_empty(s.shape), per, torch.empty_like(per), x.new_empty(x.shape), torch.empty_like(per)
 
 
 def _setup_context(ctx, inputs, output):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_operands
+from ._checks import dense
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import (
     TRITON_DTYPES,
@@ -42,7 +43,7 @@ def _bwd_torch(dy, pre):
     h, g = pre.to(cd).chunk(2, dim=-1)
     dyc = dy.to(cd)
     dpre = torch.cat([dyc * F.gelu(g), activation_grad_torch("gelu", g, dyc * h)], dim=-1)
-    return dpre.to(dy.dtype, copy=True), dpre.sum(0)
+    return dense(dpre, dy.dtype), dpre.sum(0)
 
 
 # ------------------------------------------------------------------------------------------------ triton
@@ -101,7 +102,7 @@ def geglu_bwd(dy: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
 
 @geglu_bwd.register_fake
 def _(dy, pre):
-    return torch.empty_like(pre, dtype=dy.dtype), dy.new_empty((pre.shape[1],), dtype=compute_dtype(dy))
+    return pre.new_empty(pre.shape, dtype=dy.dtype), dy.new_empty((pre.shape[1],), dtype=compute_dtype(dy))
 
 
 def _setup_context(ctx, inputs, output):

@@ -49,9 +49,11 @@ def _stats_triton(x, eps):
 
 
 def _stats_refuse_triton(x, eps):
+    reasons = triton_refusals(x, dtypes=TRITON_DTYPES)
+    if reasons:  # Triton missing among them: the kernel module imports it
+        return reasons
     from ldmopt.kernels.layer_norm_stats import MAX_C
 
-    reasons = triton_refusals(x, dtypes=TRITON_DTYPES)
     if x.shape[1] > MAX_C:
         reasons.append(f"rows of {x.shape[1]} channels (the statistics kernel holds rows of at most {MAX_C})")
     return reasons

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_operands
-from ._checks import check_activation, check_out_dtype, check_tensor
+from ._checks import check_activation, check_out_dtype, check_tensor, dense
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 
 SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
@@ -140,7 +140,7 @@ def _bwd_torch(dy, pre, gate, activation, need_dgate):
     if gate is not None:
         g = (g.view(gate.shape[0], -1, n) * gate.to(cd)[:, None, :]).view(m, n)
     dz = activation_grad_torch(activation, z, g) if activation is not None else g
-    return dz.to(dy.dtype, copy=True), dz.sum(0), dgate
+    return dense(dz, dy.dtype, copy=True), dz.sum(0), dgate
 
 
 # ------------------------------------------------------------------------------------------------ triton
@@ -207,6 +207,12 @@ def linear_fwd(
             f"linear_fwd: mix of shape {tuple(mix.shape)} needs x_tail shaped like x {tuple(x.shape)} (got {tail}) "
             "and one value per equal group of rows"
         )
+    # Checked here too, not only in ops.linear: the kernels index gate and residual rows from these shapes.
+    m, n = x.shape[0], weight.shape[0]
+    if gate is not None and (gate.dim() != 2 or gate.shape[1] != n or not gate.shape[0] or m % gate.shape[0]):
+        raise ValueError(f"linear_fwd: gate of shape {tuple(gate.shape)} is not [B, {n}] with B dividing M={m}")
+    if residual is not None and (residual.shape[-1] != n or residual.numel() != m * n):
+        raise ValueError(f"linear_fwd: residual of shape {tuple(residual.shape)} does not hold M={m} rows of {n}")
     return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail, mix, saturate)
 
 
@@ -229,7 +235,7 @@ def linear_bwd(
 def _(dy, pre, gate, activation, need_dgate):
     cd = compute_dtype(dy)
     dgate = dy.new_empty((gate.shape[0], dy.shape[1]) if need_dgate else (0,), dtype=cd)
-    return torch.empty_like(dy), dy.new_empty((dy.shape[1],), dtype=cd), dgate
+    return dy.new_empty(dy.shape), dy.new_empty((dy.shape[1],), dtype=cd), dgate
 
 
 def _setup_context(ctx, inputs, output):

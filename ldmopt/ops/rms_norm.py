@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_eps, check_out_dtype, check_tensor, check_vector
+from ._checks import check_eps, check_out_dtype, check_tensor, check_vector, dense
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad
 
@@ -55,9 +55,10 @@ def _fwd_torch(x, weight, bias, eps, dtype, save, cos=None, sin=None, rope_rows=
     if cos is not None:
         cos, sin = _tables(y, cos, sin, rope_rows, rope_per_pair)
         y = y * cos + _partner(y) * sin
+    y = dense(y, dtype)
     if not save:
-        return y.to(dtype), rstd.new_empty((0,))
-    return y.to(dtype), torch.stack([rstd, mean]) if center else rstd
+        return y, rstd.new_empty((0,))
+    return y, torch.stack([rstd, mean]) if center else rstd
 
 
 def _bwd_torch(dy, x, stats, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True, center=False,
@@ -75,7 +76,7 @@ def _bwd_torch(dy, x, stats, weight, cos=None, sin=None, rope_rows=1, rope_per_p
     dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     dw = (dyc * xhat).sum(0) if weight is not None else xhat.new_empty((0,))
     db = dyc.sum(0) if bias_grad else xhat.new_empty((0,))
-    return dx.to(x.dtype), dw, db
+    return dense(dx, x.dtype), dw, db
 
 
 # ------------------------------------------------------------------------------------------------ triton
@@ -174,7 +175,7 @@ def rms_norm_bwd(
 def _(dy, x, rstd, weight, cos=None, sin=None, rope_rows=1, rope_per_pair=True, center=False, bias_grad=False):
     dw = x.new_empty((x.shape[1],) if weight is not None else (0,), dtype=compute_dtype(x))
     db = x.new_empty((x.shape[1],) if bias_grad else (0,), dtype=compute_dtype(x))
-    return torch.empty_like(x), dw, db
+    return x.new_empty(x.shape), dw, db
 
 
 def _setup_context(ctx, inputs, output):

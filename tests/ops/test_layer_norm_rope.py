@@ -100,7 +100,7 @@ def test_compiles_fullgraph():
     [
         (lambda: layer_norm_rope(torch.randn(4, 8), torch.randn(6)), r"weight must have shape \(8,\)"),
         (lambda: layer_norm_rope(torch.randn(4, 8), None, torch.randn(6)), r"bias must have shape \(8,\)"),
-        (lambda: layer_norm_rope(torch.randn(4, 8), eps=-1.0), "eps must be a non-negative float"),
+        (lambda: layer_norm_rope(torch.randn(4, 8), eps=-1.0), "eps must be a finite non-negative float"),
         (lambda: layer_norm_rope(torch.randn(2, 5, 8), rope=(torch.ones(5, 8), torch.ones(5, 8))), "rope_layout"),
     ],
 )

@@ -90,8 +90,11 @@ def test_opcheck_and_compile():
     "call,match",
     [
         (lambda: rms_norm(torch.randn(4, 8), torch.randn(6)), r"weight must have shape \(8,\)"),
-        (lambda: rms_norm(torch.randn(4, 8), eps=-1.0), "eps must be a non-negative float"),
-        (lambda: rms_norm(torch.randn(4, 8), out_dtype=torch.int8), "out_dtype must be a floating torch"),
+        (lambda: rms_norm(torch.randn(4, 8), eps=-1.0), "eps must be a finite non-negative float, got -1.0"),
+        (lambda: rms_norm(torch.randn(4, 8), eps=float("nan")), "eps must be a finite non-negative float, got nan"),
+        (lambda: rms_norm(torch.randn(4, 8), eps=True), "eps must be a finite non-negative float, got True"),
+        (lambda: rms_norm(torch.randn(4, 8), out_dtype=torch.int8), "out_dtype must be None or one of"),
+        (lambda: rms_norm(torch.randn(4, 8), out_dtype=torch.float8_e4m3fn), "got torch.float8_e4m3fn"),
         (lambda: rms_norm(torch.randn(4, 0)), "x is empty"),
         (lambda: rms_norm(torch.tensor(1.0)), "at least 1 dim"),
     ],
