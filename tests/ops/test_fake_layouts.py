@@ -125,3 +125,27 @@ def test_ops_called_directly_check_the_rows_they_index():
         torch.ops.ldmopt.adaln_modulate_fwd(x, R(5, 8), R(5, 8), R(5, 8), R(1, 8), 1e-6, False, False)
     with pytest.raises(ValueError, match="a gate needs a residual"):
         torch.ops.ldmopt.adaln_modulate_fwd(x, R(5, 8), R(5, 8), None, R(5, 8), 1e-6, False, False)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_gn_conv2d(memory_format):
+    x = R(2, 8, 5, 3).to(memory_format=memory_format)
+    mean, rstd = torch.ops.ldmopt.gn_conv2d_stats.default(x, 4, 1e-5)
+    for out_groups in (0, 2):
+        args = (x, mean, rstd, R(8), R(8), R(6, 8, 3, 3), R(6), None, None, None, None, None, None, 4, "silu", 1,
+                [1, 1], "none", "none", "none", 1.0, out_groups, 1e-5)  # fmt: skip
+        _assert_fake_matches_real(torch.ops.ldmopt.gn_conv2d.default, args)
+
+
+def test_temporal_attention_on_strided_frames():
+    # (B, F, N, H, D) views of a (B, N, F, H, D) tensor: frames read with a stride, as the temporal layout does
+    q, k, v = (R(2, 5, 3, 2, 8).transpose(1, 2) for _ in range(3))
+    _assert_fake_matches_real(torch.ops.ldmopt.temporal_attention_fwd.default, (q, k, v, 0.35))
+    dout = R(2, 3, 5, 2, 8)
+    _assert_fake_matches_real(torch.ops.ldmopt.temporal_attention_bwd.default, (dout, q, k, v, 0.35))
+
+
+def test_rms_norm_joint_on_transposed_parts():
+    head, tail = T(2 * 3, C), T(2 * 4, C)
+    args = (head, tail, R(C), R(C), 1e-6, torch.float32, True, 3, 4)
+    _assert_fake_matches_real(torch.ops.ldmopt.rms_norm_joint_fwd.default, args)
