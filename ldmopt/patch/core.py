@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -212,10 +213,16 @@ def _plan(
     filter_fn: Callable[[nn.Module, str], bool] | None,
     training: bool,
     report: PatchReport,
-    planned: dict[int, nn.Module],
+    planned: set[int],
+    walked: set[int],
 ) -> list[tuple[Rule, Site]]:
+    """The (rule, site) pairs to apply to ``model``, reasons for the rest in ``report``. ``planned`` / ``walked``:
+    the modules that earlier models of this call fuse / have walked (shared modules are planned and reported once);
+    this model's are added."""
     table = _table()
     named = list(model.named_modules())
+    earlier = set(walked)  # walked for an earlier model of this call: planned or reported there
+    walked.update(id(m) for _, m in named)
     parents: dict[int, tuple[nn.Module, str]] = {}
     for _, m in named:
         for attr, child in m._modules.items():
@@ -223,7 +230,7 @@ def _plan(
                 parents.setdefault(id(child), (m, attr))
     # Earlier patch calls (on this model or a submodule): their modules stay claimed, their (rule, module) done.
     prior = [rec for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
-    report.already_patched += len(prior)
+    report.already_patched += sum(id(rec.site.module) not in earlier for rec in prior)
     # claimed: modules some rule fuses or replaces; inside: those fused into a module around them (never visited).
     claimed: set[int] = set()
     inside: set[int] = set()
@@ -236,7 +243,7 @@ def _plan(
     # Modules a patch of an enclosing model touched: already fused, their records are not in this tree.
     own = {id(m) for m in model.modules()}
     enclosing = [m for m in model.modules() if m in _CLAIMED_BY and id(_CLAIMED_BY[m]) not in own]
-    report.already_patched += len(enclosing)
+    report.already_patched += sum(id(m) not in earlier for m in enclosing)
     # Modules that an earlier model of this same call shares with this one: that model's plan fuses them.
     enclosing += [m for m in model.modules() if id(m) in planned]
     claimed.update(id(m) for m in enclosing)
@@ -244,7 +251,7 @@ def _plan(
     context = {rule.name: rule.prepare(model) for rule in _rules() if rule.family in families}
     actions: list[tuple[Rule, Site]] = []
     for name, m in named:
-        if id(m) in inside:
+        if id(m) in inside or id(m) in earlier:
             continue
         parent, attr = parents.get(id(m), (None, None))
         site = Site(name, m, parent, attr, training, context)
@@ -271,17 +278,26 @@ def _plan(
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
                 continue
             actions.append((rule, site))
-            planned.update((id(t), t) for t in touched.values())
+            planned.update(id(t) for t in touched.values())
             claimed.update(id(t) for t in touched.values())
             inside.update(id(t) for rel, t in touched.items() if rel)
     return actions
 
 
-def _restore(records: list[_Record]) -> None:
+def _restore(records: list[_Record], *, best_effort: bool = False) -> list[str]:
+    """Undo ``records``, newest first. best_effort (rolling back a failed patch): a restore that raises is reported
+    in the returned list and the others still run, so the caller's own exception is the one that surfaces."""
+    failed = []
     for rec in reversed(records):
-        rec.rule.restore(rec.site, rec.data)
+        try:
+            rec.rule.restore(rec.site, rec.data)
+        except Exception as error:
+            if not best_effort:
+                raise
+            failed.append(f"{rec.site.name or '<root>'} [{rec.rule.name}]: {type(error).__name__}: {error}")
         for touched in rec.rule.touched(rec.site).values():
             _CLAIMED_BY.pop(touched, None)
+    return failed
 
 
 def patch(
@@ -331,10 +347,11 @@ def patch(
         _layout_copies_at_patch=layout_copy_counts(),
     )
     plans = []
-    planned: dict[int, nn.Module] = {}  # touched by the plans so far: a module two models share is planned once
+    planned: set[int] = set()  # modules the plans so far fuse, and those they walked: shared ones are planned once
+    walked: set[int] = set()
     for label, model in models:
         report.models[label] = type(model).__name__
-        plans.append((label, model, _plan(label, model, selected, filter_fn, training, report, planned)))
+        plans.append((label, model, _plan(label, model, selected, filter_fn, training, report, planned, walked)))
     if strict:
         refused = [s for s in report.skipped if not s.by_user]
         if refused:
@@ -354,8 +371,14 @@ def patch(
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
                 report._counters.extend(rule.counters(data))
     except BaseException:
-        for _, records in reversed(applied):
-            _restore(records)
+        failed = [why for _, records in reversed(applied) for why in _restore(records, best_effort=True)]
+        if failed:
+            warnings.warn(
+                "ldmopt.patch failed and could not undo every change; these modules may stay modified:\n  "
+                + "\n  ".join(failed),
+                RuntimeWarning,
+                stacklevel=2,
+            )
         raise
     for model, records in applied:
         if records:

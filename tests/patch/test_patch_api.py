@@ -160,6 +160,31 @@ def test_a_replace_that_raises_undoes_the_whole_call(monkeypatch):
     assert ldmopt.unpatch(pipe) == report.total
 
 
+def test_a_failed_rollback_still_raises_the_original_error(monkeypatch):
+    """A restore that raises while a failed patch is rolled back is reported in a warning; the other modules are
+    still restored and the replace's own error is the one raised."""
+    vae, unet = models.vae().eval(), models.sd15_unet().eval()
+    table = rule_table()
+    geglu = next(iter(table[type(unet.down_blocks[0].attentions[0].transformer_blocks[0].ff.net[0])]))
+    group_norm = next(r for r in table[nn.GroupNorm] if r.name == "group_norm")
+    monkeypatch.setattr(geglu, "replace", lambda site: (_ for _ in ()).throw(RuntimeError("replace failed")))
+    real_restore, restored = group_norm.restore, []
+
+    def restore_failing_once(site, data):
+        if not restored:
+            restored.append(site.name)
+            raise OSError("restore failed")
+        real_restore(site, data)
+
+    monkeypatch.setattr(group_norm, "restore", restore_failing_once)
+    warned = pytest.warns(RuntimeWarning, match=r"(?s)could not undo every change.*\[group_norm\]: OSError: restore")
+    with warned, pytest.raises(RuntimeError, match="replace failed"):
+        ldmopt.patch(_Pipeline(vae=vae, unet=unet))
+    assert not is_patched(vae) and not is_patched(unet)
+    stock_group_norms = [n for n, m in vae.named_modules() if type(m) is nn.GroupNorm]
+    assert len(stock_group_norms) == _n_group_norms(models.vae()) - 1 and restored[0] not in stock_group_norms
+
+
 def test_repr_deepcopy_and_torch_save(tmp_path):
     unet = models.sd15_unet().eval()
     x = models.inputs("sd15", unet)
