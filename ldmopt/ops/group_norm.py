@@ -112,11 +112,28 @@ def _bwd_cuda(dy, x, weight, bias, mean, rstd, num_groups, activation):
     return torch.ops.ldmopt.group_norm_bwd_cuda(dy, x, weight, bias, mean, rstd, num_groups, activation or "")
 
 
-def _cuda_refuse(symbol: str, *tensors: Tensor) -> list[str]:
+def _cuda_layout(x: Tensor) -> bool:
+    """The layouts csrc/group_norm reads: contiguous, or channels-last (C innermost) for 3-, 4- and 5-D x."""
+    if x.is_contiguous() or (x.dim() == 3 and x.transpose(1, 2).is_contiguous()):
+        return True
+    return x.dim() in (4, 5) and x.is_contiguous(memory_format=memory_format_of(x)) and not x.is_contiguous()
+
+
+def _cuda_refuse(symbol: str, *tensors: Tensor, stats: tuple[Tensor, ...] = ()) -> list[str]:
+    """What the C++ op would refuse, so that another backend runs instead (the forward's input is dense already;
+    gn_conv2d's backward hands any layout, and stats a user passed, here)."""
     x = tensors[-1]
     reasons = cuda_extension_refusals(symbol, *tensors)
-    if not reasons and x.dtype not in _TRITON_DTYPES:
-        reasons = [f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)"]
+    if reasons:
+        return reasons
+    if x.dtype not in _TRITON_DTYPES:
+        reasons.append(f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)")
+    if not _cuda_layout(x):
+        reasons.append(f"x strides {x.stride()} are neither contiguous nor channels-last")
+    if any(t.dtype != x.dtype for t in tensors):
+        reasons.append("dy and x of different dtypes")
+    if any(t.dtype != torch.float32 for t in stats):
+        reasons.append("statistics not in fp32")
     return reasons
 
 
@@ -131,7 +148,11 @@ FORWARD = BackendTable(
 BACKWARD = BackendTable(
     "group_norm_backward",
     [
-        Backend("cuda", _bwd_cuda, lambda dy, x, *a: _cuda_refuse("group_norm_bwd_cuda", dy, x)),
+        Backend(
+            "cuda",
+            _bwd_cuda,
+            lambda dy, x, w, b, mean, rstd, *a: _cuda_refuse("group_norm_bwd_cuda", dy, x, stats=(mean, rstd)),
+        ),
         Backend("triton", _bwd_triton, lambda dy, x, *a: _triton_refuse(x) or triton_refusals(dy)),
         Backend("torch", _bwd_torch),
     ],
@@ -209,14 +230,20 @@ def group_norm(
     eps: float = 1e-5,
     activation: str | None = None,
 ) -> Tensor:
-    """``act(group_norm(x))`` for (N, C, H, W) or (N, C, F, H, W) inputs, contiguous or channels-last.
+    """``act(group_norm(x))`` for (N, C, *) inputs as torch.nn.GroupNorm takes them: (N, C, H, W) or (N, C, F, H, W),
+    contiguous or channels-last, read in place; (N, C), (N, C, L) and more than three trailing dims as (N, C, L).
 
     Math: per (n, group) mean and biased variance in fp32 (fp64 for fp64 inputs), ``y = (x - mean) * rstd * weight
     + bias``, then ``activation`` (None or "silu"). The output has x's memory format. Tolerance versus an fp64
     reference: within 2x the error of PyTorch's own F.group_norm in x's dtype. Other dense layouts are made
     contiguous first.
     """
-    check_tensor("x", x, ndim=(3, 4, 5))
+    check_tensor("x", x)
+    if x.dim() < 2:
+        raise ValueError(f"x must have shape (N, C, *), got {tuple(x.shape)}")
+    if x.dim() not in (3, 4, 5):  # the kernels' layouts; the statistics do not depend on how the rest is shaped
+        y = group_norm(x.reshape(*x.shape[:2], -1), num_groups, weight, bias, eps, activation)
+        return y.view(x.shape)
     if not isinstance(num_groups, int) or num_groups <= 0:
         raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
     c = x.shape[1]

@@ -41,6 +41,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from ._autocast import autocast_operands
 from ._checks import check_tensor
 from ._dispatch import (
     Backend,
@@ -322,8 +323,11 @@ def temporal_attention(
 
     Kernels serve F <= 64, head_dim <= 256, fp32/fp16/bf16 on CUDA (or CPU with TRITON_INTERPRET=1); other inputs run
     on the torch reference. Scores, softmax and accumulation are fp32. Tolerance versus an fp64 reference: within
-    2x the error of PyTorch's own F.scaled_dot_product_attention in the input dtype (plus a small floor).
+    2x the error of PyTorch's own F.scaled_dot_product_attention in the input dtype (plus a small floor). Under
+    torch.autocast q, k and v are first cast to the autocast dtype, as F.scaled_dot_product_attention casts them (q/k
+    from an fp32 norm beside an fp16 v, say).
     """
+    q, k, v = autocast_operands(q, k, v)
     _check_inputs(q, k, v, scale, out)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if out is None:

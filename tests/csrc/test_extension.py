@@ -242,3 +242,32 @@ def test_missing_library_gives_the_build_reason_without_warning(monkeypatch, fre
     ok, why = _env.cuda_extension_status()
     assert not ok and why
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+BACKWARD_INPUTS = {
+    "contiguous": (meta(2, 8, 3, 3), stats),
+    "channels-last": (meta(2, 8, 3, 3).to(memory_format=torch.channels_last), stats),
+    "channels-last 3-D": (meta(2, 9, 8).transpose(1, 2), stats),
+    "channels-last 5-D": (meta(2, 8, 2, 3, 3).to(memory_format=torch.channels_last_3d), stats),
+    "channel-strided": (meta(2, 16, 3, 3)[:, ::2], stats),
+    "spatially strided": (meta(2, 8, 3, 6)[..., ::2], stats),
+    "fp64 statistics": (meta(2, 8, 3, 3), stats.double()),
+}
+
+
+@needs_extension
+@pytest.mark.parametrize("case", list(BACKWARD_INPUTS))
+def test_python_refusal_matches_what_the_cpp_op_refuses(case, monkeypatch):
+    """The cuda backend's refusal names exactly the backward inputs its C++ op would reject, so that those (from
+    gn_conv2d's backward: any layout, user statistics) go to another backend instead of raising on a GPU."""
+    module = importlib.import_module("ldmopt.ops.group_norm")  # the module; ldmopt.ops.group_norm is the function
+    monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])  # as on a machine with the extension
+    x, st = BACKWARD_INPUTS[case]
+    dy = torch.empty_like(x)
+    try:
+        gn_bwd(dy, x, None, None, st, st, 4, "")
+        cpp_refuses = False
+    except (RuntimeError, TypeError):
+        cpp_refuses = True
+    refused = module._cuda_refuse("group_norm_bwd_cuda", dy, x, stats=(st, st))
+    assert bool(refused) == cpp_refuses, (case, refused)

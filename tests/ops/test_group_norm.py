@@ -142,7 +142,7 @@ def test_module_is_drop_in():
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: group_norm(torch.randn(2, 6), 3), "x must have 3 or 4 or 5 dims"),
+        (lambda: group_norm(torch.randn(6), 3), r"x must have shape \(N, C, \*\), got \(6,\)"),
         (lambda: group_norm(torch.randn(2, 10, 4, 4), 3), "C=10 channels, not divisible by num_groups=3"),
         (lambda: group_norm(torch.randn(2, 6, 4, 4), 3, torch.randn(5)), r"weight must have shape \(6,\)"),
         (lambda: group_norm(torch.randn(2, 6, 4, 4), 3, None, torch.randn(6, 1)), "bias must have 1 dims"),
@@ -155,6 +155,23 @@ def test_module_is_drop_in():
 def test_bad_input_messages(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("shape", [(3, 24), (2, 6, 1, 3, 2, 3)])  # groups of 8 and 36 elements: well conditioned
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_any_rank_torch_takes(shape, backend):
+    """(N, C) and more than three trailing dims, as torch.nn.GroupNorm takes them, with gradients."""
+    c = shape[1]
+    x, w, b = torch.randn(shape, requires_grad=True), torch.randn(c, requires_grad=True), torch.randn(c)
+    with ldmopt.use_backend(backend):
+        out = group_norm(x, 3, w, b, activation="silu")
+    ref = F.silu(F.group_norm(x.double(), 3, w.double(), b.double()))
+    assert out.shape == x.shape
+    assert_close(out, ref, torch.float32, f"{len(shape)}-D")
+    grads = torch.autograd.grad(out.square().sum(), (x, w))
+    want = torch.autograd.grad(ref.square().sum(), (x, w))
+    for g, e in zip(grads, want):
+        assert_close(g, e, torch.float32, "grad")
 
 
 def test_forced_backend_that_cannot_serve_raises_with_reasons():

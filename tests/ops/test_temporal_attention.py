@@ -143,6 +143,19 @@ def test_out_refuses_autograd():
         temporal_attention(q, k, v, out=torch.empty(q.shape))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_autocast_casts_mixed_operands_as_sdpa(backend):
+    """fp32 q/k (from a per-head norm) beside an fp16 v under autocast: cast to fp16 as SDPA casts them, not refused."""
+    q, k = torch.randn(2, 5, 3, 2, 8), torch.randn(2, 5, 3, 2, 8)
+    v = torch.randn(2, 5, 3, 2, 8, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16), ldmopt.use_backend(backend):
+        out = temporal_attention(q, k, v)
+        ref = _sdpa(q, k, v)
+    assert out.dtype == ref.dtype == torch.float16
+    expected = _sdpa(q.half().double(), k.half().double(), v.double())
+    assert_within_torch_error(out, expected, ref, "autocast")
+
+
 def test_grid_limit_is_not_reached():
     from ldmopt.kernels.temporal_attention import launch_grid
 
