@@ -5,7 +5,8 @@ Layout: x and residual are addressed as [M, C] rows with arbitrary strides (M = 
 [B, C] (and gate) with arbitrary strides, applied to row m through sample b = m // T (T = M / B). Outputs y (and the
 residual sum s when asked) are fresh contiguous [M, C] in y's dtype, to which the sum is rounded before the norm reads
 it; mean/rstd are fp32 [M]. fp32/fp16/bf16 in and out (inputs may differ), statistics in fp32 over the whole row held
-in registers (C <= MAX_C), int64 row offsets.
+in registers (C <= MAX_C), int64 row offsets; column offsets int64 too when some operand's reach 2^31 (INT64_COLS: a
+column-strided view such as an NCHW map read as [HW, C]).
 Algorithm: forward reads each row once (centred two-pass variance in registers). Backward, per chunk of rows of one
 sample: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * (1 + scale[b]), plus per-chunk column sums of
 dy (d shift) and dy * xhat (d scale); with a gate, d residual = ds, d x = ds * gate[b] and per-chunk column sums of
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._common import new_output, row_tiles
-from .linear import divisibility_attrs, row_chunks
+from .linear import divisibility_attrs, int64_columns, row_chunks
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
 MAX_C = 8192
@@ -56,20 +57,25 @@ def _adaln_fwd_kernel(
     HAS_GATE: tl.constexpr,
     STORE_SUM: tl.constexpr,
     STORE_STATS: tl.constexpr,
+    INT64_COLS: tl.constexpr,  # int64_columns(): some operand's column offsets reach 2^31
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
+    if INT64_COLS:  # a column stride (a channel of an NCHW map read as [HW, C]) times C can pass 2^31
+        c_idx = c.to(tl.int64)
+    else:  # int32 offsets are exact: fewer registers
+        c_idx = c
     r_ok = rows < M
     c_ok = c < C
     mask = r_ok[:, None] & c_ok[None, :]
     sample = rows // T
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + c[None, :] * stride_xc, mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + c_idx[None, :] * stride_xc, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows[:, None] * stride_rm + c[None, :] * stride_rc, mask=mask, other=0.0)
+        r = tl.load(res_ptr + rows[:, None] * stride_rm + c_idx[None, :] * stride_rc, mask=mask, other=0.0)
         if HAS_GATE:
-            g = tl.load(gate_ptr + sample[:, None] * stride_gb + c[None, :] * stride_gc, mask=mask, other=0.0)
+            g = tl.load(gate_ptr + sample[:, None] * stride_gb + c_idx[None, :] * stride_gc, mask=mask, other=0.0)
             x = r.to(tl.float32) + g.to(tl.float32) * x.to(tl.float32)
         else:
             x = x.to(tl.float32) + r.to(tl.float32)
@@ -81,8 +87,8 @@ def _adaln_fwd_kernel(
     mean = tl.sum(x, axis=1) / C
     centred = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / C + eps)
-    sc = tl.load(scale_ptr + sample[:, None] * stride_scb + c[None, :] * stride_scc, mask=mask, other=0.0)
-    sh = tl.load(shift_ptr + sample[:, None] * stride_shb + c[None, :] * stride_shc, mask=mask, other=0.0)
+    sc = tl.load(scale_ptr + sample[:, None] * stride_scb + c_idx[None, :] * stride_scc, mask=mask, other=0.0)
+    sh = tl.load(shift_ptr + sample[:, None] * stride_shb + c_idx[None, :] * stride_shc, mask=mask, other=0.0)
     y = centred * rstd[:, None] * (1.0 + sc.to(tl.float32)) + sh.to(tl.float32)
     tl.store(y_ptr + rows[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if STORE_STATS:
@@ -123,6 +129,7 @@ def _adaln_bwd_kernel(
     n_chunks,
     HAS_DSUM: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    INT64_COLS: tl.constexpr,  # as in the forward
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -130,8 +137,12 @@ def _adaln_bwd_kernel(
     chunk = pid % n_chunks
     sample = (pid // n_chunks).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
+    if INT64_COLS:
+        c_idx = c.to(tl.int64)
+    else:
+        c_idx = c
     c_ok = c < C
-    sc = tl.load(scale_ptr + sample * stride_scb + c * stride_scc, mask=c_ok, other=0.0).to(tl.float32)
+    sc = tl.load(scale_ptr + sample * stride_scb + c_idx * stride_scc, mask=c_ok, other=0.0).to(tl.float32)
     t_begin = chunk * ROWS_PER_PROG
     t_end = tl.minimum(t_begin + ROWS_PER_PROG, T)
     sum_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -142,9 +153,9 @@ def _adaln_bwd_kernel(
         r_ok = t < t_end
         mask = r_ok[:, None] & c_ok[None, :]
         rows = sample * T + t.to(tl.int64)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + c[None, :] * stride_dyc, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + c_idx[None, :] * stride_dyc, mask=mask, other=0.0)
         dy = dy.to(tl.float32)
-        s = tl.load(s_ptr + rows[:, None] * stride_sm + c[None, :] * stride_sc, mask=mask, other=0.0)
+        s = tl.load(s_ptr + rows[:, None] * stride_sm + c_idx[None, :] * stride_sc, mask=mask, other=0.0)
         mean = tl.load(mean_ptr + rows, mask=r_ok, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=r_ok, other=0.0)
         xhat = tl.where(mask, (s.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
@@ -155,14 +166,14 @@ def _adaln_bwd_kernel(
         c2 = tl.sum(g * xhat, axis=1) / C
         dx = rstd[:, None] * (g - c1[:, None] - xhat * c2[:, None])
         if HAS_DSUM:
-            ds = tl.load(dsum_ptr + rows[:, None] * stride_dsm + c[None, :] * stride_dsc, mask=mask, other=0.0)
+            ds = tl.load(dsum_ptr + rows[:, None] * stride_dsm + c_idx[None, :] * stride_dsc, mask=mask, other=0.0)
             dx += ds.to(tl.float32)
         tl.store(dx_ptr + rows[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_GATE:
-            xg = tl.load(xg_ptr + rows[:, None] * stride_xgm + c[None, :] * stride_xgc, mask=mask, other=0.0)
+            xg = tl.load(xg_ptr + rows[:, None] * stride_xgm + c_idx[None, :] * stride_xgc, mask=mask, other=0.0)
             sum_dgate += tl.sum(dx * xg.to(tl.float32), axis=0)  # xg is 0 outside the mask
             # Loaded per chunk of rows (a cached [C] row), not held across the loop: at C=5120 that would spill.
-            gv = tl.load(gate_ptr + sample * stride_gb + c * stride_gc, mask=c_ok, other=0.0).to(tl.float32)
+            gv = tl.load(gate_ptr + sample * stride_gb + c_idx * stride_gc, mask=c_ok, other=0.0).to(tl.float32)
             dxg = dx * gv[None, :]
             tl.store(dxg_ptr + rows[:, None] * C + c[None, :], dxg.to(dxg_ptr.dtype.element_ty), mask=mask)
     out = (sample * n_chunks + chunk) * C + c
@@ -207,8 +218,8 @@ def adaln_fwd(
         y, s, mean, rstd, x, residual if residual is not None else x, gate if gate is not None else scale, scale,
         shift, x.stride(0), x.stride(1), rs[0], rs[1], gs[0], gs[1], scale.stride(0), scale.stride(1),
         shift.stride(0), shift.stride(1), m, c, tokens, eps, HAS_RESIDUAL=residual is not None,
-        HAS_GATE=gate is not None, STORE_SUM=store_sum, STORE_STATS=store_stats, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=warps,
+        HAS_GATE=gate is not None, STORE_SUM=store_sum, STORE_STATS=store_stats,
+        INT64_COLS=int64_columns(x, residual, gate, scale, shift), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     return y, s, mean, rstd
 
@@ -244,8 +255,8 @@ def adaln_bwd(
         ds_out, dx, part_dscale, part_dshift, part_dgate, dy, s, dsum if dsum is not None else dy,
         x if has_gate else s, gate if has_gate else scale, mean, rstd, scale, dy.stride(0), dy.stride(1),
         s.stride(0), s.stride(1), dss[0], dss[1], xs[0], xs[1], gs[0], gs[1], scale.stride(0), scale.stride(1), c,
-        tokens, rows, n_chunks, HAS_DSUM=dsum is not None, HAS_GATE=has_gate, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=warps,
+        tokens, rows, n_chunks, HAS_DSUM=dsum is not None, HAS_GATE=has_gate,
+        INT64_COLS=int64_columns(dy, s, dsum, x, gate, scale), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     dscale = part_dscale.view(num_samples, n_chunks, c).sum(1)
     dshift = part_dshift.view(num_samples, n_chunks, c).sum(1)
@@ -276,7 +287,8 @@ def aot_specs() -> list[dict]:
         }  # fmt: skip
         constexprs = {
             "stride_xc": 1, "stride_rc": 1, "stride_gc": 1, "stride_scc": 1, "stride_shc": 1, "HAS_RESIDUAL": residual,
-            "HAS_GATE": gate, "STORE_SUM": residual, "STORE_STATS": True, "BLOCK_R": block_r, "BLOCK_C": block_c,
+            "HAS_GATE": gate, "STORE_SUM": residual, "STORE_STATS": True, "INT64_COLS": False, "BLOCK_R": block_r,
+            "BLOCK_C": block_c,
         }  # fmt: skip
         attrs = divisibility_attrs(_adaln_fwd_kernel, signature, constexprs, skip=("M", "T"))
         specs.append(
@@ -294,7 +306,7 @@ def aot_specs() -> list[dict]:
         }  # fmt: skip
         constexprs = {
             "stride_dyc": 1, "stride_sc": 1, "stride_dsc": 1, "stride_xgc": 1, "stride_gc": 1, "stride_scc": 1,
-            "HAS_DSUM": residual, "HAS_GATE": gate, "BLOCK_R": block_r, "BLOCK_C": block_c,
+            "HAS_DSUM": residual, "HAS_GATE": gate, "INT64_COLS": False, "BLOCK_R": block_r, "BLOCK_C": block_c,
         }  # fmt: skip
         attrs = divisibility_attrs(_adaln_bwd_kernel, signature, constexprs, skip=("T", "n_chunks"))
         specs.append(

@@ -5,7 +5,7 @@ output is then never written, and one statistics pass serves every GEMM that rea
 to_k and to_v).
 Layout: x is addressed as [M, C] rows with arbitrary strides; stats is a fresh contiguous [2, M] fp32 tensor (means,
 then rstds). fp32/fp16/bf16 in; whole rows held in registers (C <= MAX_C), centred two-pass variance (no
-cancellation for rows far from zero mean), int64 row offsets.
+cancellation for rows far from zero mean), int64 row and column offsets.
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ def _row_stats_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # M + rows (the rstds) too
     cols = tl.arange(0, BLOCK_C)
     r_ok = rows < M
     mask = r_ok[:, None] & (cols < C)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
+    # int64 column offsets as well: a column-strided view (an NCHW map as [HW, C]) can span 2^31 elements or more.
+    x_offs = rows[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xc
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
     x = x.to(tl.float32)
     mean = tl.sum(x, axis=1) / C
     centred = tl.where(mask, x - mean[:, None], 0.0)

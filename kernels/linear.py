@@ -9,7 +9,8 @@ The input may come in two parts, x [M, K] and x_tail [M, K2] (any strides), read
 against the weight's K + K2 columns: a concatenation made only for this GEMM is never written. Or, blended
 (BLEND), two [M, K] inputs read as ``mix[m // T_MIX] * x + (1 - mix[m // T_MIX]) * x_tail`` (SVD's AlphaBlender
 before a container's proj_out), mixed in fp32 and rounded once to the input dtype before the dot.
-fp32/fp16/bf16 in and out; fp32 accumulation; int64 row offsets.
+fp32/fp16/bf16 in and out; fp32 accumulation; int64 offsets (the gate's and the residual's column offsets int32 unless
+they reach 2^31: INT64_COLS).
 Algorithm: one flat K loop of tl.dot over [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles in grouped tile order (L2 reuse
 of the weight columns), then bias, activation, gate and residual on the fp32 accumulator. Backward: a row-chunked
 elementwise kernel writes dz = act'(z) * gate * dy and per-chunk column sums for d(bias) and d(gate); the matmuls
@@ -115,13 +116,15 @@ def accumulate_k(
 ):
     """acc + A B over K: A tiles [BLOCK_M, BLOCK_K] at a_ptrs, B tiles [BLOCK_K, BLOCK_N] at b_ptrs; only the K tail is
     masked (rows and columns past the edge wrap onto valid ones)."""
+    a_step = tl.cast(BLOCK_K, tl.int64) * stride_ak  # int64: BLOCK_K times a huge column stride can pass 2^31
+    b_step = tl.cast(BLOCK_K, tl.int64) * stride_bk
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        a_ptrs += a_step
+        b_ptrs += b_step
     return acc
 
 
@@ -131,6 +134,9 @@ def accumulate_k_blend(
     INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """accumulate_k of the per-row blend ``mix * A + (1 - mix) * A2`` (mix [BLOCK_M] fp32), formed in registers."""
+    a_step = tl.cast(BLOCK_K, tl.int64) * stride_ak  # int64, as in accumulate_k
+    a2_step = tl.cast(BLOCK_K, tl.int64) * stride_a2k
+    b_step = tl.cast(BLOCK_K, tl.int64) * stride_bk
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
@@ -138,9 +144,9 @@ def accumulate_k_blend(
         blended = mix[:, None] * a.to(tl.float32) + (1.0 - mix[:, None]) * a2  # exact at mix 0 and 1
         b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(blended.to(a.dtype), b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        a2_ptrs += BLOCK_K * stride_a2k
-        b_ptrs += BLOCK_K * stride_bk
+        a_ptrs += a_step
+        a2_ptrs += a2_step
+        b_ptrs += b_step
     return acc
 
 
@@ -152,6 +158,8 @@ def accumulate_k_normed(
 ):  # fmt: skip
     """accumulate_k of the LayerNorm'd rows (layer_normed: fp32 statistics mean/rstd [BLOCK_M]), formed in registers
     and rounded to B's dtype (A may be wider: an fp32 stream under autocast)."""
+    a_step = tl.cast(BLOCK_K, tl.int64) * stride_ak  # int64, as in accumulate_k
+    b_step = tl.cast(BLOCK_K, tl.int64) * stride_bk
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
@@ -159,8 +167,8 @@ def accumulate_k_normed(
                          pos_rows, HAS_POS)  # fmt: skip
         b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(h.to(b.dtype), b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        a_ptrs += a_step
+        b_ptrs += b_step
     return acc
 
 
@@ -215,6 +223,7 @@ def _linear_fwd_kernel(
     NORM_POS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     SATURATE: tl.constexpr,
+    INT64_COLS: tl.constexpr,  # int64_columns(gate, residual): their column offsets reach 2^31
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -225,15 +234,17 @@ def _linear_fwd_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    # int64 offsets: a column-strided view (an NCHW map read as [HW, C]) can span 2^31 elements or more.
+    rk64 = rk.to(tl.int64)
     # Rows/columns past the edge wrap onto valid ones, so only the K tail needs a load mask; the store masks them.
     rows = (rm % M).to(tl.int64)
     w_rows = (rn % N).to(tl.int64)[None, :] * stride_wn
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :] * stride_xk
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + rk64[None, :] * stride_xk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_ptrs = w_ptr + w_rows + rk[:, None] * stride_wk
+    w_ptrs = w_ptr + w_rows + rk64[:, None] * stride_wk
     if BLEND:
         mix = tl.load(mix_ptr + rows // T_MIX)
-        x2_ptrs = x2_ptr + rows[:, None] * stride_x2m + rk[None, :] * stride_x2k
+        x2_ptrs = x2_ptr + rows[:, None] * stride_x2m + rk64[None, :] * stride_x2k
         acc = accumulate_k_blend(acc, x_ptrs, x2_ptrs, mix, w_ptrs, rk, K, stride_xk, stride_x2k, stride_wk, BLOCK_K,
                                  INPUT_PRECISION)  # fmt: skip
     elif NORM:
@@ -246,13 +257,17 @@ def _linear_fwd_kernel(
     else:
         acc = accumulate_k(acc, x_ptrs, w_ptrs, rk, K, stride_xk, stride_wk, BLOCK_K, INPUT_PRECISION)
     if HAS_TAIL:  # the weight's last K2 columns against the second part of the input
-        x2_ptrs = x2_ptr + rows[:, None] * stride_x2m + rk[None, :] * stride_x2k
-        w2_ptrs = w_ptr + w_rows + (K + rk)[:, None] * stride_wk
+        x2_ptrs = x2_ptr + rows[:, None] * stride_x2m + rk64[None, :] * stride_x2k
+        w2_ptrs = w_ptr + w_rows + (K + rk64)[:, None] * stride_wk
         acc = accumulate_k(acc, x2_ptrs, w2_ptrs, rk, K2, stride_x2k, stride_wk, BLOCK_K, INPUT_PRECISION)
 
     n_ok = rn < N
     mask = (rm < M)[:, None] & n_ok[None, :]
     rm64 = rm.to(tl.int64)
+    if INT64_COLS:  # the gate's and the residual's column offsets
+        rn_idx = rn.to(tl.int64)
+    else:  # int32 is exact there: fewer registers in the epilogue (int64 spills some tiles)
+        rn_idx = rn
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_offs = rm64[:, None] * N + rn[None, :]
@@ -261,14 +276,14 @@ def _linear_fwd_kernel(
     out = ACTIVATION(acc)
     if HAS_GATE:
         sample = rm64 // T
-        g = tl.load(gate_ptr + sample[:, None] * stride_gb + rn[None, :] * stride_gn, mask=mask, other=0.0)
+        g = tl.load(gate_ptr + sample[:, None] * stride_gb + rn_idx[None, :] * stride_gn, mask=mask, other=0.0)
         out = out * g.to(tl.float32)
     if HAS_RESIDUAL:
         if RESIDUAL_3D:  # int32 div/mod (rows < 2^31), int64 offsets
             r_rows = (rm // RES_T).to(tl.int64) * stride_rb + (rm % RES_T).to(tl.int64) * stride_rt
         else:
             r_rows = rm64 * stride_rt
-        r = tl.load(res_ptr + r_rows[:, None] + rn[None, :] * stride_rn, mask=mask, other=0.0)
+        r = tl.load(res_ptr + r_rows[:, None] + rn_idx[None, :] * stride_rn, mask=mask, other=0.0)
         out = out + r.to(tl.float32)
     if SATURATE:  # Flux's fp16 clip(-65504, 65504), before the rounding that would overflow to inf
         out = tl.minimum(tl.maximum(out, -sat_max, propagate_nan=tl.PropagateNan.ALL), sat_max,
@@ -324,9 +339,10 @@ def _linear_bwd_kernel(
     chunk = (pid // n_nblocks) % n_chunks
     sample = (pid // (n_nblocks * n_chunks)).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn64 = rn.to(tl.int64)  # a column stride times N can pass 2^31
     n_ok = rn < N
     if HAS_GATE:
-        g = tl.load(gate_ptr + sample * stride_gb + rn * stride_gn, mask=n_ok, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + sample * stride_gb + rn64 * stride_gn, mask=n_ok, other=0.0).to(tl.float32)
     t_begin = chunk * ROWS_PER_PROG
     t_end = tl.minimum(t_begin + ROWS_PER_PROG, T)
     sum_dz = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -335,7 +351,7 @@ def _linear_bwd_kernel(
         t = t0 + tl.arange(0, BLOCK_M)
         mask = (t < t_end)[:, None] & n_ok[None, :]
         rows = sample * T + t.to(tl.int64)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + rn[None, :] * stride_dyn, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + rn64[None, :] * stride_dyn, mask=mask, other=0.0)
         dy = dy.to(tl.float32)
         if HAS_PRE:
             z = tl.load(pre_ptr + rows[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -421,7 +437,7 @@ def linear_fwd(
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
         HAS_TAIL=x_tail is not None and not blend, BLEND=blend, **norm_flags, NORM_POS=pos is not None,
-        STORE_PRE=save_pre, SATURATE=saturate,
+        STORE_PRE=save_pre, SATURATE=saturate, INT64_COLS=int64_columns(gate, residual),
         INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
@@ -471,6 +487,13 @@ def linear_bwd(
     return dz, part_db.sum(0), dgate
 
 
+def int64_columns(*tensors: torch.Tensor | None) -> bool:
+    """Whether some tensor's column offsets (column index x column stride) reach 2^31: a column-strided view, e.g. an
+    NCHW map read as [HW, C] (column stride HW) with C x HW >= 2^31. Kernels then form those offsets in int64
+    (INT64_COLS); in int32 otherwise, exact there and lighter on registers. Row offsets are int64 always."""
+    return any(t is not None and t.dim() and (t.shape[-1] - 1) * t.stride(-1) >= 2**31 for t in tensors)
+
+
 def divisibility_attrs(fn, signature: dict, constexprs: dict, skip: tuple[str, ...] = ()) -> dict:
     """Triton's runtime hint "multiple of 16" on every pointer and integer argument not in ``skip``, as a launch with
     aligned tensors and sizes gets it: without it the compile has no vector loads and no cp.async pipelining."""
@@ -501,7 +524,7 @@ def _fwd_spec(
         "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "stride_x2k": 1,
         "ACTIVATION": ACTIVATIONS[activation][0], "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual,
         "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail, "BLEND": blend, "NORM": norm, "NORM_WEIGHT": norm,
-        "NORM_BIAS": norm, "NORM_POS": pos, "STORE_PRE": store_pre, "SATURATE": saturate,
+        "NORM_BIAS": norm, "NORM_POS": pos, "STORE_PRE": store_pre, "SATURATE": saturate, "INT64_COLS": False,
         "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
     }  # fmt: skip
     skip = ("M", "T", "T_MIX", "RES_T", "POS_ROWS", "POS_P", "M_BUCKET")
