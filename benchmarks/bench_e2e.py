@@ -61,13 +61,14 @@ def _provider(model, inputs, provider: str):
         note = f"patched {report.total} modules"
     else:
         note = ""
-    fn = model
+    call = model if inputs.method == "forward" else getattr(model, inputs.method)
     if provider.endswith("compile"):
-        fn = torch.compile(model, mode="max-autotune-no-cudagraphs")
+        # The bound method itself (a VAE's decode): compiling the module would leave decode running eagerly.
+        call = torch.compile(call, mode="max-autotune-no-cudagraphs")
 
     def step():
         with torch.inference_mode():
-            return configs.run_model(fn, inputs)
+            return call(**inputs.kwargs)
 
     return step, note
 

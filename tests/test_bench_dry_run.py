@@ -3,12 +3,18 @@ a timed row, not a 'failed' one (a GPU run is rare and short; a Python error in 
 
 import functools
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import ldmopt
 from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Rows:
@@ -68,6 +74,50 @@ def test_e2e_step_providers(mocked_timing, monkeypatch):
     assert providers == ["eager", "eager+graph", "ldmopt", "ldmopt+graph"], providers
     assert not _failed(mocked_timing.rows), mocked_timing.rows
     assert "patched" in mocked_timing.rows[2]["note"]
+
+
+def test_e2e_compile_provider_compiles_what_runs(mocked_timing, monkeypatch):
+    """A VAE's step calls decode: that bound method is compiled (compiling the module left decode eager)."""
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_e2e
+    from ldmopt import configs
+
+    def tiny(name, dtype):
+        model = configs.build_model(bench_e2e.MODELS[name][0], device="cpu", dtype=torch.float32, tiny=True)
+        return model, configs.example_inputs(model, batch=1)
+
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append(fn)
+        return fn
+
+    monkeypatch.setattr(bench_e2e, "_build", tiny)
+    monkeypatch.setattr(bench_e2e.torch, "compile", fake_compile)
+    with ldmopt.use_backend("torch"):
+        bench_e2e.bench_denoising_step("sdxl-vae-decode-1024", "compile", mocked_timing)
+    assert len(compiled) == 1 and getattr(compiled[0], "__name__", None) == "decode", compiled
+    assert not _failed(mocked_timing.rows), mocked_timing.rows
+
+
+def test_quick_mode_keeps_cases_that_exist_only_in_bf16():
+    from benchmarks.conftest import quick_sibling
+
+    assert quick_sibling("b.py::bench_geglu[fwd-bf16-sdxl]") == "b.py::bench_geglu[fwd-fp16-sdxl]"
+    assert (
+        quick_sibling("b.py::bench_group_norm[fwd-nchw-dtype0-sd]")
+        == "b.py::bench_group_norm[fwd-channels_last-dtype0-sd]"
+    )
+    assert quick_sibling("b.py::bench_geglu[fwd-fp16-sdxl]") is None
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "benchmarks/"], capture_output=True, text=True,
+        env={**os.environ, "LDMOPT_BENCH_QUICK": "1"}, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    functions = {line.split("[")[0] for line in collected.stdout.splitlines() if "::bench_" in line}
+    assert {
+        "benchmarks/bench_wan_block.py::bench_wan_block",
+        "benchmarks/bench_rms_norm.py::bench_rms_norm_rope",
+    } <= functions
 
 
 def test_temporal_block_providers(mocked_timing, monkeypatch):
