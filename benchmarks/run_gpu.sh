@@ -74,6 +74,16 @@ log "pytest exit: ${PIPESTATUS[0]} (124 = stopped at the ${BUDGET}s budget; rows
 tail -5 "$RESULTS/pytest.txt"
 echo
 echo "================ summary ================"
-grep -E "PASS|FAIL|ERROR|check_gpu:|check_cuda_backend:" "$RESULTS/check_gpu.txt" "$RESULTS/check_cuda_backend.txt" | tail -40
+CHECKS=("$RESULTS/check_gpu.txt" "$RESULTS/check_cuda_backend.txt")
+# Every failure first (a tail of all lines could hide one among the passes), then the checks' own totals.
+cat "${CHECKS[@]}" 2>/dev/null | grep -E "FAIL|ERROR|Traceback" | head -60 || true
+echo "correctness cases passed: $(cat "${CHECKS[@]}" 2>/dev/null | grep -c "PASS")"
+cat "${CHECKS[@]}" 2>/dev/null | grep -E "^(check_gpu|check_cuda_backend):" || true
 # From the CSV, so a run stopped at the budget (no pytest session summary) still prints its table.
-[ -f "$RESULTS/results.csv" ] && $PY -m benchmarks.harness "$RESULTS/results.csv" | tee "$RESULTS/summary.md"
+if [ -f "$RESULTS/results.csv" ]; then
+  $PY -m benchmarks.harness "$RESULTS/results.csv" | tee "$RESULTS/summary.md"
+else
+  echo "no benchmark rows were recorded; the end of pytest's output:"
+  tail -30 "$RESULTS/pytest.txt"
+  exit 1
+fi
