@@ -1,5 +1,7 @@
 """The analytic model on Wan-style blocks and torch's RMSNorm: what the GPU runs, as is and as ldmopt patches it."""
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -258,6 +260,8 @@ def test_rope_of_generic_attention_processors_is_projected():
         hidden_states=torch.empty(1, 15, 16, **bf16), encoder_hidden_states=torch.empty(1, 7, 24, **bf16),
         encoder_hidden_states_mask=None, timestep=torch.empty(1, **meta), img_shapes=[[(1, 3, 5)]], return_dict=False,
     )  # fmt: skip
+    if "txt_seq_lens" in inspect.signature(type(qwen).forward).parameters:  # diffusers before 0.37 needs them
+        qwen_inputs["txt_seq_lens"] = [7]
     fusions = analyze(qwen, inputs=qwen_inputs, dtype="bf16").fusions
     rope = fusions[QK_NORM_ROPE]
     assert rope.count == 2 * 4 and rope.ops_removed == 3 * rope.count  # cast, complex multiply, cast back
