@@ -147,7 +147,8 @@ def normed_with_positions(
     """``norm(x)``, plus ``pos_embed``'s first ``length`` positions when it is set, as a NormedInput the GEMMs read
     in their loads: row m of x's rows takes position (m // rows_per_position) % length. ``add_positions`` adds them
     to a tensor as the stock path does; a positional embedding that is not diffusers' sinusoidal table (or is
-    hooked) is added that way to the norm module's output."""
+    hooked) is added that way to the norm module's output, so ``add_positions`` must call the module's forward when
+    it is hooked (its hooks, e.g. accelerate's offload of the ``pe`` buffer, run there and nowhere else)."""
     if pos_embed is None:
         return NormedInput(norm, x, where, name)
     table = sinusoidal_table(pos_embed, length)

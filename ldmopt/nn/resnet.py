@@ -4,7 +4,8 @@ Interface for the patcher (ldmopt/patch/) and for users:
 
 - ``can_fuse(block) -> list[str]``: why this block instance can never take the fused path (empty list: it can).
   Properties of the block, not of the inputs (class, time_embedding_norm, activation, resampling kernel, conv
-  shapes, forward hooks on the children it reads); asked on every call, as children can change after patching.
+  shapes, hooks on the children it reads or bypasses: norms, convs, SiLU, dropout, up/downsampling); asked on every
+  call, as children can change after patching.
 - ``fused_resnet_forward(block, input_tensor, temb=None, *, stats=None, out_stats=None) -> Tensor``: a drop-in for
   ``ResnetBlock2D.forward`` that reads the block's own parameters (nothing copied). Bind it to an instance with
   ``block.forward = types.MethodType(fused_resnet_forward, block)`` and undo with ``del block.forward``. Inputs the
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from ..ops._dispatch import call
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, same_but_channels
-from .child_check import readable, stock_class, unreadable_reason
+from .child_check import hooked, readable, stock_class, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
@@ -143,6 +144,17 @@ def can_fuse(block) -> list[str]:
     if block.conv_shortcut is not None:
         reasons += _conv_reasons("conv_shortcut", block.conv_shortcut, 1)
     reasons += [r for r in _resample_kind(block)[1:] if r]
+    return reasons + _bypassed_hook_reasons(block)
+
+
+def _bypassed_hook_reasons(block) -> list[str]:
+    """The children the fused convs compute themselves (the SiLU, the dropout, an Upsample2D/Downsample2D module and
+    its pooling) with hooks or a wrapped forward their stock calls would run."""
+    reasons = []
+    for name in ("nonlinearity", "dropout", "upsample", "downsample"):
+        child = getattr(block, name, None)
+        if isinstance(child, torch.nn.Module) and any(hooked(m) for m in child.modules()):
+            reasons.append(f"{name} (or a module in it) has hooks or a wrapped forward the fused path would bypass")
     return reasons
 
 
@@ -241,6 +253,9 @@ def fused_resnet_forward(
     t = None
     if block.time_emb_proj is not None and temb is not None:
         t = block.time_emb_proj(temb if block.skip_time_act else block.nonlinearity(temb))
+        batch = (x[0] if isinstance(x, tuple) else x).shape[0]
+        if t.dim() == 2 and t.shape[0] == 1 and batch != 1:
+            t = t.expand(batch, -1)  # one embedding for the whole batch, broadcast as diffusers' add does (stride 0)
     resample = _resample_kind(block)[0]
     h, h_stats = gn_silu_conv2d(
         x, norm1.weight, norm1.bias, norm1.num_groups, norm1.eps, block.conv1.weight, block.conv1.bias, 1, 1,

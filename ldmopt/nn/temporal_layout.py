@@ -22,7 +22,9 @@ they already lie:
 
 Same modules, parameters and state_dict; results equal to diffusers' forward within the temporal kernel's tolerance
 (fp32 scores and softmax). A call these paths do not cover (chunked feed-forward, custom processors, masks or
-contexts, F > 64) runs the class's own forward, the reason counted in :data:`fallback_reasons`.
+contexts, F > 64, or a child they compute instead of calling, such as a block, attn1/attn2 or pos_embed, that is
+hooked, wrapped by accelerate/diffusers hooks or replaced) runs the class's own forward, the reason counted in
+:data:`fallback_reasons`.
 
 Two ways in: ``ldmopt.patch`` (family ``temporal_layout``: a class swap, see ldmopt/patch/rules_temporal_layout.py), or
 :func:`install_temporal_blocks` (an instance ``forward``, for code that does not use ``patch``).
@@ -40,7 +42,7 @@ from ..ops.adaln_modulate import adaln_modulate
 from ..ops.gn_conv2d import gn_silu_conv2d
 from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
-from .child_check import hooked, plain_weight, readable, stock
+from .child_check import hooked, plain_weight, readable, stock, stock_class
 from .group_norm import GroupNorm as LdmoptGroupNorm
 from .layer_norm_input import NormedInput, normed_with_positions
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
@@ -67,12 +69,29 @@ layout_conversions: Counter[str] = Counter()
 
 
 def processor_reason(block: nn.Module) -> str | None:
-    """Why ``block``'s attention modules cannot be bypassed: a processor that is neither diffusers' stock one nor
-    ldmopt's (IP-Adapter, custom LoRA processors ...) must keep running."""
+    """Why ``block``'s attention modules cannot be bypassed: a module that is not diffusers' Attention (replaced, or
+    a subclass with its own forward), or a processor that is neither diffusers' stock one nor ldmopt's (IP-Adapter,
+    custom LoRA processors ...) must keep running."""
+    from diffusers.models.attention_processor import Attention
+
     for name in ("attn1", "attn2"):
         attn = getattr(block, name, None)
-        if attn is not None and not _stock_or_ours(attn.processor):
+        if attn is None:
+            continue
+        if not isinstance(attn, Attention) or stock_class(attn).forward is not Attention.forward:
+            return f"{name} is a {type(attn).__name__}, not diffusers' Attention"
+        if not _stock_or_ours(attn.processor):
             return f"{name} has custom processor {type(attn.processor).__name__}"
+    return None
+
+
+def bypassed_hook_reason(children: dict[str, nn.Module | None]) -> str | None:
+    """Why the token-order path cannot compute these children itself (None when it can): one is
+    :func:`~ldmopt.nn.child_check.hooked` (forward/backward hooks, global hooks, or a forward wrapped on the instance
+    by accelerate's offload or diffusers' cache/layer-skip hooks), which the stock forward would run."""
+    for name, child in children.items():
+        if child is not None and hooked(child):
+            return f"{name} has hooks (forward, backward or global) or a wrapped forward the token-order path bypasses"
     return None
 
 
@@ -110,7 +129,20 @@ def svd_block_reason(block: nn.Module, hidden_states: Tensor, num_frames: int, c
         reason = _single_key_module_reason(block.attn2)
         if reason is not None:
             return f"attn2: {reason}"
-    return None
+    return bypassed_hook_reason(svd_bypassed(block))
+
+
+def svd_bypassed(block: nn.Module) -> dict[str, nn.Module | None]:
+    """The children of an SVD temporal block that :func:`svd_block_bfnc` computes itself or skips, where the stock
+    forward calls them: the attention modules, and attn2's query path (norm2 unless attn2's residual connection
+    calls it, to_q, to_k, norm_q, norm_k), whose value the single-key shortcut never needs."""
+    children = {"attn1": block.attn1, "attn2": block.attn2}
+    attn2 = block.attn2
+    if attn2 is not None:
+        if not attn2.residual_connection:
+            children["norm2"] = block.norm2
+        children.update({f"attn2.{n}": getattr(attn2, n, None) for n in ("to_q", "to_k", "norm_q", "norm_k")})
+    return children
 
 
 def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, context: Tensor | None) -> Tensor:
@@ -222,12 +254,33 @@ def container_reason(
     for i, block in enumerate(container.transformer_blocks):
         if block._chunk_size is not None:
             return f"transformer_blocks.{i}: chunked feed-forward"
-    return container_static_reason(container)
+    return container_static_reason(container) or container_hook_reason(container)
+
+
+def container_hook_reason(container: nn.Module) -> str | None:
+    """Why a container's blocks cannot run in token order now (None when they can): a block, its attn1/attn2 or its
+    pos_embed, which the token-order path computes itself, is hooked or wrapped (see :func:`bypassed_hook_reason`).
+    Their other children (norms, projections, feed-forward) are called or checked where they are read."""
+    for i, block in enumerate(container.transformer_blocks):
+        prefix = f"transformer_blocks.{i}"
+        children = {
+            prefix: block,
+            **{f"{prefix}.{n}": getattr(block, n, None) for n in ("attn1", "attn2", "pos_embed")},
+        }
+        reason = bypassed_hook_reason(children)
+        if reason is not None:
+            return reason
+    return None
 
 
 def _with_positions(pos_embed, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
     """x + pe[f] for tokens x indexed as (B, F, N) (shaped (B, F, N, C) or (B, F*N, C)): SinusoidalPositionalEmbedding
-    adds pe[:, :F] along the frame axis of diffusers' (B*N, F, C) layout."""
+    adds pe[:, :F] along the frame axis of diffusers' (B*N, F, C) layout. A hooked module is called on that layout
+    (a permuted copy), so that its hooks run as on the stock path."""
+    if hooked(pos_embed):
+        b, f, n = bfn
+        seq = x.reshape(b, f, n, x.shape[-1]).permute(0, 2, 1, 3).reshape(b * n, f, x.shape[-1])
+        return pos_embed(seq).view(b, n, f, -1).permute(0, 2, 1, 3).reshape(x.shape)
     return (x.view(*bfn, x.shape[-1]) + pos_embed.pe[:, : bfn[1], None]).view(x.shape)
 
 

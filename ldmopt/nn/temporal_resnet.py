@@ -86,6 +86,9 @@ def spatiotemporal_reasons(block) -> list[str]:
         reasons.append("temporal_res_block has a conv_shortcut (in_channels != out_channels)")
     if not isinstance(temporal.nonlinearity, nn.SiLU):
         reasons.append(f"temporal_res_block.nonlinearity is {type(temporal.nonlinearity).__name__}, not SiLU")
+    for name in ("nonlinearity", "dropout"):  # computed in the fused convs, not called
+        if hooked(getattr(temporal, name)):
+            reasons.append(f"temporal_res_block.{name} has hooks or a wrapped forward the fused path would bypass")
     pairs = [("norm1", temporal.norm1, "conv1", temporal.conv1), ("norm2", temporal.norm2, "conv2", temporal.conv2)]
     reasons += [f"temporal_res_block.{r}" for r in _chain_reasons(pairs, temporal.in_channels)]
     return reasons
