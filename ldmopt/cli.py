@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -16,6 +17,41 @@ COMMANDS = {
     "analyze": ("ldmopt.profiler.cli", "analytic FLOPs/bytes per operator category of a model, on meta tensors"),
     "profile": ("ldmopt.profiler.cli", "measure the per-category time split of a model with torch.profiler"),
 }
+
+
+#: Output-file options per command whose parent folder is created before the command runs, so a missing folder
+#: cannot fail the write after all the work is done (analyze and profile prepare their own).
+OUTPUT_FILES = {"demo": ("save",)}
+
+
+def _check_device(device: str) -> str | None:
+    """Why ``device`` cannot be used here, or None. Imports torch only when a device is named."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        return f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return f"--device {device!r}: no CUDA GPU is available here (torch.cuda.is_available() is False); use cpu"
+    return None
+
+
+def _check_common(args: argparse.Namespace) -> str | None:
+    """Checks shared by the subcommands, run before any work: the device exists, output folders can be made."""
+    device = getattr(args, "device", None)
+    if isinstance(device, str) and device != "auto":
+        problem = _check_device(device)
+        if problem:
+            return problem
+    for option in OUTPUT_FILES.get(args.command, ()):
+        path = getattr(args, option, None)
+        if isinstance(path, str) and path != "-":
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            except OSError as exc:
+                return f"--{option} {path}: cannot create its folder: {exc}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = _check_common(args)
+    if problem:
+        print(f"ldmopt {args.command}: {problem}", file=sys.stderr)
+        return 2
     return int(args._run(args) or 0)
 
 

@@ -187,3 +187,28 @@ def test_info_ops_table_matches_backend_tables():
         assert tables, f"ldmopt.ops module of {op} has no BackendTable"
         declared[op] = max((tuple(b.name for b in t.backends) for t in tables), key=len)
     assert declared == info.OPS
+
+
+def test_demo_save_folder_is_made_before_the_run(tmp_path, monkeypatch):
+    import ldmopt.demo
+    from ldmopt.cli import main
+
+    out = tmp_path / "missing" / "deeper" / "demo.png"
+    seen = []
+    monkeypatch.setattr(ldmopt.demo, "run_demo", lambda args: seen.append(out.parent.is_dir()) or 0)
+    assert main(["demo", "--save", str(out)]) == 0
+    assert seen == [True]  # the folder existed before the (long) stock and patched runs started
+
+
+def test_unusable_device_is_a_clear_error_not_a_traceback(capsys, monkeypatch):
+    import torch
+
+    from ldmopt.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["demo", "--device", "cuda"], ["profile", "sd15", "--tiny", "--device", "cuda:0"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "no CUDA GPU is available" in err and "Traceback" not in err
+    assert main(["demo", "--device", "gpu"]) == 2
+    assert "is not a torch device" in capsys.readouterr().err

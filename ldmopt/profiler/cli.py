@@ -7,6 +7,9 @@ Only argparse is imported at module level; torch, diffusers and matplotlib load 
 from __future__ import annotations
 
 import argparse
+import os
+
+from .settings import ANALYZE_DTYPES
 
 
 def _resolution(text: str):
@@ -17,10 +20,31 @@ def _resolution(text: str):
     return int(text)
 
 
+def _count(minimum: int):
+    """argparse type: an integer >= ``minimum`` (0 or a negative batch must not fall back to the default)."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {value}")
+        return value
+
+    convert.__name__ = "positive integer" if minimum == 1 else f"integer >= {minimum}"
+    return convert
+
+
+_positive = _count(1)
+
+
 def _list(parse):
     def convert(text: str):
         try:
             return [parse(part) for part in text.split(",") if part.strip()]
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: each value {exc}") from exc
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from exc
 
@@ -29,9 +53,10 @@ def _list(parse):
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--batch", type=int, default=None, help="batch (default: the zoo's, 2 = classifier-free guidance)"
+        "--batch", type=_positive, default=None, help="batch (default: the zoo's, 2 = classifier-free guidance)"
     )
-    parser.add_argument("--dtype", default=None, help="fp16 (default for analyze/GPU), bf16 or fp32")
+    parser.add_argument("--dtype", default=None, choices=ANALYZE_DTYPES,
+                        help="fp16 (default for analyze/GPU), bf16 or fp32")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight variant of the model family")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the result as JSON ('-' for stdout)")
     parser.add_argument("--plot", metavar="PNG", default=None, help="write a figure (needs matplotlib)")
@@ -46,7 +71,8 @@ def configure_analyze(parser: argparse.ArgumentParser) -> None:
                         "pixart-sigma, sd3, flux, animatediff, svd, svd-xt, modelscope, latte")  # fmt: skip
     parser.add_argument("--resolution", type=_list(_resolution), default=None,
                         help="pixels: 512, 576x1024, or a comma list 256,512,768,1024")  # fmt: skip
-    parser.add_argument("--frames", type=_list(int), default=None, help="frames, or a comma list 8,16,32,64")
+    parser.add_argument("--frames", type=_list(_positive), default=None,
+                        help="frames (video models only), or a comma list 8,16,32,64")  # fmt: skip
     parser.add_argument("--gpu", default="H100", help="A100, H100 or H200 (datasheet peaks; default H100)")
     parser.add_argument("--check-flops", action="store_true", help="cross-check against torch.utils.flop_counter")
     _common(parser)
@@ -59,17 +85,38 @@ def configure_profile(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("model", help="zoo name (see `ldmopt analyze --help`)")
     parser.add_argument("--resolution", type=_resolution, default=None, help="pixels: 512 or 576x1024")
-    parser.add_argument("--frames", type=int, default=None)
+    parser.add_argument("--frames", type=_positive, default=None, help="frames (video models only)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--steps", type=int, default=3, help="active (recorded) steps")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--wait", type=int, default=None, help="skipped steps before warmup (training default 1)")
+    parser.add_argument("--steps", type=_positive, default=3, help="active (recorded) steps")
+    parser.add_argument("--warmup", type=_count(0), default=1)
+    parser.add_argument("--wait", type=_count(0), default=None, help="skipped steps before warmup (training default 1)")
     parser.add_argument("--training", action="store_true", help="forward + backward + AdamW step per step")
     parser.add_argument("--trace", metavar="JSON", default=None, help="write a Chrome trace")
     parser.add_argument("--tensorboard", metavar="DIR", default=None, help="log to TensorBoard")
     parser.add_argument("--wandb", metavar="PROJECT", default=None, help="log to Weights & Biases")
-    parser.add_argument("--top", type=int, default=3, help="top kernels/operators per category")
+    parser.add_argument("--top", type=_count(0), default=3, help="top kernels/operators per category")
     _common(parser)
+
+
+def _message(exc: Exception) -> str:
+    """The text of an error (a KeyError's str() would quote it)."""
+    return str(exc.args[0]) if len(exc.args) == 1 else str(exc)
+
+
+def prepare_outputs(command: str, *paths: str | None) -> bool:
+    """Create the parent folders of the output files before the work; False (after a message) if one cannot be."""
+    import sys
+
+    for path in paths:
+        if not path or path == "-":
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            print(f"ldmopt {command}: cannot create the folder of {path}: {exc}", file=sys.stderr)
+            return False
+    return True
 
 
 def _write_json(obj, path: str) -> None:
@@ -80,6 +127,7 @@ def _write_json(obj, path: str) -> None:
     if path == "-":
         sys.stdout.write(text + "\n")
     else:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             f.write(text + "\n")
 
@@ -108,6 +156,8 @@ def run_analyze(args: argparse.Namespace) -> int:
     from .cost import analyze
 
     dtype = args.dtype or "fp16"
+    if not prepare_outputs("analyze", args.json, args.plot):
+        return 2
     analyses = []
     try:
         for res in args.resolution or [None]:
@@ -115,7 +165,7 @@ def run_analyze(args: argparse.Namespace) -> int:
                 analyses.append(analyze(args.model, resolution=res, frames=frames, batch=args.batch, dtype=dtype,
                                         gpu=args.gpu, tiny=args.tiny, check_flops=args.check_flops))  # fmt: skip
     except (KeyError, ValueError) as exc:
-        print(f"ldmopt analyze: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        print(f"ldmopt analyze: {_message(exc)}", file=sys.stderr)
         return 2
     if args.json != "-":
         print(analyses[0].table() if len(analyses) == 1 else _sweep_table(analyses))
@@ -142,6 +192,8 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.dtype is not None and args.dtype not in dtypes:
         print(f"ldmopt profile: --dtype {args.dtype!r}: expected one of {', '.join(dtypes)}", file=sys.stderr)
         return 2
+    if not prepare_outputs("profile", args.json, args.plot, args.trace):
+        return 2
     try:
         result = profile(
             args.model,
@@ -159,8 +211,8 @@ def run_profile(args: argparse.Namespace) -> int:
             frames=args.frames,
             batch=args.batch,
         )
-    except (KeyError, ValueError, LoggingUnavailableError) as exc:
-        print(f"ldmopt profile: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+    except (KeyError, ValueError, OSError, LoggingUnavailableError) as exc:
+        print(f"ldmopt profile: {_message(exc)}", file=sys.stderr)
         return 2
     if args.json != "-":
         print(result.table(top=args.top))

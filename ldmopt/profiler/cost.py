@@ -23,6 +23,7 @@ from .fusions import FUSIONS, FusionStat, plan_fusions, single_key_paths
 from .gpus import GPUSpec, dtype_key, get_gpu
 from .recorder import AttentionCall, AttentionRegions, OpRecord, Recorder
 from .scopes import ModuleScopes
+from .settings import ANALYZE_DTYPES, check_setting
 
 _RECORD_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -243,8 +244,13 @@ def analyze(
 
     start = time.perf_counter()
     if isinstance(dtype, str):
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_key(dtype)]
+        key = dtype_key(dtype)
+        if key not in ANALYZE_DTYPES:
+            raise ValueError(f"dtype {dtype!r}: the models are analysed in {', '.join(ANALYZE_DTYPES)}")
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[key]
     spec = get_gpu(gpu)
+    if inputs is None:  # given inputs fix the setting; otherwise refuse one the model would change or ignore
+        check_setting(model_or_name, resolution=resolution, frames=frames, batch=batch, tiny=tiny)
     model = _resolve_model(model_or_name, dtype=dtype, frames=frames, tiny=tiny)
     if inputs is None:
         inputs = configs.example_inputs(model, resolution=resolution, frames=frames, batch=batch, dtype=dtype)
@@ -259,13 +265,16 @@ def analyze(
     counter = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(scopes)
-        stack.enter_context(AttentionRegions(recorder))
-        stack.enter_context(recorder)
         if check_flops:
             from torch.utils.flop_counter import FlopCounterMode
 
+            # Outside the recorder: the innermost mode sees each op first, and FlopCounterMode decomposes the ops it
+            # has no formula for (upsample_nearest2d -> arange, mul, _unsafe_index...), which the recorder would
+            # then log in place of the op, changing the bytes and times.
             counter = stack.enter_context(FlopCounterMode(display=False))
+        stack.enter_context(scopes)
+        stack.enter_context(AttentionRegions(recorder))
+        stack.enter_context(recorder)
         if "args" in inputs.kwargs and len(inputs.kwargs) == 1:
             model(*inputs.kwargs["args"])
         else:

@@ -23,6 +23,7 @@ from torch import nn
 
 from . import categories as C
 from .scopes import ATTENTION_SCOPE, NORM_SCOPE, ModuleScopes
+from .settings import check_setting, positive
 
 _OP_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)::[A-Za-z_]")
 _NOT_OPS = {"autograd", "profiler"}
@@ -121,11 +122,29 @@ class Profile:
         return self.table()
 
 
+def check_device(device: str | torch.device | None) -> str | torch.device | None:
+    """``device`` unchanged if it names a torch device this machine has; ValueError saying why not otherwise."""
+    if device is None:
+        return None
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {str(device)!r} is not a torch device (cpu, cuda, cuda:1, ...)") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: no CUDA GPU is available here (use cpu)")
+    return device
+
+
 def _save_trace(prof, path: str) -> str:
     """Kineto saves a session once; later requests copy the first file."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
     first = getattr(prof, "_ldmopt_trace", None)
     if first is None:
         prof.export_chrome_trace(path)
+        # Kineto only logs a failure to open the file (on stderr) and returns normally.
+        if not os.path.isfile(path):
+            raise OSError(f"torch.profiler did not write the Chrome trace {path!r} (see its error above)")
         prof._ldmopt_trace = path
     elif os.path.abspath(first) != os.path.abspath(path):
         shutil.copyfile(first, path)
@@ -256,9 +275,12 @@ def _resolve_target(target, *, device, dtype, tiny, resolution, frames, batch, i
 
     if not isinstance(target, str):
         if inputs is None and isinstance(target, nn.Module) and hasattr(target, "ldmopt_zoo_name"):
+            check_setting(target, resolution=resolution, frames=frames, batch=batch)
             inputs = configs.example_inputs(target, resolution=resolution, frames=frames, batch=batch)
         return target, inputs
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if inputs is None:
+        check_setting(target, resolution=resolution, frames=frames, batch=batch, tiny=tiny)
+    device = check_device(device) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.float16 if str(device).startswith("cuda") else torch.float32)
     model = configs.build_model(target, device=device, dtype=dtype, tiny=tiny, frames=frames)
     if inputs is None:
@@ -326,6 +348,12 @@ def profile(
     from .logging import check_logging_available, log_profile
 
     check_logging_available(tensorboard=tensorboard, wandb=wandb)
+    positive("steps", steps)
+    for name, value in (("warmup", warmup), ("wait", wait)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if trace:  # before the run, so a path that cannot be written fails first
+        os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
     target, inputs = _resolve_target(target, device=device, dtype=dtype, tiny=tiny, resolution=resolution,
                                      frames=frames, batch=batch, inputs=inputs)  # fmt: skip
     wait = (1 if training else 0) if wait is None else wait

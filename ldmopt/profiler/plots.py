@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from . import categories as C
@@ -20,6 +21,11 @@ def _pyplot():
     except ImportError as exc:
         raise ImportError("--plot needs matplotlib: pip install matplotlib (or pip install 'ldmopt[bench]')") from exc
     return plt
+
+
+def _savefig(fig, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
 
 
 def _used(categories: list[str], values: list[dict[str, float]]) -> list[str]:
@@ -41,39 +47,78 @@ def plot_analysis(a: Analysis, path: str) -> str:
     ax.set_title(f"{a.setting()} (analytic projection, not measured)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _savefig(fig, path)
     plt.close(fig)
     return path
 
 
-def plot_sweep(analyses: list[Analysis], path: str) -> str:
-    """Scaling curves: FLOPs per category (log-log) and shares of projected time, against resolution or frames."""
-    plt = _pyplot()
+def setting_label(a: Analysis) -> str:
+    """The setting of one analysis as the sweep table prints it: 576x1024, or 256x256 F16 for a video model."""
+    return f"{a.resolution[0]}x{a.resolution[1]}" + (f" F{a.frames}" if a.frames else "")
+
+
+def _sweep_axes(analyses: list[Analysis]):
+    """(x label, x of each analysis, series key of each analysis, series name or None).
+
+    The x axis is the frame count when frames vary, else the resolution; when both vary, each resolution is its own
+    series (a line per category and resolution), so points of different resolutions are never joined.
+    """
     by_frames = len({a.frames for a in analyses}) > 1
-    xs = [a.frames if by_frames else a.resolution[0] for a in analyses]
-    flops = {c: [a.categories[c].flops for a in analyses] for c in C.CATEGORIES}
+    if by_frames:
+        xs = [a.frames for a in analyses]
+        keys = [tuple(a.resolution) for a in analyses]
+        several = len(set(keys)) > 1
+        return "frames", xs, keys, (lambda k: f"{k[0]}x{k[1]}") if several else None
+    square = all(a.resolution[0] == a.resolution[1] for a in analyses)
+    xs = [a.resolution[0] if square else a.resolution[0] * a.resolution[1] / 1e6 for a in analyses]
+    return ("resolution (px)" if square else "megapixels"), xs, [None] * len(analyses), None
+
+
+def plot_sweep(analyses: list[Analysis], path: str) -> str:
+    """Scaling curves: FLOPs per category (log-log) and shares of projected time, against resolution or frames.
+
+    A sweep over resolutions and frames draws one line per category and resolution (line style per resolution) and
+    labels each bar with its full setting.
+    """
+    plt = _pyplot()
+    xlabel, xs, keys, series_name = _sweep_axes(analyses)
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D", "v", "P"]
+    series = list(dict.fromkeys(keys))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for c in [c for c in C.CATEGORIES if any(flops[c])]:
-        left.plot(xs, flops[c], marker="o", label=C.LABELS[c])
+    for ci, c in enumerate(c for c in C.CATEGORIES if any(a.categories[c].flops for a in analyses)):
+        color = f"C{ci % 10}"
+        for si, key in enumerate(series):
+            points = sorted((x, a.categories[c].flops) for x, a, k in zip(xs, analyses, keys) if k == key)
+            label = C.LABELS[c] if si == 0 else None
+            left.plot([p[0] for p in points], [p[1] for p in points], color=color, label=label,
+                      linestyle=styles[si % len(styles)], marker=markers[si % len(markers)])  # fmt: skip
+    if series_name is not None:  # one proxy line per resolution for the line styles
+        for si, key in enumerate(series):
+            left.plot([], [], color="gray", linestyle=styles[si % len(styles)], marker=markers[si % len(markers)],
+                      label=series_name(key))  # fmt: skip
     left.set_xscale("log", base=2)
     left.set_yscale("log")
-    left.set_xlabel("frames" if by_frames else "resolution (px)")
+    left.set_xlabel(xlabel)
     left.set_ylabel("FLOPs per call (counted)")
     left.legend(fontsize=7)
-    shares = [a.shares("time") for a in analyses]
+    order = sorted(range(len(analyses)), key=lambda i: (series.index(keys[i]), xs[i]))
+    ordered = [analyses[i] for i in order]
+    shares = [a.shares("time") for a in ordered]
     cats = [c for c in C.CATEGORIES if max(s[c] for s in shares) >= 0.001]
-    bottom = [0.0] * len(analyses)
-    labels = [str(x) for x in xs]
+    bottom = [0.0] * len(ordered)
+    positions = list(range(len(ordered)))
     for c in cats:
         vals = [s[c] * 100 for s in shares]
-        right.bar(labels, vals, bottom=bottom, label=C.LABELS[c])
+        right.bar(positions, vals, bottom=bottom, label=C.LABELS[c])
         bottom = [b + v for b, v in zip(bottom, vals)]
+    right.set_xticks(positions, [setting_label(a) for a in ordered], rotation=30, ha="right")
     right.set_ylabel(f"share of projected time on {analyses[0].gpu.name} (%)")
-    right.set_xlabel(left.get_xlabel())
+    right.set_xlabel("setting")
     right.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{analyses[0].model}: scaling (analytic; times are roofline projections, not measured)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _savefig(fig, path)
     plt.close(fig)
     return path
 
@@ -87,6 +132,6 @@ def plot_profile(p: Profile, path: str) -> str:
     ax.set_ylabel(f"ms per step ({p.time_kind})")
     ax.set_title(f"measured on {p.device}, {p.mode}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _savefig(fig, path)
     plt.close(fig)
     return path

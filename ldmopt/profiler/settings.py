@@ -1,0 +1,78 @@
+"""Checks of a requested setting (resolution, frames, batch) before ``analyze`` or ``profile`` builds anything.
+
+``configs.example_inputs`` fills in the zoo's defaults and floors what the model cannot take: a batch or frame count
+of 0 would become the default, frames on an image model are dropped, and a latent side that is not a multiple of the
+transformer's patch is cut down to one. Each of those would print a setting that is not the one analysed, so the
+profiler refuses them here with a message saying what the model accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ANALYZE_DTYPES = ("fp16", "bf16", "fp32")
+
+
+def positive(name: str, value: Any) -> None:
+    """``value`` is None (the default) or an integer >= 1."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _zoo_entry_and_config(model_or_name, tiny: bool):
+    from .. import configs
+
+    if isinstance(model_or_name, str):
+        entry = configs.get(model_or_name)
+        config = configs.tiny_config(entry.name) if tiny else configs.load_config(entry.name)
+    else:
+        zoo_name = getattr(model_or_name, "ldmopt_zoo_name", None)
+        if zoo_name is None:
+            return None, None
+        entry, config = configs.get(zoo_name), dict(getattr(model_or_name, "config", {}) or {})
+    return entry, (config[0] if isinstance(config, list) else config)
+
+
+def spatial_multiple(cls: str, config: dict[str, Any]) -> tuple[int, int]:
+    """(pixel multiple, spatial patch) a model's resolution must respect: the VAE factor times the patch side.
+
+    UNets and VAEs take any multiple of the VAE factor (diffusers sizes each upsampler to its skip connection).
+    The transformers patchify the latent with a stride; Flux packs 2x2 latent pixels per token.
+    """
+    from .. import configs
+
+    if cls == "FluxTransformer2DModel":
+        patch = 2
+    else:
+        patch = config.get("patch_size") or 1
+        patch = int(patch[-1]) if isinstance(patch, (list, tuple)) else int(patch)
+    return configs.VAE_SCALE * patch, patch
+
+
+def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, tiny: bool = False) -> None:
+    """Raise ValueError when the setting would be changed or ignored by the model instead of analysed as given."""
+    positive("batch", batch)
+    positive("frames", frames)
+    entry, config = _zoo_entry_and_config(model_or_name, tiny)
+    if entry is None:
+        return
+    if frames is not None and not entry.is_video:
+        raise ValueError(
+            f"{entry.name} ({entry.description}) is an image model: it has no frames, so frames={frames} would be "
+            f"ignored; drop --frames"
+        )
+    if resolution is None:
+        return
+    h, w = (resolution, resolution) if isinstance(resolution, int) else (int(resolution[0]), int(resolution[1]))
+    if h < 1 or w < 1:
+        raise ValueError(f"resolution must be positive, got {h}x{w}")
+    multiple, patch = spatial_multiple(entry.cls, config)
+    if h % multiple or w % multiple:
+        what = "the VAE factor" if patch == 1 else f"the VAE factor 8 x its {patch}x{patch} latent patch"
+        fit = f"{h // multiple * multiple}x{w // multiple * multiple}"
+        raise ValueError(
+            f"{entry.name} needs a resolution that is a multiple of {multiple} px ({what}); got {h}x{w}, which it "
+            f"would run as {fit}"
+        )

@@ -1,0 +1,176 @@
+"""Settings the models would change or ignore are refused; output folders are made; --check-flops changes nothing."""
+
+import argparse
+import importlib.util
+import json
+import re
+
+import pytest
+
+from ldmopt.profiler import analyze, cli, profile
+from ldmopt.profiler.measure import _save_trace
+
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+
+
+def _parse(command: str, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"ldmopt {command}")
+    getattr(cli, f"configure_{command}")(parser)
+    return parser.parse_args(argv)
+
+
+def _run(command: str, argv: list[str]) -> int:
+    return getattr(cli, f"run_{command}")(_parse(command, argv))
+
+
+def test_check_flops_leaves_the_recorded_ops_bytes_and_times_unchanged():
+    # FlopCounterMode inside the recorder decomposed upsample_nearest2d into arange/mul/_unsafe_index records.
+    plain, checked = analyze("sd15", tiny=True), analyze("sd15", tiny=True, check_flops=True)
+    assert checked.flop_counter_total == checked.total_flops == plain.total_flops
+    assert (checked.ops, checked.total_bytes, checked.patched_bytes) == (
+        plain.ops,
+        plain.total_bytes,
+        plain.patched_bytes,
+    )
+    assert checked.time_s == plain.time_s and checked.patched_time_s == plain.patched_time_s
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [
+        ("sd15", {"frames": 4}, "sd15 .* image model: it has no frames"),
+        ("dit", {"frames": 4}, "dit .* image model"),
+        ("sd15", {"batch": 0}, "batch must be a positive integer, got 0"),
+        ("animatediff", {"frames": 0}, "frames must be a positive integer, got 0"),
+        ("sd15", {"batch": -1}, "batch must be a positive integer"),
+        ("flux", {"resolution": 1000}, "multiple of 16 px .* 1000x1000, which it would run as 992x992"),
+        ("dit", {"resolution": 264}, "multiple of 16 px"),
+        ("sd3", {"resolution": (1024, 1032)}, "multiple of 16 px"),
+        ("wan2.1-1.3b", {"resolution": (488, 832)}, "multiple of 16 px"),
+        ("latte", {"resolution": 520}, "multiple of 16 px"),
+    ],
+)
+def test_settings_the_model_would_change_or_ignore_are_refused(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        analyze(name, tiny=True, **kwargs)
+
+
+def test_unets_and_vaes_take_any_multiple_of_8():
+    # diffusers sizes each UNet upsampler to its skip connection: 520 px (65x65 latents) is analysed as 520 px.
+    a, b = analyze("sd15", tiny=True, resolution=520), analyze("sd15", tiny=True, resolution=512)
+    assert a.resolution == (520, 520) and a.total_flops > b.total_flops
+    assert analyze("sd15-vae", tiny=True, resolution=520).resolution == (520, 520)
+
+
+def test_profile_refuses_frames_on_an_image_model_before_building():
+    with pytest.raises(ValueError, match="no frames"):
+        profile("sd15", tiny=True, device="cpu", frames=4)
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        profile("sd15", tiny=True, device="cpu", steps=0)
+
+
+def test_analyze_dtype_outside_the_table_names_the_supported_ones():
+    with pytest.raises(ValueError, match="fp16, bf16, fp32"):
+        analyze("dit", tiny=True, dtype="tf32")
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "match"),
+    [
+        ("analyze", ["sd15", "--dtype", "tf32"], "fp16', 'bf16', 'fp32"),
+        ("analyze", ["sd15", "--batch", "0"], "--batch: must be positive, got 0"),
+        ("analyze", ["animatediff", "--frames", "8,0"], "--frames: .*must be positive, got 0"),
+        ("profile", ["sd15", "--frames", "0"], "--frames: must be positive"),
+        ("profile", ["sd15", "--steps", "0"], "--steps: must be positive, got 0"),
+        ("profile", ["sd15", "--dtype", "fp8"], "fp16', 'bf16', 'fp32"),
+    ],
+)
+def test_cli_rejects_bad_values_while_parsing(command, argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(command, argv)
+    assert exit_info.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_cli_refuses_frames_on_an_image_model_and_misaligned_resolution(capsys):
+    assert _run("analyze", ["sdxl", "--tiny", "--frames", "8,16"]) == 2
+    err = capsys.readouterr().err
+    assert "sdxl" in err and "no frames" in err and "Traceback" not in err
+    assert _run("analyze", ["flux", "--resolution", "1000"]) == 2
+    assert "multiple of 16 px" in capsys.readouterr().err
+    assert _run("profile", ["sd15", "--tiny", "--device", "cpu", "--frames", "4"]) == 2
+    assert "no frames" in capsys.readouterr().err
+
+
+def test_cli_analyze_writes_json_and_plot_into_missing_folders(tmp_path, capsys):
+    out_json = tmp_path / "new" / "deeper" / "a.json"
+    argv = ["dit", "--tiny", "--json", str(out_json)]
+    if importlib.util.find_spec("matplotlib") is not None:
+        argv += ["--plot", str(tmp_path / "other" / "a.png")]
+    assert _run("analyze", argv) == 0
+    assert json.loads(out_json.read_text())["model"] == "dit"
+    if "--plot" in argv:
+        assert (tmp_path / "other" / "a.png").stat().st_size > 0
+    capsys.readouterr()
+
+
+def test_cli_output_folder_that_cannot_be_made_fails_before_the_work(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert _run("analyze", ["dit", "--tiny", "--json", str(blocker / "a.json")]) == 2
+    assert "cannot create the folder" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_profile_trace_into_a_missing_folder_is_written(tmp_path, capsys):
+    trace = tmp_path / "missing" / "t.json"
+    argv = ["dit", "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--trace", str(trace)]
+    assert _run("profile", argv) == 0
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert str(trace) in capsys.readouterr().out
+
+
+def test_a_trace_the_profiler_did_not_write_is_an_error(tmp_path):
+    class SilentProfiler:  # kineto logs a failure to open the file and returns normally
+        def export_chrome_trace(self, path):
+            pass
+
+    with pytest.raises(OSError, match="did not write the Chrome trace"):
+        _save_trace(SilentProfiler(), str(tmp_path / "t.json"))
+
+
+def _captured_figure(monkeypatch):
+    import matplotlib.figure
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    return figures
+
+
+@needs_matplotlib
+def test_sweep_plot_over_resolution_and_frames_keeps_settings_apart(monkeypatch, tmp_path):
+    from ldmopt.profiler.plots import plot_sweep
+
+    figures = _captured_figure(monkeypatch)
+    analyses = [analyze("animatediff", tiny=True, resolution=r, frames=f, batch=1) for r in (64, 128) for f in (2, 4)]
+    plot_sweep(analyses, str(tmp_path / "s.png"))
+    left, right = figures[0].axes
+    series = [line for line in left.get_lines() if len(line.get_xdata())]
+    assert series
+    for line in series:  # one resolution per line: x strictly rises, no zig-zag back to the other resolution
+        xs = list(line.get_xdata())
+        assert xs == sorted(set(xs)) == [2, 4]
+    labels = [t.get_text() for t in right.get_xticklabels()]
+    assert labels == ["64x64 F2", "64x64 F4", "128x128 F2", "128x128 F4"]
+    assert len(right.patches) == 4 * len(right.get_legend().get_texts())  # one bar per setting and category
+
+
+@needs_matplotlib
+def test_sweep_plot_over_one_dimension_is_sorted(monkeypatch, tmp_path):
+    from ldmopt.profiler.plots import plot_sweep
+
+    figures = _captured_figure(monkeypatch)
+    plot_sweep([analyze("dit", tiny=True, resolution=r, batch=1) for r in (128, 64)], str(tmp_path / "s.png"))
+    left, right = figures[0].axes
+    assert all(list(line.get_xdata()) == [64, 128] for line in left.get_lines())
+    assert [t.get_text() for t in right.get_xticklabels()] == ["64x64", "128x128"]
