@@ -250,23 +250,26 @@ def run_demo(args: argparse.Namespace) -> int:
 
     stock, stock_step = run()
     report = patch(target)
-    with ldmopt.use_backend(args.backend):
-        patched, patched_step = run()
-        split = _category_split(run, modules, device) if report.total else "per-category time split: nothing patched"
-    print(report)
-    err = (patched - stock).abs().max().item()
-    tol = TOLERANCE[dtype_name]
-    agree = bool(torch.isfinite(patched).all()) and err <= tol
-    print(f"outputs agree: {'yes' if agree else 'NO'} (max abs difference {err:.2e}, tolerance {tol:.0e})")
-    print(f"time per step: stock {stock_step * 1e3:.1f} ms, patched {patched_step * 1e3:.1f} ms")
-    if device.type == "cpu":
-        print("(cpu timings of a tiny random model say nothing about GPU speed)")
-    print(split)
-    if args.save:
-        if args.model == "sd":
-            _save_side_by_side(args.save, stock, patched)
-            print(f"saved stock | patched images to {args.save}")
-        else:
-            print("--save: only the sd pipeline produces images; nothing saved")
-    unpatch(target)
-    return 0 if agree else 1
+    try:  # the caller's model is left as it was, whatever happens below
+        with ldmopt.use_backend(args.backend):
+            patched, patched_step = run()
+            nothing = "per-category time split: nothing patched"
+            split = _category_split(run, modules, device) if report.total else nothing
+        print(report)
+        err = (patched - stock).abs().max().item()
+        tol = TOLERANCE[dtype_name]
+        agree = bool(torch.isfinite(patched).all()) and err <= tol
+        print(f"outputs agree: {'yes' if agree else 'NO'} (max abs difference {err:.2e}, tolerance {tol:.0e})")
+        print(f"time per step: stock {stock_step * 1e3:.1f} ms, patched {patched_step * 1e3:.1f} ms")
+        if device.type == "cpu":
+            print("(cpu timings of a tiny random model say nothing about GPU speed)")
+        print(split)
+        if args.save:
+            if args.model == "sd":
+                _save_side_by_side(args.save, stock, patched)
+                print(f"saved stock | patched images to {args.save}")
+            else:
+                print("--save: only the sd pipeline produces images; nothing saved")
+        return 0 if agree else 1
+    finally:
+        unpatch(target)

@@ -8,15 +8,22 @@ import platform
 
 from . import _env
 
-#: Public ops and the backends each one has (kept in step with the BackendTables in ldmopt/ops).
-OPS = {
-    "group_norm": ("cuda", "triton", "torch"),
-    "gn_silu_conv2d": ("triton", "torch"),
-    "geglu": ("triton", "torch"),
-    "linear": ("triton", "torch"),
-    "adaln_modulate": ("triton", "torch"),
-    "temporal_attention": ("cuda", "triton", "torch"),
-}
+
+def public_ops() -> dict[str, tuple[str, ...]]:
+    """Each public op of ``ldmopt.ops`` and the backends it has, read from the BackendTables of its module (so this
+    list cannot fall behind the ops)."""
+    import sys
+
+    from . import ops
+    from .ops._dispatch import BackendTable
+
+    found = {}
+    for name in ops.__all__:
+        module = sys.modules.get(getattr(getattr(ops, name), "__module__", ""))
+        tables = [t for t in vars(module).values() if isinstance(t, BackendTable)] if module else []
+        if tables:
+            found[name] = max((tuple(b.name for b in t.backends) for t in tables), key=len)
+    return found
 
 
 def _version(dist: str) -> str:
@@ -63,7 +70,7 @@ def collect(query_gpu: bool = True) -> dict:
         },
         "backends_usable": {"cuda": ext_ok and gpu_ok, "triton": triton_runs, "torch": True},
         "build": _env.build_info(),
-        "ops": {name: list(backends) for name, backends in OPS.items()},
+        "ops": {name: list(backends) for name, backends in public_ops().items()},
     }
 
 

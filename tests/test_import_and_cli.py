@@ -174,19 +174,14 @@ def test_widest_global_load_parses_ptx_forms():
     assert ldmopt.aot.widest_global_load(load) == 16
 
 
-def test_info_ops_table_matches_backend_tables():
-    import importlib
+def test_info_lists_every_public_op_with_its_backends():
+    from ldmopt import info, ops
 
-    from ldmopt import info
-    from ldmopt.ops._dispatch import BackendTable
-
-    declared = {}
-    for op in info.OPS:
-        module = importlib.import_module(f"ldmopt.ops.{op if op != 'gn_silu_conv2d' else 'gn_conv2d'}")
-        tables = [t for t in vars(module).values() if isinstance(t, BackendTable)]
-        assert tables, f"ldmopt.ops module of {op} has no BackendTable"
-        declared[op] = max((tuple(b.name for b in t.backends) for t in tables), key=len)
-    assert declared == info.OPS
+    listed = info.public_ops()
+    functions = {name for name in ops.__all__ if callable(getattr(ops, name)) and name[0].islower()}
+    assert set(listed) == functions - {"use_backend"}, set(listed) ^ functions
+    assert listed["group_norm"] == listed["temporal_attention"] == ("cuda", "triton", "torch")
+    assert listed["rms_norm_joint"] == listed["layer_norm_stats"] == ("triton", "torch")
 
 
 def test_demo_save_folder_is_made_before_the_run(tmp_path, monkeypatch):
