@@ -2,7 +2,7 @@
 of ``GEGLU.proj`` (value rows [0, I), gate rows [I, 2I)), forward and the elementwise part of its backward.
 
 Layout: x is addressed as [M, K] with arbitrary strides, the weight as [2I, K] with arbitrary strides, y is a fresh
-contiguous [M, I]. fp32/fp16/bf16 in and out; fp32 accumulation; int64 row offsets. With NORM the input is x's rows
+contiguous [M, I]. fp32/fp16/bf16 in and out; fp32 accumulation; int64 offsets. With NORM the input is x's rows
 LayerNorm'd in the loads from fp32 row statistics (diffusers' norm3 -> GEGLU feed-forward, the norm never written).
 Algorithm: one GEMM with two fp32 accumulators sharing each x tile (one flat K loop, grouped tile order); the epilogue
 writes I columns instead of the 2I-wide projection. When a backward pass will follow, the epilogue also stores the
@@ -66,11 +66,15 @@ def _geglu_fwd_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    # int64 offsets: a column-strided view (an NCHW map read as [HW, C]) can span 2^31 elements or more.
+    rk64 = rk.to(tl.int64)
     # Rows/columns past the edge wrap onto valid ones, so only the K tail needs a load mask; the store masks them.
     rows = (rm % M).to(tl.int64)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :] * stride_xk
-    wh_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
-    wg_ptrs = w_ptr + (rn % N + N).to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + rk64[None, :] * stride_xk
+    wh_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk64[:, None] * stride_wk
+    wg_ptrs = w_ptr + (rn % N + N).to(tl.int64)[None, :] * stride_wn + rk64[:, None] * stride_wk
+    x_step = tl.cast(BLOCK_K, tl.int64) * stride_xk  # int64: BLOCK_K times a huge column stride can pass 2^31
+    w_step = tl.cast(BLOCK_K, tl.int64) * stride_wk
     acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if NORM:
@@ -85,9 +89,9 @@ def _geglu_fwd_kernel(
         wg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
         acc_h = tl.dot(a, wh, acc_h, input_precision=INPUT_PRECISION)
         acc_g = tl.dot(a, wg, acc_g, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        wh_ptrs += BLOCK_K * stride_wk
-        wg_ptrs += BLOCK_K * stride_wk
+        x_ptrs += x_step
+        wh_ptrs += w_step
+        wg_ptrs += w_step
 
     n_ok = rn < N
     mask = (rm < M)[:, None] & n_ok[None, :]
@@ -147,6 +151,7 @@ def _geglu_bwd_kernel(
     pid_n = pid % n_nblocks
     chunk = pid // n_nblocks
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn64 = rn.to(tl.int64)  # a column stride times N can pass 2^31
     n_ok = rn < N
     m_begin = chunk * ROWS_PER_PROG
     m_end = tl.minimum(m_begin + ROWS_PER_PROG, M)
@@ -155,7 +160,7 @@ def _geglu_bwd_kernel(
     for m0 in range(m_begin, m_end, BLOCK_M):
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < m_end)[:, None] & n_ok[None, :]
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + rn[None, :] * stride_dyn, mask=mask, other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + rn64[None, :] * stride_dyn, mask=mask, other=0.0)
         dy = dy.to(tl.float32)
         pre = pre_ptr + rows[:, None] * (2 * N) + rn[None, :]
         h = tl.load(pre, mask=mask, other=0.0).to(tl.float32)

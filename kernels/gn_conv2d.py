@@ -28,7 +28,8 @@ from ._common import ACTIVATIONS, new_output, next_power_of_2
 
 #: resample codes shared with ldmopt/ops/gn_conv2d.py
 RESAMPLE = {"none": 0, "up": 1, "down": 2}
-#: per-image element count from which row offsets are computed in int64 (batch offsets always are)
+#: offset reach (an operand's largest index x stride sum; per image for the activations, whose batch offsets are
+#: always int64) from which every offset is computed in int64: IDX64, see int64_index
 INT64_INDEX_FROM = 2**31 - 1
 
 
@@ -45,6 +46,14 @@ def _configs() -> list[triton.Config]:
             (64, 64, 64, 4, 3),
         )
     ]
+
+
+@triton.jit
+def _idx(i, IDX64: tl.constexpr):
+    """An index about to be multiplied by a stride: int64 with IDX64, int32 (fewer registers) otherwise."""
+    if IDX64:
+        i = i.to(tl.int64)
+    return i
 
 
 @triton.jit
@@ -71,10 +80,11 @@ def _stage_input(
 
     RESAMPLE 0: x itself (H x W). 1: nearest 2x upsample of x (2H x 2W). 2: 2x2 average pool of x (H//2 x W//2).
     """
-    coff = ci[None, :] * sxc
-    if IDX64:  # an image of more than 2^31 elements: row offsets in int64
-        ih = ih.to(tl.int64)
-        iw = iw.to(tl.int64)
+    # IDX64: an operand's offsets reach 2^31 (a large image, or a view with a large stride): row and channel
+    # offsets in int64
+    ih = _idx(ih, IDX64)
+    iw = _idx(iw, IDX64)
+    coff = _idx(ci, IDX64)[None, :] * sxc
     if RESAMPLE == 2:
         valid = row_ok & (ih >= 0) & (ih < H // 2) & (iw >= 0) & (iw < W // 2)
         mask = valid[:, None] & c_mask[None, :]
@@ -210,7 +220,7 @@ def _gn_conv2d_fwd_kernel(
     offs_n = nt * BN + tl.arange(0, BN)
     n_mask = offs_n < C_out
     kk = tl.arange(0, BK)
-    w_cols = offs_n[None, :] * swo
+    w_cols = _idx(offs_n, IDX64)[None, :] * swo
 
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     x_base = x_ptr + n.to(tl.int64) * sxn
@@ -247,7 +257,8 @@ def _gn_conv2d_fwd_kernel(
         iw = ow * STRIDE + (kw - PAD_W)
         a = _stage_input(part, ih, iw, m_mask, c_local, c_mask, sph, spw, spc, H, W, scale, shift,
                          RESAMPLE, NORMALIZE, ACTIVATION, IDX64)  # fmt: skip
-        b = tl.load(w_ptr + w_cols + ci[:, None] * swi + kh * swh + kw * sww,
+        # (pointer + each term in turn: summing the offsets first changes the compile and spills some tiles)
+        b = tl.load(w_ptr + w_cols + _idx(ci, IDX64)[:, None] * swi + _idx(kh, IDX64) * swh + _idx(kw, IDX64) * sww,
                     mask=c_mask[:, None] & n_mask[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a.to(w_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
 
@@ -255,7 +266,7 @@ def _gn_conv2d_fwd_kernel(
         # 1x1 stride-1 shortcut conv of a second input (optionally resampled) into the same accumulator.
         xs_base = xs_ptr + n.to(tl.int64) * ssn
         xs2_base = xs2_ptr + n.to(tl.int64) * ss2n  # read only with SC_TWO_PART
-        ws_cols = offs_n[None, :] * swso
+        ws_cols = _idx(offs_n, IDX64)[None, :] * swso
         n_sc_head = tl.cdiv(C_sc_head, BK)
         for cb in range(0, n_sc_head + tl.cdiv(C_sc - C_sc_head, BK)):
             part, sph, spw, spc, c_local, ci, c_mask = _channel_part(
@@ -264,7 +275,8 @@ def _gn_conv2d_fwd_kernel(
             zero = tl.zeros([BK], dtype=tl.float32)
             a = _stage_input(part, oh, ow, m_mask, c_local, c_mask, sph, spw, spc, HS, WS, zero, zero,
                              SC_RESAMPLE, False, ACTIVATION, IDX64)  # fmt: skip
-            b = tl.load(ws_w_ptr + ws_cols + ci[:, None] * swsi, mask=c_mask[:, None] & n_mask[None, :], other=0.0)
+            ws_ptrs = ws_w_ptr + ws_cols + _idx(ci, IDX64)[:, None] * swsi
+            b = tl.load(ws_ptrs, mask=c_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a.to(ws_w_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
 
     mask = m_mask[:, None] & n_mask[None, :]
@@ -273,13 +285,15 @@ def _gn_conv2d_fwd_kernel(
     if HAS_BIAS2:
         acc += tl.load(bias2_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_TEMB:
+        n_t = _idx(n, IDX64)
+        c_t = _idx(offs_n, IDX64)
         if TEMB_ROWS:  # one vector per output row (a temporal conv's per-frame embedding)
-            temb_off = n * stn + oh[:, None] * sth + offs_n[None, :] * stc
+            temb_off = n_t * stn + _idx(oh, IDX64)[:, None] * sth + c_t[None, :] * stc
             acc += tl.load(temb_ptr + temb_off, mask=mask, other=0.0).to(tl.float32)
         else:
-            acc += tl.load(temb_ptr + n * stn + offs_n * stc, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(temb_ptr + n_t * stn + c_t * stc, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_GATE:  # everything but the residual is scaled (SVD's alpha blend of spatial and temporal paths)
-        acc *= tl.load(gate_ptr + n * sgn + oh * sgh, mask=m_mask, other=0.0)[:, None]
+        acc *= tl.load(gate_ptr + _idx(n, IDX64) * sgn + _idx(oh, IDX64) * sgh, mask=m_mask, other=0.0)[:, None]
     if HAS_RES:
         zero_n = tl.zeros([BN], dtype=tl.float32)
         acc += _stage_input(res_ptr + n.to(tl.int64) * srn, oh, ow, m_mask, offs_n, n_mask, srh, srw, src, HR, WR,
@@ -310,6 +324,20 @@ def _gn_conv2d_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers
+
+
+def _reach(t: torch.Tensor, first_dim: int = 0) -> int:
+    """The largest offset of t's elements from its first one, counting dims from ``first_dim``."""
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape[first_dim:], t.stride()[first_dim:]))
+
+
+def int64_index(images, others) -> bool:
+    """IDX64: whether some offset the kernel forms reaches INT64_INDEX_FROM: within one image of ``images`` (per
+    image: their batch offsets are int64 always), or anywhere in ``others`` (weights, temb, gate). A large image, or a
+    view with a large stride (e.g. an NCHW residual of C x H x W >= 2^31 elements, whose channel stride is H x W).
+    Offsets are int32 otherwise, exact there and lighter on registers."""
+    reach = [_reach(t, 1) for t in images if t is not None] + [_reach(t) for t in others if t is not None]
+    return max(reach) >= INT64_INDEX_FROM
 
 
 def _stats_workspace(device: torch.device, n: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,8 +460,7 @@ def gn_conv2d_fwd(
         RES_RESAMPLE=RESAMPLE[residual_resample], HAS_SC=shortcut_x is not None,
         SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None, OUT_STATS=out_groups > 0,
         STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, DOT_PRECISION=_dot_precision(x.dtype),
-        IDX64=max(t[0].numel() for t in (x, x_tail, y, residual, shortcut_x, shortcut_x_tail) if t is not None)
-        >= INT64_INDEX_FROM,
+        IDX64=int64_index((x, x_tail, y, residual, shortcut_x, shortcut_x_tail), (weight, shortcut_weight, temb, gate)),
         X_TWO_PART=x_tail is not None, SC_TWO_PART=shortcut_x_tail is not None,
     )  # fmt: skip
     return y, out_mean, out_rstd

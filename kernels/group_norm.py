@@ -145,7 +145,7 @@ def _group_norm_fwd_finalize_kernel(
         cnt = tl.minimum(S - chunk * S_PER_PROG, S_PER_PROG).to(tl.float32)
         pm = tl.load(part_mean_ptr + base + chunk * C + r % cpg, mask=mask, other=0.0)
         acc += tl.where(mask, pm * cnt, 0.0)
-    total = (S * cpg).to(tl.float32)
+    total = tl.cast(S, tl.float32) * cpg  # S * cpg in int32 wraps for a group of 2^31 elements (G=1, a video map)
     group_mean = tl.sum(acc, axis=0) / total
     # Pass 2: M2 = sum of partial M2 + sum count * (partial mean - group mean)^2.
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)

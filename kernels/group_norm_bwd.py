@@ -165,7 +165,7 @@ def _group_norm_bwd_dx_kernel(
     dy = tl.load(dy_ptr + n * stride_dyn + s64 * stride_dys + c64 * stride_dyc, mask=mask, other=0.0)
     dz = ACTIVATION_GRAD(x * scale[None, :] + shift[None, :], dy.to(tl.float32))
     xhat = (x - mean[None, :]) * rstd[None, :]
-    inv_m = 1.0 / (cpg * S).to(tl.float32)
+    inv_m = 1.0 / (tl.cast(S, tl.float32) * cpg)  # cpg * S in int32 wraps for a group of 2^31 elements
     dx = rstd[None, :] * (w[None, :] * dz - (sum_wdz[None, :] + xhat * sum_wdzxhat[None, :]) * inv_m)
     tl.store(dx_ptr + n * stride_dxn + s64 * stride_dxs + c64 * stride_dxc, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 

@@ -3,7 +3,8 @@
 Layout: q, k, v, out and the gradients are 5-D views (B, F, N, H, D) with arbitrary strides: B batch, F frames (the
 attention axis), N pixels, H heads, D head_dim. diffusers' (B*N, F, H*D) activations are ``.view(B*N, F, 1, H, D)``,
 the permute-free (B, F, N, H*D) order is ``.view(B, F, N, H, D)``, a fused to_qkv output (B*N, F, 3*H*D) is
-``.view(B*N, F, 3, H, D)[:, :, i:i+1]``. Dtypes fp32/fp16/bf16 in and out; scores, softmax and accumulators in fp32.
+``.view(B*N, F, 3, H, D)[:, :, i:i+1]``. Dtypes fp32/fp16/bf16 in and out; scores, softmax and accumulators in fp32;
+int64 offsets (a sequence may span 2^31 elements or more: the contiguous dq of a strided q, a large frame stride).
 Algorithm: one program owns BLOCK_P sequences of the flattened (b, n, h) index (heads fastest, so neighbouring
 sequences share cache lines) and keeps their F x F scores in registers: S = Q K^T as a 3-D batched tl.dot
 accumulated over head-dim chunks, an exact softmax, then O = P V chunk by chunk. F <= 64 (padded to a power of two
@@ -42,9 +43,10 @@ def _seq_offsets(s, N, H, stride_b, stride_n, stride_h, ALIGN: tl.constexpr):
 
 @triton.jit
 def _tile_ptrs(ptr, seq_off, f, d, stride_f, stride_d, ALIGN: tl.constexpr):
-    # [P, F, D] addresses of a head-dim chunk of BLOCK_P sequences.
-    frame_off = tl.multiple_of(f * stride_f, ALIGN)
-    return ptr + seq_off[:, None, None] + (frame_off[None, :, None] + d[None, None, :] * stride_d)
+    # [P, F, D] addresses of a head-dim chunk of BLOCK_P sequences. int64: a view with a large frame (or head-dim)
+    # stride spans 2^31 elements or more within one sequence (e.g. the contiguous dq of a strided q).
+    frame_off = tl.multiple_of(f.to(tl.int64) * stride_f, ALIGN)
+    return ptr + seq_off[:, None, None] + (frame_off[None, :, None] + d.to(tl.int64)[None, None, :] * stride_d)
 
 
 @triton.jit
@@ -275,18 +277,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def inner_span(t: torch.Tensor) -> int:
-    """Largest element offset within one sequence, (F-1)|stride_f| + (D-1)|stride_d|: the kernels keep it in int32."""
-    return (t.shape[1] - 1) * abs(t.stride(1)) + (t.shape[4] - 1) * abs(t.stride(4))
-
-
 def _check_views(*tensors: torch.Tensor) -> None:
     shape = tensors[0].shape
     for t in tensors:
         if t.dim() != 5 or t.shape != shape:
             raise ValueError(f"expected 5-D (B, F, N, H, D) views of one shape {tuple(shape)}, got {tuple(t.shape)}")
-        if inner_span(t) >= 2**31:
-            raise ValueError(f"a sequence of a tensor with strides {t.stride()} spans more than 2^31 elements")
     _b, f, _n, _h, d = shape
     if f > MAX_FRAMES or d > MAX_HEAD_DIM:
         raise ValueError(f"F={f}, head_dim={d}: the kernel supports F <= {MAX_FRAMES}, head_dim <= {MAX_HEAD_DIM}")

@@ -126,3 +126,88 @@ def test_linear(buffer):
     expect = torch.autograd.grad(y64, ref, dy.double())
     for name, g, e in zip(("dx", "dweight", "dbias", "dgate", "dresidual"), grads, expect):
         assert_close(g, e, torch.float16, f"linear {name}")
+
+
+def test_geglu(buffer):
+    b, t, i = 2, 5, C  # x [B, T, K=3], the weight [2I=6, K] and dy [B, T, I=3] column-strided
+    x = _view(buffer, 0, (b, t, C), _eighths((b, t, C)))
+    weight = _view(buffer, 1, (2 * i, C), _eighths((2 * i, C)))
+    dy = _view(buffer, 2, (b, t, i), _eighths((b, t, i)))
+    bias = _eighths((2 * i,))
+    leaves = [x, weight, bias]
+    for v in leaves:
+        v.requires_grad_()
+    with ldmopt.use_backend("triton"):
+        y = ops.geglu(x, weight, bias)
+        grads = torch.autograd.grad(y, leaves, dy)
+
+    ref = [v.detach().double().requires_grad_() for v in leaves]
+    h, g = F.linear(*ref).chunk(2, dim=-1)
+    y64 = h * F.gelu(g)
+    assert_close(y, y64, torch.float16, "geglu y")
+    expect = torch.autograd.grad(y64, ref, dy.double())
+    for name, g, e in zip(("dx", "dweight", "dbias"), grads, expect):
+        assert_close(g, e, torch.float16, f"geglu {name}")
+
+
+def _nchw(buf, slot, shape, values):
+    """An [N, C, H, W] (or [C_out, C, kh, kw]) view with channel stride S, the other dims packed in the slot."""
+    n, c, h, w = shape
+    assert c == C and n * h * w <= SLOT
+    view = buf.as_strided(shape, (h * w, S, w, 1), BASE + slot * SLOT)
+    view.copy_(values)
+    return view
+
+
+def test_gn_conv2d(buffer):
+    # A plain 3x3 conv whose weight, temb, residual, 1x1 shortcut input and shortcut weight are channel-strided
+    # (reach 2 S >= 2^31 on a tiny image); x itself must be channels-last.
+    n, h, w = 1, 4, 4
+    x = _eighths((n, C, h, w), -4, 4).contiguous(memory_format=torch.channels_last)
+    weight = _nchw(buffer, 0, (C, C, 3, 3), _eighths((C, C, 3, 3), -2, 2))
+    temb = _view(buffer, 1, (n, C), _eighths((n, C)))
+    residual = _nchw(buffer, 2, (n, C, h, w), _eighths((n, C, h, w)))
+    shortcut_x = _nchw(buffer, 3, (n, C, h, w), _eighths((n, C, h, w), -4, 4))
+    shortcut_w = _nchw(buffer, 4, (C, C, 1, 1), _eighths((C, C, 1, 1), -4, 4))
+    bias = _eighths((C,))
+    with ldmopt.use_backend("triton"):
+        y = ops.gn_silu_conv2d(x, None, None, 1, 1e-5, weight, bias, normalize=False, temb=temb, residual=residual,
+                               shortcut=(shortcut_x, shortcut_w, None))  # fmt: skip
+
+    d = [t.double() for t in (x, weight, bias, temb, residual, shortcut_x, shortcut_w)]
+    y64 = F.conv2d(d[0], d[1], d[2], padding=1) + d[3][:, :, None, None] + F.conv2d(d[5], d[6]) + d[4]
+    assert_close(y, y64, torch.float16, "gn_conv2d y")
+
+
+def _frames(buf, slot, shape, values):
+    """A (B, F, N, H, D) view with frame stride S, the other dims packed in the slot."""
+    b, f, n, h, d = shape
+    assert f == C and b * n * h * d <= SLOT
+    view = buf.as_strided(shape, (n * h * d, S, h * d, d, 1), BASE + slot * SLOT)
+    view.copy_(values)
+    return view
+
+
+def _attention64(q, k, v, scale):
+    q, k, v = (t.permute(0, 2, 3, 1, 4) for t in (q, k, v))  # (B, N, H, F, D)
+    p = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1)
+    return (p @ v).permute(0, 3, 1, 2, 4)
+
+
+def test_temporal_attention(buffer):
+    # The kernels directly: the op refuses inputs whose sequences span 2^31 elements (the CUDA kernel's limit).
+    from ldmopt.kernels.temporal_attention import temporal_attention_bwd, temporal_attention_fwd
+
+    shape = (1, C, 2, 1, 16)  # (B, F=3, N, H, D): frame 2 lies 2 S >= 2^31 elements from frame 0
+    scale = 16**-0.5
+    q, k, v, dout = (_frames(buffer, slot, shape, _eighths(shape)) for slot in range(4))
+    out = _frames(buffer, 4, shape, torch.full(shape, float("nan")))
+    temporal_attention_fwd(q, k, v, scale, out)
+    grads = temporal_attention_bwd(dout, q, k, v, scale)
+
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64 = _attention64(*ref, scale)
+    assert_close(out, o64, torch.float16, "temporal attention out")
+    expect = torch.autograd.grad(o64, ref, dout.double())
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expect):
+        assert_close(g, e, torch.float16, f"temporal attention {name}")
