@@ -128,8 +128,15 @@ def count_stock(where: str, name: str, layer: object) -> None:
 
 
 def stock_class(module: nn.Module) -> type:
-    """The module's own class, past the patcher's class swap (``fused_class`` marks its subclasses ``_ldmopt_base``)."""
-    return next((cls for cls in type(module).__mro__ if "_ldmopt_base" not in cls.__dict__), type(module))
+    """The module's own class, past the patcher's class swaps (``fused_class`` gives its subclasses ``_ldmopt_base``).
+    Attribute lookups only, no walk over ``__mro__``: torch.compile(fullgraph=True) traces this in fused forwards."""
+    cls = type(module)
+    for _ in range(4):  # a swap of a swap at most in practice; bounded so that tracing unrolls it
+        base = getattr(cls, "_ldmopt_base", None)
+        if base is None or base is cls:
+            break
+        cls = base
+    return cls
 
 
 def stock(module: nn.Module, name: str = "forward") -> Callable:

@@ -37,6 +37,7 @@ PROCESSOR = "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStrea
 #: From this release the processor builds the joint mask from ``encoder_hidden_states_mask`` and refuses an
 #: ``attention_mask``; before it, it attended with ``attention_mask`` as given and ignored the text mask.
 MASK_FROM_TEXT = "0.39"
+_BUILDS_MASK = diffusers_at_least(MASK_FROM_TEXT)  # once, at import: not inside a traced forward
 
 
 def _tables(freqs: object, tokens: int, half: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | str:
@@ -59,7 +60,7 @@ def _call_tables(self, hidden_states, encoder_hidden_states, attention_mask, kwa
     rotary = kwargs.get("image_rotary_emb")
     if rotary is None or encoder_hidden_states is None:
         return "called without image_rotary_emb or encoder_hidden_states"
-    if attention_mask is not None and diffusers_at_least(MASK_FROM_TEXT):
+    if attention_mask is not None and _BUILDS_MASK:
         return "called with an attention_mask (stock raises)"
     if (
         hidden_states.dim() != 3
@@ -91,7 +92,7 @@ def _qwen_attention_forward(self, hidden_states, encoder_hidden_states=None, att
         return stock(self)(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
 
     (image_tables, text_tables), processor = tables, self.processor
-    if diffusers_at_least(MASK_FROM_TEXT):
+    if _BUILDS_MASK:
         mask = _joint_mask(hidden_states, kwargs.get("encoder_hidden_states_mask"))
     else:
         mask = attention_mask
