@@ -347,7 +347,7 @@ def patch(
         _layout_copies_at_patch=layout_copy_counts(),
     )
     plans = []
-    planned: set[int] = set()  # modules the plans so far fuse, and those they walked: shared ones are planned once
+    planned: set[int] = set()  # modules the plans so far fuse: a module two components share is planned once
     walked: set[int] = set()
     for label, model in models:
         report.models[label] = type(model).__name__
