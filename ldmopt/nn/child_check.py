@@ -101,6 +101,23 @@ def readable(layer: object, *kinds: type) -> bool:
     return not hooked(layer) and plain_weight(layer)
 
 
+def hooked_children(children: dict[str, nn.Module | None], *, deep: bool) -> list[str]:
+    """The names of ``children`` (modules a fused path computes itself instead of calling; None for absent ones)
+    that are :func:`hooked`; ``deep`` also looks inside each one (for children whose whole subtree the fused path
+    replaces, e.g. an Upsample2D and its conv)."""
+    names = []
+    for name, child in children.items():
+        if isinstance(child, nn.Module) and any(hooked(m) for m in (child.modules() if deep else (child,))):
+            names.append(name)
+    return names
+
+
+def bypassed_hook_reason(name: str, *, deep: bool = False) -> str:
+    """The report's words for a hooked child named by :func:`hooked_children`."""
+    inside = " (or a module in it)" if deep else ""
+    return f"{name}{inside} has hooks (forward, backward or global) or a wrapped forward the fused path would bypass"
+
+
 def qualified_name(cls: type) -> str:
     """``module.Class`` (builtins without their module)."""
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

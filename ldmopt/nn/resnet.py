@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..ops._dispatch import call
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, same_but_channels
-from .child_check import hooked, readable, stock_class, unreadable_reason
+from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
@@ -150,12 +150,8 @@ def can_fuse(block) -> list[str]:
 def _bypassed_hook_reasons(block) -> list[str]:
     """The children the fused convs compute themselves (the SiLU, the dropout, an Upsample2D/Downsample2D module and
     its pooling) with hooks or a wrapped forward their stock calls would run."""
-    reasons = []
-    for name in ("nonlinearity", "dropout", "upsample", "downsample"):
-        child = getattr(block, name, None)
-        if isinstance(child, torch.nn.Module) and any(hooked(m) for m in child.modules()):
-            reasons.append(f"{name} (or a module in it) has hooks or a wrapped forward the fused path would bypass")
-    return reasons
+    children = {name: getattr(block, name, None) for name in ("nonlinearity", "dropout", "upsample", "downsample")}
+    return [bypassed_hook_reason(name, deep=True) for name in hooked_children(children, deep=True)]
 
 
 def dtype_reasons(x: Tensor, weight: Tensor) -> list[str]:

@@ -42,7 +42,7 @@ from ..ops.adaln_modulate import adaln_modulate
 from ..ops.gn_conv2d import gn_silu_conv2d
 from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
-from .child_check import hooked, plain_weight, readable, stock, stock_class
+from .child_check import bypassed_hook_reason, hooked, hooked_children, plain_weight, readable, stock, stock_class
 from .group_norm import GroupNorm as LdmoptGroupNorm
 from .layer_norm_input import NormedInput, normed_with_positions
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
@@ -85,14 +85,13 @@ def processor_reason(block: nn.Module) -> str | None:
     return None
 
 
-def bypassed_hook_reason(children: dict[str, nn.Module | None]) -> str | None:
+def first_hooked_reason(children: dict[str, nn.Module | None]) -> str | None:
     """Why the token-order path cannot compute these children itself (None when it can): one is
     :func:`~ldmopt.nn.child_check.hooked` (forward/backward hooks, global hooks, or a forward wrapped on the instance
-    by accelerate's offload or diffusers' cache/layer-skip hooks), which the stock forward would run."""
-    for name, child in children.items():
-        if child is not None and hooked(child):
-            return f"{name} has hooks (forward, backward or global) or a wrapped forward the token-order path bypasses"
-    return None
+    by accelerate's offload or diffusers' cache/layer-skip hooks), which the stock forward would run. Shallow: the
+    children's own children (projections, norms) are called, or checked where they are read."""
+    names = hooked_children(children, deep=False)
+    return bypassed_hook_reason(names[0]) if names else None
 
 
 # ------------------------------------------------------------------------------------------------ SVD block
@@ -129,7 +128,7 @@ def svd_block_reason(block: nn.Module, hidden_states: Tensor, num_frames: int, c
         reason = _single_key_module_reason(block.attn2)
         if reason is not None:
             return f"attn2: {reason}"
-    return bypassed_hook_reason(svd_bypassed(block))
+    return first_hooked_reason(svd_bypassed(block))
 
 
 def svd_bypassed(block: nn.Module) -> dict[str, nn.Module | None]:
@@ -259,7 +258,7 @@ def container_reason(
 
 def container_hook_reason(container: nn.Module) -> str | None:
     """Why a container's blocks cannot run in token order now (None when they can): a block, its attn1/attn2 or its
-    pos_embed, which the token-order path computes itself, is hooked or wrapped (see :func:`bypassed_hook_reason`).
+    pos_embed, which the token-order path computes itself, is hooked or wrapped (see :func:`first_hooked_reason`).
     Their other children (norms, projections, feed-forward) are called or checked where they are read."""
     for i, block in enumerate(container.transformer_blocks):
         prefix = f"transformer_blocks.{i}"
@@ -267,7 +266,7 @@ def container_hook_reason(container: nn.Module) -> str | None:
             prefix: block,
             **{f"{prefix}.{n}": getattr(block, n, None) for n in ("attn1", "attn2", "pos_embed")},
         }
-        reason = bypassed_hook_reason(children)
+        reason = first_hooked_reason(children)
         if reason is not None:
             return reason
     return None

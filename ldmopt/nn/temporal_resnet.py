@@ -29,7 +29,17 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.gn_conv2d import gn_silu_conv2d
-from .child_check import count_reason, hooked, observed, readable, stock, stock_class, unreadable_reason
+from .child_check import (
+    bypassed_hook_reason,
+    count_reason,
+    hooked,
+    hooked_children,
+    observed,
+    readable,
+    stock,
+    stock_class,
+    unreadable_reason,
+)
 from .resnet import dtype_reasons, fused_resnet_forward
 
 #: How often a fused forward converted an NCHW input to channels-last (one copy) before fusing.
@@ -86,9 +96,8 @@ def spatiotemporal_reasons(block) -> list[str]:
         reasons.append("temporal_res_block has a conv_shortcut (in_channels != out_channels)")
     if not isinstance(temporal.nonlinearity, nn.SiLU):
         reasons.append(f"temporal_res_block.nonlinearity is {type(temporal.nonlinearity).__name__}, not SiLU")
-    for name in ("nonlinearity", "dropout"):  # computed in the fused convs, not called
-        if hooked(getattr(temporal, name)):
-            reasons.append(f"temporal_res_block.{name} has hooks or a wrapped forward the fused path would bypass")
+    computed = {f"temporal_res_block.{n}": getattr(temporal, n) for n in ("nonlinearity", "dropout")}  # not called
+    reasons += [bypassed_hook_reason(name, deep=True) for name in hooked_children(computed, deep=True)]
     pairs = [("norm1", temporal.norm1, "conv1", temporal.conv1), ("norm2", temporal.norm2, "conv2", temporal.conv2)]
     reasons += [f"temporal_res_block.{r}" for r in _chain_reasons(pairs, temporal.in_channels)]
     return reasons
