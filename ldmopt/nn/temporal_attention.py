@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
 from .attention_residual import project_out
+from .child_check import bypassed_hook_reason, hooked_children
 from .layer_norm_input import NormedInput, apply
 
 #: Container class name -> attribute holding its temporal blocks (None: every Attention under the container).
@@ -146,6 +147,10 @@ def temporal_self_attention(
     return project_out(attn, out.reshape(*x.shape[:-1], c), x, residual, "temporal attention", gate)
 
 
+#: The children of an Attention that the single-key shortcut never calls.
+SINGLE_KEY_SKIPS = ("to_q", "to_k", "norm_q", "norm_k")
+
+
 def single_key_attention(attn, context: Tensor, queries: Tensor | None = None) -> Tensor:
     """Cross-attention over one key per batch item: ``to_out(to_v(norm_cross(context)))``, unexpanded.
 
@@ -161,7 +166,7 @@ def single_key_attention(attn, context: Tensor, queries: Tensor | None = None) -
     for layer in attn.to_out[1:]:
         out = layer(out)
     if torch.is_grad_enabled():
-        skipped = [getattr(attn, name, None) for name in ("to_q", "to_k", "norm_q", "norm_k")]
+        skipped = [getattr(attn, name, None) for name in SINGLE_KEY_SKIPS]
         out = zero_gradient_anchor(out, skipped, queries)
     return out
 
@@ -192,7 +197,9 @@ def _single_key_module_reason(attn) -> str | None:
     dropout = attn.to_out[1] if len(attn.to_out) > 1 else None
     if attn.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
         return "output dropout in training mode (would be shared across queries)"
-    return None
+    # Their values cannot change the result, but their hooks (accelerate's offload, a user's) expect to run.
+    skipped = hooked_children({name: getattr(attn, name, None) for name in SINGLE_KEY_SKIPS}, deep=True)
+    return bypassed_hook_reason(skipped[0], deep=True) if skipped else None
 
 
 def _stock_or_ours(processor) -> bool:

@@ -193,6 +193,27 @@ def test_svd_attn2_shortcut_falls_back_for_longer_context():
     assert_close(got, expected.double(), torch.float32, "fallback")
 
 
+def test_svd_attn2_shortcut_runs_the_stock_path_when_a_skipped_projection_is_hooked():
+    """The shortcut never calls to_q/to_k: with a hook on one of them (accelerate's offload, a user's) the call
+    runs the stock processor, so the hook runs as it would without ldmopt; once the hook is gone it is fused again."""
+    attn = Attention(16, cross_attention_dim=8, heads=2, dim_head=8)
+    proc = SingleKeyAttnProcessor(fallback=AttnProcessor2_0())
+    attn.set_processor(proc)
+    x, context = torch.randn(3, 5, 16), torch.randn(3, 1, 8)
+    seen = []
+    handle = attn.to_k.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        got = attn(x, context)
+        expected = AttnProcessor2_0()(attn, x, context)
+    assert seen and proc.kernel_calls == 0
+    assert "to_k (or a module in it) has hooks" in next(iter(proc.fallback_reasons))
+    assert_close(got, expected.double(), torch.float32, "hooked to_k")
+    handle.remove()
+    with torch.no_grad():
+        assert_close(attn(x, context), expected.double(), torch.float32, "after the hook")
+    assert proc.kernel_calls == 1
+
+
 # ------------------------------------------------------------------------------------------------ one module
 
 
