@@ -5,7 +5,9 @@ classifier-free guidance."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from _train_families import FAMILIES, VIDEO_CLASSES, Denoiser, make_denoiser, to_layout
@@ -112,6 +114,43 @@ def build_denoiser(name: str, num_classes: int, resolution: int, latent_factor: 
     denoiser = make_denoiser(model, num_classes, resolution)
     denoiser.check_resolution(resolution, latent_factor, name)
     return denoiser, latent_factor, denoiser.latent_channels
+
+
+FINAL_CONDITIONING = "conditioning.safetensors"
+FINAL_META = "denoiser.json"
+
+
+def save_final(denoiser: Denoiser, path: Path, meta: dict) -> None:
+    """``denoiser.model.save_pretrained(path)``, plus what the wrapper adds to it: its own parameters and persistent
+    buffers (label tokens, pooled embeddings; not the ones it rebuilds from the config) in conditioning.safetensors,
+    and denoiser.json (``meta`` with the classes needed to rebuild it: ``load_final``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    denoiser.model.save_pretrained(path)
+    extra = {k: v.detach().cpu().contiguous() for k, v in denoiser.state_dict().items() if not k.startswith("model.")}
+    save_file(extra, path / FINAL_CONDITIONING)
+    info = {
+        **meta, "diffusers_class": denoiser.kind, "denoiser_class": type(denoiser).__name__,
+        "num_classes": denoiser.num_classes, "image_size": denoiser.image_size,
+    }  # fmt: skip
+    (path / FINAL_META).write_text(json.dumps(info, indent=2))
+
+
+def load_final(path: Path) -> Denoiser:
+    """The Denoiser that ``save_final`` wrote to ``path`` (fp32, on the CPU, stock diffusers forward)."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = json.loads((path / FINAL_META).read_text())
+    model = getattr(diffusers, meta["diffusers_class"]).from_pretrained(path)
+    denoiser = make_denoiser(model, meta["num_classes"], meta["image_size"])
+    missing, unexpected = denoiser.load_state_dict(load_file(path / FINAL_CONDITIONING), strict=False)
+    missing = [k for k in missing if not k.startswith("model.")]  # the model came from from_pretrained
+    if missing or unexpected:
+        raise KeyError(f"{path / FINAL_CONDITIONING}: missing {missing}, unexpected {unexpected}")
+    return denoiser
 
 
 class EMA:

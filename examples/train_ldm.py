@@ -21,6 +21,23 @@ PixArt-alpha/Sigma, SD3, Flux (image models on coloured shapes) and AnimateDiff,
 ``--batch-size`` is the global batch (split over processes and ``--grad-accum`` micro-steps). Noise, timesteps and
 label drops are drawn per sample from (seed, epoch, index), so a checkpoint resumes exactly on the same number of
 processes and continues with the same loss (up to float summation order) on a different number.
+
+Resuming (``--resume auto`` or ``--resume PATH``) continues the checkpoint's run: every argument not given on the
+command line takes the value saved in the checkpoint, so ``--output-dir runs/shapes --resume auto`` alone is enough.
+Arguments that define the model, the data or the diffusion (``RUN_DEFINING``: --model, --tiny, --frames, --resolution,
+--latent-factor, --vae, --num-shapes, --seed, --num-train-timesteps, --beta-schedule, --prediction-type) cannot
+change mid-run: giving another value is an error. The others (learning rate and schedule, batch size, mixed precision,
+--max-steps, EMA, --fused, --channels-last, checkpoint/sample/log settings...) may be given to override the saved
+value; rank 0 prints a note for each (--data too: a moved image folder; its classes must still match the
+model's label embeddings). Never inherited (``NOT_INHERITED``): --resume, --output-dir (where an auto-resume
+looks, so it is this command's), --device, --backend, --num-workers, --no-progress (this machine's) and the
+--profile-* window (a diagnostic of this process). Checkpoints without saved arguments use the command line's.
+
+``--save-final`` writes ``OUTPUT_DIR/final/``: the EMA weights of the diffusers model (``save_pretrained``: config.json
+and diffusion_pytorch_model.safetensors), the wrapper's own EMA weights that the model needs for class-conditional
+sampling (label tokens, pooled embeddings: ``conditioning.safetensors``), ``denoiser.json`` (model name, diffusers
+class, number of classes, resolution, latent factor...) and the noise schedule (``scheduler_config.json``).
+``_train_model.load_final(OUTPUT_DIR / "final")`` rebuilds the denoiser from them.
 """
 
 from __future__ import annotations
@@ -54,7 +71,7 @@ from _train_data import (
     save_grid,
 )
 from _train_families import channels_last_, to_layout
-from _train_model import EMA, build_denoiser, is_video_model, model_names, sample
+from _train_model import EMA, build_denoiser, is_video_model, model_names, sample, save_final
 from _train_utils import (
     DistInfo,
     MetricLogger,
@@ -72,8 +89,19 @@ from _train_utils import (
     set_rng_state,
 )
 
+# Resume: arguments that define the run (a checkpoint cannot continue with other values) and arguments that belong to
+# this invocation or machine (never taken from the checkpoint). See the module docstring.
+RUN_DEFINING = frozenset({
+    "model", "tiny", "frames", "resolution", "latent_factor", "vae", "num_shapes", "seed",
+    "num_train_timesteps", "beta_schedule", "prediction_type",
+})  # fmt: skip
+NOT_INHERITED = frozenset({
+    "resume", "output_dir", "device", "backend", "num_workers", "no_progress", "profile_wait", "profile_warmup",
+    "profile_active",
+})  # fmt: skip
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = p.add_argument_group("model")
     image = ", ".join(n for n in model_names() if not is_video_model(n))
@@ -123,11 +151,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g = p.add_argument_group("checkpoints, samples, logging")
     g.add_argument("--output-dir", default="runs/train_ldm")
-    g.add_argument("--resume", default=None, help="checkpoint file, or 'auto' for the newest in --output-dir")
+    g.add_argument("--resume", default=None,
+                   help="checkpoint file, or 'auto' for the newest in --output-dir (none: a fresh start). Arguments\n"
+                        "not given take the checkpoint's values; model/data/diffusion ones must not change;\n"
+                        "--output-dir, --device, --backend, --num-workers, --no-progress, --profile-* are never\n"
+                        "inherited (see the docstring)")  # fmt: skip
     g.add_argument("--save-every", type=int, default=1000)
     g.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (0 keeps all)")
     g.add_argument("--save-final", action=argparse.BooleanOptionalAction, default=True,
-                   help="save the EMA model with save_pretrained at the end")  # fmt: skip
+                   help="save the EMA model with save_pretrained, its label embeddings and denoiser.json to\n"
+                        "OUTPUT_DIR/final at the end (default: on)")  # fmt: skip
     g.add_argument("--sample-every", type=int, default=1000, help="0 disables sampling")
     g.add_argument("--num-sample-images", type=int, default=16)
     g.add_argument("--sampler", default="ddim", choices=["ddim", "ddpm"])
@@ -141,19 +174,89 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--profile-wait", type=int, default=5)
     g.add_argument("--profile-warmup", type=int, default=2)
     g.add_argument("--profile-active", type=int, default=0)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def explicit_args(argv: list[str] | None = None) -> set[str]:
+    """The destinations given on the command line (even with their default value)."""
+    p = _parser()
+    unset = object()
+    # argparse fills in defaults only for names the namespace lacks: a namespace pre-filled with a marker keeps the
+    # marker exactly where nothing was given.
+    ns = argparse.Namespace(**dict.fromkeys(vars(p.parse_args([])), unset))
+    p.parse_args(argv, namespace=ns)
+    return {name for name, value in vars(ns).items() if value is not unset}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _same(name: str, saved, given) -> bool:
+    if name == "frames":  # unset is the default 8 frames (video models)
+        saved, given = (8 if v is None else v for v in (saved, given))
+    return saved == given
+
+
+def resume_args(
+    args: argparse.Namespace, saved: dict | None, given: set[str] | None, is_main: bool, source
+) -> argparse.Namespace:
+    """``args`` with the checkpoint's ``saved`` values for every argument not in ``given`` (all of them are given when
+    ``given`` is None); SystemExit when a given value changes a RUN_DEFINING one; a note for each other override."""
+    if saved is None:
+        if is_main:
+            print(f"note: {source} has no saved arguments (older checkpoint); using the command line's", flush=True)
+        return args
+    given = set(vars(args)) if given is None else given
+    merged = vars(args).copy()
+    for name, value in vars(args).items():
+        if name in NOT_INHERITED or name not in saved:  # a flag newer than the checkpoint keeps its value
+            continue
+        old = saved[name]
+        if name not in given:
+            merged[name] = old
+        elif not _same(name, old, value):
+            if name in RUN_DEFINING:
+                raise SystemExit(
+                    f"{_flag(name)}: the checkpoint has {old!r}, the command line {value!r}; {source} cannot continue "
+                    f"with another {_flag(name)} (leave it out to resume, or start a new run in another --output-dir)"
+                )
+            if is_main:
+                print(f"note: {_flag(name)} {value} overrides the checkpoint's {old}", flush=True)
+    return argparse.Namespace(**merged)
 
 
 def _check_args(args: argparse.Namespace, info: DistInfo) -> int:
-    """Validate batch splitting; return the per-process micro-batch."""
+    """Refuse nonsensical values up front (naming the flag and the value); return the per-process micro-batch."""
+    # `not x >= 0` also refuses NaN.
+    positive = ["batch_size", "grad_accum", "max_steps", "log_every", "resolution", "num_shapes", "latent_factor",
+                "num_train_timesteps"]  # fmt: skip
+    if args.sample_every > 0:
+        positive += ["num_sample_images", "sample_steps"]
+    for name in positive:
+        if not getattr(args, name) >= 1:
+            raise SystemExit(f"{_flag(name)} must be positive, got {getattr(args, name)}")
+    for name in ("save_every", "sample_every", "keep_last", "warmup_steps", "lr", "weight_decay", "max_grad_norm",
+                 "num_workers", "profile_wait", "profile_warmup", "profile_active"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None and not value >= 0:
+            raise SystemExit(f"{_flag(name)} must be >= 0, got {value}")
+    if not 0 <= args.ema_decay < 1:
+        raise SystemExit(f"--ema-decay must be in [0, 1), got {args.ema_decay} (0 disables the EMA)")
+    if not 0 <= args.cond_drop <= 1:
+        raise SystemExit(f"--cond-drop must be in [0, 1], got {args.cond_drop}")
+    if args.sample_every > 0 and args.sample_steps > args.num_train_timesteps:
+        raise SystemExit(f"--sample-steps {args.sample_steps} exceeds --num-train-timesteps {args.num_train_timesteps}")
     per_step = info.world_size * args.grad_accum
     if args.batch_size % per_step:
         raise SystemExit(
             f"--batch-size {args.batch_size} must be divisible by processes x --grad-accum = "
             f"{info.world_size} x {args.grad_accum}"
         )
-    if args.max_steps <= 0:
-        raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
     return args.batch_size // per_step
 
 
@@ -184,24 +287,31 @@ def _latent_codec(args, factor: int, in_channels: int, vae: VaeLatents | None) -
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    given = explicit_args(argv)
     info = init_distributed(args.device)
     owns_group = info.world_size > 1
     try:
         if args.backend == "auto":
-            return train(args, info)
+            return train(args, info, given)
         import ldmopt
 
         with ldmopt.use_backend(args.backend):
-            return train(args, info)
+            return train(args, info, given)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def train(args: argparse.Namespace, info: DistInfo) -> dict:
+def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = None) -> dict:
+    """``given``: the arguments given on the command line (explicit_args); None counts all of them as given."""
     device, is_main = info.device, info.is_main
-    micro = _check_args(args, info)
     out_dir = Path(args.output_dir)
+    # Every rank loads the checkpoint, first: its arguments decide the model, the data and the rest of the setup.
+    resume_path = latest_checkpoint(out_dir) if args.resume == "auto" else args.resume
+    state = load_checkpoint(Path(resume_path)) if resume_path else None
+    if state is not None:
+        args = resume_args(args, state.get("args"), given, is_main, resume_path)
+    micro = _check_args(args, info)
     channels_last = args.channels_last
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls and convs outside autocast use TF32 cores
@@ -238,8 +348,6 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
         beta_schedule=args.beta_schedule,
         prediction_type=args.prediction_type,
     )
-    resume_path = latest_checkpoint(out_dir) if args.resume == "auto" else args.resume
-    state = load_checkpoint(Path(resume_path)) if resume_path else None
     if state is not None:
         denoiser.load_state_dict(state["model"])
     report = None
@@ -288,7 +396,20 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["lr_scheduler"])
-        scaler.load_state_dict(state["scaler"])
+        # The saved optimizer and schedule carry their own lr and weight decay, which would silently win over an
+        # explicit --lr/--weight-decay: reapply ours (the same values, and the same lr, when nothing was overridden).
+        lr_scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
+        for group, lr_lambda in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
+            group["initial_lr"], group["weight_decay"] = args.lr, args.weight_decay
+            group["lr"] = args.lr * lr_lambda(lr_scheduler.last_epoch)
+        # A disabled GradScaler saves {}, which an enabled one refuses: mixed precision may change on resume.
+        saved_scaler = state.get("scaler") or {}
+        if scaler.is_enabled() and saved_scaler:
+            scaler.load_state_dict(saved_scaler)
+        elif scaler.is_enabled() and is_main:
+            print("note: the checkpoint has no GradScaler state (not trained in fp16): fp16 starts a fresh scaler")
+        elif saved_scaler and is_main:
+            print(f"note: --mixed-precision {args.mixed_precision}: the checkpoint's fp16 GradScaler state is unused")
         if ema is not None:
             if state.get("ema") is None:
                 raise SystemExit(f"{resume_path} has no EMA state; resume with --ema-decay 0")
@@ -298,7 +419,7 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
             set_rng_state(state["rng"][info.rank], device)
         if is_main:
             print(f"resumed from {resume_path} at step {step} (epoch {state['epoch']})", flush=True)
-            if state["batch_size"] != args.batch_size:
+            if state.get("args") is None and state["batch_size"] != args.batch_size:  # else resume_args noted it
                 print(f"note: --batch-size {args.batch_size} differs from the checkpoint's {state['batch_size']}")
 
     samples = DiffusionSamples(base, latent_shape, args.num_train_timesteps, args.cond_drop, args.seed)
@@ -453,8 +574,12 @@ def train(args: argparse.Namespace, info: DistInfo) -> dict:
     }  # fmt: skip
     if is_main:
         if args.save_final:
+            meta = {name: getattr(args, name) for name in sorted(RUN_DEFINING - {"num_shapes"})}
+            meta.update(frames=frames, latent_factor=factor, latent_channels=in_channels, step=step,
+                        class_names=getattr(base, "class_names", None))  # fmt: skip
             with ema.applied() if ema is not None else contextlib.nullcontext():
-                denoiser.model.save_pretrained(out_dir / "final")
+                save_final(denoiser, out_dir / "final", meta)
+            noise_scheduler.save_config(out_dir / "final")
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if not summary["ranks_in_sync"]:
             print(f"warning: ranks ended with different parameters: {digests}", file=sys.stderr)

@@ -5,14 +5,19 @@
   global batch independent of the process count), up to float summation order;
 - resume on the same process count is bit-exact (weights, EMA, optimizer, GradScaler, schedule, data position);
 - every feature flag runs: bf16/fp16 autocast, gradient checkpointing, channels-last, grad accumulation, image
-  folder, DDPM/DDIM sample grids, TensorBoard, the profiling window, save_pretrained.
+  folder, DDPM/DDIM sample grids, TensorBoard, the profiling window, save_pretrained;
+- resume takes the checkpoint's arguments unless given explicitly (model-defining ones must match), and switches
+  mixed precision either way; nonsensical values are refused up front;
+- --save-final writes the wrapper's label embeddings next to the model, and final/ reloads to the same outputs.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -186,6 +191,24 @@ def test_zoo_models_train_and_sample(train_ldm, tmp_path, argv):
         (["--model", "sd15-vae"], "not a denoiser"),
         (["--model", "no-such-model"], "unknown"),
         (["--data", "/nonexistent/folder"], "is not a folder"),
+        (["--log-every", "0"], "--log-every must be positive, got 0"),
+        (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
+        (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+        (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+        (["--sample-every", "-5"], "--sample-every must be >= 0, got -5"),
+        (["--keep-last", "-2"], "--keep-last must be >= 0, got -2"),
+        (["--sample-every", "1", "--num-sample-images", "0"], "--num-sample-images must be positive, got 0"),
+        (["--sample-every", "1", "--sample-steps", "0"], "--sample-steps must be positive, got 0"),
+        (["--sample-every", "1", "--sample-steps", "2000"], "--sample-steps 2000 exceeds --num-train-timesteps"),
+        (["--num-train-timesteps", "0"], "--num-train-timesteps must be positive, got 0"),
+        (["--resolution", "0"], "--resolution must be positive, got 0"),
+        (["--num-shapes", "-1"], "--num-shapes must be positive, got -1"),
+        (["--lr", "-0.1"], "--lr must be >= 0, got -0.1"),
+        (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+        (["--ema-decay", "1.0"], r"--ema-decay must be in \[0, 1\), got 1.0"),
+        (["--cond-drop", "1.5"], r"--cond-drop must be in \[0, 1\], got 1.5"),
+        (["--num-workers", "-1"], "--num-workers must be >= 0, got -1"),
+        (["--profile-active", "-1"], "--profile-active must be >= 0, got -1"),
     ],
 )
 def test_bad_arguments_have_clear_messages(train_ldm, tmp_path, argv, match):
@@ -209,3 +232,154 @@ def test_profile_window_without_ldmopt_profiler(train_ldm, tmp_path, monkeypatch
     )  # fmt: skip
     assert summary["step"] == 3
     assert "torch.profiler table" in (tmp_path / "profile" / "ops.txt").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ resume arguments
+
+# Everything --resume needs besides the checkpoint: where it is and what this machine runs on.
+RESUME = ["--backend", "torch", "--device", "cpu", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """2 steps in bf16 (checkpoint at step 2) and the same run straight to 4 steps."""
+    train_ldm = _train_module()
+    base = tmp_path_factory.mktemp("bf16")
+    extra = ["--mixed-precision", "bf16", "--ema-decay", "0.9", "--cond-drop", "0.2"]
+    straight = train_ldm.main([*BASE, *extra, "--max-steps", "4", "--output-dir", str(base / "straight")])
+    train_ldm.main([*BASE, *extra, "--max-steps", "2", "--output-dir", str(base / "half")])
+    return base / "half", straight
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src / "checkpoints", dst / "checkpoints")
+    return dst
+
+
+def test_resume_auto_continues_with_the_checkpoint_args(bf16_run, train_ldm, tmp_path, capsys):
+    """The README's `--resume auto` without the original flags continues the same run (bf16, tiny UNet, cond-drop,
+    EMA...): bit-identical to the run that went straight through; a longer --max-steps is an override with a note."""
+    half, straight = bf16_run
+    out = _copy_run(half, tmp_path / "run")
+    capsys.readouterr()
+    resumed = train_ldm.main([*RESUME, "--resume", "auto", "--output-dir", str(out), "--max-steps", "4"])
+    printed = capsys.readouterr().out
+    assert "--max-steps 4 overrides the checkpoint's 2" in printed, printed
+    assert _losses(resumed) == {k: v for k, v in _losses(straight).items() if k > 2}
+    assert resumed["param_digests"] == straight["param_digests"]
+    saved = torch.load(out / "checkpoints" / "step-00000004.pt", weights_only=False)["args"]
+    assert saved["mixed_precision"] == "bf16" and saved["model"] == "unet-tiny" and saved["max_steps"] == 4
+    assert saved["output_dir"] == str(out) and saved["resume"] == "auto"
+
+
+def test_resume_overrides_take_effect(bf16_run, train_ldm, tmp_path, capsys):
+    """Explicit --lr/--weight-decay/--mixed-precision on resume are used (the optimizer's saved values do not win)."""
+    half, _ = bf16_run
+    ckpt = half / "checkpoints" / "step-00000002.pt"
+    capsys.readouterr()
+    train_ldm.main(
+        [*RESUME, "--resume", str(ckpt), "--output-dir", str(tmp_path), "--max-steps", "3", "--lr", "5e-4",
+         "--weight-decay", "0.05", "--mixed-precision", "no"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "--lr 0.0005 overrides the checkpoint's 0.001" in printed, printed
+    assert "--mixed-precision no overrides the checkpoint's bf16" in printed, printed
+    state = torch.load(tmp_path / "checkpoints" / "step-00000003.pt", weights_only=False)
+    group = state["optimizer"]["param_groups"][0]
+    assert group["lr"] == 5e-4 and group["initial_lr"] == 5e-4 and group["weight_decay"] == 0.05
+    assert state["args"]["mixed_precision"] == "no" and state["args"]["lr"] == 5e-4
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--model", "unet2d-small"], "--model: the checkpoint has 'unet-tiny', the command line 'unet2d-small'"),
+        (["--resolution", "8"], "--resolution: the checkpoint has 16, the command line 8"),
+        (["--prediction-type", "v_prediction"], "--prediction-type: the checkpoint has 'epsilon'"),
+        (["--seed", "1"], "--seed: the checkpoint has 0, the command line 1"),
+    ],
+)
+def test_resume_refuses_to_change_what_defines_the_run(bf16_run, train_ldm, tmp_path, argv, match):
+    half, _ = bf16_run
+    with pytest.raises(SystemExit, match=match):
+        train_ldm.main([*RESUME, "--resume", str(half / "checkpoints" / "step-00000002.pt"), "--output-dir",
+                        str(tmp_path), "--max-steps", "3", *argv])  # fmt: skip
+
+
+def test_resume_of_a_checkpoint_without_args(bf16_run, train_ldm, tmp_path):
+    """Checkpoints written before the args were saved still resume, from the command line's arguments."""
+    half, straight = bf16_run
+    state = torch.load(half / "checkpoints" / "step-00000002.pt", weights_only=False)
+    del state["args"]
+    old = tmp_path / "old.pt"
+    torch.save(state, old)
+    extra = ["--mixed-precision", "bf16", "--ema-decay", "0.9", "--cond-drop", "0.2", "--max-steps", "4"]
+    resumed = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "run"), "--resume", str(old)])
+    assert _losses(resumed) == {k: v for k, v in _losses(straight).items() if k > 2}
+
+
+@pytest.mark.parametrize("saved, resumed", [("no", "fp16"), ("fp16", "bf16"), ("fp16", "no")])
+def test_resume_switches_mixed_precision(train_ldm, tmp_path, capsys, saved, resumed):
+    """A checkpoint without GradScaler state (fp32/bf16) resumed in fp16 starts a fresh scaler; an fp16 one resumed
+    without fp16 leaves its scaler state unused."""
+    first = train_ldm.main([*BASE, "--mixed-precision", saved, "--max-steps", "1", "--output-dir", str(tmp_path)])
+    assert first["step"] == 1
+    capsys.readouterr()
+    second = train_ldm.main(
+        [*BASE, "--resume", "auto", "--output-dir", str(tmp_path), "--max-steps", "2", "--mixed-precision", resumed]
+    )  # fmt: skip
+    assert second["step"] == 2 and all(torch.isfinite(torch.tensor(list(_losses(second).values()))))
+    assert "GradScaler" in capsys.readouterr().out
+    scaler = torch.load(tmp_path / "checkpoints" / "step-00000002.pt", weights_only=False)["scaler"]
+    assert (scaler["scale"] > 0) if resumed == "fp16" else scaler == {}
+
+
+SDXL = ["--model", "sdxl", "--tiny", "--resolution", "32", "--latent-factor", "2", "--batch-size", "2"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param([], id="unet-tiny-tokens"),
+        pytest.param(SDXL, id="sdxl-tokens-pooled"),
+    ],
+)
+def test_save_final_round_trips_with_the_conditioning(train_ldm, tmp_path, argv):
+    """final/ = the EMA model (save_pretrained) + the wrapper's label embeddings (conditioning.safetensors) +
+    denoiser.json; reloaded into a fresh Denoiser it answers exactly like the EMA weights of the last checkpoint."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    train_ldm.main([*BASE, *argv, "--ema-decay", "0.5", "--max-steps", "2", "--save-final", "--output-dir", str(out)])
+    final = out / "final"
+    meta = json.loads((final / "denoiser.json").read_text())
+    assert meta["model"] == (argv[1] if argv else "unet-tiny")
+    assert meta["num_classes"] == 16 and meta["diffusers_class"] == "UNet2DConditionModel"
+
+    # In memory: the denoiser of the last checkpoint with its EMA weights applied.
+    state = torch.load(out / "checkpoints" / "step-00000002.pt", weights_only=False)
+    model_mod, families = importlib.import_module("_train_model"), importlib.import_module("_train_families")
+    factor = meta["latent_factor"]
+    ref, _, channels = model_mod.build_denoiser(meta["model"], 16, meta["resolution"], factor, meta["tiny"], None)
+    ref.load_state_dict(state["model"])
+    ref.load_state_dict(state["ema"]["shadow"], strict=False)
+    assert not torch.equal(state["model"]["tokens.weight"], state["ema"]["shadow"]["tokens.weight"])
+
+    # From disk, by hand: diffusers for the model, the conditioning file for the wrapper.
+    model = UNet2DConditionModel.from_pretrained(final)
+    fresh = families.make_denoiser(model, meta["num_classes"], meta["resolution"])
+    conditioning = load_file(final / "conditioning.safetensors")
+    assert "tokens.weight" in conditioning and ("pooled.weight" in conditioning) == bool(argv)
+    missing, unexpected = fresh.load_state_dict(conditioning, strict=False)
+    assert not unexpected and all(k.startswith("model.") for k in missing)
+    # ...and with the script's helper.
+    helper = model_mod.load_final(final)
+
+    side = meta["resolution"] // factor
+    x = torch.randn(3, channels, side, side)
+    t, labels = torch.tensor([5, 500, 999]), torch.tensor([0, 7, 16])  # 16: the null label
+    with torch.no_grad():
+        expected = ref.eval()(x, t, labels)
+        assert torch.equal(fresh.eval()(x, t, labels), expected)
+        assert torch.equal(helper.eval()(x, t, labels), expected)
