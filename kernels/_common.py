@@ -1,4 +1,5 @@
-"""Pieces every kernel module shares: activation functions passed to kernels as constexpr, output allocation."""
+"""Pieces every kernel module shares: activation functions passed to kernels as constexpr, output allocation, the
+tl.dot precision of fp32 operands."""
 
 from __future__ import annotations
 
@@ -104,6 +105,35 @@ def new_output(*args, like: torch.Tensor | None = None, **kwargs) -> torch.Tenso
     if poison_enabled() and out.is_floating_point():
         out.fill_(float("nan"))
     return out
+
+
+#: what an op's fp32 products follow: PyTorch's convolution ("conv": cuDNN, ``torch.backends.cudnn.allow_tf32``, on by
+#: default) or its matmul ("matmul": cuBLAS, nn.Linear, ``torch.set_float32_matmul_precision``, "highest" by default)
+FP32_PRECISIONS = ("conv", "matmul")
+
+
+def torch_fp32_precision(follow: str) -> str:
+    """'tf32' or 'ieee': the precision PyTorch's own fp32 ``follow`` op (see FP32_PRECISIONS) uses on a GPU now.
+
+    Reads the per-op settings of torch >= 2.9 (``torch.backends.cudnn.conv.fp32_precision``,
+    ``torch.backends.cuda.matmul.fp32_precision``), which the legacy flags set too and whose getters, unlike the
+    legacy ones, do not raise once both APIs have been used; 'none' (nothing set) is not TF32. Older torch: the legacy
+    flags."""
+    if follow == "conv":
+        conv = getattr(torch.backends.cudnn, "conv", None)
+        tf32 = conv.fp32_precision == "tf32" if conv is not None else torch.backends.cudnn.allow_tf32
+    elif follow == "matmul":
+        setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # its __getattr__ raises AttributeError
+        tf32 = setting == "tf32" if setting is not None else torch.get_float32_matmul_precision() != "highest"
+    else:
+        raise ValueError(f"fp32_precision={follow!r} is not supported; expected one of {list(FP32_PRECISIONS)}")
+    return "tf32" if tf32 else "ieee"
+
+
+def fp32_dot_precision(dtype: torch.dtype, follow: str) -> str:
+    """tl.dot ``input_precision`` for operands of ``dtype``: fp32 ones as PyTorch's ``follow`` op would compute them
+    (torch_fp32_precision); 'tf32' otherwise, which tl.dot ignores for fp16/bf16."""
+    return torch_fp32_precision(follow) if dtype == torch.float32 else "tf32"
 
 
 def next_power_of_2(n: int) -> int:

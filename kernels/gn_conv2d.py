@@ -13,7 +13,10 @@ Algorithm: one program per (image, BM output pixels, BN output channels); ONE fl
 stages an [BM, BK] input tile (normalised with per-(n, c) scale/shift [BK] vectors) and a [BK, BN] weight tile into
 tl.dot. Output statistics: per-column centred sums of the tile are added in fp64 to a per-(n, c) workspace; the last
 program of each image (atomic counter) folds them into per-group mean/rstd. The workspace is a fresh zeroed buffer
-per call, so nothing outlives a launch (CUDA graphs, concurrent streams).
+per call, so nothing outlives a launch (CUDA graphs, concurrent streams); autotuning zeroes it again before each of its
+benchmark launches and before the launch that follows them (reset_to_zero).
+fp32 operands: TF32 or IEEE products as PyTorch's convolution (default) or, for a Linear read as a 1x1 conv, its
+matmul would compute them (``fp32_precision``, _common.FP32_PRECISIONS).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, new_output, next_power_of_2
+from ._common import ACTIVATIONS, fp32_dot_precision, new_output, next_power_of_2
 
 #: resample codes shared with ldmopt/ops/gn_conv2d.py
 RESAMPLE = {"none": 0, "up": 1, "down": 2}
@@ -154,10 +157,14 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
         tl.store(rstd_ptr + n * G + g, rstd, mask=g < G)
 
 
+# The statistics workspace and arrival counters accumulate across a launch's programs and must be zero when it starts:
+# the autotuner zeroes them before each benchmark launch and before the launch after tuning (the launcher's fresh
+# buffers cover launches with a tuned key). So they are never the input: without statistics they are empty tensors.
 @triton.autotune(
     configs=_configs(),
     key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "KW", "STRIDE", "RESAMPLE", "HAS_SC", "NORMALIZE", "OUT_STATS",
          "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64", "X_TWO_PART", "SC_TWO_PART"],
+    reset_to_zero=["ws_ptr", "counter_ptr"],
 )  # fmt: skip
 @triton.jit
 def _gn_conv2d_fwd_kernel(
@@ -361,13 +368,6 @@ def conv_output_size(h: int, w: int, kernel: tuple[int, int], stride: int, paddi
     return (hc + 2 * padding[0] - kernel[0]) // stride + 1, (wc + 2 * padding[1] - kernel[1]) // stride + 1
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 follows PyTorch's convolution default (cuDNN may use TF32 unless disabled).
-    if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
 def gn_conv2d_fwd(
     x: torch.Tensor,
     mean: torch.Tensor | None,
@@ -394,13 +394,16 @@ def gn_conv2d_fwd(
     out_eps: float,
     x_tail: torch.Tensor | None = None,
     shortcut_x_tail: torch.Tensor | None = None,
+    fp32_precision: str = "conv",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch: (y [N, C_out, OH, OW] channels-last, out_mean [N, out_groups] fp32, out_rstd).
 
     ``mean is None`` skips the normalisation prologue (plain conv). out_groups=0: no statistics (empty tensors).
     temb: [N, C_out] or [N, C_out, OH]; gate: [N, 1] or [N, OH] fp32. ``x_tail`` / ``shortcut_x_tail``: the input is
-    ``cat([x, x_tail], 1)`` (likewise the shortcut's), read where the parts lie.
+    ``cat([x, x_tail], 1)`` (likewise the shortcut's), read where the parts lie. ``fp32_precision``: whose TF32 setting
+    fp32 products follow, PyTorch's "conv" or "matmul" (_common.torch_fp32_precision).
     """
+    dot_precision = fp32_dot_precision(x.dtype, fp32_precision)  # first: it validates fp32_precision
     n, c_head, h, w = x.shape
     c_in = c_head + (x_tail.shape[1] if x_tail is not None else 0)
     c_out, _, kh, kw = weight.shape
@@ -419,7 +422,8 @@ def gn_conv2d_fwd(
         block_cpg = max(64, next_power_of_2(c_out // out_groups))
         block_g = max(1, min(next_power_of_2(out_groups), 1024 // block_cpg))
     else:
-        ws, counters, block_cpg, block_g = x, x, 1, 1
+        # Empty, so the autotuner's reset_to_zero has nothing to clear (never the input), and nothing to read.
+        ws, counters, block_cpg, block_g = out_mean, out_rstd, 1, 1
     normalize = mean is not None
     temb_rows = temb is not None and temb.dim() == 3
     dummy = x
@@ -459,7 +463,7 @@ def gn_conv2d_fwd(
         HAS_RES=residual is not None,
         RES_RESAMPLE=RESAMPLE[residual_resample], HAS_SC=shortcut_x is not None,
         SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None, OUT_STATS=out_groups > 0,
-        STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, DOT_PRECISION=_dot_precision(x.dtype),
+        STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, DOT_PRECISION=dot_precision,
         IDX64=int64_index((x, x_tail, y, residual, shortcut_x, shortcut_x_tail), (weight, shortcut_weight, temb, gate)),
         X_TWO_PART=x_tail is not None, SC_TWO_PART=shortcut_x_tail is not None,
     )  # fmt: skip

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, layer_normed, new_output, next_power_of_2
+from ._common import ACTIVATIONS, fp32_dot_precision, layer_normed, new_output, next_power_of_2
 
 # Programs to aim for in the backward elementwise pass (several waves on a large GPU).
 _TARGET_PROGRAMS = 1024
@@ -92,9 +92,7 @@ def m_bucket(m: int) -> int:
 
 def input_precision(dtype: torch.dtype) -> str:
     """tl.dot precision for fp32 operands, following torch's matmul setting ('highest' means no TF32)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
+    return fp32_dot_precision(dtype, "matmul")
 
 
 @triton.jit

@@ -326,7 +326,7 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
         norm, proj_in = container.norm, container.proj_in
         t = gn_silu_conv2d(
             video_view(x, num_frames), norm.weight, norm.bias, norm.num_groups, norm.eps,
-            proj_in.weight[:, :, None, None], proj_in.bias, 1, 0, activation=None,
+            proj_in.weight[:, :, None, None], proj_in.bias, 1, 0, activation=None, fp32_precision="matmul",
         ).permute(0, 2, 3, 1)  # fmt: skip
     else:
         # GroupNorm over (C/G, F, H, W) per video, on the channels_last_3d (B, C, F, H, W) view of the same memory.

@@ -3,58 +3,44 @@
 ``y = (conv2d(resample(act(group_norm(x))), W) + b + temb[n] + conv1x1(resample(x_sc), W_sc) + b_sc
 + resample(residual)) / output_scale``, and optionally the per-(n, group) mean/rstd of y for the next GroupNorm.
 
-Custom ops: ``ldmopt::gn_conv2d`` (the fused conv, with autograd), ``ldmopt::gn_conv2d_stats`` (GroupNorm statistics
-of an input, two launches). Backends: triton (kernels/gn_conv2d.py) and torch, the reference: the unfused composition
+Custom ops: ``ldmopt::gn_conv2d`` (the fused conv, with autograd) and, in gn_conv2d_stats.py,
+``ldmopt::gn_conv2d_stats`` (GroupNorm statistics of an input, two launches).
+Backends: triton (kernels/gn_conv2d.py) and torch, the reference: the unfused composition
 in fp32 math (fp64 for fp64 inputs). Backward recomputes ``act(group_norm(x))`` from the saved input and statistics and
-uses PyTorch's convolution backward, so no activation beyond the op's inputs is kept alive.
+uses PyTorch's convolution backward, so no activation beyond the op's inputs is kept alive. ``fp32_precision="matmul"``
+(a Linear read as a 1x1 conv): fp32 products follow PyTorch's matmul precision instead of its convolution's, in the
+kernel, and the reference and backward run nn.Linear's GEMMs.
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_operands
-from ._checks import check_activation, check_same_device, check_tensor, check_vector, spatial_dims_flatten
+from ._checks import check_activation, check_same_device, check_tensor, check_vector
 from ._dispatch import (
     Backend,
     BackendTable,
-    backend_counts,
     call,
     register_autograd_keeping_backend,
-    register_eager,
     triton_refusals,
 )
+from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _run, _stats_dtype, _stats_torch, gn_conv2d_stats
+from .gn_conv2d_stats import fallback_reasons as fallback_reasons  # both ops' record, read by PatchReport
+from .gn_conv2d_stats import same_but_channels as same_but_channels
 from .group_norm import group_norm_bwd
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
 RESAMPLES = ("none", "up", "down")
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: (op, backend, reason) -> count of automatic fall-backs to the reference backend in this process.
-fallback_reasons: Counter[tuple[str, str, str]] = Counter()
-
-
-def _stats_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+#: whose fp32 precision (TF32 or IEEE) the products follow: PyTorch's convolution or its matmul (as
+#: kernels/_common.FP32_PRECISIONS, which ldmopt.ops does not import: it imports Triton)
+FP32_PRECISIONS = ("conv", "matmul")
 
 
 def _is_channels_last(t: Tensor) -> bool:
     return t.is_contiguous(memory_format=torch.channels_last)
-
-
-def _run(table: BackendTable, *args):
-    """table(*args), recording why the preferred backends refused when the reference runs instead."""
-    backend = table.select(*args)
-    if backend.name == "torch" and table.forced() is None:
-        for other in table.backends:
-            if other.name != "torch":
-                for reason in other.refuse(*args):
-                    fallback_reasons[(table.op_name, other.name, reason)] += 1
-    backend_counts[(table.op_name, backend.name)] += 1
-    return backend.run(*args)
 
 
 def _resample(t: Tensor, mode: str) -> Tensor:
@@ -109,104 +95,53 @@ def _channels_last_like(shape, x: Tensor, dtype: torch.dtype | None = None) -> T
     return torch.empty(shape, device=x.device, dtype=dtype or x.dtype, memory_format=torch.channels_last)
 
 
-# ------------------------------------------------------------------------------------------------ statistics op
-
-
-def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:
-    """The channel concatenation a two-part input stands for (the reference path and backward materialise it)."""
-    return head if tail is None else torch.cat([head, tail], dim=1)
-
-
-def same_but_channels(head: Tensor, tail: Tensor) -> bool:
-    """Whether two tensors' shapes can be concatenated along channels (dim 1): same rank, batch and spatial size."""
-    return head.dim() == tail.dim() and head.shape[0] == tail.shape[0] and head.shape[2:] == tail.shape[2:]
-
-
-def _check_tail(name: str, head: Tensor | None, tail: Tensor | None) -> None:
-    """The ops' own check (they are callable through torch.ops): a tail must match its head but in channels, or the
-    kernels would index past it."""
-    if tail is None:
-        return
-    if head is None or not same_but_channels(head, tail):
-        shape = None if head is None else tuple(head.shape)
+def _check_fp32_precision(value: str, weight: Tensor, stride: int, padding, resample: str) -> None:
+    """fp32_precision is one of FP32_PRECISIONS; "matmul" (GEMMs in the reference and backward) only for a pointwise
+    conv: what a Linear read as a 1x1 conv is."""
+    if value not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_precision={value!r} is not supported; expected one of {list(FP32_PRECISIONS)}")
+    kernel = tuple(weight.shape[2:])
+    if value == "matmul" and (kernel != (1, 1) or stride != 1 or tuple(padding) != (0, 0) or resample != "none"):
         raise ValueError(
-            f"{name} of shape {tuple(tail.shape)} must match the first part {shape} in every dim but channels (1)"
+            "fp32_precision='matmul' is for a Linear read as a 1x1 conv (kernel 1x1, stride 1, padding 0, resample "
+            f"'none'); got kernel {kernel}, stride {stride}, padding {tuple(padding)}, resample {resample!r}"
         )
-    if tail.dtype != head.dtype or tail.device != head.device:
-        raise ValueError(f"{name} ({tail.dtype}, {tail.device}) must have the first part's dtype and device")
-
-
-def _stats_torch(x, num_groups, eps, x_tail=None):
-    x = _cat(x, x_tail)
-    var, mean = torch.var_mean(x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1), dim=-1, unbiased=False)
-    return mean, torch.rsqrt(var + eps)
-
-
-def _stats_triton(x, num_groups, eps, x_tail=None):
-    # kernels/group_norm.py's Welford partial + finalize passes (two launches; three for a two-part x)
-    from ldmopt.kernels.group_norm import group_norm_stats
-
-    return group_norm_stats(x, num_groups, eps, x_tail)
-
-
-def _stats_triton_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
-    reasons = triton_refusals(x, x_tail, dtypes=_TRITON_DTYPES)
-    for name, t in (("x", x), ("x_tail", x_tail)):
-        if t is not None and not spatial_dims_flatten(t):
-            reasons.append(f"{name} strides {t.stride()}: its spatial dims do not flatten into one strided axis")
-    return reasons
-
-
-STATS = BackendTable(
-    "gn_conv2d_stats",
-    [
-        Backend("triton", _stats_triton, lambda x, groups, eps, x_tail=None: _stats_triton_refuse(x, x_tail)),
-        Backend("torch", _stats_torch),
-    ],
-)
-
-
-@torch.library.custom_op("ldmopt::gn_conv2d_stats", mutates_args=())
-def gn_conv2d_stats(x: Tensor, num_groups: int, eps: float, x_tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(mean, rstd) [N, G] of x (or of ``cat([x, x_tail], 1)``) in fp32 (fp64 for fp64 x); not differentiable
-    (gn_conv2d's backward accounts for it)."""
-    _check_tail("x_tail", x, x_tail)
-    mean, rstd = _run(STATS, x, num_groups, eps, x_tail)
-    return mean, rstd
-
-
-register_eager(gn_conv2d_stats)
-
-
-@gn_conv2d_stats.register_fake
-def _(x, num_groups, eps, x_tail=None):
-    stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
-    return stats, torch.empty_like(stats)
 
 
 # ------------------------------------------------------------------------------------------------ fused conv op
 
 
-def _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample, sc_resample):
+def _conv(inp: Tensor, w: Tensor, b: Tensor | None, stride: int, padding, fp32_precision: str) -> Tensor:
+    """F.conv2d; "matmul" (a pointwise conv): the GEMM over channels nn.Linear runs, at PyTorch's matmul precision."""
+    if fp32_precision == "matmul":
+        return F.linear(inp.permute(0, 2, 3, 1), w[:, :, 0, 0], b).permute(0, 3, 1, 2)
+    return F.conv2d(inp, w, b, stride, list(padding))
+
+
+def _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample, sc_resample,
+              fp32_precision="conv"):  # fmt: skip
     """conv + bias + temb + shortcut in the statistics dtype: what the gate scales."""
     cd = _stats_dtype(x)
     a = x if mean is None else _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype)
-    z = F.conv2d(_resample(a, resample).to(cd), w.to(cd), None, stride, list(padding))
+    z = _conv(_resample(a, resample).to(cd), w.to(cd), None, stride, padding, fp32_precision)
     if b is not None:
         z = z + b.to(cd)[:, None, None]
     if temb is not None:
         z = z + _rows(temb.to(cd))
     if sx is not None:
-        z = z + F.conv2d(_resample(sx.to(cd), sc_resample), sw.to(cd), None if sb is None else sb.to(cd))
+        sb = None if sb is None else sb.to(cd)
+        z = z + _conv(_resample(sx.to(cd), sc_resample), sw.to(cd), sb, 1, (0, 0), fp32_precision)
     return z
 
 
 def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
-               res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None):  # fmt: skip
+               res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None,
+               fp32_precision="conv"):  # fmt: skip
     """The reference: the unfused composition, rounding the activation to x's dtype as an unfused model stores it."""
     x, sx = _cat(x, x_tail), _cat(sx, sx_tail)
     cd = _stats_dtype(x)
-    z = _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample, sc_resample)
+    z = _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample, sc_resample,
+                  fp32_precision)  # fmt: skip
     if gate is not None:
         z = z * gate.to(cd)[:, None, :, None]
     if res is not None:
@@ -222,7 +157,7 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
 
 def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding,
                    resample, res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None,
-                   sx_tail=None) -> list[str]:  # fmt: skip
+                   sx_tail=None, fp32_precision="conv") -> list[str]:  # fmt: skip
     reasons = triton_refusals(x, w, sx, x_tail, sx_tail, dtypes=_TRITON_DTYPES)
     for name, t in (("x", x), ("x_tail", x_tail)):
         if t is not None and not _is_channels_last(t):
@@ -251,13 +186,14 @@ def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, gro
 
 
 def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
-                res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None):  # fmt: skip
+                res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None,
+                fp32_precision="conv"):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
 
     gate = None if gate is None else gate.float()
     return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride,
                          tuple(padding), resample, res_resample, sc_resample, output_scale, out_groups,
-                         out_eps, x_tail, sx_tail)  # fmt: skip
+                         out_eps, x_tail, sx_tail, fp32_precision)  # fmt: skip
 
 
 FORWARD = BackendTable("gn_conv2d", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
@@ -300,15 +236,18 @@ def gn_conv2d_op(
     out_eps: float,
     x_tail: Tensor | None = None,
     shortcut_x_tail: Tensor | None = None,
+    fp32_precision: str = "conv",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation.
-    ``x_tail`` / ``shortcut_x_tail``: the input is ``cat([x, x_tail], 1)`` (the shortcut's likewise), never written."""
+    ``x_tail`` / ``shortcut_x_tail``: the input is ``cat([x, x_tail], 1)`` (the shortcut's likewise), never written.
+    ``fp32_precision``: "conv" or "matmul", whose TF32 setting fp32 products follow (see gn_silu_conv2d)."""
     _check_tail("x_tail", x, x_tail)
     _check_tail("shortcut_x_tail", shortcut_x, shortcut_x_tail)
+    _check_fp32_precision(fp32_precision, weight, stride, padding, resample)
     y, out_mean, out_rstd = _run(
         FORWARD, x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
         shortcut_bias, gate, num_groups, activation or None, stride, padding, resample, residual_resample,
-        shortcut_resample, output_scale, out_groups, out_eps, x_tail, shortcut_x_tail,
+        shortcut_resample, output_scale, out_groups, out_eps, x_tail, shortcut_x_tail, fp32_precision,
     )  # fmt: skip
     return y, out_mean, out_rstd
 
@@ -316,21 +255,27 @@ def gn_conv2d_op(
 @gn_conv2d_op.register_fake
 def _(x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight, shortcut_bias,
       gate, num_groups, activation, stride, padding, resample, residual_resample, shortcut_resample, output_scale,
-      out_groups, out_eps, x_tail=None, shortcut_x_tail=None):  # fmt: skip
+      out_groups, out_eps, x_tail=None, shortcut_x_tail=None, fp32_precision="conv"):  # fmt: skip
     oh, ow = conv_output_size(x.shape[2], x.shape[3], weight.shape[2:], stride, padding, resample)
     y = _channels_last_like((x.shape[0], weight.shape[0], oh, ow), x)
     stats = x.new_empty((x.shape[0], out_groups), dtype=torch.float32 if out_groups == 0 else _stats_dtype(x))
     return y, stats, torch.empty_like(stats)
 
 
+#: the op's arguments after its 23 required ones, as their defaults
+_OPTIONAL_DEFAULTS = (None, None, "conv")
+
+
 def _setup_context(ctx, inputs, output):
     (x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample, res_resample,
-     sc_resample, output_scale, _out_groups, _out_eps, x_tail, sx_tail) = (*inputs, None, None)[:25]  # fmt: skip
+     sc_resample, output_scale, _out_groups, _out_eps, x_tail, sx_tail, fp32_precision,
+     ) = (*inputs, *_OPTIONAL_DEFAULTS[len(inputs) - 23 :])  # fmt: skip
     # The gate's gradient needs what it scaled: bias, temb and the shortcut's bias are kept only then.
     keep = gate is not None and ctx.needs_input_grad[12]
     ctx.save_for_backward(x, mean, rstd, gw, gb, w, sx, sw, gate, *((b, temb, sb) if keep else (None,) * 3), x_tail,
                           sx_tail)  # fmt: skip
-    ctx.conf = (groups, act or None, stride, tuple(padding), resample, res_resample, sc_resample, output_scale)
+    ctx.conf = (groups, act or None, stride, tuple(padding), resample, res_resample, sc_resample, output_scale,
+                fp32_precision)  # fmt: skip
     ctx.meta = {
         "bias": None if b is None else b.dtype,
         "temb": None if temb is None else (temb.dtype, temb.dim()),
@@ -344,15 +289,25 @@ def _sum_channels(g: Tensor, dims, dtype: torch.dtype) -> Tensor:
     return g.sum(dims, dtype=torch.float32 if g.dtype != torch.float64 else torch.float64).to(dtype)
 
 
-def _conv_backward(g, inp, w, stride, padding, mask):
-    """(d input, d weight) with PyTorch's convolution backward; CPU half precision runs in fp32."""
+def _conv_backward(g, inp, w, stride, padding, mask, fp32_precision="conv"):
+    """(d input, d weight) with PyTorch's convolution backward, or for "matmul" (a pointwise conv) nn.Linear's backward
+    GEMMs, at PyTorch's matmul precision (traced as such under torch.compile); CPU half precision runs in fp32."""
     if g.device.type == "cpu" and g.dtype in (torch.float16, torch.bfloat16):
-        gi, gw, _ = _conv_backward(g.float(), inp.float(), w.float(), stride, padding, mask)
+        gi, gw, _ = _conv_backward(g.float(), inp.float(), w.float(), stride, padding, mask, fp32_precision)
         return (
             None if gi is None else gi.to(g.dtype),
             None if gw is None else gw.to(w.dtype),
             None,
         )
+    if fp32_precision == "matmul":
+        g_rows, w_mat = g.permute(0, 2, 3, 1), w[:, :, 0, 0].to(g.dtype)  # [N, H, W, C_out], [C_out, C_in]
+        gi = torch.matmul(g_rows, w_mat).permute(0, 3, 1, 2) if mask[0] else None
+        if mask[1]:
+            inp_rows = inp.to(g.dtype).permute(0, 2, 3, 1).reshape(-1, w.shape[1])
+            gw = torch.matmul(g_rows.reshape(-1, w.shape[0]).t(), inp_rows)[:, :, None, None]
+        else:
+            gw = None
+        return gi, gw, None
     return torch.ops.aten.convolution_backward(
         g, inp.to(g.dtype), w.to(g.dtype), None, [stride] * 2, list(padding), [1, 1], False, [0, 0], 1,
         [*mask, False],
@@ -368,9 +323,9 @@ def _split_channels(grad: Tensor | None, head: Tensor, tail: Tensor | None) -> t
 
 def _backward(ctx, dy, _dmean, _drstd):
     x_head, mean, rstd, gw, gb, w, sx_head, sw, gate, b, temb, sb, x_tail, sx_tail = ctx.saved_tensors
-    groups, act, stride, padding, resample, res_resample, sc_resample, output_scale = ctx.conf
-    given = len(ctx.needs_input_grad)  # 23 when a caller leaves out the optional tails
-    need = [*ctx.needs_input_grad, False, False][:25]
+    groups, act, stride, padding, resample, res_resample, sc_resample, output_scale, fp32_precision = ctx.conf
+    given = len(ctx.needs_input_grad)  # 23 when a caller leaves out the optional arguments
+    need = [*ctx.needs_input_grad, False, False, False][:26]
     need[0] = need[0] or need[23]
     need[9] = need[9] or need[24]
     # A two-part input is concatenated here, for backward only and only where a gradient needs it (the unfused block
@@ -379,14 +334,14 @@ def _backward(ctx, dy, _dmean, _drstd):
     x = _cat(x_head, x_tail) if x_tail is None or gate_grad or need[0] or need[3] or need[4] or need[5] else None
     sx = _cat(sx_head, sx_tail) if sx_tail is None or gate_grad or need[9] or need[10] else None
     g = dy if output_scale == 1.0 else dy / output_scale
-    grads = [None] * 25
+    grads = [None] * 26
     if need[8]:
         grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
     if gate is not None:
         if need[12]:
             # d gate[n, oh] = sum over (c, ow) of g * (conv + bias + temb + shortcut), recomputed: one more conv.
             z = _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample,
-                          sc_resample)  # fmt: skip
+                          sc_resample, fp32_precision)  # fmt: skip
             # fp64 sums: the gate (SVD's blend factor) sees every element of the tensor.
             dgate = (g.to(z.dtype) * z).sum((1, 3), dtype=torch.float64)
             dtype, shape = ctx.meta["gate"]
@@ -401,7 +356,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     need_da = need[0] or (normalize and (need[3] or need[4]))
     if need_da or need[5]:
         a = _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype) if normalize else x
-        da_r, dw = _conv_backward(g, _resample(a, resample), w, stride, padding, [need_da, need[5]])[:2]
+        da_r, dw = _conv_backward(g, _resample(a, resample), w, stride, padding, [need_da, need[5]], fp32_precision)[:2]
         grads[5] = dw
         if need_da:
             da = _resample_backward(da_r, resample, x)
@@ -413,7 +368,8 @@ def _backward(ctx, dy, _dmean, _drstd):
             else:
                 grads[0] = da.to(x.dtype)
     if sx is not None and (need[9] or need[10]):
-        dsx_r, dsw = _conv_backward(g, _resample(sx, sc_resample), sw, 1, (0, 0), [need[9], need[10]])[:2]
+        sx_r = _resample(sx, sc_resample)
+        dsx_r, dsw = _conv_backward(g, sx_r, sw, 1, (0, 0), [need[9], need[10]], fp32_precision)[:2]
         grads[9] = _resample_backward(dsx_r, sc_resample, sx) if need[9] else None
         grads[10] = dsw
     if need[11]:
@@ -481,6 +437,7 @@ def gn_silu_conv2d(
     shortcut_resample: str = "none",
     output_scale: float = 1.0,
     out_stats: tuple[int, float] | None = None,
+    fp32_precision: str = "conv",
 ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
     """Convolution of ``act(group_norm(x))`` with everything around it fused into one kernel.
 
@@ -514,9 +471,15 @@ def gn_silu_conv2d(
 
     Returns y (channels-last, x's dtype) or ``(y, (mean, rstd))``. Tolerance versus an fp64 reference: within 2x the
     error of PyTorch's own unfused computation in x's dtype. The Triton kernel serves channels-last fp32/fp16/bf16 with
-    1x1/3x3/3x1 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why). fp32
-    inputs use TF32 tensor cores on GPUs unless ``torch.backends.cudnn.allow_tf32`` is False, as PyTorch's conv does.
+    1x1/3x3/3x1 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why).
     Output statistics sum in fp64 atomics, so they can differ in the last bit between runs.
+
+    fp32 inputs on GPUs use TF32 tensor cores or IEEE fp32 products as PyTorch would: ``fp32_precision="conv"`` as its
+    convolution (TF32 unless ``torch.backends.cudnn.allow_tf32`` / ``torch.backends.cudnn.conv.fp32_precision`` say
+    otherwise); ``"matmul"``, for a Linear read as a 1x1 conv (kernel 1x1, stride 1, padding 0, no resample), as its
+    matmul, i.e. nn.Linear (IEEE unless ``torch.set_float32_matmul_precision("high")`` /
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"``), in the kernel, the reference and backward alike (which
+    then run nn.Linear's GEMMs instead of a convolution).
     """
     x, x_tail = _channel_parts("x", x)
     check_tensor("x", x, ndim=(4,))
@@ -549,6 +512,7 @@ def gn_silu_conv2d(
     for name, value in (("resample", resample), ("residual_resample", residual_resample)):
         _check_resample(name, value)
     _check_resample("shortcut_resample", shortcut_resample)
+    _check_fp32_precision(fp32_precision, conv_weight, stride, pads, resample)
     check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
     mean = rstd = None
     if normalize:
@@ -613,6 +577,6 @@ def gn_silu_conv2d(
     y, out_mean, out_rstd = call(
         gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, gate,
         num_groups, activation or "", stride, list(pads), resample, residual_resample, shortcut_resample,
-        float(output_scale), out_groups, float(out_eps), x_tail, sx_tail,
+        float(output_scale), out_groups, float(out_eps), x_tail, sx_tail, fp32_precision,
     )  # fmt: skip
     return y if out_stats is None else (y, (out_mean, out_rstd))

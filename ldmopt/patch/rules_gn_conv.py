@@ -66,9 +66,13 @@ class ResnetBlockRule(ClassSwapRule):
         return _resnet_forward
 
 
-def _proj_in_as_conv(proj_in: nn.Module) -> tuple[Tensor, Tensor | None]:
+def _proj_in_as_conv(proj_in: nn.Module) -> tuple[Tensor, Tensor | None, str]:
+    """(weight as a 1x1 conv's, bias, fp32_precision): a Linear's fp32 products follow PyTorch's matmul precision (IEEE
+    by default, as nn.Linear's), a 1x1 Conv2d's its convolution's (TF32 by default)."""
     weight = proj_in.weight
-    return (weight[:, :, None, None] if weight.dim() == 2 else weight), proj_in.bias
+    if weight.dim() == 2:
+        return weight[:, :, None, None], proj_in.bias, "matmul"
+    return weight, proj_in.bias, "conv"
 
 
 def _norm_proj_in_readable(self, where: str) -> bool:
@@ -85,11 +89,12 @@ def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tens
     if not _norm_proj_in_readable(self, "Transformer2DModel"):
         return stock(self, "_operate_on_continuous_inputs")(hidden_states)
     batch, _, height, width = hidden_states.shape
-    weight, bias = _proj_in_as_conv(self.proj_in)
+    weight, bias, precision = _proj_in_as_conv(self.proj_in)
     norm = self.norm
     h = gn_silu_conv2d(
-        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None
-    )
+        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None,
+        fp32_precision=precision,
+    )  # fmt: skip
     tokens = h.permute(0, 2, 3, 1).reshape(batch, height * width, h.shape[1])
     # What diffusers returns as inner_dim, and later reshapes proj_out's output with: proj_in's output channels for a
     # 1x1 conv, but the INPUT channels for a linear projection (applied after that reshape there).
@@ -226,11 +231,12 @@ def _spatiotemporal_forward(
     batch_size = batch_frames // num_frames
     time_context = _svd_time_context(encoder_hidden_states, batch_size, num_frames, height * width)
     residual = hidden_states
-    weight, bias = _proj_in_as_conv(self.proj_in)
+    weight, bias, precision = _proj_in_as_conv(self.proj_in)
     norm = self.norm
     h = gn_silu_conv2d(
-        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None
-    )
+        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None,
+        fp32_precision=precision,
+    )  # fmt: skip
     hidden_states = h.permute(0, 2, 3, 1).reshape(batch_frames, height * width, h.shape[1])
     frame_index = torch.arange(num_frames, device=hidden_states.device).repeat(batch_size, 1).reshape(-1)
     emb = self.time_pos_embed(self.time_proj(frame_index).to(dtype=hidden_states.dtype))[:, None, :]

@@ -1,0 +1,108 @@
+"""GroupNorm statistics for ldmopt.ops.gn_conv2d: the custom op ``ldmopt::gn_conv2d_stats`` (per-(n, group) mean and
+rstd of an input, or of a two-part input ``cat([x, x_tail], 1)`` without the concatenation), and what both ops share:
+the two-part input checks and the record of automatic fall-backs to the reference backend.
+
+Backends: triton (kernels/group_norm.py's Welford passes) and torch, the reference (fp32 statistics; fp64 for fp64).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import Tensor
+
+from ._checks import spatial_dims_flatten
+from ._dispatch import Backend, BackendTable, backend_counts, register_eager, triton_refusals
+
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: (op, backend, reason) -> count of automatic fall-backs to the reference backend in this process.
+fallback_reasons: Counter[tuple[str, str, str]] = Counter()
+
+
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _run(table: BackendTable, *args):
+    """table(*args), recording why the preferred backends refused when the reference runs instead."""
+    backend = table.select(*args)
+    if backend.name == "torch" and table.forced() is None:
+        for other in table.backends:
+            if other.name != "torch":
+                for reason in other.refuse(*args):
+                    fallback_reasons[(table.op_name, other.name, reason)] += 1
+    backend_counts[(table.op_name, backend.name)] += 1
+    return backend.run(*args)
+
+
+def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:
+    """The channel concatenation a two-part input stands for (the reference path and backward materialise it)."""
+    return head if tail is None else torch.cat([head, tail], dim=1)
+
+
+def same_but_channels(head: Tensor, tail: Tensor) -> bool:
+    """Whether two tensors' shapes can be concatenated along channels (dim 1): same rank, batch and spatial size."""
+    return head.dim() == tail.dim() and head.shape[0] == tail.shape[0] and head.shape[2:] == tail.shape[2:]
+
+
+def _check_tail(name: str, head: Tensor | None, tail: Tensor | None) -> None:
+    """The ops' own check (they are callable through torch.ops): a tail must match its head but in channels, or the
+    kernels would index past it."""
+    if tail is None:
+        return
+    if head is None or not same_but_channels(head, tail):
+        shape = None if head is None else tuple(head.shape)
+        raise ValueError(
+            f"{name} of shape {tuple(tail.shape)} must match the first part {shape} in every dim but channels (1)"
+        )
+    if tail.dtype != head.dtype or tail.device != head.device:
+        raise ValueError(f"{name} ({tail.dtype}, {tail.device}) must have the first part's dtype and device")
+
+
+def _stats_torch(x, num_groups, eps, x_tail=None):
+    x = _cat(x, x_tail)
+    var, mean = torch.var_mean(x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1), dim=-1, unbiased=False)
+    return mean, torch.rsqrt(var + eps)
+
+
+def _stats_triton(x, num_groups, eps, x_tail=None):
+    # kernels/group_norm.py's Welford partial + finalize passes (two launches; three for a two-part x)
+    from ldmopt.kernels.group_norm import group_norm_stats
+
+    return group_norm_stats(x, num_groups, eps, x_tail)
+
+
+def _stats_triton_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
+    reasons = triton_refusals(x, x_tail, dtypes=_TRITON_DTYPES)
+    for name, t in (("x", x), ("x_tail", x_tail)):
+        if t is not None and not spatial_dims_flatten(t):
+            reasons.append(f"{name} strides {t.stride()}: its spatial dims do not flatten into one strided axis")
+    return reasons
+
+
+STATS = BackendTable(
+    "gn_conv2d_stats",
+    [
+        Backend("triton", _stats_triton, lambda x, groups, eps, x_tail=None: _stats_triton_refuse(x, x_tail)),
+        Backend("torch", _stats_torch),
+    ],
+)
+
+
+@torch.library.custom_op("ldmopt::gn_conv2d_stats", mutates_args=())
+def gn_conv2d_stats(x: Tensor, num_groups: int, eps: float, x_tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(mean, rstd) [N, G] of x (or of ``cat([x, x_tail], 1)``) in fp32 (fp64 for fp64 x); not differentiable
+    (gn_conv2d's backward accounts for it)."""
+    _check_tail("x_tail", x, x_tail)
+    mean, rstd = _run(STATS, x, num_groups, eps, x_tail)
+    return mean, rstd
+
+
+register_eager(gn_conv2d_stats)
+
+
+@gn_conv2d_stats.register_fake
+def _(x, num_groups, eps, x_tail=None):
+    stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
+    return stats, torch.empty_like(stats)
