@@ -85,6 +85,17 @@ def test_torch_fp32_precision_follows_each_setting(setting):
         assert _common.fp32_dot_precision(dtype, "matmul") == "tf32"
 
 
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_linear_and_geglu_kernels_follow_the_matmul_setting(setting):
+    """kernels/linear.py (and geglu, which uses it) asked torch.get_float32_matmul_precision(), which raises once the
+    per-op API has been used."""
+    from ldmopt.kernels.linear import input_precision
+
+    _, matmul = _setting(setting)
+    assert input_precision(torch.float32) == matmul
+    assert input_precision(torch.float16) == "tf32"
+
+
 class _LaunchRecorder:
     """Stands in for the autotuned kernel: records the keyword arguments of each launch (outputs stay unwritten)."""
 
