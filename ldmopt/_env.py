@@ -1,6 +1,8 @@
 """What this process can run: Triton, the interpreter, the CUDA extension, a GPU.
 
-Every probe is lazy and cached; nothing here runs at import, and nothing queries a GPU unless asked.
+Every probe is lazy and cached; nothing here runs at import, and nothing queries a GPU unless asked. The probes that
+fused forwards consult (backend choice in Python code that torch.compile traces) are constants to Dynamo, which
+cannot trace an import: it calls them once while tracing and bakes in the answer.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import warnings
 from pathlib import Path
 
+import torch
+
 _BUILD_INFO = Path(__file__).with_name("_build_info.json")
 
 
@@ -21,6 +25,7 @@ def interpreter_enabled() -> bool:
 
 
 @functools.cache
+@torch.compiler.assume_constant_result
 def triton_status() -> tuple[bool, str]:
     """(importable, reason or version)."""
     try:
@@ -35,6 +40,7 @@ def triton_available() -> bool:
 
 
 @functools.cache
+@torch.compiler.assume_constant_result
 def cuda_extension_status() -> tuple[bool, str]:
     """(loaded, reason). A failed load is a warning naming the cause, never an ImportError."""
     try:
