@@ -14,8 +14,6 @@ import os
 import warnings
 from pathlib import Path
 
-import torch
-
 _BUILD_INFO = Path(__file__).with_name("_build_info.json")
 
 
@@ -24,8 +22,14 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _constant_to_dynamo(fn):
+    """torch.compiler.assume_constant_result, which imports torch._dynamo (and so Triton): not at ldmopt's import."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 @functools.cache
-@torch.compiler.assume_constant_result
+@_constant_to_dynamo
 def triton_status() -> tuple[bool, str]:
     """(importable, reason or version)."""
     try:
@@ -40,7 +44,7 @@ def triton_available() -> bool:
 
 
 @functools.cache
-@torch.compiler.assume_constant_result
+@_constant_to_dynamo
 def cuda_extension_status() -> tuple[bool, str]:
     """(loaded, reason). A failed load is a warning naming the cause, never an ImportError."""
     try:
