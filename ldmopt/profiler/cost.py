@@ -211,13 +211,15 @@ def _resolve_model(model_or_name, *, dtype, frames, tiny) -> nn.Module:
     return meta
 
 
-def _to_meta(value):
+def _to_meta(value, dtype: torch.dtype):
+    """``value`` with its tensors on the meta device, floating-point ones in ``dtype`` (the model is rebuilt in it)."""
     if isinstance(value, torch.Tensor):
-        return value if value.device.type == "meta" else torch.empty_like(value, device="meta")
+        like = dtype if value.is_floating_point() else value.dtype
+        return torch.empty_like(value, device="meta", dtype=like)
     if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
+        return {k: _to_meta(v, dtype) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
+        return type(value)(_to_meta(v, dtype) for v in value)
     return value
 
 
@@ -237,7 +239,8 @@ def analyze(
 
     ``model_or_name`` is a zoo name (``ldmopt.configs.names()``), a model from ``ldmopt.configs.build_model``, or a
     diffusers model (rebuilt from its config on the meta device; its weights are never touched). ``inputs``
-    overrides the zoo's example inputs: a kwargs dict, an args tuple or ``configs.ModelInputs``.
+    overrides the zoo's example inputs: a kwargs dict, an args tuple or ``configs.ModelInputs``. The model is analysed
+    in ``dtype`` (not its own), and so are floating-point inputs (integer ones, e.g. timesteps, keep theirs).
     ``check_flops=True`` also runs torch.utils.flop_counter.FlopCounterMode and stores its total.
     """
     from .. import configs
@@ -257,7 +260,7 @@ def analyze(
     if not isinstance(inputs, configs.ModelInputs):
         kwargs = inputs if isinstance(inputs, dict) else {"args": tuple(inputs)}
         inputs = configs.ModelInputs("forward", kwargs, None, frames, batch)
-    inputs = configs.ModelInputs(inputs.method, _to_meta(inputs.kwargs), inputs.resolution, inputs.frames,
+    inputs = configs.ModelInputs(inputs.method, _to_meta(inputs.kwargs, dtype), inputs.resolution, inputs.frames,
                                  inputs.batch)  # fmt: skip
 
     scopes = ModuleScopes(model)

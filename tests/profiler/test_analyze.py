@@ -113,6 +113,17 @@ def test_a_diffusers_model_with_weights_is_rebuilt_on_meta():
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_inputs_in_another_dtype_are_analysed_in_the_analysis_dtype(input_dtype):
+    """A user's fp32 (or bf16) inputs with the default fp16 analysis: the model is rebuilt in fp16, and so are they
+    (they once reached it as given: 'Input type (float) and bias type (c10::Half) should be the same')."""
+    model = configs.build_model("sd15", tiny=True, device="cpu", dtype=torch.float32)
+    inputs = configs.example_inputs(model, batch=1, dtype=input_dtype)
+    a = analyze(model, inputs=inputs.kwargs)
+    b = analyze("sd15", tiny=True, batch=1)
+    assert a.dtype == b.dtype and a.total_flops == b.total_flops and a.total_bytes == b.total_bytes
+
+
 def test_gpu_table_and_roofline():
     assert {"A100", "H100", "H200"} <= set(GPUS)
     h100 = GPUS["H100"]
