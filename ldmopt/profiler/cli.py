@@ -91,6 +91,9 @@ def configure_profile(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=_count(0), default=1)
     parser.add_argument("--wait", type=_count(0), default=None, help="skipped steps before warmup (training default 1)")
     parser.add_argument("--training", action="store_true", help="forward + backward + AdamW step per step")
+    parser.add_argument("--patched", action="store_true",
+                        help="ldmopt.patch the model first (channels-last weights and inputs, as the demo runs it) "
+                             "and print the patch report: the split then shows ldmopt's kernels")  # fmt: skip
     parser.add_argument("--trace", metavar="JSON", default=None, help="write a Chrome trace")
     parser.add_argument("--tensorboard", metavar="DIR", default=None, help="log to TensorBoard")
     parser.add_argument("--wandb", metavar="PROJECT", default=None, help="log to Weights & Biases")
@@ -195,8 +198,12 @@ def run_profile(args: argparse.Namespace) -> int:
     if not prepare_outputs("profile", args.json, args.plot, args.trace):
         return 2
     try:
+        target, inputs, report = args.model, None, None
+        if args.patched:
+            target, inputs, report = _patched_zoo_model(args, dtypes.get(args.dtype))
         result = profile(
-            args.model,
+            target,
+            inputs=inputs,
             steps=args.steps,
             warmup=args.warmup,
             wait=args.wait,
@@ -215,6 +222,8 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"ldmopt profile: {_message(exc)}", file=sys.stderr)
         return 2
     if args.json != "-":
+        if report is not None:
+            print(report)
         print(result.table(top=args.top))
     if args.json:
         _write_json(result.to_dict(), args.json)
@@ -224,3 +233,23 @@ def run_profile(args: argparse.Namespace) -> int:
         plot_profile(result, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0
+
+
+def _patched_zoo_model(args: argparse.Namespace, dtype):
+    """(model, inputs, report): the zoo model built as ``profile`` builds it, in channels-last (the fused
+    GroupNorm->conv kernels' layout: NCHW input would take diffusers' forward), then patched."""
+    import torch
+
+    import ldmopt
+
+    from .. import configs
+    from ..demo import channels_last
+    from .measure import _resolve_target
+
+    setting = dict(resolution=args.resolution, frames=args.frames, batch=args.batch)
+    model, inputs = _resolve_target(args.model, device=args.device, dtype=dtype, tiny=args.tiny, inputs=None, **setting)
+    channels_last(model)
+    is_image = lambda v: isinstance(v, torch.Tensor) and v.dim() == 4
+    kwargs = {k: channels_last(v) if is_image(v) else v for k, v in inputs.kwargs.items()}
+    inputs = configs.ModelInputs(inputs.method, kwargs, inputs.resolution, inputs.frames, inputs.batch)
+    return model, inputs, ldmopt.patch(model, training=args.training)

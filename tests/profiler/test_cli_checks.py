@@ -130,6 +130,16 @@ def test_profile_trace_into_a_missing_folder_is_written(tmp_path, capsys):
     assert str(trace) in capsys.readouterr().out
 
 
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_profile_patched_measures_the_fused_kernels(capsys):
+    argv = ["sd15", "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--patched"]
+    assert _run("profile", argv) == 0
+    out = capsys.readouterr().out
+    assert "ldmopt.patch:" in out and "0 left on the stock path" in out
+    fused = [line for line in out.splitlines() if line.startswith("ldmopt fused kernels")]
+    assert fused and float(fused[0].split()[3]) > 0, out
+
+
 def test_a_trace_the_profiler_did_not_write_is_an_error(tmp_path):
     class SilentProfiler:  # kineto logs a failure to open the file and returns normally
         def export_chrome_trace(self, path):
