@@ -524,7 +524,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         if step == start_step + 1 and report is not None and is_main:
             print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
             if report.fallbacks():
-                print(f"ldmopt: modules that ran the stock forward: {report.fallbacks()}", flush=True)
+                print(f"ldmopt: calls that took the stock or reference path: {report.fallbacks()}", flush=True)
             if report.layout_copies():
                 print(f"ldmopt: inputs copied to channels-last: {report.layout_copies()}", flush=True)
         bar.update(1)

@@ -62,13 +62,18 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", default=None, help="write a figure (needs matplotlib)")
 
 
+def _zoo_names() -> list[str]:
+    from .. import configs
+
+    return configs.names()
+
+
 def configure_analyze(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Analytic cost model on meta tensors (no GPU, no weights): FLOPs, minimum HBM bytes and a roofline time "
         "projection per operator category, as is and as ldmopt patches it. Comma lists sweep the setting."
     )
-    parser.add_argument("model", help="zoo name: sd15, sd21, sdxl, sd15-vae, sdxl-vae, dit, pixart-alpha, "
-                        "pixart-sigma, sd3, flux, animatediff, svd, svd-xt, modelscope, latte")  # fmt: skip
+    parser.add_argument("model", help=f"zoo name: {', '.join(_zoo_names())}")
     parser.add_argument("--resolution", type=_list(_resolution), default=None,
                         help="pixels: 512, 576x1024, or a comma list 256,512,768,1024")  # fmt: skip
     parser.add_argument("--frames", type=_list(_positive), default=None,
