@@ -197,9 +197,7 @@ def _single_key_module_reason(attn) -> str | None:
     dropout = attn.to_out[1] if len(attn.to_out) > 1 else None
     if attn.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
         return "output dropout in training mode (would be shared across queries)"
-    # Their values cannot change the result, but their hooks (accelerate's offload, a user's) expect to run.
-    skipped = hooked_children({name: getattr(attn, name, None) for name in SINGLE_KEY_SKIPS}, deep=True)
-    return bypassed_hook_reason(skipped[0], deep=True) if skipped else None
+    return None
 
 
 def _stock_or_ours(processor) -> bool:
@@ -287,6 +285,11 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
             return f"{hidden_states.ndim}-D input"
         if encoder_hidden_states.shape[0] != hidden_states.shape[0]:
             return f"context batch {encoder_hidden_states.shape[0]} != query batch {hidden_states.shape[0]}"
+        # The skipped modules' values cannot change the result, but their hooks (accelerate's offload, a user's)
+        # expect to run. (An SVD block in token order checks them with its other bypassed children: svd_bypassed.)
+        skipped = hooked_children({name: getattr(attn, name, None) for name in SINGLE_KEY_SKIPS}, deep=True)
+        if skipped:
+            return bypassed_hook_reason(skipped[0], deep=True)
         return _single_key_module_reason(attn)
 
     def _run(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None) -> Tensor:
