@@ -114,8 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ldmopt.patch(model, training=True) (default: on)")  # fmt: skip
     g.add_argument("--backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
                    help="force one ldmopt backend for the fused ops (default: automatic choice)")  # fmt: skip
-    g.add_argument("--compile", action="store_true", help="torch.compile the (patched) model")
-    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile the (patched) model")  # fmt: skip
+    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                    help="NHWC activations and weights, video latents (B, F, h, w, C) in memory (default: on; fused "
                         "ResnetBlock2D and the token-order temporal layers need it)")  # fmt: skip
@@ -125,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=int, default=None, help="video models: frames per clip (default: 8)")
     g.add_argument("--num-shapes", type=int, default=50_000, help="size of the procedural dataset")
     g.add_argument("--resolution", type=int, default=32, help="image size in pixels")
-    g.add_argument("--hflip", action="store_true", help="image folder: random horizontal flips")
+    g.add_argument("--hflip", action=argparse.BooleanOptionalAction, default=False,
+                   help="image folder: random horizontal flips")  # fmt: skip
     g.add_argument("--vae", default=None, help="local diffusers AutoencoderKL folder (zoo models; sets the factor), "
                    "or a zoo VAE name (sd15-vae, sdxl-vae: random weights)")  # fmt: skip
     g.add_argument("--latent-factor", type=int, default=8, help="pixels per latent for zoo models without --vae")
@@ -196,6 +198,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _shown(name: str, value) -> str:
+    """The flag as typed: --fused / --no-fused for booleans, --lr 0.001 otherwise."""
+    if isinstance(value, bool):
+        return _flag(name) if value else "--no-" + _flag(name)[2:]
+    return f"{_flag(name)} {value}"
+
+
 def _same(name: str, saved, given) -> bool:
     if name == "frames":  # unset is the default 8 frames (video models)
         saved, given = (8 if v is None else v for v in (saved, given))
@@ -226,7 +235,8 @@ def resume_args(
                     f"with another {_flag(name)} (leave it out to resume, or start a new run in another --output-dir)"
                 )
             if is_main:
-                print(f"note: {_flag(name)} {value} overrides the checkpoint's {old}", flush=True)
+                saved_text = _shown(name, old) if isinstance(old, bool) else old
+                print(f"note: {_shown(name, value)} overrides the checkpoint's {saved_text}", flush=True)
     return argparse.Namespace(**merged)
 
 
@@ -398,10 +408,15 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         # The saved optimizer and schedule carry their own lr and weight decay, which would silently win over an
         # explicit --lr/--weight-decay: reapply ours (the same values, and the same lr, when nothing was overridden).
-        lr_scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
-        for group, lr_lambda in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
-            group["initial_lr"], group["weight_decay"] = args.lr, args.weight_decay
-            group["lr"] = args.lr * lr_lambda(lr_scheduler.last_epoch)
+        # A checkpoint without saved arguments keeps its own unless they are given: the defaults are not its values.
+        keeps_saved = state.get("args") is None and given is not None
+        if not (keeps_saved and "lr" not in given):
+            lr_scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
+            for group, lr_lambda in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
+                group["initial_lr"], group["lr"] = args.lr, args.lr * lr_lambda(lr_scheduler.last_epoch)
+        if not (keeps_saved and "weight_decay" not in given):
+            for group in optimizer.param_groups:
+                group["weight_decay"] = args.weight_decay
         # A disabled GradScaler saves {}, which an enabled one refuses: mixed precision may change on resume.
         saved_scaler = state.get("scaler") or {}
         if scaler.is_enabled() and saved_scaler:
@@ -411,9 +426,11 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         elif saved_scaler and is_main:
             print(f"note: --mixed-precision {args.mixed_precision}: the checkpoint's fp16 GradScaler state is unused")
         if ema is not None:
-            if state.get("ema") is None:
-                raise SystemExit(f"{resume_path} has no EMA state; resume with --ema-decay 0")
-            ema.load_state_dict(state["ema"])
+            if state.get("ema") is None:  # EMA switched on mid-run: it starts from the resumed weights
+                if is_main:
+                    print(f"note: {resume_path} has no EMA state; the EMA starts from the resumed weights", flush=True)
+            else:
+                ema.load_state_dict(state["ema"])
         step = state["step"]
         if state["world_size"] == info.world_size:
             set_rng_state(state["rng"][info.rank], device)

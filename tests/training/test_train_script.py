@@ -318,6 +318,43 @@ def test_resume_of_a_checkpoint_without_args(bf16_run, train_ldm, tmp_path):
     assert _losses(resumed) == {k: v for k, v in _losses(straight).items() if k > 2}
 
 
+def test_old_checkpoint_keeps_its_lr_and_weight_decay_unless_given(train_ldm, tmp_path):
+    """Without saved arguments the command line's defaults are not the run's values: the optimizer's saved lr and
+    weight decay stay, and an explicit one still overrides."""
+    base = list(BASE)
+    i = base.index("--lr")
+    del base[i : i + 2]
+    train_ldm.main([*base, "--lr", "5e-4", "--weight-decay", "0.1", "--lr-scheduler", "constant", "--max-steps", "1",
+                    "--output-dir", str(tmp_path / "a")])  # fmt: skip
+    state = torch.load(tmp_path / "a" / "checkpoints" / "step-00000001.pt", weights_only=False)
+    del state["args"]
+    torch.save(state, tmp_path / "old.pt")
+
+    def resumed_groups(out: str, *extra: str) -> dict:
+        argv = [*base, "--lr-scheduler", "constant", "--max-steps", "2", "--output-dir", str(tmp_path / out),
+                "--resume", str(tmp_path / "old.pt"), *extra]  # fmt: skip
+        train_ldm.main(argv)
+        group = torch.load(tmp_path / out / "checkpoints" / "step-00000002.pt", weights_only=False)
+        return {k: group["optimizer"]["param_groups"][0][k] for k in ("lr", "weight_decay")}
+
+    assert resumed_groups("b") == {"lr": 5e-4, "weight_decay": 0.1}
+    assert resumed_groups("c", "--lr", "2e-4") == {"lr": 2e-4, "weight_decay": 0.1}
+
+
+def test_switches_can_be_turned_off_and_the_ema_on_when_resuming(train_ldm, tmp_path, capsys):
+    first = ["--gradient-checkpointing", "--ema-decay", "0", "--max-steps", "1", "--output-dir", str(tmp_path)]
+    train_ldm.main([*BASE, *first])
+    capsys.readouterr()
+    argv = [*BASE, "--resume", "auto", "--output-dir", str(tmp_path), "--max-steps", "2",
+            "--no-gradient-checkpointing", "--ema-decay", "0.9"]  # fmt: skip
+    assert train_ldm.main(argv)["step"] == 2
+    out = capsys.readouterr().out
+    assert "--no-gradient-checkpointing overrides the checkpoint's --gradient-checkpointing" in out
+    assert "the EMA starts from the resumed weights" in out
+    state = torch.load(tmp_path / "checkpoints" / "step-00000002.pt", weights_only=False)
+    assert state["args"]["gradient_checkpointing"] is False and state["ema"] is not None
+
+
 @pytest.mark.parametrize("saved, resumed", [("no", "fp16"), ("fp16", "bf16"), ("fp16", "no")])
 def test_resume_switches_mixed_precision(train_ldm, tmp_path, capsys, saved, resumed):
     """A checkpoint without GradScaler state (fp32/bf16) resumed in fp16 starts a fresh scaler; an fp16 one resumed
