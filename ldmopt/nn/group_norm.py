@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.group_norm import SUPPORTED_ACTIVATIONS, group_norm
+
+
+def _check_activation(activation: str | None) -> None:
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
 
 
 class GroupNorm(torch.nn.GroupNorm):
@@ -21,15 +27,17 @@ class GroupNorm(torch.nn.GroupNorm):
         activation: str | None = None,
         device=None,
         dtype=None,
+        **kwargs,
     ) -> None:
-        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
-        if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+        _check_activation(activation)
+        # **kwargs: newer torch's keyword-only arguments (bias=False: a weight without a bias).
+        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype, **kwargs)
         self.activation = activation
 
     @classmethod
     def from_module(cls, module: torch.nn.GroupNorm, activation: str | None = None) -> GroupNorm:
         """A GroupNorm sharing ``module``'s parameters (no copies)."""
+        _check_activation(activation)
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.num_groups, new.num_channels, new.eps, new.affine = (
@@ -43,6 +51,9 @@ class GroupNorm(torch.nn.GroupNorm):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.numel() == 0:  # an empty batch (the ops refuse it): torch's result, as the stock module returns
+            y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+            return F.silu(y) if self.activation == "silu" else y
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
 
     def extra_repr(self) -> str:

@@ -172,9 +172,10 @@ class FusedGEGLU(nn.Module):
 
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         # *args/**kwargs: diffusers' deprecated `scale` argument, ignored as diffusers ignores it.
-        if readable(self.proj):
+        if readable(self.proj) and hidden_states.numel():  # the ops refuse empty inputs; the stock path returns them
             return geglu(hidden_states, self.proj.weight, self.proj.bias)
-        count_stock("GEGLU", "proj", self.proj)
+        if hidden_states.numel():
+            count_stock("GEGLU", "proj", self.proj)
         h, gate = self.proj(hidden_states).chunk(2, dim=-1)
         return h * _stock_gelu(gate, "none")
 
@@ -214,10 +215,11 @@ class FusedGELU(nn.Module):
         return new
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        if readable(self.proj):
+        if readable(self.proj) and hidden_states.numel():
             activation = _GELU_APPROXIMATE[self.approximate]
             return linear(hidden_states, self.proj.weight, self.proj.bias, activation=activation)
-        count_stock("GELU", "proj", self.proj)
+        if hidden_states.numel():
+            count_stock("GELU", "proj", self.proj)
         return _stock_gelu(self.proj(hidden_states), self.approximate)
 
     def extra_repr(self) -> str:
@@ -271,9 +273,10 @@ class FusedLinear(nn.Linear):
     def compute(self, x: Tensor, activation: str | None, gate: Tensor | None, residual: Tensor | None) -> Tensor:
         """The fused GEMM, or with a weight that is a tensor subclass (a quantized weight, whose own F.linear must
         run) the unfused ops."""
-        if plain_weight(self):
+        if plain_weight(self) and x.numel():  # the ops refuse empty inputs; torch returns them
             return linear(x, self.weight, self.bias, activation=activation, gate=gate, residual=residual)
-        count_stock("FusedLinear", "the layer", self)
+        if x.numel():
+            count_stock("FusedLinear", "the layer", self)
         return stock_gated_residual(activation_torch(activation, F.linear(x, self.weight, self.bias)), gate, residual)
 
     def extra_repr(self) -> str:
@@ -292,9 +295,20 @@ def _layer_norm_eps(norm: object) -> tuple[float | None, str | None]:
 
 
 class _FusedAdaLN(nn.Module):
-    """Shared from_module for the adaLN norms: keep ``silu``, ``linear``, ``norm`` (and ``emb``) as they are."""
+    """Shared construction for the adaLN norms: keep ``silu``, ``linear``, ``norm`` (and ``emb``) as they are.
+
+    ``FusedX(*args, **kwargs)`` takes diffusers' ``X`` arguments (it builds that module and adopts its submodules);
+    ``FusedX.from_module(module)`` adopts an existing one's."""
 
     _submodules = ("silu", "linear", "norm")
+
+    def __init__(self, *args, **kwargs) -> None:
+        from diffusers.models import normalization
+
+        stock_name = type(self).__name__.removeprefix("Fused")
+        stock = getattr(normalization, stock_name)(*args, **kwargs)
+        super().__init__()
+        self._adopt(stock)
 
     @classmethod
     def unsupported_reason(cls, module: nn.Module) -> str | None:
@@ -306,20 +320,23 @@ class _FusedAdaLN(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module):
         """A fused norm sharing every submodule of ``module`` (no copies, same state_dict keys)."""
-        reason = cls.unsupported_reason(module)
-        if reason:
-            raise TypeError(f"{cls.__name__}.from_module: {reason}")
         new = _shell(cls)
-        for name in cls._submodules:
-            setattr(new, name, getattr(module, name))
-        new.eps = _layer_norm_eps(module.norm)[0]
+        new._adopt(module, "from_module")
         return new
+
+    def _adopt(self, module: nn.Module, how: str = "__init__") -> None:
+        reason = self.unsupported_reason(module)
+        if reason:
+            raise TypeError(f"{type(self).__name__}.{how}: {reason}")
+        for name in self._submodules:
+            setattr(self, name, getattr(module, name))
+        self.eps = _layer_norm_eps(module.norm)[0]
 
 
 class FusedAdaLayerNormZero(_FusedAdaLN):
     """diffusers ``AdaLayerNormZero`` with ``norm(x) * (1 + scale_msa) + shift_msa`` in one row kernel.
 
-    Returns ``(x, gate_msa, shift_mlp, scale_mlp, gate_mlp)`` as diffusers does. Built with ``from_module``.
+    Returns ``(x, gate_msa, shift_mlp, scale_mlp, gate_mlp)`` as diffusers does.
     """
 
     _submodules = ("emb", "silu", "linear", "norm")

@@ -279,7 +279,9 @@ class FusedResnetBlock2D(torch.nn.Module):
     def __init__(self, block: torch.nn.Module) -> None:
         super().__init__()
         for key, value in vars(block).items():
-            if key not in self.__dict__:  # the block's own attributes; nn.Module's bookkeeping stays fresh
+            # The block's own attributes; nn.Module's bookkeeping stays fresh, and a forward installed on the instance
+            # (a hook wrapper, or fused_resnet_forward bound to it) is the block's, not this module's.
+            if key not in self.__dict__ and key != "forward":
                 self.__dict__[key] = value
         self._parameters.update(block._parameters)
         self._buffers.update(block._buffers)

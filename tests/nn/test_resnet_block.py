@@ -281,6 +281,25 @@ def test_can_fuse_accepts_sde_vp_and_rejects_wrapped_conv():
     ]
 
 
+def test_module_does_not_adopt_a_forward_installed_on_the_block():
+    """A forward set on the block instance (a hook wrapper, or fused_resnet_forward bound to it) stays the block's:
+    the module runs its own fused forward, not the wrapper."""
+    block = _block(VARIANTS["conv-shortcut-scale"][0])
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return type(block).forward(block, *args, **kwargs)
+
+    block.forward = wrapper
+    fused = FusedResnetBlock2D(block)
+    assert "forward" not in vars(fused)
+    x, temb = _inputs(block, 1, 5, torch.float32)
+    with ldmopt.use_backend("torch"), torch.no_grad():
+        fused(x, temb)
+    assert not calls
+
+
 def test_module_and_bound_forward_share_parameters():
     block = _block(VARIANTS["conv-shortcut-scale"][0])
     fused = FusedResnetBlock2D(block)
