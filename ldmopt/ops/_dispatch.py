@@ -233,8 +233,18 @@ def tensors_in(args: Sequence) -> list[torch.Tensor]:
     return out
 
 
-def triton_refusals(*args, dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16)) -> list[str]:
-    """Reasons common to every Triton backend: Triton missing, tensors where Triton cannot run, dtypes."""
+#: Why a kernel with tl.dot refuses bf16 in the interpreter (wrong products: triton-lang/triton#11584).
+INTERPRETER_BF16_DOT = (
+    "bf16 matrix products under TRITON_INTERPRET=1: Triton's interpreter multiplies bf16 tl.dot operands as raw bits "
+    "(wrong results); the reference backend runs them"
+)
+
+
+def triton_refusals(
+    *args, dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16), matmul: bool = False
+) -> list[str]:
+    """Reasons common to every Triton backend: Triton missing, tensors where Triton cannot run, dtypes. ``matmul``:
+    the kernel multiplies with tl.dot, which the interpreter gets wrong for bf16."""
     ok, why = _env.triton_status()
     if not ok:
         return [why]
@@ -246,6 +256,8 @@ def triton_refusals(*args, dtypes: Sequence[torch.dtype] = (torch.float32, torch
             reasons.append(
                 f"tensors on {sorted(devices)}: Triton runs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1"
             )
+        elif matmul and any(t.dtype == torch.bfloat16 for t in tensors):
+            reasons.append(INTERPRETER_BF16_DOT)
     for t in tensors:
         if t.is_floating_point() and t.dtype not in dtypes:
             reasons.append(f"dtype {t.dtype} is not supported (supported: {', '.join(map(str, dtypes))})")

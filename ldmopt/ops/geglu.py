@@ -64,7 +64,7 @@ def _bwd_triton(dy, pre):
 FORWARD = BackendTable(
     "geglu",
     [
-        Backend("triton", _fwd_triton, lambda x, w, b, *a: triton_refusals(x, w, b, dtypes=TRITON_DTYPES)),
+        Backend("triton", _fwd_triton, lambda x, w, b, *a: triton_refusals(x, w, b, dtypes=TRITON_DTYPES, matmul=True)),
         Backend("torch", _fwd_torch),
     ],
 )

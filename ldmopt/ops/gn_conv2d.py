@@ -158,7 +158,7 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
 def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding,
                    resample, res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None,
                    sx_tail=None, fp32_precision="conv") -> list[str]:  # fmt: skip
-    reasons = triton_refusals(x, w, sx, x_tail, sx_tail, dtypes=_TRITON_DTYPES)
+    reasons = triton_refusals(x, w, sx, x_tail, sx_tail, dtypes=_TRITON_DTYPES, matmul=True)
     for name, t in (("x", x), ("x_tail", x_tail)):
         if t is not None and not _is_channels_last(t):
             reasons.append(f"{name} (strides {t.stride()}) is not channels-last; the loader reads NHWC channel vectors")
@@ -206,7 +206,7 @@ def reads_parts_in_place(head: Tensor, tail: Tensor) -> bool:
     if FORWARD.forced() not in (None, "triton"):
         return False
     layouts_ok = _is_channels_last(head) and _is_channels_last(tail)
-    return layouts_ok and not triton_refusals(head, tail, dtypes=_TRITON_DTYPES)
+    return layouts_ok and not triton_refusals(head, tail, dtypes=_TRITON_DTYPES, matmul=True)
 
 
 @torch.library.custom_op("ldmopt::gn_conv2d", mutates_args=())
@@ -314,6 +314,16 @@ def _conv_backward(g, inp, w, stride, padding, mask, fp32_precision="conv"):
     )  # fmt: skip
 
 
+def _strided_like(grad: Tensor | None, like: Tensor) -> Tensor | None:
+    """A weight's gradient in the weight's own strides, size-1 dims included: the convolution backward returns the
+    input's memory format, and DDP's gradient buckets (which compare strides exactly) warn and copy otherwise."""
+    if grad is None or grad.stride() == like.stride():
+        return grad
+    if not (like.is_contiguous() or like.is_contiguous(memory_format=torch.channels_last)):
+        return grad
+    return torch.empty_strided(like.shape, like.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
 def _split_channels(grad: Tensor | None, head: Tensor, tail: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
     """(d head, d tail) of a gradient with respect to ``cat([head, tail], 1)``."""
     if grad is None or tail is None:
@@ -357,7 +367,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     if need_da or need[5]:
         a = _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype) if normalize else x
         da_r, dw = _conv_backward(g, _resample(a, resample), w, stride, padding, [need_da, need[5]], fp32_precision)[:2]
-        grads[5] = dw
+        grads[5] = _strided_like(dw, w)
         if need_da:
             da = _resample_backward(da_r, resample, x)
             if normalize:
@@ -371,7 +381,7 @@ def _backward(ctx, dy, _dmean, _drstd):
         sx_r = _resample(sx, sc_resample)
         dsx_r, dsw = _conv_backward(g, sx_r, sw, 1, (0, 0), [need[9], need[10]], fp32_precision)[:2]
         grads[9] = _resample_backward(dsx_r, sc_resample, sx) if need[9] else None
-        grads[10] = dsw
+        grads[10] = _strided_like(dsw, sw)
     if need[11]:
         grads[11] = _sum_channels(g, (0, 2, 3), ctx.meta["sb"])
     grads[0], grads[23] = _split_channels(grads[0], x_head, x_tail)

@@ -133,7 +133,9 @@ def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save
 
 
 def _refuse_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, _rows=1):
-    reasons = triton_refusals(x, stats, norm_weight, norm_bias, weight, bias, positions, dtypes=TRITON_DTYPES)
+    reasons = triton_refusals(
+        x, stats, norm_weight, norm_bias, weight, bias, positions, dtypes=TRITON_DTYPES, matmul=True
+    )
     if stats.dtype != torch.float32:
         reasons.append(f"statistics in {stats.dtype} (the kernels read fp32)")
     if positions is not None and activation == "geglu":

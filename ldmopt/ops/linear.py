@@ -148,7 +148,7 @@ def _bwd_torch(dy, pre, gate, activation, need_dgate):
 
 def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None,
                        saturate=False):  # fmt: skip
-    return triton_refusals(x, weight, bias, gate, residual, x_tail, mix, dtypes=TRITON_DTYPES)
+    return triton_refusals(x, weight, bias, gate, residual, x_tail, mix, dtypes=TRITON_DTYPES, matmul=True)
 
 
 def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None, saturate=False):

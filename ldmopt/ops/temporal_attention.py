@@ -119,7 +119,7 @@ def _kernel_refusals(*args) -> list[str]:
 
 
 def _triton_refuse(q, k, v, *args) -> list[str]:
-    return triton_refusals(q, k, v, dtypes=_KERNEL_DTYPES) or _kernel_refusals(q, k, v, *args)
+    return triton_refusals(q, k, v, dtypes=_KERNEL_DTYPES, matmul=True) or _kernel_refusals(q, k, v, *args)
 
 
 def _fwd_triton(q, k, v, scale):

@@ -346,3 +346,18 @@ def test_bad_epilogue_arguments(kwargs, match):
     x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match=match):
         gn_silu_conv2d(x, torch.randn(8), torch.randn(8), 4, 1e-5, torch.randn(12, 8, 3, 3), None, 1, 1, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("weight_format", [torch.contiguous_format, torch.channels_last])
+def test_weight_gradients_keep_the_weights_strides(backend, weight_format):
+    """The convolution backward returns the input's memory format; a 1x1 shortcut weight's gradient came back
+    channels-last for a contiguous weight (equal but for size-1 dims), which DDP's buckets warn about and copy."""
+    x = torch.randn(2, 8, 5, 7).contiguous(memory_format=torch.channels_last).requires_grad_()
+    w = torch.randn(6, 8, 3, 3).contiguous(memory_format=weight_format).requires_grad_()
+    sw = torch.randn(6, 8, 1, 1).contiguous(memory_format=weight_format).requires_grad_()
+    gw, gb, b = torch.randn(8) * 0.5 + 1, torch.randn(8) * 0.5, torch.randn(6)
+    with ldmopt.use_backend(backend):
+        y = gn_silu_conv2d(x, gw, gb, 4, 1e-5, w, b, 1, 1, shortcut=(x, sw, None))
+    y.backward(torch.randn_like(y))
+    assert w.grad.stride() == w.stride() and sw.grad.stride() == sw.stride(), (w.grad.stride(), sw.grad.stride())
