@@ -22,14 +22,24 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _constant_to_dynamo(fn):
-    """torch.compiler.assume_constant_result, which imports torch._dynamo (and so Triton): not at ldmopt's import."""
-    fn._dynamo_marked_constant = True
-    return fn
+def _constant_probe(fn):
+    """functools.cache for a probe without arguments, marked constant to Dynamo as torch.compiler.assume_constant_result
+    marks it (that function imports torch._dynamo, and Triton with it: not at ldmopt's import). A plain function:
+    Dynamo traces past a functools.cache wrapper (with a warning) and would then trace the import inside."""
+    results = []
+
+    @functools.wraps(fn)
+    def probe():
+        if not results:
+            results.append(fn())
+        return results[0]
+
+    probe.cache_clear = results.clear
+    probe._dynamo_marked_constant = True
+    return probe
 
 
-@functools.cache
-@_constant_to_dynamo
+@_constant_probe
 def triton_status() -> tuple[bool, str]:
     """(importable, reason or version)."""
     try:
@@ -43,8 +53,7 @@ def triton_available() -> bool:
     return triton_status()[0]
 
 
-@functools.cache
-@_constant_to_dynamo
+@_constant_probe
 def cuda_extension_status() -> tuple[bool, str]:
     """(loaded, reason). A failed load is a warning naming the cause, never an ImportError."""
     try:
