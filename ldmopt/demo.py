@@ -221,6 +221,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     import ldmopt
+    from ldmopt.ops._dispatch import BackendUnavailableError
     from ldmopt.patch import patch, unpatch
 
     print(f"ldmopt demo: model={args.model} device={device} dtype={dtype_name} steps={args.steps} seed={args.seed}")
@@ -252,7 +253,11 @@ def run_demo(args: argparse.Namespace) -> int:
     report = patch(target)
     try:  # the caller's model is left as it was, whatever happens below
         with ldmopt.use_backend(args.backend):
-            patched, patched_step = run()
+            try:
+                patched, patched_step = run()
+            except BackendUnavailableError as exc:  # a forced backend that cannot run these inputs
+                print(f"ldmopt demo: --backend {args.backend}: {exc}", file=sys.stderr)
+                return 2
             nothing = "per-category time split: nothing patched"
             split = _category_split(run, modules, device) if report.total else nothing
         print(report)

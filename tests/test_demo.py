@@ -19,3 +19,9 @@ def test_demo_sd_exits_zero_and_saves(tmp_path, capsys):
 def test_demo_other_family_denoiser(capsys):
     assert main(["demo", "--model", "animatediff", "--steps", "2", "--backend", "torch"]) == 0
     assert "outputs agree: yes" in capsys.readouterr().out
+
+
+def test_demo_forced_backend_that_cannot_run_is_a_clear_error(capsys):
+    # The interpreter refuses bf16 matrix products (it computes them wrongly): a message, not a traceback.
+    assert main(["demo", "--model", "dit", "--steps", "1", "--dtype", "bfloat16", "--backend", "triton"]) == 2
+    assert "--backend triton: ldmopt.linear: backend 'triton' was forced" in capsys.readouterr().err
