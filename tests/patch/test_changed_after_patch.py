@@ -104,6 +104,26 @@ def test_forward_hook_added_after_patch_is_not_bypassed():
     assert hooked, report.fallbacks()
 
 
+@pytest.mark.parametrize("family", ["dit", "sd3", "flux"])
+def test_hook_on_an_adaln_norm_added_after_patch_is_not_bypassed(family):
+    """The adaLN modules compute their LayerNorm in the modulation kernel: a hook attached to that `.norm` after
+    patching (found at patch time only before) must run, as on the stock model, and be reported."""
+    stock, patched = _stock_and_patched(family)
+    x = models.inputs(family, stock)
+    report = ldmopt.patch(patched)
+
+    def scale_output(module, args, out):
+        return out * 1.3
+
+    for model in (stock, patched):
+        for name, m in model.named_modules():
+            if isinstance(m, nn.LayerNorm) and name.endswith(".norm"):  # AdaLayerNorm*.norm: norm1.norm, norm_out.norm
+                m.register_forward_hook(scale_output)
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(patched, x), _run(stock, x), name=f"{family} with adaLN norm hooks after patch")
+    assert any("norm has hooks" in r for r in report.fallbacks()), report.fallbacks()
+
+
 class _MarkedWeight(torch.Tensor):
     """A tensor subclass standing in for a quantized weight (torchao keeps nn.Linear and swaps the weight)."""
 
