@@ -398,7 +398,8 @@ def example_inputs(
         entry, tiny = get(zoo_name), bool(getattr(model, "ldmopt_tiny", False))
         config = _model_config(model)
         param = next(model.parameters())
-        dtype = dtype or param.dtype
+        # diffusers' model.dtype skips the modules it keeps in fp32 (Wan's scale_shift_table comes first)
+        dtype = dtype or getattr(model, "dtype", param.dtype)
         device = device or param.device
     dtype = dtype or torch.float16
     device = device or "meta"

@@ -100,3 +100,14 @@ def test_wan_keeps_what_from_pretrained_keeps_in_fp32_and_compresses_time():
     with torch.no_grad():
         out = configs.run_model(tiny, configs.example_inputs(tiny))[0]
     assert out.shape == (1, 16, 2, 8, 8) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_example_inputs_follow_the_model_dtype_past_fp32_kept_modules(dtype):
+    """Wan keeps scale_shift_table in fp32 and it is its first parameter: the inputs once came out fp32 and even the
+    stock model failed on them."""
+    model = configs.build_model("wan2.1-1.3b", tiny=True, device="cpu", dtype=dtype)
+    inputs = configs.example_inputs(model)
+    assert inputs.kwargs["hidden_states"].dtype == dtype
+    with torch.no_grad():
+        configs.run_model(model, inputs)
