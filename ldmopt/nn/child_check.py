@@ -133,7 +133,8 @@ def unreadable_reason(name: str, layer: object) -> str:
             )
         if not plain_weight(layer):
             return f"{name}.weight is a {qualified_name(type(layer.weight))} (a quantized tensor?), not a plain tensor"
-    return f"{name} is a {qualified_name(type(layer))} (a LoRA/PEFT or quantized layer?), not a plain nn.Linear"
+    kind = qualified_name(type(layer))
+    return f"{name} is a {kind} (a LoRA/PEFT or quantized layer?), not the plain torch layer the fused path reads"
 
 
 def count_reason(where: str, reason: str) -> None:
