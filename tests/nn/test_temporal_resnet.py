@@ -99,6 +99,12 @@ def test_spatiotemporal_backward_matches_diffusers_with_blend_factor_gradient():
         grads[name] = {"x": xi.grad, "temb": ti.grad, **{k: p.grad for k, p in b.named_parameters()}}
     assert grads["ours"]["time_mixer.mix_factor"].abs().item() > 0
     for key, ref in grads["ref"].items():
+        if key == "time_mixer.mix_factor":
+            # One scalar summed over every element of the block's output in fp32: its rounding depends on the order
+            # of that sum, which PyTorch's error may or may not show (seen: 3.5e-5 at |65|, 4 ulps): a few ulps.
+            error = (grads["ours"][key].double() - ref).abs().item()
+            assert error <= 16 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().item()), (error, ref.item())
+            continue
         assert_within_torch_error(grads["ours"][key], ref, grads["lowp"][key], f"d{key}")
 
 
