@@ -6,12 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops._checks import check_activation
 from ..ops.group_norm import SUPPORTED_ACTIVATIONS, group_norm
-
-
-def _check_activation(activation: str | None) -> None:
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
 
 
 class GroupNorm(torch.nn.GroupNorm):
@@ -29,7 +25,7 @@ class GroupNorm(torch.nn.GroupNorm):
         dtype=None,
         **kwargs,
     ) -> None:
-        _check_activation(activation)
+        check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
         # **kwargs: newer torch's keyword-only arguments (bias=False: a weight without a bias).
         super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype, **kwargs)
         self.activation = activation
@@ -37,7 +33,7 @@ class GroupNorm(torch.nn.GroupNorm):
     @classmethod
     def from_module(cls, module: torch.nn.GroupNorm, activation: str | None = None) -> GroupNorm:
         """A GroupNorm sharing ``module``'s parameters (no copies)."""
-        _check_activation(activation)
+        check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.num_groups, new.num_channels, new.eps, new.affine = (

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops._checks import check_activation
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.geglu import geglu
 from ..ops.linear import SUPPORTED_ACTIVATIONS, activation_torch, linear
@@ -172,9 +173,9 @@ class FusedGEGLU(nn.Module):
 
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         # *args/**kwargs: diffusers' deprecated `scale` argument, ignored as diffusers ignores it.
-        if readable(self.proj) and hidden_states.numel():  # the ops refuse empty inputs; the stock path returns them
-            return geglu(hidden_states, self.proj.weight, self.proj.bias)
-        if hidden_states.numel():
+        if hidden_states.numel():  # the ops refuse empty inputs; the stock path returns them
+            if readable(self.proj):
+                return geglu(hidden_states, self.proj.weight, self.proj.bias)
             count_stock("GEGLU", "proj", self.proj)
         h, gate = self.proj(hidden_states).chunk(2, dim=-1)
         return h * _stock_gelu(gate, "none")
@@ -215,10 +216,10 @@ class FusedGELU(nn.Module):
         return new
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        if readable(self.proj) and hidden_states.numel():
-            activation = _GELU_APPROXIMATE[self.approximate]
-            return linear(hidden_states, self.proj.weight, self.proj.bias, activation=activation)
-        if hidden_states.numel():
+        if hidden_states.numel():  # the ops refuse empty inputs; the stock path returns them
+            if readable(self.proj):
+                activation = _GELU_APPROXIMATE[self.approximate]
+                return linear(hidden_states, self.proj.weight, self.proj.bias, activation=activation)
             count_stock("GELU", "proj", self.proj)
         return _stock_gelu(self.proj(hidden_states), self.approximate)
 
@@ -245,8 +246,7 @@ class FusedLinear(nn.Linear):
         dtype=None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+        check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
         self.activation = activation
 
     @staticmethod
@@ -259,8 +259,7 @@ class FusedLinear(nn.Linear):
         reason = cls.unsupported_reason(module)
         if reason:
             raise TypeError(f"FusedLinear.from_module: {reason}")
-        if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"activation={activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+        check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
         new = _shell(cls)
         new.in_features, new.out_features = module.in_features, module.out_features
         new.weight, new.bias = module.weight, module.bias
@@ -273,9 +272,9 @@ class FusedLinear(nn.Linear):
     def compute(self, x: Tensor, activation: str | None, gate: Tensor | None, residual: Tensor | None) -> Tensor:
         """The fused GEMM, or with a weight that is a tensor subclass (a quantized weight, whose own F.linear must
         run) the unfused ops."""
-        if plain_weight(self) and x.numel():  # the ops refuse empty inputs; torch returns them
-            return linear(x, self.weight, self.bias, activation=activation, gate=gate, residual=residual)
-        if x.numel():
+        if x.numel():  # the ops refuse empty inputs; torch returns them
+            if plain_weight(self):
+                return linear(x, self.weight, self.bias, activation=activation, gate=gate, residual=residual)
             count_stock("FusedLinear", "the layer", self)
         return stock_gated_residual(activation_torch(activation, F.linear(x, self.weight, self.bias)), gate, residual)
 
