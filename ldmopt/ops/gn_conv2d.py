@@ -98,8 +98,7 @@ def _channels_last_like(shape, x: Tensor, dtype: torch.dtype | None = None) -> T
 def _check_fp32_precision(value: str, weight: Tensor, stride: int, padding, resample: str) -> None:
     """fp32_precision is one of FP32_PRECISIONS; "matmul" (GEMMs in the reference and backward) only for a pointwise
     conv: what a Linear read as a 1x1 conv is."""
-    if value not in FP32_PRECISIONS:
-        raise ValueError(f"fp32_precision={value!r} is not supported; expected one of {list(FP32_PRECISIONS)}")
+    check_activation("fp32_precision", value, FP32_PRECISIONS)  # the generic one-of-these check, despite its name
     kernel = tuple(weight.shape[2:])
     if value == "matmul" and (kernel != (1, 1) or stride != 1 or tuple(padding) != (0, 0) or resample != "none"):
         raise ValueError(
