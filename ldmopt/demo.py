@@ -62,6 +62,16 @@ def channels_last(obj):
     return obj
 
 
+def channels_last_call(model, inputs) -> None:
+    """``model``'s 4-D weights and the 4-D tensors of ``inputs`` (configs.ModelInputs) in channels-last, in place: how
+    ldmopt's fused convs are meant to run."""
+    import torch
+
+    channels_last(model)
+    kwargs = inputs.kwargs
+    kwargs.update({k: channels_last(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() == 4})
+
+
 def build_tiny_sd_pipeline(device: Any = "cpu", dtype: Any = None, seed: int = 0):
     """A StableDiffusionPipeline with random tiny weights (fixed seed), built without any download."""
     import torch
@@ -239,13 +249,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
         torch.manual_seed(args.seed)
         target = build_model(args.model, tiny=True, device=device, dtype=dtype)
-        channels_last(target)
         # SVD's context is one image-embedding token (the tiny default would be a 7-token text context).
         tokens = 1 if type(target).__name__ == "UNetSpatioTemporalConditionModel" else None
         inputs = example_inputs(target, text_tokens=tokens)
-        inputs.kwargs.update(
-            {k: channels_last(v) for k, v in inputs.kwargs.items() if isinstance(v, torch.Tensor) and v.dim() == 4}
-        )
+        channels_last_call(target, inputs)
         modules = {args.model: target}
         run = lambda: run_denoiser(target, inputs, args.steps)
 

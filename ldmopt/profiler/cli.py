@@ -243,18 +243,12 @@ def run_profile(args: argparse.Namespace) -> int:
 def _patched_zoo_model(args: argparse.Namespace, dtype):
     """(model, inputs, report): the zoo model built as ``profile`` builds it, in channels-last (the fused
     GroupNorm->conv kernels' layout: NCHW input would take diffusers' forward), then patched."""
-    import torch
-
     import ldmopt
 
-    from .. import configs
-    from ..demo import channels_last
+    from ..demo import channels_last_call
     from .measure import _resolve_target
 
     setting = dict(resolution=args.resolution, frames=args.frames, batch=args.batch)
     model, inputs = _resolve_target(args.model, device=args.device, dtype=dtype, tiny=args.tiny, inputs=None, **setting)
-    channels_last(model)
-    is_image = lambda v: isinstance(v, torch.Tensor) and v.dim() == 4
-    kwargs = {k: channels_last(v) if is_image(v) else v for k, v in inputs.kwargs.items()}
-    inputs = configs.ModelInputs(inputs.method, kwargs, inputs.resolution, inputs.frames, inputs.batch)
+    channels_last_call(model, inputs)
     return model, inputs, ldmopt.patch(model, training=args.training)
