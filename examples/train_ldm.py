@@ -95,6 +95,8 @@ RUN_DEFINING = frozenset({
     "model", "tiny", "frames", "resolution", "latent_factor", "vae", "num_shapes", "seed",
     "num_train_timesteps", "beta_schedule", "prediction_type",
 })  # fmt: skip
+#: Frames per clip of video models when --frames is not given.
+DEFAULT_FRAMES = 8
 NOT_INHERITED = frozenset({
     "resume", "output_dir", "device", "backend", "num_workers", "no_progress", "profile_wait", "profile_warmup",
     "profile_active",
@@ -123,7 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help="image folder (sub-folders = classes; image models); default: procedural shapes")  # fmt: skip
-    g.add_argument("--frames", type=int, default=None, help="video models: frames per clip (default: 8)")
+    g.add_argument("--frames", type=int, default=None,
+                   help=f"video models: frames per clip (default: {DEFAULT_FRAMES})")  # fmt: skip
     g.add_argument("--num-shapes", type=int, default=50_000, help="size of the procedural dataset")
     g.add_argument("--resolution", type=int, default=32, help="image size in pixels")
     g.add_argument("--hflip", action=argparse.BooleanOptionalAction, default=False,
@@ -207,7 +210,7 @@ def _shown(name: str, value) -> str:
 
 def _same(name: str, saved, given) -> bool:
     if name == "frames":  # unset is the default 8 frames (video models)
-        saved, given = (8 if v is None else v for v in (saved, given))
+        saved, given = (DEFAULT_FRAMES if v is None else v for v in (saved, given))
     return saved == given
 
 
@@ -275,7 +278,7 @@ def _frames(args: argparse.Namespace, video: bool) -> int | None:
         if args.frames is not None:
             raise SystemExit(f"--frames is for video models; --model {args.model} is an image model")
         return None
-    frames = 8 if args.frames is None else args.frames
+    frames = DEFAULT_FRAMES if args.frames is None else args.frames
     if frames < 1:
         raise SystemExit(f"--frames must be positive, got {frames}")
     return frames
