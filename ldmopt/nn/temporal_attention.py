@@ -104,6 +104,16 @@ def unsupported_reason(attn) -> str | None:
     return None
 
 
+def reads_fused_projections(attn) -> bool:
+    """Whether the processor mirrored (ldmopt's own processor's fallback) reads ``to_qkv``/``to_kv``: only diffusers'
+    FusedAttnProcessor2_0. ``fused_projections`` alone is not enough: ``unfuse_qkv_projections`` puts the previous
+    processors back but leaves the flag and a stale ``to_qkv``, and the stock processors read to_q/to_k/to_v again."""
+    processor = attn.processor
+    if isinstance(processor, _FallbackProcessor):
+        processor = processor.fallback
+    return bool(attn.fused_projections) and type(processor).__name__ == "FusedAttnProcessor2_0"
+
+
 def temporal_self_attention(
     attn,
     x: Tensor | NormedInput,
@@ -122,7 +132,7 @@ def temporal_self_attention(
     read in the projections' loads; ``name``: the attention's attribute, for the report).
     """
     heads, c = attn.heads, attn.inner_dim
-    fused = attn.fused_projections
+    fused = reads_fused_projections(attn)
     if context is None and fused and getattr(attn, "to_qkv", None) is not None:
         qkv = apply(attn.to_qkv, x, f"{name}.to_qkv")
         q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]

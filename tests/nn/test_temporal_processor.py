@@ -258,11 +258,31 @@ def test_fused_qkv_projection():
     x = torch.randn(5, 14, 80)
     with torch.no_grad():
         attn.fuse_projections()
+        attn.to_qkv.weight.mul_(1.5)  # the fused read must be the one that shows
         expected = FusedAttnProcessor2_0()(attn, x)
-        proc = TemporalAttnProcessor()
+        proc = TemporalAttnProcessor(fallback=FusedAttnProcessor2_0())
         got = _run(attn, proc, x)
     assert proc.kernel_calls == 1
     assert_close(got, expected.double(), torch.float32, "to_qkv")
+
+
+def test_unfused_projections_are_read_after_unfuse():
+    """diffusers' unfuse_qkv_projections restores AttnProcessor2_0 but leaves fused_projections and to_qkv behind:
+    the kernel path must read to_q/to_k/to_v as that processor does, values and gradients."""
+    attn = _attention()
+    attn.fuse_projections()
+    attn.set_processor(FusedAttnProcessor2_0())
+    attn.set_processor(AttnProcessor2_0())  # what unfuse_qkv_projections does
+    with torch.no_grad():
+        attn.to_q.weight.mul_(1.5)  # a training step after unfusing: to_qkv is now stale
+    x = torch.randn(4, 7, 80)
+    expected = AttnProcessor2_0()(attn, x)
+    proc = TemporalAttnProcessor(fallback=attn.processor)
+    got = _run(attn, proc, x)
+    assert proc.kernel_calls == 1
+    assert_close(got, expected.detach().double(), torch.float32, "after unfuse")
+    got.sum().backward()
+    assert attn.to_q.weight.grad is not None and attn.to_qkv.weight.grad is None
 
 
 def test_cross_attention_with_as_many_keys_as_frames():
@@ -362,7 +382,7 @@ def test_processor_issues_no_activation_copy(fused):
             attn.fuse_projections()
     with torch.no_grad():
         with _CopyRecorder() as ours:
-            _run(attn, TemporalAttnProcessor(), x)
+            _run(attn, TemporalAttnProcessor(fallback=FusedAttnProcessor2_0() if fused else None), x)
         with _CopyRecorder() as theirs:
             _run(attn, AttnProcessor(), x)
     names = [name for name, _ in ours.ops]

@@ -407,6 +407,26 @@ def test_fuse_qkv_projections_interplay(order):
     assert torch.allclose(_run(unet, x), ref, atol=1e-5)
 
 
+def test_patch_after_unfuse_reads_the_unfused_projections():
+    # unfuse_qkv_projections restores the stock processors but leaves fused_projections and to_qkv: after a weight
+    # change (a training step) only to_q/to_k/to_v are current, and the motion modules in token order must read them.
+    unet = models.animatediff().eval()
+    x = models.inputs("animatediff", unet)
+    unet.fuse_qkv_projections()
+    unet.unfuse_qkv_projections()
+    with torch.no_grad():
+        for name, module in unet.named_modules():
+            if name.endswith("attn1.to_q"):
+                module.weight.mul_(1.5)
+    ref = _run(unet, x)
+    report = ldmopt.patch(unet)
+    assert report.counts()["temporal_container"] == 7
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(unet, x), ref, name="after unfuse")
+    assert report.backends()["temporal_attention"] == {"torch": 14}
+    ldmopt.unpatch(unet)
+
+
 @pytest.mark.parametrize("linear_projection", [False, True])
 def test_transformer2d_inner_dim_other_than_in_channels(linear_projection):
     # proj_in maps 32 channels to 2 heads x 8 = 16: diffusers reshapes proj_out's output (32 channels) with the
