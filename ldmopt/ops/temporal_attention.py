@@ -36,6 +36,7 @@ Conventions every backend follows (the CUDA kernels in csrc/ must match them exa
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import torch
@@ -56,6 +57,8 @@ from ._dispatch import (
 
 MAX_FRAMES = 64
 MAX_HEAD_DIM = 256
+#: B*N*H: the Triton kernels index sequences in int32 (program id * sequences per program); kept clear of 2^31.
+MAX_SEQUENCES = 2**31 - 1024
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TAGS = (torch.Tag.needs_exact_strides,)
 
@@ -115,6 +118,8 @@ def _kernel_refusals(*args) -> list[str]:
         reasons.append(f"F={f} frames (kernels serve F <= {MAX_FRAMES})")
     if d > MAX_HEAD_DIM:
         reasons.append(f"head_dim={d} (kernels serve head_dim <= {MAX_HEAD_DIM})")
+    if _b * _n * _h > MAX_SEQUENCES:
+        reasons.append(f"B*N*H={_b * _n * _h} sequences (kernels serve at most {MAX_SEQUENCES})")
     return reasons
 
 
@@ -176,6 +181,8 @@ def smem_optin_limit(index: int) -> int:
 
 def _cuda_refusals(symbol, q, k, v, *args) -> list[str]:
     reasons = cuda_extension_refusals(symbol, q, k, v) or _kernel_refusals(q, k, v, *args)
+    # The extension rejects a non-finite scale outright (the others return the reference's NaN): let them take it.
+    reasons += [f"scale={a} (the CUDA kernel takes finite scales)" for a in args[:1] if not math.isfinite(a)]
     if reasons or q.numel() == 0:  # an empty launch returns before the plan is used
         return reasons
     b, f, n, h, d = q.shape

@@ -131,3 +131,24 @@ def test_limit_is_read_lazily_once_per_device(monkeypatch):
         assert calls == [0, 1]
     finally:
         ta.smem_optin_limit.cache_clear()
+
+
+@pytest.mark.parametrize("table", [ta.FORWARD, ta.FORWARD_OUT], ids=lambda t: t.op_name)
+def test_non_finite_scale_goes_to_a_backend_that_takes_it(gpu, table):
+    # The extension raises on a non-finite scale; Triton and torch return the reference's NaN.
+    gpu(H200)
+    q, k, v = _qkv((1, 5, 2, 3, 16))
+    for scale, expect_refused in ((float("inf"), True), (float("nan"), True), (0.25, False)):
+        args = (q, k, v, scale) if table is ta.FORWARD else (q, k, v, scale, torch.empty_like(q))
+        reasons = table.reasons(*args)["cuda"]
+        assert bool(reasons) == expect_refused, (scale, reasons)
+        if expect_refused:
+            assert f"scale={scale}" in reasons[0], reasons
+
+
+def test_more_sequences_than_the_kernels_index_are_refused():
+    # An expanded (stride-0) view has 2^31 sequences without the memory: B*N*H past the kernels' int32 index.
+    big = torch.randn(1, 3, 1, 1, 16).expand(2**20, 3, 2**11, 1, 16)
+    (reason,) = ta._kernel_refusals(big, big, big, 0.25)
+    assert f"B*N*H={2**31} sequences" in reason and str(ta.MAX_SEQUENCES) in reason, reason
+    assert ta._kernel_refusals(big[: 2**19], big[: 2**19], big[: 2**19], 0.25) == []
