@@ -137,6 +137,30 @@ def _eager_grad_needs(args: Sequence) -> bool | None:
     return needs
 
 
+def _refuse_forward_ad(op, args: Sequence) -> None:
+    """Raise when forward-mode AD would pass through ``op``: torch.library custom ops take no JVP rule, and PyTorch
+    then drops the tangent without an error (None on dual tensors, zeros under torch.func.jvp)."""
+    tensors = tensors_in(args)
+    if torch.autograd.forward_ad._current_level >= 0:
+        from torch.autograd.forward_ad import unpack_dual
+
+        active = any(unpack_dual(t).tangent is not None for t in tensors)
+    elif torch._C._are_functorch_transforms_active():
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        jvp = any(i.key().name == "Jvp" for i in retrieve_all_functorch_interpreters())
+        active = jvp and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    else:
+        return
+    if active:
+        raise NotImplementedError(
+            f"{getattr(op, '_name', op)}: forward-mode AD (dual tensors, torch.func.jvp/jacfwd/hessian) is not "
+            "supported: custom ops take no forward-mode rule, and PyTorch would silently drop the tangent. Reverse "
+            "mode (.backward(), torch.autograd.grad) is supported; for forward mode run the stock modules "
+            "(ldmopt.unpatch(model))."
+        )
+
+
 def call(op, *args):
     """``op(*args)``, through the eager fast path when nothing needs the dispatcher (see above)."""
     if not torch.compiler.is_compiling():
@@ -145,6 +169,7 @@ def call(op, *args):
             needs_grad = _eager_grad_needs(args)
             if needs_grad is not None:
                 return fast(needs_grad, *args)
+        _refuse_forward_ad(op, args)
     return op(*args)
 
 

@@ -141,12 +141,20 @@ def test_jit_trace_and_forward_ad_keep_the_custom_op():
         traced = torch.jit.trace(lambda t: ops.group_norm(t, 2, w, b, activation="silu"), (x,))
     assert "ldmopt::group_norm_fwd" in str(traced.graph), "the trace must record the op, not its reference code"
     torch.testing.assert_close(traced(x), ops.group_norm(x, 2, w, b, activation="silu"))
-    # Dual tensors: the custom op has no forward-mode formula, so its tangent is None whichever backend runs; the
-    # reference code's aten ops would carry one, wrong for gn_silu_conv2d (its statistics come from a detached x).
+
+
+@pytest.mark.parametrize("name,fn,inputs", CASES, ids=[c[0] for c in CASES])
+def test_forward_mode_ad_is_refused_not_silently_dropped(name, fn, inputs):
+    # Custom ops take no forward-mode rule: PyTorch would return no tangent on dual tensors and a zero one under
+    # torch.func.jvp. Neither may pass silently, whichever backend runs (the reference code's aten ops would carry
+    # a tangent, wrong for gn_silu_conv2d, whose statistics come from a detached x).
     import torch.autograd.forward_ad as fwAD
 
-    conv_w = torch.randn(5, 8, 3, 3)
-    with ops.use_backend("torch"), fwAD.dual_level():
-        dual = fwAD.make_dual(x, torch.randn_like(x))
-        y = ops.gn_silu_conv2d(dual.to(memory_format=torch.channels_last), w, b, 2, 1e-5, conv_w)
-        assert fwAD.unpack_dual(y).tangent is None
+    tangent = torch.randn_like(inputs[0])
+    with ops.use_backend("torch"):
+        with fwAD.dual_level():
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                fn([fwAD.make_dual(inputs[0], tangent), *inputs[1:]])
+            fn(inputs)  # a dual level without dual inputs is fine
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(lambda first: fn([first, *inputs[1:]]), (inputs[0],), (tangent,))
