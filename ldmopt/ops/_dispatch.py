@@ -140,16 +140,15 @@ def _eager_grad_needs(args: Sequence) -> bool | None:
 def _refuse_forward_ad(op, args: Sequence) -> None:
     """Raise when forward-mode AD would pass through ``op``: torch.library custom ops take no JVP rule, and PyTorch
     then drops the tangent without an error (None on dual tensors, zeros under torch.func.jvp)."""
-    tensors = tensors_in(args)
     if torch.autograd.forward_ad._current_level >= 0:
         from torch.autograd.forward_ad import unpack_dual
 
-        active = any(unpack_dual(t).tangent is not None for t in tensors)
+        active = any(unpack_dual(t).tangent is not None for t in tensors_in(args))
     elif torch._C._are_functorch_transforms_active():
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
         jvp = any(i.key().name == "Jvp" for i in retrieve_all_functorch_interpreters())
-        active = jvp and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+        active = jvp and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors_in(args))
     else:
         return
     if active:
