@@ -3,9 +3,10 @@
 - :class:`TemporalAttnProcessor` runs ``ldmopt.ops.temporal_attention`` on strided views of the projections:
   ``to_q(x)`` of shape (B*N, F, C) is read as (B*N, F, 1, heads, head_dim), a fused ``to_qkv(x)`` as three slices
   of (B*N, F, 3, heads, head_dim); the result comes back as (B*N, F, C) for ``to_out`` with no permute and no copy.
-  It honours ``Attention.scale`` (as diffusers' AttnProcessor does; AttnProcessor2_0 ignores it, and diffusers only
-  picks AttnProcessor2_0 when the scale is the default one), ``residual_connection``, ``rescale_output_factor``,
-  per-head ``norm_q``/``norm_k``, ``norm_cross`` and fused projections (``to_qkv``/``to_kv``).
+  It computes what the processor it replaces computes (:func:`stock_semantics`): AttnProcessor2_0 and its fused
+  variant apply per-head ``norm_q``/``norm_k`` and SDPA's default scale (ignoring ``Attention.scale``), AttnProcessor
+  and XFormersAttnProcessor apply ``Attention.scale`` and no q/k norms; ``residual_connection``,
+  ``rescale_output_factor``, ``norm_cross`` and fused projections (``to_qkv``/``to_kv``) as diffusers does.
   Anything else runs the module's previous (stock) processor, and the reason is counted in ``fallback_reasons``.
 - :class:`SingleKeyAttnProcessor` is the exact shortcut for cross-attention over ONE key (every ``attn2`` of Stable
   Video Diffusion): softmax over one score is 1, so the output is ``to_out(to_v(context))`` broadcast over queries.
@@ -104,14 +105,35 @@ def unsupported_reason(attn) -> str | None:
     return None
 
 
-def reads_fused_projections(attn) -> bool:
-    """Whether the processor mirrored (ldmopt's own processor's fallback) reads ``to_qkv``/``to_kv``: only diffusers'
-    FusedAttnProcessor2_0. ``fused_projections`` alone is not enough: ``unfuse_qkv_projections`` puts the previous
-    processors back but leaves the flag and a stale ``to_qkv``, and the stock processors read to_q/to_k/to_v again."""
+#: Stock processors that call SDPA: they apply norm_q/norm_k and SDPA's default scale, ignoring ``attn.scale``.
+#: AttnProcessor and XFormersAttnProcessor apply ``attn.scale`` and no q/k norms.
+_SDPA_PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0")
+
+
+@dataclass(frozen=True)
+class StockSemantics:
+    """What the stock processor ldmopt stands in for computes: projections read, softmax scale, q/k norms."""
+
+    fused_projections: bool
+    scale: float
+    qk_norm: bool
+
+
+def stock_semantics(attn) -> StockSemantics:
+    """The semantics of ``attn``'s stock processor (that of ldmopt's own processor: its fallback).
+
+    ``fused_projections`` alone does not say whether ``to_qkv`` is read: ``unfuse_qkv_projections`` puts the previous
+    processors back but leaves the flag and a stale ``to_qkv``; only FusedAttnProcessor2_0 reads it."""
     processor = attn.processor
     if isinstance(processor, _FallbackProcessor):
         processor = processor.fallback
-    return bool(attn.fused_projections) and type(processor).__name__ == "FusedAttnProcessor2_0"
+    kind = type(processor).__name__
+    sdpa = kind in _SDPA_PROCESSORS
+    return StockSemantics(
+        fused_projections=bool(attn.fused_projections) and kind == "FusedAttnProcessor2_0",
+        scale=_head_dim(attn) ** -0.5 if sdpa else float(attn.scale),
+        qk_norm=sdpa,
+    )
 
 
 def temporal_self_attention(
@@ -125,14 +147,16 @@ def temporal_self_attention(
 ) -> Tensor:
     """What an Attention module computes on token-major activations ``x`` of shape (..., C), with the attention over
     frames done by the strided kernel: ``x.view(*bfn, C)`` must index tokens as (B, F, N); ``context`` (same shape)
-    gives the keys and values instead of ``x`` when not None. Projections (fused or not), per-head norm_q/norm_k,
-    ``attn.scale``, to_out, residual_connection and rescale_output_factor as diffusers applies them; no copies.
+    gives the keys and values instead of ``x`` when not None. Projections (fused or not), per-head norm_q/norm_k and
+    the scale as the stock processor applies them (:func:`stock_semantics`), to_out, residual_connection and
+    rescale_output_factor; no copies.
     ``residual`` (the block's token stream, x's shape) is added in to_out's GEMM epilogue when given, after the
     per-sample ``gate`` ((B, 1, C), adaLN blocks) when given. ``x`` may be a :class:`NormedInput` (a block's norm,
     read in the projections' loads; ``name``: the attention's attribute, for the report).
     """
     heads, c = attn.heads, attn.inner_dim
-    fused = reads_fused_projections(attn)
+    stock = stock_semantics(attn)
+    fused = stock.fused_projections
     if context is None and fused and getattr(attn, "to_qkv", None) is not None:
         qkv = apply(attn.to_qkv, x, f"{name}.to_qkv")
         q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]
@@ -148,11 +172,11 @@ def temporal_self_attention(
             k, v = apply(attn.to_k, source, f"{name}.to_k"), apply(attn.to_v, source, f"{name}.to_v")
     # (..., C) -> (B, F, N, heads, head_dim): a view (the last axis of every slice is contiguous).
     q, k, v = (t.view(*bfn, heads, c // heads) for t in (q, k, v))
-    if attn.norm_q is not None:
+    if stock.qk_norm and attn.norm_q is not None:
         q = attn.norm_q(q)
-    if attn.norm_k is not None:
+    if stock.qk_norm and attn.norm_k is not None:
         k = attn.norm_k(k)
-    out = temporal_attention(q, k, v, scale=attn.scale)
+    out = temporal_attention(q, k, v, scale=stock.scale)
     # The output is torch.empty_like(q): token-major whenever q is a dense view or a qkv slice.
     return project_out(attn, out.reshape(*x.shape[:-1], c), x, residual, "temporal attention", gate)
 

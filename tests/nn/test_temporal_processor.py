@@ -240,15 +240,18 @@ def _run(attn, processor, x, **kwargs):
         ({"qk_norm": "rms_norm", "heads": 4, "dim_head": 20}, AttnProcessor2_0),
         ({"residual_connection": True, "rescale_output_factor": 2.0}, AttnProcessor2_0),
         ({"scale_qk": False}, AttnProcessor),  # scale 1.0: AttnProcessor honours it (AttnProcessor2_0 would not)
+        # diffusers' default for scale_qk=False is AttnProcessor, which applies no q/k norms
+        ({"scale_qk": False, "qk_norm": "layer_norm"}, AttnProcessor),
+        ({"scale_qk": False}, AttnProcessor2_0),  # SDPA's default scale: attn.scale ignored
         ({"heads": 1, "dim_head": 72, "query_dim": 72}, AttnProcessor2_0),  # Latte's head_dim
     ],
-    ids=["plain", "layer_norm_qk", "rms_norm_qk", "residual_rescale", "scale", "d72"],
+    ids=["plain", "layer_norm_qk", "rms_norm_qk", "residual_rescale", "scale", "classic_qk_norm", "sdpa_scale", "d72"],
 )
 def test_processor_matches_stock(kwargs, stock):
     attn = _attention(**kwargs)
     x = torch.randn(7, 16, attn.query_dim)
     with torch.no_grad(), ldmopt.use_backend("triton"):
-        got = _run(attn, TemporalAttnProcessor(), x)
+        got = _run(attn, TemporalAttnProcessor(fallback=stock()), x)
         expected = stock()(attn, x)
     assert_close(got, expected.double(), torch.float32, str(kwargs))
 
