@@ -64,7 +64,7 @@ def _provider(model, inputs, provider: str):
     call = model if inputs.method == "forward" else getattr(model, inputs.method)
     if provider.endswith("compile"):
         # The bound method itself (a VAE's decode): compiling the module would leave decode running eagerly.
-        call = torch.compile(call, mode="max-autotune-no-cudagraphs")
+        call = torch.compile(call, mode="max-autotune-no-cudagraphs", dynamic=False)  # static, as harness.compiled
 
     def step():
         with torch.inference_mode():

@@ -48,7 +48,7 @@ def _providers():
 
 
 @pytest.mark.parametrize("case", list(SHAPES))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ["channels_last", "nchw"])
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 def bench_group_norm(case, dtype, layout, mode, bench_recorder):
@@ -72,11 +72,9 @@ def bench_group_norm(case, dtype, layout, mode, bench_recorder):
             run = lambda fn=fn: torch.autograd.grad(fn(x, weight, bias), (x, weight, bias), dy)
             nbytes = 5 * elem  # forward x, y; backward x, dy, dx
         try:
-            run()
-            timing = harness.time_fn(run)
-            note = ""
-        except ldmopt.BackendUnavailableError as exc:
-            timing, note = None, f"unavailable: {str(exc)[:80]}"
+            timing, note = harness.time_fn(run), ""
+        except Exception as exc:  # no ldmopt._C, an inductor failure: a row with the reason, the other providers run
+            timing, note = None, harness.error_note(exc)
         bench_recorder.record(
             op="group_norm_silu",
             case=f"{case}-{layout}",

@@ -75,34 +75,37 @@ def _with_compile(providers: dict, eager, first_case: bool) -> dict:
     return providers
 
 
+def _step(fn, mode, inputs, grad_inputs):
+    """What is timed: the forward without autograd, or forward and the gradients of ``grad_inputs`` for random
+    output gradients (drawn on a first call, which compiles a compiled provider: inside the caller's try)."""
+    if mode == "fwd":
+
+        def run():
+            with torch.no_grad():
+                return fn(*inputs)
+
+        return run
+    out = fn(*inputs)
+    grads_out = [torch.randn_like(o) for o in (out if isinstance(out, tuple) else (out,))]
+
+    def run():
+        out = fn(*inputs)
+        return torch.autograd.grad(out if isinstance(out, tuple) else (out,), grad_inputs, grads_out, allow_unused=True)
+
+    return run
+
+
 def _measure(recorder, op, case, dtype_name, mode, providers, inputs, grad_inputs, *, flops=None, nbytes=None):
     """Time every provider on ``inputs``; fwd+bwd differentiates the (first) output w.r.t. ``grad_inputs``."""
     for name, fn in providers.items():
-        if fn is None:
-            recorder.record(op=op, case=case, dtype=dtype_name, mode=mode, provider=name, timing=None,
-                            note="skipped in quick mode")  # fmt: skip
-            continue
-        if mode == "fwd":
-
-            def run(fn=fn):
-                with torch.no_grad():
-                    return fn(*inputs)
-        else:
-            out = fn(*inputs)
-            outs = out if isinstance(out, tuple) else (out,)
-            grads_out = [torch.randn_like(o) for o in outs]
-
-            def run(fn=fn, grads_out=grads_out):
-                out = fn(*inputs)
-                outs = out if isinstance(out, tuple) else (out,)
-                return torch.autograd.grad(outs, grad_inputs, grads_out, allow_unused=True)
-
-        try:
-            run()
-            timing, note = harness.time_fn(run), ""
-            peak = harness.peak_memory(run) if mode == "fwd+bwd" else None
-        except ldmopt.BackendUnavailableError as exc:
-            timing, peak, note = None, None, f"unavailable: {str(exc)[:80]}"
+        timing, peak, note = None, None, "skipped in quick mode"
+        if fn is not None:
+            try:
+                run = _step(fn, mode, inputs, grad_inputs)
+                timing, note = harness.time_fn(run), ""
+                peak = harness.peak_memory(run) if mode == "fwd+bwd" else None
+            except Exception as exc:  # an inductor failure, a refused shape: a row with the reason, the others run
+                timing, peak, note = None, None, harness.error_note(exc)
         recorder.record(op=op, case=case, dtype=dtype_name, mode=mode, provider=name, timing=timing, flops=flops,
                         bytes=nbytes, peak_mem=peak, note=note)  # fmt: skip
 

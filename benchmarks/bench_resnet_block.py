@@ -10,7 +10,8 @@ ldmopt-plain (our implicit GEMM without the prologue, the like-for-like conv vs 
 resnet on its skip connection: eager and compile concatenate then run diffusers' block, ldmopt-cat concatenates then
 runs the fused block, ldmopt reads (hidden, skip) in place (the concatenation is never written). Op "upsample_conv":
 diffusers' Upsample2D (nearest 2x, then a 3x3 conv) vs ldmopt's conv reading the input through the 2x index map.
-FLOPs are the convolutions' 2*MACs; bytes the minimum traffic (activations read/written once, weights once).
+FLOPs are the convolutions' 2*MACs; bytes the minimum traffic (activations read/written once, weights once; for
+fwd+bwd also the gradients' reads and writes).
 Targets (H200): whole block >= 1.25x eager channels-last at 64x64x320 and 32x32x640, not slower than compile.
 """
 
@@ -89,7 +90,7 @@ def _record(rec, op, case, dtype, mode, provider, fn, flops, nbytes):
         timed()
         timing, note = harness.time_fn(timed), ""
     except Exception as exc:  # a provider that cannot run (compile failure, refusal) is a row with the reason
-        timing, note = None, f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
+        timing, note = None, harness.error_note(exc)
     if resnet.fallback_reasons:
         note = "fell back to diffusers: " + "; ".join(resnet.fallback_reasons)
     rec.record(op=op, case=case, dtype=str(dtype).removeprefix("torch."), mode=mode, provider=provider, timing=timing,
@@ -97,7 +98,7 @@ def _record(rec, op, case, dtype, mode, provider, fn, flops, nbytes):
 
 
 @pytest.mark.parametrize("case", _cases())
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("mode", ["fwd"] if QUICK else ["fwd", "fwd+bwd"])
 def bench_resnet_block(case, dtype, mode, bench_recorder):
     pytest.importorskip("diffusers")
@@ -111,8 +112,12 @@ def bench_resnet_block(case, dtype, mode, bench_recorder):
     flops += _conv_flops(n, cin, cout, size, 1) if cin != cout else 0
     elem = x.element_size()
     act_in, act_out = x.numel() * elem, n * cout * size * size * elem
-    # x read (norm1 stats + conv1 + residual), h written and read, out written, weights once.
-    nbytes = 3 * act_in + 3 * act_out + sum(p.numel() * p.element_size() for p in block.parameters())
+    # x read (norm1 stats + conv1 + residual), h written and read, out written, weights once; the backward adds dy
+    # read, dx written, x and h read again for the weight gradients, and those written (a lower bound).
+    weights = sum(p.numel() * p.element_size() for p in block.parameters())
+    nbytes = 3 * act_in + 3 * act_out + weights
+    if mode == "fwd+bwd":
+        nbytes += 2 * act_in + 2 * act_out + weights
     stats = torch.ops.ldmopt.gn_conv2d_stats(x, GROUPS, block.norm1.eps)
     providers = {
         "eager": lambda x, t: ResnetBlock2D.forward(block, x, t),
@@ -144,7 +149,7 @@ def bench_resnet_block(case, dtype, mode, bench_recorder):
 
 
 @pytest.mark.parametrize("case", _cases())
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def bench_gn_conv2d(case, dtype, bench_recorder):
     from ldmopt.ops.gn_conv2d import gn_silu_conv2d
 
@@ -170,7 +175,7 @@ def bench_gn_conv2d(case, dtype, bench_recorder):
 
 
 @pytest.mark.parametrize("case", list(QUICK_SKIP_BLOCKS) if QUICK else list(SKIP_BLOCKS))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def bench_resnet_skip(case, dtype, bench_recorder):
     """An up block's first resnet on ``cat([hidden, skip], 1)``, with and without writing the concatenation."""
     pytest.importorskip("diffusers")
@@ -225,7 +230,7 @@ QUICK_UPSAMPLERS = ("vae1024-dec-256to512x512",)
 
 
 @pytest.mark.parametrize("case", list(QUICK_UPSAMPLERS) if QUICK else list(UPSAMPLERS))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def bench_upsample_conv(case, dtype, bench_recorder):
     pytest.importorskip("diffusers")
     from diffusers.models.upsampling import Upsample2D

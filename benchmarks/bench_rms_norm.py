@@ -64,7 +64,9 @@ def _providers():
 
 
 @pytest.mark.parametrize("case", list(SHAPES)[:1] if QUICK else list(SHAPES))
-@pytest.mark.parametrize("dtype", [torch.bfloat16] if QUICK else [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16] if QUICK else [torch.float16, torch.bfloat16], ids=["bf16"] if QUICK else ["fp16", "bf16"]
+)
 @pytest.mark.parametrize("mode", ["fwd"] if QUICK else ["fwd", "fwd+bwd"])
 def bench_rms_norm(case, dtype, mode, bench_recorder):
     rows, c = SHAPES[case]

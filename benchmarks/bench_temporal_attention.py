@@ -96,6 +96,17 @@ def _xformers_path(shape, layout):
     return fn
 
 
+def _xformers_note() -> str:
+    """What the xformers rows ran: PyPI's xformers (the one benchmarks/fetch_wheels.sh carries) is built against CUDA
+    12; under a CUDA 13 torch its C++ kernels fail to load and its flash op runs PyTorch's own flash-attention."""
+    import xformers
+
+    if getattr(xformers, "_has_cpp_library", True):
+        return f"xformers {xformers.__version__}"
+    why = str(getattr(xformers._cpp_lib, "_cpp_library_load_exception", "")).splitlines() or [""]
+    return f"xformers {xformers.__version__} without its C++ kernels ({why[0][:60]}): PyTorch's flash via xformers"
+
+
 def _flex_path(shape, layout, device):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -105,10 +116,10 @@ def _flex_path(shape, layout, device):
     # All sequences back to back as one long sequence per head; each query sees only its own F frames.
     # Compiled, the mask is built block by block; eagerly it materialises the dense length^2 mask (275 GB at 524k
     # tokens).
-    mask = torch.compile(create_block_mask)(
+    mask = torch.compile(create_block_mask, dynamic=False)(
         lambda _b, _h, qi, ki: qi // f == ki // f, None, None, length, length, device=device
     )
-    flex = torch.compile(flex_attention)
+    flex = torch.compile(flex_attention, dynamic=False)
 
     def fn(q, k, v):
         q, k, v = (to_bnfc(t).reshape(length, h, d).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -184,13 +195,16 @@ def bench_temporal_attention(case, dtype, layout, mode, bench_recorder):
                 note = f"max|err| vs fp32 SDPA {(out.float() - reference).abs().max().item():.2e}"
             timing = harness.time_fn(run)
             peak = harness.peak_memory(run)
+            if name == "xformers":
+                note = f"{note}; {_xformers_note()}".lstrip("; ")
         except ldmopt.BackendUnavailableError as exc:
             note = f"unavailable: {str(exc)[:100]}"
         except ImportError as exc:
-            note = f"unavailable: {type(exc).__name__}: {str(exc)[:100]}"
+            missing = " (not installed: bash benchmarks/fetch_wheels.sh carries it)" if name == "xformers" else ""
+            note = harness.error_note(exc) + missing
         except Exception as exc:  # grid limits, unsupported head dims, xformers' missing extensions
             harness.synchronize(DEVICE)
-            note = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+            note = harness.error_note(exc, "fails") + (f"; {_xformers_note()}" if name == "xformers" else "")
         bench_recorder.record(
             op="temporal_attention",
             case=f"{case}-{layout}",

@@ -8,8 +8,9 @@ Cases (B = 2, classifier-free guidance; real channel counts and heads from share
   channels-last (B*F, C, H, W) activation, as a channels-last UNet hands it over.
 - ``svd576x1024-72x128``: one SVD ``TemporalBasicTransformerBlock`` (14 frames, 5 heads of 64, attn2 over one
   image-embedding token) on the (B*F, N, C) tokens.
-Bytes: the activation read and the output written once (the minimum; the projections' weights are small), so GB/s
-is a lower bound; the row's note carries the max relative error of the provider's output against eager.
+Bytes: the activation read and the output written once, for fwd+bwd also their gradients (the minimum; the
+projections' weights are small), so GB/s is a lower bound; the row's note carries the max relative error of the
+provider's output against eager.
 Target: the token-order forward faster than both the stock module and the processor alone (the permutes' share),
 and not slower than torch.compile. LDMOPT_BENCH_QUICK=1 keeps one case per model, fp16, forward, no compiles.
 """
@@ -97,7 +98,7 @@ def bench_temporal_block(case, dtype, mode, bench_recorder):
     from ldmopt.nn import temporal_layout
 
     module, x, call = _setup(case, dtype)
-    nbytes = 2 * x.numel() * x.element_size()
+    nbytes = (2 if mode == "fwd" else 4) * x.numel() * x.element_size()
     with torch.no_grad():
         reference = call(module, x)
     stock = lambda: call(module, x)
@@ -108,7 +109,6 @@ def bench_temporal_block(case, dtype, mode, bench_recorder):
         "ldmopt": (stock, temporal_layout.install_temporal_blocks, temporal_layout.uninstall_temporal_blocks),
     }
     if not QUICK:
-        torch._dynamo.reset()  # each case compiles the same code object (see harness.record_patch_providers)
         providers["compile"] = (harness.compiled(stock, mode="max-autotune-no-cudagraphs"), None, None)
     params, grad_out = (), None
     if mode == "fwd+bwd":
@@ -130,8 +130,7 @@ def bench_temporal_block(case, dtype, mode, bench_recorder):
                 reasons = {r for f in installed.forwards.values() for r in f.fallback_reasons}
                 note = "fell back to diffusers: " + "; ".join(sorted(reasons))
         except Exception as exc:  # a provider that cannot run is a row with the reason
-            timing, peak = None, None
-            note = f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
+            timing, peak, note = None, None, harness.error_note(exc)
         finally:
             if installed is not None:
                 uninstall(installed)

@@ -5,8 +5,9 @@ backward) and at real temporal-attention shapes (AnimateDiff, SVD, Latte), each 
 reference computed in fp64, as max relative error ||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype
 bound. Outputs are poisoned with NaN first (LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.
 Part 2, speed: harness.time_fn for ldmopt-cuda, ldmopt-triton and PyTorch eager on the same inputs (poisoning off);
-rows go to the harness CSV and a side-by-side table (cuda / triton time ratio, % of measured copy bandwidth) is
-printed. Issue targets on an H200: GroupNorm+SiLU >= 85% of copy bandwidth; temporal attention no slower than Triton.
+rows go to the harness CSV (ops named ``cuda_check/<op>``) and a side-by-side table (cuda / triton time ratio, % of
+measured copy bandwidth) is printed. run_gpu.sh runs part 1 only (``--no-bench``): the benchmarks time the same
+providers. Issue targets on an H200: GroupNorm+SiLU >= 85% of copy bandwidth; temporal attention no slower than Triton.
 
 Run on a GPU: python benchmarks/check_cuda_backend.py [--quick] [--no-bench]. Exits 1 if a check fails; on a
 machine without CUDA it says so and exits 0.
@@ -158,23 +159,28 @@ def run_checks(quick: bool) -> int:
                 failures += not ok
                 text = " ".join(f"{e:.2e}" for e in errs)
                 print(f"{op:<20} {case:<30} {str(dtype)[6:]:<9} {backend:<7} {text:<40} {'PASS' if ok else 'FAIL'}")
-        except Exception:
+        except Exception as exc:  # the exception on the ERROR line: run_gpu.sh's summary shows that line
             failures += 1
-            print(f"{check.__name__} ERROR\n{traceback.format_exc()}")
+            print(f"{check.__name__} ERROR {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
+            print(traceback.format_exc())
     print(f"check_cuda_backend: {'all checks passed' if not failures else f'{failures} checks failed'}")
     return failures
+
+
+#: Rows of this script's speed part go under these op names: the benchmarks record the same ops at the same cases
+#: (bench_group_norm.py), and one (op, case, dtype, mode) key with two eager rows would pair the wrong baselines.
+OP_PREFIX = "cuda_check/"
 
 
 def _record(recorder, rows, op, case, dtype, mode, provider, fn, nbytes, flops=None):
     from benchmarks import harness
 
     try:
-        fn()
         timing, note = harness.time_fn(fn), ""
     except Exception as exc:  # a backend that cannot run these inputs is reported, not fatal
-        timing, note = None, f"unavailable: {type(exc).__name__}: {str(exc)[:80]}"
+        timing, note = None, harness.error_note(exc)
     row = recorder.record(
-        op=op, case=case, dtype=str(dtype)[6:], mode=mode, provider=provider, timing=timing, bytes=nbytes,
+        op=OP_PREFIX + op, case=case, dtype=str(dtype)[6:], mode=mode, provider=provider, timing=timing, bytes=nbytes,
         flops=flops, note=note,
     )  # fmt: skip
     rows.setdefault((op, case, str(dtype)[6:], mode), {})[provider] = row

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from benchmarks import harness
 from benchmarks.harness import Recorder
 
 _RECORDER = Recorder()
@@ -21,9 +22,11 @@ def pytest_terminal_summary(terminalreporter):
     if table:
         terminalreporter.write_sep("=", "ldmopt benchmark summary")
         terminalreporter.write_line(table)
-        out = _RECORDER.csv_path.with_name("summary.md")
+        # Beside the other side files, not the CSV: run_gpu.sh keeps $OUT (at most 8 files come back) for its own.
+        out = harness.RESULTS_DIR / "summary.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(table + "\n")
-        plot = _RECORDER.plot_speedups(_RECORDER.csv_path.with_name("speedups.png"))
+        plot = _RECORDER.plot_speedups(harness.RESULTS_DIR / "speedups.png")
         terminalreporter.write_line(
             f"(rows appended to {_RECORDER.csv_path}; table written to {out}" + (f"; plot {plot})" if plot else ")")
         )
@@ -31,6 +34,8 @@ def pytest_terminal_summary(terminalreporter):
 
 # Quick mode (LDMOPT_BENCH_QUICK=1, set by run_gpu.sh): a bf16 or NCHW case is left out when the same case in fp16
 # or channels-last runs, to fit the ~8-minute budget; cases that exist only in bf16 (Wan, the RoPE norms) still run.
+# Matched on test ids: a dtype parameter needs ids=["fp16", "bf16"] (pytest's own ids, dtype0/dtype1, match nothing;
+# tests/test_bench_dry_run.py checks that no benchmark has them).
 _QUICK_SIBLINGS = (("bfloat16", "float16"), ("bf16", "fp16"), ("nchw", "channels_last"))
 
 

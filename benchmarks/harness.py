@@ -46,11 +46,13 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, min_r
     """Median and p20/p80 of ``fn`` in milliseconds (triton.testing.do_bench: L2 flushed between runs).
 
     ``warmup`` and ``rep`` are milliseconds, as in do_bench, which runs ``rep / estimate`` times: a 100 ms model
-    step would get one timed run and meaningless quantiles. One untimed call measures the step first, and the window
-    is widened to at least ``min_reps`` runs and two warm-ups. Call ``fn`` once before, so that compile and
-    autotune costs stay out of that measurement."""
+    step would get one timed run and meaningless quantiles. So the step is measured first, and the window widened to
+    at least ``min_reps`` runs and two warm-ups. That measurement is the second of two calls: the first, untimed, may
+    still compile or autotune (a caller's warm-up in another grad mode, say, compiled another variant)."""
     import triton.testing
 
+    torch.cuda.synchronize()
+    fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
@@ -61,6 +63,11 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, min_r
     warmup = max(warmup, 3 * estimate_ms)
     p50, p20, p80 = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
     return Timing(p50, p20, p80)
+
+
+def error_note(exc: BaseException, prefix: str = "unavailable") -> str:
+    """The note of a provider that could not run: ``prefix: Type: first line of the message``."""
+    return f"{prefix}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
 
 
 def synchronize(device: str) -> None:
@@ -135,9 +142,6 @@ def record_patch_providers(
 
     providers = {"eager": (stock, False), "ldmopt": (stock, True)}
     if with_compile:
-        # Every case compiles the same code object: without a reset the recompile limit is hit after a few cases,
-        # and dynamo then runs the rest eagerly (a "compile" row that timed eager), or guesses dynamic shapes.
-        torch._dynamo.reset()
         providers["compile"] = (compiled(stock, mode="max-autotune-no-cudagraphs"), False)
     for name, (fn, patched) in providers.items():
         run = step_of(fn, mode, params, grad_out)
@@ -153,8 +157,7 @@ def record_patch_providers(
             if report is not None and report.fallbacks():
                 note += f"; fell back: {report.fallbacks()}"
         except Exception as exc:
-            timing, peak = None, None
-            note = f"unavailable: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:80]}"
+            timing, peak, note = None, None, error_note(exc)
         finally:
             if report is not None:
                 ldmopt.unpatch(module)
@@ -166,9 +169,10 @@ def record_block_providers(
     op: str, case: str, dtype: torch.dtype,
 ) -> None:  # fmt: skip
     """:func:`record_patch_providers` for one transformer block called by ``call()`` on the token stream ``hidden``:
-    the eager output is the reference; fwd+bwd differentiates the stream and every parameter; bytes counted: the
-    stream read and written once."""
-    nbytes = 2 * hidden.numel() * hidden.element_size()
+    the eager output is the reference; fwd+bwd differentiates the stream and every parameter. Bytes counted (a lower
+    bound): the stream read and written once, and for fwd+bwd also its gradient read and written (weights and saved
+    activations not counted)."""
+    nbytes = (2 if mode == "fwd" else 4) * hidden.numel() * hidden.element_size()
     with torch.no_grad():
         reference = call()
     params, grad_out = (), None
@@ -184,8 +188,13 @@ def record_block_providers(
 
 
 def compiled(fn: Callable, mode: str | None = "max-autotune", **kwargs) -> Callable:
-    """torch.compile(fn) with ``mode`` (fullgraph off so baselines compile whatever they can)."""
-    return torch.compile(fn, mode=mode, **kwargs)
+    """torch.compile(fn) with ``mode`` (fullgraph off so baselines compile whatever they can), static shapes.
+
+    A baseline compiled per case: the cases compile the same code objects, so without a reset the second case would
+    recompile with symbolic shapes (slower generic kernels, flattering ldmopt) and later ones hit the recompile limit
+    and run eagerly. Hence dynamo's caches are reset first and ``dynamic=False``."""
+    torch._dynamo.reset()
+    return torch.compile(fn, mode=mode, **{"dynamic": False, **kwargs})
 
 
 @dataclass(frozen=True)

@@ -1,89 +1,167 @@
 #!/usr/bin/env bash
-# The one prepared GPU run: install what a bare GPU machine lacks (from local wheels, no network), build ldmopt and its
-# CUDA extension, check every kernel on the GPU against the reference at real shapes, run the benchmarks, and print
-# the summary table last. Quick mode (default) is sized for ~8 minutes on an H200; --full runs everything.
+# The one prepared GPU run: install what a bare GPU machine lacks (from local wheels, no network), build ldmopt._C
+# while check_gpu.py checks the Triton kernels against fp64 at real shapes (in parallel shards: Triton compiles
+# serially per process, and the machine has 16 cores), check the CUDA C++ backend, run the benchmarks in what is left
+# (never less than BENCH_RESERVE seconds of the budget), and print a compact summary last, the correctness totals its
+# final line. Quick mode (default) ends within 480 s (8 minutes: the device lends 15 in all, its start included, and
+# stops a command at 600 s), leaving time for one rerun; --full runs everything.
 #   bash benchmarks/run_gpu.sh [--full]
 # Prepare the wheels here first (this machine has a package index): bash benchmarks/fetch_wheels.sh
+# Files (the device tool returns at most 8 from $OUT): run.log, checks.txt, results.csv, summary.md (every row),
+# summary.txt (what is printed last) and logs.tar.gz (build, pip and pytest logs, plots, profiles).
+# Knobs: LDMOPT_RUN_BUDGET, LDMOPT_BENCH_RESERVE (seconds), LDMOPT_CHECK_SHARDS, PYTHON, MAX_JOBS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="quick"
-[ "${1:-}" = "--full" ] && MODE="full"
-RESULTS="${OUT:-benchmarks/results}"
-mkdir -p "$RESULTS"
-export LDMOPT_BENCH_DIR="$RESULTS"
+MODE=quick
+[ "${1:-}" = "--full" ] && MODE=full
+QUICK=$([ "$MODE" = quick ] && echo 1 || echo 0)
 PY="${PYTHON:-python3}"
+RESULTS="${OUT:-benchmarks/results/run-$(date +%Y%m%d-%H%M%S)}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/ldmopt-run.XXXXXX")"
+mkdir -p "$RESULTS"
+exec > >(tee "$RESULTS/run.log") 2>&1
+# Python block-buffers output to a file: a stage stopped by timeout would leave nothing of what it printed.
+export PYTHONUNBUFFERED=1
+export LDMOPT_BENCH_DIR="$WORK" LDMOPT_BENCH_CSV="$RESULTS/results.csv"
 log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
-# One wall-clock budget for the whole run (the device tool stops a command at 600 s, and a stopped command prints no
-# summary): each stage gets at most its own cap and never more than what is left, less a margin for the summary.
+pack() { tar -czf "$RESULTS/logs.tar.gz" -C "$WORK" . 2>/dev/null; }
+trap pack EXIT
+trap 'exit 143' TERM INT
+
+# One wall-clock budget: each stage runs under timeout until its deadline, the benchmarks keep BENCH_RESERVE seconds
+# whatever the stages before them take, and MARGIN is left for the summary.
 START=$(date +%s)
-TOTAL="${LDMOPT_RUN_BUDGET:-$([ "$MODE" = "quick" ] && echo 560 || echo 7200)}"
-case "$TOTAL" in ''|*[!0-9]*) echo "LDMOPT_RUN_BUDGET must be whole seconds, got '$TOTAL'" >&2; exit 2 ;; esac
-stage_budget() {  # stage_budget CAP -> seconds this stage may run
-  local left=$(( TOTAL - ($(date +%s) - START) - 25 ))
-  [ "$left" -lt "$1" ] && echo $(( left > 10 ? left : 10 )) || echo "$1"
+TOTAL="${LDMOPT_RUN_BUDGET:-$([ "$QUICK" = 1 ] && echo 480 || echo 7200)}"
+BENCH_RESERVE="${LDMOPT_BENCH_RESERVE:-$([ "$QUICK" = 1 ] && echo 300 || echo 3600)}"
+SHARDS="${LDMOPT_CHECK_SHARDS:-8}"
+for v in TOTAL BENCH_RESERVE SHARDS; do
+  case "${!v}" in ''|*[!0-9]*) echo "$v must be a whole number, got '${!v}'" >&2; exit 2 ;; esac
+done
+MARGIN=$(( TOTAL / 20 < 20 ? TOTAL / 20 : 20 ))
+left() { echo $(( TOTAL - MARGIN - ($(date +%s) - START) - ${1:-0} )); }  # seconds left, a reserve of $1 kept
+cap() { local l; l=$(left "${2:-0}"); echo $(( l < $1 ? l : $1 )); }  # cap SECONDS [RESERVE]
+
+# Stages run in the background under timeout; each one's exit status goes to stages.tsv (124: stopped at its cap).
+STAGES="$WORK/stages.tsv"
+: >"$STAGES"
+NAMES=() PIDS=() T0S=() CAPS=() ENDED=()
+EXIT=0
+start() {  # start NAME SECONDS LOGFILE CMD...
+  local name=$1 secs=$2 out=$3
+  shift 3
+  if [ "$secs" -lt 5 ]; then
+    log "$name: skipped, ${secs}s left"
+    printf '%s\t-1\t0\t%s\n' "$name" "$secs" >>"$STAGES"
+    EXIT=1
+    return
+  fi
+  local ended="$WORK/ended.${#NAMES[@]}"  # its exit status and end time: finish may wait for it after others
+  { timeout -k 5 "$secs" "$@" >"$out" 2>&1; echo "$? $(date +%s)" >"$ended"; } &
+  NAMES+=("$name") PIDS+=($!) T0S+=("$(date +%s)") CAPS+=("$secs") ENDED+=("$ended")
+}
+finish() {  # finish [NAME]: wait for that stage (or every one still running); record and log each exit status
+  local i rc end secs status=0
+  for i in "${!NAMES[@]}"; do
+    [ -n "${1:-}" ] && [ "${NAMES[i]}" != "$1" ] && continue
+    [ -z "${PIDS[i]}" ] && continue
+    wait "${PIDS[i]}"
+    PIDS[i]=""
+    read -r rc end <"${ENDED[i]}" || { rc=137 end=$(date +%s); }
+    secs=$(( end - T0S[i] ))
+    printf '%s\t%s\t%s\t%s\n' "${NAMES[i]}" "$rc" "$secs" "${CAPS[i]}" >>"$STAGES"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+      log "${NAMES[i]}: TIMED OUT at its ${CAPS[i]}s cap (exit $rc); what it printed is kept"
+    else
+      log "${NAMES[i]}: exit $rc after ${secs}s"
+    fi
+    [ "$rc" -eq 0 ] || status=1
+  done
+  [ "$status" -eq 0 ] || EXIT=1
+  return "$status"
 }
 
+log "mode $MODE, budget ${TOTAL}s (benchmarks keep ${BENCH_RESERVE}s), results in $RESULTS"
 log "python: $($PY -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)')"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
-if ! $PY -c "import diffusers" 2>/dev/null; then
-  log "installing diffusers from benchmarks/wheels"
-  # --no-deps: diffusers declares importlib_metadata, which the image lacks (and whose newest release pulls in
-  # lazy-importer), yet imports it only on Python < 3.8; its other requirements are in the image. A resolving
-  # install would fail on that one name and every model benchmark would skip.
-  $PY -m pip install --no-index --no-deps --find-links benchmarks/wheels diffusers >"$RESULTS/pip_diffusers.log" 2>&1 \
-    || log "diffusers install failed (see pip_diffusers.log)"
-  $PY -c "import diffusers; from diffusers import UNet2DConditionModel" 2>>"$RESULTS/pip_diffusers.log" \
-    && log "diffusers $($PY -c 'import diffusers; print(diffusers.__version__)') ready" \
-    || log "diffusers not importable (see pip_diffusers.log); model benchmarks will skip"
-fi
-log "building ldmopt (+ ldmopt._C) with MAX_JOBS=${MAX_JOBS:-16}"
+# diffusers is what the image lacks; pytest-timeout and xformers only in some images. --no-deps: diffusers declares
+# importlib_metadata, which the image lacks and imports only on Python < 3.8; its other requirements are there.
+MISSING=$($PY -c 'import importlib.util as u
+print(*[n for n, m in (("diffusers", "diffusers"), ("pytest-timeout", "pytest_timeout"), ("xformers", "xformers"))
+        if u.find_spec(m) is None])')
+for name in $MISSING; do
+  if $PY -m pip install --no-index --no-deps --find-links benchmarks/wheels "$name" >>"$WORK/pip.log" 2>&1; then
+    log "installed $name from benchmarks/wheels"
+  else
+    log "$name not installed (see pip.log in logs.tar.gz): its rows will say so"
+  fi
+done
+
 export MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-if ! timeout -k 5 "$(stage_budget 240)" $PY -m pip install --no-index --no-deps --no-build-isolation -e . \
-    >"$RESULTS/build.log" 2>&1; then
-  log "build failed; last lines:"; tail -20 "$RESULTS/build.log"
-  # Without an install nothing below runs: keep the Triton and reference backends at least.
-  log "installing without the CUDA extension (LDMOPT_SKIP_CUDA_BUILD=1)"
-  LDMOPT_SKIP_CUDA_BUILD=1 timeout -k 5 "$(stage_budget 120)" \
-    $PY -m pip install --no-index --no-deps --no-build-isolation -e . >>"$RESULTS/build.log" 2>&1 \
-    || log "install failed again (see build.log)"
-fi
-$PY -m ldmopt info | tee "$RESULTS/info.txt"
-
-log "GPU correctness at real shapes"
+log "building ldmopt._C (MAX_JOBS=$MAX_JOBS, arch $TORCH_CUDA_ARCH_LIST) while $SHARDS check_gpu shards run"
+start build "$(cap "$([ "$QUICK" = 1 ] && echo 200 || echo 1200)" "$BENCH_RESERVE")" "$WORK/build.log" \
+  $PY -m pip install --no-index --no-deps --no-build-isolation -e .
 CHECK_ARGS=()
-[ "$MODE" = "quick" ] && CHECK_ARGS+=(--quick)
-timeout -k 5 "$(stage_budget 180)" $PY benchmarks/check_gpu.py ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} 2>&1 | tee "$RESULTS/check_gpu.txt"
-log "CUDA C++ backend vs Triton vs reference"
-timeout -k 5 "$(stage_budget 240)" $PY benchmarks/check_cuda_backend.py ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} 2>&1 | tee "$RESULTS/check_cuda_backend.txt"
+[ "$QUICK" = 1 ] && CHECK_ARGS+=(--quick)
+# Shards started before the build ends report the cuda backend as a skip; check_cuda_backend.py checks it after.
+for ((k = 0; k < SHARDS; k++)); do
+  start "check_gpu[$k/$SHARDS]" "$(left "$BENCH_RESERVE")" "$WORK/check_gpu.$k.txt" \
+    env OMP_NUM_THREADS=1 $PY benchmarks/check_gpu.py ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} --shard "$k/$SHARDS"
+done
+# xformers from PyPI is built for another CUDA than the image's torch: a crash on import would end the benchmark
+# process with every row after it, so it is tried here first and removed if it fails.
+if [[ " $MISSING " == *" xformers "* ]] && ! timeout 120 $PY -c "import xformers.ops" >>"$WORK/pip.log" 2>&1; then
+  log "xformers does not import here (see pip.log): removed, its rows will say so"
+  $PY -m pip uninstall -y xformers >>"$WORK/pip.log" 2>&1
+fi
+if ! finish build; then
+  log "build failed or stopped; its last lines:"
+  tail -15 "$WORK/build.log"
+  log "going on from the source tree without ldmopt._C"
+fi
+$PY -m ldmopt info 2>&1 | tee "$WORK/info.txt"
+# Correctness only: the benchmarks time the same cuda / triton / eager providers.
+start check_cuda_backend "$(left "$BENCH_RESERVE")" "$WORK/check_cuda_backend.txt" \
+  $PY benchmarks/check_cuda_backend.py --no-bench ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"}
+finish
+cat "$WORK"/check_gpu.*.txt "$WORK/check_cuda_backend.txt" >"$RESULTS/checks.txt" 2>/dev/null
 
-log "benchmarks ($MODE)"
-export LDMOPT_BENCH_QUICK=$([ "$MODE" = "quick" ] && echo 1 || echo 0)
-BUDGET=$(stage_budget "$([ "$MODE" = "quick" ] && echo 330 || echo 3600)")
+export LDMOPT_BENCH_QUICK="$QUICK"
+PYTEST_ARGS=(-q -p no:cacheprovider)
+if $PY -c "import pytest_timeout" 2>/dev/null; then
+  PYTEST_ARGS+=(--timeout=300)
+else
+  log "no pytest-timeout: a hung benchmark would hold the rest of the budget"
+fi
+log "benchmarks ($MODE, $(left)s)"
 # Per-op benchmarks first, whole models next, so a run cut at the budget still has every kernel's figures; then the
 # host-overhead rows (their tiny shapes compile kernel variants of their own); last what lies beyond the issues' lists
-# (the UNet transformer block's residual epilogues, the Wan block, RMSNorm, SVD's temporal resnet), so that it can only lose its own rows
-# to the budget.
-timeout -k 5 "$BUDGET" $PY -m pytest -q -p no:cacheprovider --timeout=300 \
+# (the UNet transformer block's residual epilogues, the Wan block, RMSNorm, SVD's temporal resnet), so that it can
+# only lose its own rows to the budget.
+start benchmarks "$(left)" "$WORK/pytest.txt" $PY -m pytest "${PYTEST_ARGS[@]}" \
   benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py benchmarks/bench_temporal_block.py \
   benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py benchmarks/bench_training.py \
   benchmarks/bench_host_overhead.py benchmarks/bench_transformer_block.py benchmarks/bench_wan_block.py \
-  benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py \
-  2>&1 | tail -n 400 >"$RESULTS/pytest.txt"
-log "pytest exit: ${PIPESTATUS[0]} (124 = stopped at the ${BUDGET}s budget; rows so far are kept)"
-tail -5 "$RESULTS/pytest.txt"
+  benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py
+finish benchmarks
+tail -3 "$WORK/pytest.txt"
+
+# The full table from the CSV (a run stopped at its budget has no pytest session summary), then the compact one.
+if [ -f "$RESULTS/results.csv" ]; then
+  $PY -m benchmarks.harness "$RESULTS/results.csv" >"$RESULTS/summary.md" 2>>"$WORK/summary.err" \
+    || log "the full table failed (summary.err in logs.tar.gz)"
+fi
+if ! $PY -m benchmarks.summary --csv "$RESULTS/results.csv" --checks "$RESULTS/checks.txt" --status "$STAGES" \
+    >"$RESULTS/summary.txt" 2>>"$WORK/summary.err"; then
+  {
+    echo "benchmarks/summary.py failed: $(tail -1 "$WORK/summary.err")"
+    cat "$STAGES"
+    grep -hE " FAIL$|^\S+ +ERROR|^[A-Za-z_.]+(Error|Exception)\b" "$RESULTS/checks.txt" | cut -c1-160 | head -20
+    echo "correctness: $(grep -c ' PASS$' "$RESULTS/checks.txt") passed, $(grep -c ' FAIL$' "$RESULTS/checks.txt") failed"
+  } >"$RESULTS/summary.txt" 2>&1
+fi
+grep -qE " FAIL$|^\S+ +ERROR" "$RESULTS/checks.txt" 2>/dev/null && EXIT=1
 echo
 echo "================ summary ================"
-CHECKS=("$RESULTS/check_gpu.txt" "$RESULTS/check_cuda_backend.txt")
-# Every failure first (a tail of all lines could hide one among the passes), then the checks' own totals.
-cat "${CHECKS[@]}" 2>/dev/null | grep -E "FAIL|ERROR|Traceback" | head -60 || true
-echo "correctness cases passed: $(cat "${CHECKS[@]}" 2>/dev/null | grep -c "PASS")"
-cat "${CHECKS[@]}" 2>/dev/null | grep -E "^(check_gpu|check_cuda_backend):" || true
-# From the CSV, so a run stopped at the budget (no pytest session summary) still prints its table.
-if [ -f "$RESULTS/results.csv" ]; then
-  $PY -m benchmarks.harness "$RESULTS/results.csv" | tee "$RESULTS/summary.md"
-else
-  echo "no benchmark rows were recorded; the end of pytest's output:"
-  tail -30 "$RESULTS/pytest.txt"
-  exit 1
-fi
+cat "$RESULTS/summary.txt"
+exit "$EXIT"

@@ -4,8 +4,10 @@ a timed row, not a 'failed' one (a GPU run is rare and short; a Python error in 
 import functools
 import importlib
 import os
+import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -100,24 +102,35 @@ def test_e2e_compile_provider_compiles_what_runs(mocked_timing, monkeypatch):
     assert not _failed(mocked_timing.rows), mocked_timing.rows
 
 
+def _collect(quick: bool) -> list[str]:
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "benchmarks/"],
+        capture_output=True, text=True, env={**os.environ, "LDMOPT_BENCH_QUICK": "1" if quick else "0"}, cwd=ROOT,
+        timeout=300,
+    )  # fmt: skip
+    return [line for line in collected.stdout.splitlines() if "::bench_" in line]
+
+
 def test_quick_mode_keeps_cases_that_exist_only_in_bf16():
     from benchmarks.conftest import quick_sibling
 
     assert quick_sibling("b.py::bench_geglu[fwd-bf16-sdxl]") == "b.py::bench_geglu[fwd-fp16-sdxl]"
     assert (
-        quick_sibling("b.py::bench_group_norm[fwd-nchw-dtype0-sd]")
-        == "b.py::bench_group_norm[fwd-channels_last-dtype0-sd]"
+        quick_sibling("b.py::bench_group_norm[fwd-nchw-fp16-sd]") == "b.py::bench_group_norm[fwd-channels_last-fp16-sd]"
     )
     assert quick_sibling("b.py::bench_geglu[fwd-fp16-sdxl]") is None
-    collected = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "benchmarks/"], capture_output=True, text=True,
-        env={**os.environ, "LDMOPT_BENCH_QUICK": "1"}, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    functions = {line.split("[")[0] for line in collected.stdout.splitlines() if "::bench_" in line}
+    quick = _collect(quick=True)
+    functions = {line.split("[")[0] for line in quick}
     assert {
         "benchmarks/bench_wan_block.py::bench_wan_block",
         "benchmarks/bench_rms_norm.py::bench_rms_norm_rope",
     } <= functions
+    # Quick mode matches twins by id: pytest's own dtype ids (dtype0, dtype1) would keep every bf16 twin.
+    for ids in (quick, _collect(quick=False)):
+        assert not [i for i in ids if re.search(r"[\[-]dtype\d", i)], "parametrize dtypes with ids=['fp16', 'bf16']"
+    kept = set(quick)
+    assert not [i for i in quick if quick_sibling(i) in kept], "a bf16 / NCHW twin survived quick mode"
+    assert not [i for i in quick if "group_norm" in i and ("bf16" in i or "nchw" in i)], quick
 
 
 def test_temporal_block_providers(mocked_timing, monkeypatch):
@@ -138,6 +151,44 @@ def test_temporal_block_providers(mocked_timing, monkeypatch):
     assert all(r["note"].startswith("max rel err vs eager") for r in rows), [r["note"] for r in rows]
     errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
     assert max(errs) < 1e-5, errs
+    fwd = {r["case"]: r["bytes"] for r in rows if r["mode"] == "fwd"}
+    assert all(r["bytes"] == 2 * fwd[r["case"]] for r in rows if r["mode"] == "fwd+bwd"), "gradients' bytes too"
+
+
+def _broken_compile(fn, mode=None, **_):
+    def run(*args, **kwargs):
+        raise RuntimeError("inductor: lowering failed\nthe rest of its message")
+
+    return run
+
+
+def test_group_norm_failing_provider_is_a_row(mocked_timing, monkeypatch):
+    """An inductor failure is the compile row's note; the ldmopt rows after it still run."""
+    from benchmarks import bench_group_norm as B
+
+    monkeypatch.setattr(harness, "compiled", _broken_compile)
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "SHAPES", {"tiny": (1, 96, 2, 3)})
+    for mode in ("fwd", "fwd+bwd"):
+        B.bench_group_norm("tiny", torch.float16, "channels_last", mode, mocked_timing)
+    rows = mocked_timing.rows
+    assert [r["provider"] for r in rows] == ["eager", "compile", "ldmopt-triton", "ldmopt-cuda"] * 2, rows
+    assert all(r["note"] == "unavailable: RuntimeError: inductor: lowering failed" for r in rows[1::4]), rows
+    assert not _failed(rows, allowed={"compile", "ldmopt-cuda"}), _failed(rows)
+
+
+def test_linear_failing_provider_is_a_row(mocked_timing, monkeypatch):
+    from benchmarks import bench_linear as B
+
+    monkeypatch.setattr(harness, "compiled", _broken_compile)
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "GEGLU_CASES", {"a": (13, 40, 24)})
+    for mode in B.MODES:  # fwd+bwd draws its output gradients from a first call: inside the provider's try too
+        B.bench_geglu("a", "fp16", mode, mocked_timing)
+    rows = mocked_timing.rows
+    assert [r["provider"] for r in rows] == ["ldmopt", "eager", "cublas-gemm", "compile"] * 2, rows
+    assert all(r["note"] == "unavailable: RuntimeError: inductor: lowering failed" for r in rows[3::4]), rows
+    assert not _failed(rows, allowed={"compile"}), _failed(rows)
 
 
 def test_group_norm_providers(mocked_timing, no_compile, monkeypatch):
@@ -208,6 +259,8 @@ def test_resnet_block_providers(mocked_timing, no_compile, monkeypatch):
         B.bench_upsample_conv("up", torch.float16, mocked_timing)
     rows = mocked_timing.rows
     assert len(rows) == 4 + 3 + 4 + 5 + 4 + 3 and not _failed(rows), _failed(rows)
+    block = {r["mode"]: r["bytes"] for r in rows if r["op"] == "resnet_block" and r["case"] == "temb-32to96"}
+    assert block["fwd+bwd"] > block["fwd"], block  # the gradients' traffic counted too
     assert not [r["note"] for r in rows if r["note"]], "no provider fell back or failed"
 
 
@@ -307,6 +360,7 @@ def test_block_bench_providers(module, mocked_timing, monkeypatch):
             getattr(bench, module)("tiny", torch.float32, mode, mocked_timing)
     rows = mocked_timing.rows
     assert [r["provider"] for r in rows] == ["eager", "ldmopt"] * 2 and not _failed(rows), rows
+    assert rows[2]["bytes"] == 2 * rows[0]["bytes"], rows  # fwd+bwd: the stream's gradient read and written too
     errs = [float(r["note"].split("; ")[0].rsplit(" ", 1)[1]) for r in rows]
     assert max(errs) < 1e-5 and all("fell back" not in r["note"] for r in rows), rows
 
@@ -371,3 +425,73 @@ def test_layer_norm_rope_providers(mocked_timing, no_compile, monkeypatch):
     assert len(rows) == 2 * 3 and not _failed(rows), _failed(rows)
     errs = [float(r["note"].rsplit(" ", 1)[1]) for r in rows]
     assert max(errs) < 1e-5, rows  # fp32: the kernel against diffusers' norm, rotation and slice copy
+
+
+# run_gpu.sh's python, faked: pip (the build), `ldmopt info` and the version line stubbed, the stages run _STUB_STAGES,
+# everything else (the summaries) the real interpreter.
+_FAKE_PYTHON = """#!/usr/bin/env bash
+case "$*" in
+  "-m pip "*) echo "fake pip $*"; exit 0 ;;
+  "-m ldmopt info"*) echo "fake ldmopt info"; exit 0 ;;
+  *torch.__version__*) echo "fake versions"; exit 0 ;;
+  *benchmarks/check_*.py*|"-m pytest "*) exec "{python}" "{stub}" "$@" ;;
+  *) exec "{python}" "$@" ;;
+esac
+"""
+_STUB_STAGES = """import os, sys, time
+args = sys.argv[1:]
+if args[0].endswith("check_gpu.py"):
+    k = args[args.index("--shard") + 1].split("/")[0]
+    print(f"fused_linear           geglu-{k}       float16   triton  1.00e-03  PASS")
+    if k != "0":
+        time.sleep(300)  # stopped at its cap: the line above must survive in checks.txt
+    print("fused_linear           gated       bfloat16  triton  3.10e-01  FAIL")
+    print("check_gpu: 1 failed (shard 0/2)")
+elif args[0].endswith("check_cuda_backend.py"):
+    print("Traceback (most recent call last):")
+    print('  File "benchmarks/check_cuda_backend.py", line 30, in <module>')
+    print("ModuleNotFoundError: No module named 'ldmopt._C'")
+    sys.exit(1)
+else:  # -m pytest: ~450 rows through the real recorder
+    sys.path.insert(0, os.getcwd())
+    from benchmarks import harness
+
+    harness.ceilings = lambda: harness.Ceilings(4000.0, 800.0)
+    recorder = harness.Recorder()
+    for i in range(150):
+        for provider, ms in (("eager", 2.0), ("compile", 1.5), ("ldmopt-triton", 1.0)):
+            recorder.record(op=f"op{i % 15}", case=f"a-rather-long-case-name-{i}", dtype="float16", mode="fwd",
+                            provider=provider, timing=harness.Timing(ms, ms, ms), bytes=10**9)
+"""
+
+
+def test_run_gpu_script(tmp_path):
+    """run_gpu.sh end to end with its stages stubbed: a check stopped at its cap keeps what it printed and is
+    reported TIMED OUT, the benchmarks keep their reserved time, at most 8 files land in $OUT (the device tool returns
+    no more), and the summary printed last fits the 12,000-character output tail, the correctness totals last."""
+    stub, fake = tmp_path / "stages.py", tmp_path / "python"
+    stub.write_text(_STUB_STAGES)
+    fake.write_text(_FAKE_PYTHON.format(python=sys.executable, stub=stub))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LDMOPT_", "PYTHONUNBUFFERED"))}
+    env |= {"OUT": str(out), "PYTHON": str(fake), "TMPDIR": str(tmp_path), "LDMOPT_RUN_BUDGET": "36",
+            "LDMOPT_BENCH_RESERVE": "24", "LDMOPT_CHECK_SHARDS": "2"}  # fmt: skip
+    run = subprocess.run(
+        ["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr  # a check failed
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    assert len(files) <= 8 and {"summary.txt", "summary.md", "results.csv", "checks.txt", "run.log"} <= set(files)
+    checks = (out / "checks.txt").read_text()
+    assert "geglu-1       float16   triton  1.00e-03  PASS" in checks, checks  # printed before its timeout
+    summary = run.stdout.split("================ summary ================\n")[-1]
+    assert summary == (out / "summary.txt").read_text() and len(summary) < 10_000, len(summary)
+    assert "check_gpu 1/2 ok" in summary and "[1/2] TIMED OUT" in summary and "benchmarks ok" in summary, summary
+    assert "crashed: ModuleNotFoundError: No module named 'ldmopt._C'" in summary, summary
+    assert "op14: ldmopt 2.00x eager" in summary, summary
+    last = summary.rstrip().splitlines()[-1]
+    assert last.startswith("correctness: 2 passed, 1 failed, 1 errors, 0 skipped | check_gpu: 1 failed"), last
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {"./pytest.txt", "./stages.tsv", "./pip.log"} <= set(tar.getnames()), tar.getnames()

@@ -1,10 +1,17 @@
-"""The benchmark harness's bookkeeping (CSV rows, derived rates, summary, plot) works without a GPU."""
+"""The benchmark harness's bookkeeping (CSV rows, derived rates, summary tables, plot, timing window) and run_gpu.sh's
+closing summary work without a GPU."""
 
+import ast
 import csv
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks import harness
+from benchmarks import harness, summary
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -46,3 +53,105 @@ def test_summary_from_csv_round_trip(recorder):
     recorder.record(op="gn", case="a", dtype="fp16", mode="fwd", provider="ldmopt", timing=None, note="failed: y")
     again = harness.recorder_from_csv(recorder.csv_path)
     assert again.summary() == recorder.summary()
+
+
+def test_time_fn_sizes_its_window_on_a_second_call(monkeypatch):
+    """The first call may compile or autotune (another grad mode than the caller's warm-up): it must not size the
+    timing window, or a fast op would get a window sized for a compile."""
+    import triton.testing
+
+    calls, windows = [], []
+
+    def fn():
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.3)  # a compile
+
+    def do_bench(fn, warmup, rep, quantiles):
+        windows.append((warmup, rep))
+        return [1.0, 0.9, 1.1]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    assert harness.time_fn(fn) == harness.Timing(1.0, 0.9, 1.1)
+    assert len(calls) == 2 and windows == [(25, 100)], (calls, windows)
+
+
+def test_compiled_baselines_are_static_and_start_fresh(monkeypatch):
+    compiles, resets = [], []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiles.append(kwargs) or fn)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    harness.compiled(len, mode="max-autotune-no-cudagraphs")
+    assert compiles == [{"mode": "max-autotune-no-cudagraphs", "dynamic": False}] and resets == [1]
+
+
+def test_every_torch_compile_in_the_benchmarks_is_static():
+    """A compiled baseline recompiled with symbolic shapes from its second case on runs generic kernels."""
+    found = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.compile" and path.name != "harness.py":
+                dynamic = {k.arg: k.value for k in node.keywords}.get("dynamic")
+                found.append((path.name, node.lineno, isinstance(dynamic, ast.Constant) and dynamic.value is False))
+    assert found and all(static for *_, static in found), found
+
+
+def _case_rows(recorder, op, case, times, mode="fwd", dtype="float16"):
+    for provider, ms in times.items():
+        timing = harness.Timing(ms, ms, ms) if ms else None
+        recorder.record(op=op, case=case, dtype=dtype, mode=mode, provider=provider, timing=timing,
+                        bytes=4_000_000_000, note="" if ms else "unavailable: RuntimeError: boom")  # fmt: skip
+
+
+def test_compact_summary_compares_the_best_full_ldmopt_provider(recorder):
+    times = {"eager": 2.0, "compile": 1.5, "sdpa-flash": 3.0, "sdpa-math": 9.0, "ldmopt-triton": 1.0}
+    _case_rows(recorder, "attn", "a", {**times, "ldmopt-cuda": 1.25, "ldmopt+stats": 0.5, "eager+graph": 0.1})
+    _case_rows(recorder, "attn", "b", {"eager": 2.0, "ldmopt": None})
+    text = summary.summary(recorder.csv_path, "", "")
+    assert "  a fp16 fwd  ldmopt-triton 1ms e2.00 c1.50 s3.00 100%bw" in text, text
+    assert "  b fp16 fwd  ldmopt -: unavailable: RuntimeError: boom" in text, text
+    assert "attn: ldmopt 2.00x eager (geomean of 1, 2.00x-2.00x)" in text, text
+    assert "rows without a time (their notes are in summary.md): ldmopt 1" in text, text
+
+
+def test_compact_summary_fits_the_output_tail(recorder):
+    """~450 rows (a quick GPU run) and a failing check: under the limit, every op's header kept, the totals last."""
+    for i in range(150):
+        _case_rows(recorder, f"op{i % 15}", f"a-rather-long-case-name-{i}", {"eager": 2.0, "compile": 1.5, "ldmopt": 1})
+    checks = "\n".join(["fused_linear  geglu  float16  triton  1.00e-03  PASS"] * 40 + _FAILING_CHECKS)
+    status = "build\t0\t95\t200\ncheck_gpu[0/2]\t0\t80\t180\ncheck_gpu[1/2]\t124\t180\t180\nbenchmarks\t0\t290\t300\n"
+    text = summary.summary(recorder.csv_path, checks, status, limit=9500)
+    lines = text.splitlines()
+    assert len(text) <= 9500 and all(f"op{i}: ldmopt 2.00x eager" in text for i in range(15)), len(text)
+    assert "case lines left out for length" in text, text[-2000:]
+    assert lines[-1] == "correctness: 40 passed, 1 failed, 2 errors, 1 skipped | check_gpu: 1 failed", lines[-1]
+    stages = (
+        "stages: build ok 95s | check_gpu 1/2 ok (longest 180s), [1/2] TIMED OUT at its 180s cap | benchmarks ok 290s"
+    )
+    assert lines[-6] == stages, lines[-6]
+
+
+_FAILING_CHECKS = [
+    "fused_linear  gated  bfloat16  triton  3.10e-01  FAIL",
+    "  skip temporal_attention ta torch.float16 cuda: ldmopt._C was not built",
+    "resnet_block           ERROR AssertionError: fell back",
+    "Traceback (most recent call last):",
+    '  File "check_gpu.py", line 1, in run_checks',
+    "AssertionError: fell back",
+    "check_gpu: 1 failed",
+    "Traceback (most recent call last):",
+    '  File "benchmarks/check_cuda_backend.py", line 30, in <module>',
+    "    import ldmopt",
+    "ModuleNotFoundError: No module named 'ldmopt'",
+]
+
+
+def test_check_lines_show_each_exception():
+    lines = summary.check_lines("\n".join(_FAILING_CHECKS))
+    assert lines == [
+        "check failures:",
+        "  fused_linear  gated  bfloat16  triton  3.10e-01  FAIL",
+        "  resnet_block           ERROR AssertionError: fell back",
+        "    crashed: ModuleNotFoundError: No module named 'ldmopt'",
+        "correctness: 0 passed, 1 failed, 2 errors, 1 skipped | check_gpu: 1 failed",
+    ], lines

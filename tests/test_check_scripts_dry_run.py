@@ -4,6 +4,7 @@ Python error in them cannot waste a rare GPU run. bf16 is left out: tl.dot in bf
 interpreter (the GPU run still checks it)."""
 
 import re
+import sys
 
 import pytest
 import torch
@@ -85,6 +86,39 @@ def test_check_gpu_every_check(monkeypatch, capsys):
     assert sorted(s[0] for s in skips) == ["group_norm_silu"] * 2 + ["temporal_attention"] * 2, out
 
 
+def test_check_gpu_poison_check_covers_every_sequence(monkeypatch, capsys):
+    """The fp64 reference covers REF_SEQUENCES sequences; an unwritten (NaN) output past them must still fail."""
+    C = check_gpu
+    monkeypatch.setattr(C, "DEVICE", "cpu")
+    monkeypatch.setattr(C, "DTYPES", (torch.float32,))
+    monkeypatch.setattr(C, "REF_SEQUENCES", 4)
+    monkeypatch.setattr(C, "CASES", {**C.CASES, "temporal_attention": {"ta": (2, 5, 6, 2, 24)}})  # N = 6 > 4
+    module = sys.modules["ldmopt.ops.temporal_attention"]
+    real = module.temporal_attention
+
+    def last_sequence_unwritten(q, k, v, **kwargs):
+        out = real(q, k, v, **kwargs)
+        return out + torch.where(torch.arange(out.shape[2]) == 5, float("nan"), 0.0)[None, None, :, None, None]
+
+    monkeypatch.setattr(module, "temporal_attention", last_sequence_unwritten)
+    assert C.run_checks(quick=False, only=["temporal_attention"]) == 1
+    out = capsys.readouterr().out
+    fails = [line.split()[3:] for line in out.splitlines() if line.endswith("FAIL")]
+    assert len(fails) == 1 and fails[0][:2] == ["triton", "nan"], out  # the output flagged, its gradients finite
+
+
+def test_check_gpu_shards_split_the_cases(monkeypatch):
+    """run_gpu.sh's parallel shards: each (check, case) pair in exactly one of them."""
+    for quick in (True, False):
+        whole = sorted((name, case) for name in check_gpu.CASES for case in check_gpu._cases(name, quick))
+        seen = []
+        for k in range(3):
+            monkeypatch.setattr(check_gpu, "SHARD", (k, 3))
+            seen += [(name, case) for name in check_gpu.CASES for case in check_gpu._cases(name, quick)]
+        monkeypatch.setattr(check_gpu, "SHARD", (0, 1))
+        assert sorted(seen) == whole and len(whole) > 3, (seen, whole)
+
+
 def test_check_gpu_main_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
@@ -129,6 +163,7 @@ def test_check_cuda_backend_benchmarks(cuda_backend_cpu, capsys, tmp_path):
     rows = harness.recorder_from_csv(tmp_path / "results.csv").rows
     # quick: one group norm case (fwd, fwd+bwd) and one attention case (fwd), three providers each
     assert len(rows) == 3 * 3, [(r.case, r.provider, r.mode) for r in rows]
+    assert all(r.op.startswith(cuda_backend_cpu.OP_PREFIX) for r in rows), [r.op for r in rows]  # not the bench rows
     failed = [(r.case, r.provider, r.note) for r in rows if r.median_ms is None and r.provider != "ldmopt-cuda"]
     assert not failed, failed
     assert all(r.note.startswith("unavailable: BackendUnavailableError") for r in rows if r.provider == "ldmopt-cuda")
@@ -156,14 +191,15 @@ def test_check_scripts_report_failures(monkeypatch, capsys):
     assert check_gpu.run_checks(quick=True) == 2
     assert check_gpu.run_checks(quick=True, only=["good"]) == 0
     out = capsys.readouterr().out
-    assert "FAIL" in out and "bad                    ERROR" in out and "RuntimeError: boom" in out, out
+    assert "FAIL" in out and "bad                    ERROR RuntimeError: boom\n" in out, out  # the summary's line
     assert "check_gpu: 2 failed" in out and "check_gpu: all passed" in out, out
 
     monkeypatch.setattr(check_cuda_backend, "check_group_norm", lambda quick: (("op", *r) for r in bad(quick)))
     monkeypatch.setattr(check_cuda_backend, "check_attention", lambda quick: (("op", *r) for r in good(quick)))
     assert check_cuda_backend.run_checks(quick=True) == 2
     out = capsys.readouterr().out
-    assert "FAIL" in out and "<lambda> ERROR" in out and "check_cuda_backend: 2 checks failed" in out, out
+    assert "FAIL" in out and "<lambda> ERROR RuntimeError: boom\n" in out, out
+    assert "check_cuda_backend: 2 checks failed" in out, out
 
 
 def test_check_scripts_main_with_cuda(monkeypatch, capsys):
@@ -171,8 +207,11 @@ def test_check_scripts_main_with_cuda(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(check_gpu, "run_checks", lambda quick, only: calls.append(("gpu", quick, only)) or 1)
-    assert check_gpu.main(["--quick", "--only", "fused_linear", "--only", "temporal_layout"]) == 1
-    assert calls == [("gpu", True, ["fused_linear", "temporal_layout"])]
+    monkeypatch.setattr(check_gpu, "SHARD", (0, 1))
+    assert check_gpu.main(["--quick", "--only", "fused_linear", "--only", "temporal_layout", "--shard", "2/3"]) == 1
+    assert calls == [("gpu", True, ["fused_linear", "temporal_layout"])] and check_gpu.SHARD == (2, 3)
+    with pytest.raises(SystemExit):
+        check_gpu.main(["--shard", "3/3"])
 
     C = check_cuda_backend
     monkeypatch.setattr(C, "run_checks", lambda quick: calls.append(("checks", quick)) or 0)
