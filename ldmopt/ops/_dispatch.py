@@ -137,13 +137,19 @@ def _eager_grad_needs(args: Sequence) -> bool | None:
     return needs
 
 
+def _has_tangent(t: torch.Tensor) -> bool:
+    from torch.autograd.forward_ad import unpack_dual
+
+    while torch._C._functorch.is_batchedtensor(t):  # vmap's wrappers: unpack_dual has no batching rule
+        t = torch._C._functorch.get_unwrapped(t)
+    return unpack_dual(t).tangent is not None
+
+
 def _refuse_forward_ad(op, args: Sequence) -> None:
     """Raise when forward-mode AD would pass through ``op``: torch.library custom ops take no JVP rule, and PyTorch
     then drops the tangent without an error (None on dual tensors, zeros under torch.func.jvp)."""
     if torch.autograd.forward_ad._current_level >= 0:
-        from torch.autograd.forward_ad import unpack_dual
-
-        active = any(unpack_dual(t).tangent is not None for t in tensors_in(args))
+        active = any(_has_tangent(t) for t in tensors_in(args))
     elif torch._C._are_functorch_transforms_active():
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 

@@ -158,3 +158,18 @@ def test_forward_mode_ad_is_refused_not_silently_dropped(name, fn, inputs):
             fn(inputs)  # a dual level without dual inputs is fine
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             torch.func.jvp(lambda first: fn([first, *inputs[1:]]), (inputs[0],), (tangent,))
+
+
+def test_forward_mode_check_sees_through_vmap():
+    # vmap's batched wrappers have no batching rule for unpack_dual: the check unwraps them, so a vmapped call without
+    # tangents still runs inside a dual level, and one with tangents still raises the clear error.
+    import torch.autograd.forward_ad as fwAD
+
+    x, w, b = torch.randn(3, 1, 4, 2, 2), torch.randn(4), torch.randn(4)
+    norm = torch.func.vmap(lambda r: ops.group_norm(r, 2, w, b))
+    with ops.use_backend("torch"):
+        expected = norm(x)
+        with fwAD.dual_level():
+            torch.testing.assert_close(norm(x), expected)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(norm, (x,), (torch.randn_like(x),))
