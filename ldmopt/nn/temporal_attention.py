@@ -61,10 +61,12 @@ def _is_attention(module: nn.Module) -> bool:
     return isinstance(module, Attention)
 
 
-def _default_processor():
-    from diffusers.models.attention_processor import AttnProcessor2_0
+def _default_processor(attn):
+    """The processor diffusers gives ``attn`` when built without one (Attention.__init__): AttnProcessor2_0 for the
+    default scale, else AttnProcessor (which honours ``attn.scale``)."""
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    return AttnProcessor2_0()
+    return AttnProcessor2_0() if attn.scale_qk else AttnProcessor()
 
 
 def _per_head_norm(norm: nn.Module | None, head_dim: int) -> bool:
@@ -126,7 +128,7 @@ def stock_semantics(attn) -> StockSemantics:
     processors back but leaves the flag and a stale ``to_qkv``; only FusedAttnProcessor2_0 reads it."""
     processor = attn.processor
     if isinstance(processor, _FallbackProcessor):
-        processor = processor.fallback
+        processor = processor.stock_processor(attn)
     kind = type(processor).__name__
     sdpa = kind in _SDPA_PROCESSORS
     return StockSemantics(
@@ -239,12 +241,17 @@ def _stock_or_ours(processor) -> bool:
 
 
 class _FallbackProcessor:
-    """Common part: the previous processor to fall back to, and counters of what ran."""
+    """Common part: the previous processor to fall back to (None: the one diffusers would give the module), and
+    counters of what ran."""
 
     def __init__(self, fallback=None) -> None:
-        self.fallback = fallback if fallback is not None else _default_processor()
+        self.fallback = fallback
         self.kernel_calls = 0
         self.fallback_reasons: Counter[str] = Counter()
+
+    def stock_processor(self, attn):
+        """The processor this one stands in for on ``attn``, whose results it reproduces."""
+        return self.fallback if self.fallback is not None else _default_processor(attn)
 
     def __call__(
         self,
@@ -260,12 +267,14 @@ class _FallbackProcessor:
         reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask)
         if reason is not None:
             self.fallback_reasons[reason] += 1
-            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+            stock = self.stock_processor(attn)
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         self.kernel_calls += 1
         return self._run(attn, hidden_states, encoder_hidden_states)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(fallback={type(self.fallback).__name__})"
+        fallback = "diffusers' default" if self.fallback is None else type(self.fallback).__name__
+        return f"{type(self).__name__}(fallback={fallback})"
 
 
 class TemporalAttnProcessor(_FallbackProcessor):

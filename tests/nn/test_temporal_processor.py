@@ -256,6 +256,23 @@ def test_processor_matches_stock(kwargs, stock):
     assert_close(got, expected.double(), torch.float32, str(kwargs))
 
 
+@pytest.mark.parametrize("scale_qk", [True, False])
+def test_processor_without_fallback_mirrors_diffusers_default(scale_qk):
+    # Built by hand with no fallback: it stands in for the processor diffusers gives the module (AttnProcessor when
+    # scale_qk=False: attn.scale and no q/k norms), and falls back to that one.
+    attn = _attention(scale_qk=scale_qk, qk_norm="layer_norm")
+    default = type(Attention(query_dim=8, heads=1, dim_head=8, scale_qk=scale_qk).processor)
+    x = torch.randn(5, 7, 80)
+    proc = TemporalAttnProcessor()
+    with torch.no_grad():
+        got = _run(attn, proc, x)
+        expected = default()(attn, x)
+        assert_close(got, expected.double(), torch.float32, f"default {default.__name__}")
+        _run(attn, proc, x, attention_mask=torch.zeros(5, 1, 7))
+    assert proc.kernel_calls == 1 and proc.fallback_reasons == {"attention mask": 1}
+    assert "diffusers' default" in repr(proc)
+
+
 def test_fused_qkv_projection():
     attn = _attention()
     x = torch.randn(5, 14, 80)
