@@ -9,7 +9,8 @@
 # Prepare the wheels here first (this machine has a package index): bash benchmarks/fetch_wheels.sh
 # Files (the device tool returns at most 8 from $OUT): run.log, checks.txt, results.csv, summary.md (every row),
 # summary.txt (what is printed last) and logs.tar.gz (build, pip and pytest logs, plots, profiles).
-# Knobs: LDMOPT_RUN_BUDGET, LDMOPT_BENCH_RESERVE (seconds), LDMOPT_CHECK_SHARDS, PYTHON, MAX_JOBS.
+# Knobs: LDMOPT_RUN_BUDGET, LDMOPT_BENCH_RESERVE, LDMOPT_CUDA_CHECK_RESERVE (seconds), LDMOPT_CHECK_SHARDS, PYTHON,
+# MAX_JOBS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=quick
@@ -20,13 +21,19 @@ RESULTS="${OUT:-benchmarks/results/run-$(date +%Y%m%d-%H%M%S)}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/ldmopt-run.XXXXXX")"
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/run.log") 2>&1
+TEE_PID=$!
 # Python block-buffers output to a file: a stage stopped by timeout would leave nothing of what it printed.
 export PYTHONUNBUFFERED=1
 export LDMOPT_BENCH_DIR="$WORK" LDMOPT_BENCH_CSV="$RESULTS/results.csv"
 log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
 pack() { tar -czf "$RESULTS/logs.tar.gz" -C "$WORK" . 2>/dev/null; }
-trap pack EXIT
-trap 'exit 143' TERM INT
+# At exit: pack the logs, then close our ends of the tee and wait for it, or its last lines (the summary) may be lost.
+finally() { pack; exec >&- 2>&-; wait "$TEE_PID" 2>/dev/null; }
+# Stopped from outside: each stage's timeout runs in a process group of its own, so stop them (timeout passes the
+# signal to its command) rather than leave a benchmark running on the GPU after this script.
+stop_stages() { local f; for f in "$WORK"/timeout.*; do [ -f "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null; done; }
+trap finally EXIT
+trap 'stop_stages; exit 143' TERM INT
 
 # One wall-clock budget: each stage runs under timeout until its deadline, the benchmarks keep BENCH_RESERVE seconds
 # whatever the stages before them take, and MARGIN is left for the summary.
@@ -56,7 +63,8 @@ start() {  # start NAME SECONDS LOGFILE CMD...
     return
   fi
   local ended="$WORK/ended.${#NAMES[@]}"  # its exit status and end time: finish may wait for it after others
-  { timeout -k 5 "$secs" "$@" >"$out" 2>&1; echo "$? $(date +%s)" >"$ended"; } &
+  local pidfile="$WORK/timeout.${#NAMES[@]}"  # the timeout's pid, for stop_stages
+  { timeout -k 5 "$secs" "$@" >"$out" 2>&1 & echo $! >"$pidfile"; wait $!; echo "$? $(date +%s)" >"$ended"; } &
   NAMES+=("$name") PIDS+=($!) T0S+=("$(date +%s)") CAPS+=("$secs") ENDED+=("$ended")
 }
 finish() {  # finish [NAME]: wait for that stage (or every one still running); record and log each exit status
@@ -99,7 +107,10 @@ done
 
 export MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 log "building ldmopt._C (MAX_JOBS=$MAX_JOBS, arch $TORCH_CUDA_ARCH_LIST) while $SHARDS check_gpu shards run"
-start build "$(cap "$([ "$QUICK" = 1 ] && echo 200 || echo 1200)" "$BENCH_RESERVE")" "$WORK/build.log" \
+# The build stops early enough to leave check_cuda_backend its own CUDA_CHECK_RESERVE seconds after it.
+CUDA_CHECK_RESERVE="${LDMOPT_CUDA_CHECK_RESERVE:-$([ "$QUICK" = 1 ] && echo $(( TOTAL * 45 / 480 )) || echo 600)}"
+start build "$(cap "$([ "$QUICK" = 1 ] && echo 200 || echo 1200)" $(( BENCH_RESERVE + CUDA_CHECK_RESERVE )))" \
+  "$WORK/build.log" \
   $PY -m pip install --no-index --no-deps --no-build-isolation -e .
 CHECK_ARGS=()
 [ "$QUICK" = 1 ] && CHECK_ARGS+=(--quick)

@@ -5,9 +5,11 @@ import functools
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -495,3 +497,38 @@ def test_run_gpu_script(tmp_path):
     assert last.startswith("correctness: 2 passed, 1 failed, 1 errors, 0 skipped | check_gpu: 1 failed"), last
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert {"./pytest.txt", "./stages.tsv", "./pip.log"} <= set(tar.getnames()), tar.getnames()
+
+
+def test_run_gpu_script_stops_its_stages_when_stopped(tmp_path):
+    """TERM to run_gpu.sh (the device tool stopping it) stops the stages too: each runs under a timeout in a process
+    group of its own, which a kill of the script's group would not reach, and a check or benchmark left running
+    would hold the GPU past the run."""
+    stub, fake = tmp_path / "stages.py", tmp_path / "python"
+    stub.write_text(_STUB_STAGES)
+    fake.write_text(_FAKE_PYTHON.format(python=sys.executable, stub=stub))
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LDMOPT_", "PYTHONUNBUFFERED"))}
+    env |= {"OUT": str(tmp_path / "out"), "PYTHON": str(fake), "TMPDIR": str(tmp_path), "LDMOPT_RUN_BUDGET": "200",
+            "LDMOPT_BENCH_RESERVE": "24", "LDMOPT_CHECK_SHARDS": "2"}  # fmt: skip
+
+    def running_stages() -> list[str]:
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        return [line for line in ps.splitlines() if str(stub) in line and "ps -eo" not in line]
+
+    script = subprocess.Popen(["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not running_stages() and time.monotonic() < deadline:  # shard 1 sleeps 300 s
+            time.sleep(0.5)
+        assert running_stages(), "the check shards never started"
+        script.terminate()
+        assert script.wait(timeout=30) == 143
+        deadline = time.monotonic() + 15
+        while running_stages() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not running_stages(), running_stages()
+    finally:
+        script.kill()
+        for line in running_stages():
+            os.kill(int(line.split()[0]), signal.SIGKILL)
