@@ -194,14 +194,19 @@ def ldmopt_kernel_names() -> frozenset[str]:
 
 
 def attention_kind_of(path: str, module, args: tuple, kwargs: dict) -> str:
-    """ "temporal", "cross" or "spatial" for one call of a diffusers attention module at ``path``."""
-    if any(part in TEMPORAL_MARKERS for part in path.split(".")):
-        return "temporal"
+    """ "temporal", "cross" or "spatial" for one call of a diffusers attention module at ``path``.
+
+    Under a temporal path, a context with another sequence length than the queries' is cross-attention (SVD's
+    ``attn2`` over its one image-embedding key), not attention over frames."""
     context = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
     joint = getattr(module, "add_k_proj", None) is not None or getattr(module, "add_q_proj", None) is not None
-    if context is not None and not joint:
-        return "cross"
-    return "spatial"
+    cross = context is not None and not joint
+    if any(part in TEMPORAL_MARKERS for part in path.split(".")):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        shapes = [getattr(t, "shape", ()) for t in (hidden, context)]
+        lengths = [shape[-2] if len(shape) >= 2 else None for shape in shapes]
+        return "cross" if cross and None not in lengths and lengths[0] != lengths[1] else "temporal"
+    return "cross" if cross else "spatial"
 
 
 def is_attention_module(module) -> bool:

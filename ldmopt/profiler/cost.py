@@ -10,6 +10,7 @@ cross vs temporal attention. FLOPs are exact counts of the traced operators; byt
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -113,11 +114,12 @@ class Analysis:
         return {k: (times[k] / total if total else 0.0) for k in ("spatial", "cross", "temporal")}
 
     def sequence_lengths(self) -> list[dict[str, Any]]:
-        """Attention calls grouped by (kind, query length, key length, head dim), largest FLOPs first."""
+        """Attention calls grouped by (kind, query length, key length, head dim, batch x heads), largest FLOPs
+        first."""
         groups: dict[tuple, dict[str, Any]] = {}
         total = sum(a.flops for a in self.attention) or 1
         for a in self.attention:
-            key = (a.kind, a.q_len, a.kv_len, a.head_dim)
+            key = (a.kind, a.q_len, a.kv_len, a.head_dim, a.batch_heads)
             g = groups.setdefault(
                 key,
                 {
@@ -196,6 +198,11 @@ def _resolve_model(model_or_name, *, dtype, frames, tiny) -> nn.Module:
     params = list(model.parameters())
     if not params or all(p.device.type == "meta" for p in params):
         return model
+    if not any(hasattr(m, "_hf_hook") for m in model.modules()):
+        # A copy whose tensors are meta from the start (no weight is copied): processors, adapters (LoRA), fused
+        # projections and patches stay as the user set them, which a rebuild from the config would drop.
+        return _meta_copy(model, dtype).eval()
+    # accelerate's hooks hold the weights apart and move them in on every call: rebuild from the config instead.
     config = getattr(model, "config", None)
     if config is None or not hasattr(type(model), "from_config"):
         raise ValueError(
@@ -209,6 +216,18 @@ def _resolve_model(model_or_name, *, dtype, frames, tiny) -> nn.Module:
         if hasattr(model, attr):
             setattr(meta, attr, getattr(model, attr))
     return meta
+
+
+def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``copy.deepcopy(model)`` with every parameter and buffer replaced by a meta tensor (floating ones in
+    ``dtype``), shared ones kept shared."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype)
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
 
 def _to_meta(value, dtype: torch.dtype):
@@ -292,10 +311,24 @@ def analyze(
     return analysis
 
 
+_CONV_OPS = frozenset({"convolution", "_convolution", "conv2d", "conv3d", "conv1d", "cudnn_convolution"})
+_MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addbmm"})
+
+
+def _runs_tf32(rec: OpRecord) -> bool:
+    """Whether an fp32 operator runs on TF32 tensor cores under this process's torch settings: convolutions by
+    default (torch.backends.cudnn.allow_tf32), matrix products only when allowed (torch's default: IEEE fp32)."""
+    if rec.base in _CONV_OPS:
+        return torch.backends.cudnn.allow_tf32
+    return rec.base in _MATMUL_OPS and torch.backends.cuda.matmul.allow_tf32
+
+
 def _record_dtype(rec: OpRecord, spec: GPUSpec, default: str) -> str:
-    """Peak to use for one operator: its own dtype when the table has it (fp32 time embeddings), else the model's."""
+    """Peak to use for one operator: its own dtype when the table has it (fp32 time embeddings), else the model's;
+    fp32 convolutions and products at the TF32 rate where torch runs them so."""
     key = _RECORD_DTYPES.get(rec.dtype, default)
-    return key if key in spec.matmul_flops else default
+    key = key if key in spec.matmul_flops else default
+    return "tf32" if key == "fp32" and "tf32" in spec.matmul_flops and _runs_tf32(rec) else key
 
 
 def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -> Analysis:
@@ -324,6 +357,12 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -
         f"times are roofline projections on {spec.name} datasheet peaks ({spec.source}), not measurements",
         "patched = projection of ldmopt's fusions from the recorded data flow (see ldmopt/profiler/fusions.py)",
     ]
+    if any(rec.dtype == "float32" and _runs_tf32(rec) for rec in records):
+        notes.append(
+            "fp32 convolutions/products at the TF32 tensor-core rate, as torch runs them under this process's "
+            f"settings (cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}, "
+            f"cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32})"
+        )
     unattributed = cats[C.ATTN_UNATTRIBUTED].flops
     if unattributed:
         notes.append("some attention ran outside a diffusers attention module and could not be attributed")

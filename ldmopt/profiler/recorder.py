@@ -213,6 +213,8 @@ class Recorder(TorchDispatchMode):
                 self._attention_from_bmm(args, base, outputs[0], kind, flops)
         elif base == "convolution":
             flops = _conv_flops(args, outputs[0])
+        if base in ("baddbmm", "addmm", "addbmm") and kwargs.get("beta", 1) == 0 and inputs and inputs[0] is args[0]:
+            inputs = inputs[1:]  # beta=0: the added tensor is never read (diffusers' baddbmm on an empty score tensor)
         self.add(name, category, flops, inputs, outputs)
         return out
 

@@ -1,0 +1,63 @@
+"""analyze on models as users hold them: real weights with their processors and adapters, SVD's one-key cross
+attention inside temporal blocks, diffusers' baddbmm on an empty score tensor, fp32 at the rate torch runs it."""
+
+import copy
+
+import pytest
+import torch
+
+from ldmopt import configs
+from ldmopt.profiler import analyze
+
+pytest.importorskip("diffusers")
+
+
+def _tiny_sd15(device="cpu"):
+    return configs.build_model("sd15", device=device, dtype=torch.float32, tiny=True)
+
+
+def test_real_weights_keep_processors_and_adapters():
+    from diffusers.models.attention_processor import AttnProcessor
+    from peft import LoraConfig
+
+    unet = _tiny_sd15()
+    unet.set_attn_processor(AttnProcessor())  # materialises the score matrix: more attention bytes than SDPA
+    unet.add_adapter(LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"]))
+    stock = analyze(_tiny_sd15(), dtype=torch.float32)
+    real = analyze(unet, dtype=torch.float32)
+    meta = analyze(copy.deepcopy(unet).to("meta"), dtype=torch.float32)
+    assert real.params == meta.params > stock.params  # the LoRA parameters are counted
+    assert sum(c.flops for c in real.categories.values()) == sum(c.flops for c in meta.categories.values())
+    assert sum(c.bytes for c in real.categories.values()) == sum(c.bytes for c in meta.categories.values())
+    assert sum(c.bytes for c in real.categories.values()) > sum(c.bytes for c in stock.categories.values())
+    assert next(unet.parameters()).device.type == "cpu"  # the user's model is untouched
+
+
+def test_baddbmm_on_an_empty_score_tensor_reads_only_q_and_k():
+    from diffusers.models.attention_processor import AttnProcessor
+
+    unet = configs.build_model("sd15", tiny=True)
+    unet.set_attn_processor(AttnProcessor())
+    records = [r for r in analyze(unet).records if r.base == "baddbmm"]
+    assert records and all(len(r.in_bytes) == 2 for r in records), {len(r.in_bytes) for r in records}
+
+
+def test_svd_one_key_cross_attention_is_not_temporal():
+    a = analyze("svd", tiny=True)
+    kinds = {(call.kind, call.kv_len) for call in a.attention}
+    assert ("temporal", 1) not in kinds, kinds
+    assert any(kind == "cross" and kv == 1 for kind, kv in kinds) and any(kind == "temporal" for kind, _ in kinds)
+
+
+def test_fp32_convolutions_at_the_rate_torch_runs_them(monkeypatch):
+    times = {}
+    for allow_tf32 in (True, False):
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
+        a = analyze("sd15", resolution=256, batch=1, dtype=torch.float32, gpu="H100")
+        conv = [r for r in a.records if r.base == "convolution" and r.flops]
+        rate = a.gpu.peak_flops("tf32" if allow_tf32 else "fp32")
+        expected = sum(max(r.flops / rate, r.bytes / a.gpu.bandwidth) for r in conv)
+        assert a.categories["convolution"].time_s == pytest.approx(expected, rel=1e-9)
+        assert any("TF32" in note for note in a.notes) == allow_tf32
+        times[allow_tf32] = expected
+    assert times[True] < times[False] / 2  # TF32 tensor cores, not the CUDA-core fp32 rate
