@@ -174,6 +174,10 @@ def _scope_of(evt, forward_scopes: dict[int, str]) -> str | None:
     return None
 
 
+#: Kernels that only convert a tensor's layout, whichever operator launched them (the studies' "layout conversions").
+_LAYOUT_KERNEL = re.compile(r"nchwToNhwc|nhwcToNchw", re.I)
+
+
 def _classify(evt, forward_scopes: dict[int, str]) -> str:
     outermost = None
     for e in _chain(evt):
@@ -222,6 +226,8 @@ def classify_events(events, on_gpu: bool, ldmopt_kernels: frozenset[str] = froze
             op = by_id.get(getattr(e, "linked_correlation_id", 0))
             if op is None:  # CUDA graphs, compiled regions: only the kernel name is known
                 cat = C.classify_kernel(e.name, ldmopt_kernels)
+            elif _LAYOUT_KERNEL.search(e.name):  # cuDNN's own layout transforms inside aten::cudnn_convolution
+                cat = C.LAYOUT
             else:
                 cat = C.LDMOPT if e.name in ldmopt_kernels else _classify(op, forward_scopes)
             cats[cat].add(e.name, e.time_range.elapsed_us())

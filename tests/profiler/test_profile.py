@@ -166,3 +166,19 @@ def test_gpu_events_are_classified_by_launching_operator_then_by_kernel_name():
     assert cats[C.ELEMENTWISE].time_us == pytest.approx(2)
     assert cats[C.LAYOUT].time_us == pytest.approx(3)
     assert cats[C.LINEAR].top == {"sm90_xmma_gemm_f16f16_f32": [pytest.approx(20), 1]}
+
+
+def test_cudnn_layout_kernels_count_as_layout_under_the_convolution():
+    # cuDNN converts NCHW <-> NHWC in kernels of its own, launched inside aten::cudnn_convolution: the studies'
+    # "layout conversions", not convolution time.
+    conv = _event(1, "aten::conv2d", 0, 100)
+    cudnn = _event(2, "aten::cudnn_convolution", 1, 99, parent=conv)
+    kernels = [
+        _event(10, "nchwToNhwcKernel", 200, 204, DeviceType.CUDA, link=2),
+        _event(11, "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32", 204, 224, DeviceType.CUDA, link=2),
+        _event(12, "nhwcToNchwKernel", 224, 227, DeviceType.CUDA, link=2),
+    ]
+    cats, launches = classify_events([conv, cudnn, *kernels], on_gpu=True)
+    assert launches == 3
+    assert cats[C.CONV].time_us == pytest.approx(20)
+    assert cats[C.LAYOUT].time_us == pytest.approx(7)
