@@ -42,7 +42,12 @@ def check_vector(name: str, t: torch.Tensor | None, length: int, like: torch.Ten
 
 
 def check_eps(eps: object) -> float:
-    """A normalisation's epsilon: a finite non-negative real number (not a bool), returned as a float."""
+    """A normalisation's epsilon: a finite non-negative real number (not a bool), returned as a float.
+
+    While compiling it is returned unchecked: ``torch.compile(dynamic=True)`` passes a module's float attribute as a
+    symbolic float, on which ``math.isfinite`` cannot be traced. Eager calls check it."""
+    if torch.compiler.is_compiling():
+        return eps  # type: ignore[return-value]
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite non-negative float, got {eps!r}")
     return float(eps)

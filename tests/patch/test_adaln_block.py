@@ -135,15 +135,32 @@ def test_gradients_match_stock(kind):
     assert_fused_grads_match_stock(block, call, [kw[k] for k in names], SITES[kind], op="linear")
 
 
-def test_compiles_fullgraph():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_compiles_fullgraph(dynamic):
+    # dynamic=True passes the norms' eps as symbolic floats: the ops' eps checks must not break the trace.
     torch._dynamo.reset()
     block, kw = _block("pixart"), _inputs("pixart")
     report = ldmopt.patch(block)
     with torch.no_grad():
         eager = block(**kw)
-        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(**kw)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True, dynamic=dynamic)(**kw)
     assert_close(compiled, eager.double(), torch.float32, "compiled adaLN block")
     assert not report.fallbacks(), report.fallbacks()
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_patched_transformer_compiles_with_dynamic_shapes(family):
+    from tests.patch import models
+    from tests.patch.helpers import assert_outputs_close, output_tensor
+
+    torch._dynamo.reset()
+    model = models.BUILDERS[family]().eval()
+    kw = models.inputs(family, model)
+    ldmopt.patch(model)
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        eager = output_tensor(model(**kw))
+        compiled = output_tensor(torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)(**kw))
+    assert_outputs_close(compiled, eager, name=f"{family} compiled with dynamic=True")
 
 
 @pytest.mark.parametrize(
