@@ -323,13 +323,22 @@ class _FusedAdaLN(nn.Module):
         new._adopt(module, "from_module")
         return new
 
+    @property
+    def eps(self) -> float | None:
+        """The epsilon of ``self.norm`` as it is now (None when it is no longer a LayerNorm the kernel reproduces)."""
+        return _layer_norm_eps(self.norm)[0]
+
     def modulate(self, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
         """``norm(x) * (1 + scale) + shift`` in one row kernel; through ``self.norm``'s own call (and the stock ops)
-        when something was attached to it after patching (hooks, a wrapped forward), which the kernel would skip."""
-        if hooked(self.norm):
-            count_reason(type(self).__name__, "norm has hooks or a wrapped forward")
+        when ``norm`` changed after patching in a way the kernel would not reproduce: replaced by another norm (affine,
+        RMSNorm ...), or given hooks or a wrapped forward. Its eps is read per call."""
+        eps, reason = _layer_norm_eps(self.norm)
+        if reason is None and hooked(self.norm):
+            reason = "norm has hooks or a wrapped forward"
+        if reason is not None:
+            count_reason(type(self).__name__, reason)
             return self.norm(x) * (1 + scale[:, None]) + shift[:, None]
-        return adaln_modulate(x, scale, shift, eps=self.eps)
+        return adaln_modulate(x, scale, shift, eps=eps)
 
     def _adopt(self, module: nn.Module, how: str = "__init__") -> None:
         reason = self.unsupported_reason(module)
@@ -337,7 +346,6 @@ class _FusedAdaLN(nn.Module):
             raise TypeError(f"{type(self).__name__}.{how}: {reason}")
         for name in self._submodules:
             setattr(self, name, getattr(module, name))
-        self.eps = _layer_norm_eps(module.norm)[0]
 
 
 class FusedAdaLayerNormZero(_FusedAdaLN):

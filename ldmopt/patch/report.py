@@ -84,7 +84,9 @@ class PatchReport:
 
     def fallbacks(self) -> dict[str, int]:
         """{reason: calls} since the patch call: patched modules that ran the stock path for a call (e.g. a
-        ResnetBlock2D in training with dropout) and ops that fell back to the reference backend, process-wide."""
+        ResnetBlock2D in training with dropout) and fused convolutions that ran their unfused composition,
+        process-wide. Which backend each op ran (``torch``, the reference, where the kernels refuse an input: fp64,
+        no Triton ...) is in :meth:`backends`."""
         before = self._fallbacks_at_patch
         out = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
         for proc in self._counters:

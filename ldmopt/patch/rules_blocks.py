@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..nn.attention_residual import sdpa_attention_residual as attend
+from ..nn.child_check import count_reason
 from ..nn.layer_norm_input import NormedInput
 from ..nn.linear import (
     feed_forward_reasons,
@@ -62,7 +63,9 @@ def basic_block_forward(fused: Callable) -> Callable:
         added_cond_kwargs: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         kwargs = dict(cross_attention_kwargs or {})
-        if self._chunk_size is not None or "gligen" in kwargs or hidden_states.dim() != 3:
+        reason = _stock_call_reason(self, kwargs, hidden_states)
+        if reason is not None:
+            count_reason(type(self).__name__, reason)
             return stock(self)(
                 hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
                 cross_attention_kwargs, class_labels, added_cond_kwargs,
@@ -247,6 +250,17 @@ def _stream(hidden, update, update_gate, scale, shift, gate, norm, ff, name="ff"
     return ff_gated_residual(ff, normed, gate, hidden, name, clip_fp16=clip_fp16)
 
 
+def _stock_call_reason(block: nn.Module, kwargs: dict, hidden_states: torch.Tensor) -> str | None:
+    """Why a BasicTransformerBlock call runs diffusers' forward (counted in the report), None when fused."""
+    if block._chunk_size is not None:
+        return "feed-forward chunking (set_chunk_feed_forward)"
+    if "gligen" in kwargs:
+        return "GLIGEN cross_attention_kwargs"
+    if hidden_states.dim() != 3:
+        return f"{hidden_states.dim()}-D hidden states (the fused block takes (B, tokens, C))"
+    return None
+
+
 def _sd3_joint_forward(
     self,
     hidden_states: torch.FloatTensor,
@@ -255,6 +269,7 @@ def _sd3_joint_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     if self._chunk_size is not None:
+        count_reason(type(self).__name__, "feed-forward chunking (set_chunk_feed_forward)")
         return stock(self)(hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
     joint_attention_kwargs = joint_attention_kwargs or {}
     if self.use_dual_attention:

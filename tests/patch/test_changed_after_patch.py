@@ -124,6 +124,43 @@ def test_hook_on_an_adaln_norm_added_after_patch_is_not_bypassed(family):
     assert any("norm has hooks" in r for r in report.fallbacks()), report.fallbacks()
 
 
+@pytest.mark.parametrize("family", ["dit", "sd3", "flux"])
+def test_adaln_norm_replaced_or_changed_after_patch_is_followed(family):
+    """An adaLN module's `.norm` replaced after patching (an affine LayerNorm the kernel does not reproduce) runs that
+    norm, reported; a changed eps on a LayerNorm it does reproduce is read per call."""
+    stock, patched = _stock_and_patched(family)
+    x = models.inputs(family, stock)
+    report = ldmopt.patch(patched)
+    for model in (stock, patched):
+        torch.manual_seed(5)
+        for name, m in list(model.named_modules()):
+            if name.endswith(".norm1") and isinstance(getattr(m, "norm", None), nn.LayerNorm):
+                affine = nn.LayerNorm(m.norm.normalized_shape, eps=1e-3)
+                with torch.no_grad():
+                    affine.weight.normal_(1.0, 0.5)
+                    affine.bias.normal_(0.0, 0.5)
+                m.norm = affine
+            elif isinstance(getattr(m, "norm", None), nn.LayerNorm) and name.endswith("norm_out"):
+                m.norm.eps = 0.5  # large enough to show if the patch-time eps were used
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(patched, x), _run(stock, x), name=f"{family} with adaLN norms replaced after patch")
+    assert any("affine parameters" in r for r in report.fallbacks()), report.fallbacks()
+
+
+@pytest.mark.parametrize("family", ["pixart", "sd3"])
+def test_feed_forward_chunking_after_patch_is_reported(family):
+    """Blocks set to chunk their feed-forward run diffusers' forward: the report says so instead of nothing."""
+    stock, patched = _stock_and_patched(family)
+    x = models.inputs(family, stock)
+    report = ldmopt.patch(patched)
+    for model in (stock, patched):
+        for block in model.transformer_blocks:
+            block.set_chunk_feed_forward(1, 1)
+    with ldmopt.use_backend("torch"):
+        assert_outputs_close(_run(patched, x), _run(stock, x), name=f"{family} chunked")
+    assert any("feed-forward chunking" in r for r in report.fallbacks()), report.fallbacks()
+
+
 class _MarkedWeight(torch.Tensor):
     """A tensor subclass standing in for a quantized weight (torchao keeps nn.Linear and swaps the weight)."""
 
