@@ -27,7 +27,17 @@ from .rule import FAMILIES, Rule, Site
 _RECORDS = "_ldmopt_records"
 #: Every module a live patch touched -> the model that holds its records (a patch of an enclosing model leaves no
 #: records in a submodule's own tree: this is how a later patch/unpatch of that submodule sees it).
+#: Values are weak too: the model holds every key, so a strong value would keep a patched model (never unpatched)
+#: and its weights alive for the life of the process.
 _CLAIMED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _claimant(module: nn.Module) -> nn.Module | None:
+    """The live model whose patch touched ``module``, if any."""
+    ref = _CLAIMED_BY.get(module)
+    return ref() if ref is not None else None
+
+
 _QUANT_MODULE_PREFIXES = ("bitsandbytes", "torchao", "optimum.quanto", "gguf", "auto_gptq", "awq", "hqq")
 
 
@@ -242,7 +252,7 @@ def _plan(
     done = {(rec.rule.name, id(rec.site.module)) for rec in prior}
     # Modules a patch of an enclosing model touched: already fused, their records are not in this tree.
     own = {id(m) for m in model.modules()}
-    enclosing = [m for m in model.modules() if m in _CLAIMED_BY and id(_CLAIMED_BY[m]) not in own]
+    enclosing = [m for m in model.modules() if _claimant(m) is not None and id(_claimant(m)) not in own]
     report.already_patched += sum(id(m) not in earlier for m in enclosing)
     # Modules that an earlier model of this same call shares with this one: that model's plan fuses them.
     enclosing += [m for m in model.modules() if id(m) in planned]
@@ -367,7 +377,7 @@ def patch(
                 data = rule.replace(site)
                 records.append(_Record(rule, site, data))
                 for touched in rule.touched(site).values():
-                    _CLAIMED_BY[touched] = model
+                    _CLAIMED_BY[touched] = weakref.ref(model)
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
                 report._counters.extend(rule.counters(data))
     except BaseException:
@@ -395,7 +405,8 @@ def unpatch(pipe_or_model: Any) -> int:
     models = _models_of(pipe_or_model, for_patch=False)
     in_call = {id(m) for _, model in models for m in model.modules()}  # records anywhere here are undone here
     for _, model in models:  # a submodule of a patched model: its records are with that model
-        roots = [_CLAIMED_BY[m] for m in model.modules() if m in _CLAIMED_BY and id(_CLAIMED_BY[m]) not in in_call]
+        claimants = (_claimant(m) for m in model.modules())
+        roots = [root for root in claimants if root is not None and id(root) not in in_call]
         if roots:
             raise PatchError(
                 f"ldmopt.unpatch: this {type(model).__name__} was patched as part of an enclosing "

@@ -447,3 +447,17 @@ def test_transformer2d_inner_dim_other_than_in_channels(linear_projection):
     assert report.counts()["transformer2d_in"] == 1
     with ldmopt.use_backend("torch"):
         assert_outputs_close(_run(model, x), ref, name=f"linear_projection={linear_projection}")
+
+
+def test_a_patched_model_dropped_without_unpatch_is_freed():
+    # The registry of touched modules must not keep the model (and its weights) alive once the user drops it.
+    import gc
+    import weakref
+
+    unet = models.sd15_unet().eval()
+    report = ldmopt.patch(unet)
+    assert report.total > 0
+    alive = weakref.ref(unet)
+    del unet, report
+    gc.collect()
+    assert alive() is None
