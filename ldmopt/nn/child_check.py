@@ -137,8 +137,20 @@ def unreadable_reason(name: str, layer: object) -> str:
     return f"{name} is a {kind} (a LoRA/PEFT or quantized layer?), not the plain torch layer the fused path reads"
 
 
+def counting() -> bool:
+    """Whether per-call counters update: in eager calls only. A compiled call does not count: Dynamo cannot replay
+    a Python side effect inside a gradient-checkpointed region, and a fullgraph compile would fail there."""
+    return not torch.compiler.is_compiling()
+
+
+def tally(counter: Counter, key: object) -> None:
+    """``counter[key] += 1`` when :func:`counting`."""
+    if counting():
+        counter[key] += 1
+
+
 def count_reason(where: str, reason: str) -> None:
-    fallback_reasons[f"{where} ran the stock path: {reason}"] += 1
+    tally(fallback_reasons, f"{where} ran the stock path: {reason}")
 
 
 def count_stock(where: str, name: str, layer: object) -> None:

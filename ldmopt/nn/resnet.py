@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..ops._dispatch import call
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, same_but_channels
-from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, unreadable_reason
+from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, tally, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
@@ -209,7 +209,7 @@ def to_channels_last(x: Tensor, what: str) -> Tensor:
     channels-last" (the fused conv modules share the counter)."""
     if x.is_contiguous(memory_format=torch.channels_last):
         return x
-    layout_conversions[f"{what} converted to channels-last"] += 1
+    tally(layout_conversions, f"{what} converted to channels-last")
     return x.contiguous(memory_format=torch.channels_last)
 
 
@@ -230,7 +230,7 @@ def fused_resnet_forward(
     reasons = can_fuse(block) or runtime_reasons(block, input_tensor, temb)
     if reasons:
         for reason in reasons:
-            fallback_reasons[reason] += 1
+            tally(fallback_reasons, reason)
         if isinstance(input_tensor, tuple):
             input_tensor = torch.cat(input_tensor, dim=1)
         out = _diffusers_forward(block, input_tensor, temb)

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
 from .attention_residual import project_out
-from .child_check import bypassed_hook_reason, hooked_children
+from .child_check import bypassed_hook_reason, counting, hooked_children, tally
 from .layer_norm_input import NormedInput, apply
 
 #: Container class name -> attribute holding its temporal blocks (None: every Attention under the container).
@@ -266,10 +266,11 @@ class _FallbackProcessor:
         """The kernel path (``_run``) when ``_call_reason`` finds nothing against these inputs, else the fallback."""
         reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask)
         if reason is not None:
-            self.fallback_reasons[reason] += 1
+            tally(self.fallback_reasons, reason)
             stock = self.stock_processor(attn)
             return stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
-        self.kernel_calls += 1
+        if counting():
+            self.kernel_calls += 1
         return self._run(attn, hidden_states, encoder_hidden_states)
 
     def __repr__(self) -> str:

@@ -42,7 +42,17 @@ from ..ops.adaln_modulate import adaln_modulate
 from ..ops.gn_conv2d import gn_silu_conv2d
 from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
-from .child_check import bypassed_hook_reason, hooked, hooked_children, plain_weight, readable, stock, stock_class
+from .child_check import (
+    bypassed_hook_reason,
+    counting,
+    hooked,
+    hooked_children,
+    plain_weight,
+    readable,
+    stock,
+    stock_class,
+    tally,
+)
 from .group_norm import GroupNorm as LdmoptGroupNorm
 from .layer_norm_input import NormedInput, normed_with_positions
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
@@ -178,12 +188,12 @@ def _counted(base: type, reason: str | None, counter=None) -> bool:
     fall-back. The module-level :data:`fallback_reasons` always counts; ``counter`` (an instance forward's
     kernel_calls / fallback_reasons) when given."""
     if reason is None:
-        if counter is not None:
+        if counter is not None and counting():
             counter.kernel_calls += 1
         return False
-    fallback_reasons[(base.__name__, reason)] += 1
+    tally(fallback_reasons, (base.__name__, reason))
     if counter is not None:
-        counter.fallback_reasons[reason] += 1
+        tally(counter.fallback_reasons, reason)
     return True
 
 
@@ -317,7 +327,7 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
     b = bf // num_frames
     x = hidden_states
     if not x.is_contiguous(memory_format=torch.channels_last):
-        layout_conversions[f"{type(container).__name__}: NCHW input copied to channels-last"] += 1
+        tally(layout_conversions, f"{type(container).__name__}: NCHW input copied to channels-last")
         x = x.contiguous(memory_format=torch.channels_last)
     tokens = x.permute(0, 2, 3, 1).view(b, num_frames, h, w, c)
     if _norm_proj_in_fusable(container):
@@ -332,7 +342,7 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
         # GroupNorm over (C/G, F, H, W) per video, on the channels_last_3d (B, C, F, H, W) view of the same memory.
         normed = container.norm(tokens.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
         if not normed.is_contiguous():
-            layout_conversions[f"{type(container).__name__}: GroupNorm returned a non-channels-last output"] += 1
+            tally(layout_conversions, f"{type(container).__name__}: GroupNorm returned a non-channels-last output")
         t = container.proj_in(normed.reshape(b, num_frames, h * w, c))
     for block in container.transformer_blocks:
         t = _basic_block_bfnc(block, t, (b, num_frames, h * w))

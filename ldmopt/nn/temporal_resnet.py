@@ -38,6 +38,7 @@ from .child_check import (
     readable,
     stock,
     stock_class,
+    tally,
     unreadable_reason,
 )
 from .resnet import dtype_reasons, fused_resnet_forward
@@ -148,7 +149,7 @@ def _runtime_reasons(x: Tensor, frames: int, weight: Tensor, dropouts) -> list[s
 def _channels_last(x: Tensor, where: str) -> Tensor:
     if x.is_contiguous(memory_format=torch.channels_last):
         return x
-    layout_conversions[f"{where}: NCHW input converted to channels-last"] += 1
+    tally(layout_conversions, f"{where}: NCHW input converted to channels-last")
     return x.contiguous(memory_format=torch.channels_last)
 
 

@@ -53,3 +53,33 @@ def test_dropout_in_training():
     with torch.no_grad(), ldmopt.use_backend("torch"):
         unet(**kwargs)
     assert any("dropout p=0.1 in training mode" in r for r in report.fallbacks()), report.fallbacks()
+
+
+@pytest.mark.parametrize("change", ["freeu", "lora"])
+def test_compile_fullgraph_with_gradient_checkpointing_and_counted_fallbacks(change):
+    """A fall-back or layout copy counted inside a gradient-checkpointed block (FreeU hands the up blocks NCHW skips;
+    LoRA on the attention projections makes them run stock) must not break torch.compile(fullgraph=True): Dynamo
+    cannot replay Python side effects there, so compiled calls do not count."""
+    from diffusers import UNet2DConditionModel
+
+    torch._dynamo.reset()
+    config = dict(
+        sample_size=8, block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8, cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8,
+    )  # fmt: skip
+    unet = UNet2DConditionModel(**config).train().to(memory_format=torch.channels_last)
+    if change == "freeu":
+        unet.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
+    else:
+        peft = pytest.importorskip("peft")
+        unet.requires_grad_(False)
+        unet.add_adapter(peft.LoraConfig(r=4, init_lora_weights="gaussian", target_modules=["to_q", "to_out.0"]))
+    unet.enable_gradient_checkpointing()
+    x, t, context = torch.randn(2, 4, 8, 8), torch.tensor([10, 500]), torch.randn(2, 5, 32)
+    ldmopt.patch(unet, training=True)
+    with ldmopt.use_backend("torch"):
+        eager = unet(x, t, context).sample
+        compiled = torch.compile(unet, fullgraph=True, backend="aot_eager")(x, t, context).sample
+        compiled.sum().backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
