@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops._dispatch import call
+from ..ops._dispatch import call, statistics_source
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, same_but_channels
 from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, tally, unreadable_reason
 
@@ -236,7 +236,7 @@ def fused_resnet_forward(
         out = _diffusers_forward(block, input_tensor, temb)
         if out_stats is None:
             return out
-        return out, call(gn_conv2d_stats, out.detach(), out_stats[0], float(out_stats[1]))
+        return out, call(gn_conv2d_stats, statistics_source(out), out_stats[0], float(out_stats[1]))
     # One copy of an NCHW input costs less than the stock path's separate GroupNorm, SiLU and add passes, and the
     # fused output is channels-last, so the blocks after this one need no conversion.
     if isinstance(input_tensor, tuple):

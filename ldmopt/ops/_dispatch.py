@@ -106,8 +106,8 @@ def _in_context(policy: _Policy | None) -> Iterator[None]:
 # one. Eager calls on plain tensors therefore run the op's implementation directly, through a torch.autograd.Function
 # built from the same setup_context/backward when gradients are needed. Everything else keeps the custom op: tracing
 # (torch.compile, export, torch.jit.trace), tensor subclasses (FakeTensor, DTensor), dispatch or function modes
-# (FlopCounterMode, TorchDispatchMode, torch.device), functorch transforms, forward-mode AD, meta tensors and the
-# profiler (whose per-category split reads op names).
+# (FlopCounterMode, TorchDispatchMode, torch.device), meta tensors, a dual level without tangents and the profiler
+# (whose per-category split reads op names); functorch transforms and tangents run the reference composition.
 
 _EAGER: dict[object, Callable] = {}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -145,36 +145,48 @@ def _has_tangent(t: torch.Tensor) -> bool:
     return unpack_dual(t).tangent is not None
 
 
-def _refuse_forward_ad(op, args: Sequence) -> None:
-    """Raise when forward-mode AD would pass through ``op``: torch.library custom ops take no JVP rule, and PyTorch
-    then drops the tangent without an error (None on dual tensors, zeros under torch.func.jvp)."""
+def runs_reference_composition(args: Sequence) -> bool:
+    """Whether a call with ``args`` must run as its reference composition of PyTorch ops: under torch.func transforms
+    (grad, vjp, vmap, jvp, jacfwd, hessian, functionalize) and for forward-mode AD with a tangent. Custom ops take no
+    forward-mode rule (PyTorch would drop the tangent silently: None on dual tensors, zeros under torch.func.jvp), and
+    their autograd does not run under functorch's grad transforms; the aten ops of the reference serve every one."""
+    if torch._C._are_functorch_transforms_active():
+        return True
     if torch.autograd.forward_ad._current_level >= 0:
-        active = any(_has_tangent(t) for t in tensors_in(args))
-    elif torch._C._are_functorch_transforms_active():
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+        return any(_has_tangent(t) for t in tensors_in(args))
+    return False
 
-        jvp = any(i.key().name == "Jvp" for i in retrieve_all_functorch_interpreters())
-        active = jvp and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors_in(args))
-    else:
-        return
-    if active:
+
+def statistics_source(x: torch.Tensor) -> torch.Tensor:
+    """The tensor normalisation statistics are computed from: ``x`` detached (the fused op's backward differentiates
+    through its statistics itself), except when the op runs as its reference composition, whose derivatives must
+    flow through the statistics as through any other PyTorch op."""
+    return x if runs_reference_composition((x,)) else x.detach()
+
+
+def _reference_composition(op, args: Sequence):
+    """``op``'s implementation with every op on the torch backend: differentiable PyTorch ops only."""
+    impl = _implementation(op)
+    if impl is None:
         raise NotImplementedError(
-            f"{getattr(op, '_name', op)}: forward-mode AD (dual tensors, torch.func.jvp/jacfwd/hessian) is not "
-            "supported: custom ops take no forward-mode rule, and PyTorch would silently drop the tangent. Reverse "
-            "mode (.backward(), torch.autograd.grad) is supported; for forward mode run the stock modules "
-            "(ldmopt.unpatch(model))."
+            f"{getattr(op, '_name', op)}: forward-mode AD and torch.func transforms need this torch's CustomOpDef "
+            "implementation (_init_fn), which it does not expose; run the stock modules (ldmopt.unpatch(model))."
         )
+    with use_backend("torch"):
+        return impl(*args)
 
 
 def call(op, *args):
-    """``op(*args)``, through the eager fast path when nothing needs the dispatcher (see above)."""
+    """``op(*args)``, through the eager fast path when nothing needs the dispatcher (see above), or as its reference
+    composition where derivatives must pass through PyTorch ops (:func:`runs_reference_composition`)."""
     if not torch.compiler.is_compiling():
         fast = _EAGER.get(op)
         if fast is not None and _no_mode_active():
             needs_grad = _eager_grad_needs(args)
             if needs_grad is not None:
                 return fast(needs_grad, *args)
-        _refuse_forward_ad(op, args)
+        if runs_reference_composition(args):
+            return _reference_composition(op, args)
     return op(*args)
 
 
@@ -239,12 +251,52 @@ def register_autograd_keeping_backend(op, backward: Callable, setup_context: Cal
 
     def run_backward(ctx, *grads):
         if ctx.ldmopt_forced is None:
-            return backward(ctx, *grads)
-        with _in_context(_inherited(ctx.ldmopt_forced, _forced.get())):
-            return backward(ctx, *grads)
+            input_grads = backward(ctx, *grads)
+        else:
+            with _in_context(_inherited(ctx.ldmopt_forced, _forced.get())):
+                input_grads = backward(ctx, *grads)
+        if torch.is_grad_enabled():  # create_graph=True
+            return _refusing_double_backward(getattr(op, "_qualname", "an ldmopt op"), input_grads)
+        return input_grads
 
     op.register_autograd(run_backward, setup_context=setup)
     _register_eager_autograd(op, setup, run_backward)
+
+
+class _DoubleBackwardRefused(torch.autograd.Function):
+    """Passes gradients through unchanged; differentiating them raises. The backwards are hand-written from saved
+    tensors (some of them forward outputs, treated as constants), so a second derivative through them would be
+    wrong or fail with a message about registering autograd."""
+
+    @staticmethod
+    def forward(ctx, op_name, *grads):
+        ctx.op_name = op_name
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{ctx.op_name}: double backward (differentiating a gradient taken with create_graph=True) is not "
+            "supported through the fused ops' backward. Take the inner gradient with torch.func.grad or "
+            "torch.func.vjp instead (the ops then run their reference composition of PyTorch ops, which supports "
+            "derivatives of any order, and the result still backpropagates as usual), or run the stock modules "
+            "(ldmopt.unpatch(model))."
+        )
+
+
+def _refusing_double_backward(op_name: str, input_grads):
+    """``input_grads`` (a backward's result) with the gradients that are part of a graph routed through
+    :class:`_DoubleBackwardRefused`."""
+    single = not isinstance(input_grads, tuple)
+    grads = (input_grads,) if single else input_grads
+    linked = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and g.requires_grad]
+    if not linked:
+        return input_grads
+    guarded = _DoubleBackwardRefused.apply(op_name, *(grads[i] for i in linked))
+    out = list(grads)
+    for i, g in zip(linked, guarded):
+        out[i] = g
+    return out[0] if single else tuple(out)
 
 
 def _inherited(policy: _Policy | None, outer: _Policy | None) -> _Policy | None:

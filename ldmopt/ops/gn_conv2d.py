@@ -25,6 +25,7 @@ from ._dispatch import (
     BackendTable,
     call,
     register_autograd_keeping_backend,
+    statistics_source,
     triton_refusals,
 )
 from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _run, _stats_dtype, _stats_torch, gn_conv2d_stats
@@ -530,8 +531,8 @@ def gn_silu_conv2d(
         check_vector("gn_weight", gn_weight, c_in, x)
         check_vector("gn_bias", gn_bias, c_in, x)
         if stats is None:
-            tail = None if x_tail is None else x_tail.detach()
-            mean, rstd = call(gn_conv2d_stats, x.detach(), num_groups, float(eps), tail)
+            tail = None if x_tail is None else statistics_source(x_tail)
+            mean, rstd = call(gn_conv2d_stats, statistics_source(x), num_groups, float(eps), tail)
         else:
             mean, rstd = stats
             for name, t in (("stats[0] (mean)", mean), ("stats[1] (rstd)", rstd)):

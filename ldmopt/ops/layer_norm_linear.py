@@ -22,7 +22,15 @@ from torch import Tensor
 
 from ._autocast import autocast_operands
 from ._checks import check_activation, check_eps, check_tensor
-from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
+from ._dispatch import (
+    Backend,
+    BackendTable,
+    call,
+    register_autograd_keeping_backend,
+    register_eager,
+    statistics_source,
+    triton_refusals,
+)
 from .geglu import _fwd_torch as _geglu_fwd_torch
 from .geglu import geglu_bwd
 from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad
@@ -237,7 +245,7 @@ def layer_norm_stats(x: Tensor, eps: float = 1e-5) -> Tensor:
     eps = check_eps(eps)
     if x.dim() < 1 or not x.shape[-1]:
         raise ValueError(f"layer_norm_stats: x must be [..., C] with C > 0, got shape {tuple(x.shape)}")
-    return call(layer_norm_stats_op, x.detach().reshape(-1, x.shape[-1]), eps)
+    return call(layer_norm_stats_op, statistics_source(x).reshape(-1, x.shape[-1]), eps)
 
 
 def layer_norm_linear(
@@ -303,6 +311,6 @@ def layer_norm_linear(
         if not isinstance(position_rows, int) or position_rows < 1:
             raise ValueError(f"layer_norm_linear: position_rows must be a positive int, got {position_rows!r}")
     save_pre = activation is not None and needs_grad(x, norm_weight, norm_bias, weight, bias)
-    y, _pre = call(layer_norm_linear_fwd, rows, stats.detach(), norm_weight, norm_bias, weight, bias, activation or "",
-                   save_pre, positions, position_rows)  # fmt: skip
+    y, _pre = call(layer_norm_linear_fwd, rows, statistics_source(stats), norm_weight, norm_bias, weight, bias,
+                   activation or "", save_pre, positions, position_rows)  # fmt: skip
     return y.view(*x.shape[:-1], y.shape[-1])

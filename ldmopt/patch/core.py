@@ -252,7 +252,7 @@ def _plan(
     done = {(rec.rule.name, id(rec.site.module)) for rec in prior}
     # Modules a patch of an enclosing model touched: already fused, their records are not in this tree.
     own = {id(m) for m in model.modules()}
-    enclosing = [m for m in model.modules() if _claimant(m) is not None and id(_claimant(m)) not in own]
+    enclosing = [m for m in model.modules() if (owner := _claimant(m)) is not None and id(owner) not in own]
     report.already_patched += sum(id(m) not in earlier for m in enclosing)
     # Modules that an earlier model of this same call shares with this one: that model's plan fuses them.
     enclosing += [m for m in model.modules() if id(m) in planned]

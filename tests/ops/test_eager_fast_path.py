@@ -135,7 +135,7 @@ def test_fast_path_equals_custom_op_under_autocast(name):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_jit_trace_and_forward_ad_keep_the_custom_op():
+def test_jit_trace_keeps_the_custom_op():
     x, w, b = torch.randn(2, 8, 4, 4), torch.randn(8), torch.randn(8)
     with ops.use_backend("torch"):
         traced = torch.jit.trace(lambda t: ops.group_norm(t, 2, w, b, activation="silu"), (x,))
@@ -143,33 +143,18 @@ def test_jit_trace_and_forward_ad_keep_the_custom_op():
     torch.testing.assert_close(traced(x), ops.group_norm(x, 2, w, b, activation="silu"))
 
 
-@pytest.mark.parametrize("name,fn,inputs", CASES, ids=[c[0] for c in CASES])
-def test_forward_mode_ad_is_refused_not_silently_dropped(name, fn, inputs):
-    # Custom ops take no forward-mode rule: PyTorch would return no tangent on dual tensors and a zero one under
-    # torch.func.jvp. Neither may pass silently, whichever backend runs (the reference code's aten ops would carry
-    # a tangent, wrong for gn_silu_conv2d, whose statistics come from a detached x).
-    import torch.autograd.forward_ad as fwAD
-
-    tangent = torch.randn_like(inputs[0])
-    with ops.use_backend("torch"):
-        with fwAD.dual_level():
-            with pytest.raises(NotImplementedError, match="forward-mode AD"):
-                fn([fwAD.make_dual(inputs[0], tangent), *inputs[1:]])
-            fn(inputs)  # a dual level without dual inputs is fine
-        with pytest.raises(NotImplementedError, match="forward-mode AD"):
-            torch.func.jvp(lambda first: fn([first, *inputs[1:]]), (inputs[0],), (tangent,))
-
-
-def test_forward_mode_check_sees_through_vmap():
+def test_forward_mode_sees_through_vmap():
     # vmap's batched wrappers have no batching rule for unpack_dual: the check unwraps them, so a vmapped call without
-    # tangents still runs inside a dual level, and one with tangents still raises the clear error.
+    # tangents still runs inside a dual level, and jvp of a vmapped call gets the stock GroupNorm's tangent.
     import torch.autograd.forward_ad as fwAD
 
     x, w, b = torch.randn(3, 1, 4, 2, 2), torch.randn(4), torch.randn(4)
+    tangent = torch.randn_like(x)
     norm = torch.func.vmap(lambda r: ops.group_norm(r, 2, w, b))
     with ops.use_backend("torch"):
         expected = norm(x)
         with fwAD.dual_level():
             torch.testing.assert_close(norm(x), expected)
-        with pytest.raises(NotImplementedError, match="forward-mode AD"):
-            torch.func.jvp(norm, (x,), (torch.randn_like(x),))
+        _, got = torch.func.jvp(norm, (x,), (tangent,))
+    _, stock = torch.func.jvp(torch.func.vmap(lambda r: torch.nn.functional.group_norm(r, 2, w, b)), (x,), (tangent,))
+    torch.testing.assert_close(got, stock, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,178 @@
+"""torch.func transforms and forward-mode AD through the fused ops: each op then runs its reference composition of
+PyTorch ops (custom ops take no forward-mode rule, and their autograd does not run under functorch's transforms),
+so jvp (consistency-model and MeanFlow training), jacfwd, grad/vjp, vmap (per-sample gradients) and hessian give the
+derivatives of the op itself.
+
+References are independent of ldmopt's reference code: central finite differences in fp64, stock PyTorch functions,
+and reverse-mode autograd through the custom op (its hand-written backward)."""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+
+from ldmopt import ops
+
+
+def _cases():
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x4 = r(2, 12, 5, 3).to(memory_format=torch.channels_last)
+    tables = (torch.rand(6, 4, generator=g, dtype=torch.float64), torch.rand(6, 4, generator=g, dtype=torch.float64))
+    yield "group_norm", lambda t: ops.group_norm(t[0], 3, t[1], t[2], activation="silu"), [x4, r(12), r(12)]
+    yield (
+        "gn_silu_conv2d",  # statistics computed by the op from x: derivatives must flow through them
+        lambda t: ops.gn_silu_conv2d(t[0], t[1], t[2], 3, 1e-5, t[3], t[4], temb=t[5], residual=t[6]),
+        [x4, r(12), r(12), r(7, 12, 3, 3), r(7), r(2, 7), r(2, 7, 5, 3)],
+    )
+    yield "geglu", lambda t: ops.geglu(t[0], t[1], t[2]), [r(2, 5, 12), r(14, 12), r(14)]
+    yield (
+        "linear",
+        lambda t: ops.linear(t[0], t[1], t[2], activation="gelu_tanh", gate=t[3], residual=t[4]),
+        [r(2, 5, 12), r(7, 12), r(7), r(2, 7), r(2, 5, 7)],
+    )
+    yield (
+        "layer_norm_linear",  # statistics from a separate op (layer_norm_stats): they must carry the tangent too
+        lambda t: ops.layer_norm_linear(t[0], t[1], t[2], t[3], t[4], activation="gelu"),
+        [r(2, 5, 12), 1 + r(12), r(12), r(7, 12), r(7)],
+    )
+    yield (
+        "adaln_modulate",
+        lambda t: ops.adaln_modulate(t[0], t[1], t[2], residual=t[3], gate=t[4]),
+        [r(2, 5, 12), r(2, 12), r(2, 12), r(2, 5, 12), r(2, 12)],
+    )
+    yield (
+        "rms_norm_rope",
+        lambda t: ops.rms_norm(t[0], t[1], rope=tables, rope_layout="pairs", rope_dim=-2),
+        [r(6, 8), 1 + r(8)],
+    )
+    yield (
+        "rms_norm_joint",
+        lambda t: ops.rms_norm((t[0], t[1]), (t[2], t[3]), cat_dim=1),
+        [r(1, 2, 3, 8), r(1, 4, 3, 8), 1 + r(8), 1 + r(8)],
+    )
+    yield "temporal_attention", lambda t: ops.temporal_attention(t[0], t[1], t[2]), [r(2, 6, 3, 2, 8) for _ in "qkv"]
+
+
+CASES = list(_cases())
+IDS = [c[0] for c in CASES]
+
+
+def _directional_difference(fn, inputs, tangents, h=1e-6):
+    """(fn(x + h t) - fn(x - h t)) / 2h in fp64: error O(h^2) plus rounding ~1e-16/h."""
+    plus = fn([x + h * t for x, t in zip(inputs, tangents)])
+    minus = fn([x - h * t for x, t in zip(inputs, tangents)])
+    return (plus - minus) / (2 * h)
+
+
+def _assert_relative(actual, expected, bound, what):
+    err = (actual - expected).abs().max().item() / expected.abs().max().item()
+    assert err <= bound, f"{what}: relative error {err:.2e} > {bound:.0e}"
+
+
+@pytest.mark.parametrize("name,fn,inputs", CASES, ids=IDS)
+def test_jvp_and_dual_tensors_give_the_directional_derivative(name, fn, inputs):
+    tangents = [torch.randn_like(t) for t in inputs]
+    y, jvp = torch.func.jvp(lambda *a: fn(list(a)), tuple(inputs), tuple(tangents))
+    torch.testing.assert_close(y, fn(inputs), rtol=1e-12, atol=1e-12)
+    _assert_relative(jvp, _directional_difference(fn, inputs, tangents), 1e-7, f"{name}: jvp vs finite difference")
+    with fwAD.dual_level():
+        dual = fn([fwAD.make_dual(x, t) for x, t in zip(inputs, tangents)])
+        tangent = fwAD.unpack_dual(dual).tangent
+    assert tangent is not None, f"{name}: the tangent was dropped"
+    torch.testing.assert_close(tangent, jvp, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,fn,inputs", CASES, ids=IDS)
+def test_func_grad_matches_the_ops_own_backward(name, fn, inputs):
+    def loss(*a):
+        return fn(list(a)).pow(2).sum()
+
+    grads = torch.func.grad(loss, argnums=tuple(range(len(inputs))))(*inputs)
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    loss(*leaves).backward()  # the custom op's autograd: its hand-written backward
+    for i, (a, leaf) in enumerate(zip(grads, leaves, strict=True)):
+        torch.testing.assert_close(a, leaf.grad, rtol=1e-10, atol=1e-12, msg=f"{name}: gradient of input {i}")
+
+
+def test_per_sample_gradients_with_vmap_of_grad():
+    # The classic torch.func recipe (vmap over grad): one weight gradient per sample, against a loop of backward calls.
+    x = torch.randn(4, 5, 12, dtype=torch.float64)
+    w, b = torch.randn(7, 12, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+
+    def loss(weight, sample):
+        return ops.linear(sample[None], weight, b, activation="gelu").square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, x)
+    for i in range(x.shape[0]):
+        leaf = w.clone().requires_grad_()
+        loss(leaf, x[i]).backward()
+        torch.testing.assert_close(per_sample[i], leaf.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_hessian_matches_stock_group_norm():
+    # Second order (double reverse inside torch.func) against PyTorch's own GroupNorm.
+    x = torch.randn(1, 6, 2, 2, dtype=torch.float64)
+    w, b = 1 + torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+
+    def energy(fn):
+        return lambda t: fn(t).sin().sum()
+
+    fused = torch.func.hessian(energy(lambda t: ops.group_norm(t, 3, w, b, activation="silu")))(x)
+    stock = torch.func.hessian(energy(lambda t: F.silu(F.group_norm(t, 3, w, b))))(x)
+    torch.testing.assert_close(fused, stock, rtol=1e-9, atol=1e-11)
+
+
+def test_transforms_run_the_reference_composition_even_when_a_backend_is_forced():
+    x, w = torch.randn(2, 8, 3, 3, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    before = ops.backend_counts[("group_norm", "torch")]
+    with ops.use_backend("torch"):
+        torch.func.jvp(lambda t: ops.group_norm(t, 2, w), (x,), (torch.randn_like(x),))
+    assert ops.backend_counts[("group_norm", "torch")] == before + 1
+
+
+def test_a_dual_level_without_tangents_keeps_the_custom_op():
+    x, w = torch.randn(2, 8, 3, 3), torch.randn(8)
+    with fwAD.dual_level():
+        y = ops.group_norm(x.requires_grad_(), 2, w)
+    assert "group_norm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+
+
+@pytest.mark.parametrize("name,fn,inputs", CASES, ids=IDS)
+def test_double_backward_raises_a_clear_error_and_first_order_grads_stay_right(name, fn, inputs):
+    # The backwards are hand-written from saved tensors: a second derivative through them would be wrong (a saved
+    # forward output is a constant to them) or fail with PyTorch's "register_autograd" message.
+    def grads(create_graph):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        return torch.autograd.grad(fn(leaves).pow(2).sum(), leaves, create_graph=create_graph)
+
+    linked, plain = grads(True), grads(False)
+    for a, b in zip(linked, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match=r"double backward.*torch\.func\.grad"):
+        sum(g.sum() for g in linked).backward()
+
+
+def test_gradient_penalty_through_torch_func_grad_matches_stock_double_backward():
+    # The documented way to a second derivative (an R1-style penalty): the inner gradient by torch.func.grad, the
+    # outer by .backward(), against PyTorch's own modules differentiated twice.
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    w, b = (torch.nn.Parameter(1 + torch.randn(8, dtype=torch.float64)) for _ in "wb")
+    conv = torch.nn.Parameter(torch.randn(3, 8, 3, 3, dtype=torch.float64))
+
+    def fused(t):
+        return ops.gn_silu_conv2d(t, w, b, 4, 1e-5, conv, None, padding=1).square().sum()
+
+    def stock(t):
+        return F.conv2d(F.silu(F.group_norm(t, 4, w, b)), conv, padding=1).square().sum()
+
+    penalty = torch.func.grad(fused)(x).square().sum()
+    got = torch.autograd.grad(penalty, [w, b, conv])
+    leaf = x.clone().requires_grad_()
+    (inner,) = torch.autograd.grad(stock(leaf), leaf, create_graph=True)
+    expected = torch.autograd.grad(inner.square().sum(), [w, b, conv])
+    for name, g, e in zip(("gn weight", "gn bias", "conv weight"), got, expected, strict=True):
+        _assert_relative(g, e, 1e-12, f"penalty gradient of the {name}")
