@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from ..ops._dispatch import count_bounded
+
 #: "<where> ran the stock path: <why>" -> calls in this process.
 fallback_reasons: Counter[str] = Counter()
 
@@ -144,9 +146,9 @@ def counting() -> bool:
 
 
 def tally(counter: Counter, key: object) -> None:
-    """``counter[key] += 1`` when :func:`counting`."""
+    """``count_bounded(counter, key)`` when :func:`counting`."""
     if counting():
-        counter[key] += 1
+        count_bounded(counter, key)
 
 
 def count_reason(where: str, reason: str) -> None:

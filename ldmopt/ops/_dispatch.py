@@ -42,6 +42,19 @@ _forced: contextvars.ContextVar[_Policy | None] = contextvars.ContextVar("ldmopt
 backend_counts: Counter[tuple[str, str]] = Counter()
 
 
+#: Distinct keys a reason counter keeps: reasons can name shapes, and a long-running server that sees ever-new shapes
+#: must not grow them without bound; new reasons past the limit are counted under OTHER_REASONS.
+MAX_REASONS = 1024
+OTHER_REASONS = f"other reasons (more than {MAX_REASONS} distinct ones were seen)"
+
+
+def count_bounded(counter: Counter, key: object) -> None:
+    """``counter[key] += 1``, or ``counter[OTHER_REASONS] += 1`` for a new key once the counter holds MAX_REASONS."""
+    if key not in counter and len(counter) >= MAX_REASONS:
+        key = OTHER_REASONS
+    counter[key] += 1
+
+
 class BackendUnavailableError(RuntimeError):
     """A forced backend cannot serve these inputs; the message lists every reason."""
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import spatial_dims_flatten
-from ._dispatch import Backend, BackendTable, backend_counts, register_eager, triton_refusals
+from ._dispatch import Backend, BackendTable, backend_counts, count_bounded, register_eager, triton_refusals
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: (op, backend, reason) -> count of automatic fall-backs to the reference backend in this process.
@@ -31,7 +31,7 @@ def _run(table: BackendTable, *args):
         for other in table.backends:
             if other.name != "torch":
                 for reason in other.refuse(*args):
-                    fallback_reasons[(table.op_name, other.name, reason)] += 1
+                    count_bounded(fallback_reasons, (table.op_name, other.name, reason))
     backend_counts[(table.op_name, backend.name)] += 1
     return backend.run(*args)
 

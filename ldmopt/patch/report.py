@@ -141,12 +141,16 @@ def _module_fallback(reason: str) -> str:
     return f"ResnetBlock2D ran diffusers' forward: {reason}"
 
 
-def _op_fallback(key: tuple[str, str, str]) -> str:
+def _op_fallback(key: tuple[str, str, str] | str) -> str:
+    if isinstance(key, str):  # OTHER_REASONS
+        return f"gn_conv2d ran the reference backend: {key}"
     op, backend, reason = key
     return f"{op} ran the reference backend ({backend} refused: {reason})"
 
 
-def _layout_fallback(key: tuple[str, str]) -> str:
+def _layout_fallback(key: tuple[str, str] | str) -> str:
+    if isinstance(key, str):  # OTHER_REASONS
+        return f"a temporal layer ran diffusers' forward: {key}"
     kind, reason = key
     return f"{kind} ran diffusers' forward: {reason}"
 
