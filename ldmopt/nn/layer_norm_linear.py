@@ -3,10 +3,14 @@ the norm in its loads (``ldmopt.ops.layer_norm_linear``), for training scripts a
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops._checks import check_activation
 from ..ops.layer_norm_linear import SUPPORTED_ACTIVATIONS, layer_norm_linear
+from ..ops.linear import activation_torch
+from .child_check import count_reason, readable, unreadable_reason
+from .layer_norm_input import norm_reason
 
 
 class FusedLayerNormLinear(nn.Module):
@@ -18,7 +22,9 @@ class FusedLayerNormLinear(nn.Module):
     is ``h * gelu(g)``). ``forward(x, stats=None)``: ``stats`` from :func:`ldmopt.ops.layer_norm_stats` of the same
     x and eps shares one statistics pass between several such layers reading one norm (q, k and v: build them with
     :meth:`from_modules` and one shared ``norm``). Tolerance: ``ops.layer_norm_linear``'s (the norm rounded once to
-    the weight's dtype, as the unfused norm's output is).
+    the weight's dtype, as the unfused norm's output is). Checked on every call: a ``proj`` wrapped by a LoRA or
+    quantizer, hooks on either submodule or a replaced ``norm`` run the submodules' own forwards instead (counted in
+    the patch report's fall-backs), as does an empty ``x``.
     """
 
     def __init__(
@@ -61,8 +67,24 @@ class FusedLayerNormLinear(nn.Module):
 
     def forward(self, x: Tensor, stats: Tensor | None = None) -> Tensor:
         norm, proj = self.norm, self.proj
-        return layer_norm_linear(x, norm.weight, norm.bias, proj.weight, proj.bias, eps=norm.eps,
-                                 activation=self.activation, stats=stats)  # fmt: skip
+        if x.numel():  # the ops refuse empty inputs; the stock modules return them
+            reason = norm_reason(norm, x)
+            if reason is None and not readable(proj):
+                reason = unreadable_reason("proj", proj)
+            if reason is None:
+                return layer_norm_linear(x, norm.weight, norm.bias, proj.weight, proj.bias, eps=norm.eps,
+                                         activation=self.activation, stats=stats)  # fmt: skip
+            # A LoRA or quantized layer, hooks (accelerate offload), a replaced norm: the modules must run.
+            count_reason("FusedLayerNormLinear", reason)
+        return self._stock(x)
+
+    def _stock(self, x: Tensor) -> Tensor:
+        """``act(proj(norm(x)))`` through the submodules' own forwards."""
+        h = self.proj(self.norm(x))
+        if self.activation == "geglu":
+            value, gate = h.chunk(2, dim=-1)
+            return value * F.gelu(gate)
+        return activation_torch(self.activation, h)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

@@ -93,3 +93,33 @@ def test_compiles_fullgraph_with_gradients():
     (want,) = torch.autograd.grad(expect.sum(), x)
     assert_close(out, expect.detach().double(), torch.float32, "compiled forward")
     assert_close(dx, want.double(), torch.float32, "compiled dx")
+
+
+@pytest.mark.parametrize("activation", [None, "geglu"])
+def test_lora_hooks_and_empty_inputs_run_the_submodules(activation):
+    # The fused GEMM reads proj.weight: a LoRA added to proj afterwards (PEFT wraps it), a hook, or an empty batch
+    # must run the submodules themselves, or the LoRA update is dropped and the hook skipped.
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from ldmopt.nn import child_check
+
+    layer = _drawn(FusedLayerNormLinear(16, 8, activation=activation)).double()
+    holder = nn.Module()
+    holder.ff = layer
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False), holder)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    before = sum(n for k, n in child_check.fallback_reasons.items() if k.startswith("FusedLayerNormLinear"))
+    y = layer(x)
+    assert_close(y, _stock(layer, x), torch.float64, "with a LoRA on proj")
+    lora_a = layer.proj.lora_A["default"].weight
+    (grad,) = torch.autograd.grad(y.square().sum(), lora_a)
+    assert grad.abs().max() > 0, "the LoRA weight got no gradient"
+    after = sum(n for k, n in child_check.fallback_reasons.items() if k.startswith("FusedLayerNormLinear"))
+    assert after == before + 1, "the stock call was not counted"
+
+    plain = _drawn(FusedLayerNormLinear(16, 8, activation=activation)).double()
+    seen = []
+    plain.norm.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert_close(plain(x), _stock(plain, x), torch.float64, "with a hook on norm")
+    assert seen, "the norm's hook did not run"
+    assert plain(x[:0]).shape == (0, 5, 8)
