@@ -335,6 +335,8 @@ class _FusedAdaLN(nn.Module):
         eps, reason = _layer_norm_eps(self.norm)
         if reason is None and hooked(self.norm):
             reason = "norm has hooks or a wrapped forward"
+        if reason is None and not x.numel():
+            reason = "empty input (the fused ops need at least one element)"
         if reason is not None:
             count_reason(type(self).__name__, reason)
             return self.norm(x) * (1 + scale[:, None]) + shift[:, None]

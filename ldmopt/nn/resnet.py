@@ -185,6 +185,8 @@ def runtime_reasons(block, input_tensor: Tensor | tuple[Tensor, Tensor], temb: T
         input_tensor = input_tensor[0]
     elif not isinstance(input_tensor, Tensor) or input_tensor.dim() != 4:
         return ["input is not a 4-D tensor"]
+    if not input_tensor.numel():
+        return ["empty input (the fused ops need at least one element)"]
     reasons += dtype_reasons(input_tensor, block.conv1.weight)
     if temb is not None and block.time_emb_proj is None:
         reasons.append("temb given to a block without time_emb_proj (diffusers adds it unprojected)")

@@ -29,7 +29,7 @@ class PatchedGroupNorm(_LdmoptGroupNorm):
     def forward(self, x: Tensor) -> Tensor:
         # The SiLU it took over goes back to its FusedAway when the pair was broken up after patching (rule.py).
         activation = self.activation if moved_work_intact(self) else None
-        if x.dim() in (3, 4, 5) and plain_weight(self):
+        if x.dim() in (3, 4, 5) and x.numel() and plain_weight(self):  # the ops refuse empty inputs
             return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, activation)
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         return F.silu(y) if activation == "silu" else y

@@ -1,0 +1,30 @@
+"""An empty batch (a dataloader's last batch, a serving queue) through patched and fused modules: the ops refuse
+empty inputs, so the modules must return what the stock ones return (an empty tensor of the right shape)."""
+
+import torch
+from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero
+from diffusers.models.resnet import ResnetBlock2D
+from torch import nn
+
+import ldmopt
+from ldmopt.nn import FusedLayerNormLinear
+from ldmopt.nn.linear import FusedAdaLayerNormContinuous, FusedAdaLayerNormZero
+
+
+def test_patched_group_norm_and_resnet_block_return_empty_outputs():
+    x = torch.randn(0, 8, 5, 5)
+    norm = nn.Sequential(nn.GroupNorm(4, 8), nn.SiLU())
+    block = ResnetBlock2D(in_channels=8, out_channels=12, temb_channels=16, groups=4).eval()
+    expected = (norm(x).shape, block(x, torch.randn(0, 16)).shape)
+    report = ldmopt.patch(norm), ldmopt.patch(block)
+    assert all(r.replaced for r in report)
+    assert (norm(x).shape, block(x, torch.randn(0, 16)).shape) == expected == ((0, 8, 5, 5), (0, 12, 5, 5))
+
+
+def test_fused_adaln_and_layer_norm_linear_return_empty_outputs():
+    x, emb = torch.randn(0, 7, 16), torch.randn(0, 16)
+    zero = AdaLayerNormZero(16, num_embeddings=None)
+    continuous = AdaLayerNormContinuous(16, 16, elementwise_affine=False)
+    assert FusedAdaLayerNormZero.from_module(zero)(x, emb=emb)[0].shape == zero(x, emb=emb)[0].shape
+    assert FusedAdaLayerNormContinuous.from_module(continuous)(x, emb).shape == continuous(x, emb).shape
+    assert FusedLayerNormLinear(16, 8, activation="geglu")(x).shape == (0, 7, 8)
