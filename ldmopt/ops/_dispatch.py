@@ -413,7 +413,21 @@ class BackendTable:
     def __call__(self, *args):
         backend = self.select(*args)
         backend_counts[(self.op_name, backend.name)] += 1
-        return backend.run(*args)
+        return launch(backend, args)
+
+
+def launch(backend: Backend, args: Sequence):
+    """``backend.run(*args)``, a Triton one with the inputs' GPU made current: Triton launches on the current
+    device's current stream, so a model on cuda:1 (a device_map, ``--device cuda:1``) while cuda:0 is current would
+    run its kernels on the wrong GPU. (The cuda backend's C++ ops set the device themselves.)"""
+    if backend.name == "triton":
+        for t in tensors_in(args):
+            if t.is_cuda:
+                if t.get_device() != torch.cuda.current_device():
+                    with torch.cuda.device(t.device):
+                        return backend.run(*args)
+                break
+    return backend.run(*args)
 
 
 def describe_choice(table: BackendTable, *args) -> str:

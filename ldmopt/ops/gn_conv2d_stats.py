@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import spatial_dims_flatten
-from ._dispatch import Backend, BackendTable, backend_counts, count_bounded, register_eager, triton_refusals
+from ._dispatch import Backend, BackendTable, backend_counts, count_bounded, launch, register_eager, triton_refusals
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: (op, backend, reason) -> count of automatic fall-backs to the reference backend in this process.
@@ -33,7 +33,7 @@ def _run(table: BackendTable, *args):
                 for reason in other.refuse(*args):
                     count_bounded(fallback_reasons, (table.op_name, other.name, reason))
     backend_counts[(table.op_name, backend.name)] += 1
-    return backend.run(*args)
+    return launch(backend, args)
 
 
 def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:
