@@ -107,7 +107,10 @@ def _(dy, pre):
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, save_pre = inputs
-    ctx.save_for_backward(x, weight, bias, output[1] if save_pre else None)
+    # x only for the weight's gradient or a recomputed pre-activation: a frozen layer whose input needs a gradient
+    # (adapter, ControlNet training) must not keep its [M, K] input alive until backward.
+    keep_x = ctx.needs_input_grad[1] or not save_pre
+    ctx.save_for_backward(x if keep_x else None, weight, bias, output[1] if save_pre else None)
     ctx.set_materialize_grads(False)
 
 

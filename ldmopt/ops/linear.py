@@ -247,7 +247,13 @@ def _setup_context(ctx, inputs, output):
             "ldmopt::linear_fwd with saturate=True has no backward (the clamp's gradient needs the unclamped "
             "output); ldmopt.ops.linear(..., saturate=True) clamps after the op when gradients are needed"
         )
-    ctx.save_for_backward(x, weight, bias, gate, output[1] if save_pre else None, x_tail, mix)
+    # x (and x_tail) only for the weight's gradient, the blend's or a recomputed pre-activation: a frozen layer whose
+    # input needs a gradient (adapter, ControlNet training) must not keep its [M, K] input alive until backward.
+    recompute = not save_pre and (bool(activation) or ctx.needs_input_grad[3])  # activation: "" for none
+    keep_x = ctx.needs_input_grad[1] or mix is not None or recompute
+    x_kept, tail_kept = (x, x_tail) if keep_x else (None, None)
+    ctx.save_for_backward(x_kept, weight, bias, gate, output[1] if save_pre else None, tail_kept, mix)
+    ctx.in_features, ctx.has_tail = x.shape[1], x_tail is not None
     ctx.activation = activation or None
     ctx.residual_shape = None if residual is None else residual.shape
     ctx.set_materialize_grads(False)
@@ -261,6 +267,9 @@ def _backward(ctx, dy, _dpre):
     need_dtail = len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8]
     need_dmix = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
     activation = ctx.activation
+    dres = dy.reshape(ctx.residual_shape) if need_dres else None
+    if not (need_dx or need_dw or need_db or need_dgate or need_dtail or need_dmix):
+        return None, None, None, None, dres, None, None, None, None, None, None  # the residual's alone: no GEMM
     if activation is None and gate is None:
         dz, dgate = dy, None
         dbias = dy.sum(0, dtype=compute_dtype(dy)) if need_db else None
@@ -272,11 +281,11 @@ def _backward(ctx, dy, _dpre):
                                 activation or "", need_dgate)  # fmt: skip
     if dz.dtype != weight.dtype:
         dz = dz.to(weight.dtype)  # dy arrived in the promoted dtype (e.g. an fp32 residual stream under autocast)
-    k = x.shape[1]
+    k = ctx.in_features
     dmix = None
     if mix is not None:
         dx, dtail, dmix = _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmix)
-    elif x_tail is None:
+    elif not ctx.has_tail:
         dx, dtail = (torch.matmul(dz, weight) if need_dx else None), None
     elif need_dx or need_dtail:
         dx_joined = torch.matmul(dz, weight)  # one GEMM; each part's gradient is a column view of it
@@ -292,7 +301,6 @@ def _backward(ctx, dy, _dpre):
             dw = torch.matmul(dzt, x) if x_tail is None else torch.cat([dzt @ x, dzt @ x_tail], dim=1)
     db = dbias.to(bias.dtype) if need_db else None
     dg = dgate.to(gate.dtype) if need_dgate else None
-    dres = dy.reshape(ctx.residual_shape) if need_dres else None
     return dx, dw, db, dg, dres, None, None, None, (dtail if need_dtail else None), dmix, None
 
 
