@@ -316,7 +316,9 @@ def _gn_conv2d_fwd_kernel(
         rows = tl.minimum(S - mt * BM, BM).to(tl.float32)
         col_mean = tl.sum(v, axis=0) / rows
         d = tl.where(mask, v - col_mean[None, :], 0.0)
-        col_m2 = tl.sum(d * d, axis=0)
+        residual = tl.sum(d, axis=0)  # corrected two-pass: removes the fp32 mean's rounding error (|mean| >> std)
+        col_m2 = tl.maximum(tl.sum(d * d, axis=0) - residual * residual / rows, 0.0)
+        col_mean += residual / rows
         cm = col_mean.to(tl.float64)
         rows64 = rows.to(tl.float64)
         ws_off = (n * C_out + offs_n).to(tl.int64) * 2

@@ -67,10 +67,16 @@ def _tile_index(n_cblocks, n_outer, C, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def _welford_merge(count, mean, m2, x, mask, n_b):
-    """Merge a [rows, cols] tile (masked, n_b valid rows) into per-column (count, mean, m2) (Chan et al.)."""
+    """Merge a [rows, cols] tile (masked, n_b valid rows) into per-column (count, mean, m2) (Chan et al.).
+
+    The tile's moments by the corrected two-pass formula: the fp32 mean of large values (|mean| >> std) is off by a
+    rounding error d, which would add n_b * d^2 to m2; the residual sum of the centred values measures d exactly
+    enough to remove it (and to correct the mean)."""
     b_mean = tl.sum(x, axis=0) / n_b
     centred = tl.where(mask, x - b_mean[None, :], 0.0)
-    b_m2 = tl.sum(centred * centred, axis=0)
+    residual = tl.sum(centred, axis=0)
+    b_m2 = tl.maximum(tl.sum(centred * centred, axis=0) - residual * residual / n_b, 0.0)
+    b_mean += residual / n_b
     total = count + n_b
     delta = b_mean - mean
     mean += delta * (n_b / total)
