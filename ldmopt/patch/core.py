@@ -38,6 +38,18 @@ def _claimant(module: nn.Module) -> nn.Module | None:
     return ref() if ref is not None else None
 
 
+def _unrecorded_fused(model: nn.Module) -> list[nn.Module]:
+    """Modules of ``model``'s tree in a fused class that neither a record in this tree nor the registry accounts
+    for: part of a copy of a patched model (deepcopy, torch.save/load), whose records are with the copy's root."""
+    records = [rec for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
+    recorded = {id(t) for rec in records for t in rec.rule.touched(rec.site).values()}
+    return [
+        m
+        for m in model.modules()
+        if "_ldmopt_base" in type(m).__dict__ and id(m) not in recorded and _claimant(m) is None
+    ]
+
+
 _QUANT_MODULE_PREFIXES = ("bitsandbytes", "torchao", "optimum.quanto", "gguf", "auto_gptq", "awq", "hqq")
 
 
@@ -254,6 +266,10 @@ def _plan(
     own = {id(m) for m in model.modules()}
     enclosing = [m for m in model.modules() if (owner := _claimant(m)) is not None and id(owner) not in own]
     report.already_patched += sum(id(m) not in earlier for m in enclosing)
+    # In a copy of a patched model, fused modules (and what they fused) whose records are with the copy's root.
+    copied = [inner for m in _unrecorded_fused(model) for inner in m.modules()]
+    report.already_patched += sum(id(m) not in earlier for m in copied)
+    enclosing += copied
     # Modules that an earlier model of this same call shares with this one: that model's plan fuses them.
     enclosing += [m for m in model.modules() if id(m) in planned]
     claimed.update(id(m) for m in enclosing)
@@ -412,6 +428,13 @@ def unpatch(pipe_or_model: Any) -> int:
                 f"ldmopt.unpatch: this {type(model).__name__} was patched as part of an enclosing "
                 f"{type(roots[0]).__name__}; unpatch that model (or pipeline) instead"
             )
+        copied = _unrecorded_fused(model)
+        if copied:
+            raise PatchError(
+                f"ldmopt.unpatch: this {type(model).__name__} holds fused modules ({type(copied[0]).__qualname__}) "
+                "of a copy of a patched model (deepcopy, torch.save/load) whose records are with the copy's root "
+                "model; unpatch that model instead"
+            )
     problems = [
         problem
         for _, model in models
@@ -436,9 +459,12 @@ def unpatch(pipe_or_model: Any) -> int:
 
 
 def is_patched(pipe_or_model: Any) -> bool:
-    """True when any model of the pipeline (or the model) carries ldmopt patches."""
+    """True when any model of the pipeline (or the model) carries ldmopt patches, or runs fused modules patched as
+    part of an enclosing model (then ``unpatch`` that model), also in a copy of one."""
     return any(
-        _RECORDS in m.__dict__ for _, model in _models_of(pipe_or_model, for_patch=False) for m in model.modules()
+        _RECORDS in m.__dict__ or _claimant(m) is not None or "_ldmopt_base" in type(m).__dict__
+        for _, model in _models_of(pipe_or_model, for_patch=False)
+        for m in model.modules()
     )
 
 

@@ -353,7 +353,9 @@ def restore_child(parent: nn.Module, attr: str, original: nn.Module, fused: nn.M
     """Put ``original`` back where ``fused`` was installed, keeping what changed while patched: children, parameters
     and buffers of ``fused`` replaced since (a LoRA layer around its projection) move into ``original``, and a
     wrapper installed around ``fused`` (PEFT wraps the very layer a LoRA targets) stays, wrapping ``original``. A
-    module put in ``fused``'s place by someone else is left there."""
+    module put in ``fused``'s place by someone else is left there. ``original`` takes ``fused``'s train/eval mode
+    (``model.train()``/``eval()`` while patched reached ``fused`` only)."""
+    original.train(fused.training)
     for registry in ("_modules", "_parameters", "_buffers"):
         mine, theirs = getattr(fused, registry), getattr(original, registry)
         for name, value in mine.items():
@@ -380,6 +382,8 @@ class ChildSwapRule(Rule):
 
     def replace(self, site: Site) -> Any:
         parent, children = self.swaps(site)
+        for attr, child in children.items():  # in the mode of the module it replaces (model.eval() before patch)
+            child.train(parent._modules[attr].training)
         return parent, {attr: (set_child(parent, attr, child), child) for attr, child in children.items()}
 
     def restore(self, site: Site, data: Any) -> None:

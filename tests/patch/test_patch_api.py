@@ -113,6 +113,47 @@ def test_submodule_of_a_patched_model_is_not_patched_twice():
     assert ldmopt.unpatch(block) == 0 and ldmopt.patch(block).total > 0  # free again once the model is unpatched
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_block_of_a_copied_patched_model_is_not_patched_twice(how, tmp_path):
+    """A copy of a patched model (an EMA copy, a checkpoint of the module) holds its records at the copy's root, where
+    the registry of claims does not know them: its blocks still count as patched, a patch of one of them fuses
+    nothing again, unpatching the block alone is refused, and the copy's unpatch restores everything."""
+    unet = models.sd15_unet().eval()
+    before = snapshot(unet)
+    whole = ldmopt.patch(unet)
+    if how == "deepcopy":
+        other = copy.deepcopy(unet)
+    else:
+        torch.save(unet, tmp_path / "unet.pt")
+        other = torch.load(tmp_path / "unet.pt", weights_only=False)
+    block = other.down_blocks[0]
+    assert is_patched(block) and is_patched(unet.down_blocks[0])
+    again = ldmopt.patch(block)
+    assert again.total == 0 and again.already_patched > 0, str(again)
+    assert all("fused[fused[" not in type(m).__name__ for m in other.modules())
+    with pytest.raises(PatchError, match="copy of a patched model"):
+        ldmopt.unpatch(block)
+    assert ldmopt.unpatch(other) == whole.total
+    assert [(n, type(m)) for n, m in other.named_modules()] == [(t[0], t[2]) for t in before["tree"]]
+    assert all(torch.equal(v, before["state"][k]) for k, v in other.state_dict().items())
+    assert not is_patched(block)
+
+
+def test_unpatch_restores_train_and_eval_modes():
+    """Swapped-out children live outside the tree while patched: model.train()/eval() then reaches only ldmopt's
+    modules, whose mode the originals take back; the swapped-in modules start in the mode of those they replace."""
+    unet = models.sd15_unet().eval()
+    ldmopt.patch(unet)
+    assert not any(m.training for m in unet.modules())
+    unet.train()
+    ldmopt.unpatch(unet)
+    assert all(m.training for m in unet.modules())
+    ldmopt.patch(unet)
+    unet.eval()
+    ldmopt.unpatch(unet)
+    assert not any(m.training for m in unet.modules())
+
+
 class _Pipeline:
     def __init__(self, **components):
         self.components = components
