@@ -19,9 +19,11 @@ COMMANDS = {
 }
 
 
-#: Output-file options per command whose parent folder is created before the command runs, so a missing folder
-#: cannot fail the write after all the work is done (analyze and profile prepare their own).
-OUTPUT_FILES = {"demo": ("save",)}
+#: Output-file options per command, with the file suffixes they can write (None: any, "-" for stdout). Checked and
+#: their parent folder created before the command runs, so a bad path cannot fail the write after all the work is
+#: done (analyze and profile prepare their own).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+OUTPUT_FILES = {"demo": {"save": IMAGE_SUFFIXES}}
 
 
 def _check_device(device: str) -> str | None:
@@ -44,8 +46,10 @@ def _check_common(args: argparse.Namespace) -> str | None:
         problem = _check_device(device)
         if problem:
             return problem
-    for option in OUTPUT_FILES.get(args.command, ()):
+    for option, suffixes in OUTPUT_FILES.get(args.command, {}).items():
         path = getattr(args, option, None)
+        if isinstance(path, str) and suffixes is not None and not path.lower().endswith(suffixes):
+            return f"--{option} {path}: the file name must end in one of {', '.join(suffixes)} (an image is written)"
         if isinstance(path, str) and path != "-":
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

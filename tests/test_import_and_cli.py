@@ -195,6 +195,17 @@ def test_demo_save_folder_is_made_before_the_run(tmp_path, monkeypatch):
     assert seen == [True]  # the folder existed before the (long) stock and patched runs started
 
 
+def test_demo_save_needs_an_image_file_name(tmp_path, capsys, monkeypatch):
+    import ldmopt.demo
+    from ldmopt.cli import main
+
+    monkeypatch.setattr(ldmopt.demo, "run_demo", lambda args: pytest.fail("the demo ran before the check"))
+    for name in ("-", str(tmp_path / "out.jpgx"), str(tmp_path / "out")):
+        assert main(["demo", "--save", name]) == 2
+        err = capsys.readouterr().err
+        assert "must end in one of .png" in err and "Traceback" not in err
+
+
 def test_unusable_device_is_a_clear_error_not_a_traceback(capsys, monkeypatch):
     import torch
 
