@@ -14,12 +14,14 @@ kernel, and the reference and backward run nn.Linear's GEMMs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_operands
-from ._checks import check_activation, check_same_device, check_tensor, check_vector
+from ._checks import check_activation, check_eps, check_same_device, check_tensor, check_vector
 from ._dispatch import (
     Backend,
     BackendTable,
@@ -526,14 +528,17 @@ def gn_silu_conv2d(
     check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
     mean = rstd = None
     if normalize:
-        if not isinstance(num_groups, int) or num_groups <= 0 or c_in % num_groups:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0 or c_in % num_groups:
             raise ValueError(f"num_groups={num_groups!r} must be a positive int dividing C={c_in}")
+        eps = check_eps(eps)
         check_vector("gn_weight", gn_weight, c_in, x)
         check_vector("gn_bias", gn_bias, c_in, x)
         if stats is None:
             tail = None if x_tail is None else statistics_source(x_tail)
             mean, rstd = call(gn_conv2d_stats, statistics_source(x), num_groups, float(eps), tail)
         else:
+            if not (isinstance(stats, (tuple, list)) and len(stats) == 2):
+                raise TypeError(f"stats must be a (mean, rstd) pair from out_stats=, got {type(stats).__name__}")
             mean, rstd = stats
             for name, t in (("stats[0] (mean)", mean), ("stats[1] (rstd)", rstd)):
                 if tuple(t.shape) != (n, num_groups):
@@ -544,8 +549,10 @@ def gn_silu_conv2d(
     oh, ow = conv_output_size(h, w, conv_weight.shape[2:], stride, pads, resample)
     if oh <= 0 or ow <= 0:
         raise ValueError(f"x of spatial size {h}x{w} is too small for this convolution (output {oh}x{ow})")
-    if not output_scale:
-        raise ValueError(f"output_scale={output_scale!r}: the output is divided by it, so it must be non-zero")
+    finite = torch.compiler.is_compiling() or math.isfinite(output_scale)  # a symbolic float under dynamic=True
+    if not output_scale or not finite:
+        raise ValueError(f"output_scale={output_scale!r}: the output is divided by it, so it must be finite, non-zero")
+    check_same_device("conv_weight", conv_weight, x)
     operands = (("temb", temb), ("residual", residual), ("gate", gate))
     for name, t in (*operands, *zip(("shortcut_x", "shortcut_weight"), shortcut or ())):
         check_same_device(name, t, x)
@@ -582,8 +589,10 @@ def gn_silu_conv2d(
             )
         check_vector("shortcut_bias", sb, c_out, x)
     out_groups, out_eps = (0, 0.0) if out_stats is None else out_stats
-    if out_stats is not None and (not isinstance(out_groups, int) or out_groups <= 0 or c_out % out_groups):
-        raise ValueError(f"out_stats groups={out_groups!r} must be a positive int dividing C_out={c_out}")
+    if out_stats is not None:
+        if isinstance(out_groups, bool) or not isinstance(out_groups, int) or out_groups <= 0 or c_out % out_groups:
+            raise ValueError(f"out_stats groups={out_groups!r} must be a positive int dividing C_out={c_out}")
+        out_eps = check_eps(out_eps)
     y, out_mean, out_rstd = call(
         gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, gate,
         num_groups, activation or "", stride, list(pads), resample, residual_resample, shortcut_resample,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_activation, check_tensor, check_vector, memory_format_of, spatial_dims_flatten
+from ._checks import check_activation, check_eps, check_tensor, check_vector, memory_format_of, spatial_dims_flatten
 from ._dispatch import (
     Backend,
     BackendTable,
@@ -244,8 +244,9 @@ def group_norm(
     if x.dim() not in (3, 4, 5):  # the kernels' layouts; the statistics do not depend on how the rest is shaped
         y = group_norm(x.reshape(*x.shape[:2], -1), num_groups, weight, bias, eps, activation)
         return y.view(x.shape)
-    if not isinstance(num_groups, int) or num_groups <= 0:
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
         raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    eps = check_eps(eps)
     c = x.shape[1]
     if c % num_groups:
         raise ValueError(f"x has C={c} channels, not divisible by num_groups={num_groups}")

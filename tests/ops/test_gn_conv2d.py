@@ -271,6 +271,11 @@ def _bad(**over):
         (_bad(stats=(torch.zeros(2, 3), torch.ones(2, 3))), r"stats\[0\] \(mean\) must have shape \(2, 4\)"),
         (_bad(activation="gelu"), "activation='gelu' is not supported"),
         (_bad(stride=0), "stride must be a positive int, got 0"),
+        (_bad(num_groups=True), "num_groups=True must be a positive int"),
+        (_bad(eps=float("nan")), "eps must be a finite non-negative"),
+        (_bad(out_stats=(2, -1.0)), "eps must be a finite non-negative"),
+        (_bad(stats=(torch.zeros(2, 4),)), r"stats must be a \(mean, rstd\) pair"),
+        (_bad(conv_weight=torch.randn(4, 8, 3, 3, device="meta")), "conv_weight is on meta"),
     ],
 )
 def test_bad_input_messages(call, match):
@@ -339,6 +344,7 @@ def test_cropped_input_falls_back_instead_of_raising():
     "kwargs,match",
     [
         (dict(output_scale=0.0), "output_scale=0.0"),
+        (dict(output_scale=float("nan")), "output_scale=nan"),
         (dict(temb=torch.randn(2, 12, device="meta")), "temb is on meta but the input is on cpu"),
     ],
 )

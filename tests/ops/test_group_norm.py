@@ -149,6 +149,9 @@ def test_module_is_drop_in():
         (lambda: group_norm(torch.randint(0, 3, (2, 6, 4, 4)), 3), "x has dtype torch.int64"),
         (lambda: group_norm(torch.randn(0, 6, 4, 4), 3), "x is empty"),
         (lambda: group_norm(torch.randn(2, 6, 4, 4), 0), "num_groups must be a positive int, got 0"),
+        (lambda: group_norm(torch.randn(2, 2, 4, 4), True), "num_groups must be a positive int, got True"),
+        (lambda: group_norm(torch.randn(2, 6, 4, 4), 3, eps=float("nan")), "eps must be a finite non-negative"),
+        (lambda: group_norm(torch.randn(2, 6, 4, 4), 3, eps=-1e-5), "eps must be a finite non-negative"),
         (lambda: group_norm(torch.randn(2, 6, 4, 4), 3, activation="gelu"), "activation='gelu' is not supported"),
     ],
 )
