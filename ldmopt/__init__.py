@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "patch": ("ldmopt.patch", "patch"),
     "unpatch": ("ldmopt.patch", "unpatch"),
+    "is_patched": ("ldmopt.patch", "is_patched"),
     "profile": ("ldmopt.profiler", "profile"),
     "analyze": ("ldmopt.profiler", "analyze"),
 }

@@ -136,7 +136,7 @@ def test_a_block_of_a_copied_patched_model_is_not_patched_twice(how, tmp_path):
     assert ldmopt.unpatch(other) == whole.total
     assert [(n, type(m)) for n, m in other.named_modules()] == [(t[0], t[2]) for t in before["tree"]]
     assert all(torch.equal(v, before["state"][k]) for k, v in other.state_dict().items())
-    assert not is_patched(block)
+    assert not is_patched(block) and ldmopt.is_patched is is_patched
 
 
 def test_unpatch_restores_train_and_eval_modes():
