@@ -209,8 +209,10 @@ def geglu_fwd(
 
 
 def geglu_bwd(dy: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dpre [M, 2I] in dy's dtype, dbias fp32 [2I]) from dy [M, I] (any strides) and the saved pre [M, 2I]."""
+    """(dpre [M, 2I] in dy's dtype, dbias fp32 [2I]) from dy [M, I] (any strides) and the saved pre [M, 2I] (read as
+    contiguous: a strided one, which only a direct call of the op can pass, is copied)."""
     m, n = dy.shape
+    pre = pre.contiguous()
     block_m, block_n = bwd_tiles(n)
     n_nblocks = triton.cdiv(n, block_n)
     rows, n_chunks = row_chunks(1, m, n_nblocks, block_m)

@@ -463,8 +463,10 @@ def linear_bwd(
     need_dgate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dz, dbias fp32 [N], dgate fp32 [B, N] or None) for y = residual + gate * act(z): dz = act'(z) * gate * dy in
-    dy's dtype. dy [M, N] any strides; pre (z) [M, N] contiguous, needed when activation is set or need_dgate."""
+    dy's dtype. dy [M, N] any strides; pre (z) [M, N] (read as contiguous: a strided one, which only a direct call of
+    the op can pass, is copied), needed when activation is set or need_dgate."""
     m, n = dy.shape
+    pre = None if pre is None else pre.contiguous()
     num_samples = gate.shape[0] if gate is not None else 1
     tokens = m // num_samples
     block_m, block_n = bwd_tiles(n)

@@ -147,6 +147,11 @@ def adaln_modulate_fwd(
         raise ValueError("adaln_modulate_fwd: a gate needs a residual (the gated sum is residual + gate * x)")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"adaln_modulate_fwd: residual of shape {tuple(residual.shape)} is not x's {tuple(x.shape)}")
+    if residual is not None and gate is None and residual.dtype != x.dtype:  # ops.adaln_modulate promotes first
+        raise ValueError(
+            f"adaln_modulate_fwd: residual dtype {residual.dtype} differs from x's {x.dtype} (without a gate the sum "
+            "is in x's dtype: promote both first)"
+        )
     return FORWARD(x, scale, shift, residual, gate, eps, store_sum, save)
 
 
