@@ -421,9 +421,9 @@ def launch(backend: Backend, args: Sequence):
     device's current stream, so a model on cuda:1 (a device_map, ``--device cuda:1``) while cuda:0 is current would
     run its kernels on the wrong GPU. (The cuda backend's C++ ops set the device themselves.)"""
     if backend.name == "triton":
-        for t in tensors_in(args):
-            if t.is_cuda:
-                if t.get_device() != torch.cuda.current_device():
+        for t in args:  # the first tensor argument: every op's inputs share one device
+            if isinstance(t, torch.Tensor):
+                if t.is_cuda and t.get_device() != torch.cuda.current_device():
                     with torch.cuda.device(t.device):
                         return backend.run(*args)
                 break
