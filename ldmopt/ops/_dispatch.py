@@ -178,7 +178,13 @@ def statistics_source(x: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_composition(op, args: Sequence):
-    """``op``'s implementation with every op on the torch backend: differentiable PyTorch ops only."""
+    """``op``'s implementation with every op on the torch backend: differentiable PyTorch ops only. Under
+    torch.compile it runs outside the graph (a graph break): the backend choice is not traceable."""
+    if torch.compiler.is_compiling():
+        torch._dynamo.graph_break(
+            msg="ldmopt: a torch.func transform or forward-mode AD over an ldmopt op runs the op's reference "
+            "composition eagerly (compile with fullgraph=False, or apply the transform outside the compiled region)"
+        )
     impl = _implementation(op)
     if impl is None:
         raise NotImplementedError(
@@ -198,8 +204,8 @@ def call(op, *args):
             needs_grad = _eager_grad_needs(args)
             if needs_grad is not None:
                 return fast(needs_grad, *args)
-        if runs_reference_composition(args):
-            return _reference_composition(op, args)
+    if runs_reference_composition(args):
+        return _reference_composition(op, args)
     return op(*args)
 
 

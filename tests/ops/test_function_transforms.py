@@ -176,3 +176,21 @@ def test_gradient_penalty_through_torch_func_grad_matches_stock_double_backward(
     expected = torch.autograd.grad(inner.square().sum(), [w, b, conv])
     for name, g, e in zip(("gn weight", "gn bias", "conv weight"), got, expected, strict=True):
         _assert_relative(g, e, 1e-12, f"penalty gradient of the {name}")
+
+
+def test_transforms_inside_torch_compile_run_the_reference_composition_or_say_why_not():
+    # Traced, the custom op would take the tangent as zero without a word: the composition runs eagerly instead
+    # (a graph break), and fullgraph=True names the reason.
+    x, w = torch.randn(2, 8, 4, 4), torch.randn(8)
+    tangent = torch.randn_like(x)
+
+    def tangent_of(norm):
+        return lambda t: torch.func.jvp(lambda a: norm(a), (t,), (tangent,))[1]
+
+    expected = tangent_of(lambda a: F.silu(F.group_norm(a, 2, w)))(x)
+    torch._dynamo.reset()
+    got = torch.compile(tangent_of(lambda a: ops.group_norm(a, 2, w, activation="silu")))(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="reference composition eagerly"):
+        torch.compile(tangent_of(lambda a: ops.group_norm(a, 2, w)), fullgraph=True)(x)
