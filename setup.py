@@ -50,7 +50,8 @@ def _cuda_extension():
     sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
     if not sources:
         return [], {}, "skipped: csrc/ has no sources"
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # Cubins for A100 and H100/H200 (sm_86/89 run the sm_80 one), PTX that newer GPUs (sm_100, sm_120) compile.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     include_dirs = [os.path.join(ROOT, "csrc"), cuda_include]
     # pip's CUDA 13 torch wheels carry the CUDA headers (cuda_runtime.h, cuda_fp16.h, ...) under nvidia/cu13/include.
     for sub in ("cu13", "cu12"):
@@ -139,6 +140,10 @@ def _timed_build_ext(cpp_extension, info: dict):
             start = time.monotonic()
             super().run()
             _write_build_info({**info, "build_seconds": round(time.monotonic() - start, 1)})
+            if not self.inplace:  # build_py copied the package data before this ran: the wheel gets this build's
+                target = os.path.join(self.build_lib, "ldmopt", os.path.basename(BUILD_INFO))
+                if os.path.isdir(os.path.dirname(target)):
+                    shutil.copyfile(BUILD_INFO, target)
 
     return TimedBuildExt
 

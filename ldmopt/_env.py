@@ -81,6 +81,41 @@ def build_info() -> dict:
         return {}
 
 
+#: ldmopt._C's kernels use sm_80 features (bf16 WMMA, cp.async-era shared memory limits).
+MIN_CUDA_EXTENSION_CAPABILITY = (8, 0)
+
+
+def runs_cuda_extension_on(capability: tuple[int, int], arch_list: str | None) -> str | None:
+    """Why ldmopt._C's kernels cannot run on a GPU of ``capability``, or None: sm_80 at least, and a cubin built for
+    its major version at or below its minor, or PTX built for a lower capability (``arch_list`` as
+    TORCH_CUDA_ARCH_LIST wrote it, e.g. "8.0;9.0+PTX"; None when unknown: only the minimum is checked)."""
+    if capability < MIN_CUDA_EXTENSION_CAPABILITY:
+        return f"compute capability {capability[0]}.{capability[1]}: ldmopt._C's kernels need 8.0 or newer"
+    if not arch_list:
+        return None
+    for entry in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        ptx = entry.endswith("+PTX")
+        try:
+            major, minor = (int(part) for part in entry.removesuffix("+PTX").split(".")[:2])
+        except ValueError:
+            continue  # "Ampere" style names: cannot tell, keep looking
+        if (capability[0] == major and capability[1] >= minor) or (ptx and capability >= (major, minor)):
+            return None
+    return (
+        f"compute capability {capability[0]}.{capability[1]}: ldmopt._C was built for TORCH_CUDA_ARCH_LIST="
+        f"{arch_list!r} (no cubin or PTX for it; rebuild with it in the list)"
+    )
+
+
+@functools.cache
+def cuda_extension_device_refusal(index: int) -> str | None:
+    """:func:`runs_cuda_extension_on` for CUDA device ``index``, read once per device."""
+    import torch
+
+    capability = torch.cuda.get_device_capability(index)
+    return runs_cuda_extension_on(tuple(capability), build_info().get("arch_list"))
+
+
 def gpu_status() -> tuple[bool, str]:
     """(a CUDA device is usable, description). Queries the driver: call only when asked."""
     import torch

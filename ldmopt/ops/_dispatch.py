@@ -373,9 +373,11 @@ def cuda_extension_refusals(op_symbol: str, *args) -> list[str]:
         return [why]
     if not hasattr(torch.ops.ldmopt, op_symbol):
         return [f"ldmopt._C has no kernel {op_symbol!r} (extension built from older sources?)"]
-    if not all(t.is_cuda for t in tensors_in(args)):
+    tensors = tensors_in(args)
+    if not all(t.is_cuda for t in tensors):
         return ["tensors are not on a CUDA device"]
-    return []
+    why_not = _env.cuda_extension_device_refusal(tensors[0].get_device()) if tensors else None
+    return [why_not] if why_not else []
 
 
 @dataclass

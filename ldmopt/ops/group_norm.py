@@ -128,7 +128,9 @@ def _cuda_refuse(symbol: str, *tensors: Tensor, stats: tuple[Tensor, ...] = ()) 
         return reasons
     if x.dtype not in _TRITON_DTYPES:
         reasons.append(f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)")
-    if not _cuda_layout(x):
+    if x.dim() not in (3, 4, 5) or x.numel() == 0:  # only direct op calls pass these (group_norm reshapes first)
+        reasons.append(f"x of shape {tuple(x.shape)} (the CUDA kernels take non-empty 3-, 4- and 5-D x)")
+    elif not _cuda_layout(x):
         reasons.append(f"x strides {x.stride()} are neither contiguous nor channels-last")
     if any(t.dtype != x.dtype for t in tensors):
         reasons.append("dy and x of different dtypes")

@@ -183,6 +183,8 @@ def _cuda_refusals(symbol, q, k, v, *args) -> list[str]:
     reasons = cuda_extension_refusals(symbol, q, k, v) or _kernel_refusals(q, k, v, *args)
     # The extension rejects a non-finite scale outright (the others return the reference's NaN): let them take it.
     reasons += [f"scale={a} (the CUDA kernel takes finite scales)" for a in args[:1] if not math.isfinite(a)]
+    if q.dim() == 5 and (q.shape[1] < 1 or q.shape[4] < 1):  # the extension checks these before its empty return
+        reasons.append(f"q of shape {tuple(q.shape)}: the CUDA kernel takes F >= 1 frames and head_dim >= 1")
     if reasons or q.numel() == 0:  # an empty launch returns before the plan is used
         return reasons
     b, f, n, h, d = q.shape

@@ -271,3 +271,44 @@ def test_python_refusal_matches_what_the_cpp_op_refuses(case, monkeypatch):
         cpp_refuses = True
     refused = module._cuda_refuse("group_norm_bwd_cuda", dy, x, stats=(st, st))
     assert bool(refused) == cpp_refuses, (case, refused)
+
+
+# ------------------------------------------------------------------------------------------------ which GPUs
+
+
+@pytest.mark.parametrize(
+    "capability,arch_list,runs",
+    [
+        ((8, 0), "8.0;9.0+PTX", True),
+        ((8, 6), "8.0;9.0+PTX", True),  # the sm_80 cubin runs on every 8.x
+        ((9, 0), "8.0;9.0+PTX", True),
+        ((10, 0), "8.0;9.0+PTX", True),  # B200: the driver compiles the compute_90 PTX
+        ((12, 0), "8.0;9.0+PTX", True),
+        ((10, 0), "8.0;9.0", False),  # no PTX: no kernel image for sm_100
+        ((8, 0), "9.0", False),
+        ((7, 5), "7.5;8.0;9.0+PTX", False),  # T4: below the kernels' sm_80 minimum whatever was built
+        ((7, 0), None, False),
+        ((9, 0), None, True),  # build unknown: only the minimum is checked
+    ],
+)
+def test_the_cuda_backend_refuses_gpus_the_build_cannot_run_on(capability, arch_list, runs):
+    why_not = _env.runs_cuda_extension_on(capability, arch_list)
+    assert (why_not is None) == runs, why_not
+    if why_not:
+        assert f"{capability[0]}.{capability[1]}" in why_not
+
+
+def test_direct_calls_the_kernels_would_reject_are_refused_first(monkeypatch):
+    # What the C++ checks reject must be refused in Python, so that another backend runs instead of an error.
+    gn_module = importlib.import_module("ldmopt.ops.group_norm")
+    ta_module = importlib.import_module("ldmopt.ops.temporal_attention")
+
+    monkeypatch.setattr(ta_module, "cuda_extension_refusals", lambda *args: [])
+    monkeypatch.setattr(gn_module, "cuda_extension_refusals", lambda *args: [])
+    for shape in ((1, 0, 2, 2, 8), (1, 4, 2, 2, 0)):
+        q = torch.empty(shape)
+        reasons = ta_module._cuda_refusals("temporal_attention_fwd_cuda", q, q, q, 0.5)
+        assert any("F >= 1 frames and head_dim >= 1" in r for r in reasons), reasons
+    for shape in ((2, 4), (2, 4, 1, 1, 1, 3), (0, 4, 2, 2)):
+        reasons = gn_module._cuda_refuse("group_norm_fwd_cuda", torch.empty(shape))
+        assert any("non-empty 3-, 4- and 5-D x" in r for r in reasons), reasons
