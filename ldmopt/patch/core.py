@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
-from .rule import FAMILIES, Rule, Site
+from .rule import FAMILIES, Rule, Site, swap_class
 
 _RECORDS = "_ldmopt_records"
 #: Every module a live patch touched -> the model that holds its records (a patch of an enclosing model leaves no
@@ -428,13 +428,6 @@ def unpatch(pipe_or_model: Any) -> int:
                 f"ldmopt.unpatch: this {type(model).__name__} was patched as part of an enclosing "
                 f"{type(roots[0]).__name__}; unpatch that model (or pipeline) instead"
             )
-        copied = _unrecorded_fused(model)
-        if copied:
-            raise PatchError(
-                f"ldmopt.unpatch: this {type(model).__name__} holds fused modules ({type(copied[0]).__qualname__}) "
-                "of a copy of a patched model (deepcopy, torch.save/load) whose records are with the copy's root "
-                "model; unpatch that model instead"
-            )
     problems = [
         problem
         for _, model in models
@@ -450,11 +443,18 @@ def unpatch(pipe_or_model: Any) -> int:
             "or pipe.remove_all_hooks()), or attach them after unpatch:\n  " + "\n  ".join(problems)
         )
     for _, model in reversed(models):  # the reverse of patch's order, as models may share modules
+        # Copies of patched blocks (deepcopy, torch.load, PEFT's modules_to_save) whose records are not here: their
+        # fused class is all a class-swap rule changed in them (its guards aside), so they go back to their own.
+        copies = _unrecorded_fused(model)
         holders = [m for m in model.modules() if _RECORDS in m.__dict__]
         for holder in holders:
             records = holder.__dict__.pop(_RECORDS)
             _restore(records)
             undone += len(records)
+        for module in copies:
+            swap_class(module, type(module)._ldmopt_base)
+            module.__dict__.pop("_ldmopt_guards", None)
+            undone += 1
     return undone
 
 

@@ -265,6 +265,8 @@ class ClassSwapRule(Rule):
         where = site.name or "the model"
         if "forward" in site.module.__dict__:
             return [f"{where}: its forward was wrapped while patched (accelerate/diffusers hook) and calls ldmopt's"]
+        if type(site.module) is data:  # already restored: a copy of this block unpatched on its own
+            return []
         if "_ldmopt_base" not in type(site.module).__dict__:
             return [f"{where}: its class became {type(site.module).__name__} while patched (a parametrization?)"]
         return []

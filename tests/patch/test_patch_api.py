@@ -117,7 +117,8 @@ def test_submodule_of_a_patched_model_is_not_patched_twice():
 def test_a_block_of_a_copied_patched_model_is_not_patched_twice(how, tmp_path):
     """A copy of a patched model (an EMA copy, a checkpoint of the module) holds its records at the copy's root, where
     the registry of claims does not know them: its blocks still count as patched, a patch of one of them fuses
-    nothing again, unpatching the block alone is refused, and the copy's unpatch restores everything."""
+    nothing again, unpatching the block alone returns its fused classes to their own, and the copy's unpatch then
+    restores everything."""
     unet = models.sd15_unet().eval()
     before = snapshot(unet)
     whole = ldmopt.patch(unet)
@@ -131,12 +132,25 @@ def test_a_block_of_a_copied_patched_model_is_not_patched_twice(how, tmp_path):
     again = ldmopt.patch(block)
     assert again.total == 0 and again.already_patched > 0, str(again)
     assert all("fused[fused[" not in type(m).__name__ for m in other.modules())
-    with pytest.raises(PatchError, match="copy of a patched model"):
-        ldmopt.unpatch(block)
+    assert ldmopt.unpatch(block) > 0 and "fused[" not in type(block.resnets[0]).__qualname__
     assert ldmopt.unpatch(other) == whole.total
     assert [(n, type(m)) for n, m in other.named_modules()] == [(t[0], t[2]) for t in before["tree"]]
     assert all(torch.equal(v, before["state"][k]) for k, v in other.state_dict().items())
     assert not is_patched(block) and ldmopt.is_patched is is_patched
+
+
+def test_unpatch_with_a_peft_copy_of_a_patched_block():
+    """PEFT's modules_to_save deep-copies the block it wraps, fused class included, with no undo record: unpatch
+    restores the model's records and returns the copy to its own class."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    unet = models.sd15_unet().eval()
+    whole = ldmopt.patch(unet)
+    config = LoraConfig(r=2, target_modules=["to_q"], modules_to_save=["mid_block.resnets.0"])
+    inject_adapter_in_model(config, unet)
+    assert ldmopt.unpatch(unet) > whole.total
+    assert not is_patched(unet)
+    assert not any("_ldmopt_base" in type(m).__dict__ for m in unet.modules())
 
 
 def test_unpatch_restores_train_and_eval_modes():
