@@ -253,7 +253,9 @@ def _register_eager_autograd(op, setup: Callable, backward: Callable) -> None:
     _EAGER[op] = fast
 
 
-def register_autograd_keeping_backend(op, backward: Callable, setup_context: Callable) -> None:
+def register_autograd_keeping_backend(
+    op, backward: Callable, setup_context: Callable, differentiable: Callable | None = None
+) -> None:
     """``op.register_autograd`` whose backward runs under the backends forced when the forward ran.
 
     On a GPU the autograd engine runs backward on its own device threads, which do not see the caller's
@@ -262,7 +264,10 @@ def register_autograd_keeping_backend(op, backward: Callable, setup_context: Cal
     name keep what the backward's thread forces: on a GPU's autograd threads only ``LDMOPT_BACKEND``), and a backend
     it forces that a backward op does not have (``cuda`` for the temporal attention backward) is chosen automatically
     there instead of raising. Not covered: recomputed forwards under gradient checkpointing and the compiled backward
-    under torch.compile choose by their own context; ``LDMOPT_BACKEND`` forces every pass."""
+    under torch.compile choose by their own context; ``LDMOPT_BACKEND`` forces every pass.
+
+    With ``create_graph=True`` the gradients are routed through :class:`_DoubleBackwardRefused` unless
+    ``differentiable(ctx)`` says this backward is made of PyTorch ops on saved inputs only (exact to differentiate)."""
 
     def setup(ctx, inputs, output):
         ctx.ldmopt_forced = _forced.get()
@@ -274,7 +279,7 @@ def register_autograd_keeping_backend(op, backward: Callable, setup_context: Cal
         else:
             with _in_context(_inherited(ctx.ldmopt_forced, _forced.get())):
                 input_grads = backward(ctx, *grads)
-        if torch.is_grad_enabled():  # create_graph=True
+        if torch.is_grad_enabled() and not (differentiable is not None and differentiable(ctx)):  # create_graph
             return _refusing_double_backward(getattr(op, "_qualname", "an ldmopt op"), input_grads)
         return input_grads
 

@@ -253,7 +253,7 @@ def _setup_context(ctx, inputs, output):
     keep_x = ctx.needs_input_grad[1] or mix is not None or recompute
     x_kept, tail_kept = (x, x_tail) if keep_x else (None, None)
     ctx.save_for_backward(x_kept, weight, bias, gate, output[1] if save_pre else None, tail_kept, mix)
-    ctx.in_features, ctx.has_tail = x.shape[1], x_tail is not None
+    ctx.in_features, ctx.has_tail, ctx.has_gate = x.shape[1], x_tail is not None, gate is not None
     ctx.activation = activation or None
     ctx.residual_shape = None if residual is None else residual.shape
     ctx.set_materialize_grads(False)
@@ -323,7 +323,13 @@ def _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmi
     return dx, dtail, dmix
 
 
-register_autograd_keeping_backend(linear_fwd, _backward, _setup_context)
+def _differentiable_backward(ctx) -> bool:
+    # Without an activation or gate the backward is matmuls and sums of dy with saved inputs (x, weight, the blend's
+    # parts): PyTorch ops that differentiate exactly (torch.autograd.functional.jvp/hvp take this double backward).
+    return ctx.activation is None and not ctx.has_gate
+
+
+register_autograd_keeping_backend(linear_fwd, _backward, _setup_context, _differentiable_backward)
 register_eager(linear_bwd)
 
 

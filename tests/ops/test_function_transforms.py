@@ -194,3 +194,24 @@ def test_transforms_inside_torch_compile_run_the_reference_composition_or_say_wh
     torch._dynamo.reset()
     with pytest.raises(Exception, match="reference composition eagerly"):
         torch.compile(tangent_of(lambda a: ops.group_norm(a, 2, w)), fullgraph=True)(x)
+
+
+def test_double_backward_of_a_plain_linear_is_exact():
+    # Without an activation or gate the backward is PyTorch ops on saved inputs: torch.autograd.functional.jvp (the
+    # double-backward trick) and hvp stay exact, also for a two-part input.
+    x, tail = torch.randn(2, 5, 6, dtype=torch.float64), torch.randn(2, 5, 6, dtype=torch.float64)
+    w, b = torch.randn(7, 12, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+    v = (torch.randn_like(x), torch.randn_like(tail))
+
+    def fused(a, c):
+        return ops.linear((a, c), w, b).sin()
+
+    def stock(a, c):
+        return F.linear(torch.cat([a, c], -1), w, b).sin()
+
+    for transform in (torch.autograd.functional.jvp, torch.autograd.functional.hvp):
+        target = (lambda f: lambda a, c: f(a, c).sum()) if transform is torch.autograd.functional.hvp else None
+        got = transform(target(fused) if target else fused, (x, tail), v)[1]
+        want = transform(target(stock) if target else stock, (x, tail), v)[1]
+        for g, e in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
