@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +49,7 @@ def check_eps(eps: object) -> float:
     symbolic float, on which ``math.isfinite`` cannot be traced. Eager calls check it."""
     if torch.compiler.is_compiling():
         return eps  # type: ignore[return-value]
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite non-negative float, got {eps!r}")
     return float(eps)
 

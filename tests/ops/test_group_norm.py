@@ -234,3 +234,10 @@ def test_torch_compile_fullgraph(backend):
     module(x).sum().backward()
     assert_close(out, module(x).detach().double(), torch.float32, "compiled forward")
     assert_close(grad_compiled, x.grad.double(), torch.float32, "compiled backward")
+
+
+def test_numpy_eps_is_accepted():
+    import numpy as np
+
+    x = torch.randn(2, 6, 4, 4)
+    torch.testing.assert_close(group_norm(x, 3, eps=np.float32(1e-3)), F.group_norm(x, 3, eps=1e-3))
