@@ -148,8 +148,11 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
         z = z * gate.to(cd)[:, None, :, None]
     if res is not None:
         z = z + _resample(res.to(cd), res_resample)
-    y = _channels_last_like(z.shape, x)
-    y.copy_(z / output_scale)
+    if torch._C._are_functorch_transforms_active():  # vmap: no writes of batched values into an unbatched buffer
+        y = (z / output_scale).to(x.dtype)
+    else:
+        y = _channels_last_like(z.shape, x)
+        y.copy_(z / output_scale)
     if not out_groups:
         empty = x.new_empty((x.shape[0], 0), dtype=torch.float32)
         return y, empty, empty.clone()

@@ -255,7 +255,9 @@ def group_norm(
     check_vector("weight", weight, c, x)
     check_vector("bias", bias, c, x)
     check_activation("activation", activation, SUPPORTED_ACTIVATIONS)
-    if not (x.is_contiguous() or x.is_contiguous(memory_format=memory_format_of(x))):
+    # Layouts only matter to the kernels; under torch.func transforms the reference runs (and vmap cannot query them).
+    dense = torch._C._are_functorch_transforms_active() or x.is_contiguous()
+    if not (dense or x.is_contiguous(memory_format=memory_format_of(x))):
         x = x.contiguous()
     y, _mean, _rstd = call(group_norm_fwd, x, weight, bias, num_groups, float(eps), activation or "")
     return y

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from ..nn.child_check import attached_hooks, count_reason, hooked, stock, unreadable_reason
@@ -203,6 +204,11 @@ def _guarded(base: type, name: str, fn: Callable) -> Callable:
     :meth:`ClassSwapRule.guarded`)."""
 
     def method(self, *args, **kwargs):
+        if torch._C._are_functorch_transforms_active():
+            # torch.func transforms run the ops' reference compositions anyway, and vmap cannot query the layouts
+            # the fused paths choose by: the stock forward is exact and no slower there.
+            count_reason(type(self).__name__, "under a torch.func transform (vmap, grad, jvp ...)")
+            return stock(self, name)(*args, **kwargs)
         for parent, attr, child, where in self.__dict__.get("_ldmopt_guards", ()):
             now = parent._modules.get(attr)
             if now is not child or hooked(now):

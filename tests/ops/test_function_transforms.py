@@ -215,3 +215,11 @@ def test_double_backward_of_a_plain_linear_is_exact():
         want = transform(target(stock) if target else stock, (x, tail), v)[1]
         for g, e in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,fn,inputs", CASES, ids=IDS)
+def test_vmap_over_the_first_input_matches_a_loop(name, fn, inputs):
+    batch = torch.stack([inputs[0], torch.randn_like(inputs[0])])
+    mapped = torch.func.vmap(lambda first: fn([first, *inputs[1:]]))(batch)
+    for i in range(2):
+        torch.testing.assert_close(mapped[i], fn([batch[i], *inputs[1:]]), rtol=1e-12, atol=1e-12, msg=name)

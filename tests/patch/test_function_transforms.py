@@ -1,7 +1,7 @@
 """A patched model under torch.func: jvp (the tangent of the denoiser along a direction, as continuous-time
-consistency models and MeanFlow train with) and grad must equal the stock model's, in fp64, for a UNet, a video UNet
-and a DiT-style transformer. The fused ops run their reference compositions there (see
-tests/ops/test_function_transforms.py)."""
+consistency models and MeanFlow train with), grad and vmap must equal the stock model's, in fp64, for a UNet, a
+video UNet and a DiT-style transformer. The fused ops run their reference compositions there (see
+tests/ops/test_function_transforms.py), and class-swapped blocks their stock forwards."""
 
 import pytest
 import torch
@@ -40,17 +40,22 @@ def test_patched_model_jvp_and_grad_equal_the_stock_models(family, monkeypatch):
     def loss(sample):
         return denoise(sample).square().sum()
 
+    samples = torch.stack([x, torch.randn_like(x)])  # vmap over whole batches: per-sample work, per-sample gradients
     stock_y, stock_jvp = torch.func.jvp(denoise, (x,), (direction,))
     stock_grad = torch.func.grad(loss)(x)
+    stock_mapped = torch.func.vmap(denoise)(samples)
     report = ldmopt.patch(model)
     assert report.replaced, "nothing was patched"
     before = sum(ldmopt.ops.backend_counts.values())
     y, jvp = torch.func.jvp(denoise, (x,), (direction,))
     grad = torch.func.grad(loss)(x)
     assert sum(ldmopt.ops.backend_counts.values()) > before, "the fused paths did not run"
+    mapped = torch.func.vmap(denoise)(samples)
     # fp64: only rounding differs (Flux's rotary tables are built in fp64 by ldmopt, fp32 in diffusers' CPU path).
     bound = 1e-7 if family == "flux" else 1e-12
-    for what, got, expected in (("output", y, stock_y), ("jvp", jvp, stock_jvp), ("grad", grad, stock_grad)):
+    compared = {"output": (y, stock_y), "jvp": (jvp, stock_jvp), "grad": (grad, stock_grad)}
+    compared["vmap"] = (mapped, stock_mapped)
+    for what, (got, expected) in compared.items():
         err = (got - expected).abs().max().item() / expected.abs().max().item()
         assert err <= bound, f"{family} {what}: relative error {err:.2e} > {bound:.0e}"
     ldmopt.unpatch(model)
