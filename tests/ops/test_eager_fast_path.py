@@ -7,6 +7,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ldmopt import ops
+from tests.ops.op_cases import op_cases
 
 
 class _PassThrough(TorchFunctionMode):
@@ -16,34 +17,7 @@ class _PassThrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _cases():
-    g = torch.Generator().manual_seed(0)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-    x4 = r(2, 12, 5, 3).to(memory_format=torch.channels_last)
-    yield "group_norm", lambda t: ops.group_norm(t[0], 3, t[1], t[2], activation="silu"), [x4, r(12), r(12)]
-    yield (
-        "gn_silu_conv2d",
-        lambda t: ops.gn_silu_conv2d(t[0], t[1], t[2], 3, 1e-5, t[3], t[4], temb=t[5]),
-        [x4, r(12), r(12), r(7, 12, 3, 3), r(7), r(2, 7)],
-    )
-    yield "geglu", lambda t: ops.geglu(t[0], t[1], t[2]), [r(2, 5, 12), r(14, 12), r(14)]
-    yield (
-        "linear",
-        lambda t: ops.linear(t[0], t[1], t[2], activation="gelu_tanh", gate=t[3], residual=t[4]),
-        [r(2, 5, 12), r(7, 12), r(7), r(2, 7), r(2, 5, 7)],
-    )
-    yield (
-        "adaln_modulate",
-        lambda t: ops.adaln_modulate(t[0], t[1], t[2], residual=t[3]),
-        [r(2, 5, 12), r(2, 12), r(2, 12), r(2, 5, 12)],
-    )
-    yield "temporal_attention", lambda t: ops.temporal_attention(t[0], t[1], t[2]), [r(2, 6, 3, 2, 8) for _ in "qkv"]
-
-
-CASES = list(_cases())
+CASES = list(op_cases())
 
 
 def _node_names(grad_fn) -> str:
