@@ -25,3 +25,23 @@ def test_demo_forced_backend_that_cannot_run_is_a_clear_error(capsys):
     # The interpreter refuses bf16 matrix products (it computes them wrongly): a message, not a traceback.
     assert main(["demo", "--model", "dit", "--steps", "1", "--dtype", "bfloat16", "--backend", "triton"]) == 2
     assert "--backend triton: ldmopt.linear: backend 'triton' was forced" in capsys.readouterr().err
+
+
+def _backend_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = lines.index("  backends that ran since patch (process-wide):")
+    return [line for line in lines[start + 1 :] if line.startswith("    ")][:50]
+
+
+def test_demo_report_counts_one_patched_run_not_the_profiling_pass(capsys, monkeypatch):
+    import ldmopt.demo as demo
+
+    args = ["demo", "--model", "dit", "--steps", "2", "--backend", "torch"]
+    monkeypatch.setattr(demo, "_category_split", lambda run, modules, device: "split skipped")
+    assert main(args) == 0
+    without_profiling = _backend_lines(capsys.readouterr().out)
+    monkeypatch.undo()
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "per-category time split of one patched run" in text  # the profiling pass did run the model again
+    assert _backend_lines(text) == without_profiling
