@@ -12,6 +12,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -206,13 +207,26 @@ struct Silu {
 
 #ifndef LDMOPT_EMULATE
 // Launches kernel on stream. A kernel with dynamic shared memory gets its limit raised to `smem` first: the 48 KB
-// default also counts the kernel's static shared memory, so a budget just under 48 KB could otherwise fail.
+// default also counts the kernel's static shared memory, so a budget just under 48 KB could otherwise fail. The
+// attribute is per (kernel, device) and only ever raised, so it is set once per new high-water mark rather than on
+// every launch (a driver call of a few microseconds); a failed raise is not recorded and surfaces at the launch.
 template <typename... KArgs, typename... Args>
 inline void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Stream stream,
                           Args&&... args) {
   if (smem > 0) {
-    cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(smem));
+    constexpr int kMaxDevices = 64;
+    static std::atomic<size_t> raised[kMaxDevices] = {};  // one set per kernel instantiation
+    int device = 0;
+    const bool known = cudaGetDevice(&device) == cudaSuccess && device >= 0 && device < kMaxDevices;
+    if (!known || smem > raised[device].load(std::memory_order_relaxed)) {
+      const cudaError_t status = cudaFuncSetAttribute(
+          reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (known && status == cudaSuccess) {
+        size_t seen = raised[device].load(std::memory_order_relaxed);
+        while (smem > seen && !raised[device].compare_exchange_weak(seen, smem)) {
+        }
+      }
+    }
   }
   kernel<<<grid, block, smem, reinterpret_cast<cudaStream_t>(stream)>>>(static_cast<KArgs>(args)...);
 }

@@ -20,6 +20,9 @@ constexpr int kThreads = 128;
 constexpr int kMaxPerBlock = 16;
 // Shared memory a block aims for: four blocks (16 warps) fit on an H100/H200 SM without an opt-in.
 constexpr int64_t kSmemBudget = 48 * 1024;
+// The kernel's static shared memory (each staged sequence's q, k, v, out offsets): counts against the per-block limit
+// with the dynamic part.
+constexpr int64_t kStaticSmemBytes = 4 * kMaxPerBlock * sizeof(int64_t);
 
 template <typename Ptr>
 struct ViewT {

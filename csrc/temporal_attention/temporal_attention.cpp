@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "common/torch_utils.h"
@@ -34,14 +35,28 @@ ViewT<Ptr> view_of(const at::Tensor& t, Ptr ptr) {
   return v;
 }
 
+// The opt-in shared memory limit per block of a device, queried once per device (a launch then costs no query).
+int64_t smem_limit_of(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0: not queried yet
+  if (device >= 0 && device < kMaxDevices) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (device >= 0 && device < kMaxDevices) cached[device].store(limit, std::memory_order_relaxed);
+  return limit;
+}
+
 void launch(const char* op, const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             const at::Tensor& out) {
   if (out.numel() == 0) return;
   const Plan plan = make_plan(p);
-  int smem_limit = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-  TORCH_CHECK(plan.smem_bytes <= smem_limit, op, ": F=", p.F, ", head_dim=", p.D, " in ", q.scalar_type(),
-              " needs ", plan.smem_bytes, " bytes of shared memory per block; this GPU allows ", smem_limit,
+  const int64_t smem_limit = smem_limit_of(q.get_device());
+  const int64_t smem_needed = plan.smem_bytes + kStaticSmemBytes;
+  TORCH_CHECK(smem_needed <= smem_limit, op, ": F=", p.F, ", head_dim=", p.D, " in ", q.scalar_type(), " needs ",
+              smem_needed, " bytes of shared memory per block; this GPU allows ", smem_limit,
               " (float16/bfloat16 inputs need less)");
   const auto in = [](const at::Tensor& t) { return view_of<const void*>(t, t.data_ptr()); };
   forward(p, plan, in(q), in(k), in(v), view_of<void*>(out, out.data_ptr()),

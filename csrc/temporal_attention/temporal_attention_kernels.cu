@@ -97,6 +97,7 @@ __global__ __launch_bounds__(kThreads) void forward_kernel(Params<T> p) {
   constexpr int VEC = 16 / sizeof(T);
   LDMOPT_DYNAMIC_SMEM(smem);
   __shared__ int64_t base[4][kMaxPerBlock];  // q, k, v, out offsets of each sequence
+  static_assert(sizeof(base) == kStaticSmemBytes, "launch.h's kStaticSmemBytes must count this array");
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int64_t seq0 = int64_t{blockIdx.x} * p.per_block;

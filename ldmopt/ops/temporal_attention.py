@@ -11,7 +11,7 @@ fp32, fp64 for fp64 inputs); backward triton -> torch.
 
 The CUDA forward stages each sequence's Q, K, V in shared memory. Its backend refuses (and the call runs on triton)
 when that plan, ``cuda_smem_bytes`` (a mirror of launch.h's ``make_plan``), exceeds the device's opt-in limit per
-block, read when first needed for each device, never at import: fp32 with F=64 and head_dim=256 needs 217,088 bytes,
+block, read when first needed for each device, never at import: fp32 with F=64 and head_dim=256 needs 217,600 bytes,
 over an A100's 166,912 but within an H100/H200's 232,448; fp16/bf16 need 128,000 at most (over sm_86/sm_89's 101,376).
 The C++ launch still checks the limit itself.
 
@@ -162,9 +162,15 @@ def cuda_smem_bytes(f: int, d: int, dtype: torch.dtype, n_seq: int) -> int:
     return per_seq * per_block
 
 
+#: The CUDA forward's static shared memory per block (``kStaticSmemBytes`` in launch.h: four int64 offsets for each
+#: of up to 16 sequences); it counts against the per-block limit with the dynamic part.
+CUDA_STATIC_SMEM_BYTES = 4 * 16 * 8
+
+
 def cuda_smem_refusals(f: int, d: int, dtype: torch.dtype, n_seq: int, limit: int) -> list[str]:
-    """The cuda backend's shared-memory rule: its plan must fit ``limit`` bytes per block (the device's opt-in)."""
-    need = cuda_smem_bytes(f, d, dtype, n_seq)
+    """The cuda backend's shared-memory rule: its plan, dynamic and static shared memory together, must fit
+    ``limit`` bytes per block (the device's opt-in)."""
+    need = cuda_smem_bytes(f, d, dtype, n_seq) + CUDA_STATIC_SMEM_BYTES
     if need <= limit:
         return []
     return [

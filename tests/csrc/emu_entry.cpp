@@ -46,6 +46,7 @@ void write_plan(const ldmopt::temporal_attention::Plan& plan, int64_t* out) {
   out[2] = plan.per_block;
   out[3] = plan.smem_bytes;
   out[4] = plan.blocks;
+  out[5] = ldmopt::temporal_attention::kStaticSmemBytes;
 }
 
 }  // namespace
@@ -107,7 +108,8 @@ int emu_group_norm_backward(const int64_t* dims, int channels_last, int dtype, i
   });
 }
 
-// dims: B, F, N, H, D. plan_out: f_pad, d_pad, per_block, smem_bytes, blocks of make_plan, nothing launched.
+// dims: B, F, N, H, D. plan_out: f_pad, d_pad, per_block, smem_bytes, blocks of make_plan and the kernel's static
+// shared memory; nothing launched.
 int emu_temporal_attention_plan(const int64_t* dims, int dtype, int64_t* plan_out) {
   return guarded([&] {
     namespace ta = ldmopt::temporal_attention;

@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_TA_PLAN_FIELDS = ("f_pad", "d_pad", "per_block", "smem_bytes", "blocks")
+_TA_PLAN_FIELDS = ("f_pad", "d_pad", "per_block", "smem_bytes", "blocks", "static_smem_bytes")
 
 
 def cuda_include_dir() -> Path | None:
@@ -138,7 +138,7 @@ class Emulator:
 
     def temporal_attention_plan(self, shape, dtype) -> dict:
         """make_plan's fields for (B, F, N, H, D) inputs of ``dtype``, computed on the host; no kernel runs."""
-        plan = (ctypes.c_int64 * 5)()
+        plan = (ctypes.c_int64 * len(_TA_PLAN_FIELDS))()
         self._check(self.lib.emu_temporal_attention_plan((ctypes.c_int64 * 5)(*shape), DTYPE_CODES[dtype], plan))
         return dict(zip(_TA_PLAN_FIELDS, list(plan)))
 
@@ -149,7 +149,7 @@ class Emulator:
         out.fill_(float("nan"))
         dims = (ctypes.c_int64 * 5)(*q.shape)
         strides = (ctypes.c_int64 * 20)(*q.stride(), *k.stride(), *v.stride(), *out.stride())
-        plan = (ctypes.c_int64 * 5)()
+        plan = (ctypes.c_int64 * len(_TA_PLAN_FIELDS))()
         self._check(
             self.lib.emu_temporal_attention_forward(
                 dims, DTYPE_CODES[q.dtype], ctypes.c_float(scale), _ptr(q), _ptr(k), _ptr(v), _ptr(out), strides,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ldmopt.ops.group_norm import _bwd_torch, _fwd_torch
-from ldmopt.ops.temporal_attention import cuda_smem_bytes
+from ldmopt.ops.temporal_attention import CUDA_STATIC_SMEM_BYTES, cuda_smem_bytes
 from tests.csrc import emulator
 from tests.tolerances import assert_close, assert_within_torch_error
 
@@ -223,6 +223,7 @@ def test_temporal_attention_smem_mirror_matches_make_plan(emu, dtype):
                 smem = emu.temporal_attention_plan((1, f, n_seq, 1, d), dtype)["smem_bytes"]
                 assert cuda_smem_bytes(f, d, dtype, n_seq) == smem, (f, d, dtype, n_seq)
     assert emu.temporal_attention_plan((1, 64, 1, 1, 256), torch.float32)["smem_bytes"] == 217_088
+    assert emu.temporal_attention_plan((1, 16, 1, 1, 64), dtype)["static_smem_bytes"] == CUDA_STATIC_SMEM_BYTES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
