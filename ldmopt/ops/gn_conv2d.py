@@ -423,6 +423,17 @@ def _channels(head: Tensor, tail: Tensor | None) -> int:
     return head.shape[1] + (0 if tail is None else tail.shape[1])
 
 
+def _check_conv_dtypes(x: Tensor, **params: Tensor | None) -> None:
+    """A convolution's weight and bias in its input's dtype, as F.conv2d requires outside autocast (inside it,
+    autocast_operands has already cast them): the kernel would otherwise read them as x's dtype."""
+    for name, t in params.items():
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(
+                f"{name} dtype {t.dtype} differs from the input's {x.dtype}; cast it (or run under torch.autocast) "
+                "as F.conv2d would require"
+            )
+
+
 def _check_resample(name: str, value: str) -> str:
     if value not in RESAMPLES:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {list(RESAMPLES)}")
@@ -519,6 +530,7 @@ def gn_silu_conv2d(
             f"C={c_in} channels (grouped convolutions are not supported)"
         )
     check_vector("conv_bias", conv_bias, c_out, x)
+    _check_conv_dtypes(x, conv_weight=conv_weight, conv_bias=conv_bias)
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"stride must be a positive int, got {stride!r}")
     pads = (padding,) * 2 if isinstance(padding, int) else tuple(padding) if isinstance(padding, (tuple, list)) else ()
@@ -591,6 +603,7 @@ def gn_silu_conv2d(
                 f"shortcut_resample={shortcut_resample!r}) must be a 1x1 conv to the output ({n}, {c_out}, {oh}, {ow})"
             )
         check_vector("shortcut_bias", sb, c_out, x)
+        _check_conv_dtypes(sx, shortcut_weight=sw, shortcut_bias=sb)
     out_groups, out_eps = (0, 0.0) if out_stats is None else out_stats
     if out_stats is not None:
         if isinstance(out_groups, bool) or not isinstance(out_groups, int) or out_groups <= 0 or c_out % out_groups:

@@ -276,6 +276,12 @@ def _bad(**over):
         (_bad(out_stats=(2, -1.0)), "eps must be a finite non-negative"),
         (_bad(stats=(torch.zeros(2, 4),)), r"stats must be a \(mean, rstd\) pair"),
         (_bad(conv_weight=torch.randn(4, 8, 3, 3, device="meta")), "conv_weight is on meta"),
+        (_bad(conv_weight=torch.randn(4, 8, 3, 3, dtype=torch.float64)), "conv_weight dtype torch.float64 differs"),
+        (_bad(conv_bias=torch.randn(4, dtype=torch.float16)), "conv_bias dtype torch.float16 differs"),
+        (
+            _bad(shortcut=(torch.randn(2, 8, 5, 5), torch.randn(4, 8, 1, 1).half(), None)),
+            "shortcut_weight dtype torch.float16 differs",
+        ),
     ],
 )
 def test_bad_input_messages(call, match):
