@@ -32,6 +32,20 @@ from .layer_norm_input import NormedInput, as_tensor
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
+def diffusers_module_reason(module: nn.Module, class_name: str, fused: type, methods=("forward",)) -> str | None:
+    """None when ``module`` computes what diffusers' ``class_name`` does: that class, a subclass keeping its
+    ``methods``, or ldmopt's ``fused`` stand-in; otherwise why not. A module with the same children but another
+    computation (SwiGLU's SiLU gate, a plain GELU for GEGLU) must not be converted."""
+    if isinstance(module, fused):
+        return None
+    cls = type(module)
+    for base in cls.__mro__:
+        if base.__name__ == class_name and base.__module__.startswith("diffusers."):
+            changed = [m for m in methods if getattr(cls, m, None) is not getattr(base, m, None)]
+            return f"{cls.__name__} overrides {class_name}.{changed[0]}" if changed else None
+    return f"{cls.__module__}.{cls.__qualname__} is not diffusers' {class_name}"
+
+
 def plain_linear_reason(name: str, layer: object) -> str | None:
     """Why ``layer`` cannot be read as a bare (weight, bias) pair, or None when it can."""
     if type(layer) is not nn.Linear:
@@ -156,7 +170,8 @@ class FusedGEGLU(nn.Module):
 
     @staticmethod
     def unsupported_reason(module: nn.Module) -> str | None:
-        reason = plain_linear_reason("proj", getattr(module, "proj", None))
+        reason = diffusers_module_reason(module, "GEGLU", FusedGEGLU, ("forward", "gelu"))
+        reason = reason or plain_linear_reason("proj", getattr(module, "proj", None))
         if reason is None and module.proj.out_features % 2:
             reason = f"proj has {module.proj.out_features} output features, not an even count"
         return reason
@@ -199,6 +214,9 @@ class FusedGELU(nn.Module):
 
     @staticmethod
     def unsupported_reason(module: nn.Module) -> str | None:
+        reason = diffusers_module_reason(module, "GELU", FusedGELU, ("forward", "gelu"))
+        if reason:
+            return reason
         approximate = getattr(module, "approximate", None)
         if approximate not in _GELU_APPROXIMATE:
             return f"approximate={approximate!r} (supported: {list(_GELU_APPROXIMATE)})"

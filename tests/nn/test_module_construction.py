@@ -86,3 +86,35 @@ def test_an_empty_batch_gives_the_stock_empty_result(make, stock_forward, shape)
     assert out.shape == stock_forward(module, x).shape
     out.sum().backward()
     assert x.grad.shape == x.shape and not fallback_reasons  # not a fall-back: nothing to compute
+
+
+def test_from_module_refuses_modules_that_compute_something_else():
+    # Same `proj` child, other computation: SwiGLU gates with SiLU, GELU/ApproximateGELU/LinearActivation are not
+    # gated. Converting them would silently compute GEGLU (or GELU).
+    from diffusers.models.activations import ApproximateGELU, LinearActivation, SwiGLU
+
+    for module in (SwiGLU(6, 4), GELU(6, 4), ApproximateGELU(6, 4), LinearActivation(6, 4)):
+        with pytest.raises(
+            TypeError, match=f"FusedGEGLU.from_module: .*{type(module).__name__} is not diffusers' GEGLU"
+        ):
+            FusedGEGLU.from_module(module)
+    for module in (GEGLU(6, 4), SwiGLU(6, 4), ApproximateGELU(6, 4)):
+        expected = f"FusedGELU.from_module: .*{type(module).__name__} is not diffusers' GELU"
+        with pytest.raises(TypeError, match=expected):
+            FusedGELU.from_module(module)
+
+    class ReGEGLU(GEGLU):  # a subclass that changes the gate's activation
+        def gelu(self, gate):
+            return F.relu(gate)
+
+    with pytest.raises(TypeError, match=r"ReGEGLU overrides GEGLU\.gelu"):
+        FusedGEGLU.from_module(ReGEGLU(6, 4))
+
+    class Plain(GEGLU):  # a subclass that keeps the computation converts
+        pass
+
+    x = torch.randn(3, 6)
+    stock = _randomize(Plain(6, 4))
+    assert_close(FusedGEGLU.from_module(stock)(x), stock(x), torch.float32)
+    again = FusedGEGLU.from_module(FusedGEGLU.from_module(stock))
+    assert again.proj is stock.proj
