@@ -136,6 +136,33 @@ def fp32_dot_precision(dtype: torch.dtype, follow: str) -> str:
     return torch_fp32_precision(follow) if dtype == torch.float32 else "tf32"
 
 
+#: Where a tile for fp32 operands compiles clean (no spills, shared memory within the limit): (input precision, arch)
+#: pairs, from ptxas for sm_80 and sm_90 (the ahead-of-time gate compiles each pair a tile claims).
+FP32_CLEAN_EVERYWHERE = frozenset({("ieee", 80), ("ieee", 90), ("tf32", 80), ("tf32", 90)})
+
+
+def tag_fp32_configs(configs: list, clean: list) -> list:
+    """Marks autotune configs as tiles for fp32 operands, each clean at the (precision, arch) pairs given; configs
+    without the mark serve 16-bit operands."""
+    for config, pairs in zip(configs, clean):
+        config.fp32_clean = frozenset(pairs)
+    return configs
+
+
+def prune_by_operand_width(configs: list, operand: torch.Tensor, precision: str) -> list:
+    """The configs for ``operand``'s width: 16-bit operands take the untagged tiles; fp32 ones the tiles clean for
+    this tl.dot precision on this arch (sm_8x reads sm_80's compile, sm_9x and later sm_90's), else any fp32 tile.
+    fp32 tiles differ: IEEE products run on the CUDA cores and TF32 ones stage twice the bytes, where the 16-bit
+    tiles spill or overflow shared memory. Asked at tuning time, never at import."""
+    if operand.device.type != "cuda":
+        return configs
+    fp32 = [c for c in configs if getattr(c, "fp32_clean", None) is not None]
+    if operand.element_size() < 4 or not fp32:
+        return [c for c in configs if getattr(c, "fp32_clean", None) is None] or configs
+    arch = 90 if torch.cuda.get_device_capability(operand.device)[0] >= 9 else 80
+    return [c for c in fp32 if (precision, arch) in c.fp32_clean] or fp32
+
+
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 

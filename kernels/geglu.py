@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import gelu_erf, gelu_erf_grad, layer_normed, new_output
+from ._common import FP32_CLEAN_EVERYWHERE, gelu_erf, gelu_erf_grad, layer_normed, new_output
 from .linear import (
     bwd_tiles,
     divisibility_attrs,
@@ -26,6 +26,7 @@ from .linear import (
     m_bucket,
     norm_operands,
     prune_by_arch,
+    prune_operands,
     prune_wide_input,
     row_chunks,
 )
@@ -120,14 +121,24 @@ GEGLU_TILES = [
 ]
 
 
+# fp32 operands: two fp32 accumulators plus IEEE (CUDA-core) products leave sm_80 a single clean tile; the 16-bit
+# 128x128x64 tile spills 14 KB per thread there on sm_90.
+GEGLU_TILES_FP32 = [
+    (128, 64, 32, 8, 3, {("tf32", 80), ("ieee", 90), ("tf32", 90)}),
+    (64, 128, 32, 8, 3, {("tf32", 80), ("ieee", 90), ("tf32", 90)}),
+    (64, 64, 32, 8, 3, FP32_CLEAN_EVERYWHERE),
+]
+
+
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     # Two accumulators leave no room for fp32 A tiles (an fp32 stream under autocast) at 128x128x64 on any arch.
-    return prune_wide_input(prune_by_arch(configs, named_args), named_args, below_major=100)
+    configs = prune_by_arch(prune_operands(configs, named_args, **kwargs), named_args)
+    return prune_wide_input(configs, named_args, below_major=100)
 
 
 _geglu_fwd_tuned = triton.autotune(
-    configs=gemm_configs(GEGLU_TILES),
-    key=["M_BUCKET", "N", "K", "NORM"],
+    configs=gemm_configs(GEGLU_TILES, GEGLU_TILES_FP32),
+    key=["M_BUCKET", "N", "K", "NORM", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
 )(_geglu_fwd_kernel)
 
@@ -269,7 +280,14 @@ def aot_specs() -> list[dict]:
         tag = "x".join(map(str, tile[:3])) + ("" if tile[5] <= 80 else f",sm{tile[5]}+")
         specs.append(fwd(f"geglu_fwd[fp32 x,fp16 w,layer-normed x,train,{tag}]", "fp16", tile, True, norm=True,
                          x_dtype="fp32"))  # fmt: skip
-    specs.append(fwd("geglu_fwd[fp32,infer,128x64x32]", "fp32", (128, 64, 32, 8, 3, 80), False))
+    # fp32 operands: every fp32 tile, layer-normed x and the pre-activation stored (the heaviest), at each
+    # (precision, arch) it is claimed clean for.
+    for *tile, clean in GEGLU_TILES_FP32:
+        tag = "x".join(map(str, tile[:3]))
+        for precision in ("ieee", "tf32"):
+            spec = fwd(f"geglu_fwd[fp32 {precision},layer-normed x,train,{tag}]", "fp32", (*tile, 0), True, norm=True)
+            spec["constexprs"]["INPUT_PRECISION"] = precision
+            specs.append({**spec, "archs": tuple(arch for p, arch in sorted(clean) if p == precision)})
     block_m, block_n = bwd_tiles(1280)
     for dtype in ("fp16", "bf16"):
         signature = {

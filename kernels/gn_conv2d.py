@@ -27,7 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, fp32_dot_precision, new_output, next_power_of_2
+from ._common import (
+    ACTIVATIONS,
+    fp32_dot_precision,
+    new_output,
+    next_power_of_2,
+    prune_by_operand_width,
+    tag_fp32_configs,
+)
 
 #: resample codes shared with ldmopt/ops/gn_conv2d.py
 RESAMPLE = {"none": 0, "up": 1, "down": 2}
@@ -36,11 +43,20 @@ RESAMPLE = {"none": 0, "up": 1, "down": 2}
 INT64_INDEX_FROM = 2**31 - 1
 
 
+#: Tiles for fp32 operands, each with the (dot precision, arch) pairs where it compiles without spills (ptxas): the
+#: 16-bit tiles spill 8-168 bytes per thread with IEEE products (CUDA cores), and no tile is clean everywhere.
+CONV_TILES_FP32 = (
+    (64, 128, 32, 8, 3, {("ieee", 80), ("ieee", 90), ("tf32", 90)}),
+    (128, 64, 32, 8, 3, {("ieee", 80), ("tf32", 80), ("tf32", 90)}),
+    (64, 64, 32, 8, 3, {("ieee", 80), ("tf32", 80), ("tf32", 90)}),
+)
+
+
 def _configs() -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         # The interpreter's cost is per program and per numpy op: one large tile.
         return [triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=1)]
-    return [
+    tiles = [
         triton.Config({"BM": BM, "BN": BN, "BK": BK}, num_warps=w, num_stages=s)
         for BM, BN, BK, w, s in (
             (128, 128, 32, 8, 3),
@@ -49,6 +65,13 @@ def _configs() -> list[triton.Config]:
             (64, 64, 64, 4, 3),
         )
     ]
+    fp32 = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bm, bn, bk, w, s, _ in
+            CONV_TILES_FP32]  # fmt: skip
+    return tiles + tag_fp32_configs(fp32, [tile[5] for tile in CONV_TILES_FP32])
+
+
+def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    return prune_by_operand_width(configs, named_args["x_ptr"], kwargs.get("DOT_PRECISION", "tf32"))
 
 
 @triton.jit
@@ -163,8 +186,9 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
 @triton.autotune(
     configs=_configs(),
     key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "KW", "STRIDE", "RESAMPLE", "HAS_SC", "NORMALIZE", "OUT_STATS",
-         "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64", "X_TWO_PART", "SC_TWO_PART"],
+         "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64", "X_TWO_PART", "SC_TWO_PART", "DOT_PRECISION"],
     reset_to_zero=["ws_ptr", "counter_ptr"],
+    prune_configs_by={"early_config_prune": _prune_configs},
 )  # fmt: skip
 @triton.jit
 def _gn_conv2d_fwd_kernel(
@@ -493,6 +517,7 @@ def _aot_spec(
     gate=False,
     x_two_part=False,
     sc_two_part=False,
+    dot_precision="tf32",
 ) -> dict:
     bm, bn, bk, warps, stages = cfg
     kw = kh if kw is None else kw
@@ -503,7 +528,7 @@ def _aot_spec(
         ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
         TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc,
         SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
-        OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, DOT_PRECISION="tf32", IDX64=False,
+        OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, DOT_PRECISION=dot_precision, IDX64=False,
         X_TWO_PART=x_two_part, SC_TWO_PART=sc_two_part, BM=bm, BN=bn, BK=bk,
     )  # fmt: skip
     fn = _gn_conv2d_fwd_kernel.fn
@@ -558,7 +583,25 @@ def aot_specs() -> list[dict]:
         _aot_spec("gn_conv2d[fp16,3x3,upsampler]", "fp16", big, resample="up", normalize=False),
         _aot_spec("gn_conv2d[bf16,3x3,upsampler,128x64]", "bf16", narrow, resample="up", normalize=False),
         _aot_spec("gn_conv2d[fp16,1x1,gn]", "fp16", big, kh=1),
-        _aot_spec("gn_conv2d[fp32,3x3,conv1:temb+stats]", "fp32", tall, temb=True, out_stats=True),
+        # fp32 operands: each fp32 tile, its heaviest epilogues, at each (precision, arch) it is claimed clean for
+        *[
+            {
+                **_aot_spec(
+                    f"gn_conv2d[fp32 {precision},3x3,{label},{bm}x{bn}x{bk}w{w}]",
+                    "fp32",
+                    (bm, bn, bk, w, s),
+                    dot_precision=precision,
+                    **extra,
+                ),
+                "archs": tuple(arch for p, arch in sorted(clean) if p == precision),
+            }
+            for bm, bn, bk, w, s, clean in CONV_TILES_FP32
+            for precision in ("ieee", "tf32")
+            for label, extra in (
+                ("conv2:shortcut parts+stats", dict(sc=True, out_stats=True, x_two_part=True, sc_two_part=True)),
+                ("up+temb+stats", dict(resample="up", temb=True, out_stats=True)),
+            )
+        ],
         # SVD's temporal resnet (3x1 over frames): per-frame temb + statistics, then residual + per-frame blend gate
         _aot_spec("gn_conv2d[fp16,3x1,temporal conv1]", "fp16", big, kw=1, temb=True, temb_rows=True, out_stats=True),
         _aot_spec("gn_conv2d[fp16,3x1,temporal conv2]", "fp16", big, kw=1, res=True, gate=True),

@@ -25,7 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, fp32_dot_precision, layer_normed, new_output, next_power_of_2
+from ._common import (
+    ACTIVATIONS,
+    FP32_CLEAN_EVERYWHERE,
+    fp32_dot_precision,
+    layer_normed,
+    new_output,
+    next_power_of_2,
+    prune_by_operand_width,
+    tag_fp32_configs,
+)
 
 # Programs to aim for in the backward elementwise pass (several waves on a large GPU).
 _TARGET_PROGRAMS = 1024
@@ -38,17 +47,31 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def gemm_configs(tiles: list[tuple[int, ...]]) -> list[triton.Config]:
-    """autotune configs from (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, lowest compute capability]); one
-    small config in the interpreter."""
+def gemm_configs(tiles: list[tuple[int, ...]], fp32_tiles: list[tuple] = ()) -> list[triton.Config]:
+    """autotune configs from (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, lowest compute capability]) for
+    16-bit operands and (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, {(precision, arch) where clean}) for fp32
+    ones (prune_operands picks between them); one small config in the interpreter."""
     if _interpreting():
-        tiles = [(32, 32, 32, 4, 1)]
+        tiles, fp32_tiles = [(32, 32, 32, 4, 1)], ()
     configs = []
     for bm, bn, bk, w, s, *arch in tiles:
         config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
         config.min_arch = arch[0] if arch else 0
         configs.append(config)
-    return configs
+    fp32_configs = []
+    for bm, bn, bk, w, s, _ in fp32_tiles:
+        config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        config.min_arch = 0
+        fp32_configs.append(config)
+    return configs + tag_fp32_configs(fp32_configs, [tile[5] for tile in fp32_tiles])
+
+
+def prune_operands(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The tiles for the operands' width and tl.dot precision (prune_by_operand_width): fp32 tiles when x and the
+    weight are both fp32 (a wider x is rounded to the weight's dtype in the loads)."""
+    x, w = named_args["x_ptr"], named_args["w_ptr"]
+    operand = w if w.element_size() < x.element_size() else x
+    return prune_by_operand_width(configs, operand, kwargs.get("INPUT_PRECISION", "tf32"))
 
 
 def prune_by_arch(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -298,11 +321,27 @@ LINEAR_TILES = [
     (64, 128, 64, 4, 4),
     (64, 64, 64, 4, 4),
 ]
-# K2, BLEND and NORM in the key: a two-part, blended or normed GEMM tunes apart from a plain one of the same shape.
+# fp32 operands: 32-deep K steps (the 64-deep IEEE tiles above spill 0.6-1.2 KB per thread on sm_80, and
+# 64x128x32 at 4 warps spills with TF32 on sm_90's gated 3-D residual epilogue).
+LINEAR_TILES_FP32 = [
+    (128, 128, 32, 8, 3, FP32_CLEAN_EVERYWHERE),
+    (128, 128, 32, 8, 4, FP32_CLEAN_EVERYWHERE),
+    (128, 64, 32, 4, 3, FP32_CLEAN_EVERYWHERE),
+    (64, 128, 32, 8, 3, FP32_CLEAN_EVERYWHERE),
+    (64, 64, 32, 4, 4, FP32_CLEAN_EVERYWHERE),
+]
+
+
+def _prune_linear(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    return prune_wide_input(prune_operands(configs, named_args, **kwargs), named_args)
+
+
+# K2, BLEND and NORM in the key: a two-part, blended or normed GEMM tunes apart from a plain one of the same shape;
+# INPUT_PRECISION: IEEE and TF32 fp32 products tune (and prune) apart.
 _linear_fwd_tuned = triton.autotune(
-    configs=gemm_configs(LINEAR_TILES),
-    key=["M_BUCKET", "N", "K", "K2", "BLEND", "NORM"],
-    prune_configs_by={"early_config_prune": prune_wide_input},
+    configs=gemm_configs(LINEAR_TILES, LINEAR_TILES_FP32),
+    key=["M_BUCKET", "N", "K", "K2", "BLEND", "NORM", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": _prune_linear},
 )(_linear_fwd_kernel)
 
 
@@ -576,7 +615,16 @@ def aot_specs() -> list[dict]:
         spec = _fwd_spec(f"linear_fwd[fp32 x,fp16 w,layer-normed x,{tag}]", "fp16", tile, None, False, False, False,
                          norm=True, x_dtype="fp32")  # fmt: skip
         specs.append({**spec, "archs": archs})
-    specs.append(_fwd_spec("linear_fwd[fp32,gelu_tanh]", "fp32", (128, 128, 32, 8, 3), "gelu_tanh", False, False, True))
+    # fp32 operands: every fp32 tile with its heaviest epilogues, at each (precision, arch) it is claimed clean for.
+    for *tile, clean in LINEAR_TILES_FP32:
+        tag = "x".join(map(str, tile[:3])) + f"w{tile[3]}s{tile[4]}"
+        for precision in ("ieee", "tf32"):
+            archs = tuple(arch for p, arch in sorted(clean) if p == precision)
+            for label, args, extra in (("layer-normed x,gelu", ("gelu", False, False, True), {"norm": True}),
+                                       ("gate+residual 3-D", (None, True, True, False, True), {})):  # fmt: skip
+                spec = _fwd_spec(f"linear_fwd[fp32 {precision},{label},{tag}]", "fp32", tuple(tile), *args, **extra)
+                spec["constexprs"]["INPUT_PRECISION"] = precision
+                specs.append({**spec, "archs": archs})
     block_m, block_n = bwd_tiles(4608)
     for dtype, act, gate in (("fp16", "gelu_tanh", False), ("bf16", None, True), ("fp16", "gelu", True)):
         signature = {

@@ -1,0 +1,104 @@
+"""Autotune pruning (runs on GPUs only, so checked here with stand-in tensors): fp32 operands get the fp32 tiles that
+compile clean for their tl.dot precision and arch, 16-bit operands the others, and the ahead-of-time gate compiles
+every (precision, arch) an fp32 tile is claimed clean for."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ldmopt.kernels import _common, geglu, gn_conv2d, linear
+
+
+def _operand(dtype):
+    size = torch.empty((), dtype=dtype).element_size()
+    return SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: size)
+
+
+@pytest.fixture
+def compiled_configs(monkeypatch):
+    """The configs a GPU process builds (the interpreter's single tile otherwise)."""
+    monkeypatch.setattr(linear, "_interpreting", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def on(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+    return on
+
+
+def _tiles(configs, prefix="BLOCK_"):
+    return {(c.kwargs[prefix + "M"], c.kwargs[prefix + "N"], c.kwargs[prefix + "K"], c.num_warps, c.num_stages)
+            for c in configs}  # fmt: skip
+
+
+def _linear_prune(capability, x_dtype, w_dtype, precision, on):
+    on(capability)
+    configs = linear.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32)
+    args = {"x_ptr": _operand(x_dtype), "w_ptr": _operand(w_dtype)}
+    return _tiles(linear._prune_linear(configs, args, INPUT_PRECISION=precision))
+
+
+def test_linear_picks_tiles_by_operand_width(compiled_configs):
+    sixteen = {tuple(t) for t in linear.LINEAR_TILES}
+    fp32 = {tuple(t[:5]) for t in linear.LINEAR_TILES_FP32}
+    assert _linear_prune((9, 0), torch.float16, torch.float16, "tf32", compiled_configs) == sixteen
+    for capability in ((8, 0), (8, 6), (9, 0), (10, 0)):
+        for precision in ("ieee", "tf32"):
+            assert _linear_prune(capability, torch.float32, torch.float32, precision, compiled_configs) == fp32
+    # an fp32 stream rounded to an fp16 weight in the loads takes 16-bit tiles, without 128x128x64 below sm_90
+    wide = _linear_prune((8, 0), torch.float32, torch.float16, "ieee", compiled_configs)
+    assert wide == {t for t in sixteen if t[0] * t[1] * t[2] < 128 * 128 * 64}
+
+
+def test_geglu_fp32_ieee_on_sm80_keeps_the_one_clean_tile(compiled_configs):
+    configs = linear.gemm_configs(geglu.GEGLU_TILES, geglu.GEGLU_TILES_FP32)
+    args = {"x_ptr": _operand(torch.float32), "w_ptr": _operand(torch.float32)}
+    compiled_configs((8, 0))
+    assert _tiles(geglu._prune(configs, args, INPUT_PRECISION="ieee")) == {(64, 64, 32, 8, 3)}
+    assert len(geglu._prune(configs, args, INPUT_PRECISION="tf32")) == 3
+    compiled_configs((9, 0))
+    assert len(geglu._prune(configs, args, INPUT_PRECISION="ieee")) == 3
+    # 16-bit operands on sm_80: the 16-bit tiles not reserved for sm_90
+    args = {"x_ptr": _operand(torch.bfloat16), "w_ptr": _operand(torch.bfloat16)}
+    compiled_configs((8, 0))
+    kept = _tiles(geglu._prune(configs, args, INPUT_PRECISION="tf32"))
+    assert kept == {tuple(t[:5]) for t in geglu.GEGLU_TILES if t[5] <= 80}
+
+
+def test_gn_conv2d_fp32_tiles_per_precision_and_arch(compiled_configs):
+    configs = gn_conv2d._configs()
+    compiled_configs((9, 0))
+    ieee = _tiles(gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float32)}, DOT_PRECISION="ieee"), "B")
+    assert ieee == {(64, 128, 32, 8, 3)}
+    half = gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float16)}, DOT_PRECISION="tf32")
+    assert len(half) == 4 and all(getattr(c, "fp32_clean", None) is None for c in half)
+    compiled_configs((8, 0))
+    tf32 = _tiles(gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float32)}, DOT_PRECISION="tf32"), "B")
+    assert tf32 == {(128, 64, 32, 8, 3), (64, 64, 32, 8, 3)}
+
+
+def test_cpu_tensors_keep_every_config():
+    configs = linear.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32)
+    cpu = torch.empty(1)
+    assert _common.prune_by_operand_width(configs, cpu, "ieee") == configs
+
+
+@pytest.mark.parametrize(
+    "module,tiles",
+    [(linear, "LINEAR_TILES_FP32"), (geglu, "GEGLU_TILES_FP32"), (gn_conv2d, "CONV_TILES_FP32")],
+    ids=["linear", "geglu", "gn_conv2d"],
+)
+def test_the_gate_compiles_every_claimed_fp32_pair(module, tiles):
+    specs = module.aot_specs()
+    for *tile, clean in getattr(module, tiles):
+        bm, bn, bk, warps, stages = tile
+        for precision, arch in clean:
+            covering = [
+                s for s in specs
+                if f"fp32 {precision}," in s["name"] and arch in s.get("archs", (80, 90))
+                and (s["constexprs"].get("BLOCK_M", s["constexprs"].get("BM")),
+                     s["constexprs"].get("BLOCK_N", s["constexprs"].get("BN")),
+                     s["constexprs"].get("BLOCK_K", s["constexprs"].get("BK")), s["num_warps"], s["num_stages"])
+                == (bm, bn, bk, warps, stages)
+            ]  # fmt: skip
+            assert covering, (tiles, tile, precision, arch)
