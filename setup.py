@@ -2,7 +2,7 @@
 
 The Triton kernels live in the top-level ``kernels/`` folder and are installed as ``ldmopt.kernels``.
 The extension is built from ``csrc/`` with torch.utils.cpp_extension + ninja when torch (a CUDA build) and nvcc are
-present at build time. Knobs: LDMOPT_SKIP_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS,
+present at build time. Knobs: LDMOPT_SKIP_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX"), MAX_JOBS,
 NVCC_THREADS. What was built is written to ldmopt/_build_info.json, which ``ldmopt info`` shows.
 """
 
