@@ -9,6 +9,7 @@ page. Numbers are labelled ANALYTIC (FLOPs counted, times projected with a roofl
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 from dataclasses import dataclass
 
@@ -405,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/profiling.md")
     parser.add_argument("--no-measure", action="store_true", help="analytic numbers only (skip the CPU profiles)")
     args = parser.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):  # checked before the minute of profiling, not after
+        parser.error(f"--out {args.out}: folder {folder} does not exist (outside a checkout, give --out a path)")
     text = render(measure=not args.no_measure)
     with open(args.out, "w") as f:
         f.write(text)

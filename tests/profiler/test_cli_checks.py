@@ -184,3 +184,18 @@ def test_sweep_plot_over_one_dimension_is_sorted(monkeypatch, tmp_path):
     left, right = figures[0].axes
     assert all(list(line.get_xdata()) == [64, 128] for line in left.get_lines())
     assert [t.get_text() for t in right.get_xticklabels()] == ["64x64", "128x128"]
+
+
+def test_studies_refuses_a_missing_out_folder_before_profiling(tmp_path, monkeypatch, capsys):
+    # Outside a checkout the default docs/profiling.md has no folder: said at once, not after a minute of profiling.
+    from ldmopt.profiler import studies
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(studies, "render", lambda measure: pytest.fail("profiled before checking --out"))
+    with pytest.raises(SystemExit) as exit_info:
+        studies.main(["--no-measure"])
+    assert exit_info.value.code == 2
+    assert "--out docs/profiling.md: folder" in capsys.readouterr().err
+    monkeypatch.setattr(studies, "render", lambda measure: "text")
+    assert studies.main(["--out", str(tmp_path / "p.md")]) == 0
+    assert (tmp_path / "p.md").read_text() == "text"
