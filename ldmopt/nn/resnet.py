@@ -30,6 +30,7 @@ identity residual, / output_scale_factor in the epilogue). Besides those, only t
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter
 
 import torch
@@ -119,6 +120,11 @@ def _conv_reasons(name: str, conv, kernel: int) -> list[str]:
 def can_fuse(block) -> list[str]:
     """Reasons this ResnetBlock2D instance can never run fused (empty: it can). Input-dependent reasons are
     checked per call by ``runtime_reasons``."""
+    return _structural_reasons(block) + _bypassed_hook_reasons(block)
+
+
+def _structural_reasons(block) -> list[str]:
+    """can_fuse's reasons but hooks on bypassed children (which can be removed again)."""
     cls, why = _resnet_block_class()
     if cls is None:
         return [why]
@@ -144,7 +150,7 @@ def can_fuse(block) -> list[str]:
     if block.conv_shortcut is not None:
         reasons += _conv_reasons("conv_shortcut", block.conv_shortcut, 1)
     reasons += [r for r in _resample_kind(block)[1:] if r]
-    return reasons + _bypassed_hook_reasons(block)
+    return reasons
 
 
 def _bypassed_hook_reasons(block) -> list[str]:
@@ -280,6 +286,16 @@ class FusedResnetBlock2D(torch.nn.Module):
 
     def __init__(self, block: torch.nn.Module) -> None:
         super().__init__()
+        cls, why = _resnet_block_class()
+        if cls is None or not isinstance(block, (cls, FusedResnetBlock2D)):
+            raise TypeError(
+                f"FusedResnetBlock2D(block): block must be a diffusers ResnetBlock2D, got {type(block).__name__}"
+                + (f" ({why})" if cls is None else "")
+            )
+        structural = _structural_reasons(block)
+        if structural:  # a direct user has no patch report: say once why every call will run diffusers' forward
+            reasons = "; ".join(structural)
+            warnings.warn(f"FusedResnetBlock2D: this block runs diffusers' forward: {reasons}", stacklevel=2)
         for key, value in vars(block).items():
             # The block's own attributes; nn.Module's bookkeeping stays fresh, and a forward installed on the instance
             # (a hook wrapper, or fused_resnet_forward bound to it) is the block's, not this module's.

@@ -6,6 +6,7 @@ the same dtype. Random weights with non-trivial GroupNorm affine; odd channel co
 
 import copy
 import types
+import warnings
 
 import pytest
 import torch
@@ -332,3 +333,16 @@ def test_torch_compile_fullgraph(backend):
     eager.sum().backward()
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, x.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_module_refuses_what_is_not_a_resnet_block_and_warns_when_it_can_never_fuse():
+    with pytest.raises(TypeError, match="block must be a diffusers ResnetBlock2D, got Linear"):
+        FusedResnetBlock2D(torch.nn.Linear(4, 4))
+    from diffusers.models.resnet import ResnetBlock2D
+
+    never = ResnetBlock2D(in_channels=8, out_channels=8, temb_channels=4, groups=2, time_embedding_norm="scale_shift")
+    with pytest.warns(UserWarning, match="runs diffusers' forward: time_embedding_norm='scale_shift'"):
+        FusedResnetBlock2D(never)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FusedResnetBlock2D(_block(VARIANTS["conv-shortcut-scale"][0]))  # a fusable block: silent
