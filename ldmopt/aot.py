@@ -179,4 +179,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ldmopt.cli import exit_quietly_on_broken_pipe
+
+    sys.exit(exit_quietly_on_broken_pipe(main))

@@ -80,7 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"ldmopt {args.command}: {problem}", file=sys.stderr)
         return 2
-    return int(args._run(args) or 0)
+    return exit_quietly_on_broken_pipe(lambda: int(args._run(args) or 0))
+
+
+def exit_quietly_on_broken_pipe(run) -> int:
+    """``run()``'s exit code, or 141 (a shell's code for a writer killed by SIGPIPE) without a traceback when the
+    reader of stdout left early (``ldmopt info --kernels | head``); stdout goes to /dev/null so the flush at exit
+    cannot raise again."""
+    try:
+        return run()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

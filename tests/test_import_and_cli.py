@@ -218,3 +218,22 @@ def test_unusable_device_is_a_clear_error_not_a_traceback(capsys, monkeypatch):
         assert "no CUDA GPU is available" in err and "Traceback" not in err
     assert main(["demo", "--device", "gpu"]) == 2
     assert "is not a torch device" in capsys.readouterr().err
+
+
+def test_a_reader_leaving_early_is_no_traceback():
+    # `ldmopt info --kernels | head`: the writer gets EPIPE; it exits 141 quietly, also at the flush at exit.
+    code = (
+        "import sys\n"
+        "from ldmopt.cli import exit_quietly_on_broken_pipe\n"
+        "def run():\n"
+        "    for _ in range(10000):\n"
+        "        print('x' * 100)\n"
+        "    return 0\n"
+        "sys.exit(exit_quietly_on_broken_pipe(run))\n"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer.stdout.read(10)
+    writer.stdout.close()  # the reader leaves
+    err = writer.stderr.read().decode()
+    assert writer.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
