@@ -543,7 +543,10 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             data_iter = None
         if step == start_step + 1 and report is not None and is_main:
             print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
-            if report.fallbacks():
+            if report.fallbacks() and device.type == "cpu":  # expected there: the kernels serve GPUs
+                print(f"ldmopt: on the CPU the reference path runs ldmopt's ops ({sum(report.fallbacks().values())} "
+                      "unfused calls in the first step)", flush=True)  # fmt: skip
+            elif report.fallbacks():
                 print(f"ldmopt: calls that took the stock or reference path: {report.fallbacks()}", flush=True)
             if report.layout_copies():
                 print(f"ldmopt: inputs copied to channels-last: {report.layout_copies()}", flush=True)
