@@ -47,6 +47,11 @@ class GroupNorm(torch.nn.GroupNorm):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() >= 2 and x.shape[1] != self.num_channels:  # named as the module's setting, not its weight's shape
+            raise ValueError(
+                f"{type(self).__name__}(num_groups={self.num_groups}, num_channels={self.num_channels}) got an input "
+                f"of shape {tuple(x.shape)} with {x.shape[1]} channels"
+            )
         if x.numel() == 0:  # an empty batch (the ops refuse it): torch's result, as the stock module returns
             y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
             return F.silu(y) if self.activation == "silu" else y

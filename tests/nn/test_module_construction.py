@@ -65,6 +65,9 @@ def test_group_norm_takes_torch_keywords_and_checks_from_module_activation():
     assert list(ours.state_dict()) == list(plain.state_dict()) and ours.bias is None
     with pytest.raises(ValueError, match="activation='gelu' is not supported"):
         GroupNorm.from_module(plain, activation="gelu")
+    # the wrong channel count is named as the module's setting (it said "weight must have shape (9,)")
+    with pytest.raises(ValueError, match=r"GroupNorm\(num_groups=3, num_channels=9\) got an input of shape"):
+        ours(torch.randn(2, 6, 3, 3))
 
 
 @pytest.mark.parametrize(
