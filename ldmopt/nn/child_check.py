@@ -71,6 +71,37 @@ def _global_hooks() -> bool:
     )
 
 
+def inert_forward(module: nn.Module) -> bool:
+    """Whether ``module.forward`` on the instance is only its class's own forward bound to it: what accelerate's
+    ``remove_hook_from_module`` and diffusers' ``HookRegistry.remove_hook`` leave behind. Calling it is calling the
+    class's forward, so it is no hook."""
+    f = module.__dict__.get("forward")
+    return (
+        f is not None
+        and getattr(f, "__self__", None) is module
+        and getattr(f, "__func__", None) is getattr(type(module), "forward", None)
+    )
+
+
+def wrapped_forward(module: nn.Module) -> bool:
+    """Whether a forward set on the instance replaces its class's (a hook wrapper); an inert one does not."""
+    return "forward" in module.__dict__ and not inert_forward(module)
+
+
+def drop_inert_forward(module: nn.Module) -> None:
+    """Removes an inert instance forward: before a class swap, where it would pin the old class's forward, and
+    before the swap back, where it would keep calling the fused class's."""
+    if inert_forward(module):
+        del module.__dict__["forward"]
+
+
+def foreign_hook_registry(module: nn.Module) -> bool:
+    """accelerate's ``_hf_hook`` (deleted with the hook) or a diffusers HookRegistry still holding hooks (an emptied
+    registry stays on the module)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    return hasattr(module, "_hf_hook") or bool(registry is not None and getattr(registry, "hooks", True))
+
+
 def attached_hooks(module: nn.Module) -> bool:
     """Whether something is attached to ``module`` itself: forward or backward (pre-)hooks (but ldmopt's own
     observers), or a forward replaced on the instance (accelerate's offload and diffusers' hooks wrap
@@ -79,7 +110,7 @@ def attached_hooks(module: nn.Module) -> bool:
         (bool(module._forward_hooks) and _foreign(module._forward_hooks))
         or (bool(module._forward_pre_hooks) and _foreign(module._forward_pre_hooks))
         or bool(module._backward_hooks or module._backward_pre_hooks)
-        or "forward" in module.__dict__
+        or wrapped_forward(module)
     )
 
 

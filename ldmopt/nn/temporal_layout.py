@@ -52,6 +52,7 @@ from .child_check import (
     stock,
     stock_class,
     tally,
+    wrapped_forward,
 )
 from .group_norm import GroupNorm as LdmoptGroupNorm
 from .layer_norm_input import NormedInput, normed_with_positions
@@ -569,7 +570,7 @@ def install_temporal_blocks(model: nn.Module) -> BlockInstall:
         kind = type(module).__name__
         if kind not in SVD_BLOCKS + CONTAINERS:
             continue
-        if "forward" in vars(module):
+        if wrapped_forward(module):
             install.skipped[name] = "forward already overridden on the instance"
             continue
         static = svd_block_static_reason(module) if kind in SVD_BLOCKS else container_static_reason(module)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nn.child_check import foreign_hook_registry, wrapped_forward
 from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
 from .rule import FAMILIES, Rule, Site, swap_class
 
@@ -213,7 +214,7 @@ def _generic_reasons(site: Site, touched: dict[str, nn.Module], shallow: set[str
                 reasons.append(f"{where} has forward hooks/pre-hooks ldmopt does not understand ({_hook_names(hooks)})")
             if m._backward_hooks or m._backward_pre_hooks:
                 reasons.append(f"{where} has backward hooks")
-            if "forward" in m.__dict__ or hasattr(m, "_hf_hook") or hasattr(m, "_diffusers_hook"):
+            if wrapped_forward(m) or foreign_hook_registry(m):
                 reasons.append(f"{where} has its forward wrapped on the instance (accelerate or diffusers hook)")
             if peft_cls is not None and isinstance(m, peft_cls):
                 reasons.append(f"{where} is a PEFT/LoRA layer ({type(m).__name__})")

@@ -32,7 +32,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..nn.child_check import attached_hooks, count_reason, hooked, stock, unreadable_reason
+from ..nn.child_check import (
+    attached_hooks,
+    count_reason,
+    drop_inert_forward,
+    hooked,
+    stock,
+    unreadable_reason,
+    wrapped_forward,
+)
 
 #: Kernel families a user can select with ``patch(..., families={...})``.
 FAMILIES = (
@@ -230,8 +238,10 @@ def _rebuild_fused(base: type, methods: dict[str, Callable], label: str) -> nn.M
 
 
 def swap_class(module: nn.Module, cls: type) -> type:
-    """Point ``module`` at ``cls``; returns the class it had."""
+    """Point ``module`` at ``cls``; returns the class it had. An inert instance forward (the old class's forward
+    bound to it, left by a removed accelerate/diffusers hook) goes first: it would pin the old class's forward."""
     old = type(module)
+    drop_inert_forward(module)
     module.__class__ = cls
     return old
 
@@ -269,7 +279,7 @@ class ClassSwapRule(Rule):
     def changed_since_patch(self, site: Site, data: Any) -> list[str]:
         # patch skips modules with instance forwards, so one now was added while patched and calls the fused forward.
         where = site.name or "the model"
-        if "forward" in site.module.__dict__:
+        if wrapped_forward(site.module):
             return [f"{where}: its forward was wrapped while patched (accelerate/diffusers hook) and calls ldmopt's"]
         if type(site.module) is data:  # already restored: a copy of this block unpatched on its own
             return []

@@ -4,6 +4,9 @@ The fused paths read some children's weights instead of calling them; a LoRA lay
 patching (``pipe.load_lora_weights`` on a patched pipeline) must still count, and ``unpatch`` must keep it.
 """
 
+import copy
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -270,7 +273,6 @@ def test_norm_replaced_after_patch_keeps_its_silu():
 
 
 def test_unpatch_refuses_to_drop_what_was_attached_to_ldmopt_modules():
-    import types
 
     from torch.nn.utils import parametrize
 
@@ -281,7 +283,8 @@ def test_unpatch_refuses_to_drop_what_was_attached_to_ldmopt_modules():
     ref = _run(model, x)
     ldmopt.patch(model)
     block = model.transformer_blocks[0]
-    block.forward = types.MethodType(type(block).forward, block)  # what accelerate's add_hook_to_module does
+    # what accelerate's add_hook_to_module does: a new forward calling the old one (the fused block's, bound)
+    block.forward = functools.partial(lambda old, *args, **kwargs: old(*args, **kwargs), block.forward)
     proj = model.single_transformer_blocks[0].proj_mlp
 
     class Scale(nn.Module):
@@ -320,3 +323,60 @@ def test_global_module_hooks_take_the_stock_path_and_do_not_block_unpatch():
         handle.remove()
     with torch.no_grad():
         assert torch.equal(output_tensor(model(x)), ref)
+
+
+def _function_module(forward) -> str:
+    """Where an instance forward's code lives ('' for none)."""
+    return getattr(getattr(forward, "__func__", forward), "__module__", "") or ""
+
+
+def _stock_fallbacks(report) -> int:
+    return sum(n for reason, n in report.fallbacks().items() if "triton refused" not in reason)
+
+
+@pytest.mark.parametrize("family,fqn", [("sd3", "transformer_blocks"), ("dit", "transformer_blocks")])
+def test_layer_skip_removed_again_resumes_the_fused_path(family, fqn):
+    # SkipLayerGuidance removes its hooks after every guided step; diffusers leaves the class's forward bound on the
+    # instance and an empty registry: no hook, so the fused path must resume (it stayed stock for good).
+    from diffusers.hooks import HookRegistry, LayerSkipConfig, apply_layer_skip
+
+    stock, patched = _stock_and_patched(family)
+    x = models.inputs(family, stock)
+    report = ldmopt.patch(patched)
+    apply_layer_skip(patched, LayerSkipConfig(indices=[0], fqn=fqn, skip_attention=False, skip_ff=True))
+    _run(patched, x)
+    HookRegistry.check_if_exists_or_initialize(patched).remove_hook("layer_skip_hook", recurse=True)
+    before = _stock_fallbacks(report)
+    _assert_same_as_stock(stock, patched, x, f"{family} after the layer skip was removed")
+    assert _stock_fallbacks(report) == before, report.fallbacks()
+    assert ldmopt.unpatch(patched) > 0 and not ldmopt.is_patched(patched)
+
+
+def test_accelerate_hooks_removed_again_leave_nothing_behind():
+    # accelerate's remove_hook_from_module (pipe.remove_all_hooks()) leaves `module.forward` = the class's forward
+    # bound to the module. That is no hook: the fused path resumes, unpatch succeeds and runs no ldmopt code after,
+    # and a model unhooked so is patched like a fresh one.
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+
+    stock, patched = _stock_and_patched("sd15")
+    x = models.inputs("sd15", stock)
+    fresh = ldmopt.patch(copy.deepcopy(stock)).total
+    report = ldmopt.patch(patched)
+    cpu_offload(patched, execution_device="cpu")
+    remove_hook_from_module(patched, recurse=True)
+    assert any("forward" in vars(m) for m in patched.modules())  # the leftovers this is about
+    before = _stock_fallbacks(report)
+    _assert_same_as_stock(stock, patched, x, "sd15 after accelerate hooks were removed")
+    assert _stock_fallbacks(report) == before, report.fallbacks()
+    assert ldmopt.unpatch(patched) == report.total
+    leftover = [n for n, m in patched.named_modules() if "ldmopt" in _function_module(vars(m).get("forward"))]
+    assert not leftover, leftover[:3]
+    _assert_same_as_stock(stock, patched, x, "sd15 unpatched after the hooks were removed")
+
+    unhooked = copy.deepcopy(stock)
+    cpu_offload(unhooked, execution_device="cpu")
+    remove_hook_from_module(unhooked, recurse=True)
+    again = ldmopt.patch(unhooked)
+    assert again.total == fresh and not again.skipped, [s.reasons for s in again.skipped[:2]]
+    _assert_same_as_stock(stock, unhooked, x, "sd15 patched after the hooks were removed")
