@@ -448,15 +448,32 @@ def unpatch(pipe_or_model: Any) -> int:
         # fused class is all a class-swap rule changed in them (its guards aside), so they go back to their own.
         copies = _unrecorded_fused(model)
         holders = [m for m in model.modules() if _RECORDS in m.__dict__]
+        originals = {}
         for holder in holders:
             records = holder.__dict__.pop(_RECORDS)
+            originals.update((id(new), old) for rec in records for new, old in rec.rule.stand_ins(rec.data))
             _restore(records)
             undone += len(records)
+        _restore_saved_processors(model, originals)
         for module in copies:
             swap_class(module, type(module)._ldmopt_base)
             module.__dict__.pop("_ldmopt_guards", None)
             undone += 1
     return undone
+
+
+def _restore_saved_processors(model: nn.Module, originals: dict[int, Any]) -> None:
+    """diffusers' ``fuse_qkv_projections`` saves the processors of the moment in ``original_attn_processors`` for
+    ``unfuse_qkv_projections`` to put back; saved while patched, they would bring ldmopt's processors back into the
+    unpatched model. Each one ldmopt installed becomes the processor it stood in for."""
+    if not originals:
+        return
+    for m in model.modules():
+        saved = m.__dict__.get("original_attn_processors")
+        if isinstance(saved, dict):
+            for name, processor in saved.items():
+                if id(processor) in originals:
+                    saved[name] = originals[id(processor)]
 
 
 def is_patched(pipe_or_model: Any) -> bool:

@@ -122,6 +122,11 @@ class Rule:
         refuses then): hooks, a forward wrapped on the instance, a parametrization (which changes the class)."""
         return []
 
+    def stand_ins(self, data: Any) -> list[tuple[Any, Any]]:
+        """(installed object, what it stood in for) pairs that a model may have saved copies of while patched
+        (diffusers' ``original_attn_processors``): unpatch puts the originals there too."""
+        return []
+
 
 def diffusers_classes(*paths: str) -> tuple[type, ...]:
     """The classes ``"module:Class"`` (module relative to ``diffusers.models``) that this diffusers has; a class it

@@ -70,6 +70,10 @@ class _ProcessorRule(Rule):
     def counters(self, data: Any) -> list:
         return [data[1]]
 
+    def stand_ins(self, data: Any) -> list[tuple[Any, Any]]:
+        previous, installed = data
+        return [(installed, previous)]
+
 
 class TemporalAttentionRule(_ProcessorRule):
     name = "temporal_attention"

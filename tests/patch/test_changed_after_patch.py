@@ -380,3 +380,21 @@ def test_accelerate_hooks_removed_again_leave_nothing_behind():
     again = ldmopt.patch(unhooked)
     assert again.total == fresh and not again.skipped, [s.reasons for s in again.skipped[:2]]
     _assert_same_as_stock(stock, unhooked, x, "sd15 patched after the hooks were removed")
+
+
+def test_fused_qkv_saved_while_patched_unfuses_to_stock_processors_after_unpatch():
+    # fuse_qkv_projections saves the processors of the moment for unfuse_qkv_projections: saved while patched, they
+    # were ldmopt's and came back into the unpatched model (the fused kernel ran in a model reporting unpatched).
+    from ldmopt.nn.temporal_attention import TemporalAttnProcessor
+
+    stock, patched = _stock_and_patched("animatediff")
+    x = models.inputs("animatediff", stock)
+    ldmopt.patch(patched, families={"temporal_attention"})
+    assert any(isinstance(p, TemporalAttnProcessor) for p in patched.attn_processors.values())
+    patched.fuse_qkv_projections()
+    assert ldmopt.unpatch(patched) > 0
+    patched.unfuse_qkv_projections()
+    kinds = {type(p).__name__ for p in patched.attn_processors.values()}
+    assert kinds == {type(p).__name__ for p in stock.attn_processors.values()}, kinds
+    assert not ldmopt.is_patched(patched)
+    assert torch.equal(_run(patched, x), _run(stock, x))
