@@ -351,6 +351,11 @@ class _FusedAdaLN(nn.Module):
         when ``norm`` changed after patching in a way the kernel would not reproduce: replaced by another norm (affine,
         RMSNorm ...), or given hooks or a wrapped forward. Its eps is read per call."""
         eps, reason = _layer_norm_eps(self.norm)
+        width = getattr(self.norm, "normalized_shape", (x.shape[-1],))
+        if reason is None and tuple(width) != (x.shape[-1],):  # named as the norm's setting, as torch names it
+            raise ValueError(
+                f"{type(self).__name__}: norm has normalized_shape={list(width)} but x has shape {tuple(x.shape)}"
+            )
         if reason is None and hooked(self.norm):
             reason = "norm has hooks or a wrapped forward"
         if reason is None and not x.numel():

@@ -121,3 +121,10 @@ def test_from_module_refuses_modules_that_compute_something_else():
     assert_close(FusedGEGLU.from_module(stock)(x), stock(x), torch.float32)
     again = FusedGEGLU.from_module(FusedGEGLU.from_module(stock))
     assert again.proj is stock.proj
+
+
+def test_adaln_norm_width_mismatch_names_normalized_shape():
+    # it said "scale must have shape (2, 8)": the modulation's shape, not the setting that disagrees with x
+    module = FusedAdaLayerNormZeroSingle(12)
+    with pytest.raises(ValueError, match=r"norm has normalized_shape=\[12\] but x has shape \(2, 5, 8\)"):
+        module(torch.randn(2, 5, 8), torch.randn(2, 12))
