@@ -398,3 +398,21 @@ def test_fused_qkv_saved_while_patched_unfuses_to_stock_processors_after_unpatch
     assert kinds == {type(p).__name__ for p in stock.attn_processors.values()}, kinds
     assert not ldmopt.is_patched(patched)
     assert torch.equal(_run(patched, x), _run(stock, x))
+
+
+def test_group_offload_after_patch_blocks_unpatch_until_its_hooks_are_removed():
+    # diffusers' group offloading wraps block forwards: unpatch refuses while they are there (they call ldmopt's
+    # forward) and goes ahead once diffusers' registry has removed them (what it leaves behind is inert).
+    stock, patched = _stock_and_patched("sd15")
+    x = models.inputs("sd15", stock)
+    report = ldmopt.patch(patched)
+    patched.enable_group_offload(onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
+    _assert_same_as_stock(stock, patched, x, "sd15 with group offloading after patch")
+    with pytest.raises(ldmopt.patch.PatchError, match="its forward was wrapped while patched"):
+        ldmopt.unpatch(patched)
+    for module in patched.modules():
+        registry = module.__dict__.get("_diffusers_hook")
+        for name in list(getattr(registry, "_hook_order", ())):
+            registry.remove_hook(name, recurse=False)
+    assert ldmopt.unpatch(patched) == report.total and not ldmopt.is_patched(patched)
+    assert torch.equal(_run(patched, x), _run(stock, x))
