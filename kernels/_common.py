@@ -141,6 +141,11 @@ def fp32_dot_precision(dtype: torch.dtype, follow: str) -> str:
 FP32_CLEAN_EVERYWHERE = frozenset({("ieee", 80), ("ieee", 90), ("tf32", 80), ("tf32", 90)})
 
 
+def fp32_archs(clean, precision: str) -> tuple[int, ...]:
+    """The archs where a tile claims to compile clean with this tl.dot precision (what the AOT gate compiles)."""
+    return tuple(arch for p, arch in sorted(clean) if p == precision)
+
+
 def tag_fp32_configs(configs: list, clean: list) -> list:
     """Marks autotune configs as tiles for fp32 operands, each clean at the (precision, arch) pairs given; configs
     without the mark serve 16-bit operands."""

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FP32_CLEAN_EVERYWHERE, gelu_erf, gelu_erf_grad, layer_normed, new_output
+from ._common import FP32_CLEAN_EVERYWHERE, fp32_archs, gelu_erf, gelu_erf_grad, layer_normed, new_output
 from .linear import (
     bwd_tiles,
     divisibility_attrs,
@@ -287,7 +287,7 @@ def aot_specs() -> list[dict]:
         for precision in ("ieee", "tf32"):
             spec = fwd(f"geglu_fwd[fp32 {precision},layer-normed x,train,{tag}]", "fp32", (*tile, 0), True, norm=True)
             spec["constexprs"]["INPUT_PRECISION"] = precision
-            specs.append({**spec, "archs": tuple(arch for p, arch in sorted(clean) if p == precision)})
+            specs.append({**spec, "archs": fp32_archs(clean, precision)})
     block_m, block_n = bwd_tiles(1280)
     for dtype in ("fp16", "bf16"):
         signature = {

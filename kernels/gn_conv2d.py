@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._common import (
     ACTIVATIONS,
+    fp32_archs,
     fp32_dot_precision,
     new_output,
     next_power_of_2,
@@ -593,7 +594,7 @@ def aot_specs() -> list[dict]:
                     dot_precision=precision,
                     **extra,
                 ),
-                "archs": tuple(arch for p, arch in sorted(clean) if p == precision),
+                "archs": fp32_archs(clean, precision),
             }
             for bm, bn, bk, w, s, clean in CONV_TILES_FP32
             for precision in ("ieee", "tf32")

@@ -28,6 +28,7 @@ import triton.language as tl
 from ._common import (
     ACTIVATIONS,
     FP32_CLEAN_EVERYWHERE,
+    fp32_archs,
     fp32_dot_precision,
     layer_normed,
     new_output,
@@ -53,17 +54,14 @@ def gemm_configs(tiles: list[tuple[int, ...]], fp32_tiles: list[tuple] = ()) -> 
     ones (prune_operands picks between them); one small config in the interpreter."""
     if _interpreting():
         tiles, fp32_tiles = [(32, 32, 32, 4, 1)], ()
-    configs = []
-    for bm, bn, bk, w, s, *arch in tiles:
-        config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        config.min_arch = arch[0] if arch else 0
-        configs.append(config)
-    fp32_configs = []
-    for bm, bn, bk, w, s, _ in fp32_tiles:
-        config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        config.min_arch = 0
-        fp32_configs.append(config)
-    return configs + tag_fp32_configs(fp32_configs, [tile[5] for tile in fp32_tiles])
+
+    def config(bm, bn, bk, w, s, min_arch=0):
+        made = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        made.min_arch = min_arch
+        return made
+
+    fp32_configs = tag_fp32_configs([config(*tile[:5]) for tile in fp32_tiles], [tile[5] for tile in fp32_tiles])
+    return [config(*tile) for tile in tiles] + fp32_configs
 
 
 def prune_operands(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -619,7 +617,7 @@ def aot_specs() -> list[dict]:
     for *tile, clean in LINEAR_TILES_FP32:
         tag = "x".join(map(str, tile[:3])) + f"w{tile[3]}s{tile[4]}"
         for precision in ("ieee", "tf32"):
-            archs = tuple(arch for p, arch in sorted(clean) if p == precision)
+            archs = fp32_archs(clean, precision)
             for label, args, extra in (("layer-normed x,gelu", ("gelu", False, False, True), {"norm": True}),
                                        ("gate+residual 3-D", (None, True, True, False, True), {})):  # fmt: skip
                 spec = _fwd_spec(f"linear_fwd[fp32 {precision},{label},{tag}]", "fp32", tuple(tile), *args, **extra)

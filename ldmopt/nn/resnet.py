@@ -123,13 +123,22 @@ def can_fuse(block) -> list[str]:
     return _structural_reasons(block) + _bypassed_hook_reasons(block)
 
 
-def _structural_reasons(block) -> list[str]:
-    """can_fuse's reasons but hooks on bypassed children (which can be removed again)."""
+def _not_a_resnet_block(block) -> str | None:
+    """Why ``block`` is no diffusers ResnetBlock2D (or ldmopt's module standing for one), or None."""
     cls, why = _resnet_block_class()
     if cls is None:
-        return [why]
+        return why
     if not isinstance(block, (cls, FusedResnetBlock2D)):
-        return [f"{type(block).__name__} is not a diffusers ResnetBlock2D"]
+        return f"{type(block).__name__} is not a diffusers ResnetBlock2D"
+    return None
+
+
+def _structural_reasons(block) -> list[str]:
+    """can_fuse's reasons but hooks on bypassed children (which can be removed again)."""
+    not_a_block = _not_a_resnet_block(block)
+    if not_a_block:
+        return [not_a_block]
+    cls, _ = _resnet_block_class()
     stock = _stock_class(block)
     if stock.forward is not cls.forward:
         return [f"{stock.__qualname__} overrides ResnetBlock2D.forward"]
@@ -286,11 +295,11 @@ class FusedResnetBlock2D(torch.nn.Module):
 
     def __init__(self, block: torch.nn.Module) -> None:
         super().__init__()
-        cls, why = _resnet_block_class()
-        if cls is None or not isinstance(block, (cls, FusedResnetBlock2D)):
+        not_a_block = _not_a_resnet_block(block)
+        if not_a_block:
             raise TypeError(
-                f"FusedResnetBlock2D(block): block must be a diffusers ResnetBlock2D, got {type(block).__name__}"
-                + (f" ({why})" if cls is None else "")
+                f"FusedResnetBlock2D(block): block must be a diffusers ResnetBlock2D, got {type(block).__name__} "
+                f"({not_a_block})"
             )
         structural = _structural_reasons(block)
         if structural:  # a direct user has no patch report: say once why every call will run diffusers' forward
