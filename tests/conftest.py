@@ -16,6 +16,12 @@ import pytest
 import torch
 
 SESSION_SEED = int(os.environ.get("LDMOPT_TEST_SEED", random.SystemRandom().randrange(2**31)))
+# pytest-xdist workers inherit the environment of the process that starts them: one seed for the whole run.
+os.environ["LDMOPT_TEST_SEED"] = str(SESSION_SEED)
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:  # share the cores between workers instead of each worker's torch taking all of them
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 def pytest_report_header(config):
