@@ -10,6 +10,7 @@ written by N ranks resumes on M ranks and continues with the same loss (up to fl
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,24 +131,73 @@ class VideoShapesDataset(ShapesDataset):
 _RECT = ((-1, -1), (1, -1), (1, 1), (-1, 1))
 
 
+def scan_images(root: Path) -> tuple[list[Path], list[str]]:
+    """Image files under ``root`` (sorted), and the files with an image suffix that were left out, with why.
+
+    Symlinked folders are followed, each real folder once (no loops); hidden files and folders (``.git``, macOS
+    ``._name.png`` resource forks) are skipped; each file's header is read once, so a file that is no image is
+    reported now rather than crashing training when its index comes up (a truncated image body still would).
+    """
+    found: list[Path] = []
+    skipped: list[str] = []
+    visited: set[str] = set()
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in visited:
+            dirs[:] = []
+            continue
+        visited.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            path = Path(folder, name)
+            if path.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            if name.startswith("."):
+                skipped.append(f"{path} (hidden file)")
+                continue
+            try:
+                Image.open(path).close()  # parses the header only: cheap, and catches what is no image at all
+            except Exception as exc:  # PIL raises many kinds (UnidentifiedImageError, SyntaxError, struct.error)
+                skipped.append(f"{path} (not a readable image: {type(exc).__name__}: {exc})")
+                continue
+            found.append(path)
+    return sorted(found), skipped
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode.startswith("I"):  # 16-bit (or int32) grey: PIL's convert clips to 255 instead of scaling
+        grey = np.asarray(im, dtype=np.float64) * (255.0 / 65535.0)
+        im = Image.fromarray(np.clip(np.rint(grey), 0, 255).astype(np.uint8), "L")
+    return im.convert("RGB")
+
+
 class ImageFolderDataset(Dataset):
     """Images under ``root`` (recursively), resized on the short side and centre-cropped to ``resolution``.
 
-    If ``root`` has sub-folders that hold images, each sub-folder is a class (torchvision's ImageFolder convention);
-    otherwise there is one class. ``hflip`` mirrors half of the images, chosen from (seed, epoch, index).
+    If ``root`` has sub-folders that hold images, each sub-folder is a class and images directly in ``root`` are
+    left out (torchvision's ImageFolder convention); otherwise there is one class. ``skipped`` lists the files left
+    out, with why. ``hflip`` mirrors half of the images, chosen from (seed, epoch, index).
     """
 
     def __init__(self, root: str | Path, resolution: int, hflip: bool = False, seed: int = 0) -> None:
         root = Path(root)
         if not root.is_dir():
             raise FileNotFoundError(f"--data {str(root)!r} is not a folder")
-        self.files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
-        if not self.files:
-            raise FileNotFoundError(f"--data {str(root)!r} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-        folders = sorted({p.parent.relative_to(root).parts[0] for p in self.files if p.parent != root})
+        files, self.skipped = scan_images(root)
+        folders = sorted({p.relative_to(root).parts[0] for p in files if p.parent != root})
+        if folders:
+            self.skipped += [f"{p} (directly in --data while its sub-folders are the classes)" for p in files
+                             if p.parent == root]  # fmt: skip
+            files = [p for p in files if p.parent != root]
+        if not files:
+            left_out = f"; left out: {'; '.join(self.skipped[:5])}" if self.skipped else ""
+            raise FileNotFoundError(
+                f"--data {str(root)!r} holds no readable images ({', '.join(IMAGE_SUFFIXES)}){left_out}"
+            )
+        self.files = files
         self.class_names = folders or ["image"]
         index = {name: i for i, name in enumerate(folders)}
-        self.labels = [index.get(p.relative_to(root).parts[0], 0) if p.parent != root else 0 for p in self.files]
+        self.labels = [index[p.relative_to(root).parts[0]] if folders else 0 for p in files]
         self.num_classes = len(self.class_names)
         self.resolution, self.hflip, self.seed = resolution, hflip, seed
 
@@ -156,7 +206,7 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, index: int, epoch: int = 0) -> tuple[torch.Tensor, int]:
         with Image.open(self.files[index]) as im:
-            img = im.convert("RGB")
+            img = _to_rgb(im)
         scale = self.resolution / min(img.size)
         w, h = max(self.resolution, round(img.width * scale)), max(self.resolution, round(img.height * scale))
         img = img.resize((w, h), Image.Resampling.BICUBIC)

@@ -113,6 +113,23 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def set_aside_newer_checkpoints(out_dir: Path, step: int) -> Path | None:
+    """Move the checkpoints of ``out_dir`` past ``step`` into a ``superseded-*`` sub-folder; return it (None if none).
+
+    Resuming from an earlier checkpoint forks the run: left in place, the abandoned run's later checkpoints would
+    outrank the new run's in --keep-last rotation and in --resume auto, which both go by step number.
+    """
+    steps = {p: p.stem.removeprefix("step-") for p in (out_dir / "checkpoints").glob("step-*.pt")}
+    newer = [p for p, digits in steps.items() if digits.isdigit() and int(digits) > step]
+    if not newer:
+        return None
+    aside = out_dir / "checkpoints" / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step:08d}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in newer:
+        os.replace(path, aside / path.name)
+    return aside
+
+
 def save_checkpoint(path: Path, state: dict, keep_last: int) -> None:
     """Atomic write (temporary file, then rename), then delete all but the newest ``keep_last`` checkpoints."""
     path.parent.mkdir(parents=True, exist_ok=True)

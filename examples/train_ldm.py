@@ -86,6 +86,7 @@ from _train_utils import (
     rng_state,
     save_checkpoint,
     seed_everything,
+    set_aside_newer_checkpoints,
     set_rng_state,
 )
 
@@ -341,6 +342,10 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         base = VideoShapesDataset(args.resolution, frames, args.num_shapes, seed=args.seed)
     elif args.data:
         base = ImageFolderDataset(args.data, args.resolution, hflip=args.hflip, seed=args.seed)
+        if base.skipped and is_main:
+            listed = "".join(f"\n  {line}" for line in base.skipped[:20])
+            more = f"\n  ... and {len(base.skipped) - 20} more" if len(base.skipped) > 20 else ""
+            print(f"note: --data: {len(base.skipped)} files left out:{listed}{more}", flush=True)
     else:
         base = ShapesDataset(args.resolution, args.num_shapes, seed=args.seed)
     vae = VaeLatents(args.vae, tiny=args.tiny) if args.vae else None
@@ -406,6 +411,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         model = torch.compile(model)
 
     step = 0
+    data_epoch, seen_in_epoch = 0, 0  # the epoch being read, and how many of its samples (all ranks) were trained on
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -435,10 +441,17 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             else:
                 ema.load_state_dict(state["ema"])
         step = state["step"]
+        # Counted in samples, not steps: resumed with another --batch-size or process count, the run reads on from
+        # the same place in the same epoch's order. (Checkpoints from before kept whole batches of their batch size.)
+        data_epoch = state["epoch"]
+        seen_in_epoch = state.get("samples_into_epoch", state["batches_into_epoch"] * state["batch_size"])
         if state["world_size"] == info.world_size:
             set_rng_state(state["rng"][info.rank], device)
         if is_main:
             print(f"resumed from {resume_path} at step {step} (epoch {state['epoch']})", flush=True)
+            if args.save_every > 0 and (aside := set_aside_newer_checkpoints(out_dir, step)) is not None:
+                print(f"note: {out_dir / 'checkpoints'} held checkpoints past step {step} from the run this one forks "
+                      f"off; moved to {aside}", flush=True)  # fmt: skip
             if state.get("args") is None and state["batch_size"] != args.batch_size:  # else resume_args noted it
                 print(f"note: --batch-size {args.batch_size} differs from the checkpoint's {state['batch_size']}")
 
@@ -449,8 +462,8 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         samples, batch_size=micro, sampler=sampler, num_workers=workers, pin_memory=device.type == "cuda",
         drop_last=True, persistent_workers=False,
     )  # fmt: skip
-    steps_per_epoch = len(sampler.inner) // micro // args.grad_accum
-    if steps_per_epoch == 0:
+    per_rank_step = micro * args.grad_accum  # samples each process reads per optimizer step
+    if len(sampler.inner) < per_rank_step:
         raise SystemExit(f"the dataset has {len(base)} images, fewer than one global batch of {args.batch_size}")
 
     # ---------------------------------------------------------------------------------------- helpers
@@ -495,11 +508,11 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         rng = gather_objects(rng_state(device), info)  # collective: every rank calls it
         if not is_main:
             return
-        epoch, pos = divmod(at_step, steps_per_epoch)
         ckpt = {
             "model": denoiser.state_dict(), "ema": ema.state_dict() if ema else None,
             "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "step": at_step, "epoch": epoch, "batches_into_epoch": pos,
+            "scaler": scaler.state_dict(), "step": at_step, "epoch": data_epoch,
+            "samples_into_epoch": seen_in_epoch, "batches_into_epoch": seen_in_epoch // args.batch_size,
             "world_size": info.world_size, "batch_size": args.batch_size, "rng": rng, "args": vars(args),
         }  # fmt: skip
         save_checkpoint(checkpoint_path(out_dir, at_step), ckpt, args.keep_last)
@@ -515,10 +528,12 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
 
     def run_step() -> None:
         """One optimizer step (all micro-batches), then logging, checkpointing and sampling when due."""
-        nonlocal step, data_iter, window_start, window_images
-        epoch, pos = divmod(step, steps_per_epoch)
+        nonlocal step, data_iter, data_epoch, seen_in_epoch, window_start, window_images
+        if seen_in_epoch // info.world_size + per_rank_step > len(sampler.inner):  # no full step left in this epoch
+            data_epoch, seen_in_epoch, data_iter = data_epoch + 1, 0, None
+        epoch = data_epoch
         if data_iter is None:
-            sampler.set_epoch(epoch, skip=pos * args.grad_accum * micro)
+            sampler.set_epoch(epoch, skip=seen_in_epoch // info.world_size)
             data_iter = iter(loader)
         loss_sum = torch.zeros((), device=device)
         for i in range(args.grad_accum):
@@ -538,9 +553,8 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         if ema is not None:
             ema.update(step)
         step += 1
+        seen_in_epoch += args.batch_size
         window_images += args.batch_size
-        if pos + 1 == steps_per_epoch:
-            data_iter = None
         if step == start_step + 1 and report is not None and is_main:
             print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
             if report.fallbacks() and device.type == "cpu":  # expected there: the kernels serve GPUs

@@ -420,3 +420,43 @@ def test_save_final_round_trips_with_the_conditioning(train_ldm, tmp_path, argv)
         expected = ref.eval()(x, t, labels)
         assert torch.equal(fresh.eval()(x, t, labels), expected)
         assert torch.equal(helper.eval()(x, t, labels), expected)
+
+
+def test_resume_with_another_batch_size_reads_on_in_the_same_epoch(train_ldm, tmp_path, monkeypatch):
+    """Half of epoch 0 at batch size 8, resumed at 16: the second run reads exactly the other half of epoch 0."""
+    samples = sys.modules["_train_data"].DiffusionSamples
+    drawn: list[tuple[int, int]] = []
+    read = samples.__getitem__
+    monkeypatch.setattr(samples, "__getitem__", lambda self, key: drawn.append(key) or read(self, key))
+    small = [*BASE, "--num-shapes", "64", "--save-every", "4", "--keep-last", "0"]
+    train_ldm.main([*small, "--max-steps", "4", "--output-dir", str(tmp_path / "a")])
+    first, drawn[:] = list(drawn), []
+    ckpt = tmp_path / "a" / "checkpoints" / "step-00000004.pt"
+    summary = train_ldm.main([*small, "--batch-size", "16", "--max-steps", "6", "--resume", str(ckpt),
+                              "--output-dir", str(tmp_path / "b")])  # fmt: skip
+    assert summary["step"] == 6 and [h["epoch"] for h in summary["history"]] == [0, 0]
+    assert {epoch for epoch, _ in first + drawn} == {0}
+    assert sorted(index for _, index in first + drawn) == list(range(64))  # every sample once
+    saved = torch.load(tmp_path / "b" / "checkpoints" / "step-00000006.pt", weights_only=False)
+    assert (saved["epoch"], saved["samples_into_epoch"]) == (0, 64)
+
+
+def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(train_ldm, tmp_path, capsys):
+    """A fork from step 2 into the same folder: the abandoned run's steps 4 and 6 go to a superseded-* folder, so
+    --keep-last keeps the new run's checkpoints and --resume auto picks the new run's last one."""
+    out = tmp_path / "run"
+    common = [*BASE, "--num-shapes", "64", "--output-dir", str(out)]
+    train_ldm.main([*common, "--max-steps", "6", "--save-every", "2", "--keep-last", "3"])
+    fork = out / "checkpoints" / "step-00000002.pt"
+    shutil.copy(fork, tmp_path / "fork.pt")  # --keep-last rotates it away during the new run
+    capsys.readouterr()
+    train_ldm.main([*common, "--resume", str(tmp_path / "fork.pt"), "--lr", "1e-4", "--max-steps", "5",
+                    "--save-every", "1", "--keep-last", "3"])  # fmt: skip
+    assert "moved to" in capsys.readouterr().out
+    kept = sorted(p.name for p in (out / "checkpoints").glob("step-*.pt"))
+    assert kept == ["step-00000003.pt", "step-00000004.pt", "step-00000005.pt"]
+    assert all(torch.load(out / "checkpoints" / name, weights_only=False)["args"]["lr"] == 1e-4 for name in kept)
+    (aside,) = (out / "checkpoints").glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-00000004.pt", "step-00000006.pt"]
+    resumed = train_ldm.main([*common, "--resume", "auto", "--max-steps", "6", "--save-every", "0"])
+    assert resumed["step"] == 6 and len(resumed["history"]) == 1

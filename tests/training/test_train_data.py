@@ -1,0 +1,71 @@
+"""examples/_train_data.py's image folder: what a real folder of images throws at it.
+
+Symlinked class folders count (once, even in a loop); hidden files, folders with an image suffix and files that are
+no image are left out and listed, not found mid-training; loose images beside class folders are left out (no wrong
+label); 16-bit grey images are scaled to 8 bits, not clipped to white.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from _train_data import ImageFolderDataset  # noqa: E402
+
+
+def _images(folder: Path, count: int, colour=(200, 40, 40)) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        Image.new("RGB", (12 + i, 10), colour).save(folder / f"{i}.png")
+
+
+def test_symlinked_class_folders_count_and_odd_files_are_listed(tmp_path):
+    root = tmp_path / "data"
+    _images(root / "cats", 3)
+    _images(tmp_path / "elsewhere" / "dogs", 2, (40, 40, 200))
+    (root / "dogs").symlink_to(tmp_path / "elsewhere" / "dogs", target_is_directory=True)
+    (root / "dogs_again").symlink_to(root / "dogs", target_is_directory=True)  # the same folder twice
+    (root / "cats" / "loop").symlink_to(root, target_is_directory=True)  # a cycle: must not hang
+    (root / "cats" / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")  # macOS resource fork
+    (root / "cats" / "album.jpg").mkdir()  # a folder named like an image
+    (root / "cats" / "notes.png").write_text("not an image")
+    _images(root / ".ipynb_checkpoints", 1)  # hidden folder
+    Image.new("RGB", (10, 10)).save(root / "loose.png")  # beside the class folders: no class of its own
+
+    data = ImageFolderDataset(root, 8)
+
+    assert data.class_names == ["cats", "dogs"]
+    assert len(data) == 5 and sorted(data.labels) == [0, 0, 0, 1, 1]
+    assert all(data.files[i].parent.name == data.class_names[label] for i, label in enumerate(data.labels))
+    skipped = "\n".join(data.skipped)
+    for name in ("._0.png", "notes.png", "loose.png"):
+        assert name in skipped, skipped
+    assert "album.jpg" not in skipped and ".ipynb_checkpoints" not in skipped
+    for i in range(len(data)):  # every file kept loads
+        image, _ = data[i]
+        assert image.shape == (3, 8, 8)
+
+
+def test_a_folder_of_only_unreadable_files_names_them(tmp_path):
+    (tmp_path / "a.png").write_text("text")
+    with pytest.raises(FileNotFoundError, match=r"no readable images.*a\.png"):
+        ImageFolderDataset(tmp_path, 8)
+
+
+def test_16_bit_grey_is_scaled_not_clipped(tmp_path):
+    ramp = np.linspace(0, 65535, 16 * 16).reshape(16, 16)
+    Image.fromarray(ramp.astype(np.uint16)).save(tmp_path / "grey.png")
+    assert Image.open(tmp_path / "grey.png").mode == "I;16"  # PIL keeps the 16 bits
+
+    pixels, _ = ImageFolderDataset(tmp_path, 16)[0]
+
+    expected = np.rint(ramp * 255 / 65535) / 127.5 - 1  # [-1, 1] as the dataset scales 8-bit values
+    assert np.abs(pixels[0].numpy() - expected).max() < 0.1  # bicubic resize at the same size moves values little
+    assert (pixels == 1).float().mean() < 0.05
