@@ -102,6 +102,20 @@ def foreign_hook_registry(module: nn.Module) -> bool:
     return hasattr(module, "_hf_hook") or bool(registry is not None and getattr(registry, "hooks", True))
 
 
+def instance_forward_owner(module: nn.Module) -> str:
+    """Who replaced or wraps ``module``'s forward, for a skip reason: accelerate, a diffusers hook registry, or the
+    wrapper's own module and name (ldmopt's ``install_temporal_blocks``, a user's function)."""
+    if hasattr(module, "_hf_hook"):
+        return f"an accelerate hook ({type(module._hf_hook).__name__})"
+    if getattr(module, "_diffusers_hook", None) is not None and getattr(module._diffusers_hook, "hooks", True):
+        return f"a diffusers hook registry ({', '.join(map(str, module._diffusers_hook.hooks)) or 'hooks'})"
+    wrapper = module.__dict__.get("forward")
+    target = getattr(wrapper, "__func__", wrapper)
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    owner = getattr(target, "__module__", None) or type(target).__module__
+    return f"{owner}.{name}"
+
+
 def attached_hooks(module: nn.Module) -> bool:
     """Whether something is attached to ``module`` itself: forward or backward (pre-)hooks (but ldmopt's own
     observers), or a forward replaced on the instance (accelerate's offload and diffusers' hooks wrap

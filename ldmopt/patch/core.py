@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn.child_check import foreign_hook_registry, wrapped_forward
+from ..nn.child_check import foreign_hook_registry, instance_forward_owner, wrapped_forward
 from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
 from .rule import FAMILIES, Rule, Site, swap_class
 
@@ -215,7 +215,7 @@ def _generic_reasons(site: Site, touched: dict[str, nn.Module], shallow: set[str
             if m._backward_hooks or m._backward_pre_hooks:
                 reasons.append(f"{where} has backward hooks")
             if wrapped_forward(m) or foreign_hook_registry(m):
-                reasons.append(f"{where} has its forward wrapped on the instance (accelerate or diffusers hook)")
+                reasons.append(f"{where} has its forward wrapped on the instance by {instance_forward_owner(m)}")
             if peft_cls is not None and isinstance(m, peft_cls):
                 reasons.append(f"{where} is a PEFT/LoRA layer ({type(m).__name__})")
             quant = _quantized_reason(where, m)

@@ -344,8 +344,21 @@ def test_instance_forward_and_quantized_weights_are_left_stock():
     q.weight = nn.Parameter(torch.zeros(q.num_channels, dtype=torch.int8), requires_grad=False)
     report = ldmopt.patch(vae, families={"group_norm"})
     reasons = {s.name: s.reasons for s in report.skipped}
-    assert "wrapped on the instance" in reasons["encoder.mid_block.resnets.0.norm2"][0]
+    assert "wrapped on the instance by functools.partial" in reasons["encoder.mid_block.resnets.0.norm2"][0]
     assert "torch.int8" in reasons["decoder.mid_block.resnets.0.norm1"][0]
+
+
+def test_the_skip_reason_names_who_replaced_the_forward():
+    from ldmopt.nn.temporal_layout import install_temporal_blocks, uninstall_temporal_blocks
+
+    model = models.svd().eval()
+    install = install_temporal_blocks(model)
+    assert install.blocks
+    report = ldmopt.patch(model)
+    reasons = [r for s in report.skipped for r in s.reasons if "wrapped on the instance" in r]
+    assert reasons and all("ldmopt.nn.temporal_layout.TemporalBlockBFNC" in r for r in reasons), reasons
+    ldmopt.unpatch(model)
+    uninstall_temporal_blocks(install)
 
 
 def test_patch_after_compile_is_refused():
