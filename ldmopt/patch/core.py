@@ -426,8 +426,9 @@ def unpatch(pipe_or_model: Any) -> int:
         roots = [root for root in claimants if root is not None and id(root) not in in_call]
         if roots:
             raise PatchError(
-                f"ldmopt.unpatch: this {type(model).__name__} was patched as part of an enclosing "
-                f"{type(roots[0]).__name__}; unpatch that model (or pipeline) instead"
+                f"ldmopt.unpatch: modules of this {type(model).__name__} were patched by ldmopt.patch of an enclosing "
+                f"{type(roots[0]).__name__}; unpatch that model (or pipeline) instead, which also undoes any patch "
+                "of this one"
             )
     problems = [
         problem

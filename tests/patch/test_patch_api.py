@@ -106,7 +106,7 @@ def test_submodule_of_a_patched_model_is_not_patched_twice():
     again = ldmopt.patch(block)
     assert again.total == 0 and again.already_patched > 0, str(again)
     assert all("fused[fused[" not in type(m).__name__ for m in unet.modules())
-    with pytest.raises(PatchError, match="patched as part of an enclosing UNet2DConditionModel"):
+    with pytest.raises(PatchError, match=r"were patched by ldmopt\.patch of an enclosing UNet2DConditionModel"):
         ldmopt.unpatch(block)
     assert_outputs_close(_run(unet, inputs), ref, name="after the second patch")
     assert ldmopt.unpatch(unet) == whole.total
