@@ -32,6 +32,13 @@ value; rank 0 prints a note for each (--data too: a moved image folder; its clas
 model's label embeddings). Never inherited (``NOT_INHERITED``): --resume, --output-dir (where an auto-resume
 looks, so it is this command's), --device, --backend, --num-workers, --no-progress (this machine's) and the
 --profile-* window (a diagnostic of this process). Checkpoints without saved arguments use the command line's.
+The data position is kept in samples, so a run resumed with another --batch-size reads on from the same place in the
+same epoch. Resuming from an earlier checkpoint into a folder that holds later ones forks the run: those later
+checkpoints are moved to ``checkpoints/superseded-*`` so that rotation and ``--resume auto`` follow the new run.
+
+An image folder (``--data``) is read recursively, following symlinked folders; its sub-folders are the classes (an
+image directly beside them is left out), hidden files and files that are no image are left out too, and rank 0
+lists what was left out. 16-bit grey images are scaled to 8 bits.
 
 ``--save-final`` writes ``OUTPUT_DIR/final/``: the EMA weights of the diffusers model (``save_pretrained``: config.json
 and diffusion_pytorch_model.safetensors), the wrapper's own EMA weights that the model needs for class-conditional
