@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import warnings
@@ -55,7 +56,20 @@ def triton_available() -> bool:
 
 @_constant_probe
 def cuda_extension_status() -> tuple[bool, str]:
-    """(loaded, reason). A failed load is a warning naming the cause, never an ImportError."""
+    """(loaded, reason). A failed load is a warning naming the cause, never an ImportError. A library that the last
+    install did not build (skipped, failed or interrupted, per _build_info.json) is left from an earlier build of
+    other sources: it is not loaded, with a warning."""
+    info = build_info()
+    if info.get("built") is False:
+        spec = importlib.util.find_spec("ldmopt._C")
+        if spec is not None:
+            message = (
+                f"{spec.origin} is left from an earlier build: the last install did not build ldmopt._C "
+                f"({info.get('reason', 'no reason recorded')}), so it may not match these sources; not loaded "
+                "(reinstall to rebuild it, or delete the file)"
+            )
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return False, message
     try:
         importlib.import_module("ldmopt._C")
     except ModuleNotFoundError:

@@ -6,6 +6,7 @@ without a GPU. Skips (with the reason) when the extension was not built. The loa
 
 import importlib
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -225,6 +226,7 @@ def _import_raising(monkeypatch, exc):
 
 def test_broken_library_is_a_warning_naming_the_cause(monkeypatch, fresh_extension_status):
     # What a torch upgrade without a rebuild looks like.
+    monkeypatch.setattr(_env, "build_info", lambda: {"built": True})
     _import_raising(monkeypatch, ImportError("ldmopt/_C.so: undefined symbol: _ZN3c104impl3cow11cow_deleterEPv"))
     with pytest.warns(RuntimeWarning, match="undefined symbol"):
         ok, why = _env.cuda_extension_status()
@@ -238,10 +240,31 @@ def test_broken_library_is_a_warning_naming_the_cause(monkeypatch, fresh_extensi
 
 
 def test_missing_library_gives_the_build_reason_without_warning(monkeypatch, fresh_extension_status, recwarn):
+    monkeypatch.setattr(_env, "build_info", lambda: {"built": False, "reason": "no CUDA toolkit"})
+    real_find_spec = _env.importlib.util.find_spec
+    monkeypatch.setattr(
+        _env.importlib.util, "find_spec", lambda n, *a: None if n == "ldmopt._C" else real_find_spec(n, *a)
+    )
     _import_raising(monkeypatch, ModuleNotFoundError("No module named 'ldmopt._C'"))
     ok, why = _env.cuda_extension_status()
     assert not ok and why
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_library_left_from_an_earlier_build_is_not_loaded(monkeypatch, fresh_extension_status, tmp_path):
+    # An editable install built ldmopt/_C*.so in the tree; a later install skipped the build (or it failed): the old
+    # library would run kernels of other sources.
+    monkeypatch.setattr(_env, "build_info", lambda: {"built": False, "reason": "skipped: LDMOPT_SKIP_CUDA_BUILD=1"})
+    stale = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
+    real_find_spec = _env.importlib.util.find_spec
+    monkeypatch.setattr(
+        _env.importlib.util, "find_spec",
+        lambda name, *a: SimpleNamespace(origin=str(stale)) if name == "ldmopt._C" else real_find_spec(name, *a),
+    )  # fmt: skip
+    _import_raising(monkeypatch, AssertionError("the stale library must not be imported"))
+    with pytest.warns(RuntimeWarning, match="left from an earlier build"):
+        ok, why = _env.cuda_extension_status()
+    assert not ok and str(stale) in why and "LDMOPT_SKIP_CUDA_BUILD" in why
 
 
 BACKWARD_INPUTS = {
