@@ -24,7 +24,9 @@ Interface for the patcher (ldmopt/patch/) and for users:
 Eval-mode launches: norm1 statistics (2, skipped with ``stats``), conv1 (norm1 + SiLU + [up/down] in the loader; bias,
 time embedding and norm2 statistics in the epilogue), conv2 (norm2 + SiLU in the loader; bias, 1x1 shortcut conv or
 identity residual, / output_scale_factor in the epilogue). Besides those, only the time-embedding projection
-(SiLU + Linear) runs. No aten group_norm or convolution is dispatched.
+(SiLU + Linear) runs. No aten group_norm or convolution is dispatched. Under torch.autocast an identity residual wider
+than the autocast dtype (fp32 under bf16) is added after conv2, in its own dtype, as diffusers adds it (one more pass,
+and a statistics pass with ``out_stats``), so the output and the residual stream keep diffusers' dtype.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops._dispatch import call, statistics_source
-from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, same_but_channels
+from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, resample_input, same_but_channels
 from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, tally, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
@@ -230,6 +232,15 @@ def to_channels_last(x: Tensor, what: str) -> Tensor:
     return x.contiguous(memory_format=torch.channels_last)
 
 
+def _autocast_would_round(t: Tensor) -> bool:
+    """Whether torch.autocast is on for ``t``'s device with a dtype that ``t`` would lose precision in."""
+    device = t.device.type
+    if device == "meta" or not torch.is_autocast_enabled(device) or not t.is_floating_point():
+        return False
+    autocast_dtype = torch.get_autocast_dtype(device)
+    return torch.promote_types(t.dtype, autocast_dtype) != autocast_dtype
+
+
 def fused_resnet_forward(
     block,
     input_tensor: Tensor | tuple[Tensor, Tensor],
@@ -279,6 +290,17 @@ def fused_resnet_forward(
         around = {"shortcut": (x, cs.weight, cs.bias), "shortcut_resample": resample}
     else:  # in == out channels: an identity residual (a concatenation is materialised for it)
         residual = torch.cat(x, dim=1) if isinstance(x, tuple) else x
+        if _autocast_would_round(residual):
+            # diffusers adds the identity in its own dtype (fp32 + bf16 -> fp32); the epilogue would round it to the
+            # autocast dtype first, so the residual stream would lose its precision. Add it outside, as diffusers does.
+            h = gn_silu_conv2d(
+                h, norm2.weight, norm2.bias, norm2.num_groups, norm2.eps, block.conv2.weight, block.conv2.bias, 1, 1,
+                stats=h_stats,
+            )  # fmt: skip
+            out = (resample_input(residual, resample) + h) / block.output_scale_factor
+            if out_stats is None:
+                return out
+            return out, call(gn_conv2d_stats, statistics_source(out), out_stats[0], float(out_stats[1]))
         around = {"residual": residual, "residual_resample": resample}
     return gn_silu_conv2d(
         h, norm2.weight, norm2.bias, norm2.num_groups, norm2.eps, block.conv2.weight, block.conv2.bias, 1, 1,

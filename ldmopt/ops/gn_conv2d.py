@@ -46,7 +46,9 @@ def _is_channels_last(t: Tensor) -> bool:
     return t.is_contiguous(memory_format=torch.channels_last)
 
 
-def _resample(t: Tensor, mode: str) -> Tensor:
+def resample_input(t: Tensor, mode: str) -> Tensor:
+    """What ``resample`` does to a conv's input (and ``residual_resample`` to the residual): nearest 2x up, or 2x2
+    average pooling down, as diffusers' Upsample2D / Downsample2D without a conv."""
     if mode == "up":
         return F.interpolate(t, scale_factor=2.0, mode="nearest")
     if mode == "down":
@@ -55,7 +57,7 @@ def _resample(t: Tensor, mode: str) -> Tensor:
 
 
 def _resample_backward(grad: Tensor, mode: str, like: Tensor) -> Tensor:
-    """Gradient with respect to the input (shaped like ``like``) of ``_resample(input, mode)``."""
+    """Gradient with respect to the input (shaped like ``like``) of ``resample_input(input, mode)``."""
     if mode == "up":
         return torch.ops.aten.upsample_nearest2d_backward(grad, list(grad.shape[2:]), list(like.shape), 2.0, 2.0)
     if mode == "down":
@@ -125,14 +127,14 @@ def _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride
     """conv + bias + temb + shortcut in the statistics dtype: what the gate scales."""
     cd = _stats_dtype(x)
     a = x if mean is None else _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype)
-    z = _conv(_resample(a, resample).to(cd), w.to(cd), None, stride, padding, fp32_precision)
+    z = _conv(resample_input(a, resample).to(cd), w.to(cd), None, stride, padding, fp32_precision)
     if b is not None:
         z = z + b.to(cd)[:, None, None]
     if temb is not None:
         z = z + _rows(temb.to(cd))
     if sx is not None:
         sb = None if sb is None else sb.to(cd)
-        z = z + _conv(_resample(sx.to(cd), sc_resample), sw.to(cd), sb, 1, (0, 0), fp32_precision)
+        z = z + _conv(resample_input(sx.to(cd), sc_resample), sw.to(cd), sb, 1, (0, 0), fp32_precision)
     return z
 
 
@@ -147,7 +149,7 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
     if gate is not None:
         z = z * gate.to(cd)[:, None, :, None]
     if res is not None:
-        z = z + _resample(res.to(cd), res_resample)
+        z = z + resample_input(res.to(cd), res_resample)
     if torch._C._are_functorch_transforms_active():  # vmap: no writes of batched values into an unbatched buffer
         y = (z / output_scale).to(x.dtype)
     else:
@@ -371,7 +373,9 @@ def _backward(ctx, dy, _dmean, _drstd):
     need_da = need[0] or (normalize and (need[3] or need[4]))
     if need_da or need[5]:
         a = _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype) if normalize else x
-        da_r, dw = _conv_backward(g, _resample(a, resample), w, stride, padding, [need_da, need[5]], fp32_precision)[:2]
+        da_r, dw = _conv_backward(
+            g, resample_input(a, resample), w, stride, padding, [need_da, need[5]], fp32_precision
+        )[:2]
         grads[5] = _strided_like(dw, w)
         if need_da:
             da = _resample_backward(da_r, resample, x)
@@ -383,7 +387,7 @@ def _backward(ctx, dy, _dmean, _drstd):
             else:
                 grads[0] = da.to(x.dtype)
     if sx is not None and (need[9] or need[10]):
-        sx_r = _resample(sx, sc_resample)
+        sx_r = resample_input(sx, sc_resample)
         dsx_r, dsw = _conv_backward(g, sx_r, sw, 1, (0, 0), [need[9], need[10]], fp32_precision)[:2]
         grads[9] = _resample_backward(dsx_r, sc_resample, sx) if need[9] else None
         grads[10] = _strided_like(dsw, sw)

@@ -346,3 +346,27 @@ def test_module_refuses_what_is_not_a_resnet_block_and_warns_when_it_can_never_f
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         FusedResnetBlock2D(_block(VARIANTS["conv-shortcut-scale"][0]))  # a fusable block: silent
+
+
+@pytest.mark.parametrize("variant", ["vae-identity", "down", "sd-temb-shortcut"])
+@pytest.mark.parametrize("with_stats", [False, True])
+def test_autocast_keeps_the_identity_residual_in_its_own_dtype(variant, with_stats):
+    """Under autocast diffusers adds the identity residual in fp32 (fp32 + bf16 -> fp32): so does the fused block,
+    instead of rounding the residual stream to bf16 in the epilogue. A large residual makes the difference plain."""
+    kwargs, batch, size = VARIANTS[variant]
+    block = _block(kwargs)
+    x, temb = _inputs(block, batch, size, torch.float32)
+    x = x * 20
+    with torch.no_grad():
+        exact = _run_diffusers(block, x, temb, torch.float64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stock = ResnetBlock2D.forward(block, x, temb)
+            with ldmopt.use_backend("torch"):
+                out = fused_resnet_forward(block, x, temb, out_stats=(4, 1e-5) if with_stats else None)
+    out, stats = out if with_stats else (out, None)
+    assert out.dtype == stock.dtype
+    stock_error = (stock.double() - exact).abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= 2 * stock_error + 1e-6
+    if with_stats:  # the next GroupNorm's statistics describe the output that is returned
+        groups = out.double().reshape(batch, 4, -1)
+        assert torch.allclose(stats[0].double().reshape(batch, 4), groups.mean(-1), atol=1e-4)
