@@ -363,6 +363,9 @@ class _FusedAdaLN(nn.Module):
         if reason is not None:
             count_reason(type(self).__name__, reason)
             return self.norm(x) * (1 + scale[:, None]) + shift[:, None]
+        wider = torch.promote_types(x.dtype, torch.promote_types(scale.dtype, shift.dtype))
+        if wider != x.dtype:  # the stock expression returns the promoted dtype (fp16 stream, fp32 modulation: fp32)
+            x = x.to(wider)
         return adaln_modulate(x, scale, shift, eps=eps)
 
     def _adopt(self, module: nn.Module, how: str = "__init__") -> None:

@@ -171,6 +171,21 @@ def test_ada_layer_norm_zero_single_and_continuous_drop_in():
     assert_close(got_cont, want_cont, torch.float32, "AdaLayerNormContinuous")
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("stock_cls", [AdaLayerNormZero, AdaLayerNormZeroSingle])
+def test_half_stream_with_fp32_modulation_returns_the_promoted_dtype(stock_cls, backend):
+    """An fp16 stream with an fp32 emb/linear (outside autocast): diffusers' norm(x) * (1 + scale) + shift is fp32.
+    (AdaLayerNormContinuous casts its conditioning to x's dtype, so there the stock module refuses the mix.)"""
+    x, emb = torch.randn(2, 7, 24).half(), torch.randn(2, 24)
+    stock = _randomize(stock_cls(24))
+    fused_cls = FusedAdaLayerNormZero if stock_cls is AdaLayerNormZero else FusedAdaLayerNormZeroSingle
+    fused = fused_cls.from_module(stock)
+    with torch.no_grad(), ldmopt.use_backend(backend):
+        got, want = fused(x, emb=emb)[0], stock(x, emb=emb)[0]
+    assert got.dtype == want.dtype == torch.float32, got.dtype
+    assert_close(got, want, torch.float16, fused_cls.__name__)
+
+
 def test_unsupported_norms_are_refused_with_reason():
     affine = AdaLayerNormContinuous(16, 8, elementwise_affine=True)
     assert "affine parameters" in FusedAdaLayerNormContinuous.unsupported_reason(affine)
