@@ -232,7 +232,7 @@ def to_channels_last(x: Tensor, what: str) -> Tensor:
     return x.contiguous(memory_format=torch.channels_last)
 
 
-def _autocast_would_round(t: Tensor) -> bool:
+def autocast_would_round(t: Tensor) -> bool:
     """Whether torch.autocast is on for ``t``'s device with a dtype that ``t`` would lose precision in."""
     device = t.device.type
     if device == "meta" or not torch.is_autocast_enabled(device) or not t.is_floating_point():
@@ -290,7 +290,7 @@ def fused_resnet_forward(
         around = {"shortcut": (x, cs.weight, cs.bias), "shortcut_resample": resample}
     else:  # in == out channels: an identity residual (a concatenation is materialised for it)
         residual = torch.cat(x, dim=1) if isinstance(x, tuple) else x
-        if _autocast_would_round(residual):
+        if autocast_would_round(residual):
             # diffusers adds the identity in its own dtype (fp32 + bf16 -> fp32); the epilogue would round it to the
             # autocast dtype first, so the residual stream would lose its precision. Add it outside, as diffusers does.
             h = gn_silu_conv2d(

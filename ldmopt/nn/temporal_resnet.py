@@ -17,8 +17,9 @@ path (empty: it can). Inputs the fused path does not serve (dtype mismatch outsi
 ``image_only_indicator``, frames not dividing the batch) run diffusers' forward, counted in
 ``ldmopt.nn.child_check.fallback_reasons``; NCHW input is converted to channels-last once (``layout_conversions``).
 Tolerance versus diffusers: within 2x the error diffusers makes in the input dtype (fp64 reference). Under
-torch.autocast the output has the autocast dtype (the spatial input, the blend's residual, is cast to it first), where
-diffusers' blend returns the model's dtype; fp64 models blend in fp64.
+torch.autocast a residual wider than the autocast dtype (fp32 under bf16: the blend's spatial input, the conv
+layer's identity) is added after the last conv in its own dtype, as diffusers adds it, so the output has diffusers'
+dtype; fp64 models blend in fp64.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .child_check import (
     tally,
     unreadable_reason,
 )
-from .resnet import dtype_reasons, fused_resnet_forward
+from .resnet import autocast_would_round, dtype_reasons, fused_resnet_forward
 
 #: How often a fused forward converted an NCHW input to channels-last (one copy) before fusing.
 layout_conversions: Counter[str] = Counter()
@@ -207,6 +208,14 @@ def fused_spatiotemporal_forward(
         x, n1.weight, n1.bias, n1.num_groups, n1.eps, temporal.conv1.weight[..., 0], temporal.conv1.bias, 1, (1, 0),
         temb=t, out_stats=(n2.num_groups, n2.eps),
     )  # fmt: skip
+    if autocast_would_round(x):
+        # diffusers blends in the spatial output's own dtype (fp32 + bf16 -> fp32 under autocast): so does this,
+        # rather than rounding the residual to the autocast dtype in the epilogue.
+        h = gn_silu_conv2d(
+            h, n2.weight, n2.bias, n2.num_groups, n2.eps, temporal.conv2.weight[..., 0], temporal.conv2.bias, 1, (1, 0),
+            stats=stats,
+        )  # fmt: skip
+        return _frames_view(x + gate[:, None, :, None] * h, height, width)
     y = gn_silu_conv2d(
         h, n2.weight, n2.bias, n2.num_groups, n2.eps, temporal.conv2.weight[..., 0], temporal.conv2.bias, 1, (1, 0),
         stats=stats, residual=x, gate=gate,
@@ -263,10 +272,15 @@ def fused_temporal_conv_forward(layer, hidden_states: Tensor, num_frames: int = 
     h, stats = x, None
     for i, (_, norm, conv, _) in enumerate(stages):
         last = i == len(stages) - 1
-        around = {"residual": x} if last else {"out_stats": (stages[i + 1][1].num_groups, stages[i + 1][1].eps)}
+        # The identity is added in the epilogue, or after it where autocast would round it (diffusers adds it in its
+        # own dtype: fp32 + bf16 -> fp32).
+        add_after = last and autocast_would_round(x)
+        around = {"residual": x} if last and not add_after else {}
+        if not last:
+            around["out_stats"] = (stages[i + 1][1].num_groups, stages[i + 1][1].eps)
         out = gn_silu_conv2d(
             h, norm.weight, norm.bias, norm.num_groups, norm.eps, conv.weight[..., 0], conv.bias, 1, (1, 0),
             stats=stats, **around,
         )  # fmt: skip
-        h, stats = (out, None) if last else out
+        h, stats = (x + out if add_after else out, None) if last else out
     return _frames_view(h, height, width)

@@ -255,3 +255,27 @@ def test_hooked_temporal_nonlinearity_keeps_the_block_stock():
     assert "spatiotemporal_resnet" not in report.counts()
     reasons = " ".join(r for s in report.skipped if s.rule == "spatiotemporal_resnet" for r in s.reasons)
     assert "temporal_res_block.nonlinearity" in reasons and "hook" in reasons, reasons
+
+
+@pytest.mark.parametrize("which", ["svd", "unet3d"])
+def test_autocast_adds_the_residual_in_its_own_dtype(which):
+    """Under autocast diffusers blends (SVD) or adds the identity (UNet3D) in fp32 (fp32 + bf16 -> fp32): so does
+    the fused path, instead of rounding the residual to bf16 in the epilogue. A large residual makes it plain."""
+    if which == "svd":
+        block = _svd_block()
+        x, t, indicator = _svd_inputs(torch.float32)
+        x, args = x * 20, (t, indicator)
+        fused = fused_spatiotemporal_forward
+    else:
+        block = _temporal_conv_layer()
+        x = (torch.randn(BATCH * FRAMES, C, H, W) * 20).contiguous(memory_format=torch.channels_last)
+        args, fused = (FRAMES,), fused_temporal_conv_forward
+    with torch.no_grad():
+        exact = copy.deepcopy(block).double()(x.double(), *[a.double() if torch.is_tensor(a) else a for a in args])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stock = block(x, *args)
+            with ldmopt.use_backend("torch"):
+                out = fused(block, x, *args)
+    assert out.dtype == stock.dtype == torch.float32
+    stock_error = (stock.double() - exact).abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= 2 * stock_error, which
