@@ -261,10 +261,7 @@ def fused_resnet_forward(
             tally(fallback_reasons, reason)
         if isinstance(input_tensor, tuple):
             input_tensor = torch.cat(input_tensor, dim=1)
-        out = _diffusers_forward(block, input_tensor, temb)
-        if out_stats is None:
-            return out
-        return out, call(gn_conv2d_stats, statistics_source(out), out_stats[0], float(out_stats[1]))
+        return _with_out_stats(_diffusers_forward(block, input_tensor, temb), out_stats)
     # One copy of an NCHW input costs less than the stock path's separate GroupNorm, SiLU and add passes, and the
     # fused output is channels-last, so the blocks after this one need no conversion.
     if isinstance(input_tensor, tuple):
@@ -285,27 +282,31 @@ def fused_resnet_forward(
         x, norm1.weight, norm1.bias, norm1.num_groups, norm1.eps, block.conv1.weight, block.conv1.bias, 1, 1,
         stats=stats, resample=resample, temb=t, out_stats=(norm2.num_groups, norm2.eps),
     )  # fmt: skip
+    residual, add_after = None, False
     if block.conv_shortcut is not None:
         cs = block.conv_shortcut
         around = {"shortcut": (x, cs.weight, cs.bias), "shortcut_resample": resample}
     else:  # in == out channels: an identity residual (a concatenation is materialised for it)
         residual = torch.cat(x, dim=1) if isinstance(x, tuple) else x
-        if autocast_would_round(residual):
-            # diffusers adds the identity in its own dtype (fp32 + bf16 -> fp32); the epilogue would round it to the
-            # autocast dtype first, so the residual stream would lose its precision. Add it outside, as diffusers does.
-            h = gn_silu_conv2d(
-                h, norm2.weight, norm2.bias, norm2.num_groups, norm2.eps, block.conv2.weight, block.conv2.bias, 1, 1,
-                stats=h_stats,
-            )  # fmt: skip
-            out = (resample_input(residual, resample) + h) / block.output_scale_factor
-            if out_stats is None:
-                return out
-            return out, call(gn_conv2d_stats, statistics_source(out), out_stats[0], float(out_stats[1]))
-        around = {"residual": residual, "residual_resample": resample}
-    return gn_silu_conv2d(
+        # diffusers adds the identity in its own dtype (fp32 + bf16 -> fp32 under autocast); the epilogue would round
+        # it to the autocast dtype first, so then it is added after conv2, as diffusers adds it.
+        add_after = autocast_would_round(residual)
+        around = {} if add_after else {"residual": residual, "residual_resample": resample}
+    y = gn_silu_conv2d(
         h, norm2.weight, norm2.bias, norm2.num_groups, norm2.eps, block.conv2.weight, block.conv2.bias, 1, 1,
-        stats=h_stats, output_scale=block.output_scale_factor, out_stats=out_stats, **around,
+        stats=h_stats, output_scale=1.0 if add_after else block.output_scale_factor,
+        out_stats=None if add_after else out_stats, **around,
     )  # fmt: skip
+    if not add_after:
+        return y
+    return _with_out_stats((resample_input(residual, resample) + y) / block.output_scale_factor, out_stats)
+
+
+def _with_out_stats(out: Tensor, out_stats: tuple[int, float] | None) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+    """``out``, or with ``out_stats=(groups, eps)`` also its GroupNorm statistics from a separate pass."""
+    if out_stats is None:
+        return out
+    return out, call(gn_conv2d_stats, statistics_source(out), out_stats[0], float(out_stats[1]))
 
 
 class FusedResnetBlock2D(torch.nn.Module):

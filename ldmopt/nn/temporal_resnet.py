@@ -208,18 +208,15 @@ def fused_spatiotemporal_forward(
         x, n1.weight, n1.bias, n1.num_groups, n1.eps, temporal.conv1.weight[..., 0], temporal.conv1.bias, 1, (1, 0),
         temb=t, out_stats=(n2.num_groups, n2.eps),
     )  # fmt: skip
-    if autocast_would_round(x):
-        # diffusers blends in the spatial output's own dtype (fp32 + bf16 -> fp32 under autocast): so does this,
-        # rather than rounding the residual to the autocast dtype in the epilogue.
-        h = gn_silu_conv2d(
-            h, n2.weight, n2.bias, n2.num_groups, n2.eps, temporal.conv2.weight[..., 0], temporal.conv2.bias, 1, (1, 0),
-            stats=stats,
-        )  # fmt: skip
-        return _frames_view(x + gate[:, None, :, None] * h, height, width)
+    # diffusers blends in the spatial output's own dtype (fp32 + bf16 -> fp32 under autocast): where the epilogue
+    # would round the residual to the autocast dtype, the blend runs after conv2 instead.
+    add_after = autocast_would_round(x)
     y = gn_silu_conv2d(
         h, n2.weight, n2.bias, n2.num_groups, n2.eps, temporal.conv2.weight[..., 0], temporal.conv2.bias, 1, (1, 0),
-        stats=stats, residual=x, gate=gate,
+        stats=stats, **({} if add_after else {"residual": x, "gate": gate}),
     )  # fmt: skip
+    if add_after:
+        y = x + gate[:, None, :, None] * y
     return _frames_view(y, height, width)
 
 
