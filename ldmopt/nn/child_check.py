@@ -95,11 +95,15 @@ def drop_inert_forward(module: nn.Module) -> None:
         del module.__dict__["forward"]
 
 
-def foreign_hook_registry(module: nn.Module) -> bool:
-    """accelerate's ``_hf_hook`` (deleted with the hook) or a diffusers HookRegistry still holding hooks (an emptied
-    registry stays on the module)."""
+def _live_diffusers_registry(module: nn.Module):
+    """A diffusers HookRegistry on ``module`` still holding hooks (an emptied one stays on the module), or None."""
     registry = getattr(module, "_diffusers_hook", None)
-    return hasattr(module, "_hf_hook") or bool(registry is not None and getattr(registry, "hooks", True))
+    return registry if registry is not None and getattr(registry, "hooks", True) else None
+
+
+def foreign_hook_registry(module: nn.Module) -> bool:
+    """accelerate's ``_hf_hook`` (deleted with the hook) or a diffusers HookRegistry still holding hooks."""
+    return hasattr(module, "_hf_hook") or _live_diffusers_registry(module) is not None
 
 
 def instance_forward_owner(module: nn.Module) -> str:
@@ -107,8 +111,9 @@ def instance_forward_owner(module: nn.Module) -> str:
     wrapper's own module and name (ldmopt's ``install_temporal_blocks``, a user's function)."""
     if hasattr(module, "_hf_hook"):
         return f"an accelerate hook ({type(module._hf_hook).__name__})"
-    if getattr(module, "_diffusers_hook", None) is not None and getattr(module._diffusers_hook, "hooks", True):
-        return f"a diffusers hook registry ({', '.join(map(str, module._diffusers_hook.hooks)) or 'hooks'})"
+    registry = _live_diffusers_registry(module)
+    if registry is not None:
+        return f"a diffusers hook registry ({', '.join(map(str, getattr(registry, 'hooks', ()))) or 'hooks'})"
     wrapper = module.__dict__.get("forward")
     target = getattr(wrapper, "__func__", wrapper)
     name = getattr(target, "__qualname__", None) or type(target).__qualname__
