@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import FP32_CLEAN_EVERYWHERE, fp32_archs, gelu_erf, gelu_erf_grad, layer_normed, new_output
-from .linear import (
+from ._gemm import (
     bwd_tiles,
     divisibility_attrs,
     gemm_configs,

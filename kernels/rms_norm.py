@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._common import new_output, row_tiles
-from .linear import divisibility_attrs
+from ._gemm import divisibility_attrs
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
 MAX_C = 8192

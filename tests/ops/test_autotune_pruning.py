@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ldmopt.kernels import _common, geglu, gn_conv2d, linear
+from ldmopt.kernels import _common, _gemm, geglu, gn_conv2d, linear
 
 
 def _operand(dtype):
@@ -17,7 +17,7 @@ def _operand(dtype):
 @pytest.fixture
 def compiled_configs(monkeypatch):
     """The configs a GPU process builds (the interpreter's single tile otherwise)."""
-    monkeypatch.setattr(linear, "_interpreting", lambda: False)
+    monkeypatch.setattr(_gemm, "_interpreting", lambda: False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
     def on(capability):
@@ -33,7 +33,7 @@ def _tiles(configs, prefix="BLOCK_"):
 
 def _linear_prune(capability, x_dtype, w_dtype, precision, on):
     on(capability)
-    configs = linear.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32)
+    configs = _gemm.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32)
     args = {"x_ptr": _operand(x_dtype), "w_ptr": _operand(w_dtype)}
     return _tiles(linear._prune_linear(configs, args, INPUT_PRECISION=precision))
 
@@ -51,7 +51,7 @@ def test_linear_picks_tiles_by_operand_width(compiled_configs):
 
 
 def test_geglu_fp32_ieee_on_sm80_keeps_the_one_clean_tile(compiled_configs):
-    configs = linear.gemm_configs(geglu.GEGLU_TILES, geglu.GEGLU_TILES_FP32)
+    configs = _gemm.gemm_configs(geglu.GEGLU_TILES, geglu.GEGLU_TILES_FP32)
     args = {"x_ptr": _operand(torch.float32), "w_ptr": _operand(torch.float32)}
     compiled_configs((8, 0))
     assert _tiles(geglu._prune(configs, args, INPUT_PRECISION="ieee")) == {(64, 64, 32, 8, 3)}
@@ -78,7 +78,7 @@ def test_gn_conv2d_fp32_tiles_per_precision_and_arch(compiled_configs):
 
 
 def test_cpu_tensors_keep_every_config():
-    configs = linear.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32)
+    configs = _gemm.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32)
     cpu = torch.empty(1)
     assert _common.prune_by_operand_width(configs, cpu, "ieee") == configs
 

@@ -89,7 +89,7 @@ def test_torch_fp32_precision_follows_each_setting(setting):
 def test_linear_and_geglu_kernels_follow_the_matmul_setting(setting):
     """kernels/linear.py (and geglu, which uses it) asked torch.get_float32_matmul_precision(), which raises once the
     per-op API has been used."""
-    from ldmopt.kernels.linear import input_precision
+    from ldmopt.kernels._gemm import input_precision
 
     _, matmul = _setting(setting)
     assert input_precision(torch.float32) == matmul
