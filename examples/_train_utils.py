@@ -213,6 +213,51 @@ class MetricLogger:
 # ------------------------------------------------------------------------------------------------ profiling
 
 
+def restore_optimization(state: dict, args, given: set[str] | None, is_main: bool, optimizer, lr_scheduler, scaler,
+                         ema, resume_path) -> None:  # fmt: skip
+    """Load the optimizer, schedule, GradScaler and EMA state of a checkpoint, keeping an explicit --lr and
+    --weight-decay (``given``: the arguments given on the command line; None counts all of them as given)."""
+    optimizer.load_state_dict(state["optimizer"])
+    lr_scheduler.load_state_dict(state["lr_scheduler"])
+    # The saved optimizer and schedule carry their own lr and weight decay, which would silently win over an
+    # explicit --lr/--weight-decay: reapply ours (the same values, and the same lr, when nothing was overridden).
+    # A checkpoint without saved arguments keeps its own unless they are given: the defaults are not its values.
+    keeps_saved = state.get("args") is None and given is not None
+    if not (keeps_saved and "lr" not in given):
+        lr_scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
+        for group, lr_lambda in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
+            group["initial_lr"], group["lr"] = args.lr, args.lr * lr_lambda(lr_scheduler.last_epoch)
+    if not (keeps_saved and "weight_decay" not in given):
+        for group in optimizer.param_groups:
+            group["weight_decay"] = args.weight_decay
+    # A disabled GradScaler saves {}, which an enabled one refuses: mixed precision may change on resume.
+    saved_scaler = state.get("scaler") or {}
+    if scaler.is_enabled() and saved_scaler:
+        scaler.load_state_dict(saved_scaler)
+    elif scaler.is_enabled() and is_main:
+        print("note: the checkpoint has no GradScaler state (not trained in fp16): fp16 starts a fresh scaler")
+    elif saved_scaler and is_main:
+        print(f"note: --mixed-precision {args.mixed_precision}: the checkpoint's fp16 GradScaler state is unused")
+    if ema is not None:
+        if state.get("ema") is None:  # EMA switched on mid-run: it starts from the resumed weights
+            if is_main:
+                print(f"note: {resume_path} has no EMA state; the EMA starts from the resumed weights", flush=True)
+        else:
+            ema.load_state_dict(state["ema"])
+
+
+def describe_first_step(report, device: torch.device) -> None:
+    """What ldmopt ran in the first training step (``report``: ldmopt.patch's), printed once by rank 0."""
+    print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
+    if report.fallbacks() and device.type == "cpu":  # expected there: the kernels serve GPUs
+        print(f"ldmopt: on the CPU the reference path runs ldmopt's ops ({sum(report.fallbacks().values())} "
+              "unfused calls in the first step)", flush=True)  # fmt: skip
+    elif report.fallbacks():
+        print(f"ldmopt: calls that took the stock or reference path: {report.fallbacks()}", flush=True)
+    if report.layout_copies():
+        print(f"ldmopt: inputs copied to channels-last: {report.layout_copies()}", flush=True)
+
+
 def profile_window(
     run_step: Callable[[], None],
     wait: int,

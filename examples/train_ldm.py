@@ -83,6 +83,7 @@ from _train_utils import (
     DistInfo,
     MetricLogger,
     checkpoint_path,
+    describe_first_step,
     gather_objects,
     init_distributed,
     latest_checkpoint,
@@ -90,6 +91,7 @@ from _train_utils import (
     mean_over_ranks,
     parameter_digest,
     profile_window,
+    restore_optimization,
     rng_state,
     save_checkpoint,
     seed_everything,
@@ -420,33 +422,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     step = 0
     data_epoch, seen_in_epoch = 0, 0  # the epoch being read, and how many of its samples (all ranks) were trained on
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
-        # The saved optimizer and schedule carry their own lr and weight decay, which would silently win over an
-        # explicit --lr/--weight-decay: reapply ours (the same values, and the same lr, when nothing was overridden).
-        # A checkpoint without saved arguments keeps its own unless they are given: the defaults are not its values.
-        keeps_saved = state.get("args") is None and given is not None
-        if not (keeps_saved and "lr" not in given):
-            lr_scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
-            for group, lr_lambda in zip(optimizer.param_groups, lr_scheduler.lr_lambdas):
-                group["initial_lr"], group["lr"] = args.lr, args.lr * lr_lambda(lr_scheduler.last_epoch)
-        if not (keeps_saved and "weight_decay" not in given):
-            for group in optimizer.param_groups:
-                group["weight_decay"] = args.weight_decay
-        # A disabled GradScaler saves {}, which an enabled one refuses: mixed precision may change on resume.
-        saved_scaler = state.get("scaler") or {}
-        if scaler.is_enabled() and saved_scaler:
-            scaler.load_state_dict(saved_scaler)
-        elif scaler.is_enabled() and is_main:
-            print("note: the checkpoint has no GradScaler state (not trained in fp16): fp16 starts a fresh scaler")
-        elif saved_scaler and is_main:
-            print(f"note: --mixed-precision {args.mixed_precision}: the checkpoint's fp16 GradScaler state is unused")
-        if ema is not None:
-            if state.get("ema") is None:  # EMA switched on mid-run: it starts from the resumed weights
-                if is_main:
-                    print(f"note: {resume_path} has no EMA state; the EMA starts from the resumed weights", flush=True)
-            else:
-                ema.load_state_dict(state["ema"])
+        restore_optimization(state, args, given, is_main, optimizer, lr_scheduler, scaler, ema, resume_path)
         step = state["step"]
         # Counted in samples, not steps: resumed with another --batch-size or process count, the run reads on from
         # the same place in the same epoch's order. (Checkpoints from before kept whole batches of their batch size.)
@@ -563,14 +539,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         seen_in_epoch += args.batch_size
         window_images += args.batch_size
         if step == start_step + 1 and report is not None and is_main:
-            print(f"ldmopt backends in the first step: {report.backends()}", flush=True)
-            if report.fallbacks() and device.type == "cpu":  # expected there: the kernels serve GPUs
-                print(f"ldmopt: on the CPU the reference path runs ldmopt's ops ({sum(report.fallbacks().values())} "
-                      "unfused calls in the first step)", flush=True)  # fmt: skip
-            elif report.fallbacks():
-                print(f"ldmopt: calls that took the stock or reference path: {report.fallbacks()}", flush=True)
-            if report.layout_copies():
-                print(f"ldmopt: inputs copied to channels-last: {report.layout_copies()}", flush=True)
+            describe_first_step(report, device)
         bar.update(1)
         if step % args.log_every == 0 or step == args.max_steps:
             loss_value = mean_over_ranks(loss_sum, info)
