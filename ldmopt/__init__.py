@@ -14,9 +14,10 @@ from .ops._dispatch import BackendUnavailableError, use_backend
 
 __version__ = "0.1.0"
 
-# Heavier entry points (diffusers, torch.profiler) load on first attribute access.
+# Heavier entry points (diffusers, torch.profiler) load on first attribute access. ``ldmopt.patch`` is the callable
+# subpackage itself (attribute None): the import binds that name to it, so every access must give the same object.
 _LAZY = {
-    "patch": ("ldmopt.patch", "patch"),
+    "patch": ("ldmopt.patch", None),
     "unpatch": ("ldmopt.patch", "unpatch"),
     "is_patched": ("ldmopt.patch", "is_patched"),
     "profile": ("ldmopt.profiler", "profile"),
@@ -29,5 +30,6 @@ __all__ = ["BackendUnavailableError", "__version__", "nn", "ops", "use_backend",
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module_name, attr = _LAZY[name]
-        return getattr(importlib.import_module(module_name), attr)
+        module = importlib.import_module(module_name)
+        return module if attr is None else getattr(module, attr)
     raise AttributeError(f"module 'ldmopt' has no attribute {name!r}")

@@ -28,6 +28,21 @@ def test_import_does_not_initialise_cuda_or_import_triton():
     assert result.stdout.strip() == "ok"
 
 
+def test_lazy_patch_is_the_same_callable_package_on_every_access():
+    # The first access used to give the function (so ldmopt.patch.FAMILIES failed), later ones the subpackage.
+    code = (
+        "import ldmopt\n"
+        "first = ldmopt.patch\n"
+        "print(sorted(first.FAMILIES)[0], first is ldmopt.patch, callable(first), first.__name__)\n"
+        "print(ldmopt.unpatch is ldmopt.patch.unpatch, ldmopt.is_patched is ldmopt.patch.is_patched)\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    first_line, second_line = result.stdout.splitlines()
+    assert first_line.split()[1:] == ["True", "True", "ldmopt.patch"]
+    assert second_line == "True True"
+
+
 def test_import_and_reference_ops_work_without_triton():
     # None in sys.modules makes `import triton` raise ImportError: a machine without Triton.
     code = (
