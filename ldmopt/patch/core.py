@@ -24,6 +24,7 @@ from torch import nn
 from ..nn.child_check import foreign_hook_registry, instance_forward_owner, wrapped_forward
 from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
 from .rule import FAMILIES, Rule, Site, swap_class
+from .rules_attention import companion_actions
 
 _RECORDS = "_ldmopt_records"
 #: Every module a live patch touched -> the model that holds its records (a patch of an enclosing model leaves no
@@ -397,6 +398,8 @@ def patch(
                     _CLAIMED_BY[touched] = weakref.ref(model)
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
                 report._counters.extend(rule.counters(data))
+            for rule, site in companion_actions(model, actions):  # fuse nothing: not reported as patched modules
+                records.append(_Record(rule, site, rule.replace(site)))
     except BaseException:
         failed = [why for _, records in reversed(applied) for why in _restore(records, best_effort=True)]
         if failed:

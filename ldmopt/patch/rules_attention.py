@@ -14,6 +14,10 @@ changes. Each installed processor keeps the previous one as its fall-back for ca
 (e.g. by ``fuse_qkv_projections``/``set_attn_processor``), in which case the user's choice stays. Tolerance: the
 temporal kernel's (fp32 scores and softmax; within 2x the error of PyTorch's SDPA in the activation dtype); the
 shortcut is exact up to the projections' rounding.
+
+diffusers' ``set_default_attn_processor`` accepts only its own processor classes, so a model that received these
+processors gets an instance attribute of that name for as long as it is patched (:class:`DefaultProcessorMethod`):
+it judges and resets the model as it would the unpatched one.
 """
 
 from __future__ import annotations
@@ -96,3 +100,67 @@ class SingleKeyCrossAttentionRule(_ProcessorRule):
 
 
 RULES: list[Rule] = [TemporalAttentionRule(), SingleKeyCrossAttentionRule()]
+
+_DEFAULT_METHOD = "set_default_attn_processor"
+
+
+class _DefaultProcessorCall:
+    """``model.set_default_attn_processor`` while ldmopt's processors are installed: diffusers checks every processor's
+    exact class against its own, so it would refuse the patched model. The stock processors they stand in for are put
+    back for the call; diffusers then resets every processor (ours too: the user's choice, which unpatch keeps), or
+    raises as it would without ldmopt, and ours come back. A callable object, not a closure, so that a deepcopy or
+    pickle of the model carries one bound to the copy."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        swapped = []
+        for module in self.model.modules():
+            processor = getattr(module, "processor", None)
+            if isinstance(processor, T.TemporalAttnProcessor | T.SingleKeyAttnProcessor):
+                module.processor = processor.stock_processor(module)
+                swapped.append((module, processor))
+        try:
+            return getattr(type(self.model), _DEFAULT_METHOD)(self.model, *args, **kwargs)
+        except BaseException:
+            for module, processor in swapped:
+                if module.processor is not processor:
+                    module.processor = processor
+            raise
+
+
+class DefaultProcessorMethod(Rule):
+    """Not in the rule table: ``patch`` adds it to a model whose Attention modules got ldmopt's processors (see
+    :func:`companion_actions`); it fuses nothing and is not reported as a patched module."""
+
+    name = "default_attn_processor_method"
+    family = "temporal_attention"
+    description = "set_default_attn_processor that sees the stock processors behind ldmopt's"
+
+    def targets(self) -> tuple[type, ...]:
+        return ()
+
+    def touched(self, site: Site) -> dict[str, nn.Module]:
+        return {}
+
+    def replace(self, site: Site) -> Any:
+        call = _DefaultProcessorCall(site.module)
+        site.module.__dict__[_DEFAULT_METHOD] = call
+        return call
+
+    def restore(self, site: Site, data: Any) -> None:
+        if site.module.__dict__.get(_DEFAULT_METHOD) is data:
+            del site.module.__dict__[_DEFAULT_METHOD]
+
+
+_DEFAULT_PROCESSOR_METHOD = DefaultProcessorMethod()
+
+
+def companion_actions(model: nn.Module, actions: list[tuple[Rule, Site]]) -> list[tuple[Rule, Site]]:
+    """Model-level edits that go with this model's planned ones: the set_default_attn_processor method above when
+    ldmopt installs processors in a model class that has one (and no earlier patch gave it ours)."""
+    installs = any(isinstance(rule, _ProcessorRule) for rule, _ in actions)
+    if not installs or not callable(getattr(type(model), _DEFAULT_METHOD, None)) or _DEFAULT_METHOD in model.__dict__:
+        return []
+    return [(_DEFAULT_PROCESSOR_METHOD, Site("", model, None, None))]
