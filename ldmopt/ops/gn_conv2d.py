@@ -59,7 +59,12 @@ def resample_input(t: Tensor, mode: str) -> Tensor:
 def _resample_backward(grad: Tensor, mode: str, like: Tensor) -> Tensor:
     """Gradient with respect to the input (shaped like ``like``) of ``resample_input(input, mode)``."""
     if mode == "up":
-        return torch.ops.aten.upsample_nearest2d_backward(grad, list(grad.shape[2:]), list(like.shape), 2.0, 2.0)
+        # Each input pixel fed a 2x2 block: its sum. (aten's upsample_nearest2d_backward gives the same, but
+        # inductor cannot lower it with symbolic sizes: a compiled training step with dynamic shapes failed.)
+        h2, w2 = grad.shape[2:]
+        blocks = grad.unflatten(3, (w2 // 2, 2)).unflatten(2, (h2 // 2, 2)).sum((3, 5))
+        layout = torch.channels_last if _is_channels_last(grad) else torch.contiguous_format
+        return blocks.contiguous(memory_format=layout)
     if mode == "down":
         return torch.ops.aten.avg_pool2d_backward(grad, like, [2, 2], [2, 2], [0, 0], False, True, None)
     return grad

@@ -321,6 +321,35 @@ def test_torch_compile_fullgraph():
     assert_close(grad, x.grad.double(), torch.float32, "compiled backward")
 
 
+@pytest.mark.parametrize("resample", ["up", "down"])
+def test_inductor_dynamic_shapes_training_step(resample):
+    """A compiled training step with dynamic shapes, as a patched up/down block trains under torch.compile: the
+    gradient of the folded 2x upsampling used to be aten's upsample_nearest2d_backward, which inductor could not
+    lower with symbolic sizes ('FloorDiv' object cannot be interpreted as an integer)."""
+    torch._dynamo.reset()
+    w, b = torch.randn(7, 12, 3, 3, requires_grad=True), torch.randn(7, requires_grad=True)
+
+    def fn(x):
+        return gn_silu_conv2d(x, None, None, 3, 1e-5, w, b, normalize=False, resample=resample)
+
+    compiled = torch.compile(fn, backend="inductor", dynamic=True, fullgraph=True)
+    for width in (10, 12):
+        x = _cl(torch.randn(2, 12, 6, width)).requires_grad_()
+        with torch._inductor.config.patch(fx_graph_cache=False):  # lower it here, not from an earlier run's cache
+            out = compiled(x)
+            out.sum().backward()
+        grads = [t.grad.clone() for t in (x, w, b)]
+        for t in (x, w, b):
+            t.grad = None
+        eager = fn(x)
+        eager.sum().backward()
+        assert_close(out, eager.detach().double(), torch.float32, f"compiled forward, width {width}")
+        for got, t in zip(grads, (x, w, b)):
+            assert_close(got, t.grad.double(), torch.float32, f"compiled backward, width {width}")
+        for t in (x, w, b):
+            t.grad = None
+
+
 def test_weights_edited_in_place_and_strided_vectors_are_honoured():
     # No hidden weight cache: an NCHW-layout weight edited through .data (as LoRA fusing does) is read afresh, and
     # strided per-channel vectors (a GroupNorm weight viewed with stride 2) are read correctly.
