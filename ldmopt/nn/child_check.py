@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules import module as _module
 
 from ..ops._dispatch import count_bounded
@@ -23,7 +24,8 @@ from ..ops._dispatch import count_bounded
 fallback_reasons: Counter[str] = Counter()
 
 #: Weight types a fused kernel may read (a tensor subclass, e.g. a quantized weight, needs the module's own ops).
-PLAIN_WEIGHTS = (nn.Parameter, torch.Tensor, type(None))
+#: FakeTensor: what a plain parameter is while torch.export traces non-strict (a faked subclass keeps its own type).
+PLAIN_WEIGHTS = (nn.Parameter, torch.Tensor, type(None), FakeTensor)
 
 
 def observer(hook: Callable) -> Callable:

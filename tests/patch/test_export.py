@@ -1,0 +1,59 @@
+"""torch.export of patched models and of ldmopt's modules: the fused ops stay in the exported graph, strict or not.
+Non-strict export (torch's default) traces with FakeTensor parameters, which the fused modules used to take for a
+quantized weight: every fused path fell back to the stock modules and the export was silently unfused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.export import Dim, export
+
+import ldmopt
+from ldmopt import nn as lnn
+from tests.patch import models
+from tests.patch.helpers import assert_outputs_close
+
+
+def _ldmopt_ops(program) -> list[str]:
+    return [str(n.target) for n in program.graph.nodes if n.op == "call_function" and "ldmopt" in str(n.target)]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_fused_linear_exports_its_op(strict):
+    module = lnn.FusedLinear(12, 7, activation="gelu").eval()
+    program = export(module, (torch.randn(2, 5, 12),), dynamic_shapes=({0: Dim("B", min=1, max=64)},), strict=strict)
+    assert _ldmopt_ops(program) == ["ldmopt.linear_fwd.default"]
+    x = torch.randn(3, 5, 12)
+    assert_outputs_close(program.module()(x), module(x), name="exported")
+
+
+class _UNetCall(torch.nn.Module):
+    def __init__(self, unet):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, sample, timestep, context):
+        return self.unet(sample, timestep, encoder_hidden_states=context).sample
+
+
+def test_patched_unet_exports_the_same_fused_graph_strict_or_not():
+    stock = models.sd15_unet().eval()
+    unet = copy.deepcopy(stock)
+    ldmopt.patch(unet)
+
+    def inputs(batch, height, width, tokens):
+        return torch.randn(batch, 4, height, width), torch.full((batch,), 10), torch.randn(batch, tokens, 32)
+
+    batch, tokens = Dim("B", min=2, max=16), Dim("S", min=2, max=77)
+    h, w = Dim("H", min=1, max=16), Dim("W", min=1, max=16)
+    dynamic = ({0: batch, 2: 4 * h, 3: 4 * w}, {0: batch}, {0: batch, 1: tokens})
+    found = {}
+    for strict in (False, True):
+        program = export(_UNetCall(unet), inputs(2, 8, 12, 5), dynamic_shapes=dynamic, strict=strict)
+        found[strict] = sorted(_ldmopt_ops(program))
+        args = inputs(3, 8, 16, 7)
+        with torch.no_grad():
+            assert_outputs_close(program.module()(*args), _UNetCall(stock)(*args), name=f"strict={strict}")
+    assert found[False] and found[False] == found[True]
