@@ -432,14 +432,23 @@ class BackendTable:
 def launch(backend: Backend, args: Sequence):
     """``backend.run(*args)``, a Triton one with the inputs' GPU made current: Triton launches on the current
     device's current stream, so a model on cuda:1 (a device_map, ``--device cuda:1``) while cuda:0 is current would
-    run its kernels on the wrong GPU. (The cuda backend's C++ ops set the device themselves.)"""
-    if backend.name == "triton":
-        for t in args:  # the first tensor argument: every op's inputs share one device
-            if isinstance(t, torch.Tensor):
-                if t.is_cuda and t.get_device() != torch.cuda.current_device():
-                    with torch.cuda.device(t.device):
-                        return backend.run(*args)
-                break
+    run its kernels on the wrong GPU. (The cuda backend's C++ ops set the device themselves.)
+
+    Always with torch.autocast off: the op's operands were cast for autocast before the op (ops._autocast), and a
+    reference backend's own F.conv2d / matmul must not cast them again (a compiled graph runs them without autocast,
+    so eager and compiled results would differ, and the reference's fp32 math would run in 16 bits)."""
+    first = next((t for t in args if isinstance(t, torch.Tensor)), None)  # every op's inputs share one device
+    if first is not None and torch.is_autocast_enabled(first.device.type):
+        with torch.autocast(first.device.type, enabled=False):
+            return _run_on_device(backend, args, first)
+    return _run_on_device(backend, args, first)
+
+
+def _run_on_device(backend: Backend, args: Sequence, first: torch.Tensor | None):
+    triton_gpu = backend.name == "triton" and first is not None and first.is_cuda
+    if triton_gpu and first.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(first.device):
+            return backend.run(*args)
     return backend.run(*args)
 
 

@@ -109,6 +109,19 @@ def test_fast_path_equals_custom_op_under_autocast(name):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name,fn,inputs", CASES, ids=[c[0] for c in CASES])
+def test_reference_backend_under_autocast_equals_compiled(name, fn, inputs):
+    # The op's operands are cast for autocast before the op; its reference implementation runs with autocast off, as
+    # in a compiled graph. Its inner F.conv2d / matmul used to be cast to bf16 again in eager only.
+    leaves = [t.detach().float() for t in inputs]
+    torch._dynamo.reset()
+    with ops.use_backend("torch"), torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        eager = fn(leaves)
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(leaves)
+    assert eager.dtype == compiled.dtype
+    torch.testing.assert_close(eager, compiled, rtol=0, atol=0)
+
+
 def test_jit_trace_keeps_the_custom_op():
     x, w, b = torch.randn(2, 8, 4, 4), torch.randn(8), torch.randn(8)
     with ops.use_backend("torch"):
