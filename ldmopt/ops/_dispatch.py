@@ -98,8 +98,32 @@ def use_backend(name: str, ops: Sequence[str] | None = None) -> Iterator[None]:
     name = name.lower()
     if name != "auto" and name not in BACKEND_NAMES:
         raise ValueError(f"use_backend: name={name!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")
-    with _in_context(_Policy(None if name == "auto" else name, None if ops is None else frozenset(ops), _forced.get())):
+    tables = None if ops is None else _tables_named(ops)
+    with _in_context(_Policy(None if name == "auto" else name, tables, _forced.get())):
         yield
+
+
+#: The op name of every BackendTable (registered as each is made: the ops modules are imported with ldmopt).
+TABLE_NAMES: set[str] = set()
+#: Public functions of ldmopt.ops whose backend tables have other names.
+OP_ALIASES = {"gn_silu_conv2d": ("gn_conv2d", "gn_conv2d_stats"), "layer_norm_rope": ("rms_norm",)}
+
+
+def _tables_named(ops: Sequence[str]) -> frozenset[str]:
+    """The table names ``use_backend(ops=...)`` means: a public op name (ldmopt.ops.gn_silu_conv2d) or a table name
+    (as the patch report counts them: gn_conv2d, linear_backward); anything else is an error, not a silent no-op."""
+    if isinstance(ops, str):
+        ops = (ops,)
+    names = set()
+    for op in ops:
+        if op in OP_ALIASES:
+            names.update(OP_ALIASES[op])
+        elif op in TABLE_NAMES:
+            names.add(op)
+        else:
+            known = sorted({*OP_ALIASES, *(t for t in TABLE_NAMES if not t.endswith("_backward"))})
+            raise ValueError(f"use_backend: ops contains {op!r}, not an ldmopt op; expected names from {known}")
+    return frozenset(names)
 
 
 @contextlib.contextmanager
@@ -391,6 +415,9 @@ class BackendTable:
 
     op_name: str
     backends: list[Backend]
+
+    def __post_init__(self) -> None:
+        TABLE_NAMES.add(self.op_name)
 
     def reasons(self, *args) -> dict[str, list[str]]:
         return {b.name: b.refuse(*args) for b in self.backends}

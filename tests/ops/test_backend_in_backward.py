@@ -117,3 +117,17 @@ def test_naming_an_op_forces_its_backward_and_nesting_merges():
     before = backend_counts.copy()
     _grad_on_fresh_thread(y, [x, w, b], torch.randn_like(y))
     assert backend_counts[("group_norm_backward", "torch")] == before[("group_norm_backward", "torch")] + 1
+
+
+def test_ops_are_named_by_their_public_or_table_names_and_typos_raise():
+    # ldmopt.ops.gn_silu_conv2d runs the gn_conv2d and gn_conv2d_stats tables: its own name used to force nothing.
+    with ldmopt.use_backend("triton", ops=["gn_silu_conv2d"]):
+        assert forced_backend("gn_conv2d") == forced_backend("gn_conv2d_stats") == "triton"
+        assert forced_backend("linear") is None
+    with ldmopt.use_backend("torch", ops="layer_norm_rope"):  # one name as a plain string
+        assert forced_backend("rms_norm") == "torch"
+    with ldmopt.use_backend("torch", ops=["gn_conv2d", "linear_backward"]):
+        assert forced_backend("gn_conv2d") == forced_backend("linear_backward") == "torch"
+    with pytest.raises(ValueError, match=r"'groupnorm', not an ldmopt op.*'group_norm'"):
+        with ldmopt.use_backend("triton", ops=["groupnorm"]):
+            pass
