@@ -14,10 +14,13 @@ from .ops._dispatch import BackendUnavailableError, use_backend
 
 __version__ = "0.1.0"
 
-# Heavier entry points (diffusers, torch.profiler) load on first attribute access. ``ldmopt.patch`` is the callable
-# subpackage itself (attribute None): the import binds that name to it, so every access must give the same object.
+# Heavier entry points (diffusers, torch.profiler) load on first attribute access. Subpackages (attribute None) are
+# given as themselves: the import binds their names to them, so every access must give the same object
+# (``ldmopt.patch`` is the callable subpackage).
 _LAZY = {
     "patch": ("ldmopt.patch", None),
+    "profiler": ("ldmopt.profiler", None),
+    "configs": ("ldmopt.configs", None),
     "unpatch": ("ldmopt.patch", "unpatch"),
     "is_patched": ("ldmopt.patch", "is_patched"),
     "profile": ("ldmopt.profiler", "profile"),

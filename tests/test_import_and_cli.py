@@ -43,6 +43,14 @@ def test_lazy_patch_is_the_same_callable_package_on_every_access():
     assert second_line == "True True"
 
 
+def test_subpackages_named_in_the_readme_need_no_import_of_their_own():
+    # README: ldmopt.profiler.analyze(...), ldmopt.configs.build_model(...) after a plain `import ldmopt`.
+    code = "import ldmopt\nprint(ldmopt.profiler.analyze is ldmopt.analyze, callable(ldmopt.configs.build_model))\n"
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"]
+
+
 def test_import_and_reference_ops_work_without_triton():
     # None in sys.modules makes `import triton` raise ImportError: a machine without Triton.
     code = (

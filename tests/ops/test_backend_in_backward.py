@@ -128,6 +128,6 @@ def test_ops_are_named_by_their_public_or_table_names_and_typos_raise():
         assert forced_backend("rms_norm") == "torch"
     with ldmopt.use_backend("torch", ops=["gn_conv2d", "linear_backward"]):
         assert forced_backend("gn_conv2d") == forced_backend("linear_backward") == "torch"
-    with pytest.raises(ValueError, match=r"'groupnorm', not an ldmopt op.*'group_norm'"):
-        with ldmopt.use_backend("triton", ops=["groupnorm"]):
-            pass
+    typo = pytest.raises(ValueError, match=r"'groupnorm', not an ldmopt op.*'group_norm'")
+    with typo, ldmopt.use_backend("triton", ops=["groupnorm"]):
+        pass
