@@ -23,8 +23,8 @@ from torch import nn
 
 from ..nn.child_check import foreign_hook_registry, instance_forward_owner, wrapped_forward
 from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
-from .rule import FAMILIES, Rule, Site, swap_class
-from .rules_attention import companion_actions
+from .rule import FAMILIES, REPLACED, ChildSwapRule, Rule, Site, restore_child, swap_class
+from .rules_attention import companion_actions, installed_processor, restore_unrecorded_processors
 
 _RECORDS = "_ldmopt_records"
 #: Every module a live patch touched -> the model that holds its records (a patch of an enclosing model leaves no
@@ -254,7 +254,7 @@ def _plan(
                 parents.setdefault(id(child), (m, attr))
     # Earlier patch calls (on this model or a submodule): their modules stay claimed, their (rule, module) done.
     prior = [rec for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
-    report.already_patched += sum(id(rec.site.module) not in earlier for rec in prior)
+    report.already_patched += sum(rec.rule.counted and id(rec.site.module) not in earlier for rec in prior)
     # claimed: modules some rule fuses or replaces; inside: those fused into a module around them (never visited).
     claimed: set[int] = set()
     inside: set[int] = set()
@@ -270,6 +270,7 @@ def _plan(
     report.already_patched += sum(id(m) not in earlier for m in enclosing)
     # In a copy of a patched model, fused modules (and what they fused) whose records are with the copy's root.
     copied = [inner for m in _unrecorded_fused(model) for inner in m.modules()]
+    copied += [inner for _, _, m in _unrecorded_swaps(model) for inner in m.modules()]
     report.already_patched += sum(id(m) not in earlier for m in copied)
     enclosing += copied
     # Modules that an earlier model of this same call shares with this one: that model's plan fuses them.
@@ -323,7 +324,7 @@ def _restore(records: list[_Record], *, best_effort: bool = False) -> list[str]:
             if not best_effort:
                 raise
             failed.append(f"{rec.site.name or '<root>'} [{rec.rule.name}]: {type(error).__name__}: {error}")
-        for touched in rec.rule.touched(rec.site).values():
+        for touched in (*rec.rule.touched(rec.site).values(), *rec.rule.installed(rec.data)):
             _CLAIMED_BY.pop(touched, None)
     return failed
 
@@ -394,7 +395,7 @@ def patch(
             for rule, site in actions:
                 data = rule.replace(site)
                 records.append(_Record(rule, site, data))
-                for touched in rule.touched(site).values():
+                for touched in (*rule.touched(site).values(), *rule.installed(data)):
                     _CLAIMED_BY[touched] = weakref.ref(model)
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
                 report._counters.extend(rule.counters(data))
@@ -457,13 +458,37 @@ def unpatch(pipe_or_model: Any) -> int:
             records = holder.__dict__.pop(_RECORDS)
             originals.update((id(new), old) for rec in records for new, old in rec.rule.stand_ins(rec.data))
             _restore(records)
-            undone += len(records)
+            undone += sum(rec.rule.counted for rec in records)
         _restore_saved_processors(model, originals)
         for module in copies:
             swap_class(module, type(module)._ldmopt_base)
             module.__dict__.pop("_ldmopt_guards", None)
             undone += 1
+        # What is left of the other kinds of edit in such copies: ldmopt modules swapped in as children (each holds
+        # the module it replaced) and attention processors (each holds the one it stands in for).
+        for parent, attr, fused in _unrecorded_swaps(model):
+            restore_child(parent, attr, fused.__dict__.pop(REPLACED), fused)
+            undone += 1
+        undone += restore_unrecorded_processors(model)
     return undone
+
+
+def _unrecorded_swaps(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) of each child-swapped ldmopt module in ``model``'s tree that no record here or
+    live patch elsewhere accounts for: part of a copy of a patched block (its record stayed with the original)."""
+    recorded = {
+        id(fused)
+        for m in model.modules()
+        for rec in m.__dict__.get(_RECORDS, ())
+        if isinstance(rec.rule, ChildSwapRule)
+        for _, fused in rec.data[1].values()
+    }
+    return [
+        (parent, attr, child)
+        for parent in model.modules()
+        for attr, child in parent._modules.items()
+        if child is not None and REPLACED in child.__dict__ and id(child) not in recorded and _claimant(child) is None
+    ]
 
 
 def _restore_saved_processors(model: nn.Module, originals: dict[int, Any]) -> None:
@@ -484,7 +509,11 @@ def is_patched(pipe_or_model: Any) -> bool:
     """True when any model of the pipeline (or the model) carries ldmopt patches, or runs fused modules patched as
     part of an enclosing model (then ``unpatch`` that model), also in a copy of one."""
     return any(
-        _RECORDS in m.__dict__ or _claimant(m) is not None or "_ldmopt_base" in type(m).__dict__
+        _RECORDS in m.__dict__
+        or _claimant(m) is not None
+        or "_ldmopt_base" in type(m).__dict__
+        or REPLACED in m.__dict__
+        or installed_processor(m)
         for _, model in _models_of(pipe_or_model, for_patch=False)
         for m in model.modules()
     )

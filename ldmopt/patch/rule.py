@@ -76,6 +76,8 @@ class Rule:
     family: ClassVar[str]
     #: What the fused path does, for the report and repr.
     description: ClassVar[str]
+    #: False for a model-level edit that goes with others and fuses nothing (not counted as a patched module).
+    counted: ClassVar[bool] = True
 
     def targets(self) -> tuple[type, ...]:
         """The module classes this rule is keyed by (exact classes; diffusers imported here, lazily)."""
@@ -115,6 +117,10 @@ class Rule:
     def counters(self, data: Any) -> list:
         """Objects :meth:`replace` installed that count per-call fall-backs in ``fallback_reasons`` (the report
         reads them)."""
+        return []
+
+    def installed(self, data: Any) -> list[nn.Module]:
+        """Modules :meth:`replace` put into the tree (besides the touched ones): claimed for the model like them."""
         return []
 
     def changed_since_patch(self, site: Site, data: Any) -> list[str]:
@@ -365,6 +371,10 @@ class FusedAway(nn.Identity):
         return f"fused into {self.into} by ldmopt"
 
 
+#: The instance attribute of a child-swapped module that holds the module it replaced.
+REPLACED = "_ldmopt_replaced"
+
+
 def set_child(parent: nn.Module, attr: str, child: nn.Module) -> nn.Module:
     """Replace ``parent.<attr>`` by ``child``; returns the old child."""
     old = parent._modules[attr]
@@ -407,12 +417,19 @@ class ChildSwapRule(Rule):
         parent, children = self.swaps(site)
         for attr, child in children.items():  # in the mode of the module it replaces (model.eval() before patch)
             child.train(parent._modules[attr].training)
+            # Outside the tree (state_dict unchanged): a copy of the block without its record (deepcopy of a block,
+            # PEFT's modules_to_save) carries the original along, for unpatch_unrecorded_copies.
+            child.__dict__[REPLACED] = parent._modules[attr]
         return parent, {attr: (set_child(parent, attr, child), child) for attr, child in children.items()}
 
     def restore(self, site: Site, data: Any) -> None:
         parent, swapped = data
         for attr, (original, fused) in swapped.items():
             restore_child(parent, attr, original, fused)
+            fused.__dict__.pop(REPLACED, None)
+
+    def installed(self, data: Any) -> list[nn.Module]:
+        return [fused for _, fused in data[1].values()]
 
     def changed_since_patch(self, site: Site, data: Any) -> list[str]:
         problems = []

@@ -101,6 +101,24 @@ class SingleKeyCrossAttentionRule(_ProcessorRule):
 
 RULES: list[Rule] = [TemporalAttentionRule(), SingleKeyCrossAttentionRule()]
 
+
+def installed_processor(module: nn.Module) -> bool:
+    """Whether ``module`` runs one of ldmopt's attention processors."""
+    return isinstance(module.__dict__.get("processor"), T.TemporalAttnProcessor | T.SingleKeyAttnProcessor)
+
+
+def restore_unrecorded_processors(model: nn.Module) -> int:
+    """Put back the processor each of ldmopt's stands in for, in the modules of ``model`` no record accounts for (a
+    copy of a patched block: the record stayed with the original; unpatch calls this after the records). Returns how
+    many."""
+    restored = 0
+    for module in model.modules():
+        if installed_processor(module):
+            module.set_processor(module.processor.stock_processor(module))
+            restored += 1
+    return restored
+
+
 _DEFAULT_METHOD = "set_default_attn_processor"
 
 
@@ -137,6 +155,7 @@ class DefaultProcessorMethod(Rule):
     name = "default_attn_processor_method"
     family = "temporal_attention"
     description = "set_default_attn_processor that sees the stock processors behind ldmopt's"
+    counted = False
 
     def targets(self) -> tuple[type, ...]:
         return ()

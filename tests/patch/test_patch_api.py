@@ -154,6 +154,50 @@ def test_unpatch_with_a_peft_copy_of_a_patched_block():
     assert not any("_ldmopt_base" in type(m).__dict__ for m in unet.modules())
 
 
+def _ldmopt_modules(model):
+    return [name for name, m in model.named_modules() if type(m).__module__.startswith("ldmopt.")]
+
+
+def test_unpatch_with_a_peft_copy_of_a_block_with_child_swapped_modules():
+    """modules_to_save of a transformer block copies the FusedGEGLU and ldmopt GroupNorm swapped in as its children
+    (no class swap): unpatch used to leave them running in the copy, and is_patched said False."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    unet = models.sd15_unet().eval()
+    stock = copy.deepcopy(unet)
+    inputs = models.inputs("sd15", unet)
+    ldmopt.patch(unet)
+    config = LoraConfig(r=2, target_modules=["to_q"], modules_to_save=["mid_block.attentions.0"])
+    inject_adapter_in_model(config, unet)
+    inject_adapter_in_model(config, stock)
+    copied = unet.mid_block.attentions[0].modules_to_save["default"]
+    assert _ldmopt_modules(copied) and is_patched(copied)
+    ldmopt.unpatch(unet)
+    assert not is_patched(unet) and _ldmopt_modules(unet) == []
+    assert [(n, type(m)) for n, m in unet.named_modules()] == [(n, type(m)) for n, m in stock.named_modules()]
+    assert_outputs_close(_run(unet, inputs), _run(stock, inputs), name="unpatched")
+
+
+def test_unpatch_of_a_copied_block_restores_swapped_children_and_processors():
+    """copy.deepcopy of one block of a patched model carries no records: unpatching the copy restores its class
+    swaps, its child swaps and ldmopt's attention processors, and leaves the original model patched."""
+    for build, path in ((models.sd15_unet, "mid_block"), (models.svd, "down_blocks.0")):
+        model = build().eval()
+        block = model.get_submodule(path)
+        stock_block = copy.deepcopy(block)
+        stock_processors = {n: type(m.processor) for n, m in stock_block.named_modules() if hasattr(m, "processor")}
+        whole = ldmopt.patch(model)
+        copied = copy.deepcopy(block)
+        assert is_patched(copied) and ldmopt.unpatch(copied) > 0
+        assert not is_patched(copied) and _ldmopt_modules(copied) == []
+        assert [(n, type(m)) for n, m in copied.named_modules()] == [
+            (n, type(m)) for n, m in stock_block.named_modules()
+        ]
+        assert {n: type(m.processor) for n, m in copied.named_modules() if hasattr(m, "processor")} == stock_processors
+        assert list(copied.state_dict()) == list(stock_block.state_dict())
+        assert is_patched(model) and ldmopt.unpatch(model) == whole.total
+
+
 def test_unpatch_restores_train_and_eval_modes():
     """Swapped-out children live outside the tree while patched: model.train()/eval() then reaches only ldmopt's
     modules, whose mode the originals take back; the swapped-in modules start in the mode of those they replace."""
@@ -237,9 +281,12 @@ def test_a_failed_rollback_still_raises_the_original_error(monkeypatch):
     warned = pytest.warns(RuntimeWarning, match=r"(?s)could not undo every change.*\[group_norm\]: OSError: restore")
     with warned, pytest.raises(RuntimeError, match="replace failed"):
         ldmopt.patch(_Pipeline(vae=vae, unet=unet))
-    assert not is_patched(vae) and not is_patched(unet)
+    assert not is_patched(unet)
     stock_group_norms = [n for n, m in vae.named_modules() if type(m) is nn.GroupNorm]
     assert len(stock_group_norms) == _n_group_norms(models.vae()) - 1 and restored[0] not in stock_group_norms
+    # The one left fused still says so, and a later unpatch puts its GroupNorm back (it holds the module it replaced).
+    assert is_patched(vae) and ldmopt.unpatch(vae) == 1 and not is_patched(vae)
+    assert len([m for m in vae.modules() if type(m) is nn.GroupNorm]) == _n_group_norms(models.vae())
 
 
 def test_repr_deepcopy_and_torch_save(tmp_path):
