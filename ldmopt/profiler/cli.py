@@ -13,11 +13,18 @@ from .settings import ANALYZE_DTYPES
 
 
 def _resolution(text: str):
-    """'512' -> 512, '576x1024' -> (576, 1024)."""
-    if "x" in text.lower():
-        h, w = text.lower().split("x")
-        return (int(h), int(w))
-    return int(text)
+    """argparse type: '512' -> 512, '576x1024' -> (576, 1024)."""
+    try:
+        if "x" in text.lower():
+            h, w = text.lower().split("x")
+            return (int(h), int(w))
+        return int(text)
+    except ValueError:
+        hint = "; ldmopt analyze sweeps a comma list" if "," in text else ""
+        raise argparse.ArgumentTypeError(f"expected pixels as 512 or HxW (576x1024), got {text!r}{hint}") from None
+
+
+_resolution.__name__ = "resolution"
 
 
 def _count(minimum: int):
@@ -44,7 +51,9 @@ def _list(parse):
         try:
             return [parse(part) for part in text.split(",") if part.strip()]
         except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"{text!r}: each value {exc}") from exc
+            if "," not in text:
+                raise
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from exc
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from exc
 
@@ -111,11 +120,19 @@ def _message(exc: Exception) -> str:
     return str(exc.args[0]) if len(exc.args) == 1 else str(exc)
 
 
-def prepare_outputs(command: str, *paths: str | None) -> bool:
-    """Create the parent folders of the output files before the work; False (after a message) if one cannot be."""
+def prepare_outputs(command: str, *paths: str | None, plot: str | None = None) -> bool:
+    """Create the parent folders of the output files before the work, and check that ``plot`` can be written; False
+    (after a message) if not."""
     import sys
 
-    for path in paths:
+    if plot:
+        from .plots import plot_output_problem
+
+        problem = plot_output_problem(plot)
+        if problem:
+            print(f"ldmopt {command}: {problem}", file=sys.stderr)
+            return False
+    for path in (*paths, plot):
         if not path or path == "-":
             continue
         parent = os.path.dirname(os.path.abspath(path))
@@ -164,7 +181,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     from .cost import analyze
 
     dtype = args.dtype or "fp16"
-    if not prepare_outputs("analyze", args.json, args.plot):
+    if not prepare_outputs("analyze", args.json, plot=args.plot):
         return 2
     analyses = []
     try:
@@ -200,7 +217,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.dtype is not None and args.dtype not in dtypes:
         print(f"ldmopt profile: --dtype {args.dtype!r}: expected one of {', '.join(dtypes)}", file=sys.stderr)
         return 2
-    if not prepare_outputs("profile", args.json, args.plot, args.trace):
+    if not prepare_outputs("profile", args.json, args.trace, plot=args.plot):
         return 2
     try:
         target, inputs, report = args.model, None, None

@@ -14,6 +14,7 @@ import re
 import shutil
 import socket
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -383,7 +384,9 @@ def profile(
             name = f"{socket.gethostname()}_{os.getpid()}.{int(time.time() * 1000)}.pt.trace.json"
             _save_trace(prof, os.path.join(tensorboard, name))
 
-    schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=steps, repeat=1)
+    with warnings.catch_warnings():  # warmup=0 is the caller's choice (one-shot runs), not worth torch's warning
+        warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+        schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=steps, repeat=1)
     wall = data_wait = 0.0
     scope_ctx = ModuleScopes(hooked, annotate=True) if scopes and hooked else None
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_ready,

@@ -23,6 +23,22 @@ def _pyplot():
     return plt
 
 
+def plot_output_problem(path: str) -> str | None:
+    """Why ``--plot path`` could not be written (no matplotlib, a format it does not write), checked before the work;
+    None when it can."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return "--plot needs matplotlib: pip install matplotlib (or pip install 'ldmopt[bench]')"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if suffix not in formats:
+        return f"--plot {path}: {suffix or 'no'} suffix; matplotlib writes {', '.join(sorted(formats))} (e.g. out.png)"
+    if os.path.isdir(path):
+        return f"--plot {path} is a folder; give a file name such as {os.path.join(path, 'plot.png')}"
+    return None
+
+
 def _savefig(fig, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -393,8 +393,20 @@ def render(measure: bool = True) -> str:
         "```",
         "ldmopt analyze sd15 --resolution 256,512,768,1024 --plot sd15.png",
         "ldmopt analyze animatediff --frames 8,16,32,64 --json animatediff.json",
-        "ldmopt profile sdxl --resolution 1024 --trace sdxl.json      # on a GPU: CUDA kernel time",
-        "ldmopt profile sd15 --training --tensorboard runs/sd15       # training step, wait/warmup/active",
+        "ldmopt profile sdxl --resolution 1024 --trace sdxl.json --device cuda     # CUDA kernel time",
+        "ldmopt profile sd15 --training --tensorboard runs/sd15 --device cuda      # training step, wait/warmup/active",
+        "ldmopt profile animatediff --patched --device cuda                         # the split after ldmopt's fusions",
+        "```",
+        "",
+        "The three `profile` lines build real-size models: run them on a GPU. The measured CPU tables above come from "
+        "the",
+        "tiny SD1.5 at 64 px (`python -m ldmopt.profiler.studies` rewrites this page), which a CPU runs in about a "
+        "minute:",
+        "",
+        "```",
+        "ldmopt profile sd15 --tiny --resolution 64 --device cpu --steps 3 --warmup 1",
+        "ldmopt profile sd15 --tiny --resolution 64 --device cpu --training --steps 2 --warmup 1 --wait 1",
+        "ldmopt profile animatediff --tiny --patched --device cpu",
         "```",
         "",
     ]

@@ -4,6 +4,7 @@ import argparse
 import importlib.util
 import json
 import re
+import sys
 
 import pytest
 
@@ -83,6 +84,8 @@ def test_analyze_dtype_outside_the_table_names_the_supported_ones():
         ("profile", ["sd15", "--frames", "0"], "--frames: must be positive"),
         ("profile", ["sd15", "--steps", "0"], "--steps: must be positive, got 0"),
         ("profile", ["sd15", "--dtype", "fp8"], "fp16', 'bf16', 'fp32"),
+        ("analyze", ["sd15", "--resolution", "512x"], "expected pixels as 512 or HxW .*got '512x'"),
+        ("profile", ["sd15", "--resolution", "256,512"], "got '256,512'; ldmopt analyze sweeps a comma list"),
     ],
 )
 def test_cli_rejects_bad_values_while_parsing(command, argv, match, capsys):
@@ -112,6 +115,23 @@ def test_cli_analyze_writes_json_and_plot_into_missing_folders(tmp_path, capsys)
     if "--plot" in argv:
         assert (tmp_path / "other" / "a.png").stat().st_size > 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("command", ["analyze", "profile"])
+def test_cli_plot_that_cannot_be_written_fails_before_the_work(command, tmp_path, capsys, monkeypatch):
+    # Both used to do the whole analysis or profile, then end in matplotlib's traceback.
+    device = ["--device", "cpu"] if command == "profile" else []
+    argv = ["sd15", "--tiny", *device, "--plot", str(tmp_path / "out.txt")]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert _run(command, argv) == 2
+        assert "txt suffix; matplotlib writes" in capsys.readouterr().err
+        (tmp_path / "folder.png").mkdir()
+        assert _run(command, [*argv[:-1], str(tmp_path / "folder.png")]) == 2
+        assert "is a folder" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as without matplotlib installed
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", None)
+    assert _run(command, [*argv[:-1], str(tmp_path / "out.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
 def test_cli_output_folder_that_cannot_be_made_fails_before_the_work(tmp_path, capsys):
