@@ -250,7 +250,7 @@ def run_benchmarks(quick: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes, fp16 and channels-last only")
     parser.add_argument("--no-bench", action="store_true", help="correctness only")
     args = parser.parse_args(argv)

@@ -562,7 +562,7 @@ def run_checks(quick: bool, only: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--only", action="append", help="only these checks")
     parser.add_argument("--shard", default="0/1", help="k/n: only the k-th of every n (check, case) pairs")

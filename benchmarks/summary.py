@@ -174,7 +174,7 @@ def summary(csv: Path | None, checks: str, status: str, limit: int = 9500) -> st
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--checks", type=Path, nargs="*", default=[], help="the check scripts' outputs")
     parser.add_argument("--status", type=Path, help="stages, one 'name<TAB>rc<TAB>seconds<TAB>cap' a line")

@@ -166,7 +166,7 @@ def format_table(records: list[CompileRecord]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ldmopt.aot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ldmopt.aot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print records as JSON")
     parser.add_argument("--module", action="append", help="only this kernels module (repeatable)")
     args = parser.parse_args(argv)

@@ -50,6 +50,8 @@ def _check_common(args: argparse.Namespace) -> str | None:
         path = getattr(args, option, None)
         if isinstance(path, str) and suffixes is not None and not path.lower().endswith(suffixes):
             return f"--{option} {path}: the file name must end in one of {', '.join(suffixes)} (an image is written)"
+        if isinstance(path, str) and os.path.isdir(path):
+            return f"--{option} {path} is a folder; give a file name such as {os.path.join(path, 'demo.png')}"
         if isinstance(path, str) and path != "-":
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -30,19 +30,19 @@ def _model_choices() -> list[str]:
         from .configs import names
     except ImportError:
         return ["sd"]
-    return ["sd", *(n for n in names() if n not in ("sd15",))]
+    return ["sd", "sd15", *(n for n in names() if n not in ("sd15",))]
 
 
 def configure_demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="sd", choices=_model_choices(),
-                        help="sd: a tiny StableDiffusionPipeline (default); other names: that zoo family's tiny "
-                             "denoiser alone")  # fmt: skip
+                        help="sd (or sd15, its zoo name): a tiny StableDiffusionPipeline (default); other names: "
+                             "that zoo family's tiny denoiser alone")  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float16 on cuda, float32 on cpu")
-    parser.add_argument("--steps", type=int, default=4, help="denoising steps (or denoiser calls)")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps (or denoiser calls); default 4")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="ldmopt backend of the patched run; on cpu, triton = the Triton interpreter")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs; default 0")
     parser.add_argument("--save", metavar="PNG", help="write the stock and patched images side by side (sd only)")
 
 
@@ -221,6 +221,8 @@ def _backend_note(device, backend: str) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.model == "sd15":  # the zoo's name of the SD1.5 family: the demo's pipeline
+        args.model = "sd"
     if args.steps < 1:
         print("ldmopt demo: --steps must be at least 1", file=sys.stderr)
         return 2

@@ -230,6 +230,18 @@ def test_demo_save_needs_an_image_file_name(tmp_path, capsys, monkeypatch):
         assert main(["demo", "--save", name]) == 2
         err = capsys.readouterr().err
         assert "must end in one of .png" in err and "Traceback" not in err
+    (tmp_path / "shots.png").mkdir()  # an image name that is a folder: PIL's error after the whole run, before
+    assert main(["demo", "--save", str(tmp_path / "shots.png")]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_demo_takes_the_zoo_name_sd15_for_its_pipeline(capsys):
+    from ldmopt.cli import build_parser
+    from ldmopt.demo import run_demo
+
+    args = build_parser().parse_args(["demo", "--model", "sd15", "--steps", "0"])  # refused before any work
+    assert run_demo(args) == 2 and args.model == "sd"
+    capsys.readouterr()
 
 
 def test_unusable_device_is_a_clear_error_not_a_traceback(capsys, monkeypatch):
