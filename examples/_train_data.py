@@ -328,8 +328,14 @@ class VaeLatents(torch.nn.Module):
 
             self.vae = configs.build_model(zoo, device="cpu", dtype=torch.float32, tiny=tiny)
             print(f"--vae {path}: the zoo's {'tiny ' if tiny else ''}config with RANDOM weights (throughput only)")
-        else:
+        elif Path(path).is_dir():
             self.vae = AutoencoderKL.from_pretrained(path, local_files_only=True)
+        else:
+            from ldmopt import configs
+
+            zoo_vaes = [n for n in configs.names() if _zoo_vae(n) is not None]
+            raise SystemExit(f"--vae {path!r} is neither a folder holding a diffusers AutoencoderKL nor a zoo VAE "
+                             f"({', '.join(zoo_vaes)})")  # fmt: skip
         self.vae.requires_grad_(False).eval()
         self.scale = float(self.vae.config.scaling_factor)
         self.factor = 2 ** (len(self.vae.config.block_out_channels) - 1)

@@ -331,6 +331,8 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     out_dir = Path(args.output_dir)
     # Every rank loads the checkpoint, first: its arguments decide the model, the data and the rest of the setup.
     resume_path = latest_checkpoint(out_dir) if args.resume == "auto" else args.resume
+    if resume_path and not Path(resume_path).is_file():
+        raise SystemExit(f"--resume {resume_path}: no such checkpoint file (or 'auto': the newest in --output-dir)")
     state = load_checkpoint(Path(resume_path)) if resume_path else None
     if state is not None:
         args = resume_args(args, state.get("args"), given, is_main, resume_path)
@@ -350,7 +352,10 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     if video:
         base = VideoShapesDataset(args.resolution, frames, args.num_shapes, seed=args.seed)
     elif args.data:
-        base = ImageFolderDataset(args.data, args.resolution, hflip=args.hflip, seed=args.seed)
+        try:
+            base = ImageFolderDataset(args.data, args.resolution, hflip=args.hflip, seed=args.seed)
+        except FileNotFoundError as exc:  # says which folder and why
+            raise SystemExit(str(exc)) from None
         if base.skipped and is_main:
             listed = "".join(f"\n  {line}" for line in base.skipped[:20])
             more = f"\n  ... and {len(base.skipped) - 20} more" if len(base.skipped) > 20 else ""
@@ -432,6 +437,9 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             set_rng_state(state["rng"][info.rank], device)
         if is_main:
             print(f"resumed from {resume_path} at step {step} (epoch {state['epoch']})", flush=True)
+            if step >= args.max_steps:
+                print(f"note: the run is already at step {step}, --max-steps {args.max_steps}: nothing to train; "
+                      "give a larger --max-steps to train on", flush=True)  # fmt: skip
             if args.save_every > 0 and (aside := set_aside_newer_checkpoints(out_dir, step)) is not None:
                 print(f"note: {out_dir / 'checkpoints'} held checkpoints past step {step} from the run this one forks "
                       f"off; moved to {aside}", flush=True)  # fmt: skip
