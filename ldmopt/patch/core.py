@@ -269,10 +269,9 @@ def _plan(
     enclosing = [m for m in model.modules() if (owner := _claimant(m)) is not None and id(owner) not in own]
     report.already_patched += sum(id(m) not in earlier for m in enclosing)
     # In a copy of a patched model, fused modules (and what they fused) whose records are with the copy's root.
-    copied = [inner for m in _unrecorded_fused(model) for inner in m.modules()]
-    copied += [inner for _, _, m in _unrecorded_swaps(model) for inner in m.modules()]
-    report.already_patched += sum(id(m) not in earlier for m in copied)
-    enclosing += copied
+    fused_copies = _unrecorded_fused(model) + [m for _, _, m in _unrecorded_swaps(model)]
+    report.already_patched += sum(id(m) not in earlier for m in fused_copies)  # the fused modules, not what is in them
+    enclosing += [inner for m in fused_copies for inner in m.modules()]
     # Modules that an earlier model of this same call shares with this one: that model's plan fuses them.
     enclosing += [m for m in model.modules() if id(m) in planned]
     claimed.update(id(m) for m in enclosing)
@@ -399,7 +398,7 @@ def patch(
                     _CLAIMED_BY[touched] = weakref.ref(model)
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
                 report._counters.extend(rule.counters(data))
-            for rule, site in companion_actions(model, actions):  # fuse nothing: not reported as patched modules
+            for rule, site in companion_actions(model):  # fuse nothing: not reported as patched modules
                 records.append(_Record(rule, site, rule.replace(site)))
     except BaseException:
         failed = [why for _, records in reversed(applied) for why in _restore(records, best_effort=True)]

@@ -22,6 +22,8 @@ it judges and resets the model as it would the unpatched one.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any
 
 from torch import nn
@@ -64,6 +66,7 @@ class _ProcessorRule(Rule):
         previous, reason = T.install_processor(site.module, self.processor_cls)
         if reason is not None:
             raise RuntimeError(f"ldmopt.patch: {site.name}: {reason}")
+        site.module.processor.__dict__[_PATCHED] = True  # travels with copies; install_processors' are not ours
         return previous, site.module.processor
 
     def restore(self, site: Site, data: Any) -> None:
@@ -102,9 +105,17 @@ class SingleKeyCrossAttentionRule(_ProcessorRule):
 RULES: list[Rule] = [TemporalAttentionRule(), SingleKeyCrossAttentionRule()]
 
 
+#: Set on the processors patch installs: those installed by ldmopt.nn.install_processors are the user's to keep.
+_PATCHED = "_ldmopt_patched"
+
+
 def installed_processor(module: nn.Module) -> bool:
-    """Whether ``module`` runs one of ldmopt's attention processors."""
-    return isinstance(module.__dict__.get("processor"), T.TemporalAttnProcessor | T.SingleKeyAttnProcessor)
+    """Whether ``module`` runs an attention processor that ``ldmopt.patch`` installed (here or in the original of a
+    copy)."""
+    processor = module.__dict__.get("processor")
+    return isinstance(processor, T.TemporalAttnProcessor | T.SingleKeyAttnProcessor) and processor.__dict__.get(
+        _PATCHED, False
+    )
 
 
 def restore_unrecorded_processors(model: nn.Module) -> int:
@@ -126,21 +137,29 @@ class _DefaultProcessorCall:
     """``model.set_default_attn_processor`` while ldmopt's processors are installed: diffusers checks every processor's
     exact class against its own, so it would refuse the patched model. The stock processors they stand in for are put
     back for the call; diffusers then resets every processor (ours too: the user's choice, which unpatch keeps), or
-    raises as it would without ldmopt, and ours come back. A callable object, not a closure, so that a deepcopy or
-    pickle of the model carries one bound to the copy."""
+    raises as it would without ldmopt, and ours come back. It holds its model weakly (no reference cycle keeps a
+    dropped model's memory until the garbage collector runs); a deepcopy or pickle of the model carries one bound to
+    the copy."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self._model = weakref.ref(model)
+
+    def __deepcopy__(self, memo: dict) -> _DefaultProcessorCall:
+        return type(self)(copy.deepcopy(self._model(), memo))  # the model's copy (memo), not the original
+
+    def __reduce__(self):
+        return type(self), (self._model(),)
 
     def __call__(self, *args, **kwargs):
+        model = self._model()
         swapped = []
-        for module in self.model.modules():
+        for module in model.modules():
             processor = getattr(module, "processor", None)
             if isinstance(processor, T.TemporalAttnProcessor | T.SingleKeyAttnProcessor):
                 module.processor = processor.stock_processor(module)
                 swapped.append((module, processor))
         try:
-            return getattr(type(self.model), _DEFAULT_METHOD)(self.model, *args, **kwargs)
+            return getattr(type(model), _DEFAULT_METHOD)(model, *args, **kwargs)
         except BaseException:
             for module, processor in swapped:
                 if module.processor is not processor:
@@ -176,10 +195,12 @@ class DefaultProcessorMethod(Rule):
 _DEFAULT_PROCESSOR_METHOD = DefaultProcessorMethod()
 
 
-def companion_actions(model: nn.Module, actions: list[tuple[Rule, Site]]) -> list[tuple[Rule, Site]]:
-    """Model-level edits that go with this model's planned ones: the set_default_attn_processor method above when
-    ldmopt installs processors in a model class that has one (and no earlier patch gave it ours)."""
-    installs = any(isinstance(rule, _ProcessorRule) for rule, _ in actions)
-    if not installs or not callable(getattr(type(model), _DEFAULT_METHOD, None)) or _DEFAULT_METHOD in model.__dict__:
+def companion_actions(model: nn.Module) -> list[tuple[Rule, Site]]:
+    """Model-level edits that go with the ones a patch call applied: the set_default_attn_processor method above when
+    the model (a class that has one) now runs processors patch installed, in this call or an earlier patch of its
+    blocks, and no earlier patch gave it ours."""
+    if not callable(getattr(type(model), _DEFAULT_METHOD, None)) or _DEFAULT_METHOD in model.__dict__:
+        return []
+    if not any(installed_processor(m) for m in model.modules()):
         return []
     return [(_DEFAULT_PROCESSOR_METHOD, Site("", model, None, None))]

@@ -95,3 +95,27 @@ def test_patching_a_model_twice_keeps_one_method_and_unpatch_removes_it():
     assert model.__dict__["set_default_attn_processor"] is method
     ldmopt.unpatch(model)
     assert "set_default_attn_processor" not in model.__dict__
+
+
+def test_processors_installed_outside_patch_are_the_users():
+    # ldmopt.nn.install_processors is a public API of its own: patch leaves its processors alone, and so must unpatch
+    # and is_patched (they took them for the leftovers of a patched copy).
+    from ldmopt.nn import install_processors
+
+    model = _nontrivial(models.svd())
+    installed = install_processors(model).installed
+    assert installed and not ldmopt.is_patched(model) and ldmopt.unpatch(model) == 0
+    report = ldmopt.patch(model, families={"group_norm"})
+    assert ldmopt.unpatch(model) == report.total
+    assert sum(isinstance(p, OURS) for p in model.attn_processors.values()) == len(installed)
+
+
+def test_the_method_comes_with_processors_installed_by_earlier_patches_of_blocks():
+    model = _nontrivial(models.svd())
+    for block in (*model.down_blocks, model.mid_block, *model.up_blocks):
+        ldmopt.patch(block)
+    ldmopt.patch(model)  # installs no processor itself: its blocks' patches did
+    model.set_default_attn_processor()
+    assert {type(p) for p in model.attn_processors.values()} == {AttnProcessor}
+    ldmopt.unpatch(model)
+    assert "set_default_attn_processor" not in model.__dict__
