@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops._dispatch import call, statistics_source
+from ..ops._dispatch import autocast_enabled, call, statistics_source
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, resample_input, same_but_channels
 from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, tally, unreadable_reason
 
@@ -175,7 +175,7 @@ def dtype_reasons(x: Tensor, weight: Tensor) -> list[str]:
     """Why the fused convs cannot take ``x`` with these weights: an autocast dtype they do not serve, or (outside
     autocast) an input dtype other than the weights'."""
     device = x.device.type
-    if torch.is_autocast_enabled(device):
+    if autocast_enabled(device):
         if torch.get_autocast_dtype(device) not in (torch.float16, torch.bfloat16, torch.float32):
             return [f"autocast dtype {torch.get_autocast_dtype(device)} is not fp16/bf16/fp32"]
         return []

@@ -105,8 +105,16 @@ def use_backend(name: str, ops: Sequence[str] | None = None) -> Iterator[None]:
 
 #: The op name of every BackendTable (registered as each is made: the ops modules are imported with ldmopt).
 TABLE_NAMES: set[str] = set()
-#: Public functions of ldmopt.ops whose backend tables have other names.
-OP_ALIASES = {"gn_silu_conv2d": ("gn_conv2d", "gn_conv2d_stats"), "layer_norm_rope": ("rms_norm",)}
+#: Public functions of ldmopt.ops -> every table they run besides their own name's (and '<table>_backward'). A
+#: backward table shared with another op (group_norm_backward, linear_backward, ...) is then forced for that op's
+#: backward too.
+OP_ALIASES = {
+    "gn_silu_conv2d": ("gn_conv2d", "gn_conv2d_stats", "group_norm_backward"),
+    "layer_norm_linear": ("layer_norm_linear", "layer_norm_stats", "linear_backward", "geglu_backward"),
+    "layer_norm_rope": ("rms_norm",),
+    "rms_norm_joint": ("rms_norm_joint", "rms_norm_backward"),
+    "temporal_attention": ("temporal_attention", "temporal_attention_out"),
+}
 
 
 def _tables_named(ops: Sequence[str]) -> frozenset[str]:
@@ -465,10 +473,20 @@ def launch(backend: Backend, args: Sequence):
     reference backend's own F.conv2d / matmul must not cast them again (a compiled graph runs them without autocast,
     so eager and compiled results would differ, and the reference's fp32 math would run in 16 bits)."""
     first = next((t for t in args if isinstance(t, torch.Tensor)), None)  # every op's inputs share one device
-    if first is not None and torch.is_autocast_enabled(first.device.type):
-        with torch.autocast(first.device.type, enabled=False):
-            return _run_on_device(backend, args, first)
-    return _run_on_device(backend, args, first)
+    with autocast_off(first.device.type if first is not None else "cpu"):
+        return _run_on_device(backend, args, first)
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """torch.is_autocast_enabled for devices that have autocast (it raises for meta tensors: the cost model's)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """torch.autocast(device_type, enabled=False) where autocast is on; nothing otherwise (no cost, no meta error)."""
+    if autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _run_on_device(backend: Backend, args: Sequence, first: torch.Tensor | None):

@@ -15,7 +15,15 @@ from torch import Tensor
 
 from ._autocast import autocast_operands
 from ._checks import check_activation, check_out_dtype, check_tensor, dense
-from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
+from ._dispatch import (
+    Backend,
+    BackendTable,
+    autocast_off,
+    call,
+    register_autograd_keeping_backend,
+    register_eager,
+    triton_refusals,
+)
 
 SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,7 +63,7 @@ def gemm_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     reference backend is not slower than the unfused module when it serves a GPU tensor."""
     cd = compute_dtype(x)
     # Inside an op the operands were already cast for autocast; a nested F.linear must not cast them again.
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         if x.is_cuda:
             return F.linear(x, weight, bias).to(cd)
         return F.linear(x.to(cd), weight.to(cd), None if bias is None else bias.to(cd))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
+from ..ops._dispatch import autocast_enabled
 from ..ops.rms_norm import layer_norm_rope
 from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, with_identity_rows
 from .rule import Rule, Site, stock
@@ -50,7 +51,7 @@ def _layer_norm_reason(name: str, norm: object, head: int) -> str | None:
 
 def _out_dtype(x: torch.Tensor, norms: list[nn.LayerNorm]) -> torch.dtype | None:
     """The dtype torch's LayerNorm returns for x, or None where the fused path would not follow it."""
-    if torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64:  # autocast leaves fp64 alone
+    if autocast_enabled(x.device.type) and x.dtype != torch.float64:  # autocast leaves fp64 alone
         return torch.float32 if x.device.type == "cuda" else None  # layer_norm is on CUDA autocast's fp32 list
     params = [p for n in norms for p in (n.weight, n.bias) if p is not None]
     return x.dtype if all(p.dtype == x.dtype for p in params) else None

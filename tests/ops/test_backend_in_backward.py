@@ -131,3 +131,23 @@ def test_ops_are_named_by_their_public_or_table_names_and_typos_raise():
     typo = pytest.raises(ValueError, match=r"'groupnorm', not an ldmopt op.*'group_norm'")
     with typo, ldmopt.use_backend("triton", ops=["groupnorm"]):
         pass
+
+
+def test_naming_a_public_op_forces_every_table_it_runs():
+    # gn_silu_conv2d's backward runs group_norm_backward, layer_norm_linear runs layer_norm_stats and linear_backward,
+    # temporal_attention(out=...) its own table: naming the op used to leave those to the enclosing context.
+    from tests.ops.op_cases import op_cases
+
+    public = {"rms_norm_rope": "rms_norm"}
+    for case, fn, inputs in op_cases():
+        leaves = [t.detach().float().requires_grad_() for t in inputs]
+        before = backend_counts.copy()
+        with ldmopt.use_backend("torch"):
+            fn(leaves).sum().backward()
+        ran = {op for (op, _), n in backend_counts.items() if n > before.get((op, _), 0)}
+        with ldmopt.use_backend("triton", ops=[public.get(case, case)]):
+            assert {op: forced_backend(op) for op in ran} == dict.fromkeys(ran, "triton"), case
+    with ldmopt.use_backend("triton", ops=["temporal_attention"]):
+        assert forced_backend("temporal_attention_out") == "triton"
+    with ldmopt.use_backend("triton", ops=["layer_norm_linear"]):
+        assert forced_backend("geglu_backward") == "triton"  # its GEGLU activation

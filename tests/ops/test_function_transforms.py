@@ -180,3 +180,14 @@ def test_vmap_over_the_first_input_matches_a_loop(name, fn, inputs):
     mapped = torch.func.vmap(lambda first: fn([first, *inputs[1:]]))(batch)
     for i in range(2):
         torch.testing.assert_close(mapped[i], fn([batch[i], *inputs[1:]]), rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_transforms_on_meta_tensors_infer_shapes():
+    # Shape inference through torch.func on meta tensors: the reference composition ran with autocast switched off,
+    # and torch.autocast raises for the meta device.
+    x, w, b = (torch.empty(*shape, device="meta") for shape in ((3, 2, 8, 4, 4), (8,), (8,)))
+    assert torch.func.vmap(lambda t: ops.group_norm(t, 4, w, b, 1e-5))(x).shape == x.shape
+    rows, weight = torch.empty(3, 2, 32, 4, device="meta"), torch.empty(8, 4, device="meta")
+    assert torch.func.vmap(lambda t: ops.geglu(t, weight))(rows).shape == (3, 2, 32, 4)
+    _, tangent = torch.func.jvp(lambda t: ops.group_norm(t, 4), (x[0],), (torch.empty_like(x[0]),))
+    assert tangent.shape == x[0].shape and tangent.device.type == "meta"
