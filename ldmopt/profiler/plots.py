@@ -30,12 +30,12 @@ def plot_output_problem(path: str) -> str | None:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         return "--plot needs matplotlib: pip install matplotlib (or pip install 'ldmopt[bench]')"
+    if os.path.isdir(path):
+        return f"--plot {path} is a folder; give a file name such as {os.path.join(path, 'plot.png')}"
     formats = FigureCanvasBase.get_supported_filetypes()
     suffix = os.path.splitext(path)[1].lower().lstrip(".")
     if suffix not in formats:
         return f"--plot {path}: {suffix or 'no'} suffix; matplotlib writes {', '.join(sorted(formats))} (e.g. out.png)"
-    if os.path.isdir(path):
-        return f"--plot {path} is a folder; give a file name such as {os.path.join(path, 'plot.png')}"
     return None
 
 

@@ -125,9 +125,10 @@ def test_cli_plot_that_cannot_be_written_fails_before_the_work(command, tmp_path
     if importlib.util.find_spec("matplotlib") is not None:
         assert _run(command, argv) == 2
         assert "txt suffix; matplotlib writes" in capsys.readouterr().err
-        (tmp_path / "folder.png").mkdir()
-        assert _run(command, [*argv[:-1], str(tmp_path / "folder.png")]) == 2
-        assert "is a folder" in capsys.readouterr().err
+        for folder in ("folder.png", "plots"):
+            (tmp_path / folder).mkdir()
+            assert _run(command, [*argv[:-1], str(tmp_path / folder)]) == 2
+            assert "is a folder" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as without matplotlib installed
     monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", None)
     assert _run(command, [*argv[:-1], str(tmp_path / "out.png")]) == 2
