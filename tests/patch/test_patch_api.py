@@ -579,3 +579,12 @@ def test_a_patched_model_dropped_without_unpatch_is_freed():
     del unet, report
     gc.collect()
     assert alive() is None
+
+
+def test_patched_unet_runs_on_meta_tensors():
+    # Shape inference on the meta device (as the cost model does): the fused resnet's autocast query raised there.
+    unet = models.sd15_unet().eval()
+    inputs = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in models.inputs("sd15", unet).items()}
+    ldmopt.patch(unet)
+    out = _run(unet.to("meta"), inputs)
+    assert out.device.type == "meta" and out.shape == inputs["sample"].shape
