@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops._dispatch import autocast_enabled, call, statistics_source
+from ..ops._autocast import autocast_enabled
+from ..ops._dispatch import call, statistics_source
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, resample_input, same_but_channels
 from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, tally, unreadable_reason
 
@@ -235,7 +236,7 @@ def to_channels_last(x: Tensor, what: str) -> Tensor:
 def autocast_would_round(t: Tensor) -> bool:
     """Whether torch.autocast is on for ``t``'s device with a dtype that ``t`` would lose precision in."""
     device = t.device.type
-    if device == "meta" or not torch.is_autocast_enabled(device) or not t.is_floating_point():
+    if not autocast_enabled(device) or not t.is_floating_point():
         return False
     autocast_dtype = torch.get_autocast_dtype(device)
     return torch.promote_types(t.dtype, autocast_dtype) != autocast_dtype

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -11,7 +13,7 @@ def autocast_operands(x: Tensor, *others: Tensor | None) -> tuple[Tensor | None,
     autocast dtype); unchanged outside autocast. The casts are ordinary differentiable ops, so fp32 master weights
     get fp32 gradients as with the unfused module."""
     device = x.device.type
-    if device == "meta" or not torch.is_autocast_enabled(device):  # meta: no autocast (the cost model's tensors)
+    if not autocast_enabled(device):
         return (x, *others)
     dtype = torch.get_autocast_dtype(device)
 
@@ -19,3 +21,15 @@ def autocast_operands(x: Tensor, *others: Tensor | None) -> tuple[Tensor | None,
         return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
 
     return tuple(cast(t) for t in (x, *others))
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """torch.is_autocast_enabled for devices that have autocast (it raises for meta tensors: the cost model's)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """torch.autocast(device_type, enabled=False) where autocast is on; nothing otherwise (no cost, no meta error)."""
+    if autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _env
+from ._autocast import autocast_off
 
 BACKEND_NAMES = ("cuda", "triton", "torch")
 
@@ -475,18 +476,6 @@ def launch(backend: Backend, args: Sequence):
     first = next((t for t in args if isinstance(t, torch.Tensor)), None)  # every op's inputs share one device
     with autocast_off(first.device.type if first is not None else "cpu"):
         return _run_on_device(backend, args, first)
-
-
-def autocast_enabled(device_type: str) -> bool:
-    """torch.is_autocast_enabled for devices that have autocast (it raises for meta tensors: the cost model's)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
-def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """torch.autocast(device_type, enabled=False) where autocast is on; nothing otherwise (no cost, no meta error)."""
-    if autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _run_on_device(backend: Backend, args: Sequence, first: torch.Tensor | None):

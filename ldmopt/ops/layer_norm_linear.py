@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._autocast import autocast_operands
+from ._autocast import autocast_enabled, autocast_operands
 from ._checks import check_activation, check_eps, check_tensor
 from ._dispatch import (
     Backend,
@@ -277,7 +277,7 @@ def layer_norm_linear(
     dtype.
     """
     check_tensor("x", x)
-    autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
+    autocast = autocast_enabled(x.device.type)
     if autocast:
         _, weight, bias = autocast_operands(x, weight, bias)
     k = x.shape[-1] if x.dim() else 0

@@ -13,12 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._autocast import autocast_operands
+from ._autocast import autocast_off, autocast_operands
 from ._checks import check_activation, check_out_dtype, check_tensor, dense
 from ._dispatch import (
     Backend,
     BackendTable,
-    autocast_off,
     call,
     register_autograd_keeping_backend,
     register_eager,

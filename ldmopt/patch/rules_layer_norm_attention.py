@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.child_check import count_reason, qualified_name
-from ..ops._dispatch import autocast_enabled
+from ..ops._autocast import autocast_enabled
 from ..ops.rms_norm import layer_norm_rope
 from .qk_norm_rope import QUIET_KWARGS, ProcessorQKNormRopeRule, with_identity_rows
 from .rule import Rule, Site, stock
