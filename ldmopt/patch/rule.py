@@ -418,7 +418,7 @@ class ChildSwapRule(Rule):
         for attr, child in children.items():  # in the mode of the module it replaces (model.eval() before patch)
             child.train(parent._modules[attr].training)
             # Outside the tree (state_dict unchanged): a copy of the block without its record (deepcopy of a block,
-            # PEFT's modules_to_save) carries the original along, for unpatch_unrecorded_copies.
+            # PEFT's modules_to_save) carries the original along, for unpatch (core._unrecorded_swaps).
             child.__dict__[REPLACED] = parent._modules[attr]
         return parent, {attr: (set_child(parent, attr, child), child) for attr, child in children.items()}
 

@@ -31,6 +31,9 @@ from torch import nn
 from ..nn import temporal_attention as T
 from .rule import Rule, Site
 
+#: The attention processors ldmopt installs.
+_OURS = (T.TemporalAttnProcessor, T.SingleKeyAttnProcessor)
+
 
 class _ProcessorRule(Rule):
     processor_cls: type
@@ -52,7 +55,7 @@ class _ProcessorRule(Rule):
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
         current = attn.processor
-        if isinstance(current, T.TemporalAttnProcessor | T.SingleKeyAttnProcessor):
+        if isinstance(current, _OURS):
             return [f"already runs {type(current).__name__} (installed outside ldmopt.patch)"]
         if type(current).__name__ not in T.STOCK_PROCESSORS:
             return [f"custom processor {type(current).__name__} left in place"]
@@ -113,9 +116,7 @@ def installed_processor(module: nn.Module) -> bool:
     """Whether ``module`` runs an attention processor that ``ldmopt.patch`` installed (here or in the original of a
     copy)."""
     processor = module.__dict__.get("processor")
-    return isinstance(processor, T.TemporalAttnProcessor | T.SingleKeyAttnProcessor) and processor.__dict__.get(
-        _PATCHED, False
-    )
+    return isinstance(processor, _OURS) and processor.__dict__.get(_PATCHED, False)
 
 
 def restore_unrecorded_processors(model: nn.Module) -> int:
@@ -155,7 +156,7 @@ class _DefaultProcessorCall:
         swapped = []
         for module in model.modules():
             processor = getattr(module, "processor", None)
-            if isinstance(processor, T.TemporalAttnProcessor | T.SingleKeyAttnProcessor):
+            if isinstance(processor, _OURS):
                 module.processor = processor.stock_processor(module)
                 swapped.append((module, processor))
         try:
