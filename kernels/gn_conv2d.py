@@ -343,12 +343,13 @@ def _gn_conv2d_fwd_kernel(
         d = tl.where(mask, v - col_mean[None, :], 0.0)
         residual = tl.sum(d, axis=0)  # corrected two-pass: removes the fp32 mean's rounding error (|mean| >> std)
         col_m2 = tl.maximum(tl.sum(d * d, axis=0) - residual * residual / rows, 0.0)
-        col_mean += residual / rows
-        cm = col_mean.to(tl.float64)
+        # The correction is added in fp64: rounded back to a fp32 mean it would bias the variance by rows * ulp^2.
         rows64 = rows.to(tl.float64)
+        col_sum = col_mean.to(tl.float64) * rows64 + residual.to(tl.float64)
         ws_off = (n * C_out + offs_n).to(tl.int64) * 2
-        tl.atomic_add(ws_ptr + ws_off, cm * rows64, mask=n_mask, sem="relaxed")
-        tl.atomic_add(ws_ptr + ws_off + 1, col_m2.to(tl.float64) + cm * cm * rows64, mask=n_mask, sem="relaxed")
+        tl.atomic_add(ws_ptr + ws_off, col_sum, mask=n_mask, sem="relaxed")
+        col_sq = col_m2.to(tl.float64) + col_sum * (col_sum / rows64)
+        tl.atomic_add(ws_ptr + ws_off + 1, col_sq, mask=n_mask, sem="relaxed")
         # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + n, 1, sem="acq_rel")

@@ -41,5 +41,6 @@ def test_fused_conv_output_statistics_of_a_large_mean():
     bias = torch.full((64,), 1e3)
     with ldmopt.use_backend("triton"):
         y, (_mean, rstd) = ops.gn_silu_conv2d(x, None, None, 32, 1e-6, weight, bias, 1, 0, out_stats=(32, 1e-6))
-    assert _relative(rstd, _exact_rstd(y, 32, 1e-6)) < 1e-2
+    # 3e-3 while each tile's corrected mean was rounded to fp32 before the fp64 sums; 5e-5 with it added in fp64.
+    assert _relative(rstd, _exact_rstd(y, 32, 1e-6)) < 5e-4
     torch.testing.assert_close(y, F.conv2d(F.silu(F.group_norm(x, 32, eps=1e-6)), weight, bias), rtol=0, atol=2e-4)
