@@ -311,6 +311,16 @@ def _layer_norm_eps(norm: object) -> tuple[float | None, str | None]:
     return float(norm.eps), None
 
 
+def modulation_batch_reason(x: Tensor, *modulations: Tensor | None) -> str | None:
+    """Why the row kernels cannot take these per-sample modulations for ``x``: a batch other than x's (or 1), which
+    the stock expression broadcasts (x of batch 1 against a modulation of batch N gives N samples: diffusers' caches
+    that halve the token batch but not the conditioning do this)."""
+    for t in modulations:
+        if t is not None and t.dim() >= 1 and t.shape[0] not in (1, x.shape[0]):
+            return f"modulation batch {t.shape[0]} for a token batch {x.shape[0]} (broadcast by the stock expression)"
+    return None
+
+
 class _FusedAdaLN(nn.Module):
     """Shared construction for the adaLN norms: keep ``silu``, ``linear``, ``norm`` (and ``emb``) as they are.
 
@@ -360,6 +370,8 @@ class _FusedAdaLN(nn.Module):
             reason = "norm has hooks or a wrapped forward"
         if reason is None and not x.numel():
             reason = "empty input (the fused ops need at least one element)"
+        if reason is None:
+            reason = modulation_batch_reason(x, scale, shift)
         if reason is not None:
             count_reason(type(self).__name__, reason)
             return self.norm(x) * (1 + scale[:, None]) + shift[:, None]

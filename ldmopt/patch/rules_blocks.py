@@ -38,6 +38,7 @@ from ..nn.linear import (
     feed_forward_reasons,
     ff_gated_residual,
     gated_residual_linear,
+    modulation_batch_reason,
     plain_layer_norm_reason,
     plain_linear_reason,
 )
@@ -63,7 +64,9 @@ def basic_block_forward(fused: Callable) -> Callable:
         added_cond_kwargs: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         kwargs = dict(cross_attention_kwargs or {})
-        reason = _stock_call_reason(self, kwargs, hidden_states)
+        reason = _stock_call_reason(self, kwargs, hidden_states) or modulation_batch_reason(
+            hidden_states, timestep, class_labels
+        )
         if reason is not None:
             count_reason(type(self).__name__, reason)
             return stock(self)(
@@ -193,6 +196,10 @@ def _flux_single_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    reason = modulation_batch_reason(hidden_states, temb)
+    if reason is not None:
+        count_reason(type(self).__name__, reason)
+        return stock(self)(hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
     text_seq_len = encoder_hidden_states.shape[1]
     # [text | image]: the previous single block's two outputs are still one tensor, read in place (no copy).
     joint = adjacent_halves(encoder_hidden_states, hidden_states)
@@ -268,8 +275,13 @@ def _sd3_joint_forward(
     temb: torch.FloatTensor,
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    if self._chunk_size is not None:
-        count_reason(type(self).__name__, "feed-forward chunking (set_chunk_feed_forward)")
+    reason = (
+        "feed-forward chunking (set_chunk_feed_forward)"
+        if self._chunk_size is not None
+        else modulation_batch_reason(hidden_states, temb) or modulation_batch_reason(encoder_hidden_states, temb)
+    )
+    if reason is not None:
+        count_reason(type(self).__name__, reason)
         return stock(self)(hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
     joint_attention_kwargs = joint_attention_kwargs or {}
     if self.use_dual_attention:
@@ -309,6 +321,10 @@ def _flux_double_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    reason = modulation_batch_reason(hidden_states, temb) or modulation_batch_reason(encoder_hidden_states, temb)
+    if reason is not None:
+        count_reason(type(self).__name__, reason)
+        return stock(self)(hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
     norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
     norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
         encoder_hidden_states, emb=temb
