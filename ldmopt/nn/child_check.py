@@ -141,6 +141,17 @@ def hooked(module: nn.Module) -> bool:
     return attached_hooks(module) or _global_hooks()
 
 
+def function_mode_reason() -> str | None:
+    """Why an attention kernel must not stand in for ``F.scaled_dot_product_attention`` now: a torch function mode
+    from outside torch is active (diffusers' attention-score skip of PAG and SkipLayerGuidance replaces SDPA's result
+    this way), which would not see the call the kernel replaces. torch's own modes (torch.device, export) and
+    ldmopt's (the profiler's attention regions) only watch."""
+    for mode in torch.overrides._get_current_function_mode_stack():
+        if type(mode).__module__.partition(".")[0] not in ("torch", "ldmopt"):
+            return f"torch function mode {type(mode).__name__} active (it may intercept the attention call)"
+    return None
+
+
 def plain_weight(module: nn.Module, name: str = "weight") -> bool:
     """Whether the parameter ``name`` is a plain tensor (or absent), not a tensor subclass."""
     return type(module._parameters.get(name)) in PLAIN_WEIGHTS

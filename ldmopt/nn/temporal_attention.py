@@ -31,6 +31,8 @@ Whole temporal blocks and containers run in (B, F, N, C) order, with no permuted
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,7 +41,7 @@ from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
 from .attention_residual import project_out
-from .child_check import bypassed_hook_reason, counting, hooked_children, tally
+from .child_check import bypassed_hook_reason, counting, function_mode_reason, hooked_children, tally
 from .layer_norm_input import NormedInput, apply
 
 #: Container class name -> attribute holding its temporal blocks (None: every Attention under the container).
@@ -264,7 +266,7 @@ class _FallbackProcessor:
         **kwargs,
     ) -> Tensor:
         """The kernel path (``_run``) when ``_call_reason`` finds nothing against these inputs, else the fallback."""
-        reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask)
+        reason = self._call_reason(attn, hidden_states, encoder_hidden_states, attention_mask) or function_mode_reason()
         if reason is not None:
             tally(self.fallback_reasons, reason)
             stock = self.stock_processor(attn)
@@ -399,11 +401,28 @@ class ProcessorInstall:
         }
 
 
+@functools.cache
+def _register_for_layer_skip() -> None:
+    """Register ldmopt's processors with diffusers' attention layer skip (SkipLayerGuidance, PAG, caches' guiders),
+    which looks processors up by exact class and otherwise raises "not registered": with the metadata of the stock
+    processor they stand in for (skipping returns the block's input, as for any self-attention)."""
+    try:
+        from diffusers.hooks._helpers import AttentionProcessorRegistry
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        metadata = AttentionProcessorRegistry.get(AttnProcessor2_0)
+    except Exception:  # a diffusers without the registry, or one whose registry cannot load
+        return
+    for cls in (TemporalAttnProcessor, SingleKeyAttnProcessor):
+        AttentionProcessorRegistry.register(cls, copy.copy(metadata))
+
+
 def install_processor(attn: nn.Module, processor_cls: type[_FallbackProcessor]) -> tuple[object | None, str | None]:
     """Set ``processor_cls(fallback=<current processor>)`` on one Attention module.
 
     Returns (previous processor, None), or (None, reason) when the module is left alone.
     """
+    _register_for_layer_skip()
     current = attn.processor
     if isinstance(current, _FallbackProcessor):
         return None, f"already runs {type(current).__name__}"

@@ -45,6 +45,7 @@ from ..ops.temporal_attention import MAX_FRAMES
 from .child_check import (
     bypassed_hook_reason,
     counting,
+    function_mode_reason,
     hooked,
     hooked_children,
     plain_weight,
@@ -188,6 +189,7 @@ def _counted(base: type, reason: str | None, counter=None) -> bool:
     """Count one call as a fall-back to ``base``'s forward (``reason`` set) or as a token-order call; True for a
     fall-back. The module-level :data:`fallback_reasons` always counts; ``counter`` (an instance forward's
     kernel_calls / fallback_reasons) when given."""
+    reason = reason or function_mode_reason()  # a mode that intercepts SDPA would miss the attention kernel
     if reason is None:
         if counter is not None and counting():
             counter.kernel_calls += 1
