@@ -97,3 +97,10 @@ def spatial_dims_flatten(t: torch.Tensor) -> bool:
 def check_same_device(name: str, t: torch.Tensor | None, like: torch.Tensor) -> None:
     if t is not None and t.device != like.device:
         raise ValueError(f"{name} is on {t.device} but the input is on {like.device}")
+
+
+def rows_as(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """A kernel's [rows, N] output in the caller's ``shape`` as a tensor of its own, not a view of the 2-D result (as
+    F.linear returns its 3-D output): FSDP2 warns on view outputs of the blocks it wraps, whose in-place updates
+    would bypass its backward hooks."""
+    return torch.ops.aten._unsafe_view(y, shape)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_operands
-from ._checks import dense
+from ._checks import dense, rows_as
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
 from .linear import (
     TRITON_DTYPES,
@@ -149,4 +149,4 @@ def geglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     check_linear_args("geglu", x, weight, bias, rows_multiple=2)
     rows, k = weight.shape
     y, _pre = call(geglu_fwd, x.reshape(-1, k), weight, bias, needs_grad(x, weight, bias))
-    return y.view(*x.shape[:-1], rows // 2)
+    return rows_as(y, (*x.shape[:-1], rows // 2))

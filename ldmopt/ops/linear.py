@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_off, autocast_operands
-from ._checks import check_activation, check_out_dtype, check_tensor, dense
+from ._checks import check_activation, check_out_dtype, check_tensor, dense, rows_as
 from ._dispatch import (
     Backend,
     BackendTable,
@@ -493,7 +493,7 @@ def linear(
                    saturate and not clamp_after)  # fmt: skip
     if clamp_after:
         y = y.clamp(-torch.finfo(y.dtype).max, torch.finfo(y.dtype).max)
-    return y.view(out_shape)
+    return rows_as(y, out_shape)
 
 
 def _per_sample_mix(mix: Tensor, x: Tensor, x_tail: Tensor | None) -> Tensor:
