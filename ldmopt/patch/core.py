@@ -56,7 +56,8 @@ _QUANT_MODULE_PREFIXES = ("bitsandbytes", "torchao", "optimum.quanto", "gguf", "
 
 
 class PatchError(RuntimeError):
-    """``patch`` refused the whole call (compiled model, or ``strict=True`` with modules it would skip)."""
+    """``patch`` or ``unpatch`` refused the whole call (a compiled or FSDP-sharded model, ``strict=True`` with
+    modules it would skip, hooks attached to ldmopt's modules)."""
 
 
 @dataclass
@@ -130,6 +131,21 @@ def _is_compiled_wrapper(m: Any) -> bool:
     return optimized is not None and isinstance(m, optimized.OptimizedModule)
 
 
+def fsdp_sharding(model: nn.Module) -> tuple[str, str] | None:
+    """(where, "FullyShardedDataParallel" or "fully_shard") when FSDP already manages parameters of ``model``, else
+    None. FSDP1 is seen by its wrappers or by the parameters it flattened (``model`` may be the module inside one)."""
+    if "torch.distributed.fsdp" not in sys.modules:  # never import torch.distributed here
+        return None
+    fsdp = sys.modules["torch.distributed.fsdp"]
+    fsdp1, fsdp2 = getattr(fsdp, "FullyShardedDataParallel", ()), getattr(fsdp, "FSDPModule", ())
+    for name, module in model.named_modules():
+        if isinstance(module, fsdp1) or any(getattr(p, "_fsdp_flattened", False) for p in module._parameters.values()):
+            return name, "FullyShardedDataParallel"
+        if isinstance(module, fsdp2):
+            return name, "fully_shard"
+    return None
+
+
 def _models_of(obj: Any, *, for_patch: bool) -> list[tuple[str, nn.Module]]:
     if isinstance(obj, nn.Module):
         models = [("", obj)]
@@ -155,6 +171,13 @@ def _models_of(obj: Any, *, for_patch: bool) -> list[tuple[str, nn.Module]]:
                         f"ldmopt.patch: {where} is already compiled (torch.compile / Module.compile); patch first, "
                         "then compile"
                     )
+            sharded = fsdp_sharding(model)
+            if sharded is not None:  # its fused modules would read parameters FSDP flattened, sharded or freed
+                where = ".".join(p for p in (label, sharded[0]) if p)
+                raise PatchError(
+                    f"ldmopt.patch: {where} is already sharded by FSDP ({sharded[1]}); patch the model before wrapping "
+                    f"it: `ldmopt.patch(model, training=True)`, then {sharded[1]}"
+                )
         if all(model is not seen for _, seen in out):  # one model under two component names is walked once
             out.append((name, model))
     return out
@@ -341,7 +364,7 @@ def patch(
     Args:
         pipe_or_model: a diffusers pipeline (every torch module among ``pipe.components``: unet / transformer /
             vae ...) or one ``nn.Module``. A model already compiled (``torch.compile`` wrapper, ``Module.compile``)
-            is refused: patch first, then compile.
+            is refused: patch first, then compile; so is one FSDP already shards (patch before FSDP/fully_shard).
         families: kernel families to apply (default: all); see ``ldmopt.patch.FAMILIES``.
         filter_fn: ``filter_fn(module, qualified_name) -> bool``; False leaves that module alone, and so every
             rule that would bypass or replace it as part of a module around it (names are prefixed with the
@@ -432,6 +455,17 @@ def unpatch(pipe_or_model: Any) -> int:
                 f"ldmopt.unpatch: modules of this {type(model).__name__} were patched by ldmopt.patch of an enclosing "
                 f"{type(roots[0]).__name__}; unpatch that model (or pipeline) instead, which also undoes any patch "
                 "of this one"
+            )
+    for name, model in models:
+        sharded = fsdp_sharding(model)
+        if sharded is not None and is_patched(model):
+            # FSDP gathers and frees the parameters of the modules it was given (ldmopt's, and classes it subclassed
+            # from ldmopt's): the stock modules unpatch would put back would compute with stale or sharded ones.
+            at = f" at '{sharded[0]}'" if sharded[0] else ""
+            raise PatchError(
+                f"ldmopt.unpatch: {name or type(model).__name__} is sharded by FSDP ({sharded[1]}{at}), which "
+                "manages the parameters of ldmopt's modules and would not see the stock modules unpatch puts back. "
+                "Save the FSDP model's state_dict (its keys are the stock model's) and load it into an unpatched model"
             )
     problems = [
         problem
