@@ -50,6 +50,13 @@ def _fwd_torch(x, scale, shift, residual, gate, eps, store_sum, save):
     return dense(y.view(m, c), s.dtype), (dense(s, s.dtype, copy=True) if store_sum else empty), mean, rstd
 
 
+def _times_gate(ds: Tensor, gate: Tensor, dtype: torch.dtype) -> Tensor:
+    """ds * gate[b] in the compute dtype, rounded to ``dtype`` (the unfused product's backward, from the rounded ds)."""
+    cd = compute_dtype(ds)
+    m, c = ds.shape
+    return dense((ds.to(cd).view(gate.shape[0], -1, c) * gate.to(cd)[:, None, :]).view(m, c), dtype)
+
+
 def _bwd_torch(dy, s, mean, rstd, scale, dsum, x, gate):
     cd = compute_dtype(s)
     m, c = s.shape
@@ -191,17 +198,19 @@ def _(dy, s, mean, rstd, scale, dsum, x, gate):
 def _setup_context(ctx, inputs, output):
     x, scale, shift, residual, gate, eps, store_sum, save = inputs
     _y, s, mean, rstd = output
-    # Keep x and residual alive only when their sum was not written (a caller asked for no saved state); x and the
-    # gate also when there is a gate (d x needs the gate, d gate needs x).
+    # Keep x and residual alive only when their sum was not written (a caller asked for no saved state); x also when
+    # the gate needs its gradient (d gate needs x; d x = ds * gate does not: a frozen gate, as in every frozen-base
+    # fine-tuning of Flux/SD3/Wan, keeps no more than the unfused product would).
     sources = (None, None)
     if residual is None:
         s = x
     elif not store_sum:
         s, sources = None, (x, residual)
-    elif gate is not None:
+    elif gate is not None and ctx.needs_input_grad[4]:
         sources = (x, None)
     ctx.save_for_backward(s, *sources, mean if save else None, rstd if save else None, scale, gate)
     ctx.eps = eps
+    ctx.x_dtype = x.dtype
     ctx.shift_dtype = shift.dtype
     ctx.set_materialize_grads(False)
 
@@ -218,9 +227,13 @@ def _backward(ctx, dy, dsum, _dmean, _drstd):
         mean, rstd = _stats_torch(s, ctx.eps)
     if dy is None:
         dy = torch.zeros_like(s)
-    ds, dscale, dshift, dxg, dgate = call(adaln_modulate_bwd, dy, s, mean, rstd, scale, dsum, x, gate)
+    gate_without_x = gate is not None and x is None  # the gate needs no gradient: x was not kept
+    kernel_gate = None if gate_without_x else gate
+    ds, dscale, dshift, dxg, dgate = call(adaln_modulate_bwd, dy, s, mean, rstd, scale, dsum, x, kernel_gate)
     need_dx, need_dscale, need_dshift, need_dres, need_dgate = ctx.needs_input_grad[:5]
-    if gate is None:
+    if gate_without_x:
+        dxg = _times_gate(ds, gate, ctx.x_dtype) if need_dx else None
+    elif gate is None:
         dxg = ds
     return (
         dxg if need_dx else None,

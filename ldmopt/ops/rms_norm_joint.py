@@ -140,7 +140,14 @@ def _(x_head, x_tail, w_head, w_tail, eps, dtype, save, head_rows, tail_rows, co
 
 def _setup_context(ctx, inputs, output):
     x_head, x_tail, w_head, w_tail, eps, _dtype, save, head_rows, _tail_rows, cos, sin, rope_rows, per_pair = inputs
-    ctx.save_for_backward(x_head, x_tail, output[1] if save else None, w_head, w_tail, cos, sin)
+    # A part is kept only when its input or weight needs a gradient (Flux's text stream comes from a frozen context
+    # embedder in frozen-base training: the unfused norms would not keep it either).
+    need = ctx.needs_input_grad
+    keep_head, keep_tail = need[0] or need[2], need[1] or need[3]
+    ctx.save_for_backward(
+        x_head if keep_head else None, x_tail if keep_tail else None, output[1] if save else None, w_head, w_tail,
+        cos, sin,
+    )  # fmt: skip
     ctx.rows = (x_head.shape[0] // head_rows, head_rows)
     ctx.rope_mapping = (rope_rows, per_pair)
     ctx.eps = eps
@@ -152,22 +159,25 @@ def _backward(ctx, dy, _drstd):
     if dy is None:
         return (None,) * 13
     samples, head_rows = ctx.rows
-    if rstd is None:  # a caller asked for no saved state yet needs gradients: recompute the statistics
-        rstd = _join(*(torch.rsqrt(x.to(compute_dtype(x)).pow(2).mean(-1) + ctx.eps) for x in (x_head, x_tail)),
-                     samples)  # fmt: skip
     rope_rows, per_pair = ctx.rope_mapping
+    rstd_parts = (None, None) if rstd is None else _split(rstd, samples, head_rows)
     grads = []
-    parts = zip((x_head, x_tail), (w_head, w_tail), _split(dy, samples, head_rows), _split(rstd, samples, head_rows),
+    parts = zip((x_head, x_tail), (w_head, w_tail), _split(dy, samples, head_rows), rstd_parts,
                 _split_tables(cos, sin, head_rows, rope_rows))  # fmt: skip
     for x, w, dy_part, rstd_part, tables in parts:
+        if x is None:  # neither this part's input nor its weight needs a gradient
+            grads.append((None, None))
+            continue
+        if rstd_part is None:  # a caller asked for no saved state yet needs gradients: recompute the statistics
+            rstd_part = torch.rsqrt(x.to(compute_dtype(x)).pow(2).mean(-1) + ctx.eps)
         grads.append(call(rms_norm_bwd, dy_part, x, rstd_part, w, *tables, rope_rows, per_pair)[:2])
     (dx_head, dw_head), (dx_tail, dw_tail) = grads
     need = ctx.needs_input_grad
     return (
         dx_head if need[0] else None,
         dx_tail if need[1] else None,
-        dw_head.to(w_head.dtype) if need[2] else None,
-        dw_tail.to(w_tail.dtype) if need[3] else None,
+        dw_head.to(w_head.dtype) if need[2] and dw_head is not None else None,
+        dw_tail.to(w_tail.dtype) if need[3] and dw_tail is not None else None,
         *(None,) * 9,
     )
 
