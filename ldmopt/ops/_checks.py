@@ -102,5 +102,8 @@ def check_same_device(name: str, t: torch.Tensor | None, like: torch.Tensor) -> 
 def rows_as(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """A kernel's [rows, N] output in the caller's ``shape`` as a tensor of its own, not a view of the 2-D result (as
     F.linear returns its 3-D output): FSDP2 warns on view outputs of the blocks it wraps, whose in-place updates
-    would bypass its backward hooks."""
-    return torch.ops.aten._unsafe_view(y, shape)
+    would bypass its backward hooks. Under torch.jit.trace a view: the trace records _unsafe_view's sizes as constants,
+    a view's as the input's symbolic sizes."""
+    if torch._C._get_tracing_state() is not None:
+        return y.view(shape)
+    return torch.ops.aten._unsafe_view.default(y, shape)

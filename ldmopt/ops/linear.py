@@ -9,6 +9,9 @@ gate, d(bias), d(gate)) in one Triton pass over dy and the saved pre-activation.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -256,11 +259,17 @@ def _setup_context(ctx, inputs, output):
         )
     # x (and x_tail) only for the weight's gradient, the blend's or a recomputed pre-activation: a frozen layer whose
     # input needs a gradient (adapter, ControlNet training) must not keep its [M, K] input alive until backward.
-    recompute = not save_pre and (bool(activation) or ctx.needs_input_grad[3])  # activation: "" for none
-    keep_x = ctx.needs_input_grad[1] or mix is not None or recompute
+    # The blend's input gradients need only mix (dx = mix dA, dx_tail = (1 - mix) dA); its own gradient needs both.
+    need = ctx.needs_input_grad
+    need_dmix = len(need) > 9 and need[9]
+    # Only a gradient through the GEMM recomputes the pre-activation (the residual's alone is dy itself).
+    through_gemm = any(need[:4]) or (len(need) > 8 and need[8]) or need_dmix
+    recompute = through_gemm and not save_pre and (bool(activation) or need[3])  # activation: "" for none
+    keep_x = need[1] or need_dmix or recompute
     x_kept, tail_kept = (x, x_tail) if keep_x else (None, None)
     ctx.save_for_backward(x_kept, weight, bias, gate, output[1] if save_pre else None, tail_kept, mix)
     ctx.in_features, ctx.has_tail, ctx.has_gate = x.shape[1], x_tail is not None, gate is not None
+    ctx.input_rows, ctx.input_dtypes = x.shape[0], (x.dtype, None if x_tail is None else x_tail.dtype)
     ctx.activation = activation or None
     ctx.residual_shape = None if residual is None else residual.shape
     ctx.set_materialize_grads(False)
@@ -291,7 +300,7 @@ def _backward(ctx, dy, _dpre):
     k = ctx.in_features
     dmix = None
     if mix is not None:
-        dx, dtail, dmix = _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmix)
+        dx, dtail, dmix = _blend_input_grads(dz, weight, x, x_tail, mix, (need_dx, need_dtail, need_dmix), ctx)
     elif not ctx.has_tail:
         dx, dtail = (torch.matmul(dz, weight) if need_dx else None), None
     elif need_dx or need_dtail:
@@ -311,17 +320,20 @@ def _backward(ctx, dy, _dpre):
     return dx, dw, db, dg, dres, None, None, None, (dtail if need_dtail else None), dmix, None
 
 
-def _blend_input_grads(dz, weight, x, x_tail, mix, need_dx, need_dtail, need_dmix):
+def _blend_input_grads(dz, weight, x, x_tail, mix, needs, ctx):
     """(dx, dx_tail, dmix) of the input mix[s] * x + (1 - mix[s]) * x_tail: one GEMM for its gradient dA, then
-    dx = mix dA, dx_tail = (1 - mix) dA and dmix[s] = sum over the sample's rows of dA . (x - x_tail) (fp64 sums)."""
+    dx = mix dA, dx_tail = (1 - mix) dA and dmix[s] = sum over the sample's rows of dA . (x - x_tail) (fp64 sums).
+    x and x_tail are kept (not None) only when dmix is needed."""
+    need_dx, need_dtail, need_dmix = needs
     if not (need_dx or need_dtail or need_dmix):
         return None, None, None
-    cd = compute_dtype(x)
+    (x_dtype, tail_dtype), total_rows = ctx.input_dtypes, ctx.input_rows
+    cd = torch.float64 if x_dtype == torch.float64 else torch.float32
     da = torch.matmul(dz, weight).to(cd)
-    rows = x.shape[0] // mix.shape[0]
-    m = _row_weights(mix, x.shape[0], cd)
-    dx = (m * da).to(x.dtype) if need_dx else None
-    dtail = ((1.0 - m) * da).to(x_tail.dtype) if need_dtail else None
+    rows = total_rows // mix.shape[0]
+    m = _row_weights(mix, total_rows, cd)
+    dx = (m * da).to(x_dtype) if need_dx else None
+    dtail = ((1.0 - m) * da).to(tail_dtype) if need_dtail else None
     dmix = None
     if need_dmix:
         # Per-row dot products in the compute dtype, then fp64 sums over each sample's rows (no fp64 M x K copy).
@@ -381,16 +393,18 @@ def check_linear_args(
 def _residual_rows(residual: Tensor, n: int) -> Tensor:
     """The residual as [M, N] rows, else as [B', T', N] (a stream whose sample and token axes have no common row
     stride, e.g. a transposed patch embedding: the kernel addresses both), viewed without a copy where possible."""
-    try:
+    # Decided from the strides, not by catching view's error: torch.jit.trace crashes after a caught op error.
+    if _mergeable(residual.shape[:-1], residual.stride()[:-1]):
         return residual.view(-1, n)
-    except RuntimeError:
-        pass
-    if residual.dim() >= 3:
-        try:
-            return residual.view(-1, residual.shape[-2], n)
-        except RuntimeError:
-            pass
+    if residual.dim() >= 3 and _mergeable(residual.shape[:-2], residual.stride()[:-2]):
+        return residual.view(-1, residual.shape[-2], n)
     return residual.reshape(-1, n)
+
+
+def _mergeable(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether dims of these sizes and strides merge into one by a view (dims of size one aside)."""
+    dims = [(size, step) for size, step in zip(shape, stride) if size != 1]
+    return all(outer == inner * size for (_, outer), (size, inner) in itertools.pairwise(dims))
 
 
 def _split_input(x: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
