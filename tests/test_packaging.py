@@ -38,3 +38,16 @@ def test_sdist_carries_every_tracked_source(tmp_path):
     missing = sorted(set(wanted) - names)
     assert not missing, missing[:20]
     assert not [n for n in names if n.endswith((".so", ".pyc"))]
+
+
+def test_checkout_kernels_folder_hands_its_name_to_an_installed_kernels_package(tmp_path):
+    # transformers requires Hugging Face's `kernels` and diffusers imports it when installed; run from a checkout's
+    # root (pytest, python -m), the repository's kernels/ folder would shadow it. ldmopt imports ldmopt.kernels only.
+    installed = tmp_path / "site" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("WHO = 'the installed package'\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    code = "import kernels, ldmopt.kernels.group_norm as g; print(kernels.WHO, g.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["the", "installed", "package", "ldmopt.kernels.group_norm"]
