@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.linear import linear, per_sample
-from .child_check import count_reason, hooked, observed, readable, unreadable_reason
+from .child_check import count_reason, function_mode_reason, hooked, observed, readable, unreadable_reason
 from .layer_norm_input import NormedInput, apply, as_tensor
 from .linear import stock_gated_residual
 
@@ -186,8 +186,8 @@ def _queries_unread(attn: nn.Module, normed: NormedInput, context, mask, kwargs:
     reads_queries = getattr(processor, "reads_queries", None)
     if reads_queries is None or reads_queries(attn) or hooked(attn) or any(k != "scale" for k in kwargs):
         return False
-    if normed.reason is not None:  # a hooked or other norm runs, as stock
-        return False
+    if normed.reason is not None or function_mode_reason() is not None:  # a hooked or other norm runs, as stock;
+        return False  # a function mode would see the queries the stock processor then computes
     return processor._call_reason(attn, normed.x, context, mask) is None
 
 

@@ -82,3 +82,34 @@ def test_only_foreign_function_modes_count():
         assert function_mode_reason() is None
     with Intercepting():
         assert "Intercepting" in function_mode_reason()
+
+
+def test_a_function_mode_sees_the_stock_queries_of_svd_single_key_attention():
+    # The fused SVD block skips norm2 before attn2 (one key: the queries' values cannot matter), but under a mode the
+    # processor runs the stock attention, whose SDPA call the mode sees: on the stock queries, to_q(norm2(h)).
+    class SingleKeyQueries(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.queries = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                query, key = kwargs.get("query", args[0]), kwargs.get("key", args[1] if len(args) > 1 else None)
+                if key.shape[-2] == 1:
+                    self.queries.append(query.detach().clone())
+            return func(*args, **kwargs)
+
+    torch.manual_seed(0)
+    stock = models.svd().eval()
+    call = models.inputs("svd", stock)
+    patched = copy.deepcopy(stock)
+    ldmopt.patch(patched)
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        with SingleKeyQueries() as seen_stock:
+            stock(**call)
+        with SingleKeyQueries() as seen_patched:
+            patched(**call)
+    assert seen_stock.queries and len(seen_patched.queries) == len(seen_stock.queries)
+    for got, want in zip(seen_patched.queries, seen_stock.queries):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
