@@ -71,12 +71,17 @@ def _controlnet():
         sample=R(2, 4, 8, 8), timestep=torch.tensor([10, 500]), encoder_hidden_states=R(2, 5, 32),
         controlnet_cond=R(2, 3, 16, 16), return_dict=False,
     )  # fmt: skip
+    return model, _down_and_mid(kw)
+
+
+def _down_and_mid(kw: dict) -> Callable:
+    """A ControlNet's call: its down and mid residuals as one flat tensor."""
 
     def call(m):
         down, mid = m(**kw)
         return _flat([*down, mid])
 
-    return model, call
+    return call
 
 
 def _controlnet_xs():
@@ -105,12 +110,7 @@ def _sparse_controlnet():
         sample=R(1, 4, 3, 8, 8), timestep=torch.tensor([10]), encoder_hidden_states=R(3, 5, 32),
         controlnet_cond=R(1, 4, 3, 8, 8), conditioning_mask=torch.ones(1, 1, 3, 8, 8), return_dict=False,
     )  # fmt: skip
-
-    def call(m):
-        down, mid = m(**kw)
-        return _flat([*down, mid])
-
-    return model, call
+    return model, _down_and_mid(kw)
 
 
 def _i2vgenxl():
