@@ -71,9 +71,8 @@ def _bwd_torch(dy, s, mean, rstd, scale, dsum, x, gate):
         dx = dx + dsum.to(cd)
     if gate is None:
         return dense(dx, s.dtype), dscale, dshift, s.new_empty((0,)), dscale.new_empty((0,))
-    dxg = (dx.view(b, -1, c) * gate.to(cd)[:, None, :]).view(m, c)
     dgate = (dx * x.to(cd)).view(b, -1, c).sum(1)
-    return dense(dx, s.dtype), dscale, dshift, dense(dxg, x.dtype), dgate
+    return dense(dx, s.dtype), dscale, dshift, _times_gate(dx, gate, x.dtype), dgate
 
 
 # ------------------------------------------------------------------------------------------------ triton
