@@ -315,11 +315,15 @@ def main(argv: list[str] | None = None) -> dict:
     owns_group = info.world_size > 1
     try:
         if args.backend == "auto":
-            return train(args, info, given)
-        import ldmopt
+            result = train(args, info, given)
+        else:
+            import ldmopt
 
-        with ldmopt.use_backend(args.backend):
-            return train(args, info, given)
+            with ldmopt.use_backend(args.backend):
+                result = train(args, info, given)
+        if owns_group:
+            dist.barrier()  # no rank tears its process group down while another still has collectives under way
+        return result
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()

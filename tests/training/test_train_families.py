@@ -20,8 +20,6 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -31,7 +29,7 @@ from PIL import Image
 import ldmopt
 from ldmopt import configs
 from tests.training.test_grad_parity import _cast, _grads, assert_grad_parity
-from tests.training.test_train_script import BASE, ROOT, SCRIPT, _free_port, _losses, _train_module
+from tests.training.test_train_script import BASE, ROOT, _losses, _train_module, run_torchrun
 
 sys.path.insert(0, str(ROOT / "examples"))
 _train_families = importlib.import_module("_train_families")
@@ -182,14 +180,10 @@ def test_fused_video_training_matches_unfused(train_ldm, tmp_path):
 def test_fused_svd_under_torchrun(tmp_path):
     """Two gloo ranks, gradient accumulation, DDP without find_unused_parameters: fused SVD's single-key attn2 gives
     the query path it skips zero gradients, so DDP's reducer sees every parameter, and the ranks stay identical."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(SCRIPT), *FAST, *VIDEO, *TORCH, "--model", "svd", "--batch-size", "4",
-        "--grad-accum", "2", "--sample-every", "0", "--save-every", "0", "--output-dir", str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun([
+        *FAST, *VIDEO, *TORCH, "--model", "svd", "--batch-size", "4", "--grad-accum", "2", "--sample-every", "0",
+        "--save-every", "0", "--output-dir", str(tmp_path),
+    ])  # fmt: skip
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["ranks_in_sync"] and summary["step"] == 2
 
