@@ -123,16 +123,43 @@ def instance_forward_owner(module: nn.Module) -> str:
     return f"{owner}.{name}"
 
 
-def attached_hooks(module: nn.Module) -> bool:
-    """Whether something is attached to ``module`` itself: forward or backward (pre-)hooks (but ldmopt's own
-    observers), or a forward replaced on the instance (accelerate's offload and diffusers' hooks wrap
-    ``module.forward``). What unpatch would drop with the module."""
+def _module_hooks(module: nn.Module) -> bool:
+    """Forward or backward (pre-)hooks registered on ``module`` (but ldmopt's own observers)."""
     return (
         (bool(module._forward_hooks) and _foreign(module._forward_hooks))
         or (bool(module._forward_pre_hooks) and _foreign(module._forward_pre_hooks))
         or bool(module._backward_hooks or module._backward_pre_hooks)
-        or wrapped_forward(module)
     )
+
+
+def attached_hooks(module: nn.Module) -> bool:
+    """Whether something is attached to ``module`` itself: forward or backward (pre-)hooks (but ldmopt's own
+    observers), or a forward replaced on the instance (accelerate's offload and diffusers' hooks wrap
+    ``module.forward``). What unpatch would drop with the module."""
+    return _module_hooks(module) or wrapped_forward(module)
+
+
+_LAYERWISE_CASTING_HOOK = "diffusers.hooks.layerwise_casting.LayerwiseCastingHook"
+
+
+def layerwise_casting_hooks(module: nn.Module) -> list | None:
+    """diffusers' layerwise-casting hooks (``enable_layerwise_casting``) on ``module``, when they are all that is
+    attached to it and its instance forward is their wrappers around the class's forward; else None. They keep no
+    state but their dtypes, so the same hooks can be attached to another module sharing ``module``'s parameters."""
+    registry = _live_diffusers_registry(module)
+    names = getattr(registry, "_hook_order", None) if registry is not None else None
+    if not names or _module_hooks(module):
+        return None
+    hooks = [registry.hooks.get(name) for name in names]
+    if any(f"{type(h).__module__}.{type(h).__name__}" != _LAYERWISE_CASTING_HOOK for h in hooks):
+        return None
+    forward = module.__dict__.get("forward")
+    for _ in hooks:  # each registered hook wrapped the forward before it (functools.update_wrapper's __wrapped__)
+        forward = getattr(forward, "__wrapped__", None)
+    bound_to_module = getattr(forward, "__self__", None) is module
+    if not bound_to_module or getattr(forward, "__func__", None) is not type(module).forward:
+        return None
+    return hooks
 
 
 def hooked(module: nn.Module) -> bool:

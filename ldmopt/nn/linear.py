@@ -26,7 +26,7 @@ from ..ops._checks import check_activation
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.geglu import geglu
 from ..ops.linear import SUPPORTED_ACTIVATIONS, activation_torch, linear
-from .child_check import count_reason, count_stock, hooked, plain_weight, readable
+from .child_check import count_reason, count_stock, hooked, plain_weight, qualified_name, readable
 from .layer_norm_input import NormedInput, as_tensor
 
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
@@ -302,8 +302,8 @@ class FusedLinear(nn.Linear):
 
 def _layer_norm_eps(norm: object) -> tuple[float | None, str | None]:
     """(eps, None) for a LayerNorm without affine parameters over the last dim, else (None, reason)."""
-    if not isinstance(norm, nn.LayerNorm):
-        return None, f"norm is {type(norm).__name__}, not a LayerNorm (RMSNorm variants are not fused)"
+    if type(norm) is not nn.LayerNorm:  # a subclass (ModelOpt's QuantLayerNorm) computes more than the kernel
+        return None, f"norm is {qualified_name(type(norm))}, not torch's LayerNorm (RMSNorm, subclasses: not fused)"
     if norm.weight is not None or norm.bias is not None:
         return None, "norm has affine parameters (ldmopt fuses LayerNorm without affine, as in adaLN)"
     if len(norm.normalized_shape) != 1:

@@ -152,7 +152,7 @@ def _structural_reasons(block) -> list[str]:
         block.time_embedding_norm != "default" and block.time_emb_proj is not None
     ):
         reasons.append(f"time_embedding_norm={block.time_embedding_norm!r} (only 'default' is fused)")
-    if not isinstance(block.nonlinearity, torch.nn.SiLU):
+    if type(block.nonlinearity) is not torch.nn.SiLU:  # the kernel computes SiLU itself: a subclass may differ
         reasons.append(f"nonlinearity {type(block.nonlinearity).__name__} (only SiLU/swish is fused)")
     for name in ("norm1", "norm2"):
         norm = getattr(block, name)

@@ -317,7 +317,7 @@ def _norm_proj_in_fusable(container: nn.Module) -> bool:
     """Whether the container's GroupNorm can be read through proj_in's loads: an affine torch GroupNorm (or ldmopt's,
     without an activation) and a plain nn.Linear, neither hooked nor wrapped (checked per call)."""
     norm, proj_in = container.norm, container.proj_in
-    ours = isinstance(norm, LdmoptGroupNorm) and norm.activation is None
+    ours = type(norm) is LdmoptGroupNorm and norm.activation is None  # a subclass may compute more
     if not (type(norm) is nn.GroupNorm or ours) or not norm.affine or hooked(norm) or not plain_weight(norm):
         return False
     return readable(proj_in)

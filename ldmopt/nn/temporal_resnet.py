@@ -96,7 +96,7 @@ def spatiotemporal_reasons(block) -> list[str]:
         reasons.append(f"time_mixer is a hooked or other {type(mixer).__name__}, not diffusers' AlphaBlender")
     if temporal.conv_shortcut is not None:
         reasons.append("temporal_res_block has a conv_shortcut (in_channels != out_channels)")
-    if not isinstance(temporal.nonlinearity, nn.SiLU):
+    if type(temporal.nonlinearity) is not nn.SiLU:  # the kernel computes SiLU itself: a subclass may differ
         reasons.append(f"temporal_res_block.nonlinearity is {type(temporal.nonlinearity).__name__}, not SiLU")
     computed = {f"temporal_res_block.{n}": getattr(temporal, n) for n in ("nonlinearity", "dropout")}  # not called
     reasons += [bypassed_hook_reason(name, deep=True) for name in hooked_children(computed, deep=True)]

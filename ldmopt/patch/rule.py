@@ -37,6 +37,8 @@ from ..nn.child_check import (
     count_reason,
     drop_inert_forward,
     hooked,
+    layerwise_casting_hooks,
+    qualified_name,
     stock,
     unreadable_reason,
     wrapped_forward,
@@ -199,8 +201,9 @@ def fused_class(base: type, forward: Callable | dict[str, Callable], label: str)
                 "__doc__": f"{base.__name__} patched by ldmopt: {label}.",
             },
         )
-        _FUSED_CLASSES[key] = cls
-        _mirror_block_registry(base, cls)
+        made, cls = cls, _FUSED_CLASSES.setdefault(key, cls)  # one class per key, also if two threads get here
+        if cls is made:
+            _mirror_block_registry(base, cls)
     return cls
 
 
@@ -228,12 +231,10 @@ def _guarded(base: type, name: str, fn: Callable) -> Callable:
             # the fused paths choose by: the stock forward is exact and no slower there.
             count_reason(type(self).__name__, "under a torch.func transform (vmap, grad, jvp ...)")
             return stock(self, name)(*args, **kwargs)
-        for parent, attr, child, where in self.__dict__.get("_ldmopt_guards", ()):
-            now = parent._modules.get(attr)
-            if now is not child or hooked(now):
-                why = unreadable_reason(where, now) if now is child else f"{where} was replaced after patch"
-                count_reason(type(self).__name__, why)
-                return stock(self, name)(*args, **kwargs)
+        why = changed_guard_reason(self)
+        if why is not None:
+            count_reason(type(self).__name__, why)
+            return stock(self, name)(*args, **kwargs)
         return fn(self, *args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
@@ -241,6 +242,26 @@ def _guarded(base: type, name: str, fn: Callable) -> Callable:
     # The base method's signature: diffusers' hooks read arguments by name through it (TransformerBlockMetadata).
     method.__signature__ = inspect.signature(getattr(base, name))
     return method
+
+
+def _same_stock_class(now: type, then: type) -> bool:
+    """``now is then``, or one is ldmopt's class swap of the other (another rule of the same patch swapped it)."""
+    return now is then or now.__dict__.get("_ldmopt_base") is then or then.__dict__.get("_ldmopt_base") is now
+
+
+def changed_guard_reason(module: nn.Module) -> str | None:
+    """Why a child that ``module``'s fused methods bypass (see :meth:`ClassSwapRule.guarded`) no longer is what they
+    stand in for: replaced, hooked, or of another class than at patch time (a quantizer's class swap, e.g.
+    ModelOpt's QuantLayerNorm, which quantizes the norm's input); None while all are unchanged."""
+    for parent, attr, child, where, cls in module.__dict__.get("_ldmopt_guards", ()):
+        now = parent._modules.get(attr)
+        if now is not child:
+            return f"{where} was replaced after patch"
+        if not _same_stock_class(type(now), cls):
+            return f"{where} became a {qualified_name(type(now))} after patch (a quantizer's or a parametrization's)"
+        if hooked(now):
+            return unreadable_reason(where, now)
+    return None
 
 
 def _rebuild_fused(base: type, methods: dict[str, Callable], label: str) -> nn.Module:
@@ -279,7 +300,7 @@ class ClassSwapRule(Rule):
         guards = []
         for name, child in self.guarded(site).items():
             parent_name, _, attr = name.rpartition(".")
-            guards.append((site.module.get_submodule(parent_name), attr, child, name))
+            guards.append((site.module.get_submodule(parent_name), attr, child, name, type(child)))
         site.module.__dict__["_ldmopt_guards"] = tuple(guards)
         return swap_class(site.module, fused_class(type(site.module), self.methods(site), self.description))
 
@@ -425,17 +446,24 @@ class ChildSwapRule(Rule):
     def restore(self, site: Site, data: Any) -> None:
         parent, swapped = data
         for attr, (original, fused) in swapped.items():
+            carried = layerwise_casting_hooks(fused) or ()
             restore_child(parent, attr, original, fused)
             fused.__dict__.pop(REPLACED, None)
+            if carried:  # enabled while patched: the original (same parameters, stored cast) takes the same hooks
+                from diffusers.hooks.layerwise_casting import apply_layerwise_casting_hook
+
+                for hook in carried:
+                    apply_layerwise_casting_hook(original, hook.storage_dtype, hook.compute_dtype, hook.non_blocking)
 
     def installed(self, data: Any) -> list[nn.Module]:
         return [fused for _, fused in data[1].values()]
 
     def changed_since_patch(self, site: Site, data: Any) -> list[str]:
         problems = []
-        for _, fused in data[1].values():
-            where = f"{site.name or 'the model'}: ldmopt's {fused._get_name()}"
-            if attached_hooks(fused):  # global hooks are not the module's: unpatch drops nothing of them
+        for attr, (_, fused) in data[1].items():
+            where = f"{site.name or 'the model'}: ldmopt's {fused._get_name()} (.{attr})"
+            # Global hooks are not the module's: unpatch drops nothing of them. Layerwise casting moves to the original.
+            if attached_hooks(fused) and layerwise_casting_hooks(fused) is None:
                 problems.append(f"{where} got hooks or a wrapped forward while patched")
             elif not type(fused).__module__.startswith("ldmopt."):
                 problems.append(f"{where} became a {type(fused).__name__} while patched (a parametrization?)")

@@ -26,25 +26,16 @@ from torch import Tensor, nn
 from ..nn import resnet as R
 from ..nn import temporal_resnet as TR
 from ..nn.child_check import hooked, observed, stock, stock_class
-from .rule import ClassSwapRule, Site, diffusers_classes
+from .rule import ClassSwapRule, Site, changed_guard_reason, diffusers_classes
 
 _FREEU = ("s1", "s2", "b1", "b2")
-
-
-def _guards_intact(module: nn.Module) -> bool:
-    """Whether the children a class-swapped module's fused forward bypasses are still the patched, unhooked ones."""
-    for parent, attr, child, _ in module.__dict__.get("_ldmopt_guards", ()):
-        now = parent._modules.get(attr)
-        if now is not child or hooked(now):
-            return False
-    return True
 
 
 def _runs_fused(module: nn.Module, rule_class: type) -> bool:
     """Whether ``module`` runs ``rule_class``'s fused forward when called: patched by that rule, nothing attached to it
     (its fused forward is called directly here, past ``__call__``), its bypassed children unchanged."""
     label = getattr(type(module), "_ldmopt_label", None)  # the class ldmopt made (read through getattr: dynamo)
-    return label == rule_class.description and not hooked(module) and _guards_intact(module)
+    return label == rule_class.description and not hooked(module) and changed_guard_reason(module) is None
 
 
 def _reads_parts(resnet: nn.Module) -> bool:
