@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -33,6 +34,19 @@ _RECORDS = "_ldmopt_records"
 #: and its weights alive for the life of the process.
 _CLAIMED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+#: One patch/unpatch at a time in the process: a patch plans on the model as it finds it and records its edits only
+#: at the end, so two threads patching one model at once (a server's first requests) would both fuse it.
+_LOCK = threading.RLock()
+
+
+def _serialized(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def locked(*args, **kwargs):
+        with _LOCK:
+            return fn(*args, **kwargs)
+
+    return locked
+
 
 def _claimant(module: nn.Module) -> nn.Module | None:
     """The live model whose patch touched ``module``, if any."""
@@ -52,7 +66,10 @@ def _unrecorded_fused(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-_QUANT_MODULE_PREFIXES = ("bitsandbytes", "torchao", "optimum.quanto", "gguf", "auto_gptq", "awq", "hqq")
+#: Modules of these packages quantize (ModelOpt's QuantLayerNorm keeps LayerNorm's parameters and quantizes its input).
+_QUANT_MODULE_PREFIXES = (
+    "bitsandbytes", "torchao", "optimum.quanto", "gguf", "auto_gptq", "awq", "hqq", "modelopt", "diffusers.quantizers",
+)  # fmt: skip
 
 
 class PatchError(RuntimeError):
@@ -211,7 +228,7 @@ def _quantized_reason(where: str, m: nn.Module) -> str | None:
         if type(t) not in (nn.Parameter, torch.Tensor):
             return f"{where}.{name} is a {type(t).__name__} (quantized or tensor subclass)"
         if not t.is_floating_point() or t.element_size() == 1:
-            return f"{where}.{name} has dtype {t.dtype} (quantized)"
+            return f"{where}.{name} has dtype {t.dtype} (quantized, or fp8 storage such as layerwise casting)"
     return None
 
 
@@ -253,6 +270,13 @@ def _generic_reasons(site: Site, touched: dict[str, nn.Module], shallow: set[str
 # ------------------------------------------------------------------------------------------------ plan and apply
 
 
+def _patches_at(owners: Iterable[nn.Module], modules: set[int]) -> int:
+    """How many counted patches the ``owners``' records made at the modules with ids in ``modules`` (the sites, not
+    the children the patches touched)."""
+    records = (rec for owner in owners for holder in owner.modules() for rec in holder.__dict__.get(_RECORDS, ()))
+    return sum(rec.rule.counted and id(rec.site.module) in modules for rec in records)
+
+
 def _plan(
     label: str,
     model: nn.Module,
@@ -289,8 +313,14 @@ def _plan(
     done = {(rec.rule.name, id(rec.site.module)) for rec in prior}
     # Modules a patch of an enclosing model touched: already fused, their records are not in this tree.
     own = {id(m) for m in model.modules()}
-    enclosing = [m for m in model.modules() if (owner := _claimant(m)) is not None and id(owner) not in own]
-    report.already_patched += sum(id(m) not in earlier for m in enclosing)
+    owners: dict[int, nn.Module] = {}
+    enclosing = []
+    for m in model.modules():
+        owner = _claimant(m)
+        if owner is not None and id(owner) not in own:
+            enclosing.append(m)
+            owners[id(owner)] = owner
+    report.already_patched += _patches_at(owners.values(), {id(m) for m in enclosing} - earlier)
     # In a copy of a patched model, fused modules (and what they fused) whose records are with the copy's root.
     fused_copies = _unrecorded_fused(model) + [m for _, _, m in _unrecorded_swaps(model)]
     report.already_patched += sum(id(m) not in earlier for m in fused_copies)  # the fused modules, not what is in them
@@ -351,6 +381,7 @@ def _restore(records: list[_Record], *, best_effort: bool = False) -> list[str]:
     return failed
 
 
+@_serialized
 def patch(
     pipe_or_model: Any,
     *,
@@ -439,6 +470,7 @@ def patch(
     return report
 
 
+@_serialized
 def unpatch(pipe_or_model: Any) -> int:
     """Undo every ``patch`` on the pipeline's models (or the model): the same module objects, classes, processors
     and forwards are back, so state_dict is bit-for-bit what it was. Returns how many patches were undone. Raises
@@ -538,6 +570,7 @@ def _restore_saved_processors(model: nn.Module, originals: dict[int, Any]) -> No
                     saved[name] = originals[id(processor)]
 
 
+@_serialized
 def is_patched(pipe_or_model: Any) -> bool:
     """True when any model of the pipeline (or the model) carries ldmopt patches, or runs fused modules patched as
     part of an enclosing model (then ``unpatch`` that model), also in a copy of one."""
