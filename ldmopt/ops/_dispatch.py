@@ -137,11 +137,15 @@ def _tables_named(ops: Sequence[str]) -> frozenset[str]:
 
 @contextlib.contextmanager
 def _in_context(policy: _Policy | None) -> Iterator[None]:
+    prior = _forced.get()
     token = _forced.set(policy)
     try:
         yield
     finally:
-        _forced.reset(token)
+        try:
+            _forced.reset(token)
+        except ValueError:  # left in another context than entered (a generator resumed by a thread pool's copies)
+            _forced.set(prior)
 
 
 # ------------------------------------------------------------------------------------------------ eager fast path

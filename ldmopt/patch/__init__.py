@@ -71,6 +71,7 @@ the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`.
 | svd_attn2          | svd_attn2           | Attention over SVD's one context token       | single-key shortcut       |
 """
 
+import inspect
 import sys
 import types
 
@@ -88,3 +89,4 @@ class _CallablePackage(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallablePackage
+__signature__ = inspect.signature(patch)  # what inspect.signature / help() show for the callable package
