@@ -94,7 +94,10 @@ class WanQKNormRopeRule(ClassSwapRule):
 
     def match(self, site: Site) -> bool:
         attn = site.module
-        return not getattr(attn, "is_cross_attention", True) and getattr(attn, "add_k_proj", None) is None
+        # Wan blocks name their cross-attention attn2: diffusers 0.35 builds the VACE blocks' attn2 without
+        # is_cross_attention, and every call of it (with encoder_hidden_states) would run stock.
+        self_attention = not getattr(attn, "is_cross_attention", True) and site.attr != "attn2"
+        return self_attention and getattr(attn, "add_k_proj", None) is None
 
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
