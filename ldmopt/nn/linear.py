@@ -300,9 +300,20 @@ class FusedLinear(nn.Linear):
         return super().extra_repr() + (f", activation={self.activation!r}" if self.activation else "")
 
 
+#: diffusers' FP32LayerNorm: torch's LayerNorm computed in fp32, as the row kernels compute any dtype.
+_FP32_LAYER_NORM = ("diffusers.models.normalization", "FP32LayerNorm")
+
+
+def _row_kernel_layer_norm(norm: object) -> bool:
+    """Whether the adaLN row kernels compute ``norm`` exactly: torch's LayerNorm or diffusers' FP32LayerNorm. Any
+    other subclass (ModelOpt's QuantLayerNorm) computes more. Compared by name: no diffusers import per call."""
+    cls = type(norm)
+    return cls is nn.LayerNorm or (cls.__module__, cls.__name__) == _FP32_LAYER_NORM
+
+
 def _layer_norm_eps(norm: object) -> tuple[float | None, str | None]:
     """(eps, None) for a LayerNorm without affine parameters over the last dim, else (None, reason)."""
-    if type(norm) is not nn.LayerNorm:  # a subclass (ModelOpt's QuantLayerNorm) computes more than the kernel
+    if not _row_kernel_layer_norm(norm):
         return None, f"norm is {qualified_name(type(norm))}, not torch's LayerNorm (RMSNorm, subclasses: not fused)"
     if norm.weight is not None or norm.bias is not None:
         return None, "norm has affine parameters (ldmopt fuses LayerNorm without affine, as in adaLN)"

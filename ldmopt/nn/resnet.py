@@ -74,7 +74,7 @@ def _resample_kind(block) -> tuple[str, str]:
 
     up, down = block.upsample, block.downsample
     if up is not None:
-        if isinstance(up, Upsample2D):
+        if type(up) is Upsample2D:  # exact types: the fused conv computes what these classes do
             if up.use_conv or up.use_conv_transpose or up.norm is not None or not up.interpolate:
                 return "up", "upsample is an Upsample2D with a conv or norm (only nearest 2x is fused)"
             return "up", ""
@@ -87,10 +87,10 @@ def _resample_kind(block) -> tuple[str, str]:
             return "up", ""
         return "up", f"upsample {_callable_name(up)} is not nearest 2x (kernel='fir'?)"
     if down is not None:
-        if isinstance(down, Downsample2D):
+        if type(down) is Downsample2D:
             pool = down.conv
             if (
-                isinstance(pool, torch.nn.AvgPool2d)
+                type(pool) is torch.nn.AvgPool2d
                 and pool.kernel_size in (2, (2, 2))
                 and pool.stride in (2, (2, 2))
                 and pool.padding in (0, (0, 0))

@@ -107,7 +107,7 @@ def diffusers_norm_reason(name: str, norm: object, width: int) -> str | None:
     """Why ``norm`` is not diffusers' RMSNorm over ``width`` channels, without bias, with a plain (or no) weight."""
     from diffusers.models.normalization import RMSNorm
 
-    if not isinstance(norm, RMSNorm):
+    if type(norm) is not RMSNorm and type(norm).__dict__.get("_ldmopt_base") is not RMSNorm:  # a subclass may differ
         return f"{name} is {type(norm).__name__}, not diffusers' RMSNorm"
     if tuple(norm.dim) != (width,) or getattr(norm, "bias", None) is not None:
         return f"{name} normalises {tuple(norm.dim)} or has a bias (the kernel rotates {width}-wide heads, no bias)"

@@ -294,7 +294,7 @@ def test_unpatch_refuses_to_drop_what_was_attached_to_ldmopt_modules():
     parametrize.register_parametrization(proj, "weight", Scale())
     with pytest.raises(PatchError, match=r"transformer_blocks\.0: its forward was wrapped") as err:
         ldmopt.unpatch(model)
-    assert "single_transformer_blocks.0: ldmopt's FusedLinear became a Parametrized" in str(err.value)
+    assert "single_transformer_blocks.0: ldmopt's FusedLinear (.proj_mlp) became a Parametrized" in str(err.value)
     assert is_patched(model)  # nothing was half undone
     del block.forward
     parametrize.remove_parametrizations(proj, "weight", leave_parametrized=False)

@@ -145,3 +145,23 @@ def test_unpatch_without_casting_is_exact():
     ldmopt.patch(stock)
     ldmopt.unpatch(stock)
     assert_same_snapshot(before, snapshot(stock))
+
+
+def test_rms_norm_subclass_before_patch_is_left_stock():
+    """HunyuanVideo's q/k RMSNorms converted before patch (a subclass of diffusers' RMSNorm): not fused."""
+    from diffusers.models.normalization import RMSNorm
+
+    from tests.patch.test_hunyuan_attention import _hunyuan, _inputs
+
+    base = _hunyuan().eval()
+    names = [n for n, m in base.named_modules() if type(m) is RMSNorm and n.rsplit(".", 1)[-1].startswith("norm_")]
+    assert names
+    for name in names:
+        _shift_class(base.get_submodule(name))
+    torch.manual_seed(1)
+    inputs = _inputs()
+    patched = copy.deepcopy(base)
+    report = ldmopt.patch(patched)
+    assert "hunyuan_video_qk_norm_rope" not in report.counts(), str(report)
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        assert_outputs_close(patched(**inputs)[0], base(**inputs)[0], name="HunyuanVideo, converted q/k norms")
