@@ -145,7 +145,8 @@ def _in_context(policy: _Policy | None) -> Iterator[None]:
         try:
             _forced.reset(token)
         except ValueError:  # left in another context than entered (a generator resumed by a thread pool's copies)
-            _forced.set(prior)
+            if _forced.get() is policy:  # ours to undo here; another context's own choice is left alone
+                _forced.set(prior)
 
 
 # ------------------------------------------------------------------------------------------------ eager fast path

@@ -35,7 +35,8 @@ _RECORDS = "_ldmopt_records"
 _CLAIMED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: One patch/unpatch at a time in the process: a patch plans on the model as it finds it and records its edits only
-#: at the end, so two threads patching one model at once (a server's first requests) would both fuse it.
+#: at the end, so two threads patching one model at once (a server's first requests) would both fuse it. A
+#: ``filter_fn`` runs under it (it may call patch again in its thread, not wait on another thread that does).
 _LOCK = threading.RLock()
 
 
@@ -274,7 +275,12 @@ def _patches_at(owners: Iterable[nn.Module], modules: set[int]) -> int:
     """How many counted patches the ``owners``' records made at the modules with ids in ``modules`` (the sites, not
     the children the patches touched)."""
     records = (rec for owner in owners for holder in owner.modules() for rec in holder.__dict__.get(_RECORDS, ()))
-    return sum(rec.rule.counted and id(rec.site.module) in modules for rec in records)
+    # A class swap's site is the fused module; a child swap's is its parent, the modules it installed are the fused.
+    return sum(
+        rec.rule.counted
+        and (id(rec.site.module) in modules or any(id(m) in modules for m in rec.rule.installed(rec.data)))
+        for rec in records
+    )
 
 
 def _plan(
@@ -399,7 +405,8 @@ def patch(
         families: kernel families to apply (default: all); see ``ldmopt.patch.FAMILIES``.
         filter_fn: ``filter_fn(module, qualified_name) -> bool``; False leaves that module alone, and so every
             rule that would bypass or replace it as part of a module around it (names are prefixed with the
-            pipeline component, e.g. ``"unet.down_blocks.0.resnets.0"``).
+            pipeline component, e.g. ``"unet.down_blocks.0.resnets.0"``). It runs while patch holds the lock that
+            serializes patch/unpatch across threads: it must not wait on another thread that patches.
         strict: raise :class:`PatchError` listing every module that would stay on the stock path (for reasons
             other than ``filter_fn``), before changing anything.
         training: the model will be trained: modules whose fused path would skip a dropout with p > 0 stay on
@@ -570,7 +577,6 @@ def _restore_saved_processors(model: nn.Module, originals: dict[int, Any]) -> No
                     saved[name] = originals[id(processor)]
 
 
-@_serialized
 def is_patched(pipe_or_model: Any) -> bool:
     """True when any model of the pipeline (or the model) carries ldmopt patches, or runs fused modules patched as
     part of an enclosing model (then ``unpatch`` that model), also in a copy of one."""

@@ -116,6 +116,9 @@ def test_already_patched_counts_patches_not_touched_children():
     assert again_alone.already_patched == first.total
     assert 0 < again_whole.already_patched <= first.total
     assert again_whole.already_patched >= fused_in_block  # each class-swapped module is one patch at least
+    # A module swapped in as a child (its record sits with the parent): one patch.
+    again_child = ldmopt.patch(whole.conv_norm_out)
+    assert (again_child.total, again_child.already_patched) == (0, 1), str(again_child)
 
 
 def test_use_backend_in_a_generator_resumed_in_copied_contexts():
@@ -133,6 +136,13 @@ def test_use_backend_in_a_generator_resumed_in_copied_contexts():
     contextvars.copy_context().run(next, gen)
     with pytest.raises(StopIteration):
         contextvars.copy_context().run(next, gen)
+    assert _dispatch._forced.get() is None
+    # Closed inside another context's own use_backend: that context keeps its choice.
+    gen = steps()
+    contextvars.copy_context().run(next, gen)
+    with ldmopt.use_backend("triton"):
+        gen.close()
+        assert _dispatch._forced.get().name == "triton"
     assert _dispatch._forced.get() is None
 
 
