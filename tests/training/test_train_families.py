@@ -182,8 +182,8 @@ def test_fused_svd_under_torchrun(tmp_path):
     the query path it skips zero gradients, so DDP's reducer sees every parameter, and the ranks stay identical."""
     run_torchrun([
         *FAST, *VIDEO, *TORCH, "--model", "svd", "--batch-size", "4", "--grad-accum", "2", "--sample-every", "0",
-        "--save-every", "0", "--output-dir", str(tmp_path),
-    ])  # fmt: skip
+        "--save-every", "0",
+    ], tmp_path)  # fmt: skip
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["ranks_in_sync"] and summary["step"] == 2
 
