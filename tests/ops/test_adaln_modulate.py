@@ -190,7 +190,7 @@ def test_unsupported_norms_are_refused_with_reason():
     affine = AdaLayerNormContinuous(16, 8, elementwise_affine=True)
     assert "affine parameters" in FusedAdaLayerNormContinuous.unsupported_reason(affine)
     rms = AdaLayerNormContinuous(16, 8, elementwise_affine=False, norm_type="rms_norm")
-    assert "not a LayerNorm" in FusedAdaLayerNormContinuous.unsupported_reason(rms)
+    assert "not torch's LayerNorm" in FusedAdaLayerNormContinuous.unsupported_reason(rms)
     with pytest.raises(TypeError, match="affine parameters"):
         FusedAdaLayerNormContinuous.from_module(affine)
 
