@@ -434,6 +434,7 @@ def test_layer_norm_rope_providers(mocked_timing, no_compile, monkeypatch):
 _FAKE_PYTHON = """#!/usr/bin/env bash
 case "$*" in
   "-m pip "*) echo "fake pip $*"; exit 0 ;;
+  "setup.py "*) echo "fake build $*"; exit 0 ;;
   "-m ldmopt info"*) echo "fake ldmopt info"; exit 0 ;;
   *torch.__version__*) echo "fake versions"; exit 0 ;;
   *benchmarks/check_*.py*|"-m pytest "*) exec "{python}" "{stub}" "$@" ;;

@@ -34,9 +34,10 @@ MIRRORED_PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0")
 
 
 def _mirrored(processor: object) -> bool:
-    from diffusers.models import attention_processor as P
-
-    return type(processor) in tuple(getattr(P, name) for name in MIRRORED_PROCESSORS if hasattr(P, name))
+    # by module and name, not by importing the classes: dynamo before torch 2.12 cannot trace an import from
+    # diffusers' lazy modules (a graph break under fullgraph=True)
+    kind = type(processor)
+    return kind.__module__ == "diffusers.models.attention_processor" and kind.__name__ in MIRRORED_PROCESSORS
 
 
 def _ldmopt_processor(processor: object) -> bool:

@@ -71,6 +71,12 @@ class Backend:
 
 def _resolve(op_name: str) -> tuple[str | None, bool]:
     """(backend forced for ``op_name`` or None, whether it was inherited from the forward of a backward)."""
+    if _DYNAMO_CANNOT_READ_CONTEXTVARS and torch.compiler.is_compiling():
+        return _resolve_at_trace_time(op_name)
+    return _resolve_now(op_name)
+
+
+def _resolve_now(op_name: str) -> tuple[str | None, bool]:
     policy = _forced.get()
     while policy is not None:
         if policy.names(op_name):
@@ -84,6 +90,13 @@ def _resolve(op_name: str) -> tuple[str | None, bool]:
             raise ValueError(f"LDMOPT_BACKEND={env!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")
         return env, False
     return None, False
+
+
+#: dynamo reads (and guards on) a ContextVar from torch 2.14; before, reading one inside torch.compile is a graph
+#: break, so the choice in effect when the graph is traced is baked in as a constant (a use_backend entered around a
+#: later call of the compiled model does not retrace it; torch._dynamo.reset() does)
+_DYNAMO_CANNOT_READ_CONTEXTVARS = torch.torch_version.TorchVersion(torch.__version__) < (2, 14)
+_resolve_at_trace_time = torch.compiler.assume_constant_result(_resolve_now)
 
 
 def forced_backend(op_name: str) -> str | None:
