@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import traceback
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -62,6 +63,15 @@ def _group_norm_cases(quick: bool):
                 yield f"{name}-{layout}", SHAPES[name], layout, dtype
 
 
+#: (backend, why) of each case a backend refused: a GPU run where the cuda backend refused every case fails
+SKIPPED: list[tuple[str, str]] = []
+
+
+def _skip(backend: str, what: str, exc: Exception) -> None:
+    SKIPPED.append((backend, str(exc)))
+    print(f"  skip {what}: {str(exc)[:200]}")
+
+
 def _group_norm_inputs(shape, layout, dtype):
     x = (torch.randn(shape, device=DEVICE) * 2 + 0.3).to(dtype)
     if layout == "channels_last":
@@ -90,7 +100,7 @@ def check_group_norm(quick: bool):
             try:
                 y = _ldmopt_group_norm(backend, *leaves)
             except ldmopt.BackendUnavailableError as exc:  # no ldmopt._C (main() refuses that on a GPU)
-                print(f"  skip group_norm_silu {case} {dtype} {backend}: {str(exc)[:120]}")
+                _skip(backend, f"group_norm_silu {case} {dtype} {backend}", exc)
                 continue
             assert y.stride() == x.stride(), f"{backend}: y strides {y.stride()} != x strides {x.stride()}"
             outs = [y, *torch.autograd.grad(y, leaves, dy)]
@@ -141,7 +151,7 @@ def check_attention(quick: bool):
             try:
                 out = _ldmopt_attention(backend, q, k, v, scale)
             except ldmopt.BackendUnavailableError as exc:
-                print(f"  skip temporal_attention {case} {dtype} {backend}: {str(exc)[:120]}")
+                _skip(backend, f"temporal_attention {case} {dtype} {backend}", exc)
                 continue
             yield "temporal_attention", case, dtype, backend, [out], [ref]
         del ref
@@ -150,10 +160,12 @@ def check_attention(quick: bool):
 def run_checks(quick: bool) -> int:
     os.environ["LDMOPT_POISON_OUTPUTS"] = "1"
     failures = 0
+    ran: Counter[str] = Counter()
     print(f"{'op':<20} {'case':<30} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
     for check in (check_group_norm, check_attention):
         try:
             for op, case, dtype, backend, outs, refs in check(quick):
+                ran[backend] += 1
                 errs = [rel_err(o, r) for o, r in zip(outs, refs)]
                 ok = all(e <= BOUND[dtype] for e in errs)  # NaN compares False
                 failures += not ok
@@ -163,6 +175,10 @@ def run_checks(quick: bool) -> int:
             failures += 1
             print(f"{check.__name__} ERROR {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
             print(traceback.format_exc())
+    if torch.cuda.is_available() and not ran["cuda"]:  # loaded, but refused every case: nothing was checked
+        failures += 1
+        why = next((why for backend, why in SKIPPED if backend == "cuda"), "no case was tried")
+        print(f"check_cuda_backend ERROR the cuda backend ran no case: {why[:200]}")
     print(f"check_cuda_backend: {'all checks passed' if not failures else f'{failures} checks failed'}")
     return failures
 

@@ -8,9 +8,9 @@
 #   bash benchmarks/run_gpu.sh [--full]
 # Prepare the wheels here first (this machine has a package index): bash benchmarks/fetch_wheels.sh
 # Files (the device tool returns at most 8 from $OUT): run.log, checks.txt, results.csv, summary.md (every row),
-# summary.txt (what is printed last) and logs.tar.gz (build, pip and pytest logs, plots, profiles).
-# Knobs: LDMOPT_RUN_BUDGET, LDMOPT_BENCH_RESERVE, LDMOPT_CUDA_CHECK_RESERVE (seconds), LDMOPT_CHECK_SHARDS, PYTHON,
-# MAX_JOBS.
+# summary.txt (what is printed last), host_profile.txt and logs.tar.gz (build, pip and pytest logs, plots, profiles).
+# Knobs: LDMOPT_RUN_BUDGET, LDMOPT_BENCH_RESERVE, LDMOPT_CUDA_CHECK_RESERVE (seconds), LDMOPT_CHECK_SHARDS,
+# LDMOPT_BENCH_FILES, PYTHON, MAX_JOBS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=quick
@@ -160,11 +160,15 @@ log "benchmarks ($MODE, $(left)s)"
 # host-overhead rows (their tiny shapes compile kernel variants of their own); last what lies beyond the issues' lists
 # (the UNet transformer block's residual epilogues, the Wan block, RMSNorm, SVD's temporal resnet), so that it can
 # only lose its own rows to the budget.
-start benchmarks "$(left)" "$WORK/pytest.txt" $PY -m pytest "${PYTEST_ARGS[@]}" \
-  benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py benchmarks/bench_temporal_block.py \
-  benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py benchmarks/bench_training.py \
-  benchmarks/bench_host_overhead.py benchmarks/bench_transformer_block.py benchmarks/bench_wan_block.py \
-  benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py
+# LDMOPT_BENCH_FILES (space-separated paths) runs a subset, in its order: a follow-up run on what a cut run missed.
+read -r -a BENCH_FILES <<<"${LDMOPT_BENCH_FILES:-benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py \
+benchmarks/bench_temporal_block.py benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py \
+benchmarks/bench_training.py benchmarks/bench_host_overhead.py benchmarks/bench_transformer_block.py \
+benchmarks/bench_wan_block.py benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py}"
+# Where each fused call's host time goes (cProfile per op, tiny tensors): a host-bound row is explained by it.
+start profile_host "$(cap 45)" "$RESULTS/host_profile.txt" $PY benchmarks/profile_host.py
+finish profile_host
+start benchmarks "$(left)" "$WORK/pytest.txt" $PY -m pytest "${PYTEST_ARGS[@]}" "${BENCH_FILES[@]}"
 finish benchmarks
 tail -3 "$WORK/pytest.txt"
 

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -109,12 +110,17 @@ def runs_cuda_extension_on(capability: tuple[int, int], arch_list: str | None) -
         return None
     for entry in arch_list.replace(",", ";").replace(" ", ";").split(";"):
         ptx = entry.endswith("+PTX")
-        try:
-            major, minor = (int(part) for part in entry.removesuffix("+PTX").split(".")[:2])
-        except ValueError:
+        match = re.fullmatch(r"(\d+)\.(\d+)([af]?)", entry.removesuffix("+PTX"))
+        if match is None:
             continue  # "Ampere" style names: cannot tell, keep looking
-        if (capability[0] == major and capability[1] >= minor) or (ptx and capability >= (major, minor)):
-            return None
+        major, minor, variant = int(match[1]), int(match[2]), match[3]
+        if variant == "a":  # sm_90a: that chip's own instructions (wgmma), code and PTX for it alone
+            if capability == (major, minor):
+                return None
+        elif capability[0] == major and capability[1] >= minor:
+            return None  # a plain or family ("f") cubin runs on the later minors of its major
+        elif ptx and not variant and capability >= (major, minor):
+            return None  # plain PTX: the driver compiles it for any later GPU
     return (
         f"compute capability {capability[0]}.{capability[1]}: ldmopt._C was built for TORCH_CUDA_ARCH_LIST="
         f"{arch_list!r} (no cubin or PTX for it; rebuild with it in the list)"

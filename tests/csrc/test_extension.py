@@ -312,6 +312,10 @@ def test_python_refusal_matches_what_the_cpp_op_refuses(case, monkeypatch):
         ((7, 5), "7.5;8.0;9.0+PTX", False),  # T4: below the kernels' sm_80 minimum whatever was built
         ((7, 0), None, False),
         ((9, 0), None, True),  # build unknown: only the minimum is checked
+        ((9, 0), "9.0a", True),  # the arch-specific sm_90a cubin (a GPU image's default list) runs on 9.0 alone
+        ((10, 0), "9.0a+PTX", False),  # ... and so does its compute_90a PTX
+        ((10, 3), "10.0f", True),  # a family cubin runs on its later minors
+        ((12, 0), "10.0f", False),
     ],
 )
 def test_the_cuda_backend_refuses_gpus_the_build_cannot_run_on(capability, arch_list, runs):
