@@ -8,9 +8,10 @@
 #   bash benchmarks/run_gpu.sh [--full]
 # Prepare the wheels here first (this machine has a package index): bash benchmarks/fetch_wheels.sh
 # Files (the device tool returns at most 8 from $OUT): run.log, checks.txt, results.csv, summary.md (every row),
-# summary.txt (what is printed last), host_profile.txt and logs.tar.gz (build, pip and pytest logs, plots, profiles).
+# summary.txt (what is printed last), profiles.txt (host time per op call, GPU time per kernel of a patched model)
+# and logs.tar.gz (build, pip and pytest logs, plots).
 # Knobs: LDMOPT_RUN_BUDGET, LDMOPT_BENCH_RESERVE, LDMOPT_CUDA_CHECK_RESERVE (seconds), LDMOPT_CHECK_SHARDS,
-# LDMOPT_BENCH_FILES, PYTHON, MAX_JOBS.
+# LDMOPT_BENCH_FILES, LDMOPT_PROFILE_MODELS, PYTHON, MAX_JOBS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=quick
@@ -155,7 +156,6 @@ if $PY -c "import pytest_timeout" 2>/dev/null; then
 else
   log "no pytest-timeout: a hung benchmark would hold the rest of the budget"
 fi
-log "benchmarks ($MODE, $(left)s)"
 # Per-op benchmarks first, whole models next, so a run cut at the budget still has every kernel's figures; then the
 # host-overhead rows (their tiny shapes compile kernel variants of their own); last what lies beyond the issues' lists
 # (the UNet transformer block's residual epilogues, the Wan block, RMSNorm, SVD's temporal resnet), so that it can
@@ -165,9 +165,27 @@ read -r -a BENCH_FILES <<<"${LDMOPT_BENCH_FILES:-benchmarks/bench_group_norm.py 
 benchmarks/bench_temporal_block.py benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py \
 benchmarks/bench_training.py benchmarks/bench_host_overhead.py benchmarks/bench_transformer_block.py \
 benchmarks/bench_wan_block.py benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py}"
-# Where each fused call's host time goes (cProfile per op, tiny tensors): a host-bound row is explained by it.
-start profile_host "$(cap 45)" "$RESULTS/host_profile.txt" $PY benchmarks/profile_host.py
-finish profile_host
+# Where each fused call's host time goes (cProfile per op, tiny tensors): a host-bound row is explained by it. Then
+# where a patched model's GPU time goes, kernel by kernel (ldmopt profile, stock and patched), for each model in
+# LDMOPT_PROFILE_MODELS (zoo names; empty: none). Both take from the time before the benchmarks' reserve.
+profile() {  # profile NAME SECONDS LOGFILE CMD...: optional, so too little time skips it without failing the run
+  if [ "$2" -lt 10 ]; then log "$1: skipped, ${2}s left before the benchmarks' reserve"; return; fi
+  start "$@"
+  finish "$1"
+}
+: >"$WORK/host_profile.txt"
+profile profile_host "$(cap 45 "$BENCH_RESERVE")" "$WORK/host_profile.txt" $PY benchmarks/profile_host.py
+: >"$WORK/model_profile.txt"
+for model in ${LDMOPT_PROFILE_MODELS-sd15}; do
+  for patched in "" --patched; do
+    : >"$WORK/model_profile.part"
+    profile "profile[$model${patched:+,patched}]" "$(cap 120 "$BENCH_RESERVE")" "$WORK/model_profile.part" \
+      $PY -m ldmopt profile "$model" --device cuda --steps 3 --top 6 $patched
+    cat "$WORK/model_profile.part" >>"$WORK/model_profile.txt"
+  done
+done
+cat "$WORK/host_profile.txt" "$WORK/model_profile.txt" >"$RESULTS/profiles.txt" 2>/dev/null
+log "benchmarks ($MODE, $(left)s)"
 start benchmarks "$(left)" "$WORK/pytest.txt" $PY -m pytest "${PYTEST_ARGS[@]}" "${BENCH_FILES[@]}"
 finish benchmarks
 tail -3 "$WORK/pytest.txt"

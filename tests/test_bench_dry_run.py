@@ -436,6 +436,7 @@ case "$*" in
   "-m pip "*) echo "fake pip $*"; exit 0 ;;
   "setup.py "*) echo "fake build $*"; exit 0 ;;
   *benchmarks/profile_host.py*) echo "fake host profile"; exit 0 ;;
+  "-m ldmopt profile "*) echo "fake model profile $*"; exit 0 ;;
   "-m ldmopt info"*) echo "fake ldmopt info"; exit 0 ;;
   *torch.__version__*) echo "fake versions"; exit 0 ;;
   *benchmarks/check_*.py*|"-m pytest "*) exec "{python}" "{stub}" "$@" ;;
