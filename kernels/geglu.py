@@ -30,6 +30,7 @@ from ._gemm import (
     prune_wide_input,
     row_chunks,
 )
+from ._tuned_launch import tuned_launch
 
 _BWD_WARPS = 8
 
@@ -211,7 +212,7 @@ def geglu_fwd(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _geglu_fwd_tuned[grid](
+    tuned_launch(_geglu_fwd_tuned)[grid](
         y, pre, x, weight, bias if bias is not None else x, *norm_pointers, x.stride(0), x.stride(1), weight.stride(0),
         weight.stride(1), m, n, k, m_bucket(m), HAS_BIAS=bias is not None, **norm_flags, STORE_PRE=save_pre,
         INPUT_PRECISION=input_precision(x.dtype),

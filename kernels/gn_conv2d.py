@@ -36,6 +36,7 @@ from ._common import (
     prune_by_operand_width,
     tag_fp32_configs,
 )
+from ._tuned_launch import tuned_launch
 
 #: resample codes shared with ldmopt/ops/gn_conv2d.py
 RESAMPLE = {"none": 0, "up": 1, "down": 2}
@@ -465,7 +466,7 @@ def gn_conv2d_fwd(
 
     s = oh * ow
     grid = lambda meta: (n * triton.cdiv(s, meta["BM"]) * triton.cdiv(c_out, meta["BN"]),)
-    _gn_conv2d_fwd_kernel[grid](
+    tuned_launch(_gn_conv2d_fwd_kernel)[grid](
         y, ws, counters, out_mean, out_rstd, x, x_tail if x_tail is not None else dummy,
         mean if normalize else dummy, rstd if normalize else dummy,
         gamma if gamma is not None else dummy, beta if beta is not None else dummy,

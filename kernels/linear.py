@@ -40,6 +40,7 @@ from ._gemm import (
     prune_wide_input,
     row_chunks,
 )
+from ._tuned_launch import tuned_launch
 
 _BWD_WARPS = 8
 
@@ -315,7 +316,7 @@ def linear_fwd(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _linear_fwd_tuned[grid](
+    tuned_launch(_linear_fwd_tuned)[grid](
         y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
         residual if residual is not None else x, x_tail if x_tail is not None else x,
         mix.contiguous() if blend else x, *norm_pointers, pos if pos is not None else x, x.stride(0), x.stride(1),
