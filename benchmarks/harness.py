@@ -226,12 +226,15 @@ def _time_matmul(n: int) -> float:
 def environment() -> dict:
     import triton
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    # LDMOPT_COMMIT: the commit the tree was copied from (a device machine's copy carries a git history of its own)
+    commit = os.environ.get("LDMOPT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name() if _has_gpu() else "none",
