@@ -161,10 +161,13 @@ fi
 # (the UNet transformer block's residual epilogues, the Wan block, RMSNorm, SVD's temporal resnet), so that it can
 # only lose its own rows to the budget.
 # LDMOPT_BENCH_FILES (space-separated paths) runs a subset, in its order: a follow-up run on what a cut run missed.
-read -r -a BENCH_FILES <<<"${LDMOPT_BENCH_FILES:-benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py \
+ALL_BENCH_FILES="benchmarks/bench_group_norm.py benchmarks/bench_temporal_attention.py \
 benchmarks/bench_temporal_block.py benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py \
 benchmarks/bench_training.py benchmarks/bench_host_overhead.py benchmarks/bench_transformer_block.py \
-benchmarks/bench_wan_block.py benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py}"
+benchmarks/bench_wan_block.py benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py"
+read -r -a BENCH_FILES <<<"${LDMOPT_BENCH_FILES:-}"
+# none named (unset, empty or blanks): all of them; pytest with no path would run the unit tests instead
+[ "${#BENCH_FILES[@]}" -gt 0 ] || read -r -a BENCH_FILES <<<"$ALL_BENCH_FILES"
 # Where each fused call's host time goes (cProfile per op, tiny tensors): a host-bound row is explained by it. Then
 # where a patched model's GPU time goes, kernel by kernel (ldmopt profile, stock and patched), for each model in
 # LDMOPT_PROFILE_MODELS (zoo names; empty: none). Both take from the time before the benchmarks' reserve.

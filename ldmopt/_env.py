@@ -108,11 +108,13 @@ def runs_cuda_extension_on(capability: tuple[int, int], arch_list: str | None) -
         return f"compute capability {capability[0]}.{capability[1]}: ldmopt._C's kernels need 8.0 or newer"
     if not arch_list:
         return None
+    unreadable = False
     for entry in arch_list.replace(",", ";").replace(" ", ";").split(";"):
         ptx = entry.endswith("+PTX")
         match = re.fullmatch(r"(\d+)\.(\d+)([af]?)", entry.removesuffix("+PTX"))
         if match is None:
-            continue  # "Ampere" style names: cannot tell, keep looking
+            unreadable = True  # "Hopper" style names, "native": cannot tell, keep looking
+            continue
         major, minor, variant = int(match[1]), int(match[2]), match[3]
         if variant == "a":  # sm_90a: that chip's own instructions (wgmma), code and PTX for it alone
             if capability == (major, minor):
@@ -121,6 +123,8 @@ def runs_cuda_extension_on(capability: tuple[int, int], arch_list: str | None) -
             return None  # a plain or family ("f") cubin runs on the later minors of its major
         elif ptx and not variant and capability >= (major, minor):
             return None  # plain PTX: the driver compiles it for any later GPU
+    if unreadable:
+        return None  # an entry this cannot read may cover the GPU: only the minimum is checked, as for no list
     return (
         f"compute capability {capability[0]}.{capability[1]}: ldmopt._C was built for TORCH_CUDA_ARCH_LIST="
         f"{arch_list!r} (no cubin or PTX for it; rebuild with it in the list)"

@@ -458,6 +458,7 @@ elif args[0].endswith("check_cuda_backend.py"):
     print("ModuleNotFoundError: No module named 'ldmopt._C'")
     sys.exit(1)
 else:  # -m pytest: ~450 rows through the real recorder
+    print("pytest paths:", [a for a in args if a.startswith("benchmarks/")])
     sys.path.insert(0, os.getcwd())
     from benchmarks import harness
 
@@ -482,13 +483,21 @@ def test_run_gpu_script(tmp_path):
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LDMOPT_", "PYTHONUNBUFFERED"))}
     env |= {"OUT": str(out), "PYTHON": str(fake), "TMPDIR": str(tmp_path), "LDMOPT_RUN_BUDGET": "36",
-            "LDMOPT_BENCH_RESERVE": "24", "LDMOPT_CHECK_SHARDS": "2"}  # fmt: skip
+            "LDMOPT_BENCH_RESERVE": "24", "LDMOPT_CHECK_SHARDS": "2",
+            "LDMOPT_BENCH_FILES": " benchmarks/bench_e2e.py  benchmarks/bench_linear.py"}  # fmt: skip
     run = subprocess.run(
         ["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr  # a check failed
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
-    assert len(files) <= 8 and {"summary.txt", "summary.md", "results.csv", "checks.txt", "run.log"} <= set(files)
+    assert len(files) <= 8 and {
+        "summary.txt",
+        "summary.md",
+        "results.csv",
+        "checks.txt",
+        "run.log",
+        "profiles.txt",
+    } <= set(files)
     checks = (out / "checks.txt").read_text()
     assert "geglu-1       float16   triton  1.00e-03  PASS" in checks, checks  # printed before its timeout
     summary = run.stdout.split("================ summary ================\n")[-1]
@@ -500,6 +509,37 @@ def test_run_gpu_script(tmp_path):
     assert last.startswith("correctness: 2 passed, 1 failed, 1 errors, 0 skipped | check_gpu: 1 failed"), last
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert {"./pytest.txt", "./stages.tsv", "./pip.log"} <= set(tar.getnames()), tar.getnames()
+        pytest_log = tar.extractfile("./pytest.txt").read().decode()
+    # LDMOPT_BENCH_FILES, blanks and all, is the benchmarks' path list
+    assert "pytest paths: ['benchmarks/bench_e2e.py', 'benchmarks/bench_linear.py']" in pytest_log, pytest_log[:500]
+    # The checks took the time before the benchmarks' reserve: the optional profiles are skipped, not failed.
+    log = (out / "run.log").read_text()
+    assert "profile_host: skipped" in log and "profile[sd15,patched]: skipped" in log, log[-2000:]
+    assert (out / "profiles.txt").read_text() == ""
+
+
+def test_run_gpu_script_follow_up_run_profiles_first(tmp_path):
+    """A follow-up run (no check shards, chosen benchmark files) has the time before the benchmarks' reserve for the
+    host and model profiles, which land in profiles.txt."""
+    stub, fake = tmp_path / "stages.py", tmp_path / "python"
+    stub.write_text(_STUB_STAGES)
+    fake.write_text(_FAKE_PYTHON.format(python=sys.executable, stub=stub))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LDMOPT_", "PYTHONUNBUFFERED"))}
+    env |= {"OUT": str(out), "PYTHON": str(fake), "TMPDIR": str(tmp_path), "LDMOPT_RUN_BUDGET": "90",
+            "LDMOPT_BENCH_RESERVE": "20", "LDMOPT_CHECK_SHARDS": "0", "LDMOPT_PROFILE_MODELS": "sd15 dit",
+            "LDMOPT_BENCH_FILES": "benchmarks/bench_e2e.py"}  # fmt: skip
+    run = subprocess.run(
+        ["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    profiles = (out / "profiles.txt").read_text()
+    assert profiles.startswith("fake host profile"), run.stdout[-3000:]
+    for model in ("sd15", "dit"):
+        assert f"fake model profile -m ldmopt profile {model} --device cuda --steps 3 --top 6\n" in profiles
+        assert f"fake model profile -m ldmopt profile {model} --device cuda --steps 3 --top 6 --patched" in profiles
+    assert "profile 4/4 ok" in (out / "summary.txt").read_text()
 
 
 def test_run_gpu_script_stops_its_stages_when_stopped(tmp_path):

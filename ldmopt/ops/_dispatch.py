@@ -93,10 +93,20 @@ def _resolve_now(op_name: str) -> tuple[str | None, bool]:
 
 
 #: dynamo reads (and guards on) a ContextVar from torch 2.14; before, reading one inside torch.compile is a graph
-#: break, so the choice in effect when the graph is traced is baked in as a constant (a use_backend entered around a
-#: later call of the compiled model does not retrace it; torch._dynamo.reset() does)
+#: break. There the backend forced when dynamo traces a Python decision that asks for it (the fused resnet asking
+#: whether a conv reads its input in two parts, say) is baked into the graph: a use_backend or LDMOPT_BACKEND change
+#: around later calls of the compiled model does not retrace it (torch._dynamo.reset() does). The fused ops themselves
+#: still choose their backend when they run, from the live context.
 _DYNAMO_CANNOT_READ_CONTEXTVARS = torch.torch_version.TorchVersion(torch.__version__) < (2, 14)
-_resolve_at_trace_time = torch.compiler.assume_constant_result(_resolve_now)
+
+
+def _resolve_at_trace_time(op_name: str) -> tuple[str | None, bool]:
+    return _resolve_now(op_name)
+
+
+# What torch.compiler.assume_constant_result sets (torch 2.11 to 2.14), here without importing torch._dynamo (and
+# Triton with it) at ldmopt's import; on its own function, so that _resolve_now stays traced (and guarded) on 2.14.
+_resolve_at_trace_time._dynamo_marked_constant = True
 
 
 def forced_backend(op_name: str) -> str | None:
@@ -108,7 +118,8 @@ def forced_backend(op_name: str) -> str | None:
 @contextlib.contextmanager
 def use_backend(name: str, ops: Sequence[str] | None = None) -> Iterator[None]:
     """Force backend ``name`` ('cuda', 'triton', 'torch' or 'auto') for all ops, or only for the ops named (and
-    their backwards); ops not named keep what the enclosing context forces."""
+    their backwards); ops not named keep what the enclosing context forces. Inside torch.compile on torch before 2.14,
+    Python decisions traced from it are fixed at trace time (the ops still follow it when they run)."""
     name = name.lower()
     if name != "auto" and name not in BACKEND_NAMES:
         raise ValueError(f"use_backend: name={name!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")

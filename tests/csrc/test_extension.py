@@ -316,6 +316,9 @@ def test_python_refusal_matches_what_the_cpp_op_refuses(case, monkeypatch):
         ((10, 0), "9.0a+PTX", False),  # ... and so does its compute_90a PTX
         ((10, 3), "10.0f", True),  # a family cubin runs on its later minors
         ((12, 0), "10.0f", False),
+        ((9, 0), "Hopper", True),  # named or "native" entries cannot be read: only the minimum is checked
+        ((8, 0), "native", True),
+        ((7, 5), "native", False),
     ],
 )
 def test_the_cuda_backend_refuses_gpus_the_build_cannot_run_on(capability, arch_list, runs):

@@ -1,33 +1,56 @@
-"""The forced backend inside torch.compile where dynamo cannot read a ContextVar (torch before 2.14, e.g. the GPU
-image's 2.11): the choice in effect while tracing is read once and baked into the graph, with no graph break."""
+"""The forced backend inside torch.compile. From torch 2.14 dynamo reads the use_backend ContextVar and guards on
+it: a later call under another backend retraces. Before (the GPU image's torch 2.11), reading it is a graph break,
+so the value in effect while tracing is baked into the graph instead, with no graph break."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-import torch.nn.functional as F
 
 import ldmopt
 from ldmopt.ops import _dispatch
 
 
-def _inputs():
-    x = torch.randn(2, 12, 5, 3) * 1.5 + 0.2
-    return x, torch.randn(12) * 0.5 + 1, torch.randn(12) * 0.3
+def _compiled_branch():
+    """A fullgraph function whose Python branches on the forced backend, and the list of graphs dynamo made."""
+    graphs = []
 
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
-def test_the_forced_backend_is_read_at_trace_time_where_dynamo_cannot_read_contextvars(monkeypatch):
-    monkeypatch.setattr(_dispatch, "_DYNAMO_CANNOT_READ_CONTEXTVARS", True)
+    def branch(x):
+        return x + (1 if _dispatch.forced_backend("gn_conv2d") == "torch" else 3)
+
     torch._dynamo.reset()
-    x, w, b = _inputs()
-    compiled = torch.compile(
-        lambda x: ldmopt.ops.group_norm(x, 4, w, b, activation="silu"), fullgraph=True, backend="aot_eager"
-    )
-    before = _dispatch.backend_counts["group_norm", "torch"]
+    return torch.compile(branch, fullgraph=True, backend=count), graphs
+
+
+def test_before_torch_2_14_the_backend_forced_while_tracing_is_baked_in(monkeypatch):
+    monkeypatch.setattr(_dispatch, "_DYNAMO_CANNOT_READ_CONTEXTVARS", True)
+    fn, graphs = _compiled_branch()
+    x = torch.randn(3)
     with ldmopt.use_backend("torch"):
-        out = compiled(x)
-    assert _dispatch.backend_counts["group_norm", "torch"] > before  # traced under the forced reference backend
-    ref = F.silu(F.group_norm(x.double(), 4, w.double(), b.double()))
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fn(x), x + 1)
+    torch.testing.assert_close(fn(x), x + 1)  # baked: no retrace outside the context
+    with ldmopt.use_backend("triton"):
+        torch.testing.assert_close(fn(x), x + 1)
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(_dispatch._DYNAMO_CANNOT_READ_CONTEXTVARS, reason="dynamo before torch 2.14 cannot read it")
+def test_from_torch_2_14_the_forced_backend_is_guarded_and_retraced():
+    fn, graphs = _compiled_branch()
+    x = torch.randn(3)
+    with ldmopt.use_backend("torch"):
+        torch.testing.assert_close(fn(x), x + 1)
+    torch.testing.assert_close(fn(x), x + 3)
+    with ldmopt.use_backend("triton"):
+        torch.testing.assert_close(fn(x), x + 3)
+    with ldmopt.use_backend("torch"):
+        torch.testing.assert_close(fn(x), x + 1)
+    assert len(graphs) >= 2
     torch._dynamo.reset()
 
 
