@@ -141,3 +141,21 @@ def test_sd35_dual_attention_joint_block():
     assert report.counts() == dict(adaln_continuous=2, adaln_zero=2, gelu=3, joint_block=2, rms_norm=10)
     with ldmopt.use_backend("torch"):
         assert_outputs_close(_run(model, kwargs), ref, name="sd3.5")
+
+
+@pytest.mark.parametrize("name,processors", [("animatediff", 26), ("svd", 10), ("modelscope", 22)])
+def test_temporal_attention_alone_the_measured_video_recommendation(name, processors):
+    # The README's advice for video models (the processor alone measured fastest on an H200, 2026-12-04): only the
+    # temporal attention modules (both attn1 and attn2 of a motion block) get ldmopt's processor; the rest stays stock.
+    model, fn, kwargs = _zoo(name)
+    ref = _run(fn, kwargs)
+    before = snapshot(model)
+    report = ldmopt.patch(model, families=("temporal_attention",))
+    assert report.families == ("temporal_attention",)
+    assert report.counts() == {"temporal_attention": processors}, report.counts()
+    with ldmopt.use_backend("torch"):
+        out = _run(fn, kwargs)
+    assert_outputs_close(out, ref, name=name)
+    assert not [r for r in report.fallbacks() if "processor" in r], report.fallbacks()
+    assert ldmopt.unpatch(model) == report.total
+    assert_same_snapshot(before, snapshot(model))
