@@ -27,8 +27,24 @@ def _scaled_add_kernel(out_ptr, x_ptr, y_ptr, n, alpha, KEY_N, DOUBLE: tl.conste
 
 
 def _autotuned(pre_hook=None):
-    configs = [triton.Config({"BLOCK": 16}, pre_hook=pre_hook), triton.Config({"BLOCK": 32}, pre_hook=pre_hook)]
+    configs = [
+        triton.Config({"BLOCK": 16}, num_warps=4, num_stages=3, pre_hook=pre_hook),
+        triton.Config({"BLOCK": 32}, num_warps=2, num_stages=1, pre_hook=pre_hook),  # the benchmark's winner
+    ]
     return triton.autotune(configs=configs, key=["KEY_N", "DOUBLE"])(_scaled_add_kernel)
+
+
+def _record_launches(monkeypatch, tuner) -> list[dict]:
+    """The keyword arguments (constexprs and launch options) of each launch of the tuner's kernel."""
+    launches = []
+    stock_run = tuner.fn.run
+
+    def run(*args, **kwargs):
+        launches.append(kwargs)
+        return stock_run(*args, **kwargs)
+
+    monkeypatch.setattr(tuner.fn, "run", run)
+    return launches
 
 
 class _Counting:
@@ -65,8 +81,16 @@ def test_a_tuned_key_skips_the_autotuner_and_launches_its_choice(monkeypatch):
     x = torch.randn(200)
     key = launch.key((x, x, x, 200, 0.75, 3), {"DOUBLE": False})
     assert key in tuner.cache and launch.chosen((x, x, x, 200, 0.75, 3), {"DOUBLE": False}) is tuner.best_config
+    launches = _record_launches(monkeypatch, tuner)
     _call(launch, 211, False)  # same key (KEY_N 3): the autotuner's choice, launched directly
     assert counting.runs == 1
+    # the winning config with all its launch options, as Autotuner.run would launch it
+    assert len(launches) == 1 and {k: launches[0][k] for k in ("BLOCK", "num_warps", "num_stages")} == {
+        "BLOCK": 32,
+        "num_warps": 2,
+        "num_stages": 1,
+    }
+    assert tuner.best_config is tuner.cache[key]
     _call(launch, 200, True)  # another key: tuned first
     _call(launch, 200, False, dtype=torch.float16)  # another dtype: another key
     assert counting.runs == 3
@@ -85,6 +109,16 @@ def test_the_autotuners_cache_decides(monkeypatch):
     assert counting.runs == 2
 
 
+def test_a_triton_keyed_otherwise_keeps_the_fast_path_off(monkeypatch):
+    tuner = _autotuned()
+    counting = _Counting(monkeypatch, tuner)
+    launch = TunedLaunch(tuner)
+    monkeypatch.setattr(TunedLaunch, "key", lambda self, args, kwargs: ("not", "the", "autotuner's"))
+    for _ in range(3):
+        _call(launch, 100, False)
+    assert launch._keys_match is False and counting.runs == 3
+
+
 def test_configs_with_a_pre_hook_always_go_through_the_autotuner(monkeypatch):
     hooked = []
     tuner = _autotuned(pre_hook=lambda nargs: hooked.append(1))
@@ -101,13 +135,17 @@ def test_tuned_launch_is_made_once_per_autotuner_and_passes_other_kernels_throug
     assert tuned_launch(_scaled_add_kernel) is _scaled_add_kernel
 
 
-@pytest.mark.parametrize("kernel", ["linear", "gn_conv2d"])
+@pytest.mark.parametrize("kernel", ["linear", "geglu", "gn_conv2d"])
 def test_the_key_is_the_autotuners_at_a_real_launch(monkeypatch, kernel):
     # The key formed from positions equals the one Autotuner.run forms from its dicts, at the launchers' real calls.
     from ldmopt.ops import gn_silu_conv2d
     from ldmopt.ops import linear as fused_linear
 
-    tuner = linear._linear_fwd_tuned if kernel == "linear" else gn_conv2d._gn_conv2d_fwd_kernel
+    tuner = {
+        "linear": linear._linear_fwd_tuned,
+        "geglu": geglu._geglu_fwd_tuned,
+        "gn_conv2d": gn_conv2d._gn_conv2d_fwd_kernel,
+    }[kernel]
     seen = []
     stock_run = Autotuner.run
 
@@ -118,7 +156,11 @@ def test_the_key_is_the_autotuners_at_a_real_launch(monkeypatch, kernel):
             named = {k: v for k, v in all_args.items() if k in self_.arg_names}
             expected = [named[k] for k in self_.keys if k in named]
             expected += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
-            seen.append((TunedLaunch(self_).key(args, launch_kwargs), tuple(expected)))
+            mine = TunedLaunch(self_).key(args, launch_kwargs)
+            out = stock_run(self_, *args, **kwargs)
+            # the key the autotuner itself stored (the cache was emptied): Triton's own, not a copy of its formula
+            seen.append((mine, tuple(expected), set(self_.cache)))
+            return out
         return stock_run(self_, *args, **kwargs)
 
     monkeypatch.setattr(Autotuner, "run", run)
@@ -128,7 +170,9 @@ def test_the_key_is_the_autotuners_at_a_real_launch(monkeypatch, kernel):
     monkeypatch.setattr(tuner, "_bench", lambda *args, config, **kwargs: [1.0, 1.0, 1.0])
 
     with ldmopt.use_backend("triton"):
-        if kernel == "linear":
+        if kernel == "geglu":
+            ldmopt.ops.geglu(torch.randn(2, 5, 24), torch.randn(32, 24), torch.randn(32))
+        elif kernel == "linear":
             x = torch.randn(2, 5, 24)
             fused_linear(
                 x, torch.randn(16, 24), torch.randn(16), gate=torch.randn(2, 16), residual=torch.randn(2, 5, 16)
@@ -136,4 +180,4 @@ def test_the_key_is_the_autotuners_at_a_real_launch(monkeypatch, kernel):
         else:
             x = torch.randn(2, 8, 5, 7).contiguous(memory_format=torch.channels_last)
             gn_silu_conv2d(x, torch.randn(8), torch.randn(8), 4, 1e-5, torch.randn(6, 8, 3, 3), torch.randn(6), 1, 1)
-    assert seen and all(mine == expected for mine, expected in seen), seen
+    assert seen and all(mine == expected and cached == {mine} for mine, expected, cached in seen), seen
