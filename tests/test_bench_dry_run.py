@@ -471,10 +471,9 @@ else:  # -m pytest: ~450 rows through the real recorder
 """
 
 
-def test_run_gpu_script(tmp_path):
-    """run_gpu.sh end to end with its stages stubbed: a check stopped at its cap keeps what it printed and is
-    reported TIMED OUT, the benchmarks keep their reserved time, at most 8 files land in $OUT (the device tool returns
-    no more), and the summary printed last fits the 12,000-character output tail, the correctness totals last."""
+def _fake_run_env(tmp_path, **knobs: str) -> tuple[dict, Path]:
+    """The environment for run_gpu.sh with its python faked (stages stubbed) and ``knobs`` (LDMOPT_* variables), and
+    its $OUT folder."""
     stub, fake = tmp_path / "stages.py", tmp_path / "python"
     stub.write_text(_STUB_STAGES)
     fake.write_text(_FAKE_PYTHON.format(python=sys.executable, stub=stub))
@@ -482,9 +481,17 @@ def test_run_gpu_script(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LDMOPT_", "PYTHONUNBUFFERED"))}
-    env |= {"OUT": str(out), "PYTHON": str(fake), "TMPDIR": str(tmp_path), "LDMOPT_RUN_BUDGET": "36",
-            "LDMOPT_BENCH_RESERVE": "24", "LDMOPT_CHECK_SHARDS": "2",
-            "LDMOPT_BENCH_FILES": " benchmarks/bench_e2e.py  benchmarks/bench_linear.py"}  # fmt: skip
+    return env | {"OUT": str(out), "PYTHON": str(fake), "TMPDIR": str(tmp_path), **knobs}, out
+
+
+def test_run_gpu_script(tmp_path):
+    """run_gpu.sh end to end with its stages stubbed: a check stopped at its cap keeps what it printed and is
+    reported TIMED OUT, the benchmarks keep their reserved time, at most 8 files land in $OUT (the device tool returns
+    no more), and the summary printed last fits the 12,000-character output tail, the correctness totals last."""
+    env, out = _fake_run_env(
+        tmp_path, LDMOPT_RUN_BUDGET="36", LDMOPT_BENCH_RESERVE="24", LDMOPT_CHECK_SHARDS="2",
+        LDMOPT_BENCH_FILES=" benchmarks/bench_e2e.py  benchmarks/bench_linear.py",
+    )  # fmt: skip
     run = subprocess.run(
         ["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
@@ -521,16 +528,10 @@ def test_run_gpu_script(tmp_path):
 def test_run_gpu_script_follow_up_run_profiles_first(tmp_path):
     """A follow-up run (no check shards, chosen benchmark files) has the time before the benchmarks' reserve for the
     host and model profiles, which land in profiles.txt."""
-    stub, fake = tmp_path / "stages.py", tmp_path / "python"
-    stub.write_text(_STUB_STAGES)
-    fake.write_text(_FAKE_PYTHON.format(python=sys.executable, stub=stub))
-    fake.chmod(0o755)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LDMOPT_", "PYTHONUNBUFFERED"))}
-    env |= {"OUT": str(out), "PYTHON": str(fake), "TMPDIR": str(tmp_path), "LDMOPT_RUN_BUDGET": "90",
-            "LDMOPT_BENCH_RESERVE": "20", "LDMOPT_CHECK_SHARDS": "0", "LDMOPT_PROFILE_MODELS": "sd15 dit",
-            "LDMOPT_BENCH_FILES": "benchmarks/bench_e2e.py"}  # fmt: skip
+    env, out = _fake_run_env(
+        tmp_path, LDMOPT_RUN_BUDGET="90", LDMOPT_BENCH_RESERVE="20", LDMOPT_CHECK_SHARDS="0",
+        LDMOPT_PROFILE_MODELS="sd15 dit", LDMOPT_BENCH_FILES="benchmarks/bench_e2e.py",
+    )  # fmt: skip
     run = subprocess.run(
         ["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
@@ -546,13 +547,8 @@ def test_run_gpu_script_stops_its_stages_when_stopped(tmp_path):
     """TERM to run_gpu.sh (the device tool stopping it) stops the stages too: each runs under a timeout in a process
     group of its own, which a kill of the script's group would not reach, and a check or benchmark left running
     would hold the GPU past the run."""
-    stub, fake = tmp_path / "stages.py", tmp_path / "python"
-    stub.write_text(_STUB_STAGES)
-    fake.write_text(_FAKE_PYTHON.format(python=sys.executable, stub=stub))
-    fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LDMOPT_", "PYTHONUNBUFFERED"))}
-    env |= {"OUT": str(tmp_path / "out"), "PYTHON": str(fake), "TMPDIR": str(tmp_path), "LDMOPT_RUN_BUDGET": "200",
-            "LDMOPT_BENCH_RESERVE": "24", "LDMOPT_CHECK_SHARDS": "2"}  # fmt: skip
+    env, _ = _fake_run_env(tmp_path, LDMOPT_RUN_BUDGET="200", LDMOPT_BENCH_RESERVE="24", LDMOPT_CHECK_SHARDS="2")
+    stub = tmp_path / "stages.py"
 
     def running_stages() -> list[str]:
         ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout

@@ -98,21 +98,24 @@ def test_a_tuned_key_skips_the_autotuner_and_launches_its_choice(monkeypatch):
     assert counting.runs == 3
 
 
-def test_the_autotuners_cache_decides(monkeypatch):
-    # A cleared cache (or configs replaced, as tests do) must tune again, never launch a stale choice.
+@pytest.fixture
+def fresh(monkeypatch):
+    """(autotuner, its Autotuner.run counter, its TunedLaunch), untuned."""
     tuner = _autotuned()
-    counting = _Counting(monkeypatch, tuner)
-    launch = TunedLaunch(tuner)
+    return tuner, _Counting(monkeypatch, tuner), TunedLaunch(tuner)
+
+
+def test_the_autotuners_cache_decides(fresh):
+    # A cleared cache (or configs replaced, as tests do) must tune again, never launch a stale choice.
+    tuner, counting, launch = fresh
     _call(launch, 100, False)
     tuner.cache.clear()
     _call(launch, 100, False)
     assert counting.runs == 2
 
 
-def test_a_triton_keyed_otherwise_keeps_the_fast_path_off(monkeypatch):
-    tuner = _autotuned()
-    counting = _Counting(monkeypatch, tuner)
-    launch = TunedLaunch(tuner)
+def test_a_triton_keyed_otherwise_keeps_the_fast_path_off(monkeypatch, fresh):
+    _, counting, launch = fresh
     monkeypatch.setattr(TunedLaunch, "key", lambda self, args, kwargs: ("not", "the", "autotuner's"))
     for _ in range(3):
         _call(launch, 100, False)
