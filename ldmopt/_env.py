@@ -24,10 +24,17 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dynamo_constant(fn):
+    """``fn`` marked constant to Dynamo as torch.compiler.assume_constant_result marks it (torch 2.11 to 2.14): called
+    once while tracing, its result baked into the graph. That function imports torch._dynamo, and Triton with it: not
+    at ldmopt's import."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _constant_probe(fn):
-    """functools.cache for a probe without arguments, marked constant to Dynamo as torch.compiler.assume_constant_result
-    marks it (that function imports torch._dynamo, and Triton with it: not at ldmopt's import). A plain function:
-    Dynamo traces past a functools.cache wrapper (with a warning) and would then trace the import inside."""
+    """functools.cache for a probe without arguments, marked :func:`dynamo_constant`. A plain function: Dynamo traces
+    past a functools.cache wrapper (with a warning) and would then trace the import inside."""
     results = []
 
     @functools.wraps(fn)
@@ -37,8 +44,7 @@ def _constant_probe(fn):
         return results[0]
 
     probe.cache_clear = results.clear
-    probe._dynamo_marked_constant = True
-    return probe
+    return dynamo_constant(probe)
 
 
 @_constant_probe

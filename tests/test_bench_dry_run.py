@@ -571,3 +571,13 @@ def test_run_gpu_script_stops_its_stages_when_stopped(tmp_path):
         script.kill()
         for line in running_stages():
             os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+def test_profile_host_splits_a_call_by_function_on_the_cpu(capsys):
+    from benchmarks import profile_host
+
+    assert profile_host.main(["--calls", "3", "--top", "3", "--case", "geglu", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== geglu\nldmopt: ") and "\neager: " in out, out
+    rows = out.split("calls/call  function\n")[1].strip().splitlines()
+    assert len(rows) == 3 and all(float(row.split()[0]) >= 0 for row in rows), out

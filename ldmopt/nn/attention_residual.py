@@ -34,8 +34,8 @@ MIRRORED_PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0")
 
 
 def _mirrored(processor: object) -> bool:
-    # by module and name, not by importing the classes: dynamo before torch 2.12 cannot trace an import from
-    # diffusers' lazy modules (a graph break under fullgraph=True)
+    # by module and name, not by importing the classes: dynamo in torch 2.11 (the GPU image's) cannot trace an import
+    # from diffusers' lazy modules (a graph break under fullgraph=True)
     kind = type(processor)
     return kind.__module__ == "diffusers.models.attention_processor" and kind.__name__ in MIRRORED_PROCESSORS
 

@@ -25,8 +25,8 @@ def autocast_operands(x: Tensor, *others: Tensor | None) -> tuple[Tensor | None,
 
 def autocast_enabled(device_type: str) -> bool:
     """torch.is_autocast_enabled for devices that have autocast (it raises for meta tensors: the cost model's).
-    cuda and cpu skip torch.amp.is_autocast_available: dynamo before torch 2.12 cannot trace it (a graph break under
-    fullgraph=True)."""
+    cuda and cpu skip torch.amp.is_autocast_available: dynamo in torch 2.11 (the GPU image's) cannot trace it (a graph
+    break under fullgraph=True)."""
     if device_type in ("cuda", "cpu"):
         return torch.is_autocast_enabled(device_type)
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)

@@ -100,13 +100,10 @@ def _resolve_now(op_name: str) -> tuple[str | None, bool]:
 _DYNAMO_CANNOT_READ_CONTEXTVARS = torch.torch_version.TorchVersion(torch.__version__) < (2, 14)
 
 
+# its own function, so that _resolve_now stays traced (and guarded) on 2.14
+@_env.dynamo_constant
 def _resolve_at_trace_time(op_name: str) -> tuple[str | None, bool]:
     return _resolve_now(op_name)
-
-
-# What torch.compiler.assume_constant_result sets (torch 2.11 to 2.14), here without importing torch._dynamo (and
-# Triton with it) at ldmopt's import; on its own function, so that _resolve_now stays traced (and guarded) on 2.14.
-_resolve_at_trace_time._dynamo_marked_constant = True
 
 
 def forced_backend(op_name: str) -> str | None:
