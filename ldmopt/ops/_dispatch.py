@@ -56,6 +56,19 @@ def count_bounded(counter: Counter, key: object) -> None:
     counter[key] += 1
 
 
+def snapshot_counts(counter: dict) -> dict:
+    """A copy of a counter other threads may be adding keys to. ``dict.copy`` copies in C without running Python
+    code between items; ``list(counter.items())`` builds a tuple per item, and that allocation may run the garbage
+    collector, whose finalizers let another thread in mid-iteration (seen in CI as 'dictionary changed size during
+    iteration'). A copy that still sees a change raises RuntimeError and is retried."""
+    for _ in range(64):
+        try:
+            return dict.copy(counter)
+        except RuntimeError:
+            continue
+    return dict.copy(counter)
+
+
 class BackendUnavailableError(RuntimeError):
     """A forced backend cannot serve these inputs; the message lists every reason."""
 

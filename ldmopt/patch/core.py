@@ -417,7 +417,7 @@ def patch(
     no-op, a module that several components share is patched once, a rule that raises leaves every model of the
     call as it was, and ``unpatch`` restores module types, forwards, processors and state_dict exactly.
     """
-    from ..ops._dispatch import backend_counts
+    from ..ops._dispatch import backend_counts, snapshot_counts
 
     if families is None:
         selected = frozenset(FAMILIES)
@@ -431,7 +431,7 @@ def patch(
     report = PatchReport(
         families=tuple(f for f in FAMILIES if f in selected and f in available),
         descriptions={r.name: r.description for r in _rules()},
-        _counts_at_patch=backend_counts.copy(),
+        _counts_at_patch=snapshot_counts(backend_counts),
         _fallbacks_at_patch=fallback_counts(),
         _layout_copies_at_patch=layout_copy_counts(),
     )

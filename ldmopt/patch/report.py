@@ -6,6 +6,8 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..ops._dispatch import snapshot_counts
+
 
 @dataclass(frozen=True)
 class Replaced:
@@ -70,7 +72,7 @@ class PatchReport:
         from ..ops._dispatch import backend_counts
 
         out: dict[str, dict[str, int]] = {}
-        for (op, backend), n in sorted(backend_counts.items()):
+        for (op, backend), n in sorted(snapshot_counts(backend_counts).items()):
             delta = n - self._counts_at_patch.get((op, backend), 0)
             if delta > 0:
                 out.setdefault(op, {})[backend] = delta
@@ -90,7 +92,7 @@ class PatchReport:
         before = self._fallbacks_at_patch
         out = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
         for proc in self._counters:
-            for reason, n in list(getattr(proc, "fallback_reasons", {}).items()):
+            for reason, n in snapshot_counts(getattr(proc, "fallback_reasons", {})).items():
                 key = f"{type(proc).__name__} ran the stock processor: {reason}"
                 out[key] = out.get(key, 0) + n
         return out
@@ -174,16 +176,16 @@ def layout_copy_counts() -> Counter:
     """{description: count} of the layout copies the fused modules loaded so far made before fusing."""
     out: Counter = Counter()
     for module_name, prefix in _LAYOUT_COUNTERS:
-        for what, n in list((getattr(sys.modules.get(module_name), "layout_conversions", None) or {}).items()):
+        for what, n in snapshot_counts(getattr(sys.modules.get(module_name), "layout_conversions", None) or {}).items():
             out[f"{prefix}{what}"] += n
     return out
 
 
 def fallback_counts() -> Counter:
     """{description: count} from the fall-back counters of the ldmopt modules loaded so far. Each counter is copied
-    in one step first (list() of its items, under the GIL): other threads may be adding keys while it is read."""
+    first (snapshot_counts): other threads may be adding keys while it is read."""
     out: Counter = Counter()
     for module_name, attr, describe in _FALLBACK_COUNTERS:
-        for key, n in list((getattr(sys.modules.get(module_name), attr, None) or {}).items()):
+        for key, n in snapshot_counts(getattr(sys.modules.get(module_name), attr, None) or {}).items():
             out[describe(key)] += n
     return out
