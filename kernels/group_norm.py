@@ -3,9 +3,10 @@
 Layout: x is addressed as (N, C, S) with arbitrary strides, S = product of spatial dims (F*H*W), so one kernel
 serves contiguous and channels-last inputs (Triton specialises the unit stride). Dtypes fp32/fp16/bf16 in and out;
 statistics, mean/rstd and all accumulation in fp32; offsets in int64.
-Algorithm: (1) per-(n, chunk, c) Welford partials over S-chunks, (2) Chan-merge them per (n, group) into mean/rstd,
-(3) one elementwise pass y = act(x * a + b) with a = w * rstd, b = bias - a * mean. Groups of at most
-_ONEPASS_MAX_GROUP elements take a single launch instead: one program per (n, group) does both passes.
+Algorithm: (1) per-(n, chunk, c) Welford partials over S-chunks (per-element accumulators in the loop, merged
+across rows once at the end), (2) Chan-merge them per (n, group) into mean/rstd, (3) one elementwise pass
+y = act(x * a + b) with a = w * rstd, b = bias - a * mean. Groups of at most _ONEPASS_MAX_GROUP elements take a single
+launch instead: one program per (n, group) does both passes.
 """
 
 from __future__ import annotations
@@ -66,22 +67,41 @@ def _tile_index(n_cblocks, n_outer, C, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _welford_merge(count, mean, m2, x, mask, n_b):
-    """Merge a [rows, cols] tile (masked, n_b valid rows) into per-column (count, mean, m2) (Chan et al.).
+def _welford_step(mean, m2, x, mask, inv_count):
+    """One more value per element of a [rows, cols] tile of running (mean, m2) accumulators, where mask; every
+    element that takes a value this step has seen the same number of them, so 1 / count is one scalar. Per-element
+    accumulators keep the loop free of cross-thread reductions (each costs shared-memory round trips and barriers
+    between one tile's load and the next), and Welford's update stays exact for |mean| >> std, where the fp32 sum of
+    squares would lose the variance (with x shifted near its mean first: see _first_row)."""
+    delta = x - mean
+    new_mean = mean + delta * inv_count
+    new_m2 = m2 + delta * (x - new_mean)
+    return tl.where(mask, new_mean, mean), tl.where(mask, new_m2, m2)
 
-    The tile's moments by the corrected two-pass formula: the fp32 mean of large values (|mean| >> std) is off by a
-    rounding error d, which would add n_b * d^2 to m2; the residual sum of the centred values measures d exactly
-    enough to remove it (and to correct the mean)."""
-    b_mean = tl.sum(x, axis=0) / n_b
-    centred = tl.where(mask, x - b_mean[None, :], 0.0)
-    residual = tl.sum(centred, axis=0)
-    b_m2 = tl.maximum(tl.sum(centred * centred, axis=0) - residual * residual / n_b, 0.0)
-    b_mean += residual / n_b
-    total = count + n_b
-    delta = b_mean - mean
-    mean += delta * (n_b / total)
-    m2 += b_m2 + delta * delta * (count * n_b / total)
-    return total, mean, m2
+
+@triton.jit
+def _merge_rows(mean, m2, row_count):
+    """Per-column (mean, m2) of a [rows, cols] tile of per-element accumulators, row r having seen row_count[r]
+    values (Chan et al.: the count-weighted mean, then each row's m2 plus its spread around that mean)."""
+    total = tl.maximum(tl.sum(row_count, axis=0), 1.0)
+    col_mean = tl.sum(mean * row_count[:, None], axis=0) / total
+    d = mean - col_mean[None, :]
+    col_m2 = tl.sum(m2 + d * d * row_count[:, None], axis=0)
+    return col_mean, col_m2
+
+
+@triton.jit
+def _first_row(col_ptrs, row_offset, col_mask):
+    """[1, cols] fp32: each column's first value, the shift its accumulators take values relative to: with
+    |mean| >> std the running mean then holds the spread, not the mean's own fp32 rounding (ulp(1e3) = 6e-5)."""
+    return tl.load(col_ptrs + row_offset, mask=col_mask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows_seen(begin, end, BLOCK_S: tl.constexpr):
+    """How many values row r of a BLOCK_S-row tile stepped over [begin, end) took: ceil((end - begin - r) / BLOCK_S)."""
+    left = tl.maximum(end - begin - tl.arange(0, BLOCK_S), 0)
+    return ((left + BLOCK_S - 1) // BLOCK_S).to(tl.float32)
 
 
 @triton.jit
@@ -105,18 +125,20 @@ def _group_norm_fwd_partial_kernel(
     n, pid_chunk, c, c_mask = _tile_index(n_cblocks, n_chunks, C, BLOCK_C)
     s_begin = pid_chunk * S_PER_PROG
     s_end = tl.minimum(s_begin + S_PER_PROG, S)
-    x_base = x_ptr + n * stride_xn
+    x_base = x_ptr + n * stride_xn + c[None, :].to(tl.int64) * stride_xc
 
-    count = tl.zeros([BLOCK_C], dtype=tl.float32)
-    mean = tl.zeros([BLOCK_C], dtype=tl.float32)
-    m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    shift = _first_row(x_base, s_begin * stride_xs, c_mask)
+    mean = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    steps = 0.0
     for s0 in range(s_begin, s_end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         mask = (s < s_end)[:, None] & c_mask[None, :]
-        offs = s[:, None].to(tl.int64) * stride_xs + c[None, :].to(tl.int64) * stride_xc
-        x = tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32)
-        n_b = tl.minimum(s_end - s0, BLOCK_S).to(tl.float32)
-        count, mean, m2 = _welford_merge(count, mean, m2, x, mask, n_b)
+        x = tl.load(x_base + s[:, None].to(tl.int64) * stride_xs, mask=mask, other=0.0).to(tl.float32)
+        steps += 1.0
+        mean, m2 = _welford_step(mean, m2, x - shift, mask, 1.0 / steps)
+    mean, m2 = _merge_rows(mean, m2, _rows_seen(s_begin, s_end, BLOCK_S))
+    mean += tl.reshape(shift, [BLOCK_C])
     out = (n * n_chunks + pid_chunk) * C_total + c_offset + c
     tl.store(part_mean_ptr + out, mean, mask=c_mask)
     tl.store(part_m2_ptr + out, m2, mask=c_mask)
@@ -244,14 +266,18 @@ def _group_norm_fwd_onepass_kernel(
     c64 = (g * cpg + j)[None, :].to(tl.int64)
     x_base = x_ptr + n * stride_xn + c64 * stride_xc
     y_base = y_ptr + n * stride_yn + c64 * stride_yc
-    count = tl.zeros([BLOCK_CPG], dtype=tl.float32)
-    mean = tl.zeros([BLOCK_CPG], dtype=tl.float32)
-    m2 = tl.zeros([BLOCK_CPG], dtype=tl.float32)
+    shift = _first_row(x_base, 0, j_mask)
+    mean = tl.zeros([BLOCK_S, BLOCK_CPG], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_S, BLOCK_CPG], dtype=tl.float32)
+    steps = 0.0
     for s0 in range(0, S, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         mask = (s < S)[:, None] & j_mask[None, :]
         x = tl.load(x_base + s[:, None].to(tl.int64) * stride_xs, mask=mask, other=0.0).to(tl.float32)
-        count, mean, m2 = _welford_merge(count, mean, m2, x, mask, tl.minimum(S - s0, BLOCK_S).to(tl.float32))
+        steps += 1.0
+        mean, m2 = _welford_step(mean, m2, x - shift, mask, 1.0 / steps)
+    mean, m2 = _merge_rows(mean, m2, _rows_seen(0, S, BLOCK_S))
+    mean += tl.reshape(shift, [BLOCK_CPG])
     # Every channel saw S values: the group mean is the mean of channel means.
     mean = tl.where(j_mask, mean, 0.0)
     group_mean = tl.sum(mean, axis=0) / cpg

@@ -62,8 +62,10 @@ def _group_norm_bwd_partial_kernel(
     s_begin = pid_chunk * S_PER_PROG
     s_end = tl.minimum(s_begin + S_PER_PROG, S)
     c64 = c[None, :].to(tl.int64)
-    sum_dz = tl.zeros([BLOCK_C], dtype=tl.float32)
-    sum_dzxhat = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # Per-element sums, reduced across rows once after the loop: a reduction per tile would put shared-memory
+    # round trips and barriers between one tile's loads and the next.
+    sum_dz = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    sum_dzxhat = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     for s0 in range(s_begin, s_end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         mask = (s < s_end)[:, None] & c_mask[None, :]
@@ -73,11 +75,11 @@ def _group_norm_bwd_partial_kernel(
         dz = ACTIVATION_GRAD(x * scale[None, :] + shift[None, :], dy.to(tl.float32))
         dz = tl.where(mask, dz, 0.0)
         xhat = (x - mean[None, :]) * rstd[None, :]
-        sum_dz += tl.sum(dz, axis=0)
-        sum_dzxhat += tl.sum(dz * xhat, axis=0)
+        sum_dz += dz
+        sum_dzxhat += dz * xhat
     out = (n * n_chunks + pid_chunk) * C + c
-    tl.store(part_dz_ptr + out, sum_dz, mask=c_mask)
-    tl.store(part_dzxhat_ptr + out, sum_dzxhat, mask=c_mask)
+    tl.store(part_dz_ptr + out, tl.sum(sum_dz, axis=0), mask=c_mask)
+    tl.store(part_dzxhat_ptr + out, tl.sum(sum_dzxhat, axis=0), mask=c_mask)
 
 
 @triton.jit

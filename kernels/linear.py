@@ -234,8 +234,9 @@ def _linear_bwd_kernel(
         g = tl.load(gate_ptr + sample * stride_gb + rn64 * stride_gn, mask=n_ok, other=0.0).to(tl.float32)
     t_begin = chunk * ROWS_PER_PROG
     t_end = tl.minimum(t_begin + ROWS_PER_PROG, T)
-    sum_dz = tl.zeros([BLOCK_N], dtype=tl.float32)
-    sum_dg = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Per-element sums, reduced across rows once after the loop (no barrier between one tile's loads and the next).
+    sum_dz = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sum_dg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t0 in range(t_begin, t_end, BLOCK_M):
         t = t0 + tl.arange(0, BLOCK_M)
         mask = (t < t_end)[:, None] & n_ok[None, :]
@@ -247,16 +248,16 @@ def _linear_bwd_kernel(
         else:
             z = dy
         if NEED_DGATE:
-            sum_dg += tl.sum(tl.where(mask, dy * ACTIVATION(z), 0.0), axis=0)
+            sum_dg += tl.where(mask, dy * ACTIVATION(z), 0.0)
         if HAS_GATE:
             dy = dy * g[None, :]
         dz = tl.where(mask, ACTIVATION_GRAD(z, dy), 0.0)
-        sum_dz += tl.sum(dz, axis=0)
+        sum_dz += dz
         tl.store(dz_ptr + rows[:, None] * N + rn[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
     out = (sample * n_chunks + chunk) * N + rn
-    tl.store(part_db_ptr + out, sum_dz, mask=n_ok)
+    tl.store(part_db_ptr + out, tl.sum(sum_dz, axis=0), mask=n_ok)
     if NEED_DGATE:
-        tl.store(part_dg_ptr + out, sum_dg, mask=n_ok)
+        tl.store(part_dg_ptr + out, tl.sum(sum_dg, axis=0), mask=n_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers

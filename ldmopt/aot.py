@@ -1,7 +1,7 @@
 """Ahead-of-time compile gate: every Triton kernel compiles for sm_80 and sm_90 without a GPU, with no register
 spills and shared memory within the target's limit. Each record also names the tensor-core instruction the compiler
-chose (wgmma / mma.sync) and the widest global load (16 bytes for a vectorised streaming kernel), which the tests
-check per kernel family.
+chose (wgmma / mma.sync), the widest global load (16 bytes for a vectorised streaming kernel) and the most barriers in
+one loop body (none for a streaming statistics loop), which the tests check per kernel family.
 
 Each module of ``ldmopt.kernels`` exposes ``aot_specs()``: representative configurations (signature, constexprs,
 num_warps, num_stages, and the divisibility Triton specialises at run time: ``attrs`` or ``divisible_by_16``).
@@ -43,6 +43,9 @@ class CompileRecord:
     #: the widest global-memory read one thread issues, in bytes (ld.global or cp.async): 16 is a full 128-bit
     #: vector; 2 or 4 for fp16 data means scalar loads, several times the instructions for the same bytes
     load_bytes: int = 0
+    #: the most barriers (bar.sync) in one loop body: a reduction that crosses warps on every tile puts shared-memory
+    #: round trips and barriers between one tile's loads and the next; streaming statistics loops should have none
+    loop_barriers: int = 0
 
 
 def kernel_modules() -> list[str]:
@@ -102,6 +105,22 @@ def widest_global_load(ptx: str) -> int:
     return max(widths, default=0)
 
 
+_LOOP_HEADER = re.compile(r"^(\$\w+):\s*//.*Loop Header", re.MULTILINE)
+
+
+def loop_barriers(ptx: str) -> int:
+    """The most ``bar.sync`` / ``barrier.sync`` instructions between a loop's header label (LLVM marks it "Loop
+    Header") and the last branch back to it, over the loops of the PTX."""
+    most = 0
+    for header in _LOOP_HEADER.finditer(ptx):
+        label = header.group(1)
+        back_edges = list(re.finditer(rf"\bbra(?:\.uni)?\s+{re.escape(label)};", ptx[header.end() :]))
+        if back_edges:
+            body = ptx[header.end() : header.end() + back_edges[-1].start()]
+            most = max(most, len(re.findall(r"\b(?:bar|barrier)\.sync\b", body)))
+    return most
+
+
 def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -131,6 +150,7 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     ptx = compiled.asm["ptx"]
     record = CompileRecord(spec["name"], arch, regs, shared, local, not problems, "; ".join(problems))
     record.mma, record.load_bytes = tensor_core_instruction(ptx), widest_global_load(ptx)
+    record.loop_barriers = loop_barriers(ptx)
     return record
 
 
@@ -155,12 +175,12 @@ def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None
 
 def format_table(records: list[CompileRecord]) -> str:
     width = max([len(r.kernel) for r in records] + [6])
-    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  mma    load(B)  status"]
+    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  mma    load(B)  loop-bar  status"]
     for r in records:
         status = "ok" if r.ok else "FAIL: " + r.problem
         lines.append(
             f"{r.kernel:<{width}}  sm_{r.arch}  {r.registers:5d}  {r.shared_bytes:9d}  {r.spill_bytes:8d}"
-            f"  {r.mma or '-':<5}  {r.load_bytes:7d}  {status}"
+            f"  {r.mma or '-':<5}  {r.load_bytes:7d}  {r.loop_barriers:8d}  {status}"
         )
     return "\n".join(lines)
 

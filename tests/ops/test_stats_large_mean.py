@@ -1,6 +1,8 @@
-"""GroupNorm statistics of fp32 inputs whose mean dwarfs their spread (|mean| / std = 1e5): the Triton kernels take
-each tile's moments by the corrected two-pass formula. A tile mean rounded in fp32 is off by d, which would add
-n * d^2 to the sum of squares and bias rstd low (2e-3 to 2e-2 relative here before the correction).
+"""GroupNorm statistics of fp32 inputs whose mean dwarfs their spread (|mean| / std = 1e5): the Triton statistics
+kernels run Welford's update on values shifted by each channel's first value, and the conv epilogue takes each tile's
+moments by the corrected two-pass formula. A mean rounded in fp32 is off by d, which would add n * d^2 to the sum of
+squares and bias rstd low (2e-3 to 2e-2 relative here without the shift or the correction; 2.4e-3 for unshifted
+per-element Welford accumulators).
 
 Bounds: a few times what the kernels reach now; the fp32 storage of the mean (ulp(1e3) = 6e-5) limits them, as it
 limits PyTorch's own fp32 GPU kernels."""
