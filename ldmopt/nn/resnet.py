@@ -21,12 +21,18 @@ Interface for the patcher (ldmopt/patch/) and for users:
 - ``FusedResnetBlock2D(block)``: an nn.Module that adopts the block's submodules (same parameters, same state_dict
   keys) and runs ``fused_resnet_forward``.
 
-Eval-mode launches: norm1 statistics (2, skipped with ``stats``), conv1 (norm1 + SiLU + [up/down] in the loader; bias,
-time embedding and norm2 statistics in the epilogue), conv2 (norm2 + SiLU in the loader; bias, 1x1 shortcut conv or
-identity residual, / output_scale_factor in the epilogue). Besides those, only the time-embedding projection
-(SiLU + Linear) runs. No aten group_norm or convolution is dispatched. Under torch.autocast an identity residual wider
-than the autocast dtype (fp32 under bf16) is added after conv2, in its own dtype, as diffusers adds it (one more pass,
-and a statistics pass with ``out_stats``), so the output and the residual stream keep diffusers' dtype.
+Statistics hand-over (ldmopt.nn.stats_handover): a block offers its output to the fused GroupNorm that reads it next
+(the next block's norm1, a Transformer2DModel's norm) and, once that consumer has asked for its (groups, eps), sums
+them in conv2's epilogue, so the consumer skips its statistics pass; a block's own norm1 takes what its producer
+offers.
+
+Eval-mode launches: norm1 statistics (2, skipped with ``stats`` or a hand-over), conv1 (norm1 + SiLU + [up/down] in
+the loader; bias, time embedding and norm2 statistics in the epilogue), conv2 (norm2 + SiLU in the loader; bias, 1x1
+shortcut conv or identity residual, / output_scale_factor in the epilogue). Besides those, only the time-embedding
+projection (SiLU + Linear) runs. No aten group_norm or convolution is dispatched. Under torch.autocast an identity
+residual wider than the autocast dtype (fp32 under bf16) is added after conv2, in its own dtype, as diffusers adds it
+(one more pass, and a statistics pass with ``out_stats``), so the output and the residual stream keep diffusers'
+dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from torch import Tensor
 from ..ops._autocast import autocast_enabled
 from ..ops._dispatch import call, statistics_source
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, resample_input, same_but_channels
+from . import stats_handover as handover
 from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, tally, unreadable_reason
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
@@ -279,6 +286,8 @@ def fused_resnet_forward(
         if t.dim() == 2 and t.shape[0] == 1 and batch != 1:
             t = t.expand(batch, -1)  # one embedding for the whole batch, broadcast as diffusers' add does (stride 0)
     resample = _resample_kind(block)[0]
+    if stats is None and not isinstance(x, tuple):
+        stats = handover.take(x, norm1.num_groups, norm1.eps, "ResnetBlock2D.norm1")
     h, h_stats = gn_silu_conv2d(
         x, norm1.weight, norm1.bias, norm1.num_groups, norm1.eps, block.conv1.weight, block.conv1.bias, 1, 1,
         stats=stats, resample=resample, temb=t, out_stats=(norm2.num_groups, norm2.eps),
@@ -293,12 +302,20 @@ def fused_resnet_forward(
         # it to the autocast dtype first, so then it is added after conv2, as diffusers adds it.
         add_after = autocast_would_round(residual)
         around = {} if add_after else {"residual": residual, "residual_resample": resample}
+    # Statistics of the output for the GroupNorm after this block, when its consumer asked for them (stats_handover)
+    handing = handover.wanted(block, h) if out_stats is None and not add_after else None
     y = gn_silu_conv2d(
         h, norm2.weight, norm2.bias, norm2.num_groups, norm2.eps, block.conv2.weight, block.conv2.bias, 1, 1,
         stats=h_stats, output_scale=1.0 if add_after else block.output_scale_factor,
-        out_stats=None if add_after else out_stats, **around,
+        out_stats=None if add_after else out_stats or handing, **around,
     )  # fmt: skip
+    if handing is not None:
+        y, y_stats = y
+        handover.offer(y, block, handing, y_stats)
+        return y
     if not add_after:
+        if out_stats is None:
+            handover.offer(y, block)
         return y
     return _with_out_stats((resample_input(residual, resample) + y) / block.output_scale_factor, out_stats)
 

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import resnet as R
+from ..nn import stats_handover as handover
 from ..nn import temporal_resnet as TR
 from ..nn.child_check import count_stock, hooked, readable
 from ..ops.gn_conv2d import gn_silu_conv2d
@@ -91,9 +92,10 @@ def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tens
     batch, _, height, width = hidden_states.shape
     weight, bias, precision = _proj_in_as_conv(self.proj_in)
     norm = self.norm
+    stats = handover.take(hidden_states, norm.num_groups, norm.eps, "Transformer2DModel.norm")
     h = gn_silu_conv2d(
         hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None,
-        fp32_precision=precision,
+        fp32_precision=precision, stats=stats,
     )  # fmt: skip
     tokens = h.permute(0, 2, 3, 1).reshape(batch, height * width, h.shape[1])
     # What diffusers returns as inner_dim, and later reshapes proj_out's output with: proj_in's output channels for a
@@ -233,9 +235,10 @@ def _spatiotemporal_forward(
     residual = hidden_states
     weight, bias, precision = _proj_in_as_conv(self.proj_in)
     norm = self.norm
+    stats = handover.take(hidden_states, norm.num_groups, norm.eps, "Transformer2DModel.norm")
     h = gn_silu_conv2d(
         hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None,
-        fp32_precision=precision,
+        fp32_precision=precision, stats=stats,
     )  # fmt: skip
     hidden_states = h.permute(0, 2, 3, 1).reshape(batch_frames, height * width, h.shape[1])
     frame_index = torch.arange(num_frames, device=hidden_states.device).repeat(batch_size, 1).reshape(-1)

@@ -163,22 +163,6 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def triton_launches(monkeypatch):
-    """Counts Triton kernel launches (interpreter grid executions)."""
-    from triton.runtime import interpreter
-
-    launches = []
-    original = interpreter.InterpretedFunction.run
-
-    def run(self, *args, **kwargs):
-        launches.append(self.fn.__name__)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
-    return launches
-
-
 def test_eval_forward_dispatches_no_group_norm_or_convolution(triton_launches):
     block = _block(VARIANTS["sd-temb-shortcut"][0])
     x, temb = _inputs(block, 2, 5, torch.float32)

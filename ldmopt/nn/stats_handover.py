@@ -1,0 +1,99 @@
+"""GroupNorm statistics handed from a fused block to the fused GroupNorm that reads its output next.
+
+In a diffusers UNet a ResnetBlock2D's output goes straight into another GroupNorm: the next resnet's ``norm1`` or a
+Transformer2DModel's ``norm``. Each fused consumer would otherwise run its own statistics pass (two launches and a
+full read of the activation) over a tensor whose producer's last convolution could have summed it in its epilogue.
+Diffusers' block code calls the modules one after another, so the hand-over goes beside it, not through it:
+
+- a producer calls :func:`offer` with its output (and, once it knows what its consumer wants, that output's
+  statistics from its epilogue);
+- a consumer calls :func:`take` with its input and its GroupNorm's (groups, eps). It gets the statistics only when
+  its input IS the offered tensor (same object, unmodified since: same ``_version``) and the (groups, eps) match;
+  otherwise it computes them as before. A miss on the offered tensor records the consumer's (groups, eps) for that
+  producer (:func:`wanted`), so from the next call on the producer's epilogue computes exactly those.
+
+So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input
+(the epilogue sums the stored output), and the consumer's backward differentiates through them as its own. Only
+plain eager calls take part (no tracing, compiling, dispatch or function modes, and no inference tensors, which keep
+no version counter: use torch.no_grad rather than torch.inference_mode to have them); each thread has its own slot.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ..ops._dispatch import _no_mode_active
+
+#: How many statistics passes were skipped because a producer handed them over, per consumer kind.
+handed_over: Counter[str] = Counter()
+#: producer module -> the (groups, eps) its output's consumer asked for (learned from a miss)
+_wanted: weakref.WeakKeyDictionary[nn.Module, tuple[int, float]] = weakref.WeakKeyDictionary()
+_local = threading.local()
+
+
+class _Offer(NamedTuple):
+    tensor: weakref.ref
+    version: int
+    producer: weakref.ref
+    config: tuple[int, float] | None
+    stats: tuple[Tensor, Tensor] | None
+
+
+def _eligible(t: Tensor) -> bool:
+    # Inference tensors (torch.inference_mode) keep no version counter: an in-place change between producer and
+    # consumer could not be seen, so they hand nothing over.
+    return (
+        not torch.compiler.is_compiling()
+        and type(t) is Tensor
+        and t.device.type != "meta"
+        and not t.is_inference()
+        and _no_mode_active()
+    )
+
+
+def wanted(producer: nn.Module, out_like: Tensor) -> tuple[int, float] | None:
+    """The (groups, eps) to compute the output statistics for, if the consumer of this producer's output asked for
+    them on an earlier call (and this call takes part: ``out_like`` is a plain eager tensor)."""
+    if not _eligible(out_like):
+        return None
+    return _wanted.get(producer)
+
+
+def offer(out: Tensor, producer: nn.Module, config: tuple[int, float] | None = None, stats=None) -> None:
+    """Make ``out`` (and its ``stats`` for GroupNorm ``config``, if computed) the next consumer's to take."""
+    if not _eligible(out):
+        _local.offer = None
+        return
+    _local.offer = _Offer(weakref.ref(out), out._version, weakref.ref(producer), config, stats)
+
+
+def take(x: Tensor, groups: int, eps: float, consumer: str) -> tuple[Tensor, Tensor] | None:
+    """(mean, rstd) of ``x`` for GroupNorm(groups, eps) if the last offer was ``x`` itself with those statistics;
+    None otherwise (recording, for the producer of ``x``, which statistics to compute next time). The offer is used
+    up either way."""
+    offered = getattr(_local, "offer", None)
+    if offered is None or not isinstance(x, Tensor) or not _eligible(x):
+        return None
+    _local.offer = None
+    if offered.tensor() is not x or x._version != offered.version:
+        return None
+    config = (int(groups), float(eps))
+    if offered.config == config and offered.stats is not None:
+        handed_over[consumer] += 1
+        return offered.stats
+    producer = offered.producer()
+    if producer is not None:
+        _wanted[producer] = config
+    return None
+
+
+def forget() -> None:
+    """Drop this thread's pending offer and every learned request (tests; a model changed under its blocks)."""
+    _local.offer = None
+    _wanted.clear()

@@ -1,0 +1,127 @@
+"""ldmopt.nn.stats_handover: a fused ResnetBlock2D hands its output's GroupNorm statistics (summed in conv2's
+epilogue) to the fused GroupNorm that reads that output next, once the consumer has asked for its (groups, eps); the
+consumer then skips its own statistics pass. A hand-over must never change a result."""
+
+import pytest
+import torch
+
+import ldmopt
+from ldmopt.nn import stats_handover as handover
+from tests.patch import models
+from tests.patch.helpers import assert_outputs_close, output_tensor
+
+pytest.importorskip("diffusers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    handover.forget()
+    handover.handed_over.clear()
+    yield
+    handover.forget()
+
+
+class _Producer(torch.nn.Module):
+    pass
+
+
+def _stats(n=2, g=4):
+    return torch.randn(n, g), torch.rand(n, g) + 0.5
+
+
+def test_take_returns_what_was_offered_for_the_same_tensor_and_config():
+    producer, out, stats = _Producer(), torch.randn(2, 8, 3, 3), _stats()
+    handover.offer(out, producer, (4, 1e-5), stats)
+    got = handover.take(out, 4, 1e-5, "test")
+    assert got is stats and handover.handed_over["test"] == 1
+    assert handover.take(out, 4, 1e-5, "test") is None  # an offer is taken once
+
+
+@pytest.mark.parametrize("change", ["other tensor", "modified in place", "other groups", "other eps"])
+def test_take_refuses_anything_but_the_unmodified_offered_tensor(change):
+    producer, out, stats = _Producer(), torch.randn(2, 8, 3, 3), _stats()
+    handover.offer(out, producer, (4, 1e-5), stats)
+    x, groups, eps = out, 4, 1e-5
+    if change == "other tensor":
+        x = out.clone()
+    elif change == "modified in place":
+        out.add_(1.0)
+    elif change == "other groups":
+        groups = 2
+    else:
+        eps = 1e-6
+    assert handover.take(x, groups, eps, "test") is None
+    assert not handover.handed_over
+    # A consumer that read the offered tensor with other statistics asked for them: the producer computes those next.
+    expected = (groups, eps) if change.startswith("other g") or change.startswith("other e") else None
+    assert handover.wanted(producer, out) == expected
+
+
+def test_nothing_is_handed_over_under_inference_mode_or_tracing():
+    producer = _Producer()
+    with torch.inference_mode():
+        out = torch.randn(2, 8, 3, 3)
+        handover.offer(out, producer, (4, 1e-5), _stats())
+        assert handover.take(out, 4, 1e-5, "test") is None  # inference tensors keep no version counter
+    out = torch.randn(2, 8, 3, 3)
+    handover.offer(out, producer, (4, 1e-5), _stats())
+    seen = []
+
+    def consumer(x):
+        seen.append(handover.take(x, 4, 1e-5, "test"))
+        return x * 2
+
+    torch.jit.trace(consumer, (out,), check_trace=False)
+    assert seen == [None]
+
+
+def _patched_unet(dtype=torch.float32):
+    torch.manual_seed(0)
+    stock = models.sd15_unet().eval().to(dtype)
+    patched = models.sd15_unet().eval().to(dtype)
+    patched.load_state_dict(stock.state_dict())
+    ldmopt.patch(patched)
+    return stock, patched, models.inputs("sd15", stock)
+
+
+def test_patched_unet_hands_statistics_over_from_its_second_call_and_matches_stock(triton_launches):
+    stock, patched, kw = _patched_unet()
+    with torch.no_grad():
+        expected = output_tensor(stock(**kw))
+        first = output_tensor(patched(**kw))
+        assert not handover.handed_over  # the first call learns what each consumer wants
+        partials_first = triton_launches.count("_group_norm_fwd_partial_kernel")
+        triton_launches.clear()
+        second = output_tensor(patched(**kw))
+    # Every Transformer2DModel norm reads a resnet's output; so does the mid block's second resnet... after an
+    # attention block, which hands nothing over. The tiny UNet: 4 transformers, 1 resnet after a resnet.
+    assert handover.handed_over["Transformer2DModel.norm"] == 4, dict(handover.handed_over)
+    assert sum(handover.handed_over.values()) >= 5, dict(handover.handed_over)
+    assert triton_launches.count("_group_norm_fwd_partial_kernel") == partials_first - 5
+    assert_outputs_close(first, expected, name="first call")
+    assert_outputs_close(second, expected, name="with statistics handed over")
+
+
+def test_training_step_with_statistics_handed_over_matches_stock_gradients():
+    stock, patched, kw = _patched_unet()
+    output_tensor(patched(**kw)).float().square().mean().backward()  # learn (grads discarded)
+    patched.zero_grad()
+    handover.handed_over.clear()
+    output_tensor(stock(**kw)).float().square().mean().backward()
+    output_tensor(patched(**kw)).float().square().mean().backward()
+    assert sum(handover.handed_over.values()) >= 5, dict(handover.handed_over)
+    for (name, p_stock), p_patched in zip(stock.named_parameters(), patched.parameters()):
+        if p_stock.grad is None:
+            assert p_patched.grad is None or not p_patched.grad.any(), name
+            continue
+        assert_outputs_close(p_patched.grad, p_stock.grad, name=f"grad {name}")
+
+
+def test_unpatched_model_neither_offers_nor_takes():
+    _, patched, kw = _patched_unet()
+    with torch.no_grad():
+        patched(**kw)
+        ldmopt.unpatch(patched)
+        patched(**kw)
+        patched(**kw)
+    assert not handover.handed_over
