@@ -127,7 +127,7 @@ def _group_norm_fwd_partial_kernel(
     s_end = tl.minimum(s_begin + S_PER_PROG, S)
     x_base = x_ptr + n * stride_xn + c[None, :].to(tl.int64) * stride_xc
 
-    shift = _first_row(x_base, s_begin * stride_xs, c_mask)
+    shift = _first_row(x_base, s_begin.to(tl.int64) * stride_xs, c_mask)  # past 2^31 elements per image
     mean = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     m2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     steps = 0.0

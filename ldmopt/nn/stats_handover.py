@@ -12,10 +12,12 @@ Diffusers' block code calls the modules one after another, so the hand-over goes
   otherwise it computes them as before. A miss on the offered tensor records the consumer's (groups, eps) for that
   producer (:func:`wanted`), so from the next call on the producer's epilogue computes exactly those.
 
-So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input
-(the epilogue sums the stored output), and the consumer's backward differentiates through them as its own. Only
-plain eager calls take part (no tracing, compiling, dispatch or function modes, and no inference tensors, which keep
-no version counter: use torch.no_grad rather than torch.inference_mode to have them); each thread has its own slot.
+So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input (the
+epilogue sums the stored output), and the consumer's backward differentiates through them as its own. Only plain
+eager calls take part (no tracing, compiling, dispatch or function modes, and no inference tensors, which keep no
+version counter: use torch.no_grad rather than torch.inference_mode to have them), on the producer's CUDA stream
+and capture state; each thread has its own slot. Writes PyTorch's version counter does not see (through ``.data``,
+or a NumPy or DLPack alias) between the two modules are the one way to make a hand-over stale.
 """
 
 from __future__ import annotations
@@ -40,9 +42,19 @@ _local = threading.local()
 class _Offer(NamedTuple):
     tensor: weakref.ref
     version: int
+    stream: tuple | None
     producer: weakref.ref
     config: tuple[int, float] | None
     stats: tuple[Tensor, Tensor] | None
+
+
+def _stream_of(t: Tensor) -> tuple | None:
+    """(device, stream, capturing) for a CUDA tensor: statistics made on another stream, or outside a CUDA graph
+    being captured (their addresses would be baked into the graph), are not handed over."""
+    if t.device.type != "cuda":
+        return None
+    stream = torch.cuda.current_stream(t.device)
+    return t.device.index, stream.cuda_stream, torch.cuda.is_current_stream_capturing()
 
 
 def _eligible(t: Tensor) -> bool:
@@ -70,7 +82,10 @@ def offer(out: Tensor, producer: nn.Module, config: tuple[int, float] | None = N
     if not _eligible(out):
         _local.offer = None
         return
-    _local.offer = _Offer(weakref.ref(out), out._version, weakref.ref(producer), config, stats)
+    # Detached: the consumer treats them as constants, and a graph node held here would keep the producer's whole
+    # autograd graph alive until the next offer.
+    stats = None if stats is None else tuple(s.detach() for s in stats)
+    _local.offer = _Offer(weakref.ref(out), out._version, _stream_of(out), weakref.ref(producer), config, stats)
 
 
 def take(x: Tensor, groups: int, eps: float, consumer: str) -> tuple[Tensor, Tensor] | None:
@@ -81,7 +96,7 @@ def take(x: Tensor, groups: int, eps: float, consumer: str) -> tuple[Tensor, Ten
     if offered is None or not isinstance(x, Tensor) or not _eligible(x):
         return None
     _local.offer = None
-    if offered.tensor() is not x or x._version != offered.version:
+    if offered.tensor() is not x or x._version != offered.version or _stream_of(x) != offered.stream:
         return None
     config = (int(groups), float(eps))
     if offered.config == config and offered.stats is not None:

@@ -33,8 +33,18 @@ def test_take_returns_what_was_offered_for_the_same_tensor_and_config():
     producer, out, stats = _Producer(), torch.randn(2, 8, 3, 3), _stats()
     handover.offer(out, producer, (4, 1e-5), stats)
     got = handover.take(out, 4, 1e-5, "test")
-    assert got is stats and handover.handed_over["test"] == 1
+    assert all(a is not None and torch.equal(a, b) for a, b in zip(got, stats)) and handover.handed_over["test"] == 1
     assert handover.take(out, 4, 1e-5, "test") is None  # an offer is taken once
+
+
+def test_offered_statistics_hold_no_autograd_graph():
+    # The consumer treats them as constants; a grad_fn held in the slot would keep the producer's graph alive.
+    producer, out = _Producer(), torch.randn(2, 8, 3, 3)
+    leaf = torch.randn(2, 4, requires_grad=True)
+    handover.offer(out, producer, (4, 1e-5), (leaf * 2, leaf.exp()))
+    mean, rstd = handover.take(out, 4, 1e-5, "test")
+    assert mean.grad_fn is None and rstd.grad_fn is None and not mean.requires_grad
+    torch.testing.assert_close(mean, leaf.detach() * 2)
 
 
 @pytest.mark.parametrize("change", ["other tensor", "modified in place", "other groups", "other eps"])

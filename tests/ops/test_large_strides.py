@@ -214,3 +214,23 @@ def test_temporal_attention(buffer):
     with ldmopt.use_backend("triton"):
         through_op = ops.temporal_attention(q, k, v, scale=scale)
     assert_close(through_op, o64, torch.float16, "temporal attention through the op")
+
+
+def test_group_norm_statistics_of_chunks_past_2_31():
+    # A (1, 2, 16384) map with spatial stride 2^18 (a channels-last view of a huge image): the statistics pass
+    # splits it into 16 chunks of 1024 positions, and chunk k starts k x 2^28 elements in, past 2^31 from k = 8. Each
+    # chunk loads its first row as the Welford shift: that offset must be formed in int64 too.
+    positions, stride = 16384, 2**18
+    try:
+        buf = torch.empty(positions * stride + 64, dtype=torch.float16)
+    except RuntimeError as exc:
+        pytest.skip(f"needs 8 GiB of virtual memory: {exc}")
+    x = buf.as_strided((1, 2, positions), (2, 1, stride))
+    values = (_eighths((1, 2, positions)) + torch.tensor([1.0, -2.0], dtype=torch.float16)[:, None]).to(torch.float16)
+    x.copy_(values)
+    with ldmopt.use_backend("triton"):
+        mean, rstd = torch.ops.ldmopt.gn_conv2d_stats(x, 1, 1e-5)
+    ref = values.double().reshape(1, -1)
+    assert_close(mean, ref.mean(1, keepdim=True).float(), torch.float32, name="mean")
+    assert_close(rstd, torch.rsqrt(ref.var(1, unbiased=False, keepdim=True) + 1e-5).float(), torch.float32, name="rstd")
+    del x, buf
