@@ -286,7 +286,7 @@ def fused_resnet_forward(
         if t.dim() == 2 and t.shape[0] == 1 and batch != 1:
             t = t.expand(batch, -1)  # one embedding for the whole batch, broadcast as diffusers' add does (stride 0)
     resample = _resample_kind(block)[0]
-    if stats is None and not isinstance(x, tuple):
+    if stats is None:
         stats = handover.take(x, norm1.num_groups, norm1.eps, "ResnetBlock2D.norm1")
     h, h_stats = gn_silu_conv2d(
         x, norm1.weight, norm1.bias, norm1.num_groups, norm1.eps, block.conv1.weight, block.conv1.bias, 1, 1,

@@ -93,7 +93,7 @@ def take(x: Tensor, groups: int, eps: float, consumer: str) -> tuple[Tensor, Ten
     None otherwise (recording, for the producer of ``x``, which statistics to compute next time). The offer is used
     up either way."""
     offered = getattr(_local, "offer", None)
-    if offered is None or not isinstance(x, Tensor) or not _eligible(x):
+    if offered is None or not _eligible(x):  # (a tuple, the pair of an up block's skip concat, is not eligible)
         return None
     _local.offer = None
     if offered.tensor() is not x or x._version != offered.version or _stream_of(x) != offered.stream:

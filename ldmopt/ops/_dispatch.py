@@ -57,15 +57,10 @@ def count_bounded(counter: Counter, key: object) -> None:
 
 
 def snapshot_counts(counter: dict) -> dict:
-    """A copy of a counter other threads may be adding keys to. ``dict.copy`` copies in C without running Python
-    code between items; ``list(counter.items())`` builds a tuple per item, and that allocation may run the garbage
-    collector, whose finalizers let another thread in mid-iteration (seen in CI as 'dictionary changed size during
-    iteration'). A copy that still sees a change raises RuntimeError and is retried."""
-    for _ in range(64):
-        try:
-            return dict.copy(counter)
-        except RuntimeError:
-            continue
+    """A copy of a counter other threads may be adding keys to. ``dict.copy`` copies in C, hashing and comparing the
+    counters' str / tuple keys without running Python code, so no other thread runs mid-copy; ``list(counter.items())``
+    builds a tuple per item, and that allocation may run the garbage collector, whose finalizers let another thread
+    in mid-iteration (seen in CI as 'dictionary changed size during iteration')."""
     return dict.copy(counter)
 
 

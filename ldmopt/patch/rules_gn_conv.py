@@ -235,7 +235,7 @@ def _spatiotemporal_forward(
     residual = hidden_states
     weight, bias, precision = _proj_in_as_conv(self.proj_in)
     norm = self.norm
-    stats = handover.take(hidden_states, norm.num_groups, norm.eps, "Transformer2DModel.norm")
+    stats = handover.take(hidden_states, norm.num_groups, norm.eps, "TransformerSpatioTemporalModel.norm")
     h = gn_silu_conv2d(
         hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None,
         fp32_precision=precision, stats=stats,
