@@ -2,14 +2,16 @@
 and the fused GroupNorm -> conv alone vs cuDNN to show where the time goes.
 
 Providers (op "resnet_block"): eager (diffusers' forward, channels-last model and input: cuDNN conv + PyTorch
-GroupNorm), compile (torch.compile max-autotune-no-cudagraphs of that forward), ldmopt (fused forward: norm1
-statistics + two fused convs), ldmopt+stats (norm1 statistics handed over by the producer, as in a chained UNet: two
-launches). Op "gn_conv2d": the GroupNorm+SiLU -> 3x3 conv alone: eager (F.group_norm, F.silu, cuDNN conv), cudnn-conv
-(cuDNN conv of an already activated input: the conv's own cost), ldmopt (fused, statistics inside), ldmopt+stats,
-ldmopt-plain (our implicit GEMM without the prologue, the like-for-like conv vs cuDNN). Op "resnet_skip": an up block's
-resnet on its skip connection: eager and compile concatenate then run diffusers' block, ldmopt-cat concatenates then
-runs the fused block, ldmopt reads (hidden, skip) in place (the concatenation is never written). Op "upsample_conv":
-diffusers' Upsample2D (nearest 2x, then a 3x3 conv) vs ldmopt's conv reading the input through the 2x index map.
+GroupNorm), compile (torch.compile max-autotune-no-cudagraphs of that forward), ldmopt (fused forward: norm1 statistics
++ two fused convs), ldmopt+stats (norm1 statistics handed over by the producer, as in a chained UNet: two launches). Op
+"gn_conv2d": the GroupNorm+SiLU -> 3x3 conv alone: eager (F.group_norm, F.silu, cuDNN conv), cudnn-conv (cuDNN conv of
+an already activated input: the conv's own cost), ldmopt (fused, statistics inside), ldmopt+stats, ldmopt-plain (our
+implicit GEMM without the prologue, the like-for-like conv vs cuDNN). "-loader" rows keep GroupNorm + SiLU in the conv's
+loader; the others use the auto placement, which on a GPU stages it (one normalisation pass, then the plain conv:
+ldmopt/ops/gn_conv2d_prologue.py), so both placements are timed side by side. Op "resnet_skip": an up block's resnet on
+its skip connection: eager and compile concatenate then run diffusers' block, ldmopt-cat concatenates then runs the
+fused block, ldmopt reads (hidden, skip) in place (the concatenation is never written). Op "upsample_conv": diffusers'
+Upsample2D (nearest 2x, then a 3x3 conv) vs ldmopt's conv reading the input through the 2x index map.
 FLOPs are the convolutions' 2*MACs; bytes the minimum traffic (activations read/written once, weights once; for
 fwd+bwd also the gradients' reads and writes).
 Targets (H200): whole block >= 1.25x eager channels-last at 64x64x320 and 32x32x640, not slower than compile.
@@ -17,6 +19,7 @@ Targets (H200): whole block >= 1.25x eager channels-last at 64x64x320 and 32x32x
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -75,13 +78,30 @@ def _conv_flops(n, cin, cout, size, k=3):
     return 2 * n * size * size * cout * cin * k * k
 
 
+@contextlib.contextmanager
+def _placement(provider: str):
+    """A "-loader" provider keeps GroupNorm + SiLU in the conv's loader; the others take the auto placement (staged
+    for these convs on a GPU, ldmopt/ops/gn_conv2d_prologue.py), so each pair of rows times both."""
+    from ldmopt.ops.gn_conv2d_prologue import ENV
+
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = "loader" if provider.endswith("-loader") else "auto"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+
+
 def _record(rec, op, case, dtype, mode, provider, fn, flops, nbytes):
     from ldmopt.nn import resnet
 
     def timed():
         if provider.startswith("ldmopt"):
             # Forced: a refusal shows in the table instead of silently timing the reference path.
-            with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")):
+            with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")), _placement(provider):
                 return fn()
         return fn()
 
@@ -124,11 +144,13 @@ def bench_resnet_block(case, dtype, mode, bench_recorder):
         "compile": harness.compiled(lambda x, t: ResnetBlock2D.forward(block, x, t), mode="max-autotune-no-cudagraphs"),
         "ldmopt": lambda x, t: fused_resnet_forward(block, x, t),
         "ldmopt+stats": lambda x, t: fused_resnet_forward(block, x, t, stats=stats),
+        "ldmopt+stats-loader": lambda x, t: fused_resnet_forward(block, x, t, stats=stats),
     }
     if mode == "fwd+bwd":
         block.train()
         x.requires_grad_(True)
         providers.pop("ldmopt+stats")
+        providers.pop("ldmopt+stats-loader")  # the placement changes the forward kernel only
     for name, fwd in providers.items():
         if mode == "fwd":
 
@@ -168,6 +190,7 @@ def bench_gn_conv2d(case, dtype, bench_recorder):
         "cudnn-conv": lambda: F.conv2d(activated, w, b, 1, 1),
         "ldmopt": lambda: gn_silu_conv2d(x, gw, gb, GROUPS, eps, w, b),
         "ldmopt+stats": lambda: gn_silu_conv2d(x, gw, gb, GROUPS, eps, w, b, stats=stats),
+        "ldmopt+stats-loader": lambda: gn_silu_conv2d(x, gw, gb, GROUPS, eps, w, b, stats=stats),
         "ldmopt-plain": lambda: gn_silu_conv2d(activated, None, None, 0, 0.0, w, b, normalize=False),
     }
     for name, fn in providers.items():

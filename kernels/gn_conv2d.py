@@ -29,7 +29,6 @@ import triton.language as tl
 
 from ._common import (
     ACTIVATIONS,
-    fp32_archs,
     fp32_dot_precision,
     new_output,
     next_power_of_2,
@@ -54,26 +53,39 @@ CONV_TILES_FP32 = (
 )
 
 
+#: 16-bit tiles (BM, BN, BK, warps, stages) for a conv with the GroupNorm prologue in its loader (NORMALIZE): the
+#: normalised A tile passes through registers, and BK=32 keeps them within 255 with the heaviest epilogues.
+CONV_TILES_LOADER = ((128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 64, 64, 4, 3))
+#: 16-bit tiles for a plain conv (statistics staged before it, upsamplers, downsamplers): A goes from shared memory
+#: straight into the MMA, and BK=64 halves the loop's overhead per MMA. sm_90 SASS per warp and k-step, 128x128 with
+#: temb + statistics: 194 instructions for 4 wgmma at BK=64 against 135 for 2 at BK=32 (8 warps on 4 schedulers: 388
+#: issue cycles for 512 tensor-core cycles, against 270 for 256); sm_80: 282 for 64 mma.sync against 176 for 32.
+CONV_TILES_PLAIN = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 64, 64, 4, 3))
+
+
 def _configs() -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         # The interpreter's cost is per program and per numpy op: one large tile.
         return [triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=1)]
-    tiles = [
-        triton.Config({"BM": BM, "BN": BN, "BK": BK}, num_warps=w, num_stages=s)
-        for BM, BN, BK, w, s in (
-            (128, 128, 32, 8, 3),
-            (128, 64, 32, 4, 3),
-            (64, 128, 32, 4, 3),
-            (64, 64, 64, 4, 3),
+    tiles = []
+    for tile in dict.fromkeys(CONV_TILES_LOADER + CONV_TILES_PLAIN):  # in order, each tile once
+        bm, bn, bk, w, s = tile
+        config = triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+        config.prologues = frozenset(
+            name for name, family in (("loader", CONV_TILES_LOADER), ("plain", CONV_TILES_PLAIN)) if tile in family
         )
-    ]
+        tiles.append(config)
     fp32 = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bm, bn, bk, w, s, _ in
             CONV_TILES_FP32]  # fmt: skip
     return tiles + tag_fp32_configs(fp32, [tile[5] for tile in CONV_TILES_FP32])
 
 
 def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    return prune_by_operand_width(configs, named_args["x_ptr"], kwargs.get("DOT_PRECISION", "tf32"))
+    """The tiles for the operands' width (_common.prune_by_operand_width); of the 16-bit ones, those for a loader
+    with (NORMALIZE) or without the GroupNorm prologue."""
+    configs = prune_by_operand_width(configs, named_args["x_ptr"], kwargs.get("DOT_PRECISION", "tf32"))
+    family = "loader" if kwargs.get("NORMALIZE", True) else "plain"
+    return [c for c in configs if family in getattr(c, "prologues", (family,))] or configs
 
 
 @triton.jit
@@ -499,114 +511,8 @@ def gn_conv2d_fwd(
     return y, out_mean, out_rstd
 
 
-_FP32_PTRS = ("out_mean_ptr", "out_rstd_ptr", "mean_ptr", "rstd_ptr", "gate_ptr")
-
-
-def _aot_spec(
-    name,
-    dtype,
-    cfg,
-    *,
-    kh=3,
-    kw=None,
-    stride=1,
-    resample="none",
-    normalize=True,
-    temb=False,
-    res=False,
-    sc=False,
-    out_stats=False,
-    temb_rows=False,
-    gate=False,
-    x_two_part=False,
-    sc_two_part=False,
-    dot_precision="tf32",
-) -> dict:
-    bm, bn, bk, warps, stages = cfg
-    kw = kh if kw is None else kw
-    # Channels-last activations and weights (model.to(memory_format=torch.channels_last)): unit channel strides.
-    constexprs = {"sxc": 1, "sx2c": 1, "swi": 1, "syc": 1, "src": 1, "ssc": 1, "ss2c": 1, "swsi": 1}
-    constexprs.update(
-        KH=kh, KW=kw, STRIDE=stride, PAD_H=kh // 2, PAD_W=kw // 2, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
-        ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
-        TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc,
-        SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
-        OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, DOT_PRECISION=dot_precision, IDX64=False,
-        X_TWO_PART=x_two_part, SC_TWO_PART=sc_two_part, BM=bm, BN=bn, BK=bk,
-    )  # fmt: skip
-    fn = _gn_conv2d_fwd_kernel.fn
-    sig = {}
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            sig[arg] = "constexpr"
-        elif arg == "ws_ptr":
-            sig[arg] = "*fp64"
-        elif arg == "counter_ptr":
-            sig[arg] = "*i32"
-        elif arg.endswith("_ptr"):
-            sig[arg] = "*fp32" if arg in _FP32_PTRS else f"*{dtype}"
-        else:
-            sig[arg] = "fp32" if arg in ("out_eps", "inv_scale") else "i32"
-    # What Triton's launcher specialises at run time for SD shapes: 16-byte aligned pointers, ints that are multiples
-    # of 16 (channels, strides, 64x64 / 32x32 spatial sizes); the autotune keys are not.
-    div16 = [k for k, v in sig.items() if v != "constexpr" and k not in ("out_eps", "inv_scale") and "KEY" not in k]
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in div16}
-    return dict(name=name, fn=fn, signature=sig, constexprs=constexprs, attrs=attrs, num_warps=warps, num_stages=stages)
-
-
 def aot_specs() -> list[dict]:
-    """Compile configurations for the ahead-of-time gate: the resnet-block convs at the tiles autotuning picks from.
+    """Compile configurations for the ahead-of-time gate (kept in _gn_conv2d_specs.py with their rationale)."""
+    from ._gn_conv2d_specs import conv_aot_specs
 
-    Each spec carries ``attrs`` (the divisibility Triton specialises at run time); a gate that ignores them compiles
-    the unspecialised, unpipelined variant instead.
-    """
-    # Every autotune tile appears at least once. 128x256x32 was dropped from the configs: with the temb + statistics
-    # epilogue it spilled 32-64 bytes per thread on sm_80 and sm_90.
-    big, narrow, tall, small = (128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 64, 64, 4, 3)
-    return [
-        _aot_spec("gn_conv2d[fp16,3x3,conv1:temb+stats]", "fp16", big, temb=True, out_stats=True),
-        _aot_spec("gn_conv2d[fp16,3x3,conv2:shortcut+stats]", "fp16", big, sc=True, out_stats=True),
-        _aot_spec("gn_conv2d[bf16,3x3,conv1:temb+stats]", "bf16", big, temb=True, out_stats=True),
-        _aot_spec("gn_conv2d[fp16,3x3,conv1:temb+stats,64x64x64]", "fp16", small, temb=True, out_stats=True),
-        _aot_spec("gn_conv2d[fp16,3x3,conv2:residual]", "fp16", narrow, res=True),
-        # UNet up blocks: conv1 reads cat([hidden, skip]) in two parts, conv2's shortcut likewise
-        _aot_spec(
-            "gn_conv2d[fp16,3x3,conv1:skip parts+temb+stats]", "fp16", big, temb=True, out_stats=True, x_two_part=True
-        ),
-        _aot_spec(
-            "gn_conv2d[fp16,3x3,conv2:shortcut parts+stats]", "fp16", big, sc=True, out_stats=True, sc_two_part=True
-        ),
-        _aot_spec(
-            "gn_conv2d[bf16,3x3,conv1:skip parts,64x64x64]", "bf16", small, temb=True, out_stats=True, x_two_part=True
-        ),
-        _aot_spec("gn_conv2d[fp16,3x3,up]", "fp16", narrow, resample="up", temb=True, out_stats=True),
-        _aot_spec("gn_conv2d[fp16,3x3,down+shortcut]", "fp16", tall, resample="down", sc=True, out_stats=True),
-        _aot_spec("gn_conv2d[fp16,3x3,stride2,plain]", "fp16", big, stride=2, normalize=False),
-        # Upsample2D: nearest 2x in the loads of a plain conv (the VAE decoder's upsamplers)
-        _aot_spec("gn_conv2d[fp16,3x3,upsampler]", "fp16", big, resample="up", normalize=False),
-        _aot_spec("gn_conv2d[bf16,3x3,upsampler,128x64]", "bf16", narrow, resample="up", normalize=False),
-        _aot_spec("gn_conv2d[fp16,1x1,gn]", "fp16", big, kh=1),
-        # fp32 operands: each fp32 tile, its heaviest epilogues, at each (precision, arch) it is claimed clean for
-        *[
-            {
-                **_aot_spec(
-                    f"gn_conv2d[fp32 {precision},3x3,{label},{bm}x{bn}x{bk}w{w}]",
-                    "fp32",
-                    (bm, bn, bk, w, s),
-                    dot_precision=precision,
-                    **extra,
-                ),
-                "archs": fp32_archs(clean, precision),
-            }
-            for bm, bn, bk, w, s, clean in CONV_TILES_FP32
-            for precision in ("ieee", "tf32")
-            for label, extra in (
-                ("conv2:shortcut parts+stats", dict(sc=True, out_stats=True, x_two_part=True, sc_two_part=True)),
-                ("up+temb+stats", dict(resample="up", temb=True, out_stats=True)),
-            )
-        ],
-        # SVD's temporal resnet (3x1 over frames): per-frame temb + statistics, then residual + per-frame blend gate
-        _aot_spec("gn_conv2d[fp16,3x1,temporal conv1]", "fp16", big, kw=1, temb=True, temb_rows=True, out_stats=True),
-        _aot_spec("gn_conv2d[fp16,3x1,temporal conv2]", "fp16", big, kw=1, res=True, gate=True),
-        _aot_spec("gn_conv2d[bf16,3x1,temporal conv2,64x128]", "bf16", tall, kw=1, res=True, gate=True),
-    ]
+    return conv_aot_specs()

@@ -207,6 +207,8 @@ def _group_norm_fwd_apply_kernel(
     stride_yc,
     stride_ys,
     C,
+    C_total,  # channels of the tensor whose groups mean/rstd describe: x is its channels [c_offset, c_offset + C)
+    c_offset,
     S,
     G,
     n_sblocks,
@@ -221,7 +223,7 @@ def _group_norm_fwd_apply_kernel(
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     mask = (s < S)[:, None] & c_mask[None, :]
     _, _, _, scale, shift = _channel_coefficients(
-        mean_ptr, rstd_ptr, w_ptr, b_ptr, n, c, c_mask, C, G, HAS_WEIGHT, HAS_BIAS
+        mean_ptr, rstd_ptr, w_ptr, b_ptr, n, c_offset + c, c_mask, C_total, G, HAS_WEIGHT, HAS_BIAS
     )
     s64 = s[:, None].to(tl.int64)
     c64 = c[None, :].to(tl.int64)
@@ -402,14 +404,40 @@ def group_norm_fwd(
         )  # fmt: skip
         return y, mean, rstd
     mean, rstd = group_norm_stats(x, num_groups, eps)
+    group_norm_apply(y, x, mean, rstd, weight, bias, num_groups, activation)
+    return y, mean, rstd
+
+
+def group_norm_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    num_groups: int,
+    activation: str | None,
+    c_offset: int = 0,
+    c_total: int | None = None,
+) -> torch.Tensor:
+    """y = act((x - mean) * rstd * weight + bias) with given per-(n, group) mean/rstd [N, G] fp32, one launch.
+
+    ``c_offset``, ``c_total``: x holds channels [c_offset, c_offset + C) of a tensor of c_total channels (one part of
+    a channel concatenation), whose groups mean/rstd describe and whose channels weight/bias index; y is x's part of
+    the output."""
+    n, c, s, (sxn, sxc, sxs) = as_ncs(x)
+    _, _, _, (syn, syc, sys_) = as_ncs(y)
+    w, b, has_w, has_b = _affine_args(weight, bias, x)
+    c_total = c if c_total is None else c_total
     block_s, block_c = _tiles(c, s, sxc == 1)
     n_cblocks = triton.cdiv(c, block_c)
     n_sblocks = triton.cdiv(s, block_s)
     _group_norm_fwd_apply_kernel[(n * n_sblocks * n_cblocks,)](
-        y, x, w, b, mean, rstd, sxn, sxc, sxs, syn, syc, sys_, c, s, num_groups, n_sblocks, n_cblocks,
-        HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION=act, BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
+        y, x, w, b, mean, rstd, sxn, sxc, sxs, syn, syc, sys_, c, c_total, c_offset, s, num_groups, n_sblocks,
+        n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION=ACTIVATIONS[activation][0], BLOCK_S=block_s,
+        BLOCK_C=block_c, num_warps=_TILE_WARPS,
     )  # fmt: skip
-    return y, mean, rstd
+    return y
 
 
 def _strides(prefix: str, unit: str) -> tuple[dict, dict]:
@@ -444,7 +472,6 @@ def aot_specs() -> list[dict]:
         affine = {"HAS_WEIGHT": True, "HAS_BIAS": True}
         params = {"w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
         (xs, x1), (ys, y1) = _strides("x", unit), _strides("y", unit)
-        sizes = {"C": "i32", "S": "i32"}
         specs += [
             dict(
                 name=f"group_norm_fwd_partial[{tag}]",
@@ -457,8 +484,9 @@ def aot_specs() -> list[dict]:
             dict(
                 name=f"group_norm_fwd_apply[{tag},silu]",
                 fn=_group_norm_fwd_apply_kernel,
-                signature={"y_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", **params, **xs, **ys, **sizes, "G": "i32",
-                           "n_sblocks": "i32", "n_cblocks": "i32"},
+                signature={"y_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", **params, **xs, **ys, "C": "i32",
+                           "C_total": "i32", "c_offset": "i32", "S": "i32", "G": "i32", "n_sblocks": "i32",
+                           "n_cblocks": "i32"},
                 constexprs={**x1, **y1, **affine, "ACTIVATION": silu, **tile},
             ),
             dict(

@@ -38,3 +38,19 @@ def _seed_per_test(request):
 @pytest.fixture(autouse=True)
 def _no_forced_backend(monkeypatch):
     monkeypatch.delenv("LDMOPT_BACKEND", raising=False)
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    """Counts Triton kernel launches (interpreter grid executions), by kernel name."""
+    from triton.runtime import interpreter
+
+    launches = []
+    original = interpreter.InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    return launches

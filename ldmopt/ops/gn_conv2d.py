@@ -5,11 +5,13 @@
 
 Custom ops: ``ldmopt::gn_conv2d`` (the fused conv, with autograd) and, in gn_conv2d_stats.py,
 ``ldmopt::gn_conv2d_stats`` (GroupNorm statistics of an input, two launches).
-Backends: triton (kernels/gn_conv2d.py) and torch, the reference: the unfused composition
-in fp32 math (fp64 for fp64 inputs). Backward recomputes ``act(group_norm(x))`` from the saved input and statistics and
-uses PyTorch's convolution backward, so no activation beyond the op's inputs is kept alive. ``fp32_precision="matmul"``
-(a Linear read as a 1x1 conv): fp32 products follow PyTorch's matmul precision instead of its convolution's, in the
-kernel, and the reference and backward run nn.Linear's GEMMs.
+Backends: triton (kernels/gn_conv2d.py) and torch, the reference: the unfused composition in fp32 math (fp64 for fp64
+inputs). The triton backend applies GroupNorm + activation in the conv's loader or, where the conv would normalise each
+input element several times over, in one staged pass before a plain conv (gn_conv2d_prologue.py: chosen per call,
+``LDMOPT_GN_CONV_PROLOGUE`` overrides). Backward recomputes ``act(group_norm(x))`` from the saved input and statistics
+and uses PyTorch's convolution backward, so no activation beyond the op's inputs is kept alive.
+``fp32_precision="matmul"`` (a Linear read as a 1x1 conv): fp32 products follow PyTorch's matmul precision instead of
+its convolution's, in the kernel, and the reference and backward run nn.Linear's GEMMs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ._dispatch import (
     statistics_source,
     triton_refusals,
 )
+from .gn_conv2d_prologue import choose_placement, placement_counts, staged_activation
 from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _run, _stats_dtype, _stats_torch, gn_conv2d_stats
 from .gn_conv2d_stats import fallback_reasons as fallback_reasons  # both ops' record, read by PatchReport
 from .gn_conv2d_stats import same_but_channels as same_but_channels
@@ -202,6 +205,12 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
                 fp32_precision="conv"):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
 
+    if mean is not None:
+        placement = choose_placement(x.device, tuple(w.shape[2:]), w.shape[0], stride, resample)
+        placement_counts[placement] += 1
+        if placement == "staged":  # act(group_norm(x)) written once, then a plain conv (gn_conv2d_prologue.py)
+            x = staged_activation(x, x_tail, mean, rstd, gw, gb, groups, act)
+            x_tail = mean = rstd = gw = gb = act = None
     gate = None if gate is None else gate.float()
     return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride,
                          tuple(padding), resample, res_resample, sc_resample, output_scale, out_groups,
@@ -507,7 +516,10 @@ def gn_silu_conv2d(
     Returns y (channels-last, x's dtype) or ``(y, (mean, rstd))``. Tolerance versus an fp64 reference: within 2x the
     error of PyTorch's own unfused computation in x's dtype. The Triton kernel serves channels-last fp32/fp16/bf16 with
     1x1/3x3/3x1 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why).
-    Output statistics sum in fp64 atomics, so they can differ in the last bit between runs.
+    Output statistics sum in fp64 atomics, so they can differ in the last bit between runs. On a GPU, convs that
+    would normalise each input element 3 or more times in the loader (every stride-1 3x3 conv) write
+    ``act(group_norm(x))`` once in x's dtype and run a plain conv on it instead (ldmopt.ops.gn_conv2d_prologue: the
+    reasoning, and ``LDMOPT_GN_CONV_PROLOGUE=loader|staged`` to force either); the results agree within rounding.
 
     fp32 inputs on GPUs use TF32 tensor cores or IEEE fp32 products as PyTorch would: ``fp32_precision="conv"`` as its
     convolution (TF32 unless ``torch.backends.cudnn.allow_tf32`` / ``torch.backends.cudnn.conv.fp32_precision`` say

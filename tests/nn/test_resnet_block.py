@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ldmopt
 from ldmopt.nn import resnet
 from ldmopt.nn.resnet import FusedResnetBlock2D, can_fuse, fused_resnet_forward
+from ldmopt.ops import gn_conv2d_prologue as prologue
 from tests.tolerances import assert_within_torch_error
 
 diffusers_resnet = pytest.importorskip("diffusers.models.resnet")
@@ -163,7 +164,9 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_eval_forward_dispatches_no_group_norm_or_convolution(triton_launches):
+@pytest.mark.parametrize("placement", ["loader", "staged"])
+def test_eval_forward_dispatches_no_group_norm_or_convolution(triton_launches, placement, monkeypatch):
+    monkeypatch.setenv(prologue.ENV, placement)
     block = _block(VARIANTS["sd-temb-shortcut"][0])
     x, temb = _inputs(block, 2, 5, torch.float32)
     ldmopt.ops.backend_counts.clear()
@@ -174,13 +177,16 @@ def test_eval_forward_dispatches_no_group_norm_or_convolution(triton_launches):
     assert not bad, f"aten ops the fused block must not dispatch: {bad}"
     assert rec.ops.count("ldmopt.gn_conv2d") == 2 and rec.ops.count("ldmopt.gn_conv2d_stats") == 1
     assert ldmopt.ops.backend_counts[("gn_conv2d", "triton")] == 2
-    assert len(triton_launches) <= 4, triton_launches  # norm1 statistics (2), conv1, conv2
-    # With norm1 statistics from the producer (e.g. the previous block's out_stats): two launches.
+    # norm1 statistics (2), conv1, conv2; staged: each conv after its own normalisation pass
+    staged = ["_group_norm_fwd_apply_kernel"] if placement == "staged" else []
+    conv = [*staged, "_gn_conv2d_fwd_kernel"]
+    assert triton_launches == ["_group_norm_fwd_partial_kernel", "_group_norm_fwd_finalize_kernel", *conv, *conv]
+    # With norm1 statistics from the producer (e.g. the previous block's out_stats): two (staged: four) launches.
     stats = torch.ops.ldmopt.gn_conv2d_stats(x, block.norm1.num_groups, block.norm1.eps)
     triton_launches.clear()
     with torch.no_grad():
         fused_resnet_forward(block, x, temb, stats=stats)
-    assert triton_launches == ["_gn_conv2d_fwd_kernel"] * 2
+    assert triton_launches == conv * 2
 
 
 def test_chained_blocks_hand_statistics_over():

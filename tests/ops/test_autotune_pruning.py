@@ -77,6 +77,29 @@ def test_gn_conv2d_fp32_tiles_per_precision_and_arch(compiled_configs):
     assert tf32 == {(128, 64, 32, 8, 3), (64, 64, 32, 8, 3)}
 
 
+def test_gn_conv2d_16bit_tiles_follow_the_prologue_and_the_gate_compiles_each(compiled_configs):
+    configs = gn_conv2d._configs()
+    compiled_configs((9, 0))
+    half = {"x_ptr": _operand(torch.float16)}
+    loader = _tiles(gn_conv2d._prune_configs(configs, half, DOT_PRECISION="tf32", NORMALIZE=True), "B")
+    plain = _tiles(gn_conv2d._prune_configs(configs, half, DOT_PRECISION="tf32", NORMALIZE=False), "B")
+    assert loader == set(gn_conv2d.CONV_TILES_LOADER) and plain == set(gn_conv2d.CONV_TILES_PLAIN)
+    assert all(tile[2] == 64 for tile in plain)  # A from shared memory: the wider k-step
+    fp32 = gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float32)}, DOT_PRECISION="tf32", NORMALIZE=False)
+    assert fp32 and all(getattr(c, "fp32_clean", None) for c in fp32)  # fp32 tiles serve both
+    compiled = {
+        (
+            *(s["constexprs"][k] for k in ("BM", "BN", "BK")),
+            s["num_warps"],
+            s["num_stages"],
+            s["constexprs"]["NORMALIZE"],
+        )
+        for s in gn_conv2d.aot_specs()
+    }
+    assert {(*t, True) for t in gn_conv2d.CONV_TILES_LOADER} <= compiled
+    assert {(*t, False) for t in gn_conv2d.CONV_TILES_PLAIN} <= compiled
+
+
 def test_cpu_tensors_keep_every_config():
     configs = _gemm.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32)
     cpu = torch.empty(1)

@@ -1,0 +1,89 @@
+"""Where the fused convolution applies its GroupNorm + activation: in the conv's loader, or in a staged pass.
+
+"loader": the conv's input loads normalise each [BM, BK] tile in registers before the MMA; the activation is never
+written. Every input element is then normalised once per time the conv reads it: R = KH x KW taps x ceil(C_out / BN)
+output-channel tiles (x4 under a nearest 2x upsample, / stride^2), and the prologue's instructions sit in the main
+loop. "staged": one elementwise pass (kernels/group_norm.py's apply kernel, with the statistics already known) writes
+act(group_norm(x)) in x's dtype, and the conv reads it as a plain conv (A tiles straight from shared memory into the
+MMA, no register round trip): one extra write and read of the activation, whatever R is.
+
+Why staging from R >= 3 (read from the compiled code: a projection until measured on a GPU). The 128x128x32 fp16 tile's
+main loop issues, per warp and k-step, 518 SASS instructions with the loader prologue against 145 without it on sm_90
+(two m64n128k16 wgmma per warpgroup, ~256 tensor-core cycles per SM), 500 against 176 on sm_80 (32 mma.sync, ~512
+cycles on an A100): with 8 warps on 4 schedulers the loop is issue-bound at about 4x (sm_90) and 2x (sm_80) its MMA
+time. One in-loader normalisation of an element costs (518 - 145) x 8 warps / 4096 elements ~ 0.73 warp-instructions,
+~0.7 ps on an H200 (4 issues per cycle, 132 SMs, ~1.9 GHz) and ~1 ps on an A100; staging costs 4 bytes of traffic per
+element (8 for fp32), ~0.9 ps at an H200's ~4.25 TB/s copy bandwidth and ~2 ps on an A100. So staging pays from 2 to 3
+normalisations per element; a stride-1 3x3 conv has R >= 9, a 1x1 conv to at most 256 channels R <= 2.
+``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged overrides the choice; benchmarks time both.
+On CPU tensors (the Triton interpreter, tests) auto keeps the loader, whose kernel the tests cover; they force
+"staged" to cover the other.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+
+ENV = "LDMOPT_GN_CONV_PROLOGUE"
+PLACEMENTS = ("auto", "loader", "staged")
+#: normalisations per input element from which auto stages (see the module docstring)
+STAGE_FROM_RECOMPUTE = 3
+#: the widest output-channel tile the conv's autotuner picks from (kernels/gn_conv2d.py): R is counted with it, so
+#: the estimate is the fewest normalisations any tile makes
+WIDEST_BN = 128
+#: placement -> number of normalising fused-conv calls on the Triton backend that used it in this process
+placement_counts: Counter[str] = Counter()
+
+
+def requested_placement() -> str:
+    """The placement ``LDMOPT_GN_CONV_PROLOGUE`` asks for ("auto" when unset)."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in PLACEMENTS:
+        raise ValueError(f"{ENV}={value!r} is not supported; expected one of {list(PLACEMENTS)}")
+    return value
+
+
+def recompute_factor(kernel: tuple[int, int], c_out: int, stride: int, resample: str) -> float:
+    """How many times the loader normalises each input element: once per tap that reads it and per output-channel
+    tile, times 4 under a nearest 2x upsample (each input pixel feeds four conv inputs), over stride^2."""
+    taps = kernel[0] * kernel[1] * (4 if resample == "up" else 1) / (stride * stride)
+    return taps * -(-c_out // WIDEST_BN)
+
+
+def choose_placement(
+    device: torch.device, kernel: tuple[int, int], c_out: int, stride: int, resample: str, requested: str | None = None
+) -> str:
+    """ "loader" or "staged" for a normalising conv on ``device`` (see the module docstring)."""
+    requested = requested_placement() if requested is None else requested
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "loader"
+    return "staged" if recompute_factor(kernel, c_out, stride, resample) >= STAGE_FROM_RECOMPUTE else "loader"
+
+
+def staged_activation(
+    x: torch.Tensor,
+    x_tail: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    gamma: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    num_groups: int,
+    activation: str | None,
+) -> torch.Tensor:
+    """act(group_norm(cat([x, x_tail], 1))) with the given statistics, channels-last in x's dtype (as an unfused
+    model stores it): one launch per part, each writing its channels of one buffer."""
+    from ldmopt.kernels._common import new_output
+    from ldmopt.kernels.group_norm import group_norm_apply
+
+    n, c_head, h, w = x.shape
+    c_in = c_head + (0 if x_tail is None else x_tail.shape[1])
+    out = new_output((n, c_in, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    group_norm_apply(out[:, :c_head], x, mean, rstd, gamma, beta, num_groups, activation, 0, c_in)
+    if x_tail is not None:
+        group_norm_apply(out[:, c_head:], x_tail, mean, rstd, gamma, beta, num_groups, activation, c_head, c_in)
+    return out
