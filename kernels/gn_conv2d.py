@@ -58,8 +58,8 @@ CONV_TILES_FP32 = (
 CONV_TILES_LOADER = ((128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 64, 64, 4, 3))
 #: 16-bit tiles for a plain conv (statistics staged before it, upsamplers, downsamplers): A goes from shared memory
 #: straight into the MMA, and BK=64 halves the loop's overhead per MMA. sm_90 SASS per warp and k-step, 128x128 with
-#: temb + statistics: 194 instructions for 4 wgmma at BK=64 against 135 for 2 at BK=32 (8 warps on 4 schedulers: 388
-#: issue cycles for 512 tensor-core cycles, against 270 for 256); sm_80: 282 for 64 mma.sync against 176 for 32.
+#: temb + statistics: 180 instructions for 4 wgmma at BK=64 against 121 for 2 at BK=32 (8 warps on 4 schedulers: 360
+#: issue cycles for 512 tensor-core cycles, against 242 for 256); sm_80: 277 for 64 mma.sync against 171 for 32.
 CONV_TILES_PLAIN = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 64, 64, 4, 3))
 
 
@@ -276,11 +276,11 @@ def _gn_conv2d_fwd_kernel(
     if NORMALIZE:
         cpg_in = C_in // G_in
     # One flat loop over (kh, kw, channel block): nested loops defeat the pipeliner and spill.
-    for it in range(0, KH * KW * n_cb):
-        tap = it // n_cb
-        cb = it - tap * n_cb
-        kh = tap // KW
-        kw = tap - kh * KW
+    # (kh, kw, cb) advance as counters: an integer division by the run-time n_cb costs ~10 instructions per k-step.
+    cb = n_cb * 0
+    kh = cb
+    kw = cb
+    for _ in range(0, KH * KW * n_cb):
         part, sph, spw, spc, c_local, ci, c_mask = _channel_part(
             cb, n_cb_head, C_head, C_in, kk, x_base, x2_base, sxh, sxw, sxc, sx2h, sx2w, sx2c, X_TWO_PART, BK
         )
@@ -306,6 +306,13 @@ def _gn_conv2d_fwd_kernel(
         b = tl.load(w_ptr + w_cols + _idx(ci, IDX64)[:, None] * swi + _idx(kh, IDX64) * swh + _idx(kw, IDX64) * sww,
                     mask=c_mask[:, None] & n_mask[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a.to(w_ptr.dtype.element_ty), b, acc, input_precision=DOT_PRECISION)
+        cb += 1
+        next_tap = cb == n_cb
+        cb = tl.where(next_tap, 0, cb)
+        kw = tl.where(next_tap, kw + 1, kw)
+        next_row = kw == KW
+        kw = tl.where(next_row, 0, kw)
+        kh = tl.where(next_row, kh + 1, kh)
 
     if HAS_SC:
         # 1x1 stride-1 shortcut conv of a second input (optionally resampled) into the same accumulator.

@@ -7,13 +7,14 @@ loop. "staged": one elementwise pass (kernels/group_norm.py's apply kernel, with
 act(group_norm(x)) in x's dtype, and the conv reads it as a plain conv (A tiles straight from shared memory into the
 MMA, no register round trip): one extra write and read of the activation, whatever R is.
 
-Why staging from R >= 3 (read from the compiled code: a projection until measured on a GPU). The 128x128x32 fp16 tile's
-main loop issues, per warp and k-step, 518 SASS instructions with the loader prologue against 145 without it on sm_90
-(two m64n128k16 wgmma per warpgroup, ~256 tensor-core cycles per SM), 500 against 176 on sm_80 (32 mma.sync, ~512
-cycles on an A100): with 8 warps on 4 schedulers the loop is issue-bound at about 4x (sm_90) and 2x (sm_80) its MMA
-time. One in-loader normalisation of an element costs (518 - 145) x 8 warps / 4096 elements ~ 0.73 warp-instructions,
-~0.7 ps on an H200 (4 issues per cycle, 132 SMs, ~1.9 GHz) and ~1 ps on an A100; staging costs 4 bytes of traffic per
-element (8 for fp32), ~0.9 ps at an H200's ~4.25 TB/s copy bandwidth and ~2 ps on an A100. So staging pays from 2 to 3
+Why staging from R >= 3 (read from the compiled code: a projection until measured on a GPU). Per warp and k-step, the
+SASS of the loader tile (128x128x32, 8 warps, temb + statistics epilogue) issues 507 instructions for 2 m64n128k16
+wgmma per warpgroup on sm_90 (~256 tensor-core cycles per SM) and 496 for 32 mma.sync on sm_80 (~512 cycles on an
+A100); with 8 warps on 4 schedulers that loop is issue-bound at about 4x (sm_90) and 2x (sm_80) its MMA time. The plain
+tile a staged conv runs (128x128x64) issues 180 for 4 wgmma (sm_90; 277 for 64 mma.sync on sm_80): MMA-bound. One
+in-loader normalisation of an element costs ~(507 - 121) x 8 warps / 4096 elements ~ 0.74 warp-instructions, ~0.7 ps on
+an H200 (4 issues per cycle, 132 SMs, ~1.9 GHz) and ~1 ps on an A100; staging costs 4 bytes of traffic per element (8
+for fp32), ~0.9 ps at an H200's ~4.25 TB/s copy bandwidth and ~2 ps on an A100. So staging pays from 2 to 3
 normalisations per element; a stride-1 3x3 conv has R >= 9, a 1x1 conv to at most 256 channels R <= 2.
 ``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged overrides the choice; benchmarks time both.
 On CPU tensors (the Triton interpreter, tests) auto keeps the loader, whose kernel the tests cover; they force
