@@ -8,6 +8,7 @@ Run: python benchmarks/check_gpu.py [--quick]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -99,6 +100,26 @@ def _group_norm(quick: bool):
                 yield case, dtype, backend, [y, *grads], [ref, *grads64]
 
 
+#: where the fused conv applies GroupNorm + SiLU (ldmopt/ops/gn_conv2d_prologue.py); a GPU's auto choice is "staged"
+#: for these 3x3 convs, so both are checked explicitly
+PLACEMENTS = ("staged", "loader")
+
+
+@contextlib.contextmanager
+def _placement(placement: str):
+    from ldmopt.ops.gn_conv2d_prologue import ENV
+
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = placement
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+
+
 def _random_norm_affine(block: torch.nn.Module) -> None:
     """Non-trivial GroupNorm weights and biases (a fresh block's are ones and zeros), in place."""
     with torch.no_grad():
@@ -124,13 +145,14 @@ def _resnet_block(quick: bool):
             ref = ref_block.double()(x.double(), None if temb is None else temb.double())
         for dtype in DTYPES:
             block = ref_block.to(dtype)
-            with torch.no_grad(), ldmopt.use_backend("triton"):
-                out = fused_resnet_forward(block, x.to(dtype), None if temb is None else temb.to(dtype))
-                y, (mean, rstd) = fused_resnet_forward(
-                    block, x.to(dtype), None if temb is None else temb.to(dtype), out_stats=(32, 1e-6)
-                )
-            var, mu = torch.var_mean(y.double().reshape(n, 32, -1), dim=-1, unbiased=False)
-            yield case, dtype, "triton", [out, mean, rstd], [ref, mu, torch.rsqrt(var + 1e-6)]
+            for placement in PLACEMENTS:  # GroupNorm + SiLU in the conv's loader, or staged before a plain conv
+                with torch.no_grad(), ldmopt.use_backend("triton"), _placement(placement):
+                    out = fused_resnet_forward(block, x.to(dtype), None if temb is None else temb.to(dtype))
+                    y, (mean, rstd) = fused_resnet_forward(
+                        block, x.to(dtype), None if temb is None else temb.to(dtype), out_stats=(32, 1e-6)
+                    )
+                var, mu = torch.var_mean(y.double().reshape(n, 32, -1), dim=-1, unbiased=False)
+                yield case, dtype, f"triton/{placement}", [out, mean, rstd], [ref, mu, torch.rsqrt(var + 1e-6)]
 
 
 @check("resnet_skip")
@@ -154,11 +176,12 @@ def _resnet_skip(quick: bool):
         grads64 = torch.autograd.grad(ref, parts64, dy.double())
         for dtype in DTYPES:
             block = ref_block.to(dtype)
-            parts = [t.to(dtype).requires_grad_() for t in (hidden, skip)]
-            with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")):
-                out = fused_resnet_forward(block, tuple(parts), temb.to(dtype))
-                grads = torch.autograd.grad(out, parts, dy.to(dtype))
-            yield case, dtype, "triton", [out, *grads], [ref, *grads64]
+            for placement in PLACEMENTS:
+                parts = [t.to(dtype).requires_grad_() for t in (hidden, skip)]
+                with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")), _placement(placement):
+                    out = fused_resnet_forward(block, tuple(parts), temb.to(dtype))
+                    grads = torch.autograd.grad(out, parts, dy.to(dtype))
+                yield case, dtype, f"triton/{placement}", [out, *grads], [ref, *grads64]
 
 
 @check("upsample_conv")
@@ -539,7 +562,7 @@ FULL_ONLY = {
 def run_checks(quick: bool, only: list[str] | None = None) -> int:
     """Run the checks, one line each; returns the number of failures."""
     failures = 0
-    print(f"{'op':<22} {'case':<22} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
+    print(f"{'op':<22} {'case':<22} {'dtype':<9} {'backend':<14} {'max rel err (outputs...)':<40} status")
     for name, fn in CHECKS.items():
         if only and name not in only:
             continue
@@ -550,7 +573,7 @@ def run_checks(quick: bool, only: list[str] | None = None) -> int:
                 failures += not ok
                 errs_text = " ".join(f"{e:.2e}" for e in errs)
                 status = "PASS" if ok else "FAIL"
-                print(f"{name:<22} {case:<22} {str(dtype)[6:]:<9} {backend:<7} {errs_text:<40} {status}")
+                print(f"{name:<22} {case:<22} {str(dtype)[6:]:<9} {backend:<14} {errs_text:<40} {status}")
         except Exception as exc:  # the exception on the ERROR line: run_gpu.sh's summary shows that line
             failures += 1
             print(f"{name:<22} ERROR {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
