@@ -14,6 +14,8 @@ FLOPs counted: 2*M*K*N per GEMM (x3 for forward+backward). Bytes counted for ada
 Targets (H200): GEGLU >= 1.4x eager at K=320 and >= 1.15x at K=1280; bias+GELU within 10% of the bare cuBLAS GEMM at
 the PixArt/Flux shapes; adaLN >= 80% of measured copy bandwidth. ``torch.compile`` runs in max-autotune mode without
 CUDA graphs (as the other benchmarks); in quick mode (LDMOPT_BENCH_QUICK=1) only the first case of each op compiles.
+Every forward provider also gets a ``+graph`` row: ten calls captured in one CUDA graph, the GPU time per call
+(harness.graphed_time), so a kernel's own speed shows where the eager row is bound by the host's time per call.
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ def _measure(recorder, op, case, dtype_name, mode, providers, inputs, grad_input
                 peak = harness.peak_memory(run) if mode == "fwd+bwd" else None
             except Exception as exc:  # an inductor failure, a refused shape: a row with the reason, the others run
                 timing, peak, note = None, None, harness.error_note(exc)
-        recorder.record(op=op, case=case, dtype=dtype_name, mode=mode, provider=name, timing=timing, flops=flops,
-                        bytes=nbytes, peak_mem=peak, note=note)  # fmt: skip
+        row = dict(op=op, case=case, dtype=dtype_name, mode=mode, flops=flops, bytes=nbytes)
+        recorder.record(provider=name, timing=timing, peak_mem=peak, note=note, **row)
+        if timing is not None and mode == "fwd":  # GPU time alone: eager rows include the host's time per call
+            harness.record_graphed(recorder, run, provider=name, **row)
 
 
 def _params(m, k, n, dtype, grad):

@@ -113,6 +113,32 @@ def cuda_graphed(fn: Callable[[], object], warmup_calls: int = 3) -> Callable[[]
     return graph.replay
 
 
+def graphed_time(fn: Callable[[], object], calls: int = 10) -> Timing:
+    """GPU time per call of ``fn``: ``calls`` back-to-back calls captured in one CUDA graph, replayed and timed, the
+    time divided by ``calls``. No host time at all (one graph launch per ``calls`` calls), so an op whose eager row is
+    bound by its host time shows its kernels' own time here. The L2 flush happens once per replay: later calls of a
+    replay may find their inputs in L2 (an optimistic bias for ops whose data fits in it)."""
+
+    def repeated():
+        for _ in range(calls):
+            fn()
+
+    timing = time_fn(cuda_graphed(repeated, warmup_calls=1))
+    return Timing(timing.median_ms / calls, timing.p20_ms / calls, timing.p80_ms / calls)
+
+
+def record_graphed(recorder, fn: Callable[[], object], *, provider: str, **row) -> None:
+    """A ``<provider>+graph`` row: :func:`graphed_time` of ``fn`` (a row with the reason where capture fails). Only on
+    a CUDA device (the CPU dry runs of the benchmarks skip it)."""
+    if not _has_gpu():
+        return
+    try:
+        timing, note = graphed_time(fn), "GPU time per call (CUDA graph of 10 calls)"
+    except Exception as exc:
+        timing, note = None, error_note(exc, "capture failed")
+    recorder.record(provider=f"{provider}+graph", timing=timing, note=note, **row)
+
+
 def step_of(fn: Callable[[], torch.Tensor], mode: str, params=(), grad_out=None) -> Callable[[], object]:
     """What a benchmark times for ``mode``: "fwd" runs ``fn`` without autograd; "fwd+bwd" also takes the gradients
     of ``params`` for ``grad_out``."""
@@ -314,8 +340,11 @@ class Recorder:
         """Markdown table: one line per row, with the speedup over eager (same op, case, dtype, mode) when present."""
         if not self.rows:
             return ""
+        # graph rows against eager's graph row, the others against eager
         eager = {
-            (r.op, r.case, r.dtype, r.mode): r.median_ms for r in self.rows if r.provider == "eager" and r.median_ms
+            (r.op, r.case, r.dtype, r.mode, r.provider.endswith("+graph")): r.median_ms
+            for r in self.rows
+            if r.provider in ("eager", "eager+graph") and r.median_ms
         }
         env = self.rows[0].env
         ceil = ceilings() if _has_gpu() else None
@@ -335,7 +364,7 @@ class Recorder:
             ms = f"{r.median_ms:.4f} ({r.p20_ms:.4f}-{r.p80_ms:.4f})" if r.median_ms else "-"
             bw = f"{r.gbps:.0f} ({r.pct_copy_bw:.0f}%)" if r.gbps else "-"
             tf = f"{r.tflops:.1f} ({r.pct_bf16_mm:.0f}%)" if r.tflops else "-"
-            base = eager.get((r.op, r.case, r.dtype, r.mode))
+            base = eager.get((r.op, r.case, r.dtype, r.mode, r.provider.endswith("+graph")))
             speed = f"{base / r.median_ms:.2f}x" if base and r.median_ms else "-"
             lines.append(
                 f"| {r.op} | {r.case} | {r.dtype} | {r.mode} | {r.provider} | {ms} | {bw} | {tf} | {speed} | {r.note} |"
@@ -351,11 +380,15 @@ class Recorder:
             import matplotlib.pyplot as plt
         except ImportError:
             return None
-        eager = {(r.op, r.case, r.dtype, r.mode): r.median_ms for r in self.rows if r.provider == "eager"}
+        eager = {
+            (r.op, r.case, r.dtype, r.mode, r.provider.endswith("+graph")): r.median_ms
+            for r in self.rows
+            if r.provider in ("eager", "eager+graph")
+        }
         bars: dict[str, dict[str, float]] = {}
         for r in self.rows:
-            base = eager.get((r.op, r.case, r.dtype, r.mode))
-            if r.provider != "eager" and base and r.median_ms:
+            base = eager.get((r.op, r.case, r.dtype, r.mode, r.provider.endswith("+graph")))
+            if r.provider not in ("eager", "eager+graph") and base and r.median_ms:
                 bars.setdefault(f"{r.op} {r.case} {r.dtype} {r.mode}", {})[r.provider] = base / r.median_ms
         if not bars:
             return None

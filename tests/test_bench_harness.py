@@ -37,6 +37,22 @@ def test_rows_rates_and_summary(recorder):
     assert "| gn | a | fp16 | fwd | ldmopt |" in table and "2.00x" in table and "failed: x" in table
 
 
+def test_graph_rows_compare_with_eagers_graph_row(recorder):
+    for provider, ms in (("eager", 2.0), ("ldmopt", 4.0), ("eager+graph", 0.5), ("ldmopt+graph", 0.25)):
+        recorder.record(op="conv", case="a", dtype="fp16", mode="fwd", provider=provider,
+                        timing=harness.Timing(ms, ms, ms))  # fmt: skip
+    lines = {line.split(" | ")[4]: line for line in recorder.summary().splitlines() if line.startswith("| conv")}
+    assert "| 0.50x |" in lines["ldmopt"] and "| 2.00x |" in lines["ldmopt+graph"], lines
+
+
+def test_graphed_time_divides_one_replay_by_the_calls_in_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(harness, "cuda_graphed", lambda fn, warmup_calls: fn)
+    monkeypatch.setattr(harness, "time_fn", lambda fn: (fn(), harness.Timing(5.0, 4.0, 6.0))[1])
+    timing = harness.graphed_time(lambda: calls.append(1), calls=10)
+    assert len(calls) == 10 and timing == harness.Timing(0.5, 0.4, 0.6)
+
+
 def test_speedup_plot(recorder, tmp_path):
     pytest.importorskip("matplotlib")
     recorder.record(op="gn", case="a", dtype="fp16", mode="fwd", provider="eager", timing=harness.Timing(2.0, 1.9, 2.2))
@@ -105,7 +121,8 @@ def _case_rows(recorder, op, case, times, mode="fwd", dtype="float16"):
 
 def test_compact_summary_compares_the_best_full_ldmopt_provider(recorder):
     times = {"eager": 2.0, "compile": 1.5, "sdpa-flash": 3.0, "sdpa-math": 9.0, "ldmopt-triton": 1.0}
-    _case_rows(recorder, "attn", "a", {**times, "ldmopt-cuda": 1.25, "ldmopt+stats": 0.5, "eager+graph": 0.1})
+    variants = {"ldmopt-cuda": 1.25, "ldmopt+stats": 0.5, "eager+graph": 0.1, "ldmopt-loader": 0.2}
+    _case_rows(recorder, "attn", "a", {**times, **variants})
     _case_rows(recorder, "attn", "b", {"eager": 2.0, "ldmopt": None})
     text = summary.summary(recorder.csv_path, "", "")
     assert "  a fp16 fwd  ldmopt-triton 1ms e2.00 c1.50 s3.00 100%bw" in text, text

@@ -15,7 +15,9 @@ tile a staged conv runs (128x128x64) issues 180 for 4 wgmma (sm_90; 277 for 64 m
 in-loader normalisation of an element costs ~(507 - 121) x 8 warps / 4096 elements ~ 0.74 warp-instructions, ~0.7 ps on
 an H200 (4 issues per cycle, 132 SMs, ~1.9 GHz) and ~1 ps on an A100; staging costs 4 bytes of traffic per element (8
 for fp32), ~0.9 ps at an H200's ~4.25 TB/s copy bandwidth and ~2 ps on an A100. So staging pays from 2 to 3
-normalisations per element; a stride-1 3x3 conv has R >= 9, a 1x1 conv to at most 256 channels R <= 2.
+normalisations per element; a stride-1 3x3 conv has R >= 9, a 1x1 conv to at most 256 channels R <= 2. Without an
+activation (GroupNorm before a projection, as the temporal transformers' proj_in) the loader issues 317 instead of 507,
+~0.4 ps per normalisation, which the threshold of 3 still covers.
 ``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged overrides the choice; benchmarks time both.
 On CPU tensors (the Triton interpreter, tests) auto keeps the loader, whose kernel the tests cover; they force
 "staged" to cover the other.
