@@ -71,7 +71,24 @@ def collect(query_gpu: bool = True) -> dict:
         "backends_usable": {"cuda": ext_ok and gpu_ok, "triton": triton_runs, "torch": True},
         "build": _env.build_info(),
         "ops": {name: list(backends) for name, backends in public_ops().items()},
+        "gn_conv_prologue": _prologue_setting(),
     }
+
+
+def _prologue_setting() -> str:
+    """Where fused GroupNorm -> conv applies the norm, as LDMOPT_GN_CONV_PROLOGUE asks (ops.gn_conv2d_prologue)."""
+    from .ops import gn_conv2d_prologue as prologue
+
+    try:
+        requested = prologue.requested_placement()
+    except ValueError as exc:
+        return f"invalid: {exc}"
+    if requested == "auto":
+        return (
+            f"auto (on a GPU: staged where the conv's loader would normalise each input element "
+            f"{prologue.STAGE_FROM_RECOMPUTE}+ times, else in the loader; {prologue.ENV} forces either)"
+        )
+    return f"{requested} (forced by {prologue.ENV})"
 
 
 def format_info(info: dict) -> str:
@@ -99,6 +116,7 @@ def format_info(info: dict) -> str:
             )
         )
     lines.append("ops: " + ", ".join(f"{op} ({'/'.join(b)})" for op, b in info["ops"].items()))
+    lines.append(f"GroupNorm -> conv prologue: {info['gn_conv_prologue']}")
     return "\n".join(lines)
 
 

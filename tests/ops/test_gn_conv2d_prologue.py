@@ -135,3 +135,15 @@ def test_staged_and_loader_agree_through_backward(monkeypatch):
     torch.testing.assert_close(y_s, y_l, rtol=1e-5, atol=1e-5)
     for a, c in zip(g_s, g_l):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_info_shows_the_setting(monkeypatch):
+    from ldmopt import info
+
+    monkeypatch.delenv(prologue.ENV, raising=False)
+    assert info.collect(query_gpu=False)["gn_conv_prologue"].startswith("auto (on a GPU: staged where")
+    monkeypatch.setenv(prologue.ENV, "loader")
+    text = info.format_info(info.collect(query_gpu=False))
+    assert "GroupNorm -> conv prologue: loader (forced by LDMOPT_GN_CONV_PROLOGUE)" in text
+    monkeypatch.setenv(prologue.ENV, "fast")
+    assert "invalid: LDMOPT_GN_CONV_PROLOGUE='fast'" in info.collect(query_gpu=False)["gn_conv_prologue"]
