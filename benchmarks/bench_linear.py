@@ -111,7 +111,7 @@ def _measure(recorder, op, case, dtype_name, mode, providers, inputs, grad_input
         row = dict(op=op, case=case, dtype=dtype_name, mode=mode, flops=flops, bytes=nbytes)
         recorder.record(provider=name, timing=timing, peak_mem=peak, note=note, **row)
         if timing is not None and mode == "fwd":  # GPU time alone: eager rows include the host's time per call
-            harness.record_graphed(recorder, run, provider=name, **row)
+            harness.record_graphed(recorder, run, device=DEVICE, provider=name, **row)
 
 
 def _params(m, k, n, dtype, grad):

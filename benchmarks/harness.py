@@ -127,10 +127,10 @@ def graphed_time(fn: Callable[[], object], calls: int = 10) -> Timing:
     return Timing(timing.median_ms / calls, timing.p20_ms / calls, timing.p80_ms / calls)
 
 
-def record_graphed(recorder, fn: Callable[[], object], *, provider: str, **row) -> None:
-    """A ``<provider>+graph`` row: :func:`graphed_time` of ``fn`` (a row with the reason where capture fails). Only on
-    a CUDA device (the CPU dry runs of the benchmarks skip it)."""
-    if not _has_gpu():
+def record_graphed(recorder, fn: Callable[[], object], *, device: str, provider: str, **row) -> None:
+    """A ``<provider>+graph`` row: :func:`graphed_time` of ``fn`` (a row with the reason where capture fails). Only for
+    a benchmark on a CUDA ``device`` (the CPU dry runs of the benchmarks skip it, GPU or not)."""
+    if torch.device(device).type != "cuda" or not _has_gpu():
         return
     try:
         timing, note = graphed_time(fn), "GPU time per call (CUDA graph of 10 calls)"

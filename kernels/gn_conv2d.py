@@ -54,7 +54,8 @@ CONV_TILES_FP32 = (
 
 
 #: 16-bit tiles (BM, BN, BK, warps, stages) for a conv with the GroupNorm prologue in its loader (NORMALIZE): the
-#: normalised A tile passes through registers, and BK=32 keeps them within 255 with the heaviest epilogues.
+#: normalised A tile passes through registers, so the k-step stays at 32 (64 only for the 64x64 tile) to keep them
+#: within 255 with the heaviest epilogues.
 CONV_TILES_LOADER = ((128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 64, 64, 4, 3))
 #: 16-bit tiles for a plain conv (statistics staged before it, upsamplers, downsamplers): A goes from shared memory
 #: straight into the MMA, and BK=64 halves the loop's overhead per MMA. sm_90 SASS per warp and k-step, 128x128 with

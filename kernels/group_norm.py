@@ -429,6 +429,7 @@ def group_norm_apply(
     _, _, _, (syn, syc, sys_) = as_ncs(y)
     w, b, has_w, has_b = _affine_args(weight, bias, x)
     c_total = c if c_total is None else c_total
+    mean, rstd = mean.contiguous(), rstd.contiguous()  # read as [N, G] rows (caller-given statistics may be views)
     block_s, block_c = _tiles(c, s, sxc == 1)
     n_cblocks = triton.cdiv(c, block_c)
     n_sblocks = triton.cdiv(s, block_s)

@@ -260,7 +260,8 @@ def gn_conv2d_op(
     fp32_precision: str = "conv",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation.
-    ``x_tail`` / ``shortcut_x_tail``: the input is ``cat([x, x_tail], 1)`` (the shortcut's likewise), never written.
+    ``x_tail`` / ``shortcut_x_tail``: the input is ``cat([x, x_tail], 1)`` (the shortcut's likewise), never written
+    (a staged normalisation writes the normalised concatenation).
     ``fp32_precision``: "conv" or "matmul", whose TF32 setting fp32 products follow (see gn_silu_conv2d)."""
     _check_tail("x_tail", x, x_tail)
     _check_tail("shortcut_x_tail", shortcut_x, shortcut_x_tail)
@@ -507,7 +508,8 @@ def gn_silu_conv2d(
 
     A UNet up block's ``cat([hidden, skip], 1)``: pass ``x=(hidden, skip)`` (and the shortcut's input likewise); the
     statistics pass and the loaders read each channel block where its part lies, so the concatenation is never
-    written (backward materialises it transiently, where a gradient needs it). The parts must agree in batch, spatial
+    written (backward materialises it transiently, where a gradient needs it; a staged normalisation, see below,
+    writes ``act(group_norm(cat))`` as one buffer, one pass per part). The parts must agree in batch, spatial
     size and dtype.
 
     Under torch.autocast, x, conv weight/bias, temb, residual and the shortcut's tensors are cast to the autocast

@@ -14,10 +14,11 @@ A100); with 8 warps on 4 schedulers that loop is issue-bound at about 4x (sm_90)
 tile a staged conv runs (128x128x64) issues 180 for 4 wgmma (sm_90; 277 for 64 mma.sync on sm_80): MMA-bound. One
 in-loader normalisation of an element costs ~(507 - 121) x 8 warps / 4096 elements ~ 0.74 warp-instructions, ~0.7 ps on
 an H200 (4 issues per cycle, 132 SMs, ~1.9 GHz) and ~1 ps on an A100; staging costs 4 bytes of traffic per element (8
-for fp32), ~0.9 ps at an H200's ~4.25 TB/s copy bandwidth and ~2 ps on an A100. So staging pays from 2 to 3
-normalisations per element; a stride-1 3x3 conv has R >= 9, a 1x1 conv to at most 256 channels R <= 2. Without an
-activation (GroupNorm before a projection, as the temporal transformers' proj_in) the loader issues 317 instead of 507,
-~0.4 ps per normalisation, which the threshold of 3 still covers.
+for fp32), ~0.9 ps at an H200's ~4.25 TB/s copy bandwidth and ~2 ps on an A100. So staging pays from about 1.3 (H200)
+to 2 (A100) normalisations per element, 3 leaving a margin for the estimate's error; a stride-1 3x3 conv has R >= 9, a
+1x1 conv to at most 256 channels R <= 2. Without an activation (GroupNorm before a projection, as the temporal
+transformers' proj_in) the loader issues 317 instead of 507, ~0.4 ps per normalisation, which the threshold of 3 still
+covers.
 ``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged overrides the choice; benchmarks time both.
 On CPU tensors (the Triton interpreter, tests) auto keeps the loader, whose kernel the tests cover; they force
 "staged" to cover the other.
@@ -25,6 +26,7 @@ On CPU tensors (the Triton interpreter, tests) auto keeps the loader, whose kern
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 
@@ -42,8 +44,13 @@ placement_counts: Counter[str] = Counter()
 
 
 def requested_placement() -> str:
-    """The placement ``LDMOPT_GN_CONV_PROLOGUE`` asks for ("auto" when unset)."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    """The placement ``LDMOPT_GN_CONV_PROLOGUE`` asks for ("auto" when unset), read at each call."""
+    return _parse(os.environ.get(ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse(raw: str | None) -> str:
+    value = (raw or "").strip().lower() or "auto"
     if value not in PLACEMENTS:
         raise ValueError(f"{ENV}={value!r} is not supported; expected one of {list(PLACEMENTS)}")
     return value

@@ -1,4 +1,4 @@
-"""Where the fused conv applies GroupNorm + SiLU (kernels/gn_conv2d_prologue.py): the auto policy's choices, the
+"""Where the fused conv applies GroupNorm + SiLU (ldmopt/ops/gn_conv2d_prologue.py): the auto policy's choices, the
 override's errors, and the staged placement (an apply pass, then a plain conv) against the unfused composition in the
 Triton interpreter, on the cases the loader placement is tested on elsewhere.
 """
@@ -147,3 +147,14 @@ def test_info_shows_the_setting(monkeypatch):
     assert "GroupNorm -> conv prologue: loader (forced by LDMOPT_GN_CONV_PROLOGUE)" in text
     monkeypatch.setenv(prologue.ENV, "fast")
     assert "invalid: LDMOPT_GN_CONV_PROLOGUE='fast'" in info.collect(query_gpu=False)["gn_conv_prologue"]
+
+
+def test_staged_reads_strided_statistics_by_their_strides(staged):
+    """Statistics handed in by a caller may be views (here column-major [N, G]): the staged pass must not assume rows."""
+    x, gw, gb, groups, w, b = _inputs(3, 12, 5, 7, 20, 3, torch.float32)
+    mean, rstd = torch.ops.ldmopt.gn_conv2d_stats(x, groups, 1e-5)
+    strided = tuple(t.t().contiguous().t() for t in (mean, rstd))
+    assert not strided[0].is_contiguous()
+    with ldmopt.use_backend("triton"):
+        y = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, stats=strided)
+    _check(y, (x, gw, gb, groups, w, b, 1, 1), {}, "staged, strided statistics")
