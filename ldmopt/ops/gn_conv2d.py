@@ -9,9 +9,10 @@ Backends: triton (kernels/gn_conv2d.py) and torch, the reference: the unfused co
 inputs). The triton backend applies GroupNorm + activation in the conv's loader or, where the conv would normalise each
 input element several times over, in one staged pass before a plain conv (gn_conv2d_prologue.py: chosen per call,
 ``LDMOPT_GN_CONV_PROLOGUE`` overrides). Backward recomputes ``act(group_norm(x))`` from the saved input and statistics
-and uses PyTorch's convolution backward, so no activation beyond the op's inputs is kept alive.
-``fp32_precision="matmul"`` (a Linear read as a 1x1 conv): fp32 products follow PyTorch's matmul precision instead of
-its convolution's, in the kernel, and the reference and backward run nn.Linear's GEMMs.
+(group_norm_apply.py: one fused pass where Triton runs) and uses PyTorch's convolution backward, so no activation
+beyond the op's inputs is kept alive. ``fp32_precision="matmul"`` (a Linear read as a 1x1 conv): fp32 products follow
+PyTorch's matmul precision instead of its convolution's, in the kernel, and the reference and backward run nn.Linear's
+GEMMs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _run, _stats_dty
 from .gn_conv2d_stats import fallback_reasons as fallback_reasons  # both ops' record, read by PatchReport
 from .gn_conv2d_stats import same_but_channels as same_but_channels
 from .group_norm import group_norm_bwd
+from .group_norm_apply import group_norm_apply
+from .group_norm_apply import normalize_reference as _normalize
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
 RESAMPLES = ("none", "up", "down")
@@ -88,20 +91,6 @@ def _pair(v) -> tuple[int, int]:
 def _rows(t: Tensor) -> Tensor:
     """A per-image ([N, C]) or per-output-row ([N, C, OH]) vector as a broadcastable [N, C, OH|1, 1] view."""
     return t[:, :, None, None] if t.dim() == 2 else t[:, :, :, None]
-
-
-def _normalize(x: Tensor, mean: Tensor, rstd: Tensor, gw: Tensor | None, gb: Tensor | None, groups: int, act):
-    """act((x - mean) * rstd * gw + gb) in the statistics dtype, per (n, group) statistics."""
-    n, c = x.shape[:2]
-    cd = _stats_dtype(x)
-    shape = (n, groups, c // groups, *x.shape[2:])
-    z = (x.to(cd).reshape(shape) - mean.to(cd).reshape(n, groups, 1, 1, 1)) * rstd.to(cd).reshape(n, groups, 1, 1, 1)
-    z = z.reshape(x.shape)
-    if gw is not None:
-        z = z * gw.to(cd)[:, None, None]
-    if gb is not None:
-        z = z + gb.to(cd)[:, None, None]
-    return F.silu(z) if act == "silu" else z
 
 
 def _channels_last_like(shape, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -387,7 +376,8 @@ def _backward(ctx, dy, _dmean, _drstd):
     normalize = mean is not None
     need_da = need[0] or (normalize and (need[3] or need[4]))
     if need_da or need[5]:
-        a = _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype) if normalize else x
+        # the conv's input again, in one fused pass where Triton runs (the reference composition is ~7 fp32 passes)
+        a = call(group_norm_apply, x, mean, rstd, gw, gb, groups, act or "") if normalize else x
         da_r, dw = _conv_backward(
             g, resample_input(a, resample), w, stride, padding, [need_da, need[5]], fp32_precision
         )[:2]

@@ -150,7 +150,7 @@ def test_info_shows_the_setting(monkeypatch):
 
 
 def test_staged_reads_strided_statistics_by_their_strides(staged):
-    """Statistics handed in by a caller may be views (here column-major [N, G]): the staged pass must not assume rows."""
+    """Statistics handed in by a caller may be views (here column-major [N, G]): the staged pass reads them as rows."""
     x, gw, gb, groups, w, b = _inputs(3, 12, 5, 7, 20, 3, torch.float32)
     mean, rstd = torch.ops.ldmopt.gn_conv2d_stats(x, groups, 1e-5)
     strided = tuple(t.t().contiguous().t() for t in (mean, rstd))

@@ -1,0 +1,95 @@
+"""``ldmopt::group_norm_apply``: ``act(group_norm(x))`` from statistics already known, channels-last in x's dtype.
+
+What the fused convolution's staged placement writes before a plain conv (gn_conv2d_prologue.py), and what its backward
+recomputes as the conv's input for PyTorch's convolution backward. Internal: it has no autograd (callers use it
+without gradients: a staged forward inside the fused conv op, whose own autograd covers it, and a backward), so it is
+not exported from ``ldmopt.ops``.
+
+Backends: triton (kernels/group_norm.py's apply kernel: one elementwise pass per part, fp32 math) and torch, the
+reference (the unfused composition in fp32; fp64 for fp64), both rounding the result to x's dtype as an unfused
+model stores its activation. A two-part input ``x_tail`` stands for ``cat([x, x_tail], 1)``; the triton backend writes
+each part's channels of one output, the reference concatenates first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._dispatch import Backend, BackendTable, register_eager, triton_refusals
+from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _run, _stats_dtype
+
+
+def normalize_reference(x: Tensor, mean: Tensor, rstd: Tensor, gw: Tensor | None, gb: Tensor | None, groups: int,
+                        act: str | None) -> Tensor:  # fmt: skip
+    """act((x - mean) * rstd * gw + gb) in the statistics dtype (fp32; fp64 for fp64), per (n, group) statistics."""
+    n, c = x.shape[:2]
+    cd = _stats_dtype(x)
+    shape = (n, groups, c // groups, *x.shape[2:])
+    z = (x.to(cd).reshape(shape) - mean.to(cd).reshape(n, groups, 1, 1, 1)) * rstd.to(cd).reshape(n, groups, 1, 1, 1)
+    z = z.reshape(x.shape)
+    if gw is not None:
+        z = z * gw.to(cd)[:, None, None]
+    if gb is not None:
+        z = z + gb.to(cd)[:, None, None]
+    return F.silu(z) if act == "silu" else z
+
+
+def _apply_torch(x, mean, rstd, gw, gb, groups, act, x_tail=None):
+    x = _cat(x, x_tail)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    return y.copy_(normalize_reference(x, mean, rstd, gw, gb, groups, act or None))
+
+
+def _apply_triton(x, mean, rstd, gw, gb, groups, act, x_tail=None):
+    from .gn_conv2d_prologue import staged_activation
+
+    return staged_activation(x, x_tail, mean, rstd, gw, gb, groups, act or None)
+
+
+def _apply_triton_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> list[str]:
+    reasons = triton_refusals(x, x_tail, gw, gb, dtypes=_TRITON_DTYPES)
+    for name, t in (("x", x), ("x_tail", x_tail)):
+        if t is not None and not t.is_contiguous(memory_format=torch.channels_last):
+            reasons.append(f"{name} (strides {t.stride()}) is not channels-last")
+    if mean.dtype != torch.float32 or rstd.dtype != torch.float32:
+        reasons.append(f"statistics dtype {mean.dtype} (the kernel reads fp32 mean/rstd)")
+    return reasons
+
+
+APPLY = BackendTable(
+    "group_norm_apply", [Backend("triton", _apply_triton, _apply_triton_refuse), Backend("torch", _apply_torch)]
+)
+
+
+@torch.library.custom_op("ldmopt::group_norm_apply", mutates_args=())
+def group_norm_apply(
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    gn_weight: Tensor | None,
+    gn_bias: Tensor | None,
+    num_groups: int,
+    activation: str,
+    x_tail: Tensor | None = None,
+) -> Tensor:
+    """act(group_norm(cat([x, x_tail], 1))) with per-(n, group) ``mean``/``rstd`` [N, G]; ``activation`` "" or "silu".
+    4-D x; the result is channels-last in x's dtype."""
+    _check_tail("x_tail", x, x_tail)
+    c = x.shape[1] + (0 if x_tail is None else x_tail.shape[1])
+    if x.dim() != 4 or num_groups <= 0 or c % num_groups or tuple(mean.shape) != (x.shape[0], num_groups):
+        raise ValueError(
+            f"group_norm_apply: x {tuple(x.shape)} ({c} channels in all), num_groups={num_groups}, mean "
+            f"{tuple(mean.shape)}: expected a 4-D x whose channels the groups divide and [N, num_groups] statistics"
+        )
+    return _run(APPLY, x, mean, rstd, gn_weight, gn_bias, num_groups, activation, x_tail)
+
+
+register_eager(group_norm_apply)
+
+
+@group_norm_apply.register_fake
+def _(x, mean, rstd, gn_weight, gn_bias, num_groups, activation, x_tail=None):
+    c = x.shape[1] + (0 if x_tail is None else x_tail.shape[1])
+    return torch.empty((x.shape[0], c, *x.shape[2:]), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
