@@ -21,7 +21,6 @@ Targets (H200): whole block >= 1.25x eager channels-last at 64x64x320 and 32x32x
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -82,21 +81,12 @@ def _conv_flops(n, cin, cout, size, k=3):
     return 2 * n * size * size * cout * cin * k * k
 
 
-@contextlib.contextmanager
 def _placement(provider: str):
     """A "-loader" provider keeps GroupNorm + SiLU in the conv's loader; the others take the auto placement (staged
     for these convs on a GPU, ldmopt/ops/gn_conv2d_prologue.py), so each pair of rows times both."""
-    from ldmopt.ops.gn_conv2d_prologue import ENV
+    from ldmopt.ops.gn_conv2d_prologue import forced
 
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = "loader" if provider.endswith("-loader") else "auto"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+    return forced("loader" if provider.endswith("-loader") else "auto")
 
 
 def _record(rec, op, case, dtype, mode, provider, fn, flops, nbytes):

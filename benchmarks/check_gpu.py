@@ -8,7 +8,6 @@ Run: python benchmarks/check_gpu.py [--quick]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import sys
@@ -105,19 +104,10 @@ def _group_norm(quick: bool):
 PLACEMENTS = ("staged", "loader")
 
 
-@contextlib.contextmanager
 def _placement(placement: str):
-    from ldmopt.ops.gn_conv2d_prologue import ENV
+    from ldmopt.ops.gn_conv2d_prologue import forced
 
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = placement
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+    return forced(placement)
 
 
 def _random_norm_affine(block: torch.nn.Module) -> None:

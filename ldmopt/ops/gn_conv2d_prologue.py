@@ -26,6 +26,7 @@ On CPU tensors (the Triton interpreter, tests) auto keeps the loader, whose kern
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections import Counter
@@ -54,6 +55,22 @@ def _parse(raw: str | None) -> str:
     if value not in PLACEMENTS:
         raise ValueError(f"{ENV}={value!r} is not supported; expected one of {list(PLACEMENTS)}")
     return value
+
+
+@contextlib.contextmanager
+def forced(placement: str):
+    """Within the block, fused convs use ``placement`` ("auto", "loader" or "staged"): sets ``LDMOPT_GN_CONV_PROLOGUE``
+    for the process (every thread) and restores what was there. For benchmarks and checks that time or test both."""
+    _parse(placement)  # the same error as the variable's
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = placement
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 def recompute_factor(kernel: tuple[int, int], c_out: int, stride: int, resample: str) -> float:

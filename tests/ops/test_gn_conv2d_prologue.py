@@ -3,6 +3,8 @@ override's errors, and the staged placement (an apply pass, then a plain conv) a
 Triton interpreter, on the cases the loader placement is tested on elsewhere.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -158,3 +160,16 @@ def test_staged_reads_strided_statistics_by_their_strides(staged):
     with ldmopt.use_backend("triton"):
         y = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, stats=strided)
     _check(y, (x, gw, gb, groups, w, b, 1, 1), {}, "staged, strided statistics")
+
+
+def test_forced_sets_and_restores_the_variable(monkeypatch):
+    monkeypatch.setenv(prologue.ENV, "loader")
+    with prologue.forced("staged"):
+        assert prologue.requested_placement() == "staged"
+    assert prologue.requested_placement() == "loader"
+    monkeypatch.delenv(prologue.ENV)
+    with pytest.raises(ValueError, match="LDMOPT_GN_CONV_PROLOGUE='fastest'"), prologue.forced("fastest"):
+        pass
+    with prologue.forced("auto"):
+        pass
+    assert prologue.ENV not in os.environ
