@@ -1,7 +1,9 @@
 """Ahead-of-time compile gate: every Triton kernel compiles for sm_80 and sm_90 without a GPU, with no register
 spills and shared memory within the target's limit. Each record also names the tensor-core instruction the compiler
 chose (wgmma / mma.sync), the widest global load (16 bytes for a vectorised streaming kernel) and the most barriers in
-one loop body (none for a streaming statistics loop), which the tests check per kernel family.
+one loop body (none for a streaming statistics loop), and for a tensor-core kernel its main loop's issue cycles over
+its MMA cycles (read from the SASS: above 1 the loop waits on instruction issue, not on the tensor cores), which the
+tests check per kernel family. These are static estimates of what a GPU would show, not measurements.
 
 Each module of ``ldmopt.kernels`` exposes ``aot_specs()``: representative configurations (signature, constexprs,
 num_warps, num_stages, and the divisibility Triton specialises at run time: ``attrs`` or ``divisible_by_16``).
@@ -46,6 +48,13 @@ class CompileRecord:
     #: the most barriers (bar.sync) in one loop body: a reduction that crosses warps on every tile puts shared-memory
     #: round trips and barriers between one tile's loads and the next; streaming statistics loops should have none
     loop_barriers: int = 0
+    #: the tensor-core main loop in the SASS (the loop with the most HGMMA/HMMA): instructions per warp per iteration,
+    #: and how many of them are MMAs (0, 0 without one)
+    mma_loop_instructions: int = 0
+    mma_loop_mmas: int = 0
+    #: that loop's issue cycles (num_warps x instructions / 4 schedulers) over its tensor-core cycles (the tile's MMA
+    #: FLOPs at the arch's dense rate per SM and cycle): above 1 the loop waits on instruction issue, not on the MMA
+    mma_loop_issue_ratio: float = 0.0
 
 
 def kernel_modules() -> list[str]:
@@ -121,6 +130,59 @@ def loop_barriers(ptx: str) -> int:
     return most
 
 
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)$")
+
+
+#: dense tensor-core FLOPs per SM and cycle, by (arch, TF32 operands): H100/H200 989 TFLOP/s fp16 over 132 SMs at
+#: 1.83 GHz; A100 312 over 108 at 1.41 GHz; TF32 at half
+MMA_FLOPS_PER_CYCLE = {(90, False): 4096, (90, True): 2048, (80, False): 2048, (80, True): 1024}
+
+
+def _mma_flops(suffix: str) -> tuple[int, bool]:
+    """(FLOPs, TF32) of one MMA instruction from its SASS suffix: HGMMA.64x128x16.F32 (one warpgroup's), or
+    HMMA.16816.F32 (one warp's m16n8k16; 1688 / 1684: k 8 / 4)."""
+    shape = suffix.lstrip(".").split(".")[0]
+    if "x" in shape:
+        m, n, k = (int(v) for v in shape.split("x"))
+    else:
+        m, n, k = int(shape[:2]), int(shape[2]), int(shape[3:])
+    return 2 * m * n * k, "TF32" in suffix
+
+
+def mma_loop(sass: str) -> tuple[int, list[str]]:
+    """(instructions, the MMA instructions' opcode.suffix) of the SASS loop with the most HGMMA/HMMA, per warp and
+    iteration: the body between a backward branch's target and the branch. (0, []) when no loop holds an MMA."""
+    lines = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
+    best: tuple[int, list[str]] = (0, [])
+    for address, opcode, rest in lines:
+        target = re.search(r"\b(0x[0-9a-f]+)", rest) if opcode == "BRA" else None
+        if target is None or int(target.group(1), 16) >= address:
+            continue
+        body = [(op, rest) for a, op, rest in lines if int(target.group(1), 16) <= a <= address]
+        mmas = [op + rest.split()[0] for op, rest in body if op in ("HGMMA", "HMMA")]
+        if len(mmas) > len(best[1]):
+            best = (len(body), mmas)
+    return best
+
+
+def issue_ratio(instructions: int, mmas: list[str], num_warps: int, arch: int) -> float:
+    """A loop's issue cycles per SM over its tensor-core cycles (see CompileRecord.mma_loop_issue_ratio). A HGMMA
+    runs once per warpgroup (4 warps), a HMMA once per warp."""
+    tensor_cycles = 0.0
+    for mma in mmas:
+        flops, tf32 = _mma_flops(mma.split(".", 1)[1])
+        copies = num_warps / 4 if mma.startswith("HGMMA") else num_warps
+        tensor_cycles += copies * flops / MMA_FLOPS_PER_CYCLE[(90 if arch >= 90 else 80, tf32)]
+    return num_warps * instructions / 4 / tensor_cycles if tensor_cycles else 0.0
+
+
+def _sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
 def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -151,6 +213,10 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     record = CompileRecord(spec["name"], arch, regs, shared, local, not problems, "; ".join(problems))
     record.mma, record.load_bytes = tensor_core_instruction(ptx), widest_global_load(ptx)
     record.loop_barriers = loop_barriers(ptx)
+    if record.mma:
+        instructions, mmas = mma_loop(_sass(compiled.asm["cubin"]))
+        record.mma_loop_instructions, record.mma_loop_mmas = instructions, len(mmas)
+        record.mma_loop_issue_ratio = round(issue_ratio(instructions, mmas, options["num_warps"], arch), 3)
     return record
 
 
@@ -175,12 +241,12 @@ def run_all(modules: list[str] | None = None, archs=TARGETS, workers: int | None
 
 def format_table(records: list[CompileRecord]) -> str:
     width = max([len(r.kernel) for r in records] + [6])
-    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  mma    load(B)  loop-bar  status"]
+    lines = [f"{'kernel':<{width}}  arch   regs  shared(B)  spill(B)  mma    load(B)  loop-bar  issue/mma  status"]
     for r in records:
         status = "ok" if r.ok else "FAIL: " + r.problem
         lines.append(
             f"{r.kernel:<{width}}  sm_{r.arch}  {r.registers:5d}  {r.shared_bytes:9d}  {r.spill_bytes:8d}"
-            f"  {r.mma or '-':<5}  {r.load_bytes:7d}  {r.loop_barriers:8d}  {status}"
+            f"  {r.mma or '-':<5}  {r.load_bytes:7d}  {r.loop_barriers:8d}  {r.mma_loop_issue_ratio:9.2f}  {status}"
         )
     return "\n".join(lines)
 

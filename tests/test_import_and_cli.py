@@ -176,6 +176,63 @@ def test_aot_statistics_loops_carry_no_barriers(aot_records):
     assert any(r["loop_barriers"] for r in aot_records if r["kernel"].startswith("linear_fwd"))
 
 
+#: GEMM main loops that must stay bound by the tensor cores, not by instruction issue (ldmopt.aot's issue/mma:
+#: issue cycles over MMA cycles <= 1 on sm_80 and sm_90): the plain convs the staged GroupNorm hands its activation
+#: to (ldmopt/ops/gn_conv2d_prologue.py), the upsampler, and the GEMMs without a prologue in their loads. The loader
+#: prologue's tiles (about 4x on sm_90, 2x on sm_80) are why the staging exists; 64x64 tiles are left out (1.5 on
+#: sm_90: four warps carry a quarter of a 128x128 tile's MMA per k-step).
+MMA_BOUND_LOOPS = (
+    "gn_conv2d[fp16,3x3,staged conv1:temb+stats]",
+    "gn_conv2d[bf16,3x3,staged conv1:temb+stats]",
+    "gn_conv2d[fp16,3x3,staged conv2:shortcut parts+stats,64x128x64]",
+    "gn_conv2d[fp16,3x1,staged temporal conv2",
+    "gn_conv2d[fp16,3x3,stride2,plain]",
+    "gn_conv2d[fp16,3x3,upsampler]",
+    "geglu_fwd[fp16,infer",
+    "geglu_fwd[bf16,infer",
+    "geglu_fwd[fp16,train",
+    "geglu_fwd[bf16,train",
+    "linear_fwd[fp16,gelu_tanh",
+    "linear_fwd[bf16,gelu_tanh]",
+    "linear_fwd[bf16,gate+residual]",
+    "linear_fwd[fp16,two-part x",
+)
+
+
+def test_aot_gemm_main_loops_are_bound_by_the_mma(aot_records):
+    checked = [r for r in aot_records if r["kernel"].startswith(MMA_BOUND_LOOPS)]
+    assert {r["kernel"].split("[")[0] for r in checked} == {"gn_conv2d", "geglu_fwd", "linear_fwd"}
+    slow = [
+        f"{r['kernel']} sm_{r['arch']}: {r['mma_loop_instructions']} instructions per {r['mma_loop_mmas']} MMA, "
+        f"issue/mma {r['mma_loop_issue_ratio']}"
+        for r in checked
+        if not 0 < r["mma_loop_issue_ratio"] <= 1.0
+    ]
+    assert not slow, "\n".join(slow)
+    # the measure itself: the loader prologue's loop is issue-bound
+    loader = [r for r in aot_records if r["kernel"] == "gn_conv2d[fp16,3x3,conv1:temb+stats]"]
+    assert loader and all(r["mma_loop_issue_ratio"] > 1.5 for r in loader), loader
+
+
+def test_issue_ratio_from_sass():
+    sass = """
+        /*0100*/                   IMAD R1, R2, R3, RZ ;
+        /*0110*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], R24 ;
+        /*0120*/                   HGMMA.64x128x16.F32 R24, gdesc[UR8], R24 ;
+        /*0130*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0140*/               @P0 BRA 0x100 ;
+        /*0150*/                   EXIT ;
+"""
+    instructions, mmas = ldmopt.aot.mma_loop(sass)
+    assert (instructions, mmas) == (5, ["HGMMA.64x128x16.F32", "HGMMA.64x128x16.F32"])
+    # 8 warps: 2 warpgroups x 2 x 262144 FLOP at 4096 per cycle = 256 MMA cycles; 8 x 5 / 4 = 10 issue cycles
+    assert ldmopt.aot.issue_ratio(instructions, mmas, 8, 90) == pytest.approx(10 / 256)
+    # sm_80: HMMA.16816 per warp, 4096 FLOP at 2048 per cycle; TF32 (1684: k=4) at half the rate
+    assert ldmopt.aot.issue_ratio(4, ["HMMA.16816.F32"], 4, 80) == pytest.approx(4 / (4 * 4096 / 2048))
+    assert ldmopt.aot.issue_ratio(4, ["HMMA.1684.F32.TF32"], 4, 80) == pytest.approx(4 / (4 * 1024 / 1024))
+    assert ldmopt.aot.mma_loop(sass.replace("HGMMA", "FFMA")) == (0, [])
+
+
 def test_loop_barriers_counts_inside_loop_bodies_only():
     ptx = """
     bar.sync 0;
