@@ -120,10 +120,12 @@ def _conv(inp: Tensor, w: Tensor, b: Tensor | None, stride: int, padding, fp32_p
 
 
 def _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample, sc_resample,
-              fp32_precision="conv"):  # fmt: skip
-    """conv + bias + temb + shortcut in the statistics dtype: what the gate scales."""
+              fp32_precision="conv", a=None):  # fmt: skip
+    """conv + bias + temb + shortcut in the statistics dtype: what the gate scales. ``a``: the conv's input
+    ``act(group_norm(x))`` when the caller has it already."""
     cd = _stats_dtype(x)
-    a = x if mean is None else _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype)
+    if a is None:
+        a = x if mean is None else _normalize(x, mean, rstd, gw, gb, groups, act).to(x.dtype)
     z = _conv(resample_input(a, resample).to(cd), w.to(cd), None, stride, padding, fp32_precision)
     if b is not None:
         z = z + b.to(cd)[:, None, None]
@@ -358,11 +360,17 @@ def _backward(ctx, dy, _dmean, _drstd):
     grads = [None] * 26
     if need[8]:
         grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
+    normalize = mean is not None
+    need_da = need[0] or (normalize and (need[3] or need[4]))
+    a = None
+    if normalize and (gate_grad or need_da or need[5]):
+        # the conv's input again, in one fused pass where Triton runs (the reference composition is ~7 fp32 passes)
+        a = call(group_norm_apply, x, mean, rstd, gw, gb, groups, act or "")
     if gate is not None:
         if need[12]:
             # d gate[n, oh] = sum over (c, ow) of g * (conv + bias + temb + shortcut), recomputed: one more conv.
             z = _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride, padding, resample,
-                          sc_resample, fp32_precision)  # fmt: skip
+                          sc_resample, fp32_precision, a)  # fmt: skip
             # fp64 sums: the gate (SVD's blend factor) sees every element of the tensor.
             dgate = (g.to(z.dtype) * z).sum((1, 3), dtype=torch.float64)
             dtype, shape = ctx.meta["gate"]
@@ -373,11 +381,8 @@ def _backward(ctx, dy, _dmean, _drstd):
     if need[7]:
         dtype, dims = ctx.meta["temb"]
         grads[7] = _sum_channels(g, (2, 3) if dims == 2 else (3,), dtype)
-    normalize = mean is not None
-    need_da = need[0] or (normalize and (need[3] or need[4]))
     if need_da or need[5]:
-        # the conv's input again, in one fused pass where Triton runs (the reference composition is ~7 fp32 passes)
-        a = call(group_norm_apply, x, mean, rstd, gw, gb, groups, act or "") if normalize else x
+        a = a if normalize else x
         da_r, dw = _conv_backward(
             g, resample_input(a, resample), w, stride, padding, [need_da, need[5]], fp32_precision
         )[:2]
