@@ -37,6 +37,7 @@ from benchmarks.check_gpu_norms import (
     _run_rms_norm_rope_heads,
     _run_rms_norm_rope_joint,
 )
+from ldmopt.ops.gn_conv2d_prologue import forced
 
 DEVICE = "cuda"  # tests/test_check_scripts_dry_run.py runs every check on the CPU with tiny CASES
 BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
@@ -104,12 +105,6 @@ def _group_norm(quick: bool):
 PLACEMENTS = ("staged", "loader")
 
 
-def _placement(placement: str):
-    from ldmopt.ops.gn_conv2d_prologue import forced
-
-    return forced(placement)
-
-
 def _random_norm_affine(block: torch.nn.Module) -> None:
     """Non-trivial GroupNorm weights and biases (a fresh block's are ones and zeros), in place."""
     with torch.no_grad():
@@ -136,7 +131,7 @@ def _resnet_block(quick: bool):
         for dtype in DTYPES:
             block = ref_block.to(dtype)
             for placement in PLACEMENTS:  # GroupNorm + SiLU in the conv's loader, or staged before a plain conv
-                with torch.no_grad(), ldmopt.use_backend("triton"), _placement(placement):
+                with torch.no_grad(), ldmopt.use_backend("triton"), forced(placement):
                     out = fused_resnet_forward(block, x.to(dtype), None if temb is None else temb.to(dtype))
                     y, (mean, rstd) = fused_resnet_forward(
                         block, x.to(dtype), None if temb is None else temb.to(dtype), out_stats=(32, 1e-6)
@@ -168,7 +163,7 @@ def _resnet_skip(quick: bool):
             block = ref_block.to(dtype)
             for placement in PLACEMENTS:
                 parts = [t.to(dtype).requires_grad_() for t in (hidden, skip)]
-                with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")), _placement(placement):
+                with ldmopt.use_backend("triton", ops=("gn_conv2d", "gn_conv2d_stats")), forced(placement):
                     out = fused_resnet_forward(block, tuple(parts), temb.to(dtype))
                     grads = torch.autograd.grad(out, parts, dy.to(dtype))
                 yield case, dtype, f"triton/{placement}", [out, *grads], [ref, *grads64]

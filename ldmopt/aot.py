@@ -69,17 +69,20 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump's output for a cubin (it reads files only)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
 def _resource_usage(cubin: bytes) -> tuple[int, int]:
     """(registers, spill bytes per thread) of the kernel in a cubin, read with cuobjdump.
 
     ptxas places spills in the stack frame (cuobjdump's STACK), not always in LOCAL: both count as spills here.
     """
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run(
-            [_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
+    out = _cuobjdump(cubin, "--dump-resource-usage")
     regs = int(re.search(r"REG:(\d+)", out).group(1))
     local = int(re.search(r"LOCAL:(\d+)", out).group(1))
     stack = int(re.search(r"STACK:(\d+)", out).group(1))
@@ -176,13 +179,6 @@ def issue_ratio(instructions: int, mmas: list[str], num_warps: int, arch: int) -
     return num_warps * instructions / 4 / tensor_cycles if tensor_cycles else 0.0
 
 
-def _sass(cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-
-
 def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -214,7 +210,7 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     record.mma, record.load_bytes = tensor_core_instruction(ptx), widest_global_load(ptx)
     record.loop_barriers = loop_barriers(ptx)
     if record.mma:
-        instructions, mmas = mma_loop(_sass(compiled.asm["cubin"]))
+        instructions, mmas = mma_loop(_cuobjdump(compiled.asm["cubin"], "-sass"))
         record.mma_loop_instructions, record.mma_loop_mmas = instructions, len(mmas)
         record.mma_loop_issue_ratio = round(issue_ratio(instructions, mmas, options["num_warps"], arch), 3)
     return record

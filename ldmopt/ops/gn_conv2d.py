@@ -33,12 +33,12 @@ from ._dispatch import (
     statistics_source,
     triton_refusals,
 )
-from .gn_conv2d_prologue import choose_placement, placement_counts, staged_activation
+from .gn_conv2d_prologue import choose_placement, placement_counts
 from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _run, _stats_dtype, _stats_torch, gn_conv2d_stats
 from .gn_conv2d_stats import fallback_reasons as fallback_reasons  # both ops' record, read by PatchReport
 from .gn_conv2d_stats import same_but_channels as same_but_channels
 from .group_norm import group_norm_bwd
-from .group_norm_apply import group_norm_apply
+from .group_norm_apply import apply_triton, group_norm_apply
 from .group_norm_apply import normalize_reference as _normalize
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
@@ -200,7 +200,7 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
         placement = choose_placement(x.device, tuple(w.shape[2:]), w.shape[0], stride, resample)
         placement_counts[placement] += 1
         if placement == "staged":  # act(group_norm(x)) written once, then a plain conv (gn_conv2d_prologue.py)
-            x = staged_activation(x, x_tail, mean, rstd, gw, gb, groups, act)
+            x = apply_triton(x, mean, rstd, gw, gb, groups, act, x_tail)
             x_tail = mean = rstd = gw = gb = act = None
     gate = None if gate is None else gate.float()
     return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride,
@@ -362,7 +362,7 @@ def _backward(ctx, dy, _dmean, _drstd):
         grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
     normalize = mean is not None
     need_da = need[0] or (normalize and (need[3] or need[4]))
-    a = None
+    a = x  # the conv's input
     if normalize and (gate_grad or need_da or need[5]):
         # the conv's input again, in one fused pass where Triton runs (the reference composition is ~7 fp32 passes)
         a = call(group_norm_apply, x, mean, rstd, gw, gb, groups, act or "")
@@ -382,7 +382,6 @@ def _backward(ctx, dy, _dmean, _drstd):
         dtype, dims = ctx.meta["temb"]
         grads[7] = _sum_channels(g, (2, 3) if dims == 2 else (3,), dtype)
     if need_da or need[5]:
-        a = a if normalize else x
         da_r, dw = _conv_backward(
             g, resample_input(a, resample), w, stride, padding, [need_da, need[5]], fp32_precision
         )[:2]

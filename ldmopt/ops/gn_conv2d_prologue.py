@@ -3,7 +3,7 @@
 "loader": the conv's input loads normalise each [BM, BK] tile in registers before the MMA; the activation is never
 written. Every input element is then normalised once per time the conv reads it: R = KH x KW taps x ceil(C_out / BN)
 output-channel tiles (x4 under a nearest 2x upsample, / stride^2), and the prologue's instructions sit in the main
-loop. "staged": one elementwise pass (kernels/group_norm.py's apply kernel, with the statistics already known) writes
+loop. "staged": one elementwise pass (group_norm_apply.py's triton backend, with the statistics already known) writes
 act(group_norm(x)) in x's dtype, and the conv reads it as a plain conv (A tiles straight from shared memory into the
 MMA, no register round trip): one extra write and read of the activation, whatever R is.
 
@@ -80,37 +80,11 @@ def recompute_factor(kernel: tuple[int, int], c_out: int, stride: int, resample:
     return taps * -(-c_out // WIDEST_BN)
 
 
-def choose_placement(
-    device: torch.device, kernel: tuple[int, int], c_out: int, stride: int, resample: str, requested: str | None = None
-) -> str:
+def choose_placement(device: torch.device, kernel: tuple[int, int], c_out: int, stride: int, resample: str) -> str:
     """ "loader" or "staged" for a normalising conv on ``device`` (see the module docstring)."""
-    requested = requested_placement() if requested is None else requested
+    requested = requested_placement()
     if requested != "auto":
         return requested
     if device.type != "cuda":
         return "loader"
     return "staged" if recompute_factor(kernel, c_out, stride, resample) >= STAGE_FROM_RECOMPUTE else "loader"
-
-
-def staged_activation(
-    x: torch.Tensor,
-    x_tail: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    gamma: torch.Tensor | None,
-    beta: torch.Tensor | None,
-    num_groups: int,
-    activation: str | None,
-) -> torch.Tensor:
-    """act(group_norm(cat([x, x_tail], 1))) with the given statistics, channels-last in x's dtype (as an unfused
-    model stores it): one launch per part, each writing its channels of one buffer."""
-    from ldmopt.kernels._common import new_output
-    from ldmopt.kernels.group_norm import group_norm_apply
-
-    n, c_head, h, w = x.shape
-    c_in = c_head + (0 if x_tail is None else x_tail.shape[1])
-    out = new_output((n, c_in, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    group_norm_apply(out[:, :c_head], x, mean, rstd, gamma, beta, num_groups, activation, 0, c_in)
-    if x_tail is not None:
-        group_norm_apply(out[:, c_head:], x_tail, mean, rstd, gamma, beta, num_groups, activation, c_head, c_in)
-    return out

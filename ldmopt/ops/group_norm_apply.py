@@ -42,10 +42,19 @@ def _apply_torch(x, mean, rstd, gw, gb, groups, act, x_tail=None):
     return y.copy_(normalize_reference(x, mean, rstd, gw, gb, groups, act or None))
 
 
-def _apply_triton(x, mean, rstd, gw, gb, groups, act, x_tail=None):
-    from .gn_conv2d_prologue import staged_activation
+def apply_triton(x, mean, rstd, gw, gb, groups, act, x_tail=None):
+    """The triton backend, also what the fused conv's staged placement runs (inside its own triton backend): one
+    launch of kernels/group_norm.py's apply kernel per part, each writing its channels of one channels-last buffer."""
+    from ldmopt.kernels._common import new_output
+    from ldmopt.kernels.group_norm import group_norm_apply as launch_apply
 
-    return staged_activation(x, x_tail, mean, rstd, gw, gb, groups, act or None)
+    n, c_head, h, w = x.shape
+    c_in = c_head + (0 if x_tail is None else x_tail.shape[1])
+    out = new_output((n, c_in, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    launch_apply(out[:, :c_head], x, mean, rstd, gw, gb, groups, act or None, 0, c_in)
+    if x_tail is not None:
+        launch_apply(out[:, c_head:], x_tail, mean, rstd, gw, gb, groups, act or None, c_head, c_in)
+    return out
 
 
 def _apply_triton_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> list[str]:
@@ -59,7 +68,7 @@ def _apply_triton_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> lis
 
 
 APPLY = BackendTable(
-    "group_norm_apply", [Backend("triton", _apply_triton, _apply_triton_refuse), Backend("torch", _apply_torch)]
+    "group_norm_apply", [Backend("triton", apply_triton, _apply_triton_refuse), Backend("torch", _apply_torch)]
 )
 
 

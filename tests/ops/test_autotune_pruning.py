@@ -8,6 +8,8 @@ import pytest
 import torch
 from ldmopt.kernels import _common, _gemm, geglu, gn_conv2d, linear
 
+from ldmopt.ops import gn_conv2d_prologue as prologue
+
 
 def _operand(dtype):
     size = torch.empty((), dtype=dtype).element_size()
@@ -98,6 +100,8 @@ def test_gn_conv2d_16bit_tiles_follow_the_prologue_and_the_gate_compiles_each(co
     }
     assert {(*t, True) for t in gn_conv2d.CONV_TILES_LOADER} <= compiled
     assert {(*t, False) for t in gn_conv2d.CONV_TILES_PLAIN} <= compiled
+    # the placement policy (which cannot import Triton) counts recomputation with the loader's widest tile
+    assert max(t[1] for t in gn_conv2d.CONV_TILES_LOADER) == prologue.WIDEST_BN
 
 
 def test_cpu_tensors_keep_every_config():
