@@ -99,3 +99,12 @@ def test_fused_conv_backward_recomputes_its_input_through_it():
     F.conv2d(z, ref_leaves[3], None, 1, 1).backward(dy.double())
     for name, got, ref in zip(("x", "gn_weight", "gn_bias", "conv_weight"), leaves, ref_leaves):
         torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_torch_compile_fullgraph():
+    x, gw, gb, mean, rstd = _case(2, 12, 3, 5, 3, torch.float32)
+    compiled = torch.compile(lambda *a: group_norm_apply(*a, 3, "silu"), fullgraph=True, backend="aot_eager")
+    with ldmopt.use_backend("triton"):
+        y = compiled(x, mean, rstd, gw, gb)
+    ref, lowp = _expect(x, gw, gb, 3, "silu", torch.float32)
+    assert_within_torch_error(y, ref, lowp, "compiled")
