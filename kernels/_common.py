@@ -168,8 +168,16 @@ def prune_by_operand_width(configs: list, operand: torch.Tensor, precision: str)
     return [c for c in fp32 if (precision, arch) in c.fp32_clean] or fp32
 
 
+# Host-side launch arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions in
+# Triton 3.8, whose host calls unwrap every argument first (about 2 us a call; a fused conv made ten a call).
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b."""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(1, int(n)))
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (max(1, int(n)) - 1).bit_length()
 
 
 #: Elements per row tile of the row kernels (adaLN, RMSNorm): 4K fp32 values keep each thread at 16 per live tensor.

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    cdiv,
     fp32_dot_precision,
     layer_normed,
     next_power_of_2,
@@ -179,10 +180,10 @@ def bwd_tiles(n: int) -> tuple[int, int]:
 
 def row_chunks(num_samples: int, tokens: int, n_nblocks: int, block_m: int) -> tuple[int, int]:
     """(ROWS_PER_PROG, n_chunks) so that a row-chunked pass launches about _TARGET_PROGRAMS programs."""
-    blocks = triton.cdiv(tokens, block_m)
-    want = max(1, min(blocks, triton.cdiv(_TARGET_PROGRAMS, num_samples * n_nblocks)))
-    rows = triton.cdiv(blocks, want) * block_m
-    return rows, triton.cdiv(tokens, rows)
+    blocks = cdiv(tokens, block_m)
+    want = max(1, min(blocks, cdiv(_TARGET_PROGRAMS, num_samples * n_nblocks)))
+    rows = cdiv(blocks, want) * block_m
+    return rows, cdiv(tokens, rows)
 
 
 def int64_columns(*tensors: torch.Tensor | None) -> bool:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import new_output, row_tiles
+from ._common import cdiv, new_output, row_tiles
 from ._gemm import divisibility_attrs, int64_columns, row_chunks
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -214,7 +214,7 @@ def adaln_fwd(
     rstd = new_output((m,) if store_stats else (0,), device=x.device, dtype=torch.float32)
     rs = residual.stride() if residual is not None else (0, 0)
     gs = gate.stride() if gate is not None else (0, 0)
-    _adaln_fwd_kernel[(triton.cdiv(m, block_r),)](
+    _adaln_fwd_kernel[(cdiv(m, block_r),)](
         y, s, mean, rstd, x, residual if residual is not None else x, gate if gate is not None else scale, scale,
         shift, x.stride(0), x.stride(1), rs[0], rs[1], gs[0], gs[1], scale.stride(0), scale.stride(1),
         shift.stride(0), shift.stride(1), m, c, tokens, eps, HAS_RESIDUAL=residual is not None,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FP32_CLEAN_EVERYWHERE, fp32_archs, gelu_erf, gelu_erf_grad, layer_normed, new_output
+from ._common import FP32_CLEAN_EVERYWHERE, cdiv, fp32_archs, gelu_erf, gelu_erf_grad, layer_normed, new_output
 from ._gemm import (
     bwd_tiles,
     divisibility_attrs,
@@ -210,7 +210,7 @@ def geglu_fwd(
     pre = new_output((m, 2 * n) if save_pre else (0,), device=x.device, dtype=weight.dtype)
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)
 
     tuned_launch(_geglu_fwd_tuned)[grid](
         y, pre, x, weight, bias if bias is not None else x, *norm_pointers, x.stride(0), x.stride(1), weight.stride(0),
@@ -226,7 +226,7 @@ def geglu_bwd(dy: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.
     m, n = dy.shape
     pre = pre.contiguous()
     block_m, block_n = bwd_tiles(n)
-    n_nblocks = triton.cdiv(n, block_n)
+    n_nblocks = cdiv(n, block_n)
     rows, n_chunks = row_chunks(1, m, n_nblocks, block_m)
     dpre = new_output((m, 2 * n), device=dy.device, dtype=dy.dtype)
     part_db = torch.empty((n_chunks, 2 * n), device=dy.device, dtype=torch.float32)

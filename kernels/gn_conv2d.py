@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._common import (
     ACTIVATIONS,
+    cdiv,
     fp32_dot_precision,
     new_output,
     next_power_of_2,
@@ -485,7 +486,7 @@ def gn_conv2d_fwd(
         return (t.stride(0), t.stride(2), t.stride(3), t.stride(1)) if t is not None else (0, 0, 0, 0)
 
     s = oh * ow
-    grid = lambda meta: (n * triton.cdiv(s, meta["BM"]) * triton.cdiv(c_out, meta["BN"]),)
+    grid = lambda meta: (n * cdiv(s, meta["BM"]) * cdiv(c_out, meta["BN"]),)
     tuned_launch(_gn_conv2d_fwd_kernel)[grid](
         y, ws, counters, out_mean, out_rstd, x, x_tail if x_tail is not None else dummy,
         mean if normalize else dummy, rstd if normalize else dummy,

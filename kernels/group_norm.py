@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, new_output, next_power_of_2
+from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2
 
 # Programs to aim for in the statistics passes: enough to fill a large GPU several times over.
 _TARGET_PROGRAMS = 1024
@@ -334,10 +334,10 @@ def _tiles(c: int, s: int, channels_contiguous: bool) -> tuple[int, int]:
 
 def _chunks(n: int, n_cblocks: int, s: int, block_s: int) -> tuple[int, int]:
     """(S_PER_PROG, n_chunks) so that the statistics passes launch about _TARGET_PROGRAMS programs."""
-    s_blocks = triton.cdiv(s, block_s)
-    want = max(1, min(s_blocks, triton.cdiv(_TARGET_PROGRAMS, n * n_cblocks)))
-    s_per_prog = triton.cdiv(s_blocks, want) * block_s
-    return s_per_prog, triton.cdiv(s, s_per_prog)
+    s_blocks = cdiv(s, block_s)
+    want = max(1, min(s_blocks, cdiv(_TARGET_PROGRAMS, n * n_cblocks)))
+    s_per_prog = cdiv(s_blocks, want) * block_s
+    return s_per_prog, cdiv(s, s_per_prog)
 
 
 def _affine_args(weight: torch.Tensor | None, bias: torch.Tensor | None, x: torch.Tensor) -> tuple:
@@ -357,7 +357,7 @@ def group_norm_stats(
     n, s = parts[0][1], parts[0][3]
     c = sum(p[2] for p in parts)
     tiles = [_tiles(pc, s, strides[1] == 1) for _, _, pc, _, strides in parts]
-    n_cblocks = [triton.cdiv(pc, block_c) for (_, _, pc, _, _), (_, block_c) in zip(parts, tiles)]
+    n_cblocks = [cdiv(pc, block_c) for (_, _, pc, _, _), (_, block_c) in zip(parts, tiles)]
     s_per_prog, n_chunks = _chunks(n, sum(n_cblocks), s, max(block_s for block_s, _ in tiles))
     part_mean = torch.empty((n, n_chunks, c), device=x.device, dtype=torch.float32)
     part_m2 = torch.empty_like(part_mean)
@@ -431,8 +431,8 @@ def group_norm_apply(
     c_total = c if c_total is None else c_total
     mean, rstd = mean.contiguous(), rstd.contiguous()  # read as [N, G] rows (caller-given statistics may be views)
     block_s, block_c = _tiles(c, s, sxc == 1)
-    n_cblocks = triton.cdiv(c, block_c)
-    n_sblocks = triton.cdiv(s, block_s)
+    n_cblocks = cdiv(c, block_c)
+    n_sblocks = cdiv(s, block_s)
     _group_norm_fwd_apply_kernel[(n * n_sblocks * n_cblocks,)](
         y, x, w, b, mean, rstd, sxn, sxc, sxs, syn, syc, sys_, c, c_total, c_offset, s, num_groups, n_sblocks,
         n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION=ACTIVATIONS[activation][0], BLOCK_S=block_s,

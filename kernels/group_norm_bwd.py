@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, new_output, next_power_of_2
+from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2
 from .group_norm import (
     _TILE_WARPS,
     _affine_args,
@@ -194,7 +194,7 @@ def group_norm_bwd(
     dx = new_output(like=x)
     _, _, _, (sxgn, sxgc, sxgs) = as_ncs(dx)
     block_s, block_c = _tiles(c, s, sxc == 1)
-    n_cblocks = triton.cdiv(c, block_c)
+    n_cblocks = cdiv(c, block_c)
     s_per_prog, n_chunks = _chunks(n, n_cblocks, s, block_s)
     w, b, has_w, has_b = _affine_args(weight, bias, x)
     act_grad = ACTIVATIONS[activation][1]
@@ -214,7 +214,7 @@ def group_norm_bwd(
         dz_nc, dzxhat_nc, coef, part_dz, part_dzxhat, w, c, num_groups, n_chunks,
         HAS_WEIGHT=has_w, BLOCK_CPG=block_cpg, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
-    n_sblocks = triton.cdiv(s, block_s)
+    n_sblocks = cdiv(s, block_s)
     _group_norm_bwd_dx_kernel[(n * n_sblocks * n_cblocks,)](
         dx, dy, x, w, b, mean, rstd, coef, sxgn, sxgc, sxgs, sdn, sdc, sds, sxn, sxc, sxs, c, s, num_groups,
         n_sblocks, n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION_GRAD=act_grad, BLOCK_S=block_s,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, FP32_CLEAN_EVERYWHERE, fp32_archs, new_output
+from ._common import ACTIVATIONS, FP32_CLEAN_EVERYWHERE, cdiv, fp32_archs, new_output
 from ._gemm import (
     accumulate_k,
     accumulate_k_blend,
@@ -315,7 +315,7 @@ def linear_fwd(
         res_t, rs = residual.shape[1], residual.stride()
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)
 
     tuned_launch(_linear_fwd_tuned)[grid](
         y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
@@ -348,7 +348,7 @@ def linear_bwd(
     num_samples = gate.shape[0] if gate is not None else 1
     tokens = m // num_samples
     block_m, block_n = bwd_tiles(n)
-    n_nblocks = triton.cdiv(n, block_n)
+    n_nblocks = cdiv(n, block_n)
     rows, n_chunks = row_chunks(num_samples, tokens, n_nblocks, block_m)
     dz = new_output((m, n), device=dy.device, dtype=dy.dtype)
     part_db = torch.empty((num_samples * n_chunks, n), device=dy.device, dtype=torch.float32)

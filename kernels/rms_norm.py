@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import new_output, row_tiles
+from ._common import cdiv, new_output, row_tiles
 from ._gemm import divisibility_attrs
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -287,7 +287,7 @@ def rms_norm_fwd(
     w2 = w2.contiguous() if w2 is not None else weight
     bias = bias.contiguous() if bias is not None else None
     cos, sin, *rope_ints = _rope_args(rope, x)
-    _rms_norm_fwd_kernel[(triton.cdiv(m, block_r),)](
+    _rms_norm_fwd_kernel[(cdiv(m, block_r),)](
         y, rstd, x, weight if weight is not None else x, bias if bias is not None else x, cos, sin, x2,
         w2 if w2 is not None else x, x.stride(0), x.stride(1), x2.stride(0), x2.stride(1), *rope_ints[:4], m, c,
         *rope_ints[4:], head_rows, tail_rows, eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
@@ -311,9 +311,9 @@ def rms_norm_bwd(
     m, c = x.shape
     block_r, block_c, warps = tiles(c)
     # Enough programs to fill a GPU (a few per SM), each summing its d weight over a contiguous run of rows.
-    chunks = max(1, min(triton.cdiv(m, block_r), 1024))
-    rows = triton.cdiv(triton.cdiv(m, chunks), block_r) * block_r
-    chunks = triton.cdiv(m, rows)
+    chunks = max(1, min(cdiv(m, block_r), 1024))
+    rows = cdiv(cdiv(m, chunks), block_r) * block_r
+    chunks = cdiv(m, rows)
     dx = new_output((m, c), device=x.device, dtype=x.dtype)
     part_dw = torch.empty((chunks, c) if weight is not None else (0,), device=x.device, dtype=torch.float32)
     part_db = torch.empty((chunks, c) if bias_grad else (0,), device=x.device, dtype=torch.float32)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import new_output, next_power_of_2
+from ._common import cdiv, new_output, next_power_of_2
 
 MAX_FRAMES = 64
 MAX_HEAD_DIM = 256
@@ -231,7 +231,7 @@ def block_d(d: int, dtype: torch.dtype = torch.float16) -> int:
     and fp32 operands (twice the registers) always take 16."""
     if dtype == torch.float32:
         return 16
-    return min((16, 32), key=lambda b: (triton.cdiv(d, b) * b, -b))
+    return min((16, 32), key=lambda b: (cdiv(d, b) * b, -b))
 
 
 def block_config(f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> dict:
@@ -255,7 +255,7 @@ def block_config(f: int, d: int, dtype: torch.dtype = torch.float16, backward: b
 
 def launch_grid(n_seq: int, f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> tuple[int]:
     """The 1-D grid for n_seq = B*N*H sequences, forward and backward: every sequence of every head on axis 0."""
-    grid = (triton.cdiv(n_seq, block_config(f, d, dtype, backward)["BLOCK_P"]),)
+    grid = (cdiv(n_seq, block_config(f, d, dtype, backward)["BLOCK_P"]),)
     if grid[0] > _GRID_AXIS0_LIMIT:
         raise ValueError(f"{n_seq} sequences need {grid[0]} programs, over grid axis 0's limit {_GRID_AXIS0_LIMIT}")
     return grid
