@@ -67,7 +67,9 @@ def _provider(model, inputs, provider: str):
         call = torch.compile(call, mode="max-autotune-no-cudagraphs", dynamic=False)  # static, as harness.compiled
 
     def step():
-        with torch.inference_mode():
+        # torch.no_grad, as diffusers pipelines run their denoising loop: inference tensors (torch.inference_mode)
+        # keep no version counter, so a patched model would hand no GroupNorm statistics between its blocks.
+        with torch.no_grad():
             return call(**inputs.kwargs)
 
     return step, note

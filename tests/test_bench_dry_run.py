@@ -80,6 +80,26 @@ def test_e2e_step_providers(mocked_timing, monkeypatch):
     assert "patched" in mocked_timing.rows[2]["note"]
 
 
+def test_e2e_patched_unet_step_hands_statistics_over(mocked_timing, monkeypatch):
+    """Steps run as diffusers pipelines run them (torch.no_grad): under torch.inference_mode a patched UNet would hand
+    no GroupNorm statistics between its blocks, and the benchmark would time statistics passes users do not run."""
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_e2e
+    from ldmopt import configs
+    from ldmopt.nn import stats_handover
+
+    def tiny(name, dtype):
+        model = configs.build_model(bench_e2e.MODELS[name][0], device="cpu", dtype=torch.float32, tiny=True)
+        return model, configs.example_inputs(model, batch=1)
+
+    monkeypatch.setattr(bench_e2e, "_build", tiny)
+    stats_handover.handed_over.clear()
+    with ldmopt.use_backend("torch"):
+        bench_e2e.bench_denoising_step("sd15-512", "ldmopt", mocked_timing)
+    assert not _failed(mocked_timing.rows), mocked_timing.rows
+    assert sum(stats_handover.handed_over.values()) > 0, dict(stats_handover.handed_over)
+
+
 def test_e2e_compile_provider_compiles_what_runs(mocked_timing, monkeypatch):
     """A VAE's step calls decode: that bound method is compiled (compiling the module left decode eager)."""
     pytest.importorskip("diffusers")

@@ -456,7 +456,7 @@ def _make_step(target, inputs, training, optimizer, loss_fn, data) -> Callable[[
                 batch_inputs = next(iterator)
             waited = time.perf_counter() - start
         if not training:
-            with torch.inference_mode():
+            with torch.no_grad():  # as diffusers pipelines run: inference tensors would hand no statistics over
                 _call(target, batch_inputs)
             return waited
         out = _call(target, batch_inputs)
