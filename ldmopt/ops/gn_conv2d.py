@@ -195,6 +195,7 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
                 res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None,
                 fp32_precision="conv"):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
+    from ldmopt.kernels.group_norm import group_norm_stats
 
     if mean is not None:
         placement = choose_placement(x.device, tuple(w.shape[2:]), w.shape[0], stride, resample)
@@ -203,9 +204,15 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
             x = apply_triton(x, mean, rstd, gw, gb, groups, act, x_tail)
             x_tail = mean = rstd = gw = gb = act = None
     gate = None if gate is None else gate.float()
-    return gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride,
-                         tuple(padding), resample, res_resample, sc_resample, output_scale, out_groups,
-                         out_eps, x_tail, sx_tail, fp32_precision)  # fmt: skip
+    # The epilogue's output statistics are fp64 atomic sums, added in the order the tiles finish; under
+    # torch.use_deterministic_algorithms a statistics pass over the output sums them in a fixed order instead.
+    in_epilogue = out_groups if not torch.are_deterministic_algorithms_enabled() else 0
+    y, out_mean, out_rstd = gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act,
+                                          stride, tuple(padding), resample, res_resample, sc_resample, output_scale,
+                                          in_epilogue, out_eps, x_tail, sx_tail, fp32_precision)  # fmt: skip
+    if out_groups and not in_epilogue:
+        out_mean, out_rstd = group_norm_stats(y, out_groups, out_eps)
+    return y, out_mean, out_rstd
 
 
 FORWARD = BackendTable("gn_conv2d", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])

@@ -146,6 +146,28 @@ def test_output_statistics_match_group_norm_of_output(dtype):
     torch.testing.assert_close(rstd2, rstd, rtol=1e-6, atol=1e-7)
 
 
+def test_output_statistics_under_deterministic_algorithms(triton_launches):
+    """The epilogue's fp64 atomic sums depend on the order tiles finish; with torch.use_deterministic_algorithms the
+    statistics come from a statistics pass over the output (fixed order), and are still those of the output."""
+    x, gw, gb, groups, w, b = _inputs(2, 8, 9, 7, 40, 3, torch.float32)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with ldmopt.use_backend("triton"):
+            y, (mean, rstd) = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, out_stats=(8, 1e-6))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    stats_pass = ["_group_norm_fwd_partial_kernel", "_group_norm_fwd_finalize_kernel"]  # the input's, the output's
+    assert triton_launches == [*stats_pass, "_gn_conv2d_fwd_kernel", *stats_pass], triton_launches
+    yg = y.double().reshape(2, 8, -1)
+    assert_close(mean, yg.mean(-1), torch.float32, "mean")
+    assert_close(rstd, torch.rsqrt(yg.var(-1, unbiased=False) + 1e-6), torch.float32, "rstd")
+    triton_launches.clear()
+    with ldmopt.use_backend("triton"):  # by default the epilogue sums them: no statistics pass after the conv
+        gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, out_stats=(8, 1e-6))
+    assert triton_launches[-1] == "_gn_conv2d_fwd_kernel" and len(triton_launches) == 3, triton_launches
+
+
 def test_output_statistics_no_cancellation():
     # Output mean 40, spread ~0.01: sums of squares in fp32 would lose the variance entirely.
     x, gw, gb, groups, w, b = _inputs(2, 8, 9, 7, 16, 3, torch.float32)
