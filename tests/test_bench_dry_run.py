@@ -601,3 +601,15 @@ def test_profile_host_splits_a_call_by_function_on_the_cpu(capsys):
     assert out.startswith("== geglu\nldmopt: ") and "\neager: " in out, out
     rows = out.split("calls/call  function\n")[1].strip().splitlines()
     assert len(rows) == 3 and all(float(row.split()[0]) >= 0 for row in rows), out
+
+
+def test_profile_host_times_ldmopts_own_host_code_with_launches_stubbed(capsys):
+    from benchmarks import profile_host
+
+    assert profile_host.main(["--calls", "3", "--top", "2", "--case", "gn_silu_conv2d+temb", "--stub-launches"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[1]
+    # the input statistics (two launches) and the conv: the backend that ran was Triton's, its launches stubbed
+    assert first.startswith("ldmopt (launches stubbed): ") and first.endswith(", 3 launches/call"), out
+    with pytest.raises(SystemExit):
+        profile_host.main(["--stub-launches", "--device", "cuda"])
