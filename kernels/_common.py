@@ -3,7 +3,9 @@ tl.dot precision of fp32 operands."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import weakref
 
 import torch
 import triton
@@ -146,11 +148,46 @@ def fp32_archs(clean, precision: str) -> tuple[int, ...]:
     return tuple(arch for p, arch in sorted(clean) if p == precision)
 
 
+# What pruning reads about a tile (its lowest arch, the fp32 precisions it is clean for, the conv prologues it serves)
+# is kept beside its autotune config, not on it: Triton's autotune disk cache writes each config's __dict__ as JSON
+# and rebuilds it as Config(**fields), which a frozenset attribute would fail (TRITON_CACHE_AUTOTUNING=1 then crashed
+# the first tuning of every ldmopt kernel on a GPU) and any extra field would too. The tags serve pruning only, which
+# runs on the module's own configs before tuning.
+_CONFIG_TAGS: dict[int, dict[str, object]] = {}
+
+
+def tag_config(config: triton.Config, **tags: object) -> triton.Config:
+    """``config`` with ``tags`` recorded for :func:`config_tag` (dropped when the config is collected)."""
+    if id(config) not in _CONFIG_TAGS:
+        _CONFIG_TAGS[id(config)] = {}
+        weakref.finalize(config, _CONFIG_TAGS.pop, id(config), None)
+    _CONFIG_TAGS[id(config)].update(tags)
+    return config
+
+
+def config_tag(config: triton.Config, name: str, default: object = None) -> object:
+    """The tag ``name`` of ``config`` (:func:`tag_config`), else ``default``."""
+    return _CONFIG_TAGS.get(id(config), {}).get(name, default)
+
+
+_AUTOTUNE_CACHES = "cache_results" in inspect.signature(triton.autotune).parameters
+
+
+def autotune(**kwargs) -> object:
+    """``triton.autotune`` that keeps its timings in Triton's disk cache (beside the compiled kernels, keyed by the
+    kernel's source, the GPU target, the tuning key and the configs), so a new process reuses the choice instead of
+    timing every tile again at its first call of each shape: a patched pipeline's first step no longer autotunes in
+    every process. LDMOPT_AUTOTUNE_CACHE=0 (read at import) times every process afresh; the interpreter never caches."""
+    if _AUTOTUNE_CACHES and os.environ.get("LDMOPT_AUTOTUNE_CACHE", "1") != "0":
+        kwargs.setdefault("cache_results", True)
+    return triton.autotune(**kwargs)
+
+
 def tag_fp32_configs(configs: list, clean: list) -> list:
     """Marks autotune configs as tiles for fp32 operands, each clean at the (precision, arch) pairs given; configs
     without the mark serve 16-bit operands."""
     for config, pairs in zip(configs, clean):
-        config.fp32_clean = frozenset(pairs)
+        tag_config(config, fp32_clean=frozenset(pairs))
     return configs
 
 
@@ -161,11 +198,11 @@ def prune_by_operand_width(configs: list, operand: torch.Tensor, precision: str)
     tiles spill or overflow shared memory. Asked at tuning time, never at import."""
     if operand.device.type != "cuda":
         return configs
-    fp32 = [c for c in configs if getattr(c, "fp32_clean", None) is not None]
+    fp32 = [c for c in configs if config_tag(c, "fp32_clean") is not None]
     if operand.element_size() < 4 or not fp32:
-        return [c for c in configs if getattr(c, "fp32_clean", None) is None] or configs
+        return [c for c in configs if config_tag(c, "fp32_clean") is None] or configs
     arch = 90 if torch.cuda.get_device_capability(operand.device)[0] >= 9 else 80
-    return [c for c in fp32 if (precision, arch) in c.fp32_clean] or fp32
+    return [c for c in fp32 if (precision, arch) in config_tag(c, "fp32_clean")] or fp32
 
 
 # Host-side launch arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions in

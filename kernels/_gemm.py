@@ -12,10 +12,12 @@ import triton.language as tl
 
 from ._common import (
     cdiv,
+    config_tag,
     fp32_dot_precision,
     layer_normed,
     next_power_of_2,
     prune_by_operand_width,
+    tag_config,
     tag_fp32_configs,
 )
 
@@ -38,8 +40,7 @@ def gemm_configs(tiles: list[tuple[int, ...]], fp32_tiles: list[tuple] = ()) -> 
 
     def config(bm, bn, bk, w, s, min_arch=0):
         made = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        made.min_arch = min_arch
-        return made
+        return tag_config(made, min_arch=min_arch)
 
     fp32_configs = tag_fp32_configs([config(*tile[:5]) for tile in fp32_tiles], [tile[5] for tile in fp32_tiles])
     return [config(*tile) for tile in tiles] + fp32_configs
@@ -59,7 +60,7 @@ def prune_by_arch(configs: list[triton.Config], named_args: dict, **kwargs) -> l
     if x.device.type != "cuda":
         return configs
     major, minor = torch.cuda.get_device_capability(x.device)
-    kept = [c for c in configs if getattr(c, "min_arch", 0) <= 10 * major + minor]
+    kept = [c for c in configs if config_tag(c, "min_arch", 0) <= 10 * major + minor]
     return kept or configs
 
 

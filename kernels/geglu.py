@@ -16,7 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FP32_CLEAN_EVERYWHERE, cdiv, fp32_archs, gelu_erf, gelu_erf_grad, layer_normed, new_output
+from ._common import (
+    FP32_CLEAN_EVERYWHERE,
+    autotune,
+    cdiv,
+    fp32_archs,
+    gelu_erf,
+    gelu_erf_grad,
+    layer_normed,
+    new_output,
+)
 from ._gemm import (
     bwd_tiles,
     divisibility_attrs,
@@ -137,7 +146,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return prune_wide_input(configs, named_args, below_major=100)
 
 
-_geglu_fwd_tuned = triton.autotune(
+_geglu_fwd_tuned = autotune(
     configs=gemm_configs(GEGLU_TILES, GEGLU_TILES_FP32),
     key=["M_BUCKET", "N", "K", "NORM", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": _prune},

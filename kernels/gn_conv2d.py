@@ -29,11 +29,14 @@ import triton.language as tl
 
 from ._common import (
     ACTIVATIONS,
+    autotune,
     cdiv,
+    config_tag,
     fp32_dot_precision,
     new_output,
     next_power_of_2,
     prune_by_operand_width,
+    tag_config,
     tag_fp32_configs,
 )
 from ._tuned_launch import tuned_launch
@@ -73,10 +76,8 @@ def _configs() -> list[triton.Config]:
     for tile in dict.fromkeys(CONV_TILES_LOADER + CONV_TILES_PLAIN):  # in order, each tile once
         bm, bn, bk, w, s = tile
         config = triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
-        config.prologues = frozenset(
-            name for name, family in (("loader", CONV_TILES_LOADER), ("plain", CONV_TILES_PLAIN)) if tile in family
-        )
-        tiles.append(config)
+        families = (("loader", CONV_TILES_LOADER), ("plain", CONV_TILES_PLAIN))
+        tiles.append(tag_config(config, prologues=frozenset(name for name, family in families if tile in family)))
     fp32 = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bm, bn, bk, w, s, _ in
             CONV_TILES_FP32]  # fmt: skip
     return tiles + tag_fp32_configs(fp32, [tile[5] for tile in CONV_TILES_FP32])
@@ -87,7 +88,7 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> 
     with (NORMALIZE) or without the GroupNorm prologue."""
     configs = prune_by_operand_width(configs, named_args["x_ptr"], kwargs.get("DOT_PRECISION", "tf32"))
     family = "loader" if kwargs.get("NORMALIZE", True) else "plain"
-    return [c for c in configs if family in getattr(c, "prologues", (family,))] or configs
+    return [c for c in configs if family in config_tag(c, "prologues", (family,))] or configs
 
 
 @triton.jit
@@ -199,7 +200,7 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
 # The statistics workspace and arrival counters accumulate across a launch's programs and must be zero when it starts:
 # the autotuner zeroes them before each benchmark launch and before the launch after tuning (the launcher's fresh
 # buffers cover launches with a tuned key). So they are never the input: without statistics they are empty tensors.
-@triton.autotune(
+@autotune(
     configs=_configs(),
     key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "KW", "STRIDE", "RESAMPLE", "HAS_SC", "NORMALIZE", "OUT_STATS",
          "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64", "X_TWO_PART", "SC_TWO_PART", "DOT_PRECISION"],

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, FP32_CLEAN_EVERYWHERE, cdiv, fp32_archs, new_output
+from ._common import ACTIVATIONS, FP32_CLEAN_EVERYWHERE, autotune, cdiv, fp32_archs, new_output
 from ._gemm import (
     accumulate_k,
     accumulate_k_blend,
@@ -190,7 +190,7 @@ def _prune_linear(configs: list[triton.Config], named_args: dict, **kwargs) -> l
 
 # K2, BLEND and NORM in the key: a two-part, blended or normed GEMM tunes apart from a plain one of the same shape;
 # INPUT_PRECISION: IEEE and TF32 fp32 products tune (and prune) apart.
-_linear_fwd_tuned = triton.autotune(
+_linear_fwd_tuned = autotune(
     configs=gemm_configs(LINEAR_TILES, LINEAR_TILES_FP32),
     key=["M_BUCKET", "N", "K", "K2", "BLEND", "NORM", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": _prune_linear},

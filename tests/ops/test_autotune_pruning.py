@@ -2,10 +2,13 @@
 compile clean for their tl.dot precision and arch, 16-bit operands the others, and the ahead-of-time gate compiles
 every (precision, arch) an fp32 tile is claimed clean for."""
 
+import inspect
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 from ldmopt.kernels import _common, _gemm, geglu, gn_conv2d, linear
 
 from ldmopt.ops import gn_conv2d_prologue as prologue
@@ -73,7 +76,7 @@ def test_gn_conv2d_fp32_tiles_per_precision_and_arch(compiled_configs):
     ieee = _tiles(gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float32)}, DOT_PRECISION="ieee"), "B")
     assert ieee == {(64, 128, 32, 8, 3)}
     half = gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float16)}, DOT_PRECISION="tf32")
-    assert len(half) == 4 and all(getattr(c, "fp32_clean", None) is None for c in half)
+    assert len(half) == 4 and all(_common.config_tag(c, "fp32_clean") is None for c in half)
     compiled_configs((8, 0))
     tf32 = _tiles(gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float32)}, DOT_PRECISION="tf32"), "B")
     assert tf32 == {(128, 64, 32, 8, 3), (64, 64, 32, 8, 3)}
@@ -88,7 +91,7 @@ def test_gn_conv2d_16bit_tiles_follow_the_prologue_and_the_gate_compiles_each(co
     assert loader == set(gn_conv2d.CONV_TILES_LOADER) and plain == set(gn_conv2d.CONV_TILES_PLAIN)
     assert all(tile[2] == 64 for tile in plain)  # A from shared memory: the wider k-step
     fp32 = gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float32)}, DOT_PRECISION="tf32", NORMALIZE=False)
-    assert fp32 and all(getattr(c, "fp32_clean", None) for c in fp32)  # fp32 tiles serve both
+    assert fp32 and all(_common.config_tag(c, "fp32_clean") for c in fp32)  # fp32 tiles serve both
     compiled = {
         (
             *(s["constexprs"][k] for k in ("BM", "BN", "BK")),
@@ -129,3 +132,39 @@ def test_the_gate_compiles_every_claimed_fp32_pair(module, tiles):
                 == (bm, bn, bk, warps, stages)
             ]  # fmt: skip
             assert covering, (tiles, tile, precision, arch)
+
+
+def _tuned_configs(monkeypatch) -> dict[str, list]:
+    """Every autotuned kernel's configs as a GPU process builds them."""
+    monkeypatch.setattr(_gemm, "_interpreting", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    return {
+        "gn_conv2d": gn_conv2d._configs(),
+        "linear": _gemm.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32),
+        "geglu": _gemm.gemm_configs(geglu.GEGLU_TILES, geglu.GEGLU_TILES_FP32),
+    }
+
+
+def test_configs_survive_tritons_autotune_disk_cache(monkeypatch):
+    """Triton's autotune disk cache (ldmopt's default; TRITON_CACHE_AUTOTUNING=1 for any kernel) writes each config's
+    __dict__ as JSON and rebuilds it with Config(**fields): the tiles' pruning tags must not live on the configs
+    (a frozenset there failed the write, on the first tuning of every kernel on a GPU)."""
+    for name, configs in _tuned_configs(monkeypatch).items():
+        written = json.dumps({"configs_timings": [(c.__dict__, [1.0, 1.0, 1.0]) for c in configs]})
+        rebuilt = [triton.Config(**fields) for fields, _ in json.loads(written)["configs_timings"]]
+        assert [c.all_kwargs() for c in rebuilt] == [c.all_kwargs() for c in configs], name
+    # The tags are still there for pruning: fp32 tiles, lowest archs and the conv's prologue families.
+    configs = _tuned_configs(monkeypatch)
+    assert any(_common.config_tag(c, "fp32_clean") for c in configs["linear"])
+    assert {_common.config_tag(c, "prologues") for c in configs["gn_conv2d"]} >= {frozenset({"loader"})}
+
+
+def test_autotuned_kernels_cache_their_timings_on_disk(monkeypatch):
+    made = []
+    monkeypatch.setattr(triton, "autotune", lambda **kwargs: made.append(kwargs))
+    _common.autotune(configs=[], key=[])
+    monkeypatch.setenv("LDMOPT_AUTOTUNE_CACHE", "0")
+    _common.autotune(configs=[], key=[])
+    assert made[0].get("cache_results") is True and "cache_results" not in made[1]
+    for module in (gn_conv2d, linear, geglu):  # each kernel module tunes through _common.autotune
+        assert "autotune(" in inspect.getsource(module) and "triton.autotune(" not in inspect.getsource(module)
