@@ -25,6 +25,9 @@ exec > >(tee "$RESULTS/run.log") 2>&1
 TEE_PID=$!
 # Python block-buffers output to a file: a stage stopped by timeout would leave nothing of what it printed.
 export PYTHONUNBUFFERED=1
+# Each process tunes its own tiles: the check shards share the GPU while they tune, and their timings, cached on disk,
+# would otherwise choose the benchmarks' tiles.
+export LDMOPT_AUTOTUNE_CACHE=0
 export LDMOPT_BENCH_DIR="$WORK" LDMOPT_BENCH_CSV="$RESULTS/results.csv"
 log() { echo "[run_gpu $(date +%H:%M:%S)] $*"; }
 pack() { tar -czf "$RESULTS/logs.tar.gz" -C "$WORK" . 2>/dev/null; }
