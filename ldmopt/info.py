@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 
 from . import _env
@@ -72,6 +73,7 @@ def collect(query_gpu: bool = True) -> dict:
         "build": _env.build_info(),
         "ops": {name: list(backends) for name, backends in public_ops().items()},
         "gn_conv_prologue": _prologue_setting(),
+        "autotune_cache": _autotune_cache_setting(),
     }
 
 
@@ -89,6 +91,15 @@ def _prologue_setting() -> str:
             f"{prologue.STAGE_FROM_RECOMPUTE}+ times, else in the loader; {prologue.ENV} forces either)"
         )
     return f"{requested} (forced by {prologue.ENV})"
+
+
+def _autotune_cache_setting() -> str:
+    """Whether the Triton kernels keep their autotune timings on disk (kernels._common.autotune), and where."""
+    if os.environ.get("LDMOPT_AUTOTUNE_CACHE", "1") == "0":
+        return "off (LDMOPT_AUTOTUNE_CACHE=0: every process times the tiles again)"
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    where = os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache")
+    return f"on, in Triton's cache directory {where} (LDMOPT_AUTOTUNE_CACHE=0 turns it off)"
 
 
 def format_info(info: dict) -> str:
@@ -117,6 +128,7 @@ def format_info(info: dict) -> str:
         )
     lines.append("ops: " + ", ".join(f"{op} ({'/'.join(b)})" for op, b in info["ops"].items()))
     lines.append(f"GroupNorm -> conv prologue: {info['gn_conv_prologue']}")
+    lines.append(f"autotune timings cached: {info['autotune_cache']}")
     return "\n".join(lines)
 
 

@@ -168,3 +168,14 @@ def test_autotuned_kernels_cache_their_timings_on_disk(monkeypatch):
     assert made[0].get("cache_results") is True and "cache_results" not in made[1]
     for module in (gn_conv2d, linear, geglu):  # each kernel module tunes through _common.autotune
         assert "autotune(" in inspect.getsource(module) and "triton.autotune(" not in inspect.getsource(module)
+
+
+def test_info_shows_the_autotune_cache(monkeypatch, tmp_path):
+    from ldmopt import info
+
+    monkeypatch.delenv("LDMOPT_AUTOTUNE_CACHE", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    text = info.format_info(info.collect(query_gpu=False))
+    assert f"autotune timings cached: on, in Triton's cache directory {tmp_path}" in text
+    monkeypatch.setenv("LDMOPT_AUTOTUNE_CACHE", "0")
+    assert info.collect(query_gpu=False)["autotune_cache"].startswith("off (LDMOPT_AUTOTUNE_CACHE=0")
