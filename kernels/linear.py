@@ -60,6 +60,9 @@ def _linear_fwd_kernel(
     norm_w_ptr,  # [K] (NORM_WEIGHT): the LayerNorm's weight
     norm_b_ptr,  # [K] (NORM_BIAS): the LayerNorm's bias
     pos_ptr,  # [P, K] (NORM_POS): added to the norm, row m taking table row (m // POS_ROWS) % P
+    ws_ptr,  # [M, 2] fp64 (OUT_STATS): per-row sums of the output and of its squares, zeroed by the launcher
+    counter_ptr,  # [cdiv(M, BLOCK_M)] int32 (OUT_STATS): finished column tiles per row tile, zeroed by the launcher
+    out_stats_ptr,  # [2, M] fp32 (OUT_STATS): the output rows' LayerNorm mean, then their rstd
     stride_xm,
     stride_xk,
     stride_wn,
@@ -82,6 +85,7 @@ def _linear_fwd_kernel(
     POS_ROWS,  # consecutive rows per positional-table row (NORM_POS)
     POS_P,  # the positional table's rows (NORM_POS)
     sat_max,  # SATURATE: the output clamped to [-sat_max, sat_max] before its rounding (NaN kept)
+    out_eps,  # OUT_STATS: the LayerNorm's eps
     M_BUCKET,  # autotune key only
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -96,6 +100,7 @@ def _linear_fwd_kernel(
     NORM_POS: tl.constexpr,
     STORE_PRE: tl.constexpr,
     SATURATE: tl.constexpr,
+    OUT_STATS: tl.constexpr,  # also the output rows' LayerNorm statistics (for the norm that reads them next)
     INT64_COLS: tl.constexpr,  # int64_columns(gate, residual): their column offsets reach 2^31
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -161,7 +166,44 @@ def _linear_fwd_kernel(
     if SATURATE:  # Flux's fp16 clip(-65504, 65504), before the rounding that would overflow to inf
         out = tl.minimum(tl.maximum(out, -sat_max, propagate_nan=tl.PropagateNan.ALL), sat_max,
                          propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-    tl.store(y_ptr + out_offs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    out = out.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + out_offs, out, mask=mask)
+    if OUT_STATS:
+        _row_statistics(out, mask, rm, pid_m, pid_n, ws_ptr, counter_ptr, out_stats_ptr, M, N, out_eps, BLOCK_N)
+
+
+@triton.jit
+def _row_statistics(out, mask, rm, pid_m, pid_n, ws_ptr, counter_ptr, out_stats_ptr, M, N, eps, BLOCK_N: tl.constexpr):
+    """The stored rows' LayerNorm (mean, rstd) over all N columns: each column tile adds its rows' centred sums in
+    fp64 (corrected two-pass within the tile, so a mean far above the spread keeps the variance), and the last tile
+    of a row block to finish (arrival counter) turns the sums into statistics. As the fused conv's GroupNorm
+    statistics (gn_conv2d.py), per row instead of per group."""
+    v = tl.where(mask, out.to(tl.float32), 0.0)  # the values as stored, rounded
+    cols = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N).to(tl.float32)
+    row_mean = tl.sum(v, axis=1) / cols
+    d = tl.where(mask, v - row_mean[:, None], 0.0)
+    residual = tl.sum(d, axis=1)
+    row_m2 = tl.maximum(tl.sum(d * d, axis=1) - residual * residual / cols, 0.0)
+    cols64 = cols.to(tl.float64)
+    row_sum = row_mean.to(tl.float64) * cols64 + residual.to(tl.float64)
+    row_sq = row_m2.to(tl.float64) + row_sum * (row_sum / cols64)
+    m_ok = rm < M
+    ws_off = rm.to(tl.int64) * 2
+    tl.atomic_add(ws_ptr + ws_off, row_sum, mask=m_ok, sem="relaxed")
+    tl.atomic_add(ws_ptr + ws_off + 1, row_sq, mask=m_ok, sem="relaxed")
+    # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + pid_m, 1, sem="acq_rel")
+    if done == tl.cdiv(N, BLOCK_N) - 1:
+        zero = tl.zeros_like(row_sum)
+        # Atomic reads: the other tiles' relaxed adds live in L2.
+        s1 = tl.atomic_add(ws_ptr + ws_off, zero, mask=m_ok, sem="relaxed")
+        s2 = tl.atomic_add(ws_ptr + ws_off + 1, zero, mask=m_ok, sem="relaxed")
+        n64 = tl.cast(N, tl.float64)
+        mean = s1 / n64
+        var = tl.maximum(s2 / n64 - mean * mean, 0.0)
+        tl.store(out_stats_ptr + rm, mean.to(tl.float32), mask=m_ok)
+        tl.store(out_stats_ptr + M + rm, 1.0 / tl.sqrt(var.to(tl.float32) + eps), mask=m_ok)
 
 
 LINEAR_TILES = [
@@ -190,11 +232,16 @@ def _prune_linear(configs: list[triton.Config], named_args: dict, **kwargs) -> l
 
 # K2, BLEND and NORM in the key: a two-part, blended or normed GEMM tunes apart from a plain one of the same shape;
 # INPUT_PRECISION: IEEE and TF32 fp32 products tune (and prune) apart.
+# The statistics workspace and counters (OUT_STATS) accumulate across a launch's programs: the autotuner zeroes them
+# before each benchmark launch and the one after tuning; without statistics they are empty tensors, never an input.
 _linear_fwd_tuned = autotune(
     configs=gemm_configs(LINEAR_TILES, LINEAR_TILES_FP32),
-    key=["M_BUCKET", "N", "K", "K2", "BLEND", "NORM", "INPUT_PRECISION"],
+    key=["M_BUCKET", "N", "K", "K2", "BLEND", "NORM", "OUT_STATS", "INPUT_PRECISION"],
+    reset_to_zero=["ws_ptr", "counter_ptr"],
     prune_configs_by={"early_config_prune": _prune_linear},
 )(_linear_fwd_kernel)
+#: The smallest row tile of any config: the statistics' counters are allocated for it.
+_MIN_BLOCK_M = min(config.kwargs["BLOCK_M"] for config in _linear_fwd_tuned.configs)
 
 
 @triton.jit
@@ -286,6 +333,8 @@ def linear_fwd(
     norm: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
     positions: tuple[torch.Tensor, int] | None = None,
     saturate: bool = False,
+    out_stats: torch.Tensor | None = None,
+    out_eps: float = 1e-5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, pre): y = residual + gate[row // T] * act(x W^T + bias) as [M, N] in ``dtype``, by default the promoted
     dtype of x, gate and residual; pre = x W^T + bias (x's dtype) when save_pre, else an empty tensor. x [M, K],
@@ -294,7 +343,8 @@ def linear_fwd(
     x_tail is [M, K] and the input mix[row // (M / S)] * x + (1 - mix) * x_tail. With norm = (stats [2, M] fp32 mean
     and rstd, any strides, weight [K] or None, bias [K] or None) the input is x's rows LayerNorm'd in the loads, plus,
     with positions = (table [P, K] with unit column stride, rows per table row R), table[(m // R) % P]. saturate: y
-    clamped to its dtype's finite range before the rounding (NaN kept)."""
+    clamped to its dtype's finite range before the rounding (NaN kept). out_stats: a [2, M] fp32 tensor (unit column
+    stride, row stride M) that receives y's rows' LayerNorm mean and rstd (``out_eps``), summed in the epilogue."""
     m, k = x.shape
     blend = mix is not None
     k2 = x_tail.shape[1] if x_tail is not None and not blend else 0
@@ -314,20 +364,30 @@ def linear_fwd(
     else:
         res_t, rs = residual.shape[1], residual.stride()
 
+    if out_stats is not None:
+        # One fresh zeroed buffer (one memset): sums [M, 2] fp64, then a counter per row tile of the smallest BLOCK_M.
+        buffer = torch.zeros(2 * m + cdiv(cdiv(m, _MIN_BLOCK_M), 2), device=x.device, dtype=torch.float64)
+        ws, counters = buffer[: 2 * m], buffer[2 * m :].view(torch.int32)
+    else:
+        # Empty, so the autotuner's reset_to_zero has nothing to clear (never an input), and nothing to read.
+        ws = counters = out_stats = pre if not save_pre else torch.empty(0, device=x.device)
+
     def grid(meta):
         return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)
 
     tuned_launch(_linear_fwd_tuned)[grid](
         y, pre, x, weight, bias if bias is not None else x, gate if gate is not None else x,
         residual if residual is not None else x, x_tail if x_tail is not None else x,
-        mix.contiguous() if blend else x, *norm_pointers, pos if pos is not None else x, x.stride(0), x.stride(1),
+        mix.contiguous() if blend else x, *norm_pointers, pos if pos is not None else x, ws, counters, out_stats,
+        x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1],
         pos.stride(0) if pos is not None else 0, m, n, k, k2, tokens, m // mix.shape[0] if blend else 1, max(res_t, 1),
-        pos_rows, pos.shape[0] if pos is not None else 1, torch.finfo(y.dtype).max, m_bucket(m),
+        pos_rows, pos.shape[0] if pos is not None else 1, torch.finfo(y.dtype).max, out_eps, m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,
         HAS_TAIL=x_tail is not None and not blend, BLEND=blend, **norm_flags, NORM_POS=pos is not None,
-        STORE_PRE=save_pre, SATURATE=saturate, INT64_COLS=int64_columns(gate, residual),
+        STORE_PRE=save_pre, SATURATE=saturate, OUT_STATS=out_stats.numel() > 0,
+        INT64_COLS=int64_columns(gate, residual),
         INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, pre
@@ -367,31 +427,41 @@ def linear_bwd(
 
 def _fwd_spec(
     name, dtype, tile, activation, gate, residual, store_pre, residual_3d=False, tail=False, blend=False, norm=False,
-    x_dtype=None, pos=False, saturate=False,
+    x_dtype=None, pos=False, saturate=False, out_stats=False,
 ):  # fmt: skip
     bm, bn, bk, warps, stages = tile
     signature = {
         "y_ptr": f"*{dtype}", "pre_ptr": f"*{dtype}", "x_ptr": f"*{x_dtype or dtype}", "w_ptr": f"*{dtype}",
         "b_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}",
         "mix_ptr": "*fp32", "stats_ptr": "*fp32", "norm_w_ptr": f"*{dtype}", "norm_b_ptr": f"*{dtype}",
-        "pos_ptr": f"*{dtype}",
+        "pos_ptr": f"*{dtype}", "ws_ptr": "*fp64", "counter_ptr": "*i32", "out_stats_ptr": "*fp32",
         "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
         "stride_gb": "i32", "stride_gn": "i32", "stride_rb": "i32", "stride_rt": "i32", "stride_rn": "i32",
         "stride_x2m": "i32", "stride_x2k": "i32", "stride_pp": "i32", "M": "i32", "N": "i32", "K": "i32", "K2": "i32",
         "T": "i32",
-        "T_MIX": "i32", "RES_T": "i32", "POS_ROWS": "i32", "POS_P": "i32", "sat_max": "fp32", "M_BUCKET": "i32",
+        "T_MIX": "i32", "RES_T": "i32", "POS_ROWS": "i32", "POS_P": "i32", "sat_max": "fp32", "out_eps": "fp32",
+        "M_BUCKET": "i32",
     }  # fmt: skip
     constexprs = {
         "stride_xk": 1, "stride_wk": 1, "stride_gn": 1, "stride_rn": 1, "stride_x2k": 1,
         "ACTIVATION": ACTIVATIONS[activation][0], "HAS_BIAS": True, "HAS_GATE": gate, "HAS_RESIDUAL": residual,
         "RESIDUAL_3D": residual_3d, "HAS_TAIL": tail, "BLEND": blend, "NORM": norm, "NORM_WEIGHT": norm,
-        "NORM_BIAS": norm, "NORM_POS": pos, "STORE_PRE": store_pre, "SATURATE": saturate, "INT64_COLS": False,
+        "NORM_BIAS": norm, "NORM_POS": pos, "STORE_PRE": store_pre, "SATURATE": saturate, "OUT_STATS": out_stats,
+        "INT64_COLS": False,
         "INPUT_PRECISION": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
     }  # fmt: skip
     skip = ("M", "T", "T_MIX", "RES_T", "POS_ROWS", "POS_P", "M_BUCKET")
     attrs = divisibility_attrs(_linear_fwd_kernel, signature, constexprs, skip=skip)
     return dict(name=name, fn=_linear_fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs,
                 num_warps=warps, num_stages=stages)  # fmt: skip
+
+
+#: (label, _fwd_spec's positional arguments after the tile, keyword arguments): the heaviest fp32 epilogues.
+FP32_EPILOGUES = (
+    ("layer-normed x,gelu", ("gelu", False, False, True), {"norm": True}),
+    ("gate+residual 3-D", (None, True, True, False, True), {}),
+    ("residual+row stats", (None, False, True, False), {"out_stats": True}),
+)
 
 
 def aot_specs() -> list[dict]:
@@ -405,6 +475,14 @@ def aot_specs() -> list[dict]:
     specs.append(_fwd_spec("linear_fwd[bf16,gelu_tanh]", "bf16", main, "gelu_tanh", False, False, False))
     specs.append(_fwd_spec("linear_fwd[bf16,gate+residual]", "bf16", main, None, True, True, True))
     specs.append(_fwd_spec("linear_fwd[fp16,gelu,gate+residual]", "fp16", main, "gelu", True, True, True))
+    # A UNet block's residual projections handing the next LayerNorm its statistics (atomics + arrival counter), on
+    # every tile autotuning may pick.
+    for tile in LINEAR_TILES:
+        tag = "x".join(map(str, tile[:3])) + f"w{tile[3]}s{tile[4]}"
+        specs.append(_fwd_spec(f"linear_fwd[fp16,residual+row stats,{tag}]", "fp16", tile, None, False, True, False,
+                               out_stats=True))  # fmt: skip
+    specs.append(_fwd_spec("linear_fwd[bf16,residual+row stats]", "bf16", main, None, False, True, False,
+                           out_stats=True))  # fmt: skip
     # An attention output projection's gated residual epilogue on a [B, T, N] residual of any strides.
     specs.append(_fwd_spec("linear_fwd[fp16,gate+residual 3-D]", "fp16", main, None, True, True, False, True))
     # Flux's single-stream proj_out: [attention | MLP] read in two parts, gated residual epilogue.
@@ -442,8 +520,7 @@ def aot_specs() -> list[dict]:
         tag = "x".join(map(str, tile[:3])) + f"w{tile[3]}s{tile[4]}"
         for precision in ("ieee", "tf32"):
             archs = fp32_archs(clean, precision)
-            for label, args, extra in (("layer-normed x,gelu", ("gelu", False, False, True), {"norm": True}),
-                                       ("gate+residual 3-D", (None, True, True, False, True), {})):  # fmt: skip
+            for label, args, extra in FP32_EPILOGUES:
                 spec = _fwd_spec(f"linear_fwd[fp32 {precision},{label},{tag}]", "fp32", tuple(tile), *args, **extra)
                 spec["constexprs"]["INPUT_PRECISION"] = precision
                 specs.append({**spec, "archs": archs})

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..ops.linear import linear, per_sample
 from .child_check import count_reason, function_mode_reason, hooked, observed, readable, unreadable_reason
-from .layer_norm_input import NormedInput, apply, as_tensor
+from .layer_norm_input import NormedInput, apply, as_tensor, norm_reason
 from .linear import stock_gated_residual
 
 #: diffusers processors whose steps :func:`sdpa_attention_residual` reproduces (class names; exact types are checked).
@@ -154,6 +154,28 @@ def sdpa_attention_residual(
     (any key, as diffusers passes them). ``gate``: one vector per sample, (B, 1, C) or (B, C). ``hidden_states``
     may be a :class:`NormedInput` (a block's norm, then read in the projections' loads; the stock call gets its
     output)."""
+    out, _ = attention_residual_and_stats(
+        attn, hidden_states, residual, encoder_hidden_states, attention_mask, kwargs, where, name, gate
+    )
+    return out
+
+
+def attention_residual_and_stats(
+    attn: nn.Module,
+    hidden_states: Tensor | NormedInput,
+    residual: Tensor,
+    encoder_hidden_states: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    kwargs: dict | None = None,
+    where: str = "Attention",
+    name: str = "attn",
+    gate: Tensor | None = None,
+    next_norm: nn.Module | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(:func:`sdpa_attention_residual`'s output, its LayerNorm statistics for ``next_norm`` or None): when the
+    output projection's GEMM writes the sum and ``next_norm`` (the LayerNorm that reads it next) is one the GEMMs
+    after it can read in their loads, its epilogue also sums the rows (``ops.linear(..., next_norm_eps=)``), for a
+    :class:`NormedInput` of the output to take instead of a statistics pass."""
     kwargs = kwargs or {}
     # "scale" is deprecated and ignored by the mirrored processors; a fall-back passes it on, as the stock block does.
     reason = call_reason(attn, hidden_states, {k: v for k, v in kwargs.items() if k != "scale"}, name)
@@ -167,17 +189,19 @@ def sdpa_attention_residual(
             count_reason(where, reason)
         if isinstance(hidden_states, NormedInput) and _queries_unread(attn, hidden_states, encoder_hidden_states,
                                                                       attention_mask, kwargs):  # fmt: skip
-            return _without_the_norm(attn, hidden_states, encoder_hidden_states, residual, gate)
+            return _without_the_norm(attn, hidden_states, encoder_hidden_states, residual, gate), None
         out = attn(
             as_tensor(hidden_states), encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
             **kwargs,
         )  # fmt: skip
-        return stock_gated_residual(out, gate, residual)
+        return stock_gated_residual(out, gate, residual), None
     context = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
     with observed(attn, (hidden_states,), context):
         core = sdpa_core(attn, hidden_states, encoder_hidden_states, attention_mask, name)
         layer = attn.to_out[0]
-        return linear(core, layer.weight, layer.bias, gate=gate, residual=residual)
+        if next_norm is None or norm_reason(next_norm, residual) is not None:
+            return linear(core, layer.weight, layer.bias, gate=gate, residual=residual), None
+        return linear(core, layer.weight, layer.bias, gate=gate, residual=residual, next_norm_eps=next_norm.eps)
 
 
 def _queries_unread(attn: nn.Module, normed: NormedInput, context, mask, kwargs: dict) -> bool:

@@ -53,7 +53,8 @@ class NormedInput:
     """``norm(x)``, read by the GEMMs after it in their loads (see the module docstring). ``where``: the block's
     class name, for fall-back reasons. ``positions`` = (table [P, C], rows per table row R): a positional embedding
     added to the norm's output, row m of x's rows taking table[(m // R) % P], in the loads too; ``finish`` adds it
-    to the norm module's output on the stock path (e.g. the SinusoidalPositionalEmbedding module)."""
+    to the norm module's output on the stock path (e.g. the SinusoidalPositionalEmbedding module). ``stats``: x's
+    ``layer_norm_stats`` with the norm's eps when its producer summed them (no statistics pass then)."""
 
     def __init__(
         self,
@@ -63,13 +64,15 @@ class NormedInput:
         name: str = "norm",
         positions: tuple[Tensor, int] | None = None,
         finish: Callable[[Tensor], Tensor] | None = None,
+        stats: Tensor | None = None,
     ) -> None:
         self.norm, self.x, self.where, self.name = norm, x, where, name
         self.positions, self.finish = positions, finish
         self.reason = norm_reason(norm, x, name)
         self._out: Tensor | None = None
-        self._stats: Tensor | None = None
-        self._rows: Tensor | None = None
+        # Statistics handed over with x (layer_norm_stats(x, norm.eps), e.g. from the residual GEMM that wrote x)
+        self._stats: Tensor | None = stats
+        self._rows: Tensor | None = None if stats is None else x.reshape(-1, x.shape[-1])
         self._counted = False
 
     @property
@@ -143,18 +146,20 @@ def normed_with_positions(
     length: int,
     rows_per_position: int,
     add_positions: Callable[[Tensor], Tensor],
+    stats: Tensor | None = None,
 ) -> Tensor | NormedInput:
     """``norm(x)``, plus ``pos_embed``'s first ``length`` positions when it is set, as a NormedInput the GEMMs read
     in their loads: row m of x's rows takes position (m // rows_per_position) % length. ``add_positions`` adds them
     to a tensor as the stock path does; a positional embedding that is not diffusers' sinusoidal table (or is
     hooked) is added that way to the norm module's output, so ``add_positions`` must call the module's forward when
-    it is hooked (its hooks, e.g. accelerate's offload of the ``pe`` buffer, run there and nowhere else)."""
+    it is hooked (its hooks, e.g. accelerate's offload of the ``pe`` buffer, run there and nowhere else). ``stats``:
+    as NormedInput's."""
     if pos_embed is None:
-        return NormedInput(norm, x, where, name)
+        return NormedInput(norm, x, where, name, stats=stats)
     table = sinusoidal_table(pos_embed, length)
     if table is None:
         return add_positions(norm(x))
-    return NormedInput(norm, x, where, name, positions=(table, rows_per_position), finish=add_positions)
+    return NormedInput(norm, x, where, name, positions=(table, rows_per_position), finish=add_positions, stats=stats)
 
 
 def apply(layer: nn.Module, x: Tensor | NormedInput, name: str) -> Tensor:

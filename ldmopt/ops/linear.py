@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._autocast import autocast_off, autocast_operands
-from ._checks import check_activation, check_out_dtype, check_tensor, dense, rows_as
+from ._checks import check_activation, check_eps, check_out_dtype, check_tensor, dense, rows_as
 from ._dispatch import (
     Backend,
     BackendTable,
@@ -448,7 +448,8 @@ def linear(
     out_dtype: torch.dtype | None = None,
     mix: Tensor | None = None,
     clip_fp16: bool = False,
-) -> Tensor:
+    next_norm_eps: float | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``residual + gate[b] * act(x @ weight.T + bias)`` in one GEMM with a fused epilogue.
 
     x is [..., K] (any leading dims), weight [N, K] and bias [N] as in nn.Linear, same dtype as x. x may also be a pair
@@ -471,6 +472,10 @@ def linear(
     gradients are needed the clamp runs after the op, as torch.clamp (its gradient needs the unclamped values).
     Under torch.autocast x, weight and bias are cast to the autocast dtype first, as F.linear does. Tolerance versus
     an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
+    ``next_norm_eps``: also return, as ``(y, stats)``, the LayerNorm statistics of y's rows over its last axis with
+    this eps (:func:`layer_norm_stats`'s [2, M]: what ``layer_norm_linear(y, ..., stats=stats)`` takes), summed in the
+    GEMM's epilogue, so the LayerNorm reading y next runs no statistics pass (one input tensor, no ``mix`` or
+    ``clip_fp16``).
     """
     x, x_tail = _split_input(x)
     check_tensor("x", x)
@@ -503,6 +508,14 @@ def linear(
     check_out_dtype(out_dtype)
     saturate = clip_fp16 and (out_dtype or _out_dtype(x, gate, residual)) == torch.float16
     clamp_after = saturate and needs_grad(x, weight, bias, gate, residual, x_tail, mix)
+    if next_norm_eps is not None:
+        if x_tail is not None or clip_fp16:
+            raise ValueError("linear: next_norm_eps needs a single input tensor x, without mix or clip_fp16")
+        from .linear_stats import linear_stats_fwd  # it imports this module
+
+        y, _pre, stats = call(linear_stats_fwd, x2, weight, bias, gate, residual, activation or "", save_pre,
+                              out_dtype, check_eps(next_norm_eps))  # fmt: skip
+        return rows_as(y, out_shape), stats
     y, _pre = call(linear_fwd, x2, weight, bias, gate, residual, activation or "", save_pre, out_dtype, tail2, mix,
                    saturate and not clamp_after)  # fmt: skip
     if clamp_after:

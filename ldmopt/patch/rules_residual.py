@@ -6,7 +6,9 @@
   diffusers' default processor reproduced up to ``to_out``, whose ``/ 1.0`` pass also goes), and the feed-forward's
   by ``ff.net[2]``'s. Each LayerNorm is read in the loads of the GEMMs after it (``ldmopt.nn.layer_norm_input``:
   norm1 by to_q/to_k/to_v, norm2 by the cross-attention's to_q, norm3 by the feed-forward's fused GEGLU/GELU
-  projection, from one statistics pass each): the norms' outputs are never written. diffusers' sinusoidal
+  projection): the norms' outputs are never written. norm1's statistics come from one pass over the block's input,
+  norm2's and norm3's from the epilogue of the output projection that wrote their input (``ops.linear(...,
+  next_norm_eps=)``). diffusers' sinusoidal
   positional embeddings on norm1/norm2 are added in the same loads; another (or hooked) one is called as a module
   on the norm's output. Attention masks are served (diffusers' mask preparation is called).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn.attention_residual import sdpa_attention_residual as attend
+from ..nn.attention_residual import attention_residual_and_stats as attend
 from ..nn.attention_residual import static_reason
 from ..nn.layer_norm_input import NormedInput, normed_with_positions
 from ..nn.linear import ff_residual
@@ -39,21 +41,25 @@ def _residual_block_forward(
     self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep, kwargs, class_labels
 ) -> torch.Tensor:
     where = type(self).__name__
-    # Each norm's output (plus sinusoidal positions) only feeds GEMMs, which read it in their loads.
+    # Each norm's output (plus sinusoidal positions) only feeds GEMMs, which read it in their loads. norm2's and norm3's
+    # statistics come from the output projection's epilogue that wrote their input (the residual sum).
     normed = _normed(self, "norm1", hidden_states, where)
     context = encoder_hidden_states if self.only_cross_attention else None
-    hidden_states = attend(self.attn1, normed, hidden_states, context, attention_mask, kwargs, where, "attn1")
+    after_attn1 = self.norm2 if self.attn2 is not None else self.norm3
+    hidden_states, stats = attend(self.attn1, normed, hidden_states, context, attention_mask, kwargs, where, "attn1",
+                                  next_norm=after_attn1)  # fmt: skip
     if self.attn2 is not None:
-        normed = _normed(self, "norm2", hidden_states, where)
-        hidden_states = attend(
-            self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask, kwargs, where, "attn2"
-        )
-    return ff_residual(self.ff, NormedInput(self.norm3, hidden_states, where, "norm3"), hidden_states)
+        normed = _normed(self, "norm2", hidden_states, where, stats)
+        hidden_states, stats = attend(self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask,
+                                      kwargs, where, "attn2", next_norm=self.norm3)  # fmt: skip
+    return ff_residual(self.ff, NormedInput(self.norm3, hidden_states, where, "norm3", stats=stats), hidden_states)
 
 
-def _normed(block: nn.Module, name: str, x: torch.Tensor, where: str):
-    """``pos_embed(norm(x))`` (or ``norm(x)``) read in the GEMMs' loads: (B, T, C) rows b * T + t take position t."""
-    return normed_with_positions(getattr(block, name), x, where, name, block.pos_embed, x.shape[1], 1, block.pos_embed)
+def _normed(block: nn.Module, name: str, x: torch.Tensor, where: str, stats: torch.Tensor | None = None):
+    """``pos_embed(norm(x))`` (or ``norm(x)``) read in the GEMMs' loads: (B, T, C) rows b * T + t take position t.
+    ``stats``: x's statistics for this norm, when the GEMM that wrote x summed them."""
+    norm = getattr(block, name)
+    return normed_with_positions(norm, x, where, name, block.pos_embed, x.shape[1], 1, block.pos_embed, stats)
 
 
 class ResidualBlockRule(ClassSwapRule):
