@@ -23,6 +23,28 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ldmopt
+from benchmarks.check_gpu_linear import (
+    _ref_adaln,
+    _ref_adaln_gated,
+    _ref_blend,
+    _ref_gated,
+    _ref_geglu,
+    _ref_gelu,
+    _ref_ln_linear,
+    _ref_ln_linear_pos,
+    _run_adaln,
+    _run_adaln_gated,
+    _run_blend,
+    _run_gated,
+    _run_gated_concat,
+    _run_gated_wan,
+    _run_geglu,
+    _run_gelu,
+    _run_ln_linear,
+    _run_ln_linear_pos,
+    ref_residual_stats,
+    run_residual_stats,
+)
 from benchmarks.check_gpu_norms import (
     _ref_layer_norm_rope,
     _ref_rms_norm,
@@ -220,120 +242,6 @@ def _svd_resnet_block(quick: bool):
             yield case, dtype, "triton", [out, dx], [ref, dx64]
 
 
-def _run_geglu(x, w, b):
-    from ldmopt.ops.geglu import geglu
-
-    return geglu(x, w, b)
-
-
-def _ref_geglu(x, w, b):
-    h, g = F.linear(x, w, b).chunk(2, dim=-1)
-    return h * F.gelu(g)
-
-
-def _run_gelu(x, w, b):
-    from ldmopt.ops.linear import linear
-
-    return linear(x, w, b, activation="gelu_tanh")
-
-
-def _ref_gelu(x, w, b):
-    return F.gelu(F.linear(x, w, b), approximate="tanh")
-
-
-def _run_gated(x, w, b, gate, res):
-    from ldmopt.ops.linear import linear
-
-    return linear(x, w, b, gate=gate, residual=res)
-
-
-def _ref_gated(x, w, b, gate, res):
-    return res + gate[:, None] * F.linear(x, w, b)
-
-
-def _run_gated_concat(x, w, b, gate, res):
-    """Flux's single-stream proj_out: x read as two parts, [attention | MLP] (a fifth and four fifths), in place."""
-    from ldmopt.ops.linear import linear
-
-    split = x.shape[-1] // 5
-    return linear((x[..., :split], x[..., split:]), w, b, gate=gate, residual=res)
-
-
-def _run_blend(x, w, b, mix, res):
-    """SVD's container proj_out: the AlphaBlender mix of two token streams (x's halves) formed in the GEMM's loads."""
-    from ldmopt.ops.linear import linear
-
-    half = x.shape[-1] // 2
-    return linear((x[..., :half], x[..., half:]), w, b, residual=res, mix=mix)
-
-
-def _ref_blend(x, w, b, mix, res):
-    half = x.shape[-1] // 2
-    m = mix[:, None, None]
-    return F.linear(m * x[..., :half] + (1 - m) * x[..., half:], w, b) + res
-
-
-def _run_ln_linear(x, nw, nb, w, b):
-    """A UNet block's norm -> projection: the LayerNorm read in the GEMM's loads (ops.layer_norm_linear)."""
-    from ldmopt.ops.layer_norm_linear import layer_norm_linear
-
-    return layer_norm_linear(x, nw, nb, w, b, activation="geglu" if w.shape[0] > 2 * x.shape[-1] else None)
-
-
-def _frame_table(x):
-    """A fixed sinusoid-like table, 16 frames x C, in x's dtype (AnimateDiff's positions, one row per frame)."""
-    c = x.shape[-1]
-    return torch.sin(torch.arange(16 * c, device=x.device, dtype=torch.float64).view(16, c) * 0.01).to(x.dtype)
-
-
-def _run_ln_linear_pos(x, nw, nb, w, b):
-    """A motion module's norm1 -> to_q with the frame positions added in the loads (x: 16 frames of T / 16 rows)."""
-    from ldmopt.ops.layer_norm_linear import layer_norm_linear
-
-    rows = x.shape[1] // 16
-    return layer_norm_linear(x, nw, nb, w, b, positions=_frame_table(x).detach(), position_rows=rows)
-
-
-def _ref_ln_linear_pos(x, nw, nb, w, b):
-    h = F.layer_norm(x, x.shape[-1:], nw, nb).view(x.shape[0], 16, -1, x.shape[-1])
-    h = h + _frame_table(x)[None, :, None, :]
-    return F.linear(h.view(x.shape), w, b)
-
-
-def _ref_ln_linear(x, nw, nb, w, b):
-    z = F.linear(F.layer_norm(x, x.shape[-1:], nw, nb), w, b)
-    if w.shape[0] > 2 * x.shape[-1]:  # GEGLU (I = 4 C in the UNets)
-        h, g = z.chunk(2, dim=-1)
-        return h * F.gelu(g)
-    return z
-
-
-def _run_adaln(x, scale, shift, res):
-    from ldmopt.ops.adaln_modulate import adaln_modulate
-
-    return adaln_modulate(x, scale, shift, residual=res, return_residual=True)[0]
-
-
-def _ref_adaln(x, scale, shift, res):
-    return F.layer_norm(x + res, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
-
-
-def _run_adaln_gated(x, scale, shift, res, gate):
-    from ldmopt.ops.adaln_modulate import adaln_modulate
-
-    return adaln_modulate(x, scale, shift, residual=res, gate=gate)
-
-
-def _ref_adaln_gated(x, scale, shift, res, gate):
-    return _ref_adaln(gate[:, None] * x, scale, shift, res)
-
-
-def _run_gated_wan(x, w, b, gate, res):
-    from ldmopt.ops.linear import linear
-
-    return linear(x, w, b, gate=gate, residual=res, out_dtype=res.dtype)
-
-
 #: Wan keeps its modulation (scale, shift, gate) in fp32 while the stream is bf16/fp16: these inputs stay fp32.
 _FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,), _run_blend: (3,)}
 
@@ -380,6 +288,21 @@ def _fused_linear(quick: bool):
                 y = run(*leaves)
                 grads = torch.autograd.grad(y, leaves, dy)
             yield case, dtype, "triton", [y, *grads], [ref.detach(), *grads64]
+
+
+@check("linear_row_stats")
+def _linear_row_stats(quick: bool):
+    """A residual GEMM handing the next LayerNorm its statistics: the output and the rows' (mean, rstd), summed across
+    column tiles by fp64 atomics and finalised by the last tile, vs fp64."""
+    for case, (bsz, t, k, n) in _cases("linear_row_stats", quick).items():
+        for dtype in DTYPES:
+            x, res = torch.randn(bsz, t, k, device=DEVICE), torch.randn(bsz, t, n, device=DEVICE) + 0.5
+            w, b = torch.randn(n, k, device=DEVICE) * k**-0.5, torch.randn(n, device=DEVICE) * 0.1
+            inputs = [v.to(dtype) for v in (x, w, b, res)]
+            with ldmopt.use_backend("triton"):
+                outs = run_residual_stats(*inputs)
+            refs = ref_residual_stats(*(v.double() for v in inputs), outs[0])
+            yield case, dtype, "triton", list(outs), list(refs)
 
 
 def _sliced(full: torch.Tensor, sl: slice) -> torch.Tensor:
@@ -518,6 +441,8 @@ CASES: dict[str, dict[str, tuple]] = {
         "ln_rope-cogvideox5b": (_run_layer_norm_rope, _ref_layer_norm_rope, 1, 17_776, 3072, 64),
         "rms_rope-qwen-complex": (_run_rms_norm_rope_complex, _ref_rms_norm_rope_complex, 1, 7145, 3072, 128),
     },
+    # (B, T, K, N): attention output projections of UNet transformer blocks (N = K = C)
+    "linear_row_stats": {"attn-out-sd15-l0": (2, 4096, 320, 320), "attn-out-sdxl-l2": (2, 1024, 1280, 1280)},
     "temporal_attention": {  # (B, F, N, heads, head_dim)
         "animatediff-512-l0": (2, 16, 4096, 8, 40),
         "svd-576x1024-l0": (2, 14, 9216, 5, 64),
