@@ -238,16 +238,32 @@ def project_out(
     """What a processor does after the attention core ``core`` (..., heads * head_dim) of input ``x``: to_out,
     residual_connection and rescale_output_factor; plus ``residual`` (after the per-sample ``gate``) when given, in
     the GEMM epilogue when :func:`epilogue_reason` allows, else as the stock ops (counted)."""
+    return project_out_and_stats(attn, core, x, residual, where, gate)[0]
+
+
+def project_out_and_stats(
+    attn: nn.Module,
+    core: Tensor,
+    x: Tensor | NormedInput,
+    residual: Tensor | None,
+    where: str,
+    gate: Tensor | None = None,
+    next_norm: nn.Module | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(:func:`project_out`'s output, its LayerNorm statistics for ``next_norm`` or None): summed in the epilogue when
+    the GEMM adds the residual and ``next_norm`` is a LayerNorm the GEMMs after it read in their loads."""
     if gate is not None and residual is None:
         raise ValueError("project_out: a gate needs a residual (the gated sum is residual + gate * out)")
     if residual is not None:
         reason = epilogue_reason(attn) or _gate_reason(gate, residual, attn.to_out[0].out_features)
         if reason is None:
             layer = attn.to_out[0]
-            return linear(core, layer.weight, layer.bias, gate=gate, residual=residual)
+            if next_norm is None or norm_reason(next_norm, residual) is not None:
+                return linear(core, layer.weight, layer.bias, gate=gate, residual=residual), None
+            return linear(core, layer.weight, layer.bias, gate=gate, residual=residual, next_norm_eps=next_norm.eps)
         count_reason(where, reason)
     out = attn.to_out[1](attn.to_out[0](core))
     if attn.residual_connection:
         out = out + as_tensor(x)
     out = out / attn.rescale_output_factor
-    return out if residual is None else stock_gated_residual(out, gate, residual)
+    return (out if residual is None else stock_gated_residual(out, gate, residual)), None

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
-from .attention_residual import project_out
+from .attention_residual import project_out_and_stats
 from .child_check import bypassed_hook_reason, counting, function_mode_reason, hooked_children, tally
 from .layer_norm_input import NormedInput, apply
 
@@ -149,14 +149,29 @@ def temporal_self_attention(
     gate: Tensor | None = None,
     name: str = "attn",
 ) -> Tensor:
-    """What an Attention module computes on token-major activations ``x`` of shape (..., C), with the attention over
+    """:func:`temporal_self_attention_and_stats`'s output."""
+    return temporal_self_attention_and_stats(attn, x, context, bfn, residual, gate, name)[0]
+
+
+def temporal_self_attention_and_stats(
+    attn,
+    x: Tensor | NormedInput,
+    context: Tensor | None,
+    bfn: tuple[int, int, int],
+    residual: Tensor | None = None,
+    gate: Tensor | None = None,
+    name: str = "attn",
+    next_norm: nn.Module | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(What an Attention module computes on token-major activations ``x`` of shape (..., C), with the attention over
     frames done by the strided kernel: ``x.view(*bfn, C)`` must index tokens as (B, F, N); ``context`` (same shape)
     gives the keys and values instead of ``x`` when not None. Projections (fused or not), per-head norm_q/norm_k and
     the scale as the stock processor applies them (:func:`stock_semantics`), to_out, residual_connection and
     rescale_output_factor; no copies.
     ``residual`` (the block's token stream, x's shape) is added in to_out's GEMM epilogue when given, after the
     per-sample ``gate`` ((B, 1, C), adaLN blocks) when given. ``x`` may be a :class:`NormedInput` (a block's norm,
-    read in the projections' loads; ``name``: the attention's attribute, for the report).
+    read in the projections' loads; ``name``: the attention's attribute, for the report). ``next_norm``: the
+    LayerNorm that reads the output next, whose statistics to_out's epilogue then sums (None when it cannot).)
     """
     heads, c = attn.heads, attn.inner_dim
     stock = stock_semantics(attn)
@@ -182,7 +197,8 @@ def temporal_self_attention(
         k = attn.norm_k(k)
     out = temporal_attention(q, k, v, scale=stock.scale)
     # The output is torch.empty_like(q): token-major whenever q is a dense view or a qkv slice.
-    return project_out(attn, out.reshape(*x.shape[:-1], c), x, residual, "temporal attention", gate)
+    core = out.reshape(*x.shape[:-1], c)
+    return project_out_and_stats(attn, core, x, residual, "temporal attention", gate, next_norm)
 
 
 #: The children of an Attention that the single-key shortcut never calls.

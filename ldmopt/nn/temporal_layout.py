@@ -64,6 +64,7 @@ from .temporal_attention import (
     single_key_attention,
     single_key_structure_reason,
     temporal_self_attention,
+    temporal_self_attention_and_stats,
     unsupported_reason,
     zero_gradient_anchor,
 )
@@ -302,15 +303,19 @@ def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) ->
     sinusoidal positions (one per frame) added there too."""
     where = type(block).__name__
 
-    def normed(name: str, t: Tensor) -> Tensor | NormedInput:
+    def normed(name: str, t: Tensor, stats: Tensor | None = None) -> Tensor | NormedInput:
         # Rows ((b F + f) N + n) take position f: one per frame, N rows each.
         add = lambda y: _with_positions(block.pos_embed, y, bfn)
-        return normed_with_positions(getattr(block, name), t, where, name, block.pos_embed, bfn[1], bfn[2], add)
+        return normed_with_positions(getattr(block, name), t, where, name, block.pos_embed, bfn[1], bfn[2], add, stats)
 
-    x = temporal_self_attention(block.attn1, normed("norm1", x), None, bfn, residual=x, name="attn1")
+    # norm2's and norm3's statistics come from the epilogue of the output projection that wrote their input.
+    after_attn1 = block.norm2 if block.attn2 is not None else block.norm3
+    x, stats = temporal_self_attention_and_stats(block.attn1, normed("norm1", x), None, bfn, residual=x, name="attn1",
+                                                 next_norm=after_attn1)  # fmt: skip
     if block.attn2 is not None:
-        x = temporal_self_attention(block.attn2, normed("norm2", x), None, bfn, residual=x, name="attn2")
-    return ff_residual(block.ff, NormedInput(block.norm3, x, where, "norm3"), x)
+        x, stats = temporal_self_attention_and_stats(block.attn2, normed("norm2", x, stats), None, bfn, residual=x,
+                                                     name="attn2", next_norm=block.norm3)  # fmt: skip
+    return ff_residual(block.ff, NormedInput(block.norm3, x, where, "norm3", stats=stats), x)
 
 
 def _norm_proj_in_fusable(container: nn.Module) -> bool:
