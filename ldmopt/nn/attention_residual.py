@@ -137,27 +137,10 @@ def _gate_reason(gate: Tensor | None, residual: Tensor, width: int) -> str | Non
     return None
 
 
-def sdpa_attention_residual(
-    attn: nn.Module,
-    hidden_states: Tensor | NormedInput,
-    residual: Tensor,
-    encoder_hidden_states: Tensor | None = None,
-    attention_mask: Tensor | None = None,
-    kwargs: dict | None = None,
-    where: str = "Attention",
-    name: str = "attn",
-    gate: Tensor | None = None,
-) -> Tensor:
+def sdpa_attention_residual(*args, **kwargs) -> Tensor:
     """``residual + gate * attn(hidden_states, encoder_hidden_states, attention_mask, **kwargs)`` (no gate: ``attn(...)
-    + residual``), the gate and the add in the output projection's GEMM epilogue when the call is one the mirrored
-    processors serve (see the module docstring). ``kwargs``: the block's cross_attention_kwargs, passed on as a dict
-    (any key, as diffusers passes them). ``gate``: one vector per sample, (B, 1, C) or (B, C). ``hidden_states``
-    may be a :class:`NormedInput` (a block's norm, then read in the projections' loads; the stock call gets its
-    output)."""
-    out, _ = attention_residual_and_stats(
-        attn, hidden_states, residual, encoder_hidden_states, attention_mask, kwargs, where, name, gate
-    )
-    return out
+    + residual``): :func:`attention_residual_and_stats`'s output, same arguments but ``next_norm``."""
+    return attention_residual_and_stats(*args, **kwargs)[0]
 
 
 def attention_residual_and_stats(
@@ -172,10 +155,14 @@ def attention_residual_and_stats(
     gate: Tensor | None = None,
     next_norm: nn.Module | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """(:func:`sdpa_attention_residual`'s output, its LayerNorm statistics for ``next_norm`` or None): when the
-    output projection's GEMM writes the sum and ``next_norm`` (the LayerNorm that reads it next) is one the GEMMs
-    after it can read in their loads, its epilogue also sums the rows (``ops.linear(..., next_norm_eps=)``), for a
-    :class:`NormedInput` of the output to take instead of a statistics pass."""
+    """(``residual + gate * attn(hidden_states, encoder_hidden_states, attention_mask, **kwargs)`` (no gate:
+    ``attn(...) + residual``), its LayerNorm statistics for ``next_norm`` or None). The gate and the add happen in the
+    output projection's GEMM epilogue when the call is one the mirrored processors serve (see the module docstring);
+    when ``next_norm`` (the LayerNorm that reads the output next) is one the GEMMs after it can read in their loads,
+    that epilogue also sums the rows (``ops.linear(..., next_norm_eps=)``), for a :class:`NormedInput` of the output
+    to take instead of a statistics pass. ``kwargs``: the block's cross_attention_kwargs, passed on as a dict (any
+    key, as diffusers passes them). ``gate``: one vector per sample, (B, 1, C) or (B, C). ``hidden_states`` may be a
+    :class:`NormedInput` (a block's norm, then read in the projections' loads; the stock call gets its output)."""
     kwargs = kwargs or {}
     # "scale" is deprecated and ignored by the mirrored processors; a fall-back passes it on, as the stock block does.
     reason = call_reason(attn, hidden_states, {k: v for k, v in kwargs.items() if k != "scale"}, name)
@@ -227,18 +214,10 @@ def _without_the_norm(attn: nn.Module, normed: NormedInput, context, residual: T
     return stock_gated_residual(out, gate, residual)
 
 
-def project_out(
-    attn: nn.Module,
-    core: Tensor,
-    x: Tensor | NormedInput,
-    residual: Tensor | None,
-    where: str,
-    gate: Tensor | None = None,
-) -> Tensor:
-    """What a processor does after the attention core ``core`` (..., heads * head_dim) of input ``x``: to_out,
-    residual_connection and rescale_output_factor; plus ``residual`` (after the per-sample ``gate``) when given, in
-    the GEMM epilogue when :func:`epilogue_reason` allows, else as the stock ops (counted)."""
-    return project_out_and_stats(attn, core, x, residual, where, gate)[0]
+def project_out(*args, **kwargs) -> Tensor:
+    """What a processor does after the attention core: :func:`project_out_and_stats`'s output (same arguments but
+    ``next_norm``)."""
+    return project_out_and_stats(*args, **kwargs)[0]
 
 
 def project_out_and_stats(
@@ -250,8 +229,11 @@ def project_out_and_stats(
     gate: Tensor | None = None,
     next_norm: nn.Module | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """(:func:`project_out`'s output, its LayerNorm statistics for ``next_norm`` or None): summed in the epilogue when
-    the GEMM adds the residual and ``next_norm`` is a LayerNorm the GEMMs after it read in their loads."""
+    """(What a processor does after the attention core ``core`` (..., heads * head_dim) of input ``x``: to_out,
+    residual_connection and rescale_output_factor; plus ``residual`` (after the per-sample ``gate``) when given, in
+    the GEMM epilogue when :func:`epilogue_reason` allows, else as the stock ops (counted); and the output's LayerNorm
+    statistics for ``next_norm``, summed in that epilogue when ``next_norm`` is a LayerNorm the GEMMs after it read
+    in their loads, else None)."""
     if gate is not None and residual is None:
         raise ValueError("project_out: a gate needs a residual (the gated sum is residual + gate * out)")
     if residual is not None:

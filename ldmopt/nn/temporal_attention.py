@@ -140,17 +140,10 @@ def stock_semantics(attn) -> StockSemantics:
     )
 
 
-def temporal_self_attention(
-    attn,
-    x: Tensor | NormedInput,
-    context: Tensor | None,
-    bfn: tuple[int, int, int],
-    residual: Tensor | None = None,
-    gate: Tensor | None = None,
-    name: str = "attn",
-) -> Tensor:
-    """:func:`temporal_self_attention_and_stats`'s output."""
-    return temporal_self_attention_and_stats(attn, x, context, bfn, residual, gate, name)[0]
+def temporal_self_attention(*args, **kwargs) -> Tensor:
+    """What an Attention module computes on token-major activations: :func:`temporal_self_attention_and_stats`'s
+    output (same arguments but ``next_norm``)."""
+    return temporal_self_attention_and_stats(*args, **kwargs)[0]
 
 
 def temporal_self_attention_and_stats(

@@ -188,6 +188,15 @@ BACKWARD = BackendTable(
 # ------------------------------------------------------------------------------------------------ custom ops
 
 
+def check_epilogue_rows(op: str, x: Tensor, weight: Tensor, gate: Tensor | None, residual: Tensor | None) -> None:
+    """Checked in the ops too, not only in ops.linear: the kernels index gate and residual rows from these shapes."""
+    m, n = x.shape[0], weight.shape[0]
+    if gate is not None and (gate.dim() != 2 or gate.shape[1] != n or not gate.shape[0] or m % gate.shape[0]):
+        raise ValueError(f"{op}: gate of shape {tuple(gate.shape)} is not [B, {n}] with B dividing M={m}")
+    if residual is not None and (residual.shape[-1] != n or residual.numel() != m * n):
+        raise ValueError(f"{op}: residual of shape {tuple(residual.shape)} does not hold M={m} rows of {n}")
+
+
 @torch.library.custom_op("ldmopt::linear_fwd", mutates_args=())
 def linear_fwd(
     x: Tensor,
@@ -217,12 +226,7 @@ def linear_fwd(
             f"linear_fwd: mix of shape {tuple(mix.shape)} needs x_tail shaped like x {tuple(x.shape)} (got {tail}) "
             "and one value per equal group of rows"
         )
-    # Checked here too, not only in ops.linear: the kernels index gate and residual rows from these shapes.
-    m, n = x.shape[0], weight.shape[0]
-    if gate is not None and (gate.dim() != 2 or gate.shape[1] != n or not gate.shape[0] or m % gate.shape[0]):
-        raise ValueError(f"linear_fwd: gate of shape {tuple(gate.shape)} is not [B, {n}] with B dividing M={m}")
-    if residual is not None and (residual.shape[-1] != n or residual.numel() != m * n):
-        raise ValueError(f"linear_fwd: residual of shape {tuple(residual.shape)} does not hold M={m} rows of {n}")
+    check_epilogue_rows("linear_fwd", x, weight, gate, residual)
     return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, x_tail, mix, saturate)
 
 

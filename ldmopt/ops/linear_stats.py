@@ -24,6 +24,7 @@ from .linear import (
     _out_dtype,
     _setup_context,
     _triton_refuse_fwd,
+    check_epilogue_rows,
     compute_dtype,
 )
 
@@ -70,11 +71,7 @@ def linear_stats_fwd(
     """(y [M, N], pre, stats [2, M]): ``ldmopt::linear_fwd``'s y and pre (see there: x [M, K], weight [N, K], gate
     [B, N], residual [M, N] or [B', T', N]), and the LayerNorm mean and rstd (``eps``) of each row of y, in fp32 (fp64
     for an fp64 y)."""
-    m, n = x.shape[0], weight.shape[0]
-    if gate is not None and (gate.dim() != 2 or gate.shape[1] != n or not gate.shape[0] or m % gate.shape[0]):
-        raise ValueError(f"linear_stats_fwd: gate of shape {tuple(gate.shape)} is not [B, {n}] with B dividing M={m}")
-    if residual is not None and (residual.shape[-1] != n or residual.numel() != m * n):
-        raise ValueError(f"linear_stats_fwd: residual of shape {tuple(residual.shape)} does not hold M={m} rows of {n}")
+    check_epilogue_rows("linear_stats_fwd", x, weight, gate, residual)
     return FORWARD(x, weight, bias, gate, residual, activation or None, save_pre, dtype, eps)
 
 
