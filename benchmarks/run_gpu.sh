@@ -11,7 +11,8 @@
 # summary.txt (what is printed last), profiles.txt (host time per op call, GPU time per kernel of a patched model)
 # and logs.tar.gz (build, pip and pytest logs, plots).
 # Knobs: LDMOPT_RUN_BUDGET, LDMOPT_BENCH_RESERVE, LDMOPT_CUDA_CHECK_RESERVE (seconds), LDMOPT_CHECK_SHARDS,
-# LDMOPT_BENCH_FILES, LDMOPT_PROFILE_MODELS, PYTHON, MAX_JOBS.
+# LDMOPT_CHECK_ONLY (check_gpu.py checks to run, space-separated; all by default), LDMOPT_BENCH_FILES,
+# LDMOPT_PROFILE_MODELS, PYTHON, MAX_JOBS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=quick
@@ -129,10 +130,13 @@ start build "$(cap "$([ "$QUICK" = 1 ] && echo 200 || echo 1200)" $(( BENCH_RESE
   $PY setup.py build_ext --inplace
 CHECK_ARGS=()
 [ "$QUICK" = 1 ] && CHECK_ARGS+=(--quick)
+ONLY_ARGS=()
+for name in ${LDMOPT_CHECK_ONLY:-}; do ONLY_ARGS+=(--only "$name"); done
 # Shards started before the build ends report the cuda backend as a skip; check_cuda_backend.py checks it after.
 for ((k = 0; k < SHARDS; k++)); do
   start "check_gpu[$k/$SHARDS]" "$(left "$BENCH_RESERVE")" "$WORK/check_gpu.$k.txt" \
-    env OMP_NUM_THREADS=1 $PY benchmarks/check_gpu.py ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} --shard "$k/$SHARDS"
+    env OMP_NUM_THREADS=1 $PY benchmarks/check_gpu.py ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} \
+    ${ONLY_ARGS[@]+"${ONLY_ARGS[@]}"} --shard "$k/$SHARDS"
 done
 # xformers from PyPI is built for another CUDA than the image's torch: a crash on import would end the benchmark
 # process with every row after it, so it is tried here first and removed if it fails.

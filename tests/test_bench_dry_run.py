@@ -467,6 +467,7 @@ _STUB_STAGES = """import os, sys, time
 args = sys.argv[1:]
 if args[0].endswith("check_gpu.py"):
     k = args[args.index("--shard") + 1].split("/")[0]
+    print("check_gpu args:", " ".join(args[1:]))
     print(f"fused_linear           geglu-{k}       float16   triton  1.00e-03  PASS")
     if k != "0":
         time.sleep(300)  # stopped at its cap: the line above must survive in checks.txt
@@ -511,6 +512,7 @@ def test_run_gpu_script(tmp_path):
     env, out = _fake_run_env(
         tmp_path, LDMOPT_RUN_BUDGET="36", LDMOPT_BENCH_RESERVE="24", LDMOPT_CHECK_SHARDS="2",
         LDMOPT_BENCH_FILES=" benchmarks/bench_e2e.py  benchmarks/bench_linear.py",
+        LDMOPT_CHECK_ONLY=" fused_linear linear_row_stats",
     )  # fmt: skip
     run = subprocess.run(
         ["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
@@ -527,6 +529,7 @@ def test_run_gpu_script(tmp_path):
     } <= set(files)
     checks = (out / "checks.txt").read_text()
     assert "geglu-1       float16   triton  1.00e-03  PASS" in checks, checks  # printed before its timeout
+    assert "check_gpu args: --quick --only fused_linear --only linear_row_stats --shard 1/2" in checks, checks
     summary = run.stdout.split("================ summary ================\n")[-1]
     assert summary == (out / "summary.txt").read_text() and len(summary) < 10_000, len(summary)
     assert "check_gpu 1/2 ok" in summary and "[1/2] TIMED OUT" in summary and "benchmarks ok" in summary, summary
