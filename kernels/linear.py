@@ -202,8 +202,9 @@ def _row_statistics(out, mask, rm, pid_m, pid_n, ws_ptr, counter_ptr, out_stats_
         n64 = tl.cast(N, tl.float64)
         mean = s1 / n64
         var = tl.maximum(s2 / n64 - mean * mean, 0.0)
-        tl.store(out_stats_ptr + rm, mean.to(tl.float32), mask=m_ok)
-        tl.store(out_stats_ptr + M + rm, 1.0 / tl.sqrt(var.to(tl.float32) + eps), mask=m_ok)
+        rm64 = rm.to(tl.int64)
+        tl.store(out_stats_ptr + rm64, mean.to(tl.float32), mask=m_ok)
+        tl.store(out_stats_ptr + M + rm64, 1.0 / tl.sqrt(var.to(tl.float32) + eps), mask=m_ok)
 
 
 LINEAR_TILES = [
@@ -482,6 +483,8 @@ def aot_specs() -> list[dict]:
         specs.append(_fwd_spec(f"linear_fwd[fp16,residual+row stats,{tag}]", "fp16", tile, None, False, True, False,
                                out_stats=True))  # fmt: skip
     specs.append(_fwd_spec("linear_fwd[bf16,residual+row stats]", "bf16", main, None, False, True, False,
+                           out_stats=True))  # fmt: skip
+    specs.append(_fwd_spec("linear_fwd[fp16,gelu,gate+residual+row stats]", "fp16", main, "gelu", True, True, True,
                            out_stats=True))  # fmt: skip
     # An attention output projection's gated residual epilogue on a [B, T, N] residual of any strides.
     specs.append(_fwd_spec("linear_fwd[fp16,gate+residual 3-D]", "fp16", main, None, True, True, False, True))

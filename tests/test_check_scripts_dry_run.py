@@ -68,7 +68,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
             "rms_rope-joint": (C._run_rms_norm_rope_joint, C._ref_rms_norm_rope_joint, 2, 7, 40, 8),
             "ln_rope": (C._run_layer_norm_rope, C._ref_layer_norm_rope, 2, 7, 40, 8),
         },
-        "linear_row_stats": {"attn-out": (2, 37, 40, 72)},  # 3 column tiles of the interpreter's 32
+        "linear_row_stats": {"attn-out": (2, 37, 40, 72, 40.0)},  # 3 row and 3 column tiles of the interpreter's 32
         "temporal_attention": {"ta": (2, 5, 6, 2, 24)},
         "temporal_layout": {"motion": (C._motion, 96, 3, 2), "svd": (C._svd, 64, 2, 2)},
     }

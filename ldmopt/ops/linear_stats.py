@@ -6,7 +6,8 @@ A UNet transformer block adds each attention's output to its token stream in the
 epilogue also sums each row it stores (fp64 atomics across the column tiles, the last tile of a row block turning
 them into mean and rstd, kernels/linear.py), so the norm runs no statistics pass of its own: a launch and a read of
 the stream fewer. The statistics are ``layer_norm_stats(y, eps)`` of the stored y up to the order of the fp64 sums;
-under ``torch.use_deterministic_algorithms`` they come from that statistics pass instead. Backward is linear's: the
+under ``torch.use_deterministic_algorithms``, and for a gated GEMM on fp32 operands, they come from that statistics
+pass instead; an fp64 output runs the reference backend. Backward is linear's: the
 statistics carry no gradient (the LayerNorm GEMMs that read them differentiate through them themselves).
 """
 
@@ -38,7 +39,11 @@ def _fwd_triton_stats(x, weight, bias, gate, residual, activation, save_pre, dty
     from ldmopt.kernels._common import new_output
     from ldmopt.kernels.linear import linear_fwd as launch
 
-    if torch.are_deterministic_algorithms_enabled():  # the epilogue's fp64 sums follow the tiles' finishing order
+    # A statistics pass instead of the epilogue's sums under deterministic algorithms (the fp64 atomics add in the
+    # order tiles finish), and for a gated GEMM on fp32 tiles (the gate and the statistics together spill registers
+    # in some TF32 tiles: sm_80 128x64x32, sm_90 128x128x32; no UNet block gates the projections it takes them from).
+    fp32_tiles = x.dtype == weight.dtype == torch.float32
+    if torch.are_deterministic_algorithms_enabled() or (gate is not None and fp32_tiles):
         y, pre = launch(x, weight, bias, gate, residual, activation, save_pre, dtype)
         return y, pre, call(layer_norm_stats_op, y, eps)
     stats = new_output((2, x.shape[0]), device=x.device, dtype=torch.float32)
@@ -47,7 +52,10 @@ def _fwd_triton_stats(x, weight, bias, gate, residual, activation, save_pre, dty
 
 
 def _triton_refuse_stats(x, weight, bias, gate, residual, activation, save_pre, dtype, eps):
-    return _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype)
+    reasons = _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype)
+    if (dtype or _out_dtype(x, gate, residual)) == torch.float64:
+        reasons.append("an fp64 output: its statistics are fp64, the epilogue's fp32")
+    return reasons
 
 
 FORWARD = BackendTable(
