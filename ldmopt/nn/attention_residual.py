@@ -185,10 +185,17 @@ def attention_residual_and_stats(
     context = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask)
     with observed(attn, (hidden_states,), context):
         core = sdpa_core(attn, hidden_states, encoder_hidden_states, attention_mask, name)
-        layer = attn.to_out[0]
-        if next_norm is None or norm_reason(next_norm, residual) is not None:
-            return linear(core, layer.weight, layer.bias, gate=gate, residual=residual), None
-        return linear(core, layer.weight, layer.bias, gate=gate, residual=residual, next_norm_eps=next_norm.eps)
+        return _residual_projection(attn.to_out[0], core, gate, residual, next_norm)
+
+
+def _residual_projection(
+    layer: nn.Linear, core: Tensor, gate: Tensor | None, residual: Tensor, next_norm: nn.Module | None
+) -> tuple[Tensor, Tensor | None]:
+    """(``residual + gate * layer(core)`` in one GEMM, the output's LayerNorm statistics for ``next_norm`` summed in
+    its epilogue, or None when ``next_norm`` is absent or not a norm the GEMMs after it read in their loads)."""
+    if next_norm is None or norm_reason(next_norm, residual) is not None:
+        return linear(core, layer.weight, layer.bias, gate=gate, residual=residual), None
+    return linear(core, layer.weight, layer.bias, gate=gate, residual=residual, next_norm_eps=next_norm.eps)
 
 
 def _queries_unread(attn: nn.Module, normed: NormedInput, context, mask, kwargs: dict) -> bool:
@@ -239,10 +246,7 @@ def project_out_and_stats(
     if residual is not None:
         reason = epilogue_reason(attn) or _gate_reason(gate, residual, attn.to_out[0].out_features)
         if reason is None:
-            layer = attn.to_out[0]
-            if next_norm is None or norm_reason(next_norm, residual) is not None:
-                return linear(core, layer.weight, layer.bias, gate=gate, residual=residual), None
-            return linear(core, layer.weight, layer.bias, gate=gate, residual=residual, next_norm_eps=next_norm.eps)
+            return _residual_projection(attn.to_out[0], core, gate, residual, next_norm)
         count_reason(where, reason)
     out = attn.to_out[1](attn.to_out[0](core))
     if attn.residual_connection:
