@@ -8,9 +8,9 @@ import pytest
 import torch
 import triton
 from ldmopt.kernels._common import cdiv, next_power_of_2
-from triton.runtime import interpreter, jit
+from triton.runtime import jit
 
-from benchmarks import bench_host_overhead
+from benchmarks import bench_host_overhead, profile_host
 
 
 def test_launch_arithmetic_matches_triton():
@@ -26,9 +26,7 @@ def test_op_calls_no_triton_constexpr_function_on_the_host(case, monkeypatch):
     monkeypatch.setattr(bench_host_overhead, "DEVICE", "cpu")
     tensors = bench_host_overhead._tensors(torch.float32)
     fused = bench_host_overhead.CASES[case][0]
-    launches = []
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", lambda self, *a, **k: launches.append(self))
-    with torch.no_grad():
+    with torch.no_grad(), profile_host.stubbed_launches() as launches:
         fused(tensors)  # first call: autotuning and caches
         host_calls = []
         stock = jit.ConstexprFunction.__call__
