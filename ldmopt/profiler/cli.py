@@ -89,6 +89,9 @@ def configure_analyze(parser: argparse.ArgumentParser) -> None:
                         help="frames (video models only), or a comma list 8,16,32,64")  # fmt: skip
     parser.add_argument("--gpu", default="H100", help="A100, H100 or H200 (datasheet peaks; default H100)")
     parser.add_argument("--check-flops", action="store_true", help="cross-check against torch.utils.flop_counter")
+    parser.add_argument(
+        "--training", action="store_true", help="a training step: forward, MSE loss, backward and AdamW, by phase"
+    )
     _common(parser)
 
 
@@ -170,7 +173,8 @@ def _sweep_table(analyses) -> str:
                      *(pct(shares[c]) for c in cats), pct(a.attention_split()["temporal"])])  # fmt: skip
     headers = ["setting", "FLOPs", "proj ms", "patched ms", *(C.LABELS[c] for c in cats), "temporal/attn"]
     a0 = analyses[0]
-    title = (f"ldmopt analyze: {a0.model} scaling sweep, batch {a0.batch}, {a0.dtype}; ANALYTIC: shares of "
+    step = ", training step" if a0.training else ""
+    title = (f"ldmopt analyze: {a0.model} scaling sweep, batch {a0.batch}, {a0.dtype}{step}; ANALYTIC: shares of "
              f"roofline-PROJECTED time on {a0.gpu.name} (not measured)")  # fmt: skip
     return title + "\n" + render_table(headers, rows)
 
@@ -188,7 +192,8 @@ def run_analyze(args: argparse.Namespace) -> int:
         for res in args.resolution or [None]:
             for frames in args.frames or [None]:
                 analyses.append(analyze(args.model, resolution=res, frames=frames, batch=args.batch, dtype=dtype,
-                                        gpu=args.gpu, tiny=args.tiny, check_flops=args.check_flops))  # fmt: skip
+                                        gpu=args.gpu, tiny=args.tiny, check_flops=args.check_flops,
+                                        training=args.training))  # fmt: skip
     except (KeyError, ValueError) as exc:
         print(f"ldmopt analyze: {_message(exc)}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""``analyze``: FLOPs, minimum HBM bytes and a roofline projection of one denoiser call, on meta tensors.
+"""``analyze``: FLOPs, minimum HBM bytes and a roofline projection of one denoiser call (or one training step:
+forward, MSE loss, backward and an AdamW update), on meta tensors.
 
 Nothing is allocated and no GPU is needed: the model is built (or rebuilt from its config) on the ``meta`` device
 and run once under a dispatch mode that records every operator (see ``recorder.py``). Reported per operator
@@ -55,10 +56,13 @@ class Analysis:
     categories: dict[str, CategoryCost]
     attention: list[AttentionCall]
     fusions: dict[str, FusionStat]
-    flop_counter_total: int | None = None
+    flop_counter_total: int | None = None  # of the forward pass (the loss included, in training)
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     records: list[OpRecord] = field(default_factory=list, repr=False)
+    training: bool = False
+    #: the categories split by phase: "forward" (with the loss), and in training "backward" and "optimizer"
+    phases: dict[str, dict[str, CategoryCost]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ totals and shares
     @property
@@ -85,17 +89,36 @@ class Analysis:
     def ops(self) -> int:
         return sum(c.ops for c in self.categories.values())
 
-    def flops_of(self, *cats: str) -> int:
-        return sum(self.categories[c].flops for c in cats)
+    def flops_of(self, *cats: str, phase: str | None = None) -> int:
+        categories = self.categories if phase is None else self.phases.get(phase, {})
+        return sum(categories[c].flops for c in cats if c in categories)
 
-    def shares(self, by: str = "time", patched: bool = False) -> dict[str, float]:
-        """Fraction per category of projected time (``by="time"``), ``"flops"`` or ``"bytes"``; sums to 1."""
+    def phase_time_s(self, phase: str, patched: bool = False) -> float:
+        """Projected time of one phase ("forward", "backward", "optimizer"); 0 for a phase that did not run."""
+        attr = "patched_time_s" if patched else "time_s"
+        return sum(getattr(c, attr) for c in self.phases.get(phase, {}).values())
+
+    def shares(self, by: str = "time", patched: bool = False, phase: str | None = None) -> dict[str, float]:
+        """Fraction per category of projected time (``by="time"``), ``"flops"`` or ``"bytes"``; sums to 1.
+        ``phase`` restricts the count to one phase (its shares sum to 1 on their own)."""
         attr = {"time": "time_s", "flops": "flops", "bytes": "bytes"}[by]
         if patched and by != "flops":
             attr = "patched_" + attr
-        values = {k: getattr(c, attr) for k, c in self.categories.items()}
+        categories = self.categories if phase is None else self.phases.get(phase, {})
+        values = {k: getattr(categories[k], attr) if k in categories else 0 for k in self.categories}
         total = sum(values.values())
         return {k: (v / total if total else 0.0) for k, v in values.items()}
+
+    def step_shares(self, patched: bool = False) -> dict[tuple[str, str], float]:
+        """(phase, category) -> share of the whole projected step time (a training profile's view: convolution
+        forward and convolution backward as separate lines)."""
+        attr = "patched_time_s" if patched else "time_s"
+        total = self.patched_time_s if patched else self.time_s
+        return {
+            (phase, k): (getattr(c, attr) / total if total else 0.0)
+            for phase, cats in self.phases.items()
+            for k, c in cats.items()
+        }
 
     def attention_split(self, by: str = "time") -> dict[str, float]:
         """Spatial self / cross / temporal share of attention (projected time or FLOPs)."""
@@ -149,6 +172,8 @@ class Analysis:
         if self.batch:
             parts.append(f"batch {self.batch}")
         parts.append(self.dtype)
+        if self.training:
+            parts.append("training step")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -176,6 +201,8 @@ class Analysis:
             "attention_layer_split_time": self.attention_layer_split(),
             "sequence_lengths": self.sequence_lengths(),
             "fusions": {k: vars(v) for k, v in self.fusions.items()},
+            "training": self.training,
+            "phases": {phase: {k: vars(c) for k, c in cats.items() if c.ops} for phase, cats in self.phases.items()},
             "elapsed_s": self.elapsed_s,
             "notes": self.notes,
         }
@@ -253,8 +280,14 @@ def analyze(
     inputs: Any = None,
     check_flops: bool = False,
     tiny: bool = False,
+    training: bool = False,
 ) -> Analysis:
     """Count FLOPs and minimum bytes of one denoiser call (VAE: one decode) and project its time on ``gpu``.
+
+    ``training=True`` counts a training step instead: the forward pass in train mode, an MSE loss against a target
+    of the output's shape (noise prediction), the backward pass (the gradients of every parameter that requires
+    them; attention's as one FlashAttention backward) and an AdamW update (foreach) of those parameters, which keep
+    the analysed dtype. ``phases`` splits the result; ldmopt's patched projection covers its forward fusions only.
 
     ``model_or_name`` is a zoo name (``ldmopt.configs.names()``), a model from ``ldmopt.configs.build_model``, or a
     diffusers model (rebuilt from its config on the meta device; its weights are never touched). ``inputs``
@@ -283,10 +316,15 @@ def analyze(
                                  inputs.batch)  # fmt: skip
 
     scopes = ModuleScopes(model)
-    recorder = Recorder(scopes)
-    counter = None
+    recorder = Recorder(scopes, track_sites=training)
+    counter = forward_flops = None
+    modes = {m: m.training for m in model.modules()}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch.enable_grad() if training else torch.no_grad())
+        if training:
+            grads = {p: p.grad for p in model.parameters()}
+            model.train()
+            stack.callback(_restore_modes, modes, grads)
         if check_flops:
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -298,17 +336,62 @@ def analyze(
         stack.enter_context(AttentionRegions(recorder))
         stack.enter_context(recorder)
         if "args" in inputs.kwargs and len(inputs.kwargs) == 1:
-            model(*inputs.kwargs["args"])
+            out = model(*inputs.kwargs["args"])
         else:
-            configs.run_model(model, inputs)
+            out = configs.run_model(model, inputs)
+        if counter is not None:
+            forward_flops = counter.get_total_flops()  # before the backward, which it would count its own way
+        if training:
+            _loss_backward_update(model, out, recorder)
 
     analysis = _summarise(model, recorder, spec, dtype_key(dtype))
+    analysis.training = training
     analysis.resolution, analysis.frames, analysis.batch = inputs.resolution, inputs.frames, inputs.batch
-    analysis.flop_counter_total = counter.get_total_flops() if counter is not None else None
+    analysis.flop_counter_total = forward_flops
     analysis.elapsed_s = time.perf_counter() - start
     if tiny:
         analysis.notes.append("tiny random-weight variant of the model family")
     return analysis
+
+
+def _restore_modes(modes: dict[nn.Module, bool], grads: dict[nn.Parameter, Any]) -> None:
+    """Leave a model the caller passed (already on meta) as it was: train/eval flags and ``.grad``."""
+    for module, was_training in modes.items():
+        module.training = was_training
+    for param, grad in grads.items():
+        param.grad = grad
+
+
+def _loss_backward_update(model: nn.Module, out: Any, recorder: Recorder) -> None:
+    """The rest of a training step after the forward: MSE against a target of the output's shape, backward, AdamW."""
+    from .measure import _first_tensor
+
+    prediction = _first_tensor(out)
+    recorder.suppress += 1  # the target is data, as the latents are
+    try:
+        target = torch.empty_like(prediction)
+    finally:
+        recorder.suppress -= 1
+    loss = nn.functional.mse_loss(prediction.float(), target.float())
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params or not loss.requires_grad:
+        raise ValueError("training=True: the model has no parameter that requires a gradient")
+    recorder.phase = "backward"  # (the engine's seed gradient runs outside any node)
+    try:
+        loss.backward()
+    finally:
+        recorder.phase = "forward"
+    optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    recorder.suppress += 1  # the first step allocates and zeroes the moments: count a steady-state step
+    try:
+        optimizer.step()
+    finally:
+        recorder.suppress -= 1
+    recorder.phase = "optimizer"
+    try:
+        optimizer.step()
+    finally:
+        recorder.phase = "forward"
 
 
 _CONV_OPS = frozenset({"convolution", "_convolution", "conv2d", "conv3d", "conv1d", "cudnn_convolution"})
@@ -333,25 +416,18 @@ def _record_dtype(rec: OpRecord, spec: GPUSpec, default: str) -> str:
 
 def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -> Analysis:
     records = recorder.records
-    saved, _rule, removed, fusion_stats = plan_fusions(records, single_key_paths(recorder.attention))
+    # The fusion rules read the forward data flow, which comes first (backward and optimizer records follow it).
+    forward = [rec for rec in records if rec.phase == "forward"]
+    if forward != records[: len(forward)]:
+        raise AssertionError("forward records are not a prefix of the recording")
+    saved, _rule, removed, fusion_stats = plan_fusions(forward, single_key_paths(recorder.attention))
     cats = {c: CategoryCost() for c in C.CATEGORIES}
+    phases: dict[str, dict[str, CategoryCost]] = {}
     for rec in records:
-        cost = cats[rec.category]
         key = _record_dtype(rec, spec, dkey)
-        cost.flops += rec.flops
-        cost.bytes += rec.bytes
-        cost.ops += 1
-        cost.time_s += spec.op_time(rec.flops, rec.bytes, key)
-        patched = rec.bytes - saved.get(rec.index, 0)
-        if rec.index in removed:
-            # The op is gone, but a rule may leave some of its bytes counted: the bias/gate/shift reads and the
-            # output write the fusing kernel still does (e.g. the adaLN add, the gated-residual add).
-            cost.patched_bytes += patched
-            cost.patched_time_s += spec.op_time(0, patched, key)
-            continue
-        cost.patched_bytes += patched
-        cost.patched_ops += 1
-        cost.patched_time_s += spec.op_time(rec.flops, patched, key)
+        phase_cats = phases.setdefault(rec.phase, {c: CategoryCost() for c in C.CATEGORIES})
+        for cost in (cats[rec.category], phase_cats[rec.category]):
+            _add_record(cost, rec, spec, key, saved.get(rec.index, 0), rec.index in removed)
     name = getattr(model, "ldmopt_zoo_name", None) or type(model).__name__
     notes = [
         f"times are roofline projections on {spec.name} datasheet peaks ({spec.source}), not measurements",
@@ -362,6 +438,11 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -
             "fp32 convolutions/products at the TF32 tensor-core rate, as torch runs them under this process's "
             f"settings (cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}, "
             f"cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32})"
+        )
+    if len(phases) > 1:
+        notes.append(
+            "training step: forward (with the MSE loss), backward and AdamW update; the patched projection counts "
+            "ldmopt's forward fusions only (backward and optimizer operators as they are)"
         )
     unattributed = cats[C.ATTN_UNATTRIBUTED].flops
     if unattributed:
@@ -380,7 +461,24 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -
         fusions={k: fusion_stats[k] for k in FUSIONS},
         notes=notes,
         records=records,
+        phases=phases,
     )
+
+
+def _add_record(cost: CategoryCost, rec: OpRecord, spec: GPUSpec, key: str, saved: int, removed: bool) -> None:
+    cost.flops += rec.flops
+    cost.bytes += rec.bytes
+    cost.ops += 1
+    cost.time_s += spec.op_time(rec.flops, rec.bytes, key)
+    patched = rec.bytes - saved
+    cost.patched_bytes += patched
+    if removed:
+        # The op is gone, but a rule may leave some of its bytes counted: the bias/gate/shift reads and the output
+        # write the fusing kernel still does (e.g. the adaLN add, the gated-residual add).
+        cost.patched_time_s += spec.op_time(0, patched, key)
+        return
+    cost.patched_ops += 1
+    cost.patched_time_s += spec.op_time(rec.flops, patched, key)
 
 
 def sweep(

@@ -6,18 +6,24 @@ minimum HBM bytes (each tensor input read once, each output written once; broadc
 which earlier record produced each input (the data flow used by the fusion model). ``AttentionRegions`` is a
 ``TorchFunctionMode`` that turns each ``F.scaled_dot_product_attention`` call into ONE record, as a fused attention
 kernel runs on a GPU (on meta tensors PyTorch would otherwise decompose it into the math path).
+
+A training step records its backward pass too (``phase="backward"``): the autograd engine runs backward operators
+outside every module's forward, so each is attributed to the module whose forward operator created its autograd
+node (matched by the node's sequence number), and a fused attention's backward is one record, as FlashAttention's
+backward kernel runs it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..nn.child_check import qualified_name
 from . import categories as C
@@ -60,6 +66,7 @@ class OpRecord:
     owner: str = ""  # "module.Class" of the innermost module whose forward ran the op
     call: int = 0  # which call of that module (ModuleScopes' frame counter)
     processor: str = ""  # "module.Class" of that module's attention processor, if it has one
+    phase: str = "forward"  # "forward" (loss included), "backward" or "optimizer"
 
     @property
     def bytes(self) -> int:
@@ -73,6 +80,37 @@ class OpRecord:
 def _processor_name(module: torch.nn.Module) -> str:
     processor = getattr(module, "processor", None)
     return qualified_name(type(processor)) if processor is not None else ""
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where an operator ran, as the cost model reads it: the innermost running module and its context."""
+
+    path: str = ""
+    layer: str | None = None  # kind of the enclosing attention module, if any
+    owner: str = ""
+    call: int = 0
+    processor: str = ""
+    attention_kind: str | None = None  # set when the op runs directly in an attention module
+    in_norm: bool = False
+
+
+_NO_SITE = Site()
+
+
+def site_of(stack) -> Site:
+    if not stack:
+        return _NO_SITE
+    top = stack[-1]
+    return Site(
+        path=top.path,
+        layer=next((f.attention_kind for f in reversed(stack) if f.role == "attention"), None),
+        owner=qualified_name(type(top.module)),
+        call=top.call,
+        processor=_processor_name(top.module),
+        attention_kind=attention_context(stack),
+        in_norm=in_norm(stack),
+    )
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -112,6 +150,16 @@ def _conv_flops(args: tuple, out: torch.Tensor) -> int:
     return 2 * x.shape[0] * math.prod(spatial) * math.prod(w.shape)
 
 
+def _conv_backward_flops(args: tuple) -> int:
+    """convolution_backward(grad_out, input, weight, bias_sizes, stride, padding, dilation, transposed,
+    output_padding, groups, output_mask): the input gradient and the weight gradient each cost the forward's
+    FLOPs (the bias gradient is a reduction)."""
+    grad_out, x, w, transposed, mask = args[0], args[1], args[2], bool(args[7]), args[10]
+    spatial = x.shape[2:] if transposed else grad_out.shape[2:]
+    forward = 2 * x.shape[0] * math.prod(spatial) * math.prod(w.shape)
+    return forward * (int(bool(mask[0])) + int(bool(mask[1])))
+
+
 def _sdpa_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(flops, batch*heads, q_len, kv_len, head_dim) of one attention: QK^T and PV, 2 FLOPs per multiply-add."""
     batch_heads = math.prod(q.shape[:-2])
@@ -121,29 +169,57 @@ def _sdpa_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
 
 
 class Recorder(TorchDispatchMode):
-    """Dispatch mode that records operators (see the module docstring). Use inside ``ModuleScopes``."""
+    """Dispatch mode that records operators (see the module docstring). Use inside ``ModuleScopes``.
 
-    def __init__(self, scopes: ModuleScopes) -> None:
+    ``track_sites=True`` (a training step) remembers the site of each forward operator by the sequence number of the
+    autograd node it creates, for the backward operators that node runs. ``phase`` labels operators run outside
+    autograd's backward (set it to "optimizer" around an optimizer step)."""
+
+    def __init__(self, scopes: ModuleScopes, *, track_sites: bool = False) -> None:
         super().__init__()
         self.scopes = scopes
         self.records: list[OpRecord] = []
         self.attention: list[AttentionCall] = []
         self.suppress = 0
-        self._producer: dict[int, int] = {}
-        self._alive: list[torch.Tensor] = []  # keeps ids unique while the pass runs (meta tensors cost nothing)
+        self.phase = "forward"
+        self.track_sites = track_sites
+        self._sites: dict[int, Site] = {}  # autograd sequence number -> site of the forward op that made the node
+        # Held weakly: a reference kept here would make autograd copy each parameter's gradient where it would
+        # otherwise take the tensor (AccumulateGrad steals a gradient nobody else holds).
+        self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # ------------------------------------------------------------------ data flow
     def producer_of(self, t: torch.Tensor) -> int:
-        return self._producer.get(id(t), -1)
+        return self._producer.get(t, -1)
 
     def _produce(self, outputs: list[torch.Tensor], index: int) -> None:
         for t in outputs:
-            self._producer[id(t)] = index
-            self._alive.append(t)
+            self._producer[t] = index
 
-    def add(self, name, category, flops, inputs, outputs, *, out_bytes=None) -> OpRecord:
-        stack = self.scopes.stack
-        path = stack[-1].path if stack else ""
+    def current(self) -> tuple[str, Site]:
+        """(phase, site) of the operator about to be recorded."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return "backward", self._sites.get(node._sequence_nr(), _NO_SITE)
+        return self.phase, site_of(self.scopes.stack)
+
+    def _note_site(self, base: str) -> None:
+        """Remember the running module for the autograd node the current forward op just created (autograd
+        numbers a node before it calls the op; the first op to see the number is the one that made it)."""
+        if torch._C._current_autograd_node() is not None or not torch.is_grad_enabled():
+            return
+        seq = torch._C._autograd._get_sequence_nr() - 1
+        if seq not in self._sites:
+            site = site_of(self.scopes.stack)
+            if C.is_norm_op(base):
+                # One native kernel does this norm's backward (classified by its name); any other op the engine
+                # runs under its node is the accumulation of a gradient, elementwise work, not normalisation.
+                site = replace(site, in_norm=False)
+            self._sites[seq] = site
+
+    def add(self, name, category, flops, inputs, outputs, *, out_bytes=None, at=None) -> OpRecord:
+        """Record one operator; ``at`` = (phase, site), by default where the recorder is now."""
+        phase, site = at if at is not None else self.current()
         rec = OpRecord(
             index=len(self.records),
             name=name,
@@ -152,39 +228,56 @@ class Recorder(TorchDispatchMode):
             in_bytes=tuple(tensor_bytes(t) for t in inputs),
             out_bytes=sum(t.numel() * t.element_size() for t in outputs) if out_bytes is None else out_bytes,
             producers=tuple(self.producer_of(t) for t in inputs),
-            path=path,
-            temporal=is_temporal_path(path),
-            layer=next((f.attention_kind for f in reversed(stack) if f.role == "attention"), None),
+            path=site.path,
+            temporal=is_temporal_path(site.path),
+            layer=site.layer,
             dtype=str(outputs[0].dtype if outputs else inputs[0].dtype if inputs else "").replace("torch.", ""),
-            owner=qualified_name(type(stack[-1].module)) if stack else "",
-            call=stack[-1].call if stack else 0,
-            processor=_processor_name(stack[-1].module) if stack else "",
+            owner=site.owner,
+            call=site.call,
+            processor=site.processor,
+            phase=phase,
         )
         for p in rec.producers:
-            if p >= 0:
+            # The fusion model reads the forward data flow: a backward op reading a saved tensor is not a consumer.
+            if p >= 0 and self.records[p].phase == phase:
                 self.records[p].consumers.append(rec.index)
         self.records.append(rec)
         self._produce(outputs, rec.index)
         return rec
 
-    def add_attention(self, q, k, v, mask, out, kind: str | None) -> None:
+    def add_attention(self, q, k, v, mask, out, kind: str | None, at=None) -> None:
         flops, batch_heads, lq, lk, d = _sdpa_flops(q, k, v)
         category = C.ATTENTION_KINDS.get(kind, C.ATTN_UNATTRIBUTED)
         inputs = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
-        rec = self.add("attention", category, flops, inputs, [out])
+        rec = self.add("attention", category, flops, inputs, [out], at=at)
         heads = q.shape[-3] if q.dim() >= 4 else 1
         self.attention.append(AttentionCall(kind or "unattributed", rec.path, batch_heads, heads, lq, lk, d, flops))
+
+    def add_attention_backward(self, q, k, v, mask, out, grad_out, grads, kind: str | None, at) -> None:
+        """FlashAttention's backward: recompute the scores (QK^T), then dV = P^T dO, dP = dO V^T, dQ = dS K and
+        dK = dS^T Q: 2.5x the forward's FLOPs at equal head dims; reads q, k, v, out and dO, writes dq, dk, dv."""
+        batch_heads = math.prod(q.shape[:-2])
+        lq, d, lk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+        flops = 2 * batch_heads * lq * lk * (3 * d + 2 * dv)
+        category = C.ATTENTION_KINDS.get(kind, C.ATTN_UNATTRIBUTED)
+        inputs = [t for t in (q, k, v, mask, out, grad_out) if isinstance(t, torch.Tensor)]
+        self.add("attention_backward", category, flops, inputs, [g for g in grads if g is not None], at=at)
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.track_sites:
+            self._note_site(func._schema.name.split("::")[-1])
         if self.suppress:
             return out
         namespace = func.namespace
         base = func._schema.name.split("::")[-1]
         inputs = _tensors((args, kwargs))
         outputs = _tensors(out)
+        if namespace == "profiler" or not any(t.is_meta for t in (*inputs, *outputs)):
+            # Host work: record_function ranges, and an optimizer's step counters, which live on the CPU.
+            return out
         if func.is_view or base in _FREE_OPS:
             # A view moves no data: its outputs come from whatever produced its input.
             if inputs:
@@ -196,26 +289,30 @@ class Recorder(TorchDispatchMode):
             if base == "copy_":
                 inputs = inputs[1:2]  # dst is overwritten, not read
             outputs = outputs[:1] or inputs[:1]
-        stack = self.scopes.stack
-        kind = attention_context(stack)
+        at = self.current()
+        phase, site = at
+        kind = site.attention_kind
         name = f"{namespace}::{base}"
         if base.startswith("_scaled_dot_product") and "backward" not in base and len(args) >= 3:
-            self.add_attention(args[0], args[1], args[2], None, outputs[0], kind)
+            self.add_attention(args[0], args[1], args[2], None, outputs[0], kind, at=at)
             return out
-        category = C.classify_op(name, attention_kind=kind, in_norm=in_norm(stack))
+        category = C.classify_op(name, attention_kind=kind, in_norm=site.in_norm)
         if base in _ALLOCATIONS:
-            self.add(name, category, 0, [], outputs, out_bytes=0)
+            self.add(name, category, 0, [], outputs, out_bytes=0, at=at)
             return out
         flops = 0
         if base in ("mm", "addmm", "_addmm_activation", "bmm", "baddbmm"):
             flops = _mm_flops(base, args, outputs[0])
-            if kind is not None and base in ("bmm", "baddbmm") and stack[-1].attention_calls == 0:
+            in_attention = kind is not None and base in ("bmm", "baddbmm") and phase != "backward"
+            if in_attention and self.scopes.stack[-1].attention_calls == 0:
                 self._attention_from_bmm(args, base, outputs[0], kind, flops)
         elif base == "convolution":
             flops = _conv_flops(args, outputs[0])
+        elif base == "convolution_backward":
+            flops = _conv_backward_flops(args)
         if base in ("baddbmm", "addmm", "addbmm") and kwargs.get("beta", 1) == 0 and inputs and inputs[0] is args[0]:
             inputs = inputs[1:]  # beta=0: the added tensor is never read (diffusers' baddbmm on an empty score tensor)
-        self.add(name, category, flops, inputs, outputs)
+        self.add(name, category, flops, inputs, outputs, at=at)
         return out
 
     def _attention_from_bmm(self, args, base, scores, kind, flops) -> None:
@@ -229,14 +326,48 @@ class Recorder(TorchDispatchMode):
         self.attention.append(AttentionCall(kind, frame.path, batch_heads, heads, lq, lk, d, 2 * flops))
 
 
+class _FusedRegion(torch.autograd.Function):
+    """One fused GPU kernel in a recorded training step: ``run()`` computes the output (the recorder suppressed),
+    and the backward records the kernel's backward as one operator through ``record_backward(grad_out)``, which
+    returns the inputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, run, record_backward, *inputs):
+        ctx.record_backward = record_backward
+        return run()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return None, None, *ctx.record_backward(grad_out, ctx.needs_input_grad[2:])
+
+
+def _needs_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 class AttentionRegions(TorchFunctionMode):
     """Records each ``F.scaled_dot_product_attention`` call as one fused operator of the ``Recorder``, and each
     ``F.rms_norm`` (torch.nn.RMSNorm: Flux's and Wan's query/key norms) as the one ``_fused_rms_norm`` kernel torch
-    runs on a GPU when the weight has the input's dtype (on meta and CPU it decomposes into eight ops)."""
+    runs on a GPU when the weight has the input's dtype (on meta and CPU it decomposes into eight ops). Under
+    autograd, each backward is one record as well."""
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.recorder = recorder
+
+    def _suppressed(self, func, args, kwargs):
+        rec = self.recorder
+        rec.suppress += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            rec.suppress -= 1
+
+    def _empty_grads(self, tensors, needed) -> list[torch.Tensor | None]:
+        return [
+            self._suppressed(torch.empty_like, (t,), {}) if isinstance(t, torch.Tensor) and need else None
+            for t, need in zip(tensors, needed)
+        ]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -247,21 +378,35 @@ class AttentionRegions(TorchFunctionMode):
         rec = self.recorder
         names = ("query", "key", "value", "attn_mask")
         q, k, v, mask = (args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names))
-        rec.suppress += 1
-        try:
-            out = func(*args, **kwargs)
+
+        def run():
+            out = self._suppressed(func, args, kwargs)
             if out.dim() == 4 and out.device.type == "meta":
                 # Fused GPU kernels write (batch, tokens, heads, dim) and return a transposed view, so the
                 # processor's transpose(1, 2).reshape(...) afterwards is free; on meta the math path would copy.
                 b, h, n, e = out.shape
-                out = out.new_empty(b, n, h, e).transpose(1, 2)
-        finally:
-            rec.suppress -= 1
+                out = self._suppressed(out.new_empty, ((b, n, h, e),), {}).transpose(1, 2)
+            return out
+
         stack = rec.scopes.stack
         kind = attention_context(stack)
         if kind is not None:
             stack[-1].attention_calls += 1
-        rec.add_attention(q, k, v, mask, out, kind)
+        at = rec.current()
+        if not _needs_grad((q, k, v)):
+            out = run()
+            rec.add_attention(q, k, v, mask, out, kind, at=at)
+            return out
+        result: list[torch.Tensor] = []
+
+        def record_backward(grad_out, needed):
+            grads = self._empty_grads((q, k, v), needed)
+            rec.add_attention_backward(q, k, v, mask, result[0], grad_out, grads, kind, ("backward", at[1]))
+            return grads
+
+        out = _FusedRegion.apply(run, record_backward, q, k, v)
+        result.append(out)
+        rec.add_attention(q, k, v, mask, out, kind, at=at)
         return out
 
     def _rms_norm(self, func, args, kwargs):
@@ -273,13 +418,23 @@ class AttentionRegions(TorchFunctionMode):
         if not fused:
             return func(*args, **kwargs)
         rec = self.recorder
-        rec.suppress += 1
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            rec.suppress -= 1
-        name = "aten::_fused_rms_norm"
         stack = rec.scopes.stack
-        category = C.classify_op(name, attention_kind=attention_context(stack), in_norm=in_norm(stack))
-        rec.add(name, category, 0, [t for t in (x, weight) if isinstance(t, torch.Tensor)], [out])
+        at = rec.current()
+        category = C.classify_op("aten::_fused_rms_norm", attention_kind=attention_context(stack),
+                                 in_norm=in_norm(stack))  # fmt: skip
+        tensors = [t for t in (x, weight) if isinstance(t, torch.Tensor)]
+        if not _needs_grad(tensors):
+            out = self._suppressed(func, args, kwargs)
+            rec.add("aten::_fused_rms_norm", category, 0, tensors, [out], at=at)
+            return out
+
+        def record_backward(grad_out, needed):
+            grads = self._empty_grads(tensors, needed)
+            outputs = [g for g in grads if g is not None]
+            rec.add("aten::_fused_rms_norm_backward", category, 0, [grad_out, *tensors], outputs,
+                    at=("backward", at[1]))  # fmt: skip
+            return grads
+
+        out = _FusedRegion.apply(lambda: self._suppressed(func, args, kwargs), record_backward, *tensors)
+        rec.add("aten::_fused_rms_norm", category, 0, tensors, [out], at=at)
         return out

@@ -39,14 +39,25 @@ def format_analysis(a: Analysis) -> str:
         "ANALYTIC (meta tensors, no GPU ran): FLOPs are counted; bytes are minimum HBM traffic; times are roofline "
         f"PROJECTIONS on {a.gpu.name} datasheet peaks",
     ]
+    forward_flops = a.flops_of(*C.CATEGORIES, phase="forward")
     check = ""
     if a.flop_counter_total is not None:
-        same = a.flop_counter_total == a.total_flops
-        check = f"  (torch.utils.flop_counter: {si(a.flop_counter_total, 'FLOP')}, {'equal' if same else 'DIFFERS'})"
-    out.append(f"FLOPs per call: {si(a.total_flops, 'FLOP')}{check}")
+        same = a.flop_counter_total == forward_flops
+        of = " of the forward" if a.training else ""
+        check = (f"  (torch.utils.flop_counter{of}: {si(a.flop_counter_total, 'FLOP')}, "
+                 f"{'equal' if same else 'DIFFERS'})")  # fmt: skip
+    if a.training:
+        backward = a.flops_of(*C.CATEGORIES, phase="backward")
+        out.append(f"FLOPs per training step: {si(a.total_flops, 'FLOP')} (forward {si(forward_flops, 'FLOP')}, "
+                   f"backward {si(backward, 'FLOP')}){check}")  # fmt: skip
+    else:
+        out.append(f"FLOPs per call: {si(a.total_flops, 'FLOP')}{check}")
+    phases = ""
+    if a.training:
+        phases = " (" + ", ".join(f"{p} {a.phase_time_s(p) * 1e3:.2f}" for p in a.phases) + ")"
     out.append(
-        f"projected time on {a.gpu.name}: {a.time_s * 1e3:.2f} ms as is, {a.patched_time_s * 1e3:.2f} ms as ldmopt "
-        f"patches it; minimum bytes {si(a.total_bytes, 'B')} -> {si(a.patched_bytes, 'B')}; "
+        f"projected time on {a.gpu.name}: {a.time_s * 1e3:.2f} ms as is{phases}, {a.patched_time_s * 1e3:.2f} ms as "
+        f"ldmopt patches it; minimum bytes {si(a.total_bytes, 'B')} -> {si(a.patched_bytes, 'B')}; "
         f"{a.ops} ops -> {sum(c.patched_ops for c in a.categories.values())}"
     )
     shares_t, shares_f, shares_p = a.shares("time"), a.shares("flops"), a.shares("time", patched=True)
@@ -60,6 +71,8 @@ def format_analysis(a: Analysis) -> str:
         ])  # fmt: skip
     headers = ["category", "FLOPs", "share", "bytes", "proj. ms", "share", "patched B", "patched ms", "share"]
     out += ["", render_table(headers, rows)]
+    if a.training:
+        out += ["", "training step by phase (projected ms; share of the step as is):", _phase_table(a)]
     split = a.attention_split("time")
     if any(split.values()):
         out.append("")
@@ -91,6 +104,22 @@ def format_analysis(a: Analysis) -> str:
                 render_table(["fusion", "sites", "bytes saved", "ops removed"], rows)]  # fmt: skip
     out += ["", *(f"note: {n}" for n in a.notes)]
     return "\n".join(out)
+
+
+def _phase_table(a: Analysis) -> str:
+    shares = a.step_shares()
+    rows = []
+    for key in a.categories:
+        costs = [a.phases[p].get(key) for p in a.phases]
+        if not any(c is not None and c.ops for c in costs):
+            continue
+        cells = []
+        for phase, cost in zip(a.phases, costs):
+            ms = f"{cost.time_s * 1e3:.3f}" if cost is not None and cost.ops else "-"
+            cells += [ms, pct(shares.get((phase, key), 0.0)) if ms != "-" else "-"]
+        rows.append([C.LABELS[key], *cells])
+    headers = ["category"] + [h for p in a.phases for h in (p, "share")]
+    return render_table(headers, rows)
 
 
 def format_profile(p, top: int = 3) -> str:

@@ -246,20 +246,51 @@ def _scaling_section(analyze) -> list[str]:
     ]
 
 
+def _training_rows(a) -> list[list[str]]:
+    """Lines of a training profile from an analytic training step: convolution forward and backward apart."""
+    step = a.step_shares()
+
+    def share(phases, cats):
+        return _p(sum(step.get((p, c), 0.0) for p in phases for c in cats))
+
+    both = ("forward", "backward")
+    return [
+        ["convolution forward", share(("forward",), (C.CONV,))],
+        ["convolution backward", share(("backward",), (C.CONV,))],
+        ["linear/GEMM (fwd + bwd)", share(both, (C.LINEAR,))],
+        ["attention (fwd + bwd, fused kernels)", share(both, C.ATTENTION)],
+        ["normalisation (fwd + bwd)", share(both, (C.NORM,))],
+        ["elementwise/activation (fwd + bwd)", share(both, (C.ELEMENTWISE,))],
+        ["layout conversions and copies", share(both, (C.LAYOUT,))],
+        ["AdamW update", share(("optimizer",), C.CATEGORIES)],
+    ]
+
+
 def _training_section(analyze, measure: bool) -> list[str]:
-    a = analyze("sd15", resolution=256, gpu=GPU)
-    t = a.shares("time")
+    steps = [analyze("sd15", resolution=256, batch=batch, gpu=GPU, training=True) for batch in (2, 32)]
+    a = steps[0]
+    columns = [_training_rows(step) for step in steps]
+    rows = [[lines[0][0], *(line[1] for line in lines)] for lines in zip(*columns)]
     lines = [
         "### Training profile (study: conv fwd 25%, bmm 23%, conv bwd 7.5%, GroupNorm 4.4%, NCHW->NHWC 3.95%)",
         "",
-        "The cost model counts the forward pass only. ANALYTIC forward shares for SD1.5 at 256x256 (the LDM training"
-        f" resolution), batch 2, projected on {GPU}: convolution {_p(t[C.CONV])}, attention"
-        f" {_p(sum(t[c] for c in C.ATTENTION))}, linear {_p(t[C.LINEAR])}, normalisation {_p(t[C.NORM])},"
-        f" layout conversions and copies {_p(t[C.LAYOUT])}. Two lines of the study have no analytic counterpart:"
-        " without a fused attention kernel, attention runs as bmm + softmax, which a kernel-level profile"
-        " reports as bmm; and fp16 convolutions on NCHW tensors make cuDNN convert layouts (nchwToNhwc"
-        " kernels) around the tensor-core kernel. The backward pass and these conversions are measured by"
-        " `ldmopt profile --training` on a GPU (layout kernels fall in the layout category).",
+        "ANALYTIC training step (`analyze(..., training=True)`, `ldmopt analyze --training`): forward, MSE loss,"
+        " backward (every parameter's gradient; attention's as one FlashAttention backward) and a foreach AdamW"
+        f" update, SD1.5 at 256x256 (the LDM training resolution), {a.dtype} weights and optimizer states, shares of"
+        f" the roofline-projected step time on {GPU}. FLOPs per step at batch 2:"
+        f" {a.flops_of(*C.CATEGORIES, phase='forward') / 1e9:.0f} G forward,"
+        f" {a.flops_of(*C.CATEGORIES, phase='backward') / 1e9:.0f} G backward.",
+        "",
+        _table(["line of the profile", *(f"batch {s.batch}" for s in steps)], rows),
+        "",
+        "A roofline cannot give the study's split of convolution time (forward 25%, backward 7.5%): the input and"
+        " weight gradients each cost the forward's FLOPs, so the convolution backward projects at twice the forward."
+        " Nor its bmm line: without a fused attention kernel attention runs as bmm + softmax, which a kernel-level"
+        " profile reports as bmm. AdamW's update moves every parameter, gradient and moment several times whatever the"
+        " batch, so at small batches it leads the step (in fp32 master weights, as mixed-precision training keeps"
+        " them, its bytes double). fp16 convolutions on NCHW tensors also make cuDNN convert layouts (nchwToNhwc"
+        " kernels) around the tensor-core kernel, which a count of operators cannot see. `ldmopt profile --training`"
+        " measures all of these on a GPU (layout kernels fall in the layout category).",
         "",
     ]
     if measure:
@@ -393,6 +424,7 @@ def render(measure: bool = True) -> str:
         "```",
         "ldmopt analyze sd15 --resolution 256,512,768,1024 --plot sd15.png",
         "ldmopt analyze animatediff --frames 8,16,32,64 --json animatediff.json",
+        "ldmopt analyze sd15 --resolution 256 --batch 32 --training                 # a training step, by phase",
         "ldmopt profile sdxl --resolution 1024 --trace sdxl.json --device cuda     # CUDA kernel time",
         "ldmopt profile sd15 --training --tensorboard runs/sd15 --device cuda      # training step, wait/warmup/active",
         "ldmopt profile animatediff --patched --device cuda                         # the split after ldmopt's fusions",
