@@ -17,6 +17,13 @@ def bench_recorder() -> Recorder:
     return _RECORDER
 
 
+def pytest_runtest_logreport(report):
+    """Each benchmark's wall time (setup, call and teardown: model builds and autotuning included), appended to
+    ``durations.csv`` beside the other side files as each test ends, so that a run stopped at its budget still says
+    what every finished case cost: the data to choose quick mode's subset by."""
+    harness.append_duration(report.nodeid, report.when, report.duration, report.outcome)
+
+
 def pytest_terminal_summary(terminalreporter):
     table = _RECORDER.summary()
     if table:

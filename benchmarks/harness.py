@@ -409,6 +409,34 @@ class Recorder:
         return path
 
 
+DURATION_FIELDS = ("test", "phase", "seconds", "outcome", "gpu", "commit")
+
+
+def append_duration(test: str, phase: str, seconds: float, outcome: str) -> None:
+    """One line of ``RESULTS_DIR/durations.csv``: a benchmark's setup, call or teardown and how long it took."""
+    path = RESULTS_DIR / "durations.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    try:
+        env = environment()
+    except Exception:  # (a report hook must not fail the session: no Triton, no git)
+        env = {"gpu": "unknown", "commit": "unknown"}
+    with path.open("a", newline="") as f:
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(DURATION_FIELDS)
+        writer.writerow([test, phase, f"{seconds:.3f}", outcome, env["gpu"], env["commit"]])
+
+
+def durations_by_test(path: Path) -> dict[str, float]:
+    """Seconds per benchmark (its setup, call and teardown summed) from a ``durations.csv``, slowest first."""
+    totals: dict[str, float] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            totals[row["test"]] = totals.get(row["test"], 0.0) + float(row["seconds"])
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def recorder_from_csv(path: Path) -> Recorder:
     """A Recorder holding the rows of a results CSV (e.g. to print the summary of a run that was cut short)."""
     recorder = Recorder(path)

@@ -9,7 +9,7 @@
 # Prepare the wheels here first (this machine has a package index): bash benchmarks/fetch_wheels.sh
 # Files (the device tool returns at most 8 from $OUT): run.log, checks.txt, results.csv, summary.md (every row),
 # summary.txt (what is printed last), profiles.txt (host time per op call, GPU time per kernel of a patched model)
-# and logs.tar.gz (build, pip and pytest logs, plots).
+# and logs.tar.gz (build, pip and pytest logs, plots, durations.csv: each benchmark's seconds as it ended).
 # Knobs: LDMOPT_RUN_BUDGET, LDMOPT_BENCH_RESERVE, LDMOPT_CUDA_CHECK_RESERVE (seconds), LDMOPT_CHECK_SHARDS,
 # LDMOPT_CHECK_ONLY (check_gpu.py checks to run, space-separated; all by default), LDMOPT_BENCH_FILES,
 # LDMOPT_PROFILE_MODELS, PYTHON, MAX_JOBS.
@@ -206,7 +206,7 @@ if [ -f "$RESULTS/results.csv" ]; then
     || log "the full table failed (summary.err in logs.tar.gz)"
 fi
 if ! $PY -m benchmarks.summary --csv "$RESULTS/results.csv" --checks "$RESULTS/checks.txt" --status "$STAGES" \
-    >"$RESULTS/summary.txt" 2>>"$WORK/summary.err"; then
+    --durations "$WORK/durations.csv" >"$RESULTS/summary.txt" 2>>"$WORK/summary.err"; then
   {
     echo "benchmarks/summary.py failed: $(tail -1 "$WORK/summary.err")"
     cat "$STAGES"

@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.harness import Row, recorder_from_csv
+from benchmarks.harness import Row, durations_by_test, recorder_from_csv
 
 #: ldmopt variants that do less than the op (statistics handed in, no norm), skip the host (graph replay) or are not
 #: what a user gets by default (GroupNorm forced into the conv's loader): shown in summary.md, never "the best ldmopt".
@@ -166,8 +166,19 @@ def check_lines(text: str, max_failures: int = 15, width: int = 160) -> list[str
     return out
 
 
-def summary(csv: Path | None, checks: str, status: str, limit: int = 9500) -> str:
-    tail = [stage_line(status), *check_lines(checks)]
+def durations_line(path: Path | None, top: int = 6) -> list[str]:
+    """The slowest benchmarks of the run (setup, call and teardown), to choose quick mode's subset by."""
+    if path is None or not path.exists():
+        return []
+    totals = durations_by_test(path)
+    if not totals:
+        return []
+    slowest = "; ".join(f"{test.removeprefix('benchmarks/')} {sec:.0f}s" for test, sec in list(totals.items())[:top])
+    return [f"benchmark time: {sum(totals.values()):.0f}s in {len(totals)} tests; slowest: {slowest}"]
+
+
+def summary(csv: Path | None, checks: str, status: str, limit: int = 9500, durations: Path | None = None) -> str:
+    tail = [stage_line(status), *durations_line(durations), *check_lines(checks)]
     rows = recorder_from_csv(csv).rows if csv is not None and csv.exists() else []
     head = benchmark_lines(rows, limit - sum(len(s) + 1 for s in tail))
     return "\n".join(head + tail)
@@ -179,10 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checks", type=Path, nargs="*", default=[], help="the check scripts' outputs")
     parser.add_argument("--status", type=Path, help="stages, one 'name<TAB>rc<TAB>seconds<TAB>cap' a line")
     parser.add_argument("--limit", type=int, default=9500, help="characters at most")
+    parser.add_argument("--durations", type=Path, help="the benchmarks' durations.csv")
     args = parser.parse_args(argv)
     checks = "\n".join(p.read_text(errors="replace") for p in args.checks if p.exists())
     status = args.status.read_text() if args.status is not None and args.status.exists() else ""
-    print(summary(args.csv, checks, status, args.limit))
+    print(summary(args.csv, checks, status, args.limit, args.durations))
 
 
 if __name__ == "__main__":

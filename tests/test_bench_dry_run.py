@@ -155,6 +155,30 @@ def test_quick_mode_keeps_cases_that_exist_only_in_bf16():
     assert not [i for i in quick if "group_norm" in i and ("bf16" in i or "nchw" in i)], quick
 
 
+def test_benchmark_durations_are_appended_as_each_test_ends(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks.conftest import pytest_runtest_logreport
+
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(harness, "environment", lambda: {"gpu": "none", "commit": "abc1234"})
+    for nodeid, when, seconds in (("b.py::fast", "setup", 0.5), ("b.py::slow", "setup", 30.0),
+                                  ("b.py::fast", "call", 1.25), ("b.py::slow", "call", 12.0)):  # fmt: skip
+        pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, when=when, duration=seconds, outcome="passed"))
+    path = tmp_path / "durations.csv"
+    assert path.read_text().splitlines()[0] == ",".join(harness.DURATION_FIELDS)
+    assert path.read_text().splitlines()[1] == "b.py::fast,setup,0.500,passed,none,abc1234"
+    assert harness.durations_by_test(path) == {"b.py::slow": 42.0, "b.py::fast": 1.75}
+    assert list(harness.durations_by_test(path)) == ["b.py::slow", "b.py::fast"]
+
+    def broken():
+        raise ImportError("no triton")
+
+    monkeypatch.setattr(harness, "environment", broken)  # a report hook must never fail the session
+    pytest_runtest_logreport(SimpleNamespace(nodeid="b.py::x", when="call", duration=0.1, outcome="failed"))
+    assert path.read_text().splitlines()[-1] == "b.py::x,call,0.100,failed,unknown,unknown"
+
+
 def test_temporal_block_providers(mocked_timing, monkeypatch):
     pytest.importorskip("diffusers")
     from benchmarks import bench_temporal_block as B

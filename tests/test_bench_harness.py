@@ -172,3 +172,20 @@ def test_check_lines_show_each_exception():
         "    crashed: ModuleNotFoundError: No module named 'ldmopt'",
         "correctness: 0 passed, 1 failed, 2 errors, 1 skipped | check_gpu: 1 failed",
     ], lines
+
+
+def test_compact_summary_names_the_slowest_benchmarks(recorder, tmp_path):
+    path = tmp_path / "durations.csv"
+    path.write_text(
+        "test,phase,seconds,outcome,gpu,commit\n"
+        "benchmarks/bench_e2e.py::bench_step[sd15],setup,40.0,passed,H200,abc\n"
+        "benchmarks/bench_e2e.py::bench_step[sd15],call,35.5,passed,H200,abc\n"
+        "benchmarks/bench_linear.py::bench_geglu[fwd],call,4.0,passed,H200,abc\n"
+    )
+    _case_rows(recorder, "attn", "a", {"eager": 2.0, "ldmopt": 1.0})
+    status = "benchmarks\t0\t290\t300\n"
+    lines = summary.summary(recorder.csv_path, "", status, durations=path).splitlines()
+    slowest = "bench_e2e.py::bench_step[sd15] 76s; bench_linear.py::bench_geglu[fwd] 4s"
+    assert f"benchmark time: 80s in 2 tests; slowest: {slowest}" in lines, lines
+    absent = summary.summary(recorder.csv_path, "", status, durations=tmp_path / "absent.csv")
+    assert "benchmark time" not in absent
