@@ -140,7 +140,14 @@ TABLE_NAMES: set[str] = set()
 #: backward too.
 OP_ALIASES = {
     "gn_silu_conv2d": ("gn_conv2d", "gn_conv2d_stats", "group_norm_apply", "group_norm_backward"),
-    "layer_norm_linear": ("layer_norm_linear", "layer_norm_stats", "linear_backward", "geglu_backward"),
+    "layer_norm_linear": (
+        "layer_norm_linear",
+        "layer_norm_stats",
+        "layer_norm_apply",
+        "linear_backward",
+        "geglu_backward",
+        "adaln_modulate_backward",
+    ),
     "linear": ("linear", "linear_stats"),
     "layer_norm_rope": ("rms_norm",),
     "rms_norm_joint": ("rms_norm_joint", "rms_norm_backward"),

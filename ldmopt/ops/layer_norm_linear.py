@@ -11,8 +11,10 @@ and the GEMM reads x: the norm's output is never written. Several GEMMs reading 
 to_v) share one statistics pass (``stats=``).
 
 Backward: the elementwise part of the epilogue as ``ldmopt::linear_bwd`` / ``ldmopt::geglu_bwd``, then dH = dz W and
-dW = dz^T h with h recomputed from the saved statistics, and LayerNorm's backward from the same statistics in the
-compute dtype (fp32, fp64 for fp64): dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dH w.
+dW = dz^T h with h recomputed from the saved statistics in one pass (``ldmopt::layer_norm_apply``), and LayerNorm's
+backward from the same statistics in the compute dtype (fp32, fp64 for fp64): dx = rstd (g - mean(g) - xhat
+mean(g xhat)) with g = dH w, in one row pass (``ldmopt::adaln_modulate_bwd``, which also sums the norm's weight and
+bias gradients).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from ._dispatch import (
     statistics_source,
     triton_refusals,
 )
+from .adaln_modulate import adaln_modulate_bwd
 from .geglu import _fwd_torch as _geglu_fwd_torch
 from .geglu import geglu_bwd
+from .layer_norm_apply import affine, layer_norm_apply, standardised
 from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad
 from .linear import _fwd_torch as _linear_fwd_torch
 
@@ -90,32 +94,9 @@ register_eager(layer_norm_stats_op)
 # ------------------------------------------------------------------------------------------------ normalised GEMM
 
 
-def _position_rows(positions: Tensor, rows: int, position_rows: int) -> Tensor:
-    """positions[(m // position_rows) % P] for every row m: [rows, K]."""
-    index = torch.arange(rows, device=positions.device) // position_rows % positions.shape[0]
-    return positions.index_select(0, index)
-
-
-def _standardised(x: Tensor, stats: Tensor) -> Tensor:
-    """(x - mean) * rstd per row, in the statistics' dtype (the compute dtype)."""
-    return (x.to(stats.dtype) - stats[0][:, None]) * stats[1][:, None]
-
-
-def _affine(xhat, norm_weight, norm_bias, positions=None, position_rows=1) -> Tensor:
-    """The LayerNorm's output (plus the positions) from the standardised rows, in their dtype."""
-    cd, h = xhat.dtype, xhat
-    if norm_weight is not None:
-        h = h * norm_weight.to(cd)
-    if norm_bias is not None:
-        h = h + norm_bias.to(cd)
-    if positions is not None:
-        h = h + _position_rows(positions, xhat.shape[0], position_rows).to(cd)
-    return h
-
-
 def _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
     # The norm's output (plus positions), rounded once as a GEMM reads it.
-    h = _affine(_standardised(x, stats), norm_weight, norm_bias, positions, position_rows).to(weight.dtype)
+    h = affine(standardised(x, stats), norm_weight, norm_bias, positions, position_rows).to(weight.dtype)
     return _gemm_torch(h, weight, bias, activation, save_pre)
 
 
@@ -199,10 +180,9 @@ def _backward(ctx, dy, _dpre):
         return (None,) * 10
     need_dx, _, need_dnw, need_dnb, need_dw, need_db = ctx.needs_input_grad[:6]
     activation = ctx.activation
-    xhat = _standardised(x, stats)
     h_low = None  # what the GEMM read: for dW, or to recompute its output
     if need_dw or (pre is None and activation is not None):
-        h_low = _affine(xhat, norm_weight, norm_bias, positions, ctx.position_rows).to(weight.dtype)
+        h_low = layer_norm_apply(x, stats, norm_weight, norm_bias, positions, ctx.position_rows, weight.dtype)
     if pre is None and activation is not None:
         pre = _gemm_torch(h_low, weight, bias, activation, True)[1]
     if activation == "geglu":
@@ -216,18 +196,23 @@ def _backward(ctx, dy, _dpre):
     db = dbias.to(bias.dtype) if need_db else None
     dx = dnw = dnb = None
     if need_dx or need_dnw or need_dnb:
-        cd = stats.dtype
-        dh = torch.matmul(dz, weight).to(cd)
-        if need_dnw:
-            dnw = (dh * xhat).sum(0).to(norm_weight.dtype)
-        if need_dnb:
-            dnb = dh.sum(0).to(norm_bias.dtype)
-        if need_dx:
-            g = dh * norm_weight.to(cd) if norm_weight is not None else dh
-            mean_g = g.mean(1, keepdim=True)
-            mean_gx = (g * xhat).mean(1, keepdim=True)
-            dx = (stats[1][:, None] * (g - mean_g - xhat * mean_gx)).to(x.dtype)
+        dx, dnw, dnb = _layer_norm_input_grads(torch.matmul(dz, weight), x, stats, norm_weight)
+        dnw = dnw.to(norm_weight.dtype) if need_dnw else None
+        dnb = dnb.to(norm_bias.dtype) if need_dnb else None
+        dx = dx if need_dx else None
     return dx, None, dnw, dnb, dw, db, None, None, None, None  # positions: a fixed table (checked)
+
+
+def _layer_norm_input_grads(dh: Tensor, x: Tensor, stats: Tensor, norm_weight: Tensor | None):
+    """(dx in x's dtype, d norm weight, d norm bias in the compute dtype) of h = layer_norm(x) * w + b from dH, in one
+    row pass: adaLN's backward over a single "sample" whose scale is w - 1 (adaLN multiplies by 1 + scale) and whose
+    scale/shift gradients are the sums over every row. The positions added after the affine have no gradient."""
+    cd = stats.dtype
+    k = x.shape[1]
+    scale = (norm_weight.to(cd) - 1.0) if norm_weight is not None else torch.zeros(k, device=x.device, dtype=cd)
+    mean, rstd = stats[0].contiguous(), stats[1].contiguous()
+    dx, dscale, dshift, _, _ = call(adaln_modulate_bwd, dh, x, mean, rstd, scale[None], None, None, None)
+    return dx, dscale[0], dshift[0]
 
 
 register_autograd_keeping_backend(layer_norm_linear_fwd, _backward, _setup_context)

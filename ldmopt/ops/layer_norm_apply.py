@@ -1,0 +1,103 @@
+"""``ldmopt::layer_norm_apply``: ``layer_norm(x) * w + b (+ positions)`` from row statistics already known, rounded
+to a given dtype.
+
+What the backward of a GEMM reading a LayerNorm in its loads (layer_norm_linear.py) recomputes as its A operand for
+the weight gradient: the forward never wrote the norm's output. Internal: no autograd (only that backward calls it),
+so it is not exported from ``ldmopt.ops``.
+
+Backends: triton (kernels/layer_norm_apply.py: one elementwise pass, fp32 math) and torch, the reference (the unfused
+composition in the statistics' dtype, fp32; fp64 for fp64), both rounding once to ``dtype`` as the GEMM's loads do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._dispatch import Backend, BackendTable, call, register_eager, triton_refusals
+from .linear import TRITON_DTYPES
+
+
+def position_rows_of(positions: Tensor, rows: int, position_rows: int) -> Tensor:
+    """positions[(m // position_rows) % P] for every row m: [rows, K]."""
+    index = torch.arange(rows, device=positions.device) // position_rows % positions.shape[0]
+    return positions.index_select(0, index)
+
+
+def standardised(x: Tensor, stats: Tensor) -> Tensor:
+    """(x - mean) * rstd per row, in the statistics' dtype (the compute dtype)."""
+    return (x.to(stats.dtype) - stats[0][:, None]) * stats[1][:, None]
+
+
+def affine(xhat, norm_weight, norm_bias, positions=None, position_rows=1) -> Tensor:
+    """The LayerNorm's output (plus the positions) from the standardised rows, in their dtype."""
+    cd, h = xhat.dtype, xhat
+    if norm_weight is not None:
+        h = h * norm_weight.to(cd)
+    if norm_bias is not None:
+        h = h + norm_bias.to(cd)
+    if positions is not None:
+        h = h + position_rows_of(positions, xhat.shape[0], position_rows).to(cd)
+    return h
+
+
+def _apply_torch(x, stats, norm_weight, norm_bias, positions, position_rows, dtype):
+    return affine(standardised(x, stats), norm_weight, norm_bias, positions, position_rows).to(dtype)
+
+
+def _apply_triton(x, stats, norm_weight, norm_bias, positions, position_rows, dtype):
+    from ldmopt.kernels.layer_norm_apply import layer_norm_apply as launch
+
+    return launch(x, stats, norm_weight, norm_bias, positions, position_rows, dtype)
+
+
+def _apply_refuse_triton(x, stats, norm_weight, norm_bias, positions, position_rows, dtype) -> list[str]:
+    reasons = triton_refusals(x, norm_weight, norm_bias, positions, dtypes=TRITON_DTYPES)
+    if dtype not in TRITON_DTYPES:
+        reasons.append(f"output dtype {dtype}")
+    if stats.dtype != torch.float32 or not stats.is_contiguous():
+        reasons.append(f"statistics {stats.dtype} with strides {stats.stride()} (the kernel reads contiguous fp32)")
+    if reasons:  # Triton missing among them: the kernel module imports it
+        return reasons
+    from ldmopt.kernels.layer_norm_apply import MAX_C
+
+    if x.shape[1] > MAX_C:
+        reasons.append(f"rows of {x.shape[1]} channels (the kernel holds rows of at most {MAX_C})")
+    return reasons
+
+
+APPLY = BackendTable(
+    "layer_norm_apply", [Backend("triton", _apply_triton, _apply_refuse_triton), Backend("torch", _apply_torch)]
+)
+
+
+@torch.library.custom_op("ldmopt::layer_norm_apply", mutates_args=())
+def layer_norm_apply_op(
+    x: Tensor,
+    stats: Tensor,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
+    positions: Tensor | None,
+    position_rows: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """[M, C] in ``dtype``: ``(x - mean) * rstd * norm_weight + norm_bias + positions[(m // position_rows) % P]`` for
+    x [M, C] and stats [2, M] (the means, then the rstds)."""
+    if x.dim() != 2 or tuple(stats.shape) != (2, x.shape[0]) or position_rows < 1:
+        raise ValueError(
+            f"layer_norm_apply: x {tuple(x.shape)}, stats {tuple(stats.shape)}, position_rows={position_rows}: "
+            "expected x [M, C], stats [2, M] and position_rows >= 1"
+        )
+    return APPLY(x, stats, norm_weight, norm_bias, positions, position_rows, dtype)
+
+
+@layer_norm_apply_op.register_fake
+def _(x, stats, norm_weight, norm_bias, positions, position_rows, dtype):
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+register_eager(layer_norm_apply_op)
+
+
+def layer_norm_apply(x, stats, norm_weight, norm_bias, positions, position_rows, dtype) -> Tensor:
+    return call(layer_norm_apply_op, x, stats, norm_weight, norm_bias, positions, position_rows, dtype)
