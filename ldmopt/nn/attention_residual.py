@@ -101,6 +101,8 @@ def _projections(
         return (apply(attn.to_q, x, f"{name}.to_q"), *attn.to_kv(context).chunk(2, dim=-1))
     if context is not None:
         return apply(attn.to_q, x, f"{name}.to_q"), attn.to_k(context), attn.to_v(context)
+    if isinstance(x, NormedInput):  # one GEMM over the three weights, the norm read once
+        return tuple(x.project_all([attn.to_q, attn.to_k, attn.to_v], [f"{name}.to_{p}" for p in "qkv"]))
     return tuple(apply(getattr(attn, p), x, f"{name}.{p}") for p in ("to_q", "to_k", "to_v"))
 
 

@@ -16,8 +16,10 @@ the weight's dtype, as the stock norm's output is).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor, nn
 
 from ..ops.layer_norm_linear import layer_norm_linear, layer_norm_stats
@@ -106,11 +108,15 @@ class NormedInput:
                 self._stats = layer_norm_stats(self._rows, self.norm.eps)
         return self._rows, self._stats
 
-    def _normed_gemm(self, module: nn.Module, layer: nn.Linear, activation: str | None) -> Tensor:
+    def _normed_gemm(
+        self, modules: Sequence[nn.Module], weight: Tensor, bias: Tensor | None, activation: str | None
+    ) -> Tensor:
         rows, stats = self._statistics()
         table, per = self.positions if self.positions is not None else (None, 1)
-        with observed(module, (self,)):
-            y = layer_norm_linear(rows, self.norm.weight, self.norm.bias, layer.weight, layer.bias, eps=self.norm.eps,
+        with contextlib.ExitStack() as scopes:
+            for module in modules:  # a profile attributes the GEMM to the modules it stands for
+                scopes.enter_context(observed(module, (self,)))
+            y = layer_norm_linear(rows, self.norm.weight, self.norm.bias, weight, bias, eps=self.norm.eps,
                                   activation=activation, stats=stats, positions=table, position_rows=per)  # fmt: skip
         return y.view(*self.x.shape[:-1], y.shape[-1])
 
@@ -118,9 +124,22 @@ class NormedInput:
         """``layer(norm(x))`` for an nn.Linear ``layer`` (``name``: its path in the block, for the report)."""
         if self._fused_ok():
             if readable(layer):
-                return self._normed_gemm(layer, layer, None)
+                return self._normed_gemm((layer,), layer.weight, layer.bias, None)
             count_stock(self.where, name, layer)
         return layer(self.tensor())
+
+    def project_all(self, layers: Sequence[nn.Module], names: Sequence[str]) -> list[Tensor]:
+        """``[layer(norm(x)) for layer in layers]`` (the self-attention's to_q, to_k, to_v) as ONE GEMM over their
+        weights concatenated by rows, whose output columns are split into views: x is read once, the norm formed
+        once per tile, one call instead of three, and in backward one recomputation of the norm and one LayerNorm
+        backward where three would run and be summed. Layer by layer (:meth:`project`) unless every layer is a
+        readable nn.Linear, all with a bias or none, weights of one dtype."""
+        if self._fused_ok() and _joinable(layers):
+            weight = torch.cat([layer.weight for layer in layers])
+            bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+            y = self._normed_gemm(layers, weight, bias, None)
+            return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))
+        return [self.project(layer, name) for layer, name in zip(layers, names)]
 
     def activate(self, act: nn.Module, name: str) -> Tensor:
         """``act(norm(x))`` for a feed-forward's first layer (``name``: its path, for the report). Read in the loads
@@ -133,7 +152,7 @@ class NormedInput:
                 count_reason(self.where, f"{name} has hooks or a wrapped forward")
             elif readable(act.proj) and (type(act) is FusedGEGLU or act.approximate in _GELU_APPROXIMATE):
                 activation = "geglu" if type(act) is FusedGEGLU else _GELU_APPROXIMATE[act.approximate]
-                return self._normed_gemm(act, act.proj, activation)
+                return self._normed_gemm((act,), act.proj.weight, act.proj.bias, activation)
         return act(self.tensor())
 
 
@@ -160,6 +179,15 @@ def normed_with_positions(
     if table is None:
         return add_positions(norm(x))
     return NormedInput(norm, x, where, name, positions=(table, rows_per_position), finish=add_positions, stats=stats)
+
+
+def _joinable(layers: Sequence[nn.Module]) -> bool:
+    if len(layers) < 2 or not all(readable(layer) for layer in layers):
+        return False
+    weights = [layer.weight for layer in layers]
+    biases = [layer.bias for layer in layers]
+    same_bias = all(b is None for b in biases) or all(b is not None and b.dtype == weights[0].dtype for b in biases)
+    return same_bias and all(w.dtype == weights[0].dtype and w.device == weights[0].device for w in weights)
 
 
 def apply(layer: nn.Module, x: Tensor | NormedInput, name: str) -> Tensor:

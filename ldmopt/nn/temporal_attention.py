@@ -172,6 +172,8 @@ def temporal_self_attention_and_stats(
     if context is None and fused and getattr(attn, "to_qkv", None) is not None:
         qkv = apply(attn.to_qkv, x, f"{name}.to_qkv")
         q, k, v = qkv[..., :c], qkv[..., c : 2 * c], qkv[..., 2 * c :]
+    elif context is None and isinstance(x, NormedInput) and not fused:  # one GEMM over the three, the norm read once
+        q, k, v = x.project_all([attn.to_q, attn.to_k, attn.to_v], [f"{name}.to_{p}" for p in "qkv"])
     else:
         source = x if context is None else context
         if context is not None and attn.norm_cross:

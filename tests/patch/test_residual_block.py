@@ -92,11 +92,11 @@ def _patched_matches_stock(block, hidden, context, sites, normed=None, **kwargs)
 @pytest.mark.parametrize(
     "variant,overrides,sites,normed",
     [
-        ("self+cross", {}, 3, 5),  # q, k, v of norm1; q of norm2; the GEGLU of norm3
-        ("no attn2", dict(cross_attention_dim=None), 2, 4),
-        ("double self-attention", dict(cross_attention_dim=None, double_self_attention=True), 3, 7),
+        ("self+cross", {}, 3, 3),  # q, k, v of norm1 (one GEMM over the three); q of norm2; the GEGLU of norm3
+        ("no attn2", dict(cross_attention_dim=None), 2, 2),
+        ("double self-attention", dict(cross_attention_dim=None, double_self_attention=True), 3, 3),
         ("only cross-attention", dict(only_cross_attention=True), 3, 3),
-        ("no norm affine", dict(norm_elementwise_affine=False), 3, 5),
+        ("no norm affine", dict(norm_elementwise_affine=False), 3, 3),
     ],
 )
 def test_block_matches_stock(variant, overrides, sites, normed):
@@ -125,6 +125,18 @@ def test_fused_qkv_projections_match_stock():
         attn.set_processor(FusedAttnProcessor2_0())
     hidden, context = _inputs()
     _patched_matches_stock(block, hidden, context, 3, normed=3)  # to_qkv, attn2's to_q, the GEGLU
+
+
+def test_self_attention_projections_are_one_gemm_with_or_without_biases():
+    # to_q, to_k and to_v read norm1 as one GEMM over their stacked weights (and biases), forward and backward; a
+    # mixed set (one projection without a bias) runs them one by one.
+    block = _block(attention_bias=True)
+    hidden, context = _inputs()
+    _patched_matches_stock(block, hidden, context, 3, normed=3)
+    assert_fused_grads_match_stock(_block(attention_bias=True), _call, [hidden, context], 2, op="linear_stats")
+    mixed = _block(attention_bias=True)
+    mixed.attn1.to_k.bias = None
+    _patched_matches_stock(mixed, hidden, context, 3, normed=5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -348,10 +360,10 @@ def test_norms_are_read_in_the_gemms_loads_not_called(monkeypatch):
 @pytest.mark.parametrize(
     "change,expected,normed",
     [
-        ("hooked norm3", "norm3 has hooks", 4),  # the hook changes the output: skipping it would show
+        ("hooked norm3", "norm3 has hooks", 2),  # the hook changes the output: skipping it would show
         # A LoRA on one projection: it reads the norm's output, written once, which to_v then reads too.
         ("wrapped to_k", "to_k is a", 3),
-        ("norm subclass", "norm2 is _Norm, not nn.LayerNorm", 4),
+        ("norm subclass", "norm2 is _Norm, not nn.LayerNorm", 2),
     ],
 )
 def test_norm_fallbacks_match_stock(change, expected, normed):
@@ -405,7 +417,7 @@ def test_positional_embeddings_added_in_the_loads(hooked):
         with ldmopt.use_backend("triton"):
             out = _call(block, hidden, context)
     assert calls == stock_calls == ([1, 1] if hooked else [])
-    assert report.backends()["layer_norm_linear"] == {"triton": 1 if hooked else 5}, report.backends()
+    assert report.backends()["layer_norm_linear"] == {"triton": 1 if hooked else 3}, report.backends()
     assert_within_torch_error(out, exact, ref, f"positional embeddings, hooked={hooked}")
 
 
