@@ -123,25 +123,41 @@ def ff_gated_residual(
     (``name``: the feed-forward's attribute in its block, for the report; ``out_dtype`` and ``clip_fp16`` as in
     gated_residual_linear). ``x`` may be a NormedInput (ldmopt.nn.layer_norm_input): the first projection then reads
     the norm in its loads."""
-    first = x.activate(ff.net[0], f"{name}.net.0") if isinstance(x, NormedInput) else ff.net[0](x)
-    h = ff.net[1](first)
+    h = _ff_hidden(ff, x, name)
     return gated_residual_linear(ff.net[2], h, gate, residual, "FeedForward", f"{name}.net.2", out_dtype, clip_fp16)
+
+
+def _ff_hidden(ff: nn.Module, x: Tensor | NormedInput, name: str) -> Tensor:
+    """What ``ff.net[2]`` reads: net[1](net[0](x)), the first projection reading a NormedInput's norm in its loads."""
+    first = x.activate(ff.net[0], f"{name}.net.0") if isinstance(x, NormedInput) else ff.net[0](x)
+    return ff.net[1](first)
 
 
 def ff_residual(ff: nn.Module, x: Tensor | NormedInput, residual: Tensor) -> Tensor:
     """``ff(x) + residual``, the add in ``ff.net[2]``'s GEMM epilogue when ``ff`` is diffusers' FeedForward
     [act, dropout, Linear] without hooks, checked per call (else the stock call and add: final_dropout, a hooked or
     replaced feed-forward; a wrapped ``net[2]`` is counted in ``fallback_reasons`` by ff_gated_residual)."""
-    # Structure only: a wrapped or hooked net[2] is ff_gated_residual's per-call check (which, unlike the patch-time
-    # feed_forward_reasons, lets the profiler's observer hooks through).
+    return ff_residual_and_stats(ff, x, residual)[0]
+
+
+def ff_residual_and_stats(
+    ff: nn.Module, x: Tensor | NormedInput, residual: Tensor, next_norm_eps: float | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """(:func:`ff_residual`, the output rows' ``layer_norm_stats`` for ``next_norm_eps`` summed in ``net[2]``'s
+    epilogue when asked for and the fused GEMM runs; None otherwise)."""
+    # Structure only: a wrapped or hooked net[2] is gated_residual_linear's per-call check (which, unlike the
+    # patch-time feed_forward_reasons, lets the profiler's observer hooks through).
     if type(ff).__name__ != "FeedForward":
         reason = f"ff is {type(ff).__name__}, not diffusers' FeedForward"
     else:
         reason = feed_forward_shape_reason(ff) or ("ff has hooks or a wrapped forward" if hooked(ff) else None)
     if reason is not None:
         count_reason("FeedForward", reason)
-        return ff(as_tensor(x)) + residual
-    return ff_gated_residual(ff, x, None, residual)
+        return ff(as_tensor(x)) + residual, None
+    if next_norm_eps is None or not readable(ff.net[2]):
+        return ff_gated_residual(ff, x, None, residual), None
+    out = ff.net[2]
+    return linear(_ff_hidden(ff, x, "ff"), out.weight, out.bias, residual=residual, next_norm_eps=next_norm_eps)
 
 
 def _stock_gelu(x: Tensor, approximate: str) -> Tensor:

@@ -1,4 +1,4 @@
-"""GroupNorm statistics handed from a fused block to the fused GroupNorm that reads its output next.
+"""Normalisation statistics handed from a fused block to the fused norm that reads its output next.
 
 In a diffusers UNet a ResnetBlock2D's output goes straight into another GroupNorm: the next resnet's ``norm1`` or a
 Transformer2DModel's ``norm``. Each fused consumer would otherwise run its own statistics pass (two launches and a
@@ -11,6 +11,10 @@ Diffusers' block code calls the modules one after another, so the hand-over goes
   its input IS the offered tensor (same object, unmodified since: same ``_version``) and the (groups, eps) match;
   otherwise it computes them as before. A miss on the offered tensor records the consumer's (groups, eps) for that
   producer (:func:`wanted`), so from the next call on the producer's epilogue computes exactly those.
+
+The same goes for LayerNorm statistics between UNet transformer blocks (SDXL runs ten in a row): a block's
+feed-forward output GEMM sums its rows' ``layer_norm_stats`` in its epilogue for the next block's norm1
+(:func:`take_layer_norm`, :func:`wanted_layer_norm_eps`).
 
 So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input (the
 epilogue sums the stored output), and the consumer's backward differentiates through them as its own. Only plain
@@ -34,8 +38,11 @@ from ..ops._dispatch import _no_mode_active
 
 #: How many statistics passes were skipped because a producer handed them over, per consumer kind.
 handed_over: Counter[str] = Counter()
-#: producer module -> the (groups, eps) its output's consumer asked for (learned from a miss)
-_wanted: weakref.WeakKeyDictionary[nn.Module, tuple[int, float]] = weakref.WeakKeyDictionary()
+#: producer module -> the statistics its output's consumer asked for (learned from a miss): (groups, eps) for a
+#: GroupNorm, (LAYER_NORM, eps) for a LayerNorm over the last axis
+_wanted: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+#: The first item of a LayerNorm's statistics request: its statistics are layer_norm_stats' [2, M] rows.
+LAYER_NORM = "layer_norm"
 _local = threading.local()
 
 
@@ -44,8 +51,8 @@ class _Offer(NamedTuple):
     version: int
     stream: tuple | None
     producer: weakref.ref
-    config: tuple[int, float] | None
-    stats: tuple[Tensor, Tensor] | None
+    config: tuple | None
+    stats: tuple[Tensor, ...] | None
 
 
 def _stream_of(t: Tensor) -> tuple | None:
@@ -69,7 +76,7 @@ def _eligible(t: Tensor) -> bool:
     )
 
 
-def wanted(producer: nn.Module, out_like: Tensor) -> tuple[int, float] | None:
+def wanted(producer: nn.Module, out_like: Tensor) -> tuple | None:
     """The (groups, eps) to compute the output statistics for, if the consumer of this producer's output asked for
     them on an earlier call (and this call takes part: ``out_like`` is a plain eager tensor)."""
     if not _eligible(out_like):
@@ -77,7 +84,13 @@ def wanted(producer: nn.Module, out_like: Tensor) -> tuple[int, float] | None:
     return _wanted.get(producer)
 
 
-def offer(out: Tensor, producer: nn.Module, config: tuple[int, float] | None = None, stats=None) -> None:
+def wanted_layer_norm_eps(producer: nn.Module, out_like: Tensor) -> float | None:
+    """The eps of the LayerNorm that read this producer's output on an earlier call, if one asked (see wanted)."""
+    config = wanted(producer, out_like)
+    return config[1] if config is not None and config[0] == LAYER_NORM else None
+
+
+def offer(out: Tensor, producer: nn.Module, config: tuple | None = None, stats=None) -> None:
     """Make ``out`` (and its ``stats`` for GroupNorm ``config``, if computed) the next consumer's to take."""
     if not _eligible(out):
         _local.offer = None
@@ -92,13 +105,23 @@ def take(x: Tensor, groups: int, eps: float, consumer: str) -> tuple[Tensor, Ten
     """(mean, rstd) of ``x`` for GroupNorm(groups, eps) if the last offer was ``x`` itself with those statistics;
     None otherwise (recording, for the producer of ``x``, which statistics to compute next time). The offer is used
     up either way."""
+    return _take(x, (int(groups), float(eps)), consumer)
+
+
+def take_layer_norm(x: Tensor, eps: float, consumer: str) -> Tensor | None:
+    """``layer_norm_stats(x, eps)`` ([2, M]: means, rstds of x's rows) if the last offer was ``x`` itself with
+    those statistics; as :func:`take` otherwise."""
+    stats = _take(x, (LAYER_NORM, float(eps)), consumer)
+    return None if stats is None else stats[0]
+
+
+def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
     offered = getattr(_local, "offer", None)
     if offered is None or not _eligible(x):  # (a tuple, the pair of an up block's skip concat, is not eligible)
         return None
     _local.offer = None
     if offered.tensor() is not x or x._version != offered.version or _stream_of(x) != offered.stream:
         return None
-    config = (int(groups), float(eps))
     if offered.config == config and offered.stats is not None:
         handed_over[consumer] += 1
         return offered.stats

@@ -29,7 +29,8 @@ from torch import nn
 from ..nn.attention_residual import attention_residual_and_stats as attend
 from ..nn.attention_residual import static_reason
 from ..nn.layer_norm_input import NormedInput, normed_with_positions
-from ..nn.linear import ff_residual
+from ..nn.linear import ff_residual_and_stats
+from ..nn.stats_handover import LAYER_NORM, offer, take_layer_norm, wanted_layer_norm_eps
 from .rule import ClassSwapRule, Rule, Site
 from .rules_blocks import basic_block_forward
 
@@ -42,8 +43,9 @@ def _residual_block_forward(
 ) -> torch.Tensor:
     where = type(self).__name__
     # Each norm's output (plus sinusoidal positions) only feeds GEMMs, which read it in their loads. norm2's and norm3's
-    # statistics come from the output projection's epilogue that wrote their input (the residual sum).
-    normed = _normed(self, "norm1", hidden_states, where)
+    # statistics come from the output projection's epilogue that wrote their input (the residual sum); norm1's from
+    # the previous block's feed-forward GEMM when it handed them over (blocks in a row: SDXL's ten).
+    normed = _normed(self, "norm1", hidden_states, where, take_layer_norm(hidden_states, self.norm1.eps, "norm1"))
     context = encoder_hidden_states if self.only_cross_attention else None
     after_attn1 = self.norm2 if self.attn2 is not None else self.norm3
     hidden_states, stats = attend(self.attn1, normed, hidden_states, context, attention_mask, kwargs, where, "attn1",
@@ -52,7 +54,11 @@ def _residual_block_forward(
         normed = _normed(self, "norm2", hidden_states, where, stats)
         hidden_states, stats = attend(self.attn2, normed, hidden_states, encoder_hidden_states, encoder_attention_mask,
                                       kwargs, where, "attn2", next_norm=self.norm3)  # fmt: skip
-    return ff_residual(self.ff, NormedInput(self.norm3, hidden_states, where, "norm3", stats=stats), hidden_states)
+    normed = NormedInput(self.norm3, hidden_states, where, "norm3", stats=stats)
+    eps = wanted_layer_norm_eps(self, hidden_states)  # asked by the block after this one, on an earlier call
+    out, out_stats = ff_residual_and_stats(self.ff, normed, hidden_states, eps)
+    offer(out, self, None if out_stats is None else (LAYER_NORM, eps), None if out_stats is None else (out_stats,))
+    return out
 
 
 def _normed(block: nn.Module, name: str, x: torch.Tensor, where: str, stats: torch.Tensor | None = None):

@@ -135,3 +135,56 @@ def test_unpatched_model_neither_offers_nor_takes():
         patched(**kw)
         patched(**kw)
     assert not handover.handed_over
+
+
+def _transformer_of_three_blocks():
+    """A Transformer2DModel with three BasicTransformerBlocks in a row (SDXL runs ten), odd sizes, drawn weights."""
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Transformer2DModel(
+        num_attention_heads=2, attention_head_dim=12, in_channels=24, num_layers=3, cross_attention_dim=20,
+        norm_num_groups=4, use_linear_projection=True,
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1 + 0.4 * torch.randn_like(p)) if name.endswith("norm1.weight") else 0.3 * torch.randn_like(p))
+    hidden = torch.randn(2, 24, 5, 7).to(memory_format=torch.channels_last)
+    kw = dict(hidden_states=hidden, encoder_hidden_states=torch.randn(2, 6, 20))
+    return model, kw
+
+
+def test_blocks_in_a_row_hand_layer_norm_statistics_to_the_next_norm1(triton_launches):
+    import copy
+
+    stock, kw = _transformer_of_three_blocks()
+    patched = copy.deepcopy(stock)
+    ldmopt.patch(patched)
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        expected = stock(**kw).sample
+        first = patched(**kw).sample
+        assert not handover.handed_over  # the first call learns that each next block's norm1 wants them
+        passes_first = triton_launches.count("_row_stats_kernel")
+        triton_launches.clear()
+        second = patched(**kw).sample
+    assert handover.handed_over["norm1"] == 2, dict(handover.handed_over)  # blocks 2 and 3
+    assert triton_launches.count("_row_stats_kernel") == passes_first - 2
+    assert_outputs_close(first, expected, name="first call")
+    assert_outputs_close(second, expected, name="norm1 statistics handed over")
+
+
+def test_blocks_in_a_row_train_with_handed_over_statistics():
+    import copy
+
+    stock, kw = _transformer_of_three_blocks()
+    patched = copy.deepcopy(stock)
+    ldmopt.patch(patched, training=True)
+    with ldmopt.use_backend("triton"):
+        patched(**kw).sample.square().mean().backward()  # learn (grads discarded)
+        patched.zero_grad()
+        handover.handed_over.clear()
+        stock(**kw).sample.square().mean().backward()
+        patched(**kw).sample.square().mean().backward()
+    assert handover.handed_over["norm1"] == 2, dict(handover.handed_over)
+    for (name, p_stock), p_patched in zip(stock.named_parameters(), patched.parameters()):
+        assert_outputs_close(p_patched.grad, p_stock.grad, name=f"grad {name}")
