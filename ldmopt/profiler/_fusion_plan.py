@@ -19,6 +19,8 @@ CONCAT_GEMM = "concatenation -> GEMM loads"
 SKIP_CONCAT = "skip concatenation -> conv loads"
 UPSAMPLE_CONV = "nearest upsample -> conv loads"
 GN_STATS = "GroupNorm statistics from the conv epilogue"
+LN_STATS = "LayerNorm statistics from the GEMM epilogue"
+QKV_GEMM = "to_q/to_k/to_v as one GEMM"
 ALPHA_BLEND = "alpha blend -> conv epilogue"
 BLEND_GEMM = "alpha blend -> GEMM loads"
 RESIDUAL = "GEMM epilogue (residual)"
@@ -30,8 +32,8 @@ QK_CONCAT = "q/k stream concatenation -> norm kernel"
 HALVES_IN_PLACE = "Flux single blocks' joint input in place"
 CLIP_EPILOGUE = "fp16 clip -> GEMM epilogue"
 FUSIONS = (
-    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, SINGLE_KEY,
-    GATED_RESIDUAL, RESIDUAL,
+    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, LN_STATS,
+    QKV_GEMM, SINGLE_KEY, GATED_RESIDUAL, RESIDUAL,
     CONCAT_GEMM, HALVES_IN_PLACE, CLIP_EPILOGUE, SKIP_CONCAT, UPSAMPLE_CONV, TEMPORAL_PERMUTES, RMS_NORM,
     WAN_ROUND_TRIPS, QK_NORM_ROPE, QK_CONCAT,
 )  # fmt: skip

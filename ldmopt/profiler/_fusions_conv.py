@@ -15,6 +15,8 @@ from ._fusion_plan import (
     GN_CONV,
     GN_STATS,
     LN_GEMM,
+    LN_STATS,
+    QKV_GEMM,
     RESIDUAL,
     RESIDUAL_OWNERS,
     SINGLE_KEY,
@@ -77,6 +79,53 @@ def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, s
         plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0]})
     else:
         plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0], positions.index: positions.bytes}, removed=(positions.index,))
+
+
+def _joint_projections(plan: _Plan, records: list[OpRecord], ln: OpRecord) -> None:
+    """A LayerNorm LN_GEMM claimed whose readers are one attention's to_q, to_k and to_v: the patched block runs them
+    as one GEMM over their stacked weights, reading x once instead of three times; the copy that stacks the weights
+    (read and written) comes off the saving, counted as none where it is larger (few rows, wide weights)."""
+    if plan.rule.get(ln.index) != LN_GEMM:
+        return
+    source = ln  # or the positions' add LN_GEMM removed (AnimateDiff's motion modules): the GEMMs read that
+    first = records[ln.consumers[0]] if ln.consumers else None
+    if first is not None and _owner_class(first) == "SinusoidalPositionalEmbedding" and first.index in plan.removed:
+        source = first
+    readers = {records[c].path: records[c] for c in set(source.consumers) if records[c].base in _GEMMS}
+    attentions = {path.rpartition(".")[0] for path in readers}
+    if len(readers) != 3 or len(attentions) != 1:
+        return
+    attention = attentions.pop()
+    gemms = [readers.get(f"{attention}.to_{p}") for p in "qkv"]
+    if any(g is None for g in gemms):
+        return
+    x_bytes = ln.in_bytes[0]
+    weight_bytes = sum(sum(_other_inputs(g, source.index)) for g in gemms)  # each GEMM's other input: its weight
+    net = 2 * x_bytes - 2 * weight_bytes
+    plan.stats[QKV_GEMM].count += 1
+    for g in gemms[1:]:  # not removed: their FLOPs still run, in the one GEMM (two launches fewer, not counted)
+        plan.add_saving(QKV_GEMM, g.index, net // 2)
+
+
+def _layer_norm_statistics_from_epilogue(plan: _Plan, records: list[OpRecord], ln: OpRecord) -> None:
+    """A BasicTransformerBlock norm LN_GEMM claimed whose input is a residual sum a GEMM epilogue wrote (RESIDUAL):
+    norm2 and norm3 after the attentions' to_out in the same block, and norm1 after the previous block's feed-forward
+    in the same container (blocks in a row): that epilogue summed the rows' statistics, so the statistics pass that
+    LN_GEMM left counted goes too. The first block's norm1 keeps it."""
+    if plan.rule.get(ln.index) != LN_GEMM or not ln.producers or ln.producers[0] < 0:
+        return
+    block, _, name = ln.path.rpartition(".")
+    add = records[ln.producers[0]]
+    if plan.block_class.get(block) != "BasicTransformerBlock" or plan.rule.get(add.index) != RESIDUAL:
+        return
+    parent, _, index = block.rpartition(".")
+    previous = f"{parent}.{int(index) - 1}" if index.isdigit() else None
+    if add.path != block and not (name == "norm1" and add.path == previous):
+        return
+    plan.add_saving(LN_STATS, ln.index, ln.bytes)
+    plan.removed.add(ln.index)
+    plan.stats[LN_STATS].count += 1
+    plan.stats[LN_STATS].ops_removed += 1
 
 
 def _single_key_shortcut(plan: _Plan, records: list[OpRecord], single_key: frozenset[str]) -> None:

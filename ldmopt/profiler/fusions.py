@@ -38,6 +38,14 @@ Rules (names as reported):
   single-key attention (SVD's attn2, whose query path is skipped: the shortcut rule).
   Approximation, counted although the patched run keeps the norm: norm3 of a BasicTransformerBlock with norm_type
   "ada_norm" (no ldmopt rule).
+- ``LayerNorm statistics from the GEMM epilogue``: a BasicTransformerBlock norm read in the loads whose input is a
+  residual sum a GEMM epilogue wrote (the rule below): norm2 and norm3 after the attentions' ``to_out`` in the same
+  block, norm1 after the previous block's feed-forward in the same container (SDXL's blocks in a row). That epilogue
+  summed the rows' statistics, so the statistics pass goes too; the first block's norm1 keeps it.
+- ``to_q/to_k/to_v as one GEMM``: the three projections reading one norm in their loads run as one GEMM over their
+  stacked weights: x is read once, not three times, less the copy that stacks the weights (a saving counted as none
+  where the copy is larger; the patched inference path then keeps three GEMMs). The two launches saved are not
+  counted.
 - ``single-key attention shortcut``: SVD's ``attn2`` attends over one image-embedding token, so its softmax is 1 and
   ldmopt's SingleKeyAttnProcessor computes ``to_out(to_v(context))`` on that token and broadcasts it: the query and
   key projections, the attention and the full-size ``to_out`` GEMM and ``/ rescale_output_factor`` go (to_v stays,
@@ -127,8 +135,10 @@ from ._fusion_plan import (
     GN_STATS,
     HALVES_IN_PLACE,
     LN_GEMM,
+    LN_STATS,
     QK_CONCAT,
     QK_NORM_ROPE,
+    QKV_GEMM,
     RESIDUAL,
     RMS_NORM,
     SINGLE_KEY,
@@ -148,7 +158,9 @@ from ._fusions_conv import (
     _alpha_blend,
     _conv_epilogue,
     _group_norm_prologue,
+    _joint_projections,
     _layer_norm_gemm_loads,
+    _layer_norm_statistics_from_epilogue,
     _residual_epilogue,
     _single_key_shortcut,
     _skip_concat,
@@ -187,6 +199,8 @@ __all__ = [
     "GN_STATS",
     "HALVES_IN_PLACE",
     "LN_GEMM",
+    "LN_STATS",
+    "QKV_GEMM",
     "QK_CONCAT",
     "QK_NORM_ROPE",
     "RESIDUAL",
@@ -238,6 +252,9 @@ def plan_fusions(
     for rec in records:
         if rec.base in _GEMMS and rec.category == C.LINEAR:
             _residual_epilogue(plan, records, rec, single_key)
+    for ln in by_base.get("native_layer_norm", []):
+        _layer_norm_statistics_from_epilogue(plan, records, ln)
+        _joint_projections(plan, records, ln)
     for cat in by_base.get("cat", []):
         _concat_gemm(plan, records, cat)
         _skip_concat(plan, records, cat)
