@@ -128,13 +128,22 @@ class NormedInput:
             count_stock(self.where, name, layer)
         return layer(self.tensor())
 
+    def _joining_pays(self, layers: Sequence[nn.Module]) -> bool:
+        """Stacking the weights copies them (read and written: 2 N K elements for N output features in all) to save
+        two reads of x (2 M K): it pays for M > N rows, and always in training, where the backward's single norm
+        recomputation and LayerNorm backward save far more."""
+        if torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in layers):
+            return True
+        return self.x.numel() // self.x.shape[-1] > sum(layer.weight.shape[0] for layer in layers)
+
     def project_all(self, layers: Sequence[nn.Module], names: Sequence[str]) -> list[Tensor]:
         """``[layer(norm(x)) for layer in layers]`` (the self-attention's to_q, to_k, to_v) as ONE GEMM over their
         weights concatenated by rows, whose output columns are split into views: x is read once, the norm formed
         once per tile, one call instead of three, and in backward one recomputation of the norm and one LayerNorm
         backward where three would run and be summed. Layer by layer (:meth:`project`) unless every layer is a
-        readable nn.Linear, all with a bias or none, weights of one dtype."""
-        if self._fused_ok() and _joinable(layers):
+        readable nn.Linear, all with a bias or none, weights of one dtype, and the stacking pays
+        (:meth:`_joining_pays`)."""
+        if self._fused_ok() and _joinable(layers) and self._joining_pays(layers):
             weight = torch.cat([layer.weight for layer in layers])
             bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
             y = self._normed_gemm(layers, weight, bias, None)

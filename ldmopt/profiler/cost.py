@@ -319,12 +319,18 @@ def analyze(
     recorder = Recorder(scopes, track_sites=training)
     counter = forward_flops = None
     modes = {m: m.training for m in model.modules()}
+    checkpointing: list[nn.Module] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.enable_grad() if training else torch.no_grad())
         if training:
             grads = {p: p.grad for p in model.parameters()}
+            checkpointing = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
             model.train()
-            stack.callback(_restore_modes, modes, grads)
+            stack.callback(_restore_modes, modes, grads, checkpointing)
+            for module in checkpointing:  # counted without it (its recomputation in backward is not modelled)
+                module.gradient_checkpointing = False
+            for param in grads:
+                param.grad = None  # a gradient already there would add accumulation ops to the count
         if check_flops:
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -346,6 +352,11 @@ def analyze(
 
     analysis = _summarise(model, recorder, spec, dtype_key(dtype))
     analysis.training = training
+    if training and checkpointing:
+        analysis.notes.append(
+            f"gradient checkpointing (on in {len(checkpointing)} modules) was off for the count: its recomputation "
+            "of the forward in backward is not in these figures"
+        )
     analysis.resolution, analysis.frames, analysis.batch = inputs.resolution, inputs.frames, inputs.batch
     analysis.flop_counter_total = forward_flops
     analysis.elapsed_s = time.perf_counter() - start
@@ -354,12 +365,16 @@ def analyze(
     return analysis
 
 
-def _restore_modes(modes: dict[nn.Module, bool], grads: dict[nn.Parameter, Any]) -> None:
-    """Leave a model the caller passed (already on meta) as it was: train/eval flags and ``.grad``."""
+def _restore_modes(
+    modes: dict[nn.Module, bool], grads: dict[nn.Parameter, Any], checkpointing: list[nn.Module]
+) -> None:
+    """Leave a model the caller passed (already on meta) as it was: train/eval flags, ``.grad``, checkpointing."""
     for module, was_training in modes.items():
         module.training = was_training
     for param, grad in grads.items():
         param.grad = grad
+    for module in checkpointing:
+        module.gradient_checkpointing = True
 
 
 def _loss_backward_update(model: nn.Module, out: Any, recorder: Recorder) -> None:

@@ -197,16 +197,18 @@ class Recorder(TorchDispatchMode):
             self._producer[t] = index
 
     def current(self) -> tuple[str, Site]:
-        """(phase, site) of the operator about to be recorded."""
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            return "backward", self._sites.get(node._sequence_nr(), _NO_SITE)
+        """(phase, site) of the operator about to be recorded. In the backward phase, the site of the forward op
+        whose autograd node runs it (a model's own ``autograd.grad`` inside its forward stays forward)."""
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            return "backward", _NO_SITE if node is None else self._sites.get(node._sequence_nr(), _NO_SITE)
         return self.phase, site_of(self.scopes.stack)
 
     def _note_site(self, base: str) -> None:
         """Remember the running module for the autograd node the current forward op just created (autograd
-        numbers a node before it calls the op; the first op to see the number is the one that made it)."""
-        if torch._C._current_autograd_node() is not None or not torch.is_grad_enabled():
+        numbers a node before it calls the op, or before a custom Function's forward, whose ops run without grad;
+        the first op to see the number is the one that made it)."""
+        if self.phase == "backward":
             return
         seq = torch._C._autograd._get_sequence_nr() - 1
         if seq not in self._sites:
@@ -288,7 +290,8 @@ class Recorder(TorchDispatchMode):
         if base.endswith("_") or (_INPLACE_TAG is not None and _INPLACE_TAG in func.tags):
             if base == "copy_":
                 inputs = inputs[1:2]  # dst is overwritten, not read
-            outputs = outputs[:1] or inputs[:1]
+            # What it writes: its first argument, a whole list for a foreach op (which returns nothing).
+            outputs = outputs[:1] or (_tensors(args[0]) if args else inputs[:1])
         at = self.current()
         phase, site = at
         kind = site.attention_kind
@@ -338,7 +341,8 @@ class _FusedRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return None, None, *ctx.record_backward(grad_out, ctx.needs_input_grad[2:])
+        record_backward, ctx.record_backward = ctx.record_backward, None  # once: let the closure go
+        return None, None, *record_backward(grad_out, ctx.needs_input_grad[2:])
 
 
 def _needs_grad(tensors) -> bool:
@@ -393,19 +397,22 @@ class AttentionRegions(TorchFunctionMode):
         if kind is not None:
             stack[-1].attention_calls += 1
         at = rec.current()
-        if not _needs_grad((q, k, v)):
+        inputs = (q, k, v, mask) if isinstance(mask, torch.Tensor) else (q, k, v)  # a learned bias gets its gradient
+        if not _needs_grad(inputs):
             out = run()
             rec.add_attention(q, k, v, mask, out, kind, at=at)
             return out
         result: list[torch.Tensor] = []
 
         def record_backward(grad_out, needed):
-            grads = self._empty_grads((q, k, v), needed)
+            grads = self._empty_grads(inputs, needed)
             rec.add_attention_backward(q, k, v, mask, result[0], grad_out, grads, kind, ("backward", at[1]))
             return grads
 
-        out = _FusedRegion.apply(run, record_backward, q, k, v)
-        result.append(out)
+        out = _FusedRegion.apply(run, record_backward, *inputs)
+        # Detached: the output itself would hold its grad_fn, whose context holds this closure (a cycle keeping the
+        # recorder and the model alive); only its size is needed.
+        result.append(out.detach())
         rec.add_attention(q, k, v, mask, out, kind, at=at)
         return out
 

@@ -161,3 +161,106 @@ def argparse_parser():
     parser = argparse.ArgumentParser()
     configure_analyze(parser)
     return parser
+
+
+def test_the_model_and_recorder_are_freed_after_a_training_count():
+    import gc
+    import weakref
+
+    model = ToyDenoiser().to("meta")
+    ref = weakref.ref(model)
+    analyze(model, inputs=_toy_inputs(), dtype="fp32", training=True)
+    del model
+    gc.collect()
+    assert ref() is None  # no cycle through the attention's recorded backward keeps it alive
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * grad * x
+
+
+class _SquareModule(nn.Module):
+    def forward(self, x):
+        return _Square.apply(x)
+
+
+class _TwoStages(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.a = _SquareModule()
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.b(self.a(self.lin(x)) + 1.0)
+
+
+def test_a_custom_functions_backward_lands_on_its_module():
+    a = analyze(_TwoStages(), inputs=(torch.randn(4, 6),), dtype="fp32", training=True)
+    assert {r.path for r in _records(a, "backward", name="aten::mul")} == {"a"}
+
+
+class _GuidedByItsOwnGradient(nn.Module):
+    """A forward that differentiates (energy / guidance style): its autograd ops are forward work."""
+
+    def __init__(self):
+        super().__init__()
+        self.energy = nn.Linear(6, 1)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(self.energy(x).sum(), x, create_graph=True)
+        return x + grad
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_forward_that_calls_autograd_stays_forward(training):
+    a = analyze(_GuidedByItsOwnGradient(), inputs=(torch.randn(4, 6),), dtype="fp32", training=training)
+    assert {r.phase for r in a.records} == ({"forward", "backward", "optimizer"} if training else {"forward"})
+    assert _records(a, "forward", category=C.LINEAR)
+
+
+class _LearnedBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.to_qkv = nn.Linear(8, 24)
+        self.rel = nn.Parameter(torch.randn(2, 5, 5))
+
+    def forward(self, x):
+        q, k, v = self.to_qkv(x).view(x.shape[0], 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.rel)
+
+
+def test_a_learned_attention_bias_gets_its_gradient_and_update():
+    a = analyze(_LearnedBias(), inputs=(torch.randn(3, 5, 8),), dtype="fp32", training=True)
+    (attn_bwd,) = _records(a, "backward", name="attention_backward")
+    (fwd,) = _records(a, "forward", name="attention")
+    q_bytes = fwd.in_bytes[0]
+    assert attn_bwd.out_bytes == 3 * q_bytes + 2 * 5 * 5 * 4  # dq, dk, dv and the bias's gradient
+    without = analyze(_LearnedBias().requires_grad_(True), inputs=(torch.randn(3, 5, 8),), dtype="fp32",
+                      training=True)  # fmt: skip
+    frozen = _LearnedBias()
+    frozen.rel.requires_grad_(False)
+    less = analyze(frozen, inputs=(torch.randn(3, 5, 8),), dtype="fp32", training=True)
+    updated = [sum(r.bytes for r in _records(x, "optimizer")) for x in (less, without)]
+    assert updated[0] + 4 * 50 * 4 <= updated[1]  # at least the bias, its gradient and its moments, read or written
+
+
+def test_gradient_checkpointing_is_off_for_the_count_and_restored():
+    model = configs.build_model("sd15", tiny=True, device="meta", dtype=torch.float16)
+    model.enable_gradient_checkpointing()
+    a = analyze(model, training=True)
+    assert any("gradient checkpointing" in note for note in a.notes)
+    assert model.is_gradient_checkpointing
+    assert a.flops_of(*C.CATEGORIES, phase="backward") == analyze("sd15", tiny=True, training=True).flops_of(
+        *C.CATEGORIES, phase="backward"
+    )
