@@ -12,6 +12,7 @@ import datetime as _dt
 import functools
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -421,19 +422,26 @@ def append_duration(test: str, phase: str, seconds: float, outcome: str) -> None
         env = environment()
     except Exception:  # (a report hook must not fail the session: no Triton, no git)
         env = {"gpu": "unknown", "commit": "unknown"}
-    with path.open("a", newline="") as f:
-        writer = csv.writer(f)
-        if new:
-            writer.writerow(DURATION_FIELDS)
-        writer.writerow([test, phase, f"{seconds:.3f}", outcome, env["gpu"], env["commit"]])
+    try:
+        with path.open("a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(DURATION_FIELDS)
+            writer.writerow([test, phase, f"{seconds:.3f}", outcome, env["gpu"], env["commit"]])
+    except OSError as exc:  # a full disk or a read-only folder loses a timing, not the benchmark session
+        print(f"ldmopt benchmarks: could not append to {path}: {exc}", file=sys.stderr)
 
 
 def durations_by_test(path: Path) -> dict[str, float]:
-    """Seconds per benchmark (its setup, call and teardown summed) from a ``durations.csv``, slowest first."""
+    """Seconds per benchmark (its setup, call and teardown summed) from a ``durations.csv``, slowest first (rows of
+    every run appended there: run_gpu.sh gives each run its own folder). A line cut short is skipped."""
     totals: dict[str, float] = {}
     with path.open(newline="") as f:
         for row in csv.DictReader(f):
-            totals[row["test"]] = totals.get(row["test"], 0.0) + float(row["seconds"])
+            try:
+                totals[row["test"]] = totals.get(row["test"], 0.0) + float(row["seconds"])
+            except (TypeError, ValueError, KeyError):
+                continue
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 

@@ -181,6 +181,7 @@ def test_compact_summary_names_the_slowest_benchmarks(recorder, tmp_path):
         "benchmarks/bench_e2e.py::bench_step[sd15],setup,40.0,passed,H200,abc\n"
         "benchmarks/bench_e2e.py::bench_step[sd15],call,35.5,passed,H200,abc\n"
         "benchmarks/bench_linear.py::bench_geglu[fwd],call,4.0,passed,H200,abc\n"
+        "benchmarks/bench_e2e.py::bench_step[sdxl],ca\n"  # a line cut short by a stopped run
     )
     _case_rows(recorder, "attn", "a", {"eager": 2.0, "ldmopt": 1.0})
     status = "benchmarks\t0\t290\t300\n"
