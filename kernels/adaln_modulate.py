@@ -130,6 +130,7 @@ def _adaln_bwd_kernel(
     HAS_DSUM: tl.constexpr,
     HAS_GATE: tl.constexpr,
     INT64_COLS: tl.constexpr,  # as in the forward
+    SCALE_IS_WEIGHT: tl.constexpr,  # the rows were multiplied by scale itself (a LayerNorm weight), not 1 + scale
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -161,7 +162,10 @@ def _adaln_bwd_kernel(
         xhat = tl.where(mask, (s.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
         sum_dy += tl.sum(dy, axis=0)
         sum_dyxhat += tl.sum(dy * xhat, axis=0)
-        g = dy * (1.0 + sc[None, :])
+        if SCALE_IS_WEIGHT:
+            g = dy * sc[None, :]
+        else:
+            g = dy * (1.0 + sc[None, :])
         c1 = tl.sum(g, axis=1) / C
         c2 = tl.sum(g * xhat, axis=1) / C
         dx = rstd[:, None] * (g - c1[:, None] - xhat * c2[:, None])
@@ -233,6 +237,7 @@ def adaln_bwd(
     dsum: torch.Tensor | None,
     x: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
+    scale_is_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ds [M, C] in s's dtype, dscale fp32 [B, C], dshift fp32 [B, C], dx, dgate): ds is the gradient of s, so of the
     residual (and of x without a gate). dsum is the gradient that reached the returned sum s (or None). With a gate
@@ -256,7 +261,8 @@ def adaln_bwd(
         x if has_gate else s, gate if has_gate else scale, mean, rstd, scale, dy.stride(0), dy.stride(1),
         s.stride(0), s.stride(1), dss[0], dss[1], xs[0], xs[1], gs[0], gs[1], scale.stride(0), scale.stride(1), c,
         tokens, rows, n_chunks, HAS_DSUM=dsum is not None, HAS_GATE=has_gate,
-        INT64_COLS=int64_columns(dy, s, dsum, x, gate, scale), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        INT64_COLS=int64_columns(dy, s, dsum, x, gate, scale), SCALE_IS_WEIGHT=scale_is_weight, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     dscale = part_dscale.view(num_samples, n_chunks, c).sum(1)
     dshift = part_dshift.view(num_samples, n_chunks, c).sum(1)
@@ -306,11 +312,20 @@ def aot_specs() -> list[dict]:
         }  # fmt: skip
         constexprs = {
             "stride_dyc": 1, "stride_sc": 1, "stride_dsc": 1, "stride_xgc": 1, "stride_gc": 1, "stride_scc": 1,
-            "HAS_DSUM": residual, "HAS_GATE": gate, "INT64_COLS": False, "BLOCK_R": block_r, "BLOCK_C": block_c,
+            "HAS_DSUM": residual, "HAS_GATE": gate, "INT64_COLS": False, "SCALE_IS_WEIGHT": False,
+            "BLOCK_R": block_r, "BLOCK_C": block_c,
         }  # fmt: skip
         attrs = divisibility_attrs(_adaln_bwd_kernel, signature, constexprs, skip=("T", "n_chunks"))
         specs.append(
             dict(name=f"adaln_bwd[{dtype},C={c},dsum={residual},gate={gate}]", fn=_adaln_bwd_kernel,
                  signature=signature, constexprs=constexprs, attrs=attrs, num_warps=warps)
         )  # fmt: skip
+        if mod == dtype and not gate:
+            # the backward of a LayerNorm read in a GEMM's loads (layer_norm_linear): one "sample", the fp32 weight
+            specs.append(
+                dict(name=f"adaln_bwd[{dtype},C={c},layer_norm_weight]", fn=_adaln_bwd_kernel,
+                     signature={**signature, "scale_ptr": "*fp32", "gate_ptr": "*fp32"},
+                     constexprs={**constexprs, "HAS_DSUM": False, "SCALE_IS_WEIGHT": True}, attrs=attrs,
+                     num_warps=warps)
+            )  # fmt: skip
     return specs

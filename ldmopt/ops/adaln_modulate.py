@@ -57,7 +57,7 @@ def _times_gate(ds: Tensor, gate: Tensor, dtype: torch.dtype) -> Tensor:
     return dense((ds.to(cd).view(gate.shape[0], -1, c) * gate.to(cd)[:, None, :]).view(m, c), dtype)
 
 
-def _bwd_torch(dy, s, mean, rstd, scale, dsum, x, gate):
+def _bwd_torch(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight=False):
     cd = compute_dtype(s)
     m, c = s.shape
     b = scale.shape[0]
@@ -65,7 +65,8 @@ def _bwd_torch(dy, s, mean, rstd, scale, dsum, x, gate):
     dyc = dy.to(cd)
     dshift = dyc.view(b, -1, c).sum(1)
     dscale = (dyc * xhat).view(b, -1, c).sum(1)
-    g = (dyc.view(b, -1, c) * (1.0 + scale.to(cd))[:, None, :]).view(m, c)
+    factor = scale.to(cd) if scale_is_weight else 1.0 + scale.to(cd)
+    g = (dyc.view(b, -1, c) * factor[:, None, :]).view(m, c)
     dx = rstd.to(cd)[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
     if dsum is not None:
         dx = dx + dsum.to(cd)
@@ -90,7 +91,7 @@ def _triton_refuse(x, scale, shift, residual, gate, *args) -> list[str]:
     return reasons
 
 
-def _triton_refuse_bwd(dy, s, mean, rstd, scale, dsum, x, gate) -> list[str]:
+def _triton_refuse_bwd(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight=False) -> list[str]:
     reasons = _triton_refuse(s, scale, dy, dsum, gate, x)
     if not reasons and gate is not None and s.dtype == torch.float32:
         from ldmopt.kernels.adaln_modulate import MAX_GATED_FP32_BWD_C
@@ -109,10 +110,10 @@ def _fwd_triton(x, scale, shift, residual, gate, eps, store_sum, save):
     return adaln_fwd(x, scale, shift, residual, gate, eps, store_sum, save)
 
 
-def _bwd_triton(dy, s, mean, rstd, scale, dsum, x, gate):
+def _bwd_triton(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight=False):
     from ldmopt.kernels.adaln_modulate import adaln_bwd
 
-    return adaln_bwd(dy, s, mean, rstd, scale, dsum, x, gate)
+    return adaln_bwd(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight)
 
 
 FORWARD = BackendTable("adaln_modulate", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
@@ -179,15 +180,18 @@ def adaln_modulate_bwd(
     dsum: Tensor | None,
     x: Tensor | None,
     gate: Tensor | None,
+    scale_is_weight: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(ds, dscale, dshift, dx, dgate): ds [M, C] in s's dtype is the gradient of the residual, and of x without a
     gate (dsum, the gradient that reached the returned sum, included); dscale/dshift [B, C] in the compute dtype. With a
-    gate (x: the gated input): dx = ds * gate[b] in x's dtype, dgate [B, C] in the compute dtype; else both empty."""
-    return BACKWARD(dy, s, mean, rstd, scale, dsum, x, gate)
+    gate (x: the gated input): dx = ds * gate[b] in x's dtype, dgate [B, C] in the compute dtype; else both empty.
+    ``scale_is_weight``: the rows were multiplied by ``scale`` itself, not ``1 + scale`` (a LayerNorm's affine weight,
+    which ``w - 1`` would round away when |w| is far below 1)."""
+    return BACKWARD(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight)
 
 
 @adaln_modulate_bwd.register_fake
-def _(dy, s, mean, rstd, scale, dsum, x, gate):
+def _(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight=False):
     per = s.new_empty(scale.shape, dtype=compute_dtype(s))
     if gate is None:
         return s.new_empty(s.shape), per, torch.empty_like(per), s.new_empty((0,)), per.new_empty((0,))

@@ -13,8 +13,8 @@ to_v) share one statistics pass (``stats=``).
 Backward: the elementwise part of the epilogue as ``ldmopt::linear_bwd`` / ``ldmopt::geglu_bwd``, then dH = dz W and
 dW = dz^T h with h recomputed from the saved statistics in one pass (``ldmopt::layer_norm_apply``), and LayerNorm's
 backward from the same statistics in the compute dtype (fp32, fp64 for fp64): dx = rstd (g - mean(g) - xhat
-mean(g xhat)) with g = dH w, in one row pass (``ldmopt::adaln_modulate_bwd``, which also sums the norm's weight and
-bias gradients).
+mean(g xhat)) with g = dH w, in one row pass (``ldmopt::adaln_modulate_bwd`` with the weight as its scale, which
+also sums the norm's weight and bias gradients).
 """
 
 from __future__ import annotations
@@ -205,13 +205,14 @@ def _backward(ctx, dy, _dpre):
 
 def _layer_norm_input_grads(dh: Tensor, x: Tensor, stats: Tensor, norm_weight: Tensor | None):
     """(dx in x's dtype, d norm weight, d norm bias in the compute dtype) of h = layer_norm(x) * w + b from dH, in one
-    row pass: adaLN's backward over a single "sample" whose scale is w - 1 (adaLN multiplies by 1 + scale) and whose
-    scale/shift gradients are the sums over every row. The positions added after the affine have no gradient."""
+    row pass: adaLN's backward over a single "sample" whose scale is the norm's weight (multiplied as it is, not as
+    1 + scale) and whose scale/shift gradients are the sums over every row. The positions added after the affine
+    have no gradient."""
     cd = stats.dtype
     k = x.shape[1]
-    scale = (norm_weight.to(cd) - 1.0) if norm_weight is not None else torch.zeros(k, device=x.device, dtype=cd)
+    weight = norm_weight.to(cd) if norm_weight is not None else torch.ones(k, device=x.device, dtype=cd)
     mean, rstd = stats[0].contiguous(), stats[1].contiguous()
-    dx, dscale, dshift, _, _ = call(adaln_modulate_bwd, dh, x, mean, rstd, scale[None], None, None, None)
+    dx, dscale, dshift, _, _ = call(adaln_modulate_bwd, dh, x, mean, rstd, weight[None], None, None, None, True)
     return dx, dscale[0], dshift[0]
 
 

@@ -129,3 +129,29 @@ def test_gemm_backward_runs_the_norm_in_two_passes(act):
     expect = torch.autograd.grad(h, ref, dy)
     for name, got, want in zip(("dx", "dnorm_weight", "dnorm_bias", "dweight"), (x, nw, nb, w), expect):
         torch.testing.assert_close(got.grad.double(), want, rtol=2e-4, atol=2e-4, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gemm_backward_keeps_tiny_norm_weights_exact(backend):
+    # The norm's weight is multiplied as it is: passing w - 1 to adaLN's "1 + scale" would round a weight of 1e-6 to
+    # a few ulp of 1 in fp32 (dx 3% off).
+    m, k, n = 12, 40, 8
+    x = torch.randn(m, k, requires_grad=True)
+    nw = (torch.rand(k) * 1e-6 + 1e-7).requires_grad_()
+    nb = torch.randn(k, requires_grad=True)
+    w = torch.randn(n, k, requires_grad=True)
+    dy = torch.randn(m, n)
+    with ldmopt.use_backend(backend):
+        layer_norm_linear(x, nw, nb, w, None, eps=EPS).backward(dy)
+    ref = [t.detach().double().requires_grad_() for t in (x, nw, nb, w)]
+    (F.layer_norm(ref[0], (k,), ref[1], ref[2], EPS) @ ref[3].t()).backward(dy.double())
+    for name, got, want in zip(("dx", "dnorm_weight"), (x, nw), ref):
+        err = ((got.grad.double() - want.grad).abs().max() / want.grad.abs().max()).item()
+        assert err < 1e-5, f"{name} {backend}: relative error {err:.2e}"
+
+
+def test_adaln_backward_opcheck_with_the_weight_as_scale():
+    x, w, _, _ = _case(10, 24, torch.float32)
+    stats = layer_norm_stats(x, EPS)
+    args = (torch.randn(10, 24), x, stats[0].contiguous(), stats[1].contiguous(), w[None], None, None, None, True)
+    torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_bwd.default, args)
