@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import ldmopt
 from ldmopt import configs
+from ldmopt.nn.child_check import observer
 
 
 class _FlashSaves(torch.autograd.Function):
@@ -90,7 +91,9 @@ def saved_bytes(model: torch.nn.Module, inputs, by_site: bool = False) -> tuple[
         return t
 
     call = model if inputs.method == "forward" else getattr(model, inputs.method)
-    with flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    # Marked as observers (they only watch): ldmopt's own saved-tensor hooks then still run inside them.
+    hooks = observer(pack), observer(lambda t: t)
+    with flash_attention_saves(), torch.autograd.graph.saved_tensors_hooks(*hooks):
         call(**inputs.kwargs)
     sites: Counter = Counter()
     for nbytes, site in saved.values():

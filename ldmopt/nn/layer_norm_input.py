@@ -144,9 +144,11 @@ class NormedInput:
         readable nn.Linear, all with a bias or none, weights of one dtype, and the stacking pays
         (:meth:`_joining_pays`)."""
         if self._fused_ok() and _joinable(layers) and self._joining_pays(layers):
-            weight = torch.cat([layer.weight for layer in layers])
+            weights = [layer.weight for layer in layers]
+            weight = torch.cat(weights)
             bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-            y = self._normed_gemm(layers, weight, bias, None)
+            with _stacked_weight_recomputed(weight, weights):
+                y = self._normed_gemm(layers, weight, bias, None)
             return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))
         return [self.project(layer, name) for layer, name in zip(layers, names)]
 
@@ -188,6 +190,48 @@ def normed_with_positions(
     if table is None:
         return add_positions(norm(x))
     return NormedInput(norm, x, where, name, positions=(table, rows_per_position), finish=add_positions, stats=stats)
+
+
+class _Stacked:
+    """What the GEMM's backward gets back for the stacked weight: the parameters, stacked again."""
+
+    def __init__(self, weights: list[Tensor]) -> None:
+        self.weights, self.versions = weights, [w._version for w in weights]
+
+    def unpack(self) -> Tensor:
+        if [w._version for w in self.weights] != self.versions:
+            raise RuntimeError(
+                "ldmopt: a projection weight (to_q/to_k/to_v) was modified in place between the forward and the "
+                "backward that needs it (as autograd refuses for any saved tensor)"
+            )
+        return torch.cat(self.weights)
+
+
+def _stacked_weight_recomputed(weight: Tensor, weights: list[Tensor]):
+    """Saved-tensor hooks that keep the parameters instead of their stacked copy for the GEMM's backward (stacked
+    again there): the copy would otherwise live until the backward, weights' worth of activation memory per
+    attention (0.6 GiB in an SDXL training step). Only outside compiled graphs and where no other saved-tensor hooks
+    are active (activation offloading, checkpointing: theirs stay in charge), unless those only watch (marked with
+    child_check.observer: benchmarks/saved_activations.py's count), which then see every other saved tensor."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: False)
+    if top is None or not torch.is_grad_enabled() or not weight.requires_grad or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    outer = top(False) if enabled() else None
+    if not enabled() or (outer is not None and not all(getattr(h, "_ldmopt_observer", False) for h in outer)):
+        return contextlib.nullcontext()
+    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+    storage = weight.untyped_storage()._cdata
+
+    def pack(t: Tensor):
+        if t.untyped_storage()._cdata == storage and t.shape == weight.shape:
+            return _Stacked(weights)
+        return outer_pack(t)
+
+    def unpack(packed):
+        return packed.unpack() if isinstance(packed, _Stacked) else outer_unpack(packed)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _joinable(layers: Sequence[nn.Module]) -> bool:

@@ -92,6 +92,8 @@ def wanted_layer_norm_eps(producer: nn.Module, out_like: Tensor) -> float | None
 
 def offer(out: Tensor, producer: nn.Module, config: tuple | None = None, stats=None) -> None:
     """Make ``out`` (and its ``stats`` for GroupNorm ``config``, if computed) the next consumer's to take."""
+    if torch.compiler.is_compiling():
+        return  # no side effect in a traced graph (a checkpointed region under torch.compile refuses them)
     if not _eligible(out):
         _local.offer = None
         return

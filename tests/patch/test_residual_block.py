@@ -464,3 +464,50 @@ def test_single_key_cross_attention_skips_its_norm(monkeypatch, change):
     for name, p in block.named_parameters():
         torch.testing.assert_close(p.grad, stock_block.get_parameter(name).grad, atol=1e-4, rtol=1e-4, msg=name)
     torch.testing.assert_close(hidden.grad, stock_hidden.grad, atol=1e-4, rtol=1e-4)
+
+
+def _saved_shapes(block, hidden, context):
+    """Shapes of the tensors the patched block saves for backward (an observer hook, as saved_activations counts)."""
+    from ldmopt.nn.child_check import observer
+
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(observer(pack), observer(lambda t: t)):
+        out = _call(block, hidden, context)
+    return out, shapes
+
+
+def test_joint_projection_keeps_the_parameters_not_their_stacked_copy_for_backward():
+    block = _block().train()
+    hidden, context = _inputs()
+    ldmopt.patch(block, training=True)
+    with ldmopt.use_backend("triton"):
+        out, shapes = _saved_shapes(block, hidden, context)
+        assert (3 * DIM, DIM) not in shapes  # the stacked to_q/to_k/to_v weight is not kept
+        out.sum().backward()
+    assert block.attn1.to_k.weight.grad is not None
+    # Changed in place before the backward that needs it: refused, as autograd refuses for a saved tensor.
+    with ldmopt.use_backend("triton"):
+        out = _call(block, hidden, context)
+        with torch.no_grad():
+            block.attn1.to_v.weight.mul_(1.0)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            out.sum().backward()
+
+
+def test_joint_projection_under_activation_offloading():
+    # Saved-tensor hooks of the user's (here offloading to the CPU) stay in charge: the stacked weight is then kept.
+    block = _block().train()
+    hidden, context = _inputs()
+    stock = copy.deepcopy(block)
+    ldmopt.patch(block, training=True)
+    weights = torch.randn(hidden.shape)
+    with ldmopt.use_backend("triton"), torch.autograd.graph.save_on_cpu():
+        (_call(block, hidden, context) * weights).sum().backward()
+    (_call(stock, hidden, context) * weights).sum().backward()
+    for (name, p), q in zip(stock.named_parameters(), block.parameters()):
+        assert_close(q.grad, p.grad.double(), torch.float32, f"grad {name}")
