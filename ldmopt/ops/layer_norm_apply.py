@@ -57,13 +57,16 @@ def _apply_refuse_triton(x, stats, norm_weight, norm_bias, positions, position_r
         reasons.append(f"output dtype {dtype}")
     if stats.dtype != torch.float32 or not stats.is_contiguous():
         reasons.append(f"statistics {stats.dtype} with strides {stats.stride()} (the kernel reads contiguous fp32)")
-    if reasons:  # Triton missing among them: the kernel module imports it
-        return reasons
-    from ldmopt.kernels.layer_norm_apply import MAX_C
+    return reasons or row_width_refusals("layer_norm_apply", x.shape[1], "the kernel")
 
-    if x.shape[1] > MAX_C:
-        reasons.append(f"rows of {x.shape[1]} channels (the kernel holds rows of at most {MAX_C})")
-    return reasons
+
+def row_width_refusals(kernel_module: str, c: int, what: str) -> list[str]:
+    """Why a row kernel of ``ldmopt.kernels.<kernel_module>`` (whole rows in registers, up to its MAX_C) refuses rows
+    of ``c`` channels; imports the kernel module, so call it once Triton is known to be there."""
+    import importlib
+
+    max_c = importlib.import_module(f"ldmopt.kernels.{kernel_module}").MAX_C
+    return [f"rows of {c} channels ({what} holds rows of at most {max_c})"] if c > max_c else []
 
 
 APPLY = BackendTable(

@@ -36,7 +36,7 @@ from ._dispatch import (
 from .adaln_modulate import adaln_modulate_bwd
 from .geglu import _fwd_torch as _geglu_fwd_torch
 from .geglu import geglu_bwd
-from .layer_norm_apply import affine, layer_norm_apply, standardised
+from .layer_norm_apply import affine, layer_norm_apply, row_width_refusals, standardised
 from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad
 from .linear import _fwd_torch as _linear_fwd_torch
 
@@ -61,14 +61,8 @@ def _stats_triton(x, eps):
 
 
 def _stats_refuse_triton(x, eps):
-    reasons = triton_refusals(x, dtypes=TRITON_DTYPES)
-    if reasons:  # Triton missing among them: the kernel module imports it
-        return reasons
-    from ldmopt.kernels.layer_norm_stats import MAX_C
-
-    if x.shape[1] > MAX_C:
-        reasons.append(f"rows of {x.shape[1]} channels (the statistics kernel holds rows of at most {MAX_C})")
-    return reasons
+    reasons = triton_refusals(x, dtypes=TRITON_DTYPES)  # Triton missing among them: the width check imports it
+    return reasons or row_width_refusals("layer_norm_stats", x.shape[1], "the statistics kernel")
 
 
 STATS = BackendTable(
