@@ -92,6 +92,9 @@ def configure_analyze(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--training", action="store_true", help="a training step: forward, MSE loss, backward and AdamW, by phase"
     )
+    parser.add_argument(
+        "--patched", action="store_true", help="count the model as ldmopt.patch leaves it (its fused ops recorded)"
+    )
     _common(parser)
 
 
@@ -193,7 +196,7 @@ def run_analyze(args: argparse.Namespace) -> int:
             for frames in args.frames or [None]:
                 analyses.append(analyze(args.model, resolution=res, frames=frames, batch=args.batch, dtype=dtype,
                                         gpu=args.gpu, tiny=args.tiny, check_flops=args.check_flops,
-                                        training=args.training))  # fmt: skip
+                                        training=args.training, patched=args.patched))  # fmt: skip
     except (KeyError, ValueError) as exc:
         print(f"ldmopt analyze: {_message(exc)}", file=sys.stderr)
         return 2

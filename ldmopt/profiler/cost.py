@@ -281,6 +281,7 @@ def analyze(
     check_flops: bool = False,
     tiny: bool = False,
     training: bool = False,
+    patched: bool = False,
 ) -> Analysis:
     """Count FLOPs and minimum bytes of one denoiser call (VAE: one decode) and project its time on ``gpu``.
 
@@ -288,6 +289,11 @@ def analyze(
     of the output's shape (noise prediction), the backward pass (the gradients of every parameter that requires
     them; attention's as one FlashAttention backward) and an AdamW update (foreach) of those parameters, which keep
     the analysed dtype. ``phases`` splits the result; ldmopt's patched projection covers its forward fusions only.
+
+    ``patched=True`` counts the model as ``ldmopt.patch`` leaves it instead (a meta copy, channels-last, patched for
+    ``training``): ldmopt's ops are recorded as they dispatch, in their own category, their FLOPs by the formulas
+    of the operators they replace. Independent of the fusion rules' projection, and what projects a patched
+    training step's backward.
 
     ``model_or_name`` is a zoo name (``ldmopt.configs.names()``), a model from ``ldmopt.configs.build_model``, or a
     diffusers model (rebuilt from its config on the meta device; its weights are never touched). ``inputs``
@@ -314,6 +320,9 @@ def analyze(
         inputs = configs.ModelInputs("forward", kwargs, None, frames, batch)
     inputs = configs.ModelInputs(inputs.method, _to_meta(inputs.kwargs, dtype), inputs.resolution, inputs.frames,
                                  inputs.batch)  # fmt: skip
+    patch_note = _patch_for_analysis(model, inputs, training) if patched else None
+    if patch_note is not None:
+        model = patch_note[0]
 
     scopes = ModuleScopes(model)
     recorder = Recorder(scopes, track_sites=training)
@@ -352,6 +361,8 @@ def analyze(
 
     analysis = _summarise(model, recorder, spec, dtype_key(dtype))
     analysis.training = training
+    if patch_note is not None:
+        analysis.notes.append(patch_note[1])
     if training and checkpointing:
         analysis.notes.append(
             f"gradient checkpointing (on in {len(checkpointing)} modules) was off for the count: its recomputation "
@@ -363,6 +374,21 @@ def analyze(
     if tiny:
         analysis.notes.append("tiny random-weight variant of the model family")
     return analysis
+
+
+def _patch_for_analysis(model: nn.Module, inputs, training: bool) -> tuple[nn.Module, str]:
+    """(a patched meta copy of ``model`` in channels-last, as the demo runs it, with ``inputs`` converted in place;
+    the note saying so)."""
+    import ldmopt
+    from ldmopt.demo import channels_last_call
+
+    model = copy.deepcopy(model)  # the caller's (meta) model stays as it is
+    channels_last_call(model, inputs)
+    report = ldmopt.patch(model, training=training)
+    return model, (
+        f"the model as ldmopt.patch leaves it ({report.total} modules patched, channels-last): its fused ops are the "
+        "'ldmopt fused kernels' row; the patched columns project the fusion rules on what is left"
+    )
 
 
 def _restore_modes(

@@ -160,6 +160,31 @@ def _conv_backward_flops(args: tuple) -> int:
     return forward * (int(bool(mask[0])) + int(bool(mask[1])))
 
 
+_LDMOPT_GEMMS = frozenset({"linear_fwd", "linear_stats_fwd", "layer_norm_linear_fwd", "geglu_fwd"})
+
+
+def _ldmopt_flops(func, base: str, args: tuple, kwargs: dict, out: torch.Tensor) -> int:
+    """FLOPs of ldmopt's own ops that do matrix work (a model analysed as ldmopt.patch left it), by the formulas
+    of the ATen ops they replace: the fused conv (and its 1x1 shortcut) on its output grid, the GEMMs on their rows,
+    the temporal attention over frames (its backward recomputing the scores, as FlashAttention's)."""
+    named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+    if base == "gn_conv2d":
+        pixels = out.shape[0] * math.prod(out.shape[2:])
+        shortcut = named.get("shortcut_weight")
+        flops = 2 * pixels * math.prod(named["weight"].shape)
+        return flops + (2 * pixels * math.prod(shortcut.shape) if isinstance(shortcut, torch.Tensor) else 0)
+    if base in _LDMOPT_GEMMS:
+        x = named["x"]
+        return 2 * (x.numel() // x.shape[-1]) * math.prod(named["weight"].shape)
+    if base.startswith("temporal_attention"):
+        q, v = named["q"], named["v"]  # (B, F, N, heads, head_dim)
+        frames, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
+        sequences = q.numel() // (frames * d)
+        per_pair = 3 * d + 2 * dv if base == "temporal_attention_bwd" else d + dv
+        return 2 * sequences * frames * frames * per_pair
+    return 0
+
+
 def _sdpa_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(flops, batch*heads, q_len, kv_len, head_dim) of one attention: QK^T and PV, 2 FLOPs per multiply-add."""
     batch_heads = math.prod(q.shape[:-2])
@@ -313,6 +338,8 @@ class Recorder(TorchDispatchMode):
             flops = _conv_flops(args, outputs[0])
         elif base == "convolution_backward":
             flops = _conv_backward_flops(args)
+        elif namespace == "ldmopt" and outputs:
+            flops = _ldmopt_flops(func, base, args, kwargs, outputs[0])
         if base in ("baddbmm", "addmm", "addbmm") and kwargs.get("beta", 1) == 0 and inputs and inputs[0] is args[0]:
             inputs = inputs[1:]  # beta=0: the added tensor is never read (diffusers' baddbmm on an empty score tensor)
         self.add(name, category, flops, inputs, outputs, at=at)

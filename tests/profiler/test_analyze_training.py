@@ -264,3 +264,35 @@ def test_gradient_checkpointing_is_off_for_the_count_and_restored():
     assert a.flops_of(*C.CATEGORIES, phase="backward") == analyze("sd15", tiny=True, training=True).flops_of(
         *C.CATEGORIES, phase="backward"
     )
+
+
+@pytest.mark.parametrize("name", configs.names())
+def test_a_patched_model_counts_the_stock_models_flops(name):
+    # ldmopt's ops counted by the formulas of the operators they replace: the same work, whatever the fusion.
+    stock = analyze(name, tiny=True)
+    patched = analyze(name, tiny=True, patched=True)
+    assert patched.categories[C.LDMOPT].ops > 0 or name.endswith("vae")
+    if name.startswith("svd"):  # the single-key attention shortcut skips attn2's queries and attention
+        assert 0.5 * stock.total_flops < patched.total_flops < stock.total_flops
+    else:
+        assert patched.total_flops == stock.total_flops
+    assert any("ldmopt.patch leaves it" in note for note in patched.notes)
+
+
+@pytest.mark.parametrize("name", ["sd15", "dit", "animatediff"])
+def test_the_patched_models_recording_agrees_with_the_fusion_rules(name):
+    # Two independent projections of the patched model: the fusion rules on the stock recording, and the recording
+    # of the model as ldmopt patches it.
+    stock = analyze(name)
+    patched = analyze(name, patched=True)
+    assert patched.time_s == pytest.approx(stock.patched_time_s, rel=0.05)
+    assert patched.time_s < 0.9 * stock.time_s
+
+
+def test_a_patched_training_step_is_counted_forward_and_backward():
+    stock = analyze("sd15", tiny=True, training=True)
+    patched = analyze("sd15", tiny=True, training=True, patched=True)
+    for phase in ("forward", "backward"):
+        assert patched.flops_of(*C.CATEGORIES, phase=phase) == stock.flops_of(*C.CATEGORIES, phase=phase)
+    assert _records(patched, "backward", category=C.LDMOPT)  # the fused ops' own backward kernels
+    assert patched.phase_time_s("backward") < stock.phase_time_s("backward")
