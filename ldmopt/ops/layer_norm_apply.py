@@ -41,7 +41,9 @@ def affine(xhat, norm_weight, norm_bias, positions=None, position_rows=1) -> Ten
     return h
 
 
-def _apply_torch(x, stats, norm_weight, norm_bias, positions, position_rows, dtype):
+def apply_reference(x, stats, norm_weight, norm_bias, positions, position_rows, dtype):
+    """The torch backend: the LayerNorm's output (plus positions) in the statistics' dtype, rounded once to ``dtype``
+    (also what the reference normalised GEMM reads)."""
     return affine(standardised(x, stats), norm_weight, norm_bias, positions, position_rows).to(dtype)
 
 
@@ -70,7 +72,7 @@ def row_width_refusals(kernel_module: str, c: int, what: str) -> list[str]:
 
 
 APPLY = BackendTable(
-    "layer_norm_apply", [Backend("triton", _apply_triton, _apply_refuse_triton), Backend("torch", _apply_torch)]
+    "layer_norm_apply", [Backend("triton", _apply_triton, _apply_refuse_triton), Backend("torch", apply_reference)]
 )
 
 

@@ -36,7 +36,7 @@ from ._dispatch import (
 from .adaln_modulate import adaln_modulate_bwd
 from .geglu import _fwd_torch as _geglu_fwd_torch
 from .geglu import geglu_bwd
-from .layer_norm_apply import affine, layer_norm_apply, row_width_refusals, standardised
+from .layer_norm_apply import apply_reference, layer_norm_apply, row_width_refusals
 from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad
 from .linear import _fwd_torch as _linear_fwd_torch
 
@@ -90,7 +90,7 @@ register_eager(layer_norm_stats_op)
 
 def _fwd_torch(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
     # The norm's output (plus positions), rounded once as a GEMM reads it.
-    h = affine(standardised(x, stats), norm_weight, norm_bias, positions, position_rows).to(weight.dtype)
+    h = apply_reference(x, stats, norm_weight, norm_bias, positions, position_rows, weight.dtype)
     return _gemm_torch(h, weight, bias, activation, save_pre)
 
 

@@ -408,31 +408,19 @@ def _loss_backward_update(model: nn.Module, out: Any, recorder: Recorder) -> Non
     from .measure import _first_tensor
 
     prediction = _first_tensor(out)
-    recorder.suppress += 1  # the target is data, as the latents are
-    try:
+    with recorder.suppressed():  # the target is data, as the latents are
         target = torch.empty_like(prediction)
-    finally:
-        recorder.suppress -= 1
     loss = nn.functional.mse_loss(prediction.float(), target.float())
     params = [p for p in model.parameters() if p.requires_grad]
     if not params or not loss.requires_grad:
         raise ValueError("training=True: the model has no parameter that requires a gradient")
-    recorder.phase = "backward"  # (the engine's seed gradient runs outside any node)
-    try:
+    with recorder.in_phase("backward"):  # (the engine's seed gradient runs outside any node)
         loss.backward()
-    finally:
-        recorder.phase = "forward"
     optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
-    recorder.suppress += 1  # the first step allocates and zeroes the moments: count a steady-state step
-    try:
+    with recorder.suppressed():  # the first step allocates and zeroes the moments: count a steady-state step
         optimizer.step()
-    finally:
-        recorder.suppress -= 1
-    recorder.phase = "optimizer"
-    try:
+    with recorder.in_phase("optimizer"):
         optimizer.step()
-    finally:
-        recorder.phase = "forward"
 
 
 _CONV_OPS = frozenset({"convolution", "_convolution", "conv2d", "conv3d", "conv1d", "cudnn_convolution"})

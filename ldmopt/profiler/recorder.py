@@ -15,6 +15,7 @@ backward kernel runs it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 
@@ -213,6 +214,24 @@ class Recorder(TorchDispatchMode):
         # otherwise take the tensor (AccumulateGrad steals a gradient nobody else holds).
         self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
+    @contextlib.contextmanager
+    def suppressed(self):
+        """Operators run inside are not recorded (the insides of a fused region, data that is not work)."""
+        self.suppress += 1
+        try:
+            yield
+        finally:
+            self.suppress -= 1
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str):
+        """Operators run inside belong to ``phase`` ("backward": attributed through their autograd node)."""
+        before, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = before
+
     # ------------------------------------------------------------------ data flow
     def producer_of(self, t: torch.Tensor) -> int:
         return self._producer.get(t, -1)
@@ -387,12 +406,8 @@ class AttentionRegions(TorchFunctionMode):
         self.recorder = recorder
 
     def _suppressed(self, func, args, kwargs):
-        rec = self.recorder
-        rec.suppress += 1
-        try:
+        with self.recorder.suppressed():
             return func(*args, **kwargs)
-        finally:
-            rec.suppress -= 1
 
     def _empty_grads(self, tensors, needed) -> list[torch.Tensor | None]:
         return [
