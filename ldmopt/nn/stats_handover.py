@@ -14,7 +14,7 @@ Diffusers' block code calls the modules one after another, so the hand-over goes
 
 The same goes for LayerNorm statistics between UNet transformer blocks (SDXL runs ten in a row): a block's
 feed-forward output GEMM sums its rows' ``layer_norm_stats`` in its epilogue for the next block's norm1
-(:func:`take_layer_norm`, :func:`wanted_layer_norm_eps`).
+(:func:`offer_layer_norm`, :func:`take_layer_norm`, :func:`wanted_layer_norm_eps`).
 
 So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input (the
 epilogue sums the stored output), and the consumer's backward differentiates through them as its own. Only plain
@@ -88,6 +88,15 @@ def wanted_layer_norm_eps(producer: nn.Module, out_like: Tensor) -> float | None
     """The eps of the LayerNorm that read this producer's output on an earlier call, if one asked (see wanted)."""
     config = wanted(producer, out_like)
     return config[1] if config is not None and config[0] == LAYER_NORM else None
+
+
+def offer_layer_norm(out: Tensor, producer: nn.Module, eps: float | None, stats: Tensor | None) -> None:
+    """:func:`offer` for a LayerNorm: ``out`` and, when summed (``stats`` not None), its ``layer_norm_stats`` for
+    ``eps``."""
+    if stats is None:
+        offer(out, producer)
+    else:
+        offer(out, producer, (LAYER_NORM, float(eps)), (stats,))
 
 
 def offer(out: Tensor, producer: nn.Module, config: tuple | None = None, stats=None) -> None:

@@ -30,7 +30,7 @@ from ..nn.attention_residual import attention_residual_and_stats as attend
 from ..nn.attention_residual import static_reason
 from ..nn.layer_norm_input import NormedInput, normed_with_positions
 from ..nn.linear import ff_residual_and_stats
-from ..nn.stats_handover import LAYER_NORM, offer, take_layer_norm, wanted_layer_norm_eps
+from ..nn.stats_handover import offer_layer_norm, take_layer_norm, wanted_layer_norm_eps
 from .rule import ClassSwapRule, Rule, Site
 from .rules_blocks import basic_block_forward
 
@@ -57,7 +57,7 @@ def _residual_block_forward(
     normed = NormedInput(self.norm3, hidden_states, where, "norm3", stats=stats)
     eps = wanted_layer_norm_eps(self, hidden_states)  # asked by the block after this one, on an earlier call
     out, out_stats = ff_residual_and_stats(self.ff, normed, hidden_states, eps)
-    offer(out, self, None if out_stats is None else (LAYER_NORM, eps), None if out_stats is None else (out_stats,))
+    offer_layer_norm(out, self, eps, out_stats)
     return out
 
 
