@@ -155,3 +155,13 @@ def test_adaln_backward_opcheck_with_the_weight_as_scale():
     stats = layer_norm_stats(x, EPS)
     args = (torch.randn(10, 24), x, stats[0].contiguous(), stats[1].contiguous(), w[None], None, None, None, True)
     torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_bwd.default, args)
+
+
+def test_torch_compile_fullgraph():
+    x, w, b, table = _case(23, 40, torch.float32, positions=3)
+    stats = layer_norm_stats(x, EPS)
+    compiled = torch.compile(lambda *a: layer_norm_apply(*a, 5, torch.float16), fullgraph=True, backend="aot_eager")
+    with ldmopt.use_backend("triton"):
+        h = compiled(x, stats, w, b, table)
+    ref, lowp = _expect(x, w, b, table, 5, torch.float16)
+    assert_within_torch_error(h, ref, lowp, "compiled")
