@@ -503,11 +503,14 @@ def test_joint_projection_under_activation_offloading():
     # Saved-tensor hooks of the user's (here offloading to the CPU) stay in charge: the stacked weight is then kept.
     block = _block().train()
     hidden, context = _inputs()
-    stock = copy.deepcopy(block)
+    stock, exact = copy.deepcopy(block), copy.deepcopy(block).double()
     ldmopt.patch(block, training=True)
     weights = torch.randn(hidden.shape)
     with ldmopt.use_backend("triton"), torch.autograd.graph.save_on_cpu():
         (_call(block, hidden, context) * weights).sum().backward()
     (_call(stock, hidden, context) * weights).sum().backward()
-    for (name, p), q in zip(stock.named_parameters(), block.parameters()):
-        assert_close(q.grad, p.grad.double(), torch.float32, f"grad {name}")
+    (_call(exact, hidden.double(), context.double()) * weights.double()).sum().backward()
+    # Each gradient sums over rows in another order than stock's: measured against the fp64 stock block, within
+    # the error stock's own fp32 backward makes.
+    for (name, p), q, e in zip(stock.named_parameters(), block.parameters(), exact.parameters()):
+        assert_within_torch_error(q.grad, e.grad, p.grad, f"grad {name}")
