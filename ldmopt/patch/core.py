@@ -26,6 +26,7 @@ from ..nn.child_check import foreign_hook_registry, instance_forward_owner, wrap
 from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
 from .rule import FAMILIES, REPLACED, ChildSwapRule, Rule, Site, restore_child, swap_class
 from .rules_attention import companion_actions, installed_processor, restore_unrecorded_processors
+from .weight_layout import reads_fused_conv, weight_bytes, weight_layout_action
 
 _RECORDS = "_ldmopt_records"
 #: Every module a live patch touched -> the model that holds its records (a patch of an enclosing model leaves no
@@ -395,6 +396,7 @@ def patch(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     strict: bool = False,
     training: bool = False,
+    channels_last_weights: bool | None = None,
 ) -> PatchReport:
     """Swap ldmopt's fused kernels into a diffusers pipeline's models (or one model), in place and reversibly.
 
@@ -412,10 +414,16 @@ def patch(
         training: the model will be trained: modules whose fused path would skip a dropout with p > 0 stay on
             the stock path. (With the default False, such modules fall back to the stock forward while in
             train mode.)
+        channels_last_weights: in a model whose convolutions this call fuses, convert the Conv2d/Conv3d weights
+            to channels-last in place (same Parameters, values and keys; unpatch restores the strides), the layout
+            the fused convolutions read in vectors (ldmopt/patch/weight_layout.py). Default (None): when
+            ``training`` is False; FSDP's fully_shard refuses non-contiguous parameters, so a training patch leaves
+            the layout to the caller unless this is True. The report says what was converted or left.
 
-    Parameters are shared with the stock modules (no copies), state_dict keys do not change, patching twice is a
-    no-op, a module that several components share is patched once, a rule that raises leaves every model of the
-    call as it was, and ``unpatch`` restores module types, forwards, processors and state_dict exactly.
+    Parameters are shared with the stock modules (the same objects, no copies; conv weights may be re-laid out,
+    above), state_dict keys do not change, patching twice is a no-op, a module that several components share is
+    patched once, a rule that raises leaves every model of the call as it was, and ``unpatch`` restores module
+    types, forwards, processors, parameter strides and state_dict exactly.
     """
     from ..ops._dispatch import backend_counts, snapshot_counts
 
@@ -447,6 +455,7 @@ def patch(
             lines = "\n".join(f"  {s.where} [{s.rule}]: {'; '.join(s.reasons)}" for s in refused)
             raise PatchError(f"ldmopt.patch(strict=True): {len(refused)} modules would stay stock:\n" + lines)
     # All or nothing across the pipeline's models: a replace that raises undoes this call's earlier ones too.
+    wanted_layout = (not training) if channels_last_weights is None else bool(channels_last_weights)
     applied: list[tuple[nn.Module, list[_Record]]] = []
     try:
         for label, model, actions in plans:
@@ -461,6 +470,18 @@ def patch(
                 report._counters.extend(rule.counters(data))
             for rule, site in companion_actions(model):  # fuse nothing: not reported as patched modules
                 records.append(_Record(rule, site, rule.replace(site)))
+            convs_fused = any(reads_fused_conv(rule, site) for rule, site in actions)
+            layout, left = weight_layout_action(label, model, filter_fn, convs_fused, wanted_layout)
+            if layout is not None:
+                rule, site = layout
+                records.append(_Record(rule, site, rule.replace(site)))
+                convs = site.context["convs"]
+                report.converted_weights[label] = (len(convs), weight_bytes(convs))
+            elif left:
+                report.kept_weights[label] = (len(left), weight_bytes(left))
+                report.kept_weights_reason = (
+                    "training=True" if channels_last_weights is None else ("channels_last_weights=False")
+                )
     except BaseException:
         failed = [why for _, records in reversed(applied) for why in _restore(records, best_effort=True)]
         if failed:

@@ -52,6 +52,11 @@ class PatchReport:
     _counts_at_patch: Counter = field(default_factory=Counter, repr=False)
     _fallbacks_at_patch: Counter = field(default_factory=Counter, repr=False)
     _layout_copies_at_patch: Counter = field(default_factory=Counter, repr=False)
+    #: Per model: (convs, bytes) whose weights this call made channels-last (``patch(channels_last_weights=)``).
+    converted_weights: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Per model with fused convolutions: (convs, bytes) whose weights stay contiguous, and why (the argument).
+    kept_weights: dict[str, tuple[int, int]] = field(default_factory=dict)
+    kept_weights_reason: str = ""
     #: Objects this call installed that count their own fall-backs (``fallback_reasons``), e.g. processors.
     _counters: list = field(default_factory=list, repr=False)
 
@@ -111,6 +116,18 @@ class PatchReport:
             lines.append(f"  {model or 'model'}:")
             for rule, n in counts.items():
                 lines.append(f"    {rule:<24} {n:>4}  {self.descriptions.get(rule, '')}")
+        if self.converted_weights:
+            lines.append(
+                "  conv weights made channels-last, the layout the fused convolutions read (unpatch restores): "
+                + _weights(self.converted_weights)
+            )
+        if self.kept_weights:
+            lines.append(
+                f"  conv weights left contiguous ({self.kept_weights_reason}): {_weights(self.kept_weights)}; the "
+                "fused convolutions read them with strides, several times the load instructions per tile. Unless "
+                "FSDP will shard the model: model.to(memory_format=torch.channels_last), or patch(..., "
+                "channels_last_weights=True)"
+            )
         if self.skipped:
             lines.append("  left on the stock path:")
             groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
@@ -137,6 +154,10 @@ class PatchReport:
             for reason, n in sorted(fell_back.items(), key=lambda kv: -kv[1]):
                 lines.append(f"    x{n:<5} {reason}")
         return "\n".join(lines)
+
+
+def _weights(per_model: dict[str, tuple[int, int]]) -> str:
+    return ", ".join(f"{m or 'model'} {n} ({size / 2**20:.1f} MiB)" for m, (n, size) in per_model.items())
 
 
 def _module_fallback(reason: str) -> str:

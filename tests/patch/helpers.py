@@ -33,18 +33,19 @@ class DispatchedOps(TorchDispatchMode):
 
 def snapshot(model: nn.Module) -> dict:
     """Everything unpatch must restore: module tree (names, object ids, classes), instance forwards, attention
-    processors, state_dict keys and values (cloned)."""
+    processors, state_dict keys and values (cloned), parameter objects and their strides (patch may re-lay out conv
+    weights)."""
     tree = [(n, id(m), type(m), m.__dict__.get("forward")) for n, m in model.named_modules()]
     processors = {n: id(m.processor) for n, m in model.named_modules() if hasattr(m, "set_processor")}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    params = {n: id(p) for n, p in model.named_parameters()}
+    params = {n: (id(p), p.stride()) for n, p in model.named_parameters()}
     return {"tree": tree, "processors": processors, "state": state, "params": params}
 
 
 def assert_same_snapshot(before: dict, after: dict) -> None:
     assert after["tree"] == before["tree"], "module tree, types or forwards differ after unpatch"
     assert after["processors"] == before["processors"], "attention processors differ after unpatch"
-    assert after["params"] == before["params"], "parameter objects differ after unpatch"
+    assert after["params"] == before["params"], "parameter objects or their strides differ after unpatch"
     assert list(after["state"]) == list(before["state"]), "state_dict keys differ"
     for k, v in before["state"].items():
         assert torch.equal(after["state"][k], v), f"state_dict[{k!r}] changed"

@@ -52,12 +52,18 @@ def test_vae_report_outputs_and_unpatch_bit_for_bit():
     assert torch.equal(_run(vae, x), ref)
 
 
-def test_parameters_shared_and_state_dict_keys_kept():
+@pytest.mark.parametrize("channels_last_weights", [None, False])
+def test_parameters_shared_and_state_dict_keys_kept(channels_last_weights):
     unet = models.sd15_unet().eval()
     params = {n: (id(p), p.data_ptr()) for n, p in unet.named_parameters()}
     keys = list(unet.state_dict())
-    ldmopt.patch(unet)
-    assert {n: (id(p), p.data_ptr()) for n, p in unet.named_parameters()} == params
+    ldmopt.patch(unet, channels_last_weights=channels_last_weights)
+    after = {n: (id(p), p.data_ptr()) for n, p in unet.named_parameters()}
+    # The same Parameter objects; only conv weights re-laid out in channels-last (by default) have new storage.
+    relaid = {n for n, p in unet.named_parameters() if p.dim() == 4 and not p.is_contiguous()}
+    assert bool(relaid) == (channels_last_weights is None)
+    assert {n: v[0] for n, v in after.items()} == {n: v[0] for n, v in params.items()}
+    assert {n: v for n, v in after.items() if n not in relaid} == {n: v for n, v in params.items() if n not in relaid}
     assert list(unet.state_dict()) == keys
 
 

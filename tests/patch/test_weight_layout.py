@@ -1,0 +1,152 @@
+"""patch(channels_last_weights=...): a model whose convolutions patch fuses gets channels-last conv weights (same
+Parameters, values and keys), reported, and unpatch gives the contiguous ones back."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ldmopt
+
+from . import models
+from .helpers import assert_outputs_close, assert_same_snapshot, output_tensor, snapshot
+
+
+def _spatial_convs(model: nn.Module) -> dict[str, nn.Module]:
+    return {
+        n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Conv3d)) and m.weight[0, 0].numel() > 1
+    }
+
+
+def _channels_last(weight: torch.Tensor) -> bool:
+    fmt = torch.channels_last if weight.dim() == 4 else torch.channels_last_3d
+    return weight.is_contiguous(memory_format=fmt) and not weight.is_contiguous()
+
+
+def _unet():
+    return models.sd15_unet().eval()
+
+
+def test_inference_patch_converts_spatial_conv_weights_and_unpatch_restores_them():
+    torch.manual_seed(0)
+    model = _unet()
+    inputs = models.inputs("sd15", model)
+    with torch.no_grad():
+        expected = output_tensor(model(**inputs)).clone()
+    before = snapshot(model)
+    params = {n: p for n, p in model.named_parameters()}
+    one_by_one = {n: p.stride() for n, p in params.items() if p.dim() == 4 and p[0, 0].numel() == 1}
+    assert one_by_one, "the tiny UNet has 1x1 convs (shortcuts, proj_in/out)"
+
+    report = ldmopt.patch(model)
+
+    convs = _spatial_convs(model)
+    assert convs and all(_channels_last(m.weight) for m in convs.values())
+    assert {n: params[n].stride() for n in one_by_one} == one_by_one  # 1x1 kernels are channels-last already
+    assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects
+    size = sum(m.weight.numel() * 4 for m in convs.values())
+    assert report.converted_weights == {"": (len(convs), size)} and not report.kept_weights
+    assert "conv weights made channels-last" in str(report)
+    with torch.no_grad():
+        assert_outputs_close(output_tensor(model(**inputs)), expected, name="patched, channels-last weights")
+
+    ldmopt.unpatch(model)
+    assert_same_snapshot(before, snapshot(model))
+    assert all(m.weight.is_contiguous() for m in _spatial_convs(model).values())
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [(dict(training=True), "training=True"), (dict(channels_last_weights=False), "channels_last_weights=False")],
+)
+def test_training_default_and_false_keep_the_layout_and_say_so(kwargs, reason):
+    model = _unet()
+    before = {n: p.stride() for n, p in model.named_parameters()}
+    report = ldmopt.patch(model, **kwargs)
+    assert {n: p.stride() for n, p in model.named_parameters()} == before
+    assert not report.converted_weights
+    assert report.kept_weights[""][0] == len(_spatial_convs(model))
+    text = str(report)
+    assert f"conv weights left contiguous ({reason})" in text and "channels_last_weights=True" in text
+    ldmopt.unpatch(model)
+    assert {n: p.stride() for n, p in model.named_parameters()} == before
+
+
+def test_training_patch_converts_when_asked_and_still_matches_stock_gradients():
+    torch.manual_seed(1)
+    stock, fused = _unet().train(), None
+    fused = copy.deepcopy(stock)
+    report = ldmopt.patch(fused, training=True, channels_last_weights=True)
+    assert report.converted_weights and all(_channels_last(m.weight) for m in _spatial_convs(fused).values())
+    inputs = models.inputs("sd15", stock)
+    output_tensor(stock(**inputs)).square().mean().backward()
+    output_tensor(fused(**inputs)).square().mean().backward()
+    stock_params = dict(stock.named_parameters())
+    for name, p in fused.named_parameters():
+        expected = stock_params[name].grad
+        assert p.grad is not None and p.grad.stride() == p.stride(), name  # the weight's own layout (DDP buckets)
+        assert_outputs_close(p.grad, expected, atol=2e-4, rtol=2e-3, name=name)
+
+
+def test_models_without_fused_convolutions_keep_their_layout():
+    model = _unet()
+    before = {n: p.stride() for n, p in model.named_parameters()}
+    report = ldmopt.patch(model, families=("feed_forward", "temporal_attention", "residual"))
+    assert report.total > 0
+    assert {n: p.stride() for n, p in model.named_parameters()} == before
+    assert not report.converted_weights and not report.kept_weights
+    assert "conv weights" not in str(report)
+
+
+def test_already_channels_last_model_is_left_as_it_is():
+    model = _unet().to(memory_format=torch.channels_last)
+    before = {n: p.stride() for n, p in model.named_parameters()}
+    report = ldmopt.patch(model, training=True)
+    assert not report.converted_weights and not report.kept_weights
+    ldmopt.unpatch(model)
+    assert {n: p.stride() for n, p in model.named_parameters()} == before  # the user's layout stays theirs
+
+
+def test_filter_fn_excluded_conv_keeps_its_layout():
+    model = _unet()
+    report = ldmopt.patch(model, filter_fn=lambda module, name: name != "conv_in")
+    assert model.conv_in.weight.is_contiguous()
+    assert _channels_last(model.down_blocks[0].resnets[0].conv1.weight)
+    assert report.converted_weights[""][0] == len(_spatial_convs(model)) - 1
+
+
+def test_unpatch_leaves_a_weight_the_user_re_laid_out_and_a_copy_restores_its_own():
+    model = _unet()
+    ldmopt.patch(model)
+    conv1 = model.down_blocks[0].resnets[0].conv1
+    copied = copy.deepcopy(model)
+    # The user's own choice while patched: a weight made channels-last by other means (here: different strides)
+    conv1.weight.data = conv1.weight.data.permute(0, 3, 2, 1).contiguous().permute(0, 3, 2, 1)
+    user_strides = conv1.weight.stride()
+    ldmopt.unpatch(model)
+    assert conv1.weight.stride() == user_strides
+    assert model.conv_in.weight.is_contiguous()
+    # The copy's records point at the copy's convs: unpatching it restores those, not the original's
+    model2 = copy.deepcopy(copied)
+    ldmopt.unpatch(copied)
+    assert all(m.weight.is_contiguous() for m in _spatial_convs(copied).values())
+    assert all(_channels_last(m.weight) for m in _spatial_convs(model2).values())
+
+
+def test_conv3d_temporal_weights_become_channels_last_3d_and_the_output_is_unchanged():
+    torch.manual_seed(2)
+    model = models.modelscope().eval()
+    inputs = models.inputs("modelscope", model)
+    with torch.no_grad():
+        expected = output_tensor(model(**inputs)).clone()
+    before = snapshot(model)
+    ldmopt.patch(model)
+    conv3d = [m for m in _spatial_convs(model).values() if isinstance(m, nn.Conv3d)]
+    assert conv3d and all(m.weight.is_contiguous(memory_format=torch.channels_last_3d) for m in conv3d)
+    with torch.no_grad():
+        assert_outputs_close(output_tensor(model(**inputs)), expected, name="UNet3D, channels-last weights")
+    ldmopt.unpatch(model)
+    assert_same_snapshot(before, snapshot(model))
