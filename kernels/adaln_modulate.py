@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, row_tiles
+from ._common import cdiv, new_output, next_power_of_2, row_tiles
 from ._gemm import divisibility_attrs, int64_columns, row_chunks
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -187,6 +187,52 @@ def _adaln_bwd_kernel(
         tl.store(part_dgate_ptr + out, sum_dgate, mask=c_ok)
 
 
+@triton.jit
+def _adaln_bwd_sums_kernel(
+    dscale_ptr,  # [B, C] fp32
+    dshift_ptr,  # [B, C] fp32
+    dgate_ptr,  # [B, C] fp32 (HAS_GATE)
+    part_ptr,  # [2 or 3, B * n_chunks, C] fp32: the backward's per-chunk sums for d scale, d shift (and d gate)
+    C,
+    n_chunks,
+    stride_part,  # B * n_chunks * C
+    HAS_GATE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # Every per-chunk column sum of one sample reduced in one launch, instead of one reduction per gradient.
+    sample = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    acc_scale = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    acc_shift = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+    for k0 in range(0, n_chunks, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = (k < n_chunks)[:, None] & c_ok[None, :]
+        offs = (sample * n_chunks + k[:, None]) * C + c[None, :]
+        acc_scale += tl.load(part_ptr + offs, mask=mask, other=0.0)
+        acc_shift += tl.load(part_ptr + stride_part + offs, mask=mask, other=0.0)
+        if HAS_GATE:
+            acc_gate += tl.load(part_ptr + 2 * stride_part + offs, mask=mask, other=0.0)
+    out = sample * C + c
+    tl.store(dscale_ptr + out, tl.sum(acc_scale, axis=0), mask=c_ok)
+    tl.store(dshift_ptr + out, tl.sum(acc_shift, axis=0), mask=c_ok)
+    if HAS_GATE:
+        tl.store(dgate_ptr + out, tl.sum(acc_gate, axis=0), mask=c_ok)
+
+
+#: Columns per program, and elements per accumulator, of the per-chunk sums' reduction.
+_SUMS_BLOCK_C = 128
+_SUMS_ELEMENTS = 2048
+
+
+def _sums_tiles(c: int, n_chunks: int) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_C) of _adaln_bwd_sums_kernel."""
+    block_c = min(_SUMS_BLOCK_C, next_power_of_2(c))
+    return max(1, min(next_power_of_2(n_chunks), _SUMS_ELEMENTS // block_c)), block_c
+
+
 # ----------------------------------------------------------------------------------------------------------- launchers
 
 
@@ -250,9 +296,10 @@ def adaln_bwd(
     has_gate = gate is not None
     ds_out = new_output((m, c), device=s.device, dtype=s.dtype)
     dx = new_output((m, c) if has_gate else (0,), device=s.device, dtype=x.dtype if has_gate else s.dtype)
-    part_dscale = torch.empty((num_samples * n_chunks, c), device=s.device, dtype=torch.float32)
-    part_dshift = torch.empty_like(part_dscale)
-    part_dgate = torch.empty_like(part_dscale) if has_gate else part_dscale
+    # the per-chunk sums of every gradient in one buffer, reduced by one launch after the kernel
+    parts = torch.empty((3 if has_gate else 2, num_samples * n_chunks, c), device=s.device, dtype=torch.float32)
+    part_dscale, part_dshift = parts[0], parts[1]
+    part_dgate = parts[2] if has_gate else part_dscale
     dss = dsum.stride() if dsum is not None else (0, 0)
     xs = x.stride() if has_gate else (0, 0)
     gs = gate.stride() if has_gate else (0, 0)
@@ -264,9 +311,14 @@ def adaln_bwd(
         INT64_COLS=int64_columns(dy, s, dsum, x, gate, scale), SCALE_IS_WEIGHT=scale_is_weight, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
-    dscale = part_dscale.view(num_samples, n_chunks, c).sum(1)
-    dshift = part_dshift.view(num_samples, n_chunks, c).sum(1)
-    dgate = part_dgate.view(num_samples, n_chunks, c).sum(1) if has_gate else part_dscale.new_empty((0,))
+    dscale = torch.empty((num_samples, c), device=s.device, dtype=torch.float32)
+    dshift = torch.empty_like(dscale)
+    dgate = torch.empty_like(dscale) if has_gate else dscale.new_empty((0,))
+    block_k, block_c = _sums_tiles(c, n_chunks)
+    _adaln_bwd_sums_kernel[(num_samples, cdiv(c, block_c))](
+        dscale, dshift, dgate if has_gate else dscale, parts, c, n_chunks, parts.stride(0), HAS_GATE=has_gate,
+        BLOCK_K=block_k, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
     return ds_out, dscale, dshift, dx, dgate
 
 
@@ -321,11 +373,23 @@ def aot_specs() -> list[dict]:
                  signature=signature, constexprs=constexprs, attrs=attrs, num_warps=warps)
         )  # fmt: skip
         if mod == dtype and not gate:
-            # the backward of a LayerNorm read in a GEMM's loads (layer_norm_linear): one "sample", the fp32 weight
-            specs.append(
-                dict(name=f"adaln_bwd[{dtype},C={c},layer_norm_weight]", fn=_adaln_bwd_kernel,
-                     signature={**signature, "scale_ptr": "*fp32", "gate_ptr": "*fp32"},
-                     constexprs={**constexprs, "HAS_DSUM": False, "SCALE_IS_WEIGHT": True}, attrs=attrs,
-                     num_warps=warps)
-            )  # fmt: skip
+            # the backward of a LayerNorm read in a GEMM's loads (layer_norm_linear): one "sample", the weight in
+            # fp32 (autocast) or in the model's dtype
+            for weight_dtype in sorted({"fp32", dtype}):
+                specs.append(
+                    dict(name=f"adaln_bwd[{dtype},C={c},layer_norm_weight={weight_dtype}]", fn=_adaln_bwd_kernel,
+                         signature={**signature, "scale_ptr": f"*{weight_dtype}", "gate_ptr": f"*{weight_dtype}"},
+                         constexprs={**constexprs, "HAS_DSUM": False, "SCALE_IS_WEIGHT": True}, attrs=attrs,
+                         num_warps=warps)
+                )  # fmt: skip
+    for gate in (False, True):
+        block_k, block_c = _sums_tiles(3072, 256)
+        signature = {"dscale_ptr": "*fp32", "dshift_ptr": "*fp32", "dgate_ptr": "*fp32", "part_ptr": "*fp32",
+                     "C": "i32", "n_chunks": "i32", "stride_part": "i32"}  # fmt: skip
+        constexprs = {"HAS_GATE": gate, "BLOCK_K": block_k, "BLOCK_C": block_c}
+        attrs = divisibility_attrs(_adaln_bwd_sums_kernel, signature, constexprs, skip=("n_chunks",))
+        specs.append(
+            dict(name=f"adaln_bwd_sums[gate={gate}]", fn=_adaln_bwd_sums_kernel, signature=signature,
+                 constexprs=constexprs, attrs=attrs, num_warps=4)
+        )  # fmt: skip
     return specs

@@ -1,8 +1,8 @@
 """GroupNorm (+ optional fused activation) backward for NCHW / NHWC / 5-D tensors (forward: group_norm.py).
 
 Same (N, C, S) strided addressing as the forward; fp32 accumulation; int64 offsets. With z = x * a + b the
-pre-activation and dz = act'(z) * dy: (1) per-(n, chunk, c) partial sums of dz and dz * xhat, (2) per (n, group)
-the sums of w * dz and w * dz * xhat (and per-(n, c) sums for dweight/dbias), (3) one elementwise pass
+pre-activation and dz = act'(z) * dy: (1) per-(n, chunk, c) partial sums of dz and dz * xhat, (2) one program per
+group: per image the sums of w * dz and w * dz * xhat, and over all images dweight/dbias, (3) one elementwise pass
 dx = rstd * (w * dz - (sum(w dz) + xhat * sum(w dz xhat)) / M), M = elements per group.
 """
 
@@ -25,6 +25,9 @@ from .group_norm import (
     _tiles,
     as_ncs,
 )
+
+#: Elements of the finalize kernel's [images, chunks, channels of a group] tile of partial sums.
+_FINALIZE_ELEMENTS = 4096
 
 
 @triton.jit
@@ -84,41 +87,51 @@ def _group_norm_bwd_partial_kernel(
 
 @triton.jit
 def _group_norm_bwd_finalize_kernel(
-    dz_nc_ptr,  # [N, C] fp32: per-(n, c) sum of dz (-> grad bias)
-    dzxhat_nc_ptr,  # [N, C] fp32: per-(n, c) sum of dz * xhat (-> grad weight)
+    dweight_ptr,  # [C] fp32: sum over (n, s) of dz * xhat
+    dbias_ptr,  # [C] fp32: sum over (n, s) of dz
     coef_ptr,  # [N, G, 2] fp32: sum_g w * dz, sum_g w * dz * xhat
     part_dz_ptr,
     part_dzxhat_ptr,
     w_ptr,
+    N,
     C,
     G,
     n_chunks,
     HAS_WEIGHT: tl.constexpr,
-    BLOCK_CPG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_CPG: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # n * G + g
-    n = (pid // G).to(tl.int64)
-    g = pid % G
+    # One program per group, over every image: the per-(n, c) sums give the group's coefficients per image and,
+    # summed over the images here, the affine gradients (no separate reductions over N after the kernel).
+    g = tl.program_id(0)
     cpg = C // G
     j = tl.arange(0, BLOCK_CPG)
     j_mask = j < cpg
     c = g * cpg + j
-    acc_dz = tl.zeros([BLOCK_K, BLOCK_CPG], dtype=tl.float32)
-    acc_dzxhat = tl.zeros([BLOCK_K, BLOCK_CPG], dtype=tl.float32)
-    for k0 in range(0, n_chunks, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        mask = (k < n_chunks)[:, None] & j_mask[None, :]
-        offs = (n * n_chunks + k[:, None]) * C + c[None, :]
-        acc_dz += tl.load(part_dz_ptr + offs, mask=mask, other=0.0)
-        acc_dzxhat += tl.load(part_dzxhat_ptr + offs, mask=mask, other=0.0)
-    dz_c = tl.sum(acc_dz, axis=0)
-    dzxhat_c = tl.sum(acc_dzxhat, axis=0)
-    tl.store(dz_nc_ptr + n * C + c, dz_c, mask=j_mask)
-    tl.store(dzxhat_nc_ptr + n * C + c, dzxhat_c, mask=j_mask)
     w, _ = _load_affine(w_ptr, w_ptr, c, j_mask, HAS_WEIGHT, False)
-    tl.store(coef_ptr + pid * 2, tl.sum(w * dz_c, axis=0))
-    tl.store(coef_ptr + pid * 2 + 1, tl.sum(w * dzxhat_c, axis=0))
+    dweight = tl.zeros([BLOCK_CPG], dtype=tl.float32)
+    dbias = tl.zeros([BLOCK_CPG], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        acc_dz = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_CPG], dtype=tl.float32)
+        acc_dzxhat = tl.zeros([BLOCK_N, BLOCK_K, BLOCK_CPG], dtype=tl.float32)
+        for k0 in range(0, n_chunks, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            mask = n_mask[:, None, None] & (k < n_chunks)[None, :, None] & j_mask[None, None, :]
+            offs = (n.to(tl.int64)[:, None, None] * n_chunks + k[None, :, None]) * C + c[None, None, :]
+            acc_dz += tl.load(part_dz_ptr + offs, mask=mask, other=0.0)
+            acc_dzxhat += tl.load(part_dzxhat_ptr + offs, mask=mask, other=0.0)
+        dz_c = tl.sum(acc_dz, axis=1)  # [BLOCK_N, BLOCK_CPG]: per-(n, c) sums
+        dzxhat_c = tl.sum(acc_dzxhat, axis=1)
+        coef = coef_ptr + (n * G + g) * 2
+        tl.store(coef, tl.sum(w[None, :] * dz_c, axis=1), mask=n_mask)
+        tl.store(coef + 1, tl.sum(w[None, :] * dzxhat_c, axis=1), mask=n_mask)
+        dbias += tl.sum(dz_c, axis=0)
+        dweight += tl.sum(dzxhat_c, axis=0)
+    tl.store(dweight_ptr + c, dweight, mask=j_mask)
+    tl.store(dbias_ptr + c, dbias, mask=j_mask)
 
 
 @triton.jit
@@ -205,14 +218,16 @@ def group_norm_bwd(
         s_per_prog, n_chunks, n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION_GRAD=act_grad,
         BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
     )  # fmt: skip
-    dz_nc = torch.empty((n, c), device=x.device, dtype=torch.float32)
-    dzxhat_nc = torch.empty_like(dz_nc)
+    # Separate tensors, not rows of one: the custom op's outputs may not share storage.
+    dweight = torch.empty((c,), device=x.device, dtype=torch.float32)
+    dbias = torch.empty_like(dweight)
     coef = torch.empty((n, num_groups, 2), device=x.device, dtype=torch.float32)
     block_cpg = next_power_of_2(c // num_groups)
-    block_k = max(1, min(next_power_of_2(n_chunks), 4096 // block_cpg))
-    _group_norm_bwd_finalize_kernel[(n * num_groups,)](
-        dz_nc, dzxhat_nc, coef, part_dz, part_dzxhat, w, c, num_groups, n_chunks,
-        HAS_WEIGHT=has_w, BLOCK_CPG=block_cpg, BLOCK_K=block_k, num_warps=4,
+    block_k = max(1, min(next_power_of_2(n_chunks), _FINALIZE_ELEMENTS // block_cpg))
+    block_n = max(1, min(next_power_of_2(n), _FINALIZE_ELEMENTS // (block_cpg * block_k)))
+    _group_norm_bwd_finalize_kernel[(num_groups,)](
+        dweight, dbias, coef, part_dz, part_dzxhat, w, n, c, num_groups, n_chunks,
+        HAS_WEIGHT=has_w, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_CPG=block_cpg, num_warps=4,
     )  # fmt: skip
     n_sblocks = cdiv(s, block_s)
     _group_norm_bwd_dx_kernel[(n * n_sblocks * n_cblocks,)](
@@ -222,7 +237,7 @@ def group_norm_bwd(
     )  # fmt: skip
     if not need_affine_grads:
         return dx, None, None
-    return dx, dzxhat_nc.sum(0), dz_nc.sum(0)
+    return dx, dweight, dbias
 
 
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
@@ -269,9 +284,10 @@ def aot_specs() -> list[dict]:
         dict(
             name="group_norm_bwd_finalize",
             fn=_group_norm_bwd_finalize_kernel,
-            signature={"dz_nc_ptr": "*fp32", "dzxhat_nc_ptr": "*fp32", "coef_ptr": "*fp32", "part_dz_ptr": "*fp32",
-                       "part_dzxhat_ptr": "*fp32", "w_ptr": "*fp16", "C": "i32", "G": "i32", "n_chunks": "i32"},
-            constexprs={"HAS_WEIGHT": True, "BLOCK_CPG": 64, "BLOCK_K": 64},
+            signature={"dweight_ptr": "*fp32", "dbias_ptr": "*fp32", "coef_ptr": "*fp32", "part_dz_ptr": "*fp32",
+                       "part_dzxhat_ptr": "*fp32", "w_ptr": "*fp16", "N": "i32", "C": "i32", "G": "i32",
+                       "n_chunks": "i32"},
+            constexprs={"HAS_WEIGHT": True, "BLOCK_N": 2, "BLOCK_K": 32, "BLOCK_CPG": 64},
             num_warps=4,
         )
     )  # fmt: skip
