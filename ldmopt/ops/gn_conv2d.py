@@ -40,6 +40,7 @@ from .gn_conv2d_stats import same_but_channels as same_but_channels
 from .group_norm import group_norm_bwd
 from .group_norm_apply import apply_triton, group_norm_apply
 from .group_norm_apply import normalize_reference as _normalize
+from .linear import sum_as
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
 RESAMPLES = ("none", "up", "down")
@@ -303,10 +304,9 @@ def _setup_context(ctx, inputs, output):
         "res": None if res is None else tuple(res.shape),
         "gate": None if gate is None else (gate.dtype, tuple(gate.shape)),
     }
-
-
-def _sum_channels(g: Tensor, dims, dtype: torch.dtype) -> Tensor:
-    return g.sum(dims, dtype=torch.float32 if g.dtype != torch.float64 else torch.float64).to(dtype)
+    # The output statistics take no gradient (the next op's backward differentiates through them itself): no
+    # zero-filled gradients for them (two fill launches per call), and a None dy when y itself had no gradient.
+    ctx.set_materialize_grads(False)
 
 
 def _conv_backward(g, inp, w, stride, padding, mask, fp32_precision="conv"):
@@ -355,6 +355,8 @@ def _backward(ctx, dy, _dmean, _drstd):
     x_head, mean, rstd, gw, gb, w, sx_head, sw, gate, b, temb, sb, x_tail, sx_tail = ctx.saved_tensors
     groups, act, stride, padding, resample, res_resample, sc_resample, output_scale, fp32_precision = ctx.conf
     given = len(ctx.needs_input_grad)  # 23 when a caller leaves out the optional arguments
+    if dy is None:
+        return (None,) * given
     need = [*ctx.needs_input_grad, False, False, False][:26]
     need[0] = need[0] or need[23]
     need[9] = need[9] or need[24]
@@ -384,10 +386,10 @@ def _backward(ctx, dy, _dmean, _drstd):
             grads[12] = (dgate.sum(1, keepdim=True) if shape[1] == 1 else dgate).to(dtype)
         g = (g.to(_stats_dtype(x_head)) * gate.to(_stats_dtype(x_head))[:, None, :, None]).to(g.dtype)
     if need[6]:
-        grads[6] = _sum_channels(g, (0, 2, 3), ctx.meta["bias"])
+        grads[6] = sum_as(g, (0, 2, 3), ctx.meta["bias"])
     if need[7]:
         dtype, dims = ctx.meta["temb"]
-        grads[7] = _sum_channels(g, (2, 3) if dims == 2 else (3,), dtype)
+        grads[7] = sum_as(g, (2, 3) if dims == 2 else (3,), dtype)
     if need_da or need[5]:
         da_r, dw = _conv_backward(
             g, resample_input(a, resample), w, stride, padding, [need_da, need[5]], fp32_precision
@@ -408,7 +410,7 @@ def _backward(ctx, dy, _dmean, _drstd):
         grads[9] = _resample_backward(dsx_r, sc_resample, sx) if need[9] else None
         grads[10] = _strided_like(dsw, sw)
     if need[11]:
-        grads[11] = _sum_channels(g, (0, 2, 3), ctx.meta["sb"])
+        grads[11] = sum_as(g, (0, 2, 3), ctx.meta["sb"])
     grads[0], grads[23] = _split_channels(grads[0], x_head, x_tail)
     grads[9], grads[24] = _split_channels(grads[9], sx_head, sx_tail)
     return tuple(grads[:given])

@@ -207,9 +207,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.num_groups = num_groups
     ctx.activation = activation
+    ctx.set_materialize_grads(False)  # mean/rstd take no gradient: no zero-filled ones for them
 
 
 def _backward(ctx, dy, _dmean, _drstd):
+    if dy is None:
+        return (None,) * 6
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dweight, dbias = call(group_norm_bwd, dy, x, weight, bias, mean, rstd, ctx.num_groups, ctx.activation)
     dweight = dweight.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None

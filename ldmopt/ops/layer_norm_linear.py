@@ -37,7 +37,7 @@ from .adaln_modulate import adaln_modulate_bwd
 from .geglu import _fwd_torch as _geglu_fwd_torch
 from .geglu import geglu_bwd
 from .layer_norm_apply import apply_reference, layer_norm_apply, row_width_refusals
-from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad
+from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad, sum_as
 from .linear import _fwd_torch as _linear_fwd_torch
 
 #: Epilogues after the normalised GEMM: an activation of ``ops.linear``, or diffusers' GEGLU (``weight`` [2I, K]).
@@ -182,7 +182,7 @@ def _backward(ctx, dy, _dpre):
     if activation == "geglu":
         dz, dbias = call(geglu_bwd, dy, pre)
     elif activation is None:
-        dz, dbias = dy, (dy.sum(0, dtype=compute_dtype(dy)) if need_db else None)
+        dz, dbias = dy, (sum_as(dy, 0, bias.dtype) if need_db else None)
     else:
         dz, dbias, _ = call(linear_bwd, dy, pre, None, activation, False)
     dz = dz.to(weight.dtype)
@@ -204,7 +204,8 @@ def _layer_norm_input_grads(dh: Tensor, x: Tensor, stats: Tensor, norm_weight: T
     have no gradient."""
     cd = stats.dtype
     k = x.shape[1]
-    weight = norm_weight.to(cd) if norm_weight is not None else torch.ones(k, device=x.device, dtype=cd)
+    # the norm's weight as it is: both backends read the scale in its own dtype and multiply in the compute dtype
+    weight = norm_weight if norm_weight is not None else torch.ones(k, device=x.device, dtype=cd)
     mean, rstd = stats[0].contiguous(), stats[1].contiguous()
     dx, dscale, dshift, _, _ = call(adaln_modulate_bwd, dh, x, mean, rstd, weight[None], None, None, None, True)
     return dx, dscale[0], dshift[0]

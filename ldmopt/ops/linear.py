@@ -35,6 +35,15 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def sum_as(g: Tensor, dims, dtype: torch.dtype) -> Tensor:
+    """``g`` summed over ``dims`` in the compute dtype (fp32; fp64 for fp64 g), returned in ``dtype`` (a bias's
+    gradient). Where ``dtype`` is g's own, one sum: PyTorch sums fp16/bf16 tensors in fp32 and rounds once (CPU and
+    CUDA), the result of an fp32 sum and a cast without the cast's extra pass."""
+    if dtype == g.dtype:
+        return g.sum(dims)
+    return g.sum(dims, dtype=compute_dtype(g)).to(dtype)
+
+
 def activation_torch(activation: str | None, z: Tensor) -> Tensor:
     if activation == "gelu":
         return F.gelu(z)
@@ -292,7 +301,7 @@ def _backward(ctx, dy, _dpre):
         return None, None, None, None, dres, None, None, None, None, None, None  # the residual's alone: no GEMM
     if activation is None and gate is None:
         dz, dgate = dy, None
-        dbias = dy.sum(0, dtype=compute_dtype(dy)) if need_db else None
+        dbias = sum_as(dy, 0, bias.dtype) if need_db else None
     else:
         if (activation is not None or need_dgate) and pre is None:
             # Only when a caller asked for no saved pre-activation yet needs gradients: recompute it.
