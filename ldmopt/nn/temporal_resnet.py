@@ -205,14 +205,14 @@ def fused_spatiotemporal_forward(
         t = temporal.time_emb_proj(temporal.nonlinearity(temb.reshape(batch, frames, -1))).transpose(1, 2)
     n1, n2 = temporal.norm1, temporal.norm2
     h, stats = gn_silu_conv2d(
-        x, n1.weight, n1.bias, n1.num_groups, n1.eps, temporal.conv1.weight[..., 0], temporal.conv1.bias, 1, (1, 0),
+        x, n1.weight, n1.bias, n1.num_groups, n1.eps, temporal.conv1.weight.squeeze(-1), temporal.conv1.bias, 1, (1, 0),
         temb=t, out_stats=(n2.num_groups, n2.eps),
     )  # fmt: skip
     # diffusers blends in the spatial output's own dtype (fp32 + bf16 -> fp32 under autocast): where the epilogue
     # would round the residual to the autocast dtype, the blend runs after conv2 instead.
     add_after = autocast_would_round(x)
     y = gn_silu_conv2d(
-        h, n2.weight, n2.bias, n2.num_groups, n2.eps, temporal.conv2.weight[..., 0], temporal.conv2.bias, 1, (1, 0),
+        h, n2.weight, n2.bias, n2.num_groups, n2.eps, temporal.conv2.weight.squeeze(-1), temporal.conv2.bias, 1, (1, 0),
         stats=stats, **({} if add_after else {"residual": x, "gate": gate}),
     )  # fmt: skip
     if add_after:
@@ -276,7 +276,7 @@ def fused_temporal_conv_forward(layer, hidden_states: Tensor, num_frames: int = 
         if not last:
             around["out_stats"] = (stages[i + 1][1].num_groups, stages[i + 1][1].eps)
         out = gn_silu_conv2d(
-            h, norm.weight, norm.bias, norm.num_groups, norm.eps, conv.weight[..., 0], conv.bias, 1, (1, 0),
+            h, norm.weight, norm.bias, norm.num_groups, norm.eps, conv.weight.squeeze(-1), conv.bias, 1, (1, 0),
             stats=stats, **around,
         )  # fmt: skip
         h, stats = (x + out if add_after else out, None) if last else out

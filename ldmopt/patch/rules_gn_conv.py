@@ -118,7 +118,7 @@ def _proj_out_fusable(where: str, proj_out: nn.Module, residual: Tensor) -> bool
 def _proj_out_residual(proj_out: nn.Module, tokens, residual: Tensor, mix: Tensor | None = None) -> Tensor:
     """``proj_out(tokens) + residual`` (when _proj_out_fusable) with the add in the GEMM epilogue, as channels-last
     (N, C, H, W) like the residual. tokens may be a pair blended per frame by ``mix`` (ops.linear)."""
-    weight = proj_out.weight if proj_out.weight.dim() == 2 else proj_out.weight[:, :, 0, 0]
+    weight = proj_out.weight if proj_out.weight.dim() == 2 else proj_out.weight.flatten(1)
     n, c, h, w = residual.shape
     res_tokens = residual.permute(0, 2, 3, 1).reshape(n, h * w, c)  # a view: channels-last memory is token order
     x = tuple(t.reshape(n, h * w, -1) for t in tokens) if isinstance(tokens, tuple) else tokens.reshape(n, h * w, -1)

@@ -154,6 +154,29 @@ def test_temporal_conv_layer_gradients_match_diffusers():
         assert_within_torch_error(grads["ours"][key], ref, grads["lowp"][key], f"d{key}")
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+def test_temporal_conv_weights_are_read_as_views(layout):
+    # The (3, 1, 1) Conv3d weights go to the 2-D conv as views whose backward is a view too (a select's backward
+    # would zero-fill and copy each weight's gradient), and each gradient arrives in its weight's own layout (strides
+    # of size-1 dims aside, as AccumulateGrad's layout contract has it: no copy into the weight's layout).
+    from benchmarks.count_backward_ops import OpCounter
+
+    layer = _temporal_conv_layer().train()
+    for conv in (layer.conv1[-1], layer.conv2[-1], layer.conv3[-1], layer.conv4[-1]):
+        conv.weight.data = conv.weight.data.contiguous(memory_format=layout)
+    x = torch.randn(BATCH * FRAMES, C, H, W).contiguous(memory_format=torch.channels_last).requires_grad_()
+    with ldmopt.use_backend("torch"):
+        out = fused_temporal_conv_forward(layer, x, FRAMES)
+    counter = OpCounter()
+    with counter:
+        out.backward(torch.randn_like(out))
+    assert counter.counts["aten.select_backward"] == 0, counter.counts
+    for name, p in layer.named_parameters():
+        assert p.grad is not None, name
+        significant = [(g, s) for g, s, n in zip(p.grad.stride(), p.stride(), p.shape) if n > 1]
+        assert all(g == s for g, s in significant), (name, p.grad.stride(), p.stride())
+
+
 def test_patch_reports_and_unpatch_restores():
     model = torch.nn.ModuleDict({"res": _svd_block(), "conv": _temporal_conv_layer()})
     state = {k: v.clone() for k, v in model.state_dict().items()}
