@@ -18,6 +18,7 @@ GEMMs.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +50,24 @@ RESAMPLES = ("none", "up", "down")
 FP32_PRECISIONS = ("conv", "matmul")
 
 
+#: How often the triton backend copied a conv weight into channels-last before its kernel, by weight shape (read by
+#: PatchReport.layout_copies): the kernel's weight tiles run along the input channels, and from a contiguous
+#: [C_out, C_in, KH, KW] weight each element would be its own 2-byte load (ldmopt/patch/weight_layout.py has what
+#: that does to the main loop); a copy per call, as cuDNN makes for a channels-last input, costs far less.
+#: ``ldmopt.patch`` converts a model's conv weights once, so an inference patch makes none.
+layout_conversions: Counter[str] = Counter()
+
+
 def _is_channels_last(t: Tensor) -> bool:
     return t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _weight_for_kernel(w: Tensor) -> Tensor:
+    """``w`` with unit input-channel stride (channels-last), copied (and counted) when it has another layout."""
+    if w.stride(1) == 1 or w.shape[1] == 1:
+        return w
+    layout_conversions[f"conv weight {list(w.shape)} copied to channels-last (the model's is not)"] += 1
+    return w.contiguous(memory_format=torch.channels_last)
 
 
 def resample_input(t: Tensor, mode: str) -> Tensor:
@@ -205,6 +222,7 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
             x = apply_triton(x, mean, rstd, gw, gb, groups, act, x_tail)
             x_tail = mean = rstd = gw = gb = act = None
     gate = None if gate is None else gate.float()
+    w = _weight_for_kernel(w)
     # The epilogue's output statistics are fp64 atomic sums, added in the order the tiles finish; under
     # torch.use_deterministic_algorithms a statistics pass over the output sums them in a fixed order instead.
     in_epilogue = out_groups if not torch.are_deterministic_algorithms_enabled() else 0

@@ -85,7 +85,8 @@ class PatchReport:
 
     def layout_copies(self) -> dict[str, int]:
         """{what: calls} since the patch call: fused calls that first copied their input to channels-last (e.g. a
-        ResnetBlock2D given an NCHW tensor by a video model's temporal container), process-wide."""
+        ResnetBlock2D given an NCHW tensor by a video model's temporal container) or their conv weight (a model
+        whose weights patch left contiguous), process-wide."""
         before = self._layout_copies_at_patch
         return {k: n - before.get(k, 0) for k, n in layout_copy_counts().items() if n > before.get(k, 0)}
 
@@ -123,9 +124,9 @@ class PatchReport:
             )
         if self.kept_weights:
             lines.append(
-                f"  conv weights left contiguous ({self.kept_weights_reason}): {_weights(self.kept_weights)}; the "
-                "fused convolutions read them with strides, several times the load instructions per tile. Unless "
-                "FSDP will shard the model: model.to(memory_format=torch.channels_last), or patch(..., "
+                f"  conv weights left contiguous ({self.kept_weights_reason}): {_weights(self.kept_weights)}; each "
+                "fused convolution copies its weight to channels-last, the layout its kernel reads. Unless FSDP "
+                "will shard the model: model.to(memory_format=torch.channels_last), or patch(..., "
                 "channels_last_weights=True)"
             )
         if self.skipped:
@@ -145,7 +146,7 @@ class PatchReport:
             lines.append("  backends: nothing has run since patch (run the model, then print the report)")
         copies = self.layout_copies()
         if copies:
-            lines.append("  fused calls that first copied their input to channels-last since patch:")
+            lines.append("  fused calls that first copied their input or weight to channels-last since patch:")
             for what, n in sorted(copies.items(), key=lambda kv: -kv[1]):
                 lines.append(f"    x{n:<5} {what}")
         fell_back = self.fallbacks()
@@ -187,6 +188,7 @@ _FALLBACK_COUNTERS = (
 )
 # Per-call layout-copy counters: (module, attribute, label prefix).
 _LAYOUT_COUNTERS = (
+    ("ldmopt.ops.gn_conv2d", "fused conv: "),
     ("ldmopt.nn.resnet", "ResnetBlock2D: "),
     ("ldmopt.nn.temporal_layout", ""),
     ("ldmopt.nn.temporal_resnet", ""),

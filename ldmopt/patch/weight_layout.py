@@ -3,15 +3,16 @@
 The fused convolution (kernels/gn_conv2d.py) reads its weight tile [BK input channels, BN output channels] for one
 tap with the weight's own strides. Channels-last weights ([C_out, KH, KW, C_in] in memory) make the input channels
 unit-stride, so the tile arrives in 16-byte vectors straight into shared memory. diffusers builds and loads
-contiguous [C_out, C_in, KH, KW] weights: a 3x3 tap then steps 9 elements between input channels, every element is
-its own 2-byte load through registers, and (read from the compiled code, ldmopt.aot's counters) the main loop of
-the staged conv's 128x128x64 tile issues 437 instead of 180 instructions per warp and k-step on sm_90 (503 instead
-of 277 on sm_80): an MMA-bound loop becomes issue-bound at about 1.7x its tensor-core time. Stock convolutions gain
-too: a patched model's activations are channels-last, and cuDNN given a channels-last input copies a contiguous
-weight into channels-last on every call.
+contiguous [C_out, C_in, KH, KW] weights: a 3x3 tap then steps 9 elements between input channels, every element
+would be its own 2-byte load through registers, and (read from the compiled code, ldmopt.aot's counters) the main
+loop of the staged conv's 128x128x64 tile would issue 437 instead of 180 instructions per warp and k-step on sm_90
+(503 instead of 277 on sm_80): an MMA-bound loop turned issue-bound at about 1.7x its tensor-core time. So the op
+copies such a weight into channels-last on every call instead (``ldmopt.ops.gn_conv2d.layout_conversions``, shown
+by the report), as cuDNN does given a channels-last input: a launch and two passes over the weight per call. Stock
+convolutions of a patched model make the same copy, their activations being channels-last.
 
 So a patch call that fuses a model's convolutions also converts that model's Conv2d / Conv3d weights with a spatial
-kernel to channels-last (``channels_last_3d`` for Conv3d) in place: the same Parameter objects, values and
+kernel to channels-last (``channels_last_3d`` for Conv3d) once, in place: the same Parameter objects, values and
 state_dict keys, new strides; 1x1 kernels are channels-last already. By default only when ``training`` is False:
 FSDP's ``fully_shard`` refuses non-contiguous parameters, so a training patch leaves the layout to the user
 (``model.to(memory_format=torch.channels_last)`` before DDP, or ``channels_last_weights=True``). Convs that

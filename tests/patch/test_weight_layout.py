@@ -150,3 +150,38 @@ def test_conv3d_temporal_weights_become_channels_last_3d_and_the_output_is_uncha
         assert_outputs_close(output_tensor(model(**inputs)), expected, name="UNet3D, channels-last weights")
     ldmopt.unpatch(model)
     assert_same_snapshot(before, snapshot(model))
+
+
+def test_the_op_copies_a_weight_in_another_layout_to_channels_last_and_counts_it(monkeypatch):
+    from ldmopt.kernels import gn_conv2d as kernels
+
+    from ldmopt.ops import gn_conv2d as op
+
+    seen = []
+    launcher = kernels.gn_conv2d_fwd
+    monkeypatch.setattr(kernels, "gn_conv2d_fwd", lambda x, m, r, gw, gb, w, *a: seen.append(w.stride()) or launcher(
+        x, m, r, gw, gb, w, *a))  # fmt: skip
+    x = torch.randn(2, 12, 5, 7).contiguous(memory_format=torch.channels_last)
+    gw, gb, w, b = torch.rand(12) + 0.5, torch.randn(12), torch.randn(10, 12, 3, 3) * 0.2, torch.randn(10)
+    results = {}
+    for layout in (torch.contiguous_format, torch.channels_last):
+        before = sum(op.layout_conversions.values())
+        with ldmopt.use_backend("triton"):
+            results[layout] = op.gn_silu_conv2d(x, gw, gb, 4, 1e-5, w.contiguous(memory_format=layout), b, 1, 1)
+        assert sum(op.layout_conversions.values()) - before == (1 if layout == torch.contiguous_format else 0)
+    assert seen and all(strides[1] == 1 for strides in seen)  # the kernel always reads unit-stride input channels
+    assert torch.equal(results[torch.contiguous_format], results[torch.channels_last])
+
+
+def test_a_training_patch_reports_the_weight_copies_its_contiguous_weights_cost():
+    model = _unet().train()
+    report = ldmopt.patch(model, training=True)
+    with ldmopt.use_backend("triton"):
+        output_tensor(model(**models.inputs("sd15", model, batch=1))).sum().backward()
+    copies = {k: n for k, n in report.layout_copies().items() if k.startswith("fused conv: conv weight")}
+    assert copies and "copied their input or weight to channels-last" in str(report)
+    ldmopt.unpatch(model)
+    report = ldmopt.patch(model, training=True, channels_last_weights=True)
+    with ldmopt.use_backend("triton"):
+        output_tensor(model(**models.inputs("sd15", model, batch=1))).sum().backward()
+    assert not any(k.startswith("fused conv: conv weight") for k in report.layout_copies())
