@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._autocast import autocast_operands
+from ._autocast import autocast_enabled, autocast_operands
 from ._checks import check_activation, check_eps, check_same_device, check_tensor, check_vector
 from ._dispatch import (
     Backend,
@@ -60,6 +60,18 @@ layout_conversions: Counter[str] = Counter()
 
 def _is_channels_last(t: Tensor) -> bool:
     return t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _autocast_weight_channels_last(x: Tensor, w: Tensor) -> Tensor:
+    """Under torch.autocast, a weight autocast_operands would cast and the triton backend would then copy to
+    channels-last (_weight_for_kernel), cast into channels-last at once; ``w`` itself otherwise."""
+    device = x.device.type
+    if w.stride(1) == 1 or w.shape[1] == 1 or not autocast_enabled(device):
+        return w
+    dtype = torch.get_autocast_dtype(device)
+    if not w.is_floating_point() or w.dtype in (dtype, torch.float64):
+        return w
+    return w.to(dtype, memory_format=torch.channels_last)
 
 
 def _weight_for_kernel(w: Tensor) -> Tensor:
@@ -322,8 +334,10 @@ def _setup_context(ctx, inputs, output):
         "res": None if res is None else tuple(res.shape),
         "gate": None if gate is None else (gate.dtype, tuple(gate.shape)),
     }
-    # The output statistics take no gradient (the next op's backward differentiates through them itself): no
-    # zero-filled gradients for them (two fill launches per call), and a None dy when y itself had no gradient.
+    # The output statistics take no gradient (the next op's backward differentiates through them itself): not
+    # differentiable outputs (a gradient sent into them would be lost), so no zero-filled gradients for them (two
+    # fill launches per call), and a None dy when y itself had no gradient.
+    ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)
 
 
@@ -555,6 +569,8 @@ def gn_silu_conv2d(
     check_tensor("x", x, ndim=(4,))
     check_tensor("conv_weight", conv_weight, ndim=(4,))
     # Under torch.autocast the conv operands are cast as F.conv2d casts them; GroupNorm math stays fp32 regardless.
+    # The weight's cast writes the layout the triton kernel reads (one copy, not a cast and then a re-layout).
+    conv_weight = _autocast_weight_channels_last(x, conv_weight)
     x, conv_weight, conv_bias, temb, residual, x_tail = autocast_operands(
         x, conv_weight, conv_bias, temb, residual, x_tail
     )

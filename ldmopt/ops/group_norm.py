@@ -207,7 +207,10 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.num_groups = num_groups
     ctx.activation = activation
-    ctx.set_materialize_grads(False)  # mean/rstd take no gradient: no zero-filled ones for them
+    # mean/rstd are statistics for another op, which differentiates through them itself: not differentiable
+    # outputs (a gradient sent into them would be lost), so no zero-filled gradients are made for them either.
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _dmean, _drstd):

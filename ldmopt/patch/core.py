@@ -26,7 +26,7 @@ from ..nn.child_check import foreign_hook_registry, instance_forward_owner, wrap
 from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
 from .rule import FAMILIES, REPLACED, ChildSwapRule, Rule, Site, restore_child, swap_class
 from .rules_attention import companion_actions, installed_processor, restore_unrecorded_processors
-from .weight_layout import reads_fused_conv, weight_bytes, weight_layout_action
+from .weight_layout import weight_bytes, weight_layout_action
 
 _RECORDS = "_ldmopt_records"
 #: Every module a live patch touched -> the model that holds its records (a patch of an enclosing model leaves no
@@ -414,7 +414,7 @@ def patch(
         training: the model will be trained: modules whose fused path would skip a dropout with p > 0 stay on
             the stock path. (With the default False, such modules fall back to the stock forward while in
             train mode.)
-        channels_last_weights: in a model whose convolutions this call fuses, convert the Conv2d/Conv3d weights
+        channels_last_weights: convert the weights of the Conv2d/Conv3d modules the model's fused forwards read
             to channels-last in place (same Parameters, values and keys; unpatch restores the strides), the layout
             the fused convolutions read in vectors (ldmopt/patch/weight_layout.py). Default (None): when
             ``training`` is False; FSDP's fully_shard refuses non-contiguous parameters, so a training patch leaves
@@ -470,8 +470,8 @@ def patch(
                 report._counters.extend(rule.counters(data))
             for rule, site in companion_actions(model):  # fuse nothing: not reported as patched modules
                 records.append(_Record(rule, site, rule.replace(site)))
-            convs_fused = any(reads_fused_conv(rule, site) for rule, site in actions)
-            layout, left = weight_layout_action(label, model, filter_fn, convs_fused, wanted_layout)
+            earlier = [(rec.rule, rec.site) for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
+            layout, left = weight_layout_action(label, model, earlier + actions, filter_fn, wanted_layout)
             if layout is not None:
                 rule, site = layout
                 records.append(_Record(rule, site, rule.replace(site)))

@@ -119,15 +119,16 @@ class PatchReport:
                 lines.append(f"    {rule:<24} {n:>4}  {self.descriptions.get(rule, '')}")
         if self.converted_weights:
             lines.append(
-                "  conv weights made channels-last, the layout the fused convolutions read (unpatch restores): "
+                "  conv weights made channels-last, the layout the fused convolutions read (unpatch restores; "
+                "safetensors' save_file refuses them while patched, save_pretrained does not): "
                 + _weights(self.converted_weights)
             )
         if self.kept_weights:
             lines.append(
-                f"  conv weights left contiguous ({self.kept_weights_reason}): {_weights(self.kept_weights)}; each "
-                "fused convolution copies its weight to channels-last, the layout its kernel reads. Unless FSDP "
-                "will shard the model: model.to(memory_format=torch.channels_last), or patch(..., "
-                "channels_last_weights=True)"
+                f"  conv weights left contiguous ({self.kept_weights_reason}): {_weights(self.kept_weights)}; on "
+                "the triton backend each fused convolution copies its weight to channels-last per call, the layout "
+                "its kernel reads. Unless FSDP will shard the model: patch(..., channels_last_weights=True) (patch "
+                "again to convert them now)"
             )
         if self.skipped:
             lines.append("  left on the stock path:")

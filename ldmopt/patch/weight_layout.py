@@ -8,17 +8,22 @@ would be its own 2-byte load through registers, and (read from the compiled code
 loop of the staged conv's 128x128x64 tile would issue 437 instead of 180 instructions per warp and k-step on sm_90
 (503 instead of 277 on sm_80): an MMA-bound loop turned issue-bound at about 1.7x its tensor-core time. So the op
 copies such a weight into channels-last on every call instead (``ldmopt.ops.gn_conv2d.layout_conversions``, shown
-by the report), as cuDNN does given a channels-last input: a launch and two passes over the weight per call. Stock
-convolutions of a patched model make the same copy, their activations being channels-last.
+by the report), as cuDNN does given a channels-last input: a launch and two passes over the weight per call.
 
-So a patch call that fuses a model's convolutions also converts that model's Conv2d / Conv3d weights with a spatial
-kernel to channels-last (``channels_last_3d`` for Conv3d) once, in place: the same Parameter objects, values and
-state_dict keys, new strides; 1x1 kernels are channels-last already. By default only when ``training`` is False:
-FSDP's ``fully_shard`` refuses non-contiguous parameters, so a training patch leaves the layout to the user
-(``model.to(memory_format=torch.channels_last)`` before DDP, or ``channels_last_weights=True``). Convs that
+So a patch call converts, once and in place, the weights of the Conv2d / Conv3d modules whose weights the fused
+forwards of the model read (the convs they bypass) to channels-last (``channels_last_3d`` for Conv3d): the same
+Parameter objects, values and state_dict keys, new strides; 1x1 kernels are channels-last already. Convs that stay
+stock (conv_in, downsamplers, LoRA layers, anything a guard left unfused) keep their layout. A later patch call of
+the same model converts what an earlier one left (``channels_last_weights=True`` after a training patch). By
+default only when ``training`` is False: FSDP's ``fully_shard`` refuses non-contiguous parameters, so a training
+patch leaves the layout to the user (``channels_last_weights=True`` without FSDP). Convs that
 ``filter_fn`` excludes, quantized or subclassed parameters (a tensor subclass, integer or 8-bit storage) and
 parametrized weights are left as they are. ``unpatch`` makes contiguous again each weight that still has the
-strides patch gave it; one the user re-laid out meanwhile is theirs.
+strides patch gave it; one the user re-laid out meanwhile is theirs. While patched, ``safetensors.torch.save_file``
+refuses those weights (non-contiguous): ``save_pretrained`` makes them contiguous itself; otherwise save after
+``unpatch`` or ``.contiguous()`` each tensor. A gradient a weight already has is re-laid out with it; optimizer
+state made before the conversion keeps the old layout (a fused AdamW then refuses the mix): patch before creating the
+optimizer or loading its state.
 """
 
 from __future__ import annotations
@@ -50,27 +55,40 @@ def _convertible(conv: nn.Module) -> torch.Tensor | None:
     return weight
 
 
-def reads_fused_conv(rule: Rule, site: Site) -> bool:
-    """True when the fused forward this (rule, site) installs reads a conv's weight itself (the conv is bypassed)."""
-    return any(rel and isinstance(m, (nn.Conv2d, nn.Conv3d)) for rel, m in rule.touched(site).items())
+def fused_convs(label: str, pairs: Iterable[tuple[Rule, Site]]) -> list[tuple[str, nn.Module]]:
+    """(qualified name, conv) of each Conv2d/Conv3d whose weight a fused forward of these (rule, site) pairs reads
+    itself (the conv is bypassed: listed by the rule's ``touched`` under a child name)."""
+    return [
+        (".".join(p for p in (label, site.name, rel) if p), m)
+        for rule, site in pairs
+        for rel, m in rule.touched(site).items()
+        if rel and isinstance(m, (nn.Conv2d, nn.Conv3d))
+    ]
 
 
 def convertible_convs(
-    label: str, model: nn.Module, filter_fn: Callable[[nn.Module, str], bool] | None
+    convs: Iterable[tuple[str, nn.Module]], filter_fn: Callable[[nn.Module, str], bool] | None
 ) -> list[tuple[str, nn.Module]]:
-    """(qualified name, conv) of each conv of ``model`` whose weight :class:`ChannelsLastWeights` would convert."""
+    """The convs among ``convs`` whose weight :class:`ChannelsLastWeights` would convert (each weight once)."""
     out = []
     seen: set[int] = set()
-    for name, module in model.named_modules():
+    for qualified, module in convs:
         weight = _convertible(module)
         if weight is None or id(weight) in seen:
             continue
-        qualified = ".".join(p for p in (label, name) if p)
         if filter_fn is not None and not filter_fn(module, qualified):
             continue
         seen.add(id(weight))
         out.append((qualified, module))
     return out
+
+
+def _relayout(weight: nn.Parameter, memory_format: torch.memory_format) -> None:
+    """``weight``'s data, and a gradient it already has (AccumulateGrad adds into it in its own layout), in
+    ``memory_format``, in place."""
+    weight.data = weight.data.contiguous(memory_format=memory_format)
+    if weight.grad is not None and weight.grad.shape == weight.shape:
+        weight.grad = weight.grad.contiguous(memory_format=memory_format)
 
 
 class ChannelsLastWeights(Rule):
@@ -84,17 +102,21 @@ class ChannelsLastWeights(Rule):
 
     def replace(self, site: Site) -> list[tuple[nn.Module, tuple[int, ...]]]:
         done = []
-        for _, conv in site.context["convs"]:
-            weight = conv._parameters["weight"]
-            weight.data = weight.data.contiguous(memory_format=_FORMATS[weight.dim()])
-            done.append((conv, weight.stride()))
+        try:
+            for _, conv in site.context["convs"]:
+                weight = conv._parameters["weight"]
+                _relayout(weight, _FORMATS[weight.dim()])
+                done.append((conv, weight.stride()))
+        except BaseException:  # out of memory halfway: no record would restore the ones done
+            self.restore(site, done)
+            raise
         return done
 
     def restore(self, site: Site, data: Any) -> None:
         for conv, given in data:
             weight = conv._parameters.get("weight")
             if isinstance(weight, torch.Tensor) and weight.stride() == given:
-                weight.data = weight.data.contiguous()
+                _relayout(weight, torch.contiguous_format)
 
 
 CHANNELS_LAST_WEIGHTS = ChannelsLastWeights()
@@ -103,14 +125,14 @@ CHANNELS_LAST_WEIGHTS = ChannelsLastWeights()
 def weight_layout_action(
     label: str,
     model: nn.Module,
+    pairs: Iterable[tuple[Rule, Site]],
     filter_fn: Callable[[nn.Module, str], bool] | None,
-    convs_fused: bool,
     wanted: bool,
 ) -> tuple[tuple[Rule, Site] | None, list[tuple[str, nn.Module]]]:
-    """(the action converting ``model``'s conv weights, or None; the convs still not channels-last after it).
-    ``convs_fused``: this patch call installed fused forwards that read conv weights; ``wanted``: the caller's (or
-    the default's) choice."""
-    convs = convertible_convs(label, model, filter_fn) if convs_fused else []
+    """(the action converting the weights of the convs that ``model``'s fused forwards read, or None; the convs
+    left not channels-last). ``pairs``: the (rule, site) of every patch on ``model``, this call's and earlier ones';
+    ``wanted``: the caller's (or the default's) choice."""
+    convs = convertible_convs(fused_convs(label, pairs), filter_fn)
     if not convs or not wanted:
         return None, convs
     return (CHANNELS_LAST_WEIGHTS, Site("", model, None, None, context={"convs": convs})), []

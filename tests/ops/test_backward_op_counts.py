@@ -120,3 +120,17 @@ def test_adaln_backward_sums_over_several_chunk_and_column_blocks(monkeypatch, g
     want = adaln_bwd_reference(dy, s, mean, rstd, scale, None, x, g)
     for name, ours, ref in zip(("ds", "dscale", "dshift", "dx", "dgate"), got, want):
         assert_close(ours, ref, torch.float32, name)
+
+
+def test_statistics_outputs_are_not_differentiable():
+    # The fused ops' output statistics feed another op, which differentiates through them itself: a gradient sent
+    # into them would be dropped, so they do not require grad (and no zero gradients are filled for them).
+    from ldmopt.ops.gn_conv2d import gn_silu_conv2d
+    from ldmopt.ops.group_norm import group_norm_fwd
+
+    x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
+    gw, w = torch.rand(8, requires_grad=True), torch.randn(6, 8, 3, 3, requires_grad=True)
+    y, stats = gn_silu_conv2d(x, gw, None, 4, 1e-5, w, None, 1, 1, out_stats=(3, 1e-5))
+    assert y.requires_grad and not any(t.requires_grad for t in stats)
+    out, mean, rstd = group_norm_fwd(x, gw, None, 4, 1e-5, "silu")
+    assert out.requires_grad and not mean.requires_grad and not rstd.requires_grad

@@ -1,5 +1,5 @@
-"""patch(channels_last_weights=...): a model whose convolutions patch fuses gets channels-last conv weights (same
-Parameters, values and keys), reported, and unpatch gives the contiguous ones back."""
+"""patch(channels_last_weights=...): the convs whose weights the fused forwards read get channels-last weights (same
+Parameters, values and keys), reported, and unpatch gives the contiguous ones back; stock convs keep theirs."""
 
 from __future__ import annotations
 
@@ -19,6 +19,17 @@ def _spatial_convs(model: nn.Module) -> dict[str, nn.Module]:
     return {
         n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Conv3d)) and m.weight[0, 0].numel() > 1
     }
+
+
+def _fused_read(model: nn.Module) -> dict[str, nn.Module]:
+    """The spatial convs of the tiny UNets the fused forwards read: the resnets' and the upsamplers' (conv_in,
+    conv_out and the downsamplers stay stock convolutions)."""
+    return {n: m for n, m in _spatial_convs(model).items() if ".resnets." in n or ".upsamplers." in n}
+
+
+def _stock_convs(model: nn.Module) -> dict[str, nn.Module]:
+    fused = _fused_read(model)
+    return {n: m for n, m in _spatial_convs(model).items() if n not in fused}
 
 
 def _channels_last(weight: torch.Tensor) -> bool:
@@ -43,8 +54,10 @@ def test_inference_patch_converts_spatial_conv_weights_and_unpatch_restores_them
 
     report = ldmopt.patch(model)
 
-    convs = _spatial_convs(model)
+    convs = _fused_read(model)
     assert convs and all(_channels_last(m.weight) for m in convs.values())
+    stock = _stock_convs(model)
+    assert {"conv_in", "conv_out"} <= set(stock) and all(m.weight.is_contiguous() for m in stock.values())
     assert {n: params[n].stride() for n in one_by_one} == one_by_one  # 1x1 kernels are channels-last already
     assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects
     size = sum(m.weight.numel() * 4 for m in convs.values())
@@ -68,7 +81,7 @@ def test_training_default_and_false_keep_the_layout_and_say_so(kwargs, reason):
     report = ldmopt.patch(model, **kwargs)
     assert {n: p.stride() for n, p in model.named_parameters()} == before
     assert not report.converted_weights
-    assert report.kept_weights[""][0] == len(_spatial_convs(model))
+    assert report.kept_weights[""][0] == len(_fused_read(model))
     text = str(report)
     assert f"conv weights left contiguous ({reason})" in text and "channels_last_weights=True" in text
     ldmopt.unpatch(model)
@@ -80,7 +93,7 @@ def test_training_patch_converts_when_asked_and_still_matches_stock_gradients():
     stock, fused = _unet().train(), None
     fused = copy.deepcopy(stock)
     report = ldmopt.patch(fused, training=True, channels_last_weights=True)
-    assert report.converted_weights and all(_channels_last(m.weight) for m in _spatial_convs(fused).values())
+    assert report.converted_weights and all(_channels_last(m.weight) for m in _fused_read(fused).values())
     inputs = models.inputs("sd15", stock)
     output_tensor(stock(**inputs)).square().mean().backward()
     output_tensor(fused(**inputs)).square().mean().backward()
@@ -110,12 +123,13 @@ def test_already_channels_last_model_is_left_as_it_is():
     assert {n: p.stride() for n, p in model.named_parameters()} == before  # the user's layout stays theirs
 
 
-def test_filter_fn_excluded_conv_keeps_its_layout():
+def test_filter_fn_excluded_block_keeps_its_layout():
     model = _unet()
-    report = ldmopt.patch(model, filter_fn=lambda module, name: name != "conv_in")
-    assert model.conv_in.weight.is_contiguous()
-    assert _channels_last(model.down_blocks[0].resnets[0].conv1.weight)
-    assert report.converted_weights[""][0] == len(_spatial_convs(model)) - 1
+    excluded = "down_blocks.0.resnets.0"
+    report = ldmopt.patch(model, filter_fn=lambda module, name: name != excluded)
+    assert model.down_blocks[0].resnets[0].conv1.weight.is_contiguous()
+    assert _channels_last(model.down_blocks[1].resnets[0].conv1.weight)
+    assert report.converted_weights[""][0] == len(_fused_read(model)) - 2
 
 
 def test_unpatch_leaves_a_weight_the_user_re_laid_out_and_a_copy_restores_its_own():
@@ -128,12 +142,12 @@ def test_unpatch_leaves_a_weight_the_user_re_laid_out_and_a_copy_restores_its_ow
     user_strides = conv1.weight.stride()
     ldmopt.unpatch(model)
     assert conv1.weight.stride() == user_strides
-    assert model.conv_in.weight.is_contiguous()
+    assert model.down_blocks[0].resnets[0].conv2.weight.is_contiguous()
     # The copy's records point at the copy's convs: unpatching it restores those, not the original's
     model2 = copy.deepcopy(copied)
     ldmopt.unpatch(copied)
     assert all(m.weight.is_contiguous() for m in _spatial_convs(copied).values())
-    assert all(_channels_last(m.weight) for m in _spatial_convs(model2).values())
+    assert all(_channels_last(m.weight) for m in _fused_read(model2).values())
 
 
 def test_conv3d_temporal_weights_become_channels_last_3d_and_the_output_is_unchanged():
@@ -185,3 +199,70 @@ def test_a_training_patch_reports_the_weight_copies_its_contiguous_weights_cost(
     with ldmopt.use_backend("triton"):
         output_tensor(model(**models.inputs("sd15", model, batch=1))).sum().backward()
     assert not any(k.startswith("fused conv: conv weight") for k in report.layout_copies())
+
+
+def test_a_second_patch_converts_what_the_first_left():
+    model = _unet().train()
+    assert ldmopt.patch(model, training=True).kept_weights
+    report = ldmopt.patch(model, training=True, channels_last_weights=True)
+    assert report.total == 0 and report.converted_weights[""][0] == len(_fused_read(model))
+    assert all(_channels_last(m.weight) for m in _fused_read(model).values())
+    assert not ldmopt.patch(model).converted_weights  # nothing left to convert
+    ldmopt.unpatch(model)
+    assert all(m.weight.is_contiguous() for m in _spatial_convs(model).values())
+
+
+def test_a_conversion_that_fails_halfway_leaves_the_model_as_it_was(monkeypatch):
+    from ldmopt.patch import weight_layout
+
+    model = _unet()
+    before = snapshot(model)
+    formats, calls = dict(weight_layout._FORMATS), []
+
+    class Failing(dict):
+        def __getitem__(self, rank):
+            calls.append(rank)
+            if len(calls) == 4:
+                raise torch.OutOfMemoryError("no memory for the fourth weight")
+            return formats[rank]
+
+    monkeypatch.setattr(weight_layout, "_FORMATS", Failing(formats))
+    with pytest.raises(torch.OutOfMemoryError):
+        ldmopt.patch(model)
+    assert len(calls) == 4 and not ldmopt.is_patched(model)
+    assert_same_snapshot(before, snapshot(model))  # strides included: the three converted weights are back
+
+
+def test_lora_layers_loaded_before_patch_keep_their_layout():
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    model = _unet()
+    model.add_adapter(LoraConfig(r=4, target_modules=["conv1", "conv2", "to_q"]))
+    report = ldmopt.patch(model)
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n and p.dim() == 4}
+    assert lora and all(p.is_contiguous() for p in lora.values())  # safetensors can save the adapter
+    assert any(s.reasons and "PEFT" in " ".join(s.reasons) for s in report.skipped)
+
+
+def test_a_contiguous_temporal_weight_is_copied_for_the_kernel_and_autocast_casts_into_channels_last():
+    from ldmopt.ops import gn_conv2d as op
+
+    x = torch.randn(2, 12, 5, 3).contiguous(memory_format=torch.channels_last)  # (video, channel, frame, pixel)
+    conv3d = torch.randn(10, 12, 3, 1, 1) * 0.2  # a temporal Conv3d's weight, as the fused temporal convs take it
+    w = conv3d.squeeze(-1)
+    before = sum(op.layout_conversions.values())
+    with ldmopt.use_backend("triton"):
+        strided = op.gn_silu_conv2d(x, None, None, 4, 1e-5, w, None, 1, (1, 0))
+        copied = op.gn_silu_conv2d(x, None, None, 4, 1e-5, w.contiguous(memory_format=torch.channels_last), None, 1,
+                                   (1, 0))  # fmt: skip
+    assert sum(op.layout_conversions.values()) - before == 1
+    assert torch.equal(strided, copied)
+    # Under autocast the fp32 weight's cast lands in channels-last at once: no second copy
+    master = w.clone().requires_grad_()
+    before = sum(op.layout_conversions.values())
+    with torch.autocast("cpu", torch.bfloat16), ldmopt.use_backend("torch"):
+        y = op.gn_silu_conv2d(x, None, None, 4, 1e-5, master, None, 1, (1, 0))
+    y.float().sum().backward()
+    assert sum(op.layout_conversions.values()) == before
+    assert y.dtype == torch.bfloat16 and master.grad.dtype == torch.float32 and master.grad.stride() == master.stride()
