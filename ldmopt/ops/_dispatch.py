@@ -49,6 +49,12 @@ MAX_REASONS = 1024
 OTHER_REASONS = f"other reasons (more than {MAX_REASONS} distinct ones were seen)"
 
 
+#: (op, backend, reason) -> how often an op ran its reference backend ("torch") in this process because a preferred
+#: backend refused the inputs (not forced: ``use_backend`` / LDMOPT_BACKEND choices are the user's). PatchReport's
+#: ``fallbacks()`` lists them.
+fallback_reasons: Counter[tuple[str, str, str]] = Counter()
+
+
 def count_bounded(counter: Counter, key: object) -> None:
     """``counter[key] += 1``, or ``counter[OTHER_REASONS] += 1`` for a new key once the counter holds MAX_REASONS."""
     if key not in counter and len(counter) >= MAX_REASONS:
@@ -503,8 +509,17 @@ class BackendTable:
 
     def __call__(self, *args):
         backend = self.select(*args)
+        if backend.name == "torch" and self.forced() is None:
+            self.record_refusals(args)
         backend_counts[(self.op_name, backend.name)] += 1
         return launch(backend, args)
+
+    def record_refusals(self, args: Sequence) -> None:
+        """Count in ``fallback_reasons`` why each preferred backend refused these inputs (the reference runs)."""
+        for other in self.backends:
+            if other.name != "torch":
+                for reason in other.refuse(*args):
+                    count_bounded(fallback_reasons, (self.op_name, other.name, reason))
 
 
 def launch(backend: Backend, args: Sequence):

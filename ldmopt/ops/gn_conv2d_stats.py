@@ -7,17 +7,14 @@ Backends: triton (kernels/group_norm.py's Welford passes) and torch, the referen
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 from torch import Tensor
 
 from ._checks import spatial_dims_flatten
-from ._dispatch import Backend, BackendTable, backend_counts, count_bounded, launch, register_eager, triton_refusals
+from ._dispatch import Backend, BackendTable, register_eager, triton_refusals
+from ._dispatch import fallback_reasons as fallback_reasons  # every op's record (PatchReport reads it)
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: (op, backend, reason) -> count of automatic fall-backs to the reference backend in this process.
-fallback_reasons: Counter[tuple[str, str, str]] = Counter()
 
 
 def _stats_dtype(x: Tensor) -> torch.dtype:
@@ -25,15 +22,9 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
 
 
 def _run(table: BackendTable, *args):
-    """table(*args), recording why the preferred backends refused when the reference runs instead."""
-    backend = table.select(*args)
-    if backend.name == "torch" and table.forced() is None:
-        for other in table.backends:
-            if other.name != "torch":
-                for reason in other.refuse(*args):
-                    count_bounded(fallback_reasons, (table.op_name, other.name, reason))
-    backend_counts[(table.op_name, backend.name)] += 1
-    return launch(backend, args)
+    """table(*args): the reference backend running instead of a preferred one is recorded in
+    ``_dispatch.fallback_reasons`` (every op's)."""
+    return table(*args)
 
 
 def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:

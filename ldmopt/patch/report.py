@@ -92,9 +92,9 @@ class PatchReport:
 
     def fallbacks(self) -> dict[str, int]:
         """{reason: calls} since the patch call: patched modules that ran the stock path for a call (e.g. a
-        ResnetBlock2D in training with dropout) and fused convolutions that ran their unfused composition,
-        process-wide. Which backend each op ran (``torch``, the reference, where the kernels refuse an input: fp64,
-        no Triton ...) is in :meth:`backends`."""
+        ResnetBlock2D in training with dropout) and ops that ran their reference backend because the kernels
+        refused an input (fp64, no Triton, a layout ...: each refusing backend's reason), process-wide. Which
+        backend each op ran is in :meth:`backends`."""
         before = self._fallbacks_at_patch
         out = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
         for proc in self._counters:
@@ -168,7 +168,7 @@ def _module_fallback(reason: str) -> str:
 
 def _op_fallback(key: tuple[str, str, str] | str) -> str:
     if isinstance(key, str):  # OTHER_REASONS
-        return f"gn_conv2d ran the reference backend: {key}"
+        return f"an op ran the reference backend: {key}"
     op, backend, reason = key
     return f"{op} ran the reference backend ({backend} refused: {reason})"
 
@@ -183,7 +183,7 @@ def _layout_fallback(key: tuple[str, str] | str) -> str:
 # Per-call fall-back counters of the fused modules and ops: (module, attribute, formatter of a key).
 _FALLBACK_COUNTERS = (
     ("ldmopt.nn.resnet", "fallback_reasons", _module_fallback),
-    ("ldmopt.ops.gn_conv2d", "fallback_reasons", _op_fallback),
+    ("ldmopt.ops._dispatch", "fallback_reasons", _op_fallback),
     ("ldmopt.nn.temporal_layout", "fallback_reasons", _layout_fallback),
     ("ldmopt.nn.child_check", "fallback_reasons", str),
 )

@@ -325,9 +325,10 @@ def test_reason_counters_stay_bounded_and_the_report_formats_the_overflow_key(mo
     from ldmopt.ops import _dispatch, gn_conv2d, gn_conv2d_stats
     from ldmopt.patch.report import PatchReport
 
-    for module in (child_check, temporal_layout, gn_conv2d_stats):
+    for module in (child_check, temporal_layout, _dispatch):
         monkeypatch.setattr(module, "fallback_reasons", Counter())
-    monkeypatch.setattr(gn_conv2d, "fallback_reasons", gn_conv2d_stats.fallback_reasons)  # one record, two names
+    for module in (gn_conv2d, gn_conv2d_stats):  # one record, three names
+        monkeypatch.setattr(module, "fallback_reasons", _dispatch.fallback_reasons)
     monkeypatch.setattr(_dispatch, "MAX_REASONS", 3)
     for i in range(5):
         child_check.tally(child_check.fallback_reasons, f"layer ran the stock path: shape ({i}, 8)")
