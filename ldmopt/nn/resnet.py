@@ -21,6 +21,11 @@ Interface for the patcher (ldmopt/patch/) and for users:
 - ``FusedResnetBlock2D(block)``: an nn.Module that adopts the block's submodules (same parameters, same state_dict
   keys) and runs ``fused_resnet_forward``.
 
+Conv weights: the fused convolutions read channels-last weights; given contiguous ones (diffusers' default) the
+triton backend copies each to channels-last per call (two launches more per block, counted in
+``ldmopt.ops.gn_conv2d.layout_conversions``). ``ldmopt.patch`` converts them once; users of the forward or the module
+directly convert the block's conv weights themselves (``block.to(memory_format=torch.channels_last)``).
+
 Statistics hand-over (ldmopt.nn.stats_handover): a block offers its output to the fused GroupNorm that reads it next
 (the next block's norm1, a Transformer2DModel's norm) and, once that consumer has asked for its (groups, eps), sums
 them in conv2's epilogue, so the consumer skips its statistics pass; a block's own norm1 takes what its producer
