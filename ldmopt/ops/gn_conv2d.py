@@ -30,13 +30,13 @@ from ._dispatch import (
     Backend,
     BackendTable,
     call,
+    fallback_reasons,  # noqa: F401  (every op's fall-back record, also read as ldmopt.ops.gn_conv2d.fallback_reasons)
     register_autograd_keeping_backend,
     statistics_source,
     triton_refusals,
 )
 from .gn_conv2d_prologue import choose_placement, placement_counts
-from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _run, _stats_dtype, _stats_torch, gn_conv2d_stats
-from .gn_conv2d_stats import fallback_reasons as fallback_reasons  # both ops' record, read by PatchReport
+from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _stats_dtype, _stats_torch, gn_conv2d_stats
 from .gn_conv2d_stats import same_but_channels as same_but_channels
 from .group_norm import group_norm_bwd
 from .group_norm_apply import apply_triton, group_norm_apply
@@ -62,11 +62,16 @@ def _is_channels_last(t: Tensor) -> bool:
     return t.is_contiguous(memory_format=torch.channels_last)
 
 
+def _unit_channel_stride(w: Tensor) -> bool:
+    """Whether the kernel reads ``w``'s input channels in vectors (unit stride, or a single channel)."""
+    return w.stride(1) == 1 or w.shape[1] == 1
+
+
 def _autocast_weight_channels_last(x: Tensor, w: Tensor) -> Tensor:
     """Under torch.autocast, a weight autocast_operands would cast and the triton backend would then copy to
     channels-last (_weight_for_kernel), cast into channels-last at once; ``w`` itself otherwise."""
     device = x.device.type
-    if w.stride(1) == 1 or w.shape[1] == 1 or not autocast_enabled(device):
+    if _unit_channel_stride(w) or not autocast_enabled(device):
         return w
     dtype = torch.get_autocast_dtype(device)
     if not w.is_floating_point() or w.dtype in (dtype, torch.float64):
@@ -76,7 +81,7 @@ def _autocast_weight_channels_last(x: Tensor, w: Tensor) -> Tensor:
 
 def _weight_for_kernel(w: Tensor) -> Tensor:
     """``w`` with unit input-channel stride (channels-last), copied (and counted) when it has another layout."""
-    if w.stride(1) == 1 or w.shape[1] == 1:
+    if _unit_channel_stride(w):
         return w
     layout_conversions[f"conv weight {list(w.shape)} copied to channels-last (the model's is not)"] += 1
     return w.contiguous(memory_format=torch.channels_last)
@@ -295,8 +300,8 @@ def gn_conv2d_op(
     _check_tail("x_tail", x, x_tail)
     _check_tail("shortcut_x_tail", shortcut_x, shortcut_x_tail)
     _check_fp32_precision(fp32_precision, weight, stride, padding, resample)
-    y, out_mean, out_rstd = _run(
-        FORWARD, x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
+    y, out_mean, out_rstd = FORWARD(
+        x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
         shortcut_bias, gate, num_groups, activation or None, stride, padding, resample, residual_resample,
         shortcut_resample, output_scale, out_groups, out_eps, x_tail, shortcut_x_tail, fp32_precision,
     )  # fmt: skip

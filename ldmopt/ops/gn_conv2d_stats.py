@@ -12,19 +12,12 @@ from torch import Tensor
 
 from ._checks import spatial_dims_flatten
 from ._dispatch import Backend, BackendTable, register_eager, triton_refusals
-from ._dispatch import fallback_reasons as fallback_reasons  # every op's record (PatchReport reads it)
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _stats_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _run(table: BackendTable, *args):
-    """table(*args): the reference backend running instead of a preferred one is recorded in
-    ``_dispatch.fallback_reasons`` (every op's)."""
-    return table(*args)
 
 
 def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:
@@ -86,7 +79,7 @@ def gn_conv2d_stats(x: Tensor, num_groups: int, eps: float, x_tail: Tensor | Non
     """(mean, rstd) [N, G] of x (or of ``cat([x, x_tail], 1)``) in fp32 (fp64 for fp64 x); not differentiable
     (gn_conv2d's backward accounts for it)."""
     _check_tail("x_tail", x, x_tail)
-    mean, rstd = _run(STATS, x, num_groups, eps, x_tail)
+    mean, rstd = STATS(x, num_groups, eps, x_tail)
     return mean, rstd
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._dispatch import Backend, BackendTable, register_eager, triton_refusals
-from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _run, _stats_dtype
+from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _stats_dtype
 
 
 def normalize_reference(x: Tensor, mean: Tensor, rstd: Tensor, gw: Tensor | None, gb: Tensor | None, groups: int,
@@ -92,7 +92,7 @@ def group_norm_apply(
             f"group_norm_apply: x {tuple(x.shape)} ({c} channels in all), num_groups={num_groups}, mean "
             f"{tuple(mean.shape)}: expected a 4-D x whose channels the groups divide and [N, num_groups] statistics"
         )
-    return _run(APPLY, x, mean, rstd, gn_weight, gn_bias, num_groups, activation, x_tail)
+    return APPLY(x, mean, rstd, gn_weight, gn_bias, num_groups, activation, x_tail)
 
 
 register_eager(group_norm_apply)

@@ -479,9 +479,8 @@ def patch(
                 report.converted_weights[label] = (len(convs), weight_bytes(convs))
             elif left:
                 report.kept_weights[label] = (len(left), weight_bytes(left))
-                report.kept_weights_reason = (
-                    "training=True" if channels_last_weights is None else ("channels_last_weights=False")
-                )
+                why = "training=True" if channels_last_weights is None else "channels_last_weights=False"
+                report.kept_weights_reason = why
     except BaseException:
         failed = [why for _, records in reversed(applied) for why in _restore(records, best_effort=True)]
         if failed:

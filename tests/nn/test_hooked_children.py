@@ -322,19 +322,18 @@ def test_reason_counters_stay_bounded_and_the_report_formats_the_overflow_key(mo
     from collections import Counter
 
     from ldmopt.nn import child_check, temporal_layout
-    from ldmopt.ops import _dispatch, gn_conv2d, gn_conv2d_stats
+    from ldmopt.ops import _dispatch, gn_conv2d
     from ldmopt.patch.report import PatchReport
 
     for module in (child_check, temporal_layout, _dispatch):
         monkeypatch.setattr(module, "fallback_reasons", Counter())
-    for module in (gn_conv2d, gn_conv2d_stats):  # one record, three names
-        monkeypatch.setattr(module, "fallback_reasons", _dispatch.fallback_reasons)
+    monkeypatch.setattr(gn_conv2d, "fallback_reasons", _dispatch.fallback_reasons)  # one record, two names
     monkeypatch.setattr(_dispatch, "MAX_REASONS", 3)
     for i in range(5):
         child_check.tally(child_check.fallback_reasons, f"layer ran the stock path: shape ({i}, 8)")
         child_check.tally(temporal_layout.fallback_reasons, ("TransformerTemporalModel", f"F={i}"))
-        _dispatch.count_bounded(gn_conv2d_stats.fallback_reasons, ("gn_conv2d", "triton", f"shape {i}"))
-    for counter in (child_check.fallback_reasons, temporal_layout.fallback_reasons, gn_conv2d_stats.fallback_reasons):
+        _dispatch.count_bounded(_dispatch.fallback_reasons, ("gn_conv2d", "triton", f"shape {i}"))
+    for counter in (child_check.fallback_reasons, temporal_layout.fallback_reasons, _dispatch.fallback_reasons):
         assert len(counter) == 4 and counter[_dispatch.OTHER_REASONS] == 2, counter
     fell_back = PatchReport().fallbacks()
     assert sum(n for reason, n in fell_back.items() if _dispatch.OTHER_REASONS in reason) == 6, fell_back
