@@ -1,10 +1,12 @@
 """End-to-end denoising steps of real-size models (random weights from the embedded configs, no downloads).
 
-Providers per model: diffusers eager (SDPA, channels-last), ldmopt.patch, torch.compile(max-autotune) and
-ldmopt.patch + torch.compile; each is also timed captured as a CUDA graph (``<provider>+graph`` rows: the step
-without any host overhead). Figures: ms per step, it/s, peak memory, and the operator-category split before and
-after patching from ldmopt.profile (written to results/e2e_categories.json and plotted). On CPU the GPU benchmarks
-skip and `test_analytic_projection_cpu` checks the analytic model of the same settings instead.
+Providers per model: diffusers eager (SDPA, channels-last), ldmopt.patch, ldmopt.tune (patched only where each
+module's fused forward measured faster on this GPU, the step itself as tune's run(); its per-site table is written
+to results/e2e_tuning_<model>.txt), torch.compile(max-autotune) and ldmopt.patch + torch.compile; each is also timed
+captured as a CUDA graph (``<provider>+graph`` rows: the step without any host overhead). Figures: ms per step, it/s,
+peak memory, and the operator-category split before and after patching from ldmopt.profile (written to
+results/e2e_categories.json and plotted). On CPU the GPU benchmarks skip and `test_analytic_projection_cpu` checks
+the analytic model of the same settings instead.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ MODELS = {
     "svd-576x1024x14": ("svd", (576, 1024), 14, 2),
 }
 QUICK = ("sd15-512", "dit-256", "animatediff-512x16")
-PROVIDERS = ("eager", "ldmopt", "compile", "ldmopt+compile")
+PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned", "compile", "ldmopt+compile")
 # Quick mode (run_gpu.sh's ~8-minute budget): max-autotune compiles of whole UNets take minutes each, so only the
-# eager and patched providers run; --full runs all four.
-QUICK_PROVIDERS = ("eager", "ldmopt")
+# eager, patched and tuned providers run (tune times ~4 configurations of 5 steps each); --full runs all five.
+QUICK_PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned")
 _CATEGORY_SPLITS: dict[str, dict] = {}
 
 
@@ -55,22 +57,37 @@ def _build(name: str, dtype: torch.dtype):
     return model, inputs
 
 
-def _provider(model, inputs, provider: str):
-    if provider in ("ldmopt", "ldmopt+compile"):
-        report = ldmopt.patch(model)
-        note = f"patched {report.total} modules"
-    else:
-        note = ""
+def _provider(model, inputs, provider: str, name: str = ""):
     call = model if inputs.method == "forward" else getattr(model, inputs.method)
-    if provider.endswith("compile"):
-        # The bound method itself (a VAE's decode): compiling the module would leave decode running eagerly.
-        call = torch.compile(call, mode="max-autotune-no-cudagraphs", dynamic=False)  # static, as harness.compiled
 
-    def step():
+    def eager_step():
         # torch.no_grad, as diffusers pipelines run their denoising loop: inference tensors (torch.inference_mode)
         # keep no version counter, so a patched model would hand no GroupNorm statistics between its blocks.
         with torch.no_grad():
             return call(**inputs.kwargs)
+
+    if provider in ("ldmopt", "ldmopt+compile"):
+        report = ldmopt.patch(model)
+        note = f"patched {report.total} modules"
+    elif provider == "ldmopt-tuned":
+        report = ldmopt.tune(model, eager_step, warmup=2, repeats=3)
+        tuning = report.tuning
+        note = (
+            f"tuned: {len(tuning.kept)} of {len(tuning.sites)} sites kept; tune measured {tuning.stock_ms:.2f} ms "
+            f"stock, {tuning.all_patched_ms:.2f} all patched, {tuning.tuned_ms:.2f} tuned"
+        )
+        harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        (harness.RESULTS_DIR / f"e2e_tuning_{name or 'model'}.txt").write_text(str(tuning) + "\n")
+    else:
+        note = ""
+    if not provider.endswith("compile"):
+        return eager_step, note
+    # The bound method itself (a VAE's decode): compiling the module would leave decode running eagerly.
+    compiled = torch.compile(call, mode="max-autotune-no-cudagraphs", dynamic=False)  # static, as harness.compiled
+
+    def step():
+        with torch.no_grad():
+            return compiled(**inputs.kwargs)
 
     return step, note
 
@@ -83,7 +100,7 @@ def bench_denoising_step(name, provider, bench_recorder):
     torch._dynamo.reset()
     model, inputs = _build(name, dtype)
     try:
-        step, note = _provider(model, inputs, provider)
+        step, note = _provider(model, inputs, provider, name)
         step()  # compile / autotune / first-call costs stay out of the timing
         timing = harness.time_fn(step, warmup=3, rep=20)
         peak = harness.peak_memory(step)

@@ -22,6 +22,7 @@ _LAZY = {
     "profiler": ("ldmopt.profiler", None),
     "configs": ("ldmopt.configs", None),
     "unpatch": ("ldmopt.patch", "unpatch"),
+    "tune": ("ldmopt.patch", "tune"),
     "is_patched": ("ldmopt.patch", "is_patched"),
     "profile": ("ldmopt.profiler", "profile"),
     "analyze": ("ldmopt.profiler", "analyze"),

@@ -72,12 +72,15 @@ def test_e2e_step_providers(mocked_timing, monkeypatch):
 
     monkeypatch.setattr(bench_e2e, "_build", tiny)
     with ldmopt.use_backend("torch"):
-        for provider in ("eager", "ldmopt"):
+        for provider in ("eager", "ldmopt", "ldmopt-tuned"):
             bench_e2e.bench_denoising_step("dit-256", provider, mocked_timing)
     providers = [r["provider"] for r in mocked_timing.rows]
-    assert providers == ["eager", "eager+graph", "ldmopt", "ldmopt+graph"], providers
+    assert providers == ["eager", "eager+graph", "ldmopt", "ldmopt+graph", "ldmopt-tuned", "ldmopt-tuned+graph"]
     assert not _failed(mocked_timing.rows), mocked_timing.rows
     assert "patched" in mocked_timing.rows[2]["note"]
+    assert re.match(r"[0-9.]+ it/s tuned: \d+ of \d+ sites kept; tune measured ", mocked_timing.rows[4]["note"])
+    table = (harness.RESULTS_DIR / "e2e_tuning_dit-256.txt").read_text()
+    assert table.startswith("ldmopt.tune (time.perf_counter") and "adaln" in table
 
 
 def test_e2e_patched_unet_step_hands_statistics_over(mocked_timing, monkeypatch):

@@ -77,8 +77,9 @@ import types
 
 from .core import FAMILIES, PatchError, is_patched, patch, rule_table, unpatch
 from .report import PatchReport
+from .tune import tune
 
-__all__ = ["FAMILIES", "PatchError", "PatchReport", "is_patched", "patch", "rule_table", "unpatch"]
+__all__ = ["FAMILIES", "PatchError", "PatchReport", "is_patched", "patch", "rule_table", "tune", "unpatch"]
 
 
 class _CallablePackage(types.ModuleType):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..ops._dispatch import snapshot_counts
 
@@ -59,6 +60,8 @@ class PatchReport:
     kept_weights_reason: str = ""
     #: Objects this call installed that count their own fall-backs (``fallback_reasons``), e.g. processors.
     _counters: list = field(default_factory=list, repr=False)
+    #: What ``ldmopt.tune`` measured to choose the patched modules (ldmopt.patch.tune.Tuning); None for ``patch``.
+    tuning: Any = None
 
     def counts(self, model: str | None = None) -> dict[str, int]:
         """{rule name: modules replaced}, over all models or one (its component name, "" for a bare model)."""
@@ -155,6 +158,8 @@ class PatchReport:
             lines.append("  calls that took the stock or reference path since patch:")
             for reason, n in sorted(fell_back.items(), key=lambda kv: -kv[1]):
                 lines.append(f"    x{n:<5} {reason}")
+        if self.tuning is not None:
+            lines.append(str(self.tuning))
         return "\n".join(lines)
 
 
