@@ -16,6 +16,7 @@ COMMANDS = {
     "info": ("ldmopt.info", "versions, available backends and why not, GPU and compute capability"),
     "analyze": ("ldmopt.profiler.cli", "analytic FLOPs/bytes per operator category of a model, on meta tensors"),
     "profile": ("ldmopt.profiler.cli", "measure the per-category time split of a model with torch.profiler"),
+    "tune": ("ldmopt.patch.cli", "time each fused module against the stock one on a zoo model; keep the faster"),
 }
 
 

@@ -391,3 +391,20 @@ def test_a_site_run_inside_its_parents_fused_forward_follows_it(monkeypatch, blo
     # every site, stock, the kept ones (and again without the blocks that dropped out)
     assert len(configurations) == (4 if block == "faster beside the resnets" else 3)
     ldmopt.unpatch(unet)
+
+
+def test_cli_tunes_a_zoo_model(tmp_path, capsys):
+    import json
+
+    from ldmopt.cli import main
+
+    path = tmp_path / "out" / "tuning.json"
+    with ldmopt.use_backend("torch"):
+        assert main(["tune", "sd15", "--tiny", "--warmup", "1", "--repeats", "1", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("ldmopt.tune (time.perf_counter; median of 1 calls after 1 warm-up")
+    data = json.loads(path.read_text())
+    assert data["model"] == "sd15" and data["timer"] == "time.perf_counter" and data["sites"]
+    assert {"resnet", "residual_block"} <= {rule for site in data["sites"] for rule in site["rules"]}
+    assert main(["tune", "sd15", "--tiny", "--min-speedup", "0"]) == 2
+    assert capsys.readouterr().err.startswith("ldmopt.tune: min_speedup=0.0 is not supported")

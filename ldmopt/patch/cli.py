@@ -1,0 +1,78 @@
+"""``ldmopt tune MODEL``: which of ldmopt's fused modules pay on this machine, for a zoo model at a given size.
+
+Builds the model as ``ldmopt profile`` does (random weights from the embedded config, no downloads; channels-last
+weights and inputs, as the demo runs it), runs :func:`ldmopt.tune` with one forward call under ``torch.no_grad`` as
+its run(), and prints the per-site table. Only argparse is imported at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..profiler.cli import _count, _message, _positive, _resolution, _write_json, _zoo_names, prepare_outputs
+
+
+def configure_tune(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Time each module ldmopt.patch would fuse, stock and patched, on one forward call of a zoo model with "
+        "random weights, and keep only the faster ones (ldmopt.tune): prints the per-site table."
+    )
+    parser.add_argument("model", help=f"zoo name: {', '.join(_zoo_names())}")
+    parser.add_argument("--resolution", type=_resolution, default=None, help="pixels: 512 or 576x1024")
+    parser.add_argument("--frames", type=_positive, default=None, help="frames (video models only)")
+    parser.add_argument("--batch", type=_positive, default=None, help="batch (default: the zoo's)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=("fp16", "bf16", "fp32"),
+                        help="default fp16 on cuda, fp32 on cpu")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="the tiny random-weight variant of the model family")
+    parser.add_argument("--warmup", type=_count(0), default=2, help="calls before each measurement (default 2)")
+    parser.add_argument("--repeats", type=_positive, default=5, help="timed calls per configuration (default 5)")
+    parser.add_argument("--rounds", type=_positive, default=3, help="refinement rounds at most (default 3)")
+    parser.add_argument("--min-speedup", type=float, default=1.0, help="keep a site when stock > fused x this")
+    parser.add_argument("--families", default=None, help="comma list of ldmopt.patch families (default: all)")
+    parser.add_argument("--report", action="store_true", help="also print the whole patch report")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the tuning table as JSON ('-': stdout)")
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    import dataclasses
+    import sys
+
+    import torch
+
+    import ldmopt
+
+    from ..demo import channels_last_call
+    from ..profiler.measure import _resolve_target
+
+    if not prepare_outputs("tune", args.json):
+        return 2
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
+    setting = dict(resolution=args.resolution, frames=args.frames, batch=args.batch)
+    try:
+        model, inputs = _resolve_target(
+            args.model, device=args.device, dtype=dtypes.get(args.dtype), tiny=args.tiny, inputs=None, **setting
+        )
+        channels_last_call(model, inputs)
+        model.eval()
+        call = model if inputs.method == "forward" else getattr(model, inputs.method)
+
+        def run():
+            with torch.no_grad():
+                return call(**inputs.kwargs)
+
+        report = ldmopt.tune(
+            model, run, families=families, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
+            min_speedup=args.min_speedup,
+        )  # fmt: skip
+    except (KeyError, ValueError) as exc:
+        message = _message(exc)
+        print(message if message.startswith("ldmopt.tune:") else f"ldmopt tune: {message}", file=sys.stderr)
+        return 2
+    if args.json != "-":
+        print(report if args.report else report.tuning)
+    if args.json:
+        _write_json({"model": args.model, **setting, **dataclasses.asdict(report.tuning)}, args.json)
+    ldmopt.unpatch(model)
+    return 0
