@@ -44,6 +44,9 @@ def configure_demo(parser: argparse.ArgumentParser) -> None:
                         help="ldmopt backend of the patched run; on cpu, triton = the Triton interpreter")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs; default 0")
     parser.add_argument("--save", metavar="PNG", help="write the stock and patched images side by side (sd only)")
+    parser.add_argument("--tune", action="store_true",
+                        help="patch with ldmopt.tune: only the modules whose fused forward measured faster than the "
+                             "stock one over the demo's run (prints the per-module table)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ building
@@ -234,7 +237,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     import ldmopt
     from ldmopt.ops._dispatch import BackendUnavailableError
-    from ldmopt.patch import patch, unpatch
+    from ldmopt.patch import patch, tune, unpatch
 
     print(f"ldmopt demo: model={args.model} device={device} dtype={dtype_name} steps={args.steps} seed={args.seed}")
     print(_backend_note(device, args.backend))
@@ -259,7 +262,15 @@ def run_demo(args: argparse.Namespace) -> int:
         run = lambda: run_denoiser(target, inputs, args.steps)
 
     stock, stock_step = run()
-    report = patch(target)
+    if args.tune:
+        try:
+            with ldmopt.use_backend(args.backend):
+                report = tune(target, run, warmup=1, repeats=3)
+        except BackendUnavailableError as exc:  # tune leaves the model stock when run() raises
+            print(f"ldmopt demo: --backend {args.backend}: {exc}", file=sys.stderr)
+            return 2
+    else:
+        report = patch(target)
     try:  # the caller's model is left as it was, whatever happens below
         with ldmopt.use_backend(args.backend):
             try:
@@ -275,7 +286,8 @@ def run_demo(args: argparse.Namespace) -> int:
         tol = TOLERANCE[dtype_name]
         agree = bool(torch.isfinite(patched).all()) and err <= tol
         print(f"outputs agree: {'yes' if agree else 'NO'} (max abs difference {err:.2e}, tolerance {tol:.0e})")
-        print(f"time per step: stock {stock_step * 1e3:.1f} ms, patched {patched_step * 1e3:.1f} ms")
+        how = "tuned" if args.tune else "patched"
+        print(f"time per step: stock {stock_step * 1e3:.1f} ms, {how} {patched_step * 1e3:.1f} ms")
         if device.type == "cpu":
             print("(cpu timings of a tiny random model say nothing about GPU speed)")
         print(split)

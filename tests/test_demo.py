@@ -21,6 +21,13 @@ def test_demo_other_family_denoiser(capsys):
     assert "outputs agree: yes" in capsys.readouterr().out
 
 
+def test_demo_tune_prints_the_tuning_table(capsys):
+    assert main(["demo", "--model", "dit", "--steps", "1", "--backend", "torch", "--tune"]) == 0
+    text = capsys.readouterr().out
+    assert "ldmopt.tune (time.perf_counter; median of 3 calls after 1 warm-up" in text
+    assert "outputs agree: yes" in text and ", tuned " in text
+
+
 def test_demo_forced_backend_that_cannot_run_is_a_clear_error(capsys):
     # The interpreter refuses bf16 matrix products (it computes them wrongly): a message, not a traceback.
     assert main(["demo", "--model", "dit", "--steps", "1", "--dtype", "bfloat16", "--backend", "triton"]) == 2

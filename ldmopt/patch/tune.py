@@ -103,10 +103,14 @@ class Tuning:
         lines = [head]
         if self.left_stock:
             lines.append("  the tuned model was no faster than stock as a whole: every site left stock")
-        lines.append(f"  {'site':<48} {'rules':<28} {'calls':>5} {'stock ms':>9} {'fused ms':>9} {'tuned ms':>9}  kept")
+        width = min(max((len(s.where) for s in self.sites), default=4), 64)
+        lines.append(
+            f"  {'site':<{width}} {'rules':<24} {'calls':>5} {'stock ms':>9} {'fused ms':>9} {'tuned ms':>9}  kept"
+        )
         for s in sorted(self.sites, key=lambda s: -(s.stock_ms or 0.0)):
+            where = s.where if len(s.where) <= width else "..." + s.where[3 - width :]
             lines.append(
-                f"  {s.where[-48:]:<48} {','.join(s.rules)[:28]:<28} {s.calls:>5} {_ms(s.stock_ms):>9} "
+                f"  {where:<{width}} {','.join(s.rules)[:24]:<24} {s.calls:>5} {_ms(s.stock_ms):>9} "
                 f"{_ms(s.fused_ms):>9} {_ms(s.tuned_ms):>9}  {'yes' if s.kept else 'no'}"
             )
         return "\n".join(lines)
