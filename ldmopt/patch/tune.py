@@ -6,30 +6,29 @@ while the Triton convolution was slower than cuDNN at Stable Diffusion shapes, s
 step slower and a video step faster. ``tune`` measures instead of guessing, on the caller's own GPU and inputs:
 
 1. ``patch`` the model as usual. Each *site* (a module a rule patched; several rules on one module are one site) is
-   timed by a forward pre-hook and a forward hook while ``run()`` executes: CUDA events on the current stream when
-   the model has CUDA parameters (what the site adds to the stream's timeline, host time included where the host
-   falls behind), ``time.perf_counter`` otherwise. A site's time leaves out the sites nested in it.
-   ``warmup`` calls first (Triton compiles and autotunes there), then the median of ``repeats`` calls.
+   timed while ``run()`` executes (ldmopt/patch/tune_timer.py: CUDA events on the stream of the device the work is
+   on, ``time.perf_counter`` for CPU work; a site's time leaves out the sites that run inside it). ``warmup`` calls
+   first (Triton compiles and autotunes there), then the medians of ``repeats`` calls.
 2. ``unpatch``; the same timing of the stock model.
-3. ``patch`` again, only the sites whose fused time was below their stock time (``min_speedup``), and time again: a
-   site can lose what a rejected neighbour handed it (GroupNorm statistics summed in the neighbour's epilogue), so
-   one that is now no faster is dropped and the rest measured again, up to ``rounds`` times.
-4. The whole ``run()`` call, tuned against stock: when the tuned model is not faster, it is left stock.
+3. ``patch`` again, only the sites whose fused time was below their stock time (by ``min_speedup``), and time again:
+   a site can lose what a rejected neighbour handed it (GroupNorm statistics summed in the neighbour's epilogue),
+   so one that is now no faster drops out and the rest are measured again, up to ``rounds`` times.
+4. The whole ``run()`` call, tuned against stock, timed without any hook: when the tuned model is not faster, it is
+   left stock.
 
-``min_speedup`` sets the bar for both (a site is kept when stock time > fused time x min_speedup).
-
-The model ends patched with the kept sites (or stock), and the returned :class:`PatchReport` lists every rejected
-site among the modules left on the stock path, with the times that decided it, and ``report.tuning`` has the table.
-Sites ``run()`` never called are not measured and stay stock. Forward time only: for training, patch with
-``training=True`` and time the step yourself. CUDA graphs remove host time, which is most of what small fused calls
-lose in eager mode: a captured model may gain from sites tune rejects here.
+The model ends patched with the kept sites (or stock). The returned :class:`PatchReport` lists every rejected site
+among the modules left on the stock path, with the times that decided it; ``report.tuning`` has the table. Sites
+``run()`` never called are not measured and stay stock. Rounds only drop sites: a site rejected because work that
+pays off in a neighbour (statistics for the next GroupNorm) is charged to it is not tried again. Forward time only:
+for training, patch with ``training=True`` and time the step yourself. CUDA graphs remove host time, which is most of
+what small fused calls lose in eager mode: a captured model may gain from sites tune rejects here.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
+import numbers
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,12 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn.child_check import observer
 from .core import _RECORDS, PatchError, _models_of, is_patched, patch, unpatch
-from .report import PatchReport, Skipped
-
-#: (model label, module name) of a site
-SiteKey = tuple[str, str]
+from .report import PatchReport, Skipped, fallback_counts, layout_copy_counts
+from .rule import ChildSwapRule
+from .tune_timer import Measurement, SiteKey, measure, wall_time
 
 
 @dataclass
@@ -51,6 +48,8 @@ class _Site:
     module: nn.Module
     rules: list[tuple[str, str]]  # (rule, family) of each counted record at this module
     records: list[Any] = field(default_factory=list)  # those records' (rule, core.Site)
+    #: names (in the model) of the modules timed for this site: the site, or the child slots its rules swap
+    targets: list[str] = field(default_factory=list)
     #: (name in the model, module) of what those rules fuse or bypass, read from the stock tree (:func:`_read_touched`)
     touched: list[tuple[str, nn.Module]] = field(default_factory=list)
 
@@ -76,7 +75,9 @@ class SiteTiming:
 
 @dataclass
 class Tuning:
-    """What ``tune`` measured: per-site rows and whole-call medians in milliseconds."""
+    """What ``tune`` measured: per-site rows and whole-call medians in milliseconds. ``stock_ms`` and ``tuned_ms``
+    come from the hook-free comparison of the two (when sites were kept; else both are the stock call, hooks
+    attached), ``all_patched_ms`` from the first measurement, hooks attached."""
 
     timer: str
     warmup: int
@@ -94,6 +95,8 @@ class Tuning:
         return [s for s in self.sites if s.kept]
 
     def __str__(self) -> str:
+        if not self.sites:
+            return "ldmopt.tune: patch fuses no module of this model: nothing to tune"
         head = (
             f"ldmopt.tune ({self.timer}; median of {self.repeats} calls after {self.warmup} warm-up, "
             f"{self.rounds} patched configurations): run() {self.stock_ms:.3f} ms stock, "
@@ -103,7 +106,7 @@ class Tuning:
         lines = [head]
         if self.left_stock:
             lines.append("  the tuned model was no faster than stock as a whole: every site left stock")
-        width = min(max((len(s.where) for s in self.sites), default=4), 64)
+        width = min(max(len(s.where) for s in self.sites), 64)
         lines.append(
             f"  {'site':<{width}} {'rules':<24} {'calls':>5} {'stock ms':>9} {'fused ms':>9} {'tuned ms':>9}  kept"
         )
@@ -124,141 +127,19 @@ def _ratio(stock: float, other: float) -> str:
     return f"{stock / other:.2f}x stock" if other > 0 else "n/a"
 
 
-# ------------------------------------------------------------------------------------------------ timing
-
-#: what times the sites, by whether the model has CUDA parameters
-TIMERS = {True: "CUDA events", False: "time.perf_counter"}
-
-
-def _enclosing(sites: list[_Site]) -> dict[SiteKey, SiteKey | None]:
-    """The nearest enclosing site of each site (same model, module name prefix), None at the top."""
-    parent: dict[SiteKey, SiteKey | None] = {}
-    for s in sites:
-        enclosing = [
-            o.key
-            for o in sites
-            if o.key[0] == s.key[0] and o.key != s.key and (o.key[1] == "" or s.key[1].startswith(o.key[1] + "."))
-        ]
-        parent[s.key] = max(enclosing, key=lambda k: len(k[1]), default=None)
-    return parent
-
-
-class _SiteTimer:
-    """Forward pre-hook/hook pairs on the site modules, accumulating each site's time over one run() call."""
-
-    def __init__(self, sites: list[_Site], cuda: bool, modules: dict[SiteKey, nn.Module] | None = None) -> None:
-        self.cuda = cuda
-        self.sites = sites
-        #: the module now at each site's name: the site module itself, or what a child swap installed in its place
-        self.modules = modules or {}
-        self._open: dict[SiteKey, list[Any]] = {s.key: [] for s in sites}
-        self._spans: dict[SiteKey, list[tuple[Any, Any]]] = {s.key: [] for s in sites}
-        self._handles: list[Any] = []
-        self.parent = _enclosing(sites)  # a site's time excludes the sites nested in it
-
-    def _stamp(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def __enter__(self) -> _SiteTimer:
-        for site in self.sites:
-            key = site.key
-
-            def pre(module, args, key=key):
-                self._open[key].append(self._stamp())
-
-            def post(module, args, output, key=key):
-                if self._open[key]:
-                    self._spans[key].append((self._open[key].pop(), self._stamp()))
-
-            # observers: a fused path never treats these as foreign hooks (ldmopt.nn.child_check)
-            module = self.modules.get(key, site.module)
-            self._handles.append(module.register_forward_pre_hook(observer(pre)))
-            self._handles.append(module.register_forward_hook(observer(post)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def reset(self) -> None:
-        for key in self._spans:
-            self._spans[key].clear()
-            self._open[key].clear()
-
-    def collect(self, whole: frozenset[SiteKey]) -> tuple[dict[SiteKey, float], dict[SiteKey, int]]:
-        """(exclusive seconds, calls) of each site since :meth:`reset`; call after the device finished. The sites in
-        ``whole`` stay counted in their enclosing site's time too (see :func:`_tune`: its fused forward runs them)."""
-        inclusive: dict[SiteKey, float] = {}
-        calls: dict[SiteKey, int] = {}
-        for key, spans in self._spans.items():
-            if self.cuda:
-                inclusive[key] = sum(start.elapsed_time(end) for start, end in spans) / 1e3
-            else:
-                inclusive[key] = sum(end - start for start, end in spans)
-            calls[key] = len(spans)
-        exclusive = dict(inclusive)
-        for key, parent in self.parent.items():
-            if parent is not None and key not in whole:
-                exclusive[parent] -= inclusive[key]
-        return {k: max(v, 0.0) for k, v in exclusive.items()}, calls
-
-
-@dataclass
-class _Measurement:
-    site_s: dict[SiteKey, float]  # median exclusive seconds per run() call
-    calls: dict[SiteKey, int]
-    wall_s: float  # median seconds of a run() call
-
-
-def _synchronize(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def _measure(
-    run: Callable[[], Any],
-    sites: list[_Site],
-    modules: dict[SiteKey, nn.Module],
-    *,
-    warmup: int,
-    repeats: int,
-    cuda: bool,
-    whole: frozenset[SiteKey],
-) -> _Measurement:
-    """Times ``run()`` and each site in it (``modules``: what is at each site now): ``warmup`` calls, then the
-    medians of ``repeats``."""
-    per_site: dict[SiteKey, list[float]] = {s.key: [] for s in sites}
-    walls: list[float] = []
-    calls: dict[SiteKey, int] = {}
-    with _SiteTimer(sites, cuda, modules) as timer:
-        for _ in range(warmup):
-            run()
-        for _ in range(repeats):
-            timer.reset()
-            _synchronize(cuda)
-            start = time.perf_counter()
-            run()
-            _synchronize(cuda)
-            walls.append(time.perf_counter() - start)
-            seconds, calls = timer.collect(whole)
-            for key, value in seconds.items():
-                per_site[key].append(value)
-    return _Measurement({k: statistics.median(v) for k, v in per_site.items()}, calls, statistics.median(walls))
-
-
 # ------------------------------------------------------------------------------------------------ sites
 
 
 def _sites(pipe_or_model: Any) -> list[_Site]:
     """The sites of the live patch on ``pipe_or_model``: modules with counted records, in walk order."""
     sites: dict[int, _Site] = {}
+    holders: set[int] = set()  # a component inside another is walked twice: its records count once
     for label, model in _models_of(pipe_or_model, for_patch=False):
+        names = {id(m): n for n, m in model.named_modules()}
         for holder in model.modules():
+            if id(holder) in holders:
+                continue
+            holders.add(id(holder))
             for rec in holder.__dict__.get(_RECORDS, ()):
                 if not rec.rule.counted:
                     continue
@@ -267,6 +148,14 @@ def _sites(pipe_or_model: Any) -> list[_Site]:
                     site = sites[id(rec.site.module)] = _Site((label, rec.site.name), rec.site.module, [])
                 site.rules.append((rec.rule.name, rec.rule.family))
                 site.records.append((rec.rule, rec.site))
+                if isinstance(rec.rule, ChildSwapRule):  # the slots it swapped, named where they are now
+                    parent, swapped = rec.data
+                    site.targets += [".".join(p for p in (names[id(parent)], attr) if p) for attr in swapped]
+                else:
+                    site.targets.append(rec.site.name)
+    for site in sites.values():
+        # One rule that edits the site module itself: time the whole module. Only child swaps: time their slots.
+        site.targets = [site.key[1]] if site.key[1] in site.targets else list(dict.fromkeys(site.targets))
     return list(sites.values())
 
 
@@ -282,20 +171,35 @@ def _read_touched(sites: list[_Site]) -> None:
         ]
 
 
-def _current_modules(pipe_or_model: Any, sites: list[_Site]) -> dict[SiteKey, nn.Module]:
-    """The module at each site's name now: a child swap puts ldmopt's module where the site's stock module was."""
+def _current_targets(pipe_or_model: Any, sites: list[_Site]) -> dict[SiteKey, list[nn.Module]]:
+    """The modules now at each site's target names: a child swap puts ldmopt's module where the stock one was."""
     models = dict(_models_of(pipe_or_model, for_patch=False))
-    return {s.key: models[s.key[0]].get_submodule(s.key[1]) for s in sites}
+    return {s.key: [models[s.key[0]].get_submodule(name) for name in s.targets] for s in sites}
 
 
-def _uses_cuda(pipe_or_model: Any) -> bool:
-    return any(p.is_cuda for _, model in _models_of(pipe_or_model, for_patch=False) for p in model.parameters())
+def _enclosing(sites: list[_Site]) -> dict[SiteKey, SiteKey | None]:
+    """The nearest enclosing site of each site (same model, module name prefix), None at the top."""
+    parent: dict[SiteKey, SiteKey | None] = {}
+    for s in sites:
+        enclosing = [
+            o.key
+            for o in sites
+            if o.key[0] == s.key[0] and o.key != s.key and (o.key[1] == "" or s.key[1].startswith(o.key[1] + "."))
+        ]
+        parent[s.key] = max(enclosing, key=lambda k: len(k[1]), default=None)
+    return parent
+
+
+def _cuda_devices(pipe_or_model: Any) -> set[torch.device]:
+    return {
+        p.device for _, model in _models_of(pipe_or_model, for_patch=False) for p in model.parameters() if p.is_cuda
+    }
 
 
 def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"ldmopt.tune: {name}={value!r} is not supported; expected an int >= {minimum}")
-    return value
+    return int(value)
 
 
 # ------------------------------------------------------------------------------------------------ tune
@@ -320,40 +224,54 @@ def tune(
         run: a call without arguments that runs the model(s) as they will be used (the same shapes, dtype and
             device): e.g. ``lambda: unet(latents, t, encoder_hidden_states=text)`` under ``torch.no_grad()``, or
             ``lambda: pipe(prompt, num_inference_steps=2)``. It is called ``(warmup + repeats)`` times per
-            measured configuration (stock, every site patched, then each refinement round).
+            measured configuration (every site patched, stock, each refinement round), and twice that for the
+            final comparison. Site modules must be called as modules (``model(...)``, not ``model.forward(...)``).
         families, filter_fn, channels_last_weights: as for :func:`ldmopt.patch`.
         warmup: calls before each measurement (Triton compiles and autotunes in the first one; statistics are
             handed between fused blocks from a model's second call on).
         repeats: timed calls per configuration; medians decide.
-        min_speedup: a site stays patched when its stock time exceeds its fused time times this (1.0: any gain),
-            and the tuned model when its run() call does.
+        min_speedup: a site stays patched when its stock time exceeds its fused time times this (1.0: any gain).
+            The tuned model as a whole must only be faster than stock.
         rounds: how many times at most the sites still faster are patched and measured again (each time but the
-            last, those no longer faster drop out; the last measurement is the tuned time).
+            last, those no longer faster drop out; the last measurement is the tuned one).
 
     Returns the :class:`PatchReport` of the final patch, with ``report.tuning`` (:class:`Tuning`): the per-site
-    table, and the median time of a ``run()`` call stock, with every site patched, and tuned. Raises
-    :class:`PatchError` if the model is already patched (tune patches it itself: ``ldmopt.unpatch`` first). If
-    ``run()`` raises, the model is left unpatched and the exception propagates.
+    table, and the median time of a ``run()`` call stock, with every site patched, and tuned. Its backend and
+    fall-back counts start after tune's own calls. Raises :class:`PatchError` if the model is already patched (tune
+    patches it itself: ``ldmopt.unpatch`` first). If ``run()`` raises, the model is left unpatched and the exception
+    propagates. Do not call the model from other threads while it is being tuned.
     """
     if not callable(run):
         raise TypeError(f"ldmopt.tune: run must be a callable without arguments, got {type(run).__name__}")
     warmup = _check_count("warmup", warmup, 0)
     repeats = _check_count("repeats", repeats, 1)
     rounds = _check_count("rounds", rounds, 1)
-    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup > 0:
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, numbers.Real) or not min_speedup > 0:
         raise ValueError(f"ldmopt.tune: min_speedup={min_speedup!r} is not supported; expected a number > 0")
     if not math.isfinite(min_speedup):
         raise ValueError(f"ldmopt.tune: min_speedup={min_speedup!r} is not supported; expected a finite number")
     if is_patched(pipe_or_model):
         raise PatchError("ldmopt.tune: the model is already patched; tune patches it itself (ldmopt.unpatch first)")
+    if families is not None and not isinstance(families, str):
+        families = tuple(families)  # every patch call below reads it: a generator would be spent by the first
     options = dict(families=families, channels_last_weights=channels_last_weights)
     first = patch(pipe_or_model, filter_fn=filter_fn, **options)
     try:
-        return _tune(pipe_or_model, run, first, filter_fn, options, warmup, repeats, min_speedup, rounds)
+        report = _tune(pipe_or_model, run, first, filter_fn, options, warmup, repeats, float(min_speedup), rounds)
     except BaseException:
-        if is_patched(pipe_or_model):
-            unpatch(pipe_or_model)
+        try:
+            if is_patched(pipe_or_model):
+                unpatch(pipe_or_model)
+        except Exception as error:  # the caller's exception is the one to see
+            warnings.warn(f"ldmopt.tune failed and could not unpatch the model: {error}", RuntimeWarning, stacklevel=2)
         raise
+    # What ran since patch, per backend and fall-back reason: from here on, not tune's own calls.
+    from ..ops._dispatch import backend_counts, snapshot_counts
+
+    report._counts_at_patch = snapshot_counts(backend_counts)
+    report._fallbacks_at_patch = fallback_counts()
+    report._layout_copies_at_patch = layout_copy_counts()
+    return report
 
 
 def _where(key: SiteKey) -> str:
@@ -376,18 +294,24 @@ def _tune(
     rounds: int,
 ) -> PatchReport:
     sites = _sites(pipe_or_model)
-    cuda = _uses_cuda(pipe_or_model)
-    timer = TIMERS[cuda]
+    if not sites:  # nothing to measure
+        unpatch(pipe_or_model)
+        first.tuning = Tuning("none", warmup, repeats, min_speedup, 0, math.nan, math.nan, math.nan, False)
+        return _final_report(first, first, [], set(), {})
+    devices = _cuda_devices(pipe_or_model)
     whole: frozenset[SiteKey] = frozenset()
+    timers: set[str] = set()
 
-    def measure() -> _Measurement:
-        modules = _current_modules(pipe_or_model, sites)
-        return _measure(run, sites, modules, warmup=warmup, repeats=repeats, cuda=cuda, whole=whole)
+    def timed() -> Measurement:
+        targets = _current_targets(pipe_or_model, sites)
+        result = measure(run, targets, devices, warmup=warmup, repeats=repeats, whole=whole)
+        timers.update(name for name, used in (("CUDA events", result.cuda), ("time.perf_counter", result.cpu)) if used)
+        return result
 
-    fused = measure()
+    fused = timed()
     # A nested site that the patched model never called as a module ran inside its enclosing site's fused forward
-    # (e.g. the GEGLU of a transformer block whose fused path reads its weights with the LayerNorm in the loads):
-    # its stock time is counted in that site's too, so that both compare the same work, and it follows that site.
+    # (a fused path that reads its weights instead): its stock time stays in that site's too, so that both compare
+    # the same work (tune_timer), and it follows that site.
     called = {key for key, n in fused.calls.items() if n}
     within: dict[SiteKey, SiteKey] = {}
     tree = _enclosing(sites)
@@ -400,7 +324,7 @@ def _tune(
     whole = frozenset(within)
     unpatch(pipe_or_model)
     _read_touched(sites)
-    stock = measure()
+    stock = timed()
     why: dict[SiteKey, str] = {}
     notes: dict[SiteKey, str] = {}
     kept: set[SiteKey] = set()
@@ -419,21 +343,20 @@ def _tune(
     for key, parent in within.items():
         if not stock.calls.get(key, 0):
             continue  # not called stock either: not measured (above)
-        where = _where(parent)
         if parent in kept:
             kept.add(key)
-            notes[key] = f"kept with {where}, whose fused forward runs it in place"
+            notes[key] = f"kept with {_where(parent)}, whose fused forward runs it in place"
         elif rounds > 1:
             kept.add(key)  # with its enclosing site stock, it runs as a module: measured on its own next round
-            notes[key] = f"measured on its own, {where} being stock"
+            notes[key] = f"measured on its own, {_where(parent)} being stock"
         else:
-            why[key] = f"tune: measured only within {where}'s fused forward, which was no faster (rounds=1)"
+            why[key] = f"tune: measured only within {_where(parent)}'s fused forward, which was no faster (rounds=1)"
     tuned_ms: dict[SiteKey, float | None] = {}
     measured_rounds = 1
-    report, final = first, stock
+    report = first
     while kept:
         report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options)
-        final = measure()
+        final = timed()
         measured_rounds += 1
         for key in kept:
             tuned_ms[key] = final.site_s[key] * 1e3 if final.calls.get(key, 0) else None
@@ -459,29 +382,35 @@ def _tune(
             if key in kept and parent in dropped:
                 notes[key] = f"measured on its own, {_where(parent)} being stock"
         unpatch(pipe_or_model)
-    left_stock = False
-    if kept and not _faster(final.wall_s, stock.wall_s, min_speedup):
-        left_stock = True
-        whole_call = (
-            f"tune: the tuned model took {final.wall_s * 1e3:.3f} ms per run() call against "
-            f"{stock.wall_s * 1e3:.3f} ms stock, so every site was left stock"
-        )
-        for key in kept:
-            why[key] = whole_call
-        kept = set()
-        unpatch(pipe_or_model)
     if not kept:
-        report, final = first, stock
+        report = first  # the patches the rounds made were undone
+    stock_s = tuned_s = stock.wall_s
+    left_stock = False
+    if kept:  # the whole call, without hooks: tuned (warm from the last measurement), then stock
+        tuned_s = wall_time(run, devices, warmup=0, repeats=repeats)
+        unpatch(pipe_or_model)
+        stock_s = wall_time(run, devices, warmup=warmup, repeats=repeats)
+        if tuned_s < stock_s:
+            report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options)
+        else:
+            left_stock = True
+            whole_call = (
+                f"tune: the tuned model took {tuned_s * 1e3:.3f} ms per run() call against {stock_s * 1e3:.3f} ms "
+                "stock, so every site was left stock"
+            )
+            why.update(dict.fromkeys(kept, whole_call))
+            kept = set()
+            report = first
     report = _final_report(report, first, sites, kept, why)
     report.tuning = Tuning(
-        timer=timer,
+        timer=" and ".join(sorted(timers)) or "none",
         warmup=warmup,
         repeats=repeats,
-        min_speedup=float(min_speedup),
+        min_speedup=min_speedup,
         rounds=measured_rounds,
-        stock_ms=stock.wall_s * 1e3,
+        stock_ms=stock_s * 1e3,
         all_patched_ms=fused.wall_s * 1e3,
-        tuned_ms=final.wall_s * 1e3,
+        tuned_ms=tuned_s * 1e3,
         left_stock=left_stock,
         sites=[
             SiteTiming(
@@ -521,10 +450,12 @@ def _final_report(
     """``report`` (the final patch's, or ``first`` when nothing stays patched) listing as left on the stock path
     what the plain patch left there (``first``'s reasons) and every rejected site with the times that decided it,
     in place of the exclusions of tune's filter_fn."""
-    if report is first:  # nothing patched now: first's replaced modules and weight conversions were undone
+    if report is first:  # nothing patched now: what first's patch did was undone
         report.replaced = []
         report.converted_weights = {}
         report.kept_weights = {}
+        report.kept_weights_reason = ""
+        report._counters = []
     rejected = [s for s in sites if s.key not in kept]
     report.skipped = [
         *first.skipped,

@@ -1,8 +1,8 @@
 """ldmopt.tune: patches exactly the sites measured faster, says why for the others, and can be undone like patch.
 
-Most tests replace the measurement (``_measure``) with a table of times per site and configuration, so that the
-decisions are deterministic; the timer itself is tested with a fake clock and fake CUDA events, and one test runs the
-real timer end to end."""
+Most tests replace the measurements (``measure``, ``wall_time``) with a table of times per site and configuration,
+so that the decisions are deterministic; the timer itself is tested with a fake clock and fake CUDA events, and one
+test runs the real timer end to end."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from . import models
 from .helpers import assert_outputs_close, assert_same_snapshot, output_tensor, snapshot
 
 tune_module = importlib.import_module("ldmopt.patch.tune")
+tune_timer = importlib.import_module("ldmopt.patch.tune_timer")
 
 
 def _unet():
@@ -40,22 +41,33 @@ def _patched_keys(pipe_or_model) -> set:
 
 
 def _fake_measure(monkeypatch, pipe_or_model, cost, *, wall=None, calls=None, call_run=False):
-    """Replace the measurement: ``cost(key, rules, patched_keys)`` gives a site's seconds in the current
+    """Replace the measurements: ``cost(key, rules, patched_keys)`` gives a site's seconds in the current
     configuration, ``wall(patched_keys, site_seconds)`` the run() call's (default: their sum)."""
     configurations = []
+    sites = {}
 
-    def measure(run, sites, modules, *, warmup, repeats, cuda, whole):
+    def seconds_now():
+        patched = _patched_keys(pipe_or_model)
+        seconds = {key: cost(key, rules, patched) for key, rules in sites.items()}
+        return patched, seconds
+
+    def measure(run, targets, devices, *, warmup, repeats, whole):
         if call_run:
             run()
-        patched = _patched_keys(pipe_or_model)
+        if not sites:  # the first measurement: every site patched
+            sites.update((s.key, tuple(r for r, _ in s.rules)) for s in tune_module._sites(pipe_or_model))
+        patched, seconds = seconds_now()
         configurations.append(patched)
-        rules = {s.key: tuple(r for r, _ in s.rules) for s in sites}
-        seconds = {key: cost(key, rules[key], patched) for key in rules}
-        counts = {key: (calls(key, patched) if calls else 1) for key in rules}
+        counts = {key: (calls(key, patched) if calls else 1) for key in sites}
         total = wall(patched, seconds) if wall else sum(seconds.values())
-        return tune_module._Measurement(seconds, counts, total)
+        return tune_timer.Measurement(seconds, counts, total, cuda=False, cpu=True)
 
-    monkeypatch.setattr(tune_module, "_measure", measure)
+    def wall_time(run, devices, *, warmup, repeats):
+        patched, seconds = seconds_now()
+        return wall(patched, seconds) if wall else sum(seconds.values())
+
+    monkeypatch.setattr(tune_module, "measure", measure)
+    monkeypatch.setattr(tune_module, "wall_time", wall_time)
     return configurations
 
 
@@ -150,6 +162,7 @@ def test_leaves_the_model_stock_when_the_whole_call_is_not_faster(monkeypatch):
     assert_same_snapshot(before, snapshot(unet))
     resnets = [s for s in report.skipped if s.rule == "resnet"]
     assert resnets and all("10000.000 ms per run() call against 9000.000 ms stock" in s.reasons[0] for s in resnets)
+    assert report.tuning.tuned_ms == 10000.0 and report.tuning.stock_ms == 9000.0
     assert "every site left stock" in str(report)
 
 
@@ -215,6 +228,56 @@ def test_a_pipeline_is_tuned_per_component(monkeypatch):
     assert not ldmopt.is_patched(pipe)
 
 
+def test_families_may_be_any_iterable(monkeypatch):
+    unet = _unet()
+    _fake_measure(monkeypatch, unet, lambda key, rules, patched: 0.5 if key in patched else 1.0)
+    report = ldmopt.tune(unet, _run(unet), families=(f for f in ["gn_conv", "feed_forward"]))
+    assert report.tuning.kept and len(report.replaced) == len(report.tuning.sites)
+    assert {r.family for r in report.replaced} == {"gn_conv", "feed_forward"}
+    ldmopt.unpatch(unet)
+
+
+def test_a_component_inside_another_counts_its_sites_once(monkeypatch):
+    unet = _unet()
+    pipe = types.SimpleNamespace(components={"blocks": unet.down_blocks, "unet": unet})
+    _fake_measure(monkeypatch, pipe, lambda key, rules, patched: 0.5 if key in patched else 1.0)
+    report = ldmopt.tune(pipe, _run(unet))
+    assert all(len(s.rules) == 1 for s in report.tuning.sites), [s.rules for s in report.tuning.sites]
+    assert len(report.replaced) == len(report.tuning.sites)
+    ldmopt.unpatch(pipe)
+
+
+def test_sites_are_timed_where_their_rules_edit():
+    """A rule that swaps children of a whole model (the GroupNorm + SiLU output head) is timed at those slots, not
+    as everything else the model does; a rule on the module itself is timed as the module."""
+    unet = _unet()
+    ldmopt.patch(unet)
+    targets = {s.key[1]: s.targets for s in tune_module._sites(unet)}
+    ldmopt.unpatch(unet)
+    assert targets[""] == ["conv_norm_out", "conv_act"]
+    geglu = next(name for name in targets if name.endswith("ff.net.0"))
+    assert targets[geglu] == [geglu] and targets["mid_block.resnets.0"] == ["mid_block.resnets.0"]
+
+
+def test_a_model_without_sites_is_left_alone():
+    model = nn.Sequential(nn.Linear(4, 4))
+    calls = []
+    report = ldmopt.tune(model, lambda: calls.append(1))
+    assert not calls and not ldmopt.is_patched(model) and report.replaced == []
+    assert str(report.tuning) == "ldmopt.tune: patch fuses no module of this model: nothing to tune"
+
+
+def test_backend_counts_start_after_tune(monkeypatch):
+    unet = _unet()
+    run = _run(unet)
+    _fake_measure(monkeypatch, unet, _fused_faster_for("resnet"), call_run=True)
+    report = ldmopt.tune(unet, run)
+    assert report.tuning.kept and report.backends() == {} and report.fallbacks() == {}
+    run()
+    assert report.backends()["gn_conv2d"] == {"torch": 2 * len(report.tuning.kept)}
+    ldmopt.unpatch(unet)
+
+
 @pytest.mark.parametrize("phase", [0, 1, 2])
 def test_run_that_raises_leaves_the_model_stock(monkeypatch, phase):
     unet = _unet()
@@ -274,78 +337,114 @@ class _Clock:
 
 
 class _Costly(nn.Module):
-    def __init__(self, clock, seconds, inner=None):
+    def __init__(self, clock, seconds, *inner):
         super().__init__()
-        self.clock, self.seconds, self.inner = clock, seconds, inner
+        self.clock, self.seconds, self.inner = clock, seconds, nn.ModuleList(inner)
 
     def forward(self, x):
         self.clock.now += self.seconds
-        return self.inner(x) if self.inner is not None else x
+        for module in self.inner:
+            x = module(x)
+        return x
 
 
-def _toy_sites(clock):
+def _toy(clock):
+    """outer (5 s of its own) around mid (4 s) around inner (3 s); keys are their names."""
     inner = _Costly(clock, 3.0)
-    outer = _Costly(clock, 5.0, inner)
-    root = nn.Sequential(outer)
-    sites = [
-        tune_module._Site(("", "0"), outer, [("outer_rule", "f")]),
-        tune_module._Site(("", "0.inner"), inner, [("inner_rule", "f")]),
-    ]
-    return root, sites
+    mid = _Costly(clock, 4.0, inner)
+    outer = _Costly(clock, 5.0, mid)
+    return outer, {("", "outer"): [outer], ("", "mid"): [mid], ("", "inner"): [inner]}
 
 
-def test_site_times_exclude_the_sites_nested_in_them(monkeypatch):
+def test_site_times_exclude_what_ran_inside_them(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(tune_module, "time", clock)
-    root, sites = _toy_sites(clock)
+    monkeypatch.setattr(tune_timer, "time", clock)
+    outer, targets = _toy(clock)
     runs = []
 
     def run():
         runs.append(1)
-        root(torch.ones(1))
+        outer(torch.ones(1))
         clock.now += 100.0  # outside every site
 
-    measured = tune_module._measure(run, sites, {}, warmup=2, repeats=3, cuda=False, whole=frozenset())
+    measured = tune_timer.measure(run, targets, set(), warmup=2, repeats=3, whole=frozenset())
     assert len(runs) == 5
-    assert measured.site_s == {("", "0"): 5.0, ("", "0.inner"): 3.0}
-    assert measured.calls == {("", "0"): 1, ("", "0.inner"): 1} and measured.wall_s == 108.0
-    whole = tune_module._measure(run, sites, {}, warmup=0, repeats=1, cuda=False, whole=frozenset({("", "0.inner")}))
-    assert whole.site_s[("", "0")] == 8.0, "a site run within its parent's fused forward counts in the parent's time"
-    assert not sites[0].module._forward_hooks and not sites[0].module._forward_pre_hooks, "hooks removed"
+    assert measured.site_s == {("", "outer"): 5.0, ("", "mid"): 4.0, ("", "inner"): 3.0}
+    assert measured.calls == dict.fromkeys(targets, 1) and measured.wall_s == 112.0
+    assert measured.cpu and not measured.cuda
+    # mid runs within outer's fused forward: its time stays in outer's, and inner's is taken off outer
+    whole = tune_timer.measure(run, targets, set(), warmup=0, repeats=1, whole=frozenset({("", "mid")}))
+    assert whole.site_s == {("", "outer"): 9.0, ("", "mid"): 7.0, ("", "inner"): 3.0}
+    assert not any(m._forward_hooks or m._forward_pre_hooks for ms in targets.values() for m in ms), "hooks removed"
 
 
-def test_cuda_timer_uses_events_on_the_stream(monkeypatch):
+def test_a_site_timed_at_several_slots_sums_them(monkeypatch):
     clock = _Clock()
-    root, sites = _toy_sites(clock)
+    monkeypatch.setattr(tune_timer, "time", clock)
+    norm, act = _Costly(clock, 2.0), _Costly(clock, 1.0)
+    parent = _Costly(clock, 10.0, norm, act)
+    targets = {("", ""): [norm, act]}  # a child-swap site: its slots, not the parent's own 10 s
+    measured = tune_timer.measure(lambda: parent(torch.ones(1)), targets, set(), warmup=0, repeats=2, whole=frozenset())
+    assert measured.site_s == {("", ""): 3.0} and measured.calls == {("", ""): 1}
+
+
+def test_cuda_timer_uses_events_on_the_device_the_work_is_on(monkeypatch):
+    clock = _Clock()
+    outer, targets = _toy(clock)
+    device = torch.device("cuda", 1)
+    streams = []
 
     class Event:
         def __init__(self, enable_timing=False):
             assert enable_timing
             self.at = None
 
-        def record(self):
+        def record(self, stream):
+            streams.append(stream)
             self.at = clock.now
 
         def elapsed_time(self, end):
             return (end.at - self.at) * 1e3  # milliseconds, as CUDA events report
 
     synchronized = []
+    monkeypatch.setattr(tune_timer, "work_device", lambda module, args, kwargs: device)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synchronized.append(1))
-    measured = tune_module._measure(
-        lambda: root(torch.ones(1)), sites, {}, warmup=1, repeats=2, cuda=True, whole=frozenset()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: ("stream of", d))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: synchronized.append(d))
+    devices = {torch.device("cuda", 0)}  # where the parameters are: waited for too
+    measured = tune_timer.measure(
+        lambda: outer(torch.ones(1)), targets, devices, warmup=1, repeats=2, whole=frozenset()
     )
-    assert measured.site_s == {("", "0"): 5.0, ("", "0.inner"): 3.0}
-    assert len(synchronized) == 4  # around each timed call
+    assert measured.site_s == {("", "outer"): 5.0, ("", "mid"): 4.0, ("", "inner"): 3.0}
+    assert measured.cuda and not measured.cpu
+    assert set(streams) == {("stream of", device)}
+    assert synchronized.count(device) == 4 and synchronized.count(torch.device("cuda", 0)) == 4  # around each call
+    assert devices == {torch.device("cuda", 0), device}
 
 
-def test_real_timer_end_to_end():
-    """The real measurement on the CPU: with a bar every fused site clears, tune patches what patch would."""
+def test_work_device_follows_the_inputs():
+    layer = nn.Linear(2, 2)
+    assert tune_timer.work_device(layer, (torch.ones(1, 2, device="meta"),), {}) == torch.device("meta")
+    assert tune_timer.work_device(layer, (), {"x": torch.ones(1, device="meta")}) == torch.device("meta")
+    assert tune_timer.work_device(layer.to("meta"), (), {}) == torch.device("meta")
+    assert tune_timer.work_device(nn.Identity(), (3,), {}) == torch.device("cpu")
+
+
+def test_real_timer_end_to_end(monkeypatch):
+    """The real measurements on the CPU: with a bar every fused site clears (and the whole call, timed for real,
+    counted as faster), tune patches what patch would."""
     unet = _unet()
     run = _run(unet)
     stock_out = output_tensor(run())
     plain = ldmopt.patch(unet)
     ldmopt.unpatch(unet)
+    wall_time = tune_module.wall_time
+
+    def tuned_faster(run, devices, *, warmup, repeats):
+        assert wall_time(run, devices, warmup=warmup, repeats=repeats) > 0
+        return 1.0 if ldmopt.is_patched(unet) else 2.0
+
+    monkeypatch.setattr(tune_module, "wall_time", tuned_faster)
     report = ldmopt.tune(unet, run, warmup=1, repeats=1, min_speedup=1e-9)
     tuning = report.tuning
     assert tuning.timer == "time.perf_counter" and not tuning.left_stock

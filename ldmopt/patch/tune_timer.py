@@ -1,0 +1,176 @@
+"""How ``ldmopt.tune`` times the sites of a model while the caller's ``run()`` executes (ldmopt/patch/tune.py).
+
+Each site is timed at its *targets*: the site module itself, or, for a site whose rules only swap children (a
+GroupNorm + SiLU head keyed on a whole UNet or VAE decoder), the swapped child slots, so that the rest of the parent's
+work does not drown the difference. A forward pre-hook and a forward hook on each target module stamp the start and
+end of every call: a CUDA event on the current stream of the device its input tensors are on (what the call adds to
+that stream's timeline, host time included where the host falls behind), ``time.perf_counter`` for CPU work. So the
+timer follows the work to wherever it runs: a model offloaded to the CPU between calls, or one on ``cuda:1``.
+
+A site's time is exclusive: a call's time is taken off the site open around it at run time (not by module names),
+so nesting across components, or modules called from outside their parent, count where they ran. Sites in ``whole``
+(run within an enclosing site's fused forward; see ``tune._tune``) keep their time in the site around them, and
+what runs inside them is taken off that site instead, so every configuration compares the same work.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn.child_check import observer
+
+#: (model label, module name) of a site
+SiteKey = tuple[str, str]
+
+
+def work_device(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    """Where a call of ``module`` runs: its first tensor argument's device, else its first parameter's or buffer's,
+    else the CPU."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        return tensor.device
+    return torch.device("cpu")
+
+
+class SiteTimer:
+    """Hooks on the site targets (``targets``: site -> modules now at its target names), accumulating each site's
+    exclusive time over one ``run()`` call; a context manager that removes every hook on exit."""
+
+    def __init__(self, targets: dict[SiteKey, list[nn.Module]], whole: frozenset[SiteKey]) -> None:
+        self.targets = targets
+        self.whole = whole
+        self.cuda_devices: set[torch.device] = set()  # every CUDA device a stamp was taken on
+        self.cpu_stamps = False
+        self._stack: list[tuple[SiteKey, int, SiteKey | None, Any, torch.device]] = []
+        self._spans: list[tuple[SiteKey, int, SiteKey | None, Any, Any]] = []
+        self._handles: list[Any] = []
+
+    def _stamp(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            self.cuda_devices.add(device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            return event
+        self.cpu_stamps = True
+        return time.perf_counter()
+
+    def _charged(self, key: SiteKey) -> SiteKey | None:
+        """The site whose exclusive time a call of ``key`` opened now is taken off: the innermost open site other
+        than ``key`` and not in ``whole``."""
+        for open_key, *_ in reversed(self._stack):
+            if open_key != key and open_key not in self.whole:
+                return open_key
+        return None
+
+    def __enter__(self) -> SiteTimer:
+        for key, modules in self.targets.items():
+            for index, module in enumerate(modules):
+
+                def pre(module, args, kwargs, key=key, index=index):
+                    device = work_device(module, args, kwargs)
+                    self._stack.append((key, index, self._charged(key), self._stamp(device), device))
+
+                def post(module, args, kwargs, output, key=key, index=index):
+                    for depth in range(len(self._stack) - 1, -1, -1):  # the innermost open call of this target
+                        open_key, open_index, charged, start, device = self._stack[depth]
+                        if (open_key, open_index) == (key, index):
+                            del self._stack[depth:]
+                            self._spans.append((key, index, charged, start, self._stamp(device)))
+                            return
+
+                # observers: a fused path never treats them as foreign hooks (ldmopt.nn.child_check)
+                self._handles.append(module.register_forward_pre_hook(observer(pre), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(observer(post), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def reset(self) -> None:
+        self._stack.clear()
+        self._spans.clear()
+
+    def collect(self) -> tuple[dict[SiteKey, float], dict[SiteKey, int]]:
+        """(exclusive seconds, calls) of each site since :meth:`reset`; call once the devices finished."""
+        exclusive: dict[SiteKey, float] = dict.fromkeys(self.targets, 0.0)
+        per_target: dict[tuple[SiteKey, int], int] = defaultdict(int)
+        for key, index, charged, start, end in self._spans:
+            seconds = end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
+            exclusive[key] += seconds
+            per_target[key, index] += 1
+            if charged is not None and key not in self.whole:
+                exclusive[charged] -= seconds
+        calls = {key: max((per_target[key, i] for i in range(len(m))), default=0) for key, m in self.targets.items()}
+        return {key: max(value, 0.0) for key, value in exclusive.items()}, calls
+
+
+def synchronize(devices: set[torch.device]) -> None:
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Measurement:
+    site_s: dict[SiteKey, float]  # median exclusive seconds per run() call
+    calls: dict[SiteKey, int]
+    wall_s: float  # median seconds of a run() call, hooks attached
+    cuda: bool  # some site ran on a GPU (timed by CUDA events)
+    cpu: bool  # some site ran on the CPU (timed by perf_counter)
+
+
+def measure(
+    run: Callable[[], Any],
+    targets: dict[SiteKey, list[nn.Module]],
+    devices: set[torch.device],
+    *,
+    warmup: int,
+    repeats: int,
+    whole: frozenset[SiteKey],
+) -> Measurement:
+    """Times ``run()`` and each site in it: ``warmup`` calls, then the medians of ``repeats``. ``devices``: the CUDA
+    devices to wait for around a timed call (those of the model's parameters); the timer adds those it stamps on."""
+    per_site: dict[SiteKey, list[float]] = {key: [] for key in targets}
+    walls: list[float] = []
+    calls: dict[SiteKey, int] = {}
+    with SiteTimer(targets, whole) as timer:
+        for _ in range(warmup):
+            run()
+        for _ in range(repeats):
+            timer.reset()
+            synchronize(devices | timer.cuda_devices)
+            start = time.perf_counter()
+            run()
+            synchronize(devices | timer.cuda_devices)
+            walls.append(time.perf_counter() - start)
+            seconds, calls = timer.collect()
+            for key, value in seconds.items():
+                per_site[key].append(value)
+    devices |= timer.cuda_devices
+    site_s = {key: statistics.median(values) for key, values in per_site.items()}
+    return Measurement(site_s, calls, statistics.median(walls), bool(timer.cuda_devices), timer.cpu_stamps)
+
+
+def wall_time(run: Callable[[], Any], devices: set[torch.device], *, warmup: int, repeats: int) -> float:
+    """Median seconds of a ``run()`` call without any hook (the whole-call comparison)."""
+    for _ in range(warmup):
+        run()
+    walls = []
+    for _ in range(repeats):
+        synchronize(devices)
+        start = time.perf_counter()
+        run()
+        synchronize(devices)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
