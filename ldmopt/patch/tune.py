@@ -94,6 +94,14 @@ class Tuning:
     def kept(self) -> list[SiteTiming]:
         return [s for s in self.sites if s.kept]
 
+    def kept_per_rule(self) -> dict[str, tuple[int, int]]:
+        """{rules of a site, joined by "+": (sites kept, sites)}."""
+        out: dict[str, tuple[int, int]] = {}
+        for s in self.sites:
+            kept, total = out.get("+".join(s.rules), (0, 0))
+            out["+".join(s.rules)] = (kept + s.kept, total + 1)
+        return dict(sorted(out.items()))
+
     def __str__(self) -> str:
         if not self.sites:
             return "ldmopt.tune: patch fuses no module of this model: nothing to tune"
@@ -103,7 +111,8 @@ class Tuning:
             f"{self.all_patched_ms:.3f} ms with every site patched, {self.tuned_ms:.3f} ms tuned "
             f"({_ratio(self.stock_ms, self.tuned_ms)}); {len(self.kept)} of {len(self.sites)} sites kept"
         )
-        lines = [head]
+        per_rule = ", ".join(f"{rule} {kept}/{total}" for rule, (kept, total) in self.kept_per_rule().items())
+        lines = [head, f"  kept per rule: {per_rule}"]
         if self.left_stock:
             lines.append("  the tuned model was no faster than stock as a whole: every site left stock")
         width = min(max(len(s.where) for s in self.sites), 64)

@@ -106,6 +106,9 @@ def test_keeps_exactly_the_sites_measured_faster(monkeypatch):
     assert tuning.tuned_ms < tuning.stock_ms < tuning.all_patched_ms
     text = str(report)
     assert "ldmopt.tune (time.perf_counter" in text and f"{len(kept)} of {len(tuning.sites)} sites kept" in text
+    per_rule = tuning.kept_per_rule()
+    assert per_rule["residual_block"] == (len(kept), len(kept)) and per_rule["resnet"][0] == 0
+    assert f"residual_block {len(kept)}/{len(kept)}" in text
 
     assert_outputs_close(output_tensor(run()), stock_out)
     assert ldmopt.unpatch(unet) == len(kept)
