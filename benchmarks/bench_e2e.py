@@ -2,11 +2,12 @@
 
 Providers per model: diffusers eager (SDPA, channels-last), ldmopt.patch, ldmopt.tune (patched only where each
 module's fused forward measured faster on this GPU, the step itself as tune's run(); its per-site table is written
-to results/e2e_tuning_<model>.txt), torch.compile(max-autotune) and ldmopt.patch + torch.compile; each is also timed
-captured as a CUDA graph (``<provider>+graph`` rows: the step without any host overhead). Figures: ms per step, it/s,
-peak memory, and the operator-category split before and after patching from ldmopt.profile (written to
-results/e2e_categories.json and plotted). On CPU the GPU benchmarks skip and `test_analytic_projection_cpu` checks
-the analytic model of the same settings instead.
+to results/e2e_tuning_<model>.txt; ``ldmopt-tuned-graph``: timed as CUDA graph replays, the choice for a captured
+model, whose ``+graph`` row is the one to read), torch.compile(max-autotune) and ldmopt.patch + torch.compile; each
+is also timed captured as a CUDA graph (``<provider>+graph`` rows: the step without any host overhead). Figures: ms
+per step, it/s, peak memory, and the operator-category split before and after patching from ldmopt.profile
+(written to results/e2e_categories.json and plotted). On CPU the GPU benchmarks skip and
+`test_analytic_projection_cpu` checks the analytic model of the same settings instead.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ MODELS = {
     "svd-576x1024x14": ("svd", (576, 1024), 14, 2),
 }
 QUICK = ("sd15-512", "dit-256", "animatediff-512x16")
-PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned", "compile", "ldmopt+compile")
+PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned", "ldmopt-tuned-graph", "compile", "ldmopt+compile")
 # Quick mode (run_gpu.sh's ~8-minute budget): max-autotune compiles of whole UNets take minutes each, so only the
-# eager, patched and tuned providers run (tune times ~4 configurations of 5 steps each); --full runs all five.
-QUICK_PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned")
+# eager, patched and tuned providers run (tune times ~4 configurations of 5 steps each); --full runs all six.
+QUICK_PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned", "ldmopt-tuned-graph")
 _CATEGORY_SPLITS: dict[str, dict] = {}
 
 
@@ -69,8 +70,9 @@ def _provider(model, inputs, provider: str, name: str = ""):
     if provider in ("ldmopt", "ldmopt+compile"):
         report = ldmopt.patch(model)
         note = f"patched {report.total} modules"
-    elif provider == "ldmopt-tuned":
-        report = ldmopt.tune(model, eager_step, warmup=2, repeats=3)
+    elif provider in ("ldmopt-tuned", "ldmopt-tuned-graph"):
+        graph = provider.endswith("graph")  # timed as CUDA graph replays: the choice for a captured model
+        report = ldmopt.tune(model, eager_step, warmup=2, repeats=3, cuda_graph=graph)
         tuning = report.tuning
         note = (
             f"tuned: {len(tuning.kept)} of {len(tuning.sites)} sites kept; tune measured {tuning.stock_ms:.2f} ms "
@@ -78,7 +80,8 @@ def _provider(model, inputs, provider: str, name: str = ""):
             + ", ".join(f"{rule} {kept}/{total}" for rule, (kept, total) in tuning.kept_per_rule().items())
         )
         harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        (harness.RESULTS_DIR / f"e2e_tuning_{name or 'model'}.txt").write_text(str(tuning) + "\n")
+        path = harness.RESULTS_DIR / f"e2e_tuning_{name or 'model'}{'-graph' if graph else ''}.txt"
+        path.write_text(str(tuning) + "\n")
     else:
         note = ""
     if not provider.endswith("compile"):

@@ -81,6 +81,12 @@ def test_e2e_step_providers(mocked_timing, monkeypatch):
     assert re.match(r"[0-9.]+ it/s tuned: \d+ of \d+ sites kept; tune measured ", mocked_timing.rows[4]["note"])
     table = (harness.RESULTS_DIR / "e2e_tuning_dit-256.txt").read_text()
     assert table.startswith("ldmopt.tune (time.perf_counter") and "adaln" in table
+    # the graph-timed provider needs a GPU: on the CPU its row says so
+    with ldmopt.use_backend("torch"):
+        bench_e2e.bench_denoising_step("dit-256", "ldmopt-tuned-graph", mocked_timing)
+    last = mocked_timing.rows[-1]
+    assert last["provider"] == "ldmopt-tuned-graph" and last["timing"] is None
+    assert "cuda_graph=True needs the model on a GPU" in last["note"]
 
 
 def test_e2e_patched_unet_step_hands_statistics_over(mocked_timing, monkeypatch):

@@ -29,6 +29,11 @@ def configure_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_positive, default=5, help="timed calls per configuration (default 5)")
     parser.add_argument("--rounds", type=_positive, default=3, help="refinement rounds at most (default 3)")
     parser.add_argument("--min-speedup", type=float, default=1.0, help="keep a site when stock > fused x this")
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time each configuration captured as a CUDA graph (GPU time only, for captured models)",
+    )
     parser.add_argument("--families", default=None, help="comma list of ldmopt.patch families (default: all)")
     parser.add_argument("--report", action="store_true", help="also print the whole patch report")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the tuning table as JSON ('-': stdout)")
@@ -64,7 +69,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
         report = ldmopt.tune(
             model, run, families=families, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
-            min_speedup=args.min_speedup,
+            min_speedup=args.min_speedup, cuda_graph=args.cuda_graph,
         )  # fmt: skip
     except (KeyError, ValueError) as exc:
         message = _message(exc)

@@ -39,7 +39,7 @@ from torch import nn
 from .core import _RECORDS, PatchError, _models_of, is_patched, patch, unpatch
 from .report import PatchReport, Skipped, fallback_counts, layout_copy_counts
 from .rule import ChildSwapRule
-from .tune_timer import Measurement, SiteKey, measure, wall_time
+from .tune_timer import Measurement, SiteKey, measure, measure_graphed, wall_time
 
 
 @dataclass
@@ -224,6 +224,7 @@ def tune(
     repeats: int = 5,
     min_speedup: float = 1.0,
     rounds: int = 3,
+    cuda_graph: bool = False,
     channels_last_weights: bool | None = None,
 ) -> PatchReport:
     """Patch ``pipe_or_model`` where the fused forwards measured faster than the stock ones while ``run()`` ran.
@@ -243,6 +244,9 @@ def tune(
             The tuned model as a whole must only be faster than stock.
         rounds: how many times at most the sites still faster are patched and measured again (each time but the
             last, those no longer faster drop out; the last measurement is the tuned one).
+        cuda_graph: time each configuration captured as a CUDA graph and replayed (GPU time, no host time), for a
+            model that will run captured (``torch.cuda.graph``); ``run()`` must then be capturable: GPU tensors,
+            no host synchronisation, the same input buffers each call. The model must be on a GPU.
 
     Returns the :class:`PatchReport` of the final patch, with ``report.tuning`` (:class:`Tuning`): the per-site
     table, and the median time of a ``run()`` call stock, with every site patched, and tuned. Its backend and
@@ -261,12 +265,19 @@ def tune(
         raise ValueError(f"ldmopt.tune: min_speedup={min_speedup!r} is not supported; expected a finite number")
     if is_patched(pipe_or_model):
         raise PatchError("ldmopt.tune: the model is already patched; tune patches it itself (ldmopt.unpatch first)")
+    if cuda_graph and not _cuda_devices(pipe_or_model):
+        raise ValueError(
+            "ldmopt.tune: cuda_graph=True needs the model on a GPU (a CUDA graph holds GPU work only); its parameters "
+            "are not on CUDA"
+        )
     if families is not None and not isinstance(families, str):
         families = tuple(families)  # every patch call below reads it: a generator would be spent by the first
     options = dict(families=families, channels_last_weights=channels_last_weights)
     first = patch(pipe_or_model, filter_fn=filter_fn, **options)
     try:
-        report = _tune(pipe_or_model, run, first, filter_fn, options, warmup, repeats, float(min_speedup), rounds)
+        report = _tune(
+            pipe_or_model, run, first, filter_fn, options, warmup, repeats, float(min_speedup), rounds, bool(cuda_graph)
+        )
     except BaseException:
         try:
             if is_patched(pipe_or_model):
@@ -301,6 +312,7 @@ def _tune(
     repeats: int,
     min_speedup: float,
     rounds: int,
+    graph: bool,
 ) -> PatchReport:
     sites = _sites(pipe_or_model)
     if not sites:  # nothing to measure
@@ -313,7 +325,9 @@ def _tune(
 
     def timed() -> Measurement:
         targets = _current_targets(pipe_or_model, sites)
-        result = measure(run, targets, devices, warmup=warmup, repeats=repeats, whole=whole)
+        result = (measure_graphed if graph else measure)(
+            run, targets, devices, warmup=warmup, repeats=repeats, whole=whole
+        )
         timers.update(name for name, used in (("CUDA events", result.cuda), ("time.perf_counter", result.cpu)) if used)
         return result
 
@@ -396,9 +410,9 @@ def _tune(
     stock_s = tuned_s = stock.wall_s
     left_stock = False
     if kept:  # the whole call, without hooks: tuned (warm from the last measurement), then stock
-        tuned_s = wall_time(run, devices, warmup=0, repeats=repeats)
+        tuned_s = wall_time(run, devices, warmup=1 if graph else 0, repeats=repeats, graph=graph)
         unpatch(pipe_or_model)
-        stock_s = wall_time(run, devices, warmup=warmup, repeats=repeats)
+        stock_s = wall_time(run, devices, warmup=warmup, repeats=repeats, graph=graph)
         if tuned_s < stock_s:
             report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options)
         else:
@@ -412,7 +426,7 @@ def _tune(
             report = first
     report = _final_report(report, first, sites, kept, why)
     report.tuning = Tuning(
-        timer=" and ".join(sorted(timers)) or "none",
+        timer=" and ".join(sorted(timers)) + (" in a CUDA graph" if graph else "") if timers else "none",
         warmup=warmup,
         repeats=repeats,
         min_speedup=min_speedup,

@@ -7,6 +7,9 @@ end of every call: a CUDA event on the current stream of the device its input te
 that stream's timeline, host time included where the host falls behind), ``time.perf_counter`` for CPU work. So the
 timer follows the work to wherever it runs: a model offloaded to the CPU between calls, or one on ``cuda:1``.
 
+With ``cuda_graph=True`` each configuration is captured as a CUDA graph with its site events as graph nodes
+(``torch.cuda.Event(external=True)``) and replayed: GPU time only, as a model captured for deployment runs.
+
 A site's time is exclusive: a call's time is taken off the site open around it at run time (not by module names),
 so nesting across components, or modules called from outside their parent, count where they ran. Sites in ``whole``
 (run within an enclosing site's fused forward; see ``tune._tune``) keep their time in the site around them, and
@@ -46,9 +49,12 @@ class SiteTimer:
     """Hooks on the site targets (``targets``: site -> modules now at its target names), accumulating each site's
     exclusive time over one ``run()`` call; a context manager that removes every hook on exit."""
 
-    def __init__(self, targets: dict[SiteKey, list[nn.Module]], whole: frozenset[SiteKey]) -> None:
+    def __init__(
+        self, targets: dict[SiteKey, list[nn.Module]], whole: frozenset[SiteKey], *, in_graph: bool = False
+    ) -> None:
         self.targets = targets
         self.whole = whole
+        self.in_graph = in_graph  # events become nodes of a CUDA graph being captured, re-recorded at each replay
         self.cuda_devices: set[torch.device] = set()  # every CUDA device a stamp was taken on
         self.cpu_stamps = False
         self._stack: list[tuple[SiteKey, int, SiteKey | None, Any, torch.device]] = []
@@ -58,7 +64,10 @@ class SiteTimer:
     def _stamp(self, device: torch.device) -> Any:
         if device.type == "cuda":
             self.cuda_devices.add(device)
-            event = torch.cuda.Event(enable_timing=True)
+            if self.in_graph:
+                event = torch.cuda.Event(enable_timing=True, external=True)
+            else:
+                event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(device))
             return event
         self.cpu_stamps = True
@@ -162,15 +171,77 @@ def measure(
     return Measurement(site_s, calls, statistics.median(walls), bool(timer.cuda_devices), timer.cpu_stamps)
 
 
-def wall_time(run: Callable[[], Any], devices: set[torch.device], *, warmup: int, repeats: int) -> float:
-    """Median seconds of a ``run()`` call without any hook (the whole-call comparison)."""
-    for _ in range(warmup):
+def wall_time(
+    run: Callable[[], Any], devices: set[torch.device], *, warmup: int, repeats: int, graph: bool = False
+) -> float:
+    """Median seconds of a ``run()`` call without any hook (the whole-call comparison); ``graph``: of a replay of
+    ``run()`` captured as a CUDA graph."""
+    call = capture(run, warmup) if graph else run
+    for _ in range(0 if graph else warmup):
         run()
     walls = []
     for _ in range(repeats):
         synchronize(devices)
         start = time.perf_counter()
-        run()
+        call()
         synchronize(devices)
         walls.append(time.perf_counter() - start)
     return statistics.median(walls)
+
+
+def capture(run: Callable[[], Any], warmup: int, before_capture: Callable[[], None] | None = None) -> Callable[[], Any]:
+    """``run()`` captured as a CUDA graph; returns its replay. ``warmup`` (at least one) calls run first on a side
+    stream, as capture requires, which also keeps Triton's compilation and autotuning out of the graph (the
+    procedure of benchmarks/harness.py's cuda_graphed, whose rows were measured on an H200)."""
+    side = torch.cuda.Stream()
+    caller = torch.cuda.current_stream()
+    side.wait_stream(caller)
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            run()
+    caller.wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            run()
+    except Exception:
+        # torch.cuda.graph ends the capture before it restores the stream: put the caller's stream back.
+        torch.cuda.set_stream(caller)
+        raise
+    return graph.replay
+
+
+def measure_graphed(
+    run: Callable[[], Any],
+    targets: dict[SiteKey, list[nn.Module]],
+    devices: set[torch.device],
+    *,
+    warmup: int,
+    repeats: int,
+    whole: frozenset[SiteKey],
+) -> Measurement:
+    """As :func:`measure`, of ``run()`` captured as a CUDA graph: the site hooks fire once, while it is captured,
+    and their events are nodes of the graph that each replay records again. GPU time only: no host time at all."""
+    per_site: dict[SiteKey, list[float]] = {key: [] for key in targets}
+    walls: list[float] = []
+    with SiteTimer(targets, whole, in_graph=True) as timer:
+        replay = capture(run, warmup, before_capture=timer.reset)  # the spans are the captured calls'
+        if timer.cpu_stamps:
+            raise ValueError(
+                "ldmopt.tune(cuda_graph=True): a site ran on the CPU while run() was captured; a CUDA graph holds GPU "
+                "work only (put the model and its inputs on the GPU, or tune with cuda_graph=False)"
+            )
+        for _ in range(repeats):
+            synchronize(devices | timer.cuda_devices)
+            start = time.perf_counter()
+            replay()
+            synchronize(devices | timer.cuda_devices)
+            walls.append(time.perf_counter() - start)
+            seconds, calls = timer.collect()
+            for key, value in seconds.items():
+                per_site[key].append(value)
+    devices |= timer.cuda_devices
+    site_s = {key: statistics.median(values) for key, values in per_site.items()}
+    return Measurement(site_s, calls, statistics.median(walls), True, False)

@@ -6,6 +6,7 @@ test runs the real timer end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
 
@@ -62,7 +63,7 @@ def _fake_measure(monkeypatch, pipe_or_model, cost, *, wall=None, calls=None, ca
         total = wall(patched, seconds) if wall else sum(seconds.values())
         return tune_timer.Measurement(seconds, counts, total, cuda=False, cpu=True)
 
-    def wall_time(run, devices, *, warmup, repeats):
+    def wall_time(run, devices, *, warmup, repeats, graph=False):
         patched, seconds = seconds_now()
         return wall(patched, seconds) if wall else sum(seconds.values())
 
@@ -443,7 +444,7 @@ def test_real_timer_end_to_end(monkeypatch):
     ldmopt.unpatch(unet)
     wall_time = tune_module.wall_time
 
-    def tuned_faster(run, devices, *, warmup, repeats):
+    def tuned_faster(run, devices, *, warmup, repeats, graph=False):
         assert wall_time(run, devices, warmup=warmup, repeats=repeats) > 0
         return 1.0 if ldmopt.is_patched(unet) else 2.0
 
@@ -510,3 +511,119 @@ def test_cli_tunes_a_zoo_model(tmp_path, capsys):
     assert {"resnet", "residual_block"} <= {rule for site in data["sites"] for rule in site["rules"]}
     assert main(["tune", "sd15", "--tiny", "--min-speedup", "0"]) == 2
     assert capsys.readouterr().err.startswith("ldmopt.tune: min_speedup=0.0 is not supported")
+
+
+def test_cuda_graph_mode_times_the_events_captured_in_the_graph(monkeypatch):
+    clock = _Clock()
+    outer, targets = _toy(clock)
+    device = torch.device("cuda", 0)
+    created, replays = [], []
+
+    class Event:
+        def __init__(self, enable_timing=False, external=False):
+            created.append(external)
+            self.at = None
+
+        def record(self, stream):
+            self.at = clock.now
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    def fake_capture(run, warmup, before_capture=None):
+        for _ in range(max(warmup, 1)):
+            run()
+        before_capture()
+        run()  # captured: the hooks fire once; a replay runs no Python
+        return lambda: replays.append(1)
+
+    monkeypatch.setattr(tune_timer, "work_device", lambda module, args, kwargs: device)
+    monkeypatch.setattr(tune_timer, "capture", fake_capture)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: "stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: None)
+    measured = tune_timer.measure_graphed(
+        lambda: outer(torch.ones(1)), targets, set(), warmup=2, repeats=3, whole=frozenset()
+    )
+    assert measured.site_s == {("", "outer"): 5.0, ("", "mid"): 4.0, ("", "inner"): 3.0}
+    assert measured.calls == dict.fromkeys(targets, 1) and len(replays) == 3
+    assert created and all(created), "events recorded while capturing must be graph nodes (external=True)"
+
+    def on_cpu(module, args, kwargs):
+        return torch.device("cpu")
+
+    monkeypatch.setattr(tune_timer, "work_device", on_cpu)
+    with pytest.raises(ValueError, match="a site ran on the CPU while run\\(\\) was captured"):
+        tune_timer.measure_graphed(lambda: outer(torch.ones(1)), targets, set(), warmup=0, repeats=1, whole=frozenset())
+
+
+def test_capture_warms_up_on_a_side_stream_and_restores_the_stream_on_failure(monkeypatch):
+    steps = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            steps.append(f"{self.name} waits for {other.name}")
+
+    caller = Stream("caller")
+
+    class Graph:
+        def replay(self):
+            steps.append("replay")
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        steps.append(f"on {stream.name}")
+        yield
+
+    fail = []
+
+    @contextlib.contextmanager
+    def capturing(graph, capture_error_mode):
+        assert capture_error_mode == "thread_local"
+        steps.append("capture")
+        yield
+        if fail:
+            raise RuntimeError("capture failed (simulated)")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: caller)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: steps.append(f"back to {s.name}"))
+    replay = tune_timer.capture(lambda: steps.append("run"), 2, before_capture=lambda: steps.append("reset"))
+    replay()
+    assert steps == [
+        "side waits for caller", "on side", "run", "run", "caller waits for side", "reset", "capture", "run", "replay"
+    ]  # fmt: skip
+    steps.clear()
+    fail.append(1)
+    with pytest.raises(RuntimeError, match="simulated"):
+        tune_timer.capture(lambda: steps.append("run"), 0)
+    assert steps[-1] == "back to caller" and steps.count("run") == 2  # one warm-up call at least
+
+
+def test_tune_in_cuda_graph_mode(monkeypatch):
+    unet = _unet()
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a GPU"):
+        ldmopt.tune(unet, _run(unet), cuda_graph=True)
+    assert not ldmopt.is_patched(unet)
+    graphed = []
+    _fake_measure(monkeypatch, unet, _fused_faster_for("resnet"))
+    fake_wall = tune_module.wall_time
+
+    def wall_time(run, devices, *, warmup, repeats, graph=False):
+        graphed.append(graph)
+        return fake_wall(run, devices, warmup=warmup, repeats=repeats)
+
+    monkeypatch.setattr(tune_module, "measure_graphed", tune_module.measure)
+    monkeypatch.setattr(tune_module, "measure", None)  # graph mode must not time eagerly
+    monkeypatch.setattr(tune_module, "wall_time", wall_time)
+    monkeypatch.setattr(tune_module, "_cuda_devices", lambda pipe: {torch.device("cuda", 0)})
+    report = ldmopt.tune(unet, _run(unet), cuda_graph=True)
+    assert graphed == [True, True] and report.tuning.timer.endswith(" in a CUDA graph")
+    assert {s.rules for s in report.tuning.kept} == {("resnet",)}
+    ldmopt.unpatch(unet)
