@@ -34,6 +34,12 @@ def configure_tune(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time each configuration captured as a CUDA graph (GPU time only, for captured models)",
     )
+    parser.add_argument(
+        "--by",
+        choices=("site", "rule"),
+        default="site",
+        help="site: per-site forward timing (default); rule: whole calls, each rule's sites alone",
+    )
     parser.add_argument("--families", default=None, help="comma list of ldmopt.patch families (default: all)")
     parser.add_argument("--report", action="store_true", help="also print the whole patch report")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the tuning table as JSON ('-': stdout)")
@@ -69,7 +75,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
         report = ldmopt.tune(
             model, run, families=families, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
-            min_speedup=args.min_speedup, cuda_graph=args.cuda_graph,
+            min_speedup=args.min_speedup, cuda_graph=args.cuda_graph, by=args.by,
         )  # fmt: skip
     except (KeyError, ValueError) as exc:
         message = _message(exc)

@@ -89,6 +89,8 @@ class Tuning:
     tuned_ms: float
     left_stock: bool  # the tuned model was no faster than stock as a whole, so nothing stays patched
     sites: list[SiteTiming] = field(default_factory=list)
+    #: by="rule": each group of sites with the same rules, timed patched alone (tune_rules.GroupTiming)
+    groups: list[Any] = field(default_factory=list)
 
     @property
     def kept(self) -> list[SiteTiming]:
@@ -115,6 +117,12 @@ class Tuning:
         lines = [head, f"  kept per rule: {per_rule}"]
         if self.left_stock:
             lines.append("  the tuned model was no faster than stock as a whole: every site left stock")
+        if self.groups:
+            width = max(len(g.rules) for g in self.groups)
+            lines.append(f"  {'rules (patched alone)':<{width}} {'sites':>5} {'run() ms':>9}  kept")
+            for g in sorted(self.groups, key=lambda g: g.patched_ms):
+                lines.append(f"  {g.rules:<{width}} {g.sites:>5} {g.patched_ms:>9.3f}  {'yes' if g.kept else 'no'}")
+            return "\n".join(lines)
         width = min(max(len(s.where) for s in self.sites), 64)
         lines.append(
             f"  {'site':<{width}} {'rules':<24} {'calls':>5} {'stock ms':>9} {'fused ms':>9} {'tuned ms':>9}  kept"
@@ -225,6 +233,8 @@ def tune(
     min_speedup: float = 1.0,
     rounds: int = 3,
     cuda_graph: bool = False,
+    training: bool = False,
+    by: str | None = None,
     channels_last_weights: bool | None = None,
 ) -> PatchReport:
     """Patch ``pipe_or_model`` where the fused forwards measured faster than the stock ones while ``run()`` ran.
@@ -247,6 +257,12 @@ def tune(
         cuda_graph: time each configuration captured as a CUDA graph and replayed (GPU time, no host time), for a
             model that will run captured (``torch.cuda.graph``); ``run()`` must then be capturable: GPU tensors,
             no host synchronisation, the same input buffers each call. The model must be on a GPU.
+        training: patch as ``ldmopt.patch(..., training=True)`` does, for a ``run()`` that is a training step
+            (forward, backward, optionally the optimizer step: tune calls it many times, so an optimizer step
+            trains the model meanwhile). Implies ``by="rule"``.
+        by: "site" (default without training): time each site's forward with hooks and choose site by site.
+            "rule" (tune_rules.py): time whole ``run()`` calls with each rule's sites patched alone, which counts
+            backward passes too; ``rounds`` does not apply.
 
     Returns the :class:`PatchReport` of the final patch, with ``report.tuning`` (:class:`Tuning`): the per-site
     table, and the median time of a ``run()`` call stock, with every site patched, and tuned. Its backend and
@@ -270,14 +286,30 @@ def tune(
             "ldmopt.tune: cuda_graph=True needs the model on a GPU (a CUDA graph holds GPU work only); its parameters "
             "are not on CUDA"
         )
+    by = by or ("rule" if training else "site")
+    if by not in ("site", "rule"):
+        raise ValueError(f"ldmopt.tune: by={by!r} is not supported; expected 'site' or 'rule'")
+    if training and by == "site":
+        raise ValueError(
+            "ldmopt.tune: by='site' times forward passes only (module hooks do not see backward); with "
+            "training=True, tune times whole training steps: by='rule' (the default for training)"
+        )
     if families is not None and not isinstance(families, str):
         families = tuple(families)  # every patch call below reads it: a generator would be spent by the first
-    options = dict(families=families, channels_last_weights=channels_last_weights)
+    options = dict(families=families, channels_last_weights=channels_last_weights, training=bool(training))
     first = patch(pipe_or_model, filter_fn=filter_fn, **options)
     try:
-        report = _tune(
-            pipe_or_model, run, first, filter_fn, options, warmup, repeats, float(min_speedup), rounds, bool(cuda_graph)
-        )
+        args = (pipe_or_model, run, first, filter_fn, options, warmup, repeats, float(min_speedup))
+        if not _sites(pipe_or_model):  # nothing to measure
+            unpatch(pipe_or_model)
+            first.tuning = Tuning("none", warmup, repeats, float(min_speedup), 0, math.nan, math.nan, math.nan, False)
+            report = _final_report(first, first, [], set(), {})
+        elif by == "rule":
+            from .tune_rules import tune_by_rule
+
+            report = tune_by_rule(*args, bool(cuda_graph))
+        else:
+            report = _tune(*args, rounds, bool(cuda_graph))
     except BaseException:
         try:
             if is_patched(pipe_or_model):
@@ -315,10 +347,6 @@ def _tune(
     graph: bool,
 ) -> PatchReport:
     sites = _sites(pipe_or_model)
-    if not sites:  # nothing to measure
-        unpatch(pipe_or_model)
-        first.tuning = Tuning("none", warmup, repeats, min_speedup, 0, math.nan, math.nan, math.nan, False)
-        return _final_report(first, first, [], set(), {})
     devices = _cuda_devices(pipe_or_model)
     whole: frozenset[SiteKey] = frozenset()
     timers: set[str] = set()
