@@ -81,6 +81,10 @@ class NormedInput:
     def shape(self):
         return self.x.shape
 
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
     def dim(self) -> int:
         return self.x.dim()
 

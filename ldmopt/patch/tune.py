@@ -195,15 +195,22 @@ def _current_targets(pipe_or_model: Any, sites: list[_Site]) -> dict[SiteKey, li
 
 
 def _enclosing(sites: list[_Site]) -> dict[SiteKey, SiteKey | None]:
-    """The nearest enclosing site of each site (same model, module name prefix), None at the top."""
+    """The nearest enclosing site of each site, None at the top: the site of the same model with the longest timed
+    target whose module contains it (a child-swap site at a model's root encloses only what is in its slots)."""
+
+    def inside(name: str, target: str) -> bool:
+        return target == "" or name.startswith(target + ".")
+
     parent: dict[SiteKey, SiteKey | None] = {}
     for s in sites:
         enclosing = [
-            o.key
+            (len(t), o.key)
             for o in sites
-            if o.key[0] == s.key[0] and o.key != s.key and (o.key[1] == "" or s.key[1].startswith(o.key[1] + "."))
+            if o.key[0] == s.key[0] and o.key != s.key
+            for t in o.targets
+            if inside(s.key[1], t)
         ]
-        parent[s.key] = max(enclosing, key=lambda k: len(k[1]), default=None)
+        parent[s.key] = max(enclosing, default=(0, None))[1]
     return parent
 
 
@@ -281,10 +288,11 @@ def tune(
         raise ValueError(f"ldmopt.tune: min_speedup={min_speedup!r} is not supported; expected a finite number")
     if is_patched(pipe_or_model):
         raise PatchError("ldmopt.tune: the model is already patched; tune patches it itself (ldmopt.unpatch first)")
-    if cuda_graph and not _cuda_devices(pipe_or_model):
+    if cuda_graph and len(gpus := _cuda_devices(pipe_or_model)) != 1:
+        where = f"on {sorted(map(str, gpus))}" if gpus else "not on CUDA"
         raise ValueError(
-            "ldmopt.tune: cuda_graph=True needs the model on a GPU (a CUDA graph holds GPU work only); its parameters "
-            "are not on CUDA"
+            "ldmopt.tune: cuda_graph=True needs the model on a GPU, one (a CUDA graph holds the work of one GPU); its "
+            f"parameters are {where}"
         )
     by = by or ("rule" if training else "site")
     if by not in ("site", "rule"):
@@ -382,7 +390,7 @@ def _tune(
     for s in sites:
         f, st = fused.site_s[s.key], stock.site_s[s.key]
         if not stock.calls.get(s.key, 0):
-            why[s.key] = "tune: run() never called it, so it was not measured"
+            why[s.key] = "tune: run() never called it on the stock model, so it was not measured"
         elif s.key not in called and s.key not in within:
             why[s.key] = "tune: run() did not call it with every site patched, so it was not measured"
         elif s.key in within:
@@ -429,12 +437,23 @@ def _tune(
                 f"{measured_rounds}): no faster than stock's {stock.site_s[key] * 1e3:.3f} ms per run() call"
             )
         kept -= dropped
+        last = measured_rounds + 1 > rounds  # the next measurement is the tuned one, and checks nothing
         for key, parent in within.items():
             if key in kept and parent in dropped:
-                notes[key] = f"measured on its own, {_where(parent)} being stock"
+                if last:  # measured only within the parent so far, and no round left to check it on its own
+                    kept.discard(key)
+                    why[key] = (
+                        f"tune: measured only within {_where(parent)}'s fused forward, which dropped out in the "
+                        "last round"
+                    )
+                else:
+                    notes[key] = f"measured on its own, {_where(parent)} being stock"
         unpatch(pipe_or_model)
     if not kept:
         report = first  # the patches the rounds made were undone
+    for key in kept:
+        if tuned_ms.get(key) is not None and not _faster(tuned_ms[key] / 1e3, stock.site_s[key], min_speedup):
+            notes[key] = "kept: faster in an earlier round; the last (tuned) measurement checks nothing"
     stock_s = tuned_s = stock.wall_s
     left_stock = False
     if kept:  # the whole call, without hooks: tuned (warm from the last measurement), then stock

@@ -35,12 +35,14 @@ SiteKey = tuple[str, str]
 
 
 def work_device(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
-    """Where a call of ``module`` runs: its first tensor argument's device, else its first parameter's or buffer's,
-    else the CPU."""
+    """Where a call of ``module`` runs: the device of its first argument that has one (a tensor, or an object that
+    stands for one, such as the NormedInput a fused transformer block hands its feed-forward), else of its first
+    parameter or buffer (its children's too: FusedGEGLU keeps its weight in ``.proj``), else the CPU."""
     for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device
-    for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        device = getattr(value, "device", None)
+        if isinstance(device, torch.device):
+            return device
+    for tensor in (*module.parameters(), *module.buffers()):
         return tensor.device
     return torch.device("cpu")
 
@@ -73,11 +75,11 @@ class SiteTimer:
         self.cpu_stamps = True
         return time.perf_counter()
 
-    def _charged(self, key: SiteKey) -> SiteKey | None:
-        """The site whose exclusive time a call of ``key`` opened now is taken off: the innermost open site other
-        than ``key`` and not in ``whole``."""
+    def _charged(self) -> SiteKey | None:
+        """The site whose exclusive time a call opened now is taken off: the innermost open site not in ``whole``
+        (its own site, for a target inside another target of the same site: counted once)."""
         for open_key, *_ in reversed(self._stack):
-            if open_key != key and open_key not in self.whole:
+            if open_key not in self.whole:
                 return open_key
         return None
 
@@ -87,7 +89,7 @@ class SiteTimer:
 
                 def pre(module, args, kwargs, key=key, index=index):
                     device = work_device(module, args, kwargs)
-                    self._stack.append((key, index, self._charged(key), self._stamp(device), device))
+                    self._stack.append((key, index, self._charged(), self._stamp(device), device))
 
                 def post(module, args, kwargs, output, key=key, index=index):
                     for depth in range(len(self._stack) - 1, -1, -1):  # the innermost open call of this target
@@ -97,9 +99,10 @@ class SiteTimer:
                             self._spans.append((key, index, charged, start, self._stamp(device)))
                             return
 
-                # observers: a fused path never treats them as foreign hooks (ldmopt.nn.child_check)
+                # observers: a fused path never treats them as foreign hooks (ldmopt.nn.child_check); always_call:
+                # a forward that raises (and is caught) closes its call too
                 self._handles.append(module.register_forward_pre_hook(observer(pre), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(observer(post), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(observer(post), with_kwargs=True, always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -171,12 +174,19 @@ def measure(
     return Measurement(site_s, calls, statistics.median(walls), bool(timer.cuda_devices), timer.cpu_stamps)
 
 
+def _only(devices: set[torch.device]) -> torch.device:
+    """The one GPU a CUDA graph is captured on (tune checks that the model's parameters are on exactly one)."""
+    if len(devices) != 1:
+        raise ValueError(f"a CUDA graph is captured on one GPU; the model is on {sorted(map(str, devices))}")
+    return next(iter(devices))
+
+
 def wall_time(
     run: Callable[[], Any], devices: set[torch.device], *, warmup: int, repeats: int, graph: bool = False
 ) -> float:
     """Median seconds of a ``run()`` call without any hook (the whole-call comparison); ``graph``: of a replay of
     ``run()`` captured as a CUDA graph."""
-    call = capture(run, warmup) if graph else run
+    call = capture(run, warmup, _only(devices)) if graph else run
     for _ in range(0 if graph else warmup):
         run()
     walls = []
@@ -189,27 +199,36 @@ def wall_time(
     return statistics.median(walls)
 
 
-def capture(run: Callable[[], Any], warmup: int, before_capture: Callable[[], None] | None = None) -> Callable[[], Any]:
-    """``run()`` captured as a CUDA graph; returns its replay. ``warmup`` (at least one) calls run first on a side
-    stream, as capture requires, which also keeps Triton's compilation and autotuning out of the graph (the
-    procedure of benchmarks/harness.py's cuda_graphed, whose rows were measured on an H200)."""
-    side = torch.cuda.Stream()
-    caller = torch.cuda.current_stream()
-    side.wait_stream(caller)
-    with torch.cuda.stream(side):
-        for _ in range(max(warmup, 1)):
-            run()
-    caller.wait_stream(side)
-    if before_capture is not None:
-        before_capture()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            run()
-    except Exception:
-        # torch.cuda.graph ends the capture before it restores the stream: put the caller's stream back.
-        torch.cuda.set_stream(caller)
-        raise
+def capture(
+    run: Callable[[], Any],
+    warmup: int,
+    device: torch.device,
+    before_capture: Callable[[], None] | None = None,
+) -> Callable[[], Any]:
+    """``run()`` captured as a CUDA graph on ``device``; returns its replay, replayed once already (the first
+    launch uploads the graph). ``warmup`` (at least one) calls run first on a side stream, as capture requires,
+    which also keeps Triton's compilation and autotuning out of the graph (the procedure of benchmarks/harness.py's
+    cuda_graphed, whose rows were measured on an H200), all on ``device``'s streams: torch's default capture stream
+    belongs to whichever device was current when it was first used."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        caller = torch.cuda.current_stream(device)
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            for _ in range(max(warmup, 1)):
+                run()
+        caller.wait_stream(side)
+        if before_capture is not None:
+            before_capture()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
+                run()
+        except BaseException:
+            # torch.cuda.graph ends the capture before it restores the stream: put the caller's stream back.
+            torch.cuda.set_stream(caller)
+            raise
+        graph.replay()
     return graph.replay
 
 
@@ -227,11 +246,12 @@ def measure_graphed(
     per_site: dict[SiteKey, list[float]] = {key: [] for key in targets}
     walls: list[float] = []
     with SiteTimer(targets, whole, in_graph=True) as timer:
-        replay = capture(run, warmup, before_capture=timer.reset)  # the spans are the captured calls'
-        if timer.cpu_stamps:
+        device = _only(devices)
+        replay = capture(run, warmup, device, before_capture=timer.reset)  # the spans are the captured calls'
+        if timer.cpu_stamps or timer.cuda_devices - {device}:
             raise ValueError(
-                "ldmopt.tune(cuda_graph=True): a site ran on the CPU while run() was captured; a CUDA graph holds GPU "
-                "work only (put the model and its inputs on the GPU, or tune with cuda_graph=False)"
+                f"ldmopt.tune(cuda_graph=True): a site ran off {device} while run() was captured there; a CUDA graph "
+                "holds the work of one GPU (put the model and its inputs on it, or tune with cuda_graph=False)"
             )
         for _ in range(repeats):
             synchronize(devices | timer.cuda_devices)
