@@ -1,7 +1,9 @@
 """``ldmopt.patch(pipe)`` / ``ldmopt.unpatch(pipe)``: drop ldmopt's fused kernels into diffusers models, reversibly.
 
 A table of rules keyed by module class (:func:`rule_table`); each rule matches instances, says why one must stay on
-the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`. Families (``families=``) and rules:
+the stock path, replaces and restores. ``patch`` returns a :class:`PatchReport`. ``tune(pipe, run)`` patches only the
+modules whose fused forward measured faster than the stock one while ``run()`` ran (tune.py). Families
+(``families=``) and rules:
 
 | family             | rule                | keyed by (diffusers 0.42)                    | fused                     |
 |--------------------|---------------------|----------------------------------------------|---------------------------|
