@@ -153,25 +153,34 @@ def measure(
 ) -> Measurement:
     """Times ``run()`` and each site in it: ``warmup`` calls, then the medians of ``repeats``. ``devices``: the CUDA
     devices to wait for around a timed call (those of the model's parameters); the timer adds those it stamps on."""
-    per_site: dict[SiteKey, list[float]] = {key: [] for key in targets}
-    walls: list[float] = []
-    calls: dict[SiteKey, int] = {}
     with SiteTimer(targets, whole) as timer:
         for _ in range(warmup):
             run()
-        for _ in range(repeats):
-            timer.reset()
-            synchronize(devices | timer.cuda_devices)
-            start = time.perf_counter()
-            run()
-            synchronize(devices | timer.cuda_devices)
-            walls.append(time.perf_counter() - start)
-            seconds, calls = timer.collect()
-            for key, value in seconds.items():
-                per_site[key].append(value)
+        site_s, calls, wall_s = _repeat(run, timer, devices, repeats, reset=True)
     devices |= timer.cuda_devices
-    site_s = {key: statistics.median(values) for key, values in per_site.items()}
-    return Measurement(site_s, calls, statistics.median(walls), bool(timer.cuda_devices), timer.cpu_stamps)
+    return Measurement(site_s, calls, wall_s, bool(timer.cuda_devices), timer.cpu_stamps)
+
+
+def _repeat(
+    call: Callable[[], Any], timer: SiteTimer, devices: set[torch.device], repeats: int, *, reset: bool
+) -> tuple[dict[SiteKey, float], dict[SiteKey, int], float]:
+    """(median exclusive seconds per site, calls per site, median seconds per call) over ``repeats`` timed calls;
+    ``reset``: the timer's spans are each call's own (a graph replay re-records the spans of its capture)."""
+    per_site: dict[SiteKey, list[float]] = {key: [] for key in timer.targets}
+    walls: list[float] = []
+    calls: dict[SiteKey, int] = {}
+    for _ in range(repeats):
+        if reset:
+            timer.reset()
+        synchronize(devices | timer.cuda_devices)
+        start = time.perf_counter()
+        call()
+        synchronize(devices | timer.cuda_devices)
+        walls.append(time.perf_counter() - start)
+        seconds, calls = timer.collect()
+        for key, value in seconds.items():
+            per_site[key].append(value)
+    return {key: statistics.median(v) for key, v in per_site.items()}, calls, statistics.median(walls)
 
 
 def _only(devices: set[torch.device]) -> torch.device:
@@ -243,8 +252,6 @@ def measure_graphed(
 ) -> Measurement:
     """As :func:`measure`, of ``run()`` captured as a CUDA graph: the site hooks fire once, while it is captured,
     and their events are nodes of the graph that each replay records again. GPU time only: no host time at all."""
-    per_site: dict[SiteKey, list[float]] = {key: [] for key in targets}
-    walls: list[float] = []
     with SiteTimer(targets, whole, in_graph=True) as timer:
         device = _only(devices)
         replay = capture(run, warmup, device, before_capture=timer.reset)  # the spans are the captured calls'
@@ -253,15 +260,6 @@ def measure_graphed(
                 f"ldmopt.tune(cuda_graph=True): a site ran off {device} while run() was captured there; a CUDA graph "
                 "holds the work of one GPU (put the model and its inputs on it, or tune with cuda_graph=False)"
             )
-        for _ in range(repeats):
-            synchronize(devices | timer.cuda_devices)
-            start = time.perf_counter()
-            replay()
-            synchronize(devices | timer.cuda_devices)
-            walls.append(time.perf_counter() - start)
-            seconds, calls = timer.collect()
-            for key, value in seconds.items():
-                per_site[key].append(value)
+        site_s, calls, wall_s = _repeat(replay, timer, devices, repeats, reset=False)
     devices |= timer.cuda_devices
-    site_s = {key: statistics.median(values) for key, values in per_site.items()}
-    return Measurement(site_s, calls, statistics.median(walls), True, False)
+    return Measurement(site_s, calls, wall_s, True, False)
