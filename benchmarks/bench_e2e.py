@@ -117,7 +117,7 @@ def bench_denoising_step(name, provider, bench_recorder):
         note=f"{1000 / timing.median_ms:.2f} it/s {note}".strip(),
     )  # fmt: skip
     _record_graphed(name, provider, step, bench_recorder)
-    if provider in ("eager", "ldmopt"):
+    if provider in ("eager", "ldmopt", "ldmopt-tuned"):  # the split before, patched and tuned
         prof = ldmopt.profile(step, steps=3, warmup=1, modules=model)
         _CATEGORY_SPLITS.setdefault(name, {})[provider] = {k: v for k, v in prof.shares().items() if v > 0}
         _write_category_splits()

@@ -3,6 +3,7 @@ a timed row, not a 'failed' one (a GPU run is rare and short; a Python error in 
 
 import functools
 import importlib
+import json
 import os
 import re
 import signal
@@ -81,6 +82,8 @@ def test_e2e_step_providers(mocked_timing, monkeypatch):
     assert re.match(r"[0-9.]+ it/s tuned: \d+ of \d+ sites kept; tune measured ", mocked_timing.rows[4]["note"])
     table = (harness.RESULTS_DIR / "e2e_tuning_dit-256.txt").read_text()
     assert table.startswith("ldmopt.tune (time.perf_counter") and "adaln" in table
+    splits = json.loads((harness.RESULTS_DIR / "e2e_categories.json").read_text())
+    assert set(splits["dit-256"]) == {"eager", "ldmopt", "ldmopt-tuned"}
     # the graph-timed provider needs a GPU: on the CPU its row says so
     with ldmopt.use_backend("torch"):
         bench_e2e.bench_denoising_step("dit-256", "ldmopt-tuned-graph", mocked_timing)
