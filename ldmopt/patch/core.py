@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..nn.child_check import foreign_hook_registry, instance_forward_owner, wrapped_forward
-from .report import PatchReport, Replaced, Skipped, fallback_counts, layout_copy_counts
+from .report import PatchReport, Replaced, Skipped
 from .rule import FAMILIES, REPLACED, ChildSwapRule, Rule, Site, restore_child, swap_class
 from .rules_attention import companion_actions, installed_processor, restore_unrecorded_processors
 from .weight_layout import weight_bytes, weight_layout_action
@@ -425,8 +425,6 @@ def patch(
     patched once, a rule that raises leaves every model of the call as it was, and ``unpatch`` restores module
     types, forwards, processors, parameter strides and state_dict exactly.
     """
-    from ..ops._dispatch import backend_counts, snapshot_counts
-
     if families is None:
         selected = frozenset(FAMILIES)
     else:
@@ -439,10 +437,8 @@ def patch(
     report = PatchReport(
         families=tuple(f for f in FAMILIES if f in selected and f in available),
         descriptions={r.name: r.description for r in _rules()},
-        _counts_at_patch=snapshot_counts(backend_counts),
-        _fallbacks_at_patch=fallback_counts(),
-        _layout_copies_at_patch=layout_copy_counts(),
     )
+    report.count_from_now()
     plans = []
     planned: set[int] = set()  # modules the plans so far fuse: a module two components share is planned once
     walked: set[int] = set()

@@ -63,6 +63,14 @@ class PatchReport:
     #: What ``ldmopt.tune`` measured to choose the patched modules (ldmopt.patch.tune.Tuning); None for ``patch``.
     tuning: Any = None
 
+    def count_from_now(self) -> None:
+        """Start :meth:`backends`, :meth:`fallbacks` and :meth:`layout_copies` from the counters' values now."""
+        from ..ops._dispatch import backend_counts
+
+        self._counts_at_patch = snapshot_counts(backend_counts)
+        self._fallbacks_at_patch = fallback_counts()
+        self._layout_copies_at_patch = layout_copy_counts()
+
     def counts(self, model: str | None = None) -> dict[str, int]:
         """{rule name: modules replaced}, over all models or one (its component name, "" for a bare model)."""
         c = Counter(r.rule for r in self.replaced if model is None or r.model == model)

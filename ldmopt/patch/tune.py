@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .core import _RECORDS, PatchError, _models_of, is_patched, patch, unpatch
-from .report import PatchReport, Skipped, fallback_counts, layout_copy_counts
+from .report import PatchReport, Skipped
 from .rule import ChildSwapRule
 from .tune_timer import Measurement, SiteKey, measure, measure_graphed, wall_time
 
@@ -50,8 +50,8 @@ class _Site:
     records: list[Any] = field(default_factory=list)  # those records' (rule, core.Site)
     #: names (in the model) of the modules timed for this site: the site, or the child slots its rules swap
     targets: list[str] = field(default_factory=list)
-    #: (name in the model, module) of what those rules fuse or bypass, read from the stock tree (:func:`_read_touched`)
-    touched: list[tuple[str, nn.Module]] = field(default_factory=list)
+    #: the modules those rules fuse or bypass, read from the stock tree (:func:`_read_touched`)
+    touched: list[nn.Module] = field(default_factory=list)
 
 
 @dataclass
@@ -70,7 +70,7 @@ class SiteTiming:
 
     @property
     def where(self) -> str:
-        return ".".join(p for p in (self.model, self.name) if p) or "<root>"
+        return _where((self.model, self.name))
 
 
 @dataclass
@@ -180,12 +180,7 @@ def _read_touched(sites: list[_Site]) -> None:
     """Fill in each site's touched modules; call on the stock tree (while patched, a rule's ``touched`` names the
     modules it installed, which a later patch's filter_fn never sees)."""
     for site in sites:
-        site.touched = [
-            (".".join(p for p in (where.name, rel) if p), module)
-            for rule, where in site.records
-            for rel, module in rule.touched(where).items()
-            if rel
-        ]
+        site.touched = [module for rule, where in site.records for rel, module in rule.touched(where).items() if rel]
 
 
 def _current_targets(pipe_or_model: Any, sites: list[_Site]) -> dict[SiteKey, list[nn.Module]]:
@@ -288,7 +283,8 @@ def tune(
         raise ValueError(f"ldmopt.tune: min_speedup={min_speedup!r} is not supported; expected a finite number")
     if is_patched(pipe_or_model):
         raise PatchError("ldmopt.tune: the model is already patched; tune patches it itself (ldmopt.unpatch first)")
-    if cuda_graph and len(gpus := _cuda_devices(pipe_or_model)) != 1:
+    gpus = _cuda_devices(pipe_or_model)
+    if cuda_graph and len(gpus) != 1:
         where = f"on {sorted(map(str, gpus))}" if gpus else "not on CUDA"
         raise ValueError(
             "ldmopt.tune: cuda_graph=True needs the model on a GPU, one (a CUDA graph holds the work of one GPU); its "
@@ -307,17 +303,21 @@ def tune(
     options = dict(families=families, channels_last_weights=channels_last_weights, training=bool(training))
     first = patch(pipe_or_model, filter_fn=filter_fn, **options)
     try:
-        args = (pipe_or_model, run, first, filter_fn, options, warmup, repeats, float(min_speedup))
-        if not _sites(pipe_or_model):  # nothing to measure
+        sites = _sites(pipe_or_model)
+        job = _Job(
+            pipe_or_model, run, first, sites, gpus, filter_fn, options, warmup, repeats, float(min_speedup),
+            bool(cuda_graph),
+        )  # fmt: skip
+        if not sites:  # nothing to measure
             unpatch(pipe_or_model)
-            first.tuning = Tuning("none", warmup, repeats, float(min_speedup), 0, math.nan, math.nan, math.nan, False)
-            report = _final_report(first, first, [], set(), {})
+            report = job.finish(set(), {})
+            report.tuning = Tuning("none", warmup, repeats, job.min_speedup, 0, math.nan, math.nan, math.nan, False)
         elif by == "rule":
             from .tune_rules import tune_by_rule
 
-            report = tune_by_rule(*args, bool(cuda_graph))
+            report = tune_by_rule(job)
         else:
-            report = _tune(*args, rounds, bool(cuda_graph))
+            report = _tune(job, rounds)
     except BaseException:
         try:
             if is_patched(pipe_or_model):
@@ -325,12 +325,7 @@ def tune(
         except Exception as error:  # the caller's exception is the one to see
             warnings.warn(f"ldmopt.tune failed and could not unpatch the model: {error}", RuntimeWarning, stacklevel=2)
         raise
-    # What ran since patch, per backend and fall-back reason: from here on, not tune's own calls.
-    from ..ops._dispatch import backend_counts, snapshot_counts
-
-    report._counts_at_patch = snapshot_counts(backend_counts)
-    report._fallbacks_at_patch = fallback_counts()
-    report._layout_copies_at_patch = layout_copy_counts()
+    report.count_from_now()  # what ran since patch: from here on, not tune's own calls
     return report
 
 
@@ -338,31 +333,45 @@ def _where(key: SiteKey) -> str:
     return ".".join(p for p in key if p) or "<root>"
 
 
+@dataclass
+class _Job:
+    """What both ways of tuning (by site here, by rule in tune_rules.py) work from."""
+
+    pipe_or_model: Any
+    run: Callable[[], Any]
+    first: PatchReport  # the plain patch's report: its reasons for what it left stock
+    sites: list[_Site]
+    devices: set[torch.device]  # the CUDA devices of the model's parameters
+    filter_fn: Callable[[nn.Module, str], bool] | None
+    options: dict  # patch's other arguments
+    warmup: int
+    repeats: int
+    min_speedup: float
+    graph: bool
+
+    def patch_only(self, kept: set[SiteKey]) -> PatchReport:
+        """Patch the ``kept`` sites, and nothing else."""
+        return patch(self.pipe_or_model, filter_fn=_keeping(self.sites, kept, self.filter_fn), **self.options)
+
+    def finish(self, kept: set[SiteKey], why: dict[SiteKey, str]) -> PatchReport:
+        """The stock model patched at the ``kept`` sites; its report lists the others with ``why``."""
+        report = self.patch_only(kept) if kept else self.first
+        return _final_report(report, self.first, self.sites, kept, why)
+
+
 def _faster(fused_s: float, stock_s: float, min_speedup: float) -> bool:
     return fused_s * min_speedup < stock_s
 
 
-def _tune(
-    pipe_or_model: Any,
-    run: Callable[[], Any],
-    first: PatchReport,
-    filter_fn: Callable[[nn.Module, str], bool] | None,
-    options: dict,
-    warmup: int,
-    repeats: int,
-    min_speedup: float,
-    rounds: int,
-    graph: bool,
-) -> PatchReport:
-    sites = _sites(pipe_or_model)
-    devices = _cuda_devices(pipe_or_model)
+def _tune(job: _Job, rounds: int) -> PatchReport:
+    pipe_or_model, sites, min_speedup, graph = job.pipe_or_model, job.sites, job.min_speedup, job.graph
     whole: frozenset[SiteKey] = frozenset()
     timers: set[str] = set()
 
     def timed() -> Measurement:
         targets = _current_targets(pipe_or_model, sites)
         result = (measure_graphed if graph else measure)(
-            run, targets, devices, warmup=warmup, repeats=repeats, whole=whole
+            job.run, targets, job.devices, warmup=job.warmup, repeats=job.repeats, whole=whole
         )
         timers.update(name for name, used in (("CUDA events", result.cuda), ("time.perf_counter", result.cpu)) if used)
         return result
@@ -412,9 +421,8 @@ def _tune(
             why[key] = f"tune: measured only within {_where(parent)}'s fused forward, which was no faster (rounds=1)"
     tuned_ms: dict[SiteKey, float | None] = {}
     measured_rounds = 1
-    report = first
     while kept:
-        report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options)
+        job.patch_only(kept)
         final = timed()
         measured_rounds += 1
         for key in kept:
@@ -449,20 +457,16 @@ def _tune(
                 else:
                     notes[key] = f"measured on its own, {_where(parent)} being stock"
         unpatch(pipe_or_model)
-    if not kept:
-        report = first  # the patches the rounds made were undone
     for key in kept:
         if tuned_ms.get(key) is not None and not _faster(tuned_ms[key] / 1e3, stock.site_s[key], min_speedup):
             notes[key] = "kept: faster in an earlier round; the last (tuned) measurement checks nothing"
     stock_s = tuned_s = stock.wall_s
     left_stock = False
     if kept:  # the whole call, without hooks: tuned (warm from the last measurement), then stock
-        tuned_s = wall_time(run, devices, warmup=1 if graph else 0, repeats=repeats, graph=graph)
+        tuned_s = wall_time(job.run, job.devices, warmup=1 if graph else 0, repeats=job.repeats, graph=graph)
         unpatch(pipe_or_model)
-        stock_s = wall_time(run, devices, warmup=warmup, repeats=repeats, graph=graph)
-        if tuned_s < stock_s:
-            report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options)
-        else:
+        stock_s = wall_time(job.run, job.devices, warmup=job.warmup, repeats=job.repeats, graph=graph)
+        if not tuned_s < stock_s:
             left_stock = True
             whole_call = (
                 f"tune: the tuned model took {tuned_s * 1e3:.3f} ms per run() call against {stock_s * 1e3:.3f} ms "
@@ -470,12 +474,11 @@ def _tune(
             )
             why.update(dict.fromkeys(kept, whole_call))
             kept = set()
-            report = first
-    report = _final_report(report, first, sites, kept, why)
+    report = job.finish(kept, why)
     report.tuning = Tuning(
         timer=" and ".join(sorted(timers)) + (" in a CUDA graph" if graph else "") if timers else "none",
-        warmup=warmup,
-        repeats=repeats,
+        warmup=job.warmup,
+        repeats=job.repeats,
         min_speedup=min_speedup,
         rounds=measured_rounds,
         stock_ms=stock_s * 1e3,
@@ -506,7 +509,7 @@ def _keeping(
     """A ``patch`` filter_fn that lets through the kept sites and what their rules fuse, and nothing else (with
     a site left stock, a rule that its rule had claimed a module from could match that module: an unmeasured site).
     """
-    allowed = {id(m) for s in sites if s.key in kept for m in (s.module, *(t for _, t in s.touched))}
+    allowed = {id(m) for s in sites if s.key in kept for m in (s.module, *s.touched)}
 
     def keep(module: nn.Module, qualified: str) -> bool:
         return id(module) in allowed and (filter_fn is None or filter_fn(module, qualified))

@@ -11,15 +11,11 @@ backward, optimizer step, whatever ``run()`` does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from torch import nn
-
-from .core import patch, unpatch
+from .core import unpatch
 from .report import PatchReport
-from .tune import SiteTiming, Tuning, _cuda_devices, _final_report, _keeping, _read_touched, _Site, _sites
+from .tune import SiteTiming, Tuning, _Job, _read_touched, _Site
 from .tune_timer import SiteKey, wall_time
 
 
@@ -33,19 +29,8 @@ class GroupTiming:
     kept: bool
 
 
-def tune_by_rule(
-    pipe_or_model: Any,
-    run: Callable[[], Any],
-    first: PatchReport,
-    filter_fn: Callable[[nn.Module, str], bool] | None,
-    options: dict,
-    warmup: int,
-    repeats: int,
-    min_speedup: float,
-    graph: bool,
-) -> PatchReport:
-    sites = _sites(pipe_or_model)
-    devices = _cuda_devices(pipe_or_model)
+def tune_by_rule(job: _Job) -> PatchReport:
+    pipe_or_model, sites, min_speedup, graph = job.pipe_or_model, job.sites, job.min_speedup, job.graph
     unpatch(pipe_or_model)
     _read_touched(sites)
     groups: dict[str, list[_Site]] = {}
@@ -56,10 +41,10 @@ def tune_by_rule(
     def call_with(keys: set[SiteKey]) -> float:
         nonlocal measured
         if keys:
-            patch(pipe_or_model, filter_fn=_keeping(sites, keys, filter_fn), **options)
+            job.patch_only(keys)
             measured += 1
         try:
-            return wall_time(run, devices, warmup=warmup, repeats=repeats, graph=graph)
+            return wall_time(job.run, job.devices, warmup=job.warmup, repeats=job.repeats, graph=graph)
         finally:
             if keys:
                 unpatch(pipe_or_model)
@@ -90,12 +75,11 @@ def tune_by_rule(
             reason = f"tune: {with_only} against {stock_s * 1e3:.3f} ms stock: no faster"
         why.update((s.key, reason) for s in members)
     kept = {s.key for name in chosen for s in groups[name]}
-    report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options) if kept else first
-    report = _final_report(report, first, sites, kept, why)
+    report = job.finish(kept, why)
     report.tuning = Tuning(
         timer="whole run() calls, a configuration per rule" + (" in a CUDA graph" if graph else ""),
-        warmup=warmup,
-        repeats=repeats,
+        warmup=job.warmup,
+        repeats=job.repeats,
         min_speedup=min_speedup,
         rounds=measured,
         stock_ms=stock_s * 1e3,
