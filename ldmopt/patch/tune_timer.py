@@ -66,10 +66,7 @@ class SiteTimer:
     def _stamp(self, device: torch.device) -> Any:
         if device.type == "cuda":
             self.cuda_devices.add(device)
-            if self.in_graph:
-                event = torch.cuda.Event(enable_timing=True, external=True)
-            else:
-                event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True, external=self.in_graph)
             event.record(torch.cuda.current_stream(device))
             return event
         self.cpu_stamps = True
