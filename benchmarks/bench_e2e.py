@@ -77,7 +77,7 @@ def _provider(model, inputs, provider: str, name: str = ""):
         note = (
             f"tuned: {len(tuning.kept)} of {len(tuning.sites)} sites kept; tune measured {tuning.stock_ms:.2f} ms "
             f"stock, {tuning.all_patched_ms:.2f} all patched, {tuning.tuned_ms:.2f} tuned; kept per rule: "
-            + ", ".join(f"{rule} {kept}/{total}" for rule, (kept, total) in tuning.kept_per_rule().items())
+            f"{tuning.kept_per_rule_text()}"
         )
         harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         path = harness.RESULTS_DIR / f"e2e_tuning_{name or 'model'}{'-graph' if graph else ''}.txt"

@@ -104,6 +104,10 @@ class Tuning:
             out["+".join(s.rules)] = (kept + s.kept, total + 1)
         return dict(sorted(out.items()))
 
+    def kept_per_rule_text(self) -> str:
+        """:meth:`kept_per_rule` as "rules kept/sites, ..."."""
+        return ", ".join(f"{rule} {kept}/{total}" for rule, (kept, total) in self.kept_per_rule().items())
+
     def __str__(self) -> str:
         if not self.sites:
             return "ldmopt.tune: patch fuses no module of this model: nothing to tune"
@@ -113,8 +117,7 @@ class Tuning:
             f"{self.all_patched_ms:.3f} ms with every site patched, {self.tuned_ms:.3f} ms tuned "
             f"({_ratio(self.stock_ms, self.tuned_ms)}); {len(self.kept)} of {len(self.sites)} sites kept"
         )
-        per_rule = ", ".join(f"{rule} {kept}/{total}" for rule, (kept, total) in self.kept_per_rule().items())
-        lines = [head, f"  kept per rule: {per_rule}"]
+        lines = [head, f"  kept per rule: {self.kept_per_rule_text()}"]
         if self.left_stock:
             lines.append("  the tuned model was no faster than stock as a whole: every site left stock")
         if self.groups:
