@@ -2,9 +2,10 @@
 
 Providers per model: diffusers eager (SDPA, channels-last), ldmopt.patch, ldmopt.tune (patched only where each
 module's fused forward measured faster on this GPU, the step itself as tune's run(); its per-site table is written
-to results/e2e_tuning_<model>.txt; ``ldmopt-tuned-graph``: timed as CUDA graph replays, the choice for a captured
-model, whose ``+graph`` row is the one to read), torch.compile(max-autotune) and ldmopt.patch + torch.compile; each
-is also timed captured as a CUDA graph (``<provider>+graph`` rows: the step without any host overhead). Figures: ms
+to results/e2e_tuning_<model>.txt, and its choice, for ``ldmopt.patch_tuned``, to .choice.json beside it;
+``ldmopt-tuned-graph``: timed as CUDA graph replays, the choice for a captured model, whose ``+graph`` row is the one
+to read), torch.compile(max-autotune) and ldmopt.patch + torch.compile; each is also timed captured as a CUDA graph
+(``<provider>+graph`` rows: the step without any host overhead). Figures: ms
 per step, it/s, peak memory, and the operator-category split before and after patching from ldmopt.profile
 (written to results/e2e_categories.json and plotted). On CPU the GPU benchmarks skip and
 `test_analytic_projection_cpu` checks the analytic model of the same settings instead.
@@ -80,8 +81,9 @@ def _provider(model, inputs, provider: str, name: str = ""):
             f"{tuning.kept_per_rule_text()}"
         )
         harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        path = harness.RESULTS_DIR / f"e2e_tuning_{name or 'model'}{'-graph' if graph else ''}.txt"
-        path.write_text(str(tuning) + "\n")
+        stem = f"e2e_tuning_{name or 'model'}{'-graph' if graph else ''}"
+        (harness.RESULTS_DIR / f"{stem}.txt").write_text(str(tuning) + "\n")
+        tuning.save(harness.RESULTS_DIR / f"{stem}.choice.json")  # ldmopt.patch_tuned applies it on this GPU again
     else:
         note = ""
     if not provider.endswith("compile"):

@@ -23,6 +23,7 @@ _LAZY = {
     "configs": ("ldmopt.configs", None),
     "unpatch": ("ldmopt.patch", "unpatch"),
     "tune": ("ldmopt.patch", "tune"),
+    "patch_tuned": ("ldmopt.patch", "patch_tuned"),
     "is_patched": ("ldmopt.patch", "is_patched"),
     "profile": ("ldmopt.profiler", "profile"),
     "analyze": ("ldmopt.profiler", "analyze"),

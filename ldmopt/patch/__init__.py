@@ -80,8 +80,19 @@ import types
 from .core import FAMILIES, PatchError, is_patched, patch, rule_table, unpatch
 from .report import PatchReport
 from .tune import tune
+from .tune_choice import patch_tuned
 
-__all__ = ["FAMILIES", "PatchError", "PatchReport", "is_patched", "patch", "rule_table", "tune", "unpatch"]
+__all__ = [
+    "FAMILIES",
+    "PatchError",
+    "PatchReport",
+    "is_patched",
+    "patch",
+    "patch_tuned",
+    "rule_table",
+    "tune",
+    "unpatch",
+]
 
 
 class _CallablePackage(types.ModuleType):

@@ -43,6 +43,12 @@ def configure_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--families", default=None, help="comma list of ldmopt.patch families (default: all)")
     parser.add_argument("--report", action="store_true", help="also print the whole patch report")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the tuning table as JSON ('-': stdout)")
+    parser.add_argument(
+        "--save-choice",
+        metavar="PATH",
+        default=None,
+        help="write what was kept as JSON, for ldmopt.patch_tuned(model, PATH) on the same model without measuring",
+    )
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -85,5 +91,7 @@ def run_tune(args: argparse.Namespace) -> int:
         print(report if args.report else report.tuning)
     if args.json:
         _write_json({"model": args.model, **setting, **dataclasses.asdict(report.tuning)}, args.json)
+    if args.save_choice:
+        report.tuning.save(args.save_choice)
     ldmopt.unpatch(model)
     return 0

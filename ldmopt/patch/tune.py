@@ -19,9 +19,11 @@ step slower and a video step faster. ``tune`` measures instead of guessing, on t
 The model ends patched with the kept sites (or stock). The returned :class:`PatchReport` lists every rejected site
 among the modules left on the stock path, with the times that decided it; ``report.tuning`` has the table. Sites
 ``run()`` never called are not measured and stay stock. Rounds only drop sites: a site rejected because work that
-pays off in a neighbour (statistics for the next GroupNorm) is charged to it is not tried again. Forward time only:
-for training, patch with ``training=True`` and time the step yourself. CUDA graphs remove host time, which is most of
-what small fused calls lose in eager mode: a captured model may gain from sites tune rejects here.
+pays off in a neighbour (statistics for the next GroupNorm) is charged to it is not tried again. Per-site timing sees
+forward passes only: ``training=True`` times whole training steps rule by rule instead (tune_rules.py). CUDA graphs
+remove host time, which is most of what small fused calls lose in eager mode: a captured model may gain from sites
+tune rejects here (``cuda_graph=True``). ``report.tuning.choice()`` keeps the decision, and
+:func:`ldmopt.patch_tuned` applies it to an identical model without measuring (tune_choice.py).
 """
 
 from __future__ import annotations
@@ -91,6 +93,24 @@ class Tuning:
     sites: list[SiteTiming] = field(default_factory=list)
     #: by="rule": each group of sites with the same rules, timed patched alone (tune_rules.GroupTiming)
     groups: list[Any] = field(default_factory=list)
+    #: what tune patched with (patch's families and training arguments) and where it measured (tune_choice)
+    families: tuple[str, ...] | None = None
+    training: bool = False
+    measured_on: dict[str, Any] = field(default_factory=dict)
+
+    def choice(self) -> dict[str, Any]:
+        """The decision as plain JSON-ready data, for :func:`ldmopt.patch_tuned` on an identical model (another
+        process, every rank of a data-parallel run) without measuring again: the sites kept and left stock, with
+        their rules and reasons, the patch options, and where it was measured."""
+        from .tune_choice import make_choice
+
+        return make_choice(self, self.measured_on)
+
+    def save(self, path: Any) -> Any:
+        """Write :meth:`choice` as JSON to ``path``; returns the path (a ``pathlib.Path``)."""
+        from .tune_choice import save
+
+        return save(self.choice(), path)
 
     @property
     def kept(self) -> list[SiteTiming]:
@@ -328,6 +348,11 @@ def tune(
         except Exception as error:  # the caller's exception is the one to see
             warnings.warn(f"ldmopt.tune failed and could not unpatch the model: {error}", RuntimeWarning, stacklevel=2)
         raise
+    from .tune_choice import measured_on
+
+    report.tuning.families = families
+    report.tuning.training = bool(training)
+    report.tuning.measured_on = measured_on(gpus)
     report.count_from_now()  # what ran since patch: from here on, not tune's own calls
     return report
 

@@ -567,14 +567,18 @@ def test_cli_tunes_a_zoo_model(tmp_path, capsys):
 
     from ldmopt.cli import main
 
-    path = tmp_path / "out" / "tuning.json"
+    path, choice = tmp_path / "out" / "tuning.json", tmp_path / "choice.json"
+    argv = ["tune", "sd15", "--tiny", "--warmup", "1", "--repeats", "1", "--json", str(path)]
     with ldmopt.use_backend("torch"):
-        assert main(["tune", "sd15", "--tiny", "--warmup", "1", "--repeats", "1", "--json", str(path)]) == 0
+        assert main([*argv, "--save-choice", str(choice)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("ldmopt.tune (time.perf_counter; median of 1 calls after 1 warm-up")
     data = json.loads(path.read_text())
     assert data["model"] == "sd15" and data["timer"] == "time.perf_counter" and data["sites"]
     assert {"resnet", "residual_block"} <= {rule for site in data["sites"] for rule in site["rules"]}
+    saved = json.loads(choice.read_text())
+    assert saved["format"] == "ldmopt.tune choice" and len(saved["sites"]) == len(data["sites"])
+    assert [s["kept"] for s in saved["sites"]] == [s["kept"] for s in data["sites"]]
     assert main(["tune", "sd15", "--tiny", "--min-speedup", "0"]) == 2
     assert capsys.readouterr().err.startswith("ldmopt.tune: min_speedup=0.0 is not supported")
 
@@ -705,6 +709,7 @@ def test_tune_in_cuda_graph_mode(monkeypatch):
     monkeypatch.setattr(tune_module, "_cuda_devices", lambda pipe: {torch.device("cuda", 0)})
     report = ldmopt.tune(unet, _run(unet), cuda_graph=True)
     assert graphed == [True, True] and report.tuning.timer.endswith(" in a CUDA graph")
+    assert report.tuning.choice()["measured_on"]["device"] == "cuda:0"  # no GPU to name here
     assert {s.rules for s in report.tuning.kept} == {("resnet",)}
     ldmopt.unpatch(unet)
 

@@ -1,0 +1,222 @@
+"""What ``ldmopt.tune`` chose, kept as JSON and applied again without measuring: ``ldmopt.patch_tuned``.
+
+Tuning calls the model dozens of times. A service that restarts, a second process of the same job, or every rank of
+a data-parallel run needs the same decision, not a new measurement (the ranks must agree: different patches on
+different ranks are different kernels and different rounding). So ``report.tuning.choice()`` returns the decision as
+plain data (the sites kept and left stock, with the rules each had and why, and where it was measured), ``Tuning.save``
+writes it, and ``patch_tuned(pipe, choice)`` patches exactly the kept sites of an identical model. The choice names
+sites by their module names: a model whose patch finds other sites (another architecture, another ldmopt version)
+is refused, never patched halfway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .core import PatchError, _models_of, is_patched, patch, unpatch
+from .report import PatchReport
+from .tune import Tuning, _final_report, _keeping, _read_touched, _sites, _where
+
+FORMAT = "ldmopt.tune choice"
+VERSION = 1
+
+
+def make_choice(tuning: Any, measured_on: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-ready decision of ``tuning`` (a :class:`ldmopt.patch.tune.Tuning`)."""
+    families = None if tuning.families is None else list(tuning.families)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "families": families,
+        "training": bool(tuning.training),
+        "measured_on": dict(measured_on),
+        "timer": tuning.timer,
+        "stock_ms": tuning.stock_ms,
+        "tuned_ms": tuning.tuned_ms,
+        "sites": [
+            {"model": s.model, "name": s.name, "rules": list(s.rules), "kept": bool(s.kept), "why": s.why}
+            for s in tuning.sites
+        ],
+    }
+
+
+def measured_on(devices: set) -> dict[str, Any]:
+    """Where a tuning ran: the GPU's name (or "cpu"), library versions and the date."""
+    import importlib.metadata
+
+    import torch
+
+    from .. import __version__
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    def name(device) -> str:
+        try:
+            return torch.cuda.get_device_name(device)
+        except (RuntimeError, AssertionError):  # not queryable here: the device as torch names it
+            return str(device)
+
+    names = sorted({name(d) for d in devices}) if devices else ["cpu"]
+    return {
+        "device": ", ".join(names),
+        "torch": torch.__version__,
+        "triton": version("triton"),
+        "ldmopt": __version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def save(choice: dict[str, Any], path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(choice, indent=2) + "\n")
+    return path
+
+
+def load(source: Any) -> dict[str, Any]:
+    """A choice from a Tuning, a PatchReport of ``tune``, a dict, or the path of a saved one; checked."""
+    if isinstance(source, PatchReport):
+        if source.tuning is None:
+            raise ValueError("ldmopt.patch_tuned: choice is the report of ldmopt.patch, not of ldmopt.tune")
+        source = source.tuning
+    if isinstance(source, Tuning):
+        return source.choice()
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            source = json.loads(Path(source).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"ldmopt.patch_tuned: choice={str(source)!r} could not be read: {error}") from None
+    if not isinstance(source, dict):
+        raise TypeError(
+            "ldmopt.patch_tuned: choice must be a Tuning, the report of ldmopt.tune, a dict from Tuning.choice() or "
+            f"the path of a saved one, got {type(source).__name__}"
+        )
+    if source.get("format") != FORMAT or source.get("version") != VERSION:
+        raise ValueError(
+            f"ldmopt.patch_tuned: choice has format={source.get('format')!r} version={source.get('version')!r}; "
+            f"supported: format={FORMAT!r} version={VERSION} (from Tuning.choice())"
+        )
+    sites = source.get("sites")
+    if not isinstance(sites, list) or not all(_is_site(s) for s in sites):
+        raise ValueError(
+            "ldmopt.patch_tuned: choice['sites'] must be a list of {'model': str, 'name': str, 'rules': [str], "
+            "'kept': bool, 'why': str}"
+        )
+    return source
+
+
+def _is_site(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("model"), str)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("rules"), list)
+        and all(isinstance(r, str) for r in entry["rules"])
+        and isinstance(entry.get("kept"), bool)
+    )
+
+
+def patch_tuned(
+    pipe_or_model: Any,
+    choice: Any,
+    *,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    channels_last_weights: bool | None = None,
+) -> PatchReport:
+    """Patch ``pipe_or_model`` where ``choice`` (what an earlier :func:`ldmopt.tune` kept) says, without measuring.
+
+    Args:
+        pipe_or_model: the model tuned, or an identical one (same architecture and ldmopt version: another process,
+            another rank), unpatched.
+        choice: ``report.tuning`` or the report of ``tune``, ``report.tuning.choice()``, or the path of the JSON
+            that ``report.tuning.save(path)`` wrote.
+        filter_fn, channels_last_weights: as for :func:`ldmopt.patch`; the choice's families and ``training``
+            setting are the ones tune patched with.
+
+    The model is patched at the kept sites, as the tuned one ended; the report lists every other site with the reason
+    tune recorded. A choice made for a pipeline applies to one of its models alone when it names sites of that model
+    only. Raises :class:`PatchError` when the model is already patched, or when this model's patch finds sites other
+    than those of the choice (another model, or a version of ldmopt that patches it differently; tune it again).
+    The choice says where it was measured (``choice['measured_on']``); on another GPU, other sites may pay.
+    """
+    choice = load(choice)
+    if is_patched(pipe_or_model):
+        raise PatchError("ldmopt.patch_tuned: the model is already patched (ldmopt.unpatch first)")
+    options = dict(
+        families=choice["families"], training=choice["training"], channels_last_weights=channels_last_weights
+    )
+    # The sites are compared without the caller's filter_fn (it may leave some of them stock; those are listed as
+    # excluded by the user, not as a mismatch).
+    first = patch(pipe_or_model, **options)
+    try:
+        sites = _sites(pipe_or_model)
+        labels = {label for label, _ in _models_of(pipe_or_model, for_patch=False)}
+        wanted = _relabelled(choice["sites"], labels)
+        found = {s.key: tuple(rule for rule, _ in s.rules) for s in sites}
+        recorded = {(e["model"], e["name"]): tuple(e["rules"]) for e in wanted}
+        if found != recorded:
+            raise PatchError(f"ldmopt.patch_tuned: {_mismatch(found, recorded, _where)}")
+        unpatch(pipe_or_model)
+        kept = {key for key, entry in zip(recorded, wanted) if entry["kept"]}
+        why = {
+            (e["model"], e["name"]): e.get("why") or "left stock by the tuning choice" for e in wanted if not e["kept"]
+        }
+        excluded: set = set()
+        if filter_fn is not None:  # the kept sites the caller's filter leaves stock (it may also exclude a child)
+            patch(pipe_or_model, filter_fn=filter_fn, **options)
+            excluded = kept - {s.key for s in _sites(pipe_or_model)}
+            unpatch(pipe_or_model)
+            kept -= excluded
+            why.update(dict.fromkeys(excluded, "excluded by filter_fn (the tuning choice kept it)"))
+        _read_touched(sites)
+        report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options) if kept else first
+    except BaseException:
+        if is_patched(pipe_or_model):
+            unpatch(pipe_or_model)
+        raise
+    report = _final_report(report, first, sites, kept, why)
+    report.skipped = [
+        dataclasses.replace(s, by_user=True) if (s.model, s.name) in excluded else s for s in report.skipped
+    ]
+    return report
+
+
+def _relabelled(entries: list[dict], labels: set[str]) -> list[dict]:
+    """The choice's sites, with its one model's label replaced by the target's when both hold one model (a choice
+    made on ``pipe`` applied to ``pipe.unet`` or the reverse)."""
+    chosen = {e["model"] for e in entries}
+    if len(chosen) == 1 and len(labels) == 1 and chosen != labels:
+        (label,) = labels
+        return [{**e, "model": label} for e in entries]
+    return entries
+
+
+def _mismatch(found: dict, recorded: dict, where: Callable) -> str:
+    def listed(keys: set, limit: int = 5) -> str:
+        names = sorted(where(k) for k in keys)
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        return ", ".join(names[:limit]) + more
+
+    parts = []
+    if missing := set(recorded) - set(found):
+        parts.append(f"the choice names {len(missing)} site(s) this model's patch does not find ({listed(missing)})")
+    if extra := set(found) - set(recorded):
+        parts.append(f"this model's patch finds {len(extra)} site(s) the choice does not name ({listed(extra)})")
+    if changed := {k for k in set(found) & set(recorded) if found[k] != recorded[k]}:
+        parts.append(f"{len(changed)} site(s) have other rules now ({listed(changed)})")
+    return (
+        "; ".join(parts) + ". The choice was made for another model, or another version of ldmopt patches this one "
+        "differently: tune it again (ldmopt.tune)"
+    )
