@@ -246,6 +246,40 @@ def restore_optimization(state: dict, args, given: set[str] | None, is_main: boo
             ema.load_state_dict(state["ema"])
 
 
+def tune_patch(model: torch.nn.Module, step: Callable[[], None], info: DistInfo, choice_path: str | None,
+               save_to: Path):  # fmt: skip
+    """Patch ``model`` with the fused rules that make ``step`` (a training step) faster, on every rank alike.
+
+    With ``choice_path``, a saved choice (``ldmopt.patch_tuned``) is applied without measuring. Otherwise every rank
+    times the step with and without each rule (``ldmopt.tune(training=True)``, on its own GPU, at the same time) and
+    rank 0's choice is applied everywhere: ranks that patch differently would run different kernels on the same
+    replica. Rank 0 saves the choice to ``save_to``. Returns the rank's PatchReport.
+    """
+    import ldmopt
+
+    if choice_path:
+        return ldmopt.patch_tuned(model, choice_path)
+    devices = [info.device] if info.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the measured steps draw no numbers the training would
+        report = ldmopt.tune(model, step, training=True)
+    if info.world_size > 1:
+        shared = [report.tuning.choice() if info.is_main else None]
+        dist.broadcast_object_list(shared, src=0, device=info.device if info.device.type == "cuda" else None)
+        if _kept_sites(shared[0]) != _kept_sites(report.tuning.choice()):
+            tuning = report.tuning
+            ldmopt.unpatch(model)
+            report = ldmopt.patch_tuned(model, shared[0])
+            report.tuning = tuning  # this rank's measurements, though rank 0's choice is patched
+            print(f"rank {info.rank}: applied rank 0's tuning choice in place of its own", flush=True)
+    if info.is_main:
+        report.tuning.save(save_to)
+    return report
+
+
+def _kept_sites(choice: dict) -> list[tuple[str, str]]:
+    return sorted((s["model"], s["name"]) for s in choice["sites"] if s["kept"])
+
+
 def describe_first_step(report, device: torch.device) -> None:
     """What ldmopt ran in the first training step (``report``: ldmopt.patch's), printed once by rank 0."""
     print(f"ldmopt backends in the first step: {report.backends()}", flush=True)

@@ -18,6 +18,11 @@ PixArt-alpha/Sigma, SD3, Flux (image models on coloured shapes) and AnimateDiff,
 
     python examples/train_ldm.py --model animatediff --frames 16 --resolution 256 --mixed-precision bf16
 
+``--tune`` patches only the fused rules that made a training step faster on this machine (``ldmopt.tune(...,
+training=True)``: a few dozen forward and backward passes on one micro-batch, timed before training, the model's
+weights untouched); under torchrun every rank measures and rank 0's choice is applied on all of them. The choice is
+saved to ``OUTPUT_DIR/tune_choice.json``; ``--tune-choice PATH`` applies a saved one without measuring.
+
 ``--batch-size`` is the global batch (split over processes and ``--grad-accum`` micro-steps). Noise, timesteps and
 label drops are drawn per sample from (seed, epoch, index), so a checkpoint resumes exactly on the same number of
 processes and continues with the same loss (up to float summation order) on a different number.
@@ -97,6 +102,7 @@ from _train_utils import (
     seed_everything,
     set_aside_newer_checkpoints,
     set_rng_state,
+    tune_patch,
 )
 
 # Resume: arguments that define the run (a checkpoint cannot continue with other values) and arguments that belong to
@@ -124,6 +130,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="zoo models (and a zoo --vae): the tiny variant (ldmopt.configs.tiny_config)")  # fmt: skip
     g.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                    help="ldmopt.patch(model, training=True) (default: on)")  # fmt: skip
+    g.add_argument("--tune", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --fused: patch only the rules whose fused layers made a training step faster on\n"
+                        "this machine (ldmopt.tune(training=True): a few dozen steps timed before training;\n"
+                        "under torchrun rank 0's choice is applied on every rank); saved to\n"
+                        "OUTPUT_DIR/tune_choice.json")  # fmt: skip
+    g.add_argument("--tune-choice", default=None, metavar="PATH",
+                   help="with --fused: patch as a saved tuning choice says (tune_choice.json of a --tune run, or\n"
+                        "`ldmopt tune --save-choice`), without measuring")  # fmt: skip
     g.add_argument("--backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
                    help="force one ldmopt backend for the fused ops (default: automatic choice)")  # fmt: skip
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
@@ -268,6 +282,10 @@ def _check_args(args: argparse.Namespace, info: DistInfo) -> int:
         value = getattr(args, name)
         if value is not None and not value >= 0:
             raise SystemExit(f"{_flag(name)} must be >= 0, got {value}")
+    if (args.tune or args.tune_choice) and not args.fused:
+        raise SystemExit(f"{'--tune' if args.tune else '--tune-choice'} chooses what --fused patches; it needs --fused")
+    if args.tune and args.tune_choice:
+        raise SystemExit("--tune measures a choice and --tune-choice applies a saved one: give one of them")
     if not 0 <= args.ema_decay < 1:
         raise SystemExit(f"--ema-decay must be in [0, 1), got {args.ema_decay} (0 disables the EMA)")
     if not 0 <= args.cond_drop <= 1:
@@ -387,7 +405,8 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     if state is not None:
         denoiser.load_state_dict(state["model"])
     report = None
-    if args.fused:
+    tuned = args.fused and bool(args.tune or args.tune_choice)  # patched below, on the device, before DDP
+    if args.fused and not tuned:
         import ldmopt
 
         report = ldmopt.patch(denoiser.model, training=True)
@@ -417,17 +436,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=amp_dtype)
 
-    ddp = None
-    model: torch.nn.Module = denoiser
-    if info.world_size > 1:
-        # Every parameter gets a gradient on the fused path too (ldmopt ties the ones its shortcuts skip to the graph
-        # with zero gradients), so DDP needs no find_unused_parameters.
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(denoiser, device_ids=ids)
-        model = ddp
-    if args.compile:
-        model = torch.compile(model)
-
+    model: torch.nn.Module = denoiser  # DDP-wrapped and compiled below, once the model is patched
     step = 0
     data_epoch, seen_in_epoch = 0, 0  # the epoch being read, and how many of its samples (all ranks) were trained on
     if state is not None:
@@ -465,7 +474,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     run_name = args.run_name or f"{args.model}-{'fused' if args.fused else 'stock'}"
     logger = MetricLogger(args.report_to, out_dir, vars(args), is_main, run_name)
 
-    def compute_loss(batch: dict) -> torch.Tensor:
+    def compute_loss(batch: dict, net: torch.nn.Module | None = None) -> torch.Tensor:
         images = batch["image"].to(device, non_blocking=True)
         noise = batch["noise"].to(device, non_blocking=True)
         t = batch["timestep"].to(device, non_blocking=True)
@@ -476,7 +485,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         target = noise if args.prediction_type == "epsilon" else noise_scheduler.get_velocity(x0, noise, t)
         first = x0[:, 0] if denoiser.needs_first_frame else None
         with autocast():
-            pred = model(x_t, t, labels, first)
+            pred = (net or model)(x_t, t, labels, first)
         return F.mse_loss(pred.float(), target.float())
 
     def make_samples(at_step: int) -> None:
@@ -511,6 +520,28 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             "world_size": info.world_size, "batch_size": args.batch_size, "rng": rng, "args": vars(args),
         }  # fmt: skip
         save_checkpoint(checkpoint_path(out_dir, at_step), ckpt, args.keep_last)
+
+    if tuned:  # the model alone (no DDP hooks, not compiled), with a real micro-batch, the step's settings
+        from torch.utils.data import default_collate
+
+        tune_batch = default_collate([samples[(0, i)] for i in range(micro)])
+
+        def tune_step() -> None:
+            compute_loss(tune_batch, denoiser).backward()
+            denoiser.zero_grad(set_to_none=True)
+
+        report = tune_patch(denoiser.model, tune_step, info, args.tune_choice, out_dir / "tune_choice.json")
+        if is_main:
+            print(report, flush=True)
+    ddp = None
+    if info.world_size > 1:
+        # Every parameter gets a gradient on the fused path too (ldmopt ties the ones its shortcuts skip to the graph
+        # with zero gradients), so DDP needs no find_unused_parameters.
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(denoiser, device_ids=ids)
+        model = ddp
+    if args.compile:
+        model = torch.compile(model)
 
     # ---------------------------------------------------------------------------------------- loop
     from tqdm.auto import tqdm
@@ -589,12 +620,18 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
 
     # ---------------------------------------------------------------------------------------- wrap up
     digests = gather_objects(parameter_digest(denoiser), info)
+    patched = gather_objects(sorted(f"{r.name}:{r.rule}" for r in report.replaced) if report else [], info)
     summary = {
         "step": step, "world_size": info.world_size, "history": history, "param_digests": digests,
         "ranks_in_sync": len(set(digests)) == 1, "fused": args.fused,
+        "patched_in_sync": all(p == patched[0] for p in patched),
         "patch": None if report is None else {
             "patched": report.total, "backends": report.backends(), "fallbacks": report.fallbacks(),
             "layout_copies": report.layout_copies(),
+            "tuning": None if report.tuning is None else {
+                "kept": [s.where for s in report.tuning.kept], "sites": len(report.tuning.sites),
+                "stock_ms": report.tuning.stock_ms, "tuned_ms": report.tuning.tuned_ms,
+            },
         },
     }  # fmt: skip
     if is_main:
