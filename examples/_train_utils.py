@@ -246,34 +246,42 @@ def restore_optimization(state: dict, args, given: set[str] | None, is_main: boo
             ema.load_state_dict(state["ema"])
 
 
-def tune_patch(model: torch.nn.Module, step: Callable[[], None], info: DistInfo, choice_path: str | None,
-               save_to: Path):  # fmt: skip
-    """Patch ``model`` with the fused rules that make ``step`` (a training step) faster, on every rank alike.
+def tune_patch(model: torch.nn.Module, step: Callable[[], None], info: DistInfo, choice: str | dict | None,
+               save_to: Path) -> tuple[Any, dict]:  # fmt: skip
+    """Patch ``model`` with the fused rules that make ``step`` (a training step) faster, on every rank alike; returns
+    (the rank's PatchReport, the choice patched).
 
-    With ``choice_path``, a saved choice (``ldmopt.patch_tuned``) is applied without measuring. Otherwise every rank
-    times the step with and without each rule (``ldmopt.tune(training=True)``, on its own GPU, at the same time) and
-    rank 0's choice is applied everywhere: ranks that patch differently would run different kernels on the same
-    replica. Rank 0 saves the choice to ``save_to``. Returns the rank's PatchReport.
+    With ``choice`` (a saved choice's path, or the dict a checkpoint kept), ``ldmopt.patch_tuned`` applies it without
+    measuring. Otherwise every rank times the step with and without each rule (``ldmopt.tune(training=True)``, on
+    its own GPU, at the same time) and rank 0's choice is applied everywhere: ranks that patch differently would run
+    different kernels on the same replica. Rank 0 saves that choice to ``save_to``.
     """
     import ldmopt
 
-    if choice_path:
-        return ldmopt.patch_tuned(model, choice_path)
+    if choice is not None:
+        label = f"--tune-choice {choice}" if isinstance(choice, str) else "the checkpoint's tuning choice"
+        try:
+            loaded = json.loads(Path(choice).read_text()) if isinstance(choice, str) else choice
+            return ldmopt.patch_tuned(model, loaded, training=True), loaded
+        except (OSError, json.JSONDecodeError, ValueError, ldmopt.patch.PatchError) as error:
+            raise SystemExit(f"{label}: {error}") from None
     devices = [info.device] if info.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the measured steps draw no numbers the training would
         report = ldmopt.tune(model, step, training=True)
+    chosen = report.tuning.choice()
     if info.world_size > 1:
-        shared = [report.tuning.choice() if info.is_main else None]
+        shared = [chosen if info.is_main else None]
         dist.broadcast_object_list(shared, src=0, device=info.device if info.device.type == "cuda" else None)
-        if _kept_sites(shared[0]) != _kept_sites(report.tuning.choice()):
+        if _kept_sites(shared[0]) != _kept_sites(chosen):
             tuning = report.tuning
             ldmopt.unpatch(model)
-            report = ldmopt.patch_tuned(model, shared[0])
+            report = ldmopt.patch_tuned(model, shared[0], training=True)
             report.tuning = tuning  # this rank's measurements, though rank 0's choice is patched
             print(f"rank {info.rank}: applied rank 0's tuning choice in place of its own", flush=True)
-    if info.is_main:
+        chosen = shared[0]
+    if info.is_main:  # rank 0's own choice
         report.tuning.save(save_to)
-    return report
+    return report, chosen
 
 
 def _kept_sites(choice: dict) -> list[tuple[str, str]]:

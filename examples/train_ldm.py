@@ -21,7 +21,9 @@ PixArt-alpha/Sigma, SD3, Flux (image models on coloured shapes) and AnimateDiff,
 ``--tune`` patches only the fused rules that made a training step faster on this machine (``ldmopt.tune(...,
 training=True)``: a few dozen forward and backward passes on one micro-batch, timed before training, the model's
 weights untouched); under torchrun every rank measures and rank 0's choice is applied on all of them. The choice is
-saved to ``OUTPUT_DIR/tune_choice.json``; ``--tune-choice PATH`` applies a saved one without measuring.
+saved to ``OUTPUT_DIR/tune_choice.json`` and in every checkpoint; ``--tune-choice PATH`` applies a saved one without
+measuring, and a resumed run applies its checkpoint's (the same kernels, so an exact resume) unless ``--tune`` or
+``--tune-choice`` is given again.
 
 ``--batch-size`` is the global batch (split over processes and ``--grad-accum`` micro-steps). Noise, timesteps and
 label drops are drawn per sample from (seed, epoch, index), so a checkpoint resumes exactly on the same number of
@@ -136,8 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                         "under torchrun rank 0's choice is applied on every rank); saved to\n"
                         "OUTPUT_DIR/tune_choice.json")  # fmt: skip
     g.add_argument("--tune-choice", default=None, metavar="PATH",
-                   help="with --fused: patch as a saved tuning choice says (tune_choice.json of a --tune run, or\n"
-                        "`ldmopt tune --save-choice`), without measuring")  # fmt: skip
+                   help="with --fused: patch as a saved training choice says, without measuring (tune_choice.json\n"
+                        "of a --tune run, or report.tuning.save() after ldmopt.tune(..., training=True))")  # fmt: skip
     g.add_argument("--backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
                    help="force one ldmopt backend for the fused ops (default: automatic choice)")  # fmt: skip
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
@@ -301,6 +303,33 @@ def _check_args(args: argparse.Namespace, info: DistInfo) -> int:
     return args.batch_size // per_step
 
 
+def _tuning_choice(args: argparse.Namespace, state: dict | None, given: set[str] | None, is_main: bool):
+    """What --tune-choice or a resumed checkpoint says to patch (a path or a choice dict), or None: measure (--tune)
+    or patch everything. A checkpoint of a tuned run keeps the choice it trained with, and resuming applies it again
+    (the same kernels: an exact resume) unless --tune (measure again) or --tune-choice is given anew."""
+    given = set(vars(args)) if given is None else given
+    if not args.fused:  # what a checkpoint's run tuned with does not apply to an unfused resume
+        args.tune = args.tune if "tune" in given else False
+        args.tune_choice = args.tune_choice if "tune_choice" in given else None
+        return None  # a --tune or --tune-choice given now is refused in _check_args
+    if args.tune_choice and "tune_choice" in given:
+        if "tune" not in given:
+            args.tune = False  # a choice given now wins over an inherited --tune (both given: refused)
+        return args.tune_choice
+    saved = state.get("tune_choice") if state is not None else None
+    if saved is not None and "tune" not in given:
+        if is_main:
+            print("note: resuming with the tuning choice the checkpoint trained with (--tune measures again)",
+                  flush=True)  # fmt: skip
+        args.tune = False
+        return saved
+    return args.tune_choice or None
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # strict JSON has no NaN (tune of a model without sites)
+
+
 def _frames(args: argparse.Namespace, video: bool) -> int | None:
     if not video:
         if args.frames is not None:
@@ -358,6 +387,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     state = load_checkpoint(Path(resume_path)) if resume_path else None
     if state is not None:
         args = resume_args(args, state.get("args"), given, is_main, resume_path)
+    choice = _tuning_choice(args, state, given, is_main)
     micro = _check_args(args, info)
     channels_last = args.channels_last
     if device.type == "cuda":
@@ -405,7 +435,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     if state is not None:
         denoiser.load_state_dict(state["model"])
     report = None
-    tuned = args.fused and bool(args.tune or args.tune_choice)  # patched below, on the device, before DDP
+    tuned = args.fused and (args.tune or choice is not None)  # patched below, on the device, before DDP
     if args.fused and not tuned:
         import ldmopt
 
@@ -518,6 +548,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             "scaler": scaler.state_dict(), "step": at_step, "epoch": data_epoch,
             "samples_into_epoch": seen_in_epoch, "batches_into_epoch": seen_in_epoch // args.batch_size,
             "world_size": info.world_size, "batch_size": args.batch_size, "rng": rng, "args": vars(args),
+            "tune_choice": choice,
         }  # fmt: skip
         save_checkpoint(checkpoint_path(out_dir, at_step), ckpt, args.keep_last)
 
@@ -530,7 +561,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             compute_loss(tune_batch, denoiser).backward()
             denoiser.zero_grad(set_to_none=True)
 
-        report = tune_patch(denoiser.model, tune_step, info, args.tune_choice, out_dir / "tune_choice.json")
+        report, choice = tune_patch(denoiser.model, tune_step, info, choice, out_dir / "tune_choice.json")
         if is_main:
             print(report, flush=True)
     ddp = None
@@ -628,9 +659,10 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         "patch": None if report is None else {
             "patched": report.total, "backends": report.backends(), "fallbacks": report.fallbacks(),
             "layout_copies": report.layout_copies(),
+            "modules": patched[0],
             "tuning": None if report.tuning is None else {
                 "kept": [s.where for s in report.tuning.kept], "sites": len(report.tuning.sites),
-                "stock_ms": report.tuning.stock_ms, "tuned_ms": report.tuning.tuned_ms,
+                "stock_ms": _finite(report.tuning.stock_ms), "tuned_ms": _finite(report.tuning.tuned_ms),
             },
         },
     }  # fmt: skip

@@ -56,11 +56,15 @@ def _claimant(module: nn.Module) -> nn.Module | None:
     return ref() if ref is not None else None
 
 
+def _records_in(model: nn.Module) -> list[Any]:
+    """The patch records held anywhere in ``model``'s tree (each with the module whose patch call made it)."""
+    return [rec for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
+
+
 def _unrecorded_fused(model: nn.Module) -> list[nn.Module]:
     """Modules of ``model``'s tree in a fused class that neither a record in this tree nor the registry accounts
     for: part of a copy of a patched model (deepcopy, torch.save/load), whose records are with the copy's root."""
-    records = [rec for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
-    recorded = {id(t) for rec in records for t in rec.rule.touched(rec.site).values()}
+    recorded = {id(t) for rec in _records_in(model) for t in rec.rule.touched(rec.site).values()}
     return [
         m
         for m in model.modules()
@@ -275,7 +279,7 @@ def _generic_reasons(site: Site, touched: dict[str, nn.Module], shallow: set[str
 def _patches_at(owners: Iterable[nn.Module], modules: set[int]) -> int:
     """How many counted patches the ``owners``' records made at the modules with ids in ``modules`` (the sites, not
     the children the patches touched)."""
-    records = (rec for owner in owners for holder in owner.modules() for rec in holder.__dict__.get(_RECORDS, ()))
+    records = (rec for owner in owners for rec in _records_in(owner))
     # A class swap's site is the fused module; a child swap's is its parent, the modules it installed are the fused.
     return sum(
         rec.rule.counted
@@ -307,7 +311,7 @@ def _plan(
             if child is not None:
                 parents.setdefault(id(child), (m, attr))
     # Earlier patch calls (on this model or a submodule): their modules stay claimed, their (rule, module) done.
-    prior = [rec for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
+    prior = _records_in(model)
     report.already_patched += sum(rec.rule.counted and id(rec.site.module) not in earlier for rec in prior)
     # claimed: modules some rule fuses or replaces; inside: those fused into a module around them (never visited).
     claimed: set[int] = set()
@@ -466,7 +470,7 @@ def patch(
                 report._counters.extend(rule.counters(data))
             for rule, site in companion_actions(model):  # fuse nothing: not reported as patched modules
                 records.append(_Record(rule, site, rule.replace(site)))
-            earlier = [(rec.rule, rec.site) for m in model.modules() for rec in m.__dict__.get(_RECORDS, ())]
+            earlier = [(rec.rule, rec.site) for rec in _records_in(model)]
             layout, left = weight_layout_action(label, model, earlier + actions, filter_fn, wanted_layout)
             if layout is not None:
                 rule, site = layout
@@ -525,8 +529,7 @@ def unpatch(pipe_or_model: Any) -> int:
     problems = [
         problem
         for _, model in models
-        for m in model.modules()
-        for rec in m.__dict__.get(_RECORDS, ())
+        for rec in _records_in(model)
         for problem in rec.rule.changed_since_patch(rec.site, rec.data)
     ]
     if problems:
@@ -566,8 +569,7 @@ def _unrecorded_swaps(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]
     live patch elsewhere accounts for: part of a copy of a patched block (its record stayed with the original)."""
     recorded = {
         id(fused)
-        for m in model.modules()
-        for rec in m.__dict__.get(_RECORDS, ())
+        for rec in _records_in(model)
         if isinstance(rec.rule, ChildSwapRule)
         for _, fused in rec.data[1].values()
     }

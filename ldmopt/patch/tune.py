@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core import _RECORDS, PatchError, _models_of, is_patched, patch, unpatch
+from .core import PatchError, _models_of, _records_in, is_patched, patch, unpatch
 from .report import PatchReport, Skipped
 from .rule import ChildSwapRule
 from .tune_timer import Measurement, SiteKey, measure, measure_graphed, wall_time
@@ -96,6 +96,8 @@ class Tuning:
     #: what tune patched with (patch's families and training arguments) and where it measured (tune_choice)
     families: tuple[str, ...] | None = None
     training: bool = False
+    channels_last_weights: bool | None = None
+    filtered: bool = False  # a filter_fn decided which sites there were
     measured_on: dict[str, Any] = field(default_factory=dict)
 
     def choice(self) -> dict[str, Any]:
@@ -173,26 +175,23 @@ def _ratio(stock: float, other: float) -> str:
 def _sites(pipe_or_model: Any) -> list[_Site]:
     """The sites of the live patch on ``pipe_or_model``: modules with counted records, in walk order."""
     sites: dict[int, _Site] = {}
-    holders: set[int] = set()  # a component inside another is walked twice: its records count once
+    seen: set[int] = set()  # a component inside another is walked twice: its records count once
     for label, model in _models_of(pipe_or_model, for_patch=False):
         names = {id(m): n for n, m in model.named_modules()}
-        for holder in model.modules():
-            if id(holder) in holders:
+        for rec in _records_in(model):
+            if id(rec) in seen or not rec.rule.counted:
                 continue
-            holders.add(id(holder))
-            for rec in holder.__dict__.get(_RECORDS, ()):
-                if not rec.rule.counted:
-                    continue
-                site = sites.get(id(rec.site.module))
-                if site is None:
-                    site = sites[id(rec.site.module)] = _Site((label, rec.site.name), rec.site.module, [])
-                site.rules.append((rec.rule.name, rec.rule.family))
-                site.records.append((rec.rule, rec.site))
-                if isinstance(rec.rule, ChildSwapRule):  # the slots it swapped, named where they are now
-                    parent, swapped = rec.data
-                    site.targets += [".".join(p for p in (names[id(parent)], attr) if p) for attr in swapped]
-                else:
-                    site.targets.append(rec.site.name)
+            seen.add(id(rec))
+            site = sites.get(id(rec.site.module))
+            if site is None:
+                site = sites[id(rec.site.module)] = _Site((label, rec.site.name), rec.site.module, [])
+            site.rules.append((rec.rule.name, rec.rule.family))
+            site.records.append((rec.rule, rec.site))
+            if isinstance(rec.rule, ChildSwapRule):  # the slots it swapped, named where they are now
+                parent, swapped = rec.data
+                site.targets += [".".join(p for p in (names[id(parent)], attr) if p) for attr in swapped]
+            else:
+                site.targets.append(rec.site.name)
     for site in sites.values():
         # One rule that edits the site module itself: time the whole module. Only child swaps: time their slots.
         site.targets = [site.key[1]] if site.key[1] in site.targets else list(dict.fromkeys(site.targets))
@@ -350,8 +349,10 @@ def tune(
         raise
     from .tune_choice import measured_on
 
-    report.tuning.families = families
+    report.tuning.families = (families,) if isinstance(families, str) else families
     report.tuning.training = bool(training)
+    report.tuning.channels_last_weights = channels_last_weights
+    report.tuning.filtered = filter_fn is not None
     report.tuning.measured_on = measured_on(gpus)
     report.count_from_now()  # what ran since patch: from here on, not tune's own calls
     return report

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from .core import PatchError, _models_of, is_patched, patch, unpatch
+from .core import PatchError, is_patched, patch, unpatch
 from .report import PatchReport
 from .tune import Tuning, _final_report, _keeping, _read_touched, _sites, _where
 
@@ -31,21 +32,30 @@ VERSION = 1
 
 def make_choice(tuning: Any, measured_on: dict[str, Any]) -> dict[str, Any]:
     """The JSON-ready decision of ``tuning`` (a :class:`ldmopt.patch.tune.Tuning`)."""
-    families = None if tuning.families is None else list(tuning.families)
+    families = tuning.families
+    if families is not None:
+        families = [families] if isinstance(families, str) else list(families)
     return {
         "format": FORMAT,
         "version": VERSION,
         "families": families,
         "training": bool(tuning.training),
+        "channels_last_weights": tuning.channels_last_weights,
+        "filtered": bool(tuning.filtered),
         "measured_on": dict(measured_on),
         "timer": tuning.timer,
-        "stock_ms": tuning.stock_ms,
-        "tuned_ms": tuning.tuned_ms,
+        "stock_ms": _finite(tuning.stock_ms),
+        "tuned_ms": _finite(tuning.tuned_ms),
         "sites": [
             {"model": s.model, "name": s.name, "rules": list(s.rules), "kept": bool(s.kept), "why": s.why}
             for s in tuning.sites
         ],
     }
+
+
+def _finite(value: float) -> float | None:
+    """None for NaN/inf (nothing measured): strict JSON has no NaN."""
+    return value if math.isfinite(value) else None
 
 
 def measured_on(devices: set) -> dict[str, Any]:
@@ -81,7 +91,7 @@ def measured_on(devices: set) -> dict[str, Any]:
 def save(choice: dict[str, Any], path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(choice, indent=2) + "\n")
+    path.write_text(json.dumps(choice, indent=2, allow_nan=False) + "\n")
     return path
 
 
@@ -114,7 +124,23 @@ def load(source: Any) -> dict[str, Any]:
             "ldmopt.patch_tuned: choice['sites'] must be a list of {'model': str, 'name': str, 'rules': [str], "
             "'kept': bool, 'why': str}"
         )
-    return source
+    keys = [(s["model"], s["name"]) for s in sites]
+    if len(set(keys)) != len(keys):
+        twice = sorted({_where(k) for k in keys if keys.count(k) > 1})
+        raise ValueError(f"ldmopt.patch_tuned: choice['sites'] names {', '.join(twice[:5])} more than once")
+    families = source.get("families")
+    if families is not None and not (isinstance(families, list) and all(isinstance(f, str) for f in families)):
+        raise ValueError(f"ldmopt.patch_tuned: choice['families']={families!r}; expected null or a list of strings")
+    for flag in ("training", "filtered"):
+        if not isinstance(source.get(flag, False), bool):
+            raise ValueError(f"ldmopt.patch_tuned: choice[{flag!r}]={source[flag]!r}; expected true or false")
+    if source.get("channels_last_weights") not in (None, True, False):
+        raise ValueError(
+            f"ldmopt.patch_tuned: choice['channels_last_weights']={source['channels_last_weights']!r}; expected "
+            "null, true or false"
+        )
+    defaults = {"families": None, "training": False, "filtered": False, "channels_last_weights": None}
+    return {**defaults, **source}
 
 
 def _is_site(entry: Any) -> bool:
@@ -125,6 +151,7 @@ def _is_site(entry: Any) -> bool:
         and isinstance(entry.get("rules"), list)
         and all(isinstance(r, str) for r in entry["rules"])
         and isinstance(entry.get("kept"), bool)
+        and isinstance(entry.get("why", ""), str)
     )
 
 
@@ -134,6 +161,7 @@ def patch_tuned(
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     channels_last_weights: bool | None = None,
+    training: bool | None = None,
 ) -> PatchReport:
     """Patch ``pipe_or_model`` where ``choice`` (what an earlier :func:`ldmopt.tune` kept) says, without measuring.
 
@@ -142,39 +170,56 @@ def patch_tuned(
             another rank), unpatched.
         choice: ``report.tuning`` or the report of ``tune``, ``report.tuning.choice()``, or the path of the JSON
             that ``report.tuning.save(path)`` wrote.
-        filter_fn, channels_last_weights: as for :func:`ldmopt.patch`; the choice's families and ``training``
-            setting are the ones tune patched with.
+        filter_fn: as for :func:`ldmopt.patch`: leaves chosen sites stock. A choice made by a tune call with a
+            filter_fn needs the same filter_fn (it decided which sites there were).
+        channels_last_weights: as for :func:`ldmopt.patch`; None: as tune patched. The choice's families are the
+            ones tune patched with.
+        training: None patches as tune did; True or False checks that the choice was made for that use (a choice
+            timed on forward passes says nothing about a training step's backward) and raises PatchError if not.
 
     The model is patched at the kept sites, as the tuned one ended; the report lists every other site with the reason
-    tune recorded. A choice made for a pipeline applies to one of its models alone when it names sites of that model
-    only. Raises :class:`PatchError` when the model is already patched, or when this model's patch finds sites other
-    than those of the choice (another model, or a version of ldmopt that patches it differently; tune it again).
+    tune recorded. A choice made for a pipeline whose sites are all in one model applies to that model alone, and
+    the reverse. Raises :class:`PatchError` when the model is already patched, or when this model's patch finds
+    sites other than those of the choice (another model, or a version of ldmopt that patches it differently: tune
+    it again); the model is then left unpatched.
     The choice says where it was measured (``choice['measured_on']``); on another GPU, other sites may pay.
     """
     choice = load(choice)
     if is_patched(pipe_or_model):
         raise PatchError("ldmopt.patch_tuned: the model is already patched (ldmopt.unpatch first)")
-    options = dict(
-        families=choice["families"], training=choice["training"], channels_last_weights=channels_last_weights
-    )
-    # The sites are compared without the caller's filter_fn (it may leave some of them stock; those are listed as
-    # excluded by the user, not as a mismatch).
-    first = patch(pipe_or_model, **options)
+    if training is not None and bool(training) != choice["training"]:
+        made, wanted = ("training", "inference") if choice["training"] else ("inference", "training")
+        raise PatchError(
+            f"ldmopt.patch_tuned: training={training!r}, but the choice was made for {made} (tune's training="
+            f"{choice['training']}): tune for {wanted} (ldmopt.tune(..., training={not choice['training']}))"
+        )
+    filtered = choice["filtered"]
+    if filtered and filter_fn is None:
+        raise PatchError(
+            "ldmopt.patch_tuned: the choice was made by a tune call with a filter_fn, which decides the sites: pass "
+            "the same filter_fn"
+        )
+    if channels_last_weights is None:
+        channels_last_weights = choice["channels_last_weights"]
+    options = dict(families=choice["families"], training=choice["training"])
+    options["channels_last_weights"] = channels_last_weights
+    # The sites are compared under the filter_fn tune ran with, else under none: a caller's filter then only leaves
+    # chosen sites stock, listed as its exclusions (not as a mismatch).
+    first = patch(pipe_or_model, filter_fn=filter_fn if filtered else None, **options)
     try:
         sites = _sites(pipe_or_model)
-        labels = {label for label, _ in _models_of(pipe_or_model, for_patch=False)}
-        wanted = _relabelled(choice["sites"], labels)
+        wanted = _relabelled(choice["sites"], {s.key[0] for s in sites})
         found = {s.key: tuple(rule for rule, _ in s.rules) for s in sites}
         recorded = {(e["model"], e["name"]): tuple(e["rules"]) for e in wanted}
         if found != recorded:
             raise PatchError(f"ldmopt.patch_tuned: {_mismatch(found, recorded, _where)}")
         unpatch(pipe_or_model)
-        kept = {key for key, entry in zip(recorded, wanted) if entry["kept"]}
+        kept = {(e["model"], e["name"]) for e in wanted if e["kept"]}
         why = {
             (e["model"], e["name"]): e.get("why") or "left stock by the tuning choice" for e in wanted if not e["kept"]
         }
         excluded: set = set()
-        if filter_fn is not None:  # the kept sites the caller's filter leaves stock (it may also exclude a child)
+        if filter_fn is not None and not filtered:  # the kept sites the caller's filter leaves stock (or a child of)
             patch(pipe_or_model, filter_fn=filter_fn, **options)
             excluded = kept - {s.key for s in _sites(pipe_or_model)}
             unpatch(pipe_or_model)
@@ -182,11 +227,11 @@ def patch_tuned(
             why.update(dict.fromkeys(excluded, "excluded by filter_fn (the tuning choice kept it)"))
         _read_touched(sites)
         report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options) if kept else first
+        report = _final_report(report, first, sites, kept, why)
     except BaseException:
         if is_patched(pipe_or_model):
             unpatch(pipe_or_model)
         raise
-    report = _final_report(report, first, sites, kept, why)
     report.skipped = [
         dataclasses.replace(s, by_user=True) if (s.model, s.name) in excluded else s for s in report.skipped
     ]
@@ -194,8 +239,8 @@ def patch_tuned(
 
 
 def _relabelled(entries: list[dict], labels: set[str]) -> list[dict]:
-    """The choice's sites, with its one model's label replaced by the target's when both hold one model (a choice
-    made on ``pipe`` applied to ``pipe.unet`` or the reverse)."""
+    """The choice's sites, with its one model's label replaced by the target's when both have sites in one model
+    only (a choice made on ``pipe`` applied to ``pipe.unet`` or the reverse)."""
     chosen = {e["model"] for e in entries}
     if len(chosen) == 1 and len(labels) == 1 and chosen != labels:
         (label,) = labels

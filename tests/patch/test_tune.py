@@ -707,9 +707,13 @@ def test_tune_in_cuda_graph_mode(monkeypatch):
     monkeypatch.setattr(tune_module, "measure", None)  # graph mode must not time eagerly
     monkeypatch.setattr(tune_module, "wall_time", wall_time)
     monkeypatch.setattr(tune_module, "_cuda_devices", lambda pipe: {torch.device("cuda", 0)})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"Fake GPU {device}")
     report = ldmopt.tune(unet, _run(unet), cuda_graph=True)
     assert graphed == [True, True] and report.tuning.timer.endswith(" in a CUDA graph")
-    assert report.tuning.choice()["measured_on"]["device"] == "cuda:0"  # no GPU to name here
+    assert report.tuning.choice()["measured_on"]["device"] == "Fake GPU cuda:0"
+    measured_on = importlib.import_module("ldmopt.patch.tune_choice").measured_on
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: torch.cuda.current_device())
+    assert measured_on({torch.device("cuda", 0)})["device"] == "cuda:0"  # no GPU to name: torch's name for it
     assert {s.rules for s in report.tuning.kept} == {("resnet",)}
     ldmopt.unpatch(unet)
 

@@ -60,6 +60,26 @@ def test_a_saved_choice_patches_an_identical_model_exactly(monkeypatch, tmp_path
         ldmopt.unpatch(other)
 
 
+def test_a_model_without_sites_saves_strict_json(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    report = ldmopt.tune(model, lambda: model(torch.randn(2, 4)))
+    path = report.tuning.save(tmp_path / "choice.json")
+    saved = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in {path}"))
+    assert saved["sites"] == [] and saved["stock_ms"] is None
+    assert ldmopt.patch_tuned(model, path).replaced == [] and not ldmopt.is_patched(model)
+
+
+def test_the_weight_layout_follows_the_choice_unless_given(monkeypatch):
+    report = _tuned_choice(monkeypatch, "resnet", channels_last_weights=False)
+    unet = _unet()
+    applied = ldmopt.patch_tuned(unet, report)
+    assert applied.converted_weights == {} and applied.kept_weights  # as tune patched: left contiguous
+    ldmopt.unpatch(unet)
+    applied = ldmopt.patch_tuned(unet, report, channels_last_weights=True)
+    assert applied.converted_weights
+    ldmopt.unpatch(unet)
+
+
 def test_a_choice_left_stock_patches_nothing_and_says_why(monkeypatch):
     unet = _unet()
     _fake_measure(monkeypatch, unet, _fused_faster_for("resnet"), wall=lambda patched, s: 10.0 if patched else 9.0)
@@ -77,7 +97,8 @@ def test_a_choice_for_one_model_applies_to_it_inside_a_pipeline_and_back(monkeyp
     report = _tuned_choice(monkeypatch, "resnet")
     kept = {s.name for s in report.tuning.kept}
     unet = _unet()
-    pipe = types.SimpleNamespace(components={"unet": unet})
+    # a pipeline's other components (a text encoder: nothing to patch) do not make its one patched model ambiguous
+    pipe = types.SimpleNamespace(components={"unet": unet, "text_encoder": torch.nn.Linear(4, 4), "scheduler": None})
     ldmopt.patch_tuned(pipe, report)
     assert _patched_keys(pipe) == {("unet", name) for name in kept}
     ldmopt.unpatch(pipe)
@@ -87,6 +108,32 @@ def test_a_choice_for_one_model_applies_to_it_inside_a_pipeline_and_back(monkeyp
     assert {s["model"] for s in made_on_pipe["sites"]} == {"unet"}
     ldmopt.patch_tuned(unet, made_on_pipe)
     assert {name for _, name in _patched_keys(unet)} == kept
+    ldmopt.unpatch(unet)
+    # two models with sites: a choice for one of them is not guessed onto either
+    two = types.SimpleNamespace(components={"unet": unet, "vae": models.vae().eval()})
+    with pytest.raises(PatchError, match="names 24 site"):
+        ldmopt.patch_tuned(two, report)
+    assert not ldmopt.is_patched(two)
+
+
+def test_a_choice_made_with_a_filter_needs_that_filter(monkeypatch):
+    unet = _unet()
+
+    def no_up_blocks(module, name):
+        return "up_blocks" not in name
+
+    _fake_measure(monkeypatch, unet, _fused_faster_for("resnet"))
+    report = ldmopt.tune(unet, _run(unet), filter_fn=no_up_blocks, families="gn_conv")
+    ldmopt.unpatch(unet)
+    choice = report.tuning.choice()
+    assert choice["filtered"] is True and choice["families"] == ["gn_conv"]  # a string is one family, as for patch
+    kept = {(s.model, s.name) for s in report.tuning.kept}
+    assert kept and not any("up_blocks" in name for _, name in kept)
+    with pytest.raises(PatchError, match=r"made by a tune call with a filter_fn.*pass the same filter_fn"):
+        ldmopt.patch_tuned(unet, choice)
+    applied = ldmopt.patch_tuned(unet, choice, filter_fn=no_up_blocks)
+    assert _patched_keys(unet) == kept
+    assert any(s.by_user and "up_blocks" in s.name for s in applied.skipped)  # the filter's own exclusions
     ldmopt.unpatch(unet)
 
 
@@ -137,12 +184,19 @@ def test_a_training_choice_patches_for_training(monkeypatch):
     ldmopt.unpatch(unet)
 
 
+_SITE = {"model": "", "name": "down_blocks.0.resnets.0", "rules": ["resnet"], "kept": True, "why": ""}
+_CHOICE = {"format": "ldmopt.tune choice", "version": 1, "families": None, "training": False, "sites": [_SITE]}
+
+
 @pytest.mark.parametrize(
     ("source", "error", "message"),
     [
         (42, TypeError, "choice must be a Tuning, the report of ldmopt.tune.*got int"),
         ({"format": "other"}, ValueError, "format='other' version=None; supported: format='ldmopt.tune choice'"),
         ({"format": "ldmopt.tune choice", "version": 1, "sites": [{"model": 1}]}, ValueError, r"choice\['sites'\]"),
+        ({**_CHOICE, "sites": [_SITE, _SITE]}, ValueError, "names down_blocks.0.resnets.0 more than once"),
+        ({**_CHOICE, "families": "gn_conv"}, ValueError, r"choice\['families'\]='gn_conv'; expected null or a list"),
+        ({**_CHOICE, "training": "false"}, ValueError, r"choice\['training'\]='false'; expected true or false"),
         ("/no/such/choice.json", ValueError, "choice='/no/such/choice.json' could not be read"),
     ],
 )
