@@ -1,9 +1,11 @@
 """Training step (forward + backward + AdamW step) of SD1.5- and SDXL-size UNets with random weights.
 
 Providers: ``eager`` (stock diffusers), ``compile`` (torch.compile, default inductor mode: max-autotune on a training
-graph of this size compiles for tens of minutes), ``ldmopt`` (``ldmopt.patch(model, training=True)``) and
-``ldmopt+compile``. All run bf16 autocast over fp32 master weights, channels-last, fused AdamW, MSE against a random
-target. Per provider: step time (median of do_bench), images/s, peak memory above the resident model and optimizer
+graph of this size compiles for tens of minutes), ``ldmopt`` (``ldmopt.patch(model, training=True)``),
+``ldmopt+compile`` and ``ldmopt-tuned`` (``ldmopt.tune(model, step, training=True)``: only the rules whose fused
+layers made this very step faster; its choice goes to ``<results>/training_tuning_<case>.choice.json``). All run
+bf16 autocast over fp32 master weights, channels-last, fused AdamW, MSE against a random target. Per provider: step
+time (median of do_bench), images/s, peak memory above the resident model and optimizer
 state (harness.peak_memory), TFLOP/s from the analytic forward count x 3 (ldmopt.profiler.analyze), the fused
 modules that fell back to the stock forward, and the profiler's category split of one step, written to
 ``<results>/training_profile.md`` (before = eager, after = ldmopt).
@@ -32,7 +34,7 @@ pytestmark = harness.gpu_only
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 CASES = {"sd15": 512} if QUICK else {"sd15": 512, "sdxl": 1024}  # zoo name -> resolution (latents 8x smaller)
 BATCHES = {"sd15": (64, 48, 32, 16, 8), "sdxl": (16, 12, 8, 4, 2)}
-PROVIDERS = ("eager", "ldmopt") if QUICK else ("eager", "compile", "ldmopt", "ldmopt+compile")
+PROVIDERS = ("eager", "ldmopt") if QUICK else ("eager", "compile", "ldmopt", "ldmopt+compile", "ldmopt-tuned")
 _EAGER_PEAK: dict[str, int] = {}  # case -> eager peak memory, for the other providers' notes
 # Compiling a training graph outlasts run_gpu.sh's 300 s per-test timeout (pytest-timeout, when installed).
 _LONG = pytest.mark.timeout(1200) if importlib.util.find_spec("pytest_timeout") else pytest.mark.slow
@@ -54,7 +56,8 @@ class TrainStep:
 
         self.model = configs.build_model(name, device=device, dtype=torch.float32, tiny=tiny).train()
         self.model.to(memory_format=torch.channels_last)
-        self.report = ldmopt.patch(self.model, training=True) if provider.startswith("ldmopt") else None
+        patched = provider.startswith("ldmopt") and provider != "ldmopt-tuned"  # tuned below, by timing step()
+        self.report = ldmopt.patch(self.model, training=True) if patched else None
         self.runner = harness.compiled(self.model, mode=None) if provider.endswith("compile") else self.model
         inputs = configs.example_inputs(self.model, resolution=resolution, batch=batch, dtype=torch.float32)
         self.kwargs = dict(inputs.kwargs)
@@ -63,6 +66,8 @@ class TrainStep:
         self.target = torch.randn_like(self.kwargs["sample"])
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6, fused=device == "cuda")
         self.device = device
+        if provider == "ldmopt-tuned":  # whole steps, optimizer included, per rule group: the tuning costs ~100 steps
+            self.report = ldmopt.tune(self.model, self.step, training=True, warmup=1, repeats=3)
 
     def step(self) -> None:
         with torch.autocast(self.device, dtype=torch.bfloat16):
@@ -130,6 +135,10 @@ def bench_training_step(name, provider, bench_recorder):
             _EAGER_PEAK[case] = peak
         elif case in _EAGER_PEAK:
             note += f", peak mem {100 * (peak - _EAGER_PEAK[case]) / _EAGER_PEAK[case]:+.0f}% vs eager"
+        if runner.report is not None and runner.report.tuning is not None:
+            tuning = runner.report.tuning
+            note += f"; tuned: kept {tuning.kept_per_rule_text()}"
+            tuning.save(harness.RESULTS_DIR / f"training_tuning_{case}.choice.json")
         if runner.report is not None and runner.report.fallbacks():
             note += f"; fell back: {runner.report.fallbacks()}"
         if provider in ("eager", "ldmopt"):

@@ -356,12 +356,15 @@ def test_training_providers(mocked_timing, no_compile, monkeypatch):
     B._batch.cache_clear()
     try:
         with ldmopt.use_backend("torch"):
-            for provider in ("eager", "compile", "ldmopt", "ldmopt+compile"):
+            for provider in ("eager", "compile", "ldmopt", "ldmopt+compile", "ldmopt-tuned"):
                 B.bench_training_step("sd15", provider, mocked_timing)
     finally:
         B._batch.cache_clear()
     rows = mocked_timing.rows
-    assert len(rows) == 4 and not _failed(rows), _failed(rows)
+    assert [r["provider"] for r in rows] == ["eager", "compile", "ldmopt", "ldmopt+compile", "ldmopt-tuned"]
+    assert not _failed(rows), _failed(rows)
+    assert "; tuned: kept " in rows[4]["note"], rows[4]["note"]
+    assert (harness.RESULTS_DIR / "training_tuning_sd15-128px-b1.choice.json").exists()
     assert all(r["case"] == "sd15-128px-b1" for r in rows), rows
     assert "top: " in rows[0]["note"] and "vs eager" in rows[2]["note"], [r["note"] for r in rows]
     assert (harness.RESULTS_DIR / "training_profile.md").exists()
