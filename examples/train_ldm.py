@@ -139,7 +139,8 @@ def _parser() -> argparse.ArgumentParser:
                         "OUTPUT_DIR/tune_choice.json")  # fmt: skip
     g.add_argument("--tune-choice", default=None, metavar="PATH",
                    help="with --fused: patch as a saved training choice says, without measuring (tune_choice.json\n"
-                        "of a --tune run, or report.tuning.save() after ldmopt.tune(..., training=True))")  # fmt: skip
+                        "of a --tune run, `ldmopt tune MODEL --training --save-choice PATH`, or\n"
+                        "report.tuning.save() after ldmopt.tune(..., training=True))")  # fmt: skip
     g.add_argument("--backend", default="auto", choices=["auto", "cuda", "triton", "torch"],
                    help="force one ldmopt backend for the fused ops (default: automatic choice)")  # fmt: skip
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,

@@ -2,7 +2,8 @@
 
 Builds the model as ``ldmopt profile`` does (random weights from the embedded config, no downloads; channels-last
 weights and inputs, as the demo runs it), runs :func:`ldmopt.tune` with one forward call under ``torch.no_grad`` as
-its run(), and prints the per-site table. Only argparse is imported at module level.
+its run() (``--training``: a training step, fp32 weights under autocast, forward, MSE loss and backward, timed rule
+by rule), and prints the per-site table. Only argparse is imported at module level.
 """
 
 from __future__ import annotations
@@ -37,8 +38,14 @@ def configure_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--by",
         choices=("site", "rule"),
-        default="site",
-        help="site: per-site forward timing (default); rule: whole calls, each rule's sites alone",
+        default=None,
+        help="site: per-site forward timing (default); rule: whole calls, each rule's sites alone (--training's)",
+    )
+    parser.add_argument(
+        "--training",
+        action="store_true",
+        help="time a training step (fp32 weights, --dtype autocast, forward + backward) by rule: the choice for "
+        "ldmopt.patch_tuned(..., training=True) or examples/train_ldm.py --tune-choice",
     )
     parser.add_argument("--families", default=None, help="comma list of ldmopt.patch families (default: all)")
     parser.add_argument("--report", action="store_true", help="also print the whole patch report")
@@ -68,20 +75,21 @@ def run_tune(args: argparse.Namespace) -> int:
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     setting = dict(resolution=args.resolution, frames=args.frames, batch=args.batch)
     try:
+        if args.training and args.by == "site":
+            raise ValueError("--training times whole training steps rule by rule: leave out --by site")
+        dtype = dtypes.get(args.dtype)
         model, inputs = _resolve_target(
-            args.model, device=args.device, dtype=dtypes.get(args.dtype), tiny=args.tiny, inputs=None, **setting
-        )
+            args.model, device=args.device, dtype=torch.float32 if args.training else dtype, tiny=args.tiny,
+            inputs=None, **setting,
+        )  # fmt: skip
         channels_last_call(model, inputs)
-        model.eval()
+        model.train(args.training)
         call = model if inputs.method == "forward" else getattr(model, inputs.method)
-
-        def run():
-            with torch.no_grad():
-                return call(**inputs.kwargs)
-
+        run = _training_step(model, call, inputs.kwargs, dtype) if args.training else _inference_call(call, inputs)
         report = ldmopt.tune(
             model, run, families=families, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
-            min_speedup=args.min_speedup, cuda_graph=args.cuda_graph, by=args.by,
+            min_speedup=args.min_speedup, cuda_graph=args.cuda_graph, by=None if args.training else args.by,
+            training=args.training,
         )  # fmt: skip
     except (KeyError, ValueError) as exc:
         message = _message(exc)
@@ -95,3 +103,36 @@ def run_tune(args: argparse.Namespace) -> int:
         report.tuning.save(args.save_choice)
     ldmopt.unpatch(model)
     return 0
+
+
+def _inference_call(call, inputs):
+    import torch
+
+    def run():
+        with torch.no_grad():
+            return call(**inputs.kwargs)
+
+    return run
+
+
+def _training_step(model, call, kwargs, dtype):
+    """Forward under autocast (``dtype``; None: bf16 on a GPU, fp32 on the CPU), MSE against a fixed random target,
+    backward."""
+    import torch
+
+    device = next(model.parameters()).device
+    if dtype is None and device.type == "cuda":
+        dtype = torch.bfloat16  # how diffusion models train on GPUs
+    autocast = dtype in (torch.float16, torch.bfloat16)
+    target = []
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            out = call(**kwargs)
+        out = out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
+        if not target:  # drawn once: every configuration trains toward the same target
+            target.append(torch.randn_like(out, dtype=torch.float32))
+        torch.nn.functional.mse_loss(out.float(), target[0]).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step

@@ -216,3 +216,25 @@ def test_a_patch_report_or_a_patched_model_is_refused(monkeypatch):
     with pytest.raises(PatchError, match="already patched"):
         ldmopt.patch_tuned(unet, choice)
     ldmopt.unpatch(unet)
+
+
+def test_cli_tunes_a_training_step_for_patch_tuned(tmp_path, capsys):
+    from ldmopt.cli import main
+
+    path = tmp_path / "training.json"
+    argv = ["tune", "sd15", "--tiny", "--training", "--warmup", "0", "--repeats", "1", "--save-choice", str(path)]
+    with ldmopt.use_backend("torch"):
+        assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("ldmopt.tune (whole run() calls, a configuration per rule")
+    choice = json.loads(path.read_text())
+    assert choice["training"] is True and choice["sites"]
+    from ldmopt import configs
+
+    unet = configs.build_model("sd15", device="cpu", dtype=torch.float32, tiny=True).train()
+    ldmopt.patch_tuned(unet, path, training=True)  # the zoo model train_ldm.py trains: the same sites
+    assert _patched_keys(unet) == {(s["model"], s["name"]) for s in choice["sites"] if s["kept"]}
+    ldmopt.unpatch(unet)
+    with pytest.raises(PatchError, match="made for training"):
+        ldmopt.patch_tuned(unet, path, training=False)
+    assert main([*argv[:4], "--by", "site"]) == 2
+    assert "--training times whole training steps rule by rule" in capsys.readouterr().err
