@@ -109,6 +109,7 @@ def offer(out: Tensor, producer: nn.Module, config: tuple | None = None, stats=N
     # Detached: the consumer treats them as constants, and a graph node held here would keep the producer's whole
     # autograd graph alive until the next offer.
     stats = None if stats is None else tuple(s.detach() for s in stats)
+    _drop_if_unused(getattr(_local, "offer", None))  # a new offer before anyone took the last one
     _local.offer = _Offer(weakref.ref(out), out._version, _stream_of(out), weakref.ref(producer), config, stats)
 
 
@@ -132,6 +133,7 @@ def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
         return None
     _local.offer = None
     if offered.tensor() is not x or x._version != offered.version or _stream_of(x) != offered.stream:
+        _drop_if_unused(offered)
         return None
     if offered.config == config and offered.stats is not None:
         handed_over[consumer] += 1
@@ -140,6 +142,22 @@ def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
     if producer is not None:
         _wanted[producer] = config
     return None
+
+
+def _drop_if_unused(offered: _Offer | None) -> None:
+    """The producer of statistics that no consumer took stops computing them: what read its output is no longer a
+    fused norm (left stock, unpatched, hooked), so the request it learned is stale. Asked for again, it learns again."""
+    if offered is None or offered.stats is None:
+        return
+    producer = offered.producer()
+    if producer is not None and _wanted.get(producer) == offered.config:
+        del _wanted[producer]
+
+
+def forget_modules(modules) -> None:
+    """Drop the requests learned for these producers (``ldmopt.unpatch`` restores a model as it was before)."""
+    for module in modules:
+        _wanted.pop(module, None)
 
 
 def forget() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nn import stats_handover
 from ..nn.child_check import foreign_hook_registry, instance_forward_owner, wrapped_forward
 from .report import PatchReport, Replaced, Skipped
 from .rule import FAMILIES, REPLACED, ChildSwapRule, Rule, Site, restore_child, swap_class
@@ -540,6 +541,9 @@ def unpatch(pipe_or_model: Any) -> int:
             "or pipe.remove_all_hooks()), or attach them after unpatch:\n  " + "\n  ".join(problems)
         )
     for _, model in reversed(models):  # the reverse of patch's order, as models may share modules
+        # Statistics its fused producers learned to hand on: a model patched again (tune's configurations) would
+        # otherwise compute them for consumers that may now be stock.
+        stats_handover.forget_modules(model.modules())
         # Copies of patched blocks (deepcopy, torch.load, PEFT's modules_to_save) whose records are not here: their
         # fused class is all a class-swap rule changed in them (its guards aside), so they go back to their own.
         copies = _unrecorded_fused(model)

@@ -456,6 +456,18 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
         measured_rounds += 1
         for key in kept:
             tuned_ms[key] = final.site_s[key] * 1e3 if final.calls.get(key, 0) else None
+        # Where each site run in place ran this round: inside its nearest enclosing site called as a module (a
+        # parent left stock may run it inside a grandparent's fused forward), or on its own, measured (no longer
+        # "within" anything).
+        for key in [k for k in within if k in kept]:
+            if final.calls.get(key, 0):
+                del within[key]
+                continue
+            parent = tree[key]
+            while parent is not None and not final.calls.get(parent, 0):
+                parent = tree[parent]
+            if parent is not None:
+                within[key] = parent
         if measured_rounds > rounds:
             break
         # Sites run within a kept site's fused forward (not called as modules) follow it; when it drops out they are
@@ -468,7 +480,7 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
         if not dropped:
             break
         for key in dropped:
-            first_time = "" if key in within else f"fused {fused.site_s[key] * 1e3:.3f} ms with every site patched, "
+            first_time = "" if key in whole else f"fused {fused.site_s[key] * 1e3:.3f} ms with every site patched, "
             why[key] = (
                 f"tune: {first_time}{final.site_s[key] * 1e3:.3f} ms with the slower sites stock (round "
                 f"{measured_rounds}): no faster than stock's {stock.site_s[key] * 1e3:.3f} ms per run() call"

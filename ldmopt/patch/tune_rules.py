@@ -4,7 +4,9 @@ Per-site timing (tune.py) sees forward passes only: module hooks mark where a mo
 its backward. A training step's backward runs the fused ops' own backward kernels (often most of a step's time), so
 for ``training=True`` tune times whole calls instead: stock, every site patched, then each group of sites with the
 same rules patched alone (resnets, transformer blocks, GEGLU projections ...). Groups whose call was faster than
-stock are kept; if they are not faster together than the best of them alone, only that one is kept. Coarser than
+stock are kept; if they are not faster together than the best of them alone, only that one is kept; if every site
+patched was faster still (rules that pay only together: one hands the next its statistics), all are kept. A choice no
+faster than stock as a whole leaves the model stock. Coarser than
 per-site choices (every site of a rule shares its fate), but it measures exactly what the caller runs: forward,
 backward, optimizer step, whatever ``run()`` does.
 """
@@ -61,9 +63,19 @@ def tune_by_rule(job: _Job) -> PatchReport:
     elif faster:
         together = call_with({s.key for name in faster for s in groups[name]})
         chosen, tuned_s = (faster, together) if together <= alone[faster[0]] else (faster[:1], alone[faster[0]])
+    if all_s < tuned_s and all_s * min_speedup < stock_s:  # rules that pay only together (statistics handed on)
+        chosen, tuned_s = list(groups), all_s
+    left_stock = bool(chosen) and not tuned_s < stock_s  # min_speedup < 1 lets slower groups through
     why: dict[SiteKey, str] = {}
+    if left_stock:
+        whole_call = (
+            f"tune: the tuned model took {tuned_s * 1e3:.3f} ms per run() call against {stock_s * 1e3:.3f} ms "
+            "stock, so every site was left stock"
+        )
+        why.update((s.key, whole_call) for s in sites)
+        chosen = []
     for name, members in groups.items():
-        if name in chosen:
+        if name in chosen or left_stock:
             continue
         with_only = f"with only its rule's {len(members)} sites patched ({name}), run() took {alone[name] * 1e3:.3f} ms"
         if name in faster:
@@ -85,7 +97,7 @@ def tune_by_rule(job: _Job) -> PatchReport:
         stock_ms=stock_s * 1e3,
         all_patched_ms=all_s * 1e3,
         tuned_ms=tuned_s * 1e3,
-        left_stock=False,
+        left_stock=left_stock,
         sites=[
             SiteTiming(
                 s.key[0], s.key[1], tuple(r for r, _ in s.rules), 0, None, None, None, s.key in kept, why.get(s.key, "")

@@ -197,12 +197,22 @@ def wall_time(
         run()
     walls = []
     for _ in range(repeats):
-        synchronize(devices)
+        waited = _waited_on(devices)
+        synchronize(waited)
         start = time.perf_counter()
         call()
-        synchronize(devices)
+        synchronize(waited | _waited_on(devices))
         walls.append(time.perf_counter() - start)
     return statistics.median(walls)
+
+
+def _waited_on(devices: set[torch.device]) -> set[torch.device]:
+    """``devices``; with none (the parameters were on the CPU when tune began: a model offloaded to the CPU between
+    calls, whose hooks move it to a GPU to run), every GPU once CUDA is in use, or the timing would end at the last
+    launch instead of the last kernel."""
+    if devices or not torch.cuda.is_initialized():
+        return devices
+    return {torch.device("cuda", i) for i in range(torch.cuda.device_count())}
 
 
 def capture(

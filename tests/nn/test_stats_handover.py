@@ -137,6 +137,53 @@ def test_unpatched_model_neither_offers_nor_takes():
     assert not handover.handed_over
 
 
+def test_a_producer_whose_statistics_go_untaken_stops_computing_them():
+    producer, other, stats = _Producer(), _Producer(), _stats()
+
+    def learn():
+        out = torch.randn(2, 8, 3, 3)
+        handover.offer(out, producer)  # the first call: no statistics yet
+        assert handover.take(out, 4, 1e-5, "test") is None  # the consumer's miss records its request
+        assert handover.wanted(producer, out) == (4, 1e-5)
+
+    learn()
+    handover.offer(torch.randn(2, 8, 3, 3), producer, (4, 1e-5), stats)
+    handover.offer(torch.randn(2, 8, 3, 3), other)  # the next producer offers: nobody took them (consumer now stock)
+    assert handover.wanted(producer, torch.randn(1)) is None
+    learn()
+    handover.offer(torch.randn(2, 8, 3, 3), producer, (4, 1e-5), stats)
+    assert handover.take(torch.randn(2, 8, 3, 3), 4, 1e-5, "test") is None  # a fused norm reading something else
+    assert handover.wanted(producer, torch.randn(1)) is None
+    learn()
+    out = torch.randn(2, 8, 3, 3)
+    handover.offer(out, producer, (4, 1e-5), stats)
+    assert handover.take(out, 4, 1e-5, "test") is not None  # taken: the request stays
+    handover.offer(torch.randn(2, 8, 3, 3), other)
+    assert handover.wanted(producer, out) == (4, 1e-5)
+
+
+def test_unpatch_forgets_what_its_producers_learned():
+    """tune patches a model again and again: a kept resnet must not go on summing statistics for a transformer norm
+    that is stock in this configuration."""
+    _, patched, kw = _patched_unet()
+    with torch.no_grad(), ldmopt.use_backend("torch"):  # the choice of what to hand on is the same on every backend
+        patched(**kw)
+        patched(**kw)
+    learned = [m for m in patched.modules() if m in handover._wanted]
+    assert len(learned) >= 5, len(learned)
+    ldmopt.unpatch(patched)
+    assert not any(m in handover._wanted for m in patched.modules())
+    ldmopt.patch(patched, filter_fn=lambda module, name: "attentions" not in name)  # resnets fused, transformers stock
+    handover.handed_over.clear()
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        patched(**kw)
+        patched(**kw)
+    # only a resnet read by the next resnet is asked (the tiny UNet has one); none sums for a stock transformer
+    producers = [type(m).__name__ for m in patched.modules() if m in handover._wanted]
+    assert len(producers) == 1 and handover.handed_over == {"ResnetBlock2D.norm1": 1}, (producers, handover.handed_over)
+    ldmopt.unpatch(patched)
+
+
 def _transformer_of_three_blocks():
     """A Transformer2DModel with three BasicTransformerBlocks in a row (SDXL runs ten), odd sizes, drawn weights."""
     from diffusers.models.transformers.transformer_2d import Transformer2DModel

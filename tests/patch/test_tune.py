@@ -438,6 +438,23 @@ def test_cuda_timer_uses_events_on_the_device_the_work_is_on(monkeypatch):
     assert devices == {torch.device("cuda", 0), device}
 
 
+def test_whole_calls_of_an_offloaded_model_wait_for_every_gpu(monkeypatch):
+    """Parameters on the CPU when tune began (CPU offload: hooks move the model to a GPU per call): the whole-call
+    timing waits for the GPUs once CUDA is in use, not just for the host's launches."""
+    synchronized, initialized = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: synchronized.append(d))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(initialized))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    tune_timer.wall_time(lambda: initialized.append(True), set(), warmup=0, repeats=1)  # the call initialises CUDA
+    assert sorted(map(str, synchronized)) == ["cuda:0", "cuda:1"]  # after it: both
+    synchronized.clear()
+    tune_timer.wall_time(lambda: None, set(), warmup=0, repeats=1)
+    assert sorted(map(str, synchronized)) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]  # before and after
+    synchronized.clear()
+    tune_timer.wall_time(lambda: None, {torch.device("cuda", 1)}, warmup=0, repeats=1)
+    assert synchronized == [torch.device("cuda", 1)] * 2  # the model's own GPU when its parameters are there
+
+
 def test_work_device_follows_the_inputs():
     from ldmopt.nn.layer_norm_input import NormedInput
 
@@ -559,6 +576,38 @@ def test_a_site_run_inside_its_parents_fused_forward_follows_it(monkeypatch, blo
             assert s.tuned_ms == 500.0
     # every site, stock, the kept ones (and again without the blocks that dropped out)
     assert len(configurations) == (4 if block == "faster beside the resnets" else 3)
+    ldmopt.unpatch(unet)
+
+
+def test_a_site_run_in_place_two_levels_down_follows_the_parent_it_ran_in(monkeypatch):
+    """transformer2d_in's fused forward runs its block in place, the block's runs its GEGLU in place. The container
+    is rejected; in the next round the GEGLU still runs inside its block, which then drops out in the last checking
+    round: the GEGLU, never measured on its own, must not stay kept on an earlier round's word."""
+    unet = _unet()
+
+    def container_of(name):
+        return name.rsplit(".transformer_blocks.", 1)[0] if ".transformer_blocks." in name else None
+
+    def calls(key, patched):
+        label, name = key
+        if name.endswith(".ff.net.0"):
+            block = name.removesuffix(".ff.net.0")
+            return 0 if (label, block) in patched or (label, container_of(block)) in patched else 1
+        if name.endswith(".transformer_blocks.0") and (label, container_of(name)) in patched:
+            return 0
+        return 1
+
+    def cost(key, rules, patched):  # only the resnets are faster fused
+        return 1.0 if key not in patched else 0.5 if rules == ("resnet",) else 2.0
+
+    _fake_measure(monkeypatch, unet, cost, calls=calls, wall=lambda patched, seconds: 1.0 if patched else 2.0)
+    report = ldmopt.tune(unet, _run(unet), rounds=2)
+    gegl = [s for s in report.tuning.sites if s.rules == ("geglu",)]
+    assert gegl and not any(s.kept for s in gegl), [(s.name, s.why) for s in gegl if s.kept]
+    for s in gegl:
+        block = s.name.removesuffix(".ff.net.0")
+        assert s.why == f"tune: measured only within {block}'s fused forward, which dropped out in the last round"
+    assert {s.rules for s in report.tuning.kept} == {("resnet",)}
     ldmopt.unpatch(unet)
 
 
@@ -775,6 +824,31 @@ def test_by_rule_keeps_the_best_rule_alone_when_the_faster_ones_clash(monkeypatc
     block = next(s for s in report.skipped if s.rule == "residual_block")
     assert "but the faster rules together took 11000.000 ms, more than resnet alone (9000.000 ms)" in block.reasons[0]
     ldmopt.unpatch(unet)
+
+
+def test_by_rule_keeps_every_rule_when_they_pay_only_together(monkeypatch):
+    """Each group alone slower, every site patched faster (a resnet hands its statistics to the next norm): all kept."""
+    unet = _unet()
+    _fake_wall(monkeypatch, unet, lambda patched: 10.0 if not patched else 9.0 if len(patched) > 1 else 10.5)
+    report = ldmopt.tune(unet, _run(unet), by="rule")
+    tuning = report.tuning
+    assert all(g.kept for g in tuning.groups) and len(tuning.kept) == len(tuning.sites)
+    assert tuning.tuned_ms == tuning.all_patched_ms == 9000.0 and not tuning.left_stock
+    assert _patched_keys(unet) == {(s.model, s.name) for s in tuning.sites}
+    ldmopt.unpatch(unet)
+
+
+def test_by_rule_leaves_the_model_stock_when_the_choice_is_no_faster(monkeypatch):
+    """min_speedup below 1 lets a slower group through; the whole call must still beat stock."""
+    unet = _unet()
+    before = snapshot(unet)
+    _fake_wall(monkeypatch, unet, lambda patched: 10.5 if patched else 10.0)
+    report = ldmopt.tune(unet, _run(unet), by="rule", min_speedup=0.5)
+    assert report.tuning.left_stock and not report.tuning.kept and not ldmopt.is_patched(unet)
+    assert all("10500.000 ms per run() call against 10000.000 ms stock" in s.reasons[0] for s in report.skipped
+               if s.reasons[0].startswith("tune:"))  # fmt: skip
+    assert "every site left stock" in str(report)
+    assert_same_snapshot(before, snapshot(unet))
 
 
 def test_training_tunes_whole_steps_by_rule():
