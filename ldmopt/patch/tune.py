@@ -285,8 +285,9 @@ def tune(
             (forward, backward, optionally the optimizer step: tune calls it many times, so an optimizer step
             trains the model meanwhile). Implies ``by="rule"``.
         by: "site" (default without training): time each site's forward with hooks and choose site by site.
-            "rule" (tune_rules.py): time whole ``run()`` calls with each rule's sites patched alone, which counts
-            backward passes too; ``rounds`` does not apply.
+            "rule" (tune_rules.py): time whole ``run()`` calls with each rule's sites patched alone (then the
+            faster rules together, and every site patched), which counts backward passes too; ``rounds`` does not
+            apply.
 
     Returns the :class:`PatchReport` of the final patch, with ``report.tuning`` (:class:`Tuning`): the per-site
     table, and the median time of a ``run()`` call stock, with every site patched, and tuned. Its backend and
