@@ -188,10 +188,10 @@ def patch_tuned(
     if is_patched(pipe_or_model):
         raise PatchError("ldmopt.patch_tuned: the model is already patched (ldmopt.unpatch first)")
     if training is not None and bool(training) != choice["training"]:
-        made, wanted = ("training", "inference") if choice["training"] else ("inference", "training")
+        made, asked = ("training", "inference") if choice["training"] else ("inference", "training")
         raise PatchError(
             f"ldmopt.patch_tuned: training={training!r}, but the choice was made for {made} (tune's training="
-            f"{choice['training']}): tune for {wanted} (ldmopt.tune(..., training={not choice['training']}))"
+            f"{choice['training']}): tune for {asked} (ldmopt.tune(..., training={not choice['training']}))"
         )
     filtered = choice["filtered"]
     if filtered and filter_fn is None:
