@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,7 @@ def patch_tuned(
         _read_touched(sites)
         report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options) if kept else first
         report = _final_report(report, first, sites, kept, why)
+        _warn_if_measured_elsewhere(choice, pipe_or_model)
     except BaseException:
         if is_patched(pipe_or_model):
             unpatch(pipe_or_model)
@@ -236,6 +238,24 @@ def patch_tuned(
         dataclasses.replace(s, by_user=True) if (s.model, s.name) in excluded else s for s in report.skipped
     ]
     return report
+
+
+def _warn_if_measured_elsewhere(choice: dict, pipe_or_model: Any) -> None:
+    """A choice measured on another kind of device may keep the wrong sites: said, not refused (the same decision on
+    every rank or replica is often what matters most)."""
+    from .tune import _cuda_devices
+
+    then = choice.get("measured_on", {}).get("device")
+    if not then:
+        return
+    now = measured_on(_cuda_devices(pipe_or_model))["device"]
+    if now != then:
+        warnings.warn(
+            f"ldmopt.patch_tuned: the choice was measured on {then}; this model is on {now}, where other fused "
+            "modules may pay (ldmopt.tune measures here)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _relabelled(entries: list[dict], labels: set[str]) -> list[dict]:

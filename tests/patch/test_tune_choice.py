@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import types
+import warnings
 
 import pytest
 import torch
@@ -238,3 +239,17 @@ def test_cli_tunes_a_training_step_for_patch_tuned(tmp_path, capsys):
         ldmopt.patch_tuned(unet, path, training=False)
     assert main([*argv[:4], "--by", "site"]) == 2
     assert "--training times whole training steps rule by rule" in capsys.readouterr().err
+
+
+def test_a_choice_measured_on_another_device_is_applied_with_a_warning(monkeypatch):
+    choice = _tuned_choice(monkeypatch, "resnet").tuning.choice()
+    unet = _unet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # measured here (the CPU): nothing to say
+        ldmopt.patch_tuned(unet, choice)
+    ldmopt.unpatch(unet)
+    elsewhere = {**choice, "measured_on": {**choice["measured_on"], "device": "NVIDIA H200"}}
+    with pytest.warns(RuntimeWarning, match="measured on NVIDIA H200; this model is on cpu"):
+        ldmopt.patch_tuned(unet, elsewhere)
+    assert _patched_keys(unet) == {(s["model"], s["name"]) for s in choice["sites"] if s["kept"]}
+    ldmopt.unpatch(unet)
