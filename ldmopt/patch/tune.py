@@ -19,11 +19,12 @@ step slower and a video step faster. ``tune`` measures instead of guessing, on t
 The model ends patched with the kept sites (or stock). The returned :class:`PatchReport` lists every rejected site
 among the modules left on the stock path, with the times that decided it; ``report.tuning`` has the table. Sites
 ``run()`` never called are not measured and stay stock. Rounds only drop sites: a site rejected because work that
-pays off in a neighbour (statistics for the next GroupNorm) is charged to it is not tried again. Per-site timing sees
-forward passes only: ``training=True`` times whole training steps rule by rule instead (tune_rules.py). CUDA graphs
-remove host time, which is most of what small fused calls lose in eager mode: a captured model may gain from sites
-tune rejects here (``cuda_graph=True``). ``report.tuning.choice()`` keeps the decision, and
-:func:`ldmopt.patch_tuned` applies it to an identical model without measuring (tune_choice.py).
+pays off in a neighbour (statistics for the next GroupNorm) is charged to it is not tried again on its own; but when
+every site patched ran faster than the choice, the whole call is timed with every site patched too, and that is kept
+if it is faster still. Per-site timing sees forward passes only: ``training=True`` times whole training steps rule by
+rule instead (tune_rules.py). CUDA graphs remove host time, which is most of what small fused calls lose in eager
+mode: a captured model may gain from sites tune rejects here (``cuda_graph=True``). ``report.tuning.choice()`` keeps
+the decision, and :func:`ldmopt.patch_tuned` applies it to an identical model without measuring (tune_choice.py).
 """
 
 from __future__ import annotations
@@ -451,9 +452,11 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
             why[key] = f"tune: measured only within {_where(parent)}'s fused forward, which was no faster (rounds=1)"
     tuned_ms: dict[SiteKey, float | None] = {}
     measured_rounds = 1
+    tuned_hooked_s = stock.wall_s  # the last measured configuration's whole call, hooks attached
     while kept:
         job.patch_only(kept)
         final = timed()
+        tuned_hooked_s = final.wall_s
         measured_rounds += 1
         for key in kept:
             tuned_ms[key] = final.site_s[key] * 1e3 if final.calls.get(key, 0) else None
@@ -506,7 +509,26 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
     left_stock = False
     if kept:  # the whole call, without hooks: tuned (warm from the last measurement), then stock
         tuned_s = wall_time(job.run, job.devices, warmup=1 if graph else 0, repeats=job.repeats, graph=graph)
-        unpatch(pipe_or_model)
+    # Sites that pay only together (a producer's epilogue statistics are its consumer's gain) are each no faster on
+    # their own: when every site patched ran faster than the choice, hooks attached, the whole call decides.
+    every = {s.key for s in sites if stock.calls.get(s.key, 0)}
+    if kept != every and fused.wall_s < tuned_hooked_s and _faster(fused.wall_s, stock.wall_s, min_speedup):
+        if is_patched(pipe_or_model):
+            unpatch(pipe_or_model)
+        job.patch_only(every)
+        every_s = wall_time(job.run, job.devices, warmup=job.warmup, repeats=job.repeats, graph=graph)
+        if not kept or every_s < tuned_s:
+            together = (
+                f"kept: with every site patched run() took {every_s * 1e3:.3f} ms, less than with only the sites "
+                f"faster on their own ({tuned_s * 1e3:.3f} ms): they pay together"
+            )
+            for key in every - kept:
+                why.pop(key, None)
+                notes[key] = together
+            kept, tuned_s = set(every), every_s
+    if kept:
+        if is_patched(pipe_or_model):
+            unpatch(pipe_or_model)
         stock_s = wall_time(job.run, job.devices, warmup=job.warmup, repeats=job.repeats, graph=graph)
         if not tuned_s < stock_s:
             left_stock = True

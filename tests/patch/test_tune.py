@@ -170,6 +170,47 @@ def test_leaves_the_model_stock_when_the_whole_call_is_not_faster(monkeypatch):
     assert "every site left stock" in str(report)
 
 
+def test_sites_that_pay_only_together_are_kept_together(monkeypatch):
+    """Each fused site slower on its own (its epilogue sums statistics its neighbour saves), every site patched
+    faster as a whole: the whole call, timed with every site patched, keeps them all."""
+    unet = _unet()
+    ldmopt.patch(unet)
+    every = {s.key for s in tune_module._sites(unet)}
+    ldmopt.unpatch(unet)
+
+    def wall(patched, seconds):
+        return 1.0 if patched == every else 10.0 if not patched else sum(seconds.values())
+
+    _fake_measure(monkeypatch, unet, lambda key, rules, patched: 2.0 if key in patched else 1.0, wall=wall)
+    report = ldmopt.tune(unet, _run(unet))
+    tuning = report.tuning
+    assert _patched_keys(unet) == every and {(s.model, s.name) for s in tuning.kept} == every
+    assert tuning.tuned_ms == 1000.0 and tuning.stock_ms == 10000.0 and not tuning.left_stock
+    assert all(s.why.startswith("kept: with every site patched run() took 1000.000 ms") for s in tuning.kept)
+    assert not [s for s in report.skipped if s.reasons[0].startswith("tune:")]
+    ldmopt.unpatch(unet)
+    # every site patched faster with hooks, but not without them: the sites faster on their own stay, alone
+    resnets = {key for key in every if "resnets" in key[1] and "upsamplers" not in key[1]}
+
+    def hooked(patched, seconds):
+        return 0.5 if patched == every else 1.0 if patched and patched <= resnets else 10.0
+
+    _fake_measure(monkeypatch, unet, _fused_faster_for("resnet"), wall=hooked)
+    hooked_wall_time, every_timed = tune_module.wall_time, []
+
+    def hook_free(run, devices, *, warmup, repeats, graph=False):
+        if _patched_keys(unet) == every:
+            every_timed.append(True)
+            return 3.0
+        return hooked_wall_time(run, devices, warmup=warmup, repeats=repeats)
+
+    monkeypatch.setattr(tune_module, "wall_time", hook_free)
+    report = ldmopt.tune(unet, _run(unet))
+    assert every_timed == [True]  # measured, and slower than the resnets alone
+    assert {s.rules for s in report.tuning.kept} == {("resnet",)} and report.tuning.tuned_ms == 1000.0
+    ldmopt.unpatch(unet)
+
+
 def test_min_speedup_is_the_bar_for_sites_and_for_the_whole_call(monkeypatch):
     unet = _unet()
     run = _run(unet)
