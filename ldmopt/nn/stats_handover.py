@@ -41,6 +41,8 @@ handed_over: Counter[str] = Counter()
 #: producer module -> the statistics its output's consumer asked for (learned from a miss): (groups, eps) for a
 #: GroupNorm, (LAYER_NORM, eps) for a LayerNorm over the last axis
 _wanted: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+#: producer module -> its offers with statistics in a row that no consumer took (_drop_if_unused)
+_untaken: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 #: The first item of a LayerNorm's statistics request: its statistics are layer_norm_stats' [2, M] rows.
 LAYER_NORM = "layer_norm"
 _local = threading.local()
@@ -137,6 +139,9 @@ def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
         return None
     if offered.config == config and offered.stats is not None:
         handed_over[consumer] += 1
+        producer = offered.producer()
+        if producer is not None:
+            _untaken.pop(producer, None)
         return offered.stats
     producer = offered.producer()
     if producer is not None:
@@ -145,22 +150,28 @@ def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
 
 
 def _drop_if_unused(offered: _Offer | None) -> None:
-    """The producer of statistics that no consumer took stops computing them: what read its output is no longer a
-    fused norm (left stock, unpatched, hooked), so the request it learned is stale. Asked for again, it learns again."""
+    """The producer of statistics that no consumer took twice in a row stops computing them: what reads its output is
+    no longer a fused norm (left stock, unpatched, hooked), so the request it learned is stale. Asked for again, it
+    learns again. (Once is not enough: a gradient-checkpointing recompute runs the producer alone in backward.)"""
     if offered is None or offered.stats is None:
         return
     producer = offered.producer()
-    if producer is not None and _wanted.get(producer) == offered.config:
-        del _wanted[producer]
+    if producer is None or _wanted.get(producer) != offered.config:
+        return
+    _untaken[producer] = _untaken.get(producer, 0) + 1
+    if _untaken[producer] >= 2:
+        del _wanted[producer], _untaken[producer]
 
 
 def forget_modules(modules) -> None:
     """Drop the requests learned for these producers (``ldmopt.unpatch`` restores a model as it was before)."""
     for module in modules:
         _wanted.pop(module, None)
+        _untaken.pop(module, None)
 
 
 def forget() -> None:
     """Drop this thread's pending offer and every learned request (tests; a model changed under its blocks)."""
     _local.offer = None
     _wanted.clear()
+    _untaken.clear()

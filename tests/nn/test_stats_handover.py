@@ -127,6 +127,18 @@ def test_training_step_with_statistics_handed_over_matches_stock_gradients():
         assert_outputs_close(p_patched.grad, p_stock.grad, name=f"grad {name}")
 
 
+def test_gradient_checkpointing_keeps_the_hand_over():
+    """Training with gradient checkpointing still hands statistics over from the second step on (a producer whose
+    offer goes untaken once, as one recomputed alone in backward would leave it, keeps its request: above)."""
+    _, patched, kw = _patched_unet()
+    patched.train().enable_gradient_checkpointing()
+    with ldmopt.use_backend("torch"):
+        for _ in range(3):
+            handover.handed_over.clear()
+            output_tensor(patched(**kw)).float().square().mean().backward()
+    assert sum(handover.handed_over.values()) >= 5, dict(handover.handed_over)
+
+
 def test_unpatched_model_neither_offers_nor_takes():
     _, patched, kw = _patched_unet()
     with torch.no_grad():
@@ -146,20 +158,29 @@ def test_a_producer_whose_statistics_go_untaken_stops_computing_them():
         assert handover.take(out, 4, 1e-5, "test") is None  # the consumer's miss records its request
         assert handover.wanted(producer, out) == (4, 1e-5)
 
+    def untaken(by_miss=False):
+        handover.offer(torch.randn(2, 8, 3, 3), producer, (4, 1e-5), stats)
+        if by_miss:
+            assert handover.take(torch.randn(2, 8, 3, 3), 4, 1e-5, "test") is None  # a fused norm reading another
+        else:
+            handover.offer(torch.randn(2, 8, 3, 3), other)  # the next producer offers: nobody took them
+
+    def taken():
+        out = torch.randn(2, 8, 3, 3)
+        handover.offer(out, producer, (4, 1e-5), stats)
+        assert handover.take(out, 4, 1e-5, "test") is not None
+
+    for by_miss in (False, True):
+        learn()
+        untaken(by_miss)
+        assert handover.wanted(producer, torch.randn(1)) == (4, 1e-5)  # once: a checkpointing recompute does this
+        untaken(by_miss)
+        assert handover.wanted(producer, torch.randn(1)) is None  # twice in a row: the consumer is gone
     learn()
-    handover.offer(torch.randn(2, 8, 3, 3), producer, (4, 1e-5), stats)
-    handover.offer(torch.randn(2, 8, 3, 3), other)  # the next producer offers: nobody took them (consumer now stock)
-    assert handover.wanted(producer, torch.randn(1)) is None
-    learn()
-    handover.offer(torch.randn(2, 8, 3, 3), producer, (4, 1e-5), stats)
-    assert handover.take(torch.randn(2, 8, 3, 3), 4, 1e-5, "test") is None  # a fused norm reading something else
-    assert handover.wanted(producer, torch.randn(1)) is None
-    learn()
-    out = torch.randn(2, 8, 3, 3)
-    handover.offer(out, producer, (4, 1e-5), stats)
-    assert handover.take(out, 4, 1e-5, "test") is not None  # taken: the request stays
-    handover.offer(torch.randn(2, 8, 3, 3), other)
-    assert handover.wanted(producer, out) == (4, 1e-5)
+    for _ in range(3):  # gradient checkpointing: taken in forward, recomputed alone in backward, and so on
+        taken()
+        untaken()
+    assert handover.wanted(producer, torch.randn(1)) == (4, 1e-5)
 
 
 def test_unpatch_forgets_what_its_producers_learned():
