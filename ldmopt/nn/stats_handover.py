@@ -146,6 +146,7 @@ def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
     producer = offered.producer()
     if producer is not None:
         _wanted[producer] = config
+        _untaken.pop(producer, None)  # a new request starts its own count
     return None
 
 
@@ -158,9 +159,10 @@ def _drop_if_unused(offered: _Offer | None) -> None:
     producer = offered.producer()
     if producer is None or _wanted.get(producer) != offered.config:
         return
-    _untaken[producer] = _untaken.get(producer, 0) + 1
-    if _untaken[producer] >= 2:
-        del _wanted[producer], _untaken[producer]
+    untaken = _untaken[producer] = _untaken.get(producer, 0) + 1
+    if untaken >= 2:
+        _wanted.pop(producer, None)
+        _untaken.pop(producer, None)
 
 
 def forget_modules(modules) -> None:

@@ -505,6 +505,8 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
     for key in kept:
         if tuned_ms.get(key) is not None and not _faster(tuned_ms[key] / 1e3, stock.site_s[key], min_speedup):
             notes[key] = "kept: faster in an earlier round; the last (tuned) measurement checks nothing"
+    if not kept:  # the choice is stock, whatever the dropped configurations measured
+        tuned_hooked_s = stock.wall_s
     stock_s = tuned_s = stock.wall_s
     left_stock = False
     if kept:  # the whole call, without hooks: tuned (warm from the last measurement), then stock
@@ -517,14 +519,22 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
             unpatch(pipe_or_model)
         job.patch_only(every)
         every_s = wall_time(job.run, job.devices, warmup=job.warmup, repeats=job.repeats, graph=graph)
+        measured_rounds += 1
         if not kept or every_s < tuned_s:
-            together = (
-                f"kept: with every site patched run() took {every_s * 1e3:.3f} ms, less than with only the sites "
-                f"faster on their own ({tuned_s * 1e3:.3f} ms): they pay together"
-            )
-            for key in every - kept:
+            if kept:
+                together = (
+                    f"kept: with every site patched run() took {every_s * 1e3:.3f} ms, less than with only the "
+                    f"sites faster on their own ({tuned_s * 1e3:.3f} ms): they pay together"
+                )
+            else:
+                together = (
+                    "kept: no site was faster on its own, but every site patched was faster as a whole "
+                    f"({every_s * 1e3:.3f} ms per run() call, no hooks): they pay together"
+                )
+            for key in every:  # the first measurement's configuration: its per-site times are the tuned ones
                 why.pop(key, None)
                 notes[key] = together
+                tuned_ms[key] = fused.site_s[key] * 1e3 if fused.calls.get(key, 0) else None
             kept, tuned_s = set(every), every_s
     if kept:
         if is_patched(pipe_or_model):

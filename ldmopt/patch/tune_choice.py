@@ -246,10 +246,10 @@ def _warn_if_measured_elsewhere(choice: dict, pipe_or_model: Any) -> None:
     from .tune import _cuda_devices
 
     then = choice.get("measured_on", {}).get("device")
-    if not then:
-        return
     now = measured_on(_cuda_devices(pipe_or_model))["device"]
-    if now != then:
+    # Only GPU against GPU: a model offloaded to the CPU (or not yet moved) says "cpu" here, and a tune by rule of
+    # an offloaded model recorded "cpu" for work that ran on a GPU.
+    if then and "cpu" not in (then, now) and now != then:
         warnings.warn(
             f"ldmopt.patch_tuned: the choice was measured on {then}; this model is on {now}, where other fused "
             "modules may pay (ldmopt.tune measures here)",

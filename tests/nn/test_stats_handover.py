@@ -128,10 +128,14 @@ def test_training_step_with_statistics_handed_over_matches_stock_gradients():
 
 
 def test_gradient_checkpointing_keeps_the_hand_over():
-    """Training with gradient checkpointing still hands statistics over from the second step on (a producer whose
-    offer goes untaken once, as one recomputed alone in backward would leave it, keeps its request: above)."""
+    """Training with gradient checkpointing still hands statistics over from the second step on. Reentrant
+    checkpoints recompute each resnet alone in backward, its offer untaken there: the producer keeps its request
+    (PyTorch's default non-reentrant checkpoint stops its recompute before the offer)."""
+    import functools
+
     _, patched, kw = _patched_unet()
-    patched.train().enable_gradient_checkpointing()
+    reentrant = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+    patched.train().enable_gradient_checkpointing(reentrant)
     with ldmopt.use_backend("torch"):
         for _ in range(3):
             handover.handed_over.clear()

@@ -3,6 +3,7 @@ for another model; undone like patch."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import types
 import warnings
@@ -241,15 +242,24 @@ def test_cli_tunes_a_training_step_for_patch_tuned(tmp_path, capsys):
     assert "--training times whole training steps rule by rule" in capsys.readouterr().err
 
 
-def test_a_choice_measured_on_another_device_is_applied_with_a_warning(monkeypatch):
+def test_a_choice_measured_on_another_gpu_is_applied_with_a_warning(monkeypatch):
     choice = _tuned_choice(monkeypatch, "resnet").tuning.choice()
     unet = _unet()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # measured here (the CPU): nothing to say
         ldmopt.patch_tuned(unet, choice)
-    ldmopt.unpatch(unet)
-    elsewhere = {**choice, "measured_on": {**choice["measured_on"], "device": "NVIDIA H200"}}
-    with pytest.warns(RuntimeWarning, match="measured on NVIDIA H200; this model is on cpu"):
-        ldmopt.patch_tuned(unet, elsewhere)
+        ldmopt.unpatch(unet)
+        # a GPU's choice applied before the model moves there (or to one offloaded to the CPU): nothing either
+        ldmopt.patch_tuned(unet, {**choice, "measured_on": {"device": "NVIDIA H200"}})
+        ldmopt.unpatch(unet)
+    tune_module = importlib.import_module("ldmopt.patch.tune")
+    monkeypatch.setattr(tune_module, "_cuda_devices", lambda pipe: {torch.device("cuda", 0)})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    with pytest.warns(RuntimeWarning, match="measured on NVIDIA H200; this model is on NVIDIA H100 80GB HBM3"):
+        ldmopt.patch_tuned(unet, {**choice, "measured_on": {"device": "NVIDIA H200"}})
     assert _patched_keys(unet) == {(s["model"], s["name"]) for s in choice["sites"] if s["kept"]}
+    ldmopt.unpatch(unet)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ldmopt.patch_tuned(unet, {**choice, "measured_on": {"device": "NVIDIA H100 80GB HBM3"}})
     ldmopt.unpatch(unet)
