@@ -59,19 +59,9 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def measured_on(devices: set) -> dict[str, Any]:
-    """Where a tuning ran: the GPU's name (or "cpu"), library versions and the date."""
-    import importlib.metadata
-
+def device_names(devices: set) -> str:
+    """The GPUs' names, comma-separated, or "cpu" without any."""
     import torch
-
-    from .. import __version__
-
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
 
     def name(device) -> str:
         try:
@@ -79,11 +69,20 @@ def measured_on(devices: set) -> dict[str, Any]:
         except (RuntimeError, AssertionError):  # not queryable here: the device as torch names it
             return str(device)
 
-    names = sorted({name(d) for d in devices}) if devices else ["cpu"]
+    return ", ".join(sorted({name(d) for d in devices})) if devices else "cpu"
+
+
+def measured_on(devices: set) -> dict[str, Any]:
+    """Where a tuning ran: the GPU's name (or "cpu"), library versions and the date."""
+    import torch
+
+    from .. import __version__
+    from ..info import _version
+
     return {
-        "device": ", ".join(names),
+        "device": device_names(devices),
         "torch": torch.__version__,
-        "triton": version("triton"),
+        "triton": _version("triton"),
         "ldmopt": __version__,
         "date": datetime.date.today().isoformat(),
     }
@@ -246,7 +245,7 @@ def _warn_if_measured_elsewhere(choice: dict, pipe_or_model: Any) -> None:
     from .tune import _cuda_devices
 
     then = choice.get("measured_on", {}).get("device")
-    now = measured_on(_cuda_devices(pipe_or_model))["device"]
+    now = device_names(_cuda_devices(pipe_or_model))
     # Only GPU against GPU: a model offloaded to the CPU (or not yet moved) says "cpu" here, and a tune by rule of
     # an offloaded model recorded "cpu" for work that ran on a GPU.
     if then and "cpu" not in (then, now) and now != then:

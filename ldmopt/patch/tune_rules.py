@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .core import unpatch
 from .report import PatchReport
-from .tune import SiteTiming, Tuning, _Job, _read_touched, _Site
+from .tune import SiteTiming, Tuning, _Job, _left_stock_reason, _read_touched, _Site
 from .tune_timer import SiteKey, wall_time
 
 
@@ -68,11 +68,7 @@ def tune_by_rule(job: _Job) -> PatchReport:
     left_stock = bool(chosen) and not tuned_s < stock_s  # min_speedup < 1 lets slower groups through
     why: dict[SiteKey, str] = {}
     if left_stock:
-        whole_call = (
-            f"tune: the tuned model took {tuned_s * 1e3:.3f} ms per run() call against {stock_s * 1e3:.3f} ms "
-            "stock, so every site was left stock"
-        )
-        why.update((s.key, whole_call) for s in sites)
+        why.update(dict.fromkeys((s.key for s in sites), _left_stock_reason(tuned_s, stock_s)))
         chosen = []
     for name, members in groups.items():
         if name in chosen or left_stock:
