@@ -575,13 +575,15 @@ def test_real_timer_end_to_end(monkeypatch):
     ldmopt.unpatch(unet)
 
 
+def _geglu_in_its_block(key, patched):
+    """Calls of a site per run(): a GEGLU runs inside its transformer block's fused forward (not as a module)."""
+    if key[1].endswith(".ff.net.0"):
+        return 0 if (key[0], key[1].removesuffix(".ff.net.0")) in patched else 1
+    return 1
+
+
 def test_a_site_freed_in_the_last_round_is_not_kept_unchecked(monkeypatch):
     unet = _unet()
-
-    def calls(key, patched):
-        if key[1].endswith(".ff.net.0"):
-            return 0 if (key[0], key[1].removesuffix(".ff.net.0")) in patched else 1
-        return 1
 
     def cost(key, rules, patched):
         if key not in patched:
@@ -590,7 +592,7 @@ def test_a_site_freed_in_the_last_round_is_not_kept_unchecked(monkeypatch):
             return 0.5 if any(".resnets." in name for _, name in patched) else 2.0
         return 0.5 if rules == ("geglu",) else 2.0
 
-    _fake_measure(monkeypatch, unet, cost, calls=calls)
+    _fake_measure(monkeypatch, unet, cost, calls=_geglu_in_its_block)
     report = ldmopt.tune(unet, _run(unet), rounds=2)
     gegl = [s for s in report.tuning.sites if s.rules == ("geglu",)]
     assert gegl and not any(s.kept for s in gegl)
@@ -605,11 +607,6 @@ def test_a_site_run_inside_its_parents_fused_forward_follows_it(monkeypatch, blo
     unet = _unet()
     run = _run(unet)
 
-    def calls(key, patched):
-        if key[1].endswith(".ff.net.0"):
-            return 0 if (key[0], key[1].removesuffix(".ff.net.0")) in patched else 1
-        return 1
-
     def cost(key, rules, patched):
         if key not in patched:
             return 1.0
@@ -618,7 +615,7 @@ def test_a_site_run_inside_its_parents_fused_forward_follows_it(monkeypatch, blo
             return 0.5 if block == "faster" or (block != "slower" and resnets) else 2.0
         return 0.5 if rules == ("geglu",) else 2.0
 
-    configurations = _fake_measure(monkeypatch, unet, cost, calls=calls)
+    configurations = _fake_measure(monkeypatch, unet, cost, calls=_geglu_in_its_block)
     report = ldmopt.tune(unet, run)
     kept = {s.name: s for s in report.tuning.kept}
     gegl = [s for s in report.tuning.sites if s.rules == ("geglu",)]
