@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ldmopt._env import getenv
+
 
 @triton.jit
 def identity(x):
@@ -98,7 +100,7 @@ ACTIVATIONS = {
 
 def poison_enabled() -> bool:
     """LDMOPT_POISON_OUTPUTS=1 (set by the tests) fills fresh kernel outputs with NaN so unwritten elements show."""
-    return os.environ.get("LDMOPT_POISON_OUTPUTS", "0") == "1"
+    return getenv("LDMOPT_POISON_OUTPUTS", "0") == "1"
 
 
 def new_output(*args, like: torch.Tensor | None = None, **kwargs) -> torch.Tensor:

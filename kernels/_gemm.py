@@ -4,11 +4,11 @@ backward passes and of the ahead-of-time specs (divisibility hints, int64 column
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from ldmopt._env import interpreter_enabled
 
 from ._common import (
     cdiv,
@@ -28,7 +28,7 @@ _BWD_TILE = 4096
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpreter_enabled()
 
 
 def gemm_configs(tiles: list[tuple[int, ...]], fp32_tiles: list[tuple] = ()) -> list[triton.Config]:

@@ -21,11 +21,11 @@ matmul would compute them (``fp32_precision``, _common.FP32_PRECISIONS).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from ldmopt._env import interpreter_enabled
 
 from ._common import (
     ACTIVATIONS,
@@ -69,7 +69,7 @@ CONV_TILES_PLAIN = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 
 
 
 def _configs() -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreter_enabled():
         # The interpreter's cost is per program and per numpy op: one large tile.
         return [triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=1)]
     tiles = []

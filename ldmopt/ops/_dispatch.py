@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -98,7 +97,7 @@ def _resolve_now(op_name: str) -> tuple[str | None, bool]:
                 return policy.name, policy.inherited
             break  # 'auto' here: only LDMOPT_BACKEND can still force it
         policy = policy.outer
-    env = os.environ.get("LDMOPT_BACKEND", "").strip().lower()
+    env = _env.getenv("LDMOPT_BACKEND", "").strip().lower()
     if env and env != "auto":
         if env not in BACKEND_NAMES:
             raise ValueError(f"LDMOPT_BACKEND={env!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")

@@ -33,6 +33,8 @@ from collections import Counter
 
 import torch
 
+from .._env import getenv
+
 ENV = "LDMOPT_GN_CONV_PROLOGUE"
 PLACEMENTS = ("auto", "loader", "staged")
 #: normalisations per input element from which auto stages (see the module docstring)
@@ -46,7 +48,7 @@ placement_counts: Counter[str] = Counter()
 
 def requested_placement() -> str:
     """The placement ``LDMOPT_GN_CONV_PROLOGUE`` asks for ("auto" when unset), read at each call."""
-    return _parse(os.environ.get(ENV))
+    return _parse(getenv(ENV))
 
 
 @functools.lru_cache(maxsize=8)

@@ -4,6 +4,8 @@ before they were replaced)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import triton
@@ -11,6 +13,7 @@ from ldmopt.kernels._common import cdiv, next_power_of_2
 from triton.runtime import jit
 
 from benchmarks import bench_host_overhead, profile_host
+from ldmopt._env import getenv
 
 
 def test_launch_arithmetic_matches_triton():
@@ -40,3 +43,38 @@ def test_op_calls_no_triton_constexpr_function_on_the_host(case, monkeypatch):
         fused(tensors)
     assert launches, f"{case}: no Triton kernel was launched (the case ran another backend)"
     assert not host_calls, f"{case}: host calls of Triton constexpr functions: {host_calls}"
+
+
+def test_getenv_sees_every_change_os_environ_sees(monkeypatch):
+    name = "LDMOPT_TEST_GETENV_VARIABLE"
+    monkeypatch.delenv(name, raising=False)
+    assert getenv(name) is None and getenv(name, "dflt") == "dflt"
+    for value in ("1", "torch", "", "  Triton ", "é-ünïcode", "1"):
+        monkeypatch.setenv(name, value)
+        assert getenv(name, "dflt") == os.environ.get(name) == value
+    os.environ[name] = "direct"
+    assert getenv(name) == "direct"
+    del os.environ[name]
+    assert getenv(name, "gone") == "gone"
+
+
+@pytest.mark.parametrize("case", sorted(bench_host_overhead.CASES))
+def test_op_calls_read_their_variables_without_os_environ(case, monkeypatch):
+    # os.environ.get encodes the key on each read (~1.6 us here); the hot path reads through ldmopt._env.getenv.
+    monkeypatch.setattr(bench_host_overhead, "DEVICE", "cpu")
+    tensors = bench_host_overhead._tensors(torch.float32)
+    fused = bench_host_overhead.CASES[case][0]
+    with torch.no_grad(), profile_host.stubbed_launches():
+        fused(tensors)  # first call: autotuning and caches
+        read = []
+        stock = type(os.environ).__getitem__
+
+        def counted(self, key):
+            read.append(key)
+            return stock(self, key)
+
+        monkeypatch.setattr(type(os.environ), "__getitem__", counted)
+        fused(tensors)
+        monkeypatch.undo()
+    ours = [key for key in read if key.startswith("LDMOPT_") or key == "TRITON_INTERPRET"]
+    assert not ours, f"{case} read {ours} through os.environ"
