@@ -549,12 +549,22 @@ def unpatch(pipe_or_model: Any) -> int:
         copies = _unrecorded_fused(model)
         holders = [m for m in model.modules() if _RECORDS in m.__dict__]
         originals = {}
-        for holder in holders:
-            records = holder.__dict__.pop(_RECORDS)
-            originals.update((id(new), old) for rec in records for new, old in rec.rule.stand_ins(rec.data))
-            _restore(records)
-            undone += sum(rec.rule.counted for rec in records)
-        _restore_saved_processors(model, originals)
+        try:
+            for holder in holders:
+                # One record at a time, newest first, each dropped once restored: a restore that raises (or a
+                # KeyboardInterrupt) leaves the rest recorded, so the model still says it is patched and a later
+                # unpatch finishes the job.
+                records = holder.__dict__[_RECORDS]
+                while records:
+                    rec = records[-1]
+                    stand_ins = rec.rule.stand_ins(rec.data)
+                    _restore([rec])
+                    originals.update((id(new), old) for new, old in stand_ins)
+                    records.pop()
+                    undone += rec.rule.counted
+                del holder.__dict__[_RECORDS]
+        finally:
+            _restore_saved_processors(model, originals)
         for module in copies:
             swap_class(module, type(module)._ldmopt_base)
             module.__dict__.pop("_ldmopt_guards", None)

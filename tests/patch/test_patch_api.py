@@ -594,3 +594,31 @@ def test_patched_unet_runs_on_meta_tensors():
     ldmopt.patch(unet)
     out = _run(unet.to("meta"), inputs)
     assert out.device.type == "meta" and out.shape == inputs["sample"].shape
+
+
+@pytest.mark.parametrize("interruption", [OSError, KeyboardInterrupt])
+def test_an_unpatch_interrupted_midway_can_be_finished(monkeypatch, interruption):
+    """A restore that raises partway through unpatch (an error, Ctrl-C) leaves the modules not yet restored
+    recorded: the model still says it is patched, and a second unpatch restores it exactly."""
+    unet = models.sd15_unet().eval()
+    x = models.inputs("sd15", unet)
+    ref, before = _run(unet, x), snapshot(unet)
+    resnet = next(r for r in rule_table()[type(unet.down_blocks[0].resnets[0])] if r.name == "resnet")
+    total = ldmopt.patch(unet).total
+    real_restore, restored = resnet.restore, []
+
+    def restore_interrupted_once(site, data):
+        restored.append(site.name)
+        if len(restored) == 2:
+            raise interruption("restore interrupted")
+        real_restore(site, data)
+
+    monkeypatch.setattr(resnet, "restore", restore_interrupted_once)
+    with pytest.raises(interruption, match="restore interrupted"):
+        ldmopt.unpatch(unet)
+    assert is_patched(unet)
+    monkeypatch.undo()
+    assert ldmopt.unpatch(unet) < total  # what the first call restored is not undone twice
+    assert not is_patched(unet)
+    assert_same_snapshot(before, snapshot(unet))
+    assert torch.equal(_run(unet, x), ref)
