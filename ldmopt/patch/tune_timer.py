@@ -59,7 +59,7 @@ class SiteTimer:
         self.in_graph = in_graph  # events become nodes of a CUDA graph being captured, re-recorded at each replay
         self.cuda_devices: set[torch.device] = set()  # every CUDA device a stamp was taken on
         self.cpu_stamps = False
-        self._stack: list[tuple[SiteKey, int, SiteKey | None, Any, torch.device]] = []
+        self._stack: list[tuple[SiteKey, int, SiteKey | None, Any, torch.device, nn.Module]] = []
         self._spans: list[tuple[SiteKey, int, SiteKey | None, Any, Any]] = []
         self._handles: list[Any] = []
 
@@ -72,9 +72,13 @@ class SiteTimer:
         self.cpu_stamps = True
         return time.perf_counter()
 
-    def _charged(self) -> SiteKey | None:
-        """The site whose exclusive time a call opened now is taken off: the innermost open site not in ``whole``
-        (its own site, for a target inside another target of the same site: counted once)."""
+    def _charged(self, module: nn.Module, key: SiteKey) -> SiteKey | None:
+        """The site whose exclusive time a call of ``module`` for site ``key`` opened now is taken off: the innermost
+        open site not in ``whole`` (its own site, for a target inside another target of the same site: counted once).
+        None when another site that targets the same module has just opened this very call: that site's span is
+        taken off the site around them, once, and each site times the call in full."""
+        if self._stack and self._stack[-1][5] is module and self._stack[-1][0] != key:
+            return None
         for open_key, *_ in reversed(self._stack):
             if open_key not in self.whole:
                 return open_key
@@ -86,13 +90,16 @@ class SiteTimer:
 
                 def pre(module, args, kwargs, key=key, index=index):
                     device = work_device(module, args, kwargs)
-                    self._stack.append((key, index, self._charged(), self._stamp(device), device))
+                    self._stack.append((key, index, self._charged(module, key), self._stamp(device), device, module))
 
                 def post(module, args, kwargs, output, key=key, index=index):
                     for depth in range(len(self._stack) - 1, -1, -1):  # the innermost open call of this target
-                        open_key, open_index, charged, start, device = self._stack[depth]
+                        open_key, open_index, charged, start, device, _ = self._stack[depth]
                         if (open_key, open_index) == (key, index):
-                            del self._stack[depth:]
+                            # Calls opened above it and not closed are dropped, but for the same call that other
+                            # sites targeting this module opened after it: their own post hooks close them next.
+                            same_call = [e for e in self._stack[depth + 1 :] if e[5] is module and e[0] != key]
+                            self._stack[depth:] = same_call
                             self._spans.append((key, index, charged, start, self._stamp(device)))
                             return
 

@@ -461,6 +461,20 @@ def test_a_site_timed_at_several_slots_sums_them(monkeypatch):
     assert measured.site_s == {("", ""): 3.0} and measured.calls == {("", ""): 1}
 
 
+def test_sites_that_share_a_target_each_time_its_calls_in_full(monkeypatch):
+    # Two sites hooked on one module (a slot of a child-swap site that is another site's module too): the second
+    # site's call used to be dropped when the first site's post hook closed the stack above it, and its call was
+    # taken off the first site as if nested in it.
+    clock = _Clock()
+    monkeypatch.setattr(tune_timer, "time", clock)
+    shared = _Costly(clock, 2.0)
+    parent = _Costly(clock, 10.0, shared)
+    targets = {("", "a"): [shared], ("", "b"): [shared], ("", "parent"): [parent]}
+    measured = tune_timer.measure(lambda: parent(torch.ones(1)), targets, set(), warmup=0, repeats=2, whole=frozenset())
+    assert measured.site_s == {("", "a"): 2.0, ("", "b"): 2.0, ("", "parent"): 10.0}
+    assert measured.calls == dict.fromkeys(targets, 1)
+
+
 def test_cuda_timer_uses_events_on_the_device_the_work_is_on(monkeypatch):
     clock = _Clock()
     outer, targets = _toy(clock)
