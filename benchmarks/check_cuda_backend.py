@@ -1,7 +1,8 @@
 """CUDA C++ backend (ldmopt._C) versus the Triton backend and an fp64 reference, then both timed side by side.
 
 Part 1, correctness: at the GroupNorm(+SiLU) benchmark shapes (benchmarks/bench_group_norm.py; forward and
-backward) and at real temporal-attention shapes (AnimateDiff, SVD, Latte), each backend's outputs against the
+backward, and the statistics and the normalisation from given statistics alone, as the fused conv runs them) and at
+real temporal-attention shapes (AnimateDiff, SVD, Latte), each backend's outputs against the
 reference computed in fp64, as max relative error ||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype
 bound. Outputs are poisoned with NaN first (LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.
 Part 2, speed: harness.time_fn for ldmopt-cuda, ldmopt-triton and PyTorch eager on the same inputs (poisoning off);
@@ -108,6 +109,36 @@ def check_group_norm(quick: bool):
         del leaves64, ref, refs
 
 
+def check_group_norm_parts(quick: bool):
+    """The statistics alone (gn_conv2d_stats: what the fused conv reads) and the normalisation from given statistics
+    (group_norm_apply: the staged conv's pass, channels-last only) on each backend."""
+    from ldmopt.ops.gn_conv2d_stats import gn_conv2d_stats
+    from ldmopt.ops.group_norm_apply import group_norm_apply
+
+    for case, shape, layout, dtype in _group_norm_cases(quick):
+        x, w, b = _group_norm_inputs(shape, layout, dtype)
+        var, mean = torch.var_mean(x.double().reshape(x.shape[0], GROUPS, -1), dim=-1, unbiased=False)
+        rstd = torch.rsqrt(var + 1e-5)
+        # Statistics other than x's own, so that a kernel which recomputed them would fail.
+        given = ((mean + 0.25).float(), (rstd * 1.5).float())
+        z = (x.double().reshape(x.shape[0], GROUPS, -1) - given[0].double()[..., None]) * given[1].double()[..., None]
+        z = z.reshape(x.shape) * w.double()[:, None, None] + b.double()[:, None, None]
+        ref_y = F.silu(z)
+        for backend in BACKENDS:
+            try:
+                with ldmopt.use_backend(backend):
+                    out_stats = gn_conv2d_stats(x, GROUPS, 1e-5)
+                    y = group_norm_apply(x, *given, w, b, GROUPS, "silu") if layout == "channels_last" else None
+            except ldmopt.BackendUnavailableError as exc:
+                _skip(backend, f"gn_stats+gn_apply {case} {dtype} {backend}", exc)
+                continue
+            yield "gn_stats", case, dtype, backend, list(out_stats), [mean, rstd]
+            if y is not None:
+                assert y.is_contiguous(memory_format=torch.channels_last), f"{backend}: apply output not channels-last"
+                yield "gn_apply", case, dtype, backend, [y], [ref_y]
+        del ref_y, z
+
+
 def _attention_inputs(shape, dtype):
     bn, f, h, d = shape
     # diffusers' (B*N, F, heads*head_dim) projections, viewed as (B*N, F, 1, heads, head_dim): no copies
@@ -162,7 +193,7 @@ def run_checks(quick: bool) -> int:
     failures = 0
     ran: Counter[str] = Counter()
     print(f"{'op':<20} {'case':<30} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
-    for check in (check_group_norm, check_attention):
+    for check in (check_group_norm, check_group_norm_parts, check_attention):
         try:
             for op, case, dtype, backend, outs, refs in check(quick):
                 ran[backend] += 1

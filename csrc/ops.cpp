@@ -14,6 +14,10 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
   m.def(
       "group_norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
       "int num_groups, str activation) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+  m.def("group_norm_stats_cuda(Tensor x, int num_groups, float eps) -> (Tensor mean, Tensor rstd)");
+  m.def(
+      "group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, int num_groups, "
+      "str activation) -> Tensor y");
   m.def("temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out");
   m.def("temporal_attention_fwd_out_cuda(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
 }
@@ -21,6 +25,8 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
 TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
   m.impl("group_norm_fwd_cuda", &ldmopt::group_norm::forward_cuda);
   m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_cuda);
+  m.impl("group_norm_stats_cuda", &ldmopt::group_norm::statistics_cuda);
+  m.impl("group_norm_apply_cuda", &ldmopt::group_norm::apply_cuda);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_cuda);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_cuda);
 }
@@ -28,6 +34,8 @@ TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
 TORCH_LIBRARY_IMPL(ldmopt, Meta, m) {
   m.impl("group_norm_fwd_cuda", &ldmopt::group_norm::forward_meta);
   m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_meta);
+  m.impl("group_norm_stats_cuda", &ldmopt::group_norm::statistics_meta);
+  m.impl("group_norm_apply_cuda", &ldmopt::group_norm::apply_meta);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_meta);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_meta);
 }

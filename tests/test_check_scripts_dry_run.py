@@ -155,9 +155,13 @@ def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
     rows, skips = _parse(out)
     assert all(r[5] == "PASS" and r[3] == "triton" for r in rows), out
     gn = [r for r in rows if r[0] == "group_norm_silu"]
+    gn_stats = [r for r in rows if r[0] == "gn_stats"]
+    gn_apply = [r for r in rows if r[0] == "gn_apply"]
     attn = [r for r in rows if r[0] == "temporal_attention"]
-    assert len(gn) == 2 * 2 * 2 and len(attn) == 2 * 2 and len(rows) == len(gn) + len(attn), out  # shapes x dtypes
-    assert len(skips) == len(rows), out  # every cuda row is a skip on the CPU
+    assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == 2 * 2, out  # shapes x layouts x dtypes
+    assert len(gn_apply) == 2 * 2 and all("channels_last" in r[1] for r in gn_apply), out  # channels-last only
+    assert len(rows) == len(gn) + len(gn_stats) + len(gn_apply) + len(attn), out
+    assert len(skips) == len(gn) + len(gn_stats) + len(attn), out  # every cuda case is a skip on the CPU
 
 
 def test_check_cuda_backend_benchmarks(cuda_backend_cpu, capsys, tmp_path):

@@ -15,6 +15,8 @@ namespace {
 
 constexpr const char* kFwd = "ldmopt.group_norm_fwd_cuda";
 constexpr const char* kBwd = "ldmopt.group_norm_bwd_cuda";
+constexpr const char* kStats = "ldmopt.group_norm_stats_cuda";
+constexpr const char* kApply = "ldmopt.group_norm_apply_cuda";
 
 // True for channels-last (C contiguous), false for contiguous; anything else is refused.
 bool channels_last_layout(const at::Tensor& x, const char* op, const char* name) {
@@ -77,14 +79,51 @@ AnyVector param_view(const at::Tensor& t) {
 
 Stream current_stream() { return reinterpret_cast<Stream>(c10::cuda::getCurrentCUDAStream().stream()); }
 
+void check_eps(double eps, const char* op) {
+  TORCH_CHECK(eps >= 0.0 && eps < std::numeric_limits<float>::infinity(), op,
+              ": eps must be a finite number >= 0, got ", eps);
+}
+
+// The statistics' scratch (partials and the per-(n, c) coefficients) in one fp32 buffer.
+struct Scratch {
+  at::Tensor buffer;
+  float* part_a;
+  float* part_b;
+  float* coef;
+};
+
+Scratch forward_scratch(const Problem& p, const Plan& plan, const at::Tensor& x, bool partials) {
+  const int64_t n_part = partials ? partial_floats(p, plan) : 0;
+  Scratch s{at::empty({2 * n_part + p.N * p.C * 2}, x.options().dtype(at::kFloat)), nullptr, nullptr, nullptr};
+  float* base = s.buffer.data_ptr<float>();
+  s.part_a = base;
+  s.part_b = base + n_part;
+  s.coef = base + 2 * n_part;
+  return s;
+}
+
 }  // namespace
 
 Problem check_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
                       std::string_view activation) {
   const Problem p = check_common(x, weight, bias, num_groups, activation, kFwd);
-  TORCH_CHECK(eps >= 0.0 && eps < std::numeric_limits<float>::infinity(), kFwd,
-              ": eps must be a finite number >= 0, got ", eps);
+  check_eps(eps, kFwd);
+  return p;
+}
+
+Problem check_statistics(const at::Tensor& x, int64_t num_groups, double eps) {
+  const Problem p = check_common(x, std::nullopt, std::nullopt, num_groups, "", kStats);
+  check_eps(eps, kStats);
+  return p;
+}
+
+Problem check_apply(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                    int64_t num_groups, std::string_view activation) {
+  const Problem p = check_common(x, weight, bias, num_groups, activation, kApply);
+  check_stats(mean, p, x, kApply, "mean");
+  check_stats(rstd, p, x, kApply, "rstd");
   return p;
 }
 
@@ -107,6 +146,19 @@ Tensors3 forward_meta(const at::Tensor& x, const std::optional<at::Tensor>& weig
   const Problem p = check_forward(x, weight, bias, num_groups, eps, activation);
   at::Tensor mean = at::empty({p.N, p.G}, x.options().dtype(at::kFloat));
   return {at::empty_like(x), mean, at::empty_like(mean)};
+}
+
+Tensors2 statistics_meta(const at::Tensor& x, int64_t num_groups, double eps) {
+  const Problem p = check_statistics(x, num_groups, eps);
+  at::Tensor mean = at::empty({p.N, p.G}, x.options().dtype(at::kFloat));
+  return {mean, at::empty_like(mean)};
+}
+
+at::Tensor apply_meta(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+                      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                      int64_t num_groups, std::string_view activation) {
+  check_apply(x, mean, rstd, weight, bias, num_groups, activation);
+  return at::empty_like(x);
 }
 
 Tensors3 backward_meta(const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
@@ -145,6 +197,58 @@ Tensors3 forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weig
   forward(p, plan, args, current_stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, mean, rstd};
+}
+
+Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps) {
+  const Problem p = check_statistics(x, num_groups, eps);
+  check_cuda(x, kStats, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor mean = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
+  at::Tensor rstd = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
+  const Plan plan = make_plan(p, aligned16(x.data_ptr()));
+  const Scratch scratch = forward_scratch(p, plan, x, true);
+  const ForwardArgs args{x.data_ptr(),
+                         nullptr,
+                         {nullptr, DType::kFloat32},
+                         {nullptr, DType::kFloat32},
+                         mean.data_ptr<float>(),
+                         rstd.data_ptr<float>(),
+                         scratch.part_a,
+                         scratch.part_b,
+                         scratch.coef,
+                         static_cast<float>(eps)};
+  statistics(p, plan, args, current_stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {mean, rstd};
+}
+
+at::Tensor apply_cuda(const at::Tensor& x, const at::Tensor& mean_in, const at::Tensor& rstd_in,
+                      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                      int64_t num_groups, std::string_view activation) {
+  const Problem p = check_apply(x, mean_in, rstd_in, weight, bias, num_groups, activation);
+  check_cuda(x, kApply, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor mean = mean_in.contiguous();
+  const at::Tensor rstd = rstd_in.contiguous();
+  const at::Tensor w = param_tensor(weight);
+  const at::Tensor b = param_tensor(bias);
+  at::Tensor y = new_output(at::empty_like(x));
+  const Plan plan = make_plan(p, aligned16(x.data_ptr()) && aligned16(y.data_ptr()));
+  const Scratch scratch = forward_scratch(p, plan, x, false);
+  // The kernels read the statistics through the forward's (writable) pointers; apply only reads them.
+  const ForwardArgs args{x.data_ptr(),
+                         y.data_ptr(),
+                         param_view(w),
+                         param_view(b),
+                         const_cast<float*>(mean.data_ptr<float>()),
+                         const_cast<float*>(rstd.data_ptr<float>()),
+                         nullptr,
+                         nullptr,
+                         scratch.coef,
+                         0.0f};
+  apply(p, plan, args, current_stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
 }
 
 Tensors3 backward_cuda(const at::Tensor& dy_in, const at::Tensor& x, const std::optional<at::Tensor>& weight,

@@ -1,4 +1,5 @@
-// GroupNorm(+SiLU) ops ldmopt::group_norm_fwd_cuda / group_norm_bwd_cuda: CUDA and Meta implementations that share
+// GroupNorm(+SiLU) ops ldmopt::group_norm_fwd_cuda / group_norm_bwd_cuda / group_norm_stats_cuda /
+// group_norm_apply_cuda: CUDA and Meta implementations that share
 // one set of argument checks (so the checks are testable on CPU with meta tensors).
 #pragma once
 
@@ -12,6 +13,7 @@
 
 namespace ldmopt::group_norm {
 
+using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
 using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 Problem check_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
@@ -27,6 +29,20 @@ Tensors3 forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weig
 Tensors3 forward_meta(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
                       std::string_view activation);
+// Statistics alone (mean, rstd [N, G] fp32), and the elementwise pass from given statistics (y in x's layout).
+Problem check_statistics(const at::Tensor& x, int64_t num_groups, double eps);
+Problem check_apply(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                    int64_t num_groups, std::string_view activation);
+Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps);
+Tensors2 statistics_meta(const at::Tensor& x, int64_t num_groups, double eps);
+at::Tensor apply_cuda(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+                      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                      int64_t num_groups, std::string_view activation);
+at::Tensor apply_meta(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+                      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                      int64_t num_groups, std::string_view activation);
+
 Tensors3 backward_cuda(const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
                        const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
                        int64_t num_groups, std::string_view activation);

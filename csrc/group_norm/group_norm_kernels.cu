@@ -273,6 +273,17 @@ __global__ __launch_bounds__(kFinalizeThreads) void finalize_backward_kernel(Sta
   }
 }
 
+// One thread per (n, c): the coefficients a = w * rstd, b = bias - a * mean of given statistics (apply).
+__global__ __launch_bounds__(kThreads) void coef_forward_kernel(Stats s) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;  // n * C + c
+  if (i >= s.N * s.C) return;
+  const int64_t c = i % s.C;
+  const int64_t ng = (i / s.C) * s.G + c / (s.C / s.G);
+  const float a = param_at(s.weight, c, 1.0f) * s.rstd[ng];
+  s.coef[i * 2] = a;
+  s.coef[i * 2 + 1] = param_at(s.bias, c, 0.0f) - a * s.mean[ng];
+}
+
 // ------------------------------------------------------------------------------------------ elementwise
 
 template <class Act>
@@ -349,8 +360,9 @@ void launch_elementwise(const Problem& p, const Tensors<T>& t, Stream stream) {
   launch_kernel(elementwise_kernel<T, VEC, Op>, grid, dim3(kThreads), 0, stream, t, p.channels_last);
 }
 
-template <typename T, int VEC>
-void forward_impl(const Problem& p, const Plan& plan, const ForwardArgs& a, Stream stream) {
+// What the forward passes read and write, from the host arguments.
+template <typename T>
+Tensors<T> forward_tensors(const Problem& p, const Plan& plan, const ForwardArgs& a) {
   Tensors<T> t{static_cast<const T*>(a.x), nullptr, static_cast<T*>(a.y), make_stats(p, plan)};
   t.s.weight = a.weight;
   t.s.bias = a.bias;
@@ -360,14 +372,35 @@ void forward_impl(const Problem& p, const Plan& plan, const ForwardArgs& a, Stre
   t.s.part_b = a.part_b;
   t.s.coef = a.coef;
   t.s.eps = a.eps;
+  return t;
+}
+
+template <typename T, int VEC>
+void statistics_impl(const Problem& p, const Plan& plan, const Tensors<T>& t, const ForwardArgs& a, Stream stream) {
   launch_partial<T, VEC, StatsReducer>(p, plan, t, stream);
   launch_kernel(finalize_forward_kernel, dim3(static_cast<unsigned>(p.N * p.G)), dim3(kFinalizeThreads), 0, stream,
                 t.s, a.mean, a.rstd);
+}
+
+template <typename T, int VEC>
+void elementwise_forward(const Problem& p, const Tensors<T>& t, Stream stream) {
   if (p.silu) {
     launch_elementwise<T, VEC, ForwardOp<Silu>>(p, t, stream);
   } else {
     launch_elementwise<T, VEC, ForwardOp<Identity>>(p, t, stream);
   }
+}
+
+// kind: 0 forward (statistics, then the elementwise pass), 1 statistics alone, 2 apply (given statistics).
+template <typename T, int VEC>
+void forward_impl(const Problem& p, const Plan& plan, const ForwardArgs& a, int kind, Stream stream) {
+  const Tensors<T> t = forward_tensors<T>(p, plan, a);
+  if (kind != 2) statistics_impl<T, VEC>(p, plan, t, a, stream);
+  if (kind == 2) {
+    const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.N * p.C, kThreads)));
+    launch_kernel(coef_forward_kernel, grid, dim3(kThreads), 0, stream, t.s);
+  }
+  if (kind != 1) elementwise_forward<T, VEC>(p, t, stream);
 }
 
 template <typename T, int VEC, class Act>
@@ -389,11 +422,22 @@ void backward_impl(const Problem& p, const Plan& plan, const BackwardArgs& a, St
 }
 
 template <typename T>
-void forward_typed(const Problem& p, const Plan& plan, const ForwardArgs& a, Stream stream) {
+void forward_typed(const Problem& p, const Plan& plan, const ForwardArgs& a, int kind, Stream stream) {
   if (plan.vec == 1) {
-    forward_impl<T, 1>(p, plan, a, stream);
+    forward_impl<T, 1>(p, plan, a, kind, stream);
   } else {
-    forward_impl<T, 16 / sizeof(T)>(p, plan, a, stream);
+    forward_impl<T, 16 / sizeof(T)>(p, plan, a, kind, stream);
+  }
+}
+
+void forward_kind(const Problem& p, const Plan& plan, const ForwardArgs& args, int kind, Stream stream) {
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return forward_typed<float>(p, plan, args, kind, stream);
+    case DType::kFloat16:
+      return forward_typed<__half>(p, plan, args, kind, stream);
+    case DType::kBFloat16:
+      return forward_typed<__nv_bfloat16>(p, plan, args, kind, stream);
   }
 }
 
@@ -418,14 +462,15 @@ void backward_typed(const Problem& p, const Plan& plan, const BackwardArgs& a, S
 }  // namespace
 
 void forward(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream) {
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return forward_typed<float>(p, plan, args, stream);
-    case DType::kFloat16:
-      return forward_typed<__half>(p, plan, args, stream);
-    case DType::kBFloat16:
-      return forward_typed<__nv_bfloat16>(p, plan, args, stream);
-  }
+  forward_kind(p, plan, args, 0, stream);
+}
+
+void statistics(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream) {
+  forward_kind(p, plan, args, 1, stream);
+}
+
+void apply(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream) {
+  forward_kind(p, plan, args, 2, stream);
 }
 
 void backward(const Problem& p, const Plan& plan, const BackwardArgs& args, Stream stream) {

@@ -97,6 +97,12 @@ struct BackwardArgs {
 
 // Enqueue the kernels on stream; launch errors are left for the caller to check.
 void forward(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream);
+// The forward's two statistics passes alone (partial, finalize): writes args.mean/rstd; y, weight and bias unused,
+// coef is scratch.
+void statistics(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream);
+// The forward's elementwise pass from statistics already known (args.mean/rstd are read): the per-(n, c)
+// coefficients into coef, then y = act(a x + b); part_a/part_b unused.
+void apply(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream);
 void backward(const Problem& p, const Plan& plan, const BackwardArgs& args, Stream stream);
 
 }  // namespace ldmopt::group_norm

@@ -39,7 +39,7 @@ from .gn_conv2d_prologue import choose_placement, placement_counts
 from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _stats_dtype, _stats_torch, gn_conv2d_stats
 from .gn_conv2d_stats import same_but_channels as same_but_channels
 from .group_norm import group_norm_bwd
-from .group_norm_apply import apply_triton, group_norm_apply
+from .group_norm_apply import group_norm_apply, staged_apply
 from .group_norm_apply import normalize_reference as _normalize
 from .linear import sum_as
 
@@ -236,7 +236,7 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
         placement = choose_placement(x.device, tuple(w.shape[2:]), w.shape[0], stride, resample)
         placement_counts[placement] += 1
         if placement == "staged":  # act(group_norm(x)) written once, then a plain conv (gn_conv2d_prologue.py)
-            x = apply_triton(x, mean, rstd, gw, gb, groups, act, x_tail)
+            x = staged_apply(x, mean, rstd, gw, gb, groups, act, x_tail)
             x_tail = mean = rstd = gw = gb = act = None
     gate = None if gate is None else gate.float()
     w = _weight_for_kernel(w)

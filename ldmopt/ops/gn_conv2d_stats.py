@@ -2,7 +2,9 @@
 rstd of an input, or of a two-part input ``cat([x, x_tail], 1)`` without the concatenation), and what both ops share:
 the two-part input checks and the record of automatic fall-backs to the reference backend.
 
-Backends: triton (kernels/group_norm.py's Welford passes) and torch, the reference (fp32 statistics; fp64 for fp64).
+Backends: cuda (ldmopt._C's GroupNorm statistics passes, when the extension is built: one C++ op call for the two
+launches; a one-part contiguous or channels-last x), triton (kernels/group_norm.py's Welford passes) and torch, the
+reference (fp32 statistics; fp64 for fp64).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import spatial_dims_flatten
-from ._dispatch import Backend, BackendTable, register_eager, triton_refusals
+from ._dispatch import Backend, BackendTable, cuda_extension_refusals, register_eager, triton_refusals
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -65,9 +67,31 @@ def _stats_triton_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
     return reasons
 
 
+def _stats_cuda(x, num_groups, eps, x_tail=None):
+    return torch.ops.ldmopt.group_norm_stats_cuda(x, num_groups, eps)
+
+
+def _stats_cuda_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
+    from .group_norm import _cuda_layout
+
+    reasons = cuda_extension_refusals("group_norm_stats_cuda", x, x_tail)
+    if reasons:
+        return reasons
+    if x_tail is not None:
+        reasons.append("a two-part input (x_tail): the CUDA kernels read one tensor")
+    if x.dtype not in _TRITON_DTYPES:
+        reasons.append(f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)")
+    if x.dim() not in (3, 4, 5) or x.numel() == 0:
+        reasons.append(f"x of shape {tuple(x.shape)} (the CUDA kernels take non-empty 3-, 4- and 5-D x)")
+    elif not _cuda_layout(x):
+        reasons.append(f"x strides {x.stride()} are neither contiguous nor channels-last")
+    return reasons
+
+
 STATS = BackendTable(
     "gn_conv2d_stats",
     [
+        Backend("cuda", _stats_cuda, lambda x, groups, eps, x_tail=None: _stats_cuda_refuse(x, x_tail)),
         Backend("triton", _stats_triton, lambda x, groups, eps, x_tail=None: _stats_triton_refuse(x, x_tail)),
         Backend("torch", _stats_torch),
     ],

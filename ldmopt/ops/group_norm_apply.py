@@ -5,10 +5,13 @@ recomputes as the conv's input for PyTorch's convolution backward. Internal: it 
 without gradients: a staged forward inside the fused conv op, whose own autograd covers it, and a backward), so it is
 not exported from ``ldmopt.ops``.
 
-Backends: triton (kernels/group_norm.py's apply kernel: one elementwise pass per part, fp32 math) and torch, the
-reference (the unfused composition in fp32; fp64 for fp64), both rounding the result to x's dtype as an unfused
-model stores its activation. A two-part input ``x_tail`` stands for ``cat([x, x_tail], 1)``; the triton backend writes
-each part's channels of one output, the reference concatenates first.
+Backends: cuda (ldmopt._C's GroupNorm elementwise pass, when the extension is built: one C++ op call, whose host
+time is a fraction of a Triton launch's; a one-part channels-last x), triton (kernels/group_norm.py's apply kernel:
+one elementwise pass per part, fp32 math) and torch, the reference (the unfused composition in fp32; fp64 for fp64),
+all rounding the result to x's dtype as an unfused model stores its activation. A two-part input ``x_tail`` stands for
+``cat([x, x_tail], 1)``; the triton backend writes each part's channels of one output, the reference concatenates
+first. "Host time a fraction": on the H200's host (2026-12-04, benchmarks/RESULTS.md) a GroupNorm+SiLU call through
+ldmopt._C took 64 us, the single-launch Triton ops 113-142 us.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dispatch import Backend, BackendTable, register_eager, triton_refusals
+from ._dispatch import (
+    Backend,
+    BackendTable,
+    backend_counts,
+    cuda_extension_refusals,
+    register_eager,
+    triton_refusals,
+)
 from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _stats_dtype
 
 
@@ -67,9 +77,44 @@ def _apply_triton_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> lis
     return reasons
 
 
+def _apply_cuda(x, mean, rstd, gw, gb, groups, act, x_tail=None):
+    return torch.ops.ldmopt.group_norm_apply_cuda(x, mean, rstd, gw, gb, groups, act or "")
+
+
+def _apply_cuda_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> list[str]:
+    reasons = cuda_extension_refusals("group_norm_apply_cuda", x, x_tail, mean, rstd, gw, gb)
+    if reasons:
+        return reasons
+    if x_tail is not None:
+        reasons.append("a two-part input (x_tail): the CUDA kernel reads one tensor")
+    if x.dtype not in _TRITON_DTYPES:
+        reasons.append(f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)")
+    # The kernel writes y in x's layout: only an x that is channels-last and nothing else gives the op's layout.
+    if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous() or not x.numel():
+        reasons.append(f"x of shape {tuple(x.shape)}, strides {x.stride()} is not a dense channels-last 4-D tensor")
+    if mean.dtype != torch.float32 or rstd.dtype != torch.float32:
+        reasons.append(f"statistics dtype {mean.dtype} (the kernel reads fp32 mean/rstd)")
+    return reasons
+
+
 APPLY = BackendTable(
-    "group_norm_apply", [Backend("triton", apply_triton, _apply_triton_refuse), Backend("torch", _apply_torch)]
+    "group_norm_apply",
+    [
+        Backend("cuda", _apply_cuda, _apply_cuda_refuse),
+        Backend("triton", apply_triton, _apply_triton_refuse),
+        Backend("torch", _apply_torch),
+    ],
 )
+
+
+def staged_apply(x, mean, rstd, gw, gb, groups, act, x_tail=None):
+    """What the fused convolution's staged placement runs inside its own triton backend: the cuda backend when it is
+    built, not forced away and takes the input, else the triton one (counted in backend_counts either way)."""
+    name = "cuda" if APPLY.forced() in (None, "cuda") and not _apply_cuda_refuse(x, mean, rstd, gw, gb, groups, act,
+                                                                                  x_tail) else "triton"  # fmt: skip
+    backend_counts[("group_norm_apply", name)] += 1
+    run = _apply_cuda if name == "cuda" else apply_triton
+    return run(x, mean, rstd, gw, gb, groups, act, x_tail)
 
 
 @torch.library.custom_op("ldmopt::group_norm_apply", mutates_args=())

@@ -83,6 +83,45 @@ int emu_group_norm_forward(const int64_t* dims, int channels_last, int dtype, in
   });
 }
 
+// The forward's statistics passes alone (group_norm_stats_cuda): mean, rstd [N, G].
+int emu_group_norm_statistics(const int64_t* dims, int channels_last, int dtype, const void* x, float* mean,
+                              float* rstd, float eps, int64_t* plan_out) {
+  return guarded([&] {
+    const auto p = gn_problem(dims, channels_last, dtype, 0);
+    const auto plan = ldmopt::group_norm::make_plan(p, aligned16(x));
+    write_plan(plan, plan_out);
+    const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
+    std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 2, -1e30f);
+    const ldmopt::group_norm::ForwardArgs args{
+        x,    nullptr, param(nullptr, 0), param(nullptr, 0), mean, rstd, part_a.data(), part_b.data(), coef.data(),
+        eps};
+    ldmopt::group_norm::statistics(p, plan, args, nullptr);
+  });
+}
+
+// The forward's elementwise pass from given statistics (group_norm_apply_cuda).
+int emu_group_norm_apply(const int64_t* dims, int channels_last, int dtype, int silu, const void* x, void* y,
+                         const void* weight, const void* bias, const int* affine_dtypes, const float* mean,
+                         const float* rstd, int64_t* plan_out) {
+  return guarded([&] {
+    const auto p = gn_problem(dims, channels_last, dtype, silu);
+    const auto plan = ldmopt::group_norm::make_plan(p, aligned16(x) && aligned16(y));
+    write_plan(plan, plan_out);
+    std::vector<float> coef(p.N * p.C * 2, -1e30f);
+    const ldmopt::group_norm::ForwardArgs args{x,
+                                               y,
+                                               param(weight, affine_dtypes[0]),
+                                               param(bias, affine_dtypes[1]),
+                                               const_cast<float*>(mean),
+                                               const_cast<float*>(rstd),
+                                               nullptr,
+                                               nullptr,
+                                               coef.data(),
+                                               0.0f};
+    ldmopt::group_norm::apply(p, plan, args, nullptr);
+  });
+}
+
 int emu_group_norm_backward(const int64_t* dims, int channels_last, int dtype, int silu, const void* dy,
                             const void* x, void* dx, const void* weight, const void* bias, const int* affine_dtypes,
                             const float* mean, const float* rstd, float* sum_dz, float* sum_dzx, int64_t* plan_out) {

@@ -118,6 +118,39 @@ class Emulator:
         self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
         return y, mean, rstd
 
+    def group_norm_stats(self, x, num_groups: int, eps: float):
+        """(mean, rstd) like torch.ops.ldmopt.group_norm_stats_cuda, poisoned first."""
+        n, c, s, channels_last = self._ncs(x)
+        mean = torch.full((n, num_groups), float("nan"))
+        rstd = torch.full((n, num_groups), float("nan"))
+        dims = (ctypes.c_int64 * 4)(n, c, s, num_groups)
+        plan = (ctypes.c_int64 * 5)()
+        self._check(
+            self.lib.emu_group_norm_statistics(
+                dims, int(channels_last), DTYPE_CODES[x.dtype], _ptr(x), _ptr(mean), _ptr(rstd), ctypes.c_float(eps),
+                plan,
+            )
+        )  # fmt: skip
+        self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
+        return mean, rstd
+
+    def group_norm_apply(self, x, mean, rstd, weight, bias, num_groups: int, activation: str):
+        """y like torch.ops.ldmopt.group_norm_apply_cuda (x's strides), poisoned first."""
+        n, c, s, channels_last = self._ncs(x)
+        y = torch.empty_like(x).fill_(float("nan"))
+        w, b, affine = _affine(weight, bias)
+        mean, rstd = mean.float().contiguous(), rstd.float().contiguous()
+        dims = (ctypes.c_int64 * 4)(n, c, s, num_groups)
+        plan = (ctypes.c_int64 * 5)()
+        self._check(
+            self.lib.emu_group_norm_apply(
+                dims, int(channels_last), DTYPE_CODES[x.dtype], int(activation == "silu"), _ptr(x), _ptr(y),
+                _ptr(w), _ptr(b), affine, _ptr(mean), _ptr(rstd), plan,
+            )
+        )  # fmt: skip
+        self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
+        return y
+
     def group_norm_bwd(self, dy, x, weight, bias, mean, rstd, num_groups: int, activation: str):
         """(dx, dweight, dbias) like torch.ops.ldmopt.group_norm_bwd_cuda (dy must have x's strides here)."""
         n, c, s, channels_last = self._ncs(x)

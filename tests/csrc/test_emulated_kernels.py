@@ -153,6 +153,49 @@ def test_group_norm_schedules(emu, schedule, channels_last):
     _check_group_norm(emu, x, w, b, 4 if channels_last else 2, "silu")
 
 
+def _apply_reference(x, mean, rstd, w, b, groups, activation, cd):
+    """act((x - mean) * rstd * w + b) in ``cd``, per-(n, group) statistics, any rank."""
+    n, c = x.shape[:2]
+    z = (x.to(cd).reshape(n, groups, -1) - mean.to(cd)[..., None]) * rstd.to(cd)[..., None]
+    z = z.reshape(x.shape)
+    shape = (c, *[1] * (x.dim() - 2))
+    z = z if w is None else z * w.to(cd).reshape(shape)
+    z = z if b is None else z + b.to(cd).reshape(shape)
+    return F.silu(z) if activation == "silu" else z
+
+
+@pytest.mark.parametrize("shape,groups", [*GN_CASES, ((1, 16, 24, 24), 4)])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_group_norm_statistics_and_apply_alone(emu, shape, groups, channels_last, dtype):
+    """group_norm_stats_cuda and group_norm_apply_cuda: the forward's passes split in two, the apply reading
+    statistics it did not compute (shifted from the input's own, so a kernel that recomputed them would fail)."""
+    x, w, b = _gn_inputs(shape, channels_last, dtype)
+    x = x + 3.0  # a mean far from zero: the statistics' merge must not lose the variance
+    mean, rstd = emu.group_norm_stats(x, groups, 1e-5)
+    _, mean64, rstd64 = _fwd_torch(x.double(), None, None, groups, 1e-5, None)
+    assert_close(mean, mean64, torch.float32, "mean")
+    assert_close(rstd, rstd64, torch.float32, "rstd")
+    given_mean = mean64 + torch.rand_like(mean64) - 0.5
+    given_rstd = rstd64 * (0.5 + torch.rand_like(rstd64))
+    for activation in ("silu", ""):
+        y = emu.group_norm_apply(x, given_mean.float(), given_rstd.float(), w, b, groups, activation)
+        assert y.stride() == x.stride()
+        y64 = _apply_reference(x, given_mean, given_rstd, w, b, groups, activation, torch.float64)
+        y32 = _apply_reference(x, given_mean.float(), given_rstd.float(), w, b, groups, activation, torch.float32)
+        assert_within_torch_error(y, y64, y32.to(dtype), f"apply y {tuple(x.shape)} {dtype} {activation!r}")
+
+
+def test_group_norm_apply_unaligned_and_without_affine(emu):
+    x, _, _ = _gn_inputs((2, 16, 5, 5), True, torch.float16, affine=False)
+    x = _misaligned(x)
+    mean, rstd = torch.randn(2, 4), torch.rand(2, 4) + 0.5
+    y = emu.group_norm_apply(x, mean, rstd, None, None, 4, "silu")
+    assert emu.last_plan["vec"] == 1
+    ref = _apply_reference(x, mean, rstd, None, None, 4, "silu", torch.float64)
+    assert_within_torch_error(y, ref, _apply_reference(x, mean, rstd, None, None, 4, "silu", torch.float32).half(), "y")
+
+
 # ------------------------------------------------------------------------------------------------ temporal attention
 
 

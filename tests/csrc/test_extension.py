@@ -20,6 +20,8 @@ from tests.csrc import resource_report
 OPS = (
     "group_norm_fwd_cuda",
     "group_norm_bwd_cuda",
+    "group_norm_stats_cuda",
+    "group_norm_apply_cuda",
     "temporal_attention_fwd_cuda",
     "temporal_attention_fwd_out_cuda",
 )
@@ -28,6 +30,8 @@ needs_extension = pytest.mark.skipif(not LOADED, reason=f"ldmopt._C is not avail
 
 gn_fwd = getattr(torch.ops.ldmopt, "group_norm_fwd_cuda", None)
 gn_bwd = getattr(torch.ops.ldmopt, "group_norm_bwd_cuda", None)
+gn_stats = getattr(torch.ops.ldmopt, "group_norm_stats_cuda", None)
+gn_apply = getattr(torch.ops.ldmopt, "group_norm_apply_cuda", None)
 ta_fwd = getattr(torch.ops.ldmopt, "temporal_attention_fwd_cuda", None)
 ta_fwd_out = getattr(torch.ops.ldmopt, "temporal_attention_fwd_out_cuda", None)
 
@@ -62,6 +66,13 @@ def test_schemas_match_the_python_callers():
     assert schemas["group_norm_bwd_cuda"] == (
         "ldmopt::group_norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
         "int num_groups, str activation) -> (Tensor dx, Tensor dweight, Tensor dbias)"
+    )
+    assert schemas["group_norm_stats_cuda"] == (
+        "ldmopt::group_norm_stats_cuda(Tensor x, int num_groups, float eps) -> (Tensor mean, Tensor rstd)"
+    )
+    assert schemas["group_norm_apply_cuda"] == (
+        "ldmopt::group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
+        "int num_groups, str activation) -> Tensor y"
     )
     assert schemas["temporal_attention_fwd_cuda"] == (
         "ldmopt::temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out"
@@ -157,6 +168,20 @@ BAD_INPUTS = [
      RuntimeError, "mean must have shape [N, G] = [2, 4], got [2, 2]"),
     ("rstd-dtype", lambda: gn_bwd(x4, x4, None, None, stats, meta(2, 4), 4, ""), TypeError,
      "rstd has dtype Half; supported: Float"),
+    ("stats-groups", lambda: gn_stats(x4, 3, 1e-5), RuntimeError,
+     "ldmopt.group_norm_stats_cuda: num_groups=3 does not divide C=8 (x shape [2, 8, 3, 3])"),
+    ("stats-eps", lambda: gn_stats(x4, 4, float("nan")), RuntimeError,
+     "ldmopt.group_norm_stats_cuda: eps must be a finite number >= 0, got nan"),
+    ("stats-layout", lambda: gn_stats(meta(2, 8, 3, 6)[..., ::2], 4, 1e-5), RuntimeError,
+     "ldmopt.group_norm_stats_cuda: x must be contiguous or channels-last"),
+    ("apply-mean-shape", lambda: gn_apply(x4, meta(2, 2, dtype=torch.float32), stats, None, None, 4, "silu"),
+     RuntimeError, "ldmopt.group_norm_apply_cuda: mean must have shape [N, G] = [2, 4], got [2, 2]"),
+    ("apply-rstd-dtype", lambda: gn_apply(x4, stats, meta(2, 4), None, None, 4, ""), TypeError,
+     "ldmopt.group_norm_apply_cuda: rstd has dtype Half; supported: Float"),
+    ("apply-weight", lambda: gn_apply(x4, stats, stats, meta(7), None, 4, ""), RuntimeError,
+     "ldmopt.group_norm_apply_cuda: weight must have shape [C] = [8], got [7]"),
+    ("apply-activation", lambda: gn_apply(x4, stats, stats, None, None, 4, "gelu"), RuntimeError,
+     "ldmopt.group_norm_apply_cuda: activation='gelu' is not supported"),
     ("q-rank", lambda: ta_fwd(meta(4, 14, 40), meta(4, 14, 40), meta(4, 14, 40), 0.1), RuntimeError,
      "ldmopt.temporal_attention_fwd_cuda: q must be a 5-D (B, F, N, H, head_dim) view, got shape [4, 14, 40]"),
     ("k-shape", lambda: ta_fwd(q5, meta(1, 14, 4, 2, 32), q5, 0.1), RuntimeError,
@@ -342,3 +367,48 @@ def test_direct_calls_the_kernels_would_reject_are_refused_first(monkeypatch):
     for shape in ((2, 4), (2, 4, 1, 1, 1, 3), (0, 4, 2, 2)):
         reasons = gn_module._cuda_refuse("group_norm_fwd_cuda", torch.empty(shape))
         assert any("non-empty 3-, 4- and 5-D x" in r for r in reasons), reasons
+
+
+STATS_APPLY_INPUTS = {
+    "contiguous": meta(2, 8, 3, 3),
+    "channels-last": meta(2, 8, 3, 3).to(memory_format=torch.channels_last),
+    "channels-last 1x1": meta(2, 8, 1, 1).to(memory_format=torch.channels_last),
+    "channels-last 3-D": meta(2, 9, 8).transpose(1, 2),
+    "channels-last 5-D": meta(2, 8, 2, 3, 3).to(memory_format=torch.channels_last_3d),
+    "channel-strided": meta(2, 16, 3, 3)[:, ::2],
+    "spatially strided": meta(2, 8, 3, 6)[..., ::2],
+    "channels-last, spatially strided": meta(2, 8, 3, 6).to(memory_format=torch.channels_last)[..., ::2],
+    "fp64": meta(2, 8, 3, 3, dtype=torch.float64),
+}
+
+
+@needs_extension
+@pytest.mark.parametrize("case", list(STATS_APPLY_INPUTS))
+def test_statistics_and_apply_refusals_cover_what_the_cpp_ops_reject(case, monkeypatch):
+    """What the cuda backends of gn_conv2d_stats and group_norm_apply accept, their C++ ops run (a refusal sends the
+    input to triton instead of raising on a GPU); the statistics refuse nothing the kernels could read, and the apply
+    takes only the channels-last inputs whose output layout (x's) is the op's."""
+    stats_module = importlib.import_module("ldmopt.ops.gn_conv2d_stats")
+    apply_module = importlib.import_module("ldmopt.ops.group_norm_apply")
+    for module in (stats_module, apply_module):
+        monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])  # as on a machine with the extension
+    x = STATS_APPLY_INPUTS[case]
+    groups = x.shape[1] // 2 if x.shape[1] % 2 == 0 else 3
+
+    def cpp_runs(call) -> bool:
+        try:
+            call()
+            return True
+        except (RuntimeError, TypeError):
+            return False
+
+    refused = stats_module._stats_cuda_refuse(x)
+    assert (not refused) == cpp_runs(lambda: gn_stats(x, groups, 1e-5)), (case, refused)
+    st = meta(x.shape[0], groups, dtype=torch.float32)
+    refused = apply_module._apply_cuda_refuse(x, st, st, None, None, groups, "silu")
+    if not refused:
+        assert cpp_runs(lambda: gn_apply(x, st, st, None, None, groups, "silu")), case
+        assert gn_apply(x, st, st, None, None, groups, "silu").stride() == x.stride()
+        assert x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    assert stats_module._stats_cuda_refuse(x, x), "a two-part input goes to triton"
+    assert apply_module._apply_cuda_refuse(x, st, st, None, None, groups, "silu", x), "a two-part input goes to triton"

@@ -173,3 +173,32 @@ def test_forced_sets_and_restores_the_variable(monkeypatch):
     with prologue.forced("auto"):
         pass
     assert prologue.ENV not in os.environ
+
+
+def test_staged_pass_runs_on_the_cuda_backend_where_it_takes_the_input(staged, monkeypatch):
+    """With ldmopt._C built, the staged normalisation is one C++ op call (group_norm_apply_cuda) instead of a Triton
+    launch, unless a backend is forced or the input comes in two parts; the conv itself stays on triton."""
+    from ldmopt.ops import group_norm_apply as apply_module
+
+    calls = []
+
+    def cuda_stand_in(*args):  # the C++ op cannot run here: the triton pass computes what it would
+        calls.append(args[0].shape)
+        return apply_module.apply_triton(*args)
+
+    monkeypatch.setattr(apply_module, "cuda_extension_refusals", lambda *args: [])  # as where ldmopt._C is built
+    monkeypatch.setattr(apply_module, "_apply_cuda", cuda_stand_in)
+    x, gw, gb, groups, w, b = _inputs(2, 12, 7, 5, 20, 3, torch.float32)
+    ldmopt.ops.backend_counts.clear()
+    y = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 1)
+    _check(y, (x, gw, gb, groups, w, b, 1, 1), {}, "staged through the cuda apply")
+    assert calls == [x.shape]
+    assert ldmopt.ops.backend_counts[("group_norm_apply", "cuda")] == 1
+    assert ldmopt.ops.backend_counts[("gn_conv2d", "triton")] == 1
+    with ldmopt.use_backend("triton"):
+        gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 1)
+    assert len(calls) == 1 and ldmopt.ops.backend_counts[("group_norm_apply", "triton")] == 1
+    head, tail = _parts(2, 8, 4, 5, 7, torch.float32)
+    gw2, gb2, w2, b2, _, _ = _block_params(12, 6, torch.float32)
+    gn_silu_conv2d((head, tail), gw2, gb2, 4, 1e-5, w2, b2, 1, 1)
+    assert len(calls) == 1 and ldmopt.ops.backend_counts[("group_norm_apply", "triton")] == 2
