@@ -71,16 +71,26 @@ def _stats_cuda(x, num_groups, eps, x_tail=None):
     return torch.ops.ldmopt.group_norm_stats_cuda(x, num_groups, eps)
 
 
-def _stats_cuda_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
-    from .group_norm import _cuda_layout
-
-    reasons = cuda_extension_refusals("group_norm_stats_cuda", x, x_tail)
+def cuda_one_part_refusals(symbol: str, x: Tensor, x_tail: Tensor | None, *others: Tensor | None) -> list[str]:
+    """What the cuda backends of the GroupNorm parts (statistics, normalisation) refuse first: the extension or its
+    op ``symbol`` missing, tensors off CUDA, a two-part input (the kernels read one tensor), a dtype they do not
+    serve. Empty when only the op's own layout checks are left."""
+    reasons = cuda_extension_refusals(symbol, x, x_tail, *others)
     if reasons:
         return reasons
     if x_tail is not None:
         reasons.append("a two-part input (x_tail): the CUDA kernels read one tensor")
     if x.dtype not in _TRITON_DTYPES:
         reasons.append(f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)")
+    return reasons
+
+
+def _stats_cuda_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
+    from .group_norm import _cuda_layout
+
+    reasons = cuda_one_part_refusals("group_norm_stats_cuda", x, x_tail)
+    if reasons:
+        return reasons
     if x.dim() not in (3, 4, 5) or x.numel() == 0:
         reasons.append(f"x of shape {tuple(x.shape)} (the CUDA kernels take non-empty 3-, 4- and 5-D x)")
     elif not _cuda_layout(x):

@@ -24,11 +24,10 @@ from ._dispatch import (
     Backend,
     BackendTable,
     backend_counts,
-    cuda_extension_refusals,
     register_eager,
     triton_refusals,
 )
-from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _stats_dtype
+from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _stats_dtype, cuda_one_part_refusals
 
 
 def normalize_reference(x: Tensor, mean: Tensor, rstd: Tensor, gw: Tensor | None, gb: Tensor | None, groups: int,
@@ -82,13 +81,9 @@ def _apply_cuda(x, mean, rstd, gw, gb, groups, act, x_tail=None):
 
 
 def _apply_cuda_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> list[str]:
-    reasons = cuda_extension_refusals("group_norm_apply_cuda", x, x_tail, mean, rstd, gw, gb)
+    reasons = cuda_one_part_refusals("group_norm_apply_cuda", x, x_tail, mean, rstd, gw, gb)
     if reasons:
         return reasons
-    if x_tail is not None:
-        reasons.append("a two-part input (x_tail): the CUDA kernel reads one tensor")
-    if x.dtype not in _TRITON_DTYPES:
-        reasons.append(f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)")
     # The kernel writes y in x's layout: only an x that is channels-last and nothing else gives the op's layout.
     if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous() or not x.numel():
         reasons.append(f"x of shape {tuple(x.shape)}, strides {x.stride()} is not a dense channels-last 4-D tensor")

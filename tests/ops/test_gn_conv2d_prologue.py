@@ -178,6 +178,7 @@ def test_forced_sets_and_restores_the_variable(monkeypatch):
 def test_staged_pass_runs_on_the_cuda_backend_where_it_takes_the_input(staged, monkeypatch):
     """With ldmopt._C built, the staged normalisation is one C++ op call (group_norm_apply_cuda) instead of a Triton
     launch, unless a backend is forced or the input comes in two parts; the conv itself stays on triton."""
+    from ldmopt.ops import gn_conv2d_stats as stats_module
     from ldmopt.ops import group_norm_apply as apply_module
 
     calls = []
@@ -186,7 +187,8 @@ def test_staged_pass_runs_on_the_cuda_backend_where_it_takes_the_input(staged, m
         calls.append(args[0].shape)
         return apply_module.apply_triton(*args)
 
-    monkeypatch.setattr(apply_module, "cuda_extension_refusals", lambda *args: [])  # as where ldmopt._C is built
+    monkeypatch.setattr(stats_module, "cuda_extension_refusals", lambda *args: [])  # as where ldmopt._C is built
+    monkeypatch.setattr(stats_module.STATS, "backends", stats_module.STATS.backends[1:])  # statistics: not the cuda op
     monkeypatch.setattr(apply_module, "_apply_cuda", cuda_stand_in)
     x, gw, gb, groups, w, b = _inputs(2, 12, 7, 5, 20, 3, torch.float32)
     ldmopt.ops.backend_counts.clear()
