@@ -1,10 +1,11 @@
 """CUDA C++ backend (ldmopt._C) versus the Triton backend and an fp64 reference, then both timed side by side.
 
 Part 1, correctness: at the GroupNorm(+SiLU) benchmark shapes (benchmarks/bench_group_norm.py; forward and
-backward, and the statistics and the normalisation from given statistics alone, as the fused conv runs them) and at
-real temporal-attention shapes (AnimateDiff, SVD, Latte), each backend's outputs against the
-reference computed in fp64, as max relative error ||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype
-bound. Outputs are poisoned with NaN first (LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.
+backward, and the statistics and the normalisation from given statistics alone, as the fused conv runs them), at
+the LayerNorm row statistics of real transformer widths, and at real temporal-attention shapes (AnimateDiff, SVD,
+Latte), each backend's outputs against the reference computed in fp64, as max relative error
+||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype bound. Outputs are poisoned with NaN first
+(LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.
 Part 2, speed: harness.time_fn for ldmopt-cuda, ldmopt-triton and PyTorch eager on the same inputs (poisoning off);
 rows go to the harness CSV (ops named ``cuda_check/<op>``) and a side-by-side table (cuda / triton time ratio, % of
 measured copy bandwidth) is printed. run_gpu.sh runs part 1 only (``--no-bench``): the benchmarks time the same
@@ -50,6 +51,14 @@ ATTENTION_SHAPES = {
     "latte-32x32": (2048, 16, 16, 72),
 }
 QUICK_ATTENTION = ("animatediff-64x64", "svd-72x128", "latte-32x32")
+# (rows, C) of the LayerNorms whose statistics the GEMMs after them read (CFG batch 2; Flux: image + text tokens).
+LAYER_NORM_SHAPES = {
+    "sd15-64x64": (8192, 320),
+    "sdxl-32x32": (2048, 1280),
+    "pixart-1024": (8192, 1152),
+    "flux-1024": (4608, 3072),
+}
+QUICK_LAYER_NORM = ("sd15-64x64", "pixart-1024")
 
 
 def _group_norm_cases(quick: bool):
@@ -139,6 +148,26 @@ def check_group_norm_parts(quick: bool):
         del ref_y, z
 
 
+def check_layer_norm_stats(quick: bool):
+    """The row statistics the LayerNorm-in-loads GEMMs read (ldmopt.ops.layer_norm_stats), rows far from zero mean."""
+    from ldmopt.ops.layer_norm_linear import layer_norm_stats_op
+
+    for name in QUICK_LAYER_NORM if quick else list(LAYER_NORM_SHAPES):
+        for dtype in QUICK_DTYPES if quick else DTYPES:
+            m, c = LAYER_NORM_SHAPES[name]
+            x = (torch.randn(m, c, device=DEVICE) + 8 * torch.randn(m, 1, device=DEVICE)).to(dtype)
+            var, mean = torch.var_mean(x.double(), dim=1, unbiased=False)
+            ref = [mean, torch.rsqrt(var + 1e-6)]
+            for backend in BACKENDS:
+                try:
+                    with ldmopt.use_backend(backend):
+                        stats = layer_norm_stats_op(x, 1e-6)
+                except ldmopt.BackendUnavailableError as exc:
+                    _skip(backend, f"ln_stats {name} {dtype} {backend}", exc)
+                    continue
+                yield "ln_stats", name, dtype, backend, [stats[0], stats[1]], ref
+
+
 def _attention_inputs(shape, dtype):
     bn, f, h, d = shape
     # diffusers' (B*N, F, heads*head_dim) projections, viewed as (B*N, F, 1, heads, head_dim): no copies
@@ -193,7 +222,7 @@ def run_checks(quick: bool) -> int:
     failures = 0
     ran: Counter[str] = Counter()
     print(f"{'op':<20} {'case':<30} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
-    for check in (check_group_norm, check_group_norm_parts, check_attention):
+    for check in (check_group_norm, check_group_norm_parts, check_layer_norm_stats, check_attention):
         try:
             for op, case, dtype, backend, outs, refs in check(quick):
                 ran[backend] += 1

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "group_norm/group_norm.h"
+#include "layer_norm/layer_norm.h"
 #include "temporal_attention/temporal_attention.h"
 
 TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
@@ -18,6 +19,7 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
   m.def(
       "group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, int num_groups, "
       "str activation) -> Tensor y");
+  m.def("layer_norm_stats_cuda(Tensor x, float eps) -> Tensor stats");
   m.def("temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out");
   m.def("temporal_attention_fwd_out_cuda(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
 }
@@ -27,6 +29,7 @@ TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
   m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_cuda);
   m.impl("group_norm_stats_cuda", &ldmopt::group_norm::statistics_cuda);
   m.impl("group_norm_apply_cuda", &ldmopt::group_norm::apply_cuda);
+  m.impl("layer_norm_stats_cuda", &ldmopt::layer_norm::row_statistics_cuda);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_cuda);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_cuda);
 }
@@ -36,6 +39,7 @@ TORCH_LIBRARY_IMPL(ldmopt, Meta, m) {
   m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_meta);
   m.impl("group_norm_stats_cuda", &ldmopt::group_norm::statistics_meta);
   m.impl("group_norm_apply_cuda", &ldmopt::group_norm::apply_meta);
+  m.impl("layer_norm_stats_cuda", &ldmopt::layer_norm::row_statistics_meta);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_meta);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_meta);
 }

@@ -140,6 +140,8 @@ def cuda_backend_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(C, "QUICK_GROUP_NORM", ("gn-64",))
     monkeypatch.setattr(C, "ATTENTION_SHAPES", {"ta-a": (6, 5, 2, 24), "ta-b": (5, 3, 3, 40)})
     monkeypatch.setattr(C, "QUICK_ATTENTION", ("ta-b",))
+    monkeypatch.setattr(C, "LAYER_NORM_SHAPES", {"ln-a": (7, 40), "ln-b": (5, 24)})
+    monkeypatch.setattr(C, "QUICK_LAYER_NORM", ("ln-a",))
     monkeypatch.setenv("LDMOPT_POISON_OUTPUTS", "1")  # the script sets it; restored afterwards
     monkeypatch.delenv("LDMOPT_BENCH_CSV", raising=False)
     monkeypatch.setattr(harness, "time_fn", lambda fn, **_: (fn(), harness.Timing(1.0, 0.9, 1.1))[1])
@@ -158,10 +160,11 @@ def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
     gn_stats = [r for r in rows if r[0] == "gn_stats"]
     gn_apply = [r for r in rows if r[0] == "gn_apply"]
     attn = [r for r in rows if r[0] == "temporal_attention"]
-    assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == 2 * 2, out  # shapes x layouts x dtypes
+    ln = [r for r in rows if r[0] == "ln_stats"]
+    assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == len(ln) == 2 * 2, out  # shapes x layouts x dtypes
     assert len(gn_apply) == 2 * 2 and all("channels_last" in r[1] for r in gn_apply), out  # channels-last only
-    assert len(rows) == len(gn) + len(gn_stats) + len(gn_apply) + len(attn), out
-    assert len(skips) == len(gn) + len(gn_stats) + len(attn), out  # every cuda case is a skip on the CPU
+    assert len(rows) == len(gn) + len(gn_stats) + len(gn_apply) + len(ln) + len(attn), out
+    assert len(skips) == len(gn) + len(gn_stats) + len(ln) + len(attn), out  # every cuda case is a skip on the CPU
 
 
 def test_check_cuda_backend_benchmarks(cuda_backend_cpu, capsys, tmp_path):

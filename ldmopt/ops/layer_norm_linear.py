@@ -4,7 +4,7 @@ Custom ops ``ldmopt::layer_norm_stats`` (fp32 row mean and rstd, [2, M]: one rea
 ``ldmopt::layer_norm_linear_fwd`` (the GEMM normalising each input tile in registers from those statistics, in fp32,
 rounded once to the weight's dtype as the norm's output would be, then the dot); backends triton (kernels/
 layer_norm_stats.py, and kernels/linear.py / kernels/geglu.py with ``NORM``) and torch (reference, fp32 math; fp64 for
-fp64 inputs).
+fp64 inputs); the statistics also cuda (ldmopt._C's csrc/layer_norm, where the extension is built).
 
 What it saves: the unfused norm reads x and writes its output, which the GEMM reads; here the statistics pass reads x
 and the GEMM reads x: the norm's output is never written. Several GEMMs reading one norm (diffusers' to_q, to_k and
@@ -28,6 +28,7 @@ from ._dispatch import (
     Backend,
     BackendTable,
     call,
+    cuda_extension_refusals,
     register_autograd_keeping_backend,
     register_eager,
     statistics_source,
@@ -65,8 +66,32 @@ def _stats_refuse_triton(x, eps):
     return reasons or row_width_refusals("layer_norm_stats", x.shape[1], "the statistics kernel")
 
 
+def _stats_cuda(x, eps):
+    return torch.ops.ldmopt.layer_norm_stats_cuda(x, eps)
+
+
+def _stats_refuse_cuda(x, eps):
+    """ldmopt._C's row statistics (one C++ op call, a fraction of a Triton launch's host time): 2-D x in
+    fp32/fp16/bf16 with unit column stride and at least one column."""
+    reasons = cuda_extension_refusals("layer_norm_stats_cuda", x)
+    if reasons:
+        return reasons
+    if x.dtype not in TRITON_DTYPES:
+        reasons.append(f"x dtype {x.dtype} (the CUDA kernel serves fp32/fp16/bf16)")
+    if x.dim() != 2 or x.shape[1] == 0:
+        reasons.append(f"x of shape {tuple(x.shape)} (the CUDA kernel takes [rows, C] with C >= 1)")
+    elif x.shape[1] > 1 and x.stride(1) != 1:
+        reasons.append(f"x strides {x.stride()}: the CUDA kernel reads rows with unit column stride")
+    return reasons
+
+
 STATS = BackendTable(
-    "layer_norm_stats", [Backend("triton", _stats_triton, _stats_refuse_triton), Backend("torch", _stats_torch)]
+    "layer_norm_stats",
+    [
+        Backend("cuda", _stats_cuda, _stats_refuse_cuda),
+        Backend("triton", _stats_triton, _stats_refuse_triton),
+        Backend("torch", _stats_torch),
+    ],
 )
 
 

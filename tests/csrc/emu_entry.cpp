@@ -6,6 +6,8 @@
 
 #include "group_norm/group_norm_kernels.cu"
 #include "group_norm/launch.h"
+#include "layer_norm/launch.h"
+#include "layer_norm/layer_norm_kernels.cu"
 #include "temporal_attention/launch.h"
 #include "temporal_attention/temporal_attention_kernels.cu"
 
@@ -144,6 +146,17 @@ int emu_group_norm_backward(const int64_t* dims, int channels_last, int dtype, i
                                                 sum_dz,
                                                 sum_dzx};
     ldmopt::group_norm::backward(p, plan, args, nullptr);
+  });
+}
+
+// dims: M, C, row stride (elements). plan_out: vec.
+int emu_layer_norm_statistics(const int64_t* dims, int dtype, const void* x, float* stats, float eps,
+                              int64_t* plan_out) {
+  return guarded([&] {
+    const ldmopt::layer_norm::Problem p{dims[0], dims[1], dims[2], static_cast<ldmopt::DType>(dtype)};
+    const auto plan = ldmopt::layer_norm::make_plan(p, aligned16(x));
+    plan_out[0] = plan.vec;
+    ldmopt::layer_norm::row_statistics(p, plan, x, stats, eps, nullptr);
   });
 }
 

@@ -169,6 +169,21 @@ class Emulator:
         self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
         return dx, sums[1].sum(0), sums[0].sum(0)
 
+    def layer_norm_stats(self, x, eps: float):
+        """stats [2, M] like torch.ops.ldmopt.layer_norm_stats_cuda (x [M, C], unit column stride), poisoned first."""
+        m, c = x.shape
+        assert c == 1 or x.stride(1) == 1
+        stats = torch.full((2, m), float("nan"))
+        dims = (ctypes.c_int64 * 3)(m, c, x.stride(0) if m > 1 else c)
+        plan = (ctypes.c_int64 * 1)()
+        self._check(
+            self.lib.emu_layer_norm_statistics(
+                dims, DTYPE_CODES[x.dtype], _ptr(x), _ptr(stats), ctypes.c_float(eps), plan
+            )
+        )
+        self.last_plan = {"vec": plan[0]}
+        return stats
+
     def temporal_attention_plan(self, shape, dtype) -> dict:
         """make_plan's fields for (B, F, N, H, D) inputs of ``dtype``, computed on the host; no kernel runs."""
         plan = (ctypes.c_int64 * len(_TA_PLAN_FIELDS))()

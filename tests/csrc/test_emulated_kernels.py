@@ -196,6 +196,34 @@ def test_group_norm_apply_unaligned_and_without_affine(emu):
     assert_within_torch_error(y, ref, _apply_reference(x, mean, rstd, None, None, 4, "silu", torch.float32).half(), "y")
 
 
+# ------------------------------------------------------------------------------------------------ layer norm statistics
+
+
+@pytest.mark.parametrize("m,c", [(37, 40), (5, 320), (3, 1152), (9, 8), (1, 1), (4, 257)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_norm_row_statistics(emu, m, c, dtype):
+    """Rows far from zero mean (the variance must not cancel), odd widths that take the scalar path, and a row
+    stride wider than the row (a slice of a wider activation)."""
+    wide = torch.randn(m, c + 24, dtype=torch.float64) * 0.7 + 40.0 * torch.randn(m, 1, dtype=torch.float64)
+    for x in (wide[:, :c].to(dtype), wide[:, :c].to(dtype).contiguous()):
+        stats = emu.layer_norm_stats(x, 1e-5)
+        var, mean = torch.var_mean(x.double(), dim=1, unbiased=False)
+        assert_close(stats[0], mean, torch.float32, f"mean {m}x{c} {dtype}")
+        assert_close(stats[1], torch.rsqrt(var + 1e-5), torch.float32, f"rstd {m}x{c} {dtype}")
+    packed = emu.layer_norm_stats(wide[:, :c].to(dtype).contiguous(), 1e-5)
+    assert emu.last_plan["vec"] == (16 // x.element_size() if c % (16 // x.element_size()) == 0 else 1)
+    assert packed.isfinite().all()
+
+
+def test_layer_norm_row_statistics_unaligned_rows(emu):
+    x = torch.randn(6, 40 * 3, dtype=torch.float16)[:, 1:41]  # row starts 2 bytes past 16-byte alignment
+    stats = emu.layer_norm_stats(x, 1e-6)
+    assert emu.last_plan["vec"] == 1
+    var, mean = torch.var_mean(x.double(), dim=1, unbiased=False)
+    assert_close(stats[0], mean, torch.float32, "mean")
+    assert_close(stats[1], torch.rsqrt(var + 1e-6), torch.float32, "rstd")
+
+
 # ------------------------------------------------------------------------------------------------ temporal attention
 
 

@@ -22,6 +22,7 @@ OPS = (
     "group_norm_bwd_cuda",
     "group_norm_stats_cuda",
     "group_norm_apply_cuda",
+    "layer_norm_stats_cuda",
     "temporal_attention_fwd_cuda",
     "temporal_attention_fwd_out_cuda",
 )
@@ -32,6 +33,7 @@ gn_fwd = getattr(torch.ops.ldmopt, "group_norm_fwd_cuda", None)
 gn_bwd = getattr(torch.ops.ldmopt, "group_norm_bwd_cuda", None)
 gn_stats = getattr(torch.ops.ldmopt, "group_norm_stats_cuda", None)
 gn_apply = getattr(torch.ops.ldmopt, "group_norm_apply_cuda", None)
+ln_stats = getattr(torch.ops.ldmopt, "layer_norm_stats_cuda", None)
 ta_fwd = getattr(torch.ops.ldmopt, "temporal_attention_fwd_cuda", None)
 ta_fwd_out = getattr(torch.ops.ldmopt, "temporal_attention_fwd_out_cuda", None)
 
@@ -74,6 +76,7 @@ def test_schemas_match_the_python_callers():
         "ldmopt::group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
         "int num_groups, str activation) -> Tensor y"
     )
+    assert schemas["layer_norm_stats_cuda"] == "ldmopt::layer_norm_stats_cuda(Tensor x, float eps) -> Tensor stats"
     assert schemas["temporal_attention_fwd_cuda"] == (
         "ldmopt::temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out"
     )
@@ -182,6 +185,14 @@ BAD_INPUTS = [
      "ldmopt.group_norm_apply_cuda: weight must have shape [C] = [8], got [7]"),
     ("apply-activation", lambda: gn_apply(x4, stats, stats, None, None, 4, "gelu"), RuntimeError,
      "ldmopt.group_norm_apply_cuda: activation='gelu' is not supported"),
+    ("ln-rank", lambda: ln_stats(meta(2, 3, 4), 1e-5), RuntimeError,
+     "ldmopt.layer_norm_stats_cuda: x must be a 2-D [rows, C] tensor, got shape [2, 3, 4]"),
+    ("ln-dtype", lambda: ln_stats(meta(2, 4, dtype=torch.float64), 1e-5), TypeError,
+     "ldmopt.layer_norm_stats_cuda: x has dtype Double; supported: Float, Half, BFloat16"),
+    ("ln-columns", lambda: ln_stats(meta(2, 0), 1e-5), RuntimeError, "x has no columns (shape [2, 0])"),
+    ("ln-stride", lambda: ln_stats(meta(4, 2).t(), 1e-5), RuntimeError,
+     "x must have unit column stride, got strides [1, 2] for shape [2, 4]"),
+    ("ln-eps", lambda: ln_stats(meta(2, 4), float("inf")), RuntimeError, "eps must be a finite number >= 0, got inf"),
     ("q-rank", lambda: ta_fwd(meta(4, 14, 40), meta(4, 14, 40), meta(4, 14, 40), 0.1), RuntimeError,
      "ldmopt.temporal_attention_fwd_cuda: q must be a 5-D (B, F, N, H, head_dim) view, got shape [4, 14, 40]"),
     ("k-shape", lambda: ta_fwd(q5, meta(1, 14, 4, 2, 32), q5, 0.1), RuntimeError,
@@ -411,3 +422,32 @@ def test_statistics_and_apply_refusals_cover_what_the_cpp_ops_reject(case, monke
         assert x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
     assert stats_module._stats_cuda_refuse(x, x), "a two-part input goes to triton"
     assert apply_module._apply_cuda_refuse(x, st, st, None, None, groups, "silu", x), "a two-part input goes to triton"
+
+
+LN_INPUTS = {
+    "rows": meta(5, 40),
+    "slice of wider rows": meta(5, 64)[:, :40],
+    "one row": meta(1, 40),
+    "no rows": meta(0, 40),
+    "one column, strided": meta(5, 4)[:, :1],
+    "column-strided": meta(40, 5).t(),
+    "no columns": meta(5, 0),
+    "3-D": meta(2, 5, 40),
+    "fp64": meta(5, 40, dtype=torch.float64),
+}
+
+
+@needs_extension
+@pytest.mark.parametrize("case", list(LN_INPUTS))
+def test_layer_norm_statistics_refusal_matches_what_the_cpp_op_refuses(case, monkeypatch):
+    module = importlib.import_module("ldmopt.ops.layer_norm_linear")
+    monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])  # as where the extension is built
+    x = LN_INPUTS[case]
+    try:
+        out = ln_stats(x, 1e-5)
+        cpp_refuses = False
+        assert tuple(out.shape) == (2, x.shape[0]) and out.dtype == torch.float32
+    except (RuntimeError, TypeError):
+        cpp_refuses = True
+    refused = module._stats_refuse_cuda(x, 1e-5)
+    assert bool(refused) == cpp_refuses, (case, refused)

@@ -1,0 +1,61 @@
+// LayerNorm row statistics: mean and rstd of each row of x [M, C] (unit column stride) in fp32, one warp a row.
+// Dtypes fp32/fp16/bf16; offsets in int64.
+#include "common/compat.cuh"
+#include "layer_norm/launch.h"
+
+namespace ldmopt::layer_norm {
+namespace {
+
+template <typename T, int VEC>
+__global__ __launch_bounds__(kThreads) void row_stats_kernel(const T* x, float* stats, int64_t M, int64_t C,
+                                                             int64_t row_stride, float eps) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t row = int64_t{blockIdx.x} * kRowsPerBlock + threadIdx.x / kWarpSize;
+  if (row >= M) return;  // whole warps leave together: the shuffles below see full warps
+  const T* base = x + row * row_stride;
+  Welford w;
+  for (int64_t c = int64_t{lane} * VEC; c < C; c += int64_t{kWarpSize} * VEC) {
+    float v[VEC];
+    load_float<T, VEC>(base + c, v);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) w.add(v[i]);
+  }
+#pragma unroll
+  for (int m = kWarpSize / 2; m > 0; m >>= 1) w.merge(w.shfl_xor(m));
+  if (lane == 0) {
+    stats[row] = w.mean;
+    stats[M + row] = rsqrtf(fmaxf(w.m2 / static_cast<float>(C), 0.0f) + eps);
+  }
+}
+
+template <typename T, int VEC>
+void launch(const Problem& p, const void* x, float* stats, float eps, Stream stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.M, kRowsPerBlock)));
+  launch_kernel(row_stats_kernel<T, VEC>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(x), stats, p.M, p.C,
+                p.row_stride, eps);
+}
+
+template <typename T>
+void launch_typed(const Problem& p, const Plan& plan, const void* x, float* stats, float eps, Stream stream) {
+  if (plan.vec == 1) {
+    launch<T, 1>(p, x, stats, eps, stream);
+  } else {
+    launch<T, 16 / sizeof(T)>(p, x, stats, eps, stream);
+  }
+}
+
+}  // namespace
+
+void row_statistics(const Problem& p, const Plan& plan, const void* x, float* stats, float eps, Stream stream) {
+  if (p.M == 0) return;
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return launch_typed<float>(p, plan, x, stats, eps, stream);
+    case DType::kFloat16:
+      return launch_typed<__half>(p, plan, x, stats, eps, stream);
+    case DType::kBFloat16:
+      return launch_typed<__nv_bfloat16>(p, plan, x, stats, eps, stream);
+  }
+}
+
+}  // namespace ldmopt::layer_norm
