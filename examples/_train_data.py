@@ -63,7 +63,8 @@ class ShapesDataset(Dataset):
         s = self.resolution * 4
         bg = rng.uniform(0, 70, size=3)
         ramp = np.linspace(0.6, 1.4, s)[:, None, None] * bg[None, None, :]
-        noise = rng.normal(0, 6, size=(s // 8, s // 8, 1)).repeat(8, 0).repeat(8, 1)
+        n = -(-s // 8)  # 8-pixel blocks covering the image (a side that is no multiple of 8 crops the last ones)
+        noise = rng.normal(0, 6, size=(n, n, 1)).repeat(8, 0).repeat(8, 1)[:s, :s]
         return np.clip(ramp + noise, 0, 255).astype(np.uint8)
 
     def draw(self, background: np.ndarray, label: int, r: float, cx: float, cy: float, angle: float) -> Image.Image:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import time
@@ -142,23 +143,46 @@ def save_checkpoint(path: Path, state: dict, keep_last: int) -> None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    # Our own file: RNG states hold numpy arrays and tuples, which the weights-only unpickler refuses.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """A checkpoint this script saved; anything else is a clear error naming the file, not an unpickling traceback."""
+    try:
+        # Our own file: RNG states hold numpy arrays and tuples, which the weights-only unpickler refuses.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # pickle, zip and I/O errors alike
+        why = f"{type(exc).__name__}: {exc}"
+        raise SystemExit(f"--resume {path}: not a checkpoint this script can read ({why})") from exc
+    if not isinstance(state, dict) or not {"model", "step", "rng"} <= set(state):
+        raise SystemExit(f"--resume {path}: not a checkpoint of examples/train_ldm.py (no model, step and rng entries)")
+    return state
 
 
 # ------------------------------------------------------------------------------------------------ logging
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl record (an unreadable line counts as past every step: dropped on a resume)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 class MetricLogger:
     """Rank 0 writes metrics to ``metrics.jsonl`` and, if asked, TensorBoard or Weights & Biases (imported only
     then, with a clear message when the package is missing). Other ranks log nothing."""
 
-    def __init__(self, report_to: str, out_dir: Path, config: dict, enabled: bool, run_name: str) -> None:
+    def __init__(
+        self, report_to: str, out_dir: Path, config: dict, enabled: bool, run_name: str, resumed_at: int | None = None
+    ) -> None:
         self.enabled, self.kind, self.backend = enabled, report_to, None
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (out_dir / "metrics.jsonl").open("a")
+        path = out_dir / "metrics.jsonl"
+        if resumed_at is not None and path.exists():
+            # Records past the resumed step are the forked-off (or crashed) run's: the steps are trained again.
+            kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= resumed_at]
+            path.write_text("".join(kept))
+        self.jsonl = path.open("a")
         if report_to == "tensorboard":
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -166,7 +190,9 @@ class MetricLogger:
                 raise SystemExit(
                     f"--report-to tensorboard needs the tensorboard package: pip install tensorboard ({exc})"
                 ) from exc
-            self.backend = SummaryWriter(log_dir=str(out_dir / "tensorboard" / run_name))
+            # purge_step: TensorBoard hides the events this log holds from that step on (the forked-off run's).
+            purge = None if resumed_at is None else resumed_at + 1
+            self.backend = SummaryWriter(log_dir=str(out_dir / "tensorboard" / run_name), purge_step=purge)
             self.backend.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
         elif report_to == "wandb":
             try:

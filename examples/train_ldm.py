@@ -289,6 +289,10 @@ def _check_args(args: argparse.Namespace, info: DistInfo) -> int:
         raise SystemExit(f"{'--tune' if args.tune else '--tune-choice'} chooses what --fused patches; it needs --fused")
     if args.tune and args.tune_choice:
         raise SystemExit("--tune measures a choice and --tune-choice applies a saved one: give one of them")
+    if args.seed < 0:
+        raise SystemExit(f"--seed must be >= 0, got {args.seed}")
+    if not math.isfinite(args.guidance_scale):
+        raise SystemExit(f"--guidance-scale must be finite, got {args.guidance_scale}")
     if not 0 <= args.ema_decay < 1:
         raise SystemExit(f"--ema-decay must be in [0, 1), got {args.ema_decay} (0 disables the EMA)")
     if not 0 <= args.cond_drop <= 1:
@@ -313,6 +317,8 @@ def _tuning_choice(args: argparse.Namespace, state: dict | None, given: set[str]
         args.tune = args.tune if "tune" in given else False
         args.tune_choice = args.tune_choice if "tune_choice" in given else None
         return None  # a --tune or --tune-choice given now is refused in _check_args
+    if "tune_choice" not in given and (args.tune or "tune" in given):
+        args.tune_choice = None  # a path inherited from the checkpoint's run: --tune (measure) or --no-tune given wins
     if args.tune_choice and "tune_choice" in given:
         if "tune" not in given:
             args.tune = False  # a choice given now wins over an inherited --tune (both given: refused)
@@ -484,9 +490,6 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             if step >= args.max_steps:
                 print(f"note: the run is already at step {step}, --max-steps {args.max_steps}: nothing to train; "
                       "give a larger --max-steps to train on", flush=True)  # fmt: skip
-            if args.save_every > 0 and (aside := set_aside_newer_checkpoints(out_dir, step)) is not None:
-                print(f"note: {out_dir / 'checkpoints'} held checkpoints past step {step} from the run this one forks "
-                      f"off; moved to {aside}", flush=True)  # fmt: skip
             if state.get("args") is None and state["batch_size"] != args.batch_size:  # else resume_args noted it
                 print(f"note: --batch-size {args.batch_size} differs from the checkpoint's {state['batch_size']}")
 
@@ -496,6 +499,9 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     loader = DataLoader(
         samples, batch_size=micro, sampler=sampler, num_workers=workers, pin_memory=device.type == "cuda",
         drop_last=True, persistent_workers=False,
+        # Its own generator: each iter() draws the workers' base seed from it, not from torch's global RNG, whose
+        # state a resume restores at a point where the uninterrupted run drew nothing (dropout masks would differ).
+        generator=torch.Generator().manual_seed(args.seed),
     )  # fmt: skip
     per_rank_step = micro * args.grad_accum  # samples each process reads per optimizer step
     if len(sampler.inner) < per_rank_step:
@@ -503,7 +509,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
 
     # ---------------------------------------------------------------------------------------- helpers
     run_name = args.run_name or f"{args.model}-{'fused' if args.fused else 'stock'}"
-    logger = MetricLogger(args.report_to, out_dir, vars(args), is_main, run_name)
+    logger = MetricLogger(args.report_to, out_dir, vars(args), is_main, run_name, step if state is not None else None)
 
     def compute_loss(batch: dict, net: torch.nn.Module | None = None) -> torch.Tensor:
         images = batch["image"].to(device, non_blocking=True)
@@ -574,6 +580,13 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         model = ddp
     if args.compile:
         model = torch.compile(model)
+
+    # Once every check that can still end the run has passed: checkpoints past the resumed step belong to the run this
+    # one forks off, and --resume auto must not pick them up again.
+    forked = state is not None and is_main and args.save_every > 0
+    if forked and (aside := set_aside_newer_checkpoints(out_dir, step)) is not None:
+        print(f"note: {out_dir / 'checkpoints'} held checkpoints past step {step} from the run this one forks off; "
+              f"moved to {aside}", flush=True)  # fmt: skip
 
     # ---------------------------------------------------------------------------------------- loop
     from tqdm.auto import tqdm

@@ -17,7 +17,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from _train_data import ImageFolderDataset  # noqa: E402
+from _train_data import ImageFolderDataset, ShapesDataset  # noqa: E402
 
 
 def _images(folder: Path, count: int, colour=(200, 40, 40)) -> None:
@@ -69,3 +69,11 @@ def test_16_bit_grey_is_scaled_not_clipped(tmp_path):
     expected = np.rint(ramp * 255 / 65535) / 127.5 - 1  # [-1, 1] as the dataset scales 8-bit values
     assert np.abs(pixels[0].numpy() - expected).max() < 0.1  # bicubic resize at the same size moves values little
     assert (pixels == 1).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("resolution", [15, 17, 9, 16])
+def test_shapes_at_any_resolution(resolution):
+    """The procedural background's 8-pixel noise blocks cover sides that are no multiple of 8 (cropped), and even
+    sides draw the same images as before (the same numbers from the generator)."""
+    image, label = ShapesDataset(resolution, length=4, seed=3)[1]
+    assert tuple(image.shape) == (3, resolution, resolution) and image.isfinite().all() and label >= 0

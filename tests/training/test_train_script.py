@@ -231,6 +231,8 @@ def test_zoo_models_train_and_sample(train_ldm, tmp_path, argv):
         (["--profile-active", "-1"], "--profile-active must be >= 0, got -1"),
         (["--data", "/nonexistent/images"], "--data '/nonexistent/images' is not a folder"),
         (["--resume", "/nonexistent/step-1.pt"], "--resume /nonexistent/step-1.pt: no such checkpoint file"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--guidance-scale", "nan"], "--guidance-scale must be finite, got nan"),
         (["--vae", "sd15vae"], "--vae 'sd15vae' is neither a folder holding a diffusers AutoencoderKL nor .*sd15-vae"),
     ],
 )
@@ -485,3 +487,38 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(train_ldm, 
     assert sorted(p.name for p in aside.iterdir()) == ["step-00000004.pt", "step-00000006.pt"]
     resumed = train_ldm.main([*common, "--resume", "auto", "--max-steps", "6", "--save-every", "0"])
     assert resumed["step"] == 6 and len(resumed["history"]) == 1
+
+
+def test_resume_is_bit_exact_with_dropout(train_ldm, tmp_path):
+    """ModelScope's tiny UNet has dropout: its masks come from torch's global RNG, which a resume restores; the
+    DataLoader's own generator keeps iter() from drawing from it where the uninterrupted run did not."""
+    extra = ["--model", "modelscope", "--tiny", "--frames", "4", "--latent-factor", "2", "--batch-size", "2",
+             "--num-shapes", "64", "--max-steps", "4", "--save-every", "2", "--keep-last", "0"]  # fmt: skip
+    straight = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "a")])
+    ckpt = tmp_path / "a" / "checkpoints" / "step-00000002.pt"
+    resumed = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "b"), "--resume", str(ckpt)])
+    assert _losses(resumed) == {k: v for k, v in _losses(straight).items() if k > 2}
+    assert resumed["param_digests"] == straight["param_digests"]
+
+
+def test_a_resume_that_fails_its_checks_sets_nothing_aside_and_metrics_are_not_repeated(train_ldm, tmp_path):
+    out = tmp_path / "run"
+    common = [*BASE, "--num-shapes", "64", "--output-dir", str(out)]
+    train_ldm.main([*common, "--max-steps", "4", "--save-every", "2", "--keep-last", "0"])
+    fork = str(out / "checkpoints" / "step-00000002.pt")
+    with pytest.raises(SystemExit):  # a check after the checkpoint is read: nothing trained, nothing moved
+        train_ldm.main([*common, "--resume", fork, "--batch-size", "512", "--max-steps", "4"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002.pt", "step-00000004.pt"]
+    train_ldm.main([*common, "--resume", fork, "--max-steps", "5", "--lr", "1e-4"])
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]  # the forked-off run's steps 3 and 4 are dropped, not repeated
+
+
+def test_not_a_checkpoint_is_a_clear_message(train_ldm, tmp_path):
+    bogus = tmp_path / "step-00000001.pt"
+    bogus.write_text("not a checkpoint")
+    with pytest.raises(SystemExit, match="not a checkpoint this script can read"):
+        train_ldm.main([*BASE, "--max-steps", "1", "--output-dir", str(tmp_path / "o"), "--resume", str(bogus)])
+    torch.save({"weights": torch.zeros(1)}, bogus)
+    with pytest.raises(SystemExit, match=r"not a checkpoint of examples/train_ldm\.py"):
+        train_ldm.main([*BASE, "--max-steps", "1", "--output-dir", str(tmp_path / "o"), "--resume", str(bogus)])

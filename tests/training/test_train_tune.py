@@ -96,6 +96,24 @@ def test_a_resumed_tuned_run_keeps_its_choice(tmp_path, capsys, resnets_pay):
     assert again["patch"]["modules"] == straight["patch"]["modules"]
 
 
+def test_a_run_given_a_choice_file_resumes_with_tune_or_no_tune(tmp_path, resnets_pay):
+    """The --tune-choice path a checkpoint's run was given is not a choice given now: --tune measures again, and
+    --no-tune patches everything, without reading that file (moved away here) again."""
+    train_ldm = _train_module()
+    train_ldm.main([*BASE, "--max-steps", "1", "--tune", "--output-dir", str(tmp_path / "a")])
+    choice_path = tmp_path / "choice.json"
+    (tmp_path / "a" / "tune_choice.json").rename(choice_path)
+    run = tmp_path / "b"
+    train_ldm.main([*BASE, "--max-steps", "1", "--save-every", "1", "--tune-choice", str(choice_path),
+                    "--output-dir", str(run)])  # fmt: skip
+    choice_path.rename(tmp_path / "gone.json")
+    measured = train_ldm.main(["--resume", "auto", "--output-dir", str(run), "--max-steps", "2", "--tune"])
+    assert measured["patch"]["tuning"] is not None and len(resnets_pay) == 2
+    everything = train_ldm.main(["--resume", "auto", "--output-dir", str(run), "--max-steps", "3", "--no-tune"])
+    assert everything["patch"]["tuning"] is None
+    assert len(everything["patch"]["modules"]) > len(measured["patch"]["modules"])
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [
