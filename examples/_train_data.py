@@ -282,8 +282,9 @@ class PatchLatents(torch.nn.Module):
     """A fixed linear patch autoencoder standing in for a VAE when the model expects latents and no --vae is given.
 
     Each ``factor x factor`` RGB patch maps to ``channels`` numbers: the first three are the patch's mean colour, the
-    others seeded random directions orthogonal to them (fine texture), all divided by ``factor`` so latents stay near
-    unit scale. Nothing is trained; decoding is the pseudo-inverse, so sample images stay viewable (blocky).
+    next (up to the patch's 3 x factor^2 values) seeded random directions orthogonal to them (fine texture), any more
+    seeded random unit directions, all divided by ``factor`` so latents stay near unit scale. Nothing is trained;
+    decoding is the pseudo-inverse, so sample images stay viewable (blocky).
     """
 
     def __init__(self, channels: int, factor: int, seed: int = 0) -> None:
@@ -295,8 +296,9 @@ class PatchLatents(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         basis, _ = torch.linalg.qr(torch.cat([means, torch.randn(dim, dim, generator=g, dtype=torch.float64)], 1))
         rows = basis[:, : min(channels, dim)].T
-        if channels > dim:
-            rows = torch.cat([rows, torch.randn(channels - dim, dim, generator=g, dtype=torch.float64)])
+        if channels > dim:  # more channels than patch values: unit-norm random rows (latents stay near unit scale)
+            extra = torch.randn(channels - dim, dim, generator=g, dtype=torch.float64)
+            rows = torch.cat([rows, extra / extra.norm(dim=1, keepdim=True)])
         weight = rows.float() / factor
         self.factor = factor
         self.register_buffer("weight", weight, persistent=False)

@@ -438,6 +438,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         num_train_timesteps=args.num_train_timesteps,
         beta_schedule=args.beta_schedule,
         prediction_type=args.prediction_type,
+        clip_sample=factor == 1,  # pixels live in [-1, 1]; latents (a VAE's, the patch codec's) do not
     )
     if state is not None:
         denoiser.load_state_dict(state["model"])

@@ -420,6 +420,8 @@ def test_save_final_round_trips_with_the_conditioning(train_ldm, tmp_path, argv)
     meta = json.loads((final / "denoiser.json").read_text())
     assert meta["model"] == (argv[1] if argv else "unet-tiny")
     assert meta["num_classes"] == 16 and meta["diffusers_class"] == "UNet2DConditionModel"
+    # latents are not clipped to [-1, 1] when sampling (pixels would be)
+    assert json.loads((final / "scheduler_config.json").read_text())["clip_sample"] is (meta["latent_factor"] == 1)
 
     # In memory: the denoiser of the last checkpoint with its EMA weights applied.
     state = torch.load(out / "checkpoints" / "step-00000002.pt", weights_only=False)
