@@ -330,7 +330,8 @@ class VaeLatents(torch.nn.Module):
             from ldmopt import configs
 
             self.vae = configs.build_model(zoo, device="cpu", dtype=torch.float32, tiny=tiny)
-            print(f"--vae {path}: the zoo's {'tiny ' if tiny else ''}config with RANDOM weights (throughput only)")
+            if os.environ.get("RANK", "0") == "0":  # once, not per torchrun process
+                print(f"--vae {path}: the zoo's {'tiny ' if tiny else ''}config with RANDOM weights (throughput only)")
         elif Path(path).is_dir():
             self.vae = AutoencoderKL.from_pretrained(path, local_files_only=True)
         else:

@@ -447,7 +447,8 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     if args.fused and not tuned:
         import ldmopt
 
-        report = ldmopt.patch(denoiser.model, training=True)
+        # With --channels-last every weight goes channels-last below: the report says so for the fused convs' now.
+        report = ldmopt.patch(denoiser.model, training=True, channels_last_weights=channels_last or None)
         if is_main:
             print(report, flush=True)
     denoiser.to(device)
