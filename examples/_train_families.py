@@ -130,6 +130,16 @@ class UNet2DDenoiser(Denoiser):
     def supports_guidance(self) -> bool:
         return self.conditional
 
+    def check_resolution(self, resolution, factor, name):
+        # UNet2DModel concatenates each up block's input with its skip: every downsampling must halve evenly.
+        multiple = 2 ** (len(self.model.config.block_out_channels) - 1)
+        side = resolution // factor
+        if side % multiple:
+            raise SystemExit(
+                f"--model {name}: {side}x{side} inputs do not halve evenly through its {multiple}x downsampling; "
+                f"use a --resolution multiple of {multiple * factor}"
+            )
+
     def forward(self, x, t, labels, first_frame=None):
         return self.model(x, t, class_labels=labels if self.conditional else None, return_dict=False)[0]
 

@@ -93,7 +93,9 @@ def build_denoiser(name: str, num_classes: int, resolution: int, latent_factor: 
         cls, cfg = SMALL_MODELS[name]
         extra = {"num_class_embeds": num_classes + 1} if cls == "UNet2DModel" else {}
         model = getattr(diffusers, cls)(sample_size=resolution, in_channels=3, out_channels=3, **cfg, **extra)
-        return make_denoiser(model, num_classes, resolution), 1, 3
+        denoiser = make_denoiser(model, num_classes, resolution)
+        denoiser.check_resolution(resolution, 1, name)
+        return denoiser, 1, 3
     configs = _zoo()
     if configs is None:
         raise SystemExit(f"--model {name}: ldmopt.configs is not available")

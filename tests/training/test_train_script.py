@@ -232,6 +232,7 @@ def test_zoo_models_train_and_sample(train_ldm, tmp_path, argv):
         (["--data", "/nonexistent/images"], "--data '/nonexistent/images' is not a folder"),
         (["--resume", "/nonexistent/step-1.pt"], "--resume /nonexistent/step-1.pt: no such checkpoint file"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--model", "unet2d-small", "--resolution", "30"], "do not halve evenly .* multiple of"),
         (["--guidance-scale", "nan"], "--guidance-scale must be finite, got nan"),
         (["--vae", "sd15vae"], "--vae 'sd15vae' is neither a folder holding a diffusers AutoencoderKL nor .*sd15-vae"),
     ],
