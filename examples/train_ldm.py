@@ -333,6 +333,11 @@ def _tuning_choice(args: argparse.Namespace, state: dict | None, given: set[str]
     return args.tune_choice or None
 
 
+def _listed(names, limit: int = 6) -> str:
+    shown = ", ".join(repr(n) for n in list(names)[:limit])
+    return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)})"
+
+
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None  # strict JSON has no NaN (tune of a model without sites)
 
@@ -441,7 +446,17 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         clip_sample=factor == 1,  # pixels live in [-1, 1]; latents (a VAE's, the patch codec's) do not
     )
     if state is not None:
-        denoiser.load_state_dict(state["model"])
+        saved_classes = state.get("class_names")
+        names = getattr(base, "class_names", None)
+        if saved_classes is not None and names is not None and list(saved_classes) != list(names):
+            raise SystemExit(
+                f"--resume {resume_path}: the checkpoint trained on the classes {_listed(saved_classes)}; --data "
+                f"holds {_listed(names)}. Resume with the same classes (the label embeddings are per class)"
+            )
+        try:
+            denoiser.load_state_dict(state["model"])
+        except RuntimeError as exc:  # another number of classes (an older checkpoint), another model
+            raise SystemExit(f"--resume {resume_path}: the checkpoint's weights do not fit this model ({exc})") from exc
     report = None
     tuned = args.fused and (args.tune or choice is not None)  # patched below, on the device, before DDP
     if args.fused and not tuned:
@@ -557,7 +572,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             "scaler": scaler.state_dict(), "step": at_step, "epoch": data_epoch,
             "samples_into_epoch": seen_in_epoch, "batches_into_epoch": seen_in_epoch // args.batch_size,
             "world_size": info.world_size, "batch_size": args.batch_size, "rng": rng, "args": vars(args),
-            "tune_choice": choice,
+            "tune_choice": choice, "class_names": getattr(base, "class_names", None),
         }  # fmt: skip
         save_checkpoint(checkpoint_path(out_dir, at_step), ckpt, args.keep_last)
 

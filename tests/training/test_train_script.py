@@ -525,3 +525,18 @@ def test_not_a_checkpoint_is_a_clear_message(train_ldm, tmp_path):
     torch.save({"weights": torch.zeros(1)}, bogus)
     with pytest.raises(SystemExit, match=r"not a checkpoint of examples/train_ldm\.py"):
         train_ldm.main([*BASE, "--max-steps", "1", "--output-dir", str(tmp_path / "o"), "--resume", str(bogus)])
+
+
+def test_resume_with_other_classes_in_the_data_folder_is_a_clear_message(train_ldm, tmp_path):
+    data = tmp_path / "images"
+    for cls in ("red", "blue"):
+        (data / cls).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (18, 18), (200, 30, 30) if cls == "red" else (30, 30, 200)).save(data / cls / f"{i}.png")
+    out = tmp_path / "run"
+    args = [*BASE, "--data", str(data), "--batch-size", "4", "--save-every", "1", "--output-dir", str(out)]
+    train_ldm.main([*args, "--max-steps", "1"])
+    (data / "green").mkdir()
+    Image.new("RGB", (18, 18), (30, 200, 30)).save(data / "green" / "0.png")
+    with pytest.raises(SystemExit, match=r"trained on the classes \['blue', 'red'\] \(2\); --data holds .*'green'"):
+        train_ldm.main([*args, "--max-steps", "2", "--resume", "auto"])
