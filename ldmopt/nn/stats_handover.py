@@ -18,10 +18,12 @@ feed-forward output GEMM sums its rows' ``layer_norm_stats`` in its epilogue for
 
 So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input (the
 epilogue sums the stored output), and the consumer's backward differentiates through them as its own. Only plain
-eager calls take part (no tracing, compiling, dispatch or function modes, and no inference tensors, which keep no
-version counter: use torch.no_grad rather than torch.inference_mode to have them), on the producer's CUDA stream
-and capture state; each thread has its own slot. Writes PyTorch's version counter does not see (through ``.data``,
-or a NumPy or DLPack alias) between the two modules are the one way to make a hand-over stale.
+eager calls take part (no tracing, compiling, dispatch or function modes, ``with torch.device(...)`` among the
+latter, no active torch.profiler, whose profiles therefore show the statistics passes a plain run skips, and no
+inference tensors, which keep no version counter: use torch.no_grad rather than torch.inference_mode to have them),
+on the producer's CUDA stream and capture state; each thread has its own slot. Writes PyTorch's version counter does
+not see (through ``.data``, a NumPy or DLPack alias, or the raw ``untyped_storage()``) between the two modules are
+the one way to make a hand-over stale.
 """
 
 from __future__ import annotations
@@ -117,8 +119,9 @@ def offer(out: Tensor, producer: nn.Module, config: tuple | None = None, stats=N
 
 def take(x: Tensor, groups: int, eps: float, consumer: str) -> tuple[Tensor, Tensor] | None:
     """(mean, rstd) of ``x`` for GroupNorm(groups, eps) if the last offer was ``x`` itself with those statistics;
-    None otherwise (recording, for the producer of ``x``, which statistics to compute next time). The offer is used
-    up either way."""
+    None otherwise (recording, for the producer of ``x``, which statistics to compute next time). An eligible ``x``
+    uses the offer up either way; an ineligible one (the (hidden, skip) pair of an up block, an inference tensor, a
+    call under a mode) leaves it pending, for nothing but ``x`` itself can take it."""
     return _take(x, (int(groups), float(eps)), consumer)
 
 
