@@ -207,7 +207,8 @@ def test_check_scripts_report_failures(monkeypatch, capsys):
     assert "check_gpu: 2 failed" in out and "check_gpu: all passed" in out, out
 
     monkeypatch.setattr(check_cuda_backend, "check_group_norm", lambda quick: (("op", *r) for r in bad(quick)))
-    monkeypatch.setattr(check_cuda_backend, "check_attention", lambda quick: (("op", *r) for r in good(quick)))
+    for name in ("check_group_norm_parts", "check_layer_norm_stats", "check_attention"):
+        monkeypatch.setattr(check_cuda_backend, name, lambda quick: (("op", *r) for r in good(quick)))
     assert check_cuda_backend.run_checks(quick=True) == 2
     out = capsys.readouterr().out
     assert "FAIL" in out and "<lambda> ERROR RuntimeError: boom\n" in out, out

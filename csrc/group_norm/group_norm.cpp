@@ -232,7 +232,11 @@ at::Tensor apply_cuda(const at::Tensor& x, const at::Tensor& mean_in, const at::
   const at::Tensor rstd = rstd_in.contiguous();
   const at::Tensor w = param_tensor(weight);
   const at::Tensor b = param_tensor(bias);
-  at::Tensor y = new_output(at::empty_like(x));
+  // Canonical strides for a channels-last x (its own may differ on size-1 dims): the layout the op's fake promises;
+  // both are addressed linearly in the same order.
+  const bool cl4 = x.dim() == 4 && p.channels_last;
+  at::Tensor y = new_output(cl4 ? at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast))
+                                : at::empty_like(x));
   const Plan plan = make_plan(p, aligned16(x.data_ptr()) && aligned16(y.data_ptr()));
   const Scratch scratch = forward_scratch(p, plan, x, false);
   // The kernels read the statistics through the forward's (writable) pointers; apply only reads them.

@@ -209,7 +209,8 @@ __global__ __launch_bounds__(kFinalizeThreads) void finalize_forward_kernel(Stat
     const float d = s.part_a[off] - mean;
     acc += s.part_b[off] + count * d * d;
   }
-  const float var = fmaxf(block_sum(acc, scratch) / total, 0.0f);
+  const float m2 = block_sum(acc, scratch) / total;
+  const float var = m2 < 0.0f ? 0.0f : m2;  // not fmaxf: a NaN in the group keeps rstd NaN
   const float rstd = rsqrtf(var + s.eps);
   if (threadIdx.x == 0) {
     mean_out[ng] = mean;

@@ -24,7 +24,9 @@ __global__ __launch_bounds__(kThreads) void row_stats_kernel(const T* x, float* 
   for (int m = kWarpSize / 2; m > 0; m >>= 1) w.merge(w.shfl_xor(m));
   if (lane == 0) {
     stats[row] = w.mean;
-    stats[M + row] = rsqrtf(fmaxf(w.m2 / static_cast<float>(C), 0.0f) + eps);
+    // A comparison, not fmaxf: a NaN or inf in the row keeps rstd NaN (fmaxf would turn it into 1 / sqrt(eps)).
+    const float var = w.m2 / static_cast<float>(C);
+    stats[M + row] = rsqrtf((var < 0.0f ? 0.0f : var) + eps);
   }
 }
 

@@ -78,6 +78,8 @@ def cuda_one_part_refusals(symbol: str, x: Tensor, x_tail: Tensor | None, *other
     reasons = cuda_extension_refusals(symbol, x, x_tail, *others)
     if reasons:
         return reasons
+    if any(t is not None and t.device != x.device for t in (x_tail, *others)):
+        reasons.append("tensors on more than one device")
     if x_tail is not None:
         reasons.append("a two-part input (x_tail): the CUDA kernels read one tensor")
     if x.dtype not in _TRITON_DTYPES:

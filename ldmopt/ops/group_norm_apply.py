@@ -104,12 +104,14 @@ APPLY = BackendTable(
 
 def staged_apply(x, mean, rstd, gw, gb, groups, act, x_tail=None):
     """What the fused convolution's staged placement runs inside its own triton backend: the cuda backend when it is
-    built, not forced away and takes the input, else the triton one (counted in backend_counts either way)."""
-    name = "cuda" if APPLY.forced() in (None, "cuda") and not _apply_cuda_refuse(x, mean, rstd, gw, gb, groups, act,
-                                                                                  x_tail) else "triton"  # fmt: skip
-    backend_counts[("group_norm_apply", name)] += 1
-    run = _apply_cuda if name == "cuda" else apply_triton
-    return run(x, mean, rstd, gw, gb, groups, act, x_tail)
+    built and takes the input, else the triton one (counted in backend_counts either way). A backend forced for
+    group_norm_apply itself is honoured as the op would (cuda or torch: that one, or BackendUnavailableError)."""
+    forced = APPLY.forced()
+    if forced in ("cuda", "torch"):
+        return APPLY(x, mean, rstd, gw, gb, groups, act, x_tail)
+    cuda = forced is None and not _apply_cuda_refuse(x, mean, rstd, gw, gb, groups, act, x_tail)
+    backend_counts[("group_norm_apply", "cuda" if cuda else "triton")] += 1
+    return (_apply_cuda if cuda else apply_triton)(x, mean, rstd, gw, gb, groups, act, x_tail)
 
 
 @torch.library.custom_op("ldmopt::group_norm_apply", mutates_args=())
@@ -127,10 +129,12 @@ def group_norm_apply(
     4-D x; the result is channels-last in x's dtype."""
     _check_tail("x_tail", x, x_tail)
     c = x.shape[1] + (0 if x_tail is None else x_tail.shape[1])
-    if x.dim() != 4 or num_groups <= 0 or c % num_groups or tuple(mean.shape) != (x.shape[0], num_groups):
+    stats_ok = tuple(mean.shape) == tuple(rstd.shape) == (x.shape[0], num_groups)
+    if x.dim() != 4 or num_groups <= 0 or c % num_groups or not stats_ok:
         raise ValueError(
             f"group_norm_apply: x {tuple(x.shape)} ({c} channels in all), num_groups={num_groups}, mean "
-            f"{tuple(mean.shape)}: expected a 4-D x whose channels the groups divide and [N, num_groups] statistics"
+            f"{tuple(mean.shape)}, rstd {tuple(rstd.shape)}: expected a 4-D x whose channels the groups divide and "
+            "[N, num_groups] statistics"
         )
     return APPLY(x, mean, rstd, gn_weight, gn_bias, num_groups, activation, x_tail)
 

@@ -215,6 +215,18 @@ def test_layer_norm_row_statistics(emu, m, c, dtype):
     assert packed.isfinite().all()
 
 
+def test_statistics_of_rows_and_groups_with_nan_stay_nan(emu):
+    """A NaN in a row (group) makes its mean and rstd NaN, as PyTorch's; a clamp with fmaxf made rstd 1/sqrt(eps)."""
+    x = torch.randn(4, 40)
+    x[1, 7] = float("nan")
+    stats = emu.layer_norm_stats(x, 1e-5)
+    assert stats[:, 1].isnan().all() and not stats[:, [0, 2, 3]].isnan().any()
+    g = _channels_last(torch.randn(2, 16, 4, 4))
+    g[1, 5, 2, 3] = float("nan")  # group 1 (channels 4-7) of image 1
+    mean, rstd = emu.group_norm_stats(g, 4, 1e-5)
+    assert mean[1, 1].isnan() and rstd[1, 1].isnan() and (mean.isnan().sum(), rstd.isnan().sum()) == (1, 1)
+
+
 def test_layer_norm_row_statistics_unaligned_rows(emu):
     x = torch.randn(6, 40 * 3, dtype=torch.float16)[:, 1:41]  # row starts 2 bytes past 16-byte alignment
     stats = emu.layer_norm_stats(x, 1e-6)

@@ -384,6 +384,7 @@ STATS_APPLY_INPUTS = {
     "contiguous": meta(2, 8, 3, 3),
     "channels-last": meta(2, 8, 3, 3).to(memory_format=torch.channels_last),
     "channels-last 1x1": meta(2, 8, 1, 1).to(memory_format=torch.channels_last),
+    "channels-last, one row sliced": meta(1, 8, 3, 4).to(memory_format=torch.channels_last)[:, :, 1:2, :],
     "channels-last 3-D": meta(2, 9, 8).transpose(1, 2),
     "channels-last 5-D": meta(2, 8, 2, 3, 3).to(memory_format=torch.channels_last_3d),
     "channel-strided": meta(2, 16, 3, 3)[:, ::2],
@@ -418,8 +419,10 @@ def test_statistics_and_apply_refusals_cover_what_the_cpp_ops_reject(case, monke
     refused = apply_module._apply_cuda_refuse(x, st, st, None, None, groups, "silu")
     if not refused:
         assert cpp_runs(lambda: gn_apply(x, st, st, None, None, groups, "silu")), case
-        assert gn_apply(x, st, st, None, None, groups, "silu").stride() == x.stride()
         assert x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    if not refused:  # y in canonical channels-last strides (as the op's fake), whatever x's strides on size-1 dims
+        y = gn_apply(x, st, st, None, None, groups, "silu")
+        assert y.stride() == torch.empty_like(y, memory_format=torch.channels_last).stride()
     assert stats_module._stats_cuda_refuse(x, x), "a two-part input goes to triton"
     assert apply_module._apply_cuda_refuse(x, st, st, None, None, groups, "silu", x), "a two-part input goes to triton"
 

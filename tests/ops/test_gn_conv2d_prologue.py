@@ -204,3 +204,30 @@ def test_staged_pass_runs_on_the_cuda_backend_where_it_takes_the_input(staged, m
     gw2, gb2, w2, b2, _, _ = _block_params(12, 6, torch.float32)
     gn_silu_conv2d((head, tail), gw2, gb2, 4, 1e-5, w2, b2, 1, 1)
     assert len(calls) == 1 and ldmopt.ops.backend_counts[("group_norm_apply", "triton")] == 2
+
+
+def test_staged_pass_honours_a_backend_forced_for_the_apply_op(staged, monkeypatch):
+    from ldmopt.ops import gn_conv2d_stats as stats_module
+
+    monkeypatch.setattr(stats_module, "cuda_extension_refusals", lambda *args: ["ldmopt._C is not built here"])
+    x, gw, gb, groups, w, b = _inputs(1, 8, 5, 5, 8, 3, torch.float32)
+    refused = pytest.raises(ldmopt.BackendUnavailableError, match=r"ldmopt\._C is not built")
+    with ldmopt.use_backend("cuda", ops=["group_norm_apply"]), refused:
+        gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 1)
+    ldmopt.ops.backend_counts.clear()
+    with ldmopt.use_backend("torch", ops=["group_norm_apply"]):
+        y = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 1)
+    _check(y, (x, gw, gb, groups, w, b, 1, 1), {}, "staged with the reference normalisation")
+    assert ldmopt.ops.backend_counts[("group_norm_apply", "torch")] == 1
+
+
+def test_apply_refuses_statistics_of_another_device_or_shape(monkeypatch):
+    from ldmopt.ops import gn_conv2d_stats as stats_module
+    from ldmopt.ops.group_norm_apply import group_norm_apply
+
+    monkeypatch.setattr(stats_module, "cuda_extension_refusals", lambda *args: [])  # as where ldmopt._C is built
+    x = torch.randn(2, 8, 3, 3, device="meta")
+    reasons = stats_module.cuda_one_part_refusals("group_norm_apply_cuda", x, None, torch.zeros(2, 4))
+    assert "tensors on more than one device" in reasons
+    with pytest.raises(ValueError, match=r"rstd \(2, 3\)"):
+        group_norm_apply(torch.randn(2, 8, 3, 3), torch.zeros(2, 4), torch.ones(2, 3), None, None, 4, "")
