@@ -124,16 +124,21 @@ def test_two_rank_checkpoint_resumes_on_one_process(ddp_run, train_ldm, tmp_path
         torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-3, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def test_resume_is_bit_exact(train_ldm, tmp_path):
-    """fp16 autocast + GradScaler, grad accumulation, EMA, cosine schedule: resuming a 4-step run from its step-2
-    checkpoint reproduces steps 3-4 bit for bit."""
-    extra = ["--mixed-precision", "fp16", "--grad-accum", "2", "--lr-scheduler", "cosine", "--warmup-steps", "1",
-             "--ema-decay", "0.9", "--max-steps", "4", "--save-every", "2", "--keep-last", "0"]  # fmt: skip
+def _resumes_exactly_from_step_2(train_ldm, tmp_path, extra: list[str]) -> None:
+    """A 4-step run and the same run resumed from its step-2 checkpoint: steps 3-4 and the weights bit for bit."""
     straight = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "a")])
     ckpt = tmp_path / "a" / "checkpoints" / "step-00000002.pt"
     resumed = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "b"), "--resume", str(ckpt)])
     assert _losses(resumed) == {k: v for k, v in _losses(straight).items() if k > 2}
     assert resumed["param_digests"] == straight["param_digests"]
+
+
+def test_resume_is_bit_exact(train_ldm, tmp_path):
+    """fp16 autocast + GradScaler, grad accumulation, EMA, cosine schedule: resuming a 4-step run from its step-2
+    checkpoint reproduces steps 3-4 bit for bit."""
+    extra = ["--mixed-precision", "fp16", "--grad-accum", "2", "--lr-scheduler", "cosine", "--warmup-steps", "1",
+             "--ema-decay", "0.9", "--max-steps", "4", "--save-every", "2", "--keep-last", "0"]  # fmt: skip
+    _resumes_exactly_from_step_2(train_ldm, tmp_path, extra)
     a = torch.load(tmp_path / "a" / "checkpoints" / "step-00000004.pt", weights_only=False)
     b = torch.load(tmp_path / "b" / "checkpoints" / "step-00000004.pt", weights_only=False)
     for name, shadow in a["ema"]["shadow"].items():
@@ -497,11 +502,7 @@ def test_resume_is_bit_exact_with_dropout(train_ldm, tmp_path):
     DataLoader's own generator keeps iter() from drawing from it where the uninterrupted run did not."""
     extra = ["--model", "modelscope", "--tiny", "--frames", "4", "--latent-factor", "2", "--batch-size", "2",
              "--num-shapes", "64", "--max-steps", "4", "--save-every", "2", "--keep-last", "0"]  # fmt: skip
-    straight = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "a")])
-    ckpt = tmp_path / "a" / "checkpoints" / "step-00000002.pt"
-    resumed = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "b"), "--resume", str(ckpt)])
-    assert _losses(resumed) == {k: v for k, v in _losses(straight).items() if k > 2}
-    assert resumed["param_digests"] == straight["param_digests"]
+    _resumes_exactly_from_step_2(train_ldm, tmp_path, extra)
 
 
 def test_a_resume_that_fails_its_checks_sets_nothing_aside_and_metrics_are_not_repeated(train_ldm, tmp_path):
