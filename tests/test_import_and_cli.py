@@ -302,8 +302,9 @@ def test_info_lists_every_public_op_with_its_backends():
     listed = info.public_ops()
     functions = {name for name in ops.__all__ if callable(getattr(ops, name)) and name[0].islower()}
     assert set(listed) == functions - {"use_backend"}, set(listed) ^ functions
-    assert listed["group_norm"] == listed["temporal_attention"] == ("cuda", "triton", "torch")
-    assert listed["rms_norm_joint"] == listed["layer_norm_stats"] == ("triton", "torch")
+    for name in ("group_norm", "temporal_attention", "layer_norm_stats"):  # ldmopt._C serves these too
+        assert listed[name] == ("cuda", "triton", "torch"), name
+    assert listed["rms_norm_joint"] == ("triton", "torch")
 
 
 def test_demo_save_folder_is_made_before_the_run(tmp_path, monkeypatch):
