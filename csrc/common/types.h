@@ -28,4 +28,10 @@ constexpr T ceil_div(T a, T b) {
   return (a + b - 1) / b;
 }
 
+// A 1-D grid size for dim3: saturates instead of wrapping, so a count past CUDA's grid.x limit (2^31 - 1) makes the
+// launch fail with an invalid-configuration error the caller reports, never a smaller grid that silently skips work.
+constexpr unsigned grid_x(int64_t blocks) {
+  return blocks < 0 ? 0u : (blocks > int64_t{0xFFFFFFFF} ? 0xFFFFFFFFu : static_cast<unsigned>(blocks));
+}
+
 }  // namespace ldmopt

@@ -346,10 +346,10 @@ Stats make_stats(const Problem& p, const Plan& plan) {
 template <typename T, int VEC, class R>
 void launch_partial(const Problem& p, const Plan& plan, const Tensors<T>& t, Stream stream) {
   if (p.channels_last) {
-    const dim3 grid(static_cast<unsigned>(p.N * plan.n_chunks * plan.n_cblocks));
+    const dim3 grid(grid_x(p.N * plan.n_chunks * plan.n_cblocks));
     launch_kernel(partial_cl_kernel<T, VEC, R>, grid, dim3(kThreads), 0, stream, t, plan.tc, plan.n_cblocks);
   } else {
-    const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.N * plan.n_chunks * p.C, kThreads / kWarpSize)));
+    const dim3 grid(grid_x(ceil_div<int64_t>(p.N * plan.n_chunks * p.C, kThreads / kWarpSize)));
     launch_kernel(partial_cf_kernel<T, VEC, R>, grid, dim3(kThreads), 0, stream, t);
   }
 }
@@ -357,7 +357,7 @@ void launch_partial(const Problem& p, const Plan& plan, const Tensors<T>& t, Str
 template <typename T, int VEC, class Op>
 void launch_elementwise(const Problem& p, const Tensors<T>& t, Stream stream) {
   const int64_t packs = p.N * p.C * p.S / VEC;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ceil_div<int64_t>(packs, kThreads), int64_t{1} << 16)));
+  const dim3 grid(grid_x(std::min<int64_t>(ceil_div<int64_t>(packs, kThreads), int64_t{1} << 16)));
   launch_kernel(elementwise_kernel<T, VEC, Op>, grid, dim3(kThreads), 0, stream, t, p.channels_last);
 }
 
@@ -379,7 +379,7 @@ Tensors<T> forward_tensors(const Problem& p, const Plan& plan, const ForwardArgs
 template <typename T, int VEC>
 void statistics_impl(const Problem& p, const Plan& plan, const Tensors<T>& t, const ForwardArgs& a, Stream stream) {
   launch_partial<T, VEC, StatsReducer>(p, plan, t, stream);
-  launch_kernel(finalize_forward_kernel, dim3(static_cast<unsigned>(p.N * p.G)), dim3(kFinalizeThreads), 0, stream,
+  launch_kernel(finalize_forward_kernel, dim3(grid_x(p.N * p.G)), dim3(kFinalizeThreads), 0, stream,
                 t.s, a.mean, a.rstd);
 }
 
@@ -398,7 +398,7 @@ void forward_impl(const Problem& p, const Plan& plan, const ForwardArgs& a, int 
   const Tensors<T> t = forward_tensors<T>(p, plan, a);
   if (kind != 2) statistics_impl<T, VEC>(p, plan, t, a, stream);
   if (kind == 2) {
-    const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.N * p.C, kThreads)));
+    const dim3 grid(grid_x(ceil_div<int64_t>(p.N * p.C, kThreads)));
     launch_kernel(coef_forward_kernel, grid, dim3(kThreads), 0, stream, t.s);
   }
   if (kind != 1) elementwise_forward<T, VEC>(p, t, stream);
@@ -417,7 +417,7 @@ void backward_impl(const Problem& p, const Plan& plan, const BackwardArgs& a, St
   t.s.sum_dz = a.sum_dz;
   t.s.sum_dzx = a.sum_dzx;
   launch_partial<T, VEC, GradReducer<Act>>(p, plan, t, stream);
-  launch_kernel(finalize_backward_kernel, dim3(static_cast<unsigned>(p.N * p.G)), dim3(kFinalizeThreads), 0,
+  launch_kernel(finalize_backward_kernel, dim3(grid_x(p.N * p.G)), dim3(kFinalizeThreads), 0,
                 stream, t.s);
   launch_elementwise<T, VEC, BackwardOp<Act>>(p, t, stream);
 }

@@ -32,7 +32,7 @@ __global__ __launch_bounds__(kThreads) void row_stats_kernel(const T* x, float* 
 
 template <typename T, int VEC>
 void launch(const Problem& p, const void* x, float* stats, float eps, Stream stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.M, kRowsPerBlock)));
+  const dim3 grid(grid_x(ceil_div<int64_t>(p.M, kRowsPerBlock)));
   launch_kernel(row_stats_kernel<T, VEC>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(x), stats, p.M, p.C,
                 p.row_stride, eps);
 }

@@ -221,7 +221,7 @@ void forward_typed(const Problem& pr, const Plan& plan, const View& q, const Vie
   p.pack_k = packable(k, pr);
   p.pack_v = packable(v, pr);
   p.pack_o = packable(out, pr);
-  launch_kernel(forward_kernel<T>, dim3(static_cast<unsigned>(plan.blocks)), dim3(kThreads),
+  launch_kernel(forward_kernel<T>, dim3(grid_x(plan.blocks)), dim3(kThreads),
                 static_cast<size_t>(plan.smem_bytes), stream, p);
 }
 

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ._checks import spatial_dims_flatten
 from ._dispatch import Backend, BackendTable, cuda_extension_refusals, register_eager, triton_refusals
+from .group_norm import cuda_shape_refusals
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -88,16 +89,7 @@ def cuda_one_part_refusals(symbol: str, x: Tensor, x_tail: Tensor | None, *other
 
 
 def _stats_cuda_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
-    from .group_norm import _cuda_layout
-
-    reasons = cuda_one_part_refusals("group_norm_stats_cuda", x, x_tail)
-    if reasons:
-        return reasons
-    if x.dim() not in (3, 4, 5) or x.numel() == 0:
-        reasons.append(f"x of shape {tuple(x.shape)} (the CUDA kernels take non-empty 3-, 4- and 5-D x)")
-    elif not _cuda_layout(x):
-        reasons.append(f"x strides {x.stride()} are neither contiguous nor channels-last")
-    return reasons
+    return cuda_one_part_refusals("group_norm_stats_cuda", x, x_tail) or cuda_shape_refusals(x)
 
 
 STATS = BackendTable(

@@ -119,6 +119,15 @@ def _cuda_layout(x: Tensor) -> bool:
     return x.dim() in (4, 5) and x.is_contiguous(memory_format=memory_format_of(x)) and not x.is_contiguous()
 
 
+def cuda_shape_refusals(x: Tensor) -> list[str]:
+    """csrc/group_norm's shape and layout limits: non-empty 3-, 4- and 5-D x, contiguous or channels-last."""
+    if x.dim() not in (3, 4, 5) or x.numel() == 0:
+        return [f"x of shape {tuple(x.shape)} (the CUDA kernels take non-empty 3-, 4- and 5-D x)"]
+    if not _cuda_layout(x):
+        return [f"x strides {x.stride()} are neither contiguous nor channels-last"]
+    return []
+
+
 def _cuda_refuse(symbol: str, *tensors: Tensor, stats: tuple[Tensor, ...] = ()) -> list[str]:
     """What the C++ op would refuse, so that another backend runs instead (the forward's input is dense already;
     gn_conv2d's backward hands any layout, and stats a user passed, here)."""
@@ -128,10 +137,7 @@ def _cuda_refuse(symbol: str, *tensors: Tensor, stats: tuple[Tensor, ...] = ()) 
         return reasons
     if x.dtype not in _TRITON_DTYPES:
         reasons.append(f"x dtype {x.dtype} (the CUDA kernels serve fp32/fp16/bf16)")
-    if x.dim() not in (3, 4, 5) or x.numel() == 0:  # only direct op calls pass these (group_norm reshapes first)
-        reasons.append(f"x of shape {tuple(x.shape)} (the CUDA kernels take non-empty 3-, 4- and 5-D x)")
-    elif not _cuda_layout(x):
-        reasons.append(f"x strides {x.stride()} are neither contiguous nor channels-last")
+    reasons += cuda_shape_refusals(x)  # only direct op calls and gn_conv2d's backward can fail these
     if any(t.dtype != x.dtype for t in tensors):
         reasons.append("dy and x of different dtypes")
     if any(t.dtype != torch.float32 for t in stats):

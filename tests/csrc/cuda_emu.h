@@ -165,6 +165,9 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
   }
   if (smem > 227 * 1024) throw std::runtime_error("cuda_emu: dynamic shared memory over 227 KB");
   if (grid.y > 65535 || grid.z > 65535) throw std::runtime_error("cuda_emu: grid.y/z over 65535");
+  // A real launch fails with cudaErrorInvalidConfiguration for these; an empty grid never reaches a kernel.
+  if (grid.x > 0x7FFFFFFFu) throw std::runtime_error("cuda_emu: grid.x over 2^31 - 1");
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) throw std::runtime_error("cuda_emu: empty grid");
   while (static_cast<int>(s.fibers.size()) < n_threads) {
     s.fibers.emplace_back();
     s.fibers.back().stack.reset(new char[kStackBytes]);

@@ -57,6 +57,9 @@ extern "C" {
 
 const char* emu_last_error() { return last_error.c_str(); }
 
+// The launchers' 1-D grid size (saturating, never wrapping).
+unsigned emu_grid_x(int64_t blocks) { return ldmopt::grid_x(blocks); }
+
 // 0: threads of a block run first-to-last between barriers; 1: last-to-first.
 void emu_set_reverse_schedule(int reverse) { ldmopt_emu::state().reverse = reverse != 0; }
 

@@ -5,6 +5,7 @@ scalar paths, split reductions, WMMA tile addressing and barrier placement are c
 kernel also runs with the threads of a block scheduled in reverse, so a missing barrier changes the result.
 """
 
+import ctypes
 import math
 
 import pytest
@@ -234,6 +235,19 @@ def test_layer_norm_row_statistics_unaligned_rows(emu):
     var, mean = torch.var_mean(x.double(), dim=1, unbiased=False)
     assert_close(stats[0], mean, torch.float32, "mean")
     assert_close(stats[1], torch.rsqrt(var + 1e-6), torch.float32, "rstd")
+
+
+def test_layer_norm_row_statistics_of_no_rows_launch_nothing(emu):
+    # the emulator refuses an empty grid as CUDA does: zero rows must return before the launch
+    assert emu.layer_norm_stats(torch.randn(0, 24), 1e-5).shape == (2, 0)
+
+
+def test_grid_sizes_saturate_instead_of_wrapping(emu):
+    grid_x = emu.lib.emu_grid_x
+    grid_x.restype, grid_x.argtypes = ctypes.c_uint, [ctypes.c_int64]
+    assert [grid_x(n) for n in (0, 7, 2**31 - 1)] == [0, 7, 2**31 - 1]
+    # past 2^32 a plain cast would wrap to a small grid that skips work; saturated, the launch fails loudly
+    assert grid_x(2**32 + 5) == 2**32 - 1 and grid_x(2**40) == 2**32 - 1
 
 
 # ------------------------------------------------------------------------------------------------ temporal attention
