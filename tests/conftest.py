@@ -15,6 +15,11 @@ os.environ.setdefault("LDMOPT_POISON_OUTPUTS", "1")
 import pytest
 import torch
 
+from tests.support import arena_cache
+
+# CPython's frame stack chunks, cached: the Triton interpreter runs up to 3x faster under pytest with it.
+ARENA_CACHE_SKIPPED = arena_cache.install()
+
 SESSION_SEED = int(os.environ.get("LDMOPT_TEST_SEED", random.SystemRandom().randrange(2**31)))
 # pytest-xdist workers inherit the environment of the process that starts them: one seed for the whole run.
 os.environ["LDMOPT_TEST_SEED"] = str(SESSION_SEED)
@@ -25,7 +30,11 @@ if _WORKERS > 1:  # share the cores between workers instead of each worker's tor
 
 
 def pytest_report_header(config):
-    return [f"ldmopt test seed: {SESSION_SEED} (replay with LDMOPT_TEST_SEED={SESSION_SEED})"]
+    cache = f"not installed: {ARENA_CACHE_SKIPPED}" if ARENA_CACHE_SKIPPED else "installed"
+    return [
+        f"ldmopt test seed: {SESSION_SEED} (replay with LDMOPT_TEST_SEED={SESSION_SEED})",
+        f"frame stack chunk cache (tests/support/arena_cache.c): {cache}",
+    ]
 
 
 @pytest.fixture(autouse=True)
