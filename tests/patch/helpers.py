@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,6 +14,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ATOL, RTOL = 1e-4, 1e-4
 #: Triton interpreter vs stock, fp32 (tl.dot accumulates in a different order).
 ATOL_TRITON, RTOL_TRITON = 5e-4, 5e-4
+
+
+@contextlib.contextmanager
+def triton_only_for(*ops: str) -> Iterator[None]:
+    """The Triton kernels (interpreted on CPU) for the ops named, the reference backend for every other op: a patch
+    test exercises the kernels its subject feeds, not a whole model in the interpreter (which costs minutes)."""
+    import ldmopt
+
+    with ldmopt.use_backend("torch"), ldmopt.use_backend("triton", ops=ops):
+        yield
 
 
 class DispatchedOps(TorchDispatchMode):

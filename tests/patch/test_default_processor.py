@@ -18,6 +18,15 @@ from tests.patch import models
 from tests.patch.helpers import assert_outputs_close, output_tensor, snapshot
 
 OURS = (TemporalAttnProcessor, SingleKeyAttnProcessor)
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend():
+    # The subject is which processors a model holds: the whole video UNets in the Triton interpreter cost minutes.
+    with ldmopt.use_backend("torch"):
+        yield
+
+
 # AnimateDiff and ModelScope get the processors when their temporal blocks stay in diffusers' layout.
 CASES = {
     "svd": {},

@@ -1,6 +1,7 @@
 """ldmopt.patch's ``up_block_skip`` rule: UNet up blocks hand their resnets (hidden, skip) instead of the
 concatenation, which the fused resnet reads in place. Tiny random-weight SD1.5 / SDXL / AnimateDiff / ModelScope /
-SVD UNets, Triton interpreter, against the stock model; the concatenation must not be dispatched at all."""
+SVD UNets, the fused convs' Triton kernels in the interpreter (the reference backend for every other op), against
+the stock model; the concatenation must not be dispatched at all."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.patch.helpers import (
     assert_same_snapshot,
     output_tensor,
     snapshot,
+    triton_only_for,
 )
 from tests.patch.test_families import channels_last
 
@@ -49,7 +51,7 @@ def test_patched_up_blocks_match_stock_without_concatenating(family):
         assert report.counts().get("up_block_skip") == 2, report
         R.fallback_reasons.clear()
         child_check.fallback_reasons.clear()
-        with ldmopt.use_backend("triton"), DispatchedOps() as ops:
+        with triton_only_for("gn_silu_conv2d"), DispatchedOps() as ops:
             out = output_tensor(model(**kwargs))
     fallbacks = {**R.fallback_reasons, **child_check.fallback_reasons}
     assert not fallbacks, fallbacks
@@ -75,7 +77,7 @@ def test_unfused_or_hooked_resnet_gets_the_concatenation():
     ldmopt.patch(model, filter_fn=lambda m, name: not name.startswith("up_blocks.0.resnets"))
     seen = []
     handle = model.up_blocks[1].resnets[0].register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
-    with torch.no_grad(), ldmopt.use_backend("triton"), DispatchedOps() as ops:
+    with torch.no_grad(), triton_only_for("gn_silu_conv2d"), DispatchedOps() as ops:
         out = output_tensor(model(**kwargs))
     handle.remove()
     stock_resnets = len(model.up_blocks[0].resnets) + 1
@@ -91,7 +93,7 @@ def test_freeu_and_deprecated_scale_match_stock():
     with torch.no_grad():
         expected = output_tensor(model(**kwargs))
         ldmopt.patch(model)
-        with ldmopt.use_backend("triton"):
+        with triton_only_for("gn_silu_conv2d"):
             out = output_tensor(model(**kwargs))
     assert_outputs_close(out, expected, ATOL_TRITON, RTOL_TRITON, "FreeU")
     block = model.up_blocks[0]

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from .test_train_script import BASE, ROOT, _train_module, run_torchrun
+from .test_train_script import BASE, RESUME, ROOT, _train_module, run_torchrun
 
 
 @pytest.fixture
@@ -107,9 +107,10 @@ def test_a_run_given_a_choice_file_resumes_with_tune_or_no_tune(tmp_path, resnet
     train_ldm.main([*BASE, "--max-steps", "1", "--save-every", "1", "--tune-choice", str(choice_path),
                     "--output-dir", str(run)])  # fmt: skip
     choice_path.rename(tmp_path / "gone.json")
-    measured = train_ldm.main(["--resume", "auto", "--output-dir", str(run), "--max-steps", "2", "--tune"])
+    measured = train_ldm.main(["--resume", "auto", *RESUME, "--output-dir", str(run), "--max-steps", "2", "--tune"])
     assert measured["patch"]["tuning"] is not None and len(resnets_pay) == 2
-    everything = train_ldm.main(["--resume", "auto", "--output-dir", str(run), "--max-steps", "3", "--no-tune"])
+    everything = train_ldm.main(["--resume", "auto", *RESUME, "--output-dir", str(run), "--max-steps", "3",
+                                 "--no-tune"])  # fmt: skip
     assert everything["patch"]["tuning"] is None
     assert len(everything["patch"]["modules"]) > len(measured["patch"]["modules"])
 
