@@ -65,7 +65,10 @@ def test_backward_matches_autograd_of_the_composition(dtype):
     names = ("dx_a", "dx_b", "dmix", "dweight", "dbias", "dresidual")
     for name, leaf, ours, ref, lowp in zip(names, inputs, grads["ours"], grads["ref"], grads["lowp"]):
         assert ours.dtype == leaf.dtype and ours.shape == leaf.shape, name
-        assert_within_torch_error(ours, ref, lowp.to(leaf.dtype), f"{name} {dtype}")
+        # dmix, an fp32 gradient, sums products of the GEMM's gradient rounded to x's dtype (PyTorch's rounds its sum
+        # to x's dtype too): one rounding step of x's dtype at its magnitude (fp16 failed at 1.3x the fp32 bound)
+        ulp_dtype = dtype if name == "dmix" else None
+        assert_within_torch_error(ours, ref, lowp.to(leaf.dtype), f"{name} {dtype}", ulp_dtype=ulp_dtype)
 
 
 def test_gradcheck_reference_fp64():
