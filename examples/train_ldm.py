@@ -198,7 +198,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--sampler", default="ddim", choices=["ddim", "ddpm"])
     g.add_argument("--sample-steps", type=int, default=50)
     g.add_argument("--guidance-scale", type=float, default=3.0)
-    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--log-every", type=int, default=10,
+                   help="steps between logged metrics; the loss logged is their mean (default: 10)")  # fmt: skip
     g.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb"])
     g.add_argument("--run-name", default=None)
     g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -612,11 +613,13 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     history: list[dict] = []
     data_iter = None
     window_start, window_images = time.perf_counter(), 0
+    # The logged loss is the mean over the steps since the last log (on the device: no synchronisation per step)
+    window_loss, window_steps = torch.zeros((), device=device), 0
     start_step = step
 
     def run_step() -> None:
         """One optimizer step (all micro-batches), then logging, checkpointing and sampling when due."""
-        nonlocal step, data_iter, data_epoch, seen_in_epoch, window_start, window_images
+        nonlocal step, data_iter, data_epoch, seen_in_epoch, window_start, window_images, window_loss, window_steps
         if seen_in_epoch // info.world_size + per_rank_step > len(sampler.inner):  # no full step left in this epoch
             data_epoch, seen_in_epoch, data_iter = data_epoch + 1, 0, None
         epoch = data_epoch
@@ -643,13 +646,15 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         step += 1
         seen_in_epoch += args.batch_size
         window_images += args.batch_size
+        window_loss += loss_sum
+        window_steps += 1
         if step == start_step + 1 and report is not None and is_main:
             describe_first_step(report, device)
         bar.update(1)
         if step % args.log_every == 0 or step == args.max_steps:
-            loss_value = mean_over_ranks(loss_sum, info)
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss is {loss_value} at step {step}")
+            loss_value = mean_over_ranks(window_loss / window_steps, info)
+            if not math.isfinite(loss_value):  # a non-finite loss at any step of the window is caught here
+                raise FloatingPointError(f"loss is {loss_value} in the {window_steps} steps up to step {step}")
             now = time.perf_counter()
             metrics = {
                 "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0], "epoch": epoch,
@@ -657,7 +662,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             }  # fmt: skip
             if scaler.is_enabled():
                 metrics["loss_scale"] = scaler.get_scale()
-            window_start, window_images = now, 0
+            window_start, window_images, window_loss, window_steps = now, 0, torch.zeros_like(window_loss), 0
             history.append({"step": step, **metrics})
             logger.log(step, metrics)
             bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{metrics['lr']:.2e}", ips=f"{metrics['images_per_s']:.1f}")

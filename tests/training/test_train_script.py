@@ -146,6 +146,15 @@ def test_resume_is_bit_exact(train_ldm, tmp_path):
     assert a["scaler"] == b["scaler"] and a["lr_scheduler"]["last_epoch"] == b["lr_scheduler"]["last_epoch"]
 
 
+def test_logged_loss_is_the_mean_over_the_log_window(train_ldm, tmp_path):
+    every_step = train_ldm.main([*BASE, "--max-steps", "5", "--output-dir", str(tmp_path / "a")])
+    windows = train_ldm.main([*BASE, "--max-steps", "5", "--log-every", "2", "--output-dir", str(tmp_path / "b")])
+    per_step = _losses(every_step)
+    assert sorted(_losses(windows)) == [2, 4, 5]  # the last, partial window is logged at the end too
+    expected = {2: (per_step[1] + per_step[2]) / 2, 4: (per_step[3] + per_step[4]) / 2, 5: per_step[5]}
+    assert _losses(windows) == pytest.approx(expected, rel=1e-6)
+
+
 def test_features_image_folder_bf16_checkpointing_samples_tensorboard_profile(train_ldm, tmp_path):
     data = tmp_path / "images"
     for cls, colour in (("red", (200, 30, 30)), ("blue", (30, 30, 200))):
