@@ -39,6 +39,8 @@ def install() -> str | None:
         return None
     if sys.implementation.name != "cpython" or sys.version_info < (3, 11):
         return "the frame data stack it serves is CPython 3.11+'s"
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return "the GIL is disabled (the cache relies on it instead of a lock)"
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
