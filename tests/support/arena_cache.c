@@ -21,7 +21,6 @@ static ArenaAllocator previous;
 static void* cached_ptr[kSlots];
 static size_t cached_size[kSlots];
 static int n_cached;
-static unsigned long long n_reused;
 
 void arena_cache_set_previous(void* ctx, void* alloc, void* free_fn) {
   previous.ctx = ctx;
@@ -37,7 +36,6 @@ void* arena_cache_alloc(void* ctx, size_t size) {
       --n_cached;
       cached_ptr[i] = cached_ptr[n_cached];
       cached_size[i] = cached_size[n_cached];
-      ++n_reused;
       return p;
     }
   }
@@ -54,5 +52,3 @@ void arena_cache_free(void* ctx, void* ptr, size_t size) {
   }
   previous.free(previous.ctx, ptr, size);
 }
-
-unsigned long long arena_cache_reused(void) { return n_reused; }
