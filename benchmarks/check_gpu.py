@@ -306,6 +306,30 @@ def _linear_row_stats(quick: bool):
             yield case, dtype, "triton", list(outs), list(refs)
 
 
+@check("conv_row_stats")
+def _conv_row_stats(quick: bool):
+    """A transformer's GroupNorm + proj_in as one fused 1x1 conv that hands its first block's norm1 the LayerNorm
+    statistics of its pixel rows: y and the rows' (mean, rstd), summed across column tiles by fp64 atomics and
+    finalised by the last tile, vs fp64, in both GroupNorm placements."""
+    from ldmopt.ops.gn_conv2d import gn_silu_conv2d
+
+    for case, (n, c, c_out, hw) in _cases("conv_row_stats", quick).items():
+        x = (torch.randn(n, c, hw, hw, device=DEVICE) * 1.5 + 0.5).to(memory_format=torch.channels_last)
+        gw, gb = torch.randn(c, device=DEVICE) * 0.5 + 1.0, torch.randn(c, device=DEVICE) * 0.5
+        w, b = torch.randn(c_out, c, 1, 1, device=DEVICE) * c**-0.5, torch.randn(c_out, device=DEVICE) * 0.1 + 2.0
+        ref = F.conv2d(F.group_norm(x.double(), 32, gw.double(), gb.double(), 1e-5), w.double(), b.double())
+        for dtype in DTYPES:
+            inputs = [t.to(dtype) for t in (x, gw, gb)] + [w.to(dtype, memory_format=torch.channels_last), b.to(dtype)]
+            for placement in PLACEMENTS:
+                with torch.no_grad(), ldmopt.use_backend("triton"), forced(placement):
+                    for _ in range(2):  # the first call tunes; the second launches the tuned tile directly
+                        y, stats = gn_silu_conv2d(inputs[0], inputs[1], inputs[2], 32, 1e-5, inputs[3], inputs[4],
+                                                  1, 0, activation=None, next_norm_eps=1e-6)  # fmt: skip
+                rows = y.double().permute(0, 2, 3, 1).reshape(-1, c_out)  # the stored y's own statistics
+                var, mean = torch.var_mean(rows, dim=1, unbiased=False)
+                yield case, dtype, f"triton/{placement}", [y, stats[0], stats[1]], [ref, mean, torch.rsqrt(var + 1e-6)]
+
+
 def _sliced(full: torch.Tensor, sl: slice) -> torch.Tensor:
     """``full[:, :, sl]``, all NaN if ``full`` has a non-finite value anywhere (rel_err then reports NaN: FAIL)."""
     part = full[:, :, sl]
@@ -448,6 +472,11 @@ CASES: dict[str, dict[str, tuple]] = {
         "attn-out-sd15-l0": (2, 4096, 320, 320, 0.5),
         "attn-out-sdxl-l2": (2, 1024, 1280, 1280, 0.5),
         "partial-rows-mean-40": (2, 1125, 320, 320, 40.0),
+    },
+    # (N, C, C_out, H = W): Transformer2DModel proj_in at SD1.5 level 0 (3 column tiles) and SDXL level 2 (10)
+    "conv_row_stats": {
+        "proj_in-sd15-64x64x320": (2, 320, 320, 64),
+        "proj_in-sdxl-32x32x1280": (2, 1280, 1280, 32),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)
         "animatediff-512-l0": (2, 16, 4096, 8, 40),

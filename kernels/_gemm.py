@@ -1,6 +1,7 @@
 """GEMM building blocks shared by the linear, GEGLU and LayerNorm -> linear kernels: autotune configs and their
-pruning, the grouped tile order, the K loops (plain, blended, LayerNorm'd A), and the sizing of the row-chunked
-backward passes and of the ahead-of-time specs (divisibility hints, int64 column offsets)."""
+pruning, the grouped tile order, the K loops (plain, blended, LayerNorm'd A), the row-statistics epilogue (also the
+convolution's), and the sizing of the row-chunked backward passes and of the ahead-of-time specs (divisibility hints,
+int64 column offsets)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,42 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
     return pid_m, pid_n
+
+
+@triton.jit
+def row_statistics(out, mask, rows, row_ok, row_tile, col_tile, ws_ptr, counter_ptr, out_stats_ptr, M, N, eps,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """Epilogue: the LayerNorm (mean, rstd) over all N columns of the stored rows ``rows`` (where ``row_ok``) of an
+    [M, N] output, into out_stats [2, M] fp32. Each column tile adds its rows' centred sums in fp64 to ws [M, 2]
+    (corrected two-pass within the tile, so a mean far above the spread keeps the variance); the last column tile of
+    row tile ``row_tile`` to finish (arrival counter) turns the sums into statistics. ws and the counters start at
+    zero (the launcher's fresh buffer). Used by the linear GEMM and the convolution (whose rows are pixels)."""
+    v = tl.where(mask, out.to(tl.float32), 0.0)  # the values as stored, rounded
+    cols = tl.minimum(N - col_tile * BLOCK_N, BLOCK_N).to(tl.float32)
+    row_mean = tl.sum(v, axis=1) / cols
+    d = tl.where(mask, v - row_mean[:, None], 0.0)
+    residual = tl.sum(d, axis=1)
+    row_m2 = tl.maximum(tl.sum(d * d, axis=1) - residual * residual / cols, 0.0)
+    cols64 = cols.to(tl.float64)
+    row_sum = row_mean.to(tl.float64) * cols64 + residual.to(tl.float64)
+    row_sq = row_m2.to(tl.float64) + row_sum * (row_sum / cols64)
+    rows64 = rows.to(tl.int64)
+    ws_off = rows64 * 2
+    tl.atomic_add(ws_ptr + ws_off, row_sum, mask=row_ok, sem="relaxed")
+    tl.atomic_add(ws_ptr + ws_off + 1, row_sq, mask=row_ok, sem="relaxed")
+    # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + row_tile, 1, sem="acq_rel")
+    if done == tl.cdiv(N, BLOCK_N) - 1:
+        zero = tl.zeros_like(row_sum)
+        # Atomic reads: the other tiles' relaxed adds live in L2.
+        s1 = tl.atomic_add(ws_ptr + ws_off, zero, mask=row_ok, sem="relaxed")
+        s2 = tl.atomic_add(ws_ptr + ws_off + 1, zero, mask=row_ok, sem="relaxed")
+        n64 = tl.cast(N, tl.float64)
+        mean = s1 / n64
+        var = tl.maximum(s2 / n64 - mean * mean, 0.0)
+        tl.store(out_stats_ptr + rows64, mean.to(tl.float32), mask=row_ok)
+        tl.store(out_stats_ptr + M + rows64, 1.0 / tl.sqrt(var.to(tl.float32) + eps), mask=row_ok)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ def _aot_spec(
     res=False,
     sc=False,
     out_stats=False,
+    row_stats=False,
     temb_rows=False,
     gate=False,
     x_two_part=False,
@@ -39,7 +40,8 @@ def _aot_spec(
         ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
         TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc,
         SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
-        OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, DOT_PRECISION=dot_precision, IDX64=False,
+        OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, OUT_ROW_STATS=row_stats,
+        DOT_PRECISION=dot_precision, IDX64=False,
         X_TWO_PART=x_two_part, SC_TWO_PART=sc_two_part, BM=bm, BN=bn, BK=bk,
     )  # fmt: skip
     fn = _gn_conv2d_fwd_kernel.fn
@@ -131,6 +133,13 @@ def conv_aot_specs() -> list[dict]:
             normalize=False,
         ),
         _aot_spec("gn_conv2d[fp16,1x1,gn]", "fp16", big, kh=1),
+        # A transformer's proj_in handing its first block's norm1 the LayerNorm statistics of its pixels: GroupNorm in
+        # the loader, or staged before the plain conv (what GPUs pick for C_out >= 384)
+        _aot_spec("gn_conv2d[fp16,1x1,proj_in:gn+row stats]", "fp16", big, kh=1, row_stats=True),
+        _aot_spec("gn_conv2d[bf16,1x1,proj_in:gn+row stats,64x64x64]", "bf16", small, kh=1, row_stats=True),
+        _aot_spec(
+            "gn_conv2d[fp16,1x1,staged proj_in:row stats]", "fp16", plain_big, kh=1, normalize=False, row_stats=True
+        ),
         # fp32 operands: each fp32 tile, its heaviest epilogues, at each (precision, arch) it is claimed clean for
         *[
             {

@@ -39,6 +39,7 @@ from ._common import (
     tag_config,
     tag_fp32_configs,
 )
+from ._gemm import row_statistics
 from ._tuned_launch import tuned_launch
 
 #: resample codes shared with ldmopt/ops/gn_conv2d.py
@@ -203,16 +204,16 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
 @autotune(
     configs=_configs(),
     key=["KEY_S", "KEY_CIN", "KEY_COUT", "KH", "KW", "STRIDE", "RESAMPLE", "HAS_SC", "NORMALIZE", "OUT_STATS",
-         "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64", "X_TWO_PART", "SC_TWO_PART", "DOT_PRECISION"],
+         "OUT_ROW_STATS", "HAS_TEMB", "HAS_RES", "HAS_GATE", "IDX64", "X_TWO_PART", "SC_TWO_PART", "DOT_PRECISION"],
     reset_to_zero=["ws_ptr", "counter_ptr"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )  # fmt: skip
 @triton.jit
 def _gn_conv2d_fwd_kernel(
     y_ptr,  # [N, OH, OW, C_out] (strides)
-    ws_ptr,  # [N, C_out, 2] fp64, zeroed by the launcher
-    counter_ptr,  # [N] int32, zeroed by the launcher
-    out_mean_ptr,  # [N, G_out] fp32
+    ws_ptr,  # [N, C_out, 2] fp64 (OUT_ROW_STATS: [N * OH * OW, 2]), zeroed by the launcher
+    counter_ptr,  # [N] int32 (OUT_ROW_STATS: one per row tile of the smallest BM), zeroed by the launcher
+    out_mean_ptr,  # [N, G_out] fp32 (OUT_ROW_STATS: [2, N * OH * OW], the LayerNorm statistics of the pixels)
     out_rstd_ptr,
     x_ptr,  # [N, H, W, C_in] (strides), or its first C_head channels when X_TWO_PART
     x2_ptr,  # X_TWO_PART: channels [C_head, C_in) of the input [N, H, W, C_in - C_head] (strides)
@@ -247,7 +248,7 @@ def _gn_conv2d_fwd_kernel(
     HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMB: tl.constexpr,
     TEMB_ROWS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, RES_RESAMPLE: tl.constexpr,
     HAS_SC: tl.constexpr, SC_RESAMPLE: tl.constexpr, HAS_BIAS2: tl.constexpr,
-    OUT_STATS: tl.constexpr, STATS_BLOCK_G: tl.constexpr, STATS_BLOCK_CPG: tl.constexpr,
+    OUT_STATS: tl.constexpr, STATS_BLOCK_G: tl.constexpr, STATS_BLOCK_CPG: tl.constexpr, OUT_ROW_STATS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     IDX64: tl.constexpr,
     X_TWO_PART: tl.constexpr, SC_TWO_PART: tl.constexpr,
@@ -379,6 +380,12 @@ def _gn_conv2d_fwd_kernel(
         if done == n_mt * n_nt - 1:
             _finalize_stats(ws_ptr, out_mean_ptr, out_rstd_ptr, n, C_out, G_out, S, out_eps,
                             STATS_BLOCK_G, STATS_BLOCK_CPG)  # fmt: skip
+    if OUT_ROW_STATS:
+        # The LayerNorm statistics of each output pixel's channel vector: the token rows a transformer's proj_in
+        # hands its first block's norm1. Rows n * S + m of [N * S, C_out]; the image count is the grid's.
+        rows_total = (tl.num_programs(0) // (n_mt * n_nt)).to(tl.int64) * S
+        row_statistics(out, mask, n.to(tl.int64) * S + offs_m, m_mask, n * n_mt + mt, nt, ws_ptr, counter_ptr,
+                       out_mean_ptr, rows_total, C_out, out_eps, BN)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers
@@ -396,6 +403,10 @@ def int64_index(images, others) -> bool:
     Offsets are int32 otherwise, exact there and lighter on registers."""
     reach = [_reach(t, 1) for t in images if t is not None] + [_reach(t) for t in others if t is not None]
     return max(reach) >= INT64_INDEX_FROM
+
+
+#: The smallest row tile of any config: the row statistics' counters are allocated for it.
+_MIN_BM = min(config.kwargs["BM"] for config in _gn_conv2d_fwd_kernel.configs)
 
 
 def _stats_workspace(device: torch.device, n: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,10 +457,13 @@ def gn_conv2d_fwd(
     x_tail: torch.Tensor | None = None,
     shortcut_x_tail: torch.Tensor | None = None,
     fp32_precision: str = "conv",
+    out_layer_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch: (y [N, C_out, OH, OW] channels-last, out_mean [N, out_groups] fp32, out_rstd).
 
     ``mean is None`` skips the normalisation prologue (plain conv). out_groups=0: no statistics (empty tensors).
+    ``out_layer_norm`` (with out_groups=0): out_mean is instead the LayerNorm statistics ``[2, N * OH * OW]`` (means,
+    then rstds for ``out_eps``) of y's pixels over their C_out channels, and out_rstd is empty.
     temb: [N, C_out] or [N, C_out, OH]; gate: [N, 1] or [N, OH] fp32. ``x_tail`` / ``shortcut_x_tail``: the input is
     ``cat([x, x_tail], 1)`` (likewise the shortcut's), read where the parts lie. ``fp32_precision``: whose TF32 setting
     fp32 products follow, PyTorch's "conv" or "matmul" (_common.torch_fp32_precision).
@@ -464,9 +478,17 @@ def gn_conv2d_fwd(
     )
     oh, ow = conv_output_size(h, w, (kh, kw), stride, padding, resample)
     y = new_output((n, c_out, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    out_mean = new_output((n, out_groups), device=x.device, dtype=torch.float32)
+    if out_layer_norm and out_groups:
+        raise ValueError(f"out_layer_norm with out_groups={out_groups}: one kind of output statistics per call")
+    s = oh * ow
+    out_mean = new_output((2, n * s) if out_layer_norm else (n, out_groups), device=x.device, dtype=torch.float32)
     out_rstd = new_output((n, out_groups), device=x.device, dtype=torch.float32)
-    if out_groups:
+    if out_layer_norm:
+        # One fresh zeroed buffer (one memset): sums [N * S, 2] fp64, then a counter per row tile of the smallest BM.
+        buffer = torch.zeros(2 * n * s + cdiv(n * cdiv(s, _MIN_BM), 2), device=x.device, dtype=torch.float64)
+        ws, counters = buffer[: 2 * n * s], buffer[2 * n * s :].view(torch.int32)
+        block_cpg = block_g = 1
+    elif out_groups:
         ws, counters = _stats_workspace(x.device, n, c_out)
         # At least 64 channels per group tile: the finalisation is a few KB per image, and one tile shape for every
         # group size up to 64 means one compiled variant (times the autotune configs) instead of one per size.
@@ -486,7 +508,6 @@ def gn_conv2d_fwd(
     def strides4(t):  # (n, h, w, c) order
         return (t.stride(0), t.stride(2), t.stride(3), t.stride(1)) if t is not None else (0, 0, 0, 0)
 
-    s = oh * ow
     grid = lambda meta: (n * cdiv(s, meta["BM"]) * cdiv(c_out, meta["BN"]),)
     tuned_launch(_gn_conv2d_fwd_kernel)[grid](
         y, ws, counters, out_mean, out_rstd, x, x_tail if x_tail is not None else dummy,
@@ -514,7 +535,7 @@ def gn_conv2d_fwd(
         HAS_RES=residual is not None,
         RES_RESAMPLE=RESAMPLE[residual_resample], HAS_SC=shortcut_x is not None,
         SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None, OUT_STATS=out_groups > 0,
-        STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, DOT_PRECISION=dot_precision,
+        STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, OUT_ROW_STATS=out_layer_norm, DOT_PRECISION=dot_precision,
         IDX64=int64_index((x, x_tail, y, residual, shortcut_x, shortcut_x_tail), (weight, shortcut_weight, temb, gate)),
         X_TWO_PART=x_tail is not None, SC_TWO_PART=shortcut_x_tail is not None,
     )  # fmt: skip

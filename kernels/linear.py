@@ -39,6 +39,7 @@ from ._gemm import (
     prune_operands,
     prune_wide_input,
     row_chunks,
+    row_statistics,
 )
 from ._tuned_launch import tuned_launch
 
@@ -169,42 +170,7 @@ def _linear_fwd_kernel(
     out = out.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + out_offs, out, mask=mask)
     if OUT_STATS:
-        _row_statistics(out, mask, rm, pid_m, pid_n, ws_ptr, counter_ptr, out_stats_ptr, M, N, out_eps, BLOCK_N)
-
-
-@triton.jit
-def _row_statistics(out, mask, rm, pid_m, pid_n, ws_ptr, counter_ptr, out_stats_ptr, M, N, eps, BLOCK_N: tl.constexpr):
-    """The stored rows' LayerNorm (mean, rstd) over all N columns: each column tile adds its rows' centred sums in
-    fp64 (corrected two-pass within the tile, so a mean far above the spread keeps the variance), and the last tile
-    of a row block to finish (arrival counter) turns the sums into statistics. As the fused conv's GroupNorm
-    statistics (gn_conv2d.py), per row instead of per group."""
-    v = tl.where(mask, out.to(tl.float32), 0.0)  # the values as stored, rounded
-    cols = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N).to(tl.float32)
-    row_mean = tl.sum(v, axis=1) / cols
-    d = tl.where(mask, v - row_mean[:, None], 0.0)
-    residual = tl.sum(d, axis=1)
-    row_m2 = tl.maximum(tl.sum(d * d, axis=1) - residual * residual / cols, 0.0)
-    cols64 = cols.to(tl.float64)
-    row_sum = row_mean.to(tl.float64) * cols64 + residual.to(tl.float64)
-    row_sq = row_m2.to(tl.float64) + row_sum * (row_sum / cols64)
-    m_ok = rm < M
-    ws_off = rm.to(tl.int64) * 2
-    tl.atomic_add(ws_ptr + ws_off, row_sum, mask=m_ok, sem="relaxed")
-    tl.atomic_add(ws_ptr + ws_off + 1, row_sq, mask=m_ok, sem="relaxed")
-    # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr + pid_m, 1, sem="acq_rel")
-    if done == tl.cdiv(N, BLOCK_N) - 1:
-        zero = tl.zeros_like(row_sum)
-        # Atomic reads: the other tiles' relaxed adds live in L2.
-        s1 = tl.atomic_add(ws_ptr + ws_off, zero, mask=m_ok, sem="relaxed")
-        s2 = tl.atomic_add(ws_ptr + ws_off + 1, zero, mask=m_ok, sem="relaxed")
-        n64 = tl.cast(N, tl.float64)
-        mean = s1 / n64
-        var = tl.maximum(s2 / n64 - mean * mean, 0.0)
-        rm64 = rm.to(tl.int64)
-        tl.store(out_stats_ptr + rm64, mean.to(tl.float32), mask=m_ok)
-        tl.store(out_stats_ptr + M + rm64, 1.0 / tl.sqrt(var.to(tl.float32) + eps), mask=m_ok)
+        row_statistics(out, mask, rm, rm < M, pid_m, pid_n, ws_ptr, counter_ptr, out_stats_ptr, M, N, out_eps, BLOCK_N)
 
 
 LINEAR_TILES = [

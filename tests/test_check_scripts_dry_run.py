@@ -69,6 +69,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
             "ln_rope": (C._run_layer_norm_rope, C._ref_layer_norm_rope, 2, 7, 40, 8),
         },
         "linear_row_stats": {"attn-out": (2, 37, 40, 72, 40.0)},  # 3 row and 3 column tiles of the interpreter's 32
+        "conv_row_stats": {"proj_in": (2, 64, 200, 9)},  # 81 pixels, 200 channels: 2 row and 2 column tiles of 64x128
         "temporal_attention": {"ta": (2, 5, 6, 2, 24)},
         "temporal_layout": {"motion": (C._motion, 96, 3, 2), "svd": (C._svd, 64, 2, 2)},
     }
@@ -82,7 +83,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
     assert not resnet.fallback_reasons, dict(resnet.fallback_reasons)
     rows, skips = _parse(out)
     assert all(r[5] == "PASS" and r[3].startswith("triton") for r in rows), out
-    placed = ("resnet_block", "resnet_skip")  # checked with GroupNorm + SiLU staged and in the conv's loader
+    placed = ("resnet_block", "resnet_skip", "conv_row_stats")  # GroupNorm staged and in the conv's loader
     assert {r[3] for r in rows if r[0] in placed} == {"triton/staged", "triton/loader"}, out
     for name, by_case in cases.items():
         for case in by_case:

@@ -28,15 +28,25 @@ from .child_check import count_reason, count_stock, hooked, observed, plain_weig
 
 def norm_reason(norm: object, x: Tensor, name: str = "norm") -> str | None:
     """Why ``norm(x)`` cannot be read in a GEMM's loads (None when it can)."""
+    return _width_reason(norm, x.shape[-1], name)
+
+
+def _width_reason(norm: object, width: int, name: str) -> str | None:
     if type(norm) is not nn.LayerNorm:
         return f"{name} is {type(norm).__name__}, not nn.LayerNorm"
     if hooked(norm):
         return f"{name} has hooks or a wrapped forward"
-    if tuple(norm.normalized_shape) != (x.shape[-1],):
-        return f"{name} normalises over {tuple(norm.normalized_shape)}, not the last axis ({x.shape[-1]},)"
+    if tuple(norm.normalized_shape) != (width,):
+        return f"{name} normalises over {tuple(norm.normalized_shape)}, not the last axis ({width},)"
     if not plain_weight(norm) or not plain_weight(norm, "bias"):
         return f"{name}'s parameters are not plain tensors"
     return None
+
+
+def fused_norm_eps(norm: object, width: int) -> float | None:
+    """The eps for which a producer of ``width``-wide rows should sum their statistics (``layer_norm_stats``) for
+    ``norm`` to read next, when norm will be read in GEMM loads (see norm_reason); None when it will not."""
+    return norm.eps if _width_reason(norm, width, "norm") is None else None
 
 
 def sinusoidal_table(pos_embed: object, length: int) -> Tensor | None:

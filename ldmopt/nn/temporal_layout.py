@@ -56,7 +56,7 @@ from .child_check import (
     wrapped_forward,
 )
 from .group_norm import GroupNorm as LdmoptGroupNorm
-from .layer_norm_input import NormedInput, normed_with_positions
+from .layer_norm_input import NormedInput, fused_norm_eps, normed_with_positions
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
@@ -297,10 +297,11 @@ def _with_positions(pos_embed, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
     return (x.view(*bfn, x.shape[-1]) + pos_embed.pe[:, : bfn[1], None]).view(x.shape)
 
 
-def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) -> Tensor:
+def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int], stats: Tensor | None = None) -> Tensor:
     """``BasicTransformerBlock.forward`` (norm_type "layer_norm", self-attention only) on tokens indexed as (B, F, N)
     (shaped (B, F, N, C), or (B, F*N, C)); each norm is read in the loads of the GEMMs after it, with diffusers'
-    sinusoidal positions (one per frame) added there too."""
+    sinusoidal positions (one per frame) added there too. ``stats``: x's ``layer_norm_stats`` for norm1's eps, when
+    the GEMM that wrote x summed them."""
     where = type(block).__name__
 
     def normed(name: str, t: Tensor, stats: Tensor | None = None) -> Tensor | NormedInput:
@@ -310,8 +311,8 @@ def _basic_block_bfnc(block: nn.Module, x: Tensor, bfn: tuple[int, int, int]) ->
 
     # norm2's and norm3's statistics come from the epilogue of the output projection that wrote their input.
     after_attn1 = block.norm2 if block.attn2 is not None else block.norm3
-    x, stats = temporal_self_attention_and_stats(block.attn1, normed("norm1", x), None, bfn, residual=x, name="attn1",
-                                                 next_norm=after_attn1)  # fmt: skip
+    x, stats = temporal_self_attention_and_stats(block.attn1, normed("norm1", x, stats), None, bfn, residual=x,
+                                                 name="attn1", next_norm=after_attn1)  # fmt: skip
     if block.attn2 is not None:
         x, stats = temporal_self_attention_and_stats(block.attn2, normed("norm2", x, stats), None, bfn, residual=x,
                                                      name="attn2", next_norm=block.norm3)  # fmt: skip
@@ -338,22 +339,29 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
         tally(layout_conversions, f"{type(container).__name__}: NCHW input copied to channels-last")
         x = x.contiguous(memory_format=torch.channels_last)
     tokens = x.permute(0, 2, 3, 1).view(b, num_frames, h, w, c)
+    stats = None  # the first block's norm1 statistics, when proj_in's epilogue sums them
     if _norm_proj_in_fusable(container):
         # GroupNorm in proj_in's loads: a 1x1 conv over the channels-last (B, C, F, H*W) view, whose per-image
-        # statistics are the video's over (C/G, F, H, W); the output's memory is (B, F, N, C') token order.
+        # statistics are the video's over (C/G, F, H, W); the output's memory is (B, F, N, C') token order, whose
+        # rows the first block's norm1 reads: their statistics come from the same epilogue.
         norm, proj_in = container.norm, container.proj_in
+        blocks = container.transformer_blocks
+        eps = fused_norm_eps(blocks[0].norm1, proj_in.weight.shape[0]) if len(blocks) else None
         t = gn_silu_conv2d(
             video_view(x, num_frames), norm.weight, norm.bias, norm.num_groups, norm.eps,
             proj_in.weight[:, :, None, None], proj_in.bias, 1, 0, activation=None, fp32_precision="matmul",
-        ).permute(0, 2, 3, 1)  # fmt: skip
+            next_norm_eps=eps,
+        )  # fmt: skip
+        t, stats = t if eps is not None else (t, None)
+        t = t.permute(0, 2, 3, 1)
     else:
         # GroupNorm over (C/G, F, H, W) per video, on the channels_last_3d (B, C, F, H, W) view of the same memory.
         normed = container.norm(tokens.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
         if not normed.is_contiguous():
             tally(layout_conversions, f"{type(container).__name__}: GroupNorm returned a non-channels-last output")
         t = container.proj_in(normed.reshape(b, num_frames, h * w, c))
-    for block in container.transformer_blocks:
-        t = _basic_block_bfnc(block, t, (b, num_frames, h * w))
+    for i, block in enumerate(container.transformer_blocks):
+        t = _basic_block_bfnc(block, t, (b, num_frames, h * w), stats if i == 0 else None)
     if x is hidden_states and readable(container.proj_out):
         # Channels-last in: the residual is the token array itself, added in proj_out's GEMM epilogue.
         out = linear(t, container.proj_out.weight, container.proj_out.bias, residual=tokens.view((*t.shape[:-1], c)))

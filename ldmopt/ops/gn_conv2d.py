@@ -41,6 +41,8 @@ from .gn_conv2d_stats import same_but_channels as same_but_channels
 from .group_norm import group_norm_bwd
 from .group_norm_apply import group_norm_apply, staged_apply
 from .group_norm_apply import normalize_reference as _normalize
+from .layer_norm_linear import _stats_torch as _layer_norm_stats_torch
+from .layer_norm_linear import layer_norm_stats_op
 from .linear import sum_as
 
 SUPPORTED_ACTIVATIONS = (None, "silu")
@@ -123,6 +125,11 @@ def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
+def pixel_rows(y: Tensor) -> Tensor:
+    """(N, C, H, W) as the token array [N * H * W, C] (a view of a channels-last y): the rows a LayerNorm reads."""
+    return y.permute(0, 2, 3, 1).reshape(-1, y.shape[1])
+
+
 def _rows(t: Tensor) -> Tensor:
     """A per-image ([N, C]) or per-output-row ([N, C, OH]) vector as a broadcastable [N, C, OH|1, 1] view."""
     return t[:, :, None, None] if t.dim() == 2 else t[:, :, :, None]
@@ -174,7 +181,7 @@ def _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride
 
 def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
                res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None,
-               fp32_precision="conv"):  # fmt: skip
+               fp32_precision="conv", out_layer_norm=False):  # fmt: skip
     """The reference: the unfused composition, rounding the activation to x's dtype as an unfused model stores it."""
     x, sx = _cat(x, x_tail), _cat(sx, sx_tail)
     cd = _stats_dtype(x)
@@ -189,6 +196,8 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
     else:
         y = _channels_last_like(z.shape, x)
         y.copy_(z / output_scale)
+    if out_layer_norm:
+        return y, _layer_norm_stats_torch(pixel_rows(y), out_eps), x.new_empty((x.shape[0], 0), dtype=torch.float32)
     if not out_groups:
         empty = x.new_empty((x.shape[0], 0), dtype=torch.float32)
         return y, empty, empty.clone()
@@ -198,7 +207,7 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
 
 def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding,
                    resample, res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None,
-                   sx_tail=None, fp32_precision="conv") -> list[str]:  # fmt: skip
+                   sx_tail=None, fp32_precision="conv", out_layer_norm=False) -> list[str]:  # fmt: skip
     reasons = triton_refusals(x, w, sx, x_tail, sx_tail, dtypes=_TRITON_DTYPES, matmul=True)
     for name, t in (("x", x), ("x_tail", x_tail)):
         if t is not None and not _is_channels_last(t):
@@ -228,7 +237,7 @@ def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, gro
 
 def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
                 res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None,
-                fp32_precision="conv"):  # fmt: skip
+                fp32_precision="conv", out_layer_norm=False):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
     from ldmopt.kernels.group_norm import group_norm_stats
 
@@ -241,13 +250,19 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
     gate = None if gate is None else gate.float()
     w = _weight_for_kernel(w)
     # The epilogue's output statistics are fp64 atomic sums, added in the order the tiles finish; under
-    # torch.use_deterministic_algorithms a statistics pass over the output sums them in a fixed order instead.
-    in_epilogue = out_groups if not torch.are_deterministic_algorithms_enabled() else 0
+    # torch.use_deterministic_algorithms a statistics pass over the output sums them in a fixed order instead. So do
+    # fp32 operands' row statistics: with the row sums the 64x128x32 IEEE tile spills on sm_80.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    in_epilogue = out_groups if not deterministic else 0
+    rows_in_epilogue = out_layer_norm and not deterministic and x.dtype != torch.float32
     y, out_mean, out_rstd = gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act,
                                           stride, tuple(padding), resample, res_resample, sc_resample, output_scale,
-                                          in_epilogue, out_eps, x_tail, sx_tail, fp32_precision)  # fmt: skip
+                                          in_epilogue, out_eps, x_tail, sx_tail, fp32_precision,
+                                          rows_in_epilogue)  # fmt: skip
     if out_groups and not in_epilogue:
         out_mean, out_rstd = group_norm_stats(y, out_groups, out_eps)
+    if out_layer_norm and not rows_in_epilogue:
+        out_mean = call(layer_norm_stats_op, pixel_rows(y), out_eps)
     return y, out_mean, out_rstd
 
 
@@ -292,18 +307,24 @@ def gn_conv2d_op(
     x_tail: Tensor | None = None,
     shortcut_x_tail: Tensor | None = None,
     fp32_precision: str = "conv",
+    out_layer_norm: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation.
+    ``out_layer_norm`` (out_groups=0): out_mean is instead the LayerNorm statistics [2, N * OH * OW] (``eps``
+    out_eps) of y's pixels over their channels, what ``layer_norm_stats`` gives for y as a token array, and out_rstd
+    is empty ([N, 0]).
     ``x_tail`` / ``shortcut_x_tail``: the input is ``cat([x, x_tail], 1)`` (the shortcut's likewise), never written
     (a staged normalisation writes the normalised concatenation).
     ``fp32_precision``: "conv" or "matmul", whose TF32 setting fp32 products follow (see gn_silu_conv2d)."""
     _check_tail("x_tail", x, x_tail)
     _check_tail("shortcut_x_tail", shortcut_x, shortcut_x_tail)
     _check_fp32_precision(fp32_precision, weight, stride, padding, resample)
+    if out_layer_norm and out_groups:
+        raise ValueError(f"gn_conv2d: out_layer_norm with out_groups={out_groups}: one kind of output statistics")
     y, out_mean, out_rstd = FORWARD(
         x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
         shortcut_bias, gate, num_groups, activation or None, stride, padding, resample, residual_resample,
-        shortcut_resample, output_scale, out_groups, out_eps, x_tail, shortcut_x_tail, fp32_precision,
+        shortcut_resample, output_scale, out_groups, out_eps, x_tail, shortcut_x_tail, fp32_precision, out_layer_norm,
     )  # fmt: skip
     return y, out_mean, out_rstd
 
@@ -311,20 +332,22 @@ def gn_conv2d_op(
 @gn_conv2d_op.register_fake
 def _(x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight, shortcut_bias,
       gate, num_groups, activation, stride, padding, resample, residual_resample, shortcut_resample, output_scale,
-      out_groups, out_eps, x_tail=None, shortcut_x_tail=None, fp32_precision="conv"):  # fmt: skip
+      out_groups, out_eps, x_tail=None, shortcut_x_tail=None, fp32_precision="conv", out_layer_norm=False):  # fmt: skip
     oh, ow = conv_output_size(x.shape[2], x.shape[3], weight.shape[2:], stride, padding, resample)
     y = _channels_last_like((x.shape[0], weight.shape[0], oh, ow), x)
     stats = x.new_empty((x.shape[0], out_groups), dtype=torch.float32 if out_groups == 0 else _stats_dtype(x))
+    if out_layer_norm:
+        return y, x.new_empty((2, x.shape[0] * oh * ow), dtype=_stats_dtype(x)), stats
     return y, stats, torch.empty_like(stats)
 
 
 #: the op's arguments after its 23 required ones, as their defaults
-_OPTIONAL_DEFAULTS = (None, None, "conv")
+_OPTIONAL_DEFAULTS = (None, None, "conv", False)
 
 
 def _setup_context(ctx, inputs, output):
     (x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample, res_resample,
-     sc_resample, output_scale, _out_groups, _out_eps, x_tail, sx_tail, fp32_precision,
+     sc_resample, output_scale, _out_groups, _out_eps, x_tail, sx_tail, fp32_precision, _out_layer_norm,
      ) = (*inputs, *_OPTIONAL_DEFAULTS[len(inputs) - 23 :])  # fmt: skip
     # The gate's gradient needs what it scaled: bias, temb and the shortcut's bias are kept only then.
     keep = gate is not None and ctx.needs_input_grad[12]
@@ -394,7 +417,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     given = len(ctx.needs_input_grad)  # 23 when a caller leaves out the optional arguments
     if dy is None:
         return (None,) * given
-    need = [*ctx.needs_input_grad, False, False, False][:26]
+    need = [*ctx.needs_input_grad, *(False,) * len(_OPTIONAL_DEFAULTS)][:27]
     need[0] = need[0] or need[23]
     need[9] = need[9] or need[24]
     # A two-part input is concatenated here, for backward only and only where a gradient needs it (the unfused block
@@ -403,7 +426,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     x = _cat(x_head, x_tail) if x_tail is None or gate_grad or need[0] or need[3] or need[4] or need[5] else None
     sx = _cat(sx_head, sx_tail) if sx_tail is None or gate_grad or need[9] or need[10] else None
     g = dy if output_scale == 1.0 else dy / output_scale
-    grads = [None] * 26
+    grads = [None] * 27
     if need[8]:
         grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
     normalize = mean is not None
@@ -523,7 +546,8 @@ def gn_silu_conv2d(
     output_scale: float = 1.0,
     out_stats: tuple[int, float] | None = None,
     fp32_precision: str = "conv",
-) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+    next_norm_eps: float | None = None,
+) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
     """Convolution of ``act(group_norm(x))`` with everything around it fused into one kernel.
 
     Math (x is (N, C_in, H, W), best channels-last; every sum in fp32)::
@@ -538,7 +562,11 @@ def gn_silu_conv2d(
     ``stats=(mean, rstd)`` ([N, G] fp32, e.g. from a previous call's ``out_stats``) skips the statistics pass; they
     must be x's own statistics (backward differentiates through them as such). ``normalize=False`` makes it a plain
     conv (gn_* and num_groups ignored). ``out_stats=(groups, eps)`` also returns ``(mean, rstd)`` of y for the next
-    GroupNorm, produced by the conv's epilogue; autograd treats them as constants.
+    GroupNorm, produced by the conv's epilogue; autograd treats them as constants. ``next_norm_eps`` instead returns
+    ``(y, stats)`` with the LayerNorm statistics of y's pixels over their channels for that eps: ``layer_norm_stats``
+    of y as a token array [N * OH * OW, C_out] ([2, M]: means, then rstds), what a transformer's first LayerNorm reads
+    after its proj_in (``layer_norm_linear(..., stats=stats)``), summed in the epilogue as ``ops.linear``'s are
+    (16-bit inputs; fp32 ones, and any under deterministic algorithms, take a statistics pass over y instead).
 
     Temporal convolutions: a (3, 1) kernel with ``padding=(1, 0)`` over a (video, channel, frame, pixel) view of
     channels-last frames is a Conv3d with kernel (3, 1, 1); GroupNorm statistics of that view are per video, as a
@@ -674,9 +702,15 @@ def gn_silu_conv2d(
         if isinstance(out_groups, bool) or not isinstance(out_groups, int) or out_groups <= 0 or c_out % out_groups:
             raise ValueError(f"out_stats groups={out_groups!r} must be a positive int dividing C_out={c_out}")
         out_eps = check_eps(out_eps)
+    if next_norm_eps is not None:
+        if out_stats is not None:
+            raise ValueError("gn_silu_conv2d: out_stats (GroupNorm) and next_norm_eps (LayerNorm) exclude each other")
+        out_eps = check_eps(next_norm_eps)
     y, out_mean, out_rstd = call(
         gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, gate,
         num_groups, activation or "", stride, list(pads), resample, residual_resample, shortcut_resample,
-        float(output_scale), out_groups, float(out_eps), x_tail, sx_tail, fp32_precision,
+        float(output_scale), out_groups, float(out_eps), x_tail, sx_tail, fp32_precision, next_norm_eps is not None,
     )  # fmt: skip
+    if next_norm_eps is not None:
+        return y, out_mean
     return y if out_stats is None else (y, (out_mean, out_rstd))

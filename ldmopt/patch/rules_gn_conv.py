@@ -10,9 +10,12 @@
   or Linear read as a 1x1 conv) in one ``gn_silu_conv2d(activation=None)``; on the way out, when the residual is
   channels-last, ``proj_out`` (Linear or 1x1 conv) runs as one GEMM over the tokens with the residual added in its
   epilogue and writes channels-last, so the next ResnetBlock2D gets channels-last input and stays fused (a LoRA or
-  hooks on ``proj_out``, checked per call, keep the stock projection and add).
+  hooks on ``proj_out``, checked per call, keep the stock projection and add). When the first transformer block's
+  norm1 is read in GEMM loads (the ``residual`` family), proj_in's epilogue also sums the LayerNorm statistics of
+  its output rows and hands them to it (``nn.stats_handover``), so norm1 runs no statistics pass.
 - ``spatiotemporal_in``: SVD's ``TransformerSpatioTemporalModel``: the same GroupNorm + ``proj_in`` (a Linear) in one
-  ``gn_silu_conv2d(activation=None)`` and the same ``proj_out`` + residual epilogue; the blocks run as in diffusers.
+  ``gn_silu_conv2d(activation=None)``, the same statistics for the first block's norm1, and the same ``proj_out`` +
+  residual epilogue; the blocks run as in diffusers.
 - ``spatiotemporal_resnet``: SVD's ``SpatioTemporalResBlock`` runs ``ldmopt.nn.temporal_resnet``'s fused forward:
   its temporal resnet (Conv3d (3, 1, 1)) as two (3, 1) fused convs over a (video, C, frame, pixel) view, the
   AlphaBlender mix in conv2's epilogue.
@@ -86,18 +89,29 @@ def _norm_proj_in_readable(self, where: str) -> bool:
     return True
 
 
+def _norm_proj_in(self, hidden_states: Tensor, consumer: str) -> tuple[Tensor, float | None, Tensor | None]:
+    """``proj_in(norm(hidden_states))`` as one 1x1 conv with the GroupNorm in its loads: (h, eps, row_stats). The
+    GroupNorm's statistics come from the producer of hidden_states when it handed them over; h's pixel rows' LayerNorm
+    statistics (``row_stats``, for ``eps``) come from the conv's epilogue when the first transformer block's norm1 asked
+    for them on an earlier call (stats_handover), else eps and row_stats are None."""
+    weight, bias, precision = _proj_in_as_conv(self.proj_in)
+    norm = self.norm
+    stats = handover.take(hidden_states, norm.num_groups, norm.eps, consumer)
+    eps = handover.wanted_layer_norm_eps(self, hidden_states)
+    out = gn_silu_conv2d(
+        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None,
+        fp32_precision=precision, stats=stats, next_norm_eps=eps,
+    )  # fmt: skip
+    return (out, None, None) if eps is None else (out[0], eps, out[1])
+
+
 def _t2d_operate_on_continuous_inputs(self, hidden_states: Tensor) -> tuple[Tensor, int]:
     if not _norm_proj_in_readable(self, "Transformer2DModel"):
         return stock(self, "_operate_on_continuous_inputs")(hidden_states)
     batch, _, height, width = hidden_states.shape
-    weight, bias, precision = _proj_in_as_conv(self.proj_in)
-    norm = self.norm
-    stats = handover.take(hidden_states, norm.num_groups, norm.eps, "Transformer2DModel.norm")
-    h = gn_silu_conv2d(
-        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None,
-        fp32_precision=precision, stats=stats,
-    )  # fmt: skip
+    h, eps, row_stats = _norm_proj_in(self, hidden_states, "Transformer2DModel.norm")
     tokens = h.permute(0, 2, 3, 1).reshape(batch, height * width, h.shape[1])
+    handover.offer_layer_norm(tokens, self, eps, row_stats)  # for the first block's norm1
     # What diffusers returns as inner_dim, and later reshapes proj_out's output with: proj_in's output channels for a
     # 1x1 conv, but the INPUT channels for a linear projection (applied after that reshape there).
     return tokens, hidden_states.shape[1] if self.use_linear_projection else h.shape[1]
@@ -233,19 +247,14 @@ def _spatiotemporal_forward(
     batch_size = batch_frames // num_frames
     time_context = _svd_time_context(encoder_hidden_states, batch_size, num_frames, height * width)
     residual = hidden_states
-    weight, bias, precision = _proj_in_as_conv(self.proj_in)
-    norm = self.norm
-    stats = handover.take(hidden_states, norm.num_groups, norm.eps, "TransformerSpatioTemporalModel.norm")
-    h = gn_silu_conv2d(
-        hidden_states, norm.weight, norm.bias, norm.num_groups, norm.eps, weight, bias, 1, 0, activation=None,
-        fp32_precision=precision, stats=stats,
-    )  # fmt: skip
+    h, eps, row_stats = _norm_proj_in(self, hidden_states, "TransformerSpatioTemporalModel.norm")
     hidden_states = h.permute(0, 2, 3, 1).reshape(batch_frames, height * width, h.shape[1])
     frame_index = torch.arange(num_frames, device=hidden_states.device).repeat(batch_size, 1).reshape(-1)
     emb = self.time_pos_embed(self.time_proj(frame_index).to(dtype=hidden_states.dtype))[:, None, :]
     pairs = list(zip(self.transformer_blocks, self.temporal_transformer_blocks, strict=True))
     fuse_out = _proj_out_fusable("TransformerSpatioTemporalModel", self.proj_out, residual)
     output = None
+    handover.offer_layer_norm(hidden_states, self, eps, row_stats)  # for the first block's norm1, called next
     for i, (block, temporal_block) in enumerate(pairs):
         if torch.is_grad_enabled() and self.gradient_checkpointing:
             hidden_states = self._gradient_checkpointing_func(block, hidden_states, None, encoder_hidden_states, None)

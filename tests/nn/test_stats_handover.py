@@ -9,6 +9,7 @@ import ldmopt
 from ldmopt.nn import stats_handover as handover
 from tests.patch import models
 from tests.patch.helpers import assert_outputs_close, output_tensor, triton_only_for
+from tests.tolerances import assert_within_torch_error
 
 pytest.importorskip("diffusers")
 
@@ -211,14 +212,15 @@ def test_unpatch_forgets_what_its_producers_learned():
     ldmopt.unpatch(patched)
 
 
-def _transformer_of_three_blocks():
-    """A Transformer2DModel with three BasicTransformerBlocks in a row (SDXL runs ten), odd sizes, drawn weights."""
+def _transformer_of_three_blocks(linear_projection=True):
+    """A Transformer2DModel with three BasicTransformerBlocks in a row (SDXL runs ten), odd sizes, drawn weights;
+    proj_in a Linear (SD2.1, SDXL) or a 1x1 conv (SD1.5)."""
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
     torch.manual_seed(0)
     model = Transformer2DModel(
         num_attention_heads=2, attention_head_dim=12, in_channels=24, num_layers=3, cross_attention_dim=20,
-        norm_num_groups=4, use_linear_projection=True,
+        norm_num_groups=4, use_linear_projection=linear_projection,
     ).eval()  # fmt: skip
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -228,10 +230,21 @@ def _transformer_of_three_blocks():
     return model, kw
 
 
-def test_blocks_in_a_row_hand_layer_norm_statistics_to_the_next_norm1(triton_launches):
+@pytest.mark.parametrize(
+    "linear_projection, dtype",
+    [(True, torch.float32), (False, torch.float16)],
+    ids=["linear proj_in fp32", "conv proj_in fp16"],
+)
+def test_proj_in_and_blocks_in_a_row_hand_layer_norm_statistics_to_the_next_norm1(
+    triton_launches, linear_projection, dtype
+):
     import copy
 
-    stock, kw = _transformer_of_three_blocks()
+    stock, kw = _transformer_of_three_blocks(linear_projection)
+    exact = copy.deepcopy(stock).double()
+    with torch.no_grad():
+        reference = exact(**{k: v.double() for k, v in kw.items()}).sample
+    stock, kw = stock.to(dtype), {k: v.to(dtype) for k, v in kw.items()}
     patched = copy.deepcopy(stock)
     ldmopt.patch(patched)
     with torch.no_grad(), ldmopt.use_backend("triton"):
@@ -241,10 +254,16 @@ def test_blocks_in_a_row_hand_layer_norm_statistics_to_the_next_norm1(triton_lau
         passes_first = triton_launches.count("_row_stats_kernel")
         triton_launches.clear()
         second = patched(**kw).sample
-    assert handover.handed_over["norm1"] == 2, dict(handover.handed_over)  # blocks 2 and 3
-    assert triton_launches.count("_row_stats_kernel") == passes_first - 2
-    assert_outputs_close(first, expected, name="first call")
-    assert_outputs_close(second, expected, name="norm1 statistics handed over")
+    # block 1's from proj_in's epilogue (a 1x1 conv's pixel rows), blocks 2 and 3's from the feed-forward GEMMs'
+    assert handover.handed_over["norm1"] == 3, dict(handover.handed_over)
+    # fp32 operands: proj_in's come from one pass over its output (the conv's epilogue sums rows for 16-bit ones)
+    assert passes_first == 3 and triton_launches.count("_row_stats_kernel") == (dtype == torch.float32)
+    if dtype == torch.float32:
+        assert_outputs_close(first, expected, name="first call")
+        assert_outputs_close(second, expected, name="norm1 statistics handed over")
+    else:
+        assert_within_torch_error(first, reference, expected, "first call")
+        assert_within_torch_error(second, reference, expected, "norm1 statistics handed over")
 
 
 def test_blocks_in_a_row_train_with_handed_over_statistics():
@@ -259,6 +278,6 @@ def test_blocks_in_a_row_train_with_handed_over_statistics():
         handover.handed_over.clear()
         stock(**kw).sample.square().mean().backward()
         patched(**kw).sample.square().mean().backward()
-    assert handover.handed_over["norm1"] == 2, dict(handover.handed_over)
+    assert handover.handed_over["norm1"] == 3, dict(handover.handed_over)  # from proj_in and two feed-forwards
     for (name, p_stock), p_patched in zip(stock.named_parameters(), patched.parameters()):
         assert_outputs_close(p_patched.grad, p_stock.grad, name=f"grad {name}")

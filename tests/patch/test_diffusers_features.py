@@ -503,7 +503,11 @@ def test_compile_repeated_blocks_on_patched_sd15():
         blocks = [m for m in patched.modules() if type(m).__name__ == "BasicTransformerBlock"]
         assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)
         assert graphs, "nothing was compiled"
-        # The compiled blocks run the same fused ops as eager (report.backends() counts inside compiled code too).
+        # The compiled blocks run the same fused ops as eager (report.backends() counts inside compiled code too),
+        # but for norm1's statistics: eager blocks take them from proj_in's epilogue (stats_handover), a compiled block
+        # takes no hand-over and runs a statistics pass (one per block).
+        stats_passes = (compiled_ops.pop("layer_norm_stats", 0), eager_ops.pop("layer_norm_stats", 0))
+        assert stats_passes == (len(blocks), 0), stats_passes
         assert compiled_ops == eager_ops and compiled_ops["layer_norm_linear"] > 0, (compiled_ops, eager_ops)
         assert_outputs_close(out, expected, name="compiled repeated blocks")
         compiled = len(graphs)
