@@ -79,8 +79,13 @@ class TemporalContainerRule(_LayoutRule):
 
         return (AnimateDiffTransformer3D, TransformerTemporalModel)
 
+    # Read by the fused path only when each is what it can read (container_bfnc checks them per call, else calls them).
+    checked_in_forward = ("norm", "proj_in")
+
     def touched(self, site: Site) -> dict[str, nn.Module]:
-        out: dict[str, nn.Module] = {"": site.module}
+        # norm and proj_in are claimed here: the group_norm rule would otherwise swap the norm for its own class, which
+        # the fused path does not read, so the GroupNorm would run as a pass of its own before proj_in.
+        out: dict[str, nn.Module] = {"": site.module, "norm": site.module.norm, "proj_in": site.module.proj_in}
         for i, block in enumerate(site.module.transformer_blocks):
             out[f"transformer_blocks.{i}"] = block
             for name in ("attn1", "attn2", "pos_embed"):

@@ -434,6 +434,38 @@ def test_container_group_norm_runs_in_proj_in_loads(models, family):
     assert_close(got, expected.double(), torch.float32, family)
 
 
+def test_default_patch_reads_the_container_norm_in_proj_in_loads_and_hands_norm1_its_statistics(
+    models, triton_launches
+):
+    model = copy.deepcopy(models["animatediff"])
+    motion = model.down_blocks[0].motion_modules[0]
+    x = _input(channels_last=True)
+    with torch.no_grad():
+        expected = _call(motion, x)
+    report = ldmopt.patch(model)
+    # temporal_container claims its norm and proj_in: the group_norm rule does not swap the norm for a class the
+    # fused path would not read (which made it a GroupNorm pass of its own before proj_in)
+    assert type(motion.norm) is torch.nn.GroupNorm and "group_norm" not in report.counts(), report.counts()
+    stats_ops = lambda: sum(report.backends().get("layer_norm_stats", {}).values())
+    before = stats_ops()
+    with torch.no_grad(), ldmopt.use_backend("torch"), _CopyRecorder() as ops:
+        got = _call(motion, x)
+    names = [name for name, _ in ops.ops]
+    assert "gn_conv2d" in names and not [n for n in names if "group_norm" in n], names
+    assert stats_ops() == before  # the one block's norm1 read the statistics proj_in's conv returned with its output
+    assert_close(got, expected.double(), torch.float32, "patched motion module")
+    # 16-bit operands: the conv's epilogue sums them (fp32 ones take a statistics pass after the conv)
+    half, x_half = copy.deepcopy(motion).half(), x.half()
+    triton_launches.clear()
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        got_half = _call(half, x_half)
+    assert "_row_stats_kernel" not in triton_launches and "_gn_conv2d_fwd_kernel" in triton_launches, triton_launches
+    with torch.no_grad():
+        stock_half = _call(copy.deepcopy(models["animatediff"].down_blocks[0].motion_modules[0]).half(), x_half)
+    assert_within_torch_error(got_half, expected.double(), stock_half, "fp16 patched motion module")
+    ldmopt.unpatch(model)
+
+
 @pytest.mark.parametrize("tokens_3d", [False, True])
 def test_token_order_block_adds_frame_positions_in_any_token_shape(tokens_3d):
     # A layer_norm block with sinusoidal positions run in (B, F, N) token order, given as (B, F, N, C) (AnimateDiff's

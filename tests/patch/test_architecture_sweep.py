@@ -347,7 +347,7 @@ class Case:
 
 
 I2VGEN_XL_RULES = dict(
-    geglu=9, gelu=1, group_norm=6, residual_block=4, resnet=8, temporal_container=5, temporal_conv=8,
+    geglu=9, gelu=1, group_norm=1, residual_block=4, resnet=8, temporal_container=5, temporal_conv=8,
     transformer2d_in=4, up_block_skip=2, upsample_conv=1,
 )  # fmt: skip
 FLUX_CONTROLNET_RULES = dict(
@@ -368,7 +368,7 @@ FIRING = {
     ),
     "sparse-controlnet": Case(
         _sparse_controlnet,
-        {"geglu": 4, "group_norm": 2, "residual_block": 2, "resnet": 4, "temporal_container": 2, "transformer2d_in": 2},
+        {"geglu": 4, "residual_block": 2, "resnet": 4, "temporal_container": 2, "transformer2d_in": 2},
     ),
     "i2vgen-xl": Case(_i2vgenxl, I2VGEN_XL_RULES),
     "consisid": Case(_consisid, {"cogvideox_qk_norm_rope": 1, "gelu": 1}),

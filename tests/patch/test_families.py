@@ -43,10 +43,11 @@ EXPECTED = {
     "sd3": (dict(adaln_continuous=2, adaln_zero=3, gelu=3, joint_block=2), 0),
     "flux": (dict(FLUX, joint_block=1, flux_qk_norm_rope=3), 0),
     # Video: the temporal containers/blocks run whole in (B, F, N, C) order (their attention modules are claimed
-    # by temporal_container / svd_temporal_block, so temporal_attention installs no processor there).
-    "animatediff": (dict(UNET, geglu=23, group_norm=13, temporal_container=13), 0),
+    # by temporal_container / svd_temporal_block, so temporal_attention installs no processor there; a container's
+    # GroupNorm is read in proj_in's loads, so the group_norm rule leaves it alone).
+    "animatediff": (dict(UNET, geglu=23, temporal_container=13), 0),
     "svd": (SVD, 0),
-    "modelscope": (dict(UNET, geglu=21, group_norm=11, temporal_conv=14, temporal_container=11), 0),
+    "modelscope": (dict(UNET, geglu=21, temporal_conv=14, temporal_container=11), 0),
     "latte": (dict(adaln_block=2, gelu=4, latte_temporal=1), 0),
     "wan2.1-1.3b": (dict(gelu=2, wan_block=2, wan_qk_norm_rope=2), 0),
 }
