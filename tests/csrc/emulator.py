@@ -8,14 +8,13 @@ cuda_fp16.h / cuda_bf16.h (from CUDA_HOME or torch's nvidia/cu13 wheel); no GPU,
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from tests.support.compile_cached import compile_cached
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -45,26 +44,15 @@ def _sources() -> list[Path]:
 
 def build() -> ctypes.CDLL:
     """Compile (cached by a hash of the sources) and load the emulator library."""
-    digest = hashlib.sha256()
-    for path in _sources():
-        if path.is_file():
-            digest.update(path.as_posix().encode())
-            digest.update(path.read_bytes())
-    out_dir = Path(tempfile.gettempdir()) / f"ldmopt-emu-{digest.hexdigest()[:16]}"
-    lib_path = out_dir / "emu.so"
-    if not lib_path.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir / f"emu.{os.getpid()}.so"
-        cmd = [
+
+    def command(out: Path) -> list[str]:
+        return [
             "g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-DLDMOPT_EMULATE",
             f"-I{ROOT / 'csrc'}", f"-I{HERE}", f"-I{cuda_include_dir()}",
-            "-x", "c++", str(HERE / "emu_entry.cpp"), "-o", str(tmp),
+            "-x", "c++", str(HERE / "emu_entry.cpp"), "-o", str(out),
         ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"emulator build failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-        tmp.replace(lib_path)  # atomic: concurrent test sessions never load a half-written library
-    lib = ctypes.CDLL(str(lib_path))
+
+    lib = ctypes.CDLL(str(compile_cached("emu", _sources(), command)))
     lib.emu_last_error.restype = ctypes.c_char_p
     return lib
 

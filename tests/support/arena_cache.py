@@ -4,13 +4,11 @@ the host C compiler on first use (cached by a hash of the source), skipped with 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from .compile_cached import compile_cached
 
 SOURCE = Path(__file__).with_name("arena_cache.c")
 
@@ -23,14 +21,9 @@ def _build() -> Path:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) found")
-    source = SOURCE.read_bytes()
-    lib = Path(tempfile.gettempdir()) / f"ldmopt-arena-cache-{hashlib.sha256(source).hexdigest()[:16]}.so"
-    if not lib.exists():
-        tmp = lib.with_suffix(f".{os.getpid()}.so")
-        subprocess.run([compiler, "-O2", "-shared", "-fPIC", str(SOURCE), "-o", str(tmp)], check=True,
-                       capture_output=True)  # fmt: skip
-        tmp.replace(lib)  # atomic: pytest-xdist workers may build at once
-    return lib
+    return compile_cached(
+        "arena-cache", [SOURCE], lambda out: [compiler, "-O2", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
+    )
 
 
 def install() -> str | None:
@@ -43,7 +36,7 @@ def install() -> str | None:
         return "the GIL is disabled (the cache relies on it instead of a lock)"
     try:
         lib = ctypes.CDLL(str(_build()))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+    except (OSError, RuntimeError) as e:
         return f"could not build or load it: {e}"
     api = ctypes.pythonapi
     current = _ArenaAllocator()
