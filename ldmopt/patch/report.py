@@ -53,6 +53,7 @@ class PatchReport:
     _counts_at_patch: Counter = field(default_factory=Counter, repr=False)
     _fallbacks_at_patch: Counter = field(default_factory=Counter, repr=False)
     _layout_copies_at_patch: Counter = field(default_factory=Counter, repr=False)
+    _handovers_at_patch: Counter = field(default_factory=Counter, repr=False)
     #: Per model: (convs, bytes) whose weights this call made channels-last (``patch(channels_last_weights=)``).
     converted_weights: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: Per model with fused convolutions: (convs, bytes) whose weights stay contiguous, and why (the argument).
@@ -64,12 +65,15 @@ class PatchReport:
     tuning: Any = None
 
     def count_from_now(self) -> None:
-        """Start :meth:`backends`, :meth:`fallbacks` and :meth:`layout_copies` from the counters' values now."""
+        """Start :meth:`backends`, :meth:`fallbacks`, :meth:`layout_copies` and :meth:`handovers` from the counters'
+        values now."""
+        from ..nn.stats_handover import handed_over
         from ..ops._dispatch import backend_counts
 
         self._counts_at_patch = snapshot_counts(backend_counts)
         self._fallbacks_at_patch = fallback_counts()
         self._layout_copies_at_patch = layout_copy_counts()
+        self._handovers_at_patch = snapshot_counts(handed_over)
 
     def counts(self, model: str | None = None) -> dict[str, int]:
         """{rule name: modules replaced}, over all models or one (its component name, "" for a bare model)."""
@@ -93,6 +97,16 @@ class PatchReport:
             if delta > 0:
                 out.setdefault(op, {})[backend] = delta
         return out
+
+    def handovers(self) -> dict[str, int]:
+        """{consumer: calls} since the patch call: fused norms that ran no statistics pass of their own because the op
+        that wrote their input summed its statistics in an epilogue and handed them over (ldmopt.nn.stats_handover;
+        plain eager calls only, e.g. under torch.no_grad, not torch.inference_mode), process-wide."""
+        from ..nn.stats_handover import handed_over
+
+        before = self._handovers_at_patch
+        now = snapshot_counts(handed_over)
+        return {k: n - before.get(k, 0) for k, n in sorted(now.items()) if n > before.get(k, 0)}
 
     def layout_copies(self) -> dict[str, int]:
         """{what: calls} since the patch call: fused calls that first copied their input to channels-last (e.g. a
@@ -156,6 +170,12 @@ class PatchReport:
                 lines.append(f"    {op:<24} " + ", ".join(f"{b} x{n}" for b, n in per.items()))
         else:
             lines.append("  backends: nothing has run since patch (run the model, then print the report)")
+        handed = self.handovers()
+        if handed:
+            lines.append(
+                "  statistics passes skipped since patch (the norm's input came with its statistics): "
+                + ", ".join(f"{consumer} x{n}" for consumer, n in handed.items())
+            )
         copies = self.layout_copies()
         if copies:
             lines.append("  fused calls that first copied their input or weight to channels-last since patch:")

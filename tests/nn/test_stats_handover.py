@@ -114,6 +114,25 @@ def test_patched_unet_hands_statistics_over_from_its_second_call_and_matches_sto
     assert_outputs_close(second, expected, name="with statistics handed over")
 
 
+def test_patch_report_counts_the_statistics_passes_handed_over():
+    torch.manual_seed(0)
+    model = models.sd15_unet().eval()
+    kw = models.inputs("sd15", model)
+    report = ldmopt.patch(model)
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        model(**kw)
+        assert report.handovers() == {}  # the first call learns what each consumer wants
+        model(**kw)
+    handed = report.handovers()
+    # each of the 4 transformers: its GroupNorm from the resnet before it, its one block's norm1 from its proj_in
+    assert handed["Transformer2DModel.norm"] == 4 and handed["norm1"] == 4, handed
+    assert "statistics passes skipped since patch" in str(report) and "norm1 x4" in str(report), str(report)
+    with torch.inference_mode(), ldmopt.use_backend("torch"):  # inference tensors keep no version counter
+        model(**kw)
+    assert report.handovers() == handed
+    ldmopt.unpatch(model)
+
+
 def test_training_step_with_statistics_handed_over_matches_stock_gradients():
     stock, patched, kw = _patched_unet()
     with triton_only_for("gn_silu_conv2d", "group_norm"):
