@@ -57,7 +57,7 @@ from .child_check import (
 )
 from .group_norm import GroupNorm as LdmoptGroupNorm
 from .layer_norm_input import NormedInput, fused_norm_eps, normed_with_positions
-from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, plain_layer_norm_reason
+from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, ff_residual_and_stats, plain_layer_norm_reason
 from .temporal_attention import (
     _single_key_module_reason,
     _stock_or_ours,
@@ -164,11 +164,14 @@ def svd_block_bfnc(block: nn.Module, hidden_states: Tensor, num_frames: int, con
     x = hidden_states.view(b, num_frames, n, c)
     where = type(block).__name__
     # Each norm that only feeds GEMMs is read in their loads (NormedInput); norm2 feeds the skipped query path.
+    # norm1's statistics come from the epilogue of ff_in's output GEMM, which wrote its input.
+    stats = None
     if block.is_res:
-        h = ff_residual(block.ff_in, NormedInput(block.norm_in, x, where, "norm_in"), x)
+        eps = fused_norm_eps(block.norm1, c)
+        h, stats = ff_residual_and_stats(block.ff_in, NormedInput(block.norm_in, x, where, "norm_in"), x, eps)
     else:
         h = block.ff_in(block.norm_in(x))
-    normed = NormedInput(block.norm1, h, where, "norm1")
+    normed = NormedInput(block.norm1, h, where, "norm1", stats=stats)
     h = temporal_self_attention(block.attn1, normed, None, (b, num_frames, n), residual=h, name="attn1")
     if block.attn2 is not None:
         attn2 = block.attn2
