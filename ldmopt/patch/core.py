@@ -322,6 +322,7 @@ def _plan(
             claimed.add(id(t))
             if rel:
                 inside.add(id(t))
+        claimed.update(id(t) for t in rec.rule.claims(rec.site).values())
     done = {(rec.rule.name, id(rec.site.module)) for rec in prior}
     # Modules a patch of an enclosing model touched: already fused, their records are not in this tree.
     own = {id(m) for m in model.modules()}
@@ -373,6 +374,7 @@ def _plan(
             actions.append((rule, site))
             planned.update(id(t) for t in touched.values())
             claimed.update(id(t) for t in touched.values())
+            claimed.update(id(t) for t in rule.claims(site).values())
             inside.update(id(t) for rel, t in touched.items() if rel)
     return actions
 

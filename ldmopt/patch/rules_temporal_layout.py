@@ -79,13 +79,13 @@ class TemporalContainerRule(_LayoutRule):
 
         return (AnimateDiffTransformer3D, TransformerTemporalModel)
 
-    # Read by the fused path only when each is what it can read (container_bfnc checks them per call, else calls them).
-    checked_in_forward = ("norm", "proj_in")
+    def claims(self, site: Site) -> dict[str, nn.Module]:
+        # container_bfnc reads the GroupNorm in proj_in's loads when both are plain (checked per call, else calls
+        # them); the group_norm rule would swap the norm for its own class, which that path does not read.
+        return {"norm": site.module.norm, "proj_in": site.module.proj_in}
 
     def touched(self, site: Site) -> dict[str, nn.Module]:
-        # norm and proj_in are claimed here: the group_norm rule would otherwise swap the norm for its own class, which
-        # the fused path does not read, so the GroupNorm would run as a pass of its own before proj_in.
-        out: dict[str, nn.Module] = {"": site.module, "norm": site.module.norm, "proj_in": site.module.proj_in}
+        out: dict[str, nn.Module] = {"": site.module}
         for i, block in enumerate(site.module.transformer_blocks):
             out[f"transformer_blocks.{i}"] = block
             for name in ("attn1", "attn2", "pos_embed"):

@@ -469,6 +469,27 @@ def test_default_patch_reads_the_container_norm_in_proj_in_loads_and_hands_norm1
     ldmopt.unpatch(model)
 
 
+@pytest.mark.parametrize("hooked", ["proj_in", "norm"])
+def test_a_hooked_norm_or_proj_in_costs_only_their_fusion(models, hooked):
+    """temporal_container claims the container's norm and proj_in (kept from the group_norm rule) without making them
+    a condition of the rule: a hook on one leaves the container fused, and that pair runs as modules per call."""
+    model = copy.deepcopy(models["animatediff"])
+    motion = model.down_blocks[0].motion_modules[0]
+    seen = []
+    getattr(motion, hooked).register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    x = _input(channels_last=True)
+    with torch.no_grad():
+        expected = _call(motion, x)
+    report = ldmopt.patch(model)
+    assert report.counts()["temporal_container"] == 7 and not report.skipped, (report.counts(), report.skipped)
+    assert type(motion.norm) is torch.nn.GroupNorm  # claimed, so not swapped, hooked or not
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        got = _call(motion, x)
+    assert len(seen) == 2  # the hooked module ran in the fused container's call too
+    assert_close(got, expected.double(), torch.float32, f"motion module with a hooked {hooked}")
+    ldmopt.unpatch(model)
+
+
 @pytest.mark.parametrize("tokens_3d", [False, True])
 def test_token_order_block_adds_frame_positions_in_any_token_shape(tokens_3d):
     # A layer_norm block with sinusoidal positions run in (B, F, N) token order, given as (B, F, N, C) (AnimateDiff's
