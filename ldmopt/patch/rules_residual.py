@@ -28,7 +28,7 @@ from torch import nn
 
 from ..nn.attention_residual import attention_residual_and_stats as attend
 from ..nn.attention_residual import static_reason
-from ..nn.layer_norm_input import NormedInput, normed_with_positions
+from ..nn.layer_norm_input import NormedInput, fused_norm_eps, normed_with_positions
 from ..nn.linear import ff_residual_and_stats
 from ..nn.stats_handover import offer_layer_norm, take_layer_norm, wanted_layer_norm_eps
 from .rule import ClassSwapRule, Rule, Site
@@ -45,7 +45,11 @@ def _residual_block_forward(
     # Each norm's output (plus sinusoidal positions) only feeds GEMMs, which read it in their loads. norm2's and norm3's
     # statistics come from the output projection's epilogue that wrote their input (the residual sum); norm1's from
     # the previous block's feed-forward GEMM when it handed them over (blocks in a row: SDXL's ten).
-    normed = _normed(self, "norm1", hidden_states, where, take_layer_norm(hidden_states, self.norm1.eps, "norm1"))
+    # Taken (and, on a miss, asked for) only when norm1 will be read in the loads: a hooked or replaced norm1 runs as
+    # a module, which would compute its statistics anyway, and its producer then stops summing them (stats_handover).
+    readable_norm1 = fused_norm_eps(self.norm1, hidden_states.shape[-1]) is not None
+    stats = take_layer_norm(hidden_states, self.norm1.eps, "norm1") if readable_norm1 else None
+    normed = _normed(self, "norm1", hidden_states, where, stats)
     context = encoder_hidden_states if self.only_cross_attention else None
     after_attn1 = self.norm2 if self.attn2 is not None else self.norm3
     hidden_states, stats = attend(self.attn1, normed, hidden_states, context, attention_mask, kwargs, where, "attn1",

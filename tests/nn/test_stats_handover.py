@@ -285,6 +285,21 @@ def test_proj_in_and_blocks_in_a_row_hand_layer_norm_statistics_to_the_next_norm
         assert_within_torch_error(second, reference, expected, "norm1 statistics handed over")
 
 
+def test_a_hooked_norm1_asks_nothing_of_its_producer():
+    """A norm1 that will run as a module (here hooked after patching) computes its own statistics: it takes none and
+    asks for none, so proj_in sums nothing for it and the report counts no skipped pass."""
+    model, kw = _transformer_of_three_blocks(linear_projection=False)
+    report = ldmopt.patch(model)
+    calls = []
+    model.transformer_blocks[0].norm1.register_forward_hook(lambda m, args, out: calls.append(out.shape))
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        model(**kw)
+        model(**kw)
+    assert len(calls) == 2 and report.handovers() == {"norm1": 2}, report.handovers()  # blocks 2 and 3, 2nd call
+    assert model not in handover._wanted  # the Transformer2DModel (proj_in's producer) was never asked
+    ldmopt.unpatch(model)
+
+
 def test_blocks_in_a_row_train_with_handed_over_statistics():
     import copy
 
