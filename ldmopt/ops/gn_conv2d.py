@@ -705,7 +705,10 @@ def gn_silu_conv2d(
     if next_norm_eps is not None:
         if out_stats is not None:
             raise ValueError("gn_silu_conv2d: out_stats (GroupNorm) and next_norm_eps (LayerNorm) exclude each other")
-        out_eps = check_eps(next_norm_eps)
+        try:
+            out_eps = check_eps(next_norm_eps)
+        except ValueError:
+            raise ValueError(f"next_norm_eps must be a finite non-negative float, got {next_norm_eps!r}") from None
     y, out_mean, out_rstd = call(
         gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, gate,
         num_groups, activation or "", stride, list(pads), resample, residual_resample, shortcut_resample,

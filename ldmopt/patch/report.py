@@ -99,9 +99,10 @@ class PatchReport:
         return out
 
     def handovers(self) -> dict[str, int]:
-        """{consumer: calls} since the patch call: fused norms that ran no statistics pass of their own because the op
-        that wrote their input summed its statistics in an epilogue and handed them over (ldmopt.nn.stats_handover;
-        plain eager calls only, e.g. under torch.no_grad, not torch.inference_mode), process-wide."""
+        """{consumer: calls} since the patch call: fused norms that ran no statistics pass of their own because the
+        module that wrote their input summed its statistics in an epilogue and handed them over
+        (ldmopt.nn.stats_handover; plain eager calls only, e.g. under torch.no_grad, not torch.inference_mode),
+        process-wide. Statistics passed on within one fused block or temporal container are not counted here."""
         from ..nn.stats_handover import handed_over
 
         before = self._handovers_at_patch

@@ -128,8 +128,8 @@ def test_gradients_flow_through_y_and_not_the_statistics():
     "kwargs, match",
     [
         (dict(next_norm_eps=1e-5, out_stats=(2, 1e-5)), "out_stats .GroupNorm. and next_norm_eps .LayerNorm."),
-        (dict(next_norm_eps=-1.0), "eps must be a finite non-negative"),
-        (dict(next_norm_eps=float("nan")), "eps must be a finite non-negative"),
+        (dict(next_norm_eps=-1.0), "next_norm_eps must be a finite non-negative float, got -1.0"),
+        (dict(next_norm_eps=float("nan")), "next_norm_eps must be a finite non-negative float, got nan"),
     ],
 )
 def test_bad_arguments(kwargs, match):
