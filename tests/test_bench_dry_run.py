@@ -655,3 +655,16 @@ def test_profile_host_times_ldmopts_own_host_code_with_launches_stubbed(capsys):
     assert first.startswith("ldmopt (launches stubbed): ") and first.endswith(", 3 launches/call"), out
     with pytest.raises(SystemExit):
         profile_host.main(["--stub-launches", "--device", "cuda"])
+
+
+def test_count_launches_counts_a_patched_step(capsys):
+    """benchmarks/count_launches.py on the tiny SD1.5 UNet in fp16: every transformer's norm1 takes its statistics
+    from proj_in's epilogue (no LayerNorm statistics pass), each transformer's GroupNorm from the resnet before it."""
+    pytest.importorskip("diffusers")
+    from benchmarks import count_launches
+
+    assert count_launches.main(["sd15", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "statistics passes: group_norm " in out and ", layer_norm 0" in out, out
+    handed = dict(re.findall(r"(\S+) (\d+)", out.split("handed over: ")[1]))
+    assert handed["norm1"] == handed["Transformer2DModel.norm"] == "10", out
