@@ -107,8 +107,9 @@ class Rule:
     def claims(self, site: Site) -> dict[str, nn.Module]:
         """Children the fused forward reads in place of calling them where it can (checking them per call, and
         calling them otherwise), kept from other rules, which would replace them with something it does not read.
-        Unlike :meth:`touched`, a hook on one (or ``filter_fn`` excluding it) costs only that per-call fusion, not
-        the rule; one another rule already took is left to it."""
+        Unlike :meth:`touched`, they are no condition of the rule: a hook on one costs only that per-call fusion, and
+        ``filter_fn`` is not asked about them (it decides for the module the rule patches); one another rule already
+        took is left to it."""
         return {}
 
     def shallow(self, site: Site) -> set[str]:
