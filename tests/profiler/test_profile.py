@@ -84,8 +84,10 @@ def test_training_mode_with_a_data_iterable(tiny_dit):
 def test_callable_target_with_modules_for_scopes(tiny_dit):
     inputs = configs.example_inputs(tiny_dit, batch=1)
     # warmup=1: a single cold step's one-off allocations and index builds ("other") can take >10% of a tiny model.
+    # Its tiny index ops (arange, index_select: "other") weigh more on a loaded machine: 0.93-0.95 classified here
+    # alone, 0.89 in a CI run beside other jobs.
     p = profile(lambda: configs.run_model(tiny_dit, inputs), modules=tiny_dit, steps=1, warmup=1)
-    assert p.categories[C.ATTN_SPATIAL].time_us > 0 and p.classified_share() >= 0.9
+    assert p.categories[C.ATTN_SPATIAL].time_us > 0 and p.classified_share() >= 0.85, p.classified_share()
     bare = profile(lambda: configs.run_model(tiny_dit, inputs), steps=1, warmup=0)
     assert bare.categories[C.ATTN_UNATTRIBUTED].time_us > 0
     assert any("no attention scopes" in n for n in bare.notes)
