@@ -44,7 +44,8 @@ def _residual_block_forward(
     where = type(self).__name__
     # Each norm's output (plus sinusoidal positions) only feeds GEMMs, which read it in their loads. norm2's and norm3's
     # statistics come from the output projection's epilogue that wrote their input (the residual sum); norm1's from
-    # the previous block's feed-forward GEMM when it handed them over (blocks in a row: SDXL's ten).
+    # what wrote the block's input when it handed them over: the previous block's feed-forward GEMM (blocks in a row:
+    # SDXL's ten), or for the first block its transformer's proj_in (the fused GroupNorm + 1x1 conv's epilogue).
     # Taken (and, on a miss, asked for) only when norm1 will be read in the loads: a hooked or replaced norm1 runs as
     # a module, which would compute its statistics anyway, and its producer then stops summing them (stats_handover).
     readable_norm1 = fused_norm_eps(self.norm1, hidden_states.shape[-1]) is not None
