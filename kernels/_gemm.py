@@ -112,6 +112,14 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m, pid_n
 
 
+def row_stats_workspace(device: torch.device, rows: int, row_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`row_statistics` accumulates into, zeroed: (ws [rows, 2] fp64 flat, counters [row_tiles] int32) in
+    one fresh buffer (one memset), so no state outlives the call. ``row_tiles``: as many as the smallest row tile of
+    any config makes."""
+    buffer = torch.zeros(2 * rows + cdiv(row_tiles, 2), device=device, dtype=torch.float64)
+    return buffer[: 2 * rows], buffer[2 * rows :].view(torch.int32)
+
+
 @triton.jit
 def row_statistics(out, mask, rows, row_ok, row_tile, col_tile, ws_ptr, counter_ptr, out_stats_ptr, M, N, eps,
                    BLOCK_N: tl.constexpr):  # fmt: skip

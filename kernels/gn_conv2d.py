@@ -39,7 +39,7 @@ from ._common import (
     tag_config,
     tag_fp32_configs,
 )
-from ._gemm import row_statistics
+from ._gemm import row_statistics, row_stats_workspace
 from ._tuned_launch import tuned_launch
 
 #: resample codes shared with ldmopt/ops/gn_conv2d.py
@@ -484,9 +484,7 @@ def gn_conv2d_fwd(
     out_mean = new_output((2, n * s) if out_layer_norm else (n, out_groups), device=x.device, dtype=torch.float32)
     out_rstd = new_output((n, out_groups), device=x.device, dtype=torch.float32)
     if out_layer_norm:
-        # One fresh zeroed buffer (one memset): sums [N * S, 2] fp64, then a counter per row tile of the smallest BM.
-        buffer = torch.zeros(2 * n * s + cdiv(n * cdiv(s, _MIN_BM), 2), device=x.device, dtype=torch.float64)
-        ws, counters = buffer[: 2 * n * s], buffer[2 * n * s :].view(torch.int32)
+        ws, counters = row_stats_workspace(x.device, n * s, n * cdiv(s, _MIN_BM))
         block_cpg = block_g = 1
     elif out_groups:
         ws, counters = _stats_workspace(x.device, n, c_out)

@@ -40,6 +40,7 @@ from ._gemm import (
     prune_wide_input,
     row_chunks,
     row_statistics,
+    row_stats_workspace,
 )
 from ._tuned_launch import tuned_launch
 
@@ -332,9 +333,7 @@ def linear_fwd(
         res_t, rs = residual.shape[1], residual.stride()
 
     if out_stats is not None:
-        # One fresh zeroed buffer (one memset): sums [M, 2] fp64, then a counter per row tile of the smallest BLOCK_M.
-        buffer = torch.zeros(2 * m + cdiv(cdiv(m, _MIN_BLOCK_M), 2), device=x.device, dtype=torch.float64)
-        ws, counters = buffer[: 2 * m], buffer[2 * m :].view(torch.int32)
+        ws, counters = row_stats_workspace(x.device, m, cdiv(m, _MIN_BLOCK_M))
     else:
         # Empty, so the autotuner's reset_to_zero has nothing to clear (never an input), and nothing to read.
         ws = counters = out_stats = pre if not save_pre else torch.empty(0, device=x.device)
