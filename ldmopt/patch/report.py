@@ -105,24 +105,20 @@ class PatchReport:
         process-wide. Statistics passed on within one fused block or temporal container are not counted here."""
         from ..nn.stats_handover import handed_over
 
-        before = self._handovers_at_patch
-        now = snapshot_counts(handed_over)
-        return {k: n - before.get(k, 0) for k, n in sorted(now.items()) if n > before.get(k, 0)}
+        return _increase(dict(sorted(snapshot_counts(handed_over).items())), self._handovers_at_patch)
 
     def layout_copies(self) -> dict[str, int]:
         """{what: calls} since the patch call: fused calls that first copied their input to channels-last (e.g. a
         ResnetBlock2D given an NCHW tensor by a video model's temporal container) or their conv weight (a model
         whose weights patch left contiguous), process-wide."""
-        before = self._layout_copies_at_patch
-        return {k: n - before.get(k, 0) for k, n in layout_copy_counts().items() if n > before.get(k, 0)}
+        return _increase(layout_copy_counts(), self._layout_copies_at_patch)
 
     def fallbacks(self) -> dict[str, int]:
         """{reason: calls} since the patch call: patched modules that ran the stock path for a call (e.g. a
         ResnetBlock2D in training with dropout) and ops that ran their reference backend because the kernels
         refused an input (fp64, no Triton, a layout ...: each refusing backend's reason), process-wide. Which
         backend each op ran is in :meth:`backends`."""
-        before = self._fallbacks_at_patch
-        out = {k: n - before.get(k, 0) for k, n in fallback_counts().items() if n > before.get(k, 0)}
+        out = _increase(fallback_counts(), self._fallbacks_at_patch)
         for proc in self._counters:
             for reason, n in snapshot_counts(getattr(proc, "fallback_reasons", {})).items():
                 key = f"{type(proc).__name__} ran the stock processor: {reason}"
@@ -190,6 +186,11 @@ class PatchReport:
         if self.tuning is not None:
             lines.append(str(self.tuning))
         return "\n".join(lines)
+
+
+def _increase(now: dict, before: dict) -> dict:
+    """The counts in ``now`` that grew since ``before``, by how much, in ``now``'s order."""
+    return {k: n - before.get(k, 0) for k, n in now.items() if n > before.get(k, 0)}
 
 
 def _weights(per_model: dict[str, tuple[int, int]]) -> str:

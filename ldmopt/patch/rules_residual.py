@@ -48,8 +48,8 @@ def _residual_block_forward(
     # SDXL's ten), or for the first block its transformer's proj_in (the fused GroupNorm + 1x1 conv's epilogue).
     # Taken (and, on a miss, asked for) only when norm1 will be read in the loads: a hooked or replaced norm1 runs as
     # a module, which would compute its statistics anyway, and its producer then stops summing them (stats_handover).
-    readable_norm1 = fused_norm_eps(self.norm1, hidden_states.shape[-1]) is not None
-    stats = take_layer_norm(hidden_states, self.norm1.eps, "norm1") if readable_norm1 else None
+    eps = fused_norm_eps(self.norm1, hidden_states.shape[-1])
+    stats = take_layer_norm(hidden_states, eps, "norm1") if eps is not None else None
     normed = _normed(self, "norm1", hidden_states, where, stats)
     context = encoder_hidden_states if self.only_cross_attention else None
     after_attn1 = self.norm2 if self.attn2 is not None else self.norm3
