@@ -140,6 +140,29 @@ def conv_aot_specs() -> list[dict]:
         _aot_spec(
             "gn_conv2d[fp16,1x1,staged proj_in:row stats]", "fp16", plain_big, kh=1, normalize=False, row_stats=True
         ),
+        # A transformer's proj_out + residual as a plain 1x1 conv summing its output's statistics (and channel sums)
+        # for the GroupNorm after it (ldmopt/nn/proj_out.py); an upsampler's likewise
+        _aot_spec(
+            "gn_conv2d[fp16,1x1,proj_out:residual+stats]",
+            "fp16",
+            plain_big,
+            kh=1,
+            normalize=False,
+            res=True,
+            out_stats=True,
+        ),
+        _aot_spec(
+            "gn_conv2d[bf16,1x1,proj_out:residual+stats,64x128x64]",
+            "bf16",
+            plain_tall,
+            kh=1,
+            normalize=False,
+            res=True,
+            out_stats=True,
+        ),
+        _aot_spec(
+            "gn_conv2d[fp16,3x3,upsampler+stats]", "fp16", plain_big, resample="up", normalize=False, out_stats=True
+        ),
         # fp32 operands: each fp32 tile, its heaviest epilogues, at each (precision, arch) it is claimed clean for
         *[
             {

@@ -374,12 +374,13 @@ def _gn_conv2d_fwd_kernel(
         tl.atomic_add(ws_ptr + ws_off, col_sum, mask=n_mask, sem="relaxed")
         col_sq = col_m2.to(tl.float64) + col_sum * (col_sum / rows64)
         tl.atomic_add(ws_ptr + ws_off + 1, col_sq, mask=n_mask, sem="relaxed")
-        # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + n, 1, sem="acq_rel")
-        if done == n_mt * n_nt - 1:
-            _finalize_stats(ws_ptr, out_mean_ptr, out_rstd_ptr, n, C_out, G_out, S, out_eps,
-                            STATS_BLOCK_G, STATS_BLOCK_CPG)  # fmt: skip
+        if G_out > 0:  # 0: the caller takes the per-channel sums themselves (a later two-part GroupNorm's)
+            # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
+            tl.debug_barrier()
+            done = tl.atomic_add(counter_ptr + n, 1, sem="acq_rel")
+            if done == n_mt * n_nt - 1:
+                _finalize_stats(ws_ptr, out_mean_ptr, out_rstd_ptr, n, C_out, G_out, S, out_eps,
+                                STATS_BLOCK_G, STATS_BLOCK_CPG)  # fmt: skip
     if OUT_ROW_STATS:
         # The LayerNorm statistics of each output pixel's channel vector: the token rows a transformer's proj_in
         # hands its first block's norm1. Rows n * S + m of [N * S, C_out]; the image count is the grid's.
@@ -458,12 +459,16 @@ def gn_conv2d_fwd(
     shortcut_x_tail: torch.Tensor | None = None,
     fp32_precision: str = "conv",
     out_layer_norm: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One launch: (y [N, C_out, OH, OW] channels-last, out_mean [N, out_groups] fp32, out_rstd).
+    out_channel_sums: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch: (y [N, C_out, OH, OW] channels-last, out_mean [N, out_groups] fp32, out_rstd, channel_sums).
 
     ``mean is None`` skips the normalisation prologue (plain conv). out_groups=0: no statistics (empty tensors).
     ``out_layer_norm`` (with out_groups=0): out_mean is instead the LayerNorm statistics ``[2, N * OH * OW]`` (means,
     then rstds for ``out_eps``) of y's pixels over their C_out channels, and out_rstd is empty.
+    ``out_channel_sums``: channel_sums is the statistics workspace, [N, C_out, 2] fp64 sums of y and of y squared
+    per (image, channel), from which any grouping of y's channels (with another tensor's, cat([y, skip], 1) in a UNet
+    up block) can be finalised (kernels/group_norm_sums.py); out_groups may then be 0. Otherwise it is empty.
     temb: [N, C_out] or [N, C_out, OH]; gate: [N, 1] or [N, OH] fp32. ``x_tail`` / ``shortcut_x_tail``: the input is
     ``cat([x, x_tail], 1)`` (likewise the shortcut's), read where the parts lie. ``fp32_precision``: whose TF32 setting
     fp32 products follow, PyTorch's "conv" or "matmul" (_common.torch_fp32_precision).
@@ -486,12 +491,13 @@ def gn_conv2d_fwd(
     if out_layer_norm:
         ws, counters = row_stats_workspace(x.device, n * s, n * cdiv(s, _MIN_BM))
         block_cpg = block_g = 1
-    elif out_groups:
+    elif out_groups or out_channel_sums:
         ws, counters = _stats_workspace(x.device, n, c_out)
         # At least 64 channels per group tile: the finalisation is a few KB per image, and one tile shape for every
         # group size up to 64 means one compiled variant (times the autotune configs) instead of one per size.
-        block_cpg = max(64, next_power_of_2(c_out // out_groups))
-        block_g = max(1, min(next_power_of_2(out_groups), 1024 // block_cpg))
+        # (Sums alone, out_groups=0, finalise nothing: the same variant as 64 or fewer channels per group.)
+        block_cpg = max(64, next_power_of_2(c_out // out_groups)) if out_groups else 64
+        block_g = max(1, min(next_power_of_2(max(out_groups, 1)), 1024 // block_cpg))
     else:
         # Empty, so the autotuner's reset_to_zero has nothing to clear (never the input), and nothing to read.
         ws, counters, block_cpg, block_g = out_mean, out_rstd, 1, 1
@@ -524,7 +530,8 @@ def gn_conv2d_fwd(
         *strides4(residual), *strides4(shortcut_x), *strides4(shortcut_x_tail),
         *(shortcut_weight.stride()[:2] if shortcut_weight is not None else (0, 0)),
         h, w, c_in, oh, ow, c_out, num_groups if normalize else 1, res_h, res_w, sc_h, sc_w, c_sc,
-        max(out_groups, 1), c_head, c_sc_head, float(out_eps), 1.0 / float(output_scale),
+        out_groups if out_channel_sums else max(out_groups, 1), c_head, c_sc_head, float(out_eps),
+        1.0 / float(output_scale),
         min(next_power_of_2(s), 1 << 16), next_power_of_2(c_in), next_power_of_2(c_out),
         KH=kh, KW=kw, STRIDE=stride, PAD_H=padding[0], PAD_W=padding[1], RESAMPLE=RESAMPLE[resample],
         NORMALIZE=normalize,
@@ -532,12 +539,15 @@ def gn_conv2d_fwd(
         HAS_BIAS=bias is not None, HAS_TEMB=temb is not None, TEMB_ROWS=temb_rows, HAS_GATE=gate is not None,
         HAS_RES=residual is not None,
         RES_RESAMPLE=RESAMPLE[residual_resample], HAS_SC=shortcut_x is not None,
-        SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None, OUT_STATS=out_groups > 0,
+        SC_RESAMPLE=RESAMPLE[shortcut_resample], HAS_BIAS2=shortcut_bias is not None,
+        OUT_STATS=out_groups > 0 or out_channel_sums,
         STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, OUT_ROW_STATS=out_layer_norm, DOT_PRECISION=dot_precision,
         IDX64=int64_index((x, x_tail, y, residual, shortcut_x, shortcut_x_tail), (weight, shortcut_weight, temb, gate)),
         X_TWO_PART=x_tail is not None, SC_TWO_PART=shortcut_x_tail is not None,
     )  # fmt: skip
-    return y, out_mean, out_rstd
+    empty = (n, 0, 2)
+    sums = ws.view(n, c_out, 2) if out_channel_sums else torch.empty(empty, device=x.device, dtype=torch.float64)
+    return y, out_mean, out_rstd, sums
 
 
 def aot_specs() -> list[dict]:

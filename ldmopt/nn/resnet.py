@@ -291,7 +291,9 @@ def fused_resnet_forward(
         if t.dim() == 2 and t.shape[0] == 1 and batch != 1:
             t = t.expand(batch, -1)  # one embedding for the whole batch, broadcast as diffusers' add does (stride 0)
     resample = _resample_kind(block)[0]
-    if stats is None:
+    if stats is None and isinstance(x, tuple):  # an up block's (hidden, skip): from both producers' channel sums
+        stats = handover.take_parts(*x, norm1.num_groups, norm1.eps, "ResnetBlock2D.norm1")
+    elif stats is None:
         stats = handover.take(x, norm1.num_groups, norm1.eps, "ResnetBlock2D.norm1")
     h, h_stats = gn_silu_conv2d(
         x, norm1.weight, norm1.bias, norm1.num_groups, norm1.eps, block.conv1.weight, block.conv1.bias, 1, 1,
@@ -307,16 +309,18 @@ def fused_resnet_forward(
         # it to the autocast dtype first, so then it is added after conv2, as diffusers adds it.
         add_after = autocast_would_round(residual)
         around = {} if add_after else {"residual": residual, "residual_resample": resample}
-    # Statistics of the output for the GroupNorm after this block, when its consumer asked for them (stats_handover)
-    handing = handover.wanted(block, h) if out_stats is None and not add_after else None
+    # Statistics of the output for the GroupNorm after this block, and its channel sums for an up block's
+    # cat([hidden, skip], 1), when their consumers asked for them (stats_handover)
+    handing = handover.wanted_group_norm(block, h) if out_stats is None and not add_after else None
+    sums = out_stats is None and not add_after and handover.wants_sums(block, h)
     y = gn_silu_conv2d(
         h, norm2.weight, norm2.bias, norm2.num_groups, norm2.eps, block.conv2.weight, block.conv2.bias, 1, 1,
         stats=h_stats, output_scale=1.0 if add_after else block.output_scale_factor,
-        out_stats=None if add_after else out_stats or handing, **around,
+        out_stats=None if add_after else out_stats or handing, out_channel_sums=sums, **around,
     )  # fmt: skip
-    if handing is not None:
-        y, y_stats = y
-        handover.offer(y, block, handing, y_stats)
+    if handing is not None or sums:
+        y, y_stats, y_sums = handover.split_result(y, handing is not None, sums)
+        handover.offer(y, block, handing, y_stats, y_sums)
         return y
     if not add_after:
         if out_stats is None:

@@ -16,6 +16,16 @@ The same goes for LayerNorm statistics between UNet transformer blocks (SDXL run
 feed-forward output GEMM sums its rows' ``layer_norm_stats`` in its epilogue for the next block's norm1
 (:func:`offer_layer_norm`, :func:`take_layer_norm`, :func:`wanted_layer_norm_eps`).
 
+A UNet up block's resnets read ``cat([hidden, skip], 1)`` (the pair ``(hidden, skip)``, never concatenated): skip was
+written by the down block long before, and the single pending offer has moved on since. So every offered output is also
+recorded, weakly, with its producer and, if the producer summed them, its per-(image, channel) sums (fp64 sum and sum of
+squares, from the same epilogue: ``gn_silu_conv2d(out_channel_sums=True)``). A two-part consumer calls
+:func:`take_parts`: when both parts are recorded unmodified with sums, their GroupNorm statistics are finalised from the
+sums in one small launch (``ops.group_norm_sums``) instead of a pass over both tensors; otherwise each recorded part's
+producer learns to sum its outputs from the next call on (:func:`wants_sums`). A video's GroupNorm over (C/G, F, H, W)
+(AnimateDiff's motion modules) adds its frames' sums likewise (:func:`take_video`). A producer keeps summing until
+``ldmopt.unpatch`` (or :func:`forget`): a few atomics per output tile, whether or not a consumer takes them.
+
 So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input (the
 epilogue sums the stored output), and the consumer's backward differentiates through them as its own. Only plain
 eager calls take part (no tracing, compiling, dispatch or function modes, ``with torch.device(...)`` among the
@@ -28,6 +38,7 @@ the one way to make a hand-over stale.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections import Counter
@@ -35,8 +46,10 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ..ops._dispatch import _no_mode_active
+from ..ops._dispatch import _no_mode_active, call
+from ..ops.group_norm_sums import group_norm_stats_from_sums
 
 #: How many statistics passes were skipped because a producer handed them over, per consumer kind.
 handed_over: Counter[str] = Counter()
@@ -45,6 +58,10 @@ handed_over: Counter[str] = Counter()
 _wanted: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 #: producer module -> its offers with statistics in a row that no consumer took (_drop_if_unused)
 _untaken: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+#: producers whose outputs a two-part GroupNorm (an up block's cat([hidden, skip], 1)) read without their channel sums
+_wants_sums: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+#: offered output -> how it was produced (_Produced), while it lives
+_produced = WeakIdKeyDictionary()
 #: The first item of a LayerNorm's statistics request: its statistics are layer_norm_stats' [2, M] rows.
 LAYER_NORM = "layer_norm"
 _local = threading.local()
@@ -57,6 +74,13 @@ class _Offer(NamedTuple):
     producer: weakref.ref
     config: tuple | None
     stats: tuple[Tensor, ...] | None
+
+
+class _Produced(NamedTuple):
+    version: int
+    stream: tuple | None
+    producer: weakref.ref
+    sums: Tensor | None  # [N, C, 2] fp64: per (image, channel), the sum and the sum of squares
 
 
 def _stream_of(t: Tensor) -> tuple | None:
@@ -88,10 +112,30 @@ def wanted(producer: nn.Module, out_like: Tensor) -> tuple | None:
     return _wanted.get(producer)
 
 
+def wanted_group_norm(producer: nn.Module, out_like: Tensor) -> tuple[int, float] | None:
+    """:func:`wanted`, when what was asked for is a GroupNorm's (groups, eps) (what a conv's epilogue sums)."""
+    config = wanted(producer, out_like)
+    return config if config is not None and config[0] != LAYER_NORM else None
+
+
 def wanted_layer_norm_eps(producer: nn.Module, out_like: Tensor) -> float | None:
     """The eps of the LayerNorm that read this producer's output on an earlier call, if one asked (see wanted)."""
     config = wanted(producer, out_like)
     return config[1] if config is not None and config[0] == LAYER_NORM else None
+
+
+def wants_sums(producer: nn.Module, out_like: Tensor) -> bool:
+    """Whether to sum this producer's output per (image, channel) for a two-part GroupNorm that reads it (learned by
+    :func:`take_parts` on an earlier call; ``out_like``: as :func:`wanted`)."""
+    return _eligible(out_like) and out_like.dtype != torch.float64 and _wants_sums.get(producer, False)
+
+
+def split_result(result, has_stats: bool, has_sums: bool) -> tuple[Tensor, tuple | None, Tensor | None]:
+    """(y, (mean, rstd) or None, sums or None) of what ``gn_silu_conv2d(out_stats=..., out_channel_sums=...)``
+    returned for a producer that asked for either."""
+    if not (has_stats or has_sums):
+        return result, None, None
+    return result[0], result[1] if has_stats else None, result[-1] if has_sums else None
 
 
 def offer_layer_norm(out: Tensor, producer: nn.Module, eps: float | None, stats: Tensor | None) -> None:
@@ -103,13 +147,16 @@ def offer_layer_norm(out: Tensor, producer: nn.Module, eps: float | None, stats:
         offer(out, producer, (LAYER_NORM, float(eps)), (stats,))
 
 
-def offer(out: Tensor, producer: nn.Module, config: tuple | None = None, stats=None) -> None:
-    """Make ``out`` (and its ``stats`` for GroupNorm ``config``, if computed) the next consumer's to take."""
+def offer(out: Tensor, producer: nn.Module, config: tuple | None = None, stats=None, sums: Tensor | None = None):
+    """Make ``out`` (and its ``stats`` for GroupNorm ``config``, if computed) the next consumer's to take, and record
+    it (with its channel ``sums``, if computed) for a two-part consumer later on."""
     if torch.compiler.is_compiling():
         return  # no side effect in a traced graph (a checkpointed region under torch.compile refuses them)
     if not _eligible(out):
         _local.offer = None
         return
+    sums = None if sums is None else sums.detach()
+    _produced[out] = _Produced(out._version, _stream_of(out), weakref.ref(producer), sums)
     # Detached: the consumer treats them as constants, and a graph node held here would keep the producer's whole
     # autograd graph alive until the next offer.
     stats = None if stats is None else tuple(s.detach() for s in stats)
@@ -153,6 +200,51 @@ def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
     return None
 
 
+def take_parts(head: Tensor, tail: Tensor, groups: int, eps: float, consumer: str) -> tuple[Tensor, Tensor] | None:
+    """(mean, rstd) of ``cat([head, tail], 1)`` for GroupNorm(groups, eps), finalised from both parts' channel sums
+    when their producers recorded them and neither part changed since (one small launch); None otherwise, teaching
+    each recorded part's producer to sum its outputs from the next call on."""
+    if not (_eligible(head) and _eligible(tail)) or head.dtype == torch.float64:
+        return None
+    records = [_record(head), _record(tail)]
+    if all(r is not None and r.sums is not None for r in records):
+        count = math.prod(head.shape[2:])
+        handed_over[consumer] += 1
+        return call(group_norm_stats_from_sums, records[0].sums, int(groups), float(eps), count, records[1].sums)
+    for record in records:
+        producer = None if record is None or record.sums is not None else record.producer()
+        if producer is not None:
+            _wants_sums[producer] = True
+    return None
+
+
+def take_video(x: Tensor, frames: int, groups: int, eps: float, consumer: str) -> tuple[Tensor, Tensor] | None:
+    """(mean, rstd) [B, groups] of the (B * frames, C, H, W) map ``x`` for a GroupNorm over each video's
+    (C/groups, frames, H, W) (AnimateDiff's motion modules), from its producer's per-frame channel sums (one small
+    launch); None otherwise, teaching its producer to sum them from the next call on."""
+    if not _eligible(x) or x.dtype == torch.float64:
+        return None
+    record = _record(x)
+    if record is None:
+        return None
+    if record.sums is None:
+        producer = record.producer()
+        if producer is not None:
+            _wants_sums[producer] = True
+        return None
+    handed_over[consumer] += 1
+    count = math.prod(x.shape[2:])
+    return call(group_norm_stats_from_sums, record.sums, int(groups), float(eps), count, None, int(frames))
+
+
+def _record(t: Tensor) -> _Produced | None:
+    """How ``t`` was produced, if a producer offered it and it is unmodified since (same version, same stream)."""
+    record = _produced.get(t)
+    if record is None or t._version != record.version or _stream_of(t) != record.stream:
+        return None
+    return record
+
+
 def _drop_if_unused(offered: _Offer | None) -> None:
     """The producer of statistics that no consumer took twice in a row stops computing them: what reads its output is
     no longer a fused norm (left stock, unpatched, hooked), so the request it learned is stale. Asked for again, it
@@ -173,6 +265,7 @@ def forget_modules(modules) -> None:
     for module in modules:
         _wanted.pop(module, None)
         _untaken.pop(module, None)
+        _wants_sums.pop(module, None)
 
 
 def forget() -> None:
@@ -180,3 +273,5 @@ def forget() -> None:
     _local.offer = None
     _wanted.clear()
     _untaken.clear()
+    _wants_sums.clear()
+    _produced.clear()

@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from ..ops.adaln_modulate import adaln_modulate
 from ..ops.gn_conv2d import gn_silu_conv2d
-from ..ops.linear import linear
 from ..ops.temporal_attention import MAX_FRAMES
+from . import stats_handover as handover
 from .child_check import (
     bypassed_hook_reason,
     counting,
@@ -58,6 +58,7 @@ from .child_check import (
 from .group_norm import GroupNorm as LdmoptGroupNorm
 from .layer_norm_input import NormedInput, fused_norm_eps, normed_with_positions
 from .linear import feed_forward_reasons, ff_gated_residual, ff_residual, ff_residual_and_stats, plain_layer_norm_reason
+from .proj_out import proj_out_residual
 from .temporal_attention import (
     _single_key_module_reason,
     _stock_or_ours,
@@ -350,10 +351,13 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
         norm, proj_in = container.norm, container.proj_in
         blocks = container.transformer_blocks
         eps = fused_norm_eps(blocks[0].norm1, proj_in.weight.shape[0]) if len(blocks) else None
+        # the video's statistics from the per-frame channel sums of x's producer, when it summed them
+        where = f"{type(container).__name__}.norm"
+        video_stats = handover.take_video(x, num_frames, norm.num_groups, norm.eps, where)
         t = gn_silu_conv2d(
             video_view(x, num_frames), norm.weight, norm.bias, norm.num_groups, norm.eps,
             proj_in.weight[:, :, None, None], proj_in.bias, 1, 0, activation=None, fp32_precision="matmul",
-            next_norm_eps=eps,
+            next_norm_eps=eps, stats=video_stats,
         )  # fmt: skip
         t, stats = t if eps is not None else (t, None)
         t = t.permute(0, 2, 3, 1)
@@ -366,9 +370,9 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
     for i, block in enumerate(container.transformer_blocks):
         t = _basic_block_bfnc(block, t, (b, num_frames, h * w), stats if i == 0 else None)
     if x is hidden_states and readable(container.proj_out):
-        # Channels-last in: the residual is the token array itself, added in proj_out's GEMM epilogue.
-        out = linear(t, container.proj_out.weight, container.proj_out.bias, residual=tokens.view((*t.shape[:-1], c)))
-        return out.view(bf, h, w, c).permute(0, 3, 1, 2)
+        # Channels-last in: the residual is the token array itself, added in proj_out's epilogue; offered to the
+        # GroupNorm that reads the result next (the next resnet's, or an up block's with its skip: nn.proj_out).
+        return proj_out_residual(container.proj_out, t, x)
     t = container.proj_out(t)
     # A binary op's output takes its first operand's layout when the layouts differ: the input's.
     return hidden_states + t.view(bf, h, w, -1).permute(0, 3, 1, 2)

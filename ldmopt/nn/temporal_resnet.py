@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.gn_conv2d import gn_silu_conv2d
+from . import stats_handover as handover
 from .child_check import (
     bypassed_hook_reason,
     count_reason,
@@ -204,9 +205,12 @@ def fused_spatiotemporal_forward(
     if temporal.time_emb_proj is not None:
         t = temporal.time_emb_proj(temporal.nonlinearity(temb.reshape(batch, frames, -1))).transpose(1, 2)
     n1, n2 = temporal.norm1, temporal.norm2
+    # norm1 normalises each video over (C/G, F, H, W): from the spatial resnet's per-frame channel sums once it sums
+    # them (stats_handover), else a statistics pass
+    video_stats = handover.take_video(spatial, frames, n1.num_groups, n1.eps, "TemporalResnetBlock.norm1")
     h, stats = gn_silu_conv2d(
         x, n1.weight, n1.bias, n1.num_groups, n1.eps, temporal.conv1.weight.squeeze(-1), temporal.conv1.bias, 1, (1, 0),
-        temb=t, out_stats=(n2.num_groups, n2.eps),
+        temb=t, out_stats=(n2.num_groups, n2.eps), stats=video_stats,
     )  # fmt: skip
     # diffusers blends in the spatial output's own dtype (fp32 + bf16 -> fp32 under autocast): where the epilogue
     # would round the residual to the autocast dtype, the blend runs after conv2 instead.

@@ -144,7 +144,13 @@ TABLE_NAMES: set[str] = set()
 #: backward table shared with another op (group_norm_backward, linear_backward, ...) is then forced for that op's
 #: backward too.
 OP_ALIASES = {
-    "gn_silu_conv2d": ("gn_conv2d", "gn_conv2d_stats", "group_norm_apply", "group_norm_backward"),
+    "gn_silu_conv2d": (
+        "gn_conv2d",
+        "gn_conv2d_stats",
+        "group_norm_stats_from_sums",
+        "group_norm_apply",
+        "group_norm_backward",
+    ),
     "layer_norm_linear": (
         "layer_norm_linear",
         "layer_norm_stats",

@@ -181,7 +181,7 @@ def _pre_gate(x, mean, rstd, gw, gb, w, b, temb, sx, sw, sb, groups, act, stride
 
 def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
                res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None,
-               fp32_precision="conv", out_layer_norm=False):  # fmt: skip
+               fp32_precision="conv", out_layer_norm=False, out_channel_sums=False):  # fmt: skip
     """The reference: the unfused composition, rounding the activation to x's dtype as an unfused model stores it."""
     x, sx = _cat(x, x_tail), _cat(sx, sx_tail)
     cd = _stats_dtype(x)
@@ -196,18 +196,32 @@ def _fwd_torch(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
     else:
         y = _channels_last_like(z.shape, x)
         y.copy_(z / output_scale)
+    sums = channel_sums_torch(y) if out_channel_sums else _no_sums(y)
     if out_layer_norm:
-        return y, _layer_norm_stats_torch(pixel_rows(y), out_eps), x.new_empty((x.shape[0], 0), dtype=torch.float32)
+        stats = _layer_norm_stats_torch(pixel_rows(y), out_eps)
+        return y, stats, x.new_empty((x.shape[0], 0), dtype=torch.float32), sums
     if not out_groups:
         empty = x.new_empty((x.shape[0], 0), dtype=torch.float32)
-        return y, empty, empty.clone()
+        return y, empty, empty.clone(), sums
     mean_o, rstd_o = _stats_torch(y, out_groups, out_eps)
-    return y, mean_o, rstd_o
+    return y, mean_o, rstd_o, sums
+
+
+def channel_sums_torch(y: Tensor) -> Tensor:
+    """[N, C, 2] fp64: per (image, channel) of y, the sum and the sum of squares of its values (what the fused
+    conv's epilogue sums with ``out_channel_sums``)."""
+    values = y.detach().to(torch.float64).flatten(2)
+    return torch.stack([values.sum(2), (values * values).sum(2)], dim=2)
+
+
+def _no_sums(like: Tensor) -> Tensor:
+    return like.new_empty((like.shape[0], 0, 2), dtype=torch.float64)
 
 
 def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding,
                    resample, res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None,
-                   sx_tail=None, fp32_precision="conv", out_layer_norm=False) -> list[str]:  # fmt: skip
+                   sx_tail=None, fp32_precision="conv", out_layer_norm=False,
+                   out_channel_sums=False) -> list[str]:  # fmt: skip
     reasons = triton_refusals(x, w, sx, x_tail, sx_tail, dtypes=_TRITON_DTYPES, matmul=True)
     for name, t in (("x", x), ("x_tail", x_tail)):
         if t is not None and not _is_channels_last(t):
@@ -237,7 +251,7 @@ def _triton_refuse(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, gro
 
 def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample,
                 res_resample, sc_resample, output_scale, out_groups, out_eps, x_tail=None, sx_tail=None,
-                fp32_precision="conv", out_layer_norm=False):  # fmt: skip
+                fp32_precision="conv", out_layer_norm=False, out_channel_sums=False):  # fmt: skip
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
     from ldmopt.kernels.group_norm import group_norm_stats
 
@@ -255,15 +269,18 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
     deterministic = torch.are_deterministic_algorithms_enabled()
     in_epilogue = out_groups if not deterministic else 0
     rows_in_epilogue = out_layer_norm and not deterministic and x.dtype != torch.float32
-    y, out_mean, out_rstd = gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act,
-                                          stride, tuple(padding), resample, res_resample, sc_resample, output_scale,
-                                          in_epilogue, out_eps, x_tail, sx_tail, fp32_precision,
-                                          rows_in_epilogue)  # fmt: skip
+    sums_in_epilogue = out_channel_sums and not deterministic
+    y, out_mean, out_rstd, sums = gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
+                                                act, stride, tuple(padding), resample, res_resample, sc_resample,
+                                                output_scale, in_epilogue, out_eps, x_tail, sx_tail, fp32_precision,
+                                                rows_in_epilogue, sums_in_epilogue)  # fmt: skip
     if out_groups and not in_epilogue:
         out_mean, out_rstd = group_norm_stats(y, out_groups, out_eps)
     if out_layer_norm and not rows_in_epilogue:
         out_mean = call(layer_norm_stats_op, pixel_rows(y), out_eps)
-    return y, out_mean, out_rstd
+    if out_channel_sums and not sums_in_epilogue:
+        sums = channel_sums_torch(y)  # in a fixed order
+    return y, out_mean, out_rstd, sums
 
 
 FORWARD = BackendTable("gn_conv2d", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
@@ -308,8 +325,11 @@ def gn_conv2d_op(
     shortcut_x_tail: Tensor | None = None,
     fp32_precision: str = "conv",
     out_layer_norm: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd); mean=None: no normalisation.
+    out_channel_sums: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y channels-last in x's dtype, out_mean [N, out_groups] fp32, out_rstd, channel_sums); mean=None: no
+    normalisation. ``out_channel_sums``: channel_sums is [N, C_out, 2] fp64, per (image, channel) the sum and the sum
+    of squares of y (``channel_sums_torch``; empty [N, 0, 2] otherwise), for ``group_norm_stats_from_sums``.
     ``out_layer_norm`` (out_groups=0): out_mean is instead the LayerNorm statistics [2, N * OH * OW] (``eps``
     out_eps) of y's pixels over their channels, what ``layer_norm_stats`` gives for y as a token array, and out_rstd
     is empty ([N, 0]).
@@ -321,34 +341,37 @@ def gn_conv2d_op(
     _check_fp32_precision(fp32_precision, weight, stride, padding, resample)
     if out_layer_norm and out_groups:
         raise ValueError(f"gn_conv2d: out_layer_norm with out_groups={out_groups}: one kind of output statistics")
-    y, out_mean, out_rstd = FORWARD(
+    y, out_mean, out_rstd, sums = FORWARD(
         x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
         shortcut_bias, gate, num_groups, activation or None, stride, padding, resample, residual_resample,
         shortcut_resample, output_scale, out_groups, out_eps, x_tail, shortcut_x_tail, fp32_precision, out_layer_norm,
+        out_channel_sums,
     )  # fmt: skip
-    return y, out_mean, out_rstd
+    return y, out_mean, out_rstd, sums
 
 
 @gn_conv2d_op.register_fake
 def _(x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight, shortcut_bias,
       gate, num_groups, activation, stride, padding, resample, residual_resample, shortcut_resample, output_scale,
-      out_groups, out_eps, x_tail=None, shortcut_x_tail=None, fp32_precision="conv", out_layer_norm=False):  # fmt: skip
+      out_groups, out_eps, x_tail=None, shortcut_x_tail=None, fp32_precision="conv", out_layer_norm=False,
+      out_channel_sums=False):  # fmt: skip
     oh, ow = conv_output_size(x.shape[2], x.shape[3], weight.shape[2:], stride, padding, resample)
     y = _channels_last_like((x.shape[0], weight.shape[0], oh, ow), x)
     stats = x.new_empty((x.shape[0], out_groups), dtype=torch.float32 if out_groups == 0 else _stats_dtype(x))
+    sums = x.new_empty((x.shape[0], weight.shape[0] if out_channel_sums else 0, 2), dtype=torch.float64)
     if out_layer_norm:
-        return y, x.new_empty((2, x.shape[0] * oh * ow), dtype=_stats_dtype(x)), stats
-    return y, stats, torch.empty_like(stats)
+        return y, x.new_empty((2, x.shape[0] * oh * ow), dtype=_stats_dtype(x)), stats, sums
+    return y, stats, torch.empty_like(stats), sums
 
 
 #: the op's arguments after its 23 required ones, as their defaults
-_OPTIONAL_DEFAULTS = (None, None, "conv", False)
+_OPTIONAL_DEFAULTS = (None, None, "conv", False, False)
 
 
 def _setup_context(ctx, inputs, output):
     (x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups, act, stride, padding, resample, res_resample,
      sc_resample, output_scale, _out_groups, _out_eps, x_tail, sx_tail, fp32_precision, _out_layer_norm,
-     ) = (*inputs, *_OPTIONAL_DEFAULTS[len(inputs) - 23 :])  # fmt: skip
+     _out_channel_sums) = (*inputs, *_OPTIONAL_DEFAULTS[len(inputs) - 23 :])  # fmt: skip
     # The gate's gradient needs what it scaled: bias, temb and the shortcut's bias are kept only then.
     keep = gate is not None and ctx.needs_input_grad[12]
     ctx.save_for_backward(x, mean, rstd, gw, gb, w, sx, sw, gate, *((b, temb, sb) if keep else (None,) * 3), x_tail,
@@ -365,7 +388,7 @@ def _setup_context(ctx, inputs, output):
     # The output statistics take no gradient (the next op's backward differentiates through them itself): not
     # differentiable outputs (a gradient sent into them would be lost), so no zero-filled gradients for them (two
     # fill launches per call), and a None dy when y itself had no gradient.
-    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2], output[3])
     ctx.set_materialize_grads(False)
 
 
@@ -411,13 +434,13 @@ def _split_channels(grad: Tensor | None, head: Tensor, tail: Tensor | None) -> t
     return grad[:, : head.shape[1]], grad[:, head.shape[1] :]
 
 
-def _backward(ctx, dy, _dmean, _drstd):
+def _backward(ctx, dy, _dmean, _drstd, _dsums):
     x_head, mean, rstd, gw, gb, w, sx_head, sw, gate, b, temb, sb, x_tail, sx_tail = ctx.saved_tensors
     groups, act, stride, padding, resample, res_resample, sc_resample, output_scale, fp32_precision = ctx.conf
     given = len(ctx.needs_input_grad)  # 23 when a caller leaves out the optional arguments
     if dy is None:
         return (None,) * given
-    need = [*ctx.needs_input_grad, *(False,) * len(_OPTIONAL_DEFAULTS)][:27]
+    need = [*ctx.needs_input_grad, *(False,) * len(_OPTIONAL_DEFAULTS)][:28]
     need[0] = need[0] or need[23]
     need[9] = need[9] or need[24]
     # A two-part input is concatenated here, for backward only and only where a gradient needs it (the unfused block
@@ -426,7 +449,7 @@ def _backward(ctx, dy, _dmean, _drstd):
     x = _cat(x_head, x_tail) if x_tail is None or gate_grad or need[0] or need[3] or need[4] or need[5] else None
     sx = _cat(sx_head, sx_tail) if sx_tail is None or gate_grad or need[9] or need[10] else None
     g = dy if output_scale == 1.0 else dy / output_scale
-    grads = [None] * 27
+    grads = [None] * 28
     if need[8]:
         grads[8] = _resample_backward(g, res_resample, g.new_empty(ctx.meta["res"]))
     normalize = mean is not None
@@ -547,7 +570,8 @@ def gn_silu_conv2d(
     out_stats: tuple[int, float] | None = None,
     fp32_precision: str = "conv",
     next_norm_eps: float | None = None,
-) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
+    out_channel_sums: bool = False,
+) -> Tensor | tuple:
     """Convolution of ``act(group_norm(x))`` with everything around it fused into one kernel.
 
     Math (x is (N, C_in, H, W), best channels-last; every sum in fp32)::
@@ -567,6 +591,11 @@ def gn_silu_conv2d(
     of y as a token array [N * OH * OW, C_out] ([2, M]: means, then rstds), what a transformer's first LayerNorm reads
     after its proj_in (``layer_norm_linear(..., stats=stats)``), summed in the epilogue as ``ops.linear``'s are
     (16-bit inputs; fp32 ones, and any under deterministic algorithms, take a statistics pass over y instead).
+    ``out_channel_sums=True`` appends y's per-(image, channel) sum and sum of squares, [N, C_out, 2] fp64, summed in
+    the same epilogue (a pass over y under deterministic algorithms), to what is returned (``(y, sums)``, ``(y,
+    (mean, rstd), sums)``): ``ops.group_norm_sums.group_norm_stats_from_sums`` turns them into GroupNorm statistics
+    for any grouping of y's channels, or of their concatenation with another tensor's, as a UNet up block's first
+    GroupNorm reads ``cat([hidden, skip], 1)`` (ldmopt.nn.stats_handover). Constants to autograd, as out_stats.
 
     Temporal convolutions: a (3, 1) kernel with ``padding=(1, 0)`` over a (video, channel, frame, pixel) view of
     channels-last frames is a Conv3d with kernel (3, 1, 1); GroupNorm statistics of that view are per video, as a
@@ -709,11 +738,14 @@ def gn_silu_conv2d(
             out_eps = check_eps(next_norm_eps)
         except ValueError:
             raise ValueError(f"next_norm_eps must be a finite non-negative float, got {next_norm_eps!r}") from None
-    y, out_mean, out_rstd = call(
+    y, out_mean, out_rstd, sums = call(
         gn_conv2d_op, x, mean, rstd, gn_weight, gn_bias, conv_weight, conv_bias, temb, residual, sx, sw, sb, gate,
         num_groups, activation or "", stride, list(pads), resample, residual_resample, shortcut_resample,
         float(output_scale), out_groups, float(out_eps), x_tail, sx_tail, fp32_precision, next_norm_eps is not None,
+        bool(out_channel_sums),
     )  # fmt: skip
     if next_norm_eps is not None:
-        return y, out_mean
-    return y if out_stats is None else (y, (out_mean, out_rstd))
+        out = (y, out_mean)
+    else:
+        out = (y,) if out_stats is None else (y, (out_mean, out_rstd))
+    return (*out, sums) if out_channel_sums else out if len(out) > 1 else y

@@ -10,9 +10,11 @@
   or Linear read as a 1x1 conv) in one ``gn_silu_conv2d(activation=None)``; on the way out, when the residual is
   channels-last, ``proj_out`` (Linear or 1x1 conv) runs as one GEMM over the tokens with the residual added in its
   epilogue and writes channels-last, so the next ResnetBlock2D gets channels-last input and stays fused (a LoRA or
-  hooks on ``proj_out``, checked per call, keep the stock projection and add). When the first transformer block's
-  norm1 is read in GEMM loads (the ``residual`` family), proj_in's epilogue also sums the LayerNorm statistics of
-  its output rows and hands them to it (``nn.stats_handover``), so norm1 runs no statistics pass.
+  hooks on ``proj_out``, checked per call, keep the stock projection and add). Once the GroupNorm that reads the
+  output (the next resnet's norm1, or an up block's with its skip) asked for its statistics or channel sums
+  (``nn.stats_handover``), proj_out runs as a 1x1 conv instead, whose epilogue sums them. When the first
+  transformer block's norm1 is read in GEMM loads (the ``residual`` family), proj_in's epilogue also sums the
+  LayerNorm statistics of its output rows and hands them to it, so norm1 runs no statistics pass.
 - ``spatiotemporal_in``: SVD's ``TransformerSpatioTemporalModel``: the same GroupNorm + ``proj_in`` (a Linear) in one
   ``gn_silu_conv2d(activation=None)``, the same statistics for the first block's norm1, and the same ``proj_out`` +
   residual epilogue; the blocks run as in diffusers.
@@ -34,6 +36,7 @@ from ..nn import resnet as R
 from ..nn import stats_handover as handover
 from ..nn import temporal_resnet as TR
 from ..nn.child_check import count_stock, hooked, readable
+from ..nn.proj_out import pointwise_as_conv, proj_out_residual
 from ..ops.gn_conv2d import gn_silu_conv2d
 from ..ops.linear import linear
 from .rule import ClassSwapRule, Rule, Site, stock
@@ -70,15 +73,6 @@ class ResnetBlockRule(ClassSwapRule):
         return _resnet_forward
 
 
-def _proj_in_as_conv(proj_in: nn.Module) -> tuple[Tensor, Tensor | None, str]:
-    """(weight as a 1x1 conv's, bias, fp32_precision): a Linear's fp32 products follow PyTorch's matmul precision (IEEE
-    by default, as nn.Linear's), a 1x1 Conv2d's its convolution's (TF32 by default)."""
-    weight = proj_in.weight
-    if weight.dim() == 2:
-        return weight[:, :, None, None], proj_in.bias, "matmul"
-    return weight, proj_in.bias, "conv"
-
-
 def _norm_proj_in_readable(self, where: str) -> bool:
     """Whether ``norm`` and ``proj_in`` are still what the fused path reads (child_check); counts why not."""
     for name, kinds in (("norm", (nn.GroupNorm,)), ("proj_in", (nn.Linear, nn.Conv2d))):
@@ -94,7 +88,7 @@ def _norm_proj_in(self, hidden_states: Tensor, consumer: str) -> tuple[Tensor, f
     GroupNorm's statistics come from the producer of hidden_states when it handed them over; h's pixel rows' LayerNorm
     statistics (``row_stats``, for ``eps``) come from the conv's epilogue when the first transformer block's norm1 asked
     for them on an earlier call (stats_handover), else eps and row_stats are None."""
-    weight, bias, precision = _proj_in_as_conv(self.proj_in)
+    weight, bias, precision = pointwise_as_conv(self.proj_in)
     norm = self.norm
     stats = handover.take(hidden_states, norm.num_groups, norm.eps, consumer)
     eps = handover.wanted_layer_norm_eps(self, hidden_states)
@@ -163,7 +157,7 @@ def _is_pointwise(conv: nn.Conv2d) -> bool:
 
 def _t2d_get_output_for_continuous_inputs(self, hidden_states, residual, batch_size, height, width, inner_dim):
     if _proj_out_fusable("Transformer2DModel", self.proj_out, residual):
-        return _proj_out_residual(self.proj_out, hidden_states, residual)
+        return proj_out_residual(self.proj_out, hidden_states, residual)
     keep_channels_last = residual.is_contiguous(memory_format=torch.channels_last)
     if not self.use_linear_projection:
         hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)

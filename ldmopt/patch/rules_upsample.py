@@ -12,7 +12,8 @@ nothing to fuse). Anything else, and inputs the fused conv does not
 take (another dtype than the conv's outside autocast, the deprecated ``scale`` argument), runs diffusers' forward,
 counted in ``report.fallbacks()``; a LoRA, quantized weight or hooks on the conv (checked per call) likewise. An NCHW
 input is converted to channels-last once (counted in ``ldmopt.nn.resnet.layout_conversions``): a quarter of what the
-stock path writes.
+stock path writes. The output is offered to the GroupNorm that reads it next (ldmopt.nn.stats_handover): once asked,
+the conv's epilogue sums its statistics, or its channel sums for an up block's ``cat([hidden, skip], 1)``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..nn import resnet as R
+from ..nn import stats_handover as handover
 from ..nn.child_check import count_reason, readable, stock, stock_class, unreadable_reason
 from ..ops.gn_conv2d import gn_silu_conv2d
 from .rule import ClassSwapRule, Site, diffusers_classes
@@ -76,8 +78,15 @@ def fused_upsample_forward(self, hidden_states: Tensor, output_size=None, *args,
     assert hidden_states.shape[1] == self.channels  # as diffusers asserts
     hidden_states = R.to_channels_last(hidden_states, f"{_WHERE}: NCHW input")
     k = conv.kernel_size[0]
-    return gn_silu_conv2d(hidden_states, None, None, 0, 0.0, conv.weight, conv.bias, 1, k // 2, normalize=False,
-                          resample="up")  # fmt: skip
+    # The next resnet's GroupNorm statistics (a VAE decoder's), or the channel sums an up block's first resnet reads
+    # with its skip, from the epilogue when asked for on an earlier call (stats_handover).
+    config = handover.wanted_group_norm(self, hidden_states)
+    sums = handover.wants_sums(self, hidden_states)
+    out = gn_silu_conv2d(hidden_states, None, None, 0, 0.0, conv.weight, conv.bias, 1, k // 2, normalize=False,
+                         resample="up", out_stats=config, out_channel_sums=sums)  # fmt: skip
+    y, stats, sums = handover.split_result(out, config is not None, sums)
+    handover.offer(y, self, config, stats, sums)
+    return y
 
 
 class UpsampleConvRule(ClassSwapRule):

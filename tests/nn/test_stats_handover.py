@@ -105,13 +105,17 @@ def test_patched_unet_hands_statistics_over_from_its_second_call_and_matches_sto
         partials_first = triton_launches.count("_group_norm_fwd_partial_kernel")
         triton_launches.clear()
         second = output_tensor(patched(**kw))
-    # Every Transformer2DModel norm reads a resnet's output; so does the mid block's second resnet... after an
-    # attention block, which hands nothing over. The tiny UNet: 4 transformers, 1 resnet after a resnet.
-    assert handover.handed_over["Transformer2DModel.norm"] == 4, dict(handover.handed_over)
-    assert sum(handover.handed_over.values()) >= 5, dict(handover.handed_over)
-    assert triton_launches.count("_group_norm_fwd_partial_kernel") == partials_first - 5
     assert_outputs_close(first, expected, name="first call")
     assert_outputs_close(second, expected, name="with statistics handed over")
+    # The tiny UNet: every Transformer2DModel norm (4) reads a resnet's output; the mid block's resnets read a
+    # resnet's and an attention block's; the up blocks' first resnets read (mid output, down1's resnet output) and
+    # (the upsampler's, down0's attention output), whose producers summed them per channel. Left with their passes:
+    # whatever reads the outputs of conv_in and the downsampler, stock convolutions (down0 and down1's resnets, one
+    # part each; the up blocks' second resnets, two parts each).
+    assert handover.handed_over["Transformer2DModel.norm"] == 4, dict(handover.handed_over)
+    assert handover.handed_over["ResnetBlock2D.norm1"] == 4, dict(handover.handed_over)
+    assert triton_launches.count("_group_norm_fwd_partial_kernel") == 6 == partials_first - 10
+    assert triton_launches.count("_group_norm_stats_from_sums_kernel") == 2
 
 
 def test_patch_report_counts_the_statistics_passes_handed_over():
