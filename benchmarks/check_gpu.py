@@ -330,6 +330,34 @@ def _conv_row_stats(quick: bool):
                 yield case, dtype, f"triton/{placement}", [y, stats[0], stats[1]], [ref, mean, torch.rsqrt(var + 1e-6)]
 
 
+@check("channel_sums")
+def _channel_sums(quick: bool):
+    """A transformer's proj_out + residual as a plain 1x1 conv summing its output per (image, channel) in fp64
+    atomics (no per-group finalisation: out_groups=0), and an up block's GroupNorm statistics of cat([y, skip], 1)
+    finalised from both parts' sums (groups straddling the parts), vs fp64."""
+    from ldmopt.ops.gn_conv2d import channel_sums_torch, gn_silu_conv2d
+    from ldmopt.ops.group_norm_sums import group_norm_stats_from_sums
+
+    for case, (n, c, c_skip, hw) in _cases("channel_sums", quick).items():
+        tokens = (torch.randn(n, c, hw, hw, device=DEVICE) * 1.5 + 0.5).to(memory_format=torch.channels_last)
+        residual = torch.randn(n, c, hw, hw, device=DEVICE).to(memory_format=torch.channels_last)
+        skip = (torch.randn(n, c_skip, hw, hw, device=DEVICE) * 0.7 - 0.4).to(memory_format=torch.channels_last)
+        w, b = torch.randn(c, c, 1, 1, device=DEVICE) * c**-0.5, torch.randn(c, device=DEVICE) * 0.1 + 1.0
+        ref = F.conv2d(tokens.double(), w.double(), b.double()) + residual.double()
+        for dtype in DTYPES:
+            args = [t.to(dtype) for t in (tokens, w, b, residual, skip)]
+            args[1] = args[1].contiguous(memory_format=torch.channels_last)
+            with torch.no_grad(), ldmopt.use_backend("triton"):
+                for _ in range(2):  # the first call tunes; the second launches the tuned tile directly
+                    y, sums = gn_silu_conv2d(args[0], None, None, 0, 0.0, args[1], args[2], 1, 0, normalize=False,
+                                             activation=None, residual=args[3], out_channel_sums=True)  # fmt: skip
+                mean, rstd = group_norm_stats_from_sums(sums, 32, 1e-6, hw * hw, channel_sums_torch(args[4]))
+            both = torch.cat([y, args[4]], 1).double()  # the stored y's own statistics, with the skip's
+            var, mu = torch.var_mean(both.reshape(n, 32, -1), dim=-1, unbiased=False)
+            refs = [ref, channel_sums_torch(y), mu, torch.rsqrt(var + 1e-6)]
+            yield case, dtype, "triton", [y, sums, mean, rstd], refs
+
+
 def _sliced(full: torch.Tensor, sl: slice) -> torch.Tensor:
     """``full[:, :, sl]``, all NaN if ``full`` has a non-finite value anywhere (rel_err then reports NaN: FAIL)."""
     part = full[:, :, sl]
@@ -477,6 +505,12 @@ CASES: dict[str, dict[str, tuple]] = {
     "conv_row_stats": {
         "proj_in-sd15-64x64x320": (2, 320, 320, 64),
         "proj_in-sdxl-32x32x1280": (2, 1280, 1280, 32),
+    },
+    # (N, C, C skip, H = W): SD1.5 level-0 proj_out with its skip (groups of 20), a 1280 + 640 up-block concat at
+    # level 2 (groups of 60 straddle the parts)
+    "channel_sums": {
+        "proj_out-sd15-64x64x320+320": (2, 320, 320, 64),
+        "proj_out-sd15-16x16x1280+640": (2, 1280, 640, 16),
     },
     "temporal_attention": {  # (B, F, N, heads, head_dim)
         "animatediff-512-l0": (2, 16, 4096, 8, 40),

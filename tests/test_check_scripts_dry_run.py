@@ -70,6 +70,7 @@ def test_check_gpu_every_check(monkeypatch, capsys):
         },
         "linear_row_stats": {"attn-out": (2, 37, 40, 72, 40.0)},  # 3 row and 3 column tiles of the interpreter's 32
         "conv_row_stats": {"proj_in": (2, 64, 200, 9)},  # 81 pixels, 200 channels: 2 row and 2 column tiles of 64x128
+        "channel_sums": {"proj_out": (2, 39, 25, 9)},  # 81 pixels: 2 row tiles of 64; groups of 2 straddle at 39
         "temporal_attention": {"ta": (2, 5, 6, 2, 24)},
         "temporal_layout": {"motion": (C._motion, 96, 3, 2), "svd": (C._svd, 64, 2, 2)},
     }

@@ -38,7 +38,7 @@ def proj_out_residual(proj_out: nn.Module, tokens: Tensor, residual: Tensor) -> 
     ``tokens`` hold N * H * W rows in (n, h, w) order (any leading shape), proj_out is a plain Linear or 1x1 Conv2d
     from their width to C. Offered to the next consumer; summed by a conv's epilogue once one asked (see above),
     outside autocast and with tokens, residual and weight of one dtype (the conv adds the residual as the GEMM
-    does then)."""
+    does then). Either way fp32 products follow PyTorch's matmul precision, as ``ops.linear``'s do."""
     config = handover.wanted_group_norm(proj_out, residual)
     sums = handover.wants_sums(proj_out, residual)
     n, c, h, w = residual.shape
@@ -51,10 +51,12 @@ def proj_out_residual(proj_out: nn.Module, tokens: Tensor, residual: Tensor) -> 
         handover.offer(out, proj_out)
         return out
     x = tokens.reshape(n, h, w, -1).permute(0, 3, 1, 2)  # channels-last (N, C_inner, H, W): the tokens' own memory
-    weight, bias, precision = pointwise_as_conv(proj_out)
+    weight, bias, _ = pointwise_as_conv(proj_out)
+    # fp32 products at the GEMM's precision (PyTorch's matmul setting) for a 1x1 Conv2d too: the result must not
+    # change between the call that teaches the consumer's request and the calls that serve it
     out = gn_silu_conv2d(
         x, None, None, 0, 0.0, weight, bias, 1, 0, normalize=False, activation=None, residual=residual,
-        fp32_precision=precision, out_stats=config, out_channel_sums=sums,
+        fp32_precision="matmul", out_stats=config, out_channel_sums=sums,
     )  # fmt: skip
     y, stats, sums = handover.split_result(out, config is not None, sums)
     handover.offer(y, proj_out, config, stats, sums)

@@ -203,7 +203,8 @@ def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
 def take_parts(head: Tensor, tail: Tensor, groups: int, eps: float, consumer: str) -> tuple[Tensor, Tensor] | None:
     """(mean, rstd) of ``cat([head, tail], 1)`` for GroupNorm(groups, eps), finalised from both parts' channel sums
     when their producers recorded them and neither part changed since (one small launch); None otherwise, teaching
-    each recorded part's producer to sum its outputs from the next call on."""
+    the parts' producers to sum their outputs from the next call on (only when both parts were offered: with one
+    part unrecorded, sums of the other could never serve)."""
     if not (_eligible(head) and _eligible(tail)) or head.dtype == torch.float64:
         return None
     records = [_record(head), _record(tail)]
@@ -211,8 +212,10 @@ def take_parts(head: Tensor, tail: Tensor, groups: int, eps: float, consumer: st
         count = math.prod(head.shape[2:])
         handed_over[consumer] += 1
         return call(group_norm_stats_from_sums, records[0].sums, int(groups), float(eps), count, records[1].sums)
+    if any(r is None for r in records):
+        return None  # a part no producer offered (conv_in's, a stock downsampler's) never comes with sums
     for record in records:
-        producer = None if record is None or record.sums is not None else record.producer()
+        producer = None if record.sums is not None else record.producer()
         if producer is not None:
             _wants_sums[producer] = True
     return None

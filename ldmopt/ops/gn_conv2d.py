@@ -341,6 +341,9 @@ def gn_conv2d_op(
     _check_fp32_precision(fp32_precision, weight, stride, padding, resample)
     if out_layer_norm and out_groups:
         raise ValueError(f"gn_conv2d: out_layer_norm with out_groups={out_groups}: one kind of output statistics")
+    if out_layer_norm and out_channel_sums:
+        # the row statistics and the channel sums would share the epilogue's one workspace
+        raise ValueError("gn_conv2d: out_layer_norm with out_channel_sums: one kind of output statistics")
     y, out_mean, out_rstd, sums = FORWARD(
         x, mean, rstd, gn_weight, gn_bias, weight, bias, temb, residual, shortcut_x, shortcut_weight,
         shortcut_bias, gate, num_groups, activation or None, stride, padding, resample, residual_resample,
@@ -734,6 +737,8 @@ def gn_silu_conv2d(
     if next_norm_eps is not None:
         if out_stats is not None:
             raise ValueError("gn_silu_conv2d: out_stats (GroupNorm) and next_norm_eps (LayerNorm) exclude each other")
+        if out_channel_sums:
+            raise ValueError("gn_silu_conv2d: out_channel_sums and next_norm_eps (LayerNorm) exclude each other")
         try:
             out_eps = check_eps(next_norm_eps)
         except ValueError:

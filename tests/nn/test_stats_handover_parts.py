@@ -68,18 +68,36 @@ def test_producers_without_sums_learn_to_sum():
     assert not handover.wants_sums(hidden_producer, hidden) and handover.wants_sums(skip_producer, skip)
 
 
-@pytest.mark.parametrize("change", ["skip modified in place", "hidden unrecorded", "fp64"])
+@pytest.mark.parametrize("change", ["skip modified in place", "hidden modified in place", "hidden unrecorded"])
 def test_anything_but_two_unmodified_recorded_parts_is_refused(change):
     (hidden, skip), (hidden_producer, _) = _offered_pair()
     if change == "skip modified in place":
         skip.mul_(2.0)
-    elif change == "hidden unrecorded":
-        hidden = hidden.clone()
+    elif change == "hidden modified in place":
+        hidden[:, :, 0].add_(1.0)  # as FreeU scales part of hidden's channels
     else:
-        hidden, skip = hidden.double(), skip.double()
+        hidden = hidden.clone()
     assert handover.take_parts(hidden, skip, 6, 1e-5, "test") is None
     assert not handover.handed_over
     assert not handover.wants_sums(hidden_producer, hidden)  # a producer that summed is not taught again
+
+
+def test_fp64_parts_take_nothing_and_teach_nothing():
+    # fp64 runs the reference backend, whose statistics pass is as exact as it gets: nothing to hand over
+    producers = (_Producer(), _Producer())
+    parts = (torch.randn(2, 10, 5, 3, dtype=torch.float64), torch.randn(2, 14, 5, 3, dtype=torch.float64))
+    for producer, part in zip(producers, parts):
+        handover.offer(part, producer, sums=channel_sums_torch(part))
+    assert handover.take_parts(*parts, 6, 1e-5, "test") is None and not handover.handed_over
+    assert not any(handover.wants_sums(p, t.float()) for p, t in zip(producers, parts))
+
+
+def test_a_part_no_producer_offered_teaches_the_other_nothing():
+    # An up block's skip from conv_in or a stock downsampler never comes with sums: the hidden's sums could not serve
+    hidden_producer, hidden, skip = _Producer(), torch.randn(2, 10, 5, 3), torch.randn(2, 14, 5, 3)
+    handover.offer(hidden, hidden_producer)
+    assert handover.take_parts(hidden, skip, 6, 1e-5, "test") is None
+    assert not handover.wants_sums(hidden_producer, hidden)
 
 
 def test_records_die_with_their_tensors():

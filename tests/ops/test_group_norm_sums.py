@@ -75,7 +75,17 @@ def test_deterministic_algorithms_sum_the_channels_in_a_fixed_order():
             y, sums = gn_silu_conv2d(x, gw, gb, 4, 1e-5, wt, b, 1, 1, out_channel_sums=True)
     finally:
         torch.use_deterministic_algorithms(False)
-    torch.testing.assert_close(sums, channel_sums_torch(y), rtol=0, atol=0)
+    torch.testing.assert_close(sums, _expected_sums(y), rtol=1e-12, atol=1e-12)  # fp64 sums in another order
+
+
+def test_channel_sums_and_layer_norm_row_statistics_exclude_each_other():
+    x, gw, gb, wt, b = _conv_inputs(2, 24, 7, 5, 72, 1, torch.float16)
+    with pytest.raises(ValueError, match="out_channel_sums and next_norm_eps"):
+        gn_silu_conv2d(x, gw, gb, 4, 1e-5, wt, b, 1, 0, next_norm_eps=1e-6, out_channel_sums=True)
+    args = (x, None, None, None, None, wt, b, None, None, None, None, None, None, 0, "", 1, [0, 0], "none", "none",
+            "none", 1.0, 0, 1e-6, None, None, "conv", True, True)  # fmt: skip
+    with pytest.raises(ValueError, match="out_layer_norm with out_channel_sums"):
+        torch.ops.ldmopt.gn_conv2d(*args)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
