@@ -10,11 +10,13 @@ reads it next is usually a GroupNorm: the next resnet's norm1, or an up block's 
 a 1x1 ``gn_silu_conv2d`` over the tokens' channels-last view instead, whose epilogue sums them per image (the GEMM's
 row tiles may span two images, so its epilogue cannot): the consumer skips its statistics pass. The producer is the
 proj_out module: the transformer itself produces proj_in's output, whose first block's norm1 asks for LayerNorm
-statistics.
+statistics. Under autograd (training) it stays the GEMM: a gradient-checkpointing recompute must run the ops of the
+forward it replays, and a request learned in between would switch them.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from ..ops._autocast import autocast_enabled
@@ -43,7 +45,9 @@ def proj_out_residual(proj_out: nn.Module, tokens: Tensor, residual: Tensor) -> 
     sums = handover.wants_sums(proj_out, residual)
     n, c, h, w = residual.shape
     uniform = tokens.dtype == residual.dtype == proj_out.weight.dtype and not autocast_enabled(tokens.device.type)
-    if (config is None and not sums) or not uniform:
+    # Under autograd the GEMM stays: a gradient-checkpointing recompute must save what the forward it replays saved,
+    # and a request learned in between would switch the op.
+    if (config is None and not sums) or not uniform or torch.is_grad_enabled():
         weight = proj_out.weight if proj_out.weight.dim() == 2 else proj_out.weight.flatten(1)
         res_tokens = residual.permute(0, 2, 3, 1).reshape(n, h * w, c)  # a view: channels-last memory is token order
         out = linear(tokens.reshape(n, h * w, -1), weight, proj_out.bias, residual=res_tokens)

@@ -95,6 +95,7 @@ class _Record:
 def _rules() -> tuple[Rule, ...]:
     from .rules_attention import RULES as attention_rules
     from .rules_blocks import RULES as block_rules
+    from .rules_downsample import RULES as downsample_rules
     from .rules_flux_attention import RULES as flux_attention_rules
     from .rules_gn_conv import RULES as gn_conv_rules
     from .rules_group_norm import RULES as group_norm_rules
@@ -116,6 +117,7 @@ def _rules() -> tuple[Rule, ...]:
         *gn_conv_rules,
         *up_block_rules,
         *upsample_rules,
+        *downsample_rules,
         *block_rules,
         *residual_rules,
         *wan_rules,

@@ -22,14 +22,21 @@ from tests.patch.helpers import (
 )
 
 UNET = dict(
-    geglu=10, group_norm_silu=1, resnet=14, residual_block=10, transformer2d_in=10, up_block_skip=4, upsample_conv=3
+    geglu=10,
+    group_norm_silu=1,
+    resnet=14,
+    residual_block=10,
+    transformer2d_in=10,
+    up_block_skip=4,
+    upsample_conv=3,
+    downsample_conv=3,
 )
 SVD = dict(geglu=30, group_norm_silu=1, resnet=14, spatiotemporal_in=10, spatiotemporal_resnet=14, svd_attn2=10,
-           up_block_skip=4, upsample_conv=3)  # fmt: skip
+           up_block_skip=4, upsample_conv=3, downsample_conv=3)  # fmt: skip
 SVD["residual_block"] = 10
 SVD["svd_temporal_block"] = 10
 SDXL = dict(geglu=11, group_norm_silu=1, resnet=11, residual_block=11, transformer2d_in=7, up_block_skip=3)
-SDXL["upsample_conv"] = 2
+SDXL["upsample_conv"] = SDXL["downsample_conv"] = 2
 FLUX = dict(adaln_continuous=1, adaln_zero=2, adaln_zero_single=2, flux_mlp=2, flux_single_gated=2, gelu=2)
 # Modules replaced per rule, and modules left stock, on each zoo tiny model.
 EXPECTED = {

@@ -16,6 +16,7 @@ def test_tiny_sd_pipeline_patched_vs_stock():
     report = ldmopt.patch(pipe)
     assert set(report.models) == {"unet", "vae", "text_encoder"}
     assert report.counts("unet") == {
+        "downsample_conv": 3,
         "geglu": 10,
         "group_norm_silu": 1,
         "residual_block": 10,
