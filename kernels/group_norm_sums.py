@@ -47,17 +47,17 @@ def _group_norm_stats_from_sums_kernel(
     mask = (g < G)[:, None] & (j < cpg)[None, :]
     in_head = mask & (c < C_head)
     in_tail = mask & (c >= C_head)
-    s1 = tl.zeros([BLOCK_G, BLOCK_CPG], dtype=tl.float64)
-    s2 = tl.zeros([BLOCK_G, BLOCK_CPG], dtype=tl.float64)
+    # Each channel's (sum, sum of squares) pair is loaded as one 16-byte vector: a trailing axis of 2, split after.
+    pair = tl.arange(0, 2)[None, None, :]
+    sums = tl.zeros([BLOCK_G, BLOCK_CPG, 2], dtype=tl.float64)
     for f in range(0, FRAMES):
         image = n * FRAMES + f
-        head_off = (image * C_head + c) * 2
-        s1 += tl.load(head_ptr + head_off, mask=in_head, other=0.0)
-        s2 += tl.load(head_ptr + head_off + 1, mask=in_head, other=0.0)
+        head_off = ((image * C_head + c) * 2)[:, :, None] + pair
+        sums += tl.load(head_ptr + head_off, mask=in_head[:, :, None], other=0.0)
         if TWO_PART:
-            tail_off = (image * (C - C_head) + (c - C_head)) * 2
-            s1 += tl.load(tail_ptr + tail_off, mask=in_tail, other=0.0)
-            s2 += tl.load(tail_ptr + tail_off + 1, mask=in_tail, other=0.0)
+            tail_off = ((image * (C - C_head) + (c - C_head)) * 2)[:, :, None] + pair
+            sums += tl.load(tail_ptr + tail_off, mask=in_tail[:, :, None], other=0.0)
+    s1, s2 = tl.split(sums)
     count = tl.cast(S, tl.float64) * FRAMES * cpg  # in int32 it overflows past 2^31 elements per group
     mean = tl.sum(s1, axis=1) / count
     var = tl.maximum(tl.sum(s2, axis=1) / count - mean * mean, 0.0)

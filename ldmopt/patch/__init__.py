@@ -18,6 +18,8 @@ modules whose fused forward measured faster than the stock one while ``run()`` r
 | gn_conv            | up_block_skip       | the UNet up blocks (SD, SDXL, AnimateDiff,   | resnets read cat([hidden, |
 |                    |                     | ModelScope, SVD)                             | skip]) in place           |
 | gn_conv            | upsample_conv       | Upsample2D (UNet up blocks, VAE decoders)    | nearest 2x in conv loads  |
+| gn_conv            | downsample_conv     | Downsample2D (UNet down blocks; 3x3, pad 1)  | output GroupNorm stats /  |
+|                    |                     |                                              | channel sums in epilogue  |
 | group_norm         | group_norm_silu     | VAE encoders/decoders (also SVD, Allegro,    | conv_norm_out + conv_act  |
 |                    |                     | HunyuanVideo), the UNets' output head        |                           |
 | group_norm         | group_norm_silu_seq | nn.Sequential (GroupNorm, SiLU)              | GN+SiLU in one pass       |
