@@ -63,3 +63,14 @@ def triton_launches(monkeypatch):
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
     return launches
+
+
+@pytest.fixture
+def fresh_handover():
+    """No statistics hand-over state from other tests (ldmopt.nn.stats_handover), before and after."""
+    from ldmopt.nn import stats_handover as handover
+
+    handover.forget()
+    handover.handed_over.clear()
+    yield handover
+    handover.forget()

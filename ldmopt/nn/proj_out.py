@@ -62,6 +62,4 @@ def proj_out_residual(proj_out: nn.Module, tokens: Tensor, residual: Tensor) -> 
         x, None, None, 0, 0.0, weight, bias, 1, 0, normalize=False, activation=None, residual=residual,
         fp32_precision="matmul", out_stats=config, out_channel_sums=sums,
     )  # fmt: skip
-    y, stats, sums = handover.split_result(out, config is not None, sums)
-    handover.offer(y, proj_out, config, stats, sums)
-    return y
+    return handover.offer_result(out, proj_out, config, sums)

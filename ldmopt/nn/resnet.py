@@ -319,9 +319,7 @@ def fused_resnet_forward(
         out_stats=None if add_after else out_stats or handing, out_channel_sums=sums, **around,
     )  # fmt: skip
     if handing is not None or sums:
-        y, y_stats, y_sums = handover.split_result(y, handing is not None, sums)
-        handover.offer(y, block, handing, y_stats, y_sums)
-        return y
+        return handover.offer_result(y, block, handing, sums)
     if not add_after:
         if out_stats is None:
             handover.offer(y, block)

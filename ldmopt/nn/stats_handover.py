@@ -138,6 +138,14 @@ def split_result(result, has_stats: bool, has_sums: bool) -> tuple[Tensor, tuple
     return result[0], result[1] if has_stats else None, result[-1] if has_sums else None
 
 
+def offer_result(result, producer: nn.Module, config: tuple | None, sums: bool) -> Tensor:
+    """Offer the output of ``gn_silu_conv2d(..., out_stats=config, out_channel_sums=sums)`` with what its epilogue
+    summed (:func:`offer`); returns the output itself."""
+    y, stats, channel_sums = split_result(result, config is not None, sums)
+    offer(y, producer, config, stats, channel_sums)
+    return y
+
+
 def offer_layer_norm(out: Tensor, producer: nn.Module, eps: float | None, stats: Tensor | None) -> None:
     """:func:`offer` for a LayerNorm: ``out`` and, when summed (``stats`` not None), its ``layer_norm_stats`` for
     ``eps``."""

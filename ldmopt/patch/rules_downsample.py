@@ -70,9 +70,7 @@ def fused_downsample_forward(self, hidden_states: Tensor, *args, **kwargs) -> Te
     x = R.to_channels_last(hidden_states, f"{_WHERE}: NCHW input")
     out = gn_silu_conv2d(x, None, None, 0, 0.0, conv.weight, conv.bias, 2, 1, normalize=False, out_stats=config,
                          out_channel_sums=sums)  # fmt: skip
-    y, stats, sums = handover.split_result(out, config is not None, sums)
-    handover.offer(y, self, config, stats, sums)
-    return y
+    return handover.offer_result(out, self, config, sums)
 
 
 class DownsampleConvRule(ClassSwapRule):

@@ -84,9 +84,7 @@ def fused_upsample_forward(self, hidden_states: Tensor, output_size=None, *args,
     sums = handover.wants_sums(self, hidden_states)
     out = gn_silu_conv2d(hidden_states, None, None, 0, 0.0, conv.weight, conv.bias, 1, k // 2, normalize=False,
                          resample="up", out_stats=config, out_channel_sums=sums)  # fmt: skip
-    y, stats, sums = handover.split_result(out, config is not None, sums)
-    handover.offer(y, self, config, stats, sums)
-    return y
+    return handover.offer_result(out, self, config, sums)
 
 
 class UpsampleConvRule(ClassSwapRule):

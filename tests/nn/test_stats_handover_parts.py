@@ -16,12 +16,7 @@ from tests.tolerances import assert_close
 pytest.importorskip("diffusers")
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    handover.forget()
-    handover.handed_over.clear()
-    yield
-    handover.forget()
+pytestmark = pytest.mark.usefixtures("fresh_handover")
 
 
 class _Producer(torch.nn.Module):
@@ -109,9 +104,9 @@ def test_records_die_with_their_tensors():
 
 def test_up_blocks_of_a_linear_projection_unet_take_two_part_statistics_and_match_stock(triton_launches):
     """SD2.1's transformers project with Linear layers: their proj_out runs as a 1x1 conv (the Linear's weight read
-    as one) once asked for sums. The tiny UNet's up blocks: (mid output, down1's resnet output) and (the upsampler's
-    output, down0's attention output) come with both parts' sums from the second call on (test_stats_handover
-    counts the same for SD1.5's 1x1 conv projections)."""
+    as one) once asked for sums. The tiny UNet's up blocks: (mid output, down1's resnet output), (up0's first resnet's
+    output, the downsampler's) and (the upsampler's output, down0's attention output) come with both parts' sums
+    from the second call on (test_stats_handover counts the same for SD1.5's 1x1 conv projections)."""
     torch.manual_seed(0)
     stock, patched = models.sd21_unet().eval(), models.sd21_unet().eval()
     patched.load_state_dict(stock.state_dict())
@@ -125,8 +120,8 @@ def test_up_blocks_of_a_linear_projection_unet_take_two_part_statistics_and_matc
         handover.handed_over.clear()
         got = output_tensor(patched(**kw))
     assert_outputs_close(got, expected, name="two-part statistics handed over")
-    assert triton_launches.count("_group_norm_stats_from_sums_kernel") == 2
-    assert handover.handed_over["ResnetBlock2D.norm1"] == 4, dict(handover.handed_over)
+    assert triton_launches.count("_group_norm_stats_from_sums_kernel") == 3
+    assert handover.handed_over["ResnetBlock2D.norm1"] == 6, dict(handover.handed_over)
 
 
 def test_video_statistics_add_the_frames_sums():

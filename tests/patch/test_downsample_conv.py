@@ -17,12 +17,7 @@ from tests.tolerances import assert_close, assert_within_torch_error
 downsampling = pytest.importorskip("diffusers.models.downsampling")
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    handover.forget()
-    handover.handed_over.clear()
-    yield
-    handover.forget()
+pytestmark = pytest.mark.usefixtures("fresh_handover")
 
 
 def _block(channels=12, out_channels=10, dtype=torch.float32, **kw):
