@@ -45,8 +45,9 @@ def proj_out_residual(proj_out: nn.Module, tokens: Tensor, residual: Tensor) -> 
     sums = handover.wants_sums(proj_out, residual)
     n, c, h, w = residual.shape
     uniform = tokens.dtype == residual.dtype == proj_out.weight.dtype and not autocast_enabled(tokens.device.type)
-    # Under autograd the GEMM stays: a gradient-checkpointing recompute must save what the forward it replays saved,
-    # and a request learned in between would switch the op.
+    # Under autograd the GEMM stays: a (non-reentrant) gradient-checkpointing recompute must save what the forward it
+    # replays saved, and a request learned in between would switch the op (a reentrant checkpoint's forward runs
+    # without autograd: its recompute may differ by rounding only).
     if (config is None and not sums) or not uniform or torch.is_grad_enabled():
         weight = proj_out.weight if proj_out.weight.dim() == 2 else proj_out.weight.flatten(1)
         res_tokens = residual.permute(0, 2, 3, 1).reshape(n, h * w, c)  # a view: channels-last memory is token order

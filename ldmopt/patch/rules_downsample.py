@@ -61,8 +61,9 @@ def fused_downsample_forward(self, hidden_states: Tensor, *args, **kwargs) -> Te
     assert hidden_states.shape[1] == self.channels  # as diffusers asserts
     config = handover.wanted_group_norm(self, hidden_states)
     sums = handover.wants_sums(self, hidden_states)
-    # Under autograd the stock conv stays: a gradient-checkpointing recompute must save what the forward it replays
-    # saved, and a request learned in between would switch the op.
+    # Under autograd the stock conv stays: a (non-reentrant) gradient-checkpointing recompute must save what the
+    # forward it replays saved, and a request learned in between would switch the op. (A reentrant checkpoint runs
+    # its forward without autograd and may take the fused conv there: its recompute then differs by rounding only.)
     if (config is None and not sums) or torch.is_grad_enabled():
         out = conv(hidden_states)  # what diffusers' forward computes here (no norm, symmetric padding)
         handover.offer(out, self)

@@ -12,8 +12,10 @@ by the report), as cuDNN does given a channels-last input: a launch and two pass
 
 So a patch call converts, once and in place, the weights of the Conv2d / Conv3d modules whose weights the fused
 forwards of the model read (the convs they bypass) to channels-last (``channels_last_3d`` for Conv3d): the same
-Parameter objects, values and state_dict keys, new strides; 1x1 kernels are channels-last already. Convs that stay
-stock (conv_in, downsamplers, LoRA layers, anything a guard left unfused) keep their layout. A later patch call of
+Parameter objects, values and state_dict keys, new strides; 1x1 kernels are channels-last already (a downsampler's
+conv too: its fused conv runs once a GroupNorm asks for its output's statistics, cuDNN's until then, which takes the
+channels-last weight as it is). Convs that stay stock (conv_in, conv_out, LoRA layers, anything a guard left
+unfused) keep their layout. A later patch call of
 the same model converts what an earlier one left (``channels_last_weights=True`` after a training patch). By
 default only when ``training`` is False: FSDP's ``fully_shard`` refuses non-contiguous parameters, so a training
 patch leaves the layout to the user (``channels_last_weights=True`` without FSDP). Convs that

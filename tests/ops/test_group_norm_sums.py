@@ -67,7 +67,7 @@ def test_conv_epilogue_sums_are_those_of_the_stored_output(dtype, backend, with_
         assert_close(rstd, expected[1], torch.float32, f"{backend} rstd")
 
 
-def test_deterministic_algorithms_sum_the_channels_in_a_fixed_order():
+def test_deterministic_algorithms_sum_the_channels_in_a_pass_after_the_conv():
     x, gw, gb, wt, b = _conv_inputs(2, 24, 7, 5, 72, 3, torch.float32)
     torch.use_deterministic_algorithms(True)
     try:

@@ -22,9 +22,11 @@ def _spatial_convs(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _fused_read(model: nn.Module) -> dict[str, nn.Module]:
-    """The spatial convs of the tiny UNets the fused forwards read: the resnets' and the upsamplers' (conv_in,
-    conv_out and the downsamplers stay stock convolutions)."""
-    return {n: m for n, m in _spatial_convs(model).items() if ".resnets." in n or ".upsamplers." in n}
+    """The spatial convs of the tiny UNets the fused forwards read: the resnets', the upsamplers' and the
+    downsamplers' (whose fused conv runs once a GroupNorm asks for its output's statistics; conv_in and conv_out stay
+    stock convolutions)."""
+    parts = (".resnets.", ".upsamplers.", ".downsamplers.")
+    return {n: m for n, m in _spatial_convs(model).items() if any(part in n for part in parts)}
 
 
 def _stock_convs(model: nn.Module) -> dict[str, nn.Module]:
