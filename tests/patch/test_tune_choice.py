@@ -113,7 +113,7 @@ def test_a_choice_for_one_model_applies_to_it_inside_a_pipeline_and_back(monkeyp
     ldmopt.unpatch(unet)
     # two models with sites: a choice for one of them is not guessed onto either
     two = types.SimpleNamespace(components={"unet": unet, "vae": models.vae().eval()})
-    with pytest.raises(PatchError, match="names 24 site"):
+    with pytest.raises(PatchError, match="names 25 site"):
         ldmopt.patch_tuned(two, report)
     assert not ldmopt.is_patched(two)
 
