@@ -21,9 +21,10 @@ written by the down block long before, and the single pending offer has moved on
 recorded, weakly, with its producer and, if the producer summed them, its per-(image, channel) sums (fp64 sum and sum of
 squares, from the same epilogue: ``gn_silu_conv2d(out_channel_sums=True)``). A two-part consumer calls
 :func:`take_parts`: when both parts are recorded unmodified with sums, their GroupNorm statistics are finalised from the
-sums in one small launch (``ops.group_norm_sums``) instead of a pass over both tensors; otherwise each recorded part's
-producer learns to sum its outputs from the next call on (:func:`wants_sums`). A video's GroupNorm over (C/G, F, H, W)
-(AnimateDiff's motion modules) adds its frames' sums likewise (:func:`take_video`). A producer keeps summing until
+sums in one small launch (``ops.group_norm_sums``) instead of a pass over both tensors; otherwise, when both parts were
+offered, their producers learn to sum their outputs from the next call on (:func:`wants_sums`). A video's GroupNorm over
+(C/G, F, H, W) (AnimateDiff's motion modules, SVD's temporal resnets) adds its frames' sums likewise
+(:func:`take_video`). A producer keeps summing until
 ``ldmopt.unpatch`` (or :func:`forget`): a few atomics per output tile, whether or not a consumer takes them.
 
 So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input (the
@@ -130,19 +131,14 @@ def wants_sums(producer: nn.Module, out_like: Tensor) -> bool:
     return _eligible(out_like) and out_like.dtype != torch.float64 and _wants_sums.get(producer, False)
 
 
-def split_result(result, has_stats: bool, has_sums: bool) -> tuple[Tensor, tuple | None, Tensor | None]:
-    """(y, (mean, rstd) or None, sums or None) of what ``gn_silu_conv2d(out_stats=..., out_channel_sums=...)``
-    returned for a producer that asked for either."""
-    if not (has_stats or has_sums):
-        return result, None, None
-    return result[0], result[1] if has_stats else None, result[-1] if has_sums else None
-
-
 def offer_result(result, producer: nn.Module, config: tuple | None, sums: bool) -> Tensor:
     """Offer the output of ``gn_silu_conv2d(..., out_stats=config, out_channel_sums=sums)`` with what its epilogue
     summed (:func:`offer`); returns the output itself."""
-    y, stats, channel_sums = split_result(result, config is not None, sums)
-    offer(y, producer, config, stats, channel_sums)
+    if config is None and not sums:
+        offer(result, producer)
+        return result
+    y = result[0]
+    offer(y, producer, config, result[1] if config is not None else None, result[-1] if sums else None)
     return y
 
 
@@ -223,9 +219,7 @@ def take_parts(head: Tensor, tail: Tensor, groups: int, eps: float, consumer: st
     if any(r is None for r in records):
         return None  # a part no producer offered (conv_in's, a stock downsampler's) never comes with sums
     for record in records:
-        producer = None if record.sums is not None else record.producer()
-        if producer is not None:
-            _wants_sums[producer] = True
+        _teach_sums(record)
     return None
 
 
@@ -239,13 +233,18 @@ def take_video(x: Tensor, frames: int, groups: int, eps: float, consumer: str) -
     if record is None:
         return None
     if record.sums is None:
-        producer = record.producer()
-        if producer is not None:
-            _wants_sums[producer] = True
+        _teach_sums(record)
         return None
     handed_over[consumer] += 1
     count = math.prod(x.shape[2:])
     return call(group_norm_stats_from_sums, record.sums, int(groups), float(eps), count, None, int(frames))
+
+
+def _teach_sums(record: _Produced) -> None:
+    """Ask the producer of a recorded output that came without sums to sum its outputs from the next call on."""
+    producer = None if record.sums is not None else record.producer()
+    if producer is not None:
+        _wants_sums[producer] = True
 
 
 def _record(t: Tensor) -> _Produced | None:
