@@ -68,8 +68,12 @@ def test_group_norm_finalize_loops_over_images_and_chunks(monkeypatch, n):
         group_norm(ours[0], 3, ours[1], ours[2], 1e-5, "silu").backward(dy.float())
     ref = _leaves(x, w, b)
     F.silu(F.group_norm(ref[0], 3, ref[1], ref[2], 1e-5)).backward(dy)
-    for name, got, want in zip(("dx", "dweight", "dbias"), ours, ref):
-        assert_close(got.grad, want.grad, torch.float32, name)
+    assert_close(ours[0].grad, ref[0].grad, torch.float32, "dx")
+    # An affine gradient sums 4,800 terms: its rounding error scales with the terms, not with the sum, which may land
+    # near zero (CI once saw a dbias of 0.2 off by 3e-5), so the tolerance is relative to the gradient's largest entry.
+    for name, got, want in zip(("dweight", "dbias"), ours[1:], ref[1:]):
+        error, scale = (got.grad.double() - want.grad).abs().max().item(), want.grad.abs().max().item()
+        assert error <= 2e-5 * scale, f"{name}: max error {error:.2e} > 2e-5 x its largest entry {scale:.2f}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
