@@ -198,6 +198,36 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
         tl.store(rstd_ptr + n * G + g, rstd, mask=g < G)
 
 
+@triton.jit
+def channel_statistics(out, mask, rows, cols, col_ok, n, tiles_per_image, ws_ptr, counter_ptr, mean_ptr, rstd_ptr, C,
+                       G, S, eps, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr):  # fmt: skip
+    """Epilogue: adds an output tile's per-channel sums (its ``rows`` pixels of image n, channels ``cols``) to ws
+    [N, C, 2] fp64; with G > 0, the last of the image's ``tiles_per_image`` tiles to finish (arrival counter) folds
+    them into per-group mean/rstd [N, G]. G == 0: the caller takes the per-channel sums themselves (a later two-part
+    GroupNorm's). ws and the counters start at zero (the launcher's fresh buffer). Used by the fused convolution and
+    by the epilogue after a cuDNN one (kernels/conv_epilogue.py)."""
+    # Centred per-column sums of the stored values (fp32 within the tile), then fp64 sums across tiles.
+    v = tl.where(mask, out.to(tl.float32), 0.0)
+    rows = rows.to(tl.float32)
+    col_mean = tl.sum(v, axis=0) / rows
+    d = tl.where(mask, v - col_mean[None, :], 0.0)
+    residual = tl.sum(d, axis=0)  # corrected two-pass: removes the fp32 mean's rounding error (|mean| >> std)
+    col_m2 = tl.maximum(tl.sum(d * d, axis=0) - residual * residual / rows, 0.0)
+    # The correction is added in fp64: rounded back to a fp32 mean it would bias the variance by rows * ulp^2.
+    rows64 = rows.to(tl.float64)
+    col_sum = col_mean.to(tl.float64) * rows64 + residual.to(tl.float64)
+    ws_off = (n * C + cols).to(tl.int64) * 2
+    tl.atomic_add(ws_ptr + ws_off, col_sum, mask=col_ok, sem="relaxed")
+    col_sq = col_m2.to(tl.float64) + col_sum * (col_sum / rows64)
+    tl.atomic_add(ws_ptr + ws_off + 1, col_sq, mask=col_ok, sem="relaxed")
+    if G > 0:
+        # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + n, 1, sem="acq_rel")
+        if done == tiles_per_image - 1:
+            _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G, BLOCK_CPG)
+
+
 # The statistics workspace and arrival counters accumulate across a launch's programs and must be zero when it starts:
 # the autotuner zeroes them before each benchmark launch and before the launch after tuning (the launcher's fresh
 # buffers cover launches with a tuned key). So they are never the input: without statistics they are empty tensors.
@@ -360,27 +390,9 @@ def _gn_conv2d_fwd_kernel(
     tl.store(y_ptr + y_off, out, mask=mask)
 
     if OUT_STATS:
-        # Centred per-column sums of the stored values (fp32 within the tile), then fp64 sums across tiles.
-        v = tl.where(mask, out.to(tl.float32), 0.0)
-        rows = tl.minimum(S - mt * BM, BM).to(tl.float32)
-        col_mean = tl.sum(v, axis=0) / rows
-        d = tl.where(mask, v - col_mean[None, :], 0.0)
-        residual = tl.sum(d, axis=0)  # corrected two-pass: removes the fp32 mean's rounding error (|mean| >> std)
-        col_m2 = tl.maximum(tl.sum(d * d, axis=0) - residual * residual / rows, 0.0)
-        # The correction is added in fp64: rounded back to a fp32 mean it would bias the variance by rows * ulp^2.
-        rows64 = rows.to(tl.float64)
-        col_sum = col_mean.to(tl.float64) * rows64 + residual.to(tl.float64)
-        ws_off = (n * C_out + offs_n).to(tl.int64) * 2
-        tl.atomic_add(ws_ptr + ws_off, col_sum, mask=n_mask, sem="relaxed")
-        col_sq = col_m2.to(tl.float64) + col_sum * (col_sum / rows64)
-        tl.atomic_add(ws_ptr + ws_off + 1, col_sq, mask=n_mask, sem="relaxed")
-        if G_out > 0:  # 0: the caller takes the per-channel sums themselves (a later two-part GroupNorm's)
-            # Every thread's adds are ordered before the counter's release (CUTLASS semaphore pattern).
-            tl.debug_barrier()
-            done = tl.atomic_add(counter_ptr + n, 1, sem="acq_rel")
-            if done == n_mt * n_nt - 1:
-                _finalize_stats(ws_ptr, out_mean_ptr, out_rstd_ptr, n, C_out, G_out, S, out_eps,
-                                STATS_BLOCK_G, STATS_BLOCK_CPG)  # fmt: skip
+        channel_statistics(out, mask, tl.minimum(S - mt * BM, BM), offs_n, n_mask, n, n_mt * n_nt, ws_ptr,
+                           counter_ptr, out_mean_ptr, out_rstd_ptr, C_out, G_out, S, out_eps, STATS_BLOCK_G,
+                           STATS_BLOCK_CPG)  # fmt: skip
     if OUT_ROW_STATS:
         # The LayerNorm statistics of each output pixel's channel vector: the token rows a transformer's proj_in
         # hands its first block's norm1. Rows n * S + m of [N * S, C_out]; the image count is the grid's.
