@@ -7,8 +7,9 @@ GroupNorm), compile (torch.compile max-autotune-no-cudagraphs of that forward), 
 "gn_conv2d": the GroupNorm+SiLU -> 3x3 conv alone: eager (F.group_norm, F.silu, cuDNN conv), cudnn-conv (cuDNN conv of
 an already activated input: the conv's own cost), ldmopt (fused, statistics inside), ldmopt+stats, ldmopt-plain (our
 implicit GEMM without the prologue, the like-for-like conv vs cuDNN). "-loader" rows keep GroupNorm + SiLU in the conv's
-loader; the others use the auto placement, which on a GPU stages it (one normalisation pass, then the plain conv:
-ldmopt/ops/gn_conv2d_prologue.py), so both placements are timed side by side. Op "resnet_skip": an up block's resnet on
+loader, "-staged" rows stage it before ldmopt's plain conv; the others use the auto placement, which on a GPU stages it
+before cuDNN's conv and runs the epilogue as a pass of its own ("cudnn": ldmopt/ops/gn_conv2d_prologue.py), so the
+three placements are timed side by side. Op "resnet_skip": an up block's resnet on
 its skip connection: eager and compile concatenate then run diffusers' block, ldmopt-cat concatenates then runs the
 fused block, ldmopt reads (hidden, skip) in place (the raw concatenation is never written; the staged normalisation
 writes the normalised one). Op "upsample_conv": diffusers'
@@ -82,11 +83,15 @@ def _conv_flops(n, cin, cout, size, k=3):
 
 
 def _placement(provider: str):
-    """A "-loader" provider keeps GroupNorm + SiLU in the conv's loader; the others take the auto placement (staged
-    for these convs on a GPU, ldmopt/ops/gn_conv2d_prologue.py), so each pair of rows times both."""
+    """A "-loader" provider keeps GroupNorm + SiLU in the conv's loader; "-staged" and "-plain" ones run the conv in
+    ldmopt's Triton kernel (the normalisation staged before it); the others take the auto placement ("cudnn" for
+    these convs on a GPU: the staged normalisation, cuDNN's conv and the epilogue pass; ops/gn_conv2d_prologue.py),
+    so the rows time all three."""
     from ldmopt.ops.gn_conv2d_prologue import forced
 
-    return forced("loader" if provider.endswith("-loader") else "auto")
+    if provider.endswith("-loader"):
+        return forced("loader")
+    return forced("staged" if provider.endswith(("-staged", "-plain")) else "auto")
 
 
 def _record(rec, op, case, dtype, mode, provider, fn, flops, nbytes):
@@ -142,12 +147,13 @@ def bench_resnet_block(case, dtype, mode, bench_recorder):
         "ldmopt": lambda x, t: fused_resnet_forward(block, x, t),
         "ldmopt+stats": lambda x, t: fused_resnet_forward(block, x, t, stats=stats),
         "ldmopt+stats-loader": lambda x, t: fused_resnet_forward(block, x, t, stats=stats),
+        "ldmopt+stats-staged": lambda x, t: fused_resnet_forward(block, x, t, stats=stats),
     }
     if mode == "fwd+bwd":
         block.train()
         x.requires_grad_(True)
-        providers.pop("ldmopt+stats")
-        providers.pop("ldmopt+stats-loader")  # the placement changes the forward kernel only
+        for placed in ("ldmopt+stats", "ldmopt+stats-loader", "ldmopt+stats-staged"):
+            providers.pop(placed)  # the placement changes the forward kernel only
     for name, fwd in providers.items():
         if mode == "fwd":
 
@@ -188,6 +194,7 @@ def bench_gn_conv2d(case, dtype, bench_recorder):
         "ldmopt": lambda: gn_silu_conv2d(x, gw, gb, GROUPS, eps, w, b),
         "ldmopt+stats": lambda: gn_silu_conv2d(x, gw, gb, GROUPS, eps, w, b, stats=stats),
         "ldmopt+stats-loader": lambda: gn_silu_conv2d(x, gw, gb, GROUPS, eps, w, b, stats=stats),
+        "ldmopt+stats-staged": lambda: gn_silu_conv2d(x, gw, gb, GROUPS, eps, w, b, stats=stats),
         "ldmopt-plain": lambda: gn_silu_conv2d(activated, None, None, 0, 0.0, w, b, normalize=False),
     }
     for name, fn in providers.items():

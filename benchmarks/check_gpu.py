@@ -122,9 +122,11 @@ def _group_norm(quick: bool):
                 yield case, dtype, backend, [y, *grads], [ref, *grads64]
 
 
-#: where the fused conv applies GroupNorm + SiLU (ldmopt/ops/gn_conv2d_prologue.py); a GPU's auto choice is "staged"
-#: for these 3x3 convs, so both are checked explicitly
-PLACEMENTS = ("staged", "loader")
+#: where the fused conv applies GroupNorm + SiLU and who runs the conv (ldmopt/ops/gn_conv2d_prologue.py); a GPU's
+#: auto choice is "cudnn" for these 3x3 convs, so each is checked explicitly
+PLACEMENTS = ("cudnn", "staged", "loader")
+#: for a conv that normalises nothing: cuDNN's conv and the epilogue pass, or ldmopt's Triton conv
+PLAIN_PLACEMENTS = ("cudnn", "staged")
 
 
 def _random_norm_affine(block: torch.nn.Module) -> None:
@@ -193,7 +195,8 @@ def _resnet_skip(quick: bool):
 
 @check("upsample_conv")
 def _upsample_conv(quick: bool):
-    """diffusers' Upsample2D as patched (nearest 2x read in the conv's loads) vs its own forward in fp64."""
+    """diffusers' Upsample2D as patched vs its own forward in fp64: nearest 2x read in the Triton conv's loads
+    ("staged") or upsampled before cuDNN's conv ("cudnn")."""
     from diffusers.models.upsampling import Upsample2D
 
     for case, (n, channels, hw) in _cases("upsample_conv", quick).items():
@@ -205,10 +208,11 @@ def _upsample_conv(quick: bool):
             block = copy.deepcopy(ref_block).to(dtype=dtype, memory_format=torch.channels_last)
             report = ldmopt.patch(block)
             assert report.counts() == {"upsample_conv": 1}, str(report)
-            with torch.no_grad(), ldmopt.use_backend("triton", ops=("gn_conv2d",)):
-                out = block(x.to(dtype))
-            assert not report.fallbacks(), report.fallbacks()
-            yield case, dtype, "triton", [out], [ref]
+            for placement in PLAIN_PLACEMENTS:
+                with torch.no_grad(), ldmopt.use_backend("triton", ops=("gn_conv2d",)), forced(placement):
+                    out = block(x.to(dtype))
+                assert not report.fallbacks(), report.fallbacks()
+                yield case, dtype, f"triton/{placement}", [out], [ref]
 
 
 @check("svd_resnet_block")
@@ -347,15 +351,17 @@ def _channel_sums(quick: bool):
         for dtype in DTYPES:
             args = [t.to(dtype) for t in (tokens, w, b, residual, skip)]
             args[1] = args[1].contiguous(memory_format=torch.channels_last)
-            with torch.no_grad(), ldmopt.use_backend("triton"):
-                for _ in range(2):  # the first call tunes; the second launches the tuned tile directly
-                    y, sums = gn_silu_conv2d(args[0], None, None, 0, 0.0, args[1], args[2], 1, 0, normalize=False,
-                                             activation=None, residual=args[3], out_channel_sums=True)  # fmt: skip
-                mean, rstd = group_norm_stats_from_sums(sums, 32, 1e-6, hw * hw, channel_sums_torch(args[4]))
-            both = torch.cat([y, args[4]], 1).double()  # the stored y's own statistics, with the skip's
-            var, mu = torch.var_mean(both.reshape(n, 32, -1), dim=-1, unbiased=False)
-            refs = [ref, channel_sums_torch(y), mu, torch.rsqrt(var + 1e-6)]
-            yield case, dtype, "triton", [y, sums, mean, rstd], refs
+            for placement in PLAIN_PLACEMENTS:
+                with torch.no_grad(), ldmopt.use_backend("triton"), forced(placement):
+                    for _ in range(2):  # the first call tunes; the second launches the tuned tile directly
+                        y, sums = gn_silu_conv2d(args[0], None, None, 0, 0.0, args[1], args[2], 1, 0,
+                                                 normalize=False, activation=None, residual=args[3],
+                                                 out_channel_sums=True)  # fmt: skip
+                    mean, rstd = group_norm_stats_from_sums(sums, 32, 1e-6, hw * hw, channel_sums_torch(args[4]))
+                both = torch.cat([y, args[4]], 1).double()  # the stored y's own statistics, with the skip's
+                var, mu = torch.var_mean(both.reshape(n, 32, -1), dim=-1, unbiased=False)
+                refs = [ref, channel_sums_torch(y), mu, torch.rsqrt(var + 1e-6)]
+                yield case, dtype, f"triton/{placement}", [y, sums, mean, rstd], refs
 
 
 def _sliced(full: torch.Tensor, sl: slice) -> torch.Tensor:

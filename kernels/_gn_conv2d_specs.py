@@ -187,3 +187,55 @@ def conv_aot_specs() -> list[dict]:
         _aot_spec("gn_conv2d[fp16,3x1,temporal conv2]", "fp16", big, kw=1, res=True, gate=True),
         _aot_spec("gn_conv2d[bf16,3x1,temporal conv2,64x128]", "bf16", tall, kw=1, res=True, gate=True),
     ]
+
+
+def _epilogue_spec(name, dtype, c, *, temb=False, temb_rows=False, gate=False, sc=False, res=False, out_stats=False,
+                   row_stats=False, write=True) -> dict:  # fmt: skip
+    from .conv_epilogue import _conv_epilogue_kernel, _tile
+
+    bm, bn, warps = _tile(c)
+    constexprs = {"syc": 1, "szc": 1, "sscc": 1, "src": 1}  # channels-last: unit channel strides
+    constexprs.update(
+        HAS_TEMB=temb, TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_SC=sc, HAS_RES=res, RES_RESAMPLE=0, WRITE=write,
+        OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, OUT_ROW_STATS=row_stats, IDX64=False, BM=bm, BN=bn,
+    )  # fmt: skip
+    fn = _conv_epilogue_kernel  # a plain @triton.jit function (no autotuner around it)
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            sig[arg] = "constexpr"
+        elif arg == "ws_ptr":
+            sig[arg] = "*fp64"
+        elif arg == "counter_ptr":
+            sig[arg] = "*i32"
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32" if arg in _FP32_PTRS else f"*{dtype}"
+        else:
+            sig[arg] = "fp32" if arg in ("out_eps", "inv_scale") else "i32"
+    div16 = [k for k, v in sig.items() if v != "constexpr" and k not in ("out_eps", "inv_scale")]
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in div16}
+    return dict(name=name, fn=fn, signature=sig, constexprs=constexprs, attrs=attrs, num_warps=warps, num_stages=1)
+
+
+def conv_epilogue_aot_specs() -> list[dict]:
+    """The epilogue after a cuDNN conv (kernels/conv_epilogue.py) at SD channel counts: what the resnet convs, a
+    temporal conv and a projection hand it."""
+    return [
+        _epilogue_spec("conv_epilogue[fp16,conv1:temb+stats,C=320]", "fp16", 320, temb=True, out_stats=True),
+        _epilogue_spec("conv_epilogue[bf16,conv1:temb+stats,C=1280]", "bf16", 1280, temb=True, out_stats=True),
+        _epilogue_spec(
+            "conv_epilogue[fp16,conv2:shortcut+residual+sums,C=640]", "fp16", 640, sc=True, res=True, out_stats=True
+        ),
+        _epilogue_spec(
+            "conv_epilogue[fp16,temporal conv2:temb rows+gate+residual,C=320]",
+            "fp16",
+            320,
+            temb=True,
+            temb_rows=True,
+            gate=True,
+            res=True,
+        ),
+        _epilogue_spec("conv_epilogue[fp16,sums only,C=320]", "fp16", 320, out_stats=True, write=False),
+        _epilogue_spec("conv_epilogue[fp16,proj_in:row stats,C=640]", "fp16", 640, row_stats=True, write=False),
+        _epilogue_spec("conv_epilogue[fp32,conv1:temb+stats,C=320]", "fp32", 320, temb=True, out_stats=True),
+    ]

@@ -87,8 +87,9 @@ def _prologue_setting() -> str:
         return f"invalid: {exc}"
     if requested == "auto":
         return (
-            f"auto (on a GPU: staged where the conv's loader would normalise each input element "
-            f"{prologue.STAGE_FROM_RECOMPUTE}+ times, else in the loader; {prologue.ENV} forces either)"
+            f"auto (on a GPU: in the conv's loader where it would normalise each input element fewer than "
+            f"{prologue.STAGE_FROM_RECOMPUTE} times, else cudnn: staged before cuDNN's conv with the epilogue as a "
+            f"pass of its own; {prologue.ENV}=loader|staged|cudnn forces one)"
         )
     return f"{requested} (forced by {prologue.ENV})"
 

@@ -84,11 +84,13 @@ def test_check_gpu_every_check(monkeypatch, capsys):
     assert not resnet.fallback_reasons, dict(resnet.fallback_reasons)
     rows, skips = _parse(out)
     assert all(r[5] == "PASS" and r[3].startswith("triton") for r in rows), out
-    placed = ("resnet_block", "resnet_skip", "conv_row_stats")  # GroupNorm staged and in the conv's loader
-    assert {r[3] for r in rows if r[0] in placed} == {"triton/staged", "triton/loader"}, out
+    placed = ("resnet_block", "resnet_skip", "conv_row_stats")  # staged before cuDNN's or ldmopt's conv, or loader
+    assert {r[3] for r in rows if r[0] in placed} == {"triton/cudnn", "triton/staged", "triton/loader"}, out
+    plain = ("upsample_conv", "channel_sums")  # cuDNN's conv or ldmopt's
+    assert {r[3] for r in rows if r[0] in plain} == {"triton/cudnn", "triton/staged"}, out
     for name, by_case in cases.items():
         for case in by_case:
-            expect = 4 if name in placed else 2  # fp32, fp16 (x 2 placements)
+            expect = 6 if name in placed else 4 if name in plain else 2  # fp32, fp16 (x placements)
             assert sum(r[:2] == (name, case) for r in rows) == expect, (name, case, out)
     assert sorted(s[0] for s in skips) == ["group_norm_silu"] * 2 + ["temporal_attention"] * 2, out
 

@@ -7,12 +7,13 @@ Custom ops: ``ldmopt::gn_conv2d`` (the fused conv, with autograd) and, in gn_con
 ``ldmopt::gn_conv2d_stats`` (GroupNorm statistics of an input, two launches).
 Backends: triton (kernels/gn_conv2d.py) and torch, the reference: the unfused composition in fp32 math (fp64 for fp64
 inputs). The triton backend applies GroupNorm + activation in the conv's loader or, where the conv would normalise each
-input element several times over, in one staged pass before a plain conv (gn_conv2d_prologue.py: chosen per call,
-``LDMOPT_GN_CONV_PROLOGUE`` overrides). Backward recomputes ``act(group_norm(x))`` from the saved input and statistics
-(group_norm_apply.py: one fused pass where Triton runs) and uses PyTorch's convolution backward, so no activation
-beyond the op's inputs is kept alive. ``fp32_precision="matmul"`` (a Linear read as a 1x1 conv): fp32 products follow
-PyTorch's matmul precision instead of its convolution's, in the kernel, and the reference and backward run nn.Linear's
-GEMMs.
+input element several times over, in one staged pass before a plain conv; on GPUs that conv, and any conv without a
+norm, is PyTorch's (cuDNN) followed by the epilogue as a Triton pass (gn_conv2d_cudnn.py). gn_conv2d_prologue.py
+chooses per call; ``LDMOPT_GN_CONV_PROLOGUE`` overrides. Backward recomputes ``act(group_norm(x))`` from the saved
+input and statistics (group_norm_apply.py: one fused pass where Triton runs) and uses PyTorch's convolution backward,
+so no activation beyond the op's inputs is kept alive. ``fp32_precision="matmul"`` (a Linear read as a 1x1 conv):
+fp32 products follow PyTorch's matmul precision instead of its convolution's, in the kernel, and the reference and
+backward run nn.Linear's GEMMs.
 """
 
 from __future__ import annotations
@@ -255,14 +256,14 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
     from ldmopt.kernels.group_norm import group_norm_stats
 
-    if mean is not None:
-        placement = choose_placement(x.device, tuple(w.shape[2:]), w.shape[0], stride, resample)
+    placement = choose_placement(x.device, tuple(w.shape[2:]), w.shape[0], stride, resample, mean is not None)
+    if mean is not None or placement == "cudnn":
         placement_counts[placement] += 1
-        if placement == "staged":  # act(group_norm(x)) written once, then a plain conv (gn_conv2d_prologue.py)
-            x = staged_apply(x, mean, rstd, gw, gb, groups, act, x_tail)
-            x_tail = mean = rstd = gw = gb = act = None
+    if mean is not None and placement in ("staged", "cudnn"):
+        # act(group_norm(x)) written once, then a plain conv (gn_conv2d_prologue.py)
+        x = staged_apply(x, mean, rstd, gw, gb, groups, act, x_tail)
+        x_tail = mean = rstd = gw = gb = act = None
     gate = None if gate is None else gate.float()
-    w = _weight_for_kernel(w)
     # The epilogue's output statistics are fp64 atomic sums, added in the order the tiles finish; under
     # torch.use_deterministic_algorithms a statistics pass over the output sums them in a fixed order instead. So do
     # fp32 operands' row statistics: with the row sums the 64x128x32 IEEE tile spills on sm_80.
@@ -270,10 +271,19 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
     in_epilogue = out_groups if not deterministic else 0
     rows_in_epilogue = out_layer_norm and not deterministic and x.dtype != torch.float32
     sums_in_epilogue = out_channel_sums and not deterministic
-    y, out_mean, out_rstd, sums = gn_conv2d_fwd(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups,
-                                                act, stride, tuple(padding), resample, res_resample, sc_resample,
-                                                output_scale, in_epilogue, out_eps, x_tail, sx_tail, fp32_precision,
-                                                rows_in_epilogue, sums_in_epilogue)  # fmt: skip
+    if placement == "cudnn":
+        from .gn_conv2d_cudnn import conv_then_epilogue
+
+        y, out_mean, out_rstd, sums = conv_then_epilogue(x, x_tail, w, b, temb, res, sx, sx_tail, sw, sb, gate,
+                                                         stride, padding, resample, res_resample, sc_resample,
+                                                         output_scale, in_epilogue, out_eps, fp32_precision,
+                                                         rows_in_epilogue, sums_in_epilogue)  # fmt: skip
+    else:
+        y, out_mean, out_rstd, sums = gn_conv2d_fwd(x, mean, rstd, gw, gb, _weight_for_kernel(w), b, temb, res, sx,
+                                                    sw, sb, gate, groups, act, stride, tuple(padding), resample,
+                                                    res_resample, sc_resample, output_scale, in_epilogue, out_eps,
+                                                    x_tail, sx_tail, fp32_precision, rows_in_epilogue,
+                                                    sums_in_epilogue)  # fmt: skip
     if out_groups and not in_epilogue:
         out_mean, out_rstd = group_norm_stats(y, out_groups, out_eps)
     if out_layer_norm and not rows_in_epilogue:
@@ -620,8 +630,9 @@ def gn_silu_conv2d(
     1x1/3x3/3x1 kernels, stride 1/2; other inputs run the reference backend (``fallback_reasons`` records why).
     Output statistics sum in fp64 atomics, so they can differ in the last bit between runs. On a GPU, convs that
     would normalise each input element 3 or more times in the loader (every stride-1 3x3 conv) write
-    ``act(group_norm(x))`` once in x's dtype and run a plain conv on it instead (ldmopt.ops.gn_conv2d_prologue: the
-    reasoning, and ``LDMOPT_GN_CONV_PROLOGUE=loader|staged`` to force either); the results agree within rounding.
+    ``act(group_norm(x))`` once in x's dtype and run cuDNN's conv on it, then the epilogue as a Triton pass; so does
+    every conv without a norm (ldmopt.ops.gn_conv2d_prologue: the reasoning, and
+    ``LDMOPT_GN_CONV_PROLOGUE=loader|staged|cudnn`` to force one); the results agree within rounding.
 
     fp32 inputs on GPUs use TF32 tensor cores or IEEE fp32 products as PyTorch would: ``fp32_precision="conv"`` as its
     convolution (TF32 unless ``torch.backends.cudnn.allow_tf32`` / ``torch.backends.cudnn.conv.fp32_precision`` say

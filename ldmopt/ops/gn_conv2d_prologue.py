@@ -19,9 +19,17 @@ to 2 (A100) normalisations per element, 3 leaving a margin for the estimate's er
 1x1 conv to at most 256 channels R <= 2. Without an activation (GroupNorm before a projection, as the temporal
 transformers' proj_in) the loader issues 317 instead of 507, ~0.4 ps per normalisation, which the threshold of 3 still
 covers.
-``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged overrides the choice; benchmarks time both.
-On CPU tensors (the Triton interpreter, tests) auto keeps the loader, whose kernel the tests cover; they force
-"staged" to cover the other.
+"cudnn": staged as above, but the conv is PyTorch's (cuDNN on GPUs) and what the fused conv's epilogue does (temb,
+gate, shortcut and residual adds, the output scale, the next norm's statistics or channel sums) runs as one Triton
+pass after it (kernels/conv_epilogue.py), in place; with only statistics to take, that pass only reads. Why it is
+auto's choice on GPUs wherever the loader is not: the measured Triton implicit-GEMM conv ran slower than cuDNN at
+Stable Diffusion shapes (benchmarks/RESULTS.md, H200, 2026-12-04: a patched SD1.5 step 0.37x stock as a CUDA graph,
+the VAE's upsampler conv 0.83x cuDNN), so the conv stays cuDNN's and ldmopt fuses what surrounds it. It costs one
+launch and one read and write of the output more than "staged" (none more with nothing to add); the plain convs
+(upsamplers, downsamplers, proj_out read as a 1x1 conv) take it too.
+``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged | cudnn overrides the choice ("loader" and "staged"
+also put plain convs in the Triton kernel); benchmarks time them. On CPU tensors (the Triton interpreter, tests)
+auto keeps the Triton kernel, whose code the tests cover; they force the others to cover them.
 """
 
 from __future__ import annotations
@@ -36,13 +44,14 @@ import torch
 from .._env import getenv
 
 ENV = "LDMOPT_GN_CONV_PROLOGUE"
-PLACEMENTS = ("auto", "loader", "staged")
+PLACEMENTS = ("auto", "loader", "staged", "cudnn")
 #: normalisations per input element from which auto stages (see the module docstring)
 STAGE_FROM_RECOMPUTE = 3
 #: the widest output-channel tile the conv's autotuner picks from (kernels/gn_conv2d.py): R is counted with it, so
 #: the estimate is the fewest normalisations any tile makes
 WIDEST_BN = 128
-#: placement -> number of normalising fused-conv calls on the Triton backend that used it in this process
+#: placement -> number of fused-conv calls on the Triton backend that used it in this process (normalising ones, and
+#: plain ones that "cudnn" took)
 placement_counts: Counter[str] = Counter()
 
 
@@ -61,8 +70,8 @@ def _parse(raw: str | None) -> str:
 
 @contextlib.contextmanager
 def forced(placement: str):
-    """Within the block, fused convs use ``placement`` ("auto", "loader" or "staged"): sets ``LDMOPT_GN_CONV_PROLOGUE``
-    for the process (every thread) and restores what was there. For benchmarks and checks that time or test both."""
+    """Within the block, fused convs use ``placement`` (one of PLACEMENTS): sets ``LDMOPT_GN_CONV_PROLOGUE`` for the
+    process (every thread) and restores what was there. For benchmarks and checks that time or test them."""
     _parse(placement)  # the same error as the variable's
     saved = os.environ.get(ENV)
     os.environ[ENV] = placement
@@ -82,11 +91,16 @@ def recompute_factor(kernel: tuple[int, int], c_out: int, stride: int, resample:
     return taps * -(-c_out // WIDEST_BN)
 
 
-def choose_placement(device: torch.device, kernel: tuple[int, int], c_out: int, stride: int, resample: str) -> str:
-    """ "loader" or "staged" for a normalising conv on ``device`` (see the module docstring)."""
+def choose_placement(
+    device: torch.device, kernel: tuple[int, int], c_out: int, stride: int, resample: str, normalize: bool = True
+) -> str:
+    """ "loader", "staged" or "cudnn" for a conv on ``device``, normalising its input or not (see the module
+    docstring; for a plain conv "loader" and "staged" both mean the Triton kernel)."""
     requested = requested_placement()
     if requested != "auto":
         return requested
     if device.type != "cuda":
         return "loader"
-    return "staged" if recompute_factor(kernel, c_out, stride, resample) >= STAGE_FROM_RECOMPUTE else "loader"
+    if normalize and recompute_factor(kernel, c_out, stride, resample) < STAGE_FROM_RECOMPUTE:
+        return "loader"
+    return "cudnn"

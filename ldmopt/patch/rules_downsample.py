@@ -5,7 +5,8 @@ diffusers' ``Downsample2D`` (UNet down blocks) is a plain 3x3 stride-2 conv. Its
 the next down block's first resnet (norm1), and, as a skip connection, an up block's resnet beside the hidden state
 (``cat([hidden, skip], 1)``). Each would run a statistics pass over it. The patched forward offers its output to them
 (ldmopt.nn.stats_handover): once one asked, the conv runs as ``gn_silu_conv2d(x, ..., normalize=False, stride=2)``,
-whose epilogue sums the per-group statistics and the per-channel sums they read; until then, whenever nothing asks,
+whose epilogue sums the per-group statistics and the per-channel sums they read (on GPUs: cuDNN's conv and a
+read-only statistics pass, the op's "cudnn" placement, ops/gn_conv2d_prologue.py); until then, whenever nothing asks,
 and under autograd (a gradient-checkpointing recompute must run the ops of the forward it replays), the stock conv
 runs (cuDNN). Results agree within the convs' rounding; fp32 products follow PyTorch's
 convolution precision either way.

@@ -4,7 +4,9 @@ diffusers' ``Upsample2D`` (UNet up blocks, the VAE decoder) writes ``F.interpola
 four times x, for its 3x3 conv to read back. The patched forward runs the conv as ``gn_silu_conv2d(x, ...,
 normalize=False, resample="up")``: the implicit-GEMM loader reads x at ``(oh // 2, ow // 2)``, so the upsampled tensor
 is never written (x is read instead of four times x). In the SDXL VAE decoder at 1024 px that tensor is 2 GB at the
-last level.
+last level. On GPUs, though, the op's auto placement ("cudnn", ops/gn_conv2d_prologue.py) upsamples before cuDNN's
+conv as diffusers does, keeping only the epilogue's statistics: that Triton conv measured 0.83x cuDNN's on the VAE's
+upsampler (H200, benchmarks/RESULTS.md); ``LDMOPT_GN_CONV_PROLOGUE=staged`` reads through the index map there too.
 
 Served: ``interpolate`` with ``use_conv`` (the conv a plain 3x3 / padding 1 nn.Conv2d, or 1x1), no norm, and
 ``output_size`` None or exactly twice the input (an upsampler without a conv, or with a transposed one, is not matched:

@@ -28,13 +28,14 @@ def staged(monkeypatch):
 @pytest.mark.parametrize(
     "kernel,c_out,stride,resample,expect",
     [
-        ((3, 3), 320, 1, "none", "staged"),  # SD resnet conv: 9 taps x 3 channel tiles
-        ((3, 3), 4, 1, "none", "staged"),  # conv_out: 9 taps
-        ((3, 1), 64, 1, "none", "staged"),  # temporal conv: 3 taps
+        # staged before cuDNN's conv (the "cudnn" placement) from 3 normalisations per element
+        ((3, 3), 320, 1, "none", "cudnn"),  # SD resnet conv: 9 taps x 3 channel tiles
+        ((3, 3), 4, 1, "none", "cudnn"),  # conv_out: 9 taps
+        ((3, 1), 64, 1, "none", "cudnn"),  # temporal conv: 3 taps
         ((3, 3), 128, 2, "none", "loader"),  # 9/4 taps
         ((1, 1), 256, 1, "none", "loader"),  # 2 channel tiles
-        ((1, 1), 320, 1, "none", "staged"),  # proj_in after GroupNorm: 3 channel tiles
-        ((1, 1), 64, 1, "up", "staged"),  # each input pixel feeds 4 conv inputs (one channel tile)
+        ((1, 1), 320, 1, "none", "cudnn"),  # proj_in after GroupNorm: 3 channel tiles
+        ((1, 1), 64, 1, "up", "cudnn"),  # each input pixel feeds 4 conv inputs (one channel tile)
     ],
 )
 def test_auto_policy_on_a_gpu(kernel, c_out, stride, resample, expect, monkeypatch):
@@ -143,7 +144,7 @@ def test_info_shows_the_setting(monkeypatch):
     from ldmopt import info
 
     monkeypatch.delenv(prologue.ENV, raising=False)
-    assert info.collect(query_gpu=False)["gn_conv_prologue"].startswith("auto (on a GPU: staged where")
+    assert info.collect(query_gpu=False)["gn_conv_prologue"].startswith("auto (on a GPU: in the conv's loader where")
     monkeypatch.setenv(prologue.ENV, "loader")
     text = info.format_info(info.collect(query_gpu=False))
     assert "GroupNorm -> conv prologue: loader (forced by LDMOPT_GN_CONV_PROLOGUE)" in text
