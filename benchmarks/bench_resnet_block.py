@@ -13,7 +13,8 @@ three placements are timed side by side. Op "resnet_skip": an up block's resnet 
 its skip connection: eager and compile concatenate then run diffusers' block, ldmopt-cat concatenates then runs the
 fused block, ldmopt reads (hidden, skip) in place (the raw concatenation is never written; the staged normalisation
 writes the normalised one). Op "upsample_conv": diffusers'
-Upsample2D (nearest 2x, then a 3x3 conv) vs ldmopt's conv reading the input through the 2x index map.
+Upsample2D (nearest 2x, then a 3x3 conv) vs ldmopt's conv reading the input through the 2x index map ("-staged"; the
+auto placement on a GPU upsamples before cuDNN's conv).
 The resnet_block, gn_conv2d and resnet_skip providers also get ``+graph`` rows (GPU time per call, from ten calls
 captured in one CUDA graph). FLOPs are the convolutions' 2*MACs; bytes the minimum traffic (activations read/written
 once, weights once; for fwd+bwd also the gradients' reads and writes).
@@ -270,12 +271,14 @@ def bench_upsample_conv(case, dtype, bench_recorder):
     x = torch.randn(n, c, size, size, device=DEVICE, dtype=dtype).contiguous(memory_format=torch.channels_last)
     flops = _conv_flops(n, c, c, 2 * size)
     elem = x.element_size()
-    # Fused: x read, the 2x output written, weights once. diffusers also writes and reads back 4x.
+    # The minimum: x read, the 2x output written, weights once (what "-staged", the Triton conv reading x through the
+    # 2x index map, moves). diffusers, and "ldmopt" on a GPU (the cudnn placement), also write and read back 4x.
     nbytes = x.numel() * elem * 5 + sum(p.numel() * p.element_size() for p in block.parameters())
     providers = {
         "eager": lambda: Upsample2D.forward(block, x),
         "compile": harness.compiled(lambda: Upsample2D.forward(block, x), mode="max-autotune-no-cudagraphs"),
         "ldmopt": lambda: fused_upsample_forward(block, x),
+        "ldmopt-staged": lambda: fused_upsample_forward(block, x),
     }
     if QUICK:
         providers.pop("compile")

@@ -256,7 +256,8 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
     from ldmopt.kernels.gn_conv2d import gn_conv2d_fwd
     from ldmopt.kernels.group_norm import group_norm_stats
 
-    placement = choose_placement(x.device, tuple(w.shape[2:]), w.shape[0], stride, resample, mean is not None)
+    placement = choose_placement(x.device, tuple(w.shape[2:]), w.shape[0], stride, resample, mean is not None,
+                                 fp32_precision == "matmul")  # fmt: skip
     if mean is not None or placement == "cudnn":
         placement_counts[placement] += 1
     if mean is not None and placement in ("staged", "cudnn"):
@@ -269,7 +270,8 @@ def _fwd_triton(x, mean, rstd, gw, gb, w, b, temb, res, sx, sw, sb, gate, groups
     # fp32 operands' row statistics: with the row sums the 64x128x32 IEEE tile spills on sm_80.
     deterministic = torch.are_deterministic_algorithms_enabled()
     in_epilogue = out_groups if not deterministic else 0
-    rows_in_epilogue = out_layer_norm and not deterministic and x.dtype != torch.float32
+    # (The spill is the Triton conv's: the cudnn placement's epilogue pass sums fp32 rows too.)
+    rows_in_epilogue = out_layer_norm and not deterministic and (placement == "cudnn" or x.dtype != torch.float32)
     sums_in_epilogue = out_channel_sums and not deterministic
     if placement == "cudnn":
         from .gn_conv2d_cudnn import conv_then_epilogue

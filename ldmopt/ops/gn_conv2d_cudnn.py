@@ -5,6 +5,7 @@ PyTorch runs the convolution (cuDNN on GPUs) and one Triton pass does the rest o
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ldmopt.kernels.conv_epilogue import conv_epilogue
 
@@ -18,11 +19,29 @@ def conv_then_epilogue(a, a_tail, w, b, temb, res, sx, sx_tail, sw, sb, gate, st
     """The "cudnn" placement after the staged normalisation: PyTorch's convolution of ``a`` (cuDNN on GPUs; in a's
     dtype with its bias, as the stock block runs it) and of the shortcut, then one Triton pass for the rest of the
     epilogue, in place (kernels/conv_epilogue.py)."""
-    a, sx = _cat(a, a_tail), _cat(sx, sx_tail)  # a two-part input only here when nothing normalises it
+    a = _cat(a, a_tail)  # a two-part input only here when nothing normalises it
     z = _conv(resample_input(a, resample), w, b, stride, padding, fp32_precision)
     z = z.contiguous(memory_format=torch.channels_last)  # what cuDNN gives a channels-last input: no copy
     sc = None
-    if sx is not None:
-        sc = _conv(resample_input(sx, sc_resample), sw, sb, 1, (0, 0), fp32_precision)
+    if sx is not None and sx_tail is not None and sc_resample == "none" and sx.dtype != torch.float32:
+        sc = _pointwise_of_parts(sx, sx_tail, sw, sb)
+    elif sx is not None:
+        sc = _conv(resample_input(_cat(sx, sx_tail), sc_resample), sw, sb, 1, (0, 0), fp32_precision)
     return conv_epilogue(z, temb, gate, sc, res, res_resample, output_scale, out_groups, out_eps, out_layer_norm,
                          out_channel_sums)  # fmt: skip
+
+
+def _pointwise_of_parts(head: Tensor, tail: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """The 1x1 shortcut conv of an up block's ``cat([hidden, skip], 1)`` as two GEMMs into one output (the second
+    accumulates in place), so the concatenation is never written, as the fused conv reads the parts where they lie.
+    16-bit only: an fp32 conv's products follow cuDNN's TF32 setting, not the matmul's, so fp32 concatenates."""
+    n, c_head, h, wd = head.shape
+    w2 = w[:, :, 0, 0]
+
+    def rows(t: Tensor) -> Tensor:
+        return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])  # a view of a channels-last part
+
+    first = w2[:, :c_head].t()
+    out = torch.addmm(b, rows(head), first) if b is not None else rows(head) @ first
+    out.addmm_(rows(tail), w2[:, c_head:].t())
+    return out.view(n, h, wd, -1).permute(0, 3, 1, 2)

@@ -26,7 +26,7 @@ auto's choice on GPUs wherever the loader is not: the measured Triton implicit-G
 Stable Diffusion shapes (benchmarks/RESULTS.md, H200, 2026-12-04: a patched SD1.5 step 0.37x stock as a CUDA graph,
 the VAE's upsampler conv 0.83x cuDNN), so the conv stays cuDNN's and ldmopt fuses what surrounds it. It costs one
 launch and one read and write of the output more than "staged" (none more with nothing to add); the plain convs
-(upsamplers, downsamplers, proj_out read as a 1x1 conv) take it too.
+(upsamplers, downsamplers) take it too, but not a Linear read as a 1x1 conv (see choose_placement).
 ``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged | cudnn overrides the choice ("loader" and "staged"
 also put plain convs in the Triton kernel); benchmarks time them. On CPU tensors (the Triton interpreter, tests)
 auto keeps the Triton kernel, whose code the tests cover; they force the others to cover them.
@@ -92,14 +92,23 @@ def recompute_factor(kernel: tuple[int, int], c_out: int, stride: int, resample:
 
 
 def choose_placement(
-    device: torch.device, kernel: tuple[int, int], c_out: int, stride: int, resample: str, normalize: bool = True
+    device: torch.device,
+    kernel: tuple[int, int],
+    c_out: int,
+    stride: int,
+    resample: str,
+    normalize: bool = True,
+    linear: bool = False,
 ) -> str:
     """ "loader", "staged" or "cudnn" for a conv on ``device``, normalising its input or not (see the module
-    docstring; for a plain conv "loader" and "staged" both mean the Triton kernel)."""
+    docstring; for a plain conv "loader" and "staged" both mean the Triton kernel). ``linear``: a Linear read as a 1x1
+    conv (fp32_precision "matmul"); one that normalises nothing stays in the Triton kernel, whose single rounding
+    after the residual add it shares with the Triton GEMM it stands in for (nn/proj_out.py switches between the two
+    and must not change its result); cuDNN's conv would round before the epilogue's add as well."""
     requested = requested_placement()
     if requested != "auto":
         return requested
-    if device.type != "cuda":
+    if device.type != "cuda" or (linear and not normalize):
         return "loader"
     if normalize and recompute_factor(kernel, c_out, stride, resample) < STAGE_FROM_RECOMPUTE:
         return "loader"

@@ -92,7 +92,10 @@ def fused_upsample_forward(self, hidden_states: Tensor, output_size=None, *args,
 class UpsampleConvRule(ClassSwapRule):
     name = "upsample_conv"
     family = "gn_conv"
-    description = "Upsample2D: nearest 2x read in the conv's loads (the upsampled tensor is never written)"
+    description = (
+        "Upsample2D: nearest 2x read in the Triton conv's loads (the upsampled tensor is never written), or, on GPUs, "
+        "cuDNN's conv with the next GroupNorm's statistics summed after it"
+    )
     checked_in_forward = ("conv", "Conv2d_0")
 
     def targets(self) -> tuple[type, ...]:

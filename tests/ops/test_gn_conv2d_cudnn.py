@@ -89,6 +89,7 @@ def test_two_part_input_and_shortcut(resample, dtype, cudnn):
                              shortcut_resample=resample)  # fmt: skip
     ref = _compose(*[a.double() if torch.is_tensor(a) else a for a in args])
     assert_within_torch_error(out, ref, _compose(*args), f"cudnn parts {resample} {dtype}")
+    assert prologue.placement_counts == {"cudnn": 1}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -104,6 +105,7 @@ def test_temporal_conv_with_frame_temb_gate_and_residual(dtype, cudnn):
     ref = _compose_5d(x5.double(), _d(gw), _d(gb), 3, _d(w3), _d(b), 1, temb=_d(temb), gate=gate.double()) + _d(x5)
     lowp = _compose_5d(x5.float(), gw.float(), gb.float(), 3, w3.float(), b.float(), 1, temb=temb.float(), gate=gate)
     assert_within_torch_error(_as_5d(y, h, w), ref, (lowp + x5.float()).to(dtype), f"cudnn temporal {dtype}")
+    assert prologue.placement_counts == {"cudnn": 1}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -152,3 +154,70 @@ def test_cudnn_and_loader_agree_through_backward(monkeypatch):
     torch.testing.assert_close(y_c, y_l, rtol=1e-5, atol=1e-5)
     for a, c in zip(g_c, g_l):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_epilogue_over_several_tiles_with_broadcast_temb_and_nchw_residual(dtype, cudnn):
+    """136 channels of 9 x 9 pixels: 2 column and 3 row tiles per image (the last partial), so the per-image arrival
+    counter and the cross-tile sums run; a temb of stride 0 over the batch and an NCHW residual read by strides."""
+    x, gw, gb, groups, w, b = _inputs(2, 16, 9, 9, 136, 3, dtype)
+    temb = torch.randn(1, 136, dtype=dtype).expand(2, -1)
+    residual = torch.randn(2, 136, 9, 9, dtype=dtype)  # NCHW
+    with ldmopt.use_backend("triton"):
+        y, (mean, rstd), sums = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, temb=temb, residual=residual,
+                                               output_scale=1.3, out_stats=(8, 1e-6),
+                                               out_channel_sums=True)  # fmt: skip
+    _check(y, (x, gw, gb, groups, w, b, 1, 1), dict(temb=temb, residual=residual, scale=1.3), "cudnn tiles")
+    yg = y.double().reshape(2, 8, -1)
+    assert_close(mean, yg.mean(-1), torch.float32, "mean")
+    assert_close(rstd, torch.rsqrt(yg.var(-1, unbiased=False) + 1e-6), torch.float32, "rstd")
+    expect = channel_sums_torch(y)
+    torch.testing.assert_close(sums, expect, rtol=1e-5, atol=1e-5 * expect[..., 1].abs().max().item())
+    assert prologue.placement_counts == {"cudnn": 1}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_statistics_over_several_tiles(dtype, cudnn):
+    """A projection's LayerNorm statistics per pixel, summed across 2 column tiles (fp32 too: the epilogue pass has
+    no spill to avoid)."""
+    x, gw, gb, groups, w, b = _inputs(2, 12, 9, 9, 136, 1, dtype)
+    with ldmopt.use_backend("triton"):
+        y, stats = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 0, activation=None, next_norm_eps=1e-6)
+    rows = pixel_rows(y).double()
+    assert_close(stats[0], rows.mean(1), torch.float32, "row means")
+    assert_close(stats[1], torch.rsqrt(rows.var(1, unbiased=False) + 1e-6), torch.float32, "row rstd")
+
+
+def test_a_linear_read_as_a_pointwise_conv_with_its_residual(cudnn):
+    """fp32_precision="matmul": the conv is nn.Linear's GEMM over the channels-last rows, then the residual pass."""
+    tokens = _cl(torch.randn(2, 24, 5, 7))
+    w, b = torch.randn(20, 24, 1, 1) * 0.2, torch.randn(20)
+    residual = _cl(torch.randn(2, 20, 5, 7))
+    with ldmopt.use_backend("triton"):
+        y = gn_silu_conv2d(tokens, None, None, 0, 0.0, w, b, 1, 0, normalize=False, activation=None,
+                           residual=residual, fp32_precision="matmul")  # fmt: skip
+    expect = torch.nn.functional.conv2d(tokens.double(), w.double(), b.double()) + residual.double()
+    assert_close(y, expect, torch.float32, "linear as conv")
+    assert prologue.placement_counts == {"cudnn": 1}
+
+
+def test_auto_keeps_a_plain_linear_in_the_triton_kernel(monkeypatch):
+    """proj_out switches between the Triton GEMM and a 1x1 conv: the conv must round as the GEMM does (once)."""
+    monkeypatch.delenv(prologue.ENV, raising=False)
+    assert prologue.choose_placement(CUDA, (1, 1), 320, 1, "none", normalize=False, linear=True) == "loader"
+    assert prologue.choose_placement(CUDA, (1, 1), 320, 1, "none", normalize=True, linear=True) == "cudnn"
+
+
+def test_deterministic_mode_sums_after_the_conv_in_a_fixed_order(cudnn, triton_launches):
+    x, gw, gb, groups, w, b = _inputs(2, 16, 9, 9, 136, 3, torch.float32)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with ldmopt.use_backend("triton"):
+            y, (mean, _rstd), sums = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, out_stats=(8, 1e-6),
+                                                    out_channel_sums=True)  # fmt: skip
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert "_conv_epilogue_kernel" not in triton_launches  # no atomics: nothing to add, statistics passes after
+    torch.testing.assert_close(sums, channel_sums_torch(y), rtol=0, atol=0)
+    yg = y.double().reshape(2, 8, -1)
+    assert_close(mean, yg.mean(-1), torch.float32, "mean")
