@@ -1,0 +1,43 @@
+"""Whole patched models under the fused conv's "cudnn" placement (GPUs' default; ops/gn_conv2d_prologue.py): every
+resnet, upsampler and downsampler conv is PyTorch's, between ldmopt's normalisation pass and its epilogue pass, and
+the statistics hand-overs between blocks (channel sums for the up blocks' two-part inputs, per-frame sums for video
+GroupNorms) come from the epilogue pass. The model must still match stock."""
+
+import pytest
+import torch
+
+import ldmopt
+from ldmopt.ops import gn_conv2d_prologue as prologue
+from tests.patch import models
+from tests.patch.helpers import assert_outputs_close, output_tensor, triton_only_for
+
+pytest.importorskip("diffusers")
+
+pytestmark = pytest.mark.usefixtures("fresh_handover")
+
+
+@pytest.mark.parametrize(
+    ("family", "consumer"),
+    [("sd15", "ResnetBlock2D.norm1"), ("svd", "TemporalResnetBlock.norm1")],
+    ids=["sd15", "svd"],
+)
+def test_patched_model_matches_stock_with_statistics_from_the_epilogue_pass(family, consumer, fresh_handover,
+                                                                             monkeypatch, triton_launches):  # fmt: skip
+    monkeypatch.setenv(prologue.ENV, "cudnn")
+    prologue.placement_counts.clear()
+    torch.manual_seed(0)
+    build = models.sd15_unet if family == "sd15" else models.svd
+    stock, patched = build().eval(), build().eval()
+    patched.load_state_dict(stock.state_dict())
+    ldmopt.patch(patched)
+    kw = models.inputs(family, stock, batch=1, frames=2)  # small: the interpreter runs every normalisation pass
+    with torch.no_grad(), triton_only_for("gn_silu_conv2d"):
+        expected = output_tensor(stock(**kw))
+        patched(**kw)  # the first call teaches the producers which statistics their consumers want
+        fresh_handover.handed_over.clear()
+        triton_launches.clear()
+        got = output_tensor(patched(**kw))
+    assert_outputs_close(got, expected, name=f"{family}, cudnn placement")
+    assert prologue.placement_counts["cudnn"] > 0 and set(prologue.placement_counts) == {"cudnn"}
+    assert "_gn_conv2d_fwd_kernel" not in triton_launches and "_conv_epilogue_kernel" in triton_launches
+    assert fresh_handover.handed_over[consumer] >= 2, dict(fresh_handover.handed_over)
