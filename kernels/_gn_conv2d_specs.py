@@ -10,6 +10,24 @@ from .gn_conv2d import CONV_TILES_FP32, CONV_TILES_LOADER, CONV_TILES_PLAIN, RES
 _FP32_PTRS = ("out_mean_ptr", "out_rstd_ptr", "mean_ptr", "rstd_ptr", "gate_ptr")
 
 
+def _signature(fn, constexprs: dict, dtype: str) -> dict:
+    """Triton types of a conv kernel's arguments: the statistics workspace fp64, its counters int32, the statistics
+    and the gate fp32, other pointers ``dtype``, eps and scale fp32, other scalars int32."""
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            sig[arg] = "constexpr"
+        elif arg == "ws_ptr":
+            sig[arg] = "*fp64"
+        elif arg == "counter_ptr":
+            sig[arg] = "*i32"
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32" if arg in _FP32_PTRS else f"*{dtype}"
+        else:
+            sig[arg] = "fp32" if arg in ("out_eps", "inv_scale") else "i32"
+    return sig
+
+
 def _aot_spec(
     name,
     dtype,
@@ -45,18 +63,7 @@ def _aot_spec(
         X_TWO_PART=x_two_part, SC_TWO_PART=sc_two_part, BM=bm, BN=bn, BK=bk,
     )  # fmt: skip
     fn = _gn_conv2d_fwd_kernel.fn
-    sig = {}
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            sig[arg] = "constexpr"
-        elif arg == "ws_ptr":
-            sig[arg] = "*fp64"
-        elif arg == "counter_ptr":
-            sig[arg] = "*i32"
-        elif arg.endswith("_ptr"):
-            sig[arg] = "*fp32" if arg in _FP32_PTRS else f"*{dtype}"
-        else:
-            sig[arg] = "fp32" if arg in ("out_eps", "inv_scale") else "i32"
+    sig = _signature(fn, constexprs, dtype)
     # What Triton's launcher specialises at run time for SD shapes: 16-byte aligned pointers, ints that are multiples
     # of 16 (channels, strides, 64x64 / 32x32 spatial sizes); the autotune keys are not.
     div16 = [k for k, v in sig.items() if v != "constexpr" and k not in ("out_eps", "inv_scale") and "KEY" not in k]
@@ -200,18 +207,7 @@ def _epilogue_spec(name, dtype, c, *, temb=False, temb_rows=False, gate=False, s
         OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, OUT_ROW_STATS=row_stats, IDX64=False, BM=bm, BN=bn,
     )  # fmt: skip
     fn = _conv_epilogue_kernel  # a plain @triton.jit function (no autotuner around it)
-    sig = {}
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            sig[arg] = "constexpr"
-        elif arg == "ws_ptr":
-            sig[arg] = "*fp64"
-        elif arg == "counter_ptr":
-            sig[arg] = "*i32"
-        elif arg.endswith("_ptr"):
-            sig[arg] = "*fp32" if arg in _FP32_PTRS else f"*{dtype}"
-        else:
-            sig[arg] = "fp32" if arg in ("out_eps", "inv_scale") else "i32"
+    sig = _signature(fn, constexprs, dtype)
     div16 = [k for k, v in sig.items() if v != "constexpr" and k not in ("out_eps", "inv_scale")]
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in div16}
     return dict(name=name, fn=fn, signature=sig, constexprs=constexprs, attrs=attrs, num_warps=warps, num_stages=1)
@@ -238,4 +234,5 @@ def conv_epilogue_aot_specs() -> list[dict]:
         _epilogue_spec("conv_epilogue[fp16,sums only,C=320]", "fp16", 320, out_stats=True, write=False),
         _epilogue_spec("conv_epilogue[fp16,proj_in:row stats,C=640]", "fp16", 640, row_stats=True, write=False),
         _epilogue_spec("conv_epilogue[fp32,conv1:temb+stats,C=320]", "fp32", 320, temb=True, out_stats=True),
+        _epilogue_spec("conv_epilogue[fp32,proj_in:row stats,C=640]", "fp32", 640, row_stats=True, write=False),
     ]

@@ -23,9 +23,9 @@ import triton.language as tl
 
 from ldmopt._env import interpreter_enabled
 
-from ._common import cdiv, identity, new_output, next_power_of_2
+from ._common import cdiv, new_output, next_power_of_2
 from ._gemm import row_statistics, row_stats_workspace
-from .gn_conv2d import RESAMPLE, _idx, _stage_input, _stats_workspace, channel_statistics, int64_index
+from .gn_conv2d import RESAMPLE, _idx, _stats_workspace, channel_statistics, epilogue_adds, int64_index
 
 #: elements per tile: 32 fp32 values per thread at 4 warps
 _TILE = 4096
@@ -73,23 +73,13 @@ def _conv_epilogue_kernel(
     cols = _idx(offs_n, IDX64)[None, :]
     pixel = rows * szh + _idx(ow, IDX64)[:, None] * szw
     acc = tl.load(z_ptr + n.to(tl.int64) * szn + pixel + cols * szc, mask=mask, other=0.0).to(tl.float32)
-    if HAS_TEMB:
-        if TEMB_ROWS:  # one vector per output row (a temporal conv's per-frame embedding)
-            temb_off = _idx(n, IDX64) * stn + rows * sth + cols * stc
-            acc += tl.load(temb_ptr + temb_off, mask=mask, other=0.0).to(tl.float32)
-        else:
-            temb_off = _idx(n, IDX64) * stn + _idx(offs_n, IDX64) * stc
-            acc += tl.load(temb_ptr + temb_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SC:
+    if HAS_SC:  # added before the gate, as the fused conv accumulates its shortcut into the conv's tile
         sc_off = n.to(tl.int64) * sscn + rows * ssch + _idx(ow, IDX64)[:, None] * sscw + cols * sscc
         acc += tl.load(sc_ptr + sc_off, mask=mask, other=0.0).to(tl.float32)
-    if HAS_GATE:  # everything but the residual is scaled (SVD's alpha blend of spatial and temporal paths)
-        acc *= tl.load(gate_ptr + _idx(n, IDX64) * sgn + _idx(oh, IDX64) * sgh, mask=m_mask, other=0.0)[:, None]
-    if HAS_RES:
-        zero_n = tl.zeros([BN], dtype=tl.float32)
-        acc += _stage_input(res_ptr + n.to(tl.int64) * srn, oh, ow, m_mask, offs_n, n_mask, srh, srw, src, HR, WR,
-                            zero_n, zero_n, RES_RESAMPLE, False, identity, IDX64)  # fmt: skip
-    out = (acc * inv_scale).to(y_ptr.dtype.element_ty)
+    acc = epilogue_adds(acc, n, oh, ow, offs_n, m_mask, n_mask, mask, temb_ptr, stn, stc, sth, gate_ptr, sgn, sgh,
+                        res_ptr, srn, srh, srw, src, HR, WR, inv_scale, HAS_TEMB, TEMB_ROWS, HAS_GATE, HAS_RES,
+                        RES_RESAMPLE, IDX64, BN)  # fmt: skip
+    out = acc.to(y_ptr.dtype.element_ty)
     if WRITE:
         y_pixel = rows * syh + _idx(ow, IDX64)[:, None] * syw
         tl.store(y_ptr + n.to(tl.int64) * syn + y_pixel + cols * syc, out, mask=mask)

@@ -33,6 +33,7 @@ from ._common import (
     cdiv,
     config_tag,
     fp32_dot_precision,
+    identity,
     new_output,
     next_power_of_2,
     prune_by_operand_width,
@@ -196,6 +197,31 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
         rstd = 1.0 / tl.sqrt(var.to(tl.float32) + eps)
         tl.store(mean_ptr + n * G + g, mean.to(tl.float32), mask=g < G)
         tl.store(rstd_ptr + n * G + g, rstd, mask=g < G)
+
+
+@triton.jit
+def epilogue_adds(acc, n, oh, ow, offs_n, m_mask, n_mask, mask, temb_ptr, stn, stc, sth, gate_ptr, sgn, sgh, res_ptr,
+                  srn, srh, srw, src, HR, WR, inv_scale, HAS_TEMB: tl.constexpr, TEMB_ROWS: tl.constexpr,
+                  HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, RES_RESAMPLE: tl.constexpr, IDX64: tl.constexpr,
+                  BN: tl.constexpr):  # fmt: skip
+    """Epilogue: ``(residual + gate[n, oh] * (acc + temb[n, oh])) * inv_scale`` over an output tile of image n (rows
+    (oh, ow), channels offs_n), in fp32. Used by the fused convolution and by the pass after a cuDNN one
+    (kernels/conv_epilogue.py)."""
+    if HAS_TEMB:
+        n_t = _idx(n, IDX64)
+        c_t = _idx(offs_n, IDX64)
+        if TEMB_ROWS:  # one vector per output row (a temporal conv's per-frame embedding)
+            temb_off = n_t * stn + _idx(oh, IDX64)[:, None] * sth + c_t[None, :] * stc
+            acc += tl.load(temb_ptr + temb_off, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(temb_ptr + n_t * stn + c_t * stc, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_GATE:  # everything but the residual is scaled (SVD's alpha blend of spatial and temporal paths)
+        acc *= tl.load(gate_ptr + _idx(n, IDX64) * sgn + _idx(oh, IDX64) * sgh, mask=m_mask, other=0.0)[:, None]
+    if HAS_RES:
+        zero_n = tl.zeros([BN], dtype=tl.float32)
+        acc += _stage_input(res_ptr + n.to(tl.int64) * srn, oh, ow, m_mask, offs_n, n_mask, srh, srw, src, HR, WR,
+                            zero_n, zero_n, RES_RESAMPLE, False, identity, IDX64)  # fmt: skip
+    return acc * inv_scale
 
 
 @triton.jit
@@ -370,21 +396,9 @@ def _gn_conv2d_fwd_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS2:
         acc += tl.load(bias2_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_TEMB:
-        n_t = _idx(n, IDX64)
-        c_t = _idx(offs_n, IDX64)
-        if TEMB_ROWS:  # one vector per output row (a temporal conv's per-frame embedding)
-            temb_off = n_t * stn + _idx(oh, IDX64)[:, None] * sth + c_t[None, :] * stc
-            acc += tl.load(temb_ptr + temb_off, mask=mask, other=0.0).to(tl.float32)
-        else:
-            acc += tl.load(temb_ptr + n_t * stn + c_t * stc, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_GATE:  # everything but the residual is scaled (SVD's alpha blend of spatial and temporal paths)
-        acc *= tl.load(gate_ptr + _idx(n, IDX64) * sgn + _idx(oh, IDX64) * sgh, mask=m_mask, other=0.0)[:, None]
-    if HAS_RES:
-        zero_n = tl.zeros([BN], dtype=tl.float32)
-        acc += _stage_input(res_ptr + n.to(tl.int64) * srn, oh, ow, m_mask, offs_n, n_mask, srh, srw, src, HR, WR,
-                            zero_n, zero_n, RES_RESAMPLE, False, ACTIVATION, IDX64)  # fmt: skip
-    acc = acc * inv_scale
+    acc = epilogue_adds(acc, n, oh, ow, offs_n, m_mask, n_mask, mask, temb_ptr, stn, stc, sth, gate_ptr, sgn, sgh,
+                        res_ptr, srn, srh, srw, src, HR, WR, inv_scale, HAS_TEMB, TEMB_ROWS, HAS_GATE, HAS_RES,
+                        RES_RESAMPLE, IDX64, BN)  # fmt: skip
     out = acc.to(y_ptr.dtype.element_ty)
     y_off = n.to(tl.int64) * syn + (oh.to(tl.int64) * syh + ow.to(tl.int64) * syw)[:, None] + offs_n[None, :] * syc
     tl.store(y_ptr + y_off, out, mask=mask)

@@ -8,12 +8,12 @@ Custom ops: ``ldmopt::gn_conv2d`` (the fused conv, with autograd) and, in gn_con
 Backends: triton (kernels/gn_conv2d.py) and torch, the reference: the unfused composition in fp32 math (fp64 for fp64
 inputs). The triton backend applies GroupNorm + activation in the conv's loader or, where the conv would normalise each
 input element several times over, in one staged pass before a plain conv; on GPUs that conv, and any conv without a
-norm, is PyTorch's (cuDNN) followed by the epilogue as a Triton pass (gn_conv2d_cudnn.py). gn_conv2d_prologue.py
-chooses per call; ``LDMOPT_GN_CONV_PROLOGUE`` overrides. Backward recomputes ``act(group_norm(x))`` from the saved
-input and statistics (group_norm_apply.py: one fused pass where Triton runs) and uses PyTorch's convolution backward,
-so no activation beyond the op's inputs is kept alive. ``fp32_precision="matmul"`` (a Linear read as a 1x1 conv):
-fp32 products follow PyTorch's matmul precision instead of its convolution's, in the kernel, and the reference and
-backward run nn.Linear's GEMMs.
+norm but a Linear's, is PyTorch's (cuDNN) followed by the epilogue as a Triton pass (gn_conv2d_cudnn.py).
+gn_conv2d_prologue.py chooses per call; ``LDMOPT_GN_CONV_PROLOGUE`` overrides. Backward recomputes
+``act(group_norm(x))`` from the saved input and statistics (group_norm_apply.py: one fused pass where Triton runs) and
+uses PyTorch's convolution backward, so no activation beyond the op's inputs is kept alive.
+``fp32_precision="matmul"`` (a Linear read as a 1x1 conv): fp32 products follow PyTorch's matmul precision instead of
+its convolution's, in the kernel, and the reference and backward run nn.Linear's GEMMs.
 """
 
 from __future__ import annotations
@@ -605,7 +605,8 @@ def gn_silu_conv2d(
     ``(y, stats)`` with the LayerNorm statistics of y's pixels over their channels for that eps: ``layer_norm_stats``
     of y as a token array [N * OH * OW, C_out] ([2, M]: means, then rstds), what a transformer's first LayerNorm reads
     after its proj_in (``layer_norm_linear(..., stats=stats)``), summed in the epilogue as ``ops.linear``'s are
-    (16-bit inputs; fp32 ones, and any under deterministic algorithms, take a statistics pass over y instead).
+    (16-bit inputs, and fp32 under the "cudnn" placement; other fp32 ones, and any under deterministic algorithms,
+    take a statistics pass over y instead).
     ``out_channel_sums=True`` appends y's per-(image, channel) sum and sum of squares, [N, C_out, 2] fp64, summed in
     the same epilogue (a pass over y under deterministic algorithms), to what is returned (``(y, sums)``, ``(y,
     (mean, rstd), sums)``): ``ops.group_norm_sums.group_norm_stats_from_sums`` turns them into GroupNorm statistics
@@ -633,7 +634,7 @@ def gn_silu_conv2d(
     Output statistics sum in fp64 atomics, so they can differ in the last bit between runs. On a GPU, convs that
     would normalise each input element 3 or more times in the loader (every stride-1 3x3 conv) write
     ``act(group_norm(x))`` once in x's dtype and run cuDNN's conv on it, then the epilogue as a Triton pass; so does
-    every conv without a norm (ldmopt.ops.gn_conv2d_prologue: the reasoning, and
+    every conv without a norm but a Linear read as one (ldmopt.ops.gn_conv2d_prologue: the reasoning, and
     ``LDMOPT_GN_CONV_PROLOGUE=loader|staged|cudnn`` to force one); the results agree within rounding.
 
     fp32 inputs on GPUs use TF32 tensor cores or IEEE fp32 products as PyTorch would: ``fp32_precision="conv"`` as its

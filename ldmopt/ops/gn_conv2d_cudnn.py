@@ -23,7 +23,10 @@ def conv_then_epilogue(a, a_tail, w, b, temb, res, sx, sx_tail, sw, sb, gate, st
     z = _conv(resample_input(a, resample), w, b, stride, padding, fp32_precision)
     z = z.contiguous(memory_format=torch.channels_last)  # what cuDNN gives a channels-last input: no copy
     sc = None
-    if sx is not None and sx_tail is not None and sc_resample == "none" and sx.dtype != torch.float32:
+    two_gemms = sc_resample == "none" and sx is not None and sx.dtype != torch.float32
+    # (cuBLAS's addmm refuses deterministic mode without CUBLAS_WORKSPACE_CONFIG; cuDNN's conv of the concatenation
+    # does not, so there the concatenation is written)
+    if two_gemms and sx_tail is not None and not torch.are_deterministic_algorithms_enabled():
         sc = _pointwise_of_parts(sx, sx_tail, sw, sb)
     elif sx is not None:
         sc = _conv(resample_input(_cat(sx, sx_tail), sc_resample), sw, sb, 1, (0, 0), fp32_precision)
@@ -34,7 +37,9 @@ def conv_then_epilogue(a, a_tail, w, b, temb, res, sx, sx_tail, sw, sb, gate, st
 def _pointwise_of_parts(head: Tensor, tail: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """The 1x1 shortcut conv of an up block's ``cat([hidden, skip], 1)`` as two GEMMs into one output (the second
     accumulates in place), so the concatenation is never written, as the fused conv reads the parts where they lie.
-    16-bit only: an fp32 conv's products follow cuDNN's TF32 setting, not the matmul's, so fp32 concatenates."""
+    The head's product (with the bias) is rounded to the dtype before the tail's is added: one rounding more than a
+    conv of the concatenation, half an ulp of the head's part. 16-bit only: an fp32 conv's products follow cuDNN's
+    TF32 setting, not the matmul's, so fp32 concatenates (so does a resampled shortcut)."""
     n, c_head, h, wd = head.shape
     w2 = w[:, :, 0, 0]
 

@@ -104,7 +104,8 @@ def choose_placement(
     docstring; for a plain conv "loader" and "staged" both mean the Triton kernel). ``linear``: a Linear read as a 1x1
     conv (fp32_precision "matmul"); one that normalises nothing stays in the Triton kernel, whose single rounding
     after the residual add it shares with the Triton GEMM it stands in for (nn/proj_out.py switches between the two
-    and must not change its result); cuDNN's conv would round before the epilogue's add as well."""
+    and must not change its result); cuDNN's conv would round before the epilogue's add as well (so, forced to
+    "cudnn", proj_out's result differs by a rounding step between its first call and later ones)."""
     requested = requested_placement()
     if requested != "auto":
         return requested

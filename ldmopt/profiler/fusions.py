@@ -5,6 +5,11 @@ its bytes disappear. Accounting (minimum bytes, as in the unpatched count): an i
 kernel keeps in registers is neither written nor read back; operands the fused kernel still needs (a GroupNorm
 input for its statistics pass, the residual, the broadcast scale/shift/gate/temb vectors) stay counted.
 
+The conv rules project the fused conv's loader and epilogue (the placement the CPU and ``LDMOPT_GN_CONV_PROLOGUE=
+loader`` run). GPUs default to the "cudnn" placement instead (ops/gn_conv2d_prologue.py), which still writes the
+normalised input once, the upsampled input, and reads and writes the conv's output once more in the epilogue pass:
+there these projections overstate what goes.
+
 Rules (names as reported):
 - ``GroupNorm(+SiLU) -> conv/GEMM loads``: GroupNorm -> [SiLU] -> [layout copy] -> convolution or GEMM. The
   conv reads the GroupNorm input through ``silu(a*x + b)``; a separate statistics pass still reads ``x`` once.

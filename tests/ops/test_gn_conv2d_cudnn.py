@@ -32,7 +32,7 @@ def cudnn(monkeypatch):
         ((3, 3), 128, 2, "none", True, "loader"),  # 9/4 taps: the loader normalises each element about twice
         ((1, 1), 256, 1, "none", True, "loader"),  # proj_in after GroupNorm, 2 channel tiles
         ((3, 3), 320, 2, "none", False, "cudnn"),  # a downsampler's plain conv
-        ((1, 1), 320, 1, "none", False, "cudnn"),  # proj_out read as a 1x1 conv
+        ((1, 1), 320, 1, "none", False, "cudnn"),  # a plain 1x1 conv (not a Linear: see the next test)
     ],
 )
 def test_auto_policy_on_a_gpu(kernel, c_out, stride, resample, normalize, expect, monkeypatch):
@@ -177,18 +177,20 @@ def test_epilogue_over_several_tiles_with_broadcast_temb_and_nchw_residual(dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_statistics_over_several_tiles(dtype, cudnn):
+def test_row_statistics_over_several_tiles(dtype, cudnn, triton_launches):
     """A projection's LayerNorm statistics per pixel, summed across 2 column tiles (fp32 too: the epilogue pass has
     no spill to avoid)."""
     x, gw, gb, groups, w, b = _inputs(2, 12, 9, 9, 136, 1, dtype)
     with ldmopt.use_backend("triton"):
         y, stats = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, 1, 0, activation=None, next_norm_eps=1e-6)
+    assert "_conv_epilogue_kernel" in triton_launches and "_row_stats_kernel" not in triton_launches
     rows = pixel_rows(y).double()
     assert_close(stats[0], rows.mean(1), torch.float32, "row means")
     assert_close(stats[1], torch.rsqrt(rows.var(1, unbiased=False) + 1e-6), torch.float32, "row rstd")
 
 
 def test_a_linear_read_as_a_pointwise_conv_with_its_residual(cudnn):
+    # (auto keeps such a conv in the Triton kernel; forced here, as LDMOPT_GN_CONV_PROLOGUE=cudnn would)
     """fp32_precision="matmul": the conv is nn.Linear's GEMM over the channels-last rows, then the residual pass."""
     tokens = _cl(torch.randn(2, 24, 5, 7))
     w, b = torch.randn(20, 24, 1, 1) * 0.2, torch.randn(20)
@@ -221,3 +223,14 @@ def test_deterministic_mode_sums_after_the_conv_in_a_fixed_order(cudnn, triton_l
     torch.testing.assert_close(sums, channel_sums_torch(y), rtol=0, atol=0)
     yg = y.double().reshape(2, 8, -1)
     assert_close(mean, yg.mean(-1), torch.float32, "mean")
+
+
+def test_two_part_shortcut_without_bias_as_two_gemms(cudnn):
+    head, tail = _parts(2, 7, 9, 5, 7, torch.float16)
+    gw, gb, w, b, sw, _ = _block_params(16, 11, torch.float16)
+    temb = torch.randn(2, 11, dtype=torch.float16)
+    args = (head, tail, gw, gb, 4, w, b, "none", temb, sw, None, 1.0)
+    with ldmopt.use_backend("triton"):
+        out = gn_silu_conv2d((head, tail), gw, gb, 4, 1e-5, w, b, 1, 1, temb=temb, shortcut=((head, tail), sw, None))
+    ref = _compose(*[a.double() if torch.is_tensor(a) else a for a in args])
+    assert_within_torch_error(out, ref, _compose(*args), "cudnn parts, shortcut without bias")
