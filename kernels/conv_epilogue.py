@@ -23,9 +23,19 @@ import triton.language as tl
 
 from ldmopt._env import interpreter_enabled
 
-from ._common import cdiv, new_output, next_power_of_2
-from ._gemm import row_statistics, row_stats_workspace
-from .gn_conv2d import RESAMPLE, _idx, _stats_workspace, channel_statistics, epilogue_adds, int64_index
+from ._common import cdiv, next_power_of_2
+from ._gemm import row_statistics
+from .gn_conv2d import (
+    RESAMPLE,
+    _idx,
+    channel_statistics,
+    channel_sums_output,
+    epilogue_adds,
+    int64_index,
+    nhwc_strides,
+    output_statistics_buffers,
+    temb_gate_strides,
+)
 
 #: elements per tile: 32 fp32 values per thread at 4 warps
 _TILE = 4096
@@ -120,47 +130,30 @@ def conv_epilogue(
     residual: [N, C, RH, RW] read through ``residual_resample``."""
     n, c, oh, ow = z.shape
     s = oh * ow
-    if out_layer_norm and out_groups:
-        raise ValueError(f"out_layer_norm with out_groups={out_groups}: one kind of output statistics per call")
     bm, bn, warps = _tile(c)
-    out_mean = new_output((2, n * s) if out_layer_norm else (n, out_groups), device=z.device, dtype=torch.float32)
-    out_rstd = new_output((n, out_groups), device=z.device, dtype=torch.float32)
-    if out_layer_norm:
-        ws, counters = row_stats_workspace(z.device, n * s, n * cdiv(s, bm))
-        block_cpg = block_g = 1
-    elif out_groups or out_channel_sums:
-        ws, counters = _stats_workspace(z.device, n, c)
-        block_cpg = max(64, next_power_of_2(c // out_groups)) if out_groups else 64
-        block_g = max(1, min(next_power_of_2(max(out_groups, 1)), 1024 // block_cpg))
-    else:
-        ws, counters, block_cpg, block_g = out_mean, out_rstd, 1, 1
+    out_mean, out_rstd, ws, counters, block_g, block_cpg = output_statistics_buffers(
+        z.device, n, c, s, out_groups, out_layer_norm, out_channel_sums, bm
+    )
     write = any(t is not None for t in (temb, gate, shortcut, residual)) or output_scale != 1.0
     if not (write or out_groups or out_layer_norm or out_channel_sums):  # nothing to add, scale or sum: z is y
-        return z, out_mean, out_rstd, torch.empty((n, 0, 2), device=z.device, dtype=torch.float64)
-    temb_rows = temb is not None and temb.dim() == 3
+        return z, out_mean, out_rstd, channel_sums_output(ws, n, c, False)
     res_h, res_w = residual.shape[2:] if residual is not None else (1, 1)
-
-    def strides4(t):  # (n, h, w, c) order
-        return (t.stride(0), t.stride(2), t.stride(3), t.stride(1)) if t is not None else (0, 0, 0, 0)
-
     grid = (n * cdiv(s, bm) * cdiv(c, bn),)
     _conv_epilogue_kernel[grid](
         z, z, shortcut if shortcut is not None else z, ws, counters, out_mean, out_rstd,
         temb if temb is not None else z, gate if gate is not None else z, residual if residual is not None else z,
-        *strides4(z), *strides4(z), *strides4(shortcut),
-        *(temb.stride()[:2] if temb is not None else (0, 0)), temb.stride(2) if temb_rows else 0,
-        *((gate.stride(0), gate.stride(1) if gate.shape[1] > 1 else 0) if gate is not None else (0, 0)),
-        *strides4(residual),
+        *nhwc_strides(z), *nhwc_strides(z), *nhwc_strides(shortcut), *temb_gate_strides(temb, gate),
+        *nhwc_strides(residual),
         oh, ow, c, res_h, res_w, out_groups if out_channel_sums else max(out_groups, 1), float(out_eps),
         1.0 / float(output_scale),
-        HAS_TEMB=temb is not None, TEMB_ROWS=temb_rows, HAS_GATE=gate is not None, HAS_SC=shortcut is not None,
+        HAS_TEMB=temb is not None, TEMB_ROWS=temb is not None and temb.dim() == 3, HAS_GATE=gate is not None,
+        HAS_SC=shortcut is not None,
         HAS_RES=residual is not None, RES_RESAMPLE=RESAMPLE[residual_resample], WRITE=write,
         OUT_STATS=out_groups > 0 or out_channel_sums, STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg,
         OUT_ROW_STATS=out_layer_norm, IDX64=int64_index((z, shortcut, residual), (temb, gate)), BM=bm, BN=bn,
         num_warps=warps,
     )  # fmt: skip
-    sums = ws.view(n, c, 2) if out_channel_sums else torch.empty((n, 0, 2), device=z.device, dtype=torch.float64)
-    return z, out_mean, out_rstd, sums
+    return z, out_mean, out_rstd, channel_sums_output(ws, n, c, out_channel_sums)
 
 
 def aot_specs() -> list[dict]:

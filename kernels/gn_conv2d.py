@@ -443,6 +443,60 @@ def _stats_workspace(device: torch.device, n: int, c: int) -> tuple[torch.Tensor
     return buffer[: n * c * 2], buffer[n * c * 2 :].view(torch.int32)[:n]
 
 
+def output_statistics_buffers(
+    device: torch.device,
+    n: int,
+    c: int,
+    s: int,
+    out_groups: int,
+    out_layer_norm: bool,
+    out_channel_sums: bool,
+    min_bm: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(out_mean, out_rstd, ws, counters, STATS_BLOCK_G, STATS_BLOCK_CPG) for an epilogue over an [N, C, S-pixel]
+    output that sums per-group statistics and/or channel sums (channel_statistics) or LayerNorm row statistics
+    (_gemm.row_statistics, one counter per row tile of ``min_bm`` pixels): the fused conv's and the pass after a
+    cuDNN conv's (kernels/conv_epilogue.py)."""
+    if out_layer_norm and out_groups:
+        raise ValueError(f"out_layer_norm with out_groups={out_groups}: one kind of output statistics per call")
+    out_mean = new_output((2, n * s) if out_layer_norm else (n, out_groups), device=device, dtype=torch.float32)
+    out_rstd = new_output((n, out_groups), device=device, dtype=torch.float32)
+    if out_layer_norm:
+        ws, counters = row_stats_workspace(device, n * s, n * cdiv(s, min_bm))
+        return out_mean, out_rstd, ws, counters, 1, 1
+    if out_groups or out_channel_sums:
+        ws, counters = _stats_workspace(device, n, c)
+        # At least 64 channels per group tile: the finalisation is a few KB per image, and one tile shape for every
+        # group size up to 64 means one compiled variant (times the autotune configs) instead of one per size.
+        # (Sums alone, out_groups=0, finalise nothing: the same variant as 64 or fewer channels per group.)
+        block_cpg = max(64, next_power_of_2(c // out_groups)) if out_groups else 64
+        block_g = max(1, min(next_power_of_2(max(out_groups, 1)), 1024 // block_cpg))
+        return out_mean, out_rstd, ws, counters, block_g, block_cpg
+    # Empty, so the autotuner's reset_to_zero has nothing to clear (never the input), and nothing to read.
+    return out_mean, out_rstd, out_mean, out_rstd, 1, 1
+
+
+def channel_sums_output(ws: torch.Tensor, n: int, c: int, out_channel_sums: bool) -> torch.Tensor:
+    """The [N, C, 2] fp64 channel sums the workspace holds when they were asked for, else an empty [N, 0, 2]."""
+    if out_channel_sums:
+        return ws.view(n, c, 2)
+    return torch.empty((n, 0, 2), device=ws.device, dtype=torch.float64)
+
+
+def nhwc_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """An [N, C, H, W] tensor's strides in (n, h, w, c) order, the kernels' argument order; zeros for None."""
+    return (t.stride(0), t.stride(2), t.stride(3), t.stride(1)) if t is not None else (0, 0, 0, 0)
+
+
+def temb_gate_strides(temb: torch.Tensor | None, gate: torch.Tensor | None) -> tuple[int, int, int, int, int]:
+    """(stn, stc, sth, sgn, sgh) of an epilogue's temb ([N, C] or per row [N, C, OH]) and gate ([N, 1] or [N, OH]):
+    0 along what they broadcast over, and for an absent one."""
+    stn, stc = temb.stride()[:2] if temb is not None else (0, 0)
+    sth = temb.stride(2) if temb is not None and temb.dim() == 3 else 0
+    sgn, sgh = (gate.stride(0), gate.stride(1) if gate.shape[1] > 1 else 0) if gate is not None else (0, 0)
+    return stn, stc, sth, sgn, sgh
+
+
 def _resampled_size(h: int, w: int, resample: str) -> tuple[int, int]:
     if resample == "up":
         return 2 * h, 2 * w
@@ -509,24 +563,10 @@ def gn_conv2d_fwd(
     )
     oh, ow = conv_output_size(h, w, (kh, kw), stride, padding, resample)
     y = new_output((n, c_out, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
-    if out_layer_norm and out_groups:
-        raise ValueError(f"out_layer_norm with out_groups={out_groups}: one kind of output statistics per call")
     s = oh * ow
-    out_mean = new_output((2, n * s) if out_layer_norm else (n, out_groups), device=x.device, dtype=torch.float32)
-    out_rstd = new_output((n, out_groups), device=x.device, dtype=torch.float32)
-    if out_layer_norm:
-        ws, counters = row_stats_workspace(x.device, n * s, n * cdiv(s, _MIN_BM))
-        block_cpg = block_g = 1
-    elif out_groups or out_channel_sums:
-        ws, counters = _stats_workspace(x.device, n, c_out)
-        # At least 64 channels per group tile: the finalisation is a few KB per image, and one tile shape for every
-        # group size up to 64 means one compiled variant (times the autotune configs) instead of one per size.
-        # (Sums alone, out_groups=0, finalise nothing: the same variant as 64 or fewer channels per group.)
-        block_cpg = max(64, next_power_of_2(c_out // out_groups)) if out_groups else 64
-        block_g = max(1, min(next_power_of_2(max(out_groups, 1)), 1024 // block_cpg))
-    else:
-        # Empty, so the autotuner's reset_to_zero has nothing to clear (never the input), and nothing to read.
-        ws, counters, block_cpg, block_g = out_mean, out_rstd, 1, 1
+    out_mean, out_rstd, ws, counters, block_g, block_cpg = output_statistics_buffers(
+        x.device, n, c_out, s, out_groups, out_layer_norm, out_channel_sums, _MIN_BM
+    )
     normalize = mean is not None
     temb_rows = temb is not None and temb.dim() == 3
     dummy = x
@@ -534,10 +574,6 @@ def gn_conv2d_fwd(
     sc_h, sc_w = shortcut_x.shape[2:] if shortcut_x is not None else (1, 1)
     c_sc_head = shortcut_x.shape[1] if shortcut_x is not None else 1
     c_sc = c_sc_head + (shortcut_x_tail.shape[1] if shortcut_x_tail is not None else 0)
-
-    def strides4(t):  # (n, h, w, c) order
-        return (t.stride(0), t.stride(2), t.stride(3), t.stride(1)) if t is not None else (0, 0, 0, 0)
-
     grid = lambda meta: (n * cdiv(s, meta["BM"]) * cdiv(c_out, meta["BN"]),)
     tuned_launch(_gn_conv2d_fwd_kernel)[grid](
         y, ws, counters, out_mean, out_rstd, x, x_tail if x_tail is not None else dummy,
@@ -550,10 +586,8 @@ def gn_conv2d_fwd(
         shortcut_weight if shortcut_weight is not None else dummy,
         shortcut_bias if shortcut_bias is not None else dummy,
         gate if gate is not None else dummy,
-        *strides4(x), *strides4(x_tail), *weight.stride(), *strides4(y),
-        *(temb.stride()[:2] if temb is not None else (0, 0)), temb.stride(2) if temb_rows else 0,
-        *((gate.stride(0), gate.stride(1) if gate.shape[1] > 1 else 0) if gate is not None else (0, 0)),
-        *strides4(residual), *strides4(shortcut_x), *strides4(shortcut_x_tail),
+        *nhwc_strides(x), *nhwc_strides(x_tail), *weight.stride(), *nhwc_strides(y), *temb_gate_strides(temb, gate),
+        *nhwc_strides(residual), *nhwc_strides(shortcut_x), *nhwc_strides(shortcut_x_tail),
         *(shortcut_weight.stride()[:2] if shortcut_weight is not None else (0, 0)),
         h, w, c_in, oh, ow, c_out, num_groups if normalize else 1, res_h, res_w, sc_h, sc_w, c_sc,
         out_groups if out_channel_sums else max(out_groups, 1), c_head, c_sc_head, float(out_eps),
@@ -571,9 +605,7 @@ def gn_conv2d_fwd(
         IDX64=int64_index((x, x_tail, y, residual, shortcut_x, shortcut_x_tail), (weight, shortcut_weight, temb, gate)),
         X_TWO_PART=x_tail is not None, SC_TWO_PART=shortcut_x_tail is not None,
     )  # fmt: skip
-    empty = (n, 0, 2)
-    sums = ws.view(n, c_out, 2) if out_channel_sums else torch.empty(empty, device=x.device, dtype=torch.float64)
-    return y, out_mean, out_rstd, sums
+    return y, out_mean, out_rstd, channel_sums_output(ws, n, c_out, out_channel_sums)
 
 
 def aot_specs() -> list[dict]:

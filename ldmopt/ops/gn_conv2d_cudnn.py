@@ -23,13 +23,14 @@ def conv_then_epilogue(a, a_tail, w, b, temb, res, sx, sx_tail, sw, sb, gate, st
     z = _conv(resample_input(a, resample), w, b, stride, padding, fp32_precision)
     z = z.contiguous(memory_format=torch.channels_last)  # what cuDNN gives a channels-last input: no copy
     sc = None
-    two_gemms = sc_resample == "none" and sx is not None and sx.dtype != torch.float32
-    # (cuBLAS's addmm refuses deterministic mode without CUBLAS_WORKSPACE_CONFIG; cuDNN's conv of the concatenation
-    # does not, so there the concatenation is written)
-    if two_gemms and sx_tail is not None and not torch.are_deterministic_algorithms_enabled():
-        sc = _pointwise_of_parts(sx, sx_tail, sw, sb)
-    elif sx is not None:
-        sc = _conv(resample_input(_cat(sx, sx_tail), sc_resample), sw, sb, 1, (0, 0), fp32_precision)
+    if sx is not None:
+        # Two parts as two GEMMs into one output; not in deterministic mode, where cuBLAS's addmm refuses to run
+        # without CUBLAS_WORKSPACE_CONFIG and cuDNN's conv of the concatenation does not
+        as_gemms = sx_tail is not None and sc_resample == "none" and sx.dtype != torch.float32
+        if as_gemms and not torch.are_deterministic_algorithms_enabled():
+            sc = _pointwise_of_parts(sx, sx_tail, sw, sb)
+        else:
+            sc = _conv(resample_input(_cat(sx, sx_tail), sc_resample), sw, sb, 1, (0, 0), fp32_precision)
     return conv_epilogue(z, temb, gate, sc, res, res_resample, output_scale, out_groups, out_eps, out_layer_norm,
                          out_channel_sums)  # fmt: skip
 
