@@ -13,7 +13,7 @@ from ldmopt.ops.gn_conv2d import channel_sums_torch, gn_silu_conv2d, pixel_rows
 from tests.ops.test_gn_conv2d import CONV_CASES, DTYPES, _check, _cl, _inputs
 from tests.ops.test_gn_conv2d_parts import _block_params, _compose, _parts
 from tests.ops.test_gn_conv2d_temporal import _as_5d, _compose_5d, _d, _frames, _params, _video_view
-from tests.tolerances import assert_close, assert_within_torch_error
+from tests.tolerances import assert_close, assert_compiled_matches_eager, assert_within_torch_error
 
 CUDA = torch.device("cuda")  # a device object: nothing is queried
 
@@ -234,3 +234,22 @@ def test_two_part_shortcut_without_bias_as_two_gemms(cudnn):
         out = gn_silu_conv2d((head, tail), gw, gb, 4, 1e-5, w, b, 1, 1, temb=temb, shortcut=((head, tail), sw, None))
     ref = _compose(*[a.double() if torch.is_tensor(a) else a for a in args])
     assert_within_torch_error(out, ref, _compose(*args), "cudnn parts, shortcut without bias")
+
+
+def test_opcheck_and_compile_fullgraph(cudnn):
+    """The op's fake, autograd and schema hold under this placement too, and a compiled graph runs it as eager does."""
+    x, gw, gb, groups, w, b = _inputs(2, 4, 5, 3, 6, 3, torch.float32, groups=2)
+    mean, rstd = torch.ops.ldmopt.gn_conv2d_stats(x, groups, 1e-5)
+    temb, residual = torch.randn(2, 6), _cl(torch.randn(2, 6, 5, 3))
+    args = (x.clone().requires_grad_(), mean, rstd, gw, gb, w.clone().requires_grad_(), b, temb, residual, None, None,
+            None, None, groups, "silu", 1, [1, 1], "none", "none", "none", 1.3, 3, 1e-5)  # fmt: skip
+    with ldmopt.use_backend("triton"):
+        torch.library.opcheck(torch.ops.ldmopt.gn_conv2d, args)
+    assert prologue.placement_counts["cudnn"] > 0
+
+    def fn(x):
+        y, stats = gn_silu_conv2d(x, gw, gb, groups, 1e-5, w, b, temb=temb, out_stats=(3, 1e-5))
+        return gn_silu_conv2d(y, None, None, 3, 1e-5, w.new_ones(6, 6, 3, 3) * 0.1, None, stats=stats, residual=y)
+
+    with ldmopt.use_backend("triton"):
+        assert_compiled_matches_eager(fn, [x.clone().requires_grad_()])
