@@ -34,14 +34,9 @@ auto keeps the Triton kernel, whose code the tests cover; they force the others 
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-from collections import Counter
-
 import torch
 
-from .._env import getenv
+from ._placement import PlacementSwitch
 
 ENV = "LDMOPT_GN_CONV_PROLOGUE"
 PLACEMENTS = ("auto", "loader", "staged", "cudnn")
@@ -50,38 +45,14 @@ STAGE_FROM_RECOMPUTE = 3
 #: the widest output-channel tile the conv's autotuner picks from (kernels/gn_conv2d.py): R is counted with it, so
 #: the estimate is the fewest normalisations any tile makes
 WIDEST_BN = 128
+_SWITCH = PlacementSwitch(ENV, PLACEMENTS)
 #: placement -> number of fused-conv calls on the Triton backend that used it in this process (normalising ones, and
 #: plain ones that "cudnn" took)
-placement_counts: Counter[str] = Counter()
-
-
-def requested_placement() -> str:
-    """The placement ``LDMOPT_GN_CONV_PROLOGUE`` asks for ("auto" when unset), read at each call."""
-    return _parse(getenv(ENV))
-
-
-@functools.lru_cache(maxsize=8)
-def _parse(raw: str | None) -> str:
-    value = (raw or "").strip().lower() or "auto"
-    if value not in PLACEMENTS:
-        raise ValueError(f"{ENV}={value!r} is not supported; expected one of {list(PLACEMENTS)}")
-    return value
-
-
-@contextlib.contextmanager
-def forced(placement: str):
-    """Within the block, fused convs use ``placement`` (one of PLACEMENTS): sets ``LDMOPT_GN_CONV_PROLOGUE`` for the
-    process (every thread) and restores what was there. For benchmarks and checks that time or test them."""
-    _parse(placement)  # the same error as the variable's
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = placement
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+placement_counts = _SWITCH.counts
+#: The placement ``LDMOPT_GN_CONV_PROLOGUE`` asks for ("auto" when unset), read at each call.
+requested_placement = _SWITCH.requested
+#: Within the block, fused convs use the given placement (one of PLACEMENTS), for benchmarks and checks.
+forced = _SWITCH.forced
 
 
 def recompute_factor(kernel: tuple[int, int], c_out: int, stride: int, resample: str) -> float:
