@@ -48,6 +48,35 @@ _BWD_WARPS = 8
 
 
 @triton.jit
+def gated_residual(out, rm, rn, sample, mask, gate_ptr, stride_gb, stride_gn, res_ptr, stride_rb, stride_rt, stride_rn,
+                   RES_T, sat_max, HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RESIDUAL_3D: tl.constexpr,
+                   SATURATE: tl.constexpr, INT64_COLS: tl.constexpr):  # fmt: skip
+    """``residual + gate[sample] * out`` on an fp32 [BLOCK_M, BLOCK_N] tile of rows ``rm``, columns ``rn`` (``sample``:
+    each row's gate row, int64), then clamped to [-sat_max, sat_max] (SATURATE, NaN kept): the epilogue after the
+    activation, shared by the fused GEMM and the pass after a cuBLAS GEMM (kernels/linear_epilogue.py). gate [B, N] and
+    residual [M, N], or [B', T', N] (RESIDUAL_3D, RES_T rows per stride_rb step), any strides."""
+    rm64 = rm.to(tl.int64)
+    if INT64_COLS:  # the gate's and the residual's column offsets
+        rn_idx = rn.to(tl.int64)
+    else:  # int32 is exact there: fewer registers in the epilogue (int64 spills some tiles)
+        rn_idx = rn
+    if HAS_GATE:
+        g = tl.load(gate_ptr + sample[:, None] * stride_gb + rn_idx[None, :] * stride_gn, mask=mask, other=0.0)
+        out = out * g.to(tl.float32)
+    if HAS_RESIDUAL:
+        if RESIDUAL_3D:  # int32 div/mod (rows < 2^31), int64 offsets
+            r_rows = (rm // RES_T).to(tl.int64) * stride_rb + (rm % RES_T).to(tl.int64) * stride_rt
+        else:
+            r_rows = rm64 * stride_rt
+        r = tl.load(res_ptr + r_rows[:, None] + rn_idx[None, :] * stride_rn, mask=mask, other=0.0)
+        out = out + r.to(tl.float32)
+    if SATURATE:  # Flux's fp16 clip(-65504, 65504), before the rounding that would overflow to inf
+        out = tl.minimum(tl.maximum(out, -sat_max, propagate_nan=tl.PropagateNan.ALL), sat_max,
+                         propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+    return out
+
+
+@triton.jit
 def _linear_fwd_kernel(
     y_ptr,  # [M, N] contiguous
     pre_ptr,  # [M, N] contiguous: x W^T + bias, written when STORE_PRE (saved for backward)
@@ -144,30 +173,14 @@ def _linear_fwd_kernel(
     n_ok = rn < N
     mask = (rm < M)[:, None] & n_ok[None, :]
     rm64 = rm.to(tl.int64)
-    if INT64_COLS:  # the gate's and the residual's column offsets
-        rn_idx = rn.to(tl.int64)
-    else:  # int32 is exact there: fewer registers in the epilogue (int64 spills some tiles)
-        rn_idx = rn
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_offs = rm64[:, None] * N + rn[None, :]
     if STORE_PRE:
         tl.store(pre_ptr + out_offs, acc.to(pre_ptr.dtype.element_ty), mask=mask)
-    out = ACTIVATION(acc)
-    if HAS_GATE:
-        sample = rm64 // T
-        g = tl.load(gate_ptr + sample[:, None] * stride_gb + rn_idx[None, :] * stride_gn, mask=mask, other=0.0)
-        out = out * g.to(tl.float32)
-    if HAS_RESIDUAL:
-        if RESIDUAL_3D:  # int32 div/mod (rows < 2^31), int64 offsets
-            r_rows = (rm // RES_T).to(tl.int64) * stride_rb + (rm % RES_T).to(tl.int64) * stride_rt
-        else:
-            r_rows = rm64 * stride_rt
-        r = tl.load(res_ptr + r_rows[:, None] + rn_idx[None, :] * stride_rn, mask=mask, other=0.0)
-        out = out + r.to(tl.float32)
-    if SATURATE:  # Flux's fp16 clip(-65504, 65504), before the rounding that would overflow to inf
-        out = tl.minimum(tl.maximum(out, -sat_max, propagate_nan=tl.PropagateNan.ALL), sat_max,
-                         propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+    out = gated_residual(ACTIVATION(acc), rm, rn, rm64 // T, mask, gate_ptr, stride_gb, stride_gn, res_ptr, stride_rb,
+                         stride_rt, stride_rn, RES_T, sat_max, HAS_GATE, HAS_RESIDUAL, RESIDUAL_3D, SATURATE,
+                         INT64_COLS)  # fmt: skip
     out = out.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + out_offs, out, mask=mask)
     if OUT_STATS:
