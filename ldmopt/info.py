@@ -73,6 +73,7 @@ def collect(query_gpu: bool = True) -> dict:
         "build": _env.build_info(),
         "ops": {name: list(backends) for name, backends in public_ops().items()},
         "gn_conv_prologue": _prologue_setting(),
+        "gemm_placement": _gemm_placement_setting(),
         "autotune_cache": _autotune_cache_setting(),
     }
 
@@ -92,6 +93,22 @@ def _prologue_setting() -> str:
             f"pass of its own; {prologue.ENV}=loader|staged|cudnn forces one)"
         )
     return f"{requested} (forced by {prologue.ENV})"
+
+
+def _gemm_placement_setting() -> str:
+    """Who runs the fused linear layers' GEMMs, as LDMOPT_GEMM_PLACEMENT asks (ops.linear_cublas)."""
+    from .ops import linear_cublas
+
+    try:
+        requested = linear_cublas.requested_placement()
+    except ValueError as exc:
+        return f"invalid: {exc}"
+    if requested == "auto":
+        return (
+            f"auto (on a GPU: cublas, PyTorch's GEMM then the epilogue as one Triton pass; on CPU tensors the Triton "
+            f"GEMM with the epilogue on its accumulator; {linear_cublas.ENV}=triton|cublas forces one)"
+        )
+    return f"{requested} (forced by {linear_cublas.ENV})"
 
 
 def _autotune_cache_setting() -> str:
@@ -129,6 +146,7 @@ def format_info(info: dict) -> str:
         )
     lines.append("ops: " + ", ".join(f"{op} ({'/'.join(b)})" for op, b in info["ops"].items()))
     lines.append(f"GroupNorm -> conv prologue: {info['gn_conv_prologue']}")
+    lines.append(f"fused linear GEMMs: {info['gemm_placement']}")
     lines.append(f"autotune timings cached: {info['autotune_cache']}")
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """GEGLU as in diffusers: ``h, g = (x @ weight.T + bias).chunk(2, -1); y = h * gelu_erf(g)``, in one GEMM.
 
-Custom ops ``ldmopt::geglu_fwd`` / ``ldmopt::geglu_bwd``; backends triton (kernels/geglu.py) and torch (reference,
-fp32 math; fp64 for fp64 inputs).
+Custom ops ``ldmopt::geglu_fwd`` / ``ldmopt::geglu_bwd``; backends triton (kernels/geglu.py; on GPUs by default
+cuBLAS's GEMM, then kernels/linear_epilogue.py's pass: ops/linear_cublas.py) and torch (reference, fp32 math; fp64 for
+fp64 inputs).
 
 Saved for backward: x and, when a gradient is needed, the pre-activation [h | g] ([M, 2I], written by the forward
 epilogue). The unfused diffusers path keeps the 2I-wide projection plus gelu(g) ([M, I]) alive, so this saves less,
@@ -52,6 +53,10 @@ def _bwd_torch(dy, pre):
 def _fwd_triton(x, weight, bias, save_pre):
     from ldmopt.kernels.geglu import geglu_fwd as launch
 
+    from .linear_cublas import choose_gemm_placement, linear_then_epilogue
+
+    if choose_gemm_placement(x.device) == "cublas":
+        return linear_then_epilogue(x, weight, bias, None, None, "gelu", save_pre, x.dtype, glu=True)
     return launch(x, weight, bias, save_pre)
 
 
@@ -141,7 +146,8 @@ def geglu(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     x is [..., K] (any leading dims); weight [2I, K] and bias [2I] are ``GEGLU.proj``'s parameters unchanged (value
     rows [0, I), gate rows [I, 2I)), same dtype as x. Returns [..., I]. One GEMM with two fp32 accumulators and the
-    epilogue in fp32, one rounding to x's dtype (the unfused path rounds the projection, gelu and the product).
+    epilogue in fp32, one rounding to x's dtype (the unfused path rounds the projection, gelu and the product); on
+    GPUs by default cuBLAS's GEMM, rounded to x's dtype, then the epilogue as one pass (ops/linear_cublas.py).
     Under torch.autocast the operands are cast to the autocast dtype first, as F.linear does. Tolerance versus an
     fp64 reference: within 2x the error of diffusers' GEGLU in x's dtype.
     """

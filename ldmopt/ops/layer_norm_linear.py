@@ -8,7 +8,9 @@ fp64 inputs); the statistics also cuda (ldmopt._C's csrc/layer_norm, where the e
 
 What it saves: the unfused norm reads x and writes its output, which the GEMM reads; here the statistics pass reads x
 and the GEMM reads x: the norm's output is never written. Several GEMMs reading one norm (diffusers' to_q, to_k and
-to_v) share one statistics pass (``stats=``).
+to_v) share one statistics pass (``stats=``). On GPUs by default (ops/linear_cublas.py) the triton backend writes the
+norm's output in one pass from those statistics (``ldmopt::layer_norm_apply``) for cuBLAS's GEMM, then runs the
+epilogue as one pass: the measured Triton GEMMs were slower than cuBLAS.
 
 Backward: the elementwise part of the epilogue as ``ldmopt::linear_bwd`` / ``ldmopt::geglu_bwd``, then dH = dz W and
 dW = dz^T h with h recomputed from the saved statistics in one pass (``ldmopt::layer_norm_apply``), and LayerNorm's
@@ -127,6 +129,15 @@ def _gemm_torch(h, weight, bias, activation, save_pre):
 
 
 def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
+    from .linear_cublas import choose_gemm_placement, linear_then_epilogue
+
+    if choose_gemm_placement(x.device) == "cublas":
+        # The norm's output written by its own pass (a launch where the Triton GEMM normalises in its loads), then
+        # cuBLAS and the epilogue pass.
+        h = layer_norm_apply(x, stats, norm_weight, norm_bias, positions, position_rows, weight.dtype)
+        geglu = activation == "geglu"
+        return linear_then_epilogue(h, weight, bias, None, None, "gelu" if geglu else activation, save_pre,
+                                    weight.dtype, glu=geglu)  # fmt: skip
     norm = (stats, norm_weight, norm_bias)
     if activation == "geglu":
         from ldmopt.kernels.geglu import geglu_fwd as launch_geglu

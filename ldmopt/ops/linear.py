@@ -1,7 +1,8 @@
 """Linear layer with a fused epilogue: ``y = residual + gate[b] * act(x @ weight.T + bias)``.
 
-Custom ops ``ldmopt::linear_fwd`` / ``ldmopt::linear_bwd``; backends triton (kernels/linear.py) and torch (reference,
-fp32 math; fp64 for fp64 inputs). Backward: dX and dW with torch.matmul, the elementwise part (activation derivative,
+Custom ops ``ldmopt::linear_fwd`` / ``ldmopt::linear_bwd``; backends triton (kernels/linear.py; on GPUs by default
+cuBLAS's GEMM, then kernels/linear_epilogue.py's pass: ops/linear_cublas.py) and torch (reference, fp32 math; fp64 for
+fp64 inputs). Backward: dX and dW with torch.matmul, the elementwise part (activation derivative,
 gate, d(bias), d(gate)) in one Triton pass over dy and the saved pre-activation. The input may come in two parts
 (``x_tail``), read as their concatenation along channels without writing it, or blended per sample (``mix``:
 ``mix * x + (1 - mix) * x_tail``, SVD's AlphaBlender before its container's proj_out) without writing the blend.
@@ -173,6 +174,12 @@ def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dt
 def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None, saturate=False):
     from ldmopt.kernels.linear import linear_fwd as launch
 
+    from .linear_cublas import choose_gemm_placement, linear_then_epilogue
+
+    if choose_gemm_placement(x.device, blend=mix is not None) == "cublas":
+        dtype = dtype or _out_dtype(x, gate, residual)
+        return linear_then_epilogue(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail,
+                                    saturate=saturate)  # fmt: skip
     mix = None if mix is None else mix.float()
     return launch(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail, mix, saturate=saturate)
 
@@ -477,9 +484,10 @@ def linear(
     vector per sample x.shape[0], shaped (B, N) or (B, 1, N), broadcast over the tokens; for 2-D x it is one vector
     per row (M, N).
     ``residual`` has the output's shape [..., N]. Accumulation and epilogue in fp32, one rounding to x's dtype at the
-    end. gate and residual may have another float dtype: the output takes the promoted dtype, as the unfused ops do, or
-    ``out_dtype`` (one rounding of the fp32 epilogue, e.g. Wan's ``(h.float() + ff(x).float() * gate).type_as(h)``
-    with an fp32 gate and a bf16 stream: ``out_dtype=h.dtype``).
+    end (on GPUs by default the GEMM is cuBLAS's, its output rounded to x's dtype before the epilogue pass, as the
+    unfused ops round it: ops/linear_cublas.py). gate and residual may have another float dtype: the output takes the
+    promoted dtype, as the unfused ops do, or ``out_dtype`` (one rounding of the fp32 epilogue, e.g. Wan's
+    ``(h.float() + ff(x).float() * gate).type_as(h)`` with an fp32 gate and a bf16 stream: ``out_dtype=h.dtype``).
     ``clip_fp16``: an fp16 result is clamped to [-65504, 65504] before it is rounded, NaN kept (Flux's
     ``clip(-65504, 65504)`` of its fp16 stream, otherwise a pass of its own; other dtypes are left as they are). When
     gradients are needed the clamp runs after the op, as torch.clamp (its gradient needs the unclamped values).

@@ -13,6 +13,8 @@ statistics carry no gradient (the LayerNorm GEMMs that read them differentiate t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -37,17 +39,25 @@ def _fwd_torch_stats(x, weight, bias, gate, residual, activation, save_pre, dtyp
 
 def _fwd_triton_stats(x, weight, bias, gate, residual, activation, save_pre, dtype, eps):
     from ldmopt.kernels._common import new_output
-    from ldmopt.kernels.linear import linear_fwd as launch
+    from ldmopt.kernels.linear import linear_fwd
+
+    from .linear_cublas import choose_gemm_placement, linear_then_epilogue
 
     # A statistics pass instead of the epilogue's sums under deterministic algorithms (the fp64 atomics add in the
     # order tiles finish), and for a gated GEMM on fp32 tiles (the gate and the statistics together spill registers
     # in some TF32 tiles: sm_80 128x64x32, sm_90 128x128x32; no UNet block gates the projections it takes them from).
+    # The cuBLAS placement's pass has no GEMM accumulator to spill beside them: it sums a gated fp32 output's rows.
     fp32_tiles = x.dtype == weight.dtype == torch.float32
-    if torch.are_deterministic_algorithms_enabled() or (gate is not None and fp32_tiles):
-        y, pre = launch(x, weight, bias, gate, residual, activation, save_pre, dtype)
+    cublas = choose_gemm_placement(x.device) == "cublas"
+    if cublas:
+        launch = functools.partial(linear_then_epilogue, dtype=dtype or _out_dtype(x, gate, residual))
+    else:
+        launch = functools.partial(linear_fwd, dtype=dtype)
+    if torch.are_deterministic_algorithms_enabled() or (gate is not None and fp32_tiles and not cublas):
+        y, pre = launch(x, weight, bias, gate, residual, activation, save_pre)
         return y, pre, call(layer_norm_stats_op, y, eps)
     stats = new_output((2, x.shape[0]), device=x.device, dtype=torch.float32)
-    y, pre = launch(x, weight, bias, gate, residual, activation, save_pre, dtype, out_stats=stats, out_eps=eps)
+    y, pre = launch(x, weight, bias, gate, residual, activation, save_pre, out_stats=stats, out_eps=eps)
     return y, pre, stats
 
 

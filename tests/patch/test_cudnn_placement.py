@@ -1,7 +1,8 @@
-"""Whole patched models under the fused conv's "cudnn" placement (GPUs' default; ops/gn_conv2d_prologue.py): every
-resnet, upsampler and downsampler conv is PyTorch's, between ldmopt's normalisation pass and its epilogue pass, and
-the statistics hand-overs between blocks (channel sums for the up blocks' two-part inputs, per-frame sums for video
-GroupNorms) come from the epilogue pass. The model must still match stock."""
+"""Whole patched models under the placements GPUs run by default. The fused conv's "cudnn"
+(ops/gn_conv2d_prologue.py): every resnet, upsampler and downsampler conv is PyTorch's, between ldmopt's normalisation
+pass and its epilogue pass, and the statistics hand-overs between blocks (channel sums for the up blocks' two-part
+inputs, per-frame sums for video GroupNorms) come from the epilogue pass. The fused linear layers' "cublas"
+(ops/linear_cublas.py): PyTorch's GEMM, then the epilogue pass. The model must still match stock."""
 
 import pytest
 import torch
@@ -41,3 +42,29 @@ def test_patched_model_matches_stock_with_statistics_from_the_epilogue_pass(fami
     assert prologue.placement_counts["cudnn"] > 0 and set(prologue.placement_counts) == {"cudnn"}
     assert "_gn_conv2d_fwd_kernel" not in triton_launches and "_conv_epilogue_kernel" in triton_launches
     assert fresh_handover.handed_over[consumer] >= 2, dict(fresh_handover.handed_over)
+
+
+@pytest.mark.parametrize("family", ["sd15", "pixart"])
+def test_patched_model_matches_stock_with_cublas_gemms(family, monkeypatch, triton_launches):
+    """What a GPU runs by default for the fused linear layers (ops/linear_cublas.py): PyTorch's GEMM, then the
+    epilogue pass: GEGLU, the LayerNorm GEMMs (the norm applied by its own pass), the attention output projections'
+    residual adds with the next norm's row statistics (SD1.5), the gated residuals of a DiT-style model (PixArt)."""
+    from ldmopt.ops import linear_cublas
+
+    monkeypatch.setenv(linear_cublas.ENV, "cublas")
+    linear_cublas.placement_counts.clear()
+    torch.manual_seed(0)
+    build = models.sd15_unet if family == "sd15" else models.pixart
+    stock, patched = build().eval(), build().eval()
+    patched.load_state_dict(stock.state_dict())
+    ldmopt.patch(patched)
+    kw = models.inputs(family, stock, batch=1)
+    with torch.no_grad(), triton_only_for("linear", "linear_stats", "geglu", "layer_norm_linear"):
+        expected = output_tensor(stock(**kw))
+        patched(**kw)
+        triton_launches.clear()
+        got = output_tensor(patched(**kw))
+    assert_outputs_close(got, expected, name=f"{family}, cublas GEMMs")
+    assert linear_cublas.placement_counts["cublas"] > 0 and set(linear_cublas.placement_counts) == {"cublas"}
+    assert "_linear_epilogue_kernel" in triton_launches
+    assert not {"_linear_fwd_kernel", "_geglu_fwd_kernel"} & set(triton_launches), triton_launches

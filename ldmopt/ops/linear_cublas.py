@@ -1,0 +1,85 @@
+"""Where the fused linear layers run their GEMM: in ldmopt's Triton GEMM, or in cuBLAS with the epilogue as one pass.
+
+"triton": one Triton GEMM with the epilogue on its fp32 accumulator (kernels/linear.py, kernels/geglu.py), and a
+LayerNorm, a blend or a two-part input read in its loads. "cublas": PyTorch's GEMM (cuBLAS on GPUs, in the input's
+dtype with the bias, as nn.Linear runs it), then one Triton pass for the rest (kernels/linear_epilogue.py): GEGLU's
+gelu and product, the activation, the gate and the residual, Flux's fp16 clamp, the next LayerNorm's row statistics.
+A LayerNorm before the GEMM is applied by its own pass first (ops/layer_norm_apply.py, from the statistics already
+taken), a two-part input is two GEMMs into one output (16-bit; a concatenation otherwise). The blend of SVD's
+AlphaBlender stays in the Triton GEMM's loads under either placement (one projection per block).
+
+Why "cublas" is auto's choice on GPUs: the measured Triton GEMMs ran slower than cuBLAS at diffusion shapes
+(benchmarks/RESULTS.md, H200, 2026-12-04: the GEGLU GEMM 0.320 ms against cuBLAS's 0.082 at SDXL's feed-forward, the
+linear + GELU-tanh 0.205 against 0.135 at PixArt's), while the elementwise tail the fusion removes is memory-bound
+and fuses as well in a pass after the GEMM. It rounds the GEMM's output to the input dtype before the epilogue (one
+rounding more than the Triton GEMM, as the unfused modules round), and costs one launch and one write and read of
+the GEMM's output more than "triton" (none more than the unfused modules, which run two to four passes there).
+``LDMOPT_GEMM_PLACEMENT`` = auto (default) | triton | cublas overrides the choice; benchmarks time both. On CPU
+tensors (the Triton interpreter, tests) auto keeps the Triton GEMM, whose code the tests cover; they force "cublas"
+to cover it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._autocast import autocast_off
+from ._placement import PlacementSwitch
+
+ENV = "LDMOPT_GEMM_PLACEMENT"
+PLACEMENTS = ("auto", "triton", "cublas")
+_SWITCH = PlacementSwitch(ENV, PLACEMENTS)
+#: placement -> number of fused GEMM calls on the Triton backend that used it in this process
+placement_counts = _SWITCH.counts
+#: The placement ``LDMOPT_GEMM_PLACEMENT`` asks for ("auto" when unset), read at each call.
+requested_placement = _SWITCH.requested
+#: Within the block, fused GEMMs use the given placement (one of PLACEMENTS), for benchmarks and checks.
+forced = _SWITCH.forced
+
+
+def choose_gemm_placement(device: torch.device, blend: bool = False) -> str:
+    """ "triton" or "cublas" for a fused GEMM on ``device`` (see the module docstring), counted in placement_counts.
+    ``blend``: the input is a per-sample blend of two tensors, formed in the Triton GEMM's loads only."""
+    requested = requested_placement()
+    if blend:
+        placement = "triton"
+    elif requested != "auto":
+        placement = requested
+    else:
+        placement = "cublas" if device.type == "cuda" else "triton"
+    placement_counts[placement] += 1
+    return placement
+
+
+def gemm(x: Tensor, weight: Tensor, bias: Tensor | None, x_tail: Tensor | None = None) -> Tensor:
+    """x W^T + bias [M, N] in x's dtype by PyTorch (cuBLAS on GPUs); with x_tail [M, K2], of the input [x | x_tail]:
+    16-bit parts as two GEMMs into one output (the second accumulating in place, so the concatenation is never
+    written; the first product, bias included, is rounded before the second is added), fp32 ones, and any under
+    deterministic algorithms, by concatenating."""
+    # Inside an op the operands were already cast for autocast; a nested F.linear must not cast them again.
+    with autocast_off(x.device.type):
+        if x_tail is None:
+            return F.linear(x, weight, bias)
+        k = x.shape[1]
+        if x.dtype == torch.float32 or torch.are_deterministic_algorithms_enabled():
+            return F.linear(torch.cat([x, x_tail], dim=1), weight, bias)
+        out = F.linear(x, weight[:, :k], bias)
+        return out.addmm_(x_tail, weight[:, k:].t())
+
+
+def linear_then_epilogue(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, *, glu=False,
+                         saturate=False, out_stats=None, out_eps=1e-5):  # fmt: skip
+    """(y, pre) as the Triton GEMMs' launchers return them (kernels/linear.linear_fwd, kernels/geglu.geglu_fwd with
+    ``glu``): the GEMM by PyTorch (:func:`gemm`), then kernels/linear_epilogue.py's pass, in place into the GEMM's
+    output where that output is not also kept as ``pre`` and y has its dtype."""
+    from ldmopt.kernels.linear_epilogue import linear_epilogue
+
+    z = gemm(x, weight, bias, x_tail)
+    in_place = not save_pre and not glu and dtype == z.dtype
+    y = linear_epilogue(z, activation, gate, residual, dtype, glu=glu, saturate=saturate, in_place=in_place,
+                        out_stats=out_stats, out_eps=out_eps)  # fmt: skip
+    if not save_pre:
+        return y, x.new_empty((0,))
+    return (y.clone() if y is z else y), z  # an op's outputs must not alias (only a direct call asks this)
