@@ -1,4 +1,4 @@
-"""Fused linear layers at diffusion shapes: ldmopt (Triton) vs PyTorch eager vs torch.compile vs the bare cuBLAS GEMM.
+"""Fused linear layers at diffusion shapes: ldmopt (both GEMM placements) vs eager vs torch.compile vs cuBLAS alone.
 
 - GEGLU (SD UNets, AnimateDiff): one dual-accumulator GEMM writing I columns vs diffusers' proj -> chunk -> gelu -> mul.
 - GELU-tanh projection (PixArt, Flux): bias + GELU epilogue vs F.linear + F.gelu.
@@ -14,6 +14,8 @@ FLOPs counted: 2*M*K*N per GEMM (x3 for forward+backward). Bytes counted for ada
 Targets (H200): GEGLU >= 1.4x eager at K=320 and >= 1.15x at K=1280; bias+GELU within 10% of the bare cuBLAS GEMM at
 the PixArt/Flux shapes; adaLN >= 80% of measured copy bandwidth. ``torch.compile`` runs in max-autotune mode without
 CUDA graphs (as the other benchmarks); in quick mode (LDMOPT_BENCH_QUICK=1) only the first case of each op compiles.
+The "ldmopt" rows run the default GEMM placement (on GPUs cuBLAS's GEMM, then the epilogue as one Triton pass),
+the "ldmopt-triton-gemm" rows ldmopt's Triton GEMM with the epilogue on its accumulator (``LDMOPT_GEMM_PLACEMENT``).
 Every forward provider also gets a ``+graph`` row: ten calls captured in one CUDA graph, the GPU time per call
 (harness.graphed_time), so a kernel's own speed shows where the eager row is bound by the host's time per call.
 """
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 import ldmopt
 from benchmarks import harness
+from ldmopt.ops import linear_cublas
 from ldmopt.ops.adaln_modulate import adaln_modulate
 from ldmopt.ops.geglu import geglu
 from ldmopt.ops.layer_norm_linear import layer_norm_linear, layer_norm_stats
@@ -64,6 +67,17 @@ def _quick() -> bool:
 def _triton(fn):
     def run(*args, **kwargs):
         with ldmopt.use_backend("triton"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _triton_gemm(fn):
+    """``fn`` with the GEMM in ldmopt's Triton kernel (the epilogue on its accumulator), where the "ldmopt" row runs
+    the default placement, on GPUs cuBLAS's GEMM and then the epilogue pass (ldmopt/ops/linear_cublas.py)."""
+
+    def run(*args, **kwargs):
+        with linear_cublas.forced("triton"), ldmopt.use_backend("triton"):
             return fn(*args, **kwargs)
 
     return run
@@ -136,7 +150,8 @@ def _bare_gemm(x, w, b):
 def bench_geglu(case, dtype_name, mode, bench_recorder):
     m, k, i = GEGLU_CASES[case]
     inputs = _params(m, k, 2 * i, DTYPES[dtype_name], mode == "fwd+bwd")
-    providers = {"ldmopt": _triton(geglu), "eager": _eager_geglu, "cublas-gemm": _bare_gemm}
+    providers = {"ldmopt": _triton(geglu), "ldmopt-triton-gemm": _triton_gemm(geglu), "eager": _eager_geglu}
+    providers["cublas-gemm"] = _bare_gemm
     providers = _with_compile(providers, _eager_geglu, case == next(iter(GEGLU_CASES)))
     flops = 2 * m * k * 2 * i * (1 if mode == "fwd" else 3)
     _measure(bench_recorder, "geglu", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
@@ -156,7 +171,8 @@ def _ldmopt_gelu_tanh(x, w, b):
 def bench_linear_gelu_tanh(case, dtype_name, mode, bench_recorder):
     m, k, n = GELU_CASES[case]
     inputs = _params(m, k, n, DTYPES[dtype_name], mode == "fwd+bwd")
-    providers = {"ldmopt": _triton(_ldmopt_gelu_tanh), "eager": _eager_gelu_tanh, "cublas-gemm": _bare_gemm}
+    providers = {"ldmopt": _triton(_ldmopt_gelu_tanh), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_gelu_tanh)}
+    providers.update({"eager": _eager_gelu_tanh, "cublas-gemm": _bare_gemm})
     providers = _with_compile(providers, _eager_gelu_tanh, case == next(iter(GELU_CASES)))
     flops = 2 * m * k * n * (1 if mode == "fwd" else 3)
     _measure(bench_recorder, "linear_gelu_tanh", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
@@ -181,7 +197,8 @@ def bench_linear_gated_residual(case, dtype_name, mode, bench_recorder):
     gate = torch.randn(bsz, n, device=DEVICE, dtype=dtype, requires_grad=grad)
     res = torch.randn(bsz, t, n, device=DEVICE, dtype=dtype, requires_grad=grad)
     inputs = (x, w, b, gate, res)
-    providers = {"ldmopt": _triton(_ldmopt_gated), "eager": _eager_gated}
+    providers = {"ldmopt": _triton(_ldmopt_gated), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_gated)}
+    providers["eager"] = _eager_gated
     providers["cublas-gemm"] = lambda x, w, b, gate, res: F.linear(x, w)
     providers = _with_compile(providers, _eager_gated, True)
     flops = 2 * bsz * t * k * n * (1 if mode == "fwd" else 3)
@@ -215,6 +232,7 @@ def bench_linear_concat_gated(case, dtype_name, mode, bench_recorder):
     inputs = (attn, mlp, w, b, gate, res)
     providers = {
         "ldmopt": _triton(_ldmopt_concat_gated),
+        "ldmopt-triton-gemm": _triton_gemm(_ldmopt_concat_gated),
         "ldmopt-on-cat": _triton(_ldmopt_gated_on_cat),
         "eager": _eager_concat_gated,
     }
@@ -309,7 +327,8 @@ def bench_layer_norm_qkv(case, dtype_name, mode, bench_recorder):
     x = torch.randn(m, c, device=DEVICE, dtype=dtype, requires_grad=grad)
     weights = [_params(1, c, c, dtype, grad)[1] for _ in range(3)]
     inputs = (x, *_norm_params(c, dtype, grad), *weights)
-    providers = {"ldmopt": _triton(_ldmopt_ln_qkv), "eager": _eager_ln_qkv}
+    providers = {"ldmopt": _triton(_ldmopt_ln_qkv), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_ln_qkv)}
+    providers["eager"] = _eager_ln_qkv
     providers = _with_compile(providers, _eager_ln_qkv, case == next(iter(LN_QKV_CASES)))
     flops = 3 * 2 * m * c * c * (1 if mode == "fwd" else 3)
     _measure(bench_recorder, "layer_norm_qkv", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
@@ -338,6 +357,7 @@ def bench_layer_norm_geglu(case, dtype_name, mode, bench_recorder):
     inputs = (x, *_norm_params(c, dtype, grad), w, b)
     providers = {
         "ldmopt": _triton(_ldmopt_ln_geglu),
+        "ldmopt-triton-gemm": _triton_gemm(_ldmopt_ln_geglu),
         "ldmopt-geglu-after-norm": _triton(_ldmopt_geglu_after_ln),
         "eager": _eager_ln_geglu,
     }

@@ -60,6 +60,7 @@ from benchmarks.check_gpu_norms import (
     _run_rms_norm_rope_joint,
 )
 from ldmopt.ops.gn_conv2d_prologue import forced
+from ldmopt.ops.linear_cublas import forced as gemm_forced
 
 DEVICE = "cuda"  # tests/test_check_scripts_dry_run.py runs every check on the CPU with tiny CASES
 BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
@@ -250,6 +251,13 @@ def _svd_resnet_block(quick: bool):
 _FP32_INPUTS = {_run_adaln_gated: (1, 2, 4), _run_gated_wan: (3,), _run_blend: (3,)}
 
 
+#: who runs a fused linear layer's GEMM (ldmopt/ops/linear_cublas.py): cuBLAS then the epilogue pass (a GPU's auto
+#: choice), or ldmopt's Triton GEMM with the epilogue on its accumulator; the check's backend column names it
+GEMM_PLACEMENTS = {"cublas": "triton/cublas", "triton": "triton/gemm"}
+#: the fused_linear cases whose op runs a GEMM under either placement (the blend's stays in the Triton GEMM)
+_GEMM_RUNS = (_run_geglu, _run_gelu, _run_gated, _run_gated_wan, _run_gated_concat, _run_ln_linear, _run_ln_linear_pos)
+
+
 @check("fused_linear")
 def _fused_linear(quick: bool):
     """GEGLU, bias+GELU-tanh and gated-residual GEMMs and adaLN modulation, forward and all gradients, vs fp64."""
@@ -287,11 +295,13 @@ def _fused_linear(quick: bool):
             ref = ref_fn(*leaves64)
             dy = torch.randn(ref.shape, device=DEVICE).to(dtype)
             grads64 = torch.autograd.grad(ref, leaves64, dy.double())
-            leaves = [v.detach().clone().requires_grad_() for v in inputs]
-            with ldmopt.use_backend("triton"):
-                y = run(*leaves)
-                grads = torch.autograd.grad(y, leaves, dy)
-            yield case, dtype, "triton", [y, *grads], [ref.detach(), *grads64]
+            placements = GEMM_PLACEMENTS if run in _GEMM_RUNS else {"auto": "triton"}
+            for placement, label in placements.items():
+                leaves = [v.detach().clone().requires_grad_() for v in inputs]
+                with ldmopt.use_backend("triton"), gemm_forced(placement):
+                    y = run(*leaves)
+                    grads = torch.autograd.grad(y, leaves, dy)
+                yield case, dtype, label, [y, *grads], [ref.detach(), *grads64]
 
 
 @check("linear_row_stats")
@@ -303,11 +313,12 @@ def _linear_row_stats(quick: bool):
             x, res = torch.randn(bsz, t, k, device=DEVICE), torch.randn(bsz, t, n, device=DEVICE) + offset
             w, b = torch.randn(n, k, device=DEVICE) * k**-0.5, torch.randn(n, device=DEVICE) * 0.1
             inputs = [v.to(dtype) for v in (x, w, b, res)]
-            with ldmopt.use_backend("triton"):
-                run_residual_stats(*inputs)  # the first call tunes; the second launches the tuned tile directly
-                outs = run_residual_stats(*inputs)
-            refs = ref_residual_stats(*(v.double() for v in inputs), outs[0])
-            yield case, dtype, "triton", list(outs), list(refs)
+            for placement, label in GEMM_PLACEMENTS.items():
+                with ldmopt.use_backend("triton"), gemm_forced(placement):
+                    run_residual_stats(*inputs)  # the first call tunes; the second launches the tuned tile directly
+                    outs = run_residual_stats(*inputs)
+                refs = ref_residual_stats(*(v.double() for v in inputs), outs[0])
+                yield case, dtype, label, list(outs), list(refs)
 
 
 @check("conv_row_stats")

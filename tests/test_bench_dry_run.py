@@ -244,8 +244,8 @@ def test_linear_failing_provider_is_a_row(mocked_timing, monkeypatch):
     for mode in B.MODES:  # fwd+bwd draws its output gradients from a first call: inside the provider's try too
         B.bench_geglu("a", "fp16", mode, mocked_timing)
     rows = mocked_timing.rows
-    assert [r["provider"] for r in rows] == ["ldmopt", "eager", "cublas-gemm", "compile"] * 2, rows
-    assert all(r["note"] == "unavailable: RuntimeError: inductor: lowering failed" for r in rows[3::4]), rows
+    assert [r["provider"] for r in rows] == ["ldmopt", "ldmopt-triton-gemm", "eager", "cublas-gemm", "compile"] * 2
+    assert all(r["note"] == "unavailable: RuntimeError: inductor: lowering failed" for r in rows[4::5]), rows
     assert not _failed(rows, allowed={"compile"}), _failed(rows)
 
 
@@ -267,6 +267,8 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
 
     monkeypatch.setattr(B, "DEVICE", "cpu")
     monkeypatch.setenv("LDMOPT_BENCH_QUICK", "1")  # the second case of an op skips its compile provider
+    # The "ldmopt" rows as on a GPU (cuBLAS's GEMM, then the epilogue pass), the "-triton-gemm" rows the Triton GEMM
+    monkeypatch.setenv("LDMOPT_GEMM_PLACEMENT", "cublas")
     monkeypatch.setattr(B, "GEGLU_CASES", {"a": (13, 40, 24), "b": (5, 24, 40)})
     monkeypatch.setattr(B, "GELU_CASES", {"a": (13, 40, 48), "b": (5, 24, 40)})
     monkeypatch.setattr(B, "GATED_CASES", {"a": (2, 7, 40, 24)})
@@ -294,7 +296,7 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
     skipped_cases = {("geglu", "b"), ("linear_gelu_tanh", "b"), ("layer_norm_qkv", "b")}
     assert {(r["op"], r["case"]) for r in skipped} == skipped_cases
     assert not _failed([r for r in rows if r not in skipped]), _failed(rows)
-    assert len(rows) == 2 * (2 * 4 + 2 * 4 + 4 + 3 + 4 + 4 + 2 * 3 + 4), len(rows)  # (cases x providers) x modes
+    assert len(rows) == 2 * (2 * 5 + 2 * 5 + 5 + 3 + 5 + 4 + 2 * 4 + 5), len(rows)  # (cases x providers) x modes
 
 
 def test_resnet_block_providers(mocked_timing, no_compile, monkeypatch):

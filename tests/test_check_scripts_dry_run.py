@@ -88,9 +88,14 @@ def test_check_gpu_every_check(monkeypatch, capsys):
     assert {r[3] for r in rows if r[0] in placed} == {"triton/cudnn", "triton/staged", "triton/loader"}, out
     plain = ("upsample_conv", "channel_sums")  # cuDNN's conv or ldmopt's
     assert {r[3] for r in rows if r[0] in plain} == {"triton/cudnn", "triton/staged"}, out
+    # cuBLAS's GEMM then the epilogue pass, or ldmopt's Triton GEMM
+    gemms = {("linear_row_stats", "attn-out")} | {
+        ("fused_linear", case) for case, spec in cases["fused_linear"].items() if spec[0] in C._GEMM_RUNS
+    }
+    assert len(gemms) == 9 and {r[3] for r in rows if r[:2] in gemms} == {"triton/cublas", "triton/gemm"}, out
     for name, by_case in cases.items():
         for case in by_case:
-            expect = 6 if name in placed else 4 if name in plain else 2  # fp32, fp16 (x placements)
+            expect = 6 if name in placed else 4 if name in plain or (name, case) in gemms else 2  # fp32, fp16 (x 2-3)
             assert sum(r[:2] == (name, case) for r in rows) == expect, (name, case, out)
     assert sorted(s[0] for s in skips) == ["group_norm_silu"] * 2 + ["temporal_attention"] * 2, out
 
