@@ -8,7 +8,10 @@ input for its statistics pass, the residual, the broadcast scale/shift/gate/temb
 The conv rules project the fused conv's loader and epilogue (the placement the CPU and ``LDMOPT_GN_CONV_PROLOGUE=
 loader`` run). GPUs default to the "cudnn" placement instead (ops/gn_conv2d_prologue.py), which still writes the
 normalised input once, the upsampled input, and reads and writes the conv's output once more in the epilogue pass:
-there these projections overstate what goes.
+there these projections overstate what goes. The GEMM rules likewise project ldmopt's Triton GEMMs (the CPU's and
+``LDMOPT_GEMM_PLACEMENT=triton``'s); GPUs default to cuBLAS's GEMM followed by one epilogue pass (ops/linear_cublas.py),
+which writes the GEMM's output and reads it back once (GEGLU: the 2I-wide projection; a LayerNorm GEMM: the norm's
+output too).
 
 Rules (names as reported):
 - ``GroupNorm(+SiLU) -> conv/GEMM loads``: GroupNorm -> [SiLU] -> [layout copy] -> convolution or GEMM. The
