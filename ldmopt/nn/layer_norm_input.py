@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.layer_norm_linear import layer_norm_linear, layer_norm_stats
+from ..ops.linear_cublas import cublas_gemms
 from .child_check import count_reason, count_stock, hooked, observed, plain_weight, readable
 
 
@@ -143,12 +144,15 @@ class NormedInput:
         return layer(self.tensor())
 
     def _joining_pays(self, layers: Sequence[nn.Module]) -> bool:
-        """Stacking the weights copies them (read and written: 2 N K elements for N output features in all) to save
-        two reads of x (2 M K): it pays for M > N rows, and always in training, where the backward's single norm
-        recomputation and LayerNorm backward save far more."""
+        """Stacking the weights copies them (read and written: 2 N K elements for N output features in all). With the
+        Triton GEMMs, which normalise in their loads, that saves two reads of x (2 M K): it pays for M > N rows.
+        Under the cublas placement (ops/linear_cublas.py, GPUs' default) each projection on its own also writes the
+        norm's output and reads it back (3 M K with the GEMM's read), so stacking saves 6 M K: it pays for 3 M > N.
+        Always in training, where the backward's single norm recomputation and LayerNorm backward save far more."""
         if torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in layers):
             return True
-        return self.x.numel() // self.x.shape[-1] > sum(layer.weight.shape[0] for layer in layers)
+        passes_saved = 3 if cublas_gemms(self.x.device.type) else 1
+        return passes_saved * (self.x.numel() // self.x.shape[-1]) > sum(layer.weight.shape[0] for layer in layers)
 
     def project_all(self, layers: Sequence[nn.Module], names: Sequence[str]) -> list[Tensor]:
         """``[layer(norm(x)) for layer in layers]`` (the self-attention's to_q, to_k, to_v) as ONE GEMM over their

@@ -53,7 +53,7 @@ def _apply_triton(x, stats, norm_weight, norm_bias, positions, position_rows, dt
     return launch(x, stats, norm_weight, norm_bias, positions, position_rows, dtype)
 
 
-def _apply_refuse_triton(x, stats, norm_weight, norm_bias, positions, position_rows, dtype) -> list[str]:
+def triton_apply_refusals(x, stats, norm_weight, norm_bias, positions, position_rows, dtype) -> list[str]:
     reasons = triton_refusals(x, norm_weight, norm_bias, positions, dtypes=TRITON_DTYPES)
     if dtype not in TRITON_DTYPES:
         reasons.append(f"output dtype {dtype}")
@@ -72,7 +72,7 @@ def row_width_refusals(kernel_module: str, c: int, what: str) -> list[str]:
 
 
 APPLY = BackendTable(
-    "layer_norm_apply", [Backend("triton", _apply_triton, _apply_refuse_triton), Backend("torch", apply_reference)]
+    "layer_norm_apply", [Backend("triton", _apply_triton, triton_apply_refusals), Backend("torch", apply_reference)]
 )
 
 

@@ -39,7 +39,7 @@ from ._dispatch import (
 from .adaln_modulate import adaln_modulate_bwd
 from .geglu import _fwd_torch as _geglu_fwd_torch
 from .geglu import geglu_bwd
-from .layer_norm_apply import apply_reference, layer_norm_apply, row_width_refusals
+from .layer_norm_apply import apply_reference, layer_norm_apply, row_width_refusals, triton_apply_refusals
 from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad, sum_as
 from .linear import _fwd_torch as _linear_fwd_torch
 
@@ -133,8 +133,13 @@ def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save
 
     if choose_gemm_placement(x.device) == "cublas":
         # The norm's output written by its own pass (a launch where the Triton GEMM normalises in its loads), then
-        # cuBLAS and the epilogue pass.
-        h = layer_norm_apply(x, stats, norm_weight, norm_bias, positions, position_rows, weight.dtype)
+        # cuBLAS and the epilogue pass. The pass reads contiguous statistics and rows up to its MAX_C channels (no
+        # diffusion model has wider); wider rows are normalised by the reference's ops, even under a forced backend.
+        stats = stats.contiguous()
+        if triton_apply_refusals(x, stats, norm_weight, norm_bias, positions, position_rows, weight.dtype):
+            h = apply_reference(x, stats, norm_weight, norm_bias, positions, position_rows, weight.dtype)
+        else:
+            h = layer_norm_apply(x, stats, norm_weight, norm_bias, positions, position_rows, weight.dtype)
         geglu = activation == "geglu"
         return linear_then_epilogue(h, weight, bias, None, None, "gelu" if geglu else activation, save_pre,
                                     weight.dtype, glu=geglu)  # fmt: skip

@@ -16,15 +16,19 @@ rounding more than the Triton GEMM, as the unfused modules round), and costs one
 the GEMM's output more than "triton" (none more than the unfused modules, which run two to four passes there).
 ``LDMOPT_GEMM_PLACEMENT`` = auto (default) | triton | cublas overrides the choice; benchmarks time both. On CPU
 tensors (the Triton interpreter, tests) auto keeps the Triton GEMM, whose code the tests cover; they force "cublas"
-to cover it.
+to cover it. Flux's fp16 clamp: the cuBLAS GEMM's fp16 output is already infinite where |x W^T + b| > 65504 (as in
+the unfused Flux block), so the clamp gives +-65504 there whatever the residual; the Triton GEMM clamps the fp32 sum.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _env
 from ._autocast import autocast_off
 from ._placement import PlacementSwitch
 
@@ -39,16 +43,33 @@ requested_placement = _SWITCH.requested
 forced = _SWITCH.forced
 
 
-def choose_gemm_placement(device: torch.device, blend: bool = False) -> str:
-    """ "triton" or "cublas" for a fused GEMM on ``device`` (see the module docstring), counted in placement_counts.
-    ``blend``: the input is a per-sample blend of two tensors, formed in the Triton GEMM's loads only."""
+def gemm_placement(device: torch.device, blend: bool = False) -> str:
+    """ "triton" or "cublas" for a fused GEMM on ``device`` (see the module docstring). ``blend``: the input is a
+    per-sample blend of two tensors, formed in the Triton GEMM's loads only. Under deterministic algorithms without
+    ``CUBLAS_WORKSPACE_CONFIG`` auto keeps the Triton GEMM: PyTorch refuses to run cuBLAS then (a stock nn.Linear
+    would raise too, but the fused layer has a GEMM that need not)."""
     requested = requested_placement()
     if blend:
-        placement = "triton"
-    elif requested != "auto":
-        placement = requested
-    else:
-        placement = "cublas" if device.type == "cuda" else "triton"
+        return "triton"
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "triton"
+    if torch.are_deterministic_algorithms_enabled() and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+        return "triton"
+    return "cublas"
+
+
+@_env.dynamo_constant
+def cublas_gemms(device_type: str) -> bool:
+    """Whether a fused GEMM on ``device_type`` tensors runs cuBLAS's GEMM now: for Python decisions around the ops
+    (traced by torch.compile, which takes the answer as a constant)."""
+    return gemm_placement(torch.device(device_type)) == "cublas"
+
+
+def choose_gemm_placement(device: torch.device, blend: bool = False) -> str:
+    """:func:`gemm_placement`, counted in placement_counts (call it once per op call that runs a GEMM)."""
+    placement = gemm_placement(device, blend)
     placement_counts[placement] += 1
     return placement
 
@@ -56,14 +77,14 @@ def choose_gemm_placement(device: torch.device, blend: bool = False) -> str:
 def gemm(x: Tensor, weight: Tensor, bias: Tensor | None, x_tail: Tensor | None = None) -> Tensor:
     """x W^T + bias [M, N] in x's dtype by PyTorch (cuBLAS on GPUs); with x_tail [M, K2], of the input [x | x_tail]:
     16-bit parts as two GEMMs into one output (the second accumulating in place, so the concatenation is never
-    written; the first product, bias included, is rounded before the second is added), fp32 ones, and any under
-    deterministic algorithms, by concatenating."""
+    written; the first product, bias included, is rounded before the second is added), fp32 ones by concatenating
+    (their products follow the matmul precision setting either way; one GEMM keeps one rounding)."""
     # Inside an op the operands were already cast for autocast; a nested F.linear must not cast them again.
     with autocast_off(x.device.type):
         if x_tail is None:
             return F.linear(x, weight, bias)
         k = x.shape[1]
-        if x.dtype == torch.float32 or torch.are_deterministic_algorithms_enabled():
+        if x.dtype == torch.float32:
             return F.linear(torch.cat([x, x_tail], dim=1), weight, bias)
         out = F.linear(x, weight[:, :k], bias)
         return out.addmm_(x_tail, weight[:, k:].t())

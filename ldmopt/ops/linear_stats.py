@@ -6,8 +6,9 @@ A UNet transformer block adds each attention's output to its token stream in the
 epilogue also sums each row it stores (fp64 atomics across the column tiles, the last tile of a row block turning
 them into mean and rstd, kernels/linear.py), so the norm runs no statistics pass of its own: a launch and a read of
 the stream fewer. The statistics are ``layer_norm_stats(y, eps)`` of the stored y up to the order of the fp64 sums;
-under ``torch.use_deterministic_algorithms``, and for a gated GEMM on fp32 operands, they come from that statistics
-pass instead; an fp64 output runs the reference backend. Backward is linear's: the
+under ``torch.use_deterministic_algorithms``, and for a gated Triton GEMM on fp32 operands, they come from that
+statistics pass instead; an fp64 output runs the reference backend. Under the "cublas" GEMM placement (GPUs' default,
+ops/linear_cublas.py) the epilogue pass after cuBLAS's GEMM sums them the same way. Backward is linear's: the
 statistics carry no gradient (the LayerNorm GEMMs that read them differentiate through them themselves).
 """
 

@@ -1,7 +1,7 @@
 """The "cublas" GEMM placement (ops/linear_cublas.py): PyTorch's GEMM (cuBLAS on GPUs), then one Triton pass for the
 epilogue (kernels/linear_epilogue.py), for ops.linear, ops.geglu, the linear with row statistics and the LayerNorm
 GEMMs. On CPU auto keeps the Triton GEMM; these tests force "cublas" (PyTorch's CPU GEMM, the pass in the interpreter,
-whose tiles here are up to 256 x 128: N=200 spans two column tiles, M=300 two row tiles)."""
+whose tiles here are 128 x 128 at N=200: two column tiles, and three row tiles of M=300)."""
 
 import pytest
 import torch
@@ -109,12 +109,18 @@ def test_fp16_clip_saturates_before_rounding(cublas):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_two_part_input(cublas, dtype):
+def test_two_part_input(cublas, dtype, monkeypatch):
     """Flux's proj_out(cat([attention, mlp], -1)): 16-bit parts as two GEMMs into one output, fp32 concatenated."""
     head, tail = torch.randn(2, 11, 24, dtype=dtype), torch.randn(2, 11, 40, dtype=dtype)
     _, w, b, gate, residual = _inputs((2, 11, 64), 56, dtype, gated=True)
+    concatenated = []
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: concatenated.append(a[0][0].shape) or cat(*a, **k))
     with torch.no_grad():
         y = ops.linear((head, tail), w, b, gate=gate, residual=residual)
+    monkeypatch.undo()
+    # 16-bit parts: two GEMMs, the concatenation never written; fp32 ones concatenated for one GEMM
+    assert len(concatenated) == (dtype == torch.float32), concatenated
     joined = torch.cat([head, tail], -1)
     expect = _reference(*_double((joined, w, b)), None, *_double((gate, residual)))
     lowp = _reference(joined, w, b, None, gate, residual)
@@ -260,7 +266,14 @@ def test_opcheck_and_compile_fullgraph(cublas):
     args = (x.view(-1, 40).clone().requires_grad_(), w.clone().requires_grad_(), b, gate, residual.view(-1, 24),
             "gelu", True, None)  # fmt: skip
     torch.library.opcheck(torch.ops.ldmopt.linear_fwd, args)
+    # in place into the GEMM's output (no pre-activation kept)
+    torch.library.opcheck(torch.ops.ldmopt.linear_fwd, (*args[:5], "silu", False, None))
     torch.library.opcheck(torch.ops.ldmopt.geglu_fwd, (x.view(-1, 40), torch.randn(48, 40), torch.randn(48), True))
+    torch.library.opcheck(torch.ops.ldmopt.linear_stats_fwd, (*args[:5], "gelu", False, None, 1e-5))
+    rows = x.view(-1, 40) + 0.5
+    stats = torch.ops.ldmopt.layer_norm_stats(rows, 1e-5)
+    torch.library.opcheck(torch.ops.ldmopt.layer_norm_linear_fwd,
+                          (rows, stats, torch.rand(40) + 0.5, torch.randn(40), w, b, "geglu", True))  # fmt: skip
     assert set(cublas) == {"cublas"}
 
     def fn(x):
@@ -293,3 +306,43 @@ def test_info_shows_the_setting(monkeypatch):
     assert "fused linear GEMMs: triton (forced by LDMOPT_GEMM_PLACEMENT)" in text
     monkeypatch.setenv(linear_cublas.ENV, "fast")
     assert "invalid: LDMOPT_GEMM_PLACEMENT='fast'" in info.collect(query_gpu=False)["gemm_placement"]
+
+
+def test_auto_choice_on_gpu_tensors_and_under_deterministic_algorithms(monkeypatch):
+    """auto: cuBLAS for CUDA tensors (asked without a GPU: no tensor is made), but not under deterministic algorithms
+    without CUBLAS_WORKSPACE_CONFIG, where PyTorch refuses to run cuBLAS; CPU tensors keep the Triton GEMM."""
+    monkeypatch.delenv(linear_cublas.ENV, raising=False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert linear_cublas.gemm_placement(cuda) == "cublas" and linear_cublas.gemm_placement(cpu) == "triton"
+    assert linear_cublas.gemm_placement(cuda, blend=True) == "triton"
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert linear_cublas.gemm_placement(cuda) == "triton"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        assert linear_cublas.gemm_placement(cuda) == "cublas"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("placement", ["cublas", "triton"])
+def test_a_norm_read_by_three_projections_stacks_them_where_it_pays(placement, monkeypatch):
+    """to_q/to_k/to_v after one LayerNorm: M = 10 rows, N = 24 outputs. The Triton GEMMs normalise in their loads
+    and stack only for M > N; under cublas each projection on its own writes and reads the norm's output, so three
+    of them stack from 3 M > N: one GEMM call where the Triton placement makes three."""
+    from ldmopt.nn.layer_norm_input import NormedInput
+
+    monkeypatch.setenv(linear_cublas.ENV, placement)
+    linear_cublas.placement_counts.clear()
+    norm = torch.nn.LayerNorm(40)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.normal_(0, 0.3)
+    layers = [torch.nn.Linear(40, 8) for _ in range(3)]
+    x = torch.randn(1, 10, 40)
+    with torch.no_grad(), ldmopt.use_backend("triton"):
+        got = NormedInput(norm, x, "test").project_all(layers, ["to_q", "to_k", "to_v"])
+        expected = [layer(norm(x)) for layer in layers]
+    for g, e in zip(got, expected):
+        assert_close(g, e.double(), torch.float32, "projection")
+    assert linear_cublas.placement_counts == {placement: 1 if placement == "cublas" else 3}
