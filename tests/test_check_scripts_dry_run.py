@@ -38,7 +38,9 @@ def test_check_gpu_every_check(monkeypatch, capsys):
 
     C = check_gpu
     monkeypatch.setattr(C, "DEVICE", "cpu")
-    monkeypatch.setattr(C, "DTYPES", (torch.float32, torch.float16))  # fp32 first: modules are cast in place
+    # fp16 alone, as the GPU runs fp16 and bf16 (whose tl.dot the interpreter gets wrong): the checks' logic is the
+    # same for each dtype, and a second one doubled the cost of this test
+    monkeypatch.setattr(C, "DTYPES", (torch.float16,))
     monkeypatch.setattr(C, "MOTION_FRAMES", 3)
     monkeypatch.setattr(C, "SVD_FRAMES", 3)
     monkeypatch.setattr(C, "SVD_CONTEXT_DIM", 24)
@@ -92,12 +94,12 @@ def test_check_gpu_every_check(monkeypatch, capsys):
     gemms = {("linear_row_stats", "attn-out")} | {
         ("fused_linear", case) for case, spec in cases["fused_linear"].items() if spec[0] in C._GEMM_RUNS
     }
-    assert len(gemms) == 9 and {r[3] for r in rows if r[:2] in gemms} == {"triton/cublas", "triton/gemm"}, out
+    assert len(gemms) == 8 and {r[3] for r in rows if r[:2] in gemms} == {"triton/cublas", "triton/gemm"}, out
     for name, by_case in cases.items():
         for case in by_case:
-            expect = 6 if name in placed else 4 if name in plain or (name, case) in gemms else 2  # fp32, fp16 (x 2-3)
+            expect = 3 if name in placed else 2 if name in plain or (name, case) in gemms else 1  # per placement
             assert sum(r[:2] == (name, case) for r in rows) == expect, (name, case, out)
-    assert sorted(s[0] for s in skips) == ["group_norm_silu"] * 2 + ["temporal_attention"] * 2, out
+    assert sorted(s[0] for s in skips) == ["group_norm_silu", "temporal_attention"], out
 
 
 def test_check_gpu_poison_check_covers_every_sequence(monkeypatch, capsys):

@@ -20,6 +20,13 @@ def _run(model, kwargs):
         return output_tensor(model(**kwargs))
 
 
+def _run_reference(model, kwargs):
+    """A forward on the reference backend: for tests of patch's bookkeeping, not of the kernels (a whole patched
+    UNet in the Triton interpreter costs a minute; tests/patch/test_families.py runs one per family)."""
+    with ldmopt.use_backend("torch"):
+        return _run(model, kwargs)
+
+
 def _n_group_norms(model):
     return sum(type(m) is nn.GroupNorm for m in model.modules())
 
@@ -105,7 +112,7 @@ def test_submodule_of_a_patched_model_is_not_patched_twice():
     the model to unpatch, and the model's unpatch restores everything."""
     unet = models.sd15_unet().eval()
     inputs = models.inputs("sd15", unet)
-    ref = _run(unet, inputs)
+    ref = _run_reference(unet, inputs)
     before = snapshot(unet)
     whole = ldmopt.patch(unet)
     block = unet.down_blocks[0]
@@ -114,7 +121,7 @@ def test_submodule_of_a_patched_model_is_not_patched_twice():
     assert all("fused[fused[" not in type(m).__name__ for m in unet.modules())
     with pytest.raises(PatchError, match=r"were patched by ldmopt\.patch of an enclosing UNet2DConditionModel"):
         ldmopt.unpatch(block)
-    assert_outputs_close(_run(unet, inputs), ref, name="after the second patch")
+    assert_outputs_close(_run_reference(unet, inputs), ref, name="after the second patch")
     assert ldmopt.unpatch(unet) == whole.total
     assert_same_snapshot(before, snapshot(unet))
     assert ldmopt.unpatch(block) == 0 and ldmopt.patch(block).total > 0  # free again once the model is unpatched
@@ -229,17 +236,17 @@ def test_models_shared_between_components_are_patched_once():
     module is patched once, the report counts each once, and unpatching the pipeline restores everything."""
     unet = models.sd15_unet().eval()
     inputs = models.inputs("sd15", unet)
-    ref = _run(unet, inputs)
+    ref = _run_reference(unet, inputs)
     before = snapshot(unet)
     alone = ldmopt.patch(models.sd15_unet().eval()).counts()
     pipe = _Pipeline(block=nn.Sequential(unet.down_blocks[0]), unet=unet, alias=unet)
     report = ldmopt.patch(pipe)
     assert report.counts() == alone and set(report.models) == {"block", "unet"}
     assert all("fused[fused[" not in type(m).__name__ for m in unet.modules())
-    assert_outputs_close(_run(unet, inputs), ref, name="shared")
+    assert_outputs_close(_run_reference(unet, inputs), ref, name="shared")
     assert ldmopt.unpatch(pipe) == sum(alone.values())
     assert_same_snapshot(before, snapshot(unet))
-    assert torch.equal(_run(unet, inputs), ref)
+    assert torch.equal(_run_reference(unet, inputs), ref)
 
 
 def test_a_replace_that_raises_undoes_the_whole_call(monkeypatch):
@@ -439,7 +446,7 @@ def test_compile_fullgraph_patched_unet(backend):
     """Also with the backend chosen automatically: the up blocks' fused resnets ask in traced Python code whether
     Triton can run, which once imported triton under Dynamo (an import cannot be traced)."""
     unet = models.sd15_unet().eval().to(memory_format=torch.channels_last)
-    x = models.inputs("sd15", unet)
+    x = models.inputs("sd15", unet, batch=1)  # one image: the "auto" case runs every kernel in the interpreter
     x["sample"] = x["sample"].to(memory_format=torch.channels_last)
     ref = _run(unet, x)
     report = ldmopt.patch(unet)

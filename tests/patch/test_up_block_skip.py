@@ -37,7 +37,9 @@ VIDEO = {"animatediff", "modelscope", "svd"}  # 5-D samples go in as they are
 
 def _model_and_inputs(family: str):
     model = FAMILIES[family]().eval()
-    kwargs = models.inputs(family, model, batch=1, frames=2) if family in VIDEO else models.inputs(family, model)
+    # one sample (two frames): every fused conv runs in the interpreter
+    frames = {"frames": 2} if family in VIDEO else {}
+    kwargs = models.inputs(family, model, batch=1, **frames)
     return model, channels_last(model, kwargs)
 
 
