@@ -78,37 +78,37 @@ def collect(query_gpu: bool = True) -> dict:
     }
 
 
+def _placement_setting(module, auto: str) -> str:
+    """What a placement switch's variable asks for (``module``: its ops module, with ENV and requested_placement):
+    ``auto`` described, a forced value, or why the value is invalid."""
+    try:
+        requested = module.requested_placement()
+    except ValueError as exc:
+        return f"invalid: {exc}"
+    return f"auto ({auto})" if requested == "auto" else f"{requested} (forced by {module.ENV})"
+
+
 def _prologue_setting() -> str:
     """Where fused GroupNorm -> conv applies the norm, as LDMOPT_GN_CONV_PROLOGUE asks (ops.gn_conv2d_prologue)."""
     from .ops import gn_conv2d_prologue as prologue
 
-    try:
-        requested = prologue.requested_placement()
-    except ValueError as exc:
-        return f"invalid: {exc}"
-    if requested == "auto":
-        return (
-            f"auto (on a GPU: in the conv's loader where it would normalise each input element fewer than "
-            f"{prologue.STAGE_FROM_RECOMPUTE} times, else cudnn: staged before cuDNN's conv with the epilogue as a "
-            f"pass of its own; {prologue.ENV}=loader|staged|cudnn forces one)"
-        )
-    return f"{requested} (forced by {prologue.ENV})"
+    return _placement_setting(
+        prologue,
+        f"on a GPU: in the conv's loader where it would normalise each input element fewer than "
+        f"{prologue.STAGE_FROM_RECOMPUTE} times, else cudnn: staged before cuDNN's conv with the epilogue as a "
+        f"pass of its own; {prologue.ENV}=loader|staged|cudnn forces one",
+    )
 
 
 def _gemm_placement_setting() -> str:
     """Who runs the fused linear layers' GEMMs, as LDMOPT_GEMM_PLACEMENT asks (ops.linear_cublas)."""
     from .ops import linear_cublas
 
-    try:
-        requested = linear_cublas.requested_placement()
-    except ValueError as exc:
-        return f"invalid: {exc}"
-    if requested == "auto":
-        return (
-            f"auto (on a GPU: cublas, PyTorch's GEMM then the epilogue as one Triton pass; on CPU tensors the Triton "
-            f"GEMM with the epilogue on its accumulator; {linear_cublas.ENV}=triton|cublas forces one)"
-        )
-    return f"{requested} (forced by {linear_cublas.ENV})"
+    return _placement_setting(
+        linear_cublas,
+        f"on a GPU: cublas, PyTorch's GEMM then the epilogue as one Triton pass; on CPU tensors the Triton GEMM with "
+        f"the epilogue on its accumulator; {linear_cublas.ENV}=triton|cublas forces one",
+    )
 
 
 def _autotune_cache_setting() -> str:
