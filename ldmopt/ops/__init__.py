@@ -1,7 +1,10 @@
 """Public fused ops. Each is a ``torch.library.custom_op`` in the ``ldmopt`` namespace with a fake (meta)
 implementation, autograd, and a backend table (cuda -> triton -> torch) consulted on real tensors."""
 
-from . import linear_stats  # noqa: F401  (registers ldmopt::linear_stats_fwd, which ops.linear calls)
+from . import (
+    gn_conv2d_backward,  # noqa: F401  (registers ldmopt::gn_conv2d's autograd)
+    linear_stats,  # noqa: F401  (registers ldmopt::linear_stats_fwd, which ops.linear calls)
+)
 from ._dispatch import BackendUnavailableError, backend_counts, use_backend
 from .adaln_modulate import adaln_modulate
 from .geglu import geglu

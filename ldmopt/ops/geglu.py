@@ -27,6 +27,7 @@ from .linear import (
     compute_dtype,
     gemm_torch,
     needs_grad,
+    runs_triton_gemm,
 )
 
 # ------------------------------------------------------------------------------------------------ torch reference
@@ -66,10 +67,14 @@ def _bwd_triton(dy, pre):
     return launch(dy, pre)
 
 
+def _triton_refuse_fwd(x, weight, bias, save_pre):
+    return triton_refusals(x, weight, bias, dtypes=TRITON_DTYPES, matmul=runs_triton_gemm(x))
+
+
 FORWARD = BackendTable(
     "geglu",
     [
-        Backend("triton", _fwd_triton, lambda x, w, b, *a: triton_refusals(x, w, b, dtypes=TRITON_DTYPES, matmul=True)),
+        Backend("triton", _fwd_triton, _triton_refuse_fwd),
         Backend("torch", _fwd_torch),
     ],
 )

@@ -40,7 +40,7 @@ from .adaln_modulate import adaln_modulate_bwd
 from .geglu import _fwd_torch as _geglu_fwd_torch
 from .geglu import geglu_bwd
 from .layer_norm_apply import apply_reference, layer_norm_apply, row_width_refusals, triton_apply_refusals
-from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad, sum_as
+from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad, runs_triton_gemm, sum_as
 from .linear import _fwd_torch as _linear_fwd_torch
 
 #: Epilogues after the normalised GEMM: an activation of ``ops.linear``, or diffusers' GEGLU (``weight`` [2I, K]).
@@ -158,7 +158,7 @@ def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save
 
 def _refuse_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, _rows=1):
     reasons = triton_refusals(
-        x, stats, norm_weight, norm_bias, weight, bias, positions, dtypes=TRITON_DTYPES, matmul=True
+        x, stats, norm_weight, norm_bias, weight, bias, positions, dtypes=TRITON_DTYPES, matmul=runs_triton_gemm(x)
     )
     if stats.dtype != torch.float32:
         reasons.append(f"statistics in {stats.dtype} (the kernels read fp32)")

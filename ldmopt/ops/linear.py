@@ -168,7 +168,16 @@ def _bwd_torch(dy, pre, gate, activation, need_dgate):
 
 def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None,
                        saturate=False):  # fmt: skip
-    return triton_refusals(x, weight, bias, gate, residual, x_tail, mix, dtypes=TRITON_DTYPES, matmul=True)
+    return triton_refusals(x, weight, bias, gate, residual, x_tail, mix, dtypes=TRITON_DTYPES,
+                           matmul=runs_triton_gemm(x, mix is not None))  # fmt: skip
+
+
+def runs_triton_gemm(x: Tensor, blend: bool = False) -> bool:
+    """Whether the triton backend of a fused GEMM op runs ldmopt's Triton GEMM for ``x`` (tl.dot, which the interpreter
+    gets wrong for bf16), not cuBLAS's GEMM and an elementwise pass (ops/linear_cublas.py)."""
+    from .linear_cublas import gemm_placement
+
+    return gemm_placement(x.device, blend) == "triton"
 
 
 def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None, saturate=False):
