@@ -348,3 +348,21 @@ def test_a_norm_read_by_three_projections_stacks_them_where_it_pays(placement, m
     for g, e in zip(got, expected):
         assert_close(g, e.double(), torch.float32, "projection")
     assert linear_cublas.placement_counts == {placement: 1 if placement == "cublas" else 3}
+
+
+def test_autocast_casts_before_the_gemm_as_f_linear_does(cublas):
+    """fp32 parameters under bf16 autocast (mixed-precision training): the operands are cast before the op, the GEMM
+    runs in bf16 as F.linear's would, and the output is bf16, as the unfused modules give it."""
+    x, w, b, _, _ = _inputs((2, 9, 40), 48, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ops.linear(x, w, b, activation="gelu_tanh")
+        g = ops.geglu(x, w, b)
+        expected = F.gelu(F.linear(x, w, b), approximate="tanh")
+        h, gt = F.linear(x, w, b).chunk(2, -1)
+        expected_geglu = h * F.gelu(gt)
+    assert y.dtype == g.dtype == torch.bfloat16
+    reference = F.gelu(F.linear(*_double((x.bfloat16(), w.bfloat16(), b.bfloat16()))), approximate="tanh")
+    assert_within_torch_error(y, reference, expected, "autocast linear")
+    h64, g64 = F.linear(*_double((x.bfloat16(), w.bfloat16(), b.bfloat16()))).chunk(2, -1)
+    assert_within_torch_error(g, h64 * F.gelu(g64), expected_geglu, "autocast geglu")
+    assert cublas == {"cublas": 2}

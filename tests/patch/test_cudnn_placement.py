@@ -68,3 +68,30 @@ def test_patched_model_matches_stock_with_cublas_gemms(family, monkeypatch, trit
     assert linear_cublas.placement_counts["cublas"] > 0 and set(linear_cublas.placement_counts) == {"cublas"}
     assert "_linear_epilogue_kernel" in triton_launches
     assert not {"_linear_fwd_kernel", "_geglu_fwd_kernel"} & set(triton_launches), triton_launches
+
+
+@pytest.mark.parametrize("family", ["sd15", "pixart"])
+def test_training_step_under_cublas_gemms_matches_stock_gradients(family, monkeypatch):
+    """A training step of a model patched for training, its fused GEMMs under cublas (forward: PyTorch's GEMM and
+    the epilogue pass; backward: the ops' own, from the GEMM's output kept as the pre-activation): the gradient of
+    every parameter matches stock's, relative to its largest element."""
+    from ldmopt.ops import linear_cublas
+
+    monkeypatch.setenv(linear_cublas.ENV, "cublas")
+    linear_cublas.placement_counts.clear()
+    torch.manual_seed(1)
+    build = models.sd15_unet if family == "sd15" else models.pixart
+    stock, patched = build().train(), build().train()
+    patched.load_state_dict(stock.state_dict())
+    ldmopt.patch(patched, training=True)
+    kw = models.inputs(family, stock, batch=1)
+    with triton_only_for("linear", "linear_stats", "geglu", "layer_norm_linear"):
+        output_tensor(stock(**kw)).square().mean().backward()
+        output_tensor(patched(**kw)).square().mean().backward()
+    assert linear_cublas.placement_counts["cublas"] > 0 and set(linear_cublas.placement_counts) == {"cublas"}
+    for (name, p_stock), p_patched in zip(stock.named_parameters(), patched.parameters()):
+        if p_stock.grad is None:
+            assert p_patched.grad is None or not p_patched.grad.any(), name
+            continue
+        err = (p_patched.grad.double() - p_stock.grad.double()).abs().max().item()
+        assert err <= 1e-5 + 1e-4 * p_stock.grad.abs().max().item(), f"grad {name}: {err:.3e}"
