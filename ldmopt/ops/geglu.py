@@ -29,6 +29,7 @@ from .linear import (
     needs_grad,
     runs_triton_gemm,
 )
+from .linear_cublas import choose_gemm_placement, linear_then_epilogue
 
 # ------------------------------------------------------------------------------------------------ torch reference
 
@@ -53,8 +54,6 @@ def _bwd_torch(dy, pre):
 
 def _fwd_triton(x, weight, bias, save_pre):
     from ldmopt.kernels.geglu import geglu_fwd as launch
-
-    from .linear_cublas import choose_gemm_placement, linear_then_epilogue
 
     if choose_gemm_placement(x.device) == "cublas":
         return linear_then_epilogue(x, weight, bias, None, None, "gelu", save_pre, x.dtype, glu=True)

@@ -42,6 +42,7 @@ from .geglu import geglu_bwd
 from .layer_norm_apply import apply_reference, layer_norm_apply, row_width_refusals, triton_apply_refusals
 from .linear import TRITON_DTYPES, check_linear_args, compute_dtype, linear_bwd, needs_grad, runs_triton_gemm, sum_as
 from .linear import _fwd_torch as _linear_fwd_torch
+from .linear_cublas import choose_gemm_placement, linear_then_epilogue
 
 #: Epilogues after the normalised GEMM: an activation of ``ops.linear``, or diffusers' GEGLU (``weight`` [2I, K]).
 SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu", "geglu")
@@ -129,8 +130,6 @@ def _gemm_torch(h, weight, bias, activation, save_pre):
 
 
 def _fwd_triton(x, stats, norm_weight, norm_bias, weight, bias, activation, save_pre, positions=None, position_rows=1):
-    from .linear_cublas import choose_gemm_placement, linear_then_epilogue
-
     if choose_gemm_placement(x.device) == "cublas":
         # The norm's output written by its own pass (a launch where the Triton GEMM normalises in its loads), then
         # cuBLAS and the epilogue pass. The pass reads contiguous statistics and rows up to its MAX_C channels (no

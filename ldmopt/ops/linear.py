@@ -27,6 +27,7 @@ from ._dispatch import (
     register_eager,
     triton_refusals,
 )
+from .linear_cublas import choose_gemm_placement, gemm_placement, linear_then_epilogue
 
 SUPPORTED_ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -175,15 +176,11 @@ def _triton_refuse_fwd(x, weight, bias, gate, residual, activation, save_pre, dt
 def runs_triton_gemm(x: Tensor, blend: bool = False) -> bool:
     """Whether the triton backend of a fused GEMM op runs ldmopt's Triton GEMM for ``x`` (tl.dot, which the interpreter
     gets wrong for bf16), not cuBLAS's GEMM and an elementwise pass (ops/linear_cublas.py)."""
-    from .linear_cublas import gemm_placement
-
     return gemm_placement(x.device, blend) == "triton"
 
 
 def _fwd_triton(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, mix=None, saturate=False):
     from ldmopt.kernels.linear import linear_fwd as launch
-
-    from .linear_cublas import choose_gemm_placement, linear_then_epilogue
 
     if choose_gemm_placement(x.device, blend=mix is not None) == "cublas":
         dtype = dtype or _out_dtype(x, gate, residual)

@@ -31,6 +31,7 @@ from .linear import (
     check_epilogue_rows,
     compute_dtype,
 )
+from .linear_cublas import choose_gemm_placement, linear_then_epilogue
 
 
 def _fwd_torch_stats(x, weight, bias, gate, residual, activation, save_pre, dtype, eps):
@@ -41,8 +42,6 @@ def _fwd_torch_stats(x, weight, bias, gate, residual, activation, save_pre, dtyp
 def _fwd_triton_stats(x, weight, bias, gate, residual, activation, save_pre, dtype, eps):
     from ldmopt.kernels._common import new_output
     from ldmopt.kernels.linear import linear_fwd
-
-    from .linear_cublas import choose_gemm_placement, linear_then_epilogue
 
     # A statistics pass instead of the epilogue's sums under deterministic algorithms (the fp64 atomics add in the
     # order tiles finish), and for a gated GEMM on fp32 tiles (the gate and the statistics together spill registers
