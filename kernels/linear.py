@@ -291,6 +291,22 @@ def _linear_bwd_kernel(
 # ----------------------------------------------------------------------------------------------------------- launchers
 
 
+def gate_residual_args(
+    m: int, gate: torch.Tensor | None, residual: torch.Tensor | None
+) -> tuple[tuple[int, int], tuple[int, int, int], int, int]:
+    """What :func:`gated_residual` takes of gate [B, N] and residual [M, N] or [B', T', N] over M rows: (gate strides,
+    residual strides as (per B' sample, per row, per column), rows per gate row T, residual rows per sample RES_T);
+    zeros for an absent one."""
+    gs = gate.stride() if gate is not None else (0, 0)
+    if residual is None:
+        res_t, rs = m, (0, 0, 0)
+    elif residual.dim() == 2:
+        res_t, rs = m, (0, *residual.stride())
+    else:
+        res_t, rs = residual.shape[1], residual.stride()
+    return gs, rs, m // gate.shape[0] if gate is not None else m, max(res_t, 1)
+
+
 def out_dtype(x: torch.Tensor, gate: torch.Tensor | None, residual: torch.Tensor | None) -> torch.dtype:
     """The output dtype of ``residual + gate * act(x W^T)`` under PyTorch's type promotion."""
     dtype = x.dtype
@@ -336,14 +352,7 @@ def linear_fwd(
     pos, pos_rows = positions if positions is not None else (None, 1)
     y = new_output((m, n), device=x.device, dtype=dtype or out_dtype(x, gate, residual))
     pre = new_output((m, n) if save_pre else (0,), device=x.device, dtype=weight.dtype)
-    tokens = m // gate.shape[0] if gate is not None else m
-    gs = gate.stride() if gate is not None else (0, 0)
-    if residual is None:
-        res_t, rs = m, (0, 0, 0)
-    elif residual.dim() == 2:
-        res_t, rs = m, (0, *residual.stride())
-    else:
-        res_t, rs = residual.shape[1], residual.stride()
+    gs, rs, tokens, res_t = gate_residual_args(m, gate, residual)
 
     if out_stats is not None:
         ws, counters = row_stats_workspace(x.device, m, cdiv(m, _MIN_BLOCK_M))
@@ -360,7 +369,7 @@ def linear_fwd(
         mix.contiguous() if blend else x, *norm_pointers, pos if pos is not None else x, ws, counters, out_stats,
         x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), gs[0], gs[1], rs[0], rs[1], rs[2], x2s[0], x2s[1],
-        pos.stride(0) if pos is not None else 0, m, n, k, k2, tokens, m // mix.shape[0] if blend else 1, max(res_t, 1),
+        pos.stride(0) if pos is not None else 0, m, n, k, k2, tokens, m // mix.shape[0] if blend else 1, res_t,
         pos_rows, pos.shape[0] if pos is not None else 1, torch.finfo(y.dtype).max, out_eps, m_bucket(m),
         ACTIVATION=ACTIVATIONS[activation][0], HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
         HAS_RESIDUAL=residual is not None, RESIDUAL_3D=residual is not None and residual.dim() == 3,

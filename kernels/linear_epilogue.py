@@ -24,7 +24,7 @@ from ldmopt._env import interpreter_enabled
 
 from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2
 from ._gemm import int64_columns, row_statistics, row_stats_workspace
-from .linear import gated_residual
+from .linear import gate_residual_args, gated_residual
 
 #: elements per tile: 32 fp32 values per thread at 4 warps
 _TILE = 4096
@@ -91,11 +91,16 @@ def _linear_epilogue_kernel(
         row_statistics(out, mask, rm, m_ok, pid_m, pid_n, ws_ptr, counter_ptr, out_stats_ptr, M, N, out_eps, BLOCK_N)
 
 
-def _tile(n: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): a row's columns in few tiles (its statistics need every one), the rows filling the rest of
-    _TILE; one larger tile in the interpreter, whose cost is per program."""
+def _gpu_tile(n: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) on a GPU: a row's columns in few tiles (its statistics need every one), the rows filling the
+    rest of _TILE."""
     block_n = min(next_power_of_2(n), 128)
-    block_m = max(16, _TILE // block_n)
+    return max(16, _TILE // block_n), block_n
+
+
+def _tile(n: int) -> tuple[int, int]:
+    """:func:`_gpu_tile`, or one larger tile in the interpreter, whose cost is per program."""
+    block_m, block_n = _gpu_tile(n)
     return (min(block_m * 4, 256), block_n) if interpreter_enabled() else (block_m, block_n)
 
 
@@ -132,17 +137,11 @@ def linear_epilogue(
         ws, counters = row_stats_workspace(z.device, m, cdiv(m, block_m))
     else:
         ws = counters = out_stats = torch.empty(0, device=z.device)
-    if residual is None:
-        res_t, rs = m, (0, 0, 0)
-    elif residual.dim() == 2:
-        res_t, rs = m, (0, *residual.stride())
-    else:
-        res_t, rs = residual.shape[1], residual.stride()
-    gs = gate.stride() if gate is not None else (0, 0)
+    gs, rs, tokens, res_t = gate_residual_args(m, gate, residual)
     _linear_epilogue_kernel[(cdiv(m, block_m) * cdiv(n, block_n),)](
         y, z, gate if gate is not None else z, residual if residual is not None else z, ws, counters, out_stats,
         y.stride(0), z.stride(0), gs[0], gs[1], rs[0], rs[1], rs[2], m, n,
-        m // gate.shape[0] if gate is not None else m, max(res_t, 1), torch.finfo(y.dtype).max, float(out_eps),
+        tokens, res_t, torch.finfo(y.dtype).max, float(out_eps),
         ACTIVATION=ACTIVATIONS[activation][0], GLU=glu, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None,
         RESIDUAL_3D=residual is not None and residual.dim() == 3, SATURATE=saturate, WRITE=write,
         OUT_STATS=out_stats.numel() > 0, INT64_COLS=int64_columns(gate, residual), BLOCK_M=block_m, BLOCK_N=block_n,
@@ -154,7 +153,7 @@ def linear_epilogue(
 def _spec(name: str, dtype: str, n: int, activation: str | None, **flags) -> dict:
     from ._gemm import divisibility_attrs
 
-    block_m, block_n = 4096 // min(next_power_of_2(n), 128), min(next_power_of_2(n), 128)
+    block_m, block_n = _gpu_tile(n)
     ptr = f"*{dtype}"
     signature = {
         "y_ptr": ptr, "z_ptr": ptr, "gate_ptr": ptr, "res_ptr": ptr, "ws_ptr": "*fp64", "counter_ptr": "*i32",
