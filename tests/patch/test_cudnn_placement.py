@@ -17,6 +17,15 @@ pytest.importorskip("diffusers")
 pytestmark = pytest.mark.usefixtures("fresh_handover")
 
 
+def _stock_and_patched(build, seed: int = 0, training: bool = False):
+    """Two copies of ``build()`` with the same weights, in eval (or train) mode, the second patched."""
+    torch.manual_seed(seed)
+    stock, patched = build().train(training), build().train(training)
+    patched.load_state_dict(stock.state_dict())
+    ldmopt.patch(patched, training=training)
+    return stock, patched
+
+
 @pytest.mark.parametrize(
     ("family", "consumer"),
     [("sd15", "ResnetBlock2D.norm1"), ("svd", "TemporalResnetBlock.norm1")],
@@ -26,11 +35,7 @@ def test_patched_model_matches_stock_with_statistics_from_the_epilogue_pass(fami
                                                                              monkeypatch, triton_launches):  # fmt: skip
     monkeypatch.setenv(prologue.ENV, "cudnn")
     prologue.placement_counts.clear()
-    torch.manual_seed(0)
-    build = models.sd15_unet if family == "sd15" else models.svd
-    stock, patched = build().eval(), build().eval()
-    patched.load_state_dict(stock.state_dict())
-    ldmopt.patch(patched)
+    stock, patched = _stock_and_patched(models.sd15_unet if family == "sd15" else models.svd)
     kw = models.inputs(family, stock, batch=1, frames=2)  # small: the interpreter runs every normalisation pass
     with torch.no_grad(), triton_only_for("gn_silu_conv2d"):
         expected = output_tensor(stock(**kw))
@@ -53,11 +58,7 @@ def test_patched_model_matches_stock_with_cublas_gemms(family, monkeypatch, trit
 
     monkeypatch.setenv(linear_cublas.ENV, "cublas")
     linear_cublas.placement_counts.clear()
-    torch.manual_seed(0)
-    build = models.sd15_unet if family == "sd15" else models.pixart
-    stock, patched = build().eval(), build().eval()
-    patched.load_state_dict(stock.state_dict())
-    ldmopt.patch(patched)
+    stock, patched = _stock_and_patched(models.sd15_unet if family == "sd15" else models.pixart)
     kw = models.inputs(family, stock, batch=1)
     with torch.no_grad(), triton_only_for("linear", "linear_stats", "geglu", "layer_norm_linear"):
         expected = output_tensor(stock(**kw))
@@ -79,11 +80,7 @@ def test_training_step_under_cublas_gemms_matches_stock_gradients(family, monkey
 
     monkeypatch.setenv(linear_cublas.ENV, "cublas")
     linear_cublas.placement_counts.clear()
-    torch.manual_seed(1)
-    build = models.sd15_unet if family == "sd15" else models.pixart
-    stock, patched = build().train(), build().train()
-    patched.load_state_dict(stock.state_dict())
-    ldmopt.patch(patched, training=True)
+    stock, patched = _stock_and_patched(models.sd15_unet if family == "sd15" else models.pixart, seed=1, training=True)
     kw = models.inputs(family, stock, batch=1)
     with triton_only_for("linear", "linear_stats", "geglu", "layer_norm_linear"):
         output_tensor(stock(**kw)).square().mean().backward()
