@@ -83,6 +83,17 @@ def _triton_gemm(fn):
     return run
 
 
+def _gelu_pass(fn):
+    """``fn`` with GELU-tanh applied by the epilogue pass after cuBLAS's GEMM, where the "ldmopt" row's inference
+    runs it in cuBLASLt's GELU epilogue (ldmopt/ops/linear_cublas.py; training keeps the pass either way)."""
+
+    def run(*args, **kwargs):
+        with linear_cublas.forced_gelu_epilogue("pass"), ldmopt.use_backend("triton"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _with_compile(providers: dict, eager, first_case: bool) -> dict:
     if first_case or not _quick():
         providers["compile"] = harness.compiled(eager, mode="max-autotune-no-cudagraphs")
@@ -172,6 +183,8 @@ def bench_linear_gelu_tanh(case, dtype_name, mode, bench_recorder):
     m, k, n = GELU_CASES[case]
     inputs = _params(m, k, n, DTYPES[dtype_name], mode == "fwd+bwd")
     providers = {"ldmopt": _triton(_ldmopt_gelu_tanh), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_gelu_tanh)}
+    if mode == "fwd":
+        providers["ldmopt-gelu-pass"] = _gelu_pass(_ldmopt_gelu_tanh)
     providers.update({"eager": _eager_gelu_tanh, "cublas-gemm": _bare_gemm})
     providers = _with_compile(providers, _eager_gelu_tanh, case == next(iter(GELU_CASES)))
     flops = 2 * m * k * n * (1 if mode == "fwd" else 3)

@@ -302,6 +302,9 @@ def _fused_linear(quick: bool):
                     y = run(*leaves)
                     grads = torch.autograd.grad(y, leaves, dy)
                 yield case, dtype, label, [y, *grads], [ref.detach(), *grads64]
+            if run is _run_gelu:  # inference: GELU in cuBLASLt's epilogue (training keeps the pass, above)
+                with torch.no_grad(), ldmopt.use_backend("triton"), gemm_forced("cublas"):
+                    yield case, dtype, "triton/cublaslt", [run(*inputs)], [ref.detach()]
 
 
 @check("linear_row_stats")

@@ -106,7 +106,8 @@ def _gemm_placement_setting() -> str:
 
     return _placement_setting(
         linear_cublas,
-        f"on a GPU: cublas, PyTorch's GEMM then the epilogue as one Triton pass; on CPU tensors the Triton GEMM with "
+        f"on a GPU: cublas, PyTorch's GEMM then the epilogue as one Triton pass (an inference bias + GELU-tanh: in "
+        f"cuBLASLt's epilogue, no pass, unless {linear_cublas.GELU_ENV}=pass); on CPU tensors the Triton GEMM with "
         f"the epilogue on its accumulator; {linear_cublas.ENV}=triton|cublas forces one",
     )
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from benchmarks import bench_group_norm, check_cuda_backend, check_gpu, check_gpu_norms, harness
+from ldmopt.ops import linear_cublas
+from tests.ops.test_linear_cublas import _addmm_tanh_gelu
 from tests.test_bench_dry_run import _one_thread  # noqa: F401 (an autouse fixture: one intra-op thread)
 
 _ROW = re.compile(r"^(\S+)\s+(\S+)\s+(float32|float16)\s+(triton\S*|cuda)\s+([-+.e\d ]+?)\s+(PASS|FAIL)$")
@@ -46,6 +48,10 @@ def test_check_gpu_every_check(monkeypatch, capsys):
     monkeypatch.setattr(C, "SVD_CONTEXT_DIM", 24)
     monkeypatch.setattr(C, "REF_SEQUENCES", 4)  # the reference slices the sequences
     monkeypatch.setattr(check_gpu_norms, "FLUX_TEXT", 3)  # text tokens of the joint q/k case
+    # the GELU-tanh case's inference row takes the cuBLASLt route on CPU tensors too, its GEMM CUDA's semantics
+    monkeypatch.setattr(linear_cublas, "TANH_GELU_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "_addmm_activation", _addmm_tanh_gelu)
+    linear_cublas.gelu_epilogue_counts.clear()
     cases = {
         "group_norm_silu": {"gn-96": (2, 96, 3, 5)},
         "resnet_block": {"temb-32to96": (1, 32, 96, 3, 40), "vae-64to32": (1, 64, 32, 2, None)},
@@ -94,10 +100,15 @@ def test_check_gpu_every_check(monkeypatch, capsys):
     gemms = {("linear_row_stats", "attn-out")} | {
         ("fused_linear", case) for case, spec in cases["fused_linear"].items() if spec[0] in C._GEMM_RUNS
     }
-    assert len(gemms) == 8 and {r[3] for r in rows if r[:2] in gemms} == {"triton/cublas", "triton/gemm"}, out
+    assert len(gemms) == 8 and {r[3] for r in rows if r[:2] in gemms} == {"triton/cublas", "triton/gemm",
+                                                                           "triton/cublaslt"}, out  # fmt: skip
+    assert [r[:2] for r in rows if r[3] == "triton/cublaslt"] == [("fused_linear", "gelu_tanh")], out
+    assert linear_cublas.gelu_epilogue_counts["cublaslt"] == 1, linear_cublas.gelu_epilogue_counts
+    lt_rows = {("fused_linear", "gelu_tanh")}  # and GELU in cuBLASLt's epilogue, in inference
     for name, by_case in cases.items():
         for case in by_case:
-            expect = 3 if name in placed else 2 if name in plain or (name, case) in gemms else 1  # per placement
+            three = name in placed or (name, case) in lt_rows
+            expect = 3 if three else 2 if name in plain or (name, case) in gemms else 1
             assert sum(r[:2] == (name, case) for r in rows) == expect, (name, case, out)
     assert sorted(s[0] for s in skips) == ["group_norm_silu", "temporal_attention"], out
 

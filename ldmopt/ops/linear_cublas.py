@@ -18,6 +18,12 @@ the GEMM's output more than "triton" (none more than the unfused modules, which 
 tensors (the Triton interpreter, tests) auto keeps the Triton GEMM, whose code the tests cover; they force "cublas"
 to cover it. Flux's fp16 clamp: the cuBLAS GEMM's fp16 output is already infinite where |x W^T + b| > 65504 (as in
 the unfused Flux block), so the clamp gives +-65504 there whatever the residual; the Triton GEMM clamps the fp32 sum.
+
+A bias + GELU-tanh projection with nothing else to apply (the feed-forward's first GEMM of DiT, PixArt, SD3 and Flux,
+in inference) needs no pass at all on a GPU: ``torch._addmm_activation(bias, x, W^T, use_gelu=True)`` runs cuBLASLt's
+GELU_BIAS epilogue on the fp32 accumulator (PyTorch's CUDA kernel applies the tanh form whether or not it takes the
+cuBLASLt route; its CPU kernel applies the erf form, so this stays CUDA-only). One rounding, as the Triton GEMM. When
+the caller keeps the pre-activation for backward, the pass writes both. ``LDMOPT_GEMM_GELU=pass`` keeps the pass.
 """
 
 from __future__ import annotations
@@ -41,6 +47,17 @@ placement_counts = _SWITCH.counts
 requested_placement = _SWITCH.requested
 #: Within the block, fused GEMMs use the given placement (one of PLACEMENTS), for benchmarks and checks.
 forced = _SWITCH.forced
+
+
+GELU_ENV = "LDMOPT_GEMM_GELU"
+#: auto: cuBLASLt's GELU epilogue where it applies (module docstring); pass: kernels/linear_epilogue.py's pass always
+_GELU_SWITCH = PlacementSwitch(GELU_ENV, ("auto", "pass"))
+#: "cublaslt" / "pass" -> number of bias + GELU-tanh GEMMs under the cublas placement that ran it (see above)
+gelu_epilogue_counts = _GELU_SWITCH.counts
+#: Within the block, the GELU-tanh epilogue runs as asked ("auto" or "pass"), for benchmarks and checks.
+forced_gelu_epilogue = _GELU_SWITCH.forced
+#: device types whose torch._addmm_activation(use_gelu=True) applies GELU's tanh form (CPU's applies the erf form)
+TANH_GELU_DEVICES = ("cuda",)
 
 
 def gemm_placement(device: torch.device, blend: bool = False) -> str:
@@ -97,6 +114,12 @@ def linear_then_epilogue(x, weight, bias, gate, residual, activation, save_pre, 
     output where that output is not also kept as ``pre`` and y has its dtype."""
     from ldmopt.kernels.linear_epilogue import linear_epilogue
 
+    if activation == "gelu_tanh" and gate is None and residual is None and out_stats is None and not glu:
+        if gelu_in_gemm(x, bias, save_pre, dtype, x_tail, saturate):
+            gelu_epilogue_counts["cublaslt"] += 1
+            with autocast_off(x.device.type):
+                return torch._addmm_activation(bias, x, weight.t(), use_gelu=True), x.new_empty((0,))
+        gelu_epilogue_counts["pass"] += 1
     z = gemm(x, weight, bias, x_tail)
     in_place = not save_pre and not glu and dtype == z.dtype
     y = linear_epilogue(z, activation, gate, residual, dtype, glu=glu, saturate=saturate, in_place=in_place,
@@ -104,3 +127,19 @@ def linear_then_epilogue(x, weight, bias, gate, residual, activation, save_pre, 
     if not save_pre:
         return y, x.new_empty((0,))
     return (y.clone() if y is z else y), z  # an op's outputs must not alias (only a direct call asks this)
+
+
+def gelu_in_gemm(x: Tensor, bias: Tensor | None, save_pre: bool, dtype: torch.dtype, x_tail: Tensor | None,
+                 saturate: bool) -> bool:  # fmt: skip
+    """Whether a bias + GELU-tanh GEMM with no gate, residual or statistics runs GELU in cuBLASLt's epilogue (module
+    docstring): on a device whose _addmm_activation has the tanh form, with a bias, one input tensor, the output in
+    its dtype, no clamp, and no pre-activation to keep; unless LDMOPT_GEMM_GELU=pass."""
+    return (
+        x.device.type in TANH_GELU_DEVICES
+        and bias is not None
+        and not save_pre
+        and x_tail is None
+        and not saturate
+        and dtype == x.dtype
+        and _GELU_SWITCH.requested() == "auto"
+    )

@@ -285,6 +285,70 @@ def test_opcheck_and_compile_fullgraph(cublas):
     assert_compiled_matches_eager(fn, [x.clone().requires_grad_()])
 
 
+def _addmm_tanh_gelu(bias, mat1, mat2, *, use_gelu):
+    """What CUDA's torch._addmm_activation computes (the tanh form of GELU), for CPU tensors: the CPU kernel applies
+    the erf form, which is why the cublasLt route is CUDA-only (linear_cublas.TANH_GELU_DEVICES)."""
+    assert use_gelu and bias.dim() == 1 and mat2.shape == (mat1.shape[1], bias.shape[0])
+    return F.gelu(torch.addmm(bias, mat1, mat2), approximate="tanh")
+
+
+@pytest.fixture
+def tanh_gelu_gemm(monkeypatch):
+    """CPU tensors take the cuBLASLt GELU route, its GEMM the CUDA kernel's semantics; yields the route's counts."""
+    monkeypatch.setattr(linear_cublas, "TANH_GELU_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "_addmm_activation", _addmm_tanh_gelu)
+    linear_cublas.gelu_epilogue_counts.clear()
+    return linear_cublas.gelu_epilogue_counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu_tanh_runs_in_the_gemm_epilogue_without_a_pass(cublas, tanh_gelu_gemm, dtype, triton_launches):
+    x, w, b, _, _ = _inputs((3, 100, 40), 200, dtype)
+    with torch.no_grad():
+        y = ops.linear(x, w, b, activation="gelu_tanh")
+    assert y.shape == (3, 100, 200) and y.dtype == dtype
+    expect = _reference(*_double((x, w, b)), "gelu_tanh")
+    assert_within_torch_error(y, expect, _reference(x, w, b, "gelu_tanh"), f"{dtype}")
+    assert triton_launches == [] and tanh_gelu_gemm == {"cublaslt": 1} and cublas == {"cublas": 1}
+
+
+def test_gelu_tanh_with_more_to_apply_or_to_keep_takes_the_pass(cublas, tanh_gelu_gemm, monkeypatch):
+    """A gate, a residual, an fp32 output, an erf GELU, no bias, or a pre-activation kept for backward: the pass (a
+    plain GELU-tanh counted); LDMOPT_GEMM_GELU=pass keeps the pass for the plain case too."""
+    x, w, b, gate, residual = _inputs((2, 9, 40), 72, torch.float16, gated=True)
+    with torch.no_grad():
+        ops.linear(x, w, b, activation="gelu_tanh", gate=gate, residual=residual)
+        ops.linear(x, w, b, activation="gelu_tanh", out_dtype=torch.float32)
+        ops.linear(x, w, None, activation="gelu_tanh")
+        ops.linear(x, w, b, activation="gelu")
+    assert tanh_gelu_gemm == {"pass": 2}
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    y = ops.linear(*leaves, activation="gelu_tanh")
+    assert tanh_gelu_gemm == {"pass": 3}
+    _assert_grads_within_torch_error(lambda *t: ops.linear(*t, activation="gelu_tanh"),
+                                     lambda *t: _reference(*t, "gelu_tanh"), (x, w, b), torch.randn_like(y),
+                                     "x w b")  # fmt: skip
+    monkeypatch.setenv(linear_cublas.GELU_ENV, "pass")
+    with torch.no_grad():
+        ops.linear(x, w, b, activation="gelu_tanh")
+    assert tanh_gelu_gemm["cublaslt"] == 0
+    monkeypatch.setenv(linear_cublas.GELU_ENV, "cublas")
+    with pytest.raises(ValueError, match=r"LDMOPT_GEMM_GELU='cublas'.*'auto', 'pass'"), torch.no_grad():
+        ops.linear(x, w, b, activation="gelu_tanh")
+
+
+def test_layer_norm_gemm_with_gelu_tanh_uses_the_gemm_epilogue(cublas, tanh_gelu_gemm):
+    x = torch.randn(2, 9, 40) + 0.5
+    nw, nb = 1 + 0.3 * torch.randn(40), 0.1 * torch.randn(40)
+    w, b = torch.randn(72, 40) * 40**-0.5, 0.1 * torch.randn(72)
+    with torch.no_grad():
+        y = layer_norm_linear(x, nw, nb, w, b, activation="gelu_tanh")
+    expect = F.gelu(F.linear(F.layer_norm(x.double(), (40,), nw.double(), nb.double()), w.double(), b.double()),
+                    approximate="tanh")  # fmt: skip
+    assert_close(y, expect, torch.float32, "layer norm + gelu_tanh")
+    assert tanh_gelu_gemm == {"cublaslt": 1}
+
+
 def test_the_variable_chooses_and_names_its_values(monkeypatch):
     x, w, b, _, _ = _inputs((7, 40), 24, torch.float32)
     linear_cublas.placement_counts.clear()
