@@ -22,6 +22,7 @@ Every forward provider also gets a ``+graph`` row: ten calls captured in one CUD
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -64,9 +65,14 @@ def _quick() -> bool:
     return os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 
 
-def _triton(fn):
+def _triton(fn, *placements):
+    """``fn`` on the Triton backend, within ``placements`` (context managers made per call) where given."""
+
     def run(*args, **kwargs):
-        with ldmopt.use_backend("triton"):
+        with contextlib.ExitStack() as stack:
+            for placement in placements:
+                stack.enter_context(placement())
+            stack.enter_context(ldmopt.use_backend("triton"))
             return fn(*args, **kwargs)
 
     return run
@@ -75,23 +81,13 @@ def _triton(fn):
 def _triton_gemm(fn):
     """``fn`` with the GEMM in ldmopt's Triton kernel (the epilogue on its accumulator), where the "ldmopt" row runs
     the default placement, on GPUs cuBLAS's GEMM and then the epilogue pass (ldmopt/ops/linear_cublas.py)."""
-
-    def run(*args, **kwargs):
-        with linear_cublas.forced("triton"), ldmopt.use_backend("triton"):
-            return fn(*args, **kwargs)
-
-    return run
+    return _triton(fn, lambda: linear_cublas.forced("triton"))
 
 
 def _gelu_pass(fn):
     """``fn`` with GELU-tanh applied by the epilogue pass after cuBLAS's GEMM, where the "ldmopt" row's inference
     runs it in cuBLASLt's GELU epilogue (ldmopt/ops/linear_cublas.py; training keeps the pass either way)."""
-
-    def run(*args, **kwargs):
-        with linear_cublas.forced_gelu_epilogue("pass"), ldmopt.use_backend("triton"):
-            return fn(*args, **kwargs)
-
-    return run
+    return _triton(fn, lambda: linear_cublas.forced_gelu_epilogue("pass"))
 
 
 def _with_compile(providers: dict, eager, first_case: bool) -> dict:

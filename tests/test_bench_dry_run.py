@@ -287,10 +287,13 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
         B.bench_layer_norm_qkv: B.LN_QKV_CASES,
         B.bench_layer_norm_geglu: B.LN_GEGLU_CASES,
     }
+    B.linear_cublas.placement_counts.clear()
     for bench, cases in benches.items():
         for case in cases:
             for mode in B.MODES:
                 bench(case, "fp16", mode, mocked_timing)
+    # the "ldmopt" rows ran cuBLAS's GEMM (as forced above), the "-triton-gemm" rows the Triton GEMM
+    assert set(B.linear_cublas.placement_counts) == {"cublas", "triton"}, B.linear_cublas.placement_counts
     rows = mocked_timing.rows
     skipped = [r for r in rows if r["note"] == "skipped in quick mode"]
     skipped_cases = {("geglu", "b"), ("linear_gelu_tanh", "b"), ("layer_norm_qkv", "b")}
