@@ -22,7 +22,8 @@ the unfused Flux block), so the clamp gives +-65504 there whatever the residual;
 A bias + GELU-tanh projection with nothing else to apply (the feed-forward's first GEMM of DiT, PixArt, SD3 and Flux,
 in inference) needs no pass at all on a GPU: ``torch._addmm_activation(bias, x, W^T, use_gelu=True)`` runs cuBLASLt's
 GELU_BIAS epilogue on the fp32 accumulator (PyTorch's CUDA kernel applies the tanh form whether or not it takes the
-cuBLASLt route; its CPU kernel applies the erf form, so this stays CUDA-only). One rounding, as the Triton GEMM. When
+cuBLASLt route; its CPU kernel applies the erf form, so this stays CUDA-only; torch/_decomp/decompositions.py's
+decomposition of the op states both). One rounding, as the Triton GEMM. When
 the caller keeps the pre-activation for backward, the pass writes both. ``LDMOPT_GEMM_GELU=pass`` keeps the pass.
 """
 
