@@ -318,6 +318,7 @@ def rms_norm_bwd(
     part_dw = torch.empty((chunks, c) if weight is not None else (0,), device=x.device, dtype=torch.float32)
     part_db = torch.empty((chunks, c) if bias_grad else (0,), device=x.device, dtype=torch.float32)
     weight = weight.contiguous() if weight is not None else None
+    rstd = rstd.contiguous()  # read by row index (a caller's split of joint statistics may be a strided view)
     cos, sin, *rope_ints = _rope_args(rope, x)
     _rms_norm_bwd_kernel[(chunks,)](
         dx, part_dw, part_db, dy, x, rstd, weight if weight is not None else x, cos, sin, dy.stride(0), dy.stride(1),
