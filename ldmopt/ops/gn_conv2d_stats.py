@@ -24,8 +24,16 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
 
 
 def _cat(head: Tensor | None, tail: Tensor | None) -> Tensor | None:
-    """The channel concatenation a two-part input stands for (the reference path and backward materialise it)."""
-    return head if tail is None else torch.cat([head, tail], dim=1)
+    """The channel concatenation a two-part input stands for (the reference path and backward materialise it),
+    channels-last where both parts are: torch.cat keeps that layout only when every part suggests it, and a part of
+    one channel suggests the contiguous one (the fused kernels backward runs read channels-last input only)."""
+    if tail is None:
+        return head
+    joint = torch.cat([head, tail], dim=1)
+    cl = torch.channels_last
+    if joint.dim() == 4 and head.is_contiguous(memory_format=cl) and tail.is_contiguous(memory_format=cl):
+        return joint.contiguous(memory_format=cl)  # a no-op unless a one-channel part made cat choose otherwise
+    return joint
 
 
 def same_but_channels(head: Tensor, tail: Tensor) -> bool:

@@ -90,8 +90,11 @@ def test_statistics_of_two_parts_equal_those_of_the_concatenation(layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_of_two_parts_matches_autograd_of_concatenation(dtype):
-    head, tail = _parts(2, 5, 7, 4, 5, dtype)  # 3 groups of 4: the second straddles the parts
+@pytest.mark.parametrize("split", [(5, 7), (11, 1)])
+def test_backward_of_two_parts_matches_autograd_of_concatenation(dtype, split):
+    # 3 groups of 4: the second straddles the parts (5 + 7); a one-channel part, whose layout is both channels-last
+    # and contiguous, must still give backward a channels-last concatenation for its fused passes (11 + 1)
+    head, tail = _parts(2, *split, 4, 5, dtype)
     gw, gb, w, b, sw, sb = _block_params(12, 9, dtype)
     temb = torch.randn(2, 9, dtype=dtype)
     leaves = [head, tail, gw, gb, w, b, temb, sw, sb]
