@@ -201,6 +201,7 @@ def group_norm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx, dweight, dbias) of y = act(group_norm(x)); dx has x's strides, dweight/dbias fp32 or None."""
     n, c, s, (sxn, sxc, sxs) = as_ncs(x)
+    mean, rstd = mean.contiguous(), rstd.contiguous()  # read as [N, G] by index; caller-given statistics may be views
     if dy.stride() != x.stride():
         dy = dy.contiguous(memory_format=memory_format_of(x))
     _, _, _, (sdn, sdc, sds) = as_ncs(dy)

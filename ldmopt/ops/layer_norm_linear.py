@@ -212,6 +212,7 @@ def _backward(ctx, dy, _dpre):
     x, stats, norm_weight, norm_bias, weight, bias, pre, positions = ctx.saved_tensors
     if dy is None:
         return (None,) * 10
+    stats = stats.contiguous()  # a caller's statistics may be a view; the norm's passes read them by row, as forward
     need_dx, _, need_dnw, need_dnb, need_dw, need_db = ctx.needs_input_grad[:6]
     activation = ctx.activation
     h_low = None  # what the GEMM read: for dW, or to recompute its output

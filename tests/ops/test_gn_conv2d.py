@@ -202,6 +202,24 @@ def test_given_statistics_equal_computed_ones():
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
 
 
+def test_backward_reads_statistics_views_by_their_strides():
+    """Statistics a caller hands in may be views (the column halves of one [N, 2G] buffer): backward's GroupNorm
+    kernels read them by index, so the gradients must equal those from contiguous copies."""
+    x, gw, gb, groups, w, b = _inputs(2, 12, 5, 5, 8, 3, torch.float32)
+    dy = _cl(torch.randn(2, 8, 5, 5))
+    with ldmopt.use_backend("triton"):
+        packed = torch.cat(torch.ops.ldmopt.gn_conv2d_stats(x, groups, 1e-5), dim=1)
+        grads = []
+        views = (packed[:, :groups], packed[:, groups:])
+        for stats in (views, tuple(t.contiguous() for t in views)):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, gw, gb)]
+            y = gn_silu_conv2d(leaves[0], leaves[1], leaves[2], groups, 1e-5, w, b, stats=stats)
+            grads.append(torch.autograd.grad(y, leaves, dy))
+    assert not packed[:, :groups].is_contiguous()
+    for name, strided, contiguous in zip(("dx", "dgn_weight", "dgn_bias"), grads[0], grads[1]):
+        torch.testing.assert_close(strided, contiguous, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("resample", ["none", "up", "down"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_matches_autograd_of_composition(resample, dtype):

@@ -224,6 +224,16 @@ def test_statistics_of_a_row_slice():
         with ldmopt.use_backend(backend):
             y = layer_norm_linear(x[6:], nw, nb, w, b, eps=EPS, stats=stats)
         assert_close(y, _reference(*_double((x[6:], nw, nb, w, b)), None), torch.float32, backend)
+    # and backward (the slice's statistics read as rows there too), the Triton backend forced
+    leaves = [t.clone().requires_grad_() for t in (x[6:], nw, nb, w, b)]
+    with ldmopt.use_backend("triton"):
+        y = layer_norm_linear(*leaves, eps=EPS, stats=stats, activation="gelu")
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, leaves, dy)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    expect = torch.autograd.grad(_reference(*ref, "gelu"), ref, dy.double())
+    for name, g, e in zip(("dx", "dnorm_weight", "dnorm_bias", "dweight", "dbias"), got, expect):
+        assert_close(g, e, torch.float32, f"{name} of a row slice's statistics")
 
 
 def _with_positions(x, nw, nb, w, b, table, rows_per, act=None):
