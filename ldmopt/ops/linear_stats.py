@@ -103,6 +103,8 @@ def _(x, weight, bias, gate, residual, activation, save_pre, dtype, eps):
 
 def _setup_context_stats(ctx, inputs, output):
     _setup_context(ctx, inputs[:8], output[:2])
+    # the statistics carry no gradient (a consumer recomputes through y): say so, not drop one silently
+    ctx.mark_non_differentiable(output[2])
 
 
 def _backward_stats(ctx, dy, dpre, _dstats):

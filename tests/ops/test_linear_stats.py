@@ -100,6 +100,8 @@ def test_backward_is_the_linear_backward(backend):
             out = ops.linear(x, w, b, residual=residual, gate=gate, activation="gelu",
                              next_norm_eps=1e-5 if stats else None)  # fmt: skip
         y = out[0] if stats else out
+        if stats:  # marked as carrying no gradient, as the fused conv's output statistics are
+            assert y.requires_grad and not out[1].requires_grad
         grads[stats] = torch.autograd.grad((y * dy).sum(), leaves)
     for got, want in zip(grads[True], grads[False]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
