@@ -335,21 +335,28 @@ class MovedWork:
     """The link between a module that took over its neighbour's work (a GroupNorm applying the SiLU after it,
     ``proj_mlp`` the GELU) and the :class:`FusedAway` left in the neighbour's place.
 
-    Both ask :meth:`intact` on every call: while both still sit in their parent's slots without hooks, the producer
-    does the work and the FusedAway passes through; otherwise (a LoRA wraps the producer, either was replaced or
-    hooked) the producer computes only its own part and the FusedAway runs ``stock``, the module it replaced, so
-    every hook sees what it would see on the stock model.
+    Both ask :meth:`intact` on every call: while both still sit in their parent's slots, of the classes patch gave
+    them, without hooks, the producer does the work and the FusedAway passes through; otherwise (a LoRA wraps the
+    producer, either was replaced, hooked or given another class, as the "GroupNorm32" upcast does with
+    ``m.__class__ = ...``) the producer computes only its own part, if its forward is still patch's, and the
+    FusedAway runs ``stock``, the module it replaced, so every hook sees what it would see on the stock model.
     """
 
     def __init__(self, parent: nn.Module, producer: str, away: str, stock: nn.Module) -> None:
         self.parent, self.producer_attr, self.away_attr, self.stock = parent, producer, away, stock
         self.producer: nn.Module | None = None
         self.away: nn.Module | None = None
+        self.classes: tuple[type, type] | None = None  # (producer's, away's) as installed
 
     def intact(self) -> bool:
         slots = self.parent._modules
         producer, away = slots.get(self.producer_attr), slots.get(self.away_attr)
-        return producer is self.producer and away is self.away and not (hooked(producer) or hooked(away))
+        return (
+            producer is self.producer
+            and away is self.away
+            and (type(producer), type(away)) == self.classes
+            and not (hooked(producer) or hooked(away))
+        )
 
     def __deepcopy__(self, memo: dict) -> MovedWork:
         # Copied with its parent (a whole-model copy): a link between the copies. Copied without it (peft's
@@ -369,6 +376,7 @@ def link_moved_work(parent: nn.Module, producer_attr: str, producer: nn.Module, 
     link = MovedWork(parent, producer_attr, away_attr, parent._modules[away_attr])
     away = FusedAway(producer_attr, link)
     link.producer, link.away = producer, away
+    link.classes = (type(producer), type(away))
     producer.__dict__["_ldmopt_link"] = link
     return away
 

@@ -59,6 +59,30 @@ def test_vae_report_outputs_and_unpatch_bit_for_bit():
     assert torch.equal(_run(vae, x), ref)
 
 
+def test_a_class_swap_of_a_patched_norm_gives_its_silu_back():
+    """The "GroupNorm32" upcast, ``m.__class__ = GroupNorm32`` for every nn.GroupNorm, done after patching: the
+    conv_norm_out that took over conv_act's SiLU now runs the user's class, so conv_act must apply the SiLU again."""
+
+    class GroupNorm32(nn.GroupNorm):
+        def forward(self, x):
+            return super().forward(x.float()).type(x.dtype)
+
+    vae = models.vae().eval()
+    x = models.inputs("vae", vae)
+    with ldmopt.use_backend("torch"):
+        ldmopt.patch(vae, families={"group_norm"})
+        for model in (vae, models.vae().eval()):
+            model.load_state_dict(vae.state_dict())
+            for m in model.modules():
+                if isinstance(m, nn.GroupNorm):
+                    m.__class__ = GroupNorm32
+            if model is vae:
+                out = _run(vae, x)
+            else:
+                ref = _run(model, x)
+    assert_outputs_close(out, ref, name="vae, norms upcast after patching")
+
+
 @pytest.mark.parametrize("channels_last_weights", [None, False])
 def test_parameters_shared_and_state_dict_keys_kept(channels_last_weights):
     unet = models.sd15_unet().eval()
