@@ -207,6 +207,10 @@ def _parts_reasons(parts) -> list[str]:
 
 def runtime_reasons(block, input_tensor: Tensor | tuple[Tensor, Tensor], temb: Tensor | None) -> list[str]:
     """Reasons these inputs take diffusers' forward instead of the fused one."""
+    if torch._C._are_functorch_transforms_active():
+        # vmap cannot query the layouts the fused path reads; the ops would run their reference compositions there
+        # anyway, so the stock forward is exact and no slower
+        return ["under a torch.func transform (vmap, grad, jvp ...)"]
     reasons = []
     if isinstance(input_tensor, tuple):
         reasons += _parts_reasons(input_tensor)

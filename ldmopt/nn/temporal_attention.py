@@ -196,8 +196,9 @@ def temporal_self_attention_and_stats(
     return project_out_and_stats(attn, core, x, residual, "temporal attention", gate, next_norm)
 
 
-#: The children of an Attention that the single-key shortcut never calls.
-SINGLE_KEY_SKIPS = ("to_q", "to_k", "norm_q", "norm_k")
+#: The children of an Attention that the single-key shortcut never calls (the norms of the query side included: the
+#: stock processors apply group_norm and spatial_norm to hidden_states, which only the queries read here).
+SINGLE_KEY_SKIPS = ("to_q", "to_k", "norm_q", "norm_k", "group_norm", "spatial_norm")
 
 
 def single_key_attention(attn, context: Tensor, queries: Tensor | None = None) -> Tensor:

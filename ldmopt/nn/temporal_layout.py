@@ -124,8 +124,15 @@ def svd_block_static_reason(block: nn.Module) -> str | None:
     return None if reason is None else f"attn2: {reason}"
 
 
+#: torch.func transforms (vmap, grad, jvp) cannot query the layouts the token-order path reads; the ops would run their
+#: reference compositions there anyway, so the stock forward is exact and no slower
+FUNCTORCH_REASON = "under a torch.func transform (vmap, grad, jvp ...)"
+
+
 def svd_block_reason(block: nn.Module, hidden_states: Tensor, num_frames: int, context: Tensor | None) -> str | None:
     """Why this call of an SVD temporal block must run diffusers' forward (None when it runs in token order)."""
+    if torch._C._are_functorch_transforms_active():
+        return FUNCTORCH_REASON
     if block._chunk_size is not None:
         return "chunked feed-forward"
     if hidden_states.ndim != 3 or hidden_states.shape[0] % num_frames:
@@ -260,6 +267,8 @@ def container_reason(
     cross_attention_kwargs: dict | None,
 ) -> str | None:
     """Why this call of a temporal container must run diffusers' forward (None when it runs in token order)."""
+    if torch._C._are_functorch_transforms_active():
+        return FUNCTORCH_REASON
     if hidden_states.ndim != 4 or hidden_states.shape[0] % num_frames:
         return f"input of shape {tuple(hidden_states.shape)} for {num_frames} frames"
     if num_frames > MAX_FRAMES:
@@ -409,6 +418,8 @@ def latte_static_reason(model: nn.Module) -> str | None:
 
 def latte_reason(model: nn.Module, hidden_states: Tensor, timestep, encoder_hidden_states) -> str | None:
     """Why this call of a Latte model must run diffusers' forward (None when its temporal blocks run in token order)."""
+    if torch._C._are_functorch_transforms_active():
+        return FUNCTORCH_REASON
     if hidden_states.ndim != 5 or timestep is None or encoder_hidden_states is None:
         return "not a (B, C, F, H, W) call with timestep and encoder_hidden_states"
     if hidden_states.shape[2] > MAX_FRAMES:
@@ -504,7 +515,11 @@ def latte_forward(
 # ------------------------------------------------------------------------------------------------ instance forwards
 
 
-_CONTAINER_ARGS = ("encoder_hidden_states", "timestep", "class_labels", "num_frames", "cross_attention_kwargs")
+#: the containers' positional parameters after hidden_states (AnimateDiffTransformer3D's forward stops before
+#: return_dict, TransformerTemporalModel's has it)
+_CONTAINER_ARGS = (
+    "encoder_hidden_states", "timestep", "class_labels", "num_frames", "cross_attention_kwargs", "return_dict",
+)  # fmt: skip
 
 
 def run_container(container: nn.Module, hidden_states: Tensor, *args, counter=None, **kwargs):

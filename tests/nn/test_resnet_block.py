@@ -231,6 +231,21 @@ def test_unfusable_block_falls_back_to_diffusers_with_reason():
         torch.testing.assert_close(block(x, None), expect, rtol=0, atol=0)
 
 
+def test_torch_func_transforms_run_the_stock_forward():
+    """vmap cannot query the layouts the fused path reads: under a torch.func transform the module runs diffusers'
+    forward (with the reason counted), as a patched block does, and vmap and jacfwd equal the stock block's."""
+    block = _block(dict(in_channels=8, out_channels=12, temb_channels=16, groups=4))
+    fused = FusedResnetBlock2D(copy.deepcopy(block))
+    x, temb = _inputs(block, 3, 5, torch.float32)
+    resnet.fallback_reasons.clear()
+    mapped = torch.func.vmap(lambda a, t: fused(a[None], t[None])[0])(x, temb)
+    expected = torch.func.vmap(lambda a, t: block(a[None], t[None])[0])(x, temb)
+    torch.testing.assert_close(mapped, expected, rtol=0, atol=0)
+    jac = torch.func.jacfwd(lambda a: fused(a, temb[:1]))(x[:1, :, :2, :2].contiguous())
+    assert jac.shape == (1, 12, 2, 2, 1, 8, 2, 2)
+    assert set(resnet.fallback_reasons) == {"under a torch.func transform (vmap, grad, jvp ...)"}
+
+
 def test_dropout_in_training_falls_back():
     block = _block(dict(in_channels=8, temb_channels=None, groups=4, dropout=0.1)).train()
     resnet.fallback_reasons.clear()

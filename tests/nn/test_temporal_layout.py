@@ -186,6 +186,27 @@ def test_container_falls_back_with_reason(models, family):
     assert torch.equal(custom, expected)
 
 
+@pytest.mark.parametrize("family", CONTAINER_FAMILIES)
+def test_container_under_vmap_and_with_positional_arguments(models, family):
+    """torch.func.vmap runs the stock forward (it cannot query the layouts the token-order path reads), with the
+    reason counted; TransformerTemporalModel's positional return_dict is honoured."""
+    container = _container(family, models)
+    x = _input(channels_last=False)
+    install = install_temporal_blocks(container)
+    with torch.no_grad():
+        mapped = torch.func.vmap(lambda a: _call(container, a))(x[None].expand(2, *x.shape))
+        assert install.report()[""] == {"kernel": 0, "under a torch.func transform (vmap, grad, jvp ...)": 1}
+        uninstall_temporal_blocks(install)
+        expected = _call(container, x)
+        install = install_temporal_blocks(container)
+        if family == "modelscope":  # (hidden, encoder_hidden_states, timestep, class_labels, num_frames, kwargs, rd)
+            out = container(x, None, None, None, FRAMES, None, False)
+            assert isinstance(out, tuple)
+            assert_close(out[0], expected.double(), torch.float32, "positional return_dict")
+    assert install.report()[""]["kernel"] == (1 if family == "modelscope" else 0)
+    assert_close(mapped[0], expected.double(), torch.float32, "vmap")
+
+
 def test_container_static_reasons(models):
     container = _container("animatediff", models)
     block = container.transformer_blocks[0]

@@ -193,6 +193,26 @@ def test_svd_attn2_shortcut_falls_back_for_longer_context():
     assert_close(got, expected.double(), torch.float32, "fallback")
 
 
+def test_single_key_shortcut_gives_a_query_side_group_norm_zero_gradients_and_its_hooks():
+    """An Attention with a group_norm (applied to the queries' side only): the shortcut skips it, so its parameters
+    get the stock path's exact zero gradients, and a hook on it sends the call to the stock processor."""
+    attn = Attention(16, cross_attention_dim=8, heads=2, dim_head=8, norm_num_groups=4)
+    proc = SingleKeyAttnProcessor(fallback=AttnProcessor2_0())
+    attn.set_processor(proc)
+    x, context = torch.randn(3, 5, 16), torch.randn(3, 1, 8)
+    out = attn(x, context)
+    assert_close(out, AttnProcessor2_0()(attn, x, context).detach().double(), torch.float32, "group_norm")
+    out.sum().backward()
+    assert proc.kernel_calls == 1
+    assert all(p.grad is not None and not p.grad.any() for p in attn.group_norm.parameters())
+    seen = []
+    attn.group_norm.register_forward_hook(lambda *args: seen.append(1))
+    with torch.no_grad():
+        attn(x, context)
+    assert seen and proc.kernel_calls == 1
+    assert "group_norm (or a module in it) has hooks" in next(iter(proc.fallback_reasons))
+
+
 def test_svd_attn2_shortcut_runs_the_stock_path_when_a_skipped_projection_is_hooked():
     """The shortcut never calls to_q/to_k: with a hook on one of them (accelerate's offload, a user's) the call
     runs the stock processor, so the hook runs as it would without ldmopt; once the hook is gone it is fused again."""
