@@ -47,7 +47,9 @@ def _ldmopt_processor(processor: object) -> bool:
 
 
 def _dropout_active(layer: nn.Module) -> bool:
-    return not isinstance(layer, nn.Dropout) or (layer.training and layer.p > 0)
+    """Whether ``layer`` may change its input: anything but a plain nn.Dropout in eval mode or with p=0 (a subclass,
+    e.g. a Monte-Carlo dropout that samples in eval mode too, counts as active)."""
+    return type(layer) is not nn.Dropout or (layer.training and layer.p > 0)
 
 
 def epilogue_reason(attn: nn.Module, name: str = "attn") -> str | None:

@@ -224,8 +224,11 @@ def runtime_reasons(block, input_tensor: Tensor | tuple[Tensor, Tensor], temb: T
     reasons += dtype_reasons(input_tensor, block.conv1.weight)
     if temb is not None and block.time_emb_proj is None:
         reasons.append("temb given to a block without time_emb_proj (diffusers adds it unprojected)")
-    if block.training and block.dropout.p > 0:
-        reasons.append(f"dropout p={block.dropout.p} in training mode")
+    dropout = block.dropout
+    if type(dropout) is not torch.nn.Dropout:  # a subclass (Monte-Carlo dropout) may sample in eval mode too
+        reasons.append(f"dropout of class {type(dropout).__name__}, not nn.Dropout")
+    elif dropout.training and dropout.p > 0:  # the layer's own flag, as nn.Dropout reads it (MC dropout at eval)
+        reasons.append(f"dropout p={dropout.p} in training mode")
     return reasons
 
 

@@ -245,8 +245,9 @@ def _single_key_module_reason(attn) -> str | None:
     if reason is not None:
         return reason
     dropout = attn.to_out[1] if len(attn.to_out) > 1 else None
-    if attn.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
-        return "output dropout in training mode (would be shared across queries)"
+    # the layer's own flag, as nn.Dropout reads it; a subclass (Monte-Carlo dropout) may sample in eval mode too
+    if dropout is not None and (type(dropout) is not nn.Dropout or (dropout.training and dropout.p > 0)):
+        return "active output dropout (would be shared across queries)"
     return None
 
 

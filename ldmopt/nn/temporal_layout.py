@@ -342,6 +342,14 @@ def _norm_proj_in_fusable(container: nn.Module) -> bool:
     return readable(proj_in)
 
 
+def _project(container: nn.Module, name: str, t: Tensor) -> Tensor:
+    """``container.<name>(t)`` called as the class's forward calls it (AnimateDiffTransformer3D by keyword,
+    ``input=``): a hook with kwargs, or a full backward hook (positional inputs only), sees the stock call."""
+    base = getattr(type(container), "_ldmopt_base", type(container))
+    layer = getattr(container, name)
+    return layer(input=t) if base.__name__ == "AnimateDiffTransformer3D" else layer(t)
+
+
 def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int) -> Tensor:
     """The container's forward in token order (call only when :func:`container_reason` is None). The result has the
     input's memory layout (channels-last in, channels-last out)."""
@@ -375,14 +383,14 @@ def container_bfnc(container: nn.Module, hidden_states: Tensor, num_frames: int)
         normed = container.norm(tokens.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
         if not normed.is_contiguous():
             tally(layout_conversions, f"{type(container).__name__}: GroupNorm returned a non-channels-last output")
-        t = container.proj_in(normed.reshape(b, num_frames, h * w, c))
+        t = _project(container, "proj_in", normed.reshape(b, num_frames, h * w, c))
     for i, block in enumerate(container.transformer_blocks):
         t = _basic_block_bfnc(block, t, (b, num_frames, h * w), stats if i == 0 else None)
     if x is hidden_states and readable(container.proj_out):
         # Channels-last in: the residual is the token array itself, added in proj_out's epilogue; offered to the
         # GroupNorm that reads the result next (the next resnet's, or an up block's with its skip: nn.proj_out).
         return proj_out_residual(container.proj_out, t, x)
-    t = container.proj_out(t)
+    t = _project(container, "proj_out", t)
     # A binary op's output takes its first operand's layout when the layouts differ: the input's.
     return hidden_states + t.view(bf, h, w, -1).permute(0, 3, 1, 2)
 
@@ -501,7 +509,8 @@ def latte_forward(
         x = x.view(batch * frames, pixels, -1)
     embedded_timestep = embedded_timestep.repeat_interleave(frames, dim=0, output_size=batch * frames)
     shift, scale = (self.scale_shift_table[None] + embedded_timestep[:, None]).chunk(2, dim=1)
-    if plain_layer_norm_reason("norm_out", self.norm_out) is None:  # diffusers' Latte: affine-free LayerNorm
+    # diffusers' Latte: an affine-free LayerNorm, computed here unless a hook or wrapper must see it run
+    if plain_layer_norm_reason("norm_out", self.norm_out) is None and not hooked(self.norm_out):
         x = adaln_modulate(x, scale, shift, eps=self.norm_out.eps)
     else:
         x = self.norm_out(x) * (1 + scale) + shift

@@ -253,6 +253,26 @@ def test_dropout_in_training_falls_back():
     assert list(resnet.fallback_reasons) == ["dropout p=0.1 in training mode"]
 
 
+def test_monte_carlo_dropout_at_eval_falls_back():
+    """Dropout active while the block is in eval mode (Monte-Carlo dropout: model.eval(), then the Dropout layers
+    .train(), or a Dropout subclass that samples in eval mode): diffusers' forward, as nn.Dropout reads its own flag."""
+
+    class AlwaysDropout(torch.nn.Dropout):
+        def forward(self, x):
+            return torch.nn.functional.dropout(x, self.p, training=True)
+
+    block = _block(dict(in_channels=8, temb_channels=None, groups=4, dropout=1.0))  # p=1: the conv2 input is zero
+    x = torch.randn(1, 8, 3, 3).contiguous(memory_format=torch.channels_last)
+    expected = block.conv2.bias[None, :, None, None] + x  # conv2 of zeros, plus the residual
+    resnet.fallback_reasons.clear()
+    block.dropout.train()
+    torch.testing.assert_close(fused_resnet_forward(block, x, None), expected.expand_as(x))
+    block.dropout = AlwaysDropout(1.0).eval()
+    torch.testing.assert_close(fused_resnet_forward(block, x, None), expected.expand_as(x))
+    expected_reasons = ["dropout p=1.0 in training mode", "dropout of class AlwaysDropout, not nn.Dropout"]
+    assert list(resnet.fallback_reasons) == expected_reasons
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -207,6 +207,25 @@ def test_container_under_vmap_and_with_positional_arguments(models, family):
     assert_close(mapped[0], expected.double(), torch.float32, "vmap")
 
 
+def test_container_calls_its_projections_as_diffusers_does(models):
+    """AnimateDiffTransformer3D calls proj_in and proj_out by keyword (input=): a pre-hook with kwargs sees the same
+    call in token order."""
+    container = _container("animatediff", models)
+    x = _input(channels_last=False)  # an NCHW input: proj_in and proj_out are called as modules, not in epilogues
+    seen = []
+    for name in ("proj_in", "proj_out"):
+        getattr(container, name).register_forward_pre_hook(
+            lambda module, args, kwargs, name=name: seen.append((name, len(args), sorted(kwargs))), with_kwargs=True
+        )
+    with torch.no_grad():
+        expected = _call(container, x)
+        install = install_temporal_blocks(container)
+        got = _call(container, x)
+    assert install.report()[""]["kernel"] == 1
+    assert seen[2:] == seen[:2] == [("proj_in", 0, ["input"]), ("proj_out", 0, ["input"])]
+    assert_close(got, expected.double(), torch.float32, "hooked projections")
+
+
 def test_container_static_reasons(models):
     container = _container("animatediff", models)
     block = container.transformer_blocks[0]
@@ -339,6 +358,26 @@ def _latte_cases():
         return model, dict(hidden_states=torch.randn(2, 4, FRAMES, 4, 4), **kwargs)
 
     return {"ada_norm_single": zoo, "layer_norm": default}
+
+
+def test_latte_runs_a_hooked_norm_out():
+    """The patched Latte forward modulates norm_out's output itself; with a hook on norm_out (registered before or
+    after patching) it calls the module, so the hook runs and its change shows, as on the stock model."""
+    torch.manual_seed(0)
+    model, kwargs = _latte_cases()["ada_norm_single"]()
+    calls = []
+
+    def hook(module, args, out):
+        calls.append(1)
+        return out * 1.5 + 0.1
+
+    model.norm_out.register_forward_hook(hook)
+    with torch.no_grad():
+        expected = model(**kwargs, return_dict=False)[0]
+        ldmopt.patch(model)
+        got = model(**kwargs, return_dict=False)[0]
+    assert len(calls) == 2
+    assert_close(got, expected.double(), torch.float32, "latte, hooked norm_out")
 
 
 @pytest.mark.parametrize("variant", ["ada_norm_single", "layer_norm"])

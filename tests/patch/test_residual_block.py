@@ -333,6 +333,29 @@ def test_hook_on_output_dropout_runs():
     assert_within_torch_error(out, exact, ref, "hooked dropout")
 
 
+def test_a_dropout_subclass_after_patching_runs():
+    """Monte-Carlo dropout: to_out.1's class changed after patching to one that samples in eval mode too; the block
+    must run it (p=1 makes it visible: the attention's output drops to zero)."""
+
+    class AlwaysDropout(torch.nn.Dropout):
+        def forward(self, x):
+            return torch.nn.functional.dropout(x, self.p, training=True)
+
+    block = _block()
+    hidden, context = _inputs()
+    stock_block = copy.deepcopy(block)
+    ldmopt.patch(block)
+    for b in (block, stock_block):
+        b.attn1.to_out[1].p = 1.0
+        b.attn1.to_out[1].__class__ = AlwaysDropout
+    fallback_reasons.clear()
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        ref = _call(stock_block, hidden, context)
+        out = _call(block, hidden, context)
+    assert any("attn1.to_out is not [Linear, inactive Dropout]" in r for r in fallback_reasons), dict(fallback_reasons)
+    assert_close(out, ref.double(), torch.float32, "MC dropout")
+
+
 def test_profiler_observers_keep_every_epilogue():
     # The profiler's scope hooks sit on every module, to_out.0 and ff.net.2 included: they are observers, so a
     # profiled block still runs (and measures) all three fused epilogues.
