@@ -57,6 +57,16 @@ def upsample_reasons(block: nn.Module) -> list[str]:
     return reasons
 
 
+def _settings_reasons(block: nn.Module) -> list[str]:
+    """The settings patch matched (nearest 2x, then a conv; no norm), read again per call: a user may flip them."""
+    if not block.use_conv or not block.interpolate or block.use_conv_transpose:
+        return [f"use_conv={block.use_conv}, interpolate={block.interpolate}, use_conv_transpose="
+                f"{block.use_conv_transpose} (fused: an interpolation, then a conv)"]  # fmt: skip
+    if block.norm is not None:
+        return [f"norm {type(block.norm).__name__} before the upsampling"]
+    return []
+
+
 def _runtime_reasons(block: nn.Module, x: Tensor, output_size, args, kwargs) -> list[str]:
     if args or kwargs.get("scale", None) is not None:
         return ["deprecated scale argument (diffusers' forward warns)"]
@@ -71,8 +81,9 @@ def fused_upsample_forward(self, hidden_states: Tensor, output_size=None, *args,
     """``Upsample2D.forward`` as one convolution that reads the input through nearest 2x index arithmetic."""
     conv = self._modules.get(_conv_name(self))
     # The conv is the whole fusion: its class, hooks, weight and geometry are checked on every call (a LoRA or another
-    # conv may replace it after patching).
-    reasons = _conv_reasons(conv) or _runtime_reasons(self, hidden_states, output_size, args, kwargs)
+    # conv may replace it after patching), and so are the block's settings.
+    reasons = _settings_reasons(self) or _conv_reasons(conv)
+    reasons = reasons or _runtime_reasons(self, hidden_states, output_size, args, kwargs)
     if reasons:
         for reason in reasons:
             count_reason(_WHERE, reason)

@@ -152,3 +152,18 @@ def test_conv_replaced_after_patch_by_another_geometry_runs_stock(conv_kwargs):
     assert torch.equal(out, expected)
     assert any("conv has (kernel, stride, padding" in r for r in child_check.fallback_reasons)
     block.conv = conv
+
+
+@pytest.mark.parametrize("setting", ["use_conv", "interpolate"])
+def test_settings_flipped_after_patch_run_stock(setting):
+    """use_conv / interpolate switched off after patching: diffusers' forward runs (the fused path would still
+    upsample and convolve), with the reason counted."""
+    block, x = _block(), _x()
+    ldmopt.patch(block)
+    setattr(block, setting, False)
+    child_check.fallback_reasons.clear()
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        out = block(x)
+        expected = upsampling.Upsample2D.forward(block, x)
+    assert torch.equal(out, expected)
+    assert any(f"{setting}=False" in r for r in child_check.fallback_reasons), dict(child_check.fallback_reasons)
