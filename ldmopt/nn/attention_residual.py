@@ -25,7 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.linear import linear, per_sample
-from .child_check import count_reason, function_mode_reason, hooked, observed, readable, unreadable_reason
+from .child_check import (
+    count_reason,
+    dropout_reason,
+    function_mode_reason,
+    hooked,
+    observed,
+    readable,
+    unreadable_reason,
+)
 from .layer_norm_input import NormedInput, apply, as_tensor, norm_reason
 from .linear import stock_gated_residual
 
@@ -46,12 +54,6 @@ def _ldmopt_processor(processor: object) -> bool:
     return type(processor).__module__.startswith("ldmopt.")
 
 
-def _dropout_active(layer: nn.Module) -> bool:
-    """Whether ``layer`` may change its input: anything but a plain nn.Dropout in eval mode or with p=0 (a subclass,
-    e.g. a Monte-Carlo dropout that samples in eval mode too, counts as active)."""
-    return type(layer) is not nn.Dropout or (layer.training and layer.p > 0)
-
-
 def epilogue_reason(attn: nn.Module, name: str = "attn") -> str | None:
     """Why ``attn``'s output projection cannot take a residual in its epilogue (None when it can): whatever follows
     ``to_out[0]`` in the processor must be the identity."""
@@ -60,7 +62,7 @@ def epilogue_reason(attn: nn.Module, name: str = "attn") -> str | None:
     if attn.rescale_output_factor != 1.0:
         return f"{name}.rescale_output_factor is {attn.rescale_output_factor} (only 1.0)"
     out = attn.to_out
-    if len(out) != 2 or _dropout_active(out[1]):
+    if len(out) != 2 or dropout_reason(out[1]) is not None:
         return f"{name}.to_out is not [Linear, inactive Dropout]"
     if hooked(out[1]):
         return f"{name}.to_out.1 has hooks or a wrapped forward"

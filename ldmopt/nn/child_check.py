@@ -179,6 +179,24 @@ def function_mode_reason() -> str | None:
     return None
 
 
+def transform_reason() -> str | None:
+    """Why a fused forward must run the stock one now: a torch.func transform (vmap, grad, jvp) is active. vmap
+    cannot query the layouts the fused paths choose by, and the ops would run their reference compositions there
+    anyway, so the stock forward is exact and no slower."""
+    return "under a torch.func transform (vmap, grad, jvp ...)" if torch._C._are_functorch_transforms_active() else None
+
+
+def dropout_reason(layer: object) -> str | None:
+    """Why ``layer``, where a dropout sits, may change its input (None when it is the identity now): it is not a plain
+    nn.Dropout (a Monte-Carlo dropout subclass may sample in eval mode too), or its own training flag is set with
+    p > 0, as nn.Dropout reads it (Monte-Carlo dropout also trains the layers alone in an eval model)."""
+    if type(layer) is not nn.Dropout:
+        return f"of class {type(layer).__name__}, not nn.Dropout"
+    if layer.training and layer.p > 0:
+        return f"p={layer.p} in training mode"
+    return None
+
+
 def plain_weight(module: nn.Module, name: str = "weight") -> bool:
     """Whether the parameter ``name`` is a plain tensor (or absent), not a tensor subclass."""
     return type(module._parameters.get(name)) in PLAIN_WEIGHTS

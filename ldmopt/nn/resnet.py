@@ -54,7 +54,16 @@ from ..ops._autocast import autocast_enabled
 from ..ops._dispatch import call, statistics_source
 from ..ops.gn_conv2d import gn_conv2d_stats, gn_silu_conv2d, reads_parts_in_place, resample_input, same_but_channels
 from . import stats_handover as handover
-from .child_check import bypassed_hook_reason, hooked_children, readable, stock_class, tally, unreadable_reason
+from .child_check import (
+    bypassed_hook_reason,
+    dropout_reason,
+    hooked_children,
+    readable,
+    stock_class,
+    tally,
+    transform_reason,
+    unreadable_reason,
+)
 
 #: reason -> how often a fused forward fell back to diffusers' own forward in this process.
 fallback_reasons: Counter[str] = Counter()
@@ -207,10 +216,9 @@ def _parts_reasons(parts) -> list[str]:
 
 def runtime_reasons(block, input_tensor: Tensor | tuple[Tensor, Tensor], temb: Tensor | None) -> list[str]:
     """Reasons these inputs take diffusers' forward instead of the fused one."""
-    if torch._C._are_functorch_transforms_active():
-        # vmap cannot query the layouts the fused path reads; the ops would run their reference compositions there
-        # anyway, so the stock forward is exact and no slower
-        return ["under a torch.func transform (vmap, grad, jvp ...)"]
+    transform = transform_reason()
+    if transform is not None:
+        return [transform]
     reasons = []
     if isinstance(input_tensor, tuple):
         reasons += _parts_reasons(input_tensor)
@@ -224,11 +232,9 @@ def runtime_reasons(block, input_tensor: Tensor | tuple[Tensor, Tensor], temb: T
     reasons += dtype_reasons(input_tensor, block.conv1.weight)
     if temb is not None and block.time_emb_proj is None:
         reasons.append("temb given to a block without time_emb_proj (diffusers adds it unprojected)")
-    dropout = block.dropout
-    if type(dropout) is not torch.nn.Dropout:  # a subclass (Monte-Carlo dropout) may sample in eval mode too
-        reasons.append(f"dropout of class {type(dropout).__name__}, not nn.Dropout")
-    elif dropout.training and dropout.p > 0:  # the layer's own flag, as nn.Dropout reads it (MC dropout at eval)
-        reasons.append(f"dropout p={dropout.p} in training mode")
+    dropout = dropout_reason(block.dropout)
+    if dropout is not None:
+        reasons.append(f"dropout {dropout}")
     return reasons
 
 

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
 from .attention_residual import project_out_and_stats
-from .child_check import bypassed_hook_reason, counting, function_mode_reason, hooked_children, tally
+from .child_check import bypassed_hook_reason, counting, dropout_reason, function_mode_reason, hooked_children, tally
 from .layer_norm_input import NormedInput, apply
 
 #: Container class name -> attribute holding its temporal blocks (None: every Attention under the container).
@@ -245,8 +245,7 @@ def _single_key_module_reason(attn) -> str | None:
     if reason is not None:
         return reason
     dropout = attn.to_out[1] if len(attn.to_out) > 1 else None
-    # the layer's own flag, as nn.Dropout reads it; a subclass (Monte-Carlo dropout) may sample in eval mode too
-    if dropout is not None and (type(dropout) is not nn.Dropout or (dropout.training and dropout.p > 0)):
+    if dropout is not None and dropout_reason(dropout) is not None:
         return "active output dropout (would be shared across queries)"
     return None
 

@@ -53,6 +53,7 @@ from .child_check import (
     stock,
     stock_class,
     tally,
+    transform_reason,
     wrapped_forward,
 )
 from .group_norm import GroupNorm as LdmoptGroupNorm
@@ -124,15 +125,11 @@ def svd_block_static_reason(block: nn.Module) -> str | None:
     return None if reason is None else f"attn2: {reason}"
 
 
-#: torch.func transforms (vmap, grad, jvp) cannot query the layouts the token-order path reads; the ops would run their
-#: reference compositions there anyway, so the stock forward is exact and no slower
-FUNCTORCH_REASON = "under a torch.func transform (vmap, grad, jvp ...)"
-
-
 def svd_block_reason(block: nn.Module, hidden_states: Tensor, num_frames: int, context: Tensor | None) -> str | None:
     """Why this call of an SVD temporal block must run diffusers' forward (None when it runs in token order)."""
-    if torch._C._are_functorch_transforms_active():
-        return FUNCTORCH_REASON
+    transform = transform_reason()
+    if transform is not None:
+        return transform
     if block._chunk_size is not None:
         return "chunked feed-forward"
     if hidden_states.ndim != 3 or hidden_states.shape[0] % num_frames:
@@ -267,8 +264,9 @@ def container_reason(
     cross_attention_kwargs: dict | None,
 ) -> str | None:
     """Why this call of a temporal container must run diffusers' forward (None when it runs in token order)."""
-    if torch._C._are_functorch_transforms_active():
-        return FUNCTORCH_REASON
+    transform = transform_reason()
+    if transform is not None:
+        return transform
     if hidden_states.ndim != 4 or hidden_states.shape[0] % num_frames:
         return f"input of shape {tuple(hidden_states.shape)} for {num_frames} frames"
     if num_frames > MAX_FRAMES:
@@ -426,8 +424,9 @@ def latte_static_reason(model: nn.Module) -> str | None:
 
 def latte_reason(model: nn.Module, hidden_states: Tensor, timestep, encoder_hidden_states) -> str | None:
     """Why this call of a Latte model must run diffusers' forward (None when its temporal blocks run in token order)."""
-    if torch._C._are_functorch_transforms_active():
-        return FUNCTORCH_REASON
+    transform = transform_reason()
+    if transform is not None:
+        return transform
     if hidden_states.ndim != 5 or timestep is None or encoder_hidden_states is None:
         return "not a (B, C, F, H, W) call with timestep and encoder_hidden_states"
     if hidden_states.shape[2] > MAX_FRAMES:

@@ -34,6 +34,7 @@ from . import stats_handover as handover
 from .child_check import (
     bypassed_hook_reason,
     count_reason,
+    dropout_reason,
     hooked,
     hooked_children,
     observed,
@@ -144,11 +145,7 @@ def _runtime_reasons(x: Tensor, frames: int, weight: Tensor, dropouts) -> list[s
     if frames <= 0 or x.shape[0] % frames:
         reasons.append(f"{x.shape[0]} frames in the batch are not a multiple of num_frames={frames}")
     reasons += dtype_reasons(x, weight)
-    for d in dropouts:  # the layer's own flag, as nn.Dropout reads it; a subclass may sample in eval mode too
-        if type(d) is not nn.Dropout:
-            reasons.append(f"dropout of class {type(d).__name__}, not nn.Dropout")
-        elif d.training and d.p > 0:
-            reasons.append(f"dropout p={d.p} in training mode")
+    reasons += [f"dropout {why}" for why in map(dropout_reason, dropouts) if why is not None]
     return reasons
 
 

@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from ..nn.child_check import (
@@ -40,6 +39,7 @@ from ..nn.child_check import (
     layerwise_casting_hooks,
     qualified_name,
     stock,
+    transform_reason,
     unreadable_reason,
     wrapped_forward,
 )
@@ -230,16 +230,11 @@ def _mirror_block_registry(base: type, cls: type) -> None:
 
 
 def _guarded(base: type, name: str, fn: Callable) -> Callable:
-    """``fn``, or ``base``'s own method while a child the fused path bypasses changed since patching (see
-    :meth:`ClassSwapRule.guarded`)."""
+    """``fn``, or ``base``'s own method under a torch.func transform or while a child the fused path bypasses changed
+    since patching (see :meth:`ClassSwapRule.guarded`)."""
 
     def method(self, *args, **kwargs):
-        if torch._C._are_functorch_transforms_active():
-            # torch.func transforms run the ops' reference compositions anyway, and vmap cannot query the layouts
-            # the fused paths choose by: the stock forward is exact and no slower there.
-            count_reason(type(self).__name__, "under a torch.func transform (vmap, grad, jvp ...)")
-            return stock(self, name)(*args, **kwargs)
-        why = changed_guard_reason(self)
+        why = transform_reason() or changed_guard_reason(self)
         if why is not None:
             count_reason(type(self).__name__, why)
             return stock(self, name)(*args, **kwargs)
