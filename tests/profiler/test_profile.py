@@ -21,6 +21,19 @@ def tiny_unet():
     return configs.build_model("sd15", tiny=True, device="cpu", dtype=torch.float32)
 
 
+def _classified_op_share(p) -> float:
+    """Share of profiled operator calls (not time) in named categories. Calls are deterministic; a tiny model's CPU
+    time shares are not: one descheduled operator on a loaded CI machine moved the time share from 0.93 to 0.59."""
+    calls = sum(c.count for c in p.categories.values())
+    return 1.0 - (p.categories[C.OTHER].count + p.categories[C.ATTN_UNATTRIBUTED].count) / calls
+
+
+def _compute_ops_in_other(p) -> list[str]:
+    """Operators left in "other" that are compute a category should have claimed (matmul, conv, norm, attention)."""
+    names = [name for name, _, _ in p.top(C.OTHER, 100)]
+    return [n for n in names if any(k in n for k in ("mm", "conv", "norm", "attention", "softmax", "linear"))]
+
+
 def _small(model):
     return configs.example_inputs(model, resolution=64, batch=1)  # 8x8 latents: 4 UNet levels down to 1x1
 
@@ -29,7 +42,7 @@ def test_tiny_unet_on_cpu_is_classified_and_writes_trace_and_tensorboard(tiny_un
     trace, logdir = tmp_path / "trace.json", tmp_path / "tb"
     p = profile(tiny_unet, inputs=_small(tiny_unet), steps=1, warmup=1, trace=str(trace), tensorboard=str(logdir))
     assert isinstance(p, Profile) and p.device == "cpu" and "CPU" in p.time_kind
-    assert p.classified_share() >= 0.9
+    assert _classified_op_share(p) >= 0.95 and not _compute_ops_in_other(p), p.top(C.OTHER, 10)
     assert sum(p.shares().values()) == pytest.approx(1.0)
     for cat in (C.CONV, C.LINEAR, C.ATTN_SPATIAL, C.ATTN_CROSS, C.NORM, C.ELEMENTWISE):
         assert p.categories[cat].time_us > 0, cat
@@ -70,9 +83,8 @@ def test_training_mode_with_a_data_iterable(tiny_dit):
     assert p.mode == "training"
     # The label embedding's backward (aten::embedding_dense_backward, a scatter) is legitimately "other" and can take
     # 10-15% of a tiny DiT's CPU time; what must never land there is a matmul, convolution, norm or attention op.
-    unclassified = [name for name, _, _ in p.top(C.OTHER, 100)]
-    missed = [n for n in unclassified if any(k in n for k in ("mm", "conv", "norm", "attention", "softmax", "linear"))]
-    assert not missed and p.classified_share() >= 0.75, (missed, p.classified_share(), unclassified[:5])
+    missed = _compute_ops_in_other(p)
+    assert not missed and _classified_op_share(p) >= 0.85, (missed, _classified_op_share(p), p.top(C.OTHER, 5))
     conv_ops = [name for name, _, _ in p.top(C.CONV, 10)]
     assert any("backward" in name for name in conv_ops), conv_ops
     # Backward attention inherits its forward scope through the autograd sequence number.
@@ -83,11 +95,10 @@ def test_training_mode_with_a_data_iterable(tiny_dit):
 @pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
 def test_callable_target_with_modules_for_scopes(tiny_dit):
     inputs = configs.example_inputs(tiny_dit, batch=1)
-    # warmup=1: a single cold step's one-off allocations and index builds ("other") can take >10% of a tiny model.
-    # Its tiny index ops (arange, index_select: "other") weigh more on a loaded machine: 0.93-0.95 classified here
-    # alone, 0.89 in a CI run beside other jobs.
+    # warmup=1: a single cold step's one-off allocations and index builds would land in "other".
     p = profile(lambda: configs.run_model(tiny_dit, inputs), modules=tiny_dit, steps=1, warmup=1)
-    assert p.categories[C.ATTN_SPATIAL].time_us > 0 and p.classified_share() >= 0.85, p.classified_share()
+    assert p.categories[C.ATTN_SPATIAL].time_us > 0 and p.categories[C.ATTN_UNATTRIBUTED].count == 0
+    assert _classified_op_share(p) >= 0.9 and not _compute_ops_in_other(p), p.top(C.OTHER, 10)
     bare = profile(lambda: configs.run_model(tiny_dit, inputs), steps=1, warmup=0)
     assert bare.categories[C.ATTN_UNATTRIBUTED].time_us > 0
     assert any("no attention scopes" in n for n in bare.notes)
