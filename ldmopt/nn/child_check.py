@@ -244,6 +244,12 @@ def unreadable_reason(name: str, layer: object) -> str:
         if not plain_weight(layer):
             return f"{name}.weight is a {qualified_name(type(layer.weight))} (a quantized tensor?), not a plain tensor"
     kind = qualified_name(type(layer))
+    if type(layer).__module__.split(".")[0] == "ldmopt":
+        # A narrower family patched first (families=["group_norm"], then the rest): its module is not the plain one.
+        return (
+            f"{name} is a {kind}, from an earlier ldmopt.patch call; unpatch, then patch once with every family "
+            "wanted, to fuse it here"
+        )
     return f"{name} is a {kind} (a LoRA/PEFT or quantized layer?), not the plain torch layer the fused path reads"
 
 

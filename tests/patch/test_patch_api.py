@@ -130,6 +130,20 @@ def test_patch_in_steps_equals_patch_at_once():
     assert_same_snapshot(before, snapshot(unet))
 
 
+def test_a_narrower_family_patched_first_is_named_in_the_skip_reason():
+    # group_norm first claims the resnets' norms, so the resnet rule of a later patch cannot read them: the report
+    # says so and what to do (not "a LoRA/PEFT or quantized layer?"), and the model still matches stock.
+    unet = models.sd15_unet().eval()
+    kwargs = models.inputs("sd15", unet)
+    expected = _run_reference(unet, kwargs)
+    ldmopt.patch(unet, families=["group_norm"])
+    second = ldmopt.patch(unet)
+    resnets = [s for s in second.skipped if s.rule == "resnet"]
+    assert resnets and all("from an earlier ldmopt.patch call" in r for s in resnets for r in s.reasons), resnets
+    assert not any("LoRA/PEFT" in r for s in second.skipped for r in s.reasons)
+    assert_outputs_close(_run_reference(unet, kwargs), expected)
+
+
 def test_submodule_of_a_patched_model_is_not_patched_twice():
     """A model patched whole, then one of its blocks on its own: the block is already fused (patching it again would
     wrap the fused class in another, whose stock path then recursed); unpatching the block alone is refused with
