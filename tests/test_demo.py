@@ -52,3 +52,10 @@ def test_demo_report_counts_one_patched_run_not_the_profiling_pass(capsys, monke
     text = capsys.readouterr().out
     assert "per-category time split of one patched run" in text  # the profiling pass did run the model again
     assert _backend_lines(text) == without_profiling
+
+
+def test_demo_flux_in_fp16_agrees(capsys):
+    # Flux multiplies its timestep by 1000 itself: the zoo inputs pass t / 1000 as FluxPipeline does (999 was 999,000:
+    # inf in fp16, and a stock output of NaN).
+    assert main(["demo", "--model", "flux", "--steps", "1", "--dtype", "float16", "--backend", "torch"]) == 0
+    assert "outputs agree: yes" in capsys.readouterr().out

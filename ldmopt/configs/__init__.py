@@ -381,7 +381,7 @@ def example_inputs(
 
     ``name_or_model`` is a zoo name or a model built by ``build_model`` (its dtype/device are then the defaults).
     Tiny models default to a 64-pixel resolution (8x8 latents; 16x16 for the UNets so every level is at least 2x2),
-    4 frames and 7 text tokens. Values are random; timesteps are 999.
+    4 frames and 7 text tokens. Values are random; timesteps are 999 (Flux: 0.999, as FluxPipeline passes t / 1000).
     """
     if isinstance(name_or_model, str):
         entry, model, tiny = get(name_or_model), None, False
@@ -500,7 +500,8 @@ def _build_kwargs(entry, config, b, f, h, w, tokens, dtype, device) -> dict[str,
     if cls == "FluxTransformer2DModel":
         # Latents are packed 2x2: (h/2 * w/2) tokens of 4 * 16 channels.
         n_img = (h // 2) * (w // 2)
-        kw = {"hidden_states": rand(b, n_img, config["in_channels"]), "timestep": steps().to(dtype),
+        # FluxPipeline passes t / 1000 and the model multiplies by 1000 itself: 999 would be 999,000, inf in fp16.
+        kw = {"hidden_states": rand(b, n_img, config["in_channels"]), "timestep": steps().to(dtype) / 1000,
               "encoder_hidden_states": rand(b, tokens, config["joint_attention_dim"]),
               "pooled_projections": rand(b, config["pooled_projection_dim"]),
               "img_ids": torch.zeros(n_img, 3, dtype=dtype, device=device),
