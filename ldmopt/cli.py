@@ -24,7 +24,7 @@ COMMANDS = {
 #: their parent folder created before the command runs, so a bad path cannot fail the write after all the work is
 #: done (analyze and profile prepare their own).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-OUTPUT_FILES = {"demo": {"save": IMAGE_SUFFIXES}}
+OUTPUT_FILES = {"demo": {"save": IMAGE_SUFFIXES}, "tune": {"json": None, "save_choice": None}}
 
 
 def _check_device(device: str) -> str | None:
@@ -35,6 +35,9 @@ def _check_device(device: str) -> str | None:
         kind = torch.device(device).type
     except (RuntimeError, TypeError):
         return f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+    if kind not in ("cpu", "cuda"):
+        # meta tensors run no kernels (what they would cost: ldmopt analyze); other device types are not supported.
+        return f"--device {device!r}: the command runs the model, on cpu or cuda only (figures on meta: ldmopt analyze)"
     if kind == "cuda" and not torch.cuda.is_available():
         return f"--device {device!r}: no CUDA GPU is available here (torch.cuda.is_available() is False); use cpu"
     return None
@@ -48,16 +51,17 @@ def _check_common(args: argparse.Namespace) -> str | None:
         if problem:
             return problem
     for option, suffixes in OUTPUT_FILES.get(args.command, {}).items():
-        path = getattr(args, option, None)
+        path, flag = getattr(args, option, None), "--" + option.replace("_", "-")
         if isinstance(path, str) and suffixes is not None and not path.lower().endswith(suffixes):
-            return f"--{option} {path}: the file name must end in one of {', '.join(suffixes)} (an image is written)"
+            return f"{flag} {path}: the file name must end in one of {', '.join(suffixes)} (an image is written)"
         if isinstance(path, str) and os.path.isdir(path):
-            return f"--{option} {path} is a folder; give a file name such as {os.path.join(path, 'demo.png')}"
+            example = os.path.join(path, "demo.png" if suffixes else f"{args.command}.json")
+            return f"{flag} {path} is a folder; give a file name such as {example}"
         if isinstance(path, str) and path != "-":
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             except OSError as exc:
-                return f"--{option} {path}: cannot create its folder: {exc}"
+                return f"{flag} {path}: cannot create its folder: {exc}"
     return None
 
 

@@ -353,6 +353,21 @@ def test_unusable_device_is_a_clear_error_not_a_traceback(capsys, monkeypatch):
         assert "no CUDA GPU is available" in err and "Traceback" not in err
     assert main(["demo", "--device", "gpu"]) == 2
     assert "is not a torch device" in capsys.readouterr().err
+    # meta runs no kernel: a demo crashed on .item(), tune and profile "measured" Python's time.
+    for argv in (["demo", "--device", "meta"], ["tune", "sd15", "--tiny", "--device", "meta"]):
+        assert main(argv) == 2
+        assert "on cpu or cuda only (figures on meta: ldmopt analyze)" in capsys.readouterr().err
+
+
+def test_tune_output_files_are_checked_before_the_tuning(tmp_path, capsys, monkeypatch):
+    import ldmopt.patch.cli
+    from ldmopt.cli import main
+
+    monkeypatch.setattr(ldmopt.patch.cli, "run_tune", lambda args: pytest.fail("the tuning ran before the check"))
+    for option in ("--json", "--save-choice"):
+        assert main(["tune", "sd15", "--tiny", option, str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{option} {tmp_path} is a folder; give a file name such as" in err and "Traceback" not in err
 
 
 def test_a_reader_leaving_early_is_no_traceback():

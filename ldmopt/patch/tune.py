@@ -238,6 +238,15 @@ def _cuda_devices(pipe_or_model: Any) -> set[torch.device]:
     }
 
 
+def _meta_models(pipe_or_model: Any) -> list[str]:
+    """Labels of the models with parameters on the meta device, where calls run no kernels and time nothing real."""
+    return [
+        label or type(model).__name__
+        for label, model in _models_of(pipe_or_model, for_patch=False)
+        if any(p.is_meta for p in model.parameters())
+    ]
+
+
 def _check_count(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"ldmopt.tune: {name}={value!r} is not supported; expected an int >= {minimum}")
@@ -307,6 +316,12 @@ def tune(
         raise ValueError(f"ldmopt.tune: min_speedup={min_speedup!r} is not supported; expected a finite number")
     if is_patched(pipe_or_model):
         raise PatchError("ldmopt.tune: the model is already patched; tune patches it itself (ldmopt.unpatch first)")
+    on_meta = _meta_models(pipe_or_model)
+    if on_meta:
+        raise ValueError(
+            f"ldmopt.tune: {', '.join(on_meta)} has parameters on the meta device, where a call runs no kernel and its "
+            "time is only Python's; load or build the model on cpu or cuda (FLOPs and bytes on meta: ldmopt.analyze)"
+        )
     gpus = _cuda_devices(pipe_or_model)
     if cuda_graph and len(gpus) != 1:
         where = f"on {sorted(map(str, gpus))}" if gpus else "not on CUDA"

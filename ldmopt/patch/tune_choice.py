@@ -134,7 +134,13 @@ def load(source: Any) -> dict[str, Any]:
     for flag in ("training", "filtered"):
         if not isinstance(source.get(flag, False), bool):
             raise ValueError(f"ldmopt.patch_tuned: choice[{flag!r}]={source[flag]!r}; expected true or false")
-    if source.get("channels_last_weights") not in (None, True, False):
+    measured = source.get("measured_on", {})
+    if not isinstance(measured, dict) or not isinstance(measured.get("device", ""), str):
+        raise ValueError(
+            f"ldmopt.patch_tuned: choice['measured_on']={measured!r}; expected an object such as "
+            "{'device': 'NVIDIA H100 80GB HBM3', 'torch': ..., 'date': ...} (from Tuning.choice())"
+        )
+    if not any(source.get("channels_last_weights") is v for v in (None, True, False)):  # 1 == True: not a flag
         raise ValueError(
             f"ldmopt.patch_tuned: choice['channels_last_weights']={source['channels_last_weights']!r}; expected "
             "null, true or false"

@@ -390,6 +390,14 @@ def test_bad_arguments_are_named(kwargs, message):
     assert not ldmopt.is_patched(unet)
 
 
+def test_a_model_on_meta_is_refused():
+    # Calls on meta run no kernel: tune "kept" most sites on Python's time, and the choice said "cpu".
+    unet = _unet().to("meta")
+    with pytest.raises(ValueError, match=r"UNet2DConditionModel has parameters on the meta device.*ldmopt\.analyze"):
+        ldmopt.tune(unet, lambda: None)
+    assert not ldmopt.is_patched(unet)
+
+
 def test_an_already_patched_model_is_refused():
     unet = _unet()
     ldmopt.patch(unet)

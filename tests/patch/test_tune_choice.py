@@ -199,6 +199,9 @@ _CHOICE = {"format": "ldmopt.tune choice", "version": 1, "families": None, "trai
         ({**_CHOICE, "sites": [_SITE, _SITE]}, ValueError, "names down_blocks.0.resnets.0 more than once"),
         ({**_CHOICE, "families": "gn_conv"}, ValueError, r"choice\['families'\]='gn_conv'; expected null or a list"),
         ({**_CHOICE, "training": "false"}, ValueError, r"choice\['training'\]='false'; expected true or false"),
+        ({**_CHOICE, "measured_on": "H100"}, ValueError, r"choice\['measured_on'\]='H100'; expected an object"),
+        ({**_CHOICE, "measured_on": {"device": 7}}, ValueError, r"choice\['measured_on'\]=\{'device': 7\}"),
+        ({**_CHOICE, "channels_last_weights": 1}, ValueError, r"choice\['channels_last_weights'\]=1; expected null"),
         ("/no/such/choice.json", ValueError, "choice='/no/such/choice.json' could not be read"),
     ],
 )
