@@ -252,7 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print records as JSON")
     parser.add_argument("--module", action="append", help="only this kernels module (repeatable)")
     args = parser.parse_args(argv)
-    records = run_all(args.module)
+    known = kernel_modules()
+    modules = None
+    if args.module:
+        # Short names too (--module linear); a name that compiles nothing must not pass the gate with an empty table.
+        modules = [m if m in known else f"ldmopt.kernels.{m}" for m in args.module]
+        unknown = [given for given, m in zip(args.module, modules) if m not in known]
+        if unknown:
+            short = ", ".join(m.rsplit(".", 1)[1] for m in known)
+            parser.error(f"--module {', '.join(unknown)}: not a kernels module; expected one of {short}")
+    records = run_all(modules)
     if args.json:
         print(json.dumps([asdict(r) for r in records]))
     else:

@@ -127,6 +127,20 @@ def test_every_kernel_module_has_aot_specs():
         assert hasattr(module, "aot_specs") and module.aot_specs(), f"{name} declares no aot_specs()"
 
 
+def test_aot_module_names_are_checked(capsys, monkeypatch):
+    # A name that compiles nothing printed an empty table and exited 0: a gate that passed by checking nothing.
+    monkeypatch.setattr(ldmopt.aot, "run_all", lambda modules: pytest.fail("compiled before the check"))
+    for name in ("bogus", "ldmopt.ops"):
+        with pytest.raises(SystemExit) as exit_info:
+            ldmopt.aot.main(["--module", name])
+        assert exit_info.value.code == 2
+        assert f"--module {name}: not a kernels module; expected one of adaln_modulate" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(ldmopt.aot, "run_all", lambda modules: seen.append(modules) or [])
+    ldmopt.aot.main(["--module", "linear", "--module", "ldmopt.kernels.geglu"])
+    assert seen == [["ldmopt.kernels.linear", "ldmopt.kernels.geglu"]]
+
+
 def test_aot_compile_sm80_sm90_without_spills(aot_records):
     assert {r["arch"] for r in aot_records} == {80, 90}
     failures = [f"{r['kernel']} sm_{r['arch']}: {r['problem']}" for r in aot_records if not r["ok"]]

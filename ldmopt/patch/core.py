@@ -441,6 +441,11 @@ def patch(
         unknown = selected - set(FAMILIES)
         if unknown:
             raise ValueError(f"ldmopt.patch: unknown families {sorted(unknown)}; expected a subset of {FAMILIES}")
+    if channels_last_weights is not None and not isinstance(channels_last_weights, bool):
+        raise TypeError(
+            f"ldmopt.patch: channels_last_weights={channels_last_weights!r} is not supported; expected None, True or "
+            "False"
+        )
     models = _models_of(pipe_or_model, for_patch=True)
     available = {r.family for r in _rules()}
     report = PatchReport(

@@ -378,6 +378,8 @@ def test_families_and_filter_fn():
     vae = models.vae().eval()
     with pytest.raises(ValueError, match="unknown families"):
         ldmopt.patch(vae, families={"nope"})
+    with pytest.raises(TypeError, match="channels_last_weights='yes' is not supported; expected None, True or False"):
+        ldmopt.patch(vae, channels_last_weights="yes")
     assert ldmopt.patch(vae, families=set()).total == 0
     report = ldmopt.patch(vae, filter_fn=lambda m, name: not name.startswith("decoder"))
     assert all(r.name.startswith("encoder") or r.name.startswith("quant") for r in report.replaced)
