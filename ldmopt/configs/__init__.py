@@ -421,6 +421,9 @@ def example_inputs(
     _check_frames(entry, config, frames)
     if res[0] % VAE_SCALE or res[1] % VAE_SCALE:
         raise ValueError(f"resolution {res} must be a multiple of {VAE_SCALE} pixels (the VAE factor)")
+    if entry.cls == "DiTTransformer2DModel" and res[0] != res[1]:
+        # diffusers' DiT unpatchifies a square latent: anything else fails deep inside with a reshape error.
+        raise ValueError(f"resolution {res[0]}x{res[1]}: DiT takes square images only")
     h, w = res[0] // VAE_SCALE, res[1] // VAE_SCALE
     latent_frames = frames
     if entry.name in _TEMPORAL_FACTOR and frames is not None:

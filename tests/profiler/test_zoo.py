@@ -71,6 +71,9 @@ def test_example_inputs_follow_the_study_settings():
     assert vae.method == "decode" and vae.kwargs["z"].shape == (1, 4, 32, 32)
     with pytest.raises(ValueError, match="multiple of 8"):
         configs.example_inputs("sd15", resolution=500)
+    with pytest.raises(ValueError, match="resolution 256x512: DiT takes square images only"):
+        configs.example_inputs("dit", resolution=(256, 512))
+    assert configs.example_inputs("pixart", resolution=(256, 512)).kwargs["hidden_states"].shape[-2:] == (32, 64)
 
 
 def test_wan_keeps_what_from_pretrained_keeps_in_fp32_and_compresses_time():
