@@ -565,6 +565,8 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
 
     def save(at_step: int) -> None:
         rng = gather_objects(rng_state(device), info)  # collective: every rank calls it
+        # The log window's loss so far (its mean over ranks: collective too), so a resumed run logs the same means.
+        window = (mean_over_ranks(window_loss, info), window_steps)
         if not is_main:
             return
         ckpt = {
@@ -573,7 +575,7 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             "scaler": scaler.state_dict(), "step": at_step, "epoch": data_epoch,
             "samples_into_epoch": seen_in_epoch, "batches_into_epoch": seen_in_epoch // args.batch_size,
             "world_size": info.world_size, "batch_size": args.batch_size, "rng": rng, "args": vars(args),
-            "tune_choice": choice, "class_names": getattr(base, "class_names", None),
+            "tune_choice": choice, "class_names": getattr(base, "class_names", None), "log_window": window,
         }  # fmt: skip
         save_checkpoint(checkpoint_path(out_dir, at_step), ckpt, args.keep_last)
 
@@ -589,6 +591,15 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         report, choice = tune_patch(denoiser.model, tune_step, info, choice, out_dir / "tune_choice.json")
         if is_main:
             print(report, flush=True)
+    if args.fused:
+        # A patched model's first call learns which statistics each fused block hands to the norm after it
+        # (ldmopt/nn/stats_handover.py) and computes them once the other way, equal only to rounding. One call here,
+        # outside the steps and drawing no random numbers of theirs, so that an uninterrupted run and a resumed one
+        # both start their first step on the learned path: resume stays exact to the bit.
+        from torch.utils.data import default_collate
+
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            compute_loss(default_collate([samples[(0, i)] for i in range(micro)]), denoiser)
     ddp = None
     if info.world_size > 1:
         # Every parameter gets a gradient on the fused path too (ldmopt ties the ones its shortcuts skip to the graph
@@ -615,6 +626,9 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     window_start, window_images = time.perf_counter(), 0
     # The logged loss is the mean over the steps since the last log (on the device: no synchronisation per step)
     window_loss, window_steps = torch.zeros((), device=device), 0
+    if state is not None and state.get("log_window") is not None:  # saved between two logs: the window goes on
+        window_loss.fill_(state["log_window"][0])
+        window_steps = state["log_window"][1]
     start_step = step
 
     def run_step() -> None:

@@ -27,8 +27,11 @@ offered, their producers learn to sum their outputs from the next call on (:func
 (:func:`take_video`). A producer keeps summing until
 ``ldmopt.unpatch`` (or :func:`forget`): a few atomics per output tile, whether or not a consumer takes them.
 
-So a hand-over can only skip work, never change a result: the statistics are those of the consumer's own input (the
-epilogue sums the stored output), and the consumer's backward differentiates through them as its own. Only plain
+So a hand-over skips work and computes the same thing: the statistics are those of the consumer's own input (the
+epilogue sums the stored output), and the consumer's backward differentiates through them as its own. They agree with
+a statistics pass to rounding, not bit for bit (fp64 sums against a two-pass mean and variance), so a model's first
+call, which learns who wants what, can differ from its later calls in the last bits (a training script that resumes
+bit for bit runs one call first: examples/train_ldm.py). Only plain
 eager calls take part (no tracing, compiling, dispatch or function modes, ``with torch.device(...)`` among the
 latter, no active torch.profiler, whose profiles therefore show the statistics passes a plain run skips, and no
 inference tensors, which keep no version counter: use torch.no_grad rather than torch.inference_mode to have them),
