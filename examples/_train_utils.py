@@ -109,8 +109,8 @@ def checkpoint_path(out_dir: Path, step: int) -> Path:
     return out_dir / "checkpoints" / f"step-{step:08d}.pt"
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    found = sorted((out_dir / "checkpoints").glob("step-*.pt"))
+def latest_checkpoint(out_dir: Path, sub: str = "checkpoints") -> Path | None:
+    found = sorted((out_dir / sub).glob("step-*.pt"))
     return found[-1] if found else None
 
 

@@ -184,8 +184,9 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints, samples, logging")
     g.add_argument("--output-dir", default="runs/train_ldm")
     g.add_argument("--resume", default=None,
-                   help="checkpoint file, or 'auto' for the newest in --output-dir (none: a fresh start). Arguments\n"
-                        "not given take the checkpoint's values; model/data/diffusion ones must not change;\n"
+                   help="checkpoint file, a run's folder (its newest checkpoint), or 'auto' for the newest in\n"
+                        "--output-dir (none: a fresh start). Arguments not given take the checkpoint's values;\n"
+                        "model/data/diffusion ones must not change;\n"
                         "--output-dir, --device, --backend, --num-workers, --no-progress, --profile-* are never\n"
                         "inherited (see the docstring)")  # fmt: skip
     g.add_argument("--save-every", type=int, default=1000)
@@ -395,6 +396,11 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     out_dir = Path(args.output_dir)
     # Every rank loads the checkpoint, first: its arguments decide the model, the data and the rest of the setup.
     resume_path = latest_checkpoint(out_dir) if args.resume == "auto" else args.resume
+    if resume_path and Path(resume_path).is_dir():  # a run's output folder, or its checkpoints folder
+        folder = Path(resume_path)
+        resume_path = latest_checkpoint(folder) or latest_checkpoint(folder, sub="")
+        if resume_path is None:
+            raise SystemExit(f"--resume {folder}: the folder holds no checkpoint (step-*.pt, or checkpoints/step-*.pt)")
     if resume_path and not Path(resume_path).is_file():
         raise SystemExit(f"--resume {resume_path}: no such checkpoint file (or 'auto': the newest in --output-dir)")
     state = load_checkpoint(Path(resume_path)) if resume_path else None
@@ -651,9 +657,13 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         if args.max_grad_norm > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a synchronisation
         scaler.step(optimizer)
         scaler.update()
-        lr_scheduler.step()
+        # A step the GradScaler skipped (inf/NaN gradients: its scale backs off) changed no weight: the schedule
+        # stays where it was, as accelerate's does.
+        if scale is None or scaler.get_scale() >= scale:
+            lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if ema is not None:
             ema.update(step)

@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from .test_train_script import ROOT
+from .test_train_script import BASE, ROOT, _train_module
 
 
 @pytest.fixture
@@ -71,3 +71,15 @@ def test_the_resumed_run_steps_as_this_machine_does(train_utils):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     train_utils.restore_optimization(checkpoint, args, None, True, optimizer, scheduler, scaler, None, "ckpt")
     assert optimizer.param_groups[0]["fused"] is None
+
+
+def test_a_step_the_grad_scaler_skips_leaves_the_schedule(tmp_path, monkeypatch):
+    # A scale so large that every fp16 backward overflows: the GradScaler skips each optimizer step and backs off.
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: real(*a, init_scale=2.0**126, **k))
+    argv = [*BASE, "--mixed-precision", "fp16", "--max-steps", "2", "--lr-scheduler", "linear", "--warmup-steps", "1",
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    assert _train_module().main(argv)["step"] == 2
+    state = torch.load(tmp_path / "checkpoints" / "step-00000002.pt", weights_only=False)
+    assert state["scaler"]["scale"] == 2.0**124  # two skipped steps
+    assert state["lr_scheduler"]["last_epoch"] == 0  # the warm-up has not begun: no weight changed yet

@@ -256,6 +256,7 @@ def test_zoo_models_train_and_sample(train_ldm, tmp_path, argv):
         (["--profile-active", "-1"], "--profile-active must be >= 0, got -1"),
         (["--data", "/nonexistent/images"], "--data '/nonexistent/images' is not a folder"),
         (["--resume", "/nonexistent/step-1.pt"], "--resume /nonexistent/step-1.pt: no such checkpoint file"),
+        (["--resume", "/"], "--resume /: the folder holds no checkpoint"),
         (["--seed", "-1"], "--seed must be >= 0, got -1"),
         (["--model", "unet2d-small", "--resolution", "30"], "do not halve evenly .* multiple of"),
         (["--guidance-scale", "nan"], "--guidance-scale must be finite, got nan"),
@@ -323,6 +324,9 @@ def test_resume_auto_continues_with_the_checkpoint_args(bf16_run, train_ldm, tmp
     assert saved["output_dir"] == str(out) and saved["resume"] == "auto"
     train_ldm.main([*RESUME, "--resume", "auto", "--output-dir", str(out)])  # done: says so, not just a full bar
     assert "already at step 4, --max-steps 4: nothing to train" in capsys.readouterr().out
+    for folder in (out, out / "checkpoints"):  # a run's folder: its newest checkpoint
+        train_ldm.main([*RESUME, "--resume", str(folder), "--output-dir", str(out)])
+        assert f"resumed from {out / 'checkpoints' / 'step-00000004.pt'} at step 4" in capsys.readouterr().out
 
 
 def test_resume_overrides_take_effect(bf16_run, train_ldm, tmp_path, capsys):
