@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+#: GIF and TIFF train on their first frame (page)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 SHAPES = ("circle", "square", "triangle", "cross")
 COLOURS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (40, 80, 230), "yellow": (235, 210, 40)}
 
@@ -207,7 +208,8 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, index: int, epoch: int = 0) -> tuple[torch.Tensor, int]:
         with Image.open(self.files[index]) as im:
-            img = _to_rgb(im)
+            # A camera's portrait photo is stored sideways with an EXIF orientation tag that viewers apply: so do we.
+            img = _to_rgb(ImageOps.exif_transpose(im))
         scale = self.resolution / min(img.size)
         w, h = max(self.resolution, round(img.width * scale)), max(self.resolution, round(img.height * scale))
         img = img.resize((w, h), Image.Resampling.BICUBIC)

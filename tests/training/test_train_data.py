@@ -2,7 +2,8 @@
 
 Symlinked class folders count (once, even in a loop); hidden files, folders with an image suffix and files that are
 no image are left out and listed, not found mid-training; loose images beside class folders are left out (no wrong
-label); 16-bit grey images are scaled to 8 bits, not clipped to white.
+label); 16-bit grey images are scaled to 8 bits, not clipped to white; EXIF orientation is applied; GIF and TIFF
+are read.
 """
 
 from __future__ import annotations
@@ -77,3 +78,26 @@ def test_shapes_at_any_resolution(resolution):
     sides draw the same images as before (the same numbers from the generator)."""
     image, label = ShapesDataset(resolution, length=4, seed=3)[1]
     assert tuple(image.shape) == (3, resolution, resolution) and image.isfinite().all() and label >= 0
+
+
+def test_exif_orientation_is_applied_and_gif_tiff_are_read(tmp_path):
+    # Stored 16 wide x 8 high, left half red, tagged "rotate 90 clockwise to view" (orientation 6): the viewer's
+    # image is 8 wide x 16 high with red on top.
+    stored = Image.new("RGB", (16, 8), (30, 30, 200))
+    stored.paste((220, 30, 30), (0, 0, 8, 8))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(tmp_path / "portrait.jpg", exif=exif, quality=95)
+    Image.new("P", (9, 9), 3).save(tmp_path / "frames.gif")
+    Image.new("RGB", (9, 9), (40, 200, 40)).save(tmp_path / "scan.tif")
+
+    data = ImageFolderDataset(tmp_path, 8)
+
+    assert sorted(p.name for p in data.files) == ["frames.gif", "portrait.jpg", "scan.tif"] and not data.skipped
+    portrait, _ = data[[p.name for p in data.files].index("portrait.jpg")]
+    # Short side 8: the crop keeps the middle 8 rows of 16, the top 4 red and the bottom 4 blue.
+    assert portrait[0, 1, 4] > 0.5 and portrait[2, 1, 4] < -0.5, portrait[:, :, 4]
+    assert portrait[2, 6, 4] > 0.5 and portrait[0, 6, 4] < -0.5, portrait[:, :, 4]
+    for name in ("frames.gif", "scan.tif"):
+        image, _ = data[[p.name for p in data.files].index(name)]
+        assert image.shape == (3, 8, 8) and image.isfinite().all()
