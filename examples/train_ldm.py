@@ -513,9 +513,14 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
             print(f"resumed from {resume_path} at step {step} (epoch {state['epoch']})", flush=True)
             if step >= args.max_steps:
                 print(f"note: the run is already at step {step}, --max-steps {args.max_steps}: nothing to train; "
-                      "give a larger --max-steps to train on", flush=True)  # fmt: skip
+                      "give a larger --max-steps to train on (the output folder is left as it is)",
+                      flush=True)  # fmt: skip
             if state.get("args") is None and state["batch_size"] != args.batch_size:  # else resume_args noted it
                 print(f"note: --batch-size {args.batch_size} differs from the checkpoint's {state['batch_size']}")
+        if step >= args.max_steps:
+            # Every rank alike. Going on would set later checkpoints aside, cut metrics.jsonl back and write final/
+            # and summary.json again: from an earlier checkpoint, over a later run's results.
+            return {"step": step, "world_size": info.world_size, "history": [], "trained_steps": 0}
 
     samples = DiffusionSamples(base, latent_shape, args.num_train_timesteps, args.cond_drop, args.seed)
     sampler = EpochSampler(samples, info.world_size, info.rank, seed=args.seed)

@@ -327,6 +327,11 @@ def test_resume_auto_continues_with_the_checkpoint_args(bf16_run, train_ldm, tmp
     for folder in (out, out / "checkpoints"):  # a run's folder: its newest checkpoint
         train_ldm.main([*RESUME, "--resume", str(folder), "--output-dir", str(out)])
         assert f"resumed from {out / 'checkpoints' / 'step-00000004.pt'} at step 4" in capsys.readouterr().out
+    # An earlier checkpoint with nothing to train: the later run's checkpoints and metrics stay as they are.
+    metrics = (out / "metrics.jsonl").read_text()
+    train_ldm.main([*RESUME, "--resume", str(out / "checkpoints" / "step-00000002.pt"), "--output-dir", str(out)])
+    assert "nothing to train" in capsys.readouterr().out
+    assert (out / "checkpoints" / "step-00000004.pt").is_file() and (out / "metrics.jsonl").read_text() == metrics
 
 
 def test_resume_overrides_take_effect(bf16_run, train_ldm, tmp_path, capsys):
