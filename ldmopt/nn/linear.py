@@ -50,8 +50,8 @@ def plain_linear_reason(name: str, layer: object) -> str | None:
     """Why ``layer`` cannot be read as a bare (weight, bias) pair, or None when it can."""
     if type(layer) is not nn.Linear:
         return f"{name} is {type(layer).__name__}, not a plain nn.Linear (LoRA/quantized layers keep the stock path)"
-    if layer._forward_hooks or layer._forward_pre_hooks:
-        return f"{name} has forward hooks (e.g. accelerate offload) that a fused kernel would bypass"
+    if hooked(layer):  # ldmopt's own observers (the profiler's module scopes) aside: they only watch
+        return f"{name} has hooks or a wrapped forward (e.g. accelerate offload) that a fused kernel would bypass"
     if not layer.weight.is_floating_point():
         return f"{name}.weight has dtype {layer.weight.dtype}"
     return None

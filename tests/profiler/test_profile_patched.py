@@ -21,6 +21,26 @@ def test_profile_of_a_patched_unet_runs_the_fused_path():
     assert report.backends().get("gn_conv2d"), report.backends()
 
 
+def test_profile_of_a_patched_latte_runs_the_fused_path():
+    # Its temporal blocks check their feed-forward's output Linear per call: the profiler's scope hooks on it (but
+    # not a user's hook) must leave the token-order forward on.
+    from ldmopt.nn import temporal_layout
+
+    model = configs.build_model("latte", tiny=True, device="cpu", dtype=torch.float32)
+    inputs = configs.example_inputs(model, batch=1)
+    report = ldmopt.patch(model)
+    assert report.counts().get("latte_temporal") == 1
+    temporal_layout.fallback_reasons.clear()
+    fallback_reasons.clear()
+    with ldmopt.use_backend("torch"):
+        ldmopt.profile(lambda: configs.run_model(model, inputs), steps=1, warmup=0, modules=model)
+        assert not temporal_layout.fallback_reasons and not report.fallbacks(), temporal_layout.fallback_reasons
+        handle = model.temporal_transformer_blocks[0].ff.net[2].register_forward_hook(lambda *a: None)
+        configs.run_model(model, inputs)
+        handle.remove()
+    assert any("ff.net.2 has hooks" in why for why in report.fallbacks()), report.fallbacks()
+
+
 def test_observer_hooks_do_not_count_but_user_hooks_do():
     from ldmopt.profiler.scopes import ModuleScopes
 
