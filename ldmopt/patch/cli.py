@@ -98,7 +98,9 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(report if args.report else report.tuning)
     if args.json:
-        _write_json({"model": args.model, **setting, **dataclasses.asdict(report.tuning)}, args.json)
+        # The setting that ran (the zoo's defaults filled in), not the flags as given
+        ran = {"resolution": list(inputs.resolution), "frames": inputs.frames, "batch": inputs.batch}
+        _write_json({"model": args.model, **ran, **dataclasses.asdict(report.tuning)}, args.json)
     if args.save_choice:
         report.tuning.save(args.save_choice)
     ldmopt.unpatch(model)

@@ -700,6 +700,7 @@ def test_cli_tunes_a_zoo_model(tmp_path, capsys):
     assert printed.startswith("ldmopt.tune (time.perf_counter; median of 1 calls after 1 warm-up")
     data = json.loads(path.read_text())
     assert data["model"] == "sd15" and data["timer"] == "time.perf_counter" and data["sites"]
+    assert (data["resolution"], data["batch"]) == ([128, 128], 2)  # what ran: the tiny zoo defaults, not null
     assert {"resnet", "residual_block"} <= {rule for site in data["sites"] for rule in site["rules"]}
     saved = json.loads(choice.read_text())
     assert saved["format"] == "ldmopt.tune choice" and len(saved["sites"]) == len(data["sites"])
