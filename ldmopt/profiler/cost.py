@@ -222,12 +222,10 @@ def _resolve_model(model_or_name, *, dtype, frames, tiny) -> nn.Module:
     if isinstance(model_or_name, str):
         return configs.build_model(model_or_name, device="meta", dtype=dtype, tiny=tiny, frames=frames)
     model = model_or_name
-    params = list(model.parameters())
-    if not params or all(p.device.type == "meta" for p in params):
-        return model
     if not any(hasattr(m, "_hf_hook") for m in model.modules()):
         # A copy whose tensors are meta from the start (no weight is copied): processors, adapters (LoRA), fused
-        # projections and patches stay as the user set them, which a rebuild from the config would drop.
+        # projections and patches stay as the user set them, which a rebuild from the config would drop. A model
+        # already on meta is copied too: it is analysed in ``dtype`` and in eval mode, and the caller's is untouched.
         return _meta_copy(model, dtype).eval()
     # accelerate's hooks hold the weights apart and move them in on every call: rebuild from the config instead.
     config = getattr(model, "config", None)

@@ -61,3 +61,19 @@ def test_fp32_convolutions_at_the_rate_torch_runs_them(monkeypatch):
         assert any("TF32" in note for note in a.notes) == allow_tf32
         times[allow_tf32] = expected
     assert times[True] < times[False] / 2  # TF32 tensor cores, not the CUDA-core fp32 rate
+
+
+def test_a_meta_model_is_analysed_in_the_dtype_asked_and_in_eval_mode():
+    # A model already on meta was analysed as it was: its own dtype (a bf16 analysis of the fp16 zoo model crashed
+    # in the first convolution) and its own train/eval mode (dropout ops counted in an inference analysis).
+    unet = configs.build_model("sd15", tiny=True)  # meta, fp16
+    assert analyze(unet, dtype="bf16").dtype == "bf16"
+    assert {p.dtype for p in unet.parameters()} == {torch.float16}  # the caller's model is not cast
+
+    block = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Dropout(0.1)).train()
+    inputs = (torch.empty(7, 64),)
+    real = analyze(block, inputs=inputs, dtype="fp16")
+    meta = analyze(copy.deepcopy(block).to("meta"), inputs=inputs, dtype="fp16")
+    assert [r.name for r in meta.records] == [r.name for r in real.records] == ["aten::addmm"]
+    assert meta.total_bytes == real.total_bytes == (7 * 64 + 64 * 128 + 128 + 7 * 128) * 2
+    assert block.training
