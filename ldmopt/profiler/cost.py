@@ -295,8 +295,9 @@ def analyze(
 
     ``model_or_name`` is a zoo name (``ldmopt.configs.names()``), a model from ``ldmopt.configs.build_model``, or a
     diffusers model (rebuilt from its config on the meta device; its weights are never touched). ``inputs``
-    overrides the zoo's example inputs: a kwargs dict, an args tuple or ``configs.ModelInputs``. The model is analysed
-    in ``dtype`` (not its own), and so are floating-point inputs (integer ones, e.g. timesteps, keep theirs).
+    overrides the zoo's example inputs: a kwargs dict, an args tuple, one tensor or ``configs.ModelInputs``. The
+    model is analysed in ``dtype`` (not its own), and so are floating-point inputs (integer ones, e.g. timesteps,
+    keep theirs).
     ``check_flops=True`` also runs torch.utils.flop_counter.FlopCounterMode and stores its total.
     """
     from .. import configs
@@ -314,7 +315,10 @@ def analyze(
     if inputs is None:
         inputs = configs.example_inputs(model, resolution=resolution, frames=frames, batch=batch, dtype=dtype)
     if not isinstance(inputs, configs.ModelInputs):
-        kwargs = inputs if isinstance(inputs, dict) else {"args": tuple(inputs)}
+        # As profile() calls a target: a tuple or list is the positional arguments, anything else (one tensor) is one
+        # argument, not unpacked along its first dimension.
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        kwargs = inputs if isinstance(inputs, dict) else {"args": args}
         inputs = configs.ModelInputs("forward", kwargs, None, frames, batch)
     inputs = configs.ModelInputs(inputs.method, _to_meta(inputs.kwargs, dtype), inputs.resolution, inputs.frames,
                                  inputs.batch)  # fmt: skip

@@ -77,3 +77,12 @@ def test_a_meta_model_is_analysed_in_the_dtype_asked_and_in_eval_mode():
     assert [r.name for r in meta.records] == [r.name for r in real.records] == ["aten::addmm"]
     assert meta.total_bytes == real.total_bytes == (7 * 64 + 64 * 128 + 128 + 7 * 128) * 2
     assert block.training
+
+
+def test_one_tensor_as_inputs_is_one_positional_argument():
+    # As profile() takes it: the tensor was unpacked along dim 0 (tuple(tensor)), each row a separate argument.
+    linear = torch.nn.Linear(64, 128)
+    for batch in (1, 4):
+        a = analyze(linear, inputs=torch.empty(batch, 64), dtype="fp32")
+        assert a.total_flops == analyze(linear, inputs=(torch.empty(batch, 64),), dtype="fp32").total_flops
+        assert a.total_flops == 2 * batch * 64 * 128
