@@ -229,8 +229,11 @@ def run_profile(args: argparse.Namespace) -> int:
         return 2
     try:
         target, inputs, report = args.model, None, None
-        if args.patched:
+        build = dict(dtype=dtypes.get(args.dtype), tiny=args.tiny, resolution=args.resolution, frames=args.frames,
+                     batch=args.batch)  # fmt: skip
+        if args.patched:  # built and given its inputs here: the setting is in them, not for profile to apply again
             target, inputs, report = _patched_zoo_model(args, dtypes.get(args.dtype))
+            build = {}
         result = profile(
             target,
             inputs=inputs,
@@ -242,11 +245,7 @@ def run_profile(args: argparse.Namespace) -> int:
             tensorboard=args.tensorboard,
             wandb=args.wandb,
             device=args.device,
-            dtype=dtypes.get(args.dtype),
-            tiny=args.tiny,
-            resolution=args.resolution,
-            frames=args.frames,
-            batch=args.batch,
+            **build,
         )
     except (KeyError, ValueError, OSError, LoggingUnavailableError) as exc:
         print(f"ldmopt profile: {_message(exc)}", file=sys.stderr)

@@ -25,7 +25,7 @@ from .fusions import FUSIONS, FusionStat, plan_fusions, single_key_paths
 from .gpus import GPUSpec, dtype_key, get_gpu
 from .recorder import AttentionCall, AttentionRegions, OpRecord, Recorder
 from .scopes import ModuleScopes
-from .settings import ANALYZE_DTYPES, check_setting
+from .settings import ANALYZE_DTYPES, check_setting, refuse_setting_with_inputs
 
 _RECORD_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -309,7 +309,10 @@ def analyze(
             raise ValueError(f"dtype {dtype!r}: the models are analysed in {', '.join(ANALYZE_DTYPES)}")
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[key]
     spec = get_gpu(gpu)
-    if inputs is None:  # given inputs fix the setting; otherwise refuse one the model would change or ignore
+    # Given inputs fix the setting (one given with them would not be applied); otherwise refuse one the model would
+    # change or ignore.
+    refuse_setting_with_inputs(inputs, resolution=resolution, frames=frames, batch=batch)
+    if inputs is None:
         check_setting(model_or_name, resolution=resolution, frames=frames, batch=batch, tiny=tiny)
     model = _resolve_model(model_or_name, dtype=dtype, frames=frames, tiny=tiny)
     if inputs is None:
@@ -319,7 +322,7 @@ def analyze(
         # argument, not unpacked along its first dimension.
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         kwargs = inputs if isinstance(inputs, dict) else {"args": args}
-        inputs = configs.ModelInputs("forward", kwargs, None, frames, batch)
+        inputs = configs.ModelInputs("forward", kwargs, None, None, None)  # a setting unknown, not guessed
     inputs = configs.ModelInputs(inputs.method, _to_meta(inputs.kwargs, dtype), inputs.resolution, inputs.frames,
                                  inputs.batch)  # fmt: skip
     patch_note = _patch_for_analysis(model, inputs, training) if patched else None

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import categories as C
 from .scopes import ATTENTION_SCOPE, NORM_SCOPE, ModuleScopes
-from .settings import check_setting, positive
+from .settings import check_setting, positive, refuse_setting_with_inputs
 
 _OP_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)::[A-Za-z_]")
 _NOT_OPS = {"autograd", "profiler"}
@@ -280,6 +280,7 @@ def _modules_of(target) -> dict[str, nn.Module]:
 def _resolve_target(target, *, device, dtype, tiny, resolution, frames, batch, inputs):
     from .. import configs
 
+    refuse_setting_with_inputs(inputs, resolution=resolution, frames=frames, batch=batch)
     if not isinstance(target, str):
         if inputs is None and isinstance(target, nn.Module) and hasattr(target, "ldmopt_zoo_name"):
             check_setting(target, resolution=resolution, frames=frames, batch=batch)

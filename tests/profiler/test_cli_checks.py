@@ -70,6 +70,21 @@ def test_profile_refuses_frames_on_an_image_model_before_building():
         profile("sd15", tiny=True, device="cpu", steps=0)
 
 
+@pytest.mark.parametrize("setting", [{"batch": 7}, {"frames": 3}, {"resolution": 1024}])
+def test_a_setting_given_with_explicit_inputs_is_refused(setting):
+    # The inputs ran as given while the setting labelled the result ("3 frames, batch 7" for a batch-2 image input).
+    import torch
+
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+    inputs = {"input": torch.randn(2, 4, 8, 8)}
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ValueError, match=f"{name}={value} given with explicit inputs"):
+        analyze(conv, inputs=inputs, dtype="fp32", **setting)
+    with pytest.raises(ValueError, match=f"{name}={value} given with explicit inputs"):
+        profile("sd15", tiny=True, device="cpu", inputs=inputs, **setting)
+    assert analyze(conv, inputs=inputs, dtype="fp32").setting() == "Conv2d, fp32"
+
+
 def test_analyze_dtype_outside_the_table_names_the_supported_ones():
     with pytest.raises(ValueError, match="fp16, bf16, fp32"):
         analyze("dit", tiny=True, dtype="tf32")
