@@ -434,10 +434,12 @@ _MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "a
 
 def _runs_tf32(rec: OpRecord) -> bool:
     """Whether an fp32 operator runs on TF32 tensor cores under this process's torch settings: convolutions by
-    default (torch.backends.cudnn.allow_tf32), matrix products only when allowed (torch's default: IEEE fp32)."""
-    if rec.base in _CONV_OPS:
+    default (torch.backends.cudnn.allow_tf32), matrix products only when allowed (torch's default: IEEE fp32).
+    ldmopt's fused conv and GEMMs follow the setting of the op they replace (``OpRecord.fp32_follows``)."""
+    follows = rec.fp32_follows or ("conv" if rec.base in _CONV_OPS else "matmul" if rec.base in _MATMUL_OPS else "")
+    if follows == "conv":
         return torch.backends.cudnn.allow_tf32
-    return rec.base in _MATMUL_OPS and torch.backends.cuda.matmul.allow_tf32
+    return follows == "matmul" and torch.backends.cuda.matmul.allow_tf32
 
 
 def _record_dtype(rec: OpRecord, spec: GPUSpec, default: str) -> str:
