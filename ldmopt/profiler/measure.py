@@ -29,6 +29,8 @@ from .settings import check_setting, positive, refuse_setting_with_inputs
 _OP_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)::[A-Za-z_]")
 _NOT_OPS = {"autograd", "profiler"}
 _BACKWARD_NODE = "autograd::engine::evaluate_function"
+#: record_function range around each fetch from ``data``: its time is data_wait_s, its operators are not the model's
+DATA_SCOPE = "ldmopt.dataloader"
 
 
 @dataclass
@@ -205,26 +207,36 @@ def _forward_scopes(events) -> dict[int, str]:
     return scopes
 
 
+def _in_data_fetch(evt) -> bool:
+    return any(e.name == DATA_SCOPE for e in _chain(evt))
+
+
 def _is_annotation(evt) -> bool:
     """GPU-timeline copies of record_function ranges (gpu_user_annotation) span kernels; they are not kernels."""
     return bool(getattr(evt, "is_user_annotation", False)) or "annotation" in str(getattr(evt, "activity_type", ""))
 
 
 def classify_events(events, on_gpu: bool, ldmopt_kernels: frozenset[str] = frozenset()):
-    """(categories, launches) from a torch.profiler event list."""
+    """(categories, launches) from a torch.profiler event list. Work inside a batch fetch from ``data`` (collate,
+    augmentation, host-to-device copies) is left out: it is reported as data_wait_s, not as the model's."""
     from torch.autograd import DeviceType
 
     cats = {c: CategoryTime() for c in C.CATEGORIES}
     forward_scopes = _forward_scopes(events)
-    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and _op_namespace(e.name)]
+    ops = [e for e in events if e.device_type == DeviceType.CPU and _op_namespace(e.name)]
+    data_ops = {e.id for e in ops if _in_data_fetch(e)}
+    cpu_ops = [e for e in ops if e.id not in data_ops]
     launches = 0
     if on_gpu:
         by_id = {e.id: e for e in cpu_ops}
         for e in events:
             if e.device_type != DeviceType.CUDA or _is_annotation(e):
                 continue
+            link = getattr(e, "linked_correlation_id", 0)
+            if link and link in data_ops:  # e.g. the batch's host-to-device copy
+                continue
             launches += 1
-            op = by_id.get(getattr(e, "linked_correlation_id", 0))
+            op = by_id.get(link)
             if op is None:  # CUDA graphs, compiled regions: only the kernel name is known
                 cat = C.classify_kernel(e.name, ldmopt_kernels)
             elif _LAYOUT_KERNEL.search(e.name):  # cuDNN's own layout transforms inside aten::cudnn_convolution
@@ -429,7 +441,7 @@ def profile(
         _prof=prof,
     )
     if not on_gpu:
-        result.host_overhead_s = max(0.0, wall - result.total_us / 1e6)
+        result.host_overhead_s = max(0.0, wall - data_wait - result.total_us / 1e6)  # the fetch's ops are not in total
         result.notes.append("measured on CPU: CPU operator time, not GPU kernel time; shares differ from a GPU run")
     if not scopes or not hooked:
         result.notes.append("no attention scopes: attention time is unattributed (pass modules= for a callable)")
@@ -453,7 +465,7 @@ def _make_step(target, inputs, training, optimizer, loss_fn, data) -> Callable[[
         batch_inputs = inputs
         if iterator is not None:
             start = time.perf_counter()
-            with torch.profiler.record_function("ldmopt.dataloader"):
+            with torch.profiler.record_function(DATA_SCOPE):
                 batch_inputs = next(iterator)
             waited = time.perf_counter() - start
         if not training:
