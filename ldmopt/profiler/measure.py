@@ -380,7 +380,7 @@ def profile(
     on_gpu = _device_of(target, inputs, modules, device) == "cuda" and torch.cuda.is_available()
     hooked = _modules_of(target) if modules is None else modules
     modes = {m: m.training for root in _modules_of(target).values() for m in root.modules()}
-    step_fn = _make_step(target, inputs, training, optimizer, loss_fn, data)
+    step_fn = _make_step(target, inputs, training, optimizer, loss_fn, data, (wait, warmup, steps))
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_gpu:
@@ -449,9 +449,24 @@ def profile(
     return result
 
 
-def _make_step(target, inputs, training, optimizer, loss_fn, data) -> Callable[[], float]:
-    """A closure running one step and returning the seconds spent waiting for data."""
+def _make_step(
+    target, inputs, training, optimizer, loss_fn, data, schedule: tuple[int, int, int]
+) -> Callable[[], float]:
+    """A closure running one step and returning the seconds spent waiting for data (a batch per step of
+    ``schedule``: wait, warmup, steps)."""
+    batches_needed = sum(schedule)
+
+    def too_short(yielded: int) -> ValueError:
+        counts = " + ".join(map(str, schedule))
+        return ValueError(
+            f"data yielded {yielded} batches; profile draws one per step and needs wait + warmup + steps = {counts} "
+            f"= {batches_needed}: pass more batches (or an endless iterable), or lower steps/warmup/wait"
+        )
+
+    if data is not None and hasattr(data, "__len__") and len(data) < batches_needed:
+        raise too_short(len(data))  # before anything runs
     iterator = iter(data) if data is not None else None
+    fetched = 0
     params: list[nn.Parameter] = []
     if training:
         for module in _modules_of(target).values():
@@ -461,12 +476,17 @@ def _make_step(target, inputs, training, optimizer, loss_fn, data) -> Callable[[
             optimizer = torch.optim.AdamW(params, lr=1e-5)
 
     def step() -> float:
+        nonlocal fetched
         waited = 0.0
         batch_inputs = inputs
         if iterator is not None:
             start = time.perf_counter()
             with torch.profiler.record_function(DATA_SCOPE):
-                batch_inputs = next(iterator)
+                try:
+                    batch_inputs = next(iterator)
+                except StopIteration:
+                    raise too_short(fetched) from None
+            fetched += 1
             waited = time.perf_counter() - start
         if not training:
             with torch.no_grad():  # as diffusers pipelines run: inference tensors would hand no statistics over

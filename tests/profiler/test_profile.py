@@ -223,3 +223,16 @@ def test_gpu_kernels_launched_by_a_batch_fetch_are_not_classified():
     cats, launches = classify_events([fetch, copy, addmm, *kernels], on_gpu=True)
     assert launches == 1
     assert cats[C.LINEAR].time_us == pytest.approx(10) and cats[C.LAYOUT].time_us == 0
+
+
+def test_data_with_fewer_batches_than_steps_is_a_clear_error():
+    # The profiler loop ended in a bare StopIteration: 3 batches look enough for steps=3, but training's default
+    # wait=1 and warmup=1 draw one each too.
+    net = torch.nn.Linear(8, 1).eval()
+    batches = [(torch.randn(4, 8),) for _ in range(3)]
+    needed = r"data yielded 3 batches; .* wait \+ warmup \+ steps = 1 \+ 1 \+ 3 = 5"
+    with pytest.raises(ValueError, match=needed):
+        profile(net, data=batches, steps=3, training=True)  # a list: refused before anything runs
+    with pytest.raises(ValueError, match=needed):
+        profile(net, data=iter(batches), steps=3, training=True)  # an iterator: when it runs out
+    assert not net.training  # train() undone
