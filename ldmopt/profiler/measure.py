@@ -135,7 +135,17 @@ def check_device(device: str | torch.device | None) -> str | torch.device | None
         raise ValueError(f"device {str(device)!r} is not a torch device (cpu, cuda, cuda:1, ...)") from exc
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r}: no CUDA GPU is available here (use cpu)")
+    if kind == "meta":
+        raise ValueError(_meta_refusal(f"device {str(device)!r}"))
     return device
+
+
+def _meta_refusal(what: str) -> str:
+    return (
+        f"{what}: profile measures real execution, and meta tensors compute nothing (their time would be dispatcher "
+        "overhead); profile on cpu or cuda, or count FLOPs and project the time on meta with ldmopt.analyze "
+        "(ldmopt analyze)"
+    )
 
 
 def _save_trace(prof, path: str) -> str:
@@ -377,7 +387,10 @@ def profile(
     target, inputs = _resolve_target(target, device=device, dtype=dtype, tiny=tiny, resolution=resolution,
                                      frames=frames, batch=batch, inputs=inputs)  # fmt: skip
     wait = (1 if training else 0) if wait is None else wait
-    on_gpu = _device_of(target, inputs, modules, device) == "cuda" and torch.cuda.is_available()
+    where = _device_of(target, inputs, modules, check_device(device))
+    if where == "meta":
+        raise ValueError(_meta_refusal("the model's parameters (or the inputs) are on the meta device"))
+    on_gpu = where == "cuda" and torch.cuda.is_available()
     hooked = _modules_of(target) if modules is None else modules
     modes = {m: m.training for root in _modules_of(target).values() for m in root.modules()}
     step_fn = _make_step(target, inputs, training, optimizer, loss_fn, data, (wait, warmup, steps))

@@ -85,6 +85,18 @@ def test_a_setting_given_with_explicit_inputs_is_refused(setting):
     assert analyze(conv, inputs=inputs, dtype="fp32").setting() == "Conv2d, fp32"
 
 
+def test_profile_refuses_the_meta_device_and_points_to_analyze(capsys):
+    # It "ran" on meta tensors and reported dispatcher overhead as measured convolution/GEMM/attention time.
+    from ldmopt import configs
+
+    with pytest.raises(ValueError, match=r"device 'meta': profile measures real execution.*ldmopt\.analyze"):
+        profile("sd15", tiny=True, device="meta")
+    with pytest.raises(ValueError, match=r"on the meta device: profile measures real execution.*ldmopt\.analyze"):
+        profile(configs.build_model("sd15", tiny=True), steps=1, warmup=0)  # build_model's default device is meta
+    assert _run("profile", ["sd15", "--tiny", "--device", "meta"]) == 2
+    assert "ldmopt analyze" in capsys.readouterr().err
+
+
 def test_analyze_dtype_outside_the_table_names_the_supported_ones():
     with pytest.raises(ValueError, match="fp16, bf16, fp32"):
         analyze("dit", tiny=True, dtype="tf32")
