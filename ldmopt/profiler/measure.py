@@ -9,6 +9,7 @@ operator through the autograd sequence number.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shutil
@@ -304,6 +305,7 @@ def _resolve_target(target, *, device, dtype, tiny, resolution, frames, batch, i
 
     refuse_setting_with_inputs(inputs, resolution=resolution, frames=frames, batch=batch)
     if not isinstance(target, str):
+        _refuse_zoo_settings(target, dtype=dtype, tiny=tiny, resolution=resolution, frames=frames, batch=batch)
         if inputs is None and isinstance(target, nn.Module) and hasattr(target, "ldmopt_zoo_name"):
             check_setting(target, resolution=resolution, frames=frames, batch=batch)
             inputs = configs.example_inputs(target, resolution=resolution, frames=frames, batch=batch)
@@ -316,6 +318,24 @@ def _resolve_target(target, *, device, dtype, tiny, resolution, frames, batch, i
     if inputs is None:
         inputs = configs.example_inputs(model, resolution=resolution, frames=frames, batch=batch)
     return model, inputs
+
+
+def _refuse_zoo_settings(target, **settings) -> None:
+    """Settings only a zoo name uses, given (not at profile()'s default) with a module or callable, which runs as it
+    is: a ValueError naming them. A model from configs.build_model also takes resolution/frames/batch (its example
+    inputs are made at that setting)."""
+    defaults = {name: p.default for name, p in inspect.signature(profile).parameters.items()}
+    if isinstance(target, nn.Module) and hasattr(target, "ldmopt_zoo_name"):
+        settings = {name: settings[name] for name in ("dtype", "tiny")}
+    ignored = {name: value for name, value in settings.items() if value != defaults[name]}
+    if ignored:
+        args = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
+        raise ValueError(
+            f"{args} with a {type(target).__name__} target would be ignored: a module or callable runs as it is; "
+            "only a zoo name is built in dtype/tiny and given example inputs at resolution/frames/batch (a model "
+            f"from configs.build_model takes those three too); drop {'it' if len(ignored) == 1 else 'them'} (cast or "
+            "move the model yourself and pass inputs at the setting you want; device= picks where time is measured)"
+        )
 
 
 def _device_of(target, inputs, modules, device) -> str:
@@ -482,9 +502,17 @@ def _make_step(
     fetched = 0
     params: list[nn.Parameter] = []
     if training:
-        for module in _modules_of(target).values():
+        modules = _modules_of(target)
+        params = [p for module in modules.values() for p in module.parameters() if p.requires_grad]
+        if modules and not params:
+            # Refused as analyze(training=True) refuses it: a profile labelled "training" would hold a forward only.
+            raise ValueError(
+                f"training=True: {type(target).__name__} has no parameter that requires a gradient, so no backward "
+                "or optimizer step would run, only the forward; unfreeze some (requires_grad_(True)), or profile "
+                "with training=False (a callable that runs its own training step is profiled as it is)"
+            )
+        for module in modules.values():
             module.train()
-            params += [p for p in module.parameters() if p.requires_grad]
         if optimizer is None and params:
             optimizer = torch.optim.AdamW(params, lr=1e-5)
 

@@ -97,6 +97,34 @@ def test_profile_refuses_the_meta_device_and_points_to_analyze(capsys):
     assert "ldmopt analyze" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"dtype": "fp16"}, "dtype='fp16'"),
+        ({"tiny": True, "batch": 9}, "tiny=True, batch=9"),
+        ({"resolution": 512, "frames": 16}, "resolution=512, frames=16"),
+    ],
+)
+def test_profile_refuses_zoo_settings_a_module_or_callable_would_ignore(setting, named):
+    # A module or callable ran as it was: "dtype=fp16, resolution 512" profiled an fp32 model at its inputs' size.
+    import torch
+
+    net = torch.nn.Linear(8, 8)
+    for target in (net, lambda: net(torch.randn(2, 8))):
+        with pytest.raises(ValueError, match=f"{re.escape(named)} with a .* target would be ignored"):
+            profile(target, steps=1, warmup=0, **setting)
+
+
+def test_profile_training_without_a_trainable_parameter_is_refused():
+    # It profiled the forward only and labelled the run "training" (analyze(training=True) already refused it).
+    import torch
+
+    frozen = torch.nn.Linear(8, 8).requires_grad_(False).eval()
+    with pytest.raises(ValueError, match="training=True: Linear has no parameter that requires a gradient"):
+        profile(frozen, inputs=(torch.randn(2, 8),), steps=1, warmup=0, wait=0, training=True)
+    assert not frozen.training
+
+
 def test_analyze_dtype_outside_the_table_names_the_supported_ones():
     with pytest.raises(ValueError, match="fp16, bf16, fp32"):
         analyze("dit", tiny=True, dtype="tf32")
