@@ -403,6 +403,8 @@ def profile(
         if value is not None and (not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     if trace:  # before the run, so a path that cannot be written fails first
+        if os.path.isdir(trace):
+            raise ValueError(f"trace {trace!r} is a folder; give a file name such as {os.path.join(trace, 't.json')}")
         os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
     target, inputs = _resolve_target(target, device=device, dtype=dtype, tiny=tiny, resolution=resolution,
                                      frames=frames, batch=batch, inputs=inputs)  # fmt: skip

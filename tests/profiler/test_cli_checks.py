@@ -197,6 +197,21 @@ def test_cli_output_folder_that_cannot_be_made_fails_before_the_work(tmp_path, c
     assert "cannot create the folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("command", "option"), [("analyze", "--json"), ("profile", "--json"), ("profile", "--trace")])
+def test_cli_json_or_trace_that_is_a_folder_fails_before_the_work(command, option, tmp_path, capsys, monkeypatch):
+    # The whole analysis or profile ran and printed, then open() raised IsADirectoryError and the result was lost.
+    from ldmopt.profiler import cost, measure
+
+    monkeypatch.setattr(cost, "analyze", lambda *a, **k: pytest.fail("ran before checking the output path"))
+    monkeypatch.setattr(measure, "profile", lambda *a, **k: pytest.fail("ran before checking the output path"))
+    device = ["--device", "cpu"] if command == "profile" else []
+    assert _run(command, ["dit", "--tiny", *device, option, str(tmp_path)]) == 2
+    assert f"{option} {tmp_path} is a folder; give a file name such as" in capsys.readouterr().err
+    if option == "--trace":  # profile() itself, before building the model
+        with pytest.raises(ValueError, match=f"trace '{re.escape(str(tmp_path))}' is a folder"):
+            profile("dit", tiny=True, device="cpu", trace=str(tmp_path))
+
+
 @pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
 def test_profile_trace_into_a_missing_folder_is_written(tmp_path, capsys):
     trace = tmp_path / "missing" / "t.json"
