@@ -90,3 +90,9 @@ def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, ti
             f"{entry.name} needs a resolution that is a multiple of {multiple} px ({what}); got {h}x{w}, which it "
             f"would run as {fit}"
         )
+    if entry.cls == "DiTTransformer2DModel" and h != w:
+        # diffusers' DiT unpatchifies to a square of sqrt(tokens) per side: any other shape fails in a reshape
+        raise ValueError(
+            f"{entry.name} ({entry.cls}) takes square images only; got resolution {h}x{w}: give one side "
+            f"(resolution={h}) or equal sides"
+        )
