@@ -126,9 +126,10 @@ def _message(exc: Exception) -> str:
     return str(exc.args[0]) if len(exc.args) == 1 else str(exc)
 
 
-def prepare_outputs(command: str, *paths: str | None, plot: str | None = None) -> bool:
-    """Create the parent folders of the output files before the work, and check that ``plot`` can be written; False
-    (after a message) if not."""
+def prepare_outputs(command: str, *paths: str | None, plot: str | None = None, **files: str | None) -> bool:
+    """Before the work: check that ``plot`` can be written and that no output file is an existing folder, and create
+    the parent folders of the output files; False (after a message) if that fails. ``files`` are option name -> path
+    (``json=args.json``), named in the messages; ``paths`` are output files given without their option."""
     import sys
 
     if plot:
@@ -138,7 +139,13 @@ def prepare_outputs(command: str, *paths: str | None, plot: str | None = None) -
         if problem:
             print(f"ldmopt {command}: {problem}", file=sys.stderr)
             return False
-    for path in (*paths, plot):
+    named = [(f"--{option} {path}", path) for option, path in files.items()] + [(path, path) for path in paths]
+    for what, path in named:
+        if path and path != "-" and os.path.isdir(path):  # open() would fail only after the whole run
+            example = os.path.join(path, f"{command}.json")
+            print(f"ldmopt {command}: {what} is a folder; give a file name such as {example}", file=sys.stderr)
+            return False
+    for path in (*paths, *files.values(), plot):
         if not path or path == "-":
             continue
         parent = os.path.dirname(os.path.abspath(path))
@@ -188,7 +195,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     from .cost import analyze
 
     dtype = args.dtype or "fp16"
-    if not prepare_outputs("analyze", args.json, plot=args.plot):
+    if not prepare_outputs("analyze", json=args.json, plot=args.plot):
         return 2
     analyses = []
     try:
@@ -225,12 +232,15 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.dtype is not None and args.dtype not in dtypes:
         print(f"ldmopt profile: --dtype {args.dtype!r}: expected one of {', '.join(dtypes)}", file=sys.stderr)
         return 2
-    if not prepare_outputs("profile", args.json, args.trace, plot=args.plot):
+    if not prepare_outputs("profile", json=args.json, trace=args.trace, plot=args.plot):
         return 2
     try:
         target, inputs, report = args.model, None, None
-        if args.patched:
+        build = dict(dtype=dtypes.get(args.dtype), tiny=args.tiny, resolution=args.resolution, frames=args.frames,
+                     batch=args.batch)  # fmt: skip
+        if args.patched:  # built and given its inputs here: the setting is in them, not for profile to apply again
             target, inputs, report = _patched_zoo_model(args, dtypes.get(args.dtype))
+            build = {}
         result = profile(
             target,
             inputs=inputs,
@@ -242,11 +252,7 @@ def run_profile(args: argparse.Namespace) -> int:
             tensorboard=args.tensorboard,
             wandb=args.wandb,
             device=args.device,
-            dtype=dtypes.get(args.dtype),
-            tiny=args.tiny,
-            resolution=args.resolution,
-            frames=args.frames,
-            batch=args.batch,
+            **build,
         )
     except (KeyError, ValueError, OSError, LoggingUnavailableError) as exc:
         print(f"ldmopt profile: {_message(exc)}", file=sys.stderr)

@@ -25,7 +25,7 @@ from .fusions import FUSIONS, FusionStat, plan_fusions, single_key_paths
 from .gpus import GPUSpec, dtype_key, get_gpu
 from .recorder import AttentionCall, AttentionRegions, OpRecord, Recorder
 from .scopes import ModuleScopes
-from .settings import ANALYZE_DTYPES, check_setting
+from .settings import ANALYZE_DTYPES, check_setting, refuse_setting_with_inputs
 
 _RECORD_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -222,12 +222,10 @@ def _resolve_model(model_or_name, *, dtype, frames, tiny) -> nn.Module:
     if isinstance(model_or_name, str):
         return configs.build_model(model_or_name, device="meta", dtype=dtype, tiny=tiny, frames=frames)
     model = model_or_name
-    params = list(model.parameters())
-    if not params or all(p.device.type == "meta" for p in params):
-        return model
     if not any(hasattr(m, "_hf_hook") for m in model.modules()):
         # A copy whose tensors are meta from the start (no weight is copied): processors, adapters (LoRA), fused
-        # projections and patches stay as the user set them, which a rebuild from the config would drop.
+        # projections and patches stay as the user set them, which a rebuild from the config would drop. A model
+        # already on meta is copied too: it is analysed in ``dtype`` and in eval mode, and the caller's is untouched.
         return _meta_copy(model, dtype).eval()
     # accelerate's hooks hold the weights apart and move them in on every call: rebuild from the config instead.
     config = getattr(model, "config", None)
@@ -297,8 +295,9 @@ def analyze(
 
     ``model_or_name`` is a zoo name (``ldmopt.configs.names()``), a model from ``ldmopt.configs.build_model``, or a
     diffusers model (rebuilt from its config on the meta device; its weights are never touched). ``inputs``
-    overrides the zoo's example inputs: a kwargs dict, an args tuple or ``configs.ModelInputs``. The model is analysed
-    in ``dtype`` (not its own), and so are floating-point inputs (integer ones, e.g. timesteps, keep theirs).
+    overrides the zoo's example inputs: a kwargs dict, an args tuple, one tensor or ``configs.ModelInputs``. The
+    model is analysed in ``dtype`` (not its own), and so are floating-point inputs (integer ones, e.g. timesteps,
+    keep theirs).
     ``check_flops=True`` also runs torch.utils.flop_counter.FlopCounterMode and stores its total.
     """
     from .. import configs
@@ -310,14 +309,20 @@ def analyze(
             raise ValueError(f"dtype {dtype!r}: the models are analysed in {', '.join(ANALYZE_DTYPES)}")
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[key]
     spec = get_gpu(gpu)
-    if inputs is None:  # given inputs fix the setting; otherwise refuse one the model would change or ignore
+    # Given inputs fix the setting (one given with them would not be applied); otherwise refuse one the model would
+    # change or ignore.
+    refuse_setting_with_inputs(inputs, resolution=resolution, frames=frames, batch=batch)
+    if inputs is None:
         check_setting(model_or_name, resolution=resolution, frames=frames, batch=batch, tiny=tiny)
     model = _resolve_model(model_or_name, dtype=dtype, frames=frames, tiny=tiny)
     if inputs is None:
         inputs = configs.example_inputs(model, resolution=resolution, frames=frames, batch=batch, dtype=dtype)
     if not isinstance(inputs, configs.ModelInputs):
-        kwargs = inputs if isinstance(inputs, dict) else {"args": tuple(inputs)}
-        inputs = configs.ModelInputs("forward", kwargs, None, frames, batch)
+        # As profile() calls a target: a tuple or list is the positional arguments, anything else (one tensor) is one
+        # argument, not unpacked along its first dimension.
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        kwargs = inputs if isinstance(inputs, dict) else {"args": args}
+        inputs = configs.ModelInputs("forward", kwargs, None, None, None)  # a setting unknown, not guessed
     inputs = configs.ModelInputs(inputs.method, _to_meta(inputs.kwargs, dtype), inputs.resolution, inputs.frames,
                                  inputs.batch)  # fmt: skip
     patch_note = _patch_for_analysis(model, inputs, training) if patched else None
@@ -429,10 +434,12 @@ _MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "a
 
 def _runs_tf32(rec: OpRecord) -> bool:
     """Whether an fp32 operator runs on TF32 tensor cores under this process's torch settings: convolutions by
-    default (torch.backends.cudnn.allow_tf32), matrix products only when allowed (torch's default: IEEE fp32)."""
-    if rec.base in _CONV_OPS:
+    default (torch.backends.cudnn.allow_tf32), matrix products only when allowed (torch's default: IEEE fp32).
+    ldmopt's fused conv and GEMMs follow the setting of the op they replace (``OpRecord.fp32_follows``)."""
+    follows = rec.fp32_follows or ("conv" if rec.base in _CONV_OPS else "matmul" if rec.base in _MATMUL_OPS else "")
+    if follows == "conv":
         return torch.backends.cudnn.allow_tf32
-    return rec.base in _MATMUL_OPS and torch.backends.cuda.matmul.allow_tf32
+    return follows == "matmul" and torch.backends.cuda.matmul.allow_tf32
 
 
 def _record_dtype(rec: OpRecord, spec: GPUSpec, default: str) -> str:

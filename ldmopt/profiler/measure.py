@@ -9,6 +9,7 @@ operator through the autograd sequence number.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shutil
@@ -24,11 +25,13 @@ from torch import nn
 
 from . import categories as C
 from .scopes import ATTENTION_SCOPE, NORM_SCOPE, ModuleScopes
-from .settings import check_setting, positive
+from .settings import check_setting, positive, refuse_setting_with_inputs
 
 _OP_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)::[A-Za-z_]")
 _NOT_OPS = {"autograd", "profiler"}
 _BACKWARD_NODE = "autograd::engine::evaluate_function"
+#: record_function range around each fetch from ``data``: its time is data_wait_s, its operators are not the model's
+DATA_SCOPE = "ldmopt.dataloader"
 
 
 @dataclass
@@ -133,7 +136,17 @@ def check_device(device: str | torch.device | None) -> str | torch.device | None
         raise ValueError(f"device {str(device)!r} is not a torch device (cpu, cuda, cuda:1, ...)") from exc
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r}: no CUDA GPU is available here (use cpu)")
+    if kind == "meta":
+        raise ValueError(_meta_refusal(f"device {str(device)!r}"))
     return device
+
+
+def _meta_refusal(what: str) -> str:
+    return (
+        f"{what}: profile measures real execution, and meta tensors compute nothing (their time would be dispatcher "
+        "overhead); profile on cpu or cuda, or count FLOPs and project the time on meta with ldmopt.analyze "
+        "(ldmopt analyze)"
+    )
 
 
 def _save_trace(prof, path: str) -> str:
@@ -205,26 +218,36 @@ def _forward_scopes(events) -> dict[int, str]:
     return scopes
 
 
+def _in_data_fetch(evt) -> bool:
+    return any(e.name == DATA_SCOPE for e in _chain(evt))
+
+
 def _is_annotation(evt) -> bool:
     """GPU-timeline copies of record_function ranges (gpu_user_annotation) span kernels; they are not kernels."""
     return bool(getattr(evt, "is_user_annotation", False)) or "annotation" in str(getattr(evt, "activity_type", ""))
 
 
 def classify_events(events, on_gpu: bool, ldmopt_kernels: frozenset[str] = frozenset()):
-    """(categories, launches) from a torch.profiler event list."""
+    """(categories, launches) from a torch.profiler event list. Work inside a batch fetch from ``data`` (collate,
+    augmentation, host-to-device copies) is left out: it is reported as data_wait_s, not as the model's."""
     from torch.autograd import DeviceType
 
     cats = {c: CategoryTime() for c in C.CATEGORIES}
     forward_scopes = _forward_scopes(events)
-    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and _op_namespace(e.name)]
+    ops = [e for e in events if e.device_type == DeviceType.CPU and _op_namespace(e.name)]
+    data_ops = {e.id for e in ops if _in_data_fetch(e)}
+    cpu_ops = [e for e in ops if e.id not in data_ops]
     launches = 0
     if on_gpu:
         by_id = {e.id: e for e in cpu_ops}
         for e in events:
             if e.device_type != DeviceType.CUDA or _is_annotation(e):
                 continue
+            link = getattr(e, "linked_correlation_id", 0)
+            if link and link in data_ops:  # e.g. the batch's host-to-device copy
+                continue
             launches += 1
-            op = by_id.get(getattr(e, "linked_correlation_id", 0))
+            op = by_id.get(link)
             if op is None:  # CUDA graphs, compiled regions: only the kernel name is known
                 cat = C.classify_kernel(e.name, ldmopt_kernels)
             elif _LAYOUT_KERNEL.search(e.name):  # cuDNN's own layout transforms inside aten::cudnn_convolution
@@ -280,7 +303,9 @@ def _modules_of(target) -> dict[str, nn.Module]:
 def _resolve_target(target, *, device, dtype, tiny, resolution, frames, batch, inputs):
     from .. import configs
 
+    refuse_setting_with_inputs(inputs, resolution=resolution, frames=frames, batch=batch)
     if not isinstance(target, str):
+        _refuse_zoo_settings(target, dtype=dtype, tiny=tiny, resolution=resolution, frames=frames, batch=batch)
         if inputs is None and isinstance(target, nn.Module) and hasattr(target, "ldmopt_zoo_name"):
             check_setting(target, resolution=resolution, frames=frames, batch=batch)
             inputs = configs.example_inputs(target, resolution=resolution, frames=frames, batch=batch)
@@ -293,6 +318,24 @@ def _resolve_target(target, *, device, dtype, tiny, resolution, frames, batch, i
     if inputs is None:
         inputs = configs.example_inputs(model, resolution=resolution, frames=frames, batch=batch)
     return model, inputs
+
+
+def _refuse_zoo_settings(target, **settings) -> None:
+    """Settings only a zoo name uses, given (not at profile()'s default) with a module or callable, which runs as it
+    is: a ValueError naming them. A model from configs.build_model also takes resolution/frames/batch (its example
+    inputs are made at that setting)."""
+    defaults = {name: p.default for name, p in inspect.signature(profile).parameters.items()}
+    if isinstance(target, nn.Module) and hasattr(target, "ldmopt_zoo_name"):
+        settings = {name: settings[name] for name in ("dtype", "tiny")}
+    ignored = {name: value for name, value in settings.items() if value != defaults[name]}
+    if ignored:
+        args = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
+        raise ValueError(
+            f"{args} with a {type(target).__name__} target would be ignored: a module or callable runs as it is; "
+            "only a zoo name is built in dtype/tiny and given example inputs at resolution/frames/batch (a model "
+            f"from configs.build_model takes those three too); drop {'it' if len(ignored) == 1 else 'them'} (cast or "
+            "move the model yourself and pass inputs at the setting you want; device= picks where time is measured)"
+        )
 
 
 def _device_of(target, inputs, modules, device) -> str:
@@ -360,14 +403,19 @@ def profile(
         if value is not None and (not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     if trace:  # before the run, so a path that cannot be written fails first
+        if os.path.isdir(trace):
+            raise ValueError(f"trace {trace!r} is a folder; give a file name such as {os.path.join(trace, 't.json')}")
         os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
     target, inputs = _resolve_target(target, device=device, dtype=dtype, tiny=tiny, resolution=resolution,
                                      frames=frames, batch=batch, inputs=inputs)  # fmt: skip
     wait = (1 if training else 0) if wait is None else wait
-    on_gpu = _device_of(target, inputs, modules, device) == "cuda" and torch.cuda.is_available()
+    where = _device_of(target, inputs, modules, check_device(device))
+    if where == "meta":
+        raise ValueError(_meta_refusal("the model's parameters (or the inputs) are on the meta device"))
+    on_gpu = where == "cuda" and torch.cuda.is_available()
     hooked = _modules_of(target) if modules is None else modules
     modes = {m: m.training for root in _modules_of(target).values() for m in root.modules()}
-    step_fn = _make_step(target, inputs, training, optimizer, loss_fn, data)
+    step_fn = _make_step(target, inputs, training, optimizer, loss_fn, data, (wait, warmup, steps))
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_gpu:
@@ -428,7 +476,7 @@ def profile(
         _prof=prof,
     )
     if not on_gpu:
-        result.host_overhead_s = max(0.0, wall - result.total_us / 1e6)
+        result.host_overhead_s = max(0.0, wall - data_wait - result.total_us / 1e6)  # the fetch's ops are not in total
         result.notes.append("measured on CPU: CPU operator time, not GPU kernel time; shares differ from a GPU run")
     if not scopes or not hooked:
         result.notes.append("no attention scopes: attention time is unattributed (pass modules= for a callable)")
@@ -436,24 +484,52 @@ def profile(
     return result
 
 
-def _make_step(target, inputs, training, optimizer, loss_fn, data) -> Callable[[], float]:
-    """A closure running one step and returning the seconds spent waiting for data."""
+def _make_step(
+    target, inputs, training, optimizer, loss_fn, data, schedule: tuple[int, int, int]
+) -> Callable[[], float]:
+    """A closure running one step and returning the seconds spent waiting for data (a batch per step of
+    ``schedule``: wait, warmup, steps)."""
+    batches_needed = sum(schedule)
+
+    def too_short(yielded: int) -> ValueError:
+        counts = " + ".join(map(str, schedule))
+        return ValueError(
+            f"data yielded {yielded} batches; profile draws one per step and needs wait + warmup + steps = {counts} "
+            f"= {batches_needed}: pass more batches (or an endless iterable), or lower steps/warmup/wait"
+        )
+
+    if data is not None and hasattr(data, "__len__") and len(data) < batches_needed:
+        raise too_short(len(data))  # before anything runs
     iterator = iter(data) if data is not None else None
+    fetched = 0
     params: list[nn.Parameter] = []
     if training:
-        for module in _modules_of(target).values():
+        modules = _modules_of(target)
+        params = [p for module in modules.values() for p in module.parameters() if p.requires_grad]
+        if modules and not params:
+            # Refused as analyze(training=True) refuses it: a profile labelled "training" would hold a forward only.
+            raise ValueError(
+                f"training=True: {type(target).__name__} has no parameter that requires a gradient, so no backward "
+                "or optimizer step would run, only the forward; unfreeze some (requires_grad_(True)), or profile "
+                "with training=False (a callable that runs its own training step is profiled as it is)"
+            )
+        for module in modules.values():
             module.train()
-            params += [p for p in module.parameters() if p.requires_grad]
         if optimizer is None and params:
             optimizer = torch.optim.AdamW(params, lr=1e-5)
 
     def step() -> float:
+        nonlocal fetched
         waited = 0.0
         batch_inputs = inputs
         if iterator is not None:
             start = time.perf_counter()
-            with torch.profiler.record_function("ldmopt.dataloader"):
-                batch_inputs = next(iterator)
+            with torch.profiler.record_function(DATA_SCOPE):
+                try:
+                    batch_inputs = next(iterator)
+                except StopIteration:
+                    raise too_short(fetched) from None
+            fetched += 1
             waited = time.perf_counter() - start
         if not training:
             with torch.no_grad():  # as diffusers pipelines run: inference tensors would hand no statistics over

@@ -68,6 +68,9 @@ class OpRecord:
     call: int = 0  # which call of that module (ModuleScopes' frame counter)
     processor: str = ""  # "module.Class" of that module's attention processor, if it has one
     phase: str = "forward"  # "forward" (loss included), "backward" or "optimizer"
+    #: ldmopt's conv and GEMM ops: whose TF32 setting their fp32 products follow, PyTorch's "conv" or "matmul" (their
+    #: kernels pick tl.dot's precision so); "" for the others, whose rate the cost model reads from the op name
+    fp32_follows: str = ""
 
     @property
     def bytes(self) -> int:
@@ -186,6 +189,16 @@ def _ldmopt_flops(func, base: str, args: tuple, kwargs: dict, out: torch.Tensor)
     return 0
 
 
+def _ldmopt_fp32_follows(func, base: str, args: tuple, kwargs: dict) -> str:
+    """Whose TF32 setting an ldmopt op's fp32 products follow (kernels/_common.torch_fp32_precision): the fused conv
+    its ``fp32_precision`` argument ("matmul" for a Linear read as a 1x1 conv), the GEMMs nn.Linear's; "" for ops
+    without matrix products."""
+    if base == "gn_conv2d":
+        named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+        return named.get("fp32_precision", "conv")
+    return "matmul" if base in _LDMOPT_GEMMS else ""
+
+
 def _sdpa_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(flops, batch*heads, q_len, kv_len, head_dim) of one attention: QK^T and PV, 2 FLOPs per multiply-add."""
     batch_heads = math.prod(q.shape[:-2])
@@ -263,7 +276,7 @@ class Recorder(TorchDispatchMode):
                 site = replace(site, in_norm=False)
             self._sites[seq] = site
 
-    def add(self, name, category, flops, inputs, outputs, *, out_bytes=None, at=None) -> OpRecord:
+    def add(self, name, category, flops, inputs, outputs, *, out_bytes=None, at=None, fp32_follows="") -> OpRecord:
         """Record one operator; ``at`` = (phase, site), by default where the recorder is now."""
         phase, site = at if at is not None else self.current()
         rec = OpRecord(
@@ -282,6 +295,7 @@ class Recorder(TorchDispatchMode):
             call=site.call,
             processor=site.processor,
             phase=phase,
+            fp32_follows=fp32_follows,
         )
         for p in rec.producers:
             # The fusion model reads the forward data flow: a backward op reading a saved tensor is not a consumer.
@@ -347,7 +361,7 @@ class Recorder(TorchDispatchMode):
         if base in _ALLOCATIONS:
             self.add(name, category, 0, [], outputs, out_bytes=0, at=at)
             return out
-        flops = 0
+        flops, fp32_follows = 0, ""
         if base in ("mm", "addmm", "_addmm_activation", "bmm", "baddbmm"):
             flops = _mm_flops(base, args, outputs[0])
             in_attention = kind is not None and base in ("bmm", "baddbmm") and phase != "backward"
@@ -359,9 +373,10 @@ class Recorder(TorchDispatchMode):
             flops = _conv_backward_flops(args)
         elif namespace == "ldmopt" and outputs:
             flops = _ldmopt_flops(func, base, args, kwargs, outputs[0])
+            fp32_follows = _ldmopt_fp32_follows(func, base, args, kwargs)
         if base in ("baddbmm", "addmm", "addbmm") and kwargs.get("beta", 1) == 0 and inputs and inputs[0] is args[0]:
             inputs = inputs[1:]  # beta=0: the added tensor is never read (diffusers' baddbmm on an empty score tensor)
-        self.add(name, category, flops, inputs, outputs, at=at)
+        self.add(name, category, flops, inputs, outputs, at=at, fp32_follows=fp32_follows)
         return out
 
     def _attention_from_bmm(self, args, base, scores, kind, flops) -> None:

@@ -21,6 +21,20 @@ def positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def refuse_setting_with_inputs(inputs, **setting) -> None:
+    """Explicit ``inputs`` fix the setting: a resolution, frame count or batch given as well would not be applied (the
+    inputs are run as they are) yet would label the result, so it is refused."""
+    given = {name: value for name, value in setting.items() if value is not None}
+    if inputs is None or not given:
+        return
+    args = ", ".join(f"{name}={value!r}" for name, value in given.items())
+    raise ValueError(
+        f"{args} given with explicit inputs: the inputs are run as they are, so the setting would be reported but "
+        f"not applied; drop {'it' if len(given) == 1 else 'them'}, or drop inputs to run the zoo's example inputs at "
+        f"that setting (configs.example_inputs(model, resolution=..., frames=..., batch=...) makes such inputs)"
+    )
+
+
 def _zoo_entry_and_config(model_or_name, tiny: bool):
     from .. import configs
 
@@ -75,4 +89,10 @@ def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, ti
         raise ValueError(
             f"{entry.name} needs a resolution that is a multiple of {multiple} px ({what}); got {h}x{w}, which it "
             f"would run as {fit}"
+        )
+    if entry.cls == "DiTTransformer2DModel" and h != w:
+        # diffusers' DiT unpatchifies to a square of sqrt(tokens) per side: any other shape fails in a reshape
+        raise ValueError(
+            f"{entry.name} ({entry.cls}) takes square images only; got resolution {h}x{w}: give one side "
+            f"(resolution={h}) or equal sides"
         )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ldmopt import configs
-from ldmopt.profiler import analyze
+from ldmopt.profiler import GPUSpec, analyze
 
 pytest.importorskip("diffusers")
 
@@ -61,3 +61,52 @@ def test_fp32_convolutions_at_the_rate_torch_runs_them(monkeypatch):
         assert any("TF32" in note for note in a.notes) == allow_tf32
         times[allow_tf32] = expected
     assert times[True] < times[False] / 2  # TF32 tensor cores, not the CUDA-core fp32 rate
+
+
+def test_a_meta_model_is_analysed_in_the_dtype_asked_and_in_eval_mode():
+    # A model already on meta was analysed as it was: its own dtype (a bf16 analysis of the fp16 zoo model crashed
+    # in the first convolution) and its own train/eval mode (dropout ops counted in an inference analysis).
+    unet = configs.build_model("sd15", tiny=True)  # meta, fp16
+    assert analyze(unet, dtype="bf16").dtype == "bf16"
+    assert {p.dtype for p in unet.parameters()} == {torch.float16}  # the caller's model is not cast
+
+    block = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Dropout(0.1)).train()
+    inputs = (torch.empty(7, 64),)
+    real = analyze(block, inputs=inputs, dtype="fp16")
+    meta = analyze(copy.deepcopy(block).to("meta"), inputs=inputs, dtype="fp16")
+    assert [r.name for r in meta.records] == [r.name for r in real.records] == ["aten::addmm"]
+    assert meta.total_bytes == real.total_bytes == (7 * 64 + 64 * 128 + 128 + 7 * 128) * 2
+    assert block.training
+
+
+def test_one_tensor_as_inputs_is_one_positional_argument():
+    # As profile() takes it: the tensor was unpacked along dim 0 (tuple(tensor)), each row a separate argument.
+    linear = torch.nn.Linear(64, 128)
+    for batch in (1, 4):
+        a = analyze(linear, inputs=torch.empty(batch, 64), dtype="fp32")
+        assert a.total_flops == analyze(linear, inputs=(torch.empty(batch, 64),), dtype="fp32").total_flops
+        assert a.total_flops == 2 * batch * 64 * 128
+
+
+@pytest.mark.parametrize(("conv_tf32", "matmul_tf32"), [(True, False), (False, True)])
+def test_patched_fp32_fused_convs_and_gemms_at_the_rate_of_the_ops_they_replace(monkeypatch, conv_tf32, matmul_tf32):
+    # ldmopt's fused conv and GEMMs were projected at the CUDA-core fp32 peak while the stock convolutions got TF32:
+    # the patched sd15 at fp32 was projected 1.6x slower than stock with fewer bytes and the same FLOPs.
+    def patched_fp32(conv: bool, matmul: bool):
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", conv)
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", matmul)
+        return analyze("sd15", tiny=True, batch=1, dtype=torch.float32, gpu=compute_bound, patched=True)
+
+    # The tiny model's GEMMs are memory-bound on a real GPU: on this one every op with FLOPs is compute-bound.
+    compute_bound = GPUSpec("compute-bound", hbm_bytes_per_s=1e18, matmul_flops={"fp32": 1e12, "tf32": 8e12},
+                            vector_flops=1e12)  # fmt: skip
+
+    ieee = patched_fp32(False, False)
+    a = patched_fp32(conv_tf32, matmul_tf32)
+    assert a.categories["ldmopt"].time_s < ieee.categories["ldmopt"].time_s
+    fused = [r for r in a.records if r.category == "ldmopt"]
+    follows = {r.name: r.fp32_follows for r in fused if r.flops}
+    assert follows["ldmopt::gn_conv2d"] in ("conv", "matmul") and follows["ldmopt::linear_fwd"] == "matmul"
+    tf32 = {"conv": conv_tf32, "matmul": matmul_tf32, "": False}
+    expected = sum(a.gpu.op_time(r.flops, r.bytes, "tf32" if tf32[r.fp32_follows] else "fp32") for r in fused)
+    assert a.categories["ldmopt"].time_s == pytest.approx(expected, rel=1e-9)

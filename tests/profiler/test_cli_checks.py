@@ -49,6 +49,8 @@ def test_check_flops_leaves_the_recorded_ops_bytes_and_times_unchanged():
         ("sd3", {"resolution": (1024, 1032)}, "multiple of 16 px"),
         ("wan2.1-1.3b", {"resolution": (488, 832)}, "multiple of 16 px"),
         ("latte", {"resolution": 520}, "multiple of 16 px"),
+        # diffusers' DiT unpatchify assumes a square latent: a reshape error deep in the forward
+        ("dit", {"resolution": (64, 128)}, r"dit \(DiTTransformer2DModel\) takes square images only; got .* 64x128"),
     ],
 )
 def test_settings_the_model_would_change_or_ignore_are_refused(name, kwargs, match):
@@ -68,6 +70,61 @@ def test_profile_refuses_frames_on_an_image_model_before_building():
         profile("sd15", tiny=True, device="cpu", frames=4)
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         profile("sd15", tiny=True, device="cpu", steps=0)
+
+
+@pytest.mark.parametrize("setting", [{"batch": 7}, {"frames": 3}, {"resolution": 1024}])
+def test_a_setting_given_with_explicit_inputs_is_refused(setting):
+    # The inputs ran as given while the setting labelled the result ("3 frames, batch 7" for a batch-2 image input).
+    import torch
+
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+    inputs = {"input": torch.randn(2, 4, 8, 8)}
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ValueError, match=f"{name}={value} given with explicit inputs"):
+        analyze(conv, inputs=inputs, dtype="fp32", **setting)
+    with pytest.raises(ValueError, match=f"{name}={value} given with explicit inputs"):
+        profile("sd15", tiny=True, device="cpu", inputs=inputs, **setting)
+    assert analyze(conv, inputs=inputs, dtype="fp32").setting() == "Conv2d, fp32"
+
+
+def test_profile_refuses_the_meta_device_and_points_to_analyze(capsys):
+    # It "ran" on meta tensors and reported dispatcher overhead as measured convolution/GEMM/attention time.
+    from ldmopt import configs
+
+    with pytest.raises(ValueError, match=r"device 'meta': profile measures real execution.*ldmopt\.analyze"):
+        profile("sd15", tiny=True, device="meta")
+    with pytest.raises(ValueError, match=r"on the meta device: profile measures real execution.*ldmopt\.analyze"):
+        profile(configs.build_model("sd15", tiny=True), steps=1, warmup=0)  # build_model's default device is meta
+    assert _run("profile", ["sd15", "--tiny", "--device", "meta"]) == 2
+    assert "ldmopt analyze" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"dtype": "fp16"}, "dtype='fp16'"),
+        ({"tiny": True, "batch": 9}, "tiny=True, batch=9"),
+        ({"resolution": 512, "frames": 16}, "resolution=512, frames=16"),
+    ],
+)
+def test_profile_refuses_zoo_settings_a_module_or_callable_would_ignore(setting, named):
+    # A module or callable ran as it was: "dtype=fp16, resolution 512" profiled an fp32 model at its inputs' size.
+    import torch
+
+    net = torch.nn.Linear(8, 8)
+    for target in (net, lambda: net(torch.randn(2, 8))):
+        with pytest.raises(ValueError, match=f"{re.escape(named)} with a .* target would be ignored"):
+            profile(target, steps=1, warmup=0, **setting)
+
+
+def test_profile_training_without_a_trainable_parameter_is_refused():
+    # It profiled the forward only and labelled the run "training" (analyze(training=True) already refused it).
+    import torch
+
+    frozen = torch.nn.Linear(8, 8).requires_grad_(False).eval()
+    with pytest.raises(ValueError, match="training=True: Linear has no parameter that requires a gradient"):
+        profile(frozen, inputs=(torch.randn(2, 8),), steps=1, warmup=0, wait=0, training=True)
+    assert not frozen.training
 
 
 def test_analyze_dtype_outside_the_table_names_the_supported_ones():
@@ -140,6 +197,21 @@ def test_cli_output_folder_that_cannot_be_made_fails_before_the_work(tmp_path, c
     blocker.write_text("")
     assert _run("analyze", ["dit", "--tiny", "--json", str(blocker / "a.json")]) == 2
     assert "cannot create the folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "option"), [("analyze", "--json"), ("profile", "--json"), ("profile", "--trace")])
+def test_cli_json_or_trace_that_is_a_folder_fails_before_the_work(command, option, tmp_path, capsys, monkeypatch):
+    # The whole analysis or profile ran and printed, then open() raised IsADirectoryError and the result was lost.
+    from ldmopt.profiler import cost, measure
+
+    monkeypatch.setattr(cost, "analyze", lambda *a, **k: pytest.fail("ran before checking the output path"))
+    monkeypatch.setattr(measure, "profile", lambda *a, **k: pytest.fail("ran before checking the output path"))
+    device = ["--device", "cpu"] if command == "profile" else []
+    assert _run(command, ["dit", "--tiny", *device, option, str(tmp_path)]) == 2
+    assert f"{option} {tmp_path} is a folder; give a file name such as" in capsys.readouterr().err
+    if option == "--trace":  # profile() itself, before building the model
+        with pytest.raises(ValueError, match=f"trace '{re.escape(str(tmp_path))}' is a folder"):
+            profile("dit", tiny=True, device="cpu", trace=str(tmp_path))
 
 
 @pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")

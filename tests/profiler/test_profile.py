@@ -195,3 +195,44 @@ def test_cudnn_layout_kernels_count_as_layout_under_the_convolution():
     assert launches == 3
     assert cats[C.CONV].time_us == pytest.approx(20)
     assert cats[C.LAYOUT].time_us == pytest.approx(7)
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_the_work_of_a_batch_fetch_is_data_wait_not_model_time():
+    # Collate and augmentation ran inside the ldmopt.dataloader range yet were classified as the model's operators
+    # (a Linear's profile was 86% "other": the dataset's randn) while also counted in data_wait_s.
+    def batches():
+        while True:
+            yield (torch.stack([torch.randn(8, 16) for _ in range(4)]).sum(0) * 0.5,)
+
+    p = profile(torch.nn.Linear(16, 16), data=batches(), steps=2, warmup=0)
+    names = {name for c in p.categories.values() for name in c.top}
+    assert not names & {"aten::randn", "aten::stack", "aten::sum"}, names
+    assert "aten::addmm" in names and p.data_wait_s > 0
+    assert p.launches == sum(c.count for c in p.categories.values())
+
+
+def test_gpu_kernels_launched_by_a_batch_fetch_are_not_classified():
+    fetch = _event(1, "ldmopt.dataloader", 0, 50)
+    copy = _event(2, "aten::copy_", 1, 49, parent=fetch)
+    addmm = _event(3, "aten::addmm", 60, 90)
+    kernels = [
+        _event(10, "Memcpy HtoD (Pinned -> Device)", 200, 240, DeviceType.CUDA, link=2),
+        _event(11, "sm90_xmma_gemm_f32f32_f32", 240, 250, DeviceType.CUDA, link=3),
+    ]
+    cats, launches = classify_events([fetch, copy, addmm, *kernels], on_gpu=True)
+    assert launches == 1
+    assert cats[C.LINEAR].time_us == pytest.approx(10) and cats[C.LAYOUT].time_us == 0
+
+
+def test_data_with_fewer_batches_than_steps_is_a_clear_error():
+    # The profiler loop ended in a bare StopIteration: 3 batches look enough for steps=3, but training's default
+    # wait=1 and warmup=1 draw one each too.
+    net = torch.nn.Linear(8, 1).eval()
+    batches = [(torch.randn(4, 8),) for _ in range(3)]
+    needed = r"data yielded 3 batches; .* wait \+ warmup \+ steps = 1 \+ 1 \+ 3 = 5"
+    with pytest.raises(ValueError, match=needed):
+        profile(net, data=batches, steps=3, training=True)  # a list: refused before anything runs
+    with pytest.raises(ValueError, match=needed):
+        profile(net, data=iter(batches), steps=3, training=True)  # an iterator: when it runs out
+    assert not net.training  # train() undone
