@@ -157,11 +157,25 @@ def prepare_outputs(command: str, *paths: str | None, plot: str | None = None, *
     return True
 
 
+def _json_safe(obj):
+    """``obj`` with NaN and infinities as null: JSON has no such numbers (Python writes a bare NaN that strict
+    parsers, jq and JavaScript reject), and they mean "not measured" here (a tuning with nothing to time)."""
+    import math
+
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def _write_json(obj, path: str) -> None:
     import json
     import sys
 
-    text = json.dumps(obj, indent=2, default=str)
+    text = json.dumps(_json_safe(obj), indent=2, default=str, allow_nan=False)
     if path == "-":
         sys.stdout.write(text + "\n")
     else:

@@ -709,6 +709,21 @@ def test_cli_tunes_a_zoo_model(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("ldmopt.tune: min_speedup=0.0 is not supported")
 
 
+def test_cli_json_with_nothing_to_tune_is_strict_json(tmp_path):
+    import json
+
+    from ldmopt.cli import main
+
+    path = tmp_path / "tuning.json"
+    assert main(["tune", "sd15", "--tiny", "--families", "svd_attn2", "--json", str(path)]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is no JSON number")
+
+    data = json.loads(path.read_text(), parse_constant=refuse)  # a bare NaN was written for the untimed figures
+    assert data["sites"] == [] and data["stock_ms"] is None and data["tuned_ms"] is None
+
+
 def test_cuda_graph_mode_times_the_events_captured_in_the_graph(monkeypatch):
     clock = _Clock()
     outer, targets = _toy(clock)
