@@ -594,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= k < n:
         parser.error(f"--shard k/n needs 0 <= k < n, got {args.shard}")
     SHARD = (k, n)
+    unknown = sorted(set(args.only or ()) - set(CHECKS))
+    if unknown:  # a misspelt name ran nothing and printed "all passed"
+        parser.error(f"--only {', '.join(unknown)}: no such check; expected some of {', '.join(CHECKS)}")
     if not torch.cuda.is_available():
         print("check_gpu: no CUDA device; nothing to check")
         return 0

@@ -172,9 +172,10 @@ ALL_BENCH_FILES="benchmarks/bench_group_norm.py benchmarks/bench_temporal_attent
 benchmarks/bench_temporal_block.py benchmarks/bench_linear.py benchmarks/bench_resnet_block.py benchmarks/bench_e2e.py \
 benchmarks/bench_training.py benchmarks/bench_host_overhead.py benchmarks/bench_transformer_block.py \
 benchmarks/bench_wan_block.py benchmarks/bench_rms_norm.py benchmarks/bench_svd_resnet.py"
-read -r -a BENCH_FILES <<<"${LDMOPT_BENCH_FILES:-}"
+# -d '': the whole value, line breaks included (read alone stops at the first: a list wrapped over lines lost files)
+read -r -d '' -a BENCH_FILES <<<"${LDMOPT_BENCH_FILES:-}" || true
 # none named (unset, empty or blanks): all of them; pytest with no path would run the unit tests instead
-[ "${#BENCH_FILES[@]}" -gt 0 ] || read -r -a BENCH_FILES <<<"$ALL_BENCH_FILES"
+[ "${#BENCH_FILES[@]}" -gt 0 ] || read -r -d '' -a BENCH_FILES <<<"$ALL_BENCH_FILES" || true
 # Where each fused call's host time goes (cProfile per op, tiny tensors): a host-bound row is explained by it. Then
 # where a patched model's GPU time goes, kernel by kernel (ldmopt profile, stock and patched), for each model in
 # LDMOPT_PROFILE_MODELS (zoo names; empty: none). Both take from the time before the benchmarks' reserve.

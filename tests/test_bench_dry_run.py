@@ -557,8 +557,9 @@ def test_run_gpu_script(tmp_path):
     no more), and the summary printed last fits the 12,000-character output tail, the correctness totals last."""
     env, out = _fake_run_env(
         tmp_path, LDMOPT_RUN_BUDGET="36", LDMOPT_BENCH_RESERVE="24", LDMOPT_CHECK_SHARDS="2",
-        LDMOPT_BENCH_FILES=" benchmarks/bench_e2e.py  benchmarks/bench_linear.py",
-        LDMOPT_CHECK_ONLY=" fused_linear linear_row_stats",
+        # wrapped over lines, as RESULTS.md's command is (read alone kept the first line's files)
+        LDMOPT_BENCH_FILES=" benchmarks/bench_e2e.py\n  benchmarks/bench_linear.py",
+        LDMOPT_CHECK_ONLY=" fused_linear\nlinear_row_stats",
     )  # fmt: skip
     run = subprocess.run(
         ["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240

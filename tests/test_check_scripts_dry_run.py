@@ -153,6 +153,14 @@ def test_check_gpu_main_without_cuda(capsys):
     assert capsys.readouterr().out == "check_gpu: no CUDA device; nothing to check\n"
 
 
+def test_check_gpu_refuses_an_unknown_check_name(capsys):
+    # A misspelt --only (LDMOPT_CHECK_ONLY in run_gpu.sh) ran nothing and printed "all passed".
+    with pytest.raises(SystemExit) as exit_info:
+        check_gpu.main(["--only", "fused_linear", "--only", "fused_linaer"])
+    assert exit_info.value.code == 2
+    assert "--only fused_linaer: no such check; expected some of group_norm_silu" in capsys.readouterr().err
+
+
 @pytest.fixture
 def cuda_backend_cpu(monkeypatch, tmp_path):
     C = check_cuda_backend
