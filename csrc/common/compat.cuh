@@ -12,9 +12,11 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "common/types.h"
 
@@ -206,6 +208,17 @@ struct Silu {
 // ------------------------------------------------------------------------------------------ launches
 
 #ifndef LDMOPT_EMULATE
+// The dynamic shared memory each (kernel, device) has been allowed so far. Keyed by the kernel itself: kernels with
+// one parameter list share a launch_kernel instantiation, while the attribute belongs to each kernel.
+inline std::mutex& smem_limits_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+inline std::map<std::pair<const void*, int>, size_t>& smem_limits() {
+  static std::map<std::pair<const void*, int>, size_t> limits;
+  return limits;
+}
+
 // Launches kernel on stream. A kernel with dynamic shared memory gets its limit raised to `smem` first: the 48 KB
 // default also counts the kernel's static shared memory, so a budget just under 48 KB could otherwise fail. The
 // attribute is per (kernel, device) and only ever raised, so it is set once per new high-water mark rather than on
@@ -214,18 +227,15 @@ template <typename... KArgs, typename... Args>
 inline void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Stream stream,
                           Args&&... args) {
   if (smem > 0) {
-    constexpr int kMaxDevices = 64;
-    static std::atomic<size_t> raised[kMaxDevices] = {};  // one set per kernel instantiation
+    const void* function = reinterpret_cast<const void*>(kernel);
     int device = 0;
-    const bool known = cudaGetDevice(&device) == cudaSuccess && device >= 0 && device < kMaxDevices;
-    if (!known || smem > raised[device].load(std::memory_order_relaxed)) {
-      const cudaError_t status = cudaFuncSetAttribute(
-          reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-      if (known && status == cudaSuccess) {
-        size_t seen = raised[device].load(std::memory_order_relaxed);
-        while (smem > seen && !raised[device].compare_exchange_weak(seen, smem)) {
-        }
-      }
+    const bool known = cudaGetDevice(&device) == cudaSuccess;
+    std::lock_guard<std::mutex> lock(smem_limits_mutex());
+    size_t& raised = smem_limits()[{function, known ? device : -1}];
+    if (!known || smem > raised) {
+      const cudaError_t status =
+          cudaFuncSetAttribute(function, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (known && status == cudaSuccess) raised = smem;
     }
   }
   kernel<<<grid, block, smem, reinterpret_cast<cudaStream_t>(stream)>>>(static_cast<KArgs>(args)...);

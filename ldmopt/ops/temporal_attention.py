@@ -110,6 +110,8 @@ def _kernel_refusals(*args) -> list[str]:
     """Reasons shared by the triton and cuda kernels (args: q first, then any tensors and floats): dtype, sizes."""
     tensors = tensors_in(args)
     q = tensors[0]
+    if q.dim() != 5:  # a direct torch.ops call; the public function checks the rank first
+        return [f"q of shape {tuple(q.shape)} (kernels serve 5-D (B, F, N, heads, head_dim))"]
     _b, f, _n, _h, d = q.shape
     reasons = []  # both kernels address in int64: any strides
     if q.dtype not in _KERNEL_DTYPES:

@@ -154,3 +154,11 @@ def test_more_sequences_than_the_kernels_index_are_refused():
     (reason,) = ta._kernel_refusals(big, big, big, 0.25)
     assert f"B*N*H={2**31} sequences" in reason and str(ta.MAX_SEQUENCES) in reason, reason
     assert ta._kernel_refusals(big[: 2**19], big[: 2**19], big[: 2**19], 0.25) == []
+
+
+def test_a_q_of_another_rank_is_refused_not_unpacked():
+    # A direct torch.ops call with 4-D q: a refusal naming the shape, not "not enough values to unpack".
+    q = torch.randn(2, 3, 4, 8)
+    assert ta._kernel_refusals(q, q, q, 0.25) == [
+        "q of shape (2, 3, 4, 8) (kernels serve 5-D (B, F, N, heads, head_dim))"
+    ]
