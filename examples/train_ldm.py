@@ -85,7 +85,7 @@ from _train_data import (
     save_grid,
 )
 from _train_families import channels_last_, to_layout
-from _train_model import EMA, build_denoiser, is_video_model, model_names, sample, save_final
+from _train_model import EMA, SMALL_MODELS, build_denoiser, is_video_model, model_names, sample, save_final
 from _train_utils import (
     DistInfo,
     MetricLogger,
@@ -310,6 +310,19 @@ def _check_args(args: argparse.Namespace, info: DistInfo) -> int:
     return args.batch_size // per_step
 
 
+def _unused_flags(args: argparse.Namespace, given: set[str] | None) -> list[str]:
+    """Flags given that this run has no use for (said, not refused: a launcher's fixed flag list should still run)."""
+    given = set(vars(args)) if given is None else given
+    notes = []
+    if args.hflip and "hflip" in given and args.data is None:
+        notes.append("--hflip flips the images of an image folder (--data); the procedural shapes are used as drawn")
+    if args.model in SMALL_MODELS:
+        for name in ("tiny", "latent_factor"):
+            if name in given and getattr(args, name) not in (None, False):
+                notes.append(f"{_flag(name)} is for zoo models; the built-in {args.model} is used as defined")
+    return notes
+
+
 def _tuning_choice(args: argparse.Namespace, state: dict | None, given: set[str] | None, is_main: bool):
     """What --tune-choice or a resumed checkpoint says to patch (a path or a choice dict), or None: measure (--tune)
     or patch everything. A checkpoint of a tuned run keeps the choice it trained with, and resuming applies it again
@@ -407,6 +420,9 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     if state is not None:
         args = resume_args(args, state.get("args"), given, is_main, resume_path)
     choice = _tuning_choice(args, state, given, is_main)
+    if is_main:
+        for note in _unused_flags(args, given):
+            print(f"note: {note}", flush=True)
     micro = _check_args(args, info)
     channels_last = args.channels_last
     if device.type == "cuda":

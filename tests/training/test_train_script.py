@@ -268,6 +268,16 @@ def test_bad_arguments_have_clear_messages(train_ldm, tmp_path, argv, match):
         train_ldm.main([*BASE, "--max-steps", "1", "--output-dir", str(tmp_path), *argv])
 
 
+def test_flags_this_run_has_no_use_for_are_noted(train_ldm, tmp_path, capsys):
+    train_ldm.main(
+        [*BASE, "--max-steps", "1", "--output-dir", str(tmp_path), "--tiny", "--latent-factor", "4", "--hflip"]
+    )
+    out = capsys.readouterr().out
+    assert "note: --hflip flips the images of an image folder (--data)" in out
+    assert "note: --tiny is for zoo models; the built-in unet-tiny is used as defined" in out
+    assert "note: --latent-factor is for zoo models" in out
+
+
 def test_wandb_missing_is_a_clear_message(train_ldm, tmp_path):
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
