@@ -618,15 +618,6 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         report, choice = tune_patch(denoiser.model, tune_step, info, choice, out_dir / "tune_choice.json")
         if is_main:
             print(report, flush=True)
-    if args.fused:
-        # A patched model's first call learns which statistics each fused block hands to the norm after it
-        # (ldmopt/nn/stats_handover.py) and computes them once the other way, equal only to rounding. One call here,
-        # outside the steps and drawing no random numbers of theirs, so that an uninterrupted run and a resumed one
-        # both start their first step on the learned path: resume stays exact to the bit.
-        from torch.utils.data import default_collate
-
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            compute_loss(default_collate([samples[(0, i)] for i in range(micro)]), denoiser)
     ddp = None
     if info.world_size > 1:
         # Every parameter gets a gradient on the fused path too (ldmopt ties the ones its shortcuts skip to the graph
@@ -658,9 +649,20 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         window_steps = state["log_window"][1]
     start_step = step
 
+    unprimed = args.fused
+
+    def prime(batch: dict) -> None:
+        """A patched model's first call learns which statistics each fused block hands to the norm after it
+        (ldmopt/nn/stats_handover.py) and computes them once the other way, equal only to rounding. One unrecorded
+        call on the run's first micro-batch, drawing none of the step's random numbers, so that an uninterrupted run
+        and a resumed one both start their first step on the learned path: resume stays exact to the bit."""
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            compute_loss(batch, denoiser)
+
     def run_step() -> None:
         """One optimizer step (all micro-batches), then logging, checkpointing and sampling when due."""
         nonlocal step, data_iter, data_epoch, seen_in_epoch, window_start, window_images, window_loss, window_steps
+        nonlocal unprimed
         if seen_in_epoch // info.world_size + per_rank_step > len(sampler.inner):  # no full step left in this epoch
             data_epoch, seen_in_epoch, data_iter = data_epoch + 1, 0, None
         epoch = data_epoch
@@ -670,6 +672,9 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
         loss_sum = torch.zeros((), device=device)
         for i in range(args.grad_accum):
             batch = next(data_iter)
+            if unprimed:
+                prime(batch)
+                unprimed = False
             last = i == args.grad_accum - 1
             with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
                 loss = compute_loss(batch) / args.grad_accum

@@ -1,6 +1,7 @@
 """analyze on models as users hold them: real weights with their processors and adapters, SVD's one-key cross
 attention inside temporal blocks, diffusers' baddbmm on an empty score tensor, fp32 at the rate torch runs it."""
 
+import contextlib
 import copy
 
 import pytest
@@ -49,11 +50,23 @@ def test_svd_one_key_cross_attention_is_not_temporal():
     assert any(kind == "cross" and kv == 1 for kind, kv in kinds) and any(kind == "temporal" for kind, _ in kinds)
 
 
-def test_fp32_convolutions_at_the_rate_torch_runs_them(monkeypatch):
+@contextlib.contextmanager
+def _tf32(conv: bool, matmul: bool = False):
+    """torch's TF32 switches for cuDNN and cuBLAS, restored after. Not monkeypatch: cuBLAS's is served by a module
+    __getattr__, which pytest 9.2's undo takes for an attribute it added and deletes (AttributeError)."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_fp32_convolutions_at_the_rate_torch_runs_them():
     times = {}
     for allow_tf32 in (True, False):
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
-        a = analyze("sd15", resolution=256, batch=1, dtype=torch.float32, gpu="H100")
+        with _tf32(conv=allow_tf32):
+            a = analyze("sd15", resolution=256, batch=1, dtype=torch.float32, gpu="H100")
         conv = [r for r in a.records if r.base == "convolution" and r.flops]
         rate = a.gpu.peak_flops("tf32" if allow_tf32 else "fp32")
         expected = sum(max(r.flops / rate, r.bytes / a.gpu.bandwidth) for r in conv)
@@ -89,13 +102,12 @@ def test_one_tensor_as_inputs_is_one_positional_argument():
 
 
 @pytest.mark.parametrize(("conv_tf32", "matmul_tf32"), [(True, False), (False, True)])
-def test_patched_fp32_fused_convs_and_gemms_at_the_rate_of_the_ops_they_replace(monkeypatch, conv_tf32, matmul_tf32):
+def test_patched_fp32_fused_convs_and_gemms_at_the_rate_of_the_ops_they_replace(conv_tf32, matmul_tf32):
     # ldmopt's fused conv and GEMMs were projected at the CUDA-core fp32 peak while the stock convolutions got TF32:
     # the patched sd15 at fp32 was projected 1.6x slower than stock with fewer bytes and the same FLOPs.
     def patched_fp32(conv: bool, matmul: bool):
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", conv)
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", matmul)
-        return analyze("sd15", tiny=True, batch=1, dtype=torch.float32, gpu=compute_bound, patched=True)
+        with _tf32(conv, matmul):
+            return analyze("sd15", tiny=True, batch=1, dtype=torch.float32, gpu=compute_bound, patched=True)
 
     # The tiny model's GEMMs are memory-bound on a real GPU: on this one every op with FLOPs is compute-bound.
     compute_bound = GPUSpec("compute-bound", hbm_bytes_per_s=1e18, matmul_flops={"fp32": 1e12, "tf32": 8e12},
