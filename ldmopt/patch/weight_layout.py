@@ -21,17 +21,18 @@ default only when ``training`` is False: FSDP's ``fully_shard`` refuses non-cont
 patch leaves the layout to the user (``channels_last_weights=True`` without FSDP). Convs that
 ``filter_fn`` excludes, quantized or subclassed parameters (a tensor subclass, integer or 8-bit storage) and
 parametrized weights are left as they are. ``unpatch`` makes contiguous again each weight that still has the
-strides patch gave it; one the user re-laid out meanwhile is theirs. While patched, ``safetensors.torch.save_file``
-refuses those weights (non-contiguous): ``save_pretrained`` makes them contiguous itself; otherwise save after
-``unpatch`` or ``.contiguous()`` each tensor. A gradient a weight already has is re-laid out with it; optimizer
-state made before the conversion keeps the old layout (a fused AdamW then refuses the mix): patch before creating the
-optimizer or loading its state.
+strides patch gave it; one the user re-laid out meanwhile is theirs, and so are all of them when the model's other
+spatial conv weights, contiguous when patched, are all channels-last by then (``model.to(memory_format=...)``).
+While patched, ``safetensors.torch.save_file`` refuses those weights (non-contiguous): ``save_pretrained`` makes them
+contiguous itself; otherwise save after ``unpatch`` or ``.contiguous()`` each tensor. A gradient a weight already
+has is re-laid out with it; optimizer state made before the conversion keeps the old layout (a fused AdamW then
+refuses the mix): patch before creating the optimizer or loading its state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -93,6 +94,23 @@ def _relayout(weight: nn.Parameter, memory_format: torch.memory_format) -> None:
         weight.grad = weight.grad.contiguous(memory_format=memory_format)
 
 
+def _channels_last(conv: nn.Module) -> bool:
+    weight = conv._parameters.get("weight")
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() in _FORMATS
+        and weight.is_contiguous(memory_format=_FORMATS[weight.dim()])
+        and not weight.is_contiguous()
+    )
+
+
+class _Converted(NamedTuple):
+    convs: list[tuple[nn.Module, tuple[int, ...]]]  # each converted conv and the strides patch gave its weight
+    #: the model's other spatial conv weights, contiguous when patched: all channels-last at unpatch means the user
+    #: converted the model meanwhile (model.to(memory_format=torch.channels_last)), which asks for ours too
+    witnesses: list[nn.Module]
+
+
 class ChannelsLastWeights(Rule):
     """A model-level edit that goes with the fused convolutions (not a patched module): ``site.context["convs"]``
     lists the convs; ``replace`` converts their weights, ``restore`` converts back what it converted."""
@@ -102,7 +120,7 @@ class ChannelsLastWeights(Rule):
     description = "conv weights in channels-last, the layout the fused convolutions read (unpatch restores)"
     counted = False
 
-    def replace(self, site: Site) -> list[tuple[nn.Module, tuple[int, ...]]]:
+    def replace(self, site: Site) -> _Converted:
         done = []
         try:
             for _, conv in site.context["convs"]:
@@ -110,12 +128,16 @@ class ChannelsLastWeights(Rule):
                 _relayout(weight, _FORMATS[weight.dim()])
                 done.append((conv, weight.stride()))
         except BaseException:  # out of memory halfway: no record would restore the ones done
-            self.restore(site, done)
+            self.restore(site, _Converted(done, []))
             raise
-        return done
+        converted = {id(conv) for conv, _ in done}
+        witnesses = [m for m in site.module.modules() if id(m) not in converted and _convertible(m) is not None]
+        return _Converted(done, witnesses)
 
-    def restore(self, site: Site, data: Any) -> None:
-        for conv, given in data:
+    def restore(self, site: Site, data: _Converted) -> None:
+        if data.witnesses and all(_channels_last(conv) for conv in data.witnesses):
+            return  # the whole model went channels-last after patching: the fused convs' weights stay so too
+        for conv, given in data.convs:
             weight = conv._parameters.get("weight")
             if isinstance(weight, torch.Tensor) and weight.stride() == given:
                 _relayout(weight, torch.contiguous_format)

@@ -153,6 +153,23 @@ def test_unpatch_leaves_a_weight_the_user_re_laid_out_and_a_copy_restores_its_ow
     assert all(_channels_last(m.weight) for m in _fused_read(model2).values())
 
 
+def test_a_model_converted_to_channels_last_while_patched_stays_so_after_unpatch():
+    # model.to(memory_format=channels_last) after patch changes only the stock convs (ours already are): their change
+    # says what the user asked for, so unpatch leaves every weight channels-last instead of undoing half the request.
+    model = _unet()
+    ldmopt.patch(model)
+    model.to(memory_format=torch.channels_last)
+    ldmopt.unpatch(model)
+    assert all(_channels_last(m.weight) for m in _spatial_convs(model).values())
+    # Only part of the stock convs converted: not the whole model, so patch's conversion is undone as before.
+    model = _unet()
+    ldmopt.patch(model)
+    model.conv_in.to(memory_format=torch.channels_last)
+    ldmopt.unpatch(model)
+    assert _channels_last(model.conv_in.weight) and not _channels_last(model.conv_out.weight)
+    assert all(m.weight.is_contiguous() for m in _fused_read(model).values())
+
+
 def test_conv3d_temporal_weights_become_channels_last_3d_and_the_output_is_unchanged():
     torch.manual_seed(2)
     model = models.modelscope().eval()
