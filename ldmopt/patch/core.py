@@ -424,7 +424,8 @@ def patch(
             the stock path. (With the default False, such modules fall back to the stock forward while in
             train mode.)
         channels_last_weights: convert the weights of the Conv2d/Conv3d modules the model's fused forwards read
-            to channels-last in place (same Parameters, values and keys; unpatch restores the strides), the layout
+            to channels-last in place (same Parameters, values and keys; unpatch restores the strides unless the
+            whole model went channels-last while patched), the layout
             the fused convolutions read in vectors (ldmopt/patch/weight_layout.py). Default (None): when
             ``training`` is False; FSDP's fully_shard refuses non-contiguous parameters, so a training patch leaves
             the layout to the caller unless this is True. The report says what was converted or left.
