@@ -530,3 +530,18 @@ def test_cli_json_with_nothing_to_tune_is_strict_json(tmp_path):
 
     data = json.loads(path.read_text(), parse_constant=refuse)  # a bare NaN was written for the untimed figures
     assert data["sites"] == [] and data["stock_ms"] is None and data["tuned_ms"] is None
+
+
+def _fake_wall(monkeypatch, pipe_or_model, seconds_of):
+    """Replace the whole-call timing: ``seconds_of(rules_patched)`` from the set of rule groups now patched."""
+    groups = []
+
+    def wall_time(run, devices, *, warmup, repeats, graph=False):
+        patched = {"+".join(r for r, _ in s.rules) for s in tune_module._sites(pipe_or_model)}
+        patched = patched if ldmopt.is_patched(pipe_or_model) else set()
+        groups.append(frozenset(patched))
+        return seconds_of(patched)
+
+    monkeypatch.setattr(tune_module, "measure", None)  # by rule: no per-site timing
+    monkeypatch.setattr(importlib.import_module("ldmopt.patch.tune_rules"), "wall_time", wall_time)
+    return groups

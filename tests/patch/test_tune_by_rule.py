@@ -3,30 +3,13 @@ timings are replaced with a table per configuration, so that the decisions are d
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 import ldmopt
 
 from . import models
 from .helpers import assert_same_snapshot, output_tensor, snapshot
-from .test_tune import _patched_keys, _run, _unet, tune_module
-
-
-def _fake_wall(monkeypatch, pipe_or_model, seconds_of):
-    """Replace the whole-call timing: ``seconds_of(rules_patched)`` from the set of rule groups now patched."""
-    groups = []
-
-    def wall_time(run, devices, *, warmup, repeats, graph=False):
-        patched = {"+".join(r for r, _ in s.rules) for s in tune_module._sites(pipe_or_model)}
-        patched = patched if ldmopt.is_patched(pipe_or_model) else set()
-        groups.append(frozenset(patched))
-        return seconds_of(patched)
-
-    monkeypatch.setattr(tune_module, "measure", None)  # by rule: no per-site timing
-    monkeypatch.setattr(importlib.import_module("ldmopt.patch.tune_rules"), "wall_time", wall_time)
-    return groups
+from .test_tune import _fake_wall, _patched_keys, _run, _unet
 
 
 def test_by_rule_keeps_the_rules_whose_sites_alone_made_run_faster(monkeypatch):
