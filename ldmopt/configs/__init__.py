@@ -319,9 +319,9 @@ def build_model(
     return model
 
 
-def _kept_in_fp32(model: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
-    """(parameter or buffer store, name, fp32 value) of every tensor under the class's ``_keep_in_fp32_modules``, as
-    ``from_pretrained`` keeps them (matched on dotted name parts; Wan: rotary tables, time embedder, modulation
+def fp32_kept_tensors(model: nn.Module) -> list[tuple[dict, str]]:
+    """(parameter or buffer store, name) of every floating tensor under the class's ``_keep_in_fp32_modules``, which
+    ``from_pretrained`` keeps in fp32 (matched on dotted name parts; Wan: rotary tables, time embedder, modulation
     tables, block norms)."""
     keys = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     kept = []
@@ -330,8 +330,13 @@ def _kept_in_fp32(model: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
             for name, t in store.items():
                 full = f"{module_name}.{name}" if module_name else name
                 if t is not None and t.is_floating_point() and keys & set(full.split(".")):
-                    kept.append((store, name, t.detach().float().clone()))
+                    kept.append((store, name))
     return kept
+
+
+def _kept_in_fp32(model: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    """:func:`fp32_kept_tensors` with each one's value in fp32 (a copy)."""
+    return [(store, name, store[name].detach().float().clone()) for store, name in fp32_kept_tensors(model)]
 
 
 @dataclass

@@ -245,12 +245,17 @@ def _resolve_model(model_or_name, *, dtype, frames, tiny) -> nn.Module:
 
 def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``copy.deepcopy(model)`` with every parameter and buffer replaced by a meta tensor (floating ones in
-    ``dtype``), shared ones kept shared."""
+    ``dtype``, but fp32 where ``from_pretrained`` keeps the class's ``_keep_in_fp32_modules``, as a model built by
+    name has them), shared ones kept shared."""
+    from ..configs import fp32_kept_tensors
+
+    fp32 = {id(store[name]) for store, name in fp32_kept_tensors(model)}
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
         if id(t) in memo:
             continue
-        meta = torch.empty_like(t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype)
+        floating = torch.float32 if id(t) in fp32 else dtype
+        meta = torch.empty_like(t, device="meta", dtype=floating if t.is_floating_point() else t.dtype)
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(model, memo)
 

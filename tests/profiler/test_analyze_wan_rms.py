@@ -59,6 +59,17 @@ def test_wan_round_trips_and_epilogues_are_projected():
     assert layout.patched_bytes < 0.5 * layout.bytes  # the block's fp32 casts are most of the layout traffic
 
 
+def test_a_wan_with_weights_keeps_its_fp32_modules_in_the_analysis():
+    # The meta copy of a real-weights model cast the modules from_pretrained keeps in fp32 (Wan's time embedder,
+    # modulation tables, norms) to the analysis dtype: fewer bytes than the same model analysed by name.
+    from ldmopt import configs
+
+    model = configs.build_model("wan", tiny=True, device="cpu", dtype=torch.bfloat16)
+    assert model.scale_shift_table.dtype == torch.float32
+    by_name = analyze("wan", tiny=True, dtype=torch.bfloat16)
+    assert analyze(model, dtype=torch.bfloat16).total_bytes == by_name.total_bytes
+
+
 def test_round_trips_only_in_wan_blocks():
     class CastBlock(nn.Module):  # the same casts in a block ldmopt does not patch
         def __init__(self):
