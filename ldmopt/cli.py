@@ -24,7 +24,7 @@ COMMANDS = {
 #: their parent folder created before the command runs, so a bad path cannot fail the write after all the work is
 #: done (analyze and profile prepare their own).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-OUTPUT_FILES = {"demo": {"save": IMAGE_SUFFIXES}, "tune": {"json": None, "save_choice": None}}
+OUTPUT_FILES = {"demo": {"save": IMAGE_SUFFIXES}}
 
 
 def _check_device(device: str) -> str | None:
@@ -51,17 +51,16 @@ def _check_common(args: argparse.Namespace) -> str | None:
         if problem:
             return problem
     for option, suffixes in OUTPUT_FILES.get(args.command, {}).items():
-        path, flag = getattr(args, option, None), "--" + option.replace("_", "-")
+        path = getattr(args, option, None)
         if isinstance(path, str) and suffixes is not None and not path.lower().endswith(suffixes):
-            return f"{flag} {path}: the file name must end in one of {', '.join(suffixes)} (an image is written)"
+            return f"--{option} {path}: the file name must end in one of {', '.join(suffixes)} (an image is written)"
         if isinstance(path, str) and os.path.isdir(path):
-            example = os.path.join(path, "demo.png" if suffixes else f"{args.command}.json")
-            return f"{flag} {path} is a folder; give a file name such as {example}"
+            return f"--{option} {path} is a folder; give a file name such as {os.path.join(path, 'demo.png')}"
         if isinstance(path, str) and path != "-":
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             except OSError as exc:
-                return f"{flag} {path}: cannot create its folder: {exc}"
+                return f"--{option} {path}: cannot create its folder: {exc}"
     return None
 
 

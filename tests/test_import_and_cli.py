@@ -374,10 +374,12 @@ def test_unusable_device_is_a_clear_error_not_a_traceback(capsys, monkeypatch):
 
 
 def test_tune_output_files_are_checked_before_the_tuning(tmp_path, capsys, monkeypatch):
-    import ldmopt.patch.cli
+    import ldmopt.profiler.measure
     from ldmopt.cli import main
 
-    monkeypatch.setattr(ldmopt.patch.cli, "run_tune", lambda args: pytest.fail("the tuning ran before the check"))
+    monkeypatch.setattr(
+        ldmopt.profiler.measure, "_resolve_target", lambda *a, **k: pytest.fail("built before the check")
+    )
     for option in ("--json", "--save-choice"):
         assert main(["tune", "sd15", "--tiny", option, str(tmp_path)]) == 2
         err = capsys.readouterr().err

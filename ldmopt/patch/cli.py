@@ -69,7 +69,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from ..demo import channels_last_call
     from ..profiler.measure import _resolve_target
 
-    if not prepare_outputs("tune", args.json):
+    if not prepare_outputs("tune", json=args.json, save_choice=args.save_choice):
         return 2
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None

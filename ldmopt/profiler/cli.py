@@ -126,10 +126,10 @@ def _message(exc: Exception) -> str:
     return str(exc.args[0]) if len(exc.args) == 1 else str(exc)
 
 
-def prepare_outputs(command: str, *paths: str | None, plot: str | None = None, **files: str | None) -> bool:
+def prepare_outputs(command: str, *, plot: str | None = None, **files: str | None) -> bool:
     """Before the work: check that ``plot`` can be written and that no output file is an existing folder, and create
     the parent folders of the output files; False (after a message) if that fails. ``files`` are option name -> path
-    (``json=args.json``), named in the messages; ``paths`` are output files given without their option."""
+    (``json=args.json``, ``save_choice=...``), named in the messages as their flags."""
     import sys
 
     if plot:
@@ -139,13 +139,12 @@ def prepare_outputs(command: str, *paths: str | None, plot: str | None = None, *
         if problem:
             print(f"ldmopt {command}: {problem}", file=sys.stderr)
             return False
-    named = [(f"--{option} {path}", path) for option, path in files.items()] + [(path, path) for path in paths]
-    for what, path in named:
+    for option, path in files.items():
         if path and path != "-" and os.path.isdir(path):  # open() would fail only after the whole run
-            example = os.path.join(path, f"{command}.json")
-            print(f"ldmopt {command}: {what} is a folder; give a file name such as {example}", file=sys.stderr)
+            flag, example = "--" + option.replace("_", "-"), os.path.join(path, f"{command}.json")
+            print(f"ldmopt {command}: {flag} {path} is a folder; give a file name such as {example}", file=sys.stderr)
             return False
-    for path in (*paths, *files.values(), plot):
+    for path in (*files.values(), plot):
         if not path or path == "-":
             continue
         parent = os.path.dirname(os.path.abspath(path))
