@@ -203,6 +203,9 @@ _TINY["svd-xt"] = _TINY["svd"]
 #: Temporal compression of the VAE in front of the denoiser (frames = 1 + factor * (latent frames - 1)); the other
 #: video models of the zoo denoise every frame.
 _TEMPORAL_FACTOR = {"wan2.1-1.3b": 4}
+#: Model classes that take square images only: diffusers' DiT unpatchifies to a square of sqrt(tokens) per side, so
+#: any other shape fails inside the forward in a reshape.
+SQUARE_ONLY = frozenset({"DiTTransformer2DModel"})
 _TINY_FRAMES = {"wan2.1-1.3b": 5}  # two latent frames
 _TINY_ADAPTER = {
     "block_out_channels": [16, 32, 32, 32],
@@ -426,8 +429,7 @@ def example_inputs(
     _check_frames(entry, config, frames)
     if res[0] % VAE_SCALE or res[1] % VAE_SCALE:
         raise ValueError(f"resolution {res} must be a multiple of {VAE_SCALE} pixels (the VAE factor)")
-    if entry.cls == "DiTTransformer2DModel" and res[0] != res[1]:
-        # diffusers' DiT unpatchifies a square latent: anything else fails deep inside with a reshape error.
+    if entry.cls in SQUARE_ONLY and res[0] != res[1]:
         raise ValueError(f"resolution {res[0]}x{res[1]}: DiT takes square images only")
     h, w = res[0] // VAE_SCALE, res[1] // VAE_SCALE
     latent_frames = frames

@@ -67,6 +67,8 @@ def spatial_multiple(cls: str, config: dict[str, Any]) -> tuple[int, int]:
 
 def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, tiny: bool = False) -> None:
     """Raise ValueError when the setting would be changed or ignored by the model instead of analysed as given."""
+    from .. import configs
+
     positive("batch", batch)
     positive("frames", frames)
     entry, config = _zoo_entry_and_config(model_or_name, tiny)
@@ -90,8 +92,7 @@ def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, ti
             f"{entry.name} needs a resolution that is a multiple of {multiple} px ({what}); got {h}x{w}, which it "
             f"would run as {fit}"
         )
-    if entry.cls == "DiTTransformer2DModel" and h != w:
-        # diffusers' DiT unpatchifies to a square of sqrt(tokens) per side: any other shape fails in a reshape
+    if entry.cls in configs.SQUARE_ONLY and h != w:
         raise ValueError(
             f"{entry.name} ({entry.cls}) takes square images only; got resolution {h}x{w}: give one side "
             f"(resolution={h}) or equal sides"
