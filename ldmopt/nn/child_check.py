@@ -64,13 +64,18 @@ def _foreign(hooks: dict) -> bool:
     return any(not getattr(h, "_ldmopt_observer", False) for h in hooks.values())
 
 
-def _global_hooks() -> bool:
-    return bool(
-        _module._global_forward_hooks
-        or _module._global_forward_pre_hooks
-        or _module._global_backward_hooks
-        or _module._global_backward_pre_hooks
-    )
+_GLOBAL_HOOK_REGISTRIES = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def global_hook_registries() -> list[str]:
+    """The names of torch's global module hook registries that hold hooks (``register_module_forward_hook`` ...):
+    they run around every module call, so around the stock modules a fused path would not call."""
+    return [name for name in _GLOBAL_HOOK_REGISTRIES if getattr(_module, name, None)]
 
 
 def inert_forward(module: nn.Module) -> bool:
@@ -165,7 +170,7 @@ def layerwise_casting_hooks(module: nn.Module) -> list | None:
 def hooked(module: nn.Module) -> bool:
     """Whether calling ``module`` runs more than its class's forward: :func:`attached_hooks`, or global module hooks
     (which a fused path that does not call the module would skip too)."""
-    return attached_hooks(module) or _global_hooks()
+    return attached_hooks(module) or bool(global_hook_registries())
 
 
 def function_mode_reason() -> str | None:

@@ -11,7 +11,6 @@ it along).
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import warnings
 import weakref
@@ -19,14 +18,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..nn import stats_handover
-from ..nn.child_check import foreign_hook_registry, instance_forward_owner, wrapped_forward
+from .guards import generic_reasons
 from .report import PatchReport, Replaced, Skipped
 from .rule import FAMILIES, REPLACED, ChildSwapRule, Rule, Site, restore_child, swap_class
 from .rules_attention import companion_actions, installed_processor, restore_unrecorded_processors
+from .targets import PatchError, forget_patched, former_components, fsdp_sharding, models_of, remember_patched
 from .weight_layout import weight_bytes, weight_layout_action
 
 _RECORDS = "_ldmopt_records"
@@ -71,17 +70,6 @@ def _unrecorded_fused(model: nn.Module) -> list[nn.Module]:
         for m in model.modules()
         if "_ldmopt_base" in type(m).__dict__ and id(m) not in recorded and _claimant(m) is None
     ]
-
-
-#: Modules of these packages quantize (ModelOpt's QuantLayerNorm keeps LayerNorm's parameters and quantizes its input).
-_QUANT_MODULE_PREFIXES = (
-    "bitsandbytes", "torchao", "optimum.quanto", "gguf", "auto_gptq", "awq", "hqq", "modelopt", "diffusers.quantizers",
-)  # fmt: skip
-
-
-class PatchError(RuntimeError):
-    """``patch`` or ``unpatch`` refused the whole call (a compiled or FSDP-sharded model, ``strict=True`` with
-    modules it would skip, hooks attached to ldmopt's modules)."""
 
 
 @dataclass
@@ -147,133 +135,6 @@ def _table() -> dict[type, tuple[Rule, ...]]:
 def rule_table() -> dict[type, tuple[Rule, ...]]:
     """The table: diffusers (or torch) module class -> the rules keyed by it, in priority order."""
     return dict(_table())
-
-
-# ------------------------------------------------------------------------------------------------ what to walk
-
-
-def _is_compiled_wrapper(m: Any) -> bool:
-    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    return optimized is not None and isinstance(m, optimized.OptimizedModule)
-
-
-def fsdp_sharding(model: nn.Module) -> tuple[str, str] | None:
-    """(where, "FullyShardedDataParallel" or "fully_shard") when FSDP already manages parameters of ``model``, else
-    None. FSDP1 is seen by its wrappers or by the parameters it flattened (``model`` may be the module inside one)."""
-    if "torch.distributed.fsdp" not in sys.modules:  # never import torch.distributed here
-        return None
-    fsdp = sys.modules["torch.distributed.fsdp"]
-    fsdp1, fsdp2 = getattr(fsdp, "FullyShardedDataParallel", ()), getattr(fsdp, "FSDPModule", ())
-    for name, module in model.named_modules():
-        if isinstance(module, fsdp1) or any(getattr(p, "_fsdp_flattened", False) for p in module._parameters.values()):
-            return name, "FullyShardedDataParallel"
-        if isinstance(module, fsdp2):
-            return name, "fully_shard"
-    return None
-
-
-def _models_of(obj: Any, *, for_patch: bool) -> list[tuple[str, nn.Module]]:
-    if isinstance(obj, nn.Module):
-        models = [("", obj)]
-    elif isinstance(getattr(obj, "components", None), dict):
-        models = [(k, v) for k, v in obj.components.items() if isinstance(v, nn.Module)]
-    else:
-        raise TypeError(f"ldmopt.patch: expected a diffusers pipeline or a torch.nn.Module, got {type(obj).__name__}")
-    out = []
-    for name, model in models:
-        label = name or type(model).__name__
-        if _is_compiled_wrapper(model):
-            if for_patch:
-                raise PatchError(
-                    f"ldmopt.patch: {label} is already compiled (torch.compile returned an OptimizedModule); patch "
-                    "first, then compile: `ldmopt.patch(model); model = torch.compile(model)`"
-                )
-            model = model._orig_mod
-        elif for_patch:
-            for sub_name, sub in model.named_modules():
-                if _is_compiled_wrapper(sub) or sub.__dict__.get("_compiled_call_impl") is not None:
-                    where = f"{label}.{sub_name}" if sub_name else label
-                    raise PatchError(
-                        f"ldmopt.patch: {where} is already compiled (torch.compile / Module.compile); patch first, "
-                        "then compile"
-                    )
-            sharded = fsdp_sharding(model)
-            if sharded is not None:  # its fused modules would read parameters FSDP flattened, sharded or freed
-                where = ".".join(p for p in (label, sharded[0]) if p)
-                raise PatchError(
-                    f"ldmopt.patch: {where} is already sharded by FSDP ({sharded[1]}); patch the model before wrapping "
-                    f"it: `ldmopt.patch(model, training=True)`, then {sharded[1]}"
-                )
-        if all(model is not seen for _, seen in out):  # one model under two component names is walked once
-            out.append((name, model))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ generic guards
-
-
-def _peft_layer_class() -> type | None:
-    # peft layers can only exist if peft was imported; never import it here.
-    if "peft" not in sys.modules:
-        return None
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return None
-    return BaseTunerLayer
-
-
-def _hook_names(hooks: dict) -> str:
-    return ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks.values())
-
-
-def _quantized_reason(where: str, m: nn.Module) -> str | None:
-    cls_module = type(m).__module__ or ""
-    if cls_module.startswith(_QUANT_MODULE_PREFIXES):
-        return f"{where} is a quantized layer ({cls_module}.{type(m).__name__})"
-    for name, t in m._parameters.items():
-        if t is None:
-            continue
-        if type(t) not in (nn.Parameter, torch.Tensor):
-            return f"{where}.{name} is a {type(t).__name__} (quantized or tensor subclass)"
-        if not t.is_floating_point() or t.element_size() == 1:
-            return f"{where}.{name} has dtype {t.dtype} (quantized, or fp8 storage such as layerwise casting)"
-    return None
-
-
-def _global_hooks() -> list[str]:
-    from torch.nn.modules import module as mm
-
-    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
-    return [n for n in names if getattr(mm, n, None)]
-
-
-def _generic_reasons(site: Site, touched: dict[str, nn.Module], shallow: set[str]) -> list[str]:
-    """Hooks, instance-level forwards, PEFT/LoRA, quantized weights, training dropout on the touched modules."""
-    reasons = []
-    peft_cls = _peft_layer_class()
-    if touched and _global_hooks():
-        reasons.append(f"global module hooks are registered ({', '.join(_global_hooks())})")
-    for rel, top in touched.items():
-        # A bypassed child is checked with everything under it; a shallow entry (the site itself, by default) keeps
-        # its children running, so only it is checked.
-        for sub_rel, m in [("", top)] if rel in shallow else top.named_modules():
-            where = ".".join(p for p in (site.name, rel, sub_rel) if p) or "the module"
-            if m._forward_hooks or m._forward_pre_hooks:
-                hooks = {**m._forward_pre_hooks, **m._forward_hooks}
-                reasons.append(f"{where} has forward hooks/pre-hooks ldmopt does not understand ({_hook_names(hooks)})")
-            if m._backward_hooks or m._backward_pre_hooks:
-                reasons.append(f"{where} has backward hooks")
-            if wrapped_forward(m) or foreign_hook_registry(m):
-                reasons.append(f"{where} has its forward wrapped on the instance by {instance_forward_owner(m)}")
-            if peft_cls is not None and isinstance(m, peft_cls):
-                reasons.append(f"{where} is a PEFT/LoRA layer ({type(m).__name__})")
-            quant = _quantized_reason(where, m)
-            if quant:
-                reasons.append(quant)
-            if site.training and isinstance(m, nn.Dropout) and m.p > 0:
-                reasons.append(f"{where} is dropout with p={m.p} and patch(training=True)")
-    return list(dict.fromkeys(reasons))
 
 
 # ------------------------------------------------------------------------------------------------ plan and apply
@@ -369,7 +230,7 @@ def _plan(
                 why = f"excluded by filter_fn: {', '.join(excluded)} (which this rule bypasses or replaces)"
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, (why,), True))
                 continue
-            reasons = _generic_reasons(site, touched, rule.shallow(site)) + rule.reasons(site)
+            reasons = generic_reasons(site, touched, rule.shallow(site)) + rule.reasons(site)
             if reasons:
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
                 continue
@@ -447,7 +308,7 @@ def patch(
             f"ldmopt.patch: channels_last_weights={channels_last_weights!r} is not supported; expected None, True or "
             "False"
         )
-    models = _models_of(pipe_or_model, for_patch=True)
+    models = models_of(pipe_or_model, for_patch=True)
     available = {r.family for r in _rules()}
     report = PatchReport(
         families=tuple(f for f in FAMILIES if f in selected and f in available),
@@ -505,17 +366,21 @@ def patch(
     for model, records in applied:
         if records:
             model.__dict__.setdefault(_RECORDS, []).extend(records)
+    remember_patched(pipe_or_model, [named for named, (_, records) in zip(models, applied) if records])
     return report
 
 
 @_serialized
 def unpatch(pipe_or_model: Any) -> int:
-    """Undo every ``patch`` on the pipeline's models (or the model): the same module objects, classes, processors
+    """Undo every ``patch`` on the pipeline's models (or the model), also on a model a patch of this pipeline changed
+    that the pipeline no longer holds (``pipe.unet = other`` since): the same module objects, classes, processors
     and forwards are back, so state_dict is bit-for-bit what it was. Returns how many patches were undone. Raises
     :class:`PatchError`, restoring nothing, when hooks, wrapped forwards or parametrizations were attached to
     ldmopt's modules while patched (they would be lost, or keep calling ldmopt's forward)."""
     undone = 0
-    models = _models_of(pipe_or_model, for_patch=False)
+    models = models_of(pipe_or_model, for_patch=False)
+    # A model this pipeline's patch changed and the user since replaced (pipe.unet = other): still undone here.
+    models += former_components(pipe_or_model, models)
     in_call = {id(m) for _, model in models for m in model.modules()}  # records anywhere here are undone here
     for _, model in models:  # a submodule of a patched model: its records are with that model
         claimants = (_claimant(m) for m in model.modules())
@@ -585,6 +450,7 @@ def unpatch(pipe_or_model: Any) -> int:
             restore_child(parent, attr, fused.__dict__.pop(REPLACED), fused)
             undone += 1
         undone += restore_unrecorded_processors(model)
+    forget_patched(pipe_or_model)
     return undone
 
 
@@ -628,7 +494,7 @@ def is_patched(pipe_or_model: Any) -> bool:
         or "_ldmopt_base" in type(m).__dict__
         or REPLACED in m.__dict__
         or installed_processor(m)
-        for _, model in _models_of(pipe_or_model, for_patch=False)
+        for _, model in models_of(pipe_or_model, for_patch=False)
         for m in model.modules()
     )
 

@@ -39,9 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core import PatchError, _models_of, _records_in, is_patched, patch, unpatch
+from .core import PatchError, _records_in, is_patched, patch, unpatch
 from .report import PatchReport, Skipped
 from .rule import ChildSwapRule
+from .targets import models_of
 from .tune_timer import Measurement, SiteKey, measure, measure_graphed, wall_time
 
 
@@ -177,7 +178,7 @@ def _sites(pipe_or_model: Any) -> list[_Site]:
     """The sites of the live patch on ``pipe_or_model``: modules with counted records, in walk order."""
     sites: dict[int, _Site] = {}
     seen: set[int] = set()  # a component inside another is walked twice: its records count once
-    for label, model in _models_of(pipe_or_model, for_patch=False):
+    for label, model in models_of(pipe_or_model, for_patch=False):
         names = {id(m): n for n, m in model.named_modules()}
         for rec in _records_in(model):
             if id(rec) in seen or not rec.rule.counted:
@@ -208,7 +209,7 @@ def _read_touched(sites: list[_Site]) -> None:
 
 def _current_targets(pipe_or_model: Any, sites: list[_Site]) -> dict[SiteKey, list[nn.Module]]:
     """The modules now at each site's target names: a child swap puts ldmopt's module where the stock one was."""
-    models = dict(_models_of(pipe_or_model, for_patch=False))
+    models = dict(models_of(pipe_or_model, for_patch=False))
     return {s.key: [models[s.key[0]].get_submodule(name) for name in s.targets] for s in sites}
 
 
@@ -233,16 +234,14 @@ def _enclosing(sites: list[_Site]) -> dict[SiteKey, SiteKey | None]:
 
 
 def _cuda_devices(pipe_or_model: Any) -> set[torch.device]:
-    return {
-        p.device for _, model in _models_of(pipe_or_model, for_patch=False) for p in model.parameters() if p.is_cuda
-    }
+    return {p.device for _, model in models_of(pipe_or_model, for_patch=False) for p in model.parameters() if p.is_cuda}
 
 
 def _meta_models(pipe_or_model: Any) -> list[str]:
     """Labels of the models with parameters on the meta device, where calls run no kernels and time nothing real."""
     return [
         label or type(model).__name__
-        for label, model in _models_of(pipe_or_model, for_patch=False)
+        for label, model in models_of(pipe_or_model, for_patch=False)
         if any(p.is_meta for p in model.parameters())
     ]
 

@@ -82,12 +82,12 @@ def test_norm_class_changed_before_patch_is_left_stock():
 def test_quantizer_packages_are_recognised_by_module():
     """Layers of quantization packages that keep a float weight (ModelOpt's QuantLinear keeps nn.Linear's) are told
     apart by their class's module."""
-    from ldmopt.patch.core import _quantized_reason
+    from ldmopt.patch.guards import quantized_reason
 
     quant_linear = type("QuantLinear", (nn.Linear,), {"__module__": "modelopt.torch.opt.dynamic"})
-    reason = _quantized_reason("proj", quant_linear(4, 4))
+    reason = quantized_reason("proj", quant_linear(4, 4))
     assert reason is not None and "modelopt.torch.opt.dynamic.QuantLinear" in reason, reason
-    assert _quantized_reason("proj", nn.Linear(4, 4)) is None
+    assert quantized_reason("proj", nn.Linear(4, 4)) is None
 
 
 def _flux_bf16():

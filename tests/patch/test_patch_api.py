@@ -286,6 +286,28 @@ def test_models_shared_between_components_are_patched_once():
     assert torch.equal(_run_reference(unet, inputs), ref)
 
 
+def test_unpatch_of_a_pipeline_reaches_a_component_replaced_since_the_patch():
+    """``pipe.unet = other`` after ``patch(pipe)``: unpatch(pipe) still undoes the first UNet (no longer among the
+    components, but patched through this pipeline) as well as whatever is there now; a second unpatch finds nothing."""
+    first, vae = models.sd15_unet().eval(), models.vae().eval()
+    before = snapshot(first)
+    pipe = _Pipeline(unet=first, vae=vae)
+    report = ldmopt.patch(pipe)
+    second = models.sd15_unet().eval()
+    pipe.components["unet"] = second
+    assert not is_patched(pipe.components["unet"])
+    assert ldmopt.patch(pipe).total > 0  # the new one patched too
+    assert is_patched(first)
+    assert ldmopt.unpatch(pipe) == report.total + ldmopt.patch(models.sd15_unet().eval()).total
+    assert not is_patched(first) and not is_patched(second) and not is_patched(vae)
+    assert_same_snapshot(before, snapshot(first))
+    assert ldmopt.unpatch(pipe) == 0
+    # Patched on its own afterwards, the first UNet is not the pipeline's to undo any more.
+    ldmopt.patch(first)
+    assert ldmopt.unpatch(pipe) == 0 and is_patched(first)
+    ldmopt.unpatch(first)
+
+
 def test_a_replace_that_raises_undoes_the_whole_call(monkeypatch):
     """patch is all or nothing across a pipeline's models: the VAE patched first is restored when a rule raises
     while patching the UNet, and both can be patched afterwards."""
