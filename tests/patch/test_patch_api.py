@@ -551,3 +551,29 @@ def test_an_unpatch_interrupted_midway_can_be_finished(monkeypatch, interruption
     assert not is_patched(unet)
     assert_same_snapshot(before, snapshot(unet))
     assert torch.equal(_run(unet, x), ref)
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        "register_module_forward_hook",
+        "register_module_forward_pre_hook",
+        "register_module_full_backward_hook",
+        "register_module_full_backward_pre_hook",
+    ],
+)
+def test_a_global_module_hook_of_any_kind_keeps_every_module_stock(register):
+    """torch's global module hooks run around every module call, which a fused forward would skip: with one of any
+    of the four kinds registered, patch changes nothing and names the registry."""
+    from torch.nn.modules import module as module_mod
+
+    vae = models.vae().eval()
+    handle = getattr(module_mod, register)(lambda *args: None)
+    try:
+        report = ldmopt.patch(vae)
+    finally:
+        handle.remove()
+    assert report.total == 0 and report.skipped and not is_patched(vae)
+    assert all("global module hooks are registered" in " ".join(s.reasons) for s in report.skipped)
+    registry = "_global_" + register.removeprefix("register_module_").removeprefix("full_") + "s"
+    assert all(registry in " ".join(s.reasons) for s in report.skipped)
