@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..nn import temporal_layout as L
+from ..nn import temporal_layout_latte
 from .rule import ClassSwapRule, Rule, Site
 
 
@@ -97,14 +98,14 @@ class TemporalContainerRule(_LayoutRule):
 class LatteTemporalRule(_LayoutRule):
     """Latte's temporal blocks sit in the model's own forward (no container module), so the model class is swapped:
     its forward runs each temporal block on the spatial blocks' tokens viewed as (B, F, N, C), with the adaLN
-    modulation and gated residual as in ``adaln_block`` (ldmopt.nn.temporal_layout.latte_forward)."""
+    modulation and gated residual as in ``adaln_block`` (ldmopt.nn.temporal_layout_latte.latte_forward)."""
 
     name = "latte_temporal"
-    static_reason = staticmethod(L.latte_static_reason)
+    static_reason = staticmethod(temporal_layout_latte.latte_static_reason)
     description = "Latte: temporal blocks on (B, F, N, C) tokens, no permute copies; adaLN + gated-residual fused"
 
     def methods(self, site: Site):
-        return L.latte_forward
+        return temporal_layout_latte.latte_forward
 
     def targets(self) -> tuple[type, ...]:
         from diffusers.models.transformers.latte_transformer_3d import LatteTransformer3DModel
