@@ -16,7 +16,7 @@ from benchmarks import harness
 
 pytestmark = harness.gpu_only
 
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 SHAPES = {
     # name: (N, C, H, W)
     "sd-64x64x320": (2, 320, 64, 64),

@@ -21,7 +21,7 @@ from benchmarks import harness
 
 pytestmark = harness.gpu_only
 
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 CALLS = 200  # per timed window
 WINDOWS = 7
 

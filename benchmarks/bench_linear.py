@@ -39,7 +39,7 @@ from ldmopt.ops.linear import linear
 
 pytestmark = harness.gpu_only
 
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ["fwd", "fwd+bwd"]
 GEGLU_CASES = {

@@ -34,7 +34,7 @@ from benchmarks import harness
 
 pytestmark = harness.gpu_only
 
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 
 # name: (batch, in_channels, out_channels, H=W, temb_channels, eps). SD/SDXL with classifier-free guidance batch 2.

@@ -37,7 +37,7 @@ from benchmarks import harness
 pytestmark = harness.gpu_only
 
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 SHAPES = {  # name: (rows, C)
     "sd35-qk-1024": (2 * 4096 * 38, 64),
     "hunyuanvideo-qk": (33_000 * 24, 128),

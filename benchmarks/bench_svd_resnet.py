@@ -25,7 +25,7 @@ from benchmarks import harness
 pytestmark = harness.gpu_only
 
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 BATCH, FRAMES, TEMB_CHANNELS = 2, 14, 1280
 # name: (channels, latent H, latent W)
 CASES = {

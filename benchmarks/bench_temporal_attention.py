@@ -28,7 +28,7 @@ from ldmopt.ops.temporal_attention import temporal_attention
 
 pytestmark = harness.gpu_only
 
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 SHAPES = {
     # name: (B, N, F, heads, head_dim) -- DESIGN.md "Real shapes"

@@ -27,7 +27,7 @@ from benchmarks import harness
 pytestmark = harness.gpu_only
 
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 FRAMES_ANIMATEDIFF, FRAMES_SVD = 16, 14
 # name: (kind, channels, heads, head_dim, H, W)
 CASES = {

@@ -24,7 +24,7 @@ from benchmarks import harness
 pytestmark = harness.gpu_only
 
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 BATCH, TEXT_TOKENS = 2, 77
 # name: (dim, heads, tokens, context dim)
 CASES = {

@@ -25,7 +25,7 @@ from benchmarks import harness
 pytestmark = harness.gpu_only
 
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
-DEVICE = "cuda"  # tests/test_bench_dry_run.py runs this benchmark's logic on the CPU
+DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 TEXT_TOKENS = 512
 # name: (dim, heads, ffn_dim, (frames, height, width) of the latent after the VAE's 4x8x8 compression)
 CASES = {

@@ -42,7 +42,7 @@ def pytest_terminal_summary(terminalreporter):
 # Quick mode (LDMOPT_BENCH_QUICK=1, set by run_gpu.sh): a bf16 or NCHW case is left out when the same case in fp16
 # or channels-last runs, to fit the ~8-minute budget; cases that exist only in bf16 (Wan, the RoPE norms) still run.
 # Matched on test ids: a dtype parameter needs ids=["fp16", "bf16"] (pytest's own ids, dtype0/dtype1, match nothing;
-# tests/test_bench_dry_run.py checks that no benchmark has them).
+# tests/benchmarks_dry_run/test_scripts_and_hooks.py checks that no benchmark has them).
 _QUICK_SIBLINGS = (("bfloat16", "float16"), ("bf16", "fp16"), ("nchw", "channels_last"))
 
 

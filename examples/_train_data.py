@@ -394,6 +394,20 @@ class PixelSpace(torch.nn.Module):
         return z.float().clamp(-1, 1)
 
 
+def latent_codec(args, factor: int, in_channels: int, vae: VaeLatents | None) -> torch.nn.Module:
+    if factor == 1:
+        if in_channels != 3 or vae is not None:
+            raise SystemExit(f"--model {args.model} denoises pixels (3 channels); it takes no --vae")
+        return PixelSpace()
+    if vae is not None:
+        if vae.vae.config.latent_channels != in_channels:
+            raise SystemExit(
+                f"--vae {args.vae}: {vae.vae.config.latent_channels} latent channels, the model takes {in_channels}"
+            )
+        return vae
+    return PatchLatents(in_channels, factor, seed=args.seed)
+
+
 def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> Path:
     """Save (N, 3, H, W) images in [-1, 1] as one PNG grid with a 2-pixel border, ``nrow`` images per row."""
     images = images.detach().float().cpu().clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8)

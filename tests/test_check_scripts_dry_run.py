@@ -11,8 +11,8 @@ import torch
 
 from benchmarks import bench_group_norm, check_cuda_backend, check_gpu, check_gpu_norms, harness
 from ldmopt.ops import linear_cublas
+from tests.benchmarks_dry_run.support import _one_thread  # noqa: F401 (an autouse fixture: one intra-op thread)
 from tests.ops.test_linear_cublas import _addmm_tanh_gelu
-from tests.test_bench_dry_run import _one_thread  # noqa: F401 (an autouse fixture: one intra-op thread)
 
 _ROW = re.compile(r"^(\S+)\s+(\S+)\s+(float32|float16)\s+(triton\S*|cuda)\s+([-+.e\d ]+?)\s+(PASS|FAIL)$")
 # The cuda backend's reason: "not on a CUDA device" where ldmopt._C is built (CI), the build's own reason where not.

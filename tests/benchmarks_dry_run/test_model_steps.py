@@ -1,0 +1,127 @@
+"""The whole-model benchmarks on the CPU with tiny models and the timing mocked: bench_e2e's denoising steps,
+bench_training's training steps, and count_launches.py on a patched step."""
+
+import functools
+import json
+import re
+
+import pytest
+import torch
+
+import ldmopt
+from benchmarks import harness
+from tests.benchmarks_dry_run.support import _failed
+
+
+def test_e2e_step_providers(mocked_timing, monkeypatch):
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_e2e
+    from ldmopt import configs
+
+    def tiny(name, dtype):
+        model = configs.build_model(bench_e2e.MODELS[name][0], device="cpu", dtype=torch.float32, tiny=True)
+        return model, configs.example_inputs(model, batch=1)
+
+    monkeypatch.setattr(bench_e2e, "_build", tiny)
+    with ldmopt.use_backend("torch"):
+        for provider in ("eager", "ldmopt", "ldmopt-tuned"):
+            bench_e2e.bench_denoising_step("dit-256", provider, mocked_timing)
+    providers = [r["provider"] for r in mocked_timing.rows]
+    assert providers == ["eager", "eager+graph", "ldmopt", "ldmopt+graph", "ldmopt-tuned", "ldmopt-tuned+graph"]
+    assert not _failed(mocked_timing.rows), mocked_timing.rows
+    assert "patched" in mocked_timing.rows[2]["note"]
+    assert re.match(r"[0-9.]+ it/s tuned: \d+ of \d+ sites kept; tune measured ", mocked_timing.rows[4]["note"])
+    table = (harness.RESULTS_DIR / "e2e_tuning_dit-256.txt").read_text()
+    assert table.startswith("ldmopt.tune (time.perf_counter") and "adaln" in table
+    splits = json.loads((harness.RESULTS_DIR / "e2e_categories.json").read_text())
+    assert set(splits["dit-256"]) == {"eager", "ldmopt", "ldmopt-tuned"}
+    # the graph-timed provider needs a GPU: on the CPU its row says so
+    with ldmopt.use_backend("torch"):
+        bench_e2e.bench_denoising_step("dit-256", "ldmopt-tuned-graph", mocked_timing)
+    last = mocked_timing.rows[-1]
+    assert last["provider"] == "ldmopt-tuned-graph" and last["timing"] is None
+    assert "cuda_graph=True needs the model on a GPU" in last["note"]
+
+
+def test_e2e_patched_unet_step_hands_statistics_over(mocked_timing, monkeypatch):
+    """Steps run as diffusers pipelines run them (torch.no_grad): under torch.inference_mode a patched UNet would hand
+    no GroupNorm statistics between its blocks, and the benchmark would time statistics passes users do not run."""
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_e2e
+    from ldmopt import configs
+    from ldmopt.nn import stats_handover
+
+    def tiny(name, dtype):
+        model = configs.build_model(bench_e2e.MODELS[name][0], device="cpu", dtype=torch.float32, tiny=True)
+        return model, configs.example_inputs(model, batch=1)
+
+    monkeypatch.setattr(bench_e2e, "_build", tiny)
+    stats_handover.handed_over.clear()
+    with ldmopt.use_backend("torch"):
+        bench_e2e.bench_denoising_step("sd15-512", "ldmopt", mocked_timing)
+    assert not _failed(mocked_timing.rows), mocked_timing.rows
+    assert sum(stats_handover.handed_over.values()) > 0, dict(stats_handover.handed_over)
+
+
+def test_e2e_compile_provider_compiles_what_runs(mocked_timing, monkeypatch):
+    """A VAE's step calls decode: that bound method is compiled (compiling the module left decode eager)."""
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_e2e
+    from ldmopt import configs
+
+    def tiny(name, dtype):
+        model = configs.build_model(bench_e2e.MODELS[name][0], device="cpu", dtype=torch.float32, tiny=True)
+        return model, configs.example_inputs(model, batch=1)
+
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append(fn)
+        return fn
+
+    monkeypatch.setattr(bench_e2e, "_build", tiny)
+    monkeypatch.setattr(bench_e2e.torch, "compile", fake_compile)
+    with ldmopt.use_backend("torch"):
+        bench_e2e.bench_denoising_step("sdxl-vae-decode-1024", "compile", mocked_timing)
+    assert len(compiled) == 1 and getattr(compiled[0], "__name__", None) == "decode", compiled
+    assert not _failed(mocked_timing.rows), mocked_timing.rows
+
+
+def test_training_providers(mocked_timing, no_compile, monkeypatch):
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_training as B
+
+    monkeypatch.setattr(B, "TrainStep", functools.partial(B.TrainStep, device="cpu", tiny=True))
+    monkeypatch.setattr(B, "QUICK", False)  # every provider, and the batch search (_fits)
+    monkeypatch.setattr(B, "CASES", {"sd15": 128})
+    monkeypatch.setattr(B, "BATCHES", {"sd15": (1,)})
+    monkeypatch.setattr(B, "_EAGER_PEAK", {})
+    monkeypatch.delenv("LDMOPT_BENCH_TRAIN_BATCH", raising=False)
+    B._batch.cache_clear()
+    try:
+        with ldmopt.use_backend("torch"):
+            for provider in ("eager", "compile", "ldmopt", "ldmopt+compile", "ldmopt-tuned"):
+                B.bench_training_step("sd15", provider, mocked_timing)
+    finally:
+        B._batch.cache_clear()
+    rows = mocked_timing.rows
+    assert [r["provider"] for r in rows] == ["eager", "compile", "ldmopt", "ldmopt+compile", "ldmopt-tuned"]
+    assert not _failed(rows), _failed(rows)
+    assert "; tuned: kept " in rows[4]["note"], rows[4]["note"]
+    assert (harness.RESULTS_DIR / "training_tuning_sd15-128px-b1.choice.json").exists()
+    assert all(r["case"] == "sd15-128px-b1" for r in rows), rows
+    assert "top: " in rows[0]["note"] and "vs eager" in rows[2]["note"], [r["note"] for r in rows]
+    assert (harness.RESULTS_DIR / "training_profile.md").exists()
+
+
+def test_count_launches_counts_a_patched_step(capsys):
+    """benchmarks/count_launches.py on the tiny SD1.5 UNet in fp16: every transformer's norm1 takes its statistics
+    from proj_in's epilogue (no LayerNorm statistics pass), each transformer's GroupNorm from the resnet before it."""
+    pytest.importorskip("diffusers")
+    from benchmarks import count_launches
+
+    assert count_launches.main(["sd15", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "statistics passes: group_norm " in out and ", layer_norm 0" in out, out
+    handed = dict(re.findall(r"(\S+) (\d+)", out.split("handed over: ")[1]))
+    assert handed["norm1"] == handed["Transformer2DModel.norm"] == "10", out
