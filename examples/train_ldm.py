@@ -36,9 +36,9 @@ Arguments that define the model, the data or the diffusion (``RUN_DEFINING``: --
 change mid-run: giving another value is an error. The others (learning rate and schedule, batch size, mixed precision,
 --max-steps, EMA, --fused, --channels-last, checkpoint/sample/log settings...) may be given to override the saved
 value; rank 0 prints a note for each (--data too: a moved image folder; its classes must still match the
-model's label embeddings). Never inherited (``NOT_INHERITED``): --resume, --output-dir (where an auto-resume
-looks, so it is this command's), --device, --backend, --num-workers, --no-progress (this machine's) and the
---profile-* window (a diagnostic of this process). Checkpoints without saved arguments use the command line's.
+model's label embeddings). Never inherited (``NOT_INHERITED`` in _train_args.py): --resume, --output-dir (where an
+auto-resume looks, so it is this command's), --device, --backend, --num-workers, --no-progress (this machine's) and
+the --profile-* window (a diagnostic of this process). Checkpoints without saved arguments use the command line's.
 The data position is kept in samples, so a run resumed with another --batch-size reads on from the same place in the
 same epoch. Resuming from an earlier checkpoint into a folder that holds later ones forks the run: those later
 checkpoints are moved to ``checkpoints/superseded-*`` so that rotation and ``--resume auto`` follow the new run.
