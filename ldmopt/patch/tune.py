@@ -39,23 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core import PatchError, _records_in, is_patched, patch, unpatch
+from .core import PatchError, is_patched, patch, unpatch
 from .report import PatchReport, Skipped
-from .rule import ChildSwapRule
 from .targets import models_of
+from .tune_sites import TuneSite, current_targets, enclosing_sites, patched_sites, read_touched
 from .tune_timer import Measurement, SiteKey, measure, measure_graphed, wall_time
-
-
-@dataclass
-class _Site:
-    key: SiteKey
-    module: nn.Module
-    rules: list[tuple[str, str]]  # (rule, family) of each counted record at this module
-    records: list[Any] = field(default_factory=list)  # those records' (rule, core.Site)
-    #: names (in the model) of the modules timed for this site: the site, or the child slots its rules swap
-    targets: list[str] = field(default_factory=list)
-    #: the modules those rules fuse or bypass, read from the stock tree (:func:`_read_touched`)
-    touched: list[nn.Module] = field(default_factory=list)
 
 
 @dataclass
@@ -171,68 +159,6 @@ def _ratio(stock: float, other: float) -> str:
     return f"{stock / other:.2f}x stock" if other > 0 else "n/a"
 
 
-# ------------------------------------------------------------------------------------------------ sites
-
-
-def _sites(pipe_or_model: Any) -> list[_Site]:
-    """The sites of the live patch on ``pipe_or_model``: modules with counted records, in walk order."""
-    sites: dict[int, _Site] = {}
-    seen: set[int] = set()  # a component inside another is walked twice: its records count once
-    for label, model in models_of(pipe_or_model, for_patch=False):
-        names = {id(m): n for n, m in model.named_modules()}
-        for rec in _records_in(model):
-            if id(rec) in seen or not rec.rule.counted:
-                continue
-            seen.add(id(rec))
-            site = sites.get(id(rec.site.module))
-            if site is None:
-                site = sites[id(rec.site.module)] = _Site((label, rec.site.name), rec.site.module, [])
-            site.rules.append((rec.rule.name, rec.rule.family))
-            site.records.append((rec.rule, rec.site))
-            if isinstance(rec.rule, ChildSwapRule):  # the slots it swapped, named where they are now
-                parent, swapped = rec.data
-                site.targets += [".".join(p for p in (names[id(parent)], attr) if p) for attr in swapped]
-            else:
-                site.targets.append(rec.site.name)
-    for site in sites.values():
-        # One rule that edits the site module itself: time the whole module. Only child swaps: time their slots.
-        site.targets = [site.key[1]] if site.key[1] in site.targets else list(dict.fromkeys(site.targets))
-    return list(sites.values())
-
-
-def _read_touched(sites: list[_Site]) -> None:
-    """Fill in each site's touched modules; call on the stock tree (while patched, a rule's ``touched`` names the
-    modules it installed, which a later patch's filter_fn never sees)."""
-    for site in sites:
-        site.touched = [module for rule, where in site.records for rel, module in rule.touched(where).items() if rel]
-
-
-def _current_targets(pipe_or_model: Any, sites: list[_Site]) -> dict[SiteKey, list[nn.Module]]:
-    """The modules now at each site's target names: a child swap puts ldmopt's module where the stock one was."""
-    models = dict(models_of(pipe_or_model, for_patch=False))
-    return {s.key: [models[s.key[0]].get_submodule(name) for name in s.targets] for s in sites}
-
-
-def _enclosing(sites: list[_Site]) -> dict[SiteKey, SiteKey | None]:
-    """The nearest enclosing site of each site, None at the top: the site of the same model with the longest timed
-    target whose module contains it (a child-swap site at a model's root encloses only what is in its slots)."""
-
-    def inside(name: str, target: str) -> bool:
-        return target == "" or name.startswith(target + ".")
-
-    parent: dict[SiteKey, SiteKey | None] = {}
-    for s in sites:
-        enclosing = [
-            (len(t), o.key)
-            for o in sites
-            if o.key[0] == s.key[0] and o.key != s.key
-            for t in o.targets
-            if inside(s.key[1], t)
-        ]
-        parent[s.key] = max(enclosing, default=(0, None))[1]
-    return parent
-
-
 def _cuda_devices(pipe_or_model: Any) -> set[torch.device]:
     return {p.device for _, model in models_of(pipe_or_model, for_patch=False) for p in model.parameters() if p.is_cuda}
 
@@ -341,7 +267,7 @@ def tune(
     options = dict(families=families, channels_last_weights=channels_last_weights, training=bool(training))
     first = patch(pipe_or_model, filter_fn=filter_fn, **options)
     try:
-        sites = _sites(pipe_or_model)
+        sites = patched_sites(pipe_or_model)
         job = _Job(
             pipe_or_model, run, first, sites, gpus, filter_fn, options, warmup, repeats, float(min_speedup),
             bool(cuda_graph),
@@ -385,7 +311,7 @@ class _Job:
     pipe_or_model: Any
     run: Callable[[], Any]
     first: PatchReport  # the plain patch's report: its reasons for what it left stock
-    sites: list[_Site]
+    sites: list[TuneSite]
     devices: set[torch.device]  # the CUDA devices of the model's parameters
     filter_fn: Callable[[nn.Module, str], bool] | None
     options: dict  # patch's other arguments
@@ -422,7 +348,7 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
     timers: set[str] = set()
 
     def timed() -> Measurement:
-        targets = _current_targets(pipe_or_model, sites)
+        targets = current_targets(pipe_or_model, sites)
         result = (measure_graphed if graph else measure)(
             job.run, targets, job.devices, warmup=job.warmup, repeats=job.repeats, whole=whole
         )
@@ -435,7 +361,7 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
     # the same work (tune_timer), and it follows that site.
     called = {key for key, n in fused.calls.items() if n}
     within: dict[SiteKey, SiteKey] = {}
-    tree = _enclosing(sites)
+    tree = enclosing_sites(sites)
     for s in sites:
         parent = tree[s.key]
         while s.key not in called and parent is not None and parent not in called:
@@ -444,7 +370,7 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
             within[s.key] = parent
     whole = frozenset(within)
     unpatch(pipe_or_model)
-    _read_touched(sites)
+    read_touched(sites)
     stock = timed()
     why: dict[SiteKey, str] = {}
     notes: dict[SiteKey, str] = {}
@@ -596,7 +522,7 @@ def _tune(job: _Job, rounds: int) -> PatchReport:
 
 
 def _keeping(
-    sites: list[_Site], kept: set[SiteKey], filter_fn: Callable[[nn.Module, str], bool] | None
+    sites: list[TuneSite], kept: set[SiteKey], filter_fn: Callable[[nn.Module, str], bool] | None
 ) -> Callable[[nn.Module, str], bool]:
     """A ``patch`` filter_fn that lets through the kept sites and what their rules fuse, and nothing else (with
     a site left stock, a rule that its rule had claimed a module from could match that module: an unmeasured site).
@@ -610,7 +536,7 @@ def _keeping(
 
 
 def _final_report(
-    report: PatchReport, first: PatchReport, sites: list[_Site], kept: set[SiteKey], why: dict[SiteKey, str]
+    report: PatchReport, first: PatchReport, sites: list[TuneSite], kept: set[SiteKey], why: dict[SiteKey, str]
 ) -> PatchReport:
     """``report`` (the final patch's, or ``first`` when nothing stays patched) listing as left on the stock path
     what the plain patch left there (``first``'s reasons) and every rejected site with the times that decided it,

@@ -25,7 +25,8 @@ from torch import nn
 
 from .core import PatchError, is_patched, patch, unpatch
 from .report import PatchReport
-from .tune import Tuning, _final_report, _keeping, _read_touched, _sites, _where
+from .tune import Tuning, _final_report, _keeping, _where
+from .tune_sites import patched_sites, read_touched
 
 FORMAT = "ldmopt.tune choice"
 VERSION = 1
@@ -213,7 +214,7 @@ def patch_tuned(
     # chosen sites stock, listed as its exclusions (not as a mismatch).
     first = patch(pipe_or_model, filter_fn=filter_fn if filtered else None, **options)
     try:
-        sites = _sites(pipe_or_model)
+        sites = patched_sites(pipe_or_model)
         wanted = _relabelled(choice["sites"], {s.key[0] for s in sites})
         found = {s.key: tuple(rule for rule, _ in s.rules) for s in sites}
         recorded = {(e["model"], e["name"]): tuple(e["rules"]) for e in wanted}
@@ -227,11 +228,11 @@ def patch_tuned(
         excluded: set = set()
         if filter_fn is not None and not filtered:  # the kept sites the caller's filter leaves stock (or a child of)
             patch(pipe_or_model, filter_fn=filter_fn, **options)
-            excluded = kept - {s.key for s in _sites(pipe_or_model)}
+            excluded = kept - {s.key for s in patched_sites(pipe_or_model)}
             unpatch(pipe_or_model)
             kept -= excluded
             why.update(dict.fromkeys(excluded, "excluded by filter_fn (the tuning choice kept it)"))
-        _read_touched(sites)
+        read_touched(sites)
         report = patch(pipe_or_model, filter_fn=_keeping(sites, kept, filter_fn), **options) if kept else first
         report = _final_report(report, first, sites, kept, why)
         _warn_if_measured_elsewhere(choice, pipe_or_model)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from .core import unpatch
 from .report import PatchReport
-from .tune import SiteTiming, Tuning, _Job, _left_stock_reason, _read_touched, _Site
+from .tune import SiteTiming, Tuning, _Job, _left_stock_reason
+from .tune_sites import TuneSite, read_touched
 from .tune_timer import SiteKey, wall_time
 
 
@@ -34,8 +35,8 @@ class GroupTiming:
 def tune_by_rule(job: _Job) -> PatchReport:
     pipe_or_model, sites, min_speedup, graph = job.pipe_or_model, job.sites, job.min_speedup, job.graph
     unpatch(pipe_or_model)
-    _read_touched(sites)
-    groups: dict[str, list[_Site]] = {}
+    read_touched(sites)
+    groups: dict[str, list[TuneSite]] = {}
     for site in sites:
         groups.setdefault("+".join(rule for rule, _ in site.rules), []).append(site)
     measured = 0

@@ -20,6 +20,7 @@ from .helpers import assert_outputs_close, assert_same_snapshot, output_tensor, 
 
 tune_module = importlib.import_module("ldmopt.patch.tune")
 tune_timer = importlib.import_module("ldmopt.patch.tune_timer")
+tune_sites = importlib.import_module("ldmopt.patch.tune_sites")
 
 
 def _unet():
@@ -37,7 +38,7 @@ def _run(model, family="sd15"):
 
 
 def _patched_keys(pipe_or_model) -> set:
-    return {s.key for s in tune_module._sites(pipe_or_model)} if ldmopt.is_patched(pipe_or_model) else set()
+    return {s.key for s in tune_sites.patched_sites(pipe_or_model)} if ldmopt.is_patched(pipe_or_model) else set()
 
 
 def _fake_measure(monkeypatch, pipe_or_model, cost, *, wall=None, calls=None, call_run=False):
@@ -55,7 +56,7 @@ def _fake_measure(monkeypatch, pipe_or_model, cost, *, wall=None, calls=None, ca
         if call_run:
             run()
         if not sites:  # the first measurement: every site patched
-            sites.update((s.key, tuple(r for r, _ in s.rules)) for s in tune_module._sites(pipe_or_model))
+            sites.update((s.key, tuple(r for r, _ in s.rules)) for s in tune_sites.patched_sites(pipe_or_model))
         patched, seconds = seconds_now()
         configurations.append(patched)
         counts = {key: (calls(key, patched) if calls else 1) for key in sites}
@@ -174,7 +175,7 @@ def test_sites_that_pay_only_together_are_kept_together(monkeypatch):
     faster as a whole: the whole call, timed with every site patched, keeps them all."""
     unet = _unet()
     ldmopt.patch(unet)
-    every = {s.key for s in tune_module._sites(unet)}
+    every = {s.key for s in tune_sites.patched_sites(unet)}
     ldmopt.unpatch(unet)
 
     def wall(patched, seconds):
@@ -311,9 +312,9 @@ def test_a_component_inside_another_counts_its_sites_once(monkeypatch):
 def test_a_child_swap_site_at_the_root_encloses_only_its_slots():
     unet = _unet()
     ldmopt.patch(unet)
-    sites = tune_module._sites(unet)
+    sites = tune_sites.patched_sites(unet)
     ldmopt.unpatch(unet)
-    parents = tune_module._enclosing(sites)
+    parents = tune_sites.enclosing_sites(sites)
     assert parents[("", "mid_block.resnets.0")] is None
     geglu = next(key for key in parents if key[1].endswith("ff.net.0"))
     assert parents[geglu] == (geglu[0], geglu[1].removesuffix(".ff.net.0"))
@@ -324,7 +325,7 @@ def test_sites_are_timed_where_their_rules_edit():
     as everything else the model does; a rule on the module itself is timed as the module."""
     unet = _unet()
     ldmopt.patch(unet)
-    targets = {s.key[1]: s.targets for s in tune_module._sites(unet)}
+    targets = {s.key[1]: s.targets for s in tune_sites.patched_sites(unet)}
     ldmopt.unpatch(unet)
     assert targets[""] == ["conv_norm_out", "conv_act"]
     geglu = next(name for name in targets if name.endswith("ff.net.0"))
@@ -537,7 +538,7 @@ def _fake_wall(monkeypatch, pipe_or_model, seconds_of):
     groups = []
 
     def wall_time(run, devices, *, warmup, repeats, graph=False):
-        patched = {"+".join(r for r, _ in s.rules) for s in tune_module._sites(pipe_or_model)}
+        patched = {"+".join(r for r, _ in s.rules) for s in tune_sites.patched_sites(pipe_or_model)}
         patched = patched if ldmopt.is_patched(pipe_or_model) else set()
         groups.append(frozenset(patched))
         return seconds_of(patched)

@@ -25,7 +25,7 @@ def resnets_pay(monkeypatch):
     import ldmopt
 
     tune_rules = importlib.import_module("ldmopt.patch.tune_rules")
-    sites_of = importlib.import_module("ldmopt.patch.tune")._sites
+    sites_of = importlib.import_module("ldmopt.patch.tune_sites").patched_sites
     tune_by_rule, tuned = tune_rules.tune_by_rule, []
 
     def wall_time(run, devices, *, warmup, repeats, graph=False):
