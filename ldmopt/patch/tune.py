@@ -289,13 +289,13 @@ def tune(
         except Exception as error:  # the caller's exception is the one to see
             warnings.warn(f"ldmopt.tune failed and could not unpatch the model: {error}", RuntimeWarning, stacklevel=2)
         raise
-    from .tune_choice import measured_on
+    from .tune_choice import measured_on, parameter_dtypes
 
     report.tuning.families = (families,) if isinstance(families, str) else families
     report.tuning.training = bool(training)
     report.tuning.channels_last_weights = channels_last_weights
     report.tuning.filtered = filter_fn is not None
-    report.tuning.measured_on = measured_on(gpus)
+    report.tuning.measured_on = measured_on(gpus, parameter_dtypes(pipe_or_model))
     report.count_from_now()  # what ran since patch: from here on, not tune's own calls
     return report
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from .core import PatchError, is_patched, patch, unpatch
 from .report import PatchReport
+from .targets import models_of
 from .tune import Tuning, _final_report, _keeping, _where
 from .tune_sites import patched_sites, read_touched
 
@@ -73,8 +74,19 @@ def device_names(devices: set) -> str:
     return ", ".join(sorted({name(d) for d in devices})) if devices else "cpu"
 
 
-def measured_on(devices: set) -> dict[str, Any]:
-    """Where a tuning ran: the GPU's name (or "cpu"), library versions and the date."""
+def parameter_dtypes(pipe_or_model: Any) -> str:
+    """The floating-point dtypes of the models' parameters, comma-separated ("float16"), "" without any."""
+    dtypes = {
+        str(p.dtype).removeprefix("torch.")
+        for _, model in models_of(pipe_or_model, for_patch=False)
+        for p in model.parameters()
+        if p.is_floating_point()
+    }
+    return ", ".join(sorted(dtypes))
+
+
+def measured_on(devices: set, dtypes: str = "") -> dict[str, Any]:
+    """Where a tuning ran: the GPU's name (or "cpu"), the parameters' dtypes, library versions and the date."""
     import torch
 
     from .. import __version__
@@ -82,6 +94,7 @@ def measured_on(devices: set) -> dict[str, Any]:
 
     return {
         "device": device_names(devices),
+        "dtype": dtypes,
         "torch": torch.__version__,
         "triton": _version("triton"),
         "ldmopt": __version__,
@@ -136,10 +149,11 @@ def load(source: Any) -> dict[str, Any]:
         if not isinstance(source.get(flag, False), bool):
             raise ValueError(f"ldmopt.patch_tuned: choice[{flag!r}]={source[flag]!r}; expected true or false")
     measured = source.get("measured_on", {})
-    if not isinstance(measured, dict) or not isinstance(measured.get("device", ""), str):
+    if not isinstance(measured, dict) or not all(isinstance(measured.get(k, ""), str) for k in ("device", "dtype")):
         raise ValueError(
             f"ldmopt.patch_tuned: choice['measured_on']={measured!r}; expected an object such as "
-            "{'device': 'NVIDIA H100 80GB HBM3', 'torch': ..., 'date': ...} (from Tuning.choice())"
+            "{'device': 'NVIDIA H100 80GB HBM3', 'dtype': 'float16', 'torch': ..., 'date': ...} (from "
+            "Tuning.choice())"
         )
     if not any(source.get("channels_last_weights") is v for v in (None, True, False)):  # 1 == True: not a flag
         raise ValueError(
@@ -189,7 +203,8 @@ def patch_tuned(
     the reverse. Raises :class:`PatchError` when the model is already patched, or when this model's patch finds
     sites other than those of the choice (another model, or a version of ldmopt that patches it differently: tune
     it again); the model is then left unpatched.
-    The choice says where it was measured (``choice['measured_on']``); on another GPU, other sites may pay.
+    The choice says where it was measured (``choice['measured_on']``: the GPU, the parameters' dtypes, versions);
+    on another GPU or at another precision other sites may pay, and a RuntimeWarning says so.
     """
     choice = load(choice)
     if is_patched(pipe_or_model):
@@ -259,6 +274,16 @@ def _warn_if_measured_elsewhere(choice: dict, pipe_or_model: Any) -> None:
         warnings.warn(
             f"ldmopt.patch_tuned: the choice was measured on {then}; this model is on {now}, where other fused "
             "modules may pay (ldmopt.tune measures here)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    # Another precision moves twice or half the bytes, and fp32 runs other GEMM paths (TF32 or not): other sites may
+    # pay. Choices saved before the dtype was recorded say nothing.
+    then_dtype, now_dtype = choice.get("measured_on", {}).get("dtype"), parameter_dtypes(pipe_or_model)
+    if then_dtype and now_dtype and then_dtype != now_dtype:
+        warnings.warn(
+            f"ldmopt.patch_tuned: the choice was measured with {then_dtype} parameters; this model's are "
+            f"{now_dtype}, where other fused modules may pay (ldmopt.tune measures here)",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -266,3 +266,24 @@ def test_a_choice_measured_on_another_gpu_is_applied_with_a_warning(monkeypatch)
         warnings.simplefilter("error")
         ldmopt.patch_tuned(unet, {**choice, "measured_on": {"device": "NVIDIA H100 80GB HBM3"}})
     ldmopt.unpatch(unet)
+
+
+def test_a_choice_measured_at_another_precision_is_applied_with_a_warning(monkeypatch):
+    """The choice records the parameters' dtypes; applied to a model of another precision it still patches the same
+    sites, with a warning. A choice saved without the field (older ldmopt) says nothing; a bad field is refused."""
+    report = _tuned_choice(monkeypatch, "resnet")
+    choice = report.tuning.choice()
+    assert choice["measured_on"]["dtype"] == "float32"
+    unet = _unet().double()
+    with pytest.warns(RuntimeWarning, match="measured with float32 parameters; this model's are float64"):
+        ldmopt.patch_tuned(unet, choice)
+    assert _patched_keys(unet) == {(s["model"], s["name"]) for s in choice["sites"] if s["kept"]}
+    ldmopt.unpatch(unet)
+    older = {**choice, "measured_on": {k: v for k, v in choice["measured_on"].items() if k != "dtype"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ldmopt.patch_tuned(unet, older)
+    ldmopt.unpatch(unet)
+    with pytest.raises(ValueError, match=r"choice\['measured_on'\]"):
+        ldmopt.patch_tuned(unet, {**choice, "measured_on": {**choice["measured_on"], "dtype": 16}})
+    assert not ldmopt.is_patched(unet)
