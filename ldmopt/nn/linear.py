@@ -265,7 +265,7 @@ class FusedLinear(nn.Linear):
     """``nn.Linear`` (same parameters and keys) with a fused epilogue: ``residual + gate[b] * act(x W^T + b)``.
 
     ``activation`` (None, "gelu", "gelu_tanh", "silu") is fixed at construction; ``gate`` and ``residual`` are
-    optional forward arguments (see :func:`ldmopt.ops.linear.linear` for their shapes). Use it for Flux single blocks
+    optional forward arguments (see :func:`ldmopt.ops.linear` for their shapes). Use it for Flux single blocks
     (``proj_mlp`` with ``activation="gelu_tanh"``, replacing ``act_mlp`` by nn.Identity) or a DiT block's gated
     residual (``to_out[0](attn, gate=gate_msa, residual=hidden_states)``).
     """

@@ -24,7 +24,7 @@ def configure_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive, default=None, help="batch (default: the zoo's)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=("fp16", "bf16", "fp32"),
-                        help="default fp16 on cuda, fp32 on cpu")  # fmt: skip
+                        help="default fp16 on cuda (--training: bf16 autocast), fp32 on cpu")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="the tiny random-weight variant of the model family")
     parser.add_argument("--warmup", type=_count(0), default=2, help="calls before each measurement (default 2)")
     parser.add_argument("--repeats", type=_positive, default=5, help="timed calls per configuration (default 5)")

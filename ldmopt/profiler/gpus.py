@@ -106,6 +106,7 @@ def register_gpu(spec: GPUSpec) -> None:
 
 
 def get_gpu(gpu: str | GPUSpec) -> GPUSpec:
+    """The table's GPUSpec named ``gpu`` (case-insensitive; a GPUSpec is returned as is); KeyError if none."""
     if isinstance(gpu, GPUSpec):
         return gpu
     for name, spec in GPUS.items():

@@ -438,7 +438,7 @@ def render(measure: bool = True) -> str:
         "```",
         "ldmopt profile sd15 --tiny --resolution 64 --device cpu --steps 3 --warmup 1",
         "ldmopt profile sd15 --tiny --resolution 64 --device cpu --training --steps 2 --warmup 1 --wait 1",
-        "ldmopt profile animatediff --tiny --patched --device cpu",
+        "ldmopt profile animatediff --tiny --patched --device cpu   # no table above: the patched split, tiny",
         "```",
         "",
     ]
