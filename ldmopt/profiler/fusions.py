@@ -190,6 +190,7 @@ from ._fusions_gemm import (
     _rms_norm_runs,
     _wan_round_trip,
 )
+from .placements import Placements
 from .recorder import OpRecord
 
 __all__ = [
@@ -225,12 +226,14 @@ __all__ = [
 
 
 def plan_fusions(
-    records: list[OpRecord], single_key: frozenset[str] = frozenset()
+    records: list[OpRecord], single_key: frozenset[str] = frozenset(), placements: Placements | None = None
 ) -> tuple[dict[int, int], dict[int, str], set[int], dict[str, FusionStat]]:
-    """Bytes saved per record index, the rule that saved them, records removed outright, per-rule totals.
-    ``single_key``: paths of attention modules called with one key/value token (their output projection is not
-    fused with the residual)."""
-    plan = _Plan(records)
+    """Bytes saved per record index (negative where the placement moves more than the stock ops), the rule that
+    saved them, records removed outright, per-rule totals. ``single_key``: paths of attention modules called with
+    one key/value token (their output projection is not fused with the residual). ``placements``: which placement
+    of the fused conv and GEMMs to project (placements.py; by default ldmopt's Triton kernels), counting the sites
+    per placement in it."""
+    plan = _Plan(records, placements)
     by_base: dict[str, list[OpRecord]] = {}
     for rec in records:
         by_base.setdefault(rec.base, []).append(rec)
