@@ -341,8 +341,7 @@ def _alpha_blend(plan: _Plan, records: list[OpRecord], add: OpRecord) -> None:
     if _blend_into_gemm(plan, records, add, muls):
         return
     if not any(
-        plan.rule.get(r.index) == CONV_EPILOGUE
-        and _enclosing(plan, r, frozenset({"TemporalResnetBlock"})) is not None
+        plan.rule.get(r.index) == CONV_EPILOGUE and _enclosing(plan, r, frozenset({"TemporalResnetBlock"})) is not None
         for r in inputs
     ):
         return
