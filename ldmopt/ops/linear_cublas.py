@@ -133,14 +133,13 @@ def linear_then_epilogue(x, weight, bias, gate, residual, activation, save_pre, 
 def gelu_in_gemm(x: Tensor, bias: Tensor | None, save_pre: bool, dtype: torch.dtype, x_tail: Tensor | None,
                  saturate: bool) -> bool:  # fmt: skip
     """Whether a bias + GELU-tanh GEMM with no gate, residual or statistics runs GELU in cuBLASLt's epilogue (module
-    docstring): on a device whose _addmm_activation has the tanh form, with a bias, one input tensor, the output in
-    its dtype, no clamp, and no pre-activation to keep; unless LDMOPT_GEMM_GELU=pass."""
-    return (
-        x.device.type in TANH_GELU_DEVICES
-        and bias is not None
-        and not save_pre
-        and x_tail is None
-        and not saturate
-        and dtype == x.dtype
-        and _GELU_SWITCH.requested() == "auto"
-    )
+    docstring): :func:`cublaslt_gelu`, with one input tensor, the output in its dtype and no clamp."""
+    plain = x_tail is None and not saturate and dtype == x.dtype
+    return plain and cublaslt_gelu(x.device.type, bias is not None, save_pre)
+
+
+def cublaslt_gelu(device_type: str, bias: bool, save_pre: bool) -> bool:
+    """The part of :func:`gelu_in_gemm` that needs no tensor (the profiler's projection asks it for a device type):
+    a device whose _addmm_activation has the tanh form, a bias, no pre-activation to keep, and LDMOPT_GEMM_GELU not
+    "pass"."""
+    return device_type in TANH_GELU_DEVICES and bias and not save_pre and _GELU_SWITCH.requested() == "auto"

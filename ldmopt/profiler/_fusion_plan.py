@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .placements import Placements
 from .recorder import OpRecord
 
 GN_CONV = "GroupNorm(+SiLU) -> conv/GEMM loads"
@@ -98,8 +99,10 @@ class FusionStat:
 
 
 class _Plan:
-    def __init__(self, records: list[OpRecord]) -> None:
+    def __init__(self, records: list[OpRecord], placements: Placements | None = None) -> None:
         self.records = records
+        self.placements = placements if placements is not None else Placements("triton")
+        self._conv_placements: dict[int, str] = {}
         self.saved: dict[int, int] = {}
         self.rule: dict[int, str] = {}
         self.removed: set[int] = set()
@@ -117,17 +120,40 @@ class _Plan:
         self.rule.setdefault(index, rule)
         self.stats[rule].bytes_saved += after - before
 
-    def claim(self, rule: str, savings: dict[int, int], removed: tuple[int, ...] = ()) -> None:
+    def claim(self, rule: str, savings: dict[int, int], removed: tuple[int, ...] = (), cost: bool = False) -> None:
+        """``cost``: a negative saving stays (a placement that moves more than the stock ops there)."""
         stat = self.stats[rule]
         stat.count += 1
         for index, nbytes in savings.items():
-            nbytes = max(0, min(nbytes, self.records[index].bytes))
+            nbytes = min(nbytes, self.records[index].bytes)
+            nbytes = nbytes if cost else max(0, nbytes)
             self.saved[index] = nbytes
             self.rule[index] = rule
             stat.bytes_saved += nbytes
         for index in removed:
             self.removed.add(index)
             stat.ops_removed += 1
+
+    def conv(self, conv: OpRecord, normalize: bool, linear: bool = False) -> str:
+        """The placement of the fused conv at ``conv`` (a convolution or a GEMM record), counted once per site."""
+        if conv.index not in self._conv_placements:
+            kh, kw, c_out, stride = conv.conv or (1, 1, 0, 1)
+            placement = self.placements.conv((kh, kw), c_out, stride, normalize, linear)
+            self._conv_placements[conv.index] = self.placements.count("conv", placement)
+        return self._conv_placements[conv.index]
+
+    def gemm(self) -> str:
+        """The placement of one fused GEMM site, counted."""
+        return self.placements.count("GEMM", self.placements.gemm())
+
+
+def _as_pass(savings: dict[int, int], order: list[int], extra: int) -> None:
+    """cublas/cudnn: what a fused epilogue kept in registers is written by the GEMM or conv and read back by one
+    pass, ``extra`` bytes more: taken off ``savings`` from the records in ``order`` (the pass's own first)."""
+    for index in order:
+        take = min(extra, max(0, savings.get(index, 0)))
+        savings[index] = savings.get(index, 0) - take
+        extra -= take
 
 
 def single_key_paths(calls) -> frozenset[str]:

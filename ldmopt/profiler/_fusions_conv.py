@@ -26,6 +26,7 @@ from ._fusion_plan import (
     TEMPORAL_CONV_OWNERS,
     TEMPORAL_PERMUTES,
     UPSAMPLE_CONV,
+    _as_pass,
     _enclosing,
     _is_rescale,
     _other_inputs,
@@ -48,15 +49,18 @@ def _group_norm_prologue(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> 
         nxt = _sole_consumer(records, nxt)
     if nxt is None or not (_served_conv(plan, nxt) or nxt.base in _GEMMS) or not plan.free(*(r.index for r in chain)):
         return
-    # The statistics pass still reads x once; everything else the chain moved stays in registers.
-    savings = {gn.index: gn.bytes - gn.in_bytes[0]}
+    # The statistics pass still reads x once; everything else the chain moved stays in registers ("loader"). Staged
+    # ("staged", "cudnn"): one pass reads x again and writes act(group_norm(x)), in x's dtype, for the conv to read.
+    x = gn.in_bytes[0]
+    staged = plan.conv(nxt, normalize=True, linear=nxt.base in _GEMMS) != "loader"
+    savings = {gn.index: gn.bytes - x - (2 * x if staged else 0)}
     savings.update({r.index: r.bytes for r in chain[1:]})
     # A Linear on a strided input runs mm + add(bias); the fused conv adds the bias in its epilogue.
     bias = _sole_consumer(records, nxt)
     if nxt.base == "mm" and bias is not None and bias.base == "add" and bias.path == nxt.path and plan.free(bias.index):
         savings[bias.index] = bias.bytes - sum(_other_inputs(bias, nxt.index))
         chain.append(bias)
-    plan.claim(GN_CONV, savings, removed=tuple(r.index for r in chain[1:]))
+    plan.claim(GN_CONV, savings, removed=tuple(r.index for r in chain[1:]), cost=True)
 
 
 def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, single_key: frozenset[str]) -> None:
@@ -75,10 +79,14 @@ def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, s
     if any(_single_key_attention(g, single_key) for g in gemms):
         return  # a single-key attention's skipped query path: the shortcut rule removes the norm
     # The norm's output (x's size) is not written; the statistics (mean, rstd) still are. The positions' add goes.
+    # cublas: each GEMM's call writes the norm's output by a pass of its own (x read, the output written).
+    saving = ln.in_bytes[0]
+    if plan.gemm() == "cublas":
+        saving -= 2 * ln.in_bytes[0] * len(gemms)
     if positions is None:
-        plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0]})
+        plan.claim(LN_GEMM, {ln.index: saving}, cost=True)
     else:
-        plan.claim(LN_GEMM, {ln.index: ln.in_bytes[0], positions.index: positions.bytes}, removed=(positions.index,))
+        plan.claim(LN_GEMM, {ln.index: saving, positions.index: positions.bytes}, removed=(positions.index,), cost=True)
 
 
 def _joint_projections(plan: _Plan, records: list[OpRecord], ln: OpRecord) -> None:
@@ -102,7 +110,11 @@ def _joint_projections(plan: _Plan, records: list[OpRecord], ln: OpRecord) -> No
     x_bytes = ln.in_bytes[0]
     weight_bytes = sum(sum(_other_inputs(g, source.index)) for g in gemms)  # each GEMM's other input: its weight
     net = 2 * x_bytes - 2 * weight_bytes
+    # cublas: two normalisation passes fewer too (x read, the norm's output written: LN_GEMM counted three).
+    passes = 4 * x_bytes if plan.placements.gemm() == "cublas" else 0
     plan.stats[QKV_GEMM].count += 1
+    if passes and net + passes > 0:  # else three GEMMs run (as nn/layer_norm_input.py's _joining_pays decides)
+        plan.add_saving(QKV_GEMM, ln.index, net + passes - max(0, net))
     for g in gemms[1:]:  # not removed: their FLOPs still run, in the one GEMM (two launches fewer, not counted)
         plan.add_saving(QKV_GEMM, g.index, net // 2)
 
@@ -122,9 +134,12 @@ def _layer_norm_statistics_from_epilogue(plan: _Plan, records: list[OpRecord], l
     previous = f"{parent}.{int(index) - 1}" if index.isdigit() else None
     if add.path != block and not (name == "norm1" and add.path == previous):
         return
+    plan.stats[LN_STATS].count += 1
+    if plan.placements.gemm() == "cublas":  # the normalisation pass stays: the statistics pass (x read) goes
+        plan.add_saving(LN_STATS, ln.index, ln.out_bytes)  # x read + mean and rstd written (out = y + them)
+        return
     plan.add_saving(LN_STATS, ln.index, ln.bytes)
     plan.removed.add(ln.index)
-    plan.stats[LN_STATS].count += 1
     plan.stats[LN_STATS].ops_removed += 1
 
 
@@ -188,7 +203,11 @@ def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, sin
         return
     savings = {r.index: r.bytes for r in chain if r.index not in plan.removed}
     savings[add.index] = add.bytes - residual[0]
-    plan.claim(RESIDUAL, savings, removed=(*savings,))
+    removed = tuple(savings)
+    if plan.gemm() == "cublas":  # the add is the epilogue pass: it reads the GEMM's output and writes the sum
+        _as_pass(savings, [add.index], gemm.out_bytes + add.out_bytes)
+        removed = tuple(i for i in removed if i != add.index)
+    plan.claim(RESIDUAL, savings, removed=removed)
 
 
 def _skip_concat(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
@@ -201,8 +220,15 @@ def _skip_concat(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
     resnet = resnets.pop()
     if plan.block_class.get(resnet) != "ResnetBlock2D" or not resnet.startswith(f"{cat.path}.resnets."):
         return
-    if plan.free(cat.index):
-        plan.claim(SKIP_CONCAT, {cat.index: cat.bytes}, removed=(cat.index,))
+    if not plan.free(cat.index):
+        return
+    saving = cat.bytes
+    shortcut = next((records[i] for i in cat.consumers if records[i].path == f"{resnet}.conv_shortcut"), None)
+    if shortcut is not None and shortcut.base == "convolution" and plan.conv(shortcut, normalize=False) == "cudnn":
+        if shortcut.dtype == "float32":
+            return  # cudnn's shortcut reads the concatenation in fp32 (README: up blocks)
+        saving -= 2 * shortcut.out_bytes  # two GEMMs into one output: the second reads and writes it again
+    plan.claim(SKIP_CONCAT, {cat.index: saving}, removed=(cat.index,))
 
 
 def _upsample_conv(plan: _Plan, records: list[OpRecord], up: OpRecord) -> None:
@@ -214,6 +240,8 @@ def _upsample_conv(plan: _Plan, records: list[OpRecord], up: OpRecord) -> None:
     source = up.producers[0] if up.producers else -1
     if source >= 0 and records[source].path.startswith(f"{up.path}."):
         return  # a norm of the upsampler's own ran first: ldmopt leaves such an upsampler stock
+    if plan.conv(conv, normalize=False) == "cudnn":
+        return  # cuDNN's conv reads the upsampled tensor, written as diffusers writes it
     plan.claim(UPSAMPLE_CONV, {up.index: up.bytes}, removed=(up.index,))
     plan.add_saving(UPSAMPLE_CONV, conv.index, conv.in_bytes[0] - up.in_bytes[0])  # reads x, not 4x
 
@@ -260,7 +288,18 @@ def _conv_epilogue(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> None
     ):
         savings[copy.index] = copy.bytes
         removed.append(copy.index)
+    if _conv_placement(plan, records, conv) == "cudnn":  # the add is the epilogue pass: reads the conv's output back
+        _as_pass(savings, [add.index], conv.out_bytes + add.out_bytes)
+        removed.remove(add.index)
     plan.claim(CONV_EPILOGUE, savings, removed=tuple(removed))
+
+
+def _conv_placement(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> str:
+    """The placement of a fused conv: normalising when GN_CONV took its input chain; a container's 1x1 proj_out is a
+    Linear read as a 1x1 conv (nn/proj_out.py)."""
+    source = conv.producers[0] if conv.producers else -1
+    normalize = source >= 0 and plan.rule.get(source) == GN_CONV
+    return plan.conv(conv, normalize, linear=not normalize and conv.path.endswith(".proj_out"))
 
 
 def _statistics_from_epilogue(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> None:
@@ -270,16 +309,21 @@ def _statistics_from_epilogue(plan: _Plan, records: list[OpRecord], gn: OpRecord
     if plan.rule.get(gn.index) != GN_CONV or not gn.producers or gn.producers[0] < 0:
         return
     producer = records[gn.producers[0]]
-    if producer.base == "add" and plan.rule.get(producer.index) == CONV_EPILOGUE and producer.index in plan.removed:
+    if producer.base == "add" and plan.rule.get(producer.index) == CONV_EPILOGUE:  # (cudnn: the pass, kept)
         producer = next((records[p] for p in producer.producers if p >= 0 and records[p].base == "convolution"), None)
     if producer is None or not _served_conv(plan, producer):
         return
     block = _enclosing(plan, gn, STATS_CHAIN_OWNERS)
     if block is None or not producer.path.startswith(block + "."):
         return
+    if producer.index == gn.producers[0] and _conv_placement(plan, records, producer) == "cudnn":
+        return  # nothing to add: the cudnn placement's statistics-only pass reads the output as this pass does
+    plan.stats[GN_STATS].count += 1
+    if plan.saved.get(gn.index, 0) < gn.bytes - gn.in_bytes[0]:  # staged: the normalisation pass stays
+        plan.add_saving(GN_STATS, gn.index, gn.in_bytes[0])
+        return
     plan.add_saving(GN_STATS, gn.index, gn.bytes)
     plan.removed.add(gn.index)
-    plan.stats[GN_STATS].count += 1
     plan.stats[GN_STATS].ops_removed += 1
 
 
@@ -297,9 +341,7 @@ def _alpha_blend(plan: _Plan, records: list[OpRecord], add: OpRecord) -> None:
     if _blend_into_gemm(plan, records, add, muls):
         return
     if not any(
-        plan.rule.get(r.index) == CONV_EPILOGUE
-        and r.index in plan.removed
-        and _enclosing(plan, r, frozenset({"TemporalResnetBlock"})) is not None
+        plan.rule.get(r.index) == CONV_EPILOGUE and _enclosing(plan, r, frozenset({"TemporalResnetBlock"})) is not None
         for r in inputs
     ):
         return

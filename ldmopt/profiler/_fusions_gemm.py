@@ -25,6 +25,7 @@ from ._fusion_plan import (
     ROPE_PROCESSORS,
     TORCH_RMS_NORM,
     WAN_ROUND_TRIPS,
+    _as_pass,
     _is_rescale,
     _other_inputs,
     _owner_class,
@@ -45,9 +46,17 @@ def _gelu_epilogues(plan: _Plan, records: list[OpRecord], gelu: OpRecord) -> Non
     mul = _sole_consumer(records, gelu)
     if mul is not None and mul.base == "mul" and gemm.index in mul.producers and plan.free(gelu.index, mul.index):
         # GEGLU: hidden * gelu(gate) where both halves come from one GEMM (chunk is a view).
+        if plan.gemm() == "cublas":  # the 2I-wide output written, read back by the pass (the mul) that writes I
+            plan.claim(GEGLU, {gelu.index: gelu.bytes, mul.index: 0}, removed=(gelu.index,))
+            return
         plan.claim(GEGLU, {gelu.index: gelu.bytes, mul.index: mul.bytes, gemm.index: gemm.out_bytes // 2},
                    removed=(gelu.index, mul.index))  # fmt: skip
     elif set(gemm.consumers) == {gelu.index} and plan.free(gelu.index):
+        if plan.gemm() == "cublas" and not (
+            gelu.approximate == "tanh" and plan.placements.cublaslt_gelu(gemm.base in ("addmm", "_addmm_activation"))
+        ):  # the GEMM's output is written and read back by one pass (the gelu): as the stock ops move
+            plan.claim(GELU_EPILOGUE, {gelu.index: 0})
+            return
         plan.claim(GELU_EPILOGUE, {gelu.index: gelu.bytes}, removed=(gelu.index,))
 
 
@@ -95,7 +104,11 @@ def _gated_residual(plan: _Plan, records: list[OpRecord], mul: OpRecord) -> None
     savings = {mul.index: mul.bytes - sum(gate), add.index: add.bytes - residual[0]}
     if rescale is not None and plan.free(rescale.index):
         savings[rescale.index] = rescale.bytes
-    plan.claim(GATED_RESIDUAL, savings, removed=tuple(savings))
+    removed = tuple(savings)
+    if plan.gemm() == "cublas":  # the add is the epilogue pass: reads the GEMM's output, writes the sum
+        _as_pass(savings, [add.index, mul.index], gemm.out_bytes + add.out_bytes)
+        removed = tuple(i for i in removed if i != add.index)
+    plan.claim(GATED_RESIDUAL, savings, removed=removed)
 
 
 #: Blocks whose gated attention output (after the processor's rescale pass) ldmopt adds in to_out's GEMM epilogue.
@@ -120,8 +133,12 @@ def _concat_gemm(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:
     gemm = _sole_consumer(records, cat)
     if _owner_class(cat) not in CONCAT_GEMM_OWNERS or gemm is None or gemm.base not in _GEMMS:
         return
-    if len(cat.in_bytes) == 2 and plan.free(cat.index):
-        plan.claim(CONCAT_GEMM, {cat.index: cat.bytes}, removed=(cat.index,))
+    if len(cat.in_bytes) != 2 or not plan.free(cat.index):
+        return
+    saving = cat.bytes
+    if plan.gemm() == "cublas":  # two GEMMs into one output (the second reads and writes it); fp32 concatenates
+        saving = 0 if cat.dtype == "float32" else cat.bytes - 2 * gemm.out_bytes
+    plan.claim(CONCAT_GEMM, {cat.index: saving}, removed=(cat.index,) if saving else ())
 
 
 def _halves_in_place(plan: _Plan, records: list[OpRecord], cat: OpRecord) -> None:

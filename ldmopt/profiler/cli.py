@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from .placements import PLACEMENTS
 from .settings import ANALYZE_DTYPES
 
 
@@ -95,6 +96,10 @@ def configure_analyze(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--patched", action="store_true", help="count the model as ldmopt.patch leaves it (its fused ops recorded)"
     )
+    parser.add_argument("--placement", default="auto", choices=PLACEMENTS,
+                        help="what the patched projection models: auto (default) = the fused conv's and GEMMs' "
+                             "placements on a GPU ('cudnn', 'cublas'; LDMOPT_GN_CONV_PROLOGUE / LDMOPT_GEMM_PLACEMENT "
+                             "honoured), triton = ldmopt's Triton kernels (the CPU's)")  # fmt: skip
     _common(parser)
 
 
@@ -199,7 +204,7 @@ def _sweep_table(analyses) -> str:
     step = ", training step" if a0.training else ""
     title = (f"ldmopt analyze: {a0.model} scaling sweep, batch {a0.batch}, {a0.dtype}{step}; ANALYTIC: shares of "
              f"roofline-PROJECTED time on {a0.gpu.name} (not measured)")  # fmt: skip
-    return title + "\n" + render_table(headers, rows)
+    return title + "\n" + render_table(headers, rows) + "\n" + a0.placement_line
 
 
 def run_analyze(args: argparse.Namespace) -> int:
@@ -216,7 +221,8 @@ def run_analyze(args: argparse.Namespace) -> int:
             for frames in args.frames or [None]:
                 analyses.append(analyze(args.model, resolution=res, frames=frames, batch=args.batch, dtype=dtype,
                                         gpu=args.gpu, tiny=args.tiny, check_flops=args.check_flops,
-                                        training=args.training, patched=args.patched))  # fmt: skip
+                                        training=args.training, patched=args.patched,
+                                        placement=args.placement))  # fmt: skip
     except (KeyError, ValueError) as exc:
         print(f"ldmopt analyze: {_message(exc)}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from torch import nn
 from . import categories as C
 from .fusions import FUSIONS, FusionStat, plan_fusions, single_key_paths
 from .gpus import GPUSpec, dtype_key, get_gpu
+from .placements import Placements
 from .recorder import AttentionCall, AttentionRegions, OpRecord, Recorder
 from .scopes import ModuleScopes
 from .settings import ANALYZE_DTYPES, check_setting, refuse_setting_with_inputs
@@ -63,6 +64,9 @@ class Analysis:
     training: bool = False
     #: the categories split by phase: "forward" (with the loss), and in training "backward" and "optimizer"
     phases: dict[str, dict[str, CategoryCost]] = field(default_factory=dict)
+    #: the placement of the fused conv and GEMMs the patched projection models (Placements.summary(), .describe())
+    placement: dict[str, Any] = field(default_factory=dict)
+    placement_line: str = ""
 
     # ------------------------------------------------------------------ totals and shares
     @property
@@ -201,6 +205,7 @@ class Analysis:
             "attention_layer_split_time": self.attention_layer_split(),
             "sequence_lengths": self.sequence_lengths(),
             "fusions": {k: vars(v) for k, v in self.fusions.items()},
+            "placement": self.placement | {"description": self.placement_line},
             "training": self.training,
             "phases": {phase: {k: vars(c) for k, c in cats.items() if c.ops} for phase, cats in self.phases.items()},
             "elapsed_s": self.elapsed_s,
@@ -285,6 +290,7 @@ def analyze(
     tiny: bool = False,
     training: bool = False,
     patched: bool = False,
+    placement: str = "auto",
 ) -> Analysis:
     """Count FLOPs and minimum bytes of one denoiser call (VAE: one decode) and project its time on ``gpu``.
 
@@ -304,6 +310,10 @@ def analyze(
     model is analysed in ``dtype`` (not its own), and so are floating-point inputs (integer ones, e.g. timesteps,
     keep theirs).
     ``check_flops=True`` also runs torch.utils.flop_counter.FlopCounterMode and stores its total.
+
+    ``placement`` picks what the patched projection models (``placements.py``): "auto", the fused conv's and GEMMs'
+    default placements on a GPU ("cudnn", "cublas"; ``LDMOPT_GN_CONV_PROLOGUE`` / ``LDMOPT_GEMM_PLACEMENT`` set in
+    the environment are honoured), or "triton", ldmopt's Triton kernels (the CPU's placement). The result names it.
     """
     from .. import configs
 
@@ -314,6 +324,7 @@ def analyze(
             raise ValueError(f"dtype {dtype!r}: the models are analysed in {', '.join(ANALYZE_DTYPES)}")
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[key]
     spec = get_gpu(gpu)
+    placements = Placements(placement, "cuda", training)  # analyze projects on a GPU
     # Given inputs fix the setting (one given with them would not be applied); otherwise refuse one the model would
     # change or ignore.
     refuse_setting_with_inputs(inputs, resolution=resolution, frames=frames, batch=batch)
@@ -369,7 +380,7 @@ def analyze(
         if training:
             _loss_backward_update(model, out, recorder)
 
-    analysis = _summarise(model, recorder, spec, dtype_key(dtype))
+    analysis = _summarise(model, recorder, spec, dtype_key(dtype), placements)
     analysis.training = training
     if patch_note is not None:
         analysis.notes.append(patch_note[1])
@@ -455,13 +466,13 @@ def _record_dtype(rec: OpRecord, spec: GPUSpec, default: str) -> str:
     return "tf32" if key == "fp32" and "tf32" in spec.matmul_flops and _runs_tf32(rec) else key
 
 
-def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -> Analysis:
+def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str, placements: Placements) -> Analysis:
     records = recorder.records
     # The fusion rules read the forward data flow, which comes first (backward and optimizer records follow it).
     forward = [rec for rec in records if rec.phase == "forward"]
     if forward != records[: len(forward)]:
         raise AssertionError("forward records are not a prefix of the recording")
-    saved, _rule, removed, fusion_stats = plan_fusions(forward, single_key_paths(recorder.attention))
+    saved, _rule, removed, fusion_stats = plan_fusions(forward, single_key_paths(recorder.attention), placements)
     cats = {c: CategoryCost() for c in C.CATEGORIES}
     phases: dict[str, dict[str, CategoryCost]] = {}
     for rec in records:
@@ -473,6 +484,7 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -
     notes = [
         f"times are roofline projections on {spec.name} datasheet peaks ({spec.source}), not measurements",
         "patched = projection of ldmopt's fusions from the recorded data flow (see ldmopt/profiler/fusions.py)",
+        placements.describe(),
     ]
     if any(rec.dtype == "float32" and _runs_tf32(rec) for rec in records):
         notes.append(
@@ -503,6 +515,8 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str) -
         notes=notes,
         records=records,
         phases=phases,
+        placement=placements.summary(),
+        placement_line=placements.describe(),
     )
 
 

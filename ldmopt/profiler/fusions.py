@@ -5,13 +5,29 @@ its bytes disappear. Accounting (minimum bytes, as in the unpatched count): an i
 kernel keeps in registers is neither written nor read back; operands the fused kernel still needs (a GroupNorm
 input for its statistics pass, the residual, the broadcast scale/shift/gate/temb vectors) stay counted.
 
-The conv rules project the fused conv's loader and epilogue (the placement the CPU and ``LDMOPT_GN_CONV_PROLOGUE=
-loader`` run). GPUs default to the "cudnn" placement instead (ops/gn_conv2d_prologue.py), which still writes the
-normalised input once, the upsampled input, and reads and writes the conv's output once more in the epilogue pass:
-there these projections overstate what goes. The GEMM rules likewise project ldmopt's Triton GEMMs (the CPU's and
-``LDMOPT_GEMM_PLACEMENT=triton``'s); GPUs default to cuBLAS's GEMM followed by one epilogue pass (ops/linear_cublas.py),
-which writes the GEMM's output and reads it back once (GEGLU: the 2I-wide projection; a LayerNorm GEMM: the norm's
-output too).
+Each rule projects the placement that runs (``placements.py``; ``analyze(placement=...)``, ``ldmopt analyze
+--placement``). "auto" (analyze's default) asks the ops' own functions what a GPU runs by default, honouring
+``LDMOPT_GN_CONV_PROLOGUE``, ``LDMOPT_GEMM_PLACEMENT`` and ``LDMOPT_GEMM_GELU``: per fused conv
+``ops.gn_conv2d_prologue.choose_placement`` ("cudnn", or "loader" for a normalising conv whose loader would normalise
+each element fewer than 3 times, and for a container's proj_out), per fused GEMM ``ops.linear_cublas.gemm_placement``
+("cublas"), and ``linear_cublas.cublaslt_gelu`` for bias + GELU-tanh. "triton" projects ldmopt's Triton kernels
+(conv "loader", GEMM "triton": the CPU's placement), what the rules below describe first. What the others change:
+- staged normalisation ("staged", "cudnn"): a pass reads x again and writes act(group_norm(x)) for the conv to read
+  (the GroupNorm record keeps 3x: a cost where no SiLU or copy went); the statistics rule then removes only the
+  statistics pass, and not at all after a conv with nothing to add (cudnn's statistics-only pass reads the output);
+- "cudnn": the conv writes its output and one epilogue pass (the add's record, kept) reads it back and writes the
+  result: the add's saving goes, the scale and copies still go; an upsampler's conv reads the upsampled tensor, so
+  the upsample rule claims nothing; the up blocks' 1x1 shortcut runs as two GEMMs into one output (its output read
+  and written once more; fp32 concatenates: no saving);
+- "cublas": the GEMM writes its output and one pass reads it back and writes the result (the last op of the chain's
+  record, kept): GEGLU saves only gelu's pass (the 2I-wide projection is written and read), a residual epilogue
+  nothing but the rescale and copies, a gated one the product's write and read, a GELU epilogue nothing unless
+  cuBLASLt applies GELU-tanh (inference, a bias); a LayerNorm read by n GEMMs gets n normalisation passes (x read,
+  the output written: a cost, ``plan_fusions`` keeps negative savings), two of which stacking to_q/to_k/to_v saves
+  (when 3M > N, as ``nn/layer_norm_input.py`` decides); a two-part GEMM input is two GEMMs into one output (fp32:
+  concatenated). SVD's blended GEMM input stays in the Triton GEMM under either. Approximation: a UNet
+  container's proj_out + residual is projected as its GEMM (under cublas the add stays a pass), which the patched
+  model runs as the Triton 1x1 conv once the next GroupNorm asks it for statistics.
 
 Rules (names as reported):
 - ``GroupNorm(+SiLU) -> conv/GEMM loads``: GroupNorm -> [SiLU] -> [layout copy] -> convolution or GEMM. The
@@ -190,6 +206,7 @@ from ._fusions_gemm import (
     _rms_norm_runs,
     _wan_round_trip,
 )
+from .placements import Placements
 from .recorder import OpRecord
 
 __all__ = [
@@ -225,12 +242,14 @@ __all__ = [
 
 
 def plan_fusions(
-    records: list[OpRecord], single_key: frozenset[str] = frozenset()
+    records: list[OpRecord], single_key: frozenset[str] = frozenset(), placements: Placements | None = None
 ) -> tuple[dict[int, int], dict[int, str], set[int], dict[str, FusionStat]]:
-    """Bytes saved per record index, the rule that saved them, records removed outright, per-rule totals.
-    ``single_key``: paths of attention modules called with one key/value token (their output projection is not
-    fused with the residual)."""
-    plan = _Plan(records)
+    """Bytes saved per record index (negative where the placement moves more than the stock ops), the rule that
+    saved them, records removed outright, per-rule totals. ``single_key``: paths of attention modules called with
+    one key/value token (their output projection is not fused with the residual). ``placements``: which placement
+    of the fused conv and GEMMs to project (placements.py; by default ldmopt's Triton kernels), counting the sites
+    per placement in it."""
+    plan = _Plan(records, placements)
     by_base: dict[str, list[OpRecord]] = {}
     for rec in records:
         by_base.setdefault(rec.base, []).append(rec)

@@ -71,6 +71,11 @@ class OpRecord:
     #: ldmopt's conv and GEMM ops: whose TF32 setting their fp32 products follow, PyTorch's "conv" or "matmul" (their
     #: kernels pick tl.dot's precision so); "" for the others, whose rate the cost model reads from the op name
     fp32_follows: str = ""
+    #: a convolution's (kernel height, kernel width, output channels, stride), for the fused conv's placement (a
+    #: Conv3d's first two kernel sides: ldmopt runs the temporal (3, 1, 1) ones as (3, 1) convs); a GEMM's as a 1x1
+    #: conv's
+    conv: tuple[int, ...] = ()
+    approximate: str = ""  # gelu's form: "none" (erf) or "tanh"
 
     @property
     def bytes(self) -> int:
@@ -361,14 +366,17 @@ class Recorder(TorchDispatchMode):
         if base in _ALLOCATIONS:
             self.add(name, category, 0, [], outputs, out_bytes=0, at=at)
             return out
-        flops, fp32_follows = 0, ""
+        flops, fp32_follows, conv = 0, "", ()
         if base in ("mm", "addmm", "_addmm_activation", "bmm", "baddbmm"):
             flops = _mm_flops(base, args, outputs[0])
+            conv = (1, 1, outputs[0].shape[-1], 1)
             in_attention = kind is not None and base in ("bmm", "baddbmm") and phase != "backward"
             if in_attention and self.scopes.stack[-1].attention_calls == 0:
                 self._attention_from_bmm(args, base, outputs[0], kind, flops)
         elif base == "convolution":
             flops = _conv_flops(args, outputs[0])
+            w = args[1]
+            conv = (*w.shape[2:4], w.shape[0], int(args[3][0]))
         elif base == "convolution_backward":
             flops = _conv_backward_flops(args)
         elif namespace == "ldmopt" and outputs:
@@ -376,7 +384,10 @@ class Recorder(TorchDispatchMode):
             fp32_follows = _ldmopt_fp32_follows(func, base, args, kwargs)
         if base in ("baddbmm", "addmm", "addbmm") and kwargs.get("beta", 1) == 0 and inputs and inputs[0] is args[0]:
             inputs = inputs[1:]  # beta=0: the added tensor is never read (diffusers' baddbmm on an empty score tensor)
-        self.add(name, category, flops, inputs, outputs, at=at, fp32_follows=fp32_follows)
+        rec = self.add(name, category, flops, inputs, outputs, at=at, fp32_follows=fp32_follows)
+        rec.conv = conv
+        if base in ("gelu", "gelu_"):
+            rec.approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
         return out
 
     def _attention_from_bmm(self, args, base, scores, kind, flops) -> None:

@@ -100,7 +100,7 @@ def format_analysis(a: Analysis) -> str:
         [name, str(s.count), si(s.bytes_saved, "B"), str(s.ops_removed)] for name, s in a.fusions.items() if s.count
     ]
     if rows:
-        out += ["", "ldmopt fusions (PROJECTION from the recorded data flow):",
+        out += ["", f"ldmopt fusions (PROJECTION from the recorded data flow, placement '{a.placement['mode']}'):",
                 render_table(["fusion", "sites", "bytes saved", "ops removed"], rows)]  # fmt: skip
     out += ["", *(f"note: {n}" for n in a.notes)]
     return "\n".join(out)

@@ -356,7 +356,9 @@ def _fusion_section(analyze) -> list[str]:
         "### What the fusions remove (projection)",
         "",
         f"ANALYTIC: minimum HBM bytes and roofline time on {GPU}, unpatched vs as ldmopt patches the model, from the"
-        " recorded data flow (rules in `ldmopt/profiler/fusions.py`). Default settings of each model.",
+        " recorded data flow (rules in `ldmopt/profiler/fusions.py`), projected for the placements a GPU runs by"
+        " default (placement 'auto': cuDNN's conv and cuBLAS's GEMMs with ldmopt's passes around them; `ldmopt analyze"
+        " --placement triton` projects ldmopt's Triton kernels). Default settings of each model.",
         "",
         _table(["model", "GB moved", f"projected ms on {GPU}", "largest savings"], rows),
         "",

@@ -23,7 +23,7 @@ def test_unet_blocks_three_residuals_each():
     from ldmopt.configs import build_model
 
     model = build_model("sd15", tiny=True, device="meta", dtype=torch.float16)
-    a = analyze(model, gpu="H200")
+    a = analyze(model, gpu="H200", placement="triton")
     blocks = len(_blocks(model, "BasicTransformerBlock"))
     stat = a.fusions[RESIDUAL]
     # attn1, attn2 and the feed-forward; each attention's "/ rescale_output_factor" goes too.
@@ -126,7 +126,7 @@ def test_unet_block_norms_are_read_in_the_gemm_loads():
     from ldmopt.profiler.fusions import LN_GEMM, LN_STATS, QKV_GEMM
 
     model = build_model("sd15", tiny=True, device="meta", dtype=torch.float16)
-    a = analyze(model, gpu="H200")
+    a = analyze(model, gpu="H200", placement="triton")
     blocks = len(_blocks(model, "BasicTransformerBlock"))
     norms = _claimed_norms(a)
     assert sorted({r.path.rsplit(".", 1)[1] for r in norms}) == ["norm1", "norm2", "norm3"]

@@ -15,7 +15,7 @@ def test_every_up_block_concatenation_goes(name):
 
     model = build_model(name, tiny=True, device="meta", dtype=torch.float16)
     video = name in ("animatediff", "modelscope", "svd")
-    a = analyze(model, gpu="H200", **({"frames": 2} if video else {}))
+    a = analyze(model, gpu="H200", placement="triton", **({"frames": 2} if video else {}))
     up_resnets = sum(len(block.resnets) for block in model.up_blocks)
     _saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
     cats = [r for r in a.records if r.base == "cat" and r.path.startswith("up_blocks.") and r.path.count(".") == 1]
@@ -45,7 +45,7 @@ def test_upsampler_interpolation_goes_and_its_conv_reads_the_input(name):
     from ldmopt.profiler.fusions import UPSAMPLE_CONV
 
     model = build_model(name, tiny=True, device="meta", dtype=torch.float16)
-    a = analyze(model, gpu="H200")
+    a = analyze(model, gpu="H200", placement="triton")
     upsamplers = [m for m in model.modules() if type(m).__name__ == "Upsample2D" and m.use_conv]
     saved, rule, removed, _stats = plan_fusions(a.records, single_key_paths(a.attention))
     ups = [r for r in a.records if r.base == "upsample_nearest2d"]

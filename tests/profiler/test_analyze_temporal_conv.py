@@ -52,7 +52,7 @@ def test_group_norm_statistics_from_the_previous_conv_of_the_block():
     from ldmopt.configs import build_model
 
     model = build_model("modelscope", tiny=True, device="meta", dtype=torch.float16)
-    a = analyze(model, gpu="H200", frames=2)
+    a = analyze(model, gpu="H200", frames=2, placement="triton")
     rule, removed = _plan(a)
     norms = [r for r in a.records if r.base == "native_group_norm"]
     by_path = {r.path: r for r in norms}

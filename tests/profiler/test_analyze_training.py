@@ -283,7 +283,7 @@ def test_a_patched_model_counts_the_stock_models_flops(name):
 def test_the_patched_models_recording_agrees_with_the_fusion_rules(name):
     # Two independent projections of the patched model: the fusion rules on the stock recording, and the recording
     # of the model as ldmopt patches it.
-    stock = analyze(name)
+    stock = analyze(name, placement="triton")  # what the patched ops run on meta (not cuda)
     patched = analyze(name, patched=True)
     assert patched.time_s == pytest.approx(stock.patched_time_s, rel=0.05)
     assert patched.time_s < 0.9 * stock.time_s
