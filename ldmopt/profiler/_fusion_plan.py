@@ -142,9 +142,9 @@ class _Plan:
             self._conv_placements[conv.index] = self.placements.count("conv", placement)
         return self._conv_placements[conv.index]
 
-    def gemm(self) -> str:
-        """The placement of one fused GEMM site, counted."""
-        return self.placements.count("GEMM", self.placements.gemm())
+    def gemm(self, blend: bool = False) -> str:
+        """The placement of one fused GEMM site (``blend``: its input is SVD's blend, BLEND_GEMM), counted."""
+        return self.placements.count("GEMM", self.placements.gemm(blend))
 
 
 def _as_pass(savings: dict[int, int], order: list[int], extra: int) -> None:

@@ -204,7 +204,9 @@ def _residual_epilogue(plan: _Plan, records: list[OpRecord], gemm: OpRecord, sin
     savings = {r.index: r.bytes for r in chain if r.index not in plan.removed}
     savings[add.index] = add.bytes - residual[0]
     removed = tuple(savings)
-    if plan.gemm() == "cublas":  # the add is the epilogue pass: it reads the GEMM's output and writes the sum
+    # SVD's container proj_out reads the blend in its loads: that GEMM stays Triton's, the add in its epilogue
+    blend = any(plan.rule.get(p) == BLEND_GEMM for p in gemm.producers if p >= 0)
+    if plan.gemm(blend) == "cublas":  # the add is the epilogue pass: it reads the GEMM's output and writes the sum
         _as_pass(savings, [add.index], gemm.out_bytes + add.out_bytes)
         removed = tuple(i for i in removed if i != add.index)
     plan.claim(RESIDUAL, savings, removed=removed)

@@ -25,9 +25,11 @@ each element fewer than 3 times, and for a container's proj_out), per fused GEMM
   cuBLASLt applies GELU-tanh (inference, a bias); a LayerNorm read by n GEMMs gets n normalisation passes (x read,
   the output written: a cost, ``plan_fusions`` keeps negative savings), two of which stacking to_q/to_k/to_v saves
   (when 3M > N, as ``nn/layer_norm_input.py`` decides); a two-part GEMM input is two GEMMs into one output (fp32:
-  concatenated). SVD's blended GEMM input stays in the Triton GEMM under either. Approximation: a UNet
-  container's proj_out + residual is projected as its GEMM (under cublas the add stays a pass), which the patched
-  model runs as the Triton 1x1 conv once the next GroupNorm asks it for statistics.
+  concatenated). SVD's blended GEMM input stays in the Triton GEMM under either, with the container's residual add
+  in its epilogue. Approximation: a UNet container's Linear proj_out + residual is projected as its GEMM (under
+  cublas the add stays a pass), a 1x1 Conv2d one (SD1.5) as the Triton 1x1 conv; the patched model runs either as
+  that conv once the GroupNorm reading its output asks it for statistics (inference), as the GEMM otherwise (before
+  a down- or upsampler, in training).
 
 Rules (names as reported):
 - ``GroupNorm(+SiLU) -> conv/GEMM loads``: GroupNorm -> [SiLU] -> [layout copy] -> convolution or GEMM. The

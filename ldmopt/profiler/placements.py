@@ -41,15 +41,16 @@ class Placements:
 
         return choose_placement(torch.device(self.device), tuple(kernel[:2]), c_out, stride, "none", normalize, linear)
 
-    def gemm(self) -> str:
-        """ "triton" or "cublas" for a fused GEMM (SVD's blended input stays Triton: the rule keeps its projection)."""
+    def gemm(self, blend: bool = False) -> str:
+        """ "triton" or "cublas" for a fused GEMM; ``blend``: its input is SVD's blend, formed in the Triton GEMM's
+        loads only (the op keeps that GEMM Triton's under either placement)."""
         if self.mode == "triton":
             return "triton"
         import torch
 
         from ..ops.linear_cublas import gemm_placement
 
-        return gemm_placement(torch.device(self.device))
+        return gemm_placement(torch.device(self.device), blend)
 
     def cublaslt_gelu(self, bias: bool) -> bool:
         """Whether a cublas GEMM + GELU-tanh applies GELU in cuBLASLt's epilogue (no pass)."""

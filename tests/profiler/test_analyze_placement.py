@@ -113,3 +113,20 @@ def test_the_table_and_json_name_the_placement(capsys):
     assert run_analyze(parser.parse_args(["sd15", "--tiny", "--placement", "triton", "--json", "-"])) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["placement"]["mode"] == "triton" and set(out["placement"]["sites"]["conv"]) == {"loader"}
+
+
+def test_svd_blended_proj_out_keeps_the_residual_in_the_triton_gemm_epilogue():
+    # ops.linear with a mix runs the Triton GEMM under either placement (gemm_placement(blend=True)): no cublas pass
+    from ldmopt.profiler.fusions import BLEND_GEMM, RESIDUAL
+
+    svd = analyze("svd", tiny=True, placement="triton")
+    R = svd.records
+    placements = Placements("auto")
+    saved, rule, removed, _stats = plan_fusions(R, single_key_paths(svd.attention), placements)
+    blended = [g for g in R if g.path.endswith(".proj_out") and any(rule.get(p) == BLEND_GEMM for p in g.producers)]
+    assert blended
+    for gemm in blended:
+        container = gemm.path.rpartition(".")[0]
+        add = next(R[i] for i, r in rule.items() if r == RESIDUAL and R[i].base == "add" and R[i].path == container)
+        assert saved[add.index] == add.bytes - add.out_bytes and add.index in removed  # the GEMM's write, its read
+    assert placements.used[("GEMM", "triton")] == len(blended)
