@@ -28,3 +28,19 @@ def test_fused_adaln_and_layer_norm_linear_return_empty_outputs():
     assert FusedAdaLayerNormZero.from_module(zero)(x, emb=emb)[0].shape == zero(x, emb=emb)[0].shape
     assert FusedAdaLayerNormContinuous.from_module(continuous)(x, emb).shape == continuous(x, emb).shape
     assert FusedLayerNormLinear(16, 8, activation="geglu")(x).shape == (0, 7, 8)
+
+
+def test_patched_upsampler_and_downsampler_return_empty_outputs():
+    # The downsampler runs the fused conv only once its consumers asked for its output's statistics (second call).
+    from tests.patch import models
+
+    unet = models.sd15_unet().eval()
+    down, up = unet.down_blocks[0].downsamplers[0], unet.up_blocks[0].upsamplers[0]
+    x_down, x_up = torch.randn(0, 32, 8, 8), torch.randn(0, 64, 4, 4)
+    with torch.no_grad():
+        expected = down(x_down).shape, up(x_up).shape
+        assert ldmopt.patch(unet).replaced
+        kwargs = models.inputs("sd15", unet, batch=1)
+        with ldmopt.use_backend("torch"):
+            unet(**kwargs), unet(**kwargs)
+            assert (down(x_down).shape, up(x_up).shape) == expected == ((0, 32, 4, 4), (0, 64, 8, 8))
