@@ -44,3 +44,26 @@ def test_patched_upsampler_and_downsampler_return_empty_outputs():
         with ldmopt.use_backend("torch"):
             unet(**kwargs), unet(**kwargs)
             assert (down(x_down).shape, up(x_up).shape) == expected == ((0, 32, 4, 4), (0, 64, 8, 8))
+
+
+def test_patched_transformer_blocks_return_zero_token_outputs():
+    from diffusers.models.attention import BasicTransformerBlock, JointTransformerBlock
+
+    unet_block = BasicTransformerBlock(16, 2, 8, cross_attention_dim=12).eval()
+    dit_block = BasicTransformerBlock(16, 2, 8, norm_type="ada_norm_zero", num_embeds_ada_norm=10).eval()
+    joint_block = JointTransformerBlock(16, 2, 8).eval()
+    x, ctx, t, labels = torch.randn(2, 0, 16), torch.randn(2, 5, 12), torch.tensor([3, 4]), torch.tensor([1, 2])
+    temb, joint_ctx = torch.randn(2, 16), torch.randn(2, 5, 16)
+
+    def run():
+        return (
+            unet_block(x, encoder_hidden_states=ctx).shape,
+            dit_block(x, timestep=t, class_labels=labels).shape,
+            tuple(o.shape for o in joint_block(x, joint_ctx, temb)),
+        )
+
+    with torch.no_grad():
+        expected = run()
+        assert all(ldmopt.patch(block).replaced for block in (unet_block, dit_block, joint_block))
+        with ldmopt.use_backend("torch"):
+            assert run() == expected
