@@ -67,3 +67,16 @@ def test_patched_transformer_blocks_return_zero_token_outputs():
         assert all(ldmopt.patch(block).replaced for block in (unet_block, dit_block, joint_block))
         with ldmopt.use_backend("torch"):
             assert run() == expected
+
+
+def test_patched_wan_block_returns_an_empty_batch():
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
+
+    block = WanTransformerBlock(16, 24, 2, cross_attn_norm=True).eval()
+    rotary = WanRotaryPosEmbed(8, (1, 2, 2), 32)(torch.randn(1, 4, 3, 4, 4))  # 3 x 2 x 2 tokens
+    x, context, temb = torch.randn(0, 12, 16), torch.randn(0, 5, 16), torch.randn(0, 6, 16)
+    with torch.no_grad():
+        expected = block(x, context, temb, rotary).shape
+        assert ldmopt.patch(block).replaced
+        with ldmopt.use_backend("torch"):
+            assert block(x, context, temb, rotary).shape == expected == (0, 12, 16)
