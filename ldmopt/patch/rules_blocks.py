@@ -265,6 +265,8 @@ def _stock_call_reason(block: nn.Module, kwargs: dict, hidden_states: torch.Tens
         return "GLIGEN cross_attention_kwargs"
     if hidden_states.dim() != 3:
         return f"{hidden_states.dim()}-D hidden states (the fused block takes (B, tokens, C))"
+    if not hidden_states.numel():  # the ops refuse empty inputs; diffusers' forward returns them empty
+        return f"empty hidden states of shape {tuple(hidden_states.shape)}"
     return None
 
 
@@ -280,6 +282,8 @@ def _sd3_joint_forward(
         if self._chunk_size is not None
         else modulation_batch_reason(hidden_states, temb) or modulation_batch_reason(encoder_hidden_states, temb)
     )
+    if reason is None and not (hidden_states.numel() and encoder_hidden_states.numel()):
+        reason = "empty token tensors (the fused ops need at least one element)"
     if reason is not None:
         count_reason(type(self).__name__, reason)
         return stock(self)(hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)

@@ -48,6 +48,8 @@ def _runtime_reasons(x: Tensor, conv: nn.Module, args, kwargs) -> list[str]:
         return ["deprecated scale argument (diffusers' forward warns)"]
     if not isinstance(x, Tensor) or x.dim() != 4:
         return ["input is not a 4-D tensor"]
+    if not x.numel():  # an empty batch: the ops refuse it, diffusers' forward returns it empty
+        return ["empty input (the fused ops need at least one element)"]
     return R.dtype_reasons(x, conv.weight)
 
 

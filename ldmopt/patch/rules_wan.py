@@ -112,6 +112,9 @@ def _usable(self, hidden_states: torch.Tensor, chunks: list[torch.Tensor] | None
         ok = all(m.dim() == 3 and m.shape[0] in (1, b) and m.shape[1] in (1, t) for m in chunks)
     if not ok:
         count_reason(type(self).__name__, "hidden states / temb shapes the fused forward does not take")
+    elif not hidden_states.numel():  # an empty batch: the ops refuse it, the stock forward returns it empty
+        count_reason(type(self).__name__, "empty hidden states (the fused ops need at least one element)")
+        ok = False
     return ok
 
 
