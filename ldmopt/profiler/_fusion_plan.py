@@ -84,6 +84,9 @@ SKIP_CONCAT_OWNERS = frozenset({
 #: Blocks whose Conv3d (kernel (3, 1, 1)) ldmopt runs as a fused (3, 1) conv (ldmopt/nn/temporal_resnet.py); other
 #: Conv3d (a video VAE's 3x3x3) stay cuDNN's.
 TEMPORAL_CONV_OWNERS = frozenset({"TemporalResnetBlock", "TemporalConvLayer"})
+#: Blocks whose convs ldmopt runs with an add in the epilogue (rules_gn_conv.py): a conv + add elsewhere (a patch
+#: embedding's positional add in DiT, PixArt, SD3, Latte) stays as diffusers runs it.
+EPILOGUE_CONV_OWNERS = frozenset({"ResnetBlock2D", *CONTAINER_OWNERS, *TEMPORAL_CONV_OWNERS})
 #: Blocks whose fused convs hand the next GroupNorm of the same block its statistics (no statistics pass).
 STATS_CHAIN_OWNERS = frozenset({"ResnetBlock2D", *TEMPORAL_CONV_OWNERS})
 _GELU = {"gelu", "gelu_"}

@@ -12,6 +12,7 @@ from ._fusion_plan import (
     BLEND_GEMM,
     CONTAINER_OWNERS,
     CONV_EPILOGUE,
+    EPILOGUE_CONV_OWNERS,
     GN_CONV,
     GN_STATS,
     LN_GEMM,
@@ -256,7 +257,7 @@ def _served_conv(plan: _Plan, rec: OpRecord) -> bool:
 
 
 def _conv_epilogue(plan: _Plan, records: list[OpRecord], conv: OpRecord) -> None:
-    if not _served_conv(plan, conv):
+    if not _served_conv(plan, conv) or _enclosing(plan, conv, EPILOGUE_CONV_OWNERS) is None:
         return
     add = _sole_consumer(records, conv)
     if add is None or add.base != "add" or len(add.in_bytes) != 2 or not plan.free(add.index):

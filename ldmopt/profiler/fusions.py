@@ -43,7 +43,9 @@ Rules (names as reported):
   the statistics: the statistics pass goes too (norm1 of each block keeps it).
 - ``conv epilogue (temb / residual / scale)``: convolution -> add(broadcast temb) or add(residual) [-> div or mul
   by a scalar]: the conv writes the final tensor. Saves 2 passes per broadcast add, 4 for residual + scale. A UNet
-  container's 1x1 ``proj_out`` (Transformer2DModel, SD1.5) also loses the copy of its tokens to NCHW before it.
+  container's 1x1 ``proj_out`` (Transformer2DModel, SD1.5) also loses the copy of its tokens to NCHW before it. Only
+  in the blocks whose convs ldmopt fuses (ResnetBlock2D, the containers, the temporal resnets): a patch embedding's
+  conv + positional add (DiT, PixArt, SD3, Latte) stays as diffusers runs it.
 - ``alpha blend -> conv epilogue``: SVD's SpatioTemporalResBlock blends ``alpha * x + (1 - alpha) * (x + conv)``
   after a temporal resnet whose residual add the conv epilogue took; the conv writes ``x + (1 - alpha) * conv``, so
   the two products and the add go.

@@ -130,3 +130,14 @@ def test_svd_blended_proj_out_keeps_the_residual_in_the_triton_gemm_epilogue():
         add = next(R[i] for i, r in rule.items() if r == RESIDUAL and R[i].base == "add" and R[i].path == container)
         assert saved[add.index] == add.bytes - add.out_bytes and add.index in removed  # the GEMM's write, its read
     assert placements.used[("GEMM", "triton")] == len(blended)
+
+
+@pytest.mark.parametrize("model", ["dit", "sd3"])
+def test_a_patch_embedding_conv_and_its_positional_add_are_not_claimed(model):
+    """ldmopt does not patch PatchEmbed: its conv + positional add is no conv epilogue under either placement."""
+    a = analyze(model, tiny=True, placement="triton")
+    for mode in ("auto", "triton"):
+        _, rule, _, stats = _plan(a, mode)
+        assert CONV_EPILOGUE not in stats or stats[CONV_EPILOGUE].count == 0
+        convs = [r for r in a.records if r.base == "convolution"]
+        assert convs and all(rule.get(c.consumers[0]) is None for c in convs if c.consumers)
