@@ -81,18 +81,19 @@ def models_of(obj: Any, *, for_patch: bool) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _patched_via(pipe: Any) -> list[tuple[str, weakref.ref]] | None:
+def _patched_via(pipe: Any, *, create: bool = False) -> list[tuple[str, weakref.ref]] | None:
+    """The models patches of ``pipe`` changed (``create``: an entry for it when there is none yet)."""
     if isinstance(pipe, nn.Module):
         return None
     try:
-        return _PATCHED_VIA.setdefault(pipe, [])
+        return _PATCHED_VIA.setdefault(pipe, []) if create else _PATCHED_VIA.get(pipe)
     except TypeError:  # a pipeline-like object that is unhashable or takes no weak reference: its components only
         return None
 
 
 def remember_patched(pipe: Any, models: list[tuple[str, nn.Module]]) -> None:
     """Note the models a patch of ``pipe`` changed (nothing for a model: unpatch reaches all of its own tree)."""
-    refs = _patched_via(pipe)
+    refs = _patched_via(pipe, create=True) if models else None
     if refs is None:
         return
     known = {id(ref()) for _, ref in refs}
@@ -111,6 +112,5 @@ def former_components(pipe: Any, current: list[tuple[str, nn.Module]]) -> list[t
 
 def forget_patched(pipe: Any) -> None:
     """After ``unpatch(pipe)``: its patches are undone, wherever their models went."""
-    refs = _patched_via(pipe)
-    if refs is not None:
-        refs.clear()
+    if _patched_via(pipe) is not None:
+        del _PATCHED_VIA[pipe]

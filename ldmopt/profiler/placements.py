@@ -65,11 +65,12 @@ class Placements:
     def summary(self) -> dict:
         """For JSON: the mode, the device, the sites per placement, and the overrides in the environment."""
         from .._env import getenv
+        from ..ops import gn_conv2d_prologue, linear_cublas
 
         by_kind: dict[str, dict[str, int]] = {}
         for (kind, placement), n in sorted(self.used.items()):
             by_kind.setdefault(kind, {})[placement] = n
-        envs = ("LDMOPT_GN_CONV_PROLOGUE", "LDMOPT_GEMM_PLACEMENT", "LDMOPT_GEMM_GELU")
+        envs = (gn_conv2d_prologue.ENV, linear_cublas.ENV, linear_cublas.GELU_ENV)
         overrides = {env: getenv(env) for env in envs if getenv(env)} if self.mode == "auto" else {}
         return {"mode": self.mode, "device": self.device, "sites": by_kind, "overrides": overrides}
 
