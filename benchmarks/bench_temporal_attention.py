@@ -12,6 +12,8 @@ minimum traffic, so GB/s is a lower bound. FLOPs: 4 F^2 d per sequence and head 
 A provider that cannot run a shape (e.g. a grid limit at 262,144 sequences x heads) is recorded as a "fails" row.
 Targets (H200): >= 3x diffusers' SDPA path at AnimateDiff and SVD shapes, >= 60% of copy bandwidth, peak memory not
 above SDPA's, and correct where SDPA/xformers fail. LDMOPT_BENCH_QUICK=1 keeps three shapes and skips compiles.
+``ldmopt-triton`` autotunes its tile (the note names the tiles it launched); ``ldmopt-triton-heuristic`` runs the
+heuristic tile alone, so the two rows show what autotuning buys.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from ldmopt.kernels.temporal_attention import block_config, forced_config, launched_tile
 
 import ldmopt
 from benchmarks import harness
@@ -148,7 +151,29 @@ def _providers(shape, layout, device):
         )
     for backend in ("triton", "cuda"):
         providers[f"ldmopt-{backend}"] = lambda backend=backend: _ldmopt_path(shape, layout, backend)
+    # the Triton kernel with its heuristic tile, not autotuned: what the autotuning of ldmopt-triton buys
+    providers["ldmopt-triton-heuristic"] = lambda: _ldmopt_path(shape, layout, "triton")
     return providers
+
+
+def _heuristic_tiles(shape, dtype):
+    """Forward and backward launches with the heuristic tiles (kernels/temporal_attention.py's block_config)."""
+    _b, _n, f, _h, d = shape
+    return forced_config(block_config(f, d, dtype), block_config(f, d, dtype, backward=True))
+
+
+def _within(context, run):
+    def wrapped():
+        with context():
+            return run()
+
+    return wrapped
+
+
+def _tile_note(mode: str) -> str:
+    """The Triton tiles the last call launched (autotuned or forced)."""
+    note = f"tile {launched_tile()}"
+    return note + (f", backward {launched_tile(backward=True)}" if mode == "fwd+bwd" else "")
 
 
 def _reference(q, k, v, shape, layout, chunk=4096):
@@ -189,10 +214,14 @@ def bench_temporal_attention(case, dtype, layout, mode, bench_recorder):
                 run = lambda fn=fn: fn(q, k, v)
             else:
                 run = lambda fn=fn: torch.autograd.grad(fn(q, k, v), (q, k, v), dy)
+            if name == "ldmopt-triton-heuristic":
+                run = _within(lambda: _heuristic_tiles(shape, dtype), run)
             out = run()
             harness.synchronize(DEVICE)
             if reference is not None:
                 note = f"max|err| vs fp32 SDPA {(out.float() - reference).abs().max().item():.2e}"
+            if name.startswith("ldmopt-triton"):
+                note = f"{note}; {_tile_note(mode)}".lstrip("; ")
             timing = harness.time_fn(run)
             peak = harness.peak_memory(run)
             if name == "xformers":

@@ -387,7 +387,11 @@ def _sliced(full: torch.Tensor, sl: slice) -> torch.Tensor:
 @check("temporal_attention")
 def _temporal_attention(quick: bool):
     """Strided (B, F, N, H, D) views of a packed qkv projection vs fp64 SDPA, forward and backward, at real shapes;
-    the AnimateDiff-SDXL case has 262,144 (sequence, head) pairs, past the 65,535 grid limit of batch-on-grid-y."""
+    the AnimateDiff-SDXL case has 262,144 (sequence, head) pairs, past the 65,535 grid limit of batch-on-grid-y.
+    Triton runs autotuned ("triton"), then each candidate tile forced ("triton:P8xD64w8", ...) where it has several:
+    autotuning may pick any of them on another GPU or shape."""
+    from ldmopt.kernels.temporal_attention import candidate_configs, forced_config, tile_pairs
+
     from ldmopt.ops.temporal_attention import temporal_attention
 
     for case, (b, f, n, h, d) in _cases("temporal_attention", quick).items():
@@ -396,25 +400,28 @@ def _temporal_attention(quick: bool):
             q, k, v = qkv.unbind(3)
             dy = torch.randn(b, f, n, h, d, device=DEVICE).to(dtype)
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-            for backend in ("triton", "cuda"):
+            # fp64 reference on a slice of the sequences keeps the reference's memory small; the poison check (NaN
+            # where nothing was written) covers every sequence.
+            sl = slice(0, min(n, REF_SEQUENCES))
+            ref_leaves = [t[:, :, sl].double().permute(0, 2, 3, 1, 4).requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*ref_leaves)
+            ref_grads = torch.autograd.grad(ref, ref_leaves, dy[:, :, sl].double().permute(0, 2, 3, 1, 4))
+            refs = [t.permute(0, 3, 1, 2, 4) for t in (ref.detach(), *ref_grads)]
+            tiles = tile_pairs(candidate_configs(f, d, dtype), candidate_configs(f, d, dtype, backward=True))
+            variants = [("triton", None), ("cuda", None)] + [
+                (f"triton:P{fw['BLOCK_P']}xD{fw['BLOCK_D']}w{fw['num_warps']}", (fw, bw))
+                for fw, bw in (tiles if len(tiles) > 1 else [])  # one candidate: what "triton" ran
+            ]
+            for backend, tile_pair in variants:
                 try:
-                    with ldmopt.use_backend(backend):
+                    with ldmopt.use_backend(backend.split(":")[0]), forced_config(*(tile_pair or ())):
                         out = temporal_attention(*leaves)
-                        grads = torch.autograd.grad(out, leaves, dy) if backend == "triton" else []
+                        grads = torch.autograd.grad(out, leaves, dy) if backend != "cuda" else []
                 except ldmopt.BackendUnavailableError as exc:
                     print(f"  skip temporal_attention {case} {dtype} {backend}: {str(exc)[:120]}")
                     continue
-                # fp64 reference on a slice of the sequences keeps the reference's memory small; the poison check
-                # (NaN where nothing was written) covers every sequence.
-                sl = slice(0, min(n, REF_SEQUENCES))
-                ref_leaves = [t[:, :, sl].double().permute(0, 2, 3, 1, 4).requires_grad_() for t in (q, k, v)]
-                ref = F.scaled_dot_product_attention(*ref_leaves)
-                outs, refs = [_sliced(out, sl)], [ref.permute(0, 3, 1, 2, 4)]
-                if grads:
-                    ref_grads = torch.autograd.grad(ref, ref_leaves, dy[:, :, sl].double().permute(0, 2, 3, 1, 4))
-                    outs += [_sliced(g, sl) for g in grads]
-                    refs += [g.permute(0, 3, 1, 2, 4) for g in ref_grads]
-                yield case, dtype, backend, outs, refs
+                outs = [_sliced(t, sl) for t in (out, *grads)]
+                yield case, dtype, backend, outs, refs[: len(outs)]
 
 
 def _motion(c, heads, hw):

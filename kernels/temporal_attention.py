@@ -14,15 +14,23 @@ compile-time constant (one compile per head dim a model uses): the chunk mask is
 recomputes S (no logsumexp is stored), forms dS = P * (dP - rowsum(P * dP)) with dP = dO V^T, then dV = P^T dO,
 dQ = dS K, dK = dS^T Q chunk by chunk. The grid is 1-D: cdiv(B*N*H, BLOCK_P) programs, far below axis 0's
 2^31 - 1 limit.
+Tiles: on a GPU, 16-bit inputs autotune over a few tiles (:func:`candidate_configs`: sequences per program, warps,
+head-dim chunk), keyed by the shape and q's strides. Why: the measured forward reached 54-61% of copy bandwidth at
+AnimateDiff's head dim 40 against 89-92% at SVD's 64, the backward 22-49% (benchmarks/RESULTS.md, H200,
+2026-12-04); which tile suits a head dim and a layout is for the GPU to time. The heuristic tile
+(:func:`block_config`) is always a candidate, and is what fp32 and the CPU interpreter run.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, next_power_of_2
+from ._common import autotune, cdiv, new_output, next_power_of_2
+from ._tuned_launch import tuned_launch
 
 MAX_FRAMES = 64
 MAX_HEAD_DIM = 256
@@ -253,12 +261,146 @@ def block_config(f: int, d: int, dtype: torch.dtype = torch.float16, backward: b
     return {"BLOCK_P": p, "BLOCK_F": bf, "BLOCK_D": block_d(d, dtype), "num_warps": warps}
 
 
+def _tile(p: int, f_block: int, d_block: int, warps: int) -> dict:
+    return {"BLOCK_P": p, "BLOCK_F": f_block, "BLOCK_D": d_block, "num_warps": warps}
+
+
+def candidate_configs(f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> list[dict]:
+    """The tiles a GPU autotunes over for F frames and head_dim d, the heuristic :func:`block_config` first.
+
+    16-bit inputs only: fp32 keeps its one tile (the reference-precision path; its fp32 tiles leave no register
+    room). Besides the heuristic chunk, the head dim is tried in one chunk where it is at most 64 (40: one masked
+    64-wide load instead of three 16-wide ones), else in the other of 16 / 32. F <= 16: 4 sequences on 4 warps, 8 on
+    8 (all of a pixel's 8 heads: longer contiguous rows) and 2 on 2 (more programs per SM); longer sequences: one per
+    program on 4 or 8 warps, with no chunk narrower than the heuristic's, and 8 warps over 32 padded frames only
+    with a 64-wide chunk (narrower, their loads drop to 8 bytes). Every tile compiles without spills on sm_80 /
+    sm_90 (aot_specs).
+    """
+    base = block_config(f, d, dtype, backward)
+    if dtype == torch.float32:
+        return [base]
+    f_block, chunk = base["BLOCK_F"], base["BLOCK_D"]
+    other = max(16, next_power_of_2(d)) if d <= 64 else 48 - chunk  # beyond 64: 16 <-> 32
+    chunks = (chunk,) if other == chunk else (chunk, other)
+    if f_block == 16:
+        # Under Triton 3.6 (the GPU image's) the backward with 32-wide chunks spills 8-16 bytes at 8 or 2 sequences
+        # per program (ptxas, 2026-12-07): 4 only there.
+        spreads = lambda c: (4,) if backward and c == 32 else (4, 8, 2)
+        tiles = [_tile(p, 16, chunk, p) for p in spreads(chunk)]
+        tiles += [_tile(p, 16, c, p) for c in chunks[1:] for p in spreads(c) if p != 2]
+    else:  # one sequence per program: a narrower chunk than the heuristic's drops its loads to 8 bytes
+        chunks = tuple(c for c in chunks if c >= chunk)
+        if f_block == 32:
+            tiles = [_tile(1, 32, c, 4) for c in chunks] + [_tile(1, 32, c, 8) for c in chunks if c == 64]
+        else:
+            tiles = [_tile(1, f_block, c, w) for c in chunks for w in (8, 4)]
+    assert tiles[0] == base, (tiles[0], base)
+    return tiles
+
+
+def tile_pairs(forward: list[dict], backward: list[dict]) -> list[tuple[dict, dict]]:
+    """(forward tile, backward tile) pairs covering both candidate lists, the shorter one's heuristic tile (its first)
+    filling in: what a check or test forces to run every tile once."""
+    return [
+        (forward[i] if i < len(forward) else forward[0], backward[i] if i < len(backward) else backward[0])
+        for i in range(max(len(forward), len(backward)))
+    ]
+
+
 def launch_grid(n_seq: int, f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> tuple[int]:
-    """The 1-D grid for n_seq = B*N*H sequences, forward and backward: every sequence of every head on axis 0."""
-    grid = (cdiv(n_seq, block_config(f, d, dtype, backward)["BLOCK_P"]),)
+    """The 1-D grid for n_seq = B*N*H sequences under the candidate tile with the fewest sequences per program (the
+    largest grid autotuning may launch): every sequence of every head on axis 0."""
+    fewest = min(t["BLOCK_P"] for t in candidate_configs(f, d, dtype, backward))
+    grid = (cdiv(n_seq, fewest),)
     if grid[0] > _GRID_AXIS0_LIMIT:
         raise ValueError(f"{n_seq} sequences need {grid[0]} programs, over grid axis 0's limit {_GRID_AXIS0_LIMIT}")
     return grid
+
+
+#: backward? -> the tile forced by :func:`forced_config` (None: each launch chooses, see the module docstring)
+_FORCED: dict[bool, dict | None] = {False: None, True: None}
+
+
+@contextlib.contextmanager
+def forced_config(forward: dict | None = None, backward: dict | None = None):
+    """Within the block, forward and backward launches run the tiles given (each one of :func:`candidate_configs`
+    for the shape launched; None: chosen as usual), without autotuning: for checks and benchmarks of each tile."""
+    saved = dict(_FORCED)
+    _FORCED.update({False: forward, True: backward})
+    try:
+        yield
+    finally:
+        _FORCED.update(saved)
+
+
+#: An autotuned launch's key: the shape and q's strides, which place its rows in memory (a packed qkv, the (B*N, F,
+#: C) or the (B, F, N, C) order); the autotuner adds the tensors' dtypes.
+TUNING_KEY = ("n_seq", "F", "N", "H", "D", "stride_qf", "stride_qn", "stride_qh")
+#: (backward, candidate tiles as (BLOCK_P, BLOCK_D, num_warps)) -> its autotuner, made on first use
+_AUTOTUNERS: dict[tuple[bool, tuple], object] = {}
+
+
+def _autotuner(backward: bool, candidates: list[dict]):
+    tiles = tuple((t["BLOCK_P"], t["BLOCK_D"], t["num_warps"]) for t in candidates)
+    tuner = _AUTOTUNERS.get((backward, tiles))
+    if tuner is None:
+        configs = [triton.Config({"BLOCK_P": p, "BLOCK_D": c}, num_warps=w) for p, c, w in tiles]
+        kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
+        tuner = _AUTOTUNERS[(backward, tiles)] = autotune(configs=configs, key=list(TUNING_KEY))(kernel)
+    return tuner
+
+
+def _autotunes(q: torch.Tensor) -> bool:
+    """Whether launches on ``q`` autotune: on GPUs. The interpreter cannot time tiles (tests stand a timing in)."""
+    return q.is_cuda
+
+
+def _launcher(q: torch.Tensor, n_seq: int, backward: bool) -> tuple:
+    """(kernel, grid, launch keywords): the forced tile, the heuristic one (fp32, CPU tensors), or the candidates'
+    autotuner."""
+    _b, f, _n, _h, d = q.shape
+    candidates = candidate_configs(f, d, q.dtype, backward)
+    tile = _FORCED[backward]
+    if tile is None and (len(candidates) == 1 or not _autotunes(q)):
+        tile = candidates[0]
+    if tile is None:
+        tuner = _LAST_LAUNCHED[backward] = _autotuner(backward, candidates)
+        grid = lambda meta: (cdiv(n_seq, meta["BLOCK_P"]),)
+        return tuned_launch(tuner), grid, {"BLOCK_F": candidates[0]["BLOCK_F"]}
+    if tile not in candidates:
+        raise ValueError(
+            f"tile {tile} is not a candidate for F={f}, head_dim={d}, {q.dtype} "
+            f"({'backward' if backward else 'forward'}); candidates: {candidates}"
+        )
+    _LAST_LAUNCHED[backward] = tile
+    kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
+    return kernel, (cdiv(n_seq, tile["BLOCK_P"]),), dict(tile)
+
+
+#: backward? -> the tile (or the autotuner) of the last launch, for launched_tile
+_LAST_LAUNCHED: dict[bool, object] = {False: None, True: None}
+
+
+def launched_tile(backward: bool = False) -> str:
+    """The tile of the last forward (backward) launch in this process, as "P8xD64w8" (sequences per program,
+    head-dim chunk, warps); "" before any."""
+    last = _LAST_LAUNCHED[backward]
+    if last is None:
+        return ""
+    if isinstance(last, dict):
+        return f"P{last['BLOCK_P']}xD{last['BLOCK_D']}w{last['num_warps']}"
+    config = last.best_config  # the autotuner's (set by tuning and by each tuned launch)
+    return f"P{config.kwargs['BLOCK_P']}xD{config.kwargs['BLOCK_D']}w{config.num_warps}"
+
+
+def tuned_choices() -> dict[str, dict[tuple, dict]]:
+    """What autotuning chose in this process: {"forward" / "backward": {key: tile}}, the key being TUNING_KEY's
+    values and then the tensors' dtypes."""
+    out: dict[str, dict[tuple, dict]] = {"forward": {}, "backward": {}}
+    for (backward, _tiles), tuner in _AUTOTUNERS.items():
+        for key, config in tuner.cache.items():
+            out["backward" if backward else "forward"][key] = {**config.kwargs, "num_warps": config.num_warps}
+    return out
 
 
 def row_alignment(*tensors: torch.Tensor) -> int:
@@ -298,12 +440,12 @@ def temporal_attention_fwd(
     out = new_output(like=q) if out is None else out
     _check_views(q, k, v, out)
     b, f, n, h, d = q.shape
-    cfg = block_config(f, d, q.dtype)
     n_seq = b * n * h
-    _temporal_attention_fwd_kernel[launch_grid(n_seq, f, d, q.dtype)](
+    launch_grid(n_seq, f, d, q.dtype)  # the grid limit
+    kernel, grid, tile = _launcher(q, n_seq, backward=False)
+    kernel[grid](
         out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, scale * _LOG2E,
-        D=d, BLOCK_P=cfg["BLOCK_P"], BLOCK_F=cfg["BLOCK_F"], BLOCK_D=cfg["BLOCK_D"],
-        DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(out, q, k, v), num_warps=cfg["num_warps"],
+        D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(out, q, k, v), **tile,
     )  # fmt: skip
     return out
 
@@ -315,14 +457,13 @@ def temporal_attention_bwd(
     _check_views(dout, q, k, v)
     b, f, n, h, d = q.shape
     dq, dk, dv = new_output(like=q), new_output(like=k), new_output(like=v)
-    cfg = block_config(f, d, q.dtype, backward=True)
     n_seq = b * n * h
-    _temporal_attention_bwd_kernel[launch_grid(n_seq, f, d, q.dtype, backward=True)](
+    launch_grid(n_seq, f, d, q.dtype, backward=True)  # the grid limit
+    kernel, grid, tile = _launcher(q, n_seq, backward=True)
+    kernel[grid](
         dq, dk, dv, dout, q, k, v, *dq.stride(), *dk.stride(), *dv.stride(), *dout.stride(), *q.stride(),
         *k.stride(), *v.stride(), n_seq, n, h, f, scale, scale * _LOG2E,
-        D=d, BLOCK_P=cfg["BLOCK_P"], BLOCK_F=cfg["BLOCK_F"], BLOCK_D=cfg["BLOCK_D"],
-        DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(dq, dk, dv, dout, q, k, v),
-        num_warps=cfg["num_warps"],
+        D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(dq, dk, dv, dout, q, k, v), **tile,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -343,35 +484,39 @@ def _aot_signature(names: tuple[str, ...], dtype: str, backward: bool) -> tuple[
 
 
 def aot_specs() -> list[dict]:
-    """Compile configurations for the ahead-of-time gate: real (F, head_dim) shapes, forward and backward."""
+    """Compile configurations for the ahead-of-time gate: real (F, head_dim) shapes, forward and backward, every
+    candidate tile (:func:`candidate_configs`; the heuristic one unnamed, the others named by their tile)."""
     specs = []
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     for f, d in AOT_SHAPES:
         for dtype in ("fp16", "fp32") + (("bf16",) if (f, d) in ((16, 40), (14, 64)) else ()):
             for backward in (False, True):
                 names = ("dq", "dk", "dv", "do", "q", "k", "v") if backward else ("o", "q", "k", "v")
-                sig, constexprs = _aot_signature(names, dtype, backward)
-                cfg = block_config(f, d, dtypes[dtype], backward)
-                constexprs.update({key: cfg[key] for key in ("BLOCK_P", "BLOCK_F", "BLOCK_D")}, D=d)
-                constexprs["DOT_PRECISION"] = _dot_precision(dtypes[dtype])
-                # diffusers' (B*N, F, heads*d) views: every stride a multiple of d, of 8 (fp16) or 4 (fp32) elements.
-                constexprs["ALIGN"] = 16 // dtypes[dtype].itemsize
-                kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
-                specs.append(
-                    dict(
-                        name=f"temporal_attention_{'bwd' if backward else 'fwd'}[F={f},d={d},{dtype}]",
-                        fn=kernel,
-                        signature=sig,
-                        constexprs=constexprs,
-                        num_warps=cfg["num_warps"],
-                        # What Triton marks at launch at the real shapes: pointers, and the batch/frame/pixel strides
-                        # (multiples of heads*d); the head stride d only when d is a multiple of 16 (not 40 or 72).
-                        divisible_by_16=[
-                            k
-                            for k in sig
-                            if k.endswith("_ptr")
-                            or (k.startswith("stride_") and k not in constexprs and (d % 16 == 0 or k[-1] != "h"))
-                        ],
+                for i, cfg in enumerate(candidate_configs(f, d, dtypes[dtype], backward)):
+                    sig, constexprs = _aot_signature(names, dtype, backward)
+                    constexprs.update({key: cfg[key] for key in ("BLOCK_P", "BLOCK_F", "BLOCK_D")}, D=d)
+                    constexprs["DOT_PRECISION"] = _dot_precision(dtypes[dtype])
+                    # diffusers' (B*N, F, heads*d) views: every stride a multiple of d, of 8 (fp16) or 4 (fp32)
+                    # elements.
+                    constexprs["ALIGN"] = 16 // dtypes[dtype].itemsize
+                    kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
+                    tile = f"P{cfg['BLOCK_P']}xD{cfg['BLOCK_D']}w{cfg['num_warps']}," if i else ""
+                    specs.append(
+                        dict(
+                            name=f"temporal_attention_{'bwd' if backward else 'fwd'}[F={f},d={d},{tile}{dtype}]",
+                            fn=kernel,
+                            signature=sig,
+                            constexprs=constexprs,
+                            num_warps=cfg["num_warps"],
+                            # What Triton marks at launch at the real shapes: pointers, and the batch/frame/pixel
+                            # strides (multiples of heads*d); the head stride d only when d is a multiple of 16
+                            # (not 40 or 72).
+                            divisible_by_16=[
+                                k
+                                for k in sig
+                                if k.endswith("_ptr")
+                                or (k.startswith("stride_") and k not in constexprs and (d % 16 == 0 or k[-1] != "h"))
+                            ],
+                        )
                     )
-                )
     return specs

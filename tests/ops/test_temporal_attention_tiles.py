@@ -1,0 +1,155 @@
+"""The temporal attention kernels' tiles: every candidate a GPU autotunes over computes the same attention (run here
+forced, in the interpreter), and the autotuned launch runs the tile its timing chose, once per key.
+
+The interpreter cannot time kernels, so the autotuned path is driven with a stand-in timing (the autotuner's own
+``_bench``), as tests/ops/test_tuned_launch.py does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ldmopt.kernels import temporal_attention as T
+
+import ldmopt
+from ldmopt.ops.temporal_attention import temporal_attention
+from tests.ops.test_temporal_attention import _make, _sdpa
+from tests.tolerances import assert_within_torch_error
+
+# (batch, F, N, heads, head_dim, layout): each branch of candidate_configs -- F <= 16 with a head dim tried whole
+# (40) or in the other chunk width (72), SVD's packed 14 x 64, F = 25 (one sequence per program, 4 or 8 warps) and the
+# longest sequence.
+TILE_CASES = [
+    (3, 16, 2, 3, 40, "bfnc"),
+    (2, 7, 3, 2, 72, "diffusers"),
+    (1, 14, 3, 5, 64, "packed"),
+    (2, 25, 1, 2, 64, "diffusers"),
+    (1, 64, 1, 2, 64, "bfnc"),
+]
+
+
+def _tile_id(tile: dict) -> str:
+    return f"P{tile['BLOCK_P']}xD{tile['BLOCK_D']}w{tile['num_warps']}"
+
+
+def _grads(leaves, dout, cast):
+    """Gradients of SDPA in ``cast`` with respect to copies of ``leaves``."""
+    ref_leaves = [t.detach().to(cast).requires_grad_() for t in leaves]
+    _sdpa(*ref_leaves).backward(dout.to(cast))
+    return [t.grad for t in ref_leaves]
+
+
+def test_candidates_begin_with_the_heuristic_tile():
+    for f, d in (*T.AOT_SHAPES, (1, 16), (32, 40), (48, 128), (16, 256)):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for backward in (False, True):
+                candidates = T.candidate_configs(f, d, dtype, backward)
+                assert candidates[0] == T.block_config(f, d, dtype, backward)
+                assert len({_tile_id(t) for t in candidates}) == len(candidates), candidates
+                assert all(t["BLOCK_F"] == candidates[0]["BLOCK_F"] for t in candidates)
+                # fp32 keeps its one tile; 16-bit inputs have several to time
+                assert (len(candidates) == 1) == (dtype == torch.float32), (f, d, dtype, candidates)
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_every_candidate_tile_computes_the_attention(case):
+    _batch, f, _n, _h, d, layout = case
+    dtype = torch.float16
+    q, k, v = leaves = _make(*case, dtype, requires_grad=layout != "packed")
+    if layout == "packed":
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        q, k, v = leaves
+    dout = torch.randn(q.shape, dtype=dtype)
+    ref = _sdpa(*(t.detach().double() for t in leaves))
+    lowp = _sdpa(*(t.detach() for t in leaves))
+    ref_grads = _grads(leaves, dout, torch.float64)
+    lowp_grads = _grads(leaves, dout, dtype)
+    forward_tiles = T.candidate_configs(f, d, dtype)
+    backward_tiles = T.candidate_configs(f, d, dtype, backward=True)
+    pairs = T.tile_pairs(forward_tiles, backward_tiles)
+    assert len(forward_tiles) > 1 and len(pairs) == max(len(forward_tiles), len(backward_tiles))
+    assert [p[0] for p in pairs[: len(forward_tiles)]] == forward_tiles
+    assert [p[1] for p in pairs[: len(backward_tiles)]] == backward_tiles
+    for fwd_tile, bwd_tile in pairs:
+        label = f"{case} {_tile_id(fwd_tile)} / {_tile_id(bwd_tile)}"
+        for t in leaves:
+            t.grad = None
+        with ldmopt.use_backend("triton"), T.forced_config(fwd_tile, bwd_tile):
+            out = temporal_attention(q, k, v)
+            out.backward(dout)
+        assert_within_torch_error(out, ref, lowp, f"out {label}")
+        for i, t in enumerate(leaves):
+            assert_within_torch_error(t.grad, ref_grads[i], lowp_grads[i], f"grad {i} {label}")
+
+
+def test_a_tile_that_is_not_a_candidate_is_refused():
+    q, k, v = _make(1, 16, 2, 2, 40, "bfnc", torch.float16)
+    tile = {"BLOCK_P": 16, "BLOCK_F": 16, "BLOCK_D": 16, "num_warps": 4}
+    with pytest.raises(ValueError, match=r"not a candidate for F=16, head_dim=40.*forward"), T.forced_config(tile):
+        T.temporal_attention_fwd(q, k, v, 0.2)
+
+
+class _StandInTiming:
+    """Makes launches autotune in the interpreter, with ``winner`` the fastest tile; counts the tiles timed."""
+
+    def __init__(self, monkeypatch, f: int, d: int, winner: int):
+        self.timed = 0
+        monkeypatch.setattr(T, "_autotunes", lambda q: True)
+        for backward in (False, True):
+            candidates = T.candidate_configs(f, d, torch.float16, backward)
+            tuner = T._autotuner(backward, candidates)
+            monkeypatch.setattr(tuner, "cache", {})  # untuned for this test, and left as it was after
+            fastest = (candidates[winner]["BLOCK_P"], candidates[winner]["BLOCK_D"])
+            monkeypatch.setattr(tuner, "_bench", self._timing(fastest))
+
+    def _timing(self, fastest):
+        def bench(*args, config, **kwargs):
+            self.timed += 1
+            ms = 1.0 if (config.kwargs["BLOCK_P"], config.kwargs["BLOCK_D"]) == fastest else 2.0
+            return [ms, ms, ms]
+
+        return bench
+
+
+def test_autotuned_launches_run_the_fastest_tile_once_tuned(monkeypatch):
+    f, d = 16, 40
+    candidates = T.candidate_configs(f, d, torch.float16)
+    timed_per_shape = len(candidates) + len(T.candidate_configs(f, d, torch.float16, backward=True))
+    winner = 4  # 8 sequences on 8 warps, the head dim in one 64-wide chunk
+    assert (candidates[winner]["BLOCK_P"], candidates[winner]["BLOCK_D"]) == (8, 64)
+    timing = _StandInTiming(monkeypatch, f, d, winner)
+    q, k, v = leaves = _make(3, f, 5, 2, d, "bfnc", torch.float16, requires_grad=True)
+    dout = torch.randn(q.shape, dtype=torch.float16)
+    with ldmopt.use_backend("triton"):
+        out = temporal_attention(q, k, v)
+        out.backward(dout)
+    assert timing.timed == timed_per_shape  # forward and backward each timed every candidate once
+    ref, lowp = _sdpa(*(t.detach().double() for t in leaves)), _sdpa(*(t.detach() for t in leaves))
+    assert_within_torch_error(out, ref, lowp, "autotuned forward")
+    grads = [t.grad for t in leaves]
+    ref_grads = _grads(leaves, dout, torch.float64)
+    lowp_grads = _grads(leaves, dout, torch.float16)
+    for i, g in enumerate(grads):
+        assert_within_torch_error(g, ref_grads[i], lowp_grads[i], f"autotuned grad {i}")
+
+    chosen = T.tuned_choices()
+    n_seq = 3 * 5 * 2
+    for direction in ("forward", "backward"):
+        (key, tile), *more = chosen[direction].items()
+        assert not more
+        assert key[: len(T.TUNING_KEY)] == (n_seq, f, 5, 2, d, *q.stride()[1:4]), key
+        assert (tile["BLOCK_P"], tile["BLOCK_D"], tile["num_warps"]) == (8, 64, 8)
+
+    # the same shape and layout again: launched with the choice, nothing timed
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        again = temporal_attention(q, k, v)
+    assert timing.timed == timed_per_shape
+    assert torch.equal(again, out.detach())
+    # another layout of the same shape is another key: timed afresh
+    # (B, F, N, H, D) views of (B*N, F, C) activations: q's shape, other strides
+    q2, k2, v2 = (torch.randn(3 * 5, f, 2 * d).half().view(3, 5, f, 2, d).transpose(1, 2) for _ in range(3))
+    assert q2.shape == q.shape and q2.stride() != q.stride()
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        temporal_attention(q2, k2, v2)
+    assert timing.timed == timed_per_shape + len(candidates)
+    assert len(T.tuned_choices()["forward"]) == 2
