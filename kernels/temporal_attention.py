@@ -355,18 +355,28 @@ def _autotunes(q: torch.Tensor) -> bool:
     return q.is_cuda
 
 
-def _launcher(q: torch.Tensor, n_seq: int, backward: bool) -> tuple:
-    """(kernel, grid, launch keywords): the forced tile, the heuristic one (fp32, CPU tensors), or the candidates'
-    autotuner."""
+def _capturing(q: torch.Tensor) -> bool:
+    """Whether ``q``'s launches are being captured into a CUDA graph."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _launch(backward: bool, q: torch.Tensor, n_seq: int, args: tuple, kwargs: dict) -> None:
+    """Launches the forward (backward) kernel on ``args``: with the forced tile, the heuristic one (fp32, CPU
+    tensors), or the candidates' autotuner. Under CUDA graph capture a key not tuned yet cannot be timed (timing
+    synchronises): the heuristic tile runs then, and capture after a warm-up call runs the tuned one."""
     _b, f, _n, _h, d = q.shape
     candidates = candidate_configs(f, d, q.dtype, backward)
     tile = _FORCED[backward]
-    if tile is None and (len(candidates) == 1 or not _autotunes(q)):
-        tile = candidates[0]
-    if tile is None:
-        tuner = _LAST_LAUNCHED[backward] = _autotuner(backward, candidates)
-        grid = lambda meta: (cdiv(n_seq, meta["BLOCK_P"]),)
-        return tuned_launch(tuner), grid, {"BLOCK_F": candidates[0]["BLOCK_F"]}
+    if tile is None and len(candidates) > 1 and _autotunes(q):
+        tuner = _autotuner(backward, candidates)
+        launch = tuned_launch(tuner)
+        tuned_kwargs = {**kwargs, "BLOCK_F": candidates[0]["BLOCK_F"]}
+        chosen = getattr(launch, "chosen", None)
+        if not (_capturing(q) and chosen and chosen(args, tuned_kwargs) is None):
+            _LAST_LAUNCHED[backward] = tuner
+            launch[lambda meta: (cdiv(n_seq, meta["BLOCK_P"]),)](*args, **tuned_kwargs)
+            return
+    tile = tile or candidates[0]
     if tile not in candidates:
         raise ValueError(
             f"tile {tile} is not a candidate for F={f}, head_dim={d}, {q.dtype} "
@@ -374,7 +384,7 @@ def _launcher(q: torch.Tensor, n_seq: int, backward: bool) -> tuple:
         )
     _LAST_LAUNCHED[backward] = tile
     kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
-    return kernel, (cdiv(n_seq, tile["BLOCK_P"]),), dict(tile)
+    kernel[(cdiv(n_seq, tile["BLOCK_P"]),)](*args, **kwargs, **tile)
 
 
 #: backward? -> the tile (or the autotuner) of the last launch, for launched_tile
@@ -442,11 +452,9 @@ def temporal_attention_fwd(
     b, f, n, h, d = q.shape
     n_seq = b * n * h
     launch_grid(n_seq, f, d, q.dtype)  # the grid limit
-    kernel, grid, tile = _launcher(q, n_seq, backward=False)
-    kernel[grid](
-        out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, scale * _LOG2E,
-        D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(out, q, k, v), **tile,
-    )  # fmt: skip
+    args = (out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, scale * _LOG2E)
+    kwargs = dict(D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(out, q, k, v))
+    _launch(False, q, n_seq, args, kwargs)
     return out
 
 
@@ -459,12 +467,12 @@ def temporal_attention_bwd(
     dq, dk, dv = new_output(like=q), new_output(like=k), new_output(like=v)
     n_seq = b * n * h
     launch_grid(n_seq, f, d, q.dtype, backward=True)  # the grid limit
-    kernel, grid, tile = _launcher(q, n_seq, backward=True)
-    kernel[grid](
+    args = (
         dq, dk, dv, dout, q, k, v, *dq.stride(), *dk.stride(), *dv.stride(), *dout.stride(), *q.stride(),
         *k.stride(), *v.stride(), n_seq, n, h, f, scale, scale * _LOG2E,
-        D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(dq, dk, dv, dout, q, k, v), **tile,
     )  # fmt: skip
+    kwargs = dict(D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(dq, dk, dv, dout, q, k, v))
+    _launch(True, q, n_seq, args, kwargs)
     return dq, dk, dv
 
 

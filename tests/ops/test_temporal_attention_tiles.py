@@ -153,3 +153,26 @@ def test_autotuned_launches_run_the_fastest_tile_once_tuned(monkeypatch):
         temporal_attention(q2, k2, v2)
     assert timing.timed == timed_per_shape + len(candidates)
     assert len(T.tuned_choices()["forward"]) == 2
+
+
+def test_under_graph_capture_an_untuned_key_runs_the_heuristic_tile(monkeypatch):
+    # Timing synchronises, which CUDA graph capture forbids: a key met first under capture runs the heuristic tile
+    # untimed; once a call outside capture has tuned it, capture launches the tuned tile.
+    f, d = 16, 40
+    timing = _StandInTiming(monkeypatch, f, d, winner=4)
+    capturing = [True]
+    monkeypatch.setattr(T, "_capturing", lambda q: capturing[0])
+    q, k, v = _make(2, f, 3, 2, d, "bfnc", torch.float16)
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        first = temporal_attention(q, k, v)
+        assert timing.timed == 0 and T.launched_tile() == "P4xD16w4"
+        capturing[0] = False
+        temporal_attention(q, k, v)  # tunes the key
+        timed = timing.timed
+        assert timed == len(T.candidate_configs(f, d, torch.float16)) and T.launched_tile() == "P8xD64w8"
+        capturing[0] = True
+        captured = temporal_attention(q, k, v)
+        assert timing.timed == timed and T.launched_tile() == "P8xD64w8"
+    ref, lowp = _sdpa(q.double(), k.double(), v.double()), _sdpa(q, k, v)
+    assert_within_torch_error(first, ref, lowp, "heuristic tile under capture")
+    assert_within_torch_error(captured, ref, lowp, "tuned tile under capture")
