@@ -179,7 +179,8 @@ def autotune(**kwargs) -> object:
     """``triton.autotune`` that keeps its timings in Triton's disk cache (beside the compiled kernels, keyed by the
     kernel's source, the GPU target, the tuning key and the configs), so a new process reuses the choice instead of
     timing every tile again at its first call of each shape: a patched pipeline's first step no longer autotunes in
-    every process. LDMOPT_AUTOTUNE_CACHE=0 (read at import) times every process afresh; the interpreter never caches."""
+    every process. LDMOPT_AUTOTUNE_CACHE=0 (read when each autotuner is made: at import for most kernels, at first
+    use for temporal attention's) times every process afresh; the interpreter never caches."""
     if _AUTOTUNE_CACHES and os.environ.get("LDMOPT_AUTOTUNE_CACHE", "1") != "0":
         kwargs.setdefault("cache_results", True)
     return triton.autotune(**kwargs)

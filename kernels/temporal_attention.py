@@ -24,6 +24,7 @@ AnimateDiff's head dim 40 against 89-92% at SVD's 64, the backward 22-49% (bench
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -192,43 +193,73 @@ def _temporal_attention_bwd_kernel(
     do_off = _seq_offsets(s, N, H, stride_dob, stride_don, stride_doh, ALIGN)
 
     zeros = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_F], dtype=tl.float32)
-    acc = _scores(
-        zeros, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
-        BLOCK_D, DOT_PRECISION, ALIGN,
-    )  # fmt: skip
-    p = _softmax(acc, (f < F)[None, None, :], qk_scale)
-    dp = _scores(
-        zeros, do_ptr, v_ptr, do_off, v_off, stride_dof, stride_dod, stride_vf, stride_vd, f, row_mask, D,
-        BLOCK_D, DOT_PRECISION, ALIGN,
-    )  # fmt: skip
-    # Padded query rows have dO = 0, hence dP = 0 and dS = 0: they add nothing to dK and dV.
+    zero_o = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_D], dtype=tl.float32)
+    col_valid = (f < F)[None, None, :]
+    if BLOCK_D >= D:
+        # The whole head dim in one chunk: q, k, v and dO are loaded once and kept for the gradients (the chunked
+        # path below reads q, k and dO twice).
+        d = tl.arange(0, BLOCK_D)
+        mask = row_mask & (d < D)[None, None, :]
+        q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd, ALIGN), mask=mask, other=0.0)
+        k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd, ALIGN), mask=mask, other=0.0)
+        v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd, ALIGN), mask=mask, other=0.0)
+        do = tl.load(_tile_ptrs(do_ptr, do_off, f, d, stride_dof, stride_dod, ALIGN), mask=mask, other=0.0)
+        p = _softmax(_bdot(q, tl.permute(k, (0, 2, 1)), zeros, DOT_PRECISION), col_valid, qk_scale)
+        dp = _bdot(do, tl.permute(v, (0, 2, 1)), zeros, DOT_PRECISION)
+        p_t, ds, ds_t = _score_grads(p, dp, scale, do_ptr, k_ptr, q_ptr)
+        # the gradients' offsets only now: live through the score products, they cost registers there
+        dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh, ALIGN)
+        dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh, ALIGN)
+        dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh, ALIGN)
+        _product_into(dv_ptr, dv_off, p_t, do, f, d, mask, zero_o, stride_dvf, stride_dvd, DOT_PRECISION, ALIGN)
+        _product_into(dq_ptr, dq_off, ds, k, f, d, mask, zero_o, stride_dqf, stride_dqd, DOT_PRECISION, ALIGN)
+        _product_into(dk_ptr, dk_off, ds_t, q, f, d, mask, zero_o, stride_dkf, stride_dkd, DOT_PRECISION, ALIGN)
+    else:
+        acc = _scores(
+            zeros, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
+            BLOCK_D, DOT_PRECISION, ALIGN,
+        )  # fmt: skip
+        p = _softmax(acc, col_valid, qk_scale)
+        dp = _scores(
+            zeros, do_ptr, v_ptr, do_off, v_off, stride_dof, stride_dod, stride_vf, stride_vd, f, row_mask, D,
+            BLOCK_D, DOT_PRECISION, ALIGN,
+        )  # fmt: skip
+        p_t, ds, ds_t = _score_grads(p, dp, scale, do_ptr, k_ptr, q_ptr)
+        # the gradients' offsets only now: live through the score products, they cost registers there
+        dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh, ALIGN)
+        dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh, ALIGN)
+        dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh, ALIGN)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            mask = row_mask & (d < D)[None, None, :]
+            # each operand loaded just before its product: fewer tiles live at once
+            do = tl.load(_tile_ptrs(do_ptr, do_off, f, d, stride_dof, stride_dod, ALIGN), mask=mask, other=0.0)
+            _product_into(dv_ptr, dv_off, p_t, do, f, d, mask, zero_o, stride_dvf, stride_dvd, DOT_PRECISION, ALIGN)
+            k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd, ALIGN), mask=mask, other=0.0)
+            _product_into(dq_ptr, dq_off, ds, k, f, d, mask, zero_o, stride_dqf, stride_dqd, DOT_PRECISION, ALIGN)
+            q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd, ALIGN), mask=mask, other=0.0)
+            _product_into(dk_ptr, dk_off, ds_t, q, f, d, mask, zero_o, stride_dkf, stride_dkd, DOT_PRECISION, ALIGN)
+
+
+@triton.jit
+def _score_grads(p, dp, scale, do_ptr, k_ptr, q_ptr):
+    # dS = P * (dP - rowsum(P * dP)) * scale, and the operands of the gradient products, each in the dtype of the
+    # tensor it multiplies: P^T (dV = P^T dO), dS (dQ = dS K), dS^T (dK = dS^T Q). Padded query rows have dO = 0,
+    # hence dP = 0 and dS = 0: they add nothing to dK and dV.
     ds = p * (dp - tl.sum(p * dp, axis=2)[:, :, None]) * scale
     ds_t = tl.permute(ds.to(q_ptr.dtype.element_ty), (0, 2, 1))
     ds = ds.to(k_ptr.dtype.element_ty)
     p_t = tl.permute(p.to(do_ptr.dtype.element_ty), (0, 2, 1))
+    return p_t, ds, ds_t
 
-    dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh, ALIGN)
-    dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh, ALIGN)
-    dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh, ALIGN)
-    zero_o = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        mask = row_mask & (d < D)[None, None, :]
-        do = tl.load(_tile_ptrs(do_ptr, do_off, f, d, stride_dof, stride_dod, ALIGN), mask=mask, other=0.0)
-        dv = _bdot(p_t, do, zero_o, DOT_PRECISION)
-        tl.store(
-            _tile_ptrs(dv_ptr, dv_off, f, d, stride_dvf, stride_dvd, ALIGN), dv.to(dv_ptr.dtype.element_ty), mask=mask
-        )
-        k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd, ALIGN), mask=mask, other=0.0)
-        dq = _bdot(ds, k, zero_o, DOT_PRECISION)
-        tl.store(
-            _tile_ptrs(dq_ptr, dq_off, f, d, stride_dqf, stride_dqd, ALIGN), dq.to(dq_ptr.dtype.element_ty), mask=mask
-        )
-        q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd, ALIGN), mask=mask, other=0.0)
-        dk = _bdot(ds_t, q, zero_o, DOT_PRECISION)
-        tl.store(
-            _tile_ptrs(dk_ptr, dk_off, f, d, stride_dkf, stride_dkd, ALIGN), dk.to(dk_ptr.dtype.element_ty), mask=mask
-        )
+
+@triton.jit
+def _product_into(
+    out_ptr, out_off, a, b, f, d, mask, zero_o, stride_f, stride_d, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr
+):
+    # One head-dim chunk of a gradient: a @ b ([P, F, F] x [P, F, chunk]) stored in out's dtype.
+    out = _bdot(a, b, zero_o, DOT_PRECISION)
+    tl.store(_tile_ptrs(out_ptr, out_off, f, d, stride_f, stride_d, ALIGN), out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers
@@ -266,19 +297,27 @@ def _tile(p: int, f_block: int, d_block: int, warps: int) -> dict:
 
 
 def candidate_configs(f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> list[dict]:
-    """The tiles a GPU autotunes over for F frames and head_dim d, the heuristic :func:`block_config` first.
+    """The tiles a GPU autotunes over for F frames and head_dim d, the heuristic :func:`block_config` first (see
+    :func:`_candidates`)."""
+    return [dict(t) for t in _candidates(f, d, dtype, backward)]
+
+
+@functools.lru_cache(maxsize=256)
+def _candidates(f: int, d: int, dtype: torch.dtype, backward: bool) -> tuple[dict, ...]:
+    """:func:`candidate_configs`, made once per (F, head_dim, dtype, direction): launches read it on every call.
 
     16-bit inputs only: fp32 keeps its one tile (the reference-precision path; its fp32 tiles leave no register
     room). Besides the heuristic chunk, the head dim is tried in one chunk where it is at most 64 (40: one masked
     64-wide load instead of three 16-wide ones), else in the other of 16 / 32. F <= 16: 4 sequences on 4 warps, 8 on
     8 (all of a pixel's 8 heads: longer contiguous rows) and 2 on 2 (more programs per SM); longer sequences: one per
     program on 4 or 8 warps, with no chunk narrower than the heuristic's, and 8 warps over 32 padded frames only
-    with a 64-wide chunk (narrower, their loads drop to 8 bytes). Every tile compiles without spills on sm_80 /
-    sm_90 (aot_specs).
+    with a 64-wide chunk (narrower, their loads drop to 8 bytes); the backward over 64 padded frames keeps its
+    chunk (in one 64-wide chunk it spills 272-288 bytes on sm_80). At the models' shapes (AOT_SHAPES) every tile
+    compiles without spills on sm_80 / sm_90 under Triton 3.8 and 3.6 (aot_specs).
     """
     base = block_config(f, d, dtype, backward)
     if dtype == torch.float32:
-        return [base]
+        return (base,)
     f_block, chunk = base["BLOCK_F"], base["BLOCK_D"]
     other = max(16, next_power_of_2(d)) if d <= 64 else 48 - chunk  # beyond 64: 16 <-> 32
     chunks = (chunk,) if other == chunk else (chunk, other)
@@ -289,13 +328,13 @@ def candidate_configs(f: int, d: int, dtype: torch.dtype = torch.float16, backwa
         tiles = [_tile(p, 16, chunk, p) for p in spreads(chunk)]
         tiles += [_tile(p, 16, c, p) for c in chunks[1:] for p in spreads(c) if p != 2]
     else:  # one sequence per program: a narrower chunk than the heuristic's drops its loads to 8 bytes
-        chunks = tuple(c for c in chunks if c >= chunk)
+        chunks = tuple(c for c in chunks if c >= chunk and not (backward and f_block == 64 and c > chunk))
         if f_block == 32:
             tiles = [_tile(1, 32, c, 4) for c in chunks] + [_tile(1, 32, c, 8) for c in chunks if c == 64]
         else:
             tiles = [_tile(1, f_block, c, w) for c in chunks for w in (8, 4)]
     assert tiles[0] == base, (tiles[0], base)
-    return tiles
+    return tuple(tiles)
 
 
 def tile_pairs(forward: list[dict], backward: list[dict]) -> list[tuple[dict, dict]]:
@@ -310,7 +349,7 @@ def tile_pairs(forward: list[dict], backward: list[dict]) -> list[tuple[dict, di
 def launch_grid(n_seq: int, f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> tuple[int]:
     """The 1-D grid for n_seq = B*N*H sequences under the candidate tile with the fewest sequences per program (the
     largest grid autotuning may launch): every sequence of every head on axis 0."""
-    fewest = min(t["BLOCK_P"] for t in candidate_configs(f, d, dtype, backward))
+    fewest = min(t["BLOCK_P"] for t in _candidates(f, d, dtype, backward))
     grid = (cdiv(n_seq, fewest),)
     if grid[0] > _GRID_AXIS0_LIMIT:
         raise ValueError(f"{n_seq} sequences need {grid[0]} programs, over grid axis 0's limit {_GRID_AXIS0_LIMIT}")
@@ -324,7 +363,8 @@ _FORCED: dict[bool, dict | None] = {False: None, True: None}
 @contextlib.contextmanager
 def forced_config(forward: dict | None = None, backward: dict | None = None):
     """Within the block, forward and backward launches run the tiles given (each one of :func:`candidate_configs`
-    for the shape launched; None: chosen as usual), without autotuning: for checks and benchmarks of each tile."""
+    for the shape launched; None: chosen as usual), without autotuning: for checks and benchmarks of each tile.
+    Process-wide, like the backend switches of benchmarks: autograd runs backward on threads of its own."""
     saved = dict(_FORCED)
     _FORCED.update({False: forward, True: backward})
     try:
@@ -333,8 +373,9 @@ def forced_config(forward: dict | None = None, backward: dict | None = None):
         _FORCED.update(saved)
 
 
-#: An autotuned launch's key: the shape and q's strides, which place its rows in memory (a packed qkv, the (B*N, F,
-#: C) or the (B, F, N, C) order); the autotuner adds the tensors' dtypes.
+#: An autotuned launch's key: the shape and q's frame, pixel and head strides, which place its rows in memory (a
+#: packed qkv, the (B*N, F, C) or the (B, F, N, C) order); the autotuner adds the tensors' dtypes. Any candidate is
+#: valid for any strides: the other tensors' layouts only make a choice less apt, never wrong.
 TUNING_KEY = ("n_seq", "F", "N", "H", "D", "stride_qf", "stride_qn", "stride_qh")
 #: (backward, candidate tiles as (BLOCK_P, BLOCK_D, num_warps)) -> its autotuner, made on first use
 _AUTOTUNERS: dict[tuple[bool, tuple], object] = {}
@@ -360,19 +401,20 @@ def _capturing(q: torch.Tensor) -> bool:
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _launch(backward: bool, q: torch.Tensor, n_seq: int, args: tuple, kwargs: dict) -> None:
+def _launch(backward: bool, q: torch.Tensor, n_seq: int, args: tuple, kwargs: dict, may_time: bool = True) -> None:
     """Launches the forward (backward) kernel on ``args``: with the forced tile, the heuristic one (fp32, CPU
-    tensors), or the candidates' autotuner. Under CUDA graph capture a key not tuned yet cannot be timed (timing
-    synchronises): the heuristic tile runs then, and capture after a warm-up call runs the tuned one."""
+    tensors), or the candidates' autotuner. Timing a key not tuned yet runs the kernel many times, so where that is
+    not allowed the heuristic tile runs instead (a key tuned before still launches its choice): under CUDA graph
+    capture (timing synchronises) and when ``may_time`` is False (an output overlapping an input, which a second run
+    would read overwritten)."""
     _b, f, _n, _h, d = q.shape
-    candidates = candidate_configs(f, d, q.dtype, backward)
+    candidates = _candidates(f, d, q.dtype, backward)
     tile = _FORCED[backward]
     if tile is None and len(candidates) > 1 and _autotunes(q):
         tuner = _autotuner(backward, candidates)
         launch = tuned_launch(tuner)
         tuned_kwargs = {**kwargs, "BLOCK_F": candidates[0]["BLOCK_F"]}
-        chosen = getattr(launch, "chosen", None)
-        if not (_capturing(q) and chosen and chosen(args, tuned_kwargs) is None):
+        if (may_time and not _capturing(q)) or _tuned(launch, args, tuned_kwargs):
             _LAST_LAUNCHED[backward] = tuner
             launch[lambda meta: (cdiv(n_seq, meta["BLOCK_P"]),)](*args, **tuned_kwargs)
             return
@@ -380,11 +422,23 @@ def _launch(backward: bool, q: torch.Tensor, n_seq: int, args: tuple, kwargs: di
     if tile not in candidates:
         raise ValueError(
             f"tile {tile} is not a candidate for F={f}, head_dim={d}, {q.dtype} "
-            f"({'backward' if backward else 'forward'}); candidates: {candidates}"
+            f"({'backward' if backward else 'forward'}); candidates: {list(candidates)}"
         )
     _LAST_LAUNCHED[backward] = tile
     kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
     kernel[(cdiv(n_seq, tile["BLOCK_P"]),)](*args, **kwargs, **tile)
+
+
+def _tuned(launch, args: tuple, kwargs: dict) -> bool:
+    """Whether the autotuner behind ``launch`` has chosen a tile for these arguments (False when it cannot tell)."""
+    chosen = getattr(launch, "chosen", None)  # a TunedLaunch; tuned_launch hands an Autotuner subclass back as is
+    return chosen is not None and chosen(args, kwargs) is not None
+
+
+def _overlaps(out: torch.Tensor, *inputs: torch.Tensor) -> bool:
+    """Whether ``out`` shares storage with any of ``inputs`` (conservatively: any sharing at all)."""
+    storage = out.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == storage for t in inputs)
 
 
 #: backward? -> the tile (or the autotuner) of the last launch, for launched_tile
@@ -392,8 +446,8 @@ _LAST_LAUNCHED: dict[bool, object] = {False: None, True: None}
 
 
 def launched_tile(backward: bool = False) -> str:
-    """The tile of the last forward (backward) launch in this process, as "P8xD64w8" (sequences per program,
-    head-dim chunk, warps); "" before any."""
+    """The tile of the last forward (backward) launch in this process, any thread, as "P8xD64w8" (sequences per
+    program, head-dim chunk, warps); "" before any."""
     last = _LAST_LAUNCHED[backward]
     if last is None:
         return ""
@@ -454,7 +508,7 @@ def temporal_attention_fwd(
     launch_grid(n_seq, f, d, q.dtype)  # the grid limit
     args = (out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, scale * _LOG2E)
     kwargs = dict(D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(out, q, k, v))
-    _launch(False, q, n_seq, args, kwargs)
+    _launch(False, q, n_seq, args, kwargs, may_time=not _overlaps(out, q, k, v))
     return out
 
 

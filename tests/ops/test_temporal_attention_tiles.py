@@ -77,6 +77,7 @@ def test_every_candidate_tile_computes_the_attention(case):
         with ldmopt.use_backend("triton"), T.forced_config(fwd_tile, bwd_tile):
             out = temporal_attention(q, k, v)
             out.backward(dout)
+        assert (T.launched_tile(), T.launched_tile(backward=True)) == (_tile_id(fwd_tile), _tile_id(bwd_tile))
         assert_within_torch_error(out, ref, lowp, f"out {label}")
         for i, t in enumerate(leaves):
             assert_within_torch_error(t.grad, ref_grads[i], lowp_grads[i], f"grad {i} {label}")
@@ -176,3 +177,45 @@ def test_under_graph_capture_an_untuned_key_runs_the_heuristic_tile(monkeypatch)
     ref, lowp = _sdpa(q.double(), k.double(), v.double()), _sdpa(q, k, v)
     assert_within_torch_error(first, ref, lowp, "heuristic tile under capture")
     assert_within_torch_error(captured, ref, lowp, "tuned tile under capture")
+    # an autotuner whose cache cannot be read ahead (a subclass, launched as is): under capture, never timed
+    monkeypatch.setattr(T, "tuned_launch", lambda tuner: tuner)
+    q3, k3, v3 = _make(2, f, 4, 2, d, "bfnc", torch.float16)  # another key
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        temporal_attention(q3, k3, v3)
+    assert timing.timed == timed and T.launched_tile() == "P4xD16w4"
+
+
+def test_an_output_overlapping_an_input_is_never_timed(monkeypatch):
+    # Timing runs the kernel repeatedly: with out=q, every run after the first would read q overwritten. An untuned
+    # key runs the heuristic tile once; a tuned one launches its choice once.
+    f, d = 16, 40
+    timing = _StandInTiming(monkeypatch, f, d, winner=4)
+    q, k, v = _make(2, f, 3, 2, d, "bfnc", torch.float16)
+    ref, lowp = _sdpa(q.double(), k.double(), v.double()), _sdpa(q, k, v)
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        aliased = q.clone()
+        temporal_attention(aliased, k, v, out=aliased)
+        assert timing.timed == 0 and T.launched_tile() == "P4xD16w4"
+        assert_within_torch_error(aliased, ref, lowp, "out=q, untuned")
+        temporal_attention(q, k, v)  # tunes the key
+        assert timing.timed > 0 and T.launched_tile() == "P8xD64w8"
+        timed = timing.timed
+        aliased = q.clone()
+        temporal_attention(aliased, k, v, out=aliased)
+        assert timing.timed == timed and T.launched_tile() == "P8xD64w8"
+    assert_within_torch_error(aliased, ref, lowp, "out=q, tuned")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [16, 12])
+def test_backward_with_the_head_dim_in_one_chunk(dtype, d):
+    # Head dims up to the chunk width take the backward's one-chunk path (q, k, v and dO loaded once), the heuristic
+    # tile included: fp32's 16-wide chunk at d = 16, and d = 12 masked inside it.
+    assert T.block_config(7, d, dtype, backward=True)["BLOCK_D"] >= d
+    q, k, v = leaves = _make(3, 7, 2, 3, d, "bfnc", dtype, requires_grad=True)
+    dout = torch.randn(q.shape, dtype=dtype)
+    with ldmopt.use_backend("triton"):
+        temporal_attention(q, k, v).backward(dout)
+    ref_grads, lowp_grads = _grads(leaves, dout, torch.float64), _grads(leaves, dout, dtype)
+    for i, t in enumerate(leaves):
+        assert_within_torch_error(t.grad, ref_grads[i], lowp_grads[i], f"grad {i} d={d} {dtype}")
