@@ -111,6 +111,15 @@ def _softmax(s, col_valid, qk_scale):
 
 
 @triton.jit
+def _product_into(
+    out_ptr, out_off, a, b, f, d, mask, zero_o, stride_f, stride_d, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr
+):
+    # One head-dim chunk of an output or a gradient: a @ b ([P, F, F] x [P, F, chunk]) stored in out's dtype.
+    out = _bdot(a, b, zero_o, DOT_PRECISION)
+    tl.store(_tile_ptrs(out_ptr, out_off, f, d, stride_f, stride_d, ALIGN), out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _temporal_attention_fwd_kernel(
     o_ptr,
     q_ptr,
@@ -141,18 +150,28 @@ def _temporal_attention_fwd_kernel(
     o_off = _seq_offsets(s, N, H, stride_ob, stride_on, stride_oh, ALIGN)
 
     acc = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_F], dtype=tl.float32)
-    acc = _scores(
-        acc, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
-        BLOCK_D, DOT_PRECISION, ALIGN,
-    )  # fmt: skip
-    p = _softmax(acc, (f < F)[None, None, :], qk_scale).to(v_ptr.dtype.element_ty)
     zero_o = tl.zeros([BLOCK_P, BLOCK_F, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
+    if BLOCK_D >= D:
+        # The whole head dim in one chunk: v is loaded with q and k, its latency hidden behind theirs and the scores.
+        d = tl.arange(0, BLOCK_D)
         mask = row_mask & (d < D)[None, None, :]
+        q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd, ALIGN), mask=mask, other=0.0)
+        k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd, ALIGN), mask=mask, other=0.0)
         v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd, ALIGN), mask=mask, other=0.0)
-        o = _bdot(p, v, zero_o, DOT_PRECISION)
-        tl.store(_tile_ptrs(o_ptr, o_off, f, d, stride_of, stride_od, ALIGN), o.to(o_ptr.dtype.element_ty), mask=mask)
+        acc = _bdot(q, tl.permute(k, (0, 2, 1)), acc, DOT_PRECISION)
+        p = _softmax(acc, (f < F)[None, None, :], qk_scale).to(v_ptr.dtype.element_ty)
+        _product_into(o_ptr, o_off, p, v, f, d, mask, zero_o, stride_of, stride_od, DOT_PRECISION, ALIGN)
+    else:
+        acc = _scores(
+            acc, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
+            BLOCK_D, DOT_PRECISION, ALIGN,
+        )  # fmt: skip
+        p = _softmax(acc, (f < F)[None, None, :], qk_scale).to(v_ptr.dtype.element_ty)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            mask = row_mask & (d < D)[None, None, :]
+            v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd, ALIGN), mask=mask, other=0.0)
+            _product_into(o_ptr, o_off, p, v, f, d, mask, zero_o, stride_of, stride_od, DOT_PRECISION, ALIGN)
 
 
 @triton.jit
@@ -251,15 +270,6 @@ def _score_grads(p, dp, scale, do_ptr, k_ptr, q_ptr):
     ds = ds.to(k_ptr.dtype.element_ty)
     p_t = tl.permute(p.to(do_ptr.dtype.element_ty), (0, 2, 1))
     return p_t, ds, ds_t
-
-
-@triton.jit
-def _product_into(
-    out_ptr, out_off, a, b, f, d, mask, zero_o, stride_f, stride_d, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr
-):
-    # One head-dim chunk of a gradient: a @ b ([P, F, F] x [P, F, chunk]) stored in out's dtype.
-    out = _bdot(a, b, zero_o, DOT_PRECISION)
-    tl.store(_tile_ptrs(out_ptr, out_off, f, d, stride_f, stride_d, ALIGN), out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------- launchers

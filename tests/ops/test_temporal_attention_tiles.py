@@ -208,14 +208,17 @@ def test_an_output_overlapping_an_input_is_never_timed(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("d", [16, 12])
-def test_backward_with_the_head_dim_in_one_chunk(dtype, d):
-    # Head dims up to the chunk width take the backward's one-chunk path (q, k, v and dO loaded once), the heuristic
-    # tile included: fp32's 16-wide chunk at d = 16, and d = 12 masked inside it.
+def test_head_dim_in_one_chunk(dtype, d):
+    # Head dims up to the chunk width take the one-chunk paths (forward: v loaded with q and k; backward: q, k, v
+    # and dO loaded once), the heuristic tile included: fp32's 16-wide chunk at d = 16, and d = 12 masked inside it.
     assert T.block_config(7, d, dtype, backward=True)["BLOCK_D"] >= d
     q, k, v = leaves = _make(3, 7, 2, 3, d, "bfnc", dtype, requires_grad=True)
     dout = torch.randn(q.shape, dtype=dtype)
     with ldmopt.use_backend("triton"):
-        temporal_attention(q, k, v).backward(dout)
+        out = temporal_attention(q, k, v)
+        out.backward(dout)
+    ref, lowp = _sdpa(*(t.detach().double() for t in leaves)), _sdpa(*(t.detach() for t in leaves))
+    assert_within_torch_error(out, ref, lowp, f"out d={d} {dtype}")
     ref_grads, lowp_grads = _grads(leaves, dout, torch.float64), _grads(leaves, dout, dtype)
     for i, t in enumerate(leaves):
         assert_within_torch_error(t.grad, ref_grads[i], lowp_grads[i], f"grad {i} d={d} {dtype}")
