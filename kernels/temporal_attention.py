@@ -317,8 +317,9 @@ def _candidates(f: int, d: int, dtype: torch.dtype, backward: bool) -> tuple[dic
     """:func:`candidate_configs`, made once per (F, head_dim, dtype, direction): launches read it on every call.
 
     16-bit inputs only: fp32 keeps its one tile (the reference-precision path; its fp32 tiles leave no register
-    room). Besides the heuristic chunk, the head dim is tried in one chunk where it is at most 64 (40: one masked
-    64-wide load instead of three 16-wide ones), else in the other of 16 / 32. F <= 16: 4 sequences on 4 warps, 8 on
+    room). Besides the heuristic chunk, the head dim is tried in one chunk where it is at most 128 over 16 padded
+    frames, 64 over more (40: one masked 64-wide load instead of three 16-wide ones; 80: one 128-wide instead of five
+    16-wide), else in the other of 16 / 32. F <= 16: 4 sequences on 4 warps, 8 on
     8 (all of a pixel's 8 heads: longer contiguous rows) and 2 on 2 (more programs per SM); longer sequences: one per
     program on 4 or 8 warps, with no chunk narrower than the heuristic's, and 8 warps over 32 padded frames only
     with a 64-wide chunk (narrower, their loads drop to 8 bytes); the backward over 64 padded frames keeps its
@@ -329,7 +330,9 @@ def _candidates(f: int, d: int, dtype: torch.dtype, backward: bool) -> tuple[dic
     if dtype == torch.float32:
         return (base,)
     f_block, chunk = base["BLOCK_F"], base["BLOCK_D"]
-    other = max(16, next_power_of_2(d)) if d <= 64 else 48 - chunk  # beyond 64: 16 <-> 32
+    # the head dim in one chunk (up to 128 wide over 16 padded frames, 64 over more), else the other of 16 / 32
+    whole = max(16, next_power_of_2(d))
+    other = whole if whole <= (128 if f_block == 16 else 64) else 48 - chunk
     chunks = (chunk,) if other == chunk else (chunk, other)
     if f_block == 16:
         # Under Triton 3.6 (the GPU image's) the backward with 32-wide chunks spills 8-16 bytes at 8 or 2 sequences
@@ -542,7 +545,7 @@ def temporal_attention_bwd(
 
 #: (F, head_dim) of the models the kernel is for: AnimateDiff (16, 40/80/160), SVD (14, 64), SVD-XT (25, 64), Latte
 #: (16, 72) and the longest sequence served (64, 64).
-AOT_SHAPES = ((16, 40), (14, 64), (16, 160), (25, 64), (64, 64), (16, 72))
+AOT_SHAPES = ((16, 40), (14, 64), (16, 80), (16, 160), (25, 64), (64, 64), (16, 72))
 
 
 def _aot_signature(names: tuple[str, ...], dtype: str, backward: bool) -> tuple[dict, dict]:
