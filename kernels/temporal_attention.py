@@ -7,18 +7,16 @@ the permute-free (B, F, N, H*D) order is ``.view(B, F, N, H, D)``, a fused to_qk
 int64 offsets (a sequence may span 2^31 elements or more: the contiguous dq of a strided q, a large frame stride).
 Algorithm: one program owns BLOCK_P sequences of the flattened (b, n, h) index (heads fastest, so neighbouring
 sequences share cache lines) and keeps their F x F scores in registers: S = Q K^T as a 3-D batched tl.dot
-accumulated over head-dim chunks, an exact softmax, then O = P V chunk by chunk. F <= 64 (padded to a power of two
->= 16 in registers only), head dims are masked chunks of 16/32, never padded in memory. The head dim is a
-compile-time constant (one compile per head dim a model uses): the chunk mask is then constant over aligned
-8-element vectors, so head dims of 40 and 72 load as 16-byte vectors instead of 2-byte scalars. The backward
+accumulated over head-dim chunks (masked, never padded in memory), an exact softmax, then O = P V chunk by chunk.
+F <= 64 (padded to a power of two >= 16 in registers only). The head dim is a compile-time constant: the chunk mask
+is then constant over aligned 8-element vectors, so head dims of 40 and 72 load as 16-byte vectors. The backward
 recomputes S (no logsumexp is stored), forms dS = P * (dP - rowsum(P * dP)) with dP = dO V^T, then dV = P^T dO,
-dQ = dS K, dK = dS^T Q chunk by chunk. The grid is 1-D: cdiv(B*N*H, BLOCK_P) programs, far below axis 0's
-2^31 - 1 limit.
+dQ = dS K, dK = dS^T Q chunk by chunk. The grid is 1-D: cdiv(B*N*H, BLOCK_P) programs, far below axis 0's limit.
 Tiles: on a GPU, 16-bit inputs autotune over a few tiles (:func:`candidate_configs`: sequences per program, warps,
-head-dim chunk), keyed by the shape and q's strides. Why: the measured forward reached 54-61% of copy bandwidth at
-AnimateDiff's head dim 40 against 89-92% at SVD's 64, the backward 22-49% (benchmarks/RESULTS.md, H200,
-2026-12-04); which tile suits a head dim and a layout is for the GPU to time. The heuristic tile
-(:func:`block_config`) is always a candidate, and is what fp32 and the CPU interpreter run.
+head-dim chunk), keyed by the shape and q's strides: the measured forward reached 54-61% of copy bandwidth at head
+dim 40 against 89-92% at 64, the backward 22-49% (benchmarks/RESULTS.md, H200, 2026-12-04), so which tile suits a
+head dim and a layout is for the GPU to time. The heuristic tile (:func:`block_config`) is always a candidate, and
+is what fp32 and the CPU interpreter run.
 """
 
 from __future__ import annotations
@@ -59,6 +57,12 @@ def _tile_ptrs(ptr, seq_off, f, d, stride_f, stride_d, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _load_chunk(ptr, seq_off, f, d, stride_f, stride_d, mask, ALIGN: tl.constexpr):
+    # One [P, F, chunk] tile, zero where masked (padded frames and head-dim lanes add nothing to any product).
+    return tl.load(_tile_ptrs(ptr, seq_off, f, d, stride_f, stride_d, ALIGN), mask=mask, other=0.0)
+
+
+@triton.jit
 def _bdot(a, b, acc, DOT_PRECISION: tl.constexpr):
     # Batched a @ b + acc on [P, M, K] x [P, K, N]. One sequence per program drops to a 2-D dot: the 3-D MMA layout
     # puts the warps on the batch axis, so with P = 1 all but one warp would compute a redundant copy.
@@ -95,8 +99,8 @@ def _scores(
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         mask = row_mask & (d < D)[None, None, :]
-        a = tl.load(_tile_ptrs(a_ptr, a_off, f, d, stride_af, stride_ad, ALIGN), mask=mask, other=0.0)
-        b = tl.load(_tile_ptrs(b_ptr, b_off, f, d, stride_bf, stride_bd, ALIGN), mask=mask, other=0.0)
+        a = _load_chunk(a_ptr, a_off, f, d, stride_af, stride_ad, mask, ALIGN)
+        b = _load_chunk(b_ptr, b_off, f, d, stride_bf, stride_bd, mask, ALIGN)
         acc = _bdot(a, tl.permute(b, (0, 2, 1)), acc, DOT_PRECISION)
     return acc
 
@@ -155,9 +159,9 @@ def _temporal_attention_fwd_kernel(
         # The whole head dim in one chunk: v is loaded with q and k, its latency hidden behind theirs and the scores.
         d = tl.arange(0, BLOCK_D)
         mask = row_mask & (d < D)[None, None, :]
-        q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd, ALIGN), mask=mask, other=0.0)
-        k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd, ALIGN), mask=mask, other=0.0)
-        v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd, ALIGN), mask=mask, other=0.0)
+        q = _load_chunk(q_ptr, q_off, f, d, stride_qf, stride_qd, mask, ALIGN)
+        k = _load_chunk(k_ptr, k_off, f, d, stride_kf, stride_kd, mask, ALIGN)
+        v = _load_chunk(v_ptr, v_off, f, d, stride_vf, stride_vd, mask, ALIGN)
         acc = _bdot(q, tl.permute(k, (0, 2, 1)), acc, DOT_PRECISION)
         p = _softmax(acc, (f < F)[None, None, :], qk_scale).to(v_ptr.dtype.element_ty)
         _product_into(o_ptr, o_off, p, v, f, d, mask, zero_o, stride_of, stride_od, DOT_PRECISION, ALIGN)
@@ -170,7 +174,7 @@ def _temporal_attention_fwd_kernel(
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
             mask = row_mask & (d < D)[None, None, :]
-            v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd, ALIGN), mask=mask, other=0.0)
+            v = _load_chunk(v_ptr, v_off, f, d, stride_vf, stride_vd, mask, ALIGN)
             _product_into(o_ptr, o_off, p, v, f, d, mask, zero_o, stride_of, stride_od, DOT_PRECISION, ALIGN)
 
 
@@ -219,10 +223,10 @@ def _temporal_attention_bwd_kernel(
         # path below reads q, k and dO twice).
         d = tl.arange(0, BLOCK_D)
         mask = row_mask & (d < D)[None, None, :]
-        q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd, ALIGN), mask=mask, other=0.0)
-        k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd, ALIGN), mask=mask, other=0.0)
-        v = tl.load(_tile_ptrs(v_ptr, v_off, f, d, stride_vf, stride_vd, ALIGN), mask=mask, other=0.0)
-        do = tl.load(_tile_ptrs(do_ptr, do_off, f, d, stride_dof, stride_dod, ALIGN), mask=mask, other=0.0)
+        q = _load_chunk(q_ptr, q_off, f, d, stride_qf, stride_qd, mask, ALIGN)
+        k = _load_chunk(k_ptr, k_off, f, d, stride_kf, stride_kd, mask, ALIGN)
+        v = _load_chunk(v_ptr, v_off, f, d, stride_vf, stride_vd, mask, ALIGN)
+        do = _load_chunk(do_ptr, do_off, f, d, stride_dof, stride_dod, mask, ALIGN)
         p = _softmax(_bdot(q, tl.permute(k, (0, 2, 1)), zeros, DOT_PRECISION), col_valid, qk_scale)
         dp = _bdot(do, tl.permute(v, (0, 2, 1)), zeros, DOT_PRECISION)
         p_t, ds, ds_t = _score_grads(p, dp, scale, do_ptr, k_ptr, q_ptr)
@@ -252,11 +256,11 @@ def _temporal_attention_bwd_kernel(
             d = d0 + tl.arange(0, BLOCK_D)
             mask = row_mask & (d < D)[None, None, :]
             # each operand loaded just before its product: fewer tiles live at once
-            do = tl.load(_tile_ptrs(do_ptr, do_off, f, d, stride_dof, stride_dod, ALIGN), mask=mask, other=0.0)
+            do = _load_chunk(do_ptr, do_off, f, d, stride_dof, stride_dod, mask, ALIGN)
             _product_into(dv_ptr, dv_off, p_t, do, f, d, mask, zero_o, stride_dvf, stride_dvd, DOT_PRECISION, ALIGN)
-            k = tl.load(_tile_ptrs(k_ptr, k_off, f, d, stride_kf, stride_kd, ALIGN), mask=mask, other=0.0)
+            k = _load_chunk(k_ptr, k_off, f, d, stride_kf, stride_kd, mask, ALIGN)
             _product_into(dq_ptr, dq_off, ds, k, f, d, mask, zero_o, stride_dqf, stride_dqd, DOT_PRECISION, ALIGN)
-            q = tl.load(_tile_ptrs(q_ptr, q_off, f, d, stride_qf, stride_qd, ALIGN), mask=mask, other=0.0)
+            q = _load_chunk(q_ptr, q_off, f, d, stride_qf, stride_qd, mask, ALIGN)
             _product_into(dk_ptr, dk_off, ds_t, q, f, d, mask, zero_o, stride_dkf, stride_dkd, DOT_PRECISION, ALIGN)
 
 
