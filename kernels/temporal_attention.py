@@ -321,14 +321,15 @@ def _candidates(f: int, d: int, dtype: torch.dtype, backward: bool) -> tuple[dic
     """:func:`candidate_configs`, made once per (F, head_dim, dtype, direction): launches read it on every call.
 
     16-bit inputs only: fp32 keeps its one tile (the reference-precision path; its fp32 tiles leave no register
-    room). Besides the heuristic chunk, the head dim is tried in one chunk where it is at most 128 over 16 padded
-    frames, 64 over more (40: one masked 64-wide load instead of three 16-wide ones; 80: one 128-wide instead of five
-    16-wide), else in the other of 16 / 32. F <= 16: 4 sequences on 4 warps, 8 on
-    8 (all of a pixel's 8 heads: longer contiguous rows) and 2 on 2 (more programs per SM); longer sequences: one per
-    program on 4 or 8 warps, with no chunk narrower than the heuristic's, and 8 warps over 32 padded frames only
-    with a 64-wide chunk (narrower, their loads drop to 8 bytes); the backward over 64 padded frames keeps its
-    chunk (in one 64-wide chunk it spills 272-288 bytes on sm_80). At the models' shapes (AOT_SHAPES) every tile
-    compiles without spills on sm_80 / sm_90 under Triton 3.8 and 3.6 (aot_specs).
+    room), and so does the backward of a head dim that one 32-wide chunk holds over 16 padded frames (see below).
+    Besides the heuristic chunk, the head dim is tried in one chunk where it is at most 128 over 16 padded frames, 64
+    over more (40: one masked 64-wide load instead of three 16-wide ones; 80: one 128-wide instead of five 16-wide),
+    else in the other of 16 / 32. F <= 16: 4 sequences on 4 warps, 8 on 8 (all of a pixel's 8 heads: longer
+    contiguous rows) and 2 on 2 (more programs per SM); longer sequences: one per program on 4 or 8 warps, with no
+    chunk narrower than the heuristic's, and 8 warps over 32 padded frames only with a 64-wide chunk (narrower, their
+    loads drop to 8 bytes); the backward over 64 padded frames keeps its chunk (in one 64-wide chunk it spills
+    272-288 bytes on sm_80). At the models' shapes (AOT_SHAPES) every tile compiles without spills on sm_80 / sm_90
+    under Triton 3.8 and 3.6 (aot_specs).
     """
     base = block_config(f, d, dtype, backward)
     if dtype == torch.float32:

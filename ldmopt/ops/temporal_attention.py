@@ -129,6 +129,13 @@ def _triton_refuse(q, k, v, *args) -> list[str]:
     return triton_refusals(q, k, v, dtypes=_KERNEL_DTYPES, matmul=True) or _kernel_refusals(q, k, v, *args)
 
 
+def _bwd_triton_refuse(dout, q, k, v, scale) -> list[str]:
+    reasons = _triton_refuse(q, k, v, dout)
+    if dout.dtype != q.dtype:  # a direct torch.ops call; autograd hands dout in the output's (q's) dtype
+        reasons.append(f"dout of dtype {dout.dtype} with q of {q.dtype} (the kernel multiplies them in one dtype)")
+    return reasons
+
+
 def _fwd_triton(q, k, v, scale):
     from ldmopt.kernels.temporal_attention import temporal_attention_fwd
 
@@ -224,7 +231,7 @@ FORWARD_OUT = BackendTable(
 BACKWARD = BackendTable(
     "temporal_attention_backward",
     [
-        Backend("triton", _bwd_triton, lambda dout, q, k, v, s: _triton_refuse(q, k, v, dout)),
+        Backend("triton", _bwd_triton, _bwd_triton_refuse),
         Backend("torch", _bwd_torch),
     ],
 )

@@ -17,13 +17,16 @@ from tests.ops.test_temporal_attention import _make, _sdpa
 from tests.tolerances import assert_within_torch_error
 
 # (batch, F, N, heads, head_dim, layout): each branch of candidate_configs -- F <= 16 with a head dim tried whole
-# (40) or in the other chunk width (72), SVD's packed 14 x 64, F = 25 (one sequence per program, 4 or 8 warps) and the
-# longest sequence.
+# (40 in 64, 72 in 128) or in the other chunk width (160: 16 beside the heuristic 32), SVD's packed 14 x 64, F = 25
+# (one sequence per program, 4 or 8 warps) with a head dim tried whole (64) or in the wider chunk (80: 32 beside 16)
+# and the longest sequence.
 TILE_CASES = [
     (3, 16, 2, 3, 40, "bfnc"),
     (2, 7, 3, 2, 72, "diffusers"),
+    (1, 5, 2, 2, 160, "bfnc"),
     (1, 14, 3, 5, 64, "packed"),
     (2, 25, 1, 2, 64, "diffusers"),
+    (1, 25, 1, 2, 80, "bfnc"),
     (1, 64, 1, 2, 64, "bfnc"),
 ]
 
@@ -40,15 +43,17 @@ def _grads(leaves, dout, cast):
 
 
 def test_candidates_begin_with_the_heuristic_tile():
-    for f, d in (*T.AOT_SHAPES, (1, 16), (32, 40), (48, 128), (16, 256)):
+    for f, d in (*T.AOT_SHAPES, (1, 16), (16, 32), (7, 20), (32, 40), (48, 128), (16, 256)):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for backward in (False, True):
                 candidates = T.candidate_configs(f, d, dtype, backward)
                 assert candidates[0] == T.block_config(f, d, dtype, backward)
                 assert len({_tile_id(t) for t in candidates}) == len(candidates), candidates
                 assert all(t["BLOCK_F"] == candidates[0]["BLOCK_F"] for t in candidates)
-                # fp32 keeps its one tile; 16-bit inputs have several to time
-                assert (len(candidates) == 1) == (dtype == torch.float32), (f, d, dtype, candidates)
+                # fp32 keeps its one tile; 16-bit inputs have several to time, except the backward of a head dim
+                # that a 32-wide chunk holds over 16 padded frames (a single chunk; 8 or 2 sequences spilled there)
+                single = dtype == torch.float32 or (backward and f <= 16 and 16 < d <= 32)
+                assert (len(candidates) == 1) == single, (f, d, dtype, backward, candidates)
 
 
 @pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -206,13 +211,20 @@ def test_an_output_overlapping_an_input_is_never_timed(monkeypatch):
     assert_within_torch_error(aliased, ref, lowp, "out=q, tuned")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("d", [16, 12])
-def test_head_dim_in_one_chunk(dtype, d):
-    # Head dims up to the chunk width take the one-chunk paths (forward: v loaded with q and k; backward: q, k, v
-    # and dO loaded once), the heuristic tile included: fp32's 16-wide chunk at d = 16, and d = 12 masked inside it.
-    assert T.block_config(7, d, dtype, backward=True)["BLOCK_D"] >= d
-    q, k, v = leaves = _make(3, 7, 2, 3, d, "bfnc", dtype, requires_grad=True)
+# (dtype, F, head_dim) whose heuristic chunk holds the whole head dim (fp32's is 16 wide, 16-bit ones' up to 32)
+ONE_CHUNK_CASES = [
+    *[(torch.float32, f, d) for f, d in ((7, 16), (7, 12), (64, 16))],
+    *[(torch.float16, f, d) for f, d in ((7, 16), (7, 12), (16, 32), (25, 24), (64, 16))],
+]
+
+
+@pytest.mark.parametrize(("dtype", "f", "d"), ONE_CHUNK_CASES, ids=lambda v: str(v).removeprefix("torch."))
+def test_head_dim_in_one_chunk(dtype, f, d):
+    # Head dims up to the heuristic chunk width take the one-chunk paths (forward: v loaded with q and k; backward:
+    # q, k, v and dO loaded once) with the heuristic tile: 4 sequences per program over 16 padded frames, one per
+    # program as a 2-D product over 32 or 64; the head dim filling its chunk or masked inside it.
+    assert T.block_config(f, d, dtype)["BLOCK_D"] >= d and T.block_config(f, d, dtype, backward=True)["BLOCK_D"] >= d
+    q, k, v = leaves = _make(2, f, 2, 3, d, "bfnc", dtype, requires_grad=True)
     dout = torch.randn(q.shape, dtype=dtype)
     with ldmopt.use_backend("triton"):
         out = temporal_attention(q, k, v)
@@ -222,3 +234,21 @@ def test_head_dim_in_one_chunk(dtype, d):
     ref_grads, lowp_grads = _grads(leaves, dout, torch.float64), _grads(leaves, dout, dtype)
     for i, t in enumerate(leaves):
         assert_within_torch_error(t.grad, ref_grads[i], lowp_grads[i], f"grad {i} d={d} {dtype}")
+
+
+def test_a_dout_of_another_dtype_takes_the_reference_backward():
+    # autograd hands dout in q's dtype; a direct call with another would fail inside the kernel's products
+    q, k, v = _make(1, 7, 2, 2, 16, "bfnc", torch.float16)
+    dout = torch.randn(q.shape, dtype=torch.float32)
+    ldmopt.ops.backend_counts.clear()
+    dq, dk, dv = torch.ops.ldmopt.temporal_attention_bwd(dout, q, k, v, 0.25)
+    assert ldmopt.ops.backend_counts[("temporal_attention_backward", "torch")] == 1
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    _sdpa(*leaves, scale=0.25).backward(dout.double())
+    for got, leaf in zip((dq, dk, dv), leaves, strict=True):
+        torch.testing.assert_close(got.double(), leaf.grad, rtol=2e-2, atol=2e-2)
+    with (
+        pytest.raises(ldmopt.BackendUnavailableError, match=r"dout of dtype torch\.float32"),
+        ldmopt.use_backend("triton"),
+    ):
+        torch.ops.ldmopt.temporal_attention_bwd(dout, q, k, v, 0.25)
