@@ -481,10 +481,11 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str, p
         for cost in (cats[rec.category], phase_cats[rec.category]):
             _add_record(cost, rec, spec, key, saved.get(rec.index, 0), rec.index in removed)
     name = getattr(model, "ldmopt_zoo_name", None) or type(model).__name__
+    placement_line = placements.describe()
     notes = [
         f"times are roofline projections on {spec.name} datasheet peaks ({spec.source}), not measurements",
         "patched = projection of ldmopt's fusions from the recorded data flow (see ldmopt/profiler/fusions.py)",
-        placements.describe(),
+        placement_line,
     ]
     if any(rec.dtype == "float32" and _runs_tf32(rec) for rec in records):
         notes.append(
@@ -516,7 +517,7 @@ def _summarise(model: nn.Module, recorder: Recorder, spec: GPUSpec, dkey: str, p
         records=records,
         phases=phases,
         placement=placements.summary(),
-        placement_line=placements.describe(),
+        placement_line=placement_line,
     )
 
 
