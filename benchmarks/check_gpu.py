@@ -390,7 +390,7 @@ def _temporal_attention(quick: bool):
     the AnimateDiff-SDXL case has 262,144 (sequence, head) pairs, past the 65,535 grid limit of batch-on-grid-y.
     Triton runs autotuned ("triton"), then each candidate tile forced ("triton:P8xD64w8", ...) where it has several:
     autotuning may pick any of them on another GPU or shape."""
-    from ldmopt.kernels.temporal_attention import candidate_configs, forced_config, tile_pairs
+    from ldmopt.kernels.temporal_attention import candidate_configs, forced_config, tile_name, tile_pairs
 
     from ldmopt.ops.temporal_attention import temporal_attention
 
@@ -409,7 +409,7 @@ def _temporal_attention(quick: bool):
             refs = [t.permute(0, 3, 1, 2, 4) for t in (ref.detach(), *ref_grads)]
             tiles = tile_pairs(candidate_configs(f, d, dtype), candidate_configs(f, d, dtype, backward=True))
             variants = [("triton", None), ("cuda", None)] + [
-                (f"triton:P{fw['BLOCK_P']}xD{fw['BLOCK_D']}w{fw['num_warps']}", (fw, bw))
+                (f"triton:{tile_name(fw)}", (fw, bw))
                 for fw, bw in (tiles if len(tiles) > 1 else [])  # one candidate: what "triton" ran
             ]
             for backend, tile_pair in variants:

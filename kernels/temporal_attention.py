@@ -229,14 +229,6 @@ def _temporal_attention_bwd_kernel(
         do = _load_chunk(do_ptr, do_off, f, d, stride_dof, stride_dod, mask, ALIGN)
         p = _softmax(_bdot(q, tl.permute(k, (0, 2, 1)), zeros, DOT_PRECISION), col_valid, qk_scale)
         dp = _bdot(do, tl.permute(v, (0, 2, 1)), zeros, DOT_PRECISION)
-        p_t, ds, ds_t = _score_grads(p, dp, scale, do_ptr, k_ptr, q_ptr)
-        # the gradients' offsets only now: live through the score products, they cost registers there
-        dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh, ALIGN)
-        dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh, ALIGN)
-        dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh, ALIGN)
-        _product_into(dv_ptr, dv_off, p_t, do, f, d, mask, zero_o, stride_dvf, stride_dvd, DOT_PRECISION, ALIGN)
-        _product_into(dq_ptr, dq_off, ds, k, f, d, mask, zero_o, stride_dqf, stride_dqd, DOT_PRECISION, ALIGN)
-        _product_into(dk_ptr, dk_off, ds_t, q, f, d, mask, zero_o, stride_dkf, stride_dkd, DOT_PRECISION, ALIGN)
     else:
         acc = _scores(
             zeros, q_ptr, k_ptr, q_off, k_off, stride_qf, stride_qd, stride_kf, stride_kd, f, row_mask, D,
@@ -247,11 +239,16 @@ def _temporal_attention_bwd_kernel(
             zeros, do_ptr, v_ptr, do_off, v_off, stride_dof, stride_dod, stride_vf, stride_vd, f, row_mask, D,
             BLOCK_D, DOT_PRECISION, ALIGN,
         )  # fmt: skip
-        p_t, ds, ds_t = _score_grads(p, dp, scale, do_ptr, k_ptr, q_ptr)
-        # the gradients' offsets only now: live through the score products, they cost registers there
-        dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh, ALIGN)
-        dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh, ALIGN)
-        dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh, ALIGN)
+    p_t, ds, ds_t = _score_grads(p, dp, scale, do_ptr, k_ptr, q_ptr)
+    # the gradients' offsets only now: live through the score products, they cost registers there
+    dq_off = _seq_offsets(s, N, H, stride_dqb, stride_dqn, stride_dqh, ALIGN)
+    dk_off = _seq_offsets(s, N, H, stride_dkb, stride_dkn, stride_dkh, ALIGN)
+    dv_off = _seq_offsets(s, N, H, stride_dvb, stride_dvn, stride_dvh, ALIGN)
+    if BLOCK_D >= D:  # the tiles loaded above
+        _product_into(dv_ptr, dv_off, p_t, do, f, d, mask, zero_o, stride_dvf, stride_dvd, DOT_PRECISION, ALIGN)
+        _product_into(dq_ptr, dq_off, ds, k, f, d, mask, zero_o, stride_dqf, stride_dqd, DOT_PRECISION, ALIGN)
+        _product_into(dk_ptr, dk_off, ds_t, q, f, d, mask, zero_o, stride_dkf, stride_dkd, DOT_PRECISION, ALIGN)
+    else:
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
             mask = row_mask & (d < D)[None, None, :]
@@ -308,6 +305,12 @@ def block_config(f: int, d: int, dtype: torch.dtype = torch.float16, backward: b
 
 def _tile(p: int, f_block: int, d_block: int, warps: int) -> dict:
     return {"BLOCK_P": p, "BLOCK_F": f_block, "BLOCK_D": d_block, "num_warps": warps}
+
+
+def tile_name(tile: dict) -> str:
+    """A tile as "P8xD64w8": sequences per program, head-dim chunk, warps (how checks, benchmarks and the AOT gate
+    name it)."""
+    return f"P{tile['BLOCK_P']}xD{tile['BLOCK_D']}w{tile['num_warps']}"
 
 
 def candidate_configs(f: int, d: int, dtype: torch.dtype = torch.float16, backward: bool = False) -> list[dict]:
@@ -395,12 +398,15 @@ def forced_config(forward: dict | None = None, backward: dict | None = None):
 #: packed qkv, the (B*N, F, C) or the (B, F, N, C) order); the autotuner adds the tensors' dtypes. Any candidate is
 #: valid for any strides: the other tensors' layouts only make a choice less apt, never wrong.
 TUNING_KEY = ("n_seq", "F", "N", "H", "D", "stride_qf", "stride_qn", "stride_qh")
-#: (backward, candidate tiles as (BLOCK_P, BLOCK_D, num_warps)) -> its autotuner, made on first use
+#: (backward, candidate tiles as (BLOCK_P, BLOCK_D, num_warps)) -> its autotuner, made on first use (shapes with the
+#: same candidates share one; D is in its key)
 _AUTOTUNERS: dict[tuple[bool, tuple], object] = {}
 
 
-def _autotuner(backward: bool, candidates: list[dict]):
-    tiles = tuple((t["BLOCK_P"], t["BLOCK_D"], t["num_warps"]) for t in candidates)
+@functools.lru_cache(maxsize=256)
+def _autotuner(f: int, d: int, dtype: torch.dtype, backward: bool):
+    """The autotuner over :func:`_candidates` (f, d, dtype, backward), looked up once per shape."""
+    tiles = tuple((t["BLOCK_P"], t["BLOCK_D"], t["num_warps"]) for t in _candidates(f, d, dtype, backward))
     tuner = _AUTOTUNERS.get((backward, tiles))
     if tuner is None:
         configs = [triton.Config({"BLOCK_P": p, "BLOCK_D": c}, num_warps=w) for p, c, w in tiles]
@@ -429,7 +435,7 @@ def _launch(backward: bool, q: torch.Tensor, n_seq: int, args: tuple, kwargs: di
     candidates = _candidates(f, d, q.dtype, backward)
     tile = _FORCED[backward]
     if tile is None and len(candidates) > 1 and _autotunes(q):
-        tuner = _autotuner(backward, candidates)
+        tuner = _autotuner(f, d, q.dtype, backward)
         launch = tuned_launch(tuner)
         tuned_kwargs = {**kwargs, "BLOCK_F": candidates[0]["BLOCK_F"]}
         if (may_time and not _capturing(q)) or _tuned(launch, args, tuned_kwargs):
@@ -470,9 +476,9 @@ def launched_tile(backward: bool = False) -> str:
     if last is None:
         return ""
     if isinstance(last, dict):
-        return f"P{last['BLOCK_P']}xD{last['BLOCK_D']}w{last['num_warps']}"
+        return tile_name(last)
     config = last.best_config  # the autotuner's (set by tuning and by each tuned launch)
-    return f"P{config.kwargs['BLOCK_P']}xD{config.kwargs['BLOCK_D']}w{config.num_warps}"
+    return tile_name({**config.kwargs, "num_warps": config.num_warps})
 
 
 def tuned_choices() -> dict[str, dict[tuple, dict]]:
@@ -580,7 +586,7 @@ def aot_specs() -> list[dict]:
                     # elements.
                     constexprs["ALIGN"] = 16 // dtypes[dtype].itemsize
                     kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
-                    tile = f"P{cfg['BLOCK_P']}xD{cfg['BLOCK_D']}w{cfg['num_warps']}," if i else ""
+                    tile = f"{tile_name(cfg)}," if i else ""
                     specs.append(
                         dict(
                             name=f"temporal_attention_{'bwd' if backward else 'fwd'}[F={f},d={d},{tile}{dtype}]",

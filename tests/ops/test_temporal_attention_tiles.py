@@ -31,10 +31,6 @@ TILE_CASES = [
 ]
 
 
-def _tile_id(tile: dict) -> str:
-    return f"P{tile['BLOCK_P']}xD{tile['BLOCK_D']}w{tile['num_warps']}"
-
-
 def _grads(leaves, dout, cast):
     """Gradients of SDPA in ``cast`` with respect to copies of ``leaves``."""
     ref_leaves = [t.detach().to(cast).requires_grad_() for t in leaves]
@@ -48,7 +44,7 @@ def test_candidates_begin_with_the_heuristic_tile():
             for backward in (False, True):
                 candidates = T.candidate_configs(f, d, dtype, backward)
                 assert candidates[0] == T.block_config(f, d, dtype, backward)
-                assert len({_tile_id(t) for t in candidates}) == len(candidates), candidates
+                assert len({T.tile_name(t) for t in candidates}) == len(candidates), candidates
                 assert all(t["BLOCK_F"] == candidates[0]["BLOCK_F"] for t in candidates)
                 # fp32 keeps its one tile; 16-bit inputs have several to time, except the backward of a head dim
                 # that a 32-wide chunk holds over 16 padded frames (a single chunk; 8 or 2 sequences spilled there)
@@ -76,13 +72,13 @@ def test_every_candidate_tile_computes_the_attention(case):
     assert [p[0] for p in pairs[: len(forward_tiles)]] == forward_tiles
     assert [p[1] for p in pairs[: len(backward_tiles)]] == backward_tiles
     for fwd_tile, bwd_tile in pairs:
-        label = f"{case} {_tile_id(fwd_tile)} / {_tile_id(bwd_tile)}"
+        label = f"{case} {T.tile_name(fwd_tile)} / {T.tile_name(bwd_tile)}"
         for t in leaves:
             t.grad = None
         with ldmopt.use_backend("triton"), T.forced_config(fwd_tile, bwd_tile):
             out = temporal_attention(q, k, v)
             out.backward(dout)
-        assert (T.launched_tile(), T.launched_tile(backward=True)) == (_tile_id(fwd_tile), _tile_id(bwd_tile))
+        assert (T.launched_tile(), T.launched_tile(backward=True)) == (T.tile_name(fwd_tile), T.tile_name(bwd_tile))
         assert_within_torch_error(out, ref, lowp, f"out {label}")
         for i, t in enumerate(leaves):
             assert_within_torch_error(t.grad, ref_grads[i], lowp_grads[i], f"grad {i} {label}")
@@ -103,7 +99,7 @@ class _StandInTiming:
         monkeypatch.setattr(T, "_autotunes", lambda q: True)
         for backward in (False, True):
             candidates = T.candidate_configs(f, d, torch.float16, backward)
-            tuner = T._autotuner(backward, candidates)
+            tuner = T._autotuner(f, d, torch.float16, backward)
             monkeypatch.setattr(tuner, "cache", {})  # untuned for this test, and left as it was after
             fastest = (candidates[winner]["BLOCK_P"], candidates[winner]["BLOCK_D"])
             monkeypatch.setattr(tuner, "_bench", self._timing(fastest))
