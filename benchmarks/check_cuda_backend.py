@@ -2,10 +2,11 @@
 
 Part 1, correctness: at the GroupNorm(+SiLU) benchmark shapes (benchmarks/bench_group_norm.py; forward and
 backward, and the statistics and the normalisation from given statistics alone, as the fused conv runs them), at
-the LayerNorm row statistics of real transformer widths, and at real temporal-attention shapes (AnimateDiff, SVD,
-Latte), each backend's outputs against the reference computed in fp64, as max relative error
-||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype bound. Outputs are poisoned with NaN first
-(LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.
+the LayerNorm row statistics and the LayerNorm applied from them at real transformer widths, at the fused linear
+layers' passes after cuBLAS's GEMM (GEGLU, GELU-tanh, gated residual with row statistics, Flux's clamp), and at real
+temporal-attention shapes (AnimateDiff, SVD, Latte), each backend's outputs against the reference computed in fp64,
+as max relative error ||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype bound. Outputs are
+poisoned with NaN first (LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.
 Part 2, speed: harness.time_fn for ldmopt-cuda, ldmopt-triton and PyTorch eager on the same inputs (poisoning off);
 rows go to the harness CSV (ops named ``cuda_check/<op>``) and a side-by-side table (cuda / triton time ratio, % of
 measured copy bandwidth) is printed. run_gpu.sh runs part 1 only (``--no-bench``): the benchmarks time the same
@@ -59,6 +60,16 @@ LAYER_NORM_SHAPES = {
     "flux-1024": (4608, 3072),
 }
 QUICK_LAYER_NORM = ("sd15-64x64", "pixart-1024")
+# (rows, N, what) of the passes after cuBLAS's GEMM under the "cublas" placement (CFG batch 2): SD1.5's GEGLU at its
+# 64x64 level, PixArt's GELU-tanh feed-forward, DiT-XL/2's gated residual over its [2, 256, N] stream with the next
+# norm's row statistics, and Flux's clamped fp16 stream.
+EPILOGUE_SHAPES = {
+    "sd15-geglu-64x64": (8192, 1280, "geglu"),
+    "pixart-gelu-tanh": (8192, 4608, "gelu_tanh"),
+    "dit-gate-residual-stats": (512, 1152, "gate_residual_stats"),
+    "flux-residual-saturate": (4608, 3072, "saturate"),
+}
+QUICK_EPILOGUE = ("sd15-geglu-64x64", "dit-gate-residual-stats")
 
 
 def _group_norm_cases(quick: bool):
@@ -168,6 +179,88 @@ def check_layer_norm_stats(quick: bool):
                 yield "ln_stats", name, dtype, backend, [stats[0], stats[1]], ref
 
 
+def check_layer_norm_apply(quick: bool):
+    """The LayerNorm applied from given row statistics (what cuBLAS's GEMM reads under the "cublas" placement), with
+    the model's 16-bit affine parameters."""
+    from ldmopt.ops.layer_norm_apply import layer_norm_apply
+
+    for name in QUICK_LAYER_NORM if quick else list(LAYER_NORM_SHAPES):
+        for dtype in QUICK_DTYPES if quick else DTYPES:
+            m, c = LAYER_NORM_SHAPES[name]
+            x = (torch.randn(m, c, device=DEVICE) + 8 * torch.randn(m, 1, device=DEVICE)).to(dtype)
+            var, mean = torch.var_mean(x.double(), dim=1, unbiased=False)
+            stats = torch.stack([mean, torch.rsqrt(var + 1e-6)]).float()
+            w, b = (torch.randn(c, device=DEVICE) * 0.5 + 1.0).to(dtype), torch.randn(c, device=DEVICE).to(dtype)
+            ref = (x.double() - stats[0].double()[:, None]) * stats[1].double()[:, None] * w.double() + b.double()
+            for backend in BACKENDS:
+                try:
+                    with ldmopt.use_backend(backend):
+                        h = layer_norm_apply(x, stats, w, b, None, 1, dtype)
+                except ldmopt.BackendUnavailableError as exc:
+                    _skip(backend, f"ln_apply {name} {dtype} {backend}", exc)
+                    continue
+                yield "ln_apply", name, dtype, backend, [h], [ref]
+
+
+def _epilogue_inputs(shape, dtype):
+    """(z, gate, residual, kwargs of ops.linear_epilogue) for an EPILOGUE_SHAPES entry."""
+    m, n, what = shape
+    z = torch.randn(m, 2 * n if what == "geglu" else n, device=DEVICE).to(dtype)
+    gate = residual = None
+    if what == "gate_residual_stats":  # one gate row per sample: a column slice of the modulation (emb.chunk)
+        gate = torch.randn(2, 6 * n, device=DEVICE).to(dtype)[:, 2 * n : 3 * n]
+        residual = torch.randn(2, m // 2, n, device=DEVICE).to(dtype)
+    if what == "saturate":
+        residual = torch.randn(m, n, device=DEVICE).to(dtype)
+    kwargs = dict(glu=what == "geglu", saturate=what == "saturate")
+    activation = {"geglu": "gelu", "gelu_tanh": "gelu_tanh"}.get(what)
+    return z, activation, gate, residual, kwargs, what == "gate_residual_stats"
+
+
+def _epilogue_reference(z, activation, gate, residual, glu, saturate):
+    zd = z.double()
+    n = zd.shape[1] // 2 if glu else zd.shape[1]
+    if glu:
+        out = zd[:, :n] * F.gelu(zd[:, n:])
+    else:
+        out = F.gelu(zd, approximate="tanh") if activation == "gelu_tanh" else zd
+    if gate is not None:
+        out = out * gate.double().repeat_interleave(zd.shape[0] // gate.shape[0], dim=0)
+    if residual is not None:
+        out = out + residual.double().reshape(out.shape)
+    if saturate:
+        out = out.clamp(-torch.finfo(z.dtype).max, torch.finfo(z.dtype).max)
+    return out
+
+
+def _ldmopt_epilogue(backend, z, activation, gate, residual, kwargs, stats):
+    from ldmopt.ops.linear_epilogue import linear_epilogue
+
+    out_stats = torch.empty(2, z.shape[0], device=z.device) if stats else None
+    with ldmopt.use_backend(backend):
+        y = linear_epilogue(z, activation, gate, residual, z.dtype, out_stats=out_stats, out_eps=1e-6, **kwargs)
+    return y, out_stats
+
+
+def check_linear_epilogue(quick: bool):
+    """The fused linear layers' pass after cuBLAS's GEMM: GEGLU's product, GELU-tanh, the gated residual with the next
+    norm's row statistics (against those of the fp64 output), Flux's clamp."""
+    for name in QUICK_EPILOGUE if quick else list(EPILOGUE_SHAPES):
+        for dtype in QUICK_DTYPES if quick else DTYPES:
+            z, activation, gate, residual, kwargs, stats = _epilogue_inputs(EPILOGUE_SHAPES[name], dtype)
+            ref = [_epilogue_reference(z, activation, gate, residual, **kwargs)]
+            if stats:
+                var, mean = torch.var_mean(ref[0], dim=1, unbiased=False)
+                ref += [mean, torch.rsqrt(var + 1e-6)]
+            for backend in BACKENDS:
+                try:
+                    y, out_stats = _ldmopt_epilogue(backend, z, activation, gate, residual, kwargs, stats)
+                except ldmopt.BackendUnavailableError as exc:
+                    _skip(backend, f"linear_epilogue {name} {dtype} {backend}", exc)
+                    continue
+                yield "linear_epilogue", name, dtype, backend, [y, *([] if out_stats is None else out_stats)], ref
+
+
 def _attention_inputs(shape, dtype):
     bn, f, h, d = shape
     # diffusers' (B*N, F, heads*head_dim) projections, viewed as (B*N, F, 1, heads, head_dim): no copies
@@ -222,7 +315,9 @@ def run_checks(quick: bool) -> int:
     failures = 0
     ran: Counter[str] = Counter()
     print(f"{'op':<20} {'case':<30} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
-    for check in (check_group_norm, check_group_norm_parts, check_layer_norm_stats, check_attention):
+    checks = (check_group_norm, check_group_norm_parts, check_layer_norm_stats, check_layer_norm_apply,
+              check_linear_epilogue, check_attention)  # fmt: skip
+    for check in checks:
         try:
             for op, case, dtype, backend, outs, refs in check(quick):
                 ran[backend] += 1
@@ -301,6 +396,33 @@ def _bench_attention(recorder, rows, case, shape, dtype):
             _record(recorder, rows, "temporal_attention", case, dtype, "fwd", name, run, nbytes, flops)
 
 
+def _eager_epilogue(z, activation, gate, residual, kwargs, stats):
+    """The unfused modules' passes: diffusers' GELU / GEGLU product, gate product, residual add (and clamp)."""
+    n = z.shape[1] // 2 if kwargs["glu"] else z.shape[1]
+    out = z[:, :n] * F.gelu(z[:, n:]) if kwargs["glu"] else z
+    if activation == "gelu_tanh":
+        out = F.gelu(out, approximate="tanh")
+    if gate is not None:
+        out = (out.view(gate.shape[0], -1, n) * gate[:, None]).view(-1, n)
+    if residual is not None:
+        out = out + residual.reshape(out.shape)
+    if kwargs["saturate"]:
+        out = out.clamp(-65504, 65504)
+    return out
+
+
+def _bench_epilogue(recorder, rows, case, shape, dtype):
+    z, activation, gate, residual, kwargs, stats = _epilogue_inputs(shape, dtype)
+    m, n = z.shape[0], shape[1]
+    nbytes = (z.numel() + m * n * (1 + (residual is not None))) * z.element_size()  # z (and residual) read, y written
+    providers = {f"ldmopt-{be}": functools.partial(_ldmopt_epilogue, be) for be in BACKENDS}
+    providers["eager"] = _eager_epilogue
+    with torch.no_grad():
+        for name, fn in providers.items():
+            run = functools.partial(fn, z, activation, gate, residual, kwargs, stats)
+            _record(recorder, rows, "linear_epilogue", case, dtype, "fwd", name, run, nbytes)
+
+
 def run_benchmarks(quick: bool) -> None:
     from benchmarks.harness import Recorder
 
@@ -311,6 +433,9 @@ def run_benchmarks(quick: bool) -> None:
         _bench_group_norm(recorder, rows, case, shape, layout, dtype)
     for case, shape, dtype in _attention_cases(quick):
         _bench_attention(recorder, rows, case, shape, dtype)
+    for case in QUICK_EPILOGUE if quick else list(EPILOGUE_SHAPES):
+        for dtype in QUICK_DTYPES if quick else DTYPES:
+            _bench_epilogue(recorder, rows, case, EPILOGUE_SHAPES[case], dtype)
     print("\nside by side (median ms; cuda/triton < 1 means the CUDA backend is faster)")
     print(f"{'op':<20} {'case':<30} {'dtype':<9} {'mode':<8} {'cuda':>9} {'triton':>9} {'eager':>9} "
           f"{'cuda/triton':>11} {'cuda %copy':>10}")  # fmt: skip

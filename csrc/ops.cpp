@@ -6,6 +6,7 @@
 
 #include "group_norm/group_norm.h"
 #include "layer_norm/layer_norm.h"
+#include "linear_epilogue/linear_epilogue.h"
 #include "temporal_attention/temporal_attention.h"
 
 TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
@@ -20,6 +21,12 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
       "group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, int num_groups, "
       "str activation) -> Tensor y");
   m.def("layer_norm_stats_cuda(Tensor x, float eps) -> Tensor stats");
+  m.def(
+      "layer_norm_apply_cuda(Tensor x, Tensor stats, Tensor? weight, Tensor? bias, Tensor? positions, "
+      "int position_rows) -> Tensor h");
+  m.def(
+      "linear_epilogue_cuda(Tensor z, Tensor(a!) y, Tensor? gate, Tensor? residual, Tensor(b!)? stats, "
+      "str activation, bool glu, bool saturate, bool write, float eps) -> ()");
   m.def("temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out");
   m.def("temporal_attention_fwd_out_cuda(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
 }
@@ -30,6 +37,8 @@ TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
   m.impl("group_norm_stats_cuda", &ldmopt::group_norm::statistics_cuda);
   m.impl("group_norm_apply_cuda", &ldmopt::group_norm::apply_cuda);
   m.impl("layer_norm_stats_cuda", &ldmopt::layer_norm::row_statistics_cuda);
+  m.impl("layer_norm_apply_cuda", &ldmopt::layer_norm::apply_cuda);
+  m.impl("linear_epilogue_cuda", &ldmopt::linear_epilogue::run_cuda);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_cuda);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_cuda);
 }
@@ -40,6 +49,8 @@ TORCH_LIBRARY_IMPL(ldmopt, Meta, m) {
   m.impl("group_norm_stats_cuda", &ldmopt::group_norm::statistics_meta);
   m.impl("group_norm_apply_cuda", &ldmopt::group_norm::apply_meta);
   m.impl("layer_norm_stats_cuda", &ldmopt::layer_norm::row_statistics_meta);
+  m.impl("layer_norm_apply_cuda", &ldmopt::layer_norm::apply_meta);
+  m.impl("linear_epilogue_cuda", &ldmopt::linear_epilogue::run_meta);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_meta);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_meta);
 }

@@ -177,6 +177,9 @@ def cuda_backend_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(C, "QUICK_ATTENTION", ("ta-b",))
     monkeypatch.setattr(C, "LAYER_NORM_SHAPES", {"ln-a": (7, 40), "ln-b": (5, 24)})
     monkeypatch.setattr(C, "QUICK_LAYER_NORM", ("ln-a",))
+    monkeypatch.setattr(C, "EPILOGUE_SHAPES", {"geglu": (6, 40, "geglu"), "gate": (8, 24, "gate_residual_stats"),
+                                               "tanh": (5, 16, "gelu_tanh"), "clamp": (4, 8, "saturate")})  # fmt: skip
+    monkeypatch.setattr(C, "QUICK_EPILOGUE", ("gate",))
     monkeypatch.setenv("LDMOPT_POISON_OUTPUTS", "1")  # the script sets it; restored afterwards
     monkeypatch.delenv("LDMOPT_BENCH_CSV", raising=False)
     monkeypatch.setattr(harness, "time_fn", lambda fn, **_: (fn(), harness.Timing(1.0, 0.9, 1.1))[1])
@@ -196,10 +199,14 @@ def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
     gn_apply = [r for r in rows if r[0] == "gn_apply"]
     attn = [r for r in rows if r[0] == "temporal_attention"]
     ln = [r for r in rows if r[0] == "ln_stats"]
-    assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == len(ln) == 2 * 2, out  # shapes x layouts x dtypes
+    ln_apply = [r for r in rows if r[0] == "ln_apply"]
+    epilogues = [r for r in rows if r[0] == "linear_epilogue"]
+    assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == len(ln) == len(ln_apply) == 2 * 2, out
+    assert len(epilogues) == 4 * 2, out  # shapes x dtypes
     assert len(gn_apply) == 2 * 2 and all("channels_last" in r[1] for r in gn_apply), out  # channels-last only
-    assert len(rows) == len(gn) + len(gn_stats) + len(gn_apply) + len(ln) + len(attn), out
-    assert len(skips) == len(gn) + len(gn_stats) + len(ln) + len(attn), out  # every cuda case is a skip on the CPU
+    assert len(rows) == len(gn) + len(gn_stats) + len(gn_apply) + len(ln) + len(ln_apply) + len(epilogues) + len(attn)
+    # every cuda case is a skip on the CPU
+    assert len(skips) == len(gn) + len(gn_stats) + len(ln) + len(ln_apply) + len(epilogues) + len(attn), out
 
 
 def test_check_cuda_backend_benchmarks(cuda_backend_cpu, capsys, tmp_path):
@@ -208,8 +215,8 @@ def test_check_cuda_backend_benchmarks(cuda_backend_cpu, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "side by side" in out and "| op | case |" in out, out
     rows = harness.recorder_from_csv(tmp_path / "results.csv").rows
-    # quick: one group norm case (fwd, fwd+bwd) and one attention case (fwd), three providers each
-    assert len(rows) == 3 * 3, [(r.case, r.provider, r.mode) for r in rows]
+    # quick: one group norm case (fwd, fwd+bwd), one attention case and one epilogue case (fwd), three providers each
+    assert len(rows) == 4 * 3, [(r.case, r.provider, r.mode) for r in rows]
     assert all(r.op.startswith(cuda_backend_cpu.OP_PREFIX) for r in rows), [r.op for r in rows]  # not the bench rows
     failed = [(r.case, r.provider, r.note) for r in rows if r.median_ms is None and r.provider != "ldmopt-cuda"]
     assert not failed, failed
@@ -242,7 +249,8 @@ def test_check_scripts_report_failures(monkeypatch, capsys):
     assert "check_gpu: 2 failed" in out and "check_gpu: all passed" in out, out
 
     monkeypatch.setattr(check_cuda_backend, "check_group_norm", lambda quick: (("op", *r) for r in bad(quick)))
-    for name in ("check_group_norm_parts", "check_layer_norm_stats", "check_attention"):
+    for name in ("check_group_norm_parts", "check_layer_norm_stats", "check_layer_norm_apply", "check_linear_epilogue",
+                 "check_attention"):  # fmt: skip
         monkeypatch.setattr(check_cuda_backend, name, lambda quick: (("op", *r) for r in good(quick)))
     assert check_cuda_backend.run_checks(quick=True) == 2
     out = capsys.readouterr().out

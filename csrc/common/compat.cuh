@@ -205,6 +205,23 @@ struct Silu {
   }
 };
 
+// The GELUs of the linear epilogue (forward only): erf's exact form (diffusers' GELU, GEGLU) and the tanh
+// approximation (GELU(approximate="tanh"): DiT, PixArt, SD3, Flux feed-forwards).
+struct GeluErf {
+  __device__ __forceinline__ static float fwd(float z) { return 0.5f * z * (1.0f + erff(z * 0.70710678118654752f)); }
+};
+
+struct GeluTanh {
+  // tanh through exp, as the Triton kernels: under --use_fast_math tanhf becomes tanh.approx.f32 (relative error
+  // ~5e-4, visible in fp32 outputs); exp(-2|u|) only underflows to 0, so large |u| stay exact.
+  __device__ __forceinline__ static float fwd(float z) {
+    const float u = 0.79788456080286536f * (z + 0.044715f * z * z * z);
+    const float e = __expf(-2.0f * fabsf(u));
+    const float t = (1.0f - e) / (1.0f + e);
+    return 0.5f * z * (1.0f + (u >= 0.0f ? t : -t));
+  }
+};
+
 // ------------------------------------------------------------------------------------------ launches
 
 #ifndef LDMOPT_EMULATE

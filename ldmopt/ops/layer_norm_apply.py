@@ -5,8 +5,12 @@ What the backward of a GEMM reading a LayerNorm in its loads (layer_norm_linear.
 the weight gradient: the forward never wrote the norm's output. Internal: no autograd (only that backward calls it),
 so it is not exported from ``ldmopt.ops``.
 
-Backends: triton (kernels/layer_norm_apply.py: one elementwise pass, fp32 math) and torch, the reference (the unfused
-composition in the statistics' dtype, fp32; fp64 for fp64), both rounding once to ``dtype`` as the GEMM's loads do.
+Also what cuBLAS's GEMM reads under the "cublas" placement (layer_norm_linear.py), in the forward.
+
+Backends: cuda (ldmopt._C's ``layer_norm_apply_cuda``, csrc/layer_norm: one warp a row, one C++ op call instead of a
+Triton launch; output in x's dtype), triton (kernels/layer_norm_apply.py: one elementwise pass, fp32 math) and torch,
+the reference (the unfused composition in the statistics' dtype, fp32; fp64 for fp64), all rounding once to ``dtype``
+as the GEMM's loads do.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dispatch import Backend, BackendTable, call, register_eager, triton_refusals
+from ._dispatch import Backend, BackendTable, call, cuda_extension_refusals, register_eager, triton_refusals
 from .linear import TRITON_DTYPES
 
 
@@ -62,6 +66,32 @@ def triton_apply_refusals(x, stats, norm_weight, norm_bias, positions, position_
     return reasons or row_width_refusals("layer_norm_apply", x.shape[1], "the kernel")
 
 
+def _apply_cuda(x, stats, norm_weight, norm_bias, positions, position_rows, dtype):
+    return torch.ops.ldmopt.layer_norm_apply_cuda(x, stats, norm_weight, norm_bias, positions, position_rows)
+
+
+def cuda_apply_refusals(x, stats, norm_weight, norm_bias, positions, position_rows, dtype) -> list[str]:
+    """What csrc/layer_norm's apply refuses (its TORCH_CHECKs stay as the last guard): fp32/fp16/bf16 x with unit
+    column stride, the output in x's dtype, contiguous fp32 statistics and parameters, positions in x's dtype."""
+    reasons = cuda_extension_refusals("layer_norm_apply_cuda", x, stats, norm_weight, norm_bias, positions)
+    if reasons:
+        return reasons
+    if x.dtype not in TRITON_DTYPES:
+        reasons.append(f"x dtype {x.dtype} (the CUDA kernel serves fp32/fp16/bf16)")
+    if dtype != x.dtype:
+        reasons.append(f"output dtype {dtype} differs from x's {x.dtype} (the CUDA kernel writes x's dtype)")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        reasons.append(f"x strides {x.stride()}: the CUDA kernel reads rows with unit column stride")
+    if stats.dtype != torch.float32 or not stats.is_contiguous():
+        reasons.append(f"statistics {stats.dtype} with strides {stats.stride()} (the kernel reads contiguous fp32)")
+    for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if t is not None and (t.dtype not in TRITON_DTYPES or not t.is_contiguous()):
+            reasons.append(f"{name} {t.dtype} with strides {t.stride()} (contiguous fp32/fp16/bf16)")
+    if positions is not None and (positions.dtype != x.dtype or (positions.shape[1] > 1 and positions.stride(1) != 1)):
+        reasons.append(f"positions {positions.dtype} with strides {positions.stride()} (x's dtype, unit column stride)")
+    return reasons
+
+
 def row_width_refusals(kernel_module: str, c: int, what: str) -> list[str]:
     """Why a row kernel of ``ldmopt.kernels.<kernel_module>`` (whole rows in registers, up to its MAX_C) refuses rows
     of ``c`` channels; imports the kernel module, so call it once Triton is known to be there."""
@@ -72,7 +102,12 @@ def row_width_refusals(kernel_module: str, c: int, what: str) -> list[str]:
 
 
 APPLY = BackendTable(
-    "layer_norm_apply", [Backend("triton", _apply_triton, triton_apply_refusals), Backend("torch", apply_reference)]
+    "layer_norm_apply",
+    [
+        Backend("cuda", _apply_cuda, cuda_apply_refusals),
+        Backend("triton", _apply_triton, triton_apply_refusals),
+        Backend("torch", apply_reference),
+    ],
 )
 
 

@@ -2,8 +2,9 @@
 
 "triton": one Triton GEMM with the epilogue on its fp32 accumulator (kernels/linear.py, kernels/geglu.py), and a
 LayerNorm, a blend or a two-part input read in its loads. "cublas": PyTorch's GEMM (cuBLAS on GPUs, in the input's
-dtype with the bias, as nn.Linear runs it), then one Triton pass for the rest (kernels/linear_epilogue.py): GEGLU's
-gelu and product, the activation, the gate and the residual, Flux's fp16 clamp, the next LayerNorm's row statistics.
+dtype with the bias, as nn.Linear runs it), then one pass for the rest (ops/linear_epilogue.py: ldmopt._C's kernel
+where the extension is built, else kernels/linear_epilogue.py's Triton launch): GEGLU's gelu and product, the
+activation, the gate and the residual, Flux's fp16 clamp, the next LayerNorm's row statistics.
 A LayerNorm before the GEMM is applied by its own pass first (ops/layer_norm_apply.py, from the statistics already
 taken), a two-part input is two GEMMs into one output (16-bit; a concatenation otherwise). The blend of SVD's
 AlphaBlender stays in the Triton GEMM's loads under either placement (one projection per block).
@@ -38,6 +39,7 @@ from torch import Tensor
 from .. import _env
 from ._autocast import autocast_off
 from ._placement import PlacementSwitch
+from .linear_epilogue import linear_epilogue
 
 ENV = "LDMOPT_GEMM_PLACEMENT"
 PLACEMENTS = ("auto", "triton", "cublas")
@@ -111,10 +113,8 @@ def gemm(x: Tensor, weight: Tensor, bias: Tensor | None, x_tail: Tensor | None =
 def linear_then_epilogue(x, weight, bias, gate, residual, activation, save_pre, dtype, x_tail=None, *, glu=False,
                          saturate=False, out_stats=None, out_eps=1e-5):  # fmt: skip
     """(y, pre) as the Triton GEMMs' launchers return them (kernels/linear.linear_fwd, kernels/geglu.geglu_fwd with
-    ``glu``): the GEMM by PyTorch (:func:`gemm`), then kernels/linear_epilogue.py's pass, in place into the GEMM's
+    ``glu``): the GEMM by PyTorch (:func:`gemm`), then ops/linear_epilogue.py's pass, in place into the GEMM's
     output where that output is not also kept as ``pre`` and y has its dtype."""
-    from ldmopt.kernels.linear_epilogue import linear_epilogue
-
     if activation == "gelu_tanh" and gate is None and residual is None and out_stats is None and not glu:
         if gelu_in_gemm(x, bias, save_pre, dtype, x_tail, saturate):
             gelu_epilogue_counts["cublaslt"] += 1

@@ -8,6 +8,8 @@
 #include "group_norm/launch.h"
 #include "layer_norm/launch.h"
 #include "layer_norm/layer_norm_kernels.cu"
+#include "linear_epilogue/launch.h"
+#include "linear_epilogue/linear_epilogue_kernels.cu"
 #include "temporal_attention/launch.h"
 #include "temporal_attention/temporal_attention_kernels.cu"
 
@@ -160,6 +162,40 @@ int emu_layer_norm_statistics(const int64_t* dims, int dtype, const void* x, flo
     const auto plan = ldmopt::layer_norm::make_plan(p, aligned16(x));
     plan_out[0] = plan.vec;
     ldmopt::layer_norm::row_statistics(p, plan, x, stats, eps, nullptr);
+  });
+}
+
+// dims: M, C, row stride, P, position row stride, position rows (elements). affine_dtypes: weight's, bias's. plan_out:
+// vec.
+int emu_layer_norm_apply(const int64_t* dims, int dtype, const void* x, const float* stats, const void* weight,
+                         const void* bias, const int* affine_dtypes, const void* positions, void* h,
+                         int64_t* plan_out) {
+  return guarded([&] {
+    namespace ln = ldmopt::layer_norm;
+    const ln::ApplyProblem p{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], static_cast<ldmopt::DType>(dtype)};
+    const ln::ApplyArgs args{x, stats, param(weight, affine_dtypes[0]), param(bias, affine_dtypes[1]), positions, h};
+    const auto plan = ln::make_apply_plan(
+        p, aligned16(x) && aligned16(h) && (positions == nullptr || aligned16(positions)));
+    plan_out[0] = plan.vec;
+    ln::apply(p, plan, args, nullptr);
+  });
+}
+
+// dims: M, N, z row stride, y row stride, gate row stride, tokens per gate, residual sample stride, residual row
+// stride, residual rows. flags: activation, glu, saturate, write. plan_out: vec.
+int emu_linear_epilogue(const int64_t* dims, int dtype, const int* flags, float sat_max, float eps, const void* z,
+                        void* y, const void* gate, const void* residual, float* stats, int64_t* plan_out) {
+  return guarded([&] {
+    namespace le = ldmopt::linear_epilogue;
+    const le::Problem p{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8],
+                        static_cast<ldmopt::DType>(dtype), static_cast<le::Activation>(flags[0]), flags[1] != 0,
+                        flags[2] != 0, flags[3] != 0, sat_max, eps};
+    const le::Args args{z, y, gate, residual, stats};
+    const bool aligned = aligned16(z) && (y == nullptr || aligned16(y)) && (gate == nullptr || aligned16(gate)) &&
+                         (residual == nullptr || aligned16(residual));
+    const auto plan = le::make_plan(p, aligned);
+    plan_out[0] = plan.vec;
+    le::run(p, plan, args, nullptr);
   });
 }
 

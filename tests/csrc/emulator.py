@@ -172,6 +172,59 @@ class Emulator:
         self.last_plan = {"vec": plan[0]}
         return stats
 
+    def layer_norm_apply(self, x, stats, weight, bias, positions=None, position_rows: int = 1):
+        """h [M, C] in x's dtype like torch.ops.ldmopt.layer_norm_apply_cuda (x unit column stride), poisoned first."""
+        m, c = x.shape
+        assert c == 1 or x.stride(1) == 1
+        h = torch.full((m, c), float("nan"), dtype=x.dtype)
+        w, b, affine = _affine(weight, bias)
+        p = 0 if positions is None else positions.shape[0]
+        pos_stride = 0 if positions is None else (positions.stride(0) if p > 1 else c)
+        dims = (ctypes.c_int64 * 6)(m, c, x.stride(0) if m > 1 else c, p, pos_stride, position_rows)
+        plan = (ctypes.c_int64 * 1)()
+        self._check(
+            self.lib.emu_layer_norm_apply(
+                dims, DTYPE_CODES[x.dtype], _ptr(x), _ptr(stats.contiguous()), _ptr(w), _ptr(b), affine,
+                _ptr(positions), _ptr(h), plan,
+            )
+        )  # fmt: skip
+        self.last_plan = {"vec": plan[0]}
+        return h
+
+    def linear_epilogue(self, z, activation, gate=None, residual=None, *, glu=False, saturate=False, y=None,
+                        stats=False, eps=1e-5, write=True):  # fmt: skip
+        """(y, stats) like torch.ops.ldmopt.linear_epilogue_cuda: y a fresh poisoned [M, N] unless given (z itself:
+        in place), stats a poisoned [2, M] when asked (else None). Strides as the torch glue passes them."""
+        m = z.shape[0]
+        n = z.shape[1] // 2 if glu else z.shape[1]
+        if write and y is None:
+            y = torch.full((m, n), float("nan"), dtype=z.dtype)
+        out_stats = torch.full((2, m), float("nan")) if stats else None
+
+        def step(t, dim):
+            return t.stride(dim) if t.shape[dim] > 1 else 0
+
+        res_rows, res_sample, res_row = max(m, 1), 0, 0
+        if residual is not None and residual.dim() == 3:
+            res_rows, res_sample, res_row = residual.shape[1], step(residual, 0), step(residual, 1)
+        elif residual is not None:
+            res_row = step(residual, 0)
+        dims = (ctypes.c_int64 * 9)(
+            m, n, step(z, 0), step(y, 0) if write else 0, step(gate, 0) if gate is not None else 0,
+            max(m // gate.shape[0], 1) if gate is not None else 1, res_sample, res_row, res_rows,
+        )  # fmt: skip
+        codes = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
+        flags = (ctypes.c_int * 4)(codes[activation], int(glu), int(saturate), int(write))
+        plan = (ctypes.c_int64 * 1)()
+        self._check(
+            self.lib.emu_linear_epilogue(
+                dims, DTYPE_CODES[z.dtype], flags, ctypes.c_float(torch.finfo(z.dtype).max), ctypes.c_float(eps),
+                _ptr(z), _ptr(y) if write else None, _ptr(gate), _ptr(residual), _ptr(out_stats), plan,
+            )
+        )  # fmt: skip
+        self.last_plan = {"vec": plan[0]}
+        return y, out_stats
+
     def temporal_attention_plan(self, shape, dtype) -> dict:
         """make_plan's fields for (B, F, N, H, D) inputs of ``dtype``, computed on the host; no kernel runs."""
         plan = (ctypes.c_int64 * len(_TA_PLAN_FIELDS))()

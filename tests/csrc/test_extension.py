@@ -23,6 +23,8 @@ OPS = (
     "group_norm_stats_cuda",
     "group_norm_apply_cuda",
     "layer_norm_stats_cuda",
+    "layer_norm_apply_cuda",
+    "linear_epilogue_cuda",
     "temporal_attention_fwd_cuda",
     "temporal_attention_fwd_out_cuda",
 )
@@ -77,6 +79,14 @@ def test_schemas_match_the_python_callers():
         "int num_groups, str activation) -> Tensor y"
     )
     assert schemas["layer_norm_stats_cuda"] == "ldmopt::layer_norm_stats_cuda(Tensor x, float eps) -> Tensor stats"
+    assert schemas["layer_norm_apply_cuda"] == (
+        "ldmopt::layer_norm_apply_cuda(Tensor x, Tensor stats, Tensor? weight, Tensor? bias, Tensor? positions, "
+        "int position_rows) -> Tensor h"
+    )
+    assert schemas["linear_epilogue_cuda"] == (
+        "ldmopt::linear_epilogue_cuda(Tensor z, Tensor(a!) y, Tensor? gate, Tensor? residual, Tensor(b!)? stats, "
+        "str activation, bool glu, bool saturate, bool write, float eps) -> ()"
+    )
     assert schemas["temporal_attention_fwd_cuda"] == (
         "ldmopt::temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out"
     )
