@@ -41,7 +41,15 @@ from torch import Tensor, nn
 
 from ..ops.temporal_attention import MAX_FRAMES, MAX_HEAD_DIM, temporal_attention
 from .attention_residual import project_out_and_stats
-from .child_check import bypassed_hook_reason, counting, dropout_reason, function_mode_reason, hooked_children, tally
+from .child_check import (
+    bypassed_hook_reason,
+    counting,
+    dropout_reason,
+    function_mode_reason,
+    hooked,
+    hooked_children,
+    tally,
+)
 from .layer_norm_input import NormedInput, apply
 
 #: Container class name -> attribute holding its temporal blocks (None: every Attention under the container).
@@ -322,7 +330,8 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
 
     softmax over one key is exactly 1 whatever the query, the key, ``scale`` or ``norm_q/norm_k`` are, so the query
     and key projections and the attention are skipped. The result is an expanded (stride-0) view over the queries
-    when there is no residual connection and no output rescaling (diffusers' blocks only add it out of place).
+    when there is no residual connection and no output rescaling (diffusers' blocks only add it out of place), and
+    a tensor of its own when forward hooks on the module (or global ones) see it: a hook may edit it in place.
     Falls back for masks, 4-D inputs, contexts longer than one token, added projections and dropout in training.
     """
 
@@ -353,6 +362,8 @@ class SingleKeyAttnProcessor(_FallbackProcessor):
     def _run(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None) -> Tensor:
         out = single_key_attention(attn, encoder_hidden_states, queries=hidden_states)
         out = out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[-1])
+        if hooked(attn) and not (attn.residual_connection or attn.rescale_output_factor != 1.0):
+            out = out.contiguous()  # the hooks get what the stock processor returns: writable elements
         if attn.residual_connection:
             out = out + hidden_states
         if attn.rescale_output_factor != 1.0:

@@ -234,6 +234,22 @@ def test_svd_attn2_shortcut_runs_the_stock_path_when_a_skipped_projection_is_hoo
     assert proc.kernel_calls == 1
 
 
+def test_svd_attn2_shortcut_gives_forward_hooks_a_writable_output():
+    """The shortcut's output is a stride-0 view over the queries; a forward hook on the module (a steering hook that
+    scales the output in place) gets a tensor of its own, as from the stock processor, instead of an error."""
+    attn = Attention(16, cross_attention_dim=8, heads=2, dim_head=8)
+    proc = SingleKeyAttnProcessor(fallback=AttnProcessor2_0())
+    attn.set_processor(proc)
+    x, context = torch.randn(3, 5, 16), torch.randn(3, 1, 8)
+    with torch.no_grad():
+        expected = AttnProcessor2_0()(attn, x, context) * 0.5
+        assert attn(x, context).stride(1) == 0  # unhooked: the view
+        attn.register_forward_hook(lambda module, args, out: out.mul_(0.5))
+        got = attn(x, context)
+    assert proc.kernel_calls == 2
+    assert_close(got, expected.double(), torch.float32, "hooked output")
+
+
 # ------------------------------------------------------------------------------------------------ one module
 
 
