@@ -11,7 +11,9 @@
 The Attention module itself and its projections (LoRA-wrapped or not) are still called; only the processor object
 changes. Each installed processor keeps the previous one as its fall-back for calls it does not serve (masks, F > 64,
 ...). ``unpatch`` puts the previous processor object back, unless the module's processor was changed after patching
-(e.g. by ``fuse_qkv_projections``/``set_attn_processor``), in which case the user's choice stays. Tolerance: the
+(e.g. by ``fuse_qkv_projections``/``set_attn_processor``), in which case the user's choice stays; a new instance of
+one of ldmopt's processor classes (diffusers' IP-adapter unloading re-creates every processor by its class) is
+replaced by the processor it stands in for. Tolerance: the
 temporal kernel's (fp32 scores and softmax; within 2x the error of PyTorch's SDPA in the activation dtype); the
 shortcut is exact up to the projections' rounding.
 
@@ -74,8 +76,13 @@ class _ProcessorRule(Rule):
 
     def restore(self, site: Site, data: Any) -> None:
         previous, installed = data
-        if site.module.processor is installed:
+        current = site.module.processor
+        if current is installed:
             site.module.set_processor(previous)
+        elif isinstance(current, _OURS):
+            # Replaced since by another of ldmopt's processors: diffusers' IP-adapter unloading re-instantiates every
+            # processor by its class (``p.__class__()``). Unpatched, the model runs stock again.
+            site.module.set_processor(current.stock_processor(site.module))
 
     def counters(self, data: Any) -> list:
         return [data[1]]

@@ -96,6 +96,24 @@ def test_unpatch_restores_the_class_method_and_copies_carry_their_own():
     assert {type(p) for p in model.attn_processors.values()} == {AttnProcessor}
 
 
+@pytest.mark.parametrize("family", ["svd", "animatediff"])
+def test_processors_recreated_by_class_after_patching_go_back_to_stock(family):
+    """diffusers' IP-Adapter loading and unloading re-create every processor as ``p.__class__()``: new instances of
+    ldmopt's classes on a patched model. Unpatched, the model runs the stock processors again (their default ones),
+    is_patched agrees, and diffusers' own set_default_attn_processor works."""
+    model = _nontrivial(getattr(models, family)())
+    stock = copy.deepcopy(model)
+    ldmopt.patch(model, **CASES[family])
+    model.set_attn_processor({name: p.__class__() for name, p in model.attn_processors.items()})
+    assert any(isinstance(p, OURS) for p in model.attn_processors.values())
+    ldmopt.unpatch(model)
+    assert not any(isinstance(p, OURS) for p in model.attn_processors.values())
+    assert not ldmopt.is_patched(model)
+    assert_outputs_close(_run(model, family, 2), _run(stock, family, 2), name=family)
+    model.set_default_attn_processor()
+    assert {type(p) for p in model.attn_processors.values()} == {AttnProcessor}
+
+
 def test_patching_a_model_twice_keeps_one_method_and_unpatch_removes_it():
     model = _nontrivial(models.svd())
     ldmopt.patch(model, families={"svd_attn2"})
