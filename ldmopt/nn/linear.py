@@ -49,7 +49,8 @@ def diffusers_module_reason(module: nn.Module, class_name: str, fused: type, met
 def plain_linear_reason(name: str, layer: object) -> str | None:
     """Why ``layer`` cannot be read as a bare (weight, bias) pair, or None when it can."""
     if type(layer) is not nn.Linear:
-        return f"{name} is {type(layer).__name__}, not a plain nn.Linear (LoRA/quantized layers keep the stock path)"
+        kind = qualified_name(type(layer))
+        return f"{name} is a {kind}, not a plain nn.Linear (LoRA/quantized layers keep the stock path)"
     if hooked(layer):  # ldmopt's own observers (the profiler's module scopes) aside: they only watch
         return f"{name} has hooks or a wrapped forward (e.g. accelerate offload) that a fused kernel would bypass"
     if not layer.weight.is_floating_point():
@@ -60,7 +61,7 @@ def plain_linear_reason(name: str, layer: object) -> str | None:
 def plain_layer_norm_reason(name: str, norm: object) -> str | None:
     """Why ``norm`` is not the affine-free nn.LayerNorm that adaLN blocks modulate (None when it is)."""
     if type(norm) is not nn.LayerNorm:
-        return f"{name} is {type(norm).__name__}, not a plain nn.LayerNorm"
+        return f"{name} is a {qualified_name(type(norm))}, not a plain nn.LayerNorm"
     if norm.weight is not None or norm.bias is not None:
         return f"{name} has affine parameters (adaLN blocks use LayerNorm without them)"
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -179,7 +180,7 @@ class PatchReport:
             lines.append("  fused calls that first copied their input or weight to channels-last since patch:")
             for what, n in sorted(copies.items(), key=lambda kv: -kv[1]):
                 lines.append(f"    x{n:<5} {what}")
-        fell_back = self.fallbacks()
+        fell_back = _merged_refusals(self.fallbacks())
         if fell_back:
             lines.append("  calls that took the stock or reference path since patch:")
             for reason, n in sorted(fell_back.items(), key=lambda kv: -kv[1]):
@@ -207,6 +208,26 @@ def _op_fallback(key: tuple[str, str, str] | str) -> str:
         return f"an op ran the reference backend: {key}"
     op, backend, reason = key
     return f"{op} ran the reference backend ({backend} refused: {reason})"
+
+
+_OP_FALLBACK = re.compile(r"^(\S+) ran the reference backend \((\w+) refused: (.*)\)$", re.S)
+
+
+def _merged_refusals(fell_back: dict[str, int]) -> dict[str, int]:
+    """One line per op call instead of one per refusing backend: each call that ran an op's reference backend
+    counts every preferred backend's reason (cuda's and triton's), so the same calls show once per backend;
+    lines of one op with the same count are those calls, and become one listing every reason."""
+    merged: dict[str, int] = {}
+    groups: dict[tuple[str, int], list[str]] = {}
+    for text, n in fell_back.items():
+        match = _OP_FALLBACK.match(text)
+        if match is None:
+            merged[text] = n
+        else:
+            groups.setdefault((match[1], n), []).append(f"{match[2]} refused: {match[3]}")
+    for (op, n), reasons in groups.items():
+        merged[f"{op} ran the reference backend ({'; '.join(reasons)})"] = n
+    return merged
 
 
 def _layout_fallback(key: tuple[str, str] | str) -> str:

@@ -374,7 +374,7 @@ class JointBlockRule(ClassSwapRule):
         for suffix in self._streams(site.module):
             reason = plain_layer_norm_reason(f"norm2{suffix}", getattr(site.module, f"norm2{suffix}"))
             reasons += [reason] if reason else []
-            reasons += feed_forward_reasons(getattr(site.module, f"ff{suffix}"))
+            reasons += feed_forward_reasons(getattr(site.module, f"ff{suffix}"), name=f"ff{suffix}")
         return reasons
 
     def touched(self, site: Site) -> dict[str, nn.Module]:

@@ -296,3 +296,20 @@ def test_flux_double_block_fp16_clip_in_the_epilogue():
     _assert_clipped_like_stock(fused[0], stock[0], "flux double block context")
     err = (fused[1].double() - stock[1].double()).abs().max().item()
     assert err <= 2e-3 * stock[1].abs().max().item(), f"flux double block image: {err:.3g}"
+
+
+def test_joint_block_skip_reason_names_the_stream_whose_feed_forward_changed():
+    """A wrapped (LoRA / quantized) text-stream projection ff_context.net.2 keeps the joint block stock, and the
+    reason names that projection and its class, not the image stream's ff.net.2."""
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    block = _joint_block("sd3")
+    old = block.ff_context.net[2]
+    block.ff_context.net[2] = Wrapped(old.in_features, old.out_features)
+    report = ldmopt.patch(block)
+    reasons = [r for s in report.skipped if s.rule == "joint_block" for r in s.reasons]
+    named = [r for r in reasons if r.startswith("ff_context.net.2 is a ")]
+    assert named and "Wrapped, not a plain nn.Linear" in named[0], reasons
+    assert not any(r.startswith("ff.net.2") for r in reasons), reasons

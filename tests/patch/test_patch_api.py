@@ -577,3 +577,16 @@ def test_a_global_module_hook_of_any_kind_keeps_every_module_stock(register):
     assert all("global module hooks are registered" in " ".join(s.reasons) for s in report.skipped)
     registry = "_global_" + register.removeprefix("register_module_").removeprefix("full_") + "s"
     assert all(registry in " ".join(s.reasons) for s in report.skipped)
+
+
+def test_the_report_lists_each_op_call_that_fell_back_once():
+    """A call that ran an op's reference backend counts every preferred backend's refusal; the printed report
+    shows those calls once, with both reasons, instead of once per backend (which read as twice the calls)."""
+    x = torch.randn(2, 8, 3, 3, dtype=torch.float64)  # fp64: the kernels refuse it, the reference runs
+    report = ldmopt.patch(torch.nn.Sequential(torch.nn.GroupNorm(2, 8)))
+    ldmopt.ops.group_norm(x, 2)
+    ldmopt.ops.group_norm(x, 2)
+    lines = [line for line in str(report).splitlines() if "group_norm ran the reference backend" in line]
+    assert len(lines) == 1 and lines[0].split()[0] == "x2", str(report)
+    assert "triton refused" in lines[0]
+    assert sum(n for k, n in report.fallbacks().items() if k.startswith("group_norm ran")) >= 2  # the dict: per backend
