@@ -135,7 +135,7 @@ def classify_op(name: str, *, attention_kind: str | None = None, in_norm: bool =
     """
     namespace, base = op_base_name(name)
     if namespace == "ldmopt":
-        return LDMOPT
+        return ldmopt_category(base)
     if base in _CONV_OPS:
         return CONV
     if _ATTENTION_OPS.match(base):
@@ -170,11 +170,18 @@ _KERNEL_PATTERNS = (
 def classify_kernel(name: str, ldmopt_kernels: frozenset[str] = frozenset()) -> str:
     """Category of a GPU kernel from its name alone (used when no operator launched it)."""
     if name in ldmopt_kernels:
-        return LDMOPT
+        return ldmopt_category(name)
     for pattern, category in _KERNEL_PATTERNS:
         if pattern.search(name):
             return category
     return OTHER
+
+
+def ldmopt_category(name: str) -> str:
+    """Category of one of ldmopt's ops or kernels: its temporal attention (forward, backward, the CUDA and Triton
+    kernels) is attention over frames, the share the studies report and a patched video model's profile must keep
+    showing; every other fused op is "ldmopt fused kernels"."""
+    return ATTN_TEMPORAL if "temporal_attention" in name else LDMOPT
 
 
 def ldmopt_kernel_names() -> frozenset[str]:

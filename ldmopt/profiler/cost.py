@@ -408,7 +408,8 @@ def _patch_for_analysis(model: nn.Module, inputs, training: bool) -> tuple[nn.Mo
     report = ldmopt.patch(model, training=training)
     return model, (
         f"the model as ldmopt.patch leaves it ({report.total} modules patched, channels-last): its fused ops are the "
-        "'ldmopt fused kernels' row; the patched columns project the fusion rules on what is left"
+        "'ldmopt fused kernels' row (its temporal attention the temporal attention row); the patched columns project "
+        "the fusion rules on what is left"
     )
 
 

@@ -197,7 +197,7 @@ def _classify(evt, forward_scopes: dict[int, str]) -> str:
     for e in _chain(evt):
         namespace = _op_namespace(e.name)
         if namespace == "ldmopt":
-            return C.LDMOPT
+            return C.ldmopt_category(e.name)
         if namespace is not None:
             outermost = e.name
     if outermost is None:
@@ -253,7 +253,7 @@ def classify_events(events, on_gpu: bool, ldmopt_kernels: frozenset[str] = froze
             elif _LAYOUT_KERNEL.search(e.name):  # cuDNN's own layout transforms inside aten::cudnn_convolution
                 cat = C.LAYOUT
             else:
-                cat = C.LDMOPT if e.name in ldmopt_kernels else _classify(op, forward_scopes)
+                cat = C.ldmopt_category(e.name) if e.name in ldmopt_kernels else _classify(op, forward_scopes)
             cats[cat].add(e.name, e.time_range.elapsed_us())
     else:
         for e in cpu_ops:
@@ -505,6 +505,13 @@ def _make_step(
     params: list[nn.Parameter] = []
     if training:
         modules = _modules_of(target)
+        if not isinstance(target, nn.Module) and isinstance(getattr(target, "components", None), dict):
+            # A diffusers pipeline's __call__ runs under torch.no_grad: its output has no graph to differentiate.
+            raise ValueError(
+                f"training=True: {type(target).__name__} is a pipeline, whose call runs without gradients, so no "
+                "backward could follow; profile its denoiser (e.g. pipe.unet or pipe.transformer, with inputs) for a "
+                "training step, or pass a callable that runs your own training step"
+            )
         params = [p for module in modules.values() for p in module.parameters() if p.requires_grad]
         if modules and not params:
             # Refused as analyze(training=True) refuses it: a profile labelled "training" would hold a forward only.

@@ -225,6 +225,26 @@ def test_gpu_kernels_launched_by_a_batch_fetch_are_not_classified():
     assert cats[C.LINEAR].time_us == pytest.approx(10) and cats[C.LAYOUT].time_us == 0
 
 
+def test_a_pipeline_as_a_training_step_is_refused_before_it_runs():
+    """A diffusers pipeline's call runs without gradients: profiled as a training step it used to end, after a whole
+    run, in autograd's "does not require grad"; it is refused first, naming what to profile instead."""
+
+    class Pipeline:  # what profile recognises a pipeline by: a dict of components
+        calls = 0
+
+        def __init__(self):
+            self.components = {"unet": torch.nn.Linear(4, 4)}
+
+        def __call__(self, **kwargs):
+            Pipeline.calls += 1
+            with torch.no_grad():
+                return self.components["unet"](torch.randn(2, 4))
+
+    with pytest.raises(ValueError, match="is a pipeline, whose call runs without gradients.*its denoiser"):
+        profile(Pipeline(), inputs={}, steps=1, warmup=0, training=True)
+    assert Pipeline.calls == 0
+
+
 def test_data_with_fewer_batches_than_steps_is_a_clear_error():
     # The profiler loop ended in a bare StopIteration: 3 batches look enough for steps=3, but training's default
     # wait=1 and warmup=1 draw one each too.

@@ -69,3 +69,25 @@ def test_fused_attention_keeps_its_kind():
     assert shares["attention.spatial"] > 0 and shares["attention.cross"] > 0, shares
     assert not shares.get("attention.unattributed"), shares
     assert report.backends()["linear"], report.backends()
+
+
+def test_the_temporal_attention_kernel_counts_as_temporal_attention():
+    """A patched video model's temporal attention runs ldmopt's op: the profile keeps it in the temporal attention
+    share (the studies' figure), not in the fused-kernels row; its other fused ops stay there."""
+    from ldmopt.patch.rule import FAMILIES
+    from ldmopt.profiler import categories as C
+
+    model = configs.build_model("animatediff", tiny=True, device="cpu", dtype=torch.float32)
+    inputs = configs.example_inputs(model, batch=1)
+    report = ldmopt.patch(model, families=set(FAMILIES) - {"temporal_layout"})
+    assert report.counts().get("temporal_attention", 0) > 0
+    with ldmopt.use_backend("torch"):
+        prof = ldmopt.profile(lambda: configs.run_model(model, inputs), steps=1, warmup=0, modules=model)
+    assert report.backends().get("temporal_attention"), report.backends()
+    assert prof.attention_split()["temporal"] > 0.2, prof.attention_split()
+    assert prof.shares()[C.LDMOPT] > 0
+    assert not any("temporal_attention" in name for name, _, _ in prof.top(C.LDMOPT, 50))
+    assert C.classify_op("ldmopt::temporal_attention_backward") == C.ATTN_TEMPORAL
+    kernels = frozenset({"_temporal_attention_fwd_kernel", "_geglu_fwd_kernel"})
+    assert C.classify_kernel("_temporal_attention_fwd_kernel", kernels) == C.ATTN_TEMPORAL
+    assert C.classify_kernel("_geglu_fwd_kernel", kernels) == C.LDMOPT
