@@ -4,7 +4,10 @@ given, and the checks that refuse nonsensical values or note flags a run has no 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import os
+from pathlib import Path
 
 from _train_model import SMALL_MODELS, is_video_model, model_names
 from _train_utils import DistInfo
@@ -203,6 +206,9 @@ def check_args(args: argparse.Namespace, info: DistInfo) -> int:
         raise SystemExit(f"--cond-drop must be in [0, 1], got {args.cond_drop}")
     if args.sample_every > 0 and args.sample_steps > args.num_train_timesteps:
         raise SystemExit(f"--sample-steps {args.sample_steps} exceeds --num-train-timesteps {args.num_train_timesteps}")
+    _check_output_dir(args.output_dir)
+    if args.report_to == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise SystemExit("--report-to wandb needs the wandb package: pip install wandb (or --report-to tensorboard)")
     per_step = info.world_size * args.grad_accum
     if args.batch_size % per_step:
         raise SystemExit(
@@ -210,6 +216,20 @@ def check_args(args: argparse.Namespace, info: DistInfo) -> int:
             f"{info.world_size} x {args.grad_accum}"
         )
     return args.batch_size // per_step
+
+
+def _check_output_dir(path: str) -> None:
+    """--output-dir must be a folder this process can create or write, checked before the model is built."""
+    out = Path(path)
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise SystemExit(f"--output-dir {path!r}: {existing} exists and is not a folder")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise SystemExit(f"--output-dir {path!r}: {existing} is not writable")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"--output-dir {path!r} cannot be created: {exc.strerror or exc}") from exc
 
 
 def unused_flags(args: argparse.Namespace, given: set[str] | None) -> list[str]:

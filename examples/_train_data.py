@@ -166,9 +166,25 @@ def scan_images(root: Path) -> tuple[list[Path], list[str]]:
     return sorted(found), skipped
 
 
+def _white_level(values: np.ndarray, mode: str) -> tuple[float, float]:
+    """(black, white) of a single-channel image PIL's convert would clip instead of scaling: 16-bit modes span
+    0-65535; 32-bit ints and floats carry no bit depth, so the range their values use decides: [0, 1] floats, 8-bit
+    or 16-bit values, else the image's own minimum and maximum (HDR or signed data: stretched, never clipped)."""
+    if mode.startswith("I;16"):
+        return 0.0, 65535.0
+    lo, hi = float(np.nanmin(values)), float(np.nanmax(values))
+    if lo >= 0.0:
+        for white in ((1.0,) if mode == "F" else ()) + (255.0, 65535.0):
+            if hi <= white:
+                return 0.0, white
+    return lo, hi if hi > lo else lo + 1.0
+
+
 def _to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode.startswith("I"):  # 16-bit (or int32) grey: PIL's convert clips to 255 instead of scaling
-        grey = np.asarray(im, dtype=np.float64) * (255.0 / 65535.0)
+    if im.mode.startswith("I") or im.mode == "F":  # PIL's convert clips these to 0-255 instead of scaling
+        values = np.asarray(im, dtype=np.float64)
+        black, white = _white_level(values, im.mode)
+        grey = np.nan_to_num((values - black) * (255.0 / (white - black)))
         im = Image.fromarray(np.clip(np.rint(grey), 0, 255).astype(np.uint8), "L")
     return im.convert("RGB")
 

@@ -44,8 +44,9 @@ same epoch. Resuming from an earlier checkpoint into a folder that holds later o
 checkpoints are moved to ``checkpoints/superseded-*`` so that rotation and ``--resume auto`` follow the new run.
 
 An image folder (``--data``) is read recursively, following symlinked folders; its sub-folders are the classes (an
-image directly beside them is left out), hidden files and files that are no image are left out too, and rank 0
-lists what was left out. 16-bit grey images are scaled to 8 bits.
+image directly beside them is left out). Files with an image suffix that are hidden or do not open as images are
+left out too, and rank 0 lists what was left out; files without an image suffix (notes, captions) are not read.
+16-bit, 32-bit int and float grey images are scaled to 8 bits by their range, not clipped.
 
 ``--save-final`` writes ``OUTPUT_DIR/final/``: the EMA weights of the diffusers model (``save_pretrained``: config.json
 and diffusion_pytorch_model.safetensors), the wrapper's own EMA weights that the model needs for class-conditional

@@ -50,6 +50,8 @@ def _check_common(args: argparse.Namespace) -> str | None:
         problem = _check_device(device)
         if problem:
             return problem
+    if args.command == "demo" and getattr(args, "save", None) and args.model not in ("sd", "sd15"):
+        return f"--save {args.save}: only the sd pipeline produces images; --model {args.model} runs a denoiser alone"
     for option, suffixes in OUTPUT_FILES.get(args.command, {}).items():
         path = getattr(args, option, None)
         if isinstance(path, str) and suffixes is not None and not path.lower().endswith(suffixes):

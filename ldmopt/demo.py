@@ -19,7 +19,9 @@ from typing import Any
 
 #: Images in [0, 1] (sd) or denoiser outputs: patched vs stock max abs difference allowed, per dtype name.
 TOLERANCE = {"float32": 2e-3, "float16": 3e-2, "bfloat16": 6e-2}
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
+#: the short names analyze, profile and tune take, accepted here too
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 TEXT_HIDDEN_LAYERS = 2
 TEXT_TOKENS = 77
 PROMPT = "a photograph of an astronaut riding a horse"
@@ -38,7 +40,8 @@ def configure_demo(parser: argparse.ArgumentParser) -> None:
                         help="sd (or sd15, its zoo name): a tiny StableDiffusionPipeline (default); other names: "
                              "that zoo family's tiny denoiser alone")  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float16 on cuda, float32 on cpu")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="auto: float16 on cuda, float32 on cpu (fp16, bf16, fp32 are accepted too)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=4, help="denoising steps (or denoiser calls); default 4")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="ldmopt backend of the patched run; on cpu, triton = the Triton interpreter")  # fmt: skip
@@ -204,7 +207,7 @@ def _resolve(args) -> tuple[Any, Any, str]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    name = args.dtype
+    name = _DTYPE_ALIASES.get(args.dtype, args.dtype)
     if name == "auto":
         name = "float16" if device.type == "cuda" else "float32"
     return device, getattr(torch, name), name

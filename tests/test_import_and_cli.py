@@ -346,6 +346,27 @@ def test_demo_save_needs_an_image_file_name(tmp_path, capsys, monkeypatch):
     assert "is a folder" in capsys.readouterr().err
 
 
+def test_demo_save_with_a_denoiser_alone_is_refused_first(tmp_path, capsys, monkeypatch):
+    """--save writes the sd pipeline's images; with another --model nothing would be saved, after the whole run."""
+    import ldmopt.demo
+    from ldmopt.cli import main
+
+    monkeypatch.setattr(ldmopt.demo, "run_demo", lambda args: pytest.fail("the demo ran before the check"))
+    out = tmp_path / "new" / "x.png"
+    assert main(["demo", "--model", "dit", "--save", str(out)]) == 2
+    assert "only the sd pipeline produces images; --model dit" in capsys.readouterr().err
+    assert not out.parent.exists()
+
+
+def test_demo_takes_the_short_dtype_names_of_the_other_commands():
+    import ldmopt.demo
+    from ldmopt.cli import build_parser
+
+    for short, full in (("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32")):
+        args = build_parser().parse_args(["demo", "--device", "cpu", "--dtype", short])
+        assert ldmopt.demo._resolve(args)[2] == full
+
+
 def test_demo_takes_the_zoo_name_sd15_for_its_pipeline(capsys):
     from ldmopt.cli import build_parser
     from ldmopt.demo import run_demo

@@ -2,8 +2,8 @@
 
 Symlinked class folders count (once, even in a loop); hidden files, folders with an image suffix and files that are
 no image are left out and listed, not found mid-training; loose images beside class folders are left out (no wrong
-label); 16-bit grey images are scaled to 8 bits, not clipped to white; EXIF orientation is applied; GIF and TIFF
-are read.
+label); 16-bit grey images are scaled to 8 bits, not clipped to white, and so are 32-bit int and float TIFFs by the
+range their values use; EXIF orientation is applied; GIF and TIFF are read.
 """
 
 from __future__ import annotations
@@ -70,6 +70,24 @@ def test_16_bit_grey_is_scaled_not_clipped(tmp_path):
     expected = np.rint(ramp * 255 / 65535) / 127.5 - 1  # [-1, 1] as the dataset scales 8-bit values
     assert np.abs(pixels[0].numpy() - expected).max() < 0.1  # bicubic resize at the same size moves values little
     assert (pixels == 1).float().mean() < 0.05
+
+
+@pytest.mark.parametrize(
+    "mode,scale,offset",
+    [("F", 1.0, 0.0), ("F", 255.0, 0.0), ("I", 255.0, 0.0), ("I", 65535.0, 0.0), ("F", 7.0, -3.0)],
+)
+def test_int32_and_float_grey_are_scaled_by_the_range_they_use(tmp_path, mode, scale, offset):
+    """A float TIFF of [0, 1] values or a 32-bit int image of 8-bit values carries no bit depth: scaled by the range
+    its values use (its own minimum and maximum outside the known ones), not clipped to black or white."""
+    ramp = np.linspace(0, 1, 16 * 16).reshape(16, 16)
+    values = ramp * scale + offset
+    Image.fromarray(values.astype(np.float32 if mode == "F" else np.int32), mode).save(tmp_path / "grey.tiff")
+    assert Image.open(tmp_path / "grey.tiff").mode == mode
+
+    pixels, _ = ImageFolderDataset(tmp_path, 16)[0]
+
+    expected = np.rint(ramp * 255) / 127.5 - 1
+    assert np.abs(pixels[0].numpy() - expected).max() < 0.1
 
 
 @pytest.mark.parametrize("resolution", [15, 17, 9, 16])
