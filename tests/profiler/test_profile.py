@@ -240,7 +240,7 @@ def test_a_pipeline_as_a_training_step_is_refused_before_it_runs():
             with torch.no_grad():
                 return self.components["unet"](torch.randn(2, 4))
 
-    with pytest.raises(ValueError, match="is a pipeline, whose call runs without gradients.*its denoiser"):
+    with pytest.raises(ValueError, match=r"is a pipeline, whose call runs without gradients.*its denoiser"):
         profile(Pipeline(), inputs={}, steps=1, warmup=0, training=True)
     assert Pipeline.calls == 0
 
