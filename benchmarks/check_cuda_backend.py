@@ -3,7 +3,8 @@
 Part 1, correctness: at the GroupNorm(+SiLU) benchmark shapes (benchmarks/bench_group_norm.py; forward and
 backward, and the statistics and the normalisation from given statistics alone, as the fused conv runs them), at
 the LayerNorm row statistics and the LayerNorm applied from them at real transformer widths, at the fused linear
-layers' passes after cuBLAS's GEMM (GEGLU, GELU-tanh, gated residual with row statistics, Flux's clamp), and at real
+layers' passes after cuBLAS's GEMM (GEGLU, GELU-tanh, gated residual with row statistics, Flux's clamp) and the fused
+convs' after cuDNN's conv (temb with GroupNorm statistics, shortcut and residual with channel sums), and at real
 temporal-attention shapes (AnimateDiff, SVD, Latte), each backend's outputs against the reference computed in fp64,
 as max relative error ||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype bound. Outputs are
 poisoned with NaN first (LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.
@@ -70,6 +71,14 @@ EPILOGUE_SHAPES = {
     "flux-residual-saturate": (4608, 3072, "saturate"),
 }
 QUICK_EPILOGUE = ("sd15-geglu-64x64", "dit-gate-residual-stats")
+# (N, C, H, W, what) of the passes after cuDNN's conv under the "cudnn" placement (CFG batch 2): a resnet's conv1 (temb,
+# the next GroupNorm's statistics) and conv2 (shortcut, residual, output scale, channel sums), the VAE decoder's.
+CONV_EPILOGUE_SHAPES = {
+    "sd15-conv1-64x64x320": (2, 320, 64, 64, "conv1"),
+    "sd15-conv2-32x32x640": (2, 640, 32, 32, "conv2"),
+    "vae-conv1-512x512x128": (1, 128, 512, 512, "conv1"),
+}
+QUICK_CONV_EPILOGUE = ("sd15-conv1-64x64x320", "sd15-conv2-32x32x640")
 
 
 def _group_norm_cases(quick: bool):
@@ -261,6 +270,59 @@ def check_linear_epilogue(quick: bool):
                 yield "linear_epilogue", name, dtype, backend, [y, *([] if out_stats is None else out_stats)], ref
 
 
+def _conv_epilogue_inputs(shape, dtype):
+    """(z, kwargs of ops.conv_epilogue) for a CONV_EPILOGUE_SHAPES entry, channels-last as cuDNN writes it."""
+    n, c, h, w, what = shape
+
+    def cl(*size, mean=0.0):
+        return (torch.randn(*size, device=DEVICE) + mean).to(dtype).contiguous(memory_format=torch.channels_last)
+
+    z = cl(n, c, h, w, mean=2.0)
+    if what == "conv1":
+        return z, dict(temb=torch.randn(n, c, device=DEVICE).to(dtype), out_groups=32)
+    return z, dict(shortcut=cl(n, c, h, w), residual=cl(n, c, h, w), output_scale=1.5, out_groups=0,
+                   out_channel_sums=True)  # fmt: skip
+
+
+def _ldmopt_conv_epilogue(backend, z, kwargs):
+    from ldmopt.ops.conv_epilogue import conv_epilogue
+
+    args = {"temb": None, "gate": None, "shortcut": None, "residual": None, "output_scale": 1.0, **kwargs}
+    with ldmopt.use_backend(backend):
+        return conv_epilogue(z, args["temb"], args["gate"], args["shortcut"], args["residual"], "none",
+                             args["output_scale"], args["out_groups"], 1e-6,
+                             out_channel_sums=args.get("out_channel_sums", False))  # fmt: skip
+
+
+def check_conv_epilogue(quick: bool):
+    """The fused convs' pass after cuDNN's conv: temb and the next GroupNorm's statistics, or shortcut, residual,
+    scale and the channel sums a two-part GroupNorm finalises (against those of the fp64 output)."""
+    for name in QUICK_CONV_EPILOGUE if quick else list(CONV_EPILOGUE_SHAPES):
+        for dtype in QUICK_DTYPES if quick else DTYPES:
+            z, kwargs = _conv_epilogue_inputs(CONV_EPILOGUE_SHAPES[name], dtype)
+            ref = z.double() + sum(kwargs[k].double() for k in ("shortcut", "residual") if k in kwargs)
+            if "temb" in kwargs:
+                ref = ref + kwargs["temb"].double()[:, :, None, None]
+            ref = ref / kwargs.get("output_scale", 1.0)
+            n = z.shape[0]
+            if kwargs["out_groups"]:
+                var, mean = torch.var_mean(ref.reshape(n, kwargs["out_groups"], -1), dim=2, unbiased=False)
+                refs = [ref, mean, torch.rsqrt(var + 1e-6)]
+            else:
+                rows = ref.permute(0, 2, 3, 1).reshape(n, -1, z.shape[1])
+                refs = [ref, torch.stack([rows.sum(1), (rows * rows).sum(1)], dim=-1)]
+            for backend in BACKENDS:
+                z_in = z.clone()  # written in place
+                try:
+                    y, mean, rstd, sums = _ldmopt_conv_epilogue(backend, z_in, kwargs)
+                except ldmopt.BackendUnavailableError as exc:
+                    _skip(backend, f"conv_epilogue {name} {dtype} {backend}", exc)
+                    continue
+                outs = [y, mean, rstd] if kwargs["out_groups"] else [y, sums]
+                yield "conv_epilogue", name, dtype, backend, outs, refs
+            del ref
+
+
 def _attention_inputs(shape, dtype):
     bn, f, h, d = shape
     # diffusers' (B*N, F, heads*head_dim) projections, viewed as (B*N, F, 1, heads, head_dim): no copies
@@ -316,7 +378,7 @@ def run_checks(quick: bool) -> int:
     ran: Counter[str] = Counter()
     print(f"{'op':<20} {'case':<30} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
     checks = (check_group_norm, check_group_norm_parts, check_layer_norm_stats, check_layer_norm_apply,
-              check_linear_epilogue, check_attention)  # fmt: skip
+              check_linear_epilogue, check_conv_epilogue, check_attention)  # fmt: skip
     for check in checks:
         try:
             for op, case, dtype, backend, outs, refs in check(quick):

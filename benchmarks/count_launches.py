@@ -10,9 +10,11 @@ launches cost in time is for a GPU run. Full-size models take several GB of host
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported: the stub is the interpreter's
@@ -30,8 +32,63 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 STATISTICS_PASSES = {"group_norm": "_group_norm_fwd_finalize_kernel", "layer_norm": "_row_stats_kernel"}
 
 
-def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtype, tiny: bool) -> dict:
-    """{"launches": Counter by kernel, "op_calls": {op: calls}, "handovers": {consumer: calls}} of one step."""
+#: ldmopt._C's ops (csrc/ops.cpp) -> a stand-in returning outputs of the right shapes at once
+def _stats(x, groups):
+    return x.new_empty(x.shape[0], groups, dtype=torch.float32), x.new_empty(x.shape[0], groups, dtype=torch.float32)
+
+
+_CPP_STANDINS = {
+    "group_norm_fwd_cuda": lambda x, w, b, g, eps, act: (torch.empty_like(x), *_stats(x, g)),
+    "group_norm_stats_cuda": lambda x, g, eps: _stats(x, g),
+    "group_norm_apply_cuda": lambda x, mean, rstd, w, b, g, act: torch.empty_like(x, memory_format=torch.channels_last),
+    "layer_norm_stats_cuda": lambda x, eps: x.new_empty(2, x.shape[0], dtype=torch.float32),
+    "layer_norm_apply_cuda": lambda x, stats, w, b, pos, rows: x.new_empty(x.shape),
+    "linear_epilogue_cuda": lambda *args: None,
+    "conv_epilogue_cuda": lambda z, sc, res, temb, inv, write, g, sums, eps: (
+        *_stats(z, g), z.new_empty(z.shape[0], z.shape[1] if sums else 0, 2, dtype=torch.float64)),
+    "temporal_attention_fwd_cuda": lambda q, k, v, scale: torch.empty_like(q),
+    "temporal_attention_fwd_out_cuda": lambda q, k, v, scale, out: None,
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def as_gpu_with_extension() -> Iterator[Counter]:
+    """Placements as for CUDA tensors, ldmopt._C's backends accepting CPU tensors, their ops stubbed; yields the
+    count of C++ op calls by op."""
+    import importlib
+
+    from ldmopt.ops import gn_conv2d_prologue, linear_cublas
+
+    calls: Counter = Counter()
+    cuda = torch.device("cuda")
+    patches = []
+
+    def patch(obj, attr, value):
+        patches.append((obj, attr, getattr(obj, attr, None)))
+        setattr(obj, attr, value)
+
+    for name in ("conv_epilogue", "gn_conv2d_stats", "group_norm", "layer_norm_apply", "layer_norm_linear",
+                 "linear_epilogue", "temporal_attention"):  # fmt: skip
+        patch(importlib.import_module(f"ldmopt.ops.{name}"), "cuda_extension_refusals", lambda *args: [])
+    for op, standin in _CPP_STANDINS.items():
+        patch(torch.ops.ldmopt, op, lambda *a, _op=op, _f=standin: calls.update([_op]) or _f(*a))
+    gemm, conv = linear_cublas.gemm_placement, gn_conv2d_prologue.choose_placement
+    patch(linear_cublas, "gemm_placement", lambda device, blend=False: gemm(cuda, blend))
+    patch(importlib.import_module("ldmopt.ops.linear"), "gemm_placement", linear_cublas.gemm_placement)
+    patch(importlib.import_module("ldmopt.ops.gn_conv2d"), "choose_placement",
+          lambda device, *args, **kwargs: conv(cuda, *args, **kwargs))  # fmt: skip
+    patch(linear_cublas, "TANH_GELU_DEVICES", ("cuda", "cpu"))  # cuBLASLt's GELU epilogue: no pass
+    try:
+        yield calls
+    finally:
+        for obj, attr, value in reversed(patches):
+            setattr(obj, attr, value)
+
+
+def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtype, tiny: bool,
+               as_gpu: bool = False) -> dict:  # fmt: skip
+    """{"launches": Counter by kernel, "op_calls": {op: calls}, "handovers": {consumer: calls}, "cpp_calls": Counter
+    by C++ op (``as_gpu``)} of one step."""
     from ldmopt.configs import build_model, example_inputs
 
     model = build_model(name, device="cpu", dtype=dtype, tiny=tiny, frames=frames)
@@ -44,9 +101,12 @@ def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtyp
         for k, v in inputs.kwargs.items()
     }
     report = ldmopt.patch(model)
-    with torch.no_grad(), ldmopt.use_backend("triton"), stubbed_launches() as launches:
+    gpu = as_gpu_with_extension() if as_gpu else contextlib.nullcontext(Counter())
+    backend = ldmopt.use_backend("auto" if as_gpu else "triton")
+    with torch.no_grad(), backend, stubbed_launches() as launches, gpu as cpp_calls:
         for _ in range(3):
             launches.clear()
+            cpp_calls.clear()
             calls_before = {op: sum(n.values()) for op, n in report.backends().items()}
             handed_before = report.handovers()
             getattr(model, inputs.method)(**kwargs)
@@ -56,6 +116,7 @@ def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtyp
         "launches": Counter(launches),
         "op_calls": {op: n for op, n in calls.items() if n},
         "handovers": {k: n for k, n in handed.items() if n},
+        "cpp_calls": Counter(cpp_calls),
     }
 
 
@@ -68,6 +129,10 @@ def summary(name: str, counts: dict) -> str:
         "  launches: " + ", ".join(f"{k} {n}" for k, n in launches.most_common()),
         "  handed over: " + (", ".join(f"{k} {n}" for k, n in counts["handovers"].items()) or "none"),
     ]
+    cpp = counts.get("cpp_calls")
+    if cpp:
+        listed = ", ".join(f"{k} {n}" for k, n in cpp.most_common())
+        lines.append(f"  ldmopt._C op calls: {sum(cpp.values())}: {listed}")
     return "\n".join(lines)
 
 
@@ -78,10 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=None)
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp16")
     parser.add_argument("--tiny", action="store_true", help="the zoo's tiny config instead of the real one")
+    parser.add_argument(
+        "--as-gpu", action="store_true", help="what a GPU with ldmopt._C launches: its placements, C++ ops stood in for"
+    )
     args = parser.parse_args(argv)
     resolution = args.resolution or (None if args.tiny else 64)
-    counts = count_step(args.model, resolution, args.frames, DTYPES[args.dtype], args.tiny)
-    print(summary(f"{args.model} {args.dtype}" + (" tiny" if args.tiny else f" {resolution}px"), counts))
+    counts = count_step(args.model, resolution, args.frames, DTYPES[args.dtype], args.tiny, args.as_gpu)
+    label = f"{args.model} {args.dtype}" + (" tiny" if args.tiny else f" {resolution}px")
+    print(summary(label + (" as-gpu" if args.as_gpu else ""), counts))
     return 0
 
 

@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "conv_epilogue/conv_epilogue.h"
 #include "group_norm/group_norm.h"
 #include "layer_norm/layer_norm.h"
 #include "linear_epilogue/linear_epilogue.h"
@@ -27,6 +28,9 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
   m.def(
       "linear_epilogue_cuda(Tensor z, Tensor(a!) y, Tensor? gate, Tensor? residual, Tensor(b!)? stats, "
       "str activation, bool glu, bool saturate, bool write, float eps) -> ()");
+  m.def(
+      "conv_epilogue_cuda(Tensor(a!) z, Tensor? shortcut, Tensor? residual, Tensor? temb, float inv_scale, "
+      "bool write, int groups, bool channel_sums, float eps) -> (Tensor mean, Tensor rstd, Tensor sums)");
   m.def("temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out");
   m.def("temporal_attention_fwd_out_cuda(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
 }
@@ -39,6 +43,7 @@ TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
   m.impl("layer_norm_stats_cuda", &ldmopt::layer_norm::row_statistics_cuda);
   m.impl("layer_norm_apply_cuda", &ldmopt::layer_norm::apply_cuda);
   m.impl("linear_epilogue_cuda", &ldmopt::linear_epilogue::run_cuda);
+  m.impl("conv_epilogue_cuda", &ldmopt::conv_epilogue::run_cuda);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_cuda);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_cuda);
 }
@@ -51,6 +56,7 @@ TORCH_LIBRARY_IMPL(ldmopt, Meta, m) {
   m.impl("layer_norm_stats_cuda", &ldmopt::layer_norm::row_statistics_meta);
   m.impl("layer_norm_apply_cuda", &ldmopt::layer_norm::apply_meta);
   m.impl("linear_epilogue_cuda", &ldmopt::linear_epilogue::run_meta);
+  m.impl("conv_epilogue_cuda", &ldmopt::conv_epilogue::run_meta);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_meta);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_meta);
 }

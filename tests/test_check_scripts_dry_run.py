@@ -180,6 +180,8 @@ def cuda_backend_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(C, "EPILOGUE_SHAPES", {"geglu": (6, 40, "geglu"), "gate": (8, 24, "gate_residual_stats"),
                                                "tanh": (5, 16, "gelu_tanh"), "clamp": (4, 8, "saturate")})  # fmt: skip
     monkeypatch.setattr(C, "QUICK_EPILOGUE", ("gate",))
+    monkeypatch.setattr(C, "CONV_EPILOGUE_SHAPES", {"c1": (2, 64, 5, 3, "conv1"), "c2": (1, 40, 4, 4, "conv2")})
+    monkeypatch.setattr(C, "QUICK_CONV_EPILOGUE", ("c1",))
     monkeypatch.setenv("LDMOPT_POISON_OUTPUTS", "1")  # the script sets it; restored afterwards
     monkeypatch.delenv("LDMOPT_BENCH_CSV", raising=False)
     monkeypatch.setattr(harness, "time_fn", lambda fn, **_: (fn(), harness.Timing(1.0, 0.9, 1.1))[1])
@@ -200,9 +202,9 @@ def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
     attn = [r for r in rows if r[0] == "temporal_attention"]
     ln = [r for r in rows if r[0] == "ln_stats"]
     ln_apply = [r for r in rows if r[0] == "ln_apply"]
-    epilogues = [r for r in rows if r[0] == "linear_epilogue"]
+    epilogues = [r for r in rows if r[0] in ("linear_epilogue", "conv_epilogue")]
     assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == len(ln) == len(ln_apply) == 2 * 2, out
-    assert len(epilogues) == 4 * 2, out  # shapes x dtypes
+    assert len(epilogues) == (4 + 2) * 2, out  # shapes x dtypes
     assert len(gn_apply) == 2 * 2 and all("channels_last" in r[1] for r in gn_apply), out  # channels-last only
     assert len(rows) == len(gn) + len(gn_stats) + len(gn_apply) + len(ln) + len(ln_apply) + len(epilogues) + len(attn)
     # every cuda case is a skip on the CPU
@@ -250,7 +252,7 @@ def test_check_scripts_report_failures(monkeypatch, capsys):
 
     monkeypatch.setattr(check_cuda_backend, "check_group_norm", lambda quick: (("op", *r) for r in bad(quick)))
     for name in ("check_group_norm_parts", "check_layer_norm_stats", "check_layer_norm_apply", "check_linear_epilogue",
-                 "check_attention"):  # fmt: skip
+                 "check_conv_epilogue", "check_attention"):  # fmt: skip
         monkeypatch.setattr(check_cuda_backend, name, lambda quick: (("op", *r) for r in good(quick)))
     assert check_cuda_backend.run_checks(quick=True) == 2
     out = capsys.readouterr().out

@@ -2,6 +2,7 @@
 implementation, autograd, and a backend table (cuda -> triton -> torch) consulted on real tensors."""
 
 from . import (
+    conv_epilogue,  # noqa: F401  (registers the conv epilogue's backend table, which use_backend(ops=...) names)
     gn_conv2d_backward,  # noqa: F401  (registers ldmopt::gn_conv2d's autograd)
     linear_stats,  # noqa: F401  (registers ldmopt::linear_stats_fwd, which ops.linear calls)
 )

@@ -146,6 +146,7 @@ TABLE_NAMES: set[str] = set()
 OP_ALIASES = {
     "gn_silu_conv2d": (
         "gn_conv2d",
+        "conv_epilogue",
         "gn_conv2d_stats",
         "group_norm_stats_from_sums",
         "group_norm_apply",

@@ -1,14 +1,14 @@
 """The fused convolution's "cudnn" placement (ops/gn_conv2d_prologue.py): after the staged GroupNorm + activation,
-PyTorch runs the convolution (cuDNN on GPUs) and one Triton pass does the rest of the fused conv's epilogue
-(kernels/conv_epilogue.py). Part of the gn_conv2d op's triton backend, which calls it."""
+PyTorch runs the convolution (cuDNN on GPUs) and one pass does the rest of the fused conv's epilogue
+(ops/conv_epilogue.py: ldmopt._C's kernel where the extension is built and takes the inputs, else
+kernels/conv_epilogue.py's Triton launch). Part of the gn_conv2d op's triton backend, which calls it."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ldmopt.kernels.conv_epilogue import conv_epilogue
-
+from .conv_epilogue import conv_epilogue
 from .gn_conv2d import _conv, resample_input
 from .gn_conv2d_stats import _cat
 
@@ -17,8 +17,8 @@ def conv_then_epilogue(a, a_tail, w, b, temb, res, sx, sx_tail, sw, sb, gate, st
                        res_resample, sc_resample, output_scale, out_groups, out_eps, fp32_precision, out_layer_norm,
                        out_channel_sums):  # fmt: skip
     """The "cudnn" placement after the staged normalisation: PyTorch's convolution of ``a`` (cuDNN on GPUs; in a's
-    dtype with its bias, as the stock block runs it) and of the shortcut, then one Triton pass for the rest of the
-    epilogue, in place (kernels/conv_epilogue.py)."""
+    dtype with its bias, as the stock block runs it) and of the shortcut, then one pass for the rest of the
+    epilogue, in place (ops/conv_epilogue.py)."""
     a = _cat(a, a_tail)  # a two-part input only here when nothing normalises it
     z = _conv(resample_input(a, resample), w, b, stride, padding, fp32_precision)
     z = z.contiguous(memory_format=torch.channels_last)  # what cuDNN gives a channels-last input: no copy

@@ -125,3 +125,22 @@ def test_count_launches_counts_a_patched_step(capsys):
     assert "statistics passes: group_norm " in out and ", layer_norm 0" in out, out
     handed = dict(re.findall(r"(\S+) (\d+)", out.split("handed over: ")[1]))
     assert handed["norm1"] == handed["Transformer2DModel.norm"] == "10", out
+
+
+def test_count_launches_as_a_gpu_with_the_extension(capsys):
+    """--as-gpu: the GPUs' placements with ldmopt._C's ops stood in for. The passes around cuDNN's conv and cuBLAS's
+    GEMM are C++ op calls then (the Triton-only count has them as launches), and the placements restored after."""
+    pytest.importorskip("diffusers")
+    from benchmarks import count_launches
+    from ldmopt.ops import linear_cublas
+
+    dtype = torch.float32
+    plain = count_launches.count_step("sd15", None, None, dtype, tiny=True)
+    gpu = count_launches.count_step("sd15", None, None, dtype, tiny=True, as_gpu=True)
+    cpp = gpu["cpp_calls"]
+    assert cpp["conv_epilogue_cuda"] > 0 and cpp["linear_epilogue_cuda"] > 0 and cpp["layer_norm_apply_cuda"] > 0, cpp
+    assert not plain["cpp_calls"] and sum(gpu["launches"].values()) < sum(plain["launches"].values()), (plain, gpu)
+    assert "_conv_epilogue_kernel" not in gpu["launches"] and "_linear_epilogue_kernel" not in gpu["launches"], gpu
+    assert linear_cublas.gemm_placement(torch.device("cpu")) == "triton"  # the CPU's own choice is back
+    assert count_launches.main(["sd15", "--tiny", "--dtype", "fp32", "--as-gpu"]) == 0
+    assert "as-gpu" in capsys.readouterr().out

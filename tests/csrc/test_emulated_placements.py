@@ -1,8 +1,9 @@
-"""The "cublas" GEMM placement with ldmopt._C's row kernels, end to end on the CPU: ops.linear, ops.geglu, the linear
-with the next norm's statistics and the LayerNorm GEMMs run PyTorch's GEMM, then their passes through the cuda
-backends of ``linear_epilogue`` and ``layer_norm_apply``, whose C++ ops are stood in for by the fiber emulator running
-the same kernels (tests/csrc/emulator.py). So the Python wiring (argument order, in-place writes, the statistics
-buffer, the refusals that let the C++ ops run) is checked against the unfused modules, as a GPU would run it."""
+"""The GPUs' placements with ldmopt._C's passes, end to end on the CPU: under "cublas", ops.linear, ops.geglu, the
+linear with the next norm's statistics and the LayerNorm GEMMs run PyTorch's GEMM, then their passes through the cuda
+backends of ``linear_epilogue`` and ``layer_norm_apply``; under "cudnn", the fused convs run PyTorch's conv, then the
+cuda backend of ``conv_epilogue``. The C++ ops are stood in for by the fiber emulator running the same kernels
+(tests/csrc/emulator.py). So the Python wiring (argument order, in-place writes, the statistics buffers, the refusals
+that let the C++ ops run) is checked against the unfused modules and a whole stock UNet, as a GPU would run it."""
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ import torch.nn.functional as F
 
 import ldmopt
 from ldmopt import ops
+from ldmopt.ops import conv_epilogue as conv_module
+from ldmopt.ops import gn_conv2d_prologue, linear_cublas
 from ldmopt.ops import layer_norm_apply as apply_module
-from ldmopt.ops import linear_cublas
 from ldmopt.ops import linear_epilogue as epilogue_module
 from ldmopt.ops._dispatch import backend_counts
 from ldmopt.ops.layer_norm_linear import layer_norm_linear
@@ -29,7 +31,8 @@ def emu():
 @pytest.fixture
 def emulated_cuda(emu, monkeypatch):
     """The cuda backends of the two passes accept CPU tensors and run the emulated kernels; the GEMM placement is
-    "cublas" (on CPU, PyTorch's GEMM). Yields a function returning the (op, backend) calls counted since."""
+    "cublas" and the conv placement "cudnn" (on CPU, PyTorch's GEMM and conv). Yields a function returning the (op,
+    backend) calls counted since."""
 
     def linear_epilogue_cuda(z, y, gate, residual, stats, activation, glu, saturate, write, eps):
         _, got = emu.linear_epilogue(z, activation or None, gate, residual, glu=glu, saturate=saturate,
@@ -40,12 +43,17 @@ def emulated_cuda(emu, monkeypatch):
     def layer_norm_apply_cuda(x, stats, weight, bias, positions, position_rows):
         return emu.layer_norm_apply(x, stats, weight, bias, positions, position_rows)
 
-    for module in (epilogue_module, apply_module):
+    def conv_epilogue_cuda(z, shortcut, residual, temb, inv_scale, write, groups, channel_sums, eps):
+        return emu.conv_epilogue(z, shortcut, residual, temb, inv_scale=inv_scale, write=write, groups=groups,
+                                 channel_sums=channel_sums, eps=eps)  # fmt: skip
+
+    for module in (epilogue_module, apply_module, conv_module):
         monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])
     monkeypatch.setattr(torch.ops.ldmopt, "linear_epilogue_cuda", linear_epilogue_cuda, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "layer_norm_apply_cuda", layer_norm_apply_cuda, raising=False)
+    monkeypatch.setattr(torch.ops.ldmopt, "conv_epilogue_cuda", conv_epilogue_cuda, raising=False)
     before = dict(backend_counts)
-    with linear_cublas.forced("cublas"), ldmopt.use_backend("auto"):
+    with linear_cublas.forced("cublas"), gn_conv2d_prologue.forced("cudnn"), ldmopt.use_backend("auto"):
         yield lambda: {k: v - before.get(k, 0) for k, v in backend_counts.items() if v != before.get(k, 0)}
 
 
@@ -120,3 +128,61 @@ def test_inputs_the_cuda_kernels_refuse_take_the_triton_pass(emulated_cuda):
     assert y.dtype == torch.float32
     _check(y, lambda x, w, b, r: r + F.linear(x, w, b), (x, w, b, residual), "promoted")
     assert emulated_cuda() == {("linear", "triton"): 1, ("linear_epilogue", "triton"): 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_fused_convs_through_the_cuda_epilogue(emulated_cuda, dtype):
+    """A resnet's conv1 (temb, the next GroupNorm's statistics) and conv2 (1x1 shortcut, output scale, channel sums)
+    through ops.gn_silu_conv2d: PyTorch's conv, then the emulated C++ pass, against the unfused composition."""
+    n, c_in, c_out, h, w = 2, 40, 72, 9, 7
+    x = _cl(torch.randn(n, c_in, h, w, dtype=torch.float64).to(dtype))
+    gw, gb = (torch.rand(c_in) + 0.5).to(dtype), (torch.randn(c_in) * 0.3).to(dtype)
+    cw = _cl((torch.randn(c_out, c_in, 3, 3, dtype=torch.float64) / (9 * c_in) ** 0.5).to(dtype))
+    cb, temb = torch.randn(c_out).to(dtype), torch.randn(n, c_out).to(dtype)
+
+    def conv1(x, gw, gb, cw, cb, temb):
+        return F.conv2d(F.silu(F.group_norm(x, 8, gw, gb, 1e-5)), cw, cb, padding=1) + temb[:, :, None, None]
+
+    with torch.no_grad():
+        y, (mean, rstd) = ops.gn_silu_conv2d(x, gw, gb, 8, 1e-5, cw, cb, temb=temb, out_stats=(8, 1e-6))
+        _check(y, conv1, (x, gw, gb, cw, cb, temb), "conv1")
+        var, m = torch.var_mean(y.double().reshape(n, 8, -1), dim=2, unbiased=False)
+        assert_close(mean, m, torch.float32, "mean")
+        assert_close(rstd, torch.rsqrt(var + 1e-6), torch.float32, "rstd")
+        sw, sb = (torch.randn(c_out, c_in, 1, 1) / c_in**0.5).to(dtype), torch.randn(c_out).to(dtype)
+        cw2 = _cl((torch.randn(c_out, c_out, 3, 3, dtype=torch.float64) / (9 * c_out) ** 0.5).to(dtype))
+        gw2, gb2 = (torch.rand(c_out) + 0.5).to(dtype), (torch.randn(c_out) * 0.3).to(dtype)
+        y2 = ops.gn_silu_conv2d(y, gw2, gb2, 8, 1e-5, cw2, cb, shortcut=(x, sw, sb), output_scale=1.5)
+
+        def conv2(y, gw2, gb2, cw2, cb, x, sw, sb):
+            h = F.conv2d(F.silu(F.group_norm(y, 8, gw2, gb2, 1e-5)), cw2, cb, padding=1)
+            return (F.conv2d(x, sw, sb) + h) / 1.5
+
+        _check(y2, conv2, (y, gw2, gb2, cw2, cb, x, sw, sb), "conv2")
+    assert emulated_cuda()[("conv_epilogue", "cuda")] == 2
+
+
+def _cl(t):
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def test_whole_sd_unet_through_the_cuda_passes_matches_stock(emulated_cuda):
+    """The zoo's tiny SD1.5 UNet, patched, channels-last, as a GPU runs it by default: every fused conv through
+    cuDNN's place and the C++ conv epilogue, every fused GEMM through the C++ linear passes; against the stock UNet."""
+    from ldmopt.configs import build_model, example_inputs
+
+    torch.manual_seed(0)
+    model = build_model("sd15", device="cpu", dtype=torch.float32, tiny=True).to(memory_format=torch.channels_last)
+    inputs = example_inputs(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # zero-initialised output projections too
+        stock = model(**inputs.kwargs)[0]
+        ldmopt.patch(model)
+        for _ in range(2):  # the second call hands statistics between blocks
+            fused = model(**inputs.kwargs)[0]
+    rel = ((fused - stock).abs().max() / stock.abs().max()).item()
+    assert rel < 1e-4, rel
+    calls = emulated_cuda()
+    assert calls[("conv_epilogue", "cuda")] > 0 and calls[("linear_epilogue", "cuda")] > 0, calls
+    assert calls[("layer_norm_apply", "cuda")] > 0, calls

@@ -25,6 +25,7 @@ OPS = (
     "layer_norm_stats_cuda",
     "layer_norm_apply_cuda",
     "linear_epilogue_cuda",
+    "conv_epilogue_cuda",
     "temporal_attention_fwd_cuda",
     "temporal_attention_fwd_out_cuda",
 )
@@ -86,6 +87,10 @@ def test_schemas_match_the_python_callers():
     assert schemas["linear_epilogue_cuda"] == (
         "ldmopt::linear_epilogue_cuda(Tensor z, Tensor(a!) y, Tensor? gate, Tensor? residual, Tensor(b!)? stats, "
         "str activation, bool glu, bool saturate, bool write, float eps) -> ()"
+    )
+    assert schemas["conv_epilogue_cuda"] == (
+        "ldmopt::conv_epilogue_cuda(Tensor(a!) z, Tensor? shortcut, Tensor? residual, Tensor? temb, float inv_scale, "
+        "bool write, int groups, bool channel_sums, float eps) -> (Tensor mean, Tensor rstd, Tensor sums)"
     )
     assert schemas["temporal_attention_fwd_cuda"] == (
         "ldmopt::temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out"

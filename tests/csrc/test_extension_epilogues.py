@@ -1,6 +1,7 @@
-"""ldmopt._C's row kernels of the "cublas" placement (layer_norm_apply_cuda, linear_epilogue_cuda) as built: argument
-checks through their Meta implementations, and the Python cuda backends' refusals against them, so that what the
-C++ ops would reject goes to the Triton pass instead of raising on a GPU. Runs on CPU; skips without the build."""
+"""ldmopt._C's passes around cuBLAS's GEMM and cuDNN's conv (layer_norm_apply_cuda, linear_epilogue_cuda,
+conv_epilogue_cuda) as built: argument checks through their Meta implementations, and the Python cuda backends'
+refusals against them, so that what the C++ ops would reject goes to the Triton pass instead of raising on a GPU.
+Runs on CPU; skips without the build."""
 
 import importlib
 import re
@@ -15,10 +16,16 @@ pytestmark = pytest.mark.skipif(not LOADED, reason=f"ldmopt._C is not available:
 
 ln_apply = getattr(torch.ops.ldmopt, "layer_norm_apply_cuda", None)
 epilogue = getattr(torch.ops.ldmopt, "linear_epilogue_cuda", None)
+conv_epi = getattr(torch.ops.ldmopt, "conv_epilogue_cuda", None)
 
 
 def meta(*shape, dtype=torch.float16):
     return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def cl(*shape, dtype=torch.float16):
+    """A channels-last [N, C, H, W] meta tensor (what cuDNN writes)."""
+    return meta(*shape, dtype=dtype).to(memory_format=torch.channels_last)
 
 
 x = meta(5, 40)
@@ -78,6 +85,28 @@ BAD_INPUTS = [
      RuntimeError, "y shares z's memory but is not z itself"),
     ("epi-eps", lambda: epilogue(z, y, None, None, zs, "", False, False, True, float("nan")), RuntimeError,
      "eps must be a finite number >= 0, got nan"),
+    ("conv-rank", lambda: conv_epi(meta(2, 8, 9), None, None, None, 1.0, True, 0, False, 1e-5), RuntimeError,
+     "ldmopt.conv_epilogue_cuda: z must be a 4-D [N, C, OH, OW] conv output, got shape [2, 8, 9]"),
+    ("conv-layout", lambda: conv_epi(meta(2, 8, 3, 3), None, None, None, 1.0, True, 2, False, 1e-5), RuntimeError,
+     "z must be channels-last (unit channel stride), got strides [72, 9, 3, 1]"),
+    ("conv-pixel-rows", lambda: conv_epi(cl(2, 8, 4, 6)[..., :3], None, None, None, 1.0, True, 2, False, 1e-5),
+     RuntimeError, "z must have its pixels at one stride (stride over H = W x stride over W), got strides "
+     "[192, 1, 48, 8]"),
+    ("conv-shortcut", lambda: conv_epi(cl(2, 8, 3, 3), cl(2, 8, 3, 4), None, None, 1.0, True, 0, False, 1e-5),
+     RuntimeError, "shortcut must have z's shape [2, 8, 3, 3], got [2, 8, 3, 4]"),
+    ("conv-residual-dtype", lambda: conv_epi(cl(2, 8, 3, 3), None, cl(2, 8, 3, 3, dtype=torch.float32), None, 1.0,
+                                             True, 0, False, 1e-5), TypeError,
+     "residual has dtype Float; supported: z's dtype Half"),
+    ("conv-temb", lambda: conv_epi(cl(2, 8, 3, 3), None, None, meta(2, 8, 3), 1.0, True, 0, False, 1e-5),
+     RuntimeError, "temb must have shape [N, C] = [2, 8] (one vector per image), got [2, 8, 3]"),
+    ("conv-groups", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, 1.0, True, 3, False, 1e-5), RuntimeError,
+     "groups=3 must be 0 (none) or divide C=8"),
+    ("conv-read-only", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, 0.5, False, 2, False, 1e-5), RuntimeError,
+     "write=False only reads z (no shortcut, residual or temb, inv_scale 1)"),
+    ("conv-wide", lambda: conv_epi(cl(1, 8200, 1, 1), None, None, None, 1.0, True, 8, False, 1e-5), RuntimeError,
+     "statistics of C=8200 channels are not supported; supported: C <= 8192"),
+    ("conv-eps", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, 1.0, True, 2, False, -1.0), RuntimeError,
+     "eps must be a finite number >= 0, got -1"),
 ]  # fmt: skip
 
 
@@ -85,6 +114,14 @@ BAD_INPUTS = [
 def test_bad_inputs_are_refused_with_the_reason(call, exc, message):
     with pytest.raises(exc, match=re.escape(message)):
         call()
+
+
+def test_conv_epilogue_outputs_have_the_statistics_shapes():
+    mean, rstd, sums = conv_epi(cl(2, 8, 3, 3), cl(2, 8, 3, 3), cl(2, 8, 3, 3), meta(2, 8), 0.7, True, 4, True, 1e-6)
+    assert mean.shape == rstd.shape == (2, 4) and mean.dtype == torch.float32
+    assert sums.shape == (2, 8, 2) and sums.dtype == torch.float64
+    mean, _, sums = conv_epi(cl(2, 8, 1, 1), None, None, None, 1.0, False, 0, False, 1e-6)  # nothing to do
+    assert mean.shape == (2, 0) and sums.shape == (2, 0, 2)
 
 
 def test_in_place_and_statistics_only_calls_are_accepted():
@@ -158,3 +195,58 @@ def test_linear_epilogue_refusal_matches_what_the_cpp_op_refuses(case, monkeypat
                                       True, 1e-5))  # fmt: skip
     # the C++ op checks y's dtype against z's; the backend refuses another output dtype before allocating y
     assert (not refused) == runs, (case, refused)
+
+
+CONV_CASES = {
+    "conv1": dict(temb=meta(2, 8)),
+    "conv2": dict(shortcut=cl(2, 8, 3, 3), residual=cl(2, 8, 3, 3)),
+    "channel slice of a wider residual": dict(residual=cl(2, 12, 3, 3)[:, 2:10]),
+    "NCHW residual": dict(residual=meta(2, 8, 3, 3)),
+    "NCHW z": dict(z=meta(2, 8, 3, 3)),
+    "every other column": dict(z=cl(2, 8, 3, 6)[..., ::2]),  # pixels still at one stride
+    "a window of columns": dict(z=cl(2, 8, 4, 6)[..., :3]),
+    "one row": dict(z=cl(2, 8, 1, 5)),
+    "one column": dict(z=cl(2, 8, 5, 1)),
+    "per-frame temb": dict(temb=meta(2, 8, 3)),
+    "gate": dict(gate=meta(2, 1, dtype=torch.float32)),
+    "fp32 temb of fp16 z": dict(temb=meta(2, 8, dtype=torch.float32)),
+    "resampled residual": dict(residual=cl(2, 8, 6, 6), residual_resample="up"),
+    "fp64": dict(z=cl(2, 8, 3, 3, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_conv_epilogue_refusal_matches_what_the_cpp_op_refuses(case, monkeypatch):
+    module = importlib.import_module("ldmopt.ops.conv_epilogue")
+    monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])  # as where the extension is built
+    c = dict(z=cl(2, 8, 3, 3), temb=None, gate=None, shortcut=None, residual=None, residual_resample="none",
+             out_groups=4, out_layer_norm=False)  # fmt: skip
+    c.update(CONV_CASES[case])
+    refused = module.cuda_refusals(c["z"], c["temb"], c["gate"], c["shortcut"], c["residual"], c["residual_resample"],
+                                   1.0, c["out_groups"], 1e-5, c["out_layer_norm"], False)  # fmt: skip
+    runs = _cpp_runs(lambda: conv_epi(c["z"], c["shortcut"], c["residual"], c["temb"], 1.0, True, c["out_groups"],
+                                      False, 1e-5))  # fmt: skip
+    # what the C++ op has no argument for (a gate, a resample, LayerNorm statistics) is refused before it is called
+    only_python = c["gate"] is not None or c["residual_resample"] != "none" or c["out_layer_norm"]
+    assert bool(refused) == (not runs or only_python), (case, refused)
+
+
+def test_pixel_statistics_go_through_the_linear_epilogue_kernel(monkeypatch):
+    """A proj_in handing only its pixels' LayerNorm statistics: the rows of a contiguous channels-last z through
+    linear_epilogue_cuda's statistics-only call; anything more to add, or another layout, goes to the Triton pass."""
+    module = importlib.import_module("ldmopt.ops.conv_epilogue")
+    monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])
+    z = cl(2, 8, 3, 3)
+
+    def refused(z, **kw):
+        c = {"temb": None, "gate": None, "shortcut": None, "residual": None, "output_scale": 1.0, **kw}
+        return module.cuda_refusals(z, c["temb"], c["gate"], c["shortcut"], c["residual"], "none", c["output_scale"],
+                                    0, 1e-5, True, False)  # fmt: skip
+
+    assert not refused(z)
+    rows = z.permute(0, 2, 3, 1).reshape(-1, 8)
+    assert rows._base is not None or rows.data_ptr() == z.data_ptr()  # a view, no copy
+    st = meta(2, 18, dtype=torch.float32)
+    epilogue(rows, rows, None, None, st, "", False, False, False, 1e-5)  # what the backend calls: accepted
+    assert refused(z, residual=cl(2, 8, 3, 3)) and refused(z, output_scale=2.0)
+    assert refused(cl(2, 8, 4, 6)[..., :3]) and refused(meta(2, 8, 3, 3))
