@@ -16,7 +16,6 @@ from ldmopt.ops import gn_conv2d_prologue, linear_cublas
 from ldmopt.ops import layer_norm_apply as apply_module
 from ldmopt.ops import linear_epilogue as epilogue_module
 from ldmopt.ops._dispatch import backend_counts
-from ldmopt.ops.layer_norm_linear import layer_norm_linear
 from tests.csrc import emulator
 from tests.tolerances import assert_close, assert_within_torch_error
 
@@ -99,21 +98,11 @@ def test_linear_with_the_next_norms_statistics(emulated_cuda):
 
 @pytest.mark.parametrize("act", [None, "gelu", "geglu"])
 def test_layer_norm_gemms_apply_the_norm_through_the_cuda_kernel(emulated_cuda, act):
-    x = (torch.randn(3, 37, 72) * 1.7 + 0.7).half()
-    nw, nb = (torch.rand(72) + 0.5).half(), (torch.randn(72) * 0.3).half()
-    w = (torch.randn(96 if act == "geglu" else 48, 72) / 72**0.5).half()
-    b = (torch.randn(w.shape[0]) * 0.2).half()
+    """tests/ops/test_linear_cublas.py's check of the LayerNorm GEMMs, with the norm applied by the C++ kernel."""
+    from tests.ops.test_linear_cublas import test_layer_norm_gemms_apply_the_norm_first as same_check
 
-    def reference(x, nw, nb, w, b):
-        z = F.linear(F.layer_norm(x, (72,), nw, nb, 1e-5), w, b)
-        if act == "geglu":
-            h, g = z.chunk(2, -1)
-            return h * F.gelu(g)
-        return F.gelu(z) if act else z
-
-    with torch.no_grad():
-        y = layer_norm_linear(x, nw, nb, w, b, eps=1e-5, activation=act)
-    _check(y, reference, (x, nw, nb, w, b), f"{act}")
+    linear_cublas.placement_counts.clear()
+    same_check(linear_cublas.placement_counts, act, torch.float16)
     assert emulated_cuda()[("layer_norm_apply", "cuda")] == 1
     assert emulated_cuda().get(("linear_epilogue", "cuda"), 0) == (act is not None)
 
