@@ -96,7 +96,7 @@ def _prologue_setting() -> str:
         prologue,
         f"on a GPU: in the conv's loader where it would normalise each input element fewer than "
         f"{prologue.STAGE_FROM_RECOMPUTE} times, else cudnn: staged before cuDNN's conv with the epilogue as a "
-        f"pass of its own; {prologue.ENV}=loader|staged|cudnn forces one",
+        f"pass of its own (ldmopt._C's where built, else Triton's); {prologue.ENV}=loader|staged|cudnn forces one",
     )
 
 
@@ -106,7 +106,8 @@ def _gemm_placement_setting() -> str:
 
     return _placement_setting(
         linear_cublas,
-        f"on a GPU: cublas, PyTorch's GEMM then the epilogue as one Triton pass (an inference bias + GELU-tanh: in "
+        f"on a GPU: cublas, PyTorch's GEMM then the epilogue as one pass, ldmopt._C's where built, else Triton's (an "
+        f"inference bias + GELU-tanh: in "
         f"cuBLASLt's epilogue, no pass, unless {linear_cublas.GELU_ENV}=pass); on CPU tensors the Triton GEMM with "
         f"the epilogue on its accumulator; {linear_cublas.ENV}=triton|cublas forces one",
     )
