@@ -84,37 +84,55 @@ __global__ __launch_bounds__(kThreads) void epilogue_kernel(Problem p, Plan plan
   }
 }
 
-// One block per image: each channel's chunks merged (Chan, counts from the chunk sizes), then each group's channels.
+// A channel's statistics over all of image n's pixels from its chunks' partials, on every lane of the calling warp:
+// the lanes take chunks lane, lane + 32, ... (independent loads in flight together), then a fixed butterfly merges
+// the lanes (deterministic).
+__device__ __forceinline__ Welford merge_chunks(const Problem& p, const Plan& plan, const float* partials, int64_t n,
+                                                int64_t c, int lane) {
+  Welford w;
+  for (int64_t k = lane; k < plan.chunks; k += kWarpSize) {
+    const float* part = partials + ((n * plan.chunks + k) * p.C + c) * 2;
+    const int64_t rows = std::min<int64_t>(plan.chunk_pixels, p.S - k * plan.chunk_pixels);
+    w.merge(Welford{static_cast<float>(rows), part[0], part[1]});
+  }
+#pragma unroll
+  for (int m = kWarpSize / 2; m > 0; m >>= 1) w.merge(w.shfl_xor(m));
+  return w;
+}
+
+// Block (image n, blockIdx.y): with groups, group blockIdx.y, its channels merged one per warp, then the group from
+// its channels; without, channels [8 blockIdx.y, 8 blockIdx.y + 8), one per warp, for the channel sums alone. Many
+// small blocks, each a few L2 round trips deep: the partials' merge is latency-bound, not a long serial chain.
 __global__ __launch_bounds__(kThreads) void finalize_kernel(Problem p, Plan plan, Args a) {
   LDMOPT_DYNAMIC_SMEM(smem);
-  float* c_mean = reinterpret_cast<float*>(smem);  // [C]
-  float* c_m2 = c_mean + p.C;  // [C]
+  float* c_mean = reinterpret_cast<float*>(smem);  // [channels of the block]
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
   const int64_t n = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < p.C; c += kThreads) {
-    Welford w;
-    for (int64_t k = 0; k < plan.chunks; ++k) {
-      const float* part = a.partials + ((n * plan.chunks + k) * p.C + c) * 2;
-      const int64_t rows = std::min<int64_t>(plan.chunk_pixels, p.S - k * plan.chunk_pixels);
-      w.merge(Welford{static_cast<float>(rows), part[0], part[1]});
-    }
-    c_mean[c] = w.mean;
-    c_m2[c] = w.m2;
-    if (a.sums != nullptr) {  // sum and sum of squares in fp64, as the Triton pass's workspace holds them
-      const double s = static_cast<double>(w.mean) * static_cast<double>(p.S);
-      a.sums[(n * p.C + c) * 2] = s;
-      a.sums[(n * p.C + c) * 2 + 1] = static_cast<double>(w.m2) + s * (s / static_cast<double>(p.S));
+  const int64_t per_block = p.groups > 0 ? p.C / p.groups : kWarps;
+  float* c_m2 = c_mean + per_block;
+  const int64_t first = int64_t{blockIdx.y} * per_block;
+  const int64_t last = std::min<int64_t>(first + per_block, p.C);
+  for (int64_t c = first + warp; c < last; c += kWarps) {
+    const Welford w = merge_chunks(p, plan, a.partials, n, c, lane);
+    if (lane == 0) {
+      c_mean[c - first] = w.mean;
+      c_m2[c - first] = w.m2;
+      if (a.sums != nullptr) {  // sum and sum of squares in fp64, as the Triton pass's workspace holds them
+        const double s = static_cast<double>(w.mean) * static_cast<double>(p.S);
+        a.sums[(n * p.C + c) * 2] = s;
+        a.sums[(n * p.C + c) * 2 + 1] = static_cast<double>(w.m2) + s * (s / static_cast<double>(p.S));
+      }
     }
   }
-  if (p.groups == 0) return;
+  if (p.groups == 0) return;  // uniform across the launch
   __syncthreads();
-  const int64_t cpg = p.C / p.groups;
-  for (int64_t g = threadIdx.x; g < p.groups; g += kThreads) {
-    Welford w;
-    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) w.merge(Welford{static_cast<float>(p.S), c_mean[c], c_m2[c]});
-    const float var = w.m2 / w.count;
-    a.mean[n * p.groups + g] = w.mean;
-    a.rstd[n * p.groups + g] = rsqrtf((var < 0.0f ? 0.0f : var) + p.eps);  // NaN stays NaN
-  }
+  if (threadIdx.x != 0) return;
+  Welford w;
+  for (int64_t c = 0; c < per_block; ++c) w.merge(Welford{static_cast<float>(p.S), c_mean[c], c_m2[c]});
+  const float var = w.m2 / w.count;
+  a.mean[n * p.groups + blockIdx.y] = w.mean;
+  a.rstd[n * p.groups + blockIdx.y] = rsqrtf((var < 0.0f ? 0.0f : var) + p.eps);  // NaN stays NaN
 }
 
 template <typename T, int VEC>
@@ -138,11 +156,15 @@ void launch_typed(const Problem& p, const Plan& plan, const Args& args, Stream s
 
 }  // namespace
 
-// Dynamic shared memory of the finalize kernel: each channel's merged mean and m2.
-inline size_t finalize_smem_bytes(const Problem& p) { return static_cast<size_t>(p.C) * 2 * sizeof(float); }
+// The finalize kernel's blocks per image (a group each, or 8 channels each) and dynamic shared memory (each of the
+// block's channels' merged mean and m2).
+inline int64_t finalize_blocks(const Problem& p) { return p.groups > 0 ? p.groups : ceil_div<int64_t>(p.C, kWarps); }
+inline size_t finalize_smem_bytes(const Problem& p) {
+  return static_cast<size_t>(p.groups > 0 ? p.C / p.groups : kWarps) * 2 * sizeof(float);
+}
 
 void run(const Problem& p, const Plan& plan, const Args& args, Stream stream) {
-  if (p.N == 0 || p.S == 0) return;
+  if (p.N == 0 || p.S == 0 || !(p.write || statistics(p))) return;  // nothing to write or sum: no launch
   switch (p.dtype) {
     case DType::kFloat32:
       launch_typed<float>(p, plan, args, stream);
@@ -155,7 +177,8 @@ void run(const Problem& p, const Plan& plan, const Args& args, Stream stream) {
       break;
   }
   if (statistics(p)) {
-    launch_kernel(finalize_kernel, dim3(grid_x(p.N)), dim3(kThreads), finalize_smem_bytes(p), stream, p, plan, args);
+    const dim3 grid(grid_x(p.N), static_cast<unsigned>(finalize_blocks(p)));
+    launch_kernel(finalize_kernel, grid, dim3(kThreads), finalize_smem_bytes(p), stream, p, plan, args);
   }
 }
 

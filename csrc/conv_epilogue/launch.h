@@ -9,8 +9,9 @@
 // and, from the values as stored, the per-(n, group) GroupNorm statistics of y for the next GroupNorm and/or the
 // per-(n, channel) fp64 sums (sum, sum of squares) a later two-part GroupNorm finalises.
 // Two kernels: the pass, whose blocks each take a chunk of one image's pixels and a tile of channels (a lane keeps
-// Welford statistics of its channels over the chunk, merged across the block's warps), then one block per image
-// merging the chunks (Chan) into the outputs: no atomics, deterministic.
+// Welford statistics of its channels over the chunk, merged across the block's warps), then the finalisation, a
+// block per (image, group) (or per 8 channels for the sums alone) whose warps merge a channel's chunks across their
+// lanes (Chan, a fixed butterfly) and then the group's channels: no atomics, deterministic.
 #pragma once
 
 #include <algorithm>
