@@ -76,6 +76,7 @@ QUICK_EPILOGUE = ("sd15-geglu-64x64", "dit-gate-residual-stats")
 CONV_EPILOGUE_SHAPES = {
     "sd15-conv1-64x64x320": (2, 320, 64, 64, "conv1"),
     "sd15-conv2-32x32x640": (2, 640, 32, 32, "conv2"),
+    "sdxl-conv1-128x128x320": (2, 320, 128, 128, "conv1"),
     "vae-conv1-512x512x128": (1, 128, 512, 512, "conv1"),
 }
 QUICK_CONV_EPILOGUE = ("sd15-conv1-64x64x320", "sd15-conv2-32x32x640")
