@@ -77,10 +77,14 @@ def cuda_refusals(z, temb, gate, shortcut, residual, residual_resample, output_s
         if t is not None and t.dtype != z.dtype:
             reasons.append(f"{name} dtype {t.dtype} differs from the conv output's {z.dtype}")
     for name, t in (("z", z), ("shortcut", shortcut), ("residual", residual)):
-        if t is not None and not pixels_at_one_stride(t):
+        if t is not None and t.shape != z.shape:
+            reasons.append(f"{name} of shape {tuple(t.shape)}, not the output's {tuple(z.shape)}")
+        elif t is not None and not pixels_at_one_stride(t):
             reasons.append(f"{name} strides {t.stride()}: the CUDA kernel reads channels-last pixels at one stride")
     if gate is not None or (temb is not None and temb.dim() != 2):
         reasons.append("a per-frame gate or time embedding (a temporal conv's): the Triton pass applies them")
+    elif temb is not None and tuple(temb.shape) != tuple(z.shape[:2]):
+        reasons.append(f"temb of shape {tuple(temb.shape)}, not [N, C] = {list(z.shape[:2])}")
     elif temb is not None and temb.shape[1] > 1 and temb.stride(1) != 1:
         reasons.append(f"temb strides {temb.stride()}: the CUDA kernel reads unit channel stride")
     if residual_resample != "none":

@@ -211,6 +211,8 @@ CONV_CASES = {
     "gate": dict(gate=meta(2, 1, dtype=torch.float32)),
     "fp32 temb of fp16 z": dict(temb=meta(2, 8, dtype=torch.float32)),
     "resampled residual": dict(residual=cl(2, 8, 6, 6), residual_resample="up"),
+    "residual of another size": dict(residual=cl(2, 8, 6, 6)),
+    "temb of another batch": dict(temb=meta(1, 8)),
     "fp64": dict(z=cl(2, 8, 3, 3, dtype=torch.float64)),
 }
 
