@@ -80,6 +80,12 @@ CONV_EPILOGUE_SHAPES = {
     "vae-conv1-512x512x128": (1, 128, 512, 512, "conv1"),
 }
 QUICK_CONV_EPILOGUE = ("sd15-conv1-64x64x320", "sd15-conv2-32x32x640")
+# (N, C head, C tail, pixels, frames) of the GroupNorm statistics an up block's two-part input takes from sums
+FROM_SUMS_SHAPES = {
+    "sd15-up-32x32-1280+640": (2, 1280, 640, 32 * 32, 1),
+    "video-16f-64x64-320+320": (32, 320, 320, 4096, 16),
+}
+QUICK_FROM_SUMS = ("sd15-up-32x32-1280+640",)
 
 
 def _group_norm_cases(quick: bool):
@@ -271,6 +277,29 @@ def check_linear_epilogue(quick: bool):
                 yield "linear_epilogue", name, dtype, backend, [y, *([] if out_stats is None else out_stats)], ref
 
 
+def check_stats_from_sums(quick: bool):
+    """GroupNorm statistics of an up block's cat([hidden, skip], 1) from the two parts' per-channel fp64 sums (what
+    the fused convs' epilogues hand it), groups straddling the parts; SD1.5's 32x32 level and a 16-frame video."""
+    from ldmopt.ops.group_norm_sums import group_norm_stats_from_sums
+
+    for name in QUICK_FROM_SUMS if quick else list(FROM_SUMS_SHAPES):
+        n, c_head, c_tail, hw, frames = FROM_SUMS_SHAPES[name]
+        x = torch.randn(n, c_head + c_tail, hw, device=DEVICE, dtype=torch.float64) + 4.0
+        sums = torch.stack([x.sum(2), (x * x).sum(2)], dim=-1)
+        head, tail = sums[:, :c_head].contiguous(), sums[:, c_head:].contiguous()
+        video = x.reshape(n // frames, frames, GROUPS, -1, hw).transpose(1, 2).reshape(n // frames, GROUPS, -1)
+        var, mean = torch.var_mean(video, dim=2, unbiased=False)
+        ref = [mean, torch.rsqrt(var + 1e-6)]
+        for backend in BACKENDS:
+            try:
+                with ldmopt.use_backend(backend):
+                    out = group_norm_stats_from_sums(head, GROUPS, 1e-6, hw, tail, frames)
+            except ldmopt.BackendUnavailableError as exc:
+                _skip(backend, f"stats_from_sums {name} {torch.float32} {backend}", exc)
+                continue
+            yield "stats_from_sums", name, torch.float32, backend, list(out), ref
+
+
 def _conv_epilogue_inputs(shape, dtype):
     """(z, kwargs of ops.conv_epilogue) for a CONV_EPILOGUE_SHAPES entry, channels-last as cuDNN writes it."""
     n, c, h, w, what = shape
@@ -378,8 +407,8 @@ def run_checks(quick: bool) -> int:
     failures = 0
     ran: Counter[str] = Counter()
     print(f"{'op':<20} {'case':<30} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
-    checks = (check_group_norm, check_group_norm_parts, check_layer_norm_stats, check_layer_norm_apply,
-              check_linear_epilogue, check_conv_epilogue, check_attention)  # fmt: skip
+    checks = (check_group_norm, check_group_norm_parts, check_stats_from_sums, check_layer_norm_stats,
+              check_layer_norm_apply, check_linear_epilogue, check_conv_epilogue, check_attention)  # fmt: skip
     for check in checks:
         try:
             for op, case, dtype, backend, outs, refs in check(quick):

@@ -40,6 +40,7 @@ def _stats(x, groups):
 _CPP_STANDINS = {
     "group_norm_fwd_cuda": lambda x, w, b, g, eps, act: (torch.empty_like(x), *_stats(x, g)),
     "group_norm_stats_cuda": lambda x, g, eps: _stats(x, g),
+    "group_norm_stats_from_sums_cuda": lambda sums, tail, g, eps, count, frames: _stats(sums[::frames], g),
     "group_norm_apply_cuda": lambda x, mean, rstd, w, b, g, act: torch.empty_like(x, memory_format=torch.channels_last),
     "layer_norm_stats_cuda": lambda x, eps: x.new_empty(2, x.shape[0], dtype=torch.float32),
     "layer_norm_apply_cuda": lambda x, stats, w, b, pos, rows: x.new_empty(x.shape),
@@ -67,8 +68,8 @@ def as_gpu_with_extension() -> Iterator[Counter]:
         patches.append((obj, attr, getattr(obj, attr, None)))
         setattr(obj, attr, value)
 
-    for name in ("conv_epilogue", "gn_conv2d_stats", "group_norm", "layer_norm_apply", "layer_norm_linear",
-                 "linear_epilogue", "temporal_attention"):  # fmt: skip
+    for name in ("conv_epilogue", "gn_conv2d_stats", "group_norm", "group_norm_sums", "layer_norm_apply",
+                 "layer_norm_linear", "linear_epilogue", "temporal_attention"):  # fmt: skip
         patch(importlib.import_module(f"ldmopt.ops.{name}"), "cuda_extension_refusals", lambda *args: [])
     for op, standin in _CPP_STANDINS.items():
         patch(torch.ops.ldmopt, op, lambda *a, _op=op, _f=standin: calls.update([_op]) or _f(*a))

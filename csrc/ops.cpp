@@ -6,6 +6,7 @@
 
 #include "conv_epilogue/conv_epilogue.h"
 #include "group_norm/group_norm.h"
+#include "group_norm_sums/group_norm_sums.h"
 #include "layer_norm/layer_norm.h"
 #include "linear_epilogue/linear_epilogue.h"
 #include "temporal_attention/temporal_attention.h"
@@ -21,6 +22,9 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
   m.def(
       "group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, int num_groups, "
       "str activation) -> Tensor y");
+  m.def(
+      "group_norm_stats_from_sums_cuda(Tensor sums, Tensor? sums_tail, int num_groups, float eps, int count, "
+      "int frames) -> (Tensor mean, Tensor rstd)");
   m.def("layer_norm_stats_cuda(Tensor x, float eps) -> Tensor stats");
   m.def(
       "layer_norm_apply_cuda(Tensor x, Tensor stats, Tensor? weight, Tensor? bias, Tensor? positions, "
@@ -40,6 +44,7 @@ TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
   m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_cuda);
   m.impl("group_norm_stats_cuda", &ldmopt::group_norm::statistics_cuda);
   m.impl("group_norm_apply_cuda", &ldmopt::group_norm::apply_cuda);
+  m.impl("group_norm_stats_from_sums_cuda", &ldmopt::group_norm_sums::from_sums_cuda);
   m.impl("layer_norm_stats_cuda", &ldmopt::layer_norm::row_statistics_cuda);
   m.impl("layer_norm_apply_cuda", &ldmopt::layer_norm::apply_cuda);
   m.impl("linear_epilogue_cuda", &ldmopt::linear_epilogue::run_cuda);
@@ -53,6 +58,7 @@ TORCH_LIBRARY_IMPL(ldmopt, Meta, m) {
   m.impl("group_norm_bwd_cuda", &ldmopt::group_norm::backward_meta);
   m.impl("group_norm_stats_cuda", &ldmopt::group_norm::statistics_meta);
   m.impl("group_norm_apply_cuda", &ldmopt::group_norm::apply_meta);
+  m.impl("group_norm_stats_from_sums_cuda", &ldmopt::group_norm_sums::from_sums_meta);
   m.impl("layer_norm_stats_cuda", &ldmopt::layer_norm::row_statistics_meta);
   m.impl("layer_norm_apply_cuda", &ldmopt::layer_norm::apply_meta);
   m.impl("linear_epilogue_cuda", &ldmopt::linear_epilogue::run_meta);

@@ -6,7 +6,9 @@ output, or of its channel concatenation with another summed tensor (a UNet up bl
 whose groups may straddle the two), cost one small launch instead of a pass over the activations
 (ldmopt.nn.stats_handover hands such sums from producers to the up blocks).
 
-Backends: triton (kernels/group_norm_sums.py, one launch) and torch, the reference (fp64 sums, fp32 results). Not
+Backends: cuda (ldmopt._C's ``group_norm_stats_from_sums_cuda``, csrc/group_norm_sums: one C++ op call, a warp per
+(video, group)), triton (kernels/group_norm_sums.py, one launch) and torch, the reference (fp64 sums, fp32 results).
+Not
 differentiable: the sums come from an epilogue as constants; a consumer's backward differentiates through the
 statistics of its own input as if it had computed them (gn_conv2d's backward does).
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dispatch import Backend, BackendTable, register_eager, triton_refusals
+from ._dispatch import Backend, BackendTable, cuda_extension_refusals, register_eager, triton_refusals
 
 
 def _check(sums: Tensor, num_groups: int, count: int, sums_tail: Tensor | None, frames: int) -> None:
@@ -57,9 +59,25 @@ def _from_sums_triton(sums, num_groups, eps, count, sums_tail=None, frames=1):
     return launch(sums, num_groups, eps, count, sums_tail, frames)
 
 
+def _from_sums_cuda(sums, num_groups, eps, count, sums_tail=None, frames=1):
+    return torch.ops.ldmopt.group_norm_stats_from_sums_cuda(sums, sums_tail, num_groups, eps, count, frames)
+
+
+def cuda_refusals(sums, num_groups, eps, count, sums_tail=None, frames=1) -> list[str]:
+    """What csrc/group_norm_sums refuses beyond the op's own checks: sums it does not read in place."""
+    reasons = cuda_extension_refusals("group_norm_stats_from_sums_cuda", sums, sums_tail)
+    if reasons:
+        return reasons
+    for name, t in (("sums", sums), ("sums_tail", sums_tail)):
+        if t is not None and not t.is_contiguous():
+            reasons.append(f"{name} strides {t.stride()}: the CUDA kernel reads contiguous [N, C, 2] sums")
+    return reasons
+
+
 FROM_SUMS = BackendTable(
     "group_norm_stats_from_sums",
     [
+        Backend("cuda", _from_sums_cuda, cuda_refusals),
         Backend(
             "triton",
             _from_sums_triton,

@@ -8,6 +8,8 @@
 #include "conv_epilogue/launch.h"
 #include "group_norm/group_norm_kernels.cu"
 #include "group_norm/launch.h"
+#include "group_norm_sums/group_norm_sums_kernels.cu"
+#include "group_norm_sums/launch.h"
 #include "layer_norm/launch.h"
 #include "layer_norm/layer_norm_kernels.cu"
 #include "linear_epilogue/launch.h"
@@ -219,6 +221,15 @@ int emu_conv_epilogue(const int64_t* dims, int dtype, const int64_t* strides, co
     plan_out[2] = plan.chunks;
     plan_out[3] = plan.chunk_pixels;
     ce::run(p, plan, args, nullptr);
+  });
+}
+
+// dims: N, C_head, C, G, frames, count. tail: the tail's sums, or null.
+int emu_group_norm_stats_from_sums(const int64_t* dims, float eps, const double* sums, const double* tail,
+                                   float* mean, float* rstd) {
+  return guarded([&] {
+    const ldmopt::group_norm_sums::Problem p{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], eps};
+    ldmopt::group_norm_sums::statistics(p, sums, tail == nullptr ? sums : tail, mean, rstd, nullptr);
   });
 }
 

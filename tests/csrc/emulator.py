@@ -182,9 +182,10 @@ class Emulator:
         pos_stride = 0 if positions is None else (positions.stride(0) if p > 1 else c)
         dims = (ctypes.c_int64 * 6)(m, c, x.stride(0) if m > 1 else c, p, pos_stride, position_rows)
         plan = (ctypes.c_int64 * 1)()
+        stats = stats.contiguous()  # held until the call returns: the kernel reads its memory
         self._check(
             self.lib.emu_layer_norm_apply(
-                dims, DTYPE_CODES[x.dtype], _ptr(x), _ptr(stats.contiguous()), _ptr(w), _ptr(b), affine,
+                dims, DTYPE_CODES[x.dtype], _ptr(x), _ptr(stats), _ptr(w), _ptr(b), affine,
                 _ptr(positions), _ptr(h), plan,
             )
         )  # fmt: skip
@@ -254,6 +255,22 @@ class Emulator:
         )  # fmt: skip
         self.last_plan = dict(zip(("vec", "channel_tiles", "chunks", "chunk_pixels"), list(plan)))
         return mean, rstd, sums
+
+    def group_norm_stats_from_sums(self, sums, num_groups: int, eps: float, count: int, sums_tail=None, frames=1):
+        """(mean, rstd) [N / frames, G] like torch.ops.ldmopt.group_norm_stats_from_sums_cuda, poisoned first."""
+        n, c_head = sums.shape[:2]
+        c = c_head + (0 if sums_tail is None else sums_tail.shape[1])
+        mean = torch.full((n // frames, num_groups), float("nan"))
+        rstd = torch.full((n // frames, num_groups), float("nan"))
+        dims = (ctypes.c_int64 * 6)(n, c_head, c, num_groups, frames, count)
+        head = sums.contiguous()  # held until the call returns: the kernel reads their memory
+        tail = None if sums_tail is None else sums_tail.contiguous()
+        self._check(
+            self.lib.emu_group_norm_stats_from_sums(
+                dims, ctypes.c_float(eps), _ptr(head), _ptr(tail), _ptr(mean), _ptr(rstd)
+            )
+        )
+        return mean, rstd
 
     def temporal_attention_plan(self, shape, dtype) -> dict:
         """make_plan's fields for (B, F, N, H, D) inputs of ``dtype``, computed on the host; no kernel runs."""

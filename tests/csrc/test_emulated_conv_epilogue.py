@@ -148,3 +148,24 @@ def test_elementwise_only_and_reversed_schedule(emu):
 def test_no_pixels_launch_nothing(emu):
     mean, rstd, sums = emu.conv_epilogue(_cl(torch.randn(2, 8, 0, 3)), groups=2)
     assert mean.shape == rstd.shape == (2, 2) and sums.shape == (2, 0, 2)
+
+
+# ------------------------------------------------------------------------------------------------ statistics from sums
+
+
+@pytest.mark.parametrize("frames", [1, 3])
+@pytest.mark.parametrize("two_part", [False, True])
+def test_group_norm_statistics_from_channel_sums(emu, frames, two_part):
+    """group_norm_stats_from_sums_cuda: the GroupNorm statistics of cat([head, tail], 1) (an up block's skip concat,
+    groups straddling the two parts) from each part's per-channel fp64 sums, groups spanning a video's frames; rows
+    far from zero mean."""
+    n, c_head, c_tail, groups, hw = 6, 24, 40 if two_part else 0, 8, 35
+    x = torch.randn(n, c_head + c_tail, hw, dtype=torch.float64) * 0.5
+    x = x + 30.0 * torch.randn(n, 1, 1, dtype=torch.float64)
+    sums = torch.stack([x.sum(2), (x * x).sum(2)], dim=-1)
+    head, tail = sums[:, :c_head], (sums[:, c_head:] if two_part else None)
+    mean, rstd = emu.group_norm_stats_from_sums(head, groups, 1e-6, hw, tail, frames)
+    video = x.reshape(n // frames, frames, groups, -1, hw).transpose(1, 2).reshape(n // frames, groups, -1)
+    var, m = torch.var_mean(video, dim=2, unbiased=False)
+    assert_close(mean, m, torch.float32, "mean")
+    assert_close(rstd, torch.rsqrt(var + 1e-6), torch.float32, "rstd")

@@ -22,6 +22,7 @@ OPS = (
     "group_norm_bwd_cuda",
     "group_norm_stats_cuda",
     "group_norm_apply_cuda",
+    "group_norm_stats_from_sums_cuda",
     "layer_norm_stats_cuda",
     "layer_norm_apply_cuda",
     "linear_epilogue_cuda",
@@ -80,6 +81,10 @@ def test_schemas_match_the_python_callers():
         "int num_groups, str activation) -> Tensor y"
     )
     assert schemas["layer_norm_stats_cuda"] == "ldmopt::layer_norm_stats_cuda(Tensor x, float eps) -> Tensor stats"
+    assert schemas["group_norm_stats_from_sums_cuda"] == (
+        "ldmopt::group_norm_stats_from_sums_cuda(Tensor sums, Tensor? sums_tail, int num_groups, float eps, int count, "
+        "int frames) -> (Tensor mean, Tensor rstd)"
+    )
     assert schemas["layer_norm_apply_cuda"] == (
         "ldmopt::layer_norm_apply_cuda(Tensor x, Tensor stats, Tensor? weight, Tensor? bias, Tensor? positions, "
         "int position_rows) -> Tensor h"

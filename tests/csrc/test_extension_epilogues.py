@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(not LOADED, reason=f"ldmopt._C is not available:
 ln_apply = getattr(torch.ops.ldmopt, "layer_norm_apply_cuda", None)
 epilogue = getattr(torch.ops.ldmopt, "linear_epilogue_cuda", None)
 conv_epi = getattr(torch.ops.ldmopt, "conv_epilogue_cuda", None)
+from_sums = getattr(torch.ops.ldmopt, "group_norm_stats_from_sums_cuda", None)
 
 
 def meta(*shape, dtype=torch.float16):
@@ -107,6 +108,16 @@ BAD_INPUTS = [
      "statistics of C=8200 channels are not supported; supported: C <= 8192"),
     ("conv-eps", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, 1.0, True, 2, False, -1.0), RuntimeError,
      "eps must be a finite number >= 0, got -1"),
+    ("sums-shape", lambda: from_sums(meta(2, 8, 3, dtype=torch.float64), None, 4, 1e-5, 9, 1), RuntimeError,
+     "ldmopt.group_norm_stats_from_sums_cuda: sums must be [N, C, 2] (per channel: the sum and the sum of squares)"),
+    ("sums-dtype", lambda: from_sums(meta(2, 8, 2, dtype=torch.float32), None, 4, 1e-5, 9, 1), TypeError,
+     "sums has dtype Float; supported: Double"),
+    ("sums-groups", lambda: from_sums(meta(2, 8, 2, dtype=torch.float64), meta(2, 4, 2, dtype=torch.float64), 5,
+                                      1e-5, 9, 1), RuntimeError, "num_groups=5 must be a positive divisor of the 12"),
+    ("sums-frames", lambda: from_sums(meta(4, 8, 2, dtype=torch.float64), None, 4, 1e-5, 9, 3), RuntimeError,
+     "frames=3 must be a positive divisor of the 4 images of sums"),
+    ("sums-strided", lambda: from_sums(meta(2, 16, 2, dtype=torch.float64)[:, ::2], None, 4, 1e-5, 9, 1),
+     RuntimeError, "sums must be contiguous"),
 ]  # fmt: skip
 
 
@@ -252,3 +263,18 @@ def test_pixel_statistics_go_through_the_linear_epilogue_kernel(monkeypatch):
     epilogue(rows, rows, None, None, st, "", False, False, False, 1e-5)  # what the backend calls: accepted
     assert refused(z, residual=cl(2, 8, 3, 3)) and refused(z, output_scale=2.0)
     assert refused(cl(2, 8, 4, 6)[..., :3]) and refused(meta(2, 8, 3, 3))
+
+
+def test_statistics_from_sums_refusal_matches_what_the_cpp_op_refuses(monkeypatch):
+    module = importlib.import_module("ldmopt.ops.group_norm_sums")
+    monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])
+    f64 = torch.float64
+    cases = [
+        (meta(4, 8, 2, dtype=f64), None),
+        (meta(4, 8, 2, dtype=f64), meta(4, 16, 2, dtype=f64)),
+        (meta(4, 16, 2, dtype=f64)[:, ::2], None),
+        (meta(4, 8, 2, dtype=f64), meta(4, 32, 2, dtype=f64)[:, ::2]),
+    ]
+    for sums, tail in cases:
+        refused = module.cuda_refusals(sums, 4, 1e-5, 9, tail, 2)
+        assert (not refused) == _cpp_runs(lambda s=sums, t=tail: from_sums(s, t, 4, 1e-5, 9, 2)), refused
