@@ -57,6 +57,14 @@ def build() -> ctypes.CDLL:
     return lib
 
 
+def misaligned(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x at a storage offset of one element: not 16-byte aligned, so the kernels' scalar path runs."""
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
+    y = buf[1:].as_strided(x.shape, x.stride())
+    y.copy_(x)
+    return y
+
+
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 

@@ -14,13 +14,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(2, 40, 9, 7), (1, 320, 8, 8), (3, 24, 5, 5), (2, 640, 4, 4), (1, 8, 1, 1), (2, 36, 3, 3), (1, 64, 40, 40)]
 
 
-@pytest.fixture(scope="module")
-def emu():
-    e = emulator.Emulator(emulator.build())
-    yield e
-    e.reverse_schedule(False)
-
-
 def _cl(t):
     return t.contiguous(memory_format=torch.channels_last)
 

@@ -22,13 +22,6 @@ pytestmark = pytest.mark.skipif(emulator.unavailable_reason() is not None, reaso
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def emu():
-    e = emulator.Emulator(emulator.build())
-    yield e
-    e.reverse_schedule(False)
-
-
 @pytest.fixture(params=[False, True], ids=["in-order", "reversed"])
 def schedule(request, emu):
     emu.reverse_schedule(request.param)
@@ -43,14 +36,6 @@ def _channels_last(x):
     if x.dim() == 3:
         return x.transpose(1, 2).contiguous().transpose(1, 2)
     return x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
-
-
-def _misaligned(x):
-    """A copy of x at a storage offset of one element: not 16-byte aligned, so the scalar path runs."""
-    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
-    y = buf[1:].as_strided(x.shape, x.stride())
-    y.copy_(x)
-    return y
 
 
 def _gn_inputs(shape, channels_last, dtype, affine=True):
@@ -144,7 +129,7 @@ def test_group_norm_launch_plans(emu, shape, groups, channels_last, dtype, expec
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_group_norm_unaligned_pointer_takes_scalar_path(emu, channels_last):
     x, w, b = _gn_inputs((2, 16, 4, 4), channels_last, torch.float16)
-    plan = _check_group_norm(emu, _misaligned(x), w, b, 4, "silu")
+    plan = _check_group_norm(emu, emulator.misaligned(x), w, b, 4, "silu")
     assert plan["vec"] == 1
 
 
@@ -189,7 +174,7 @@ def test_group_norm_statistics_and_apply_alone(emu, shape, groups, channels_last
 
 def test_group_norm_apply_unaligned_and_without_affine(emu):
     x, _, _ = _gn_inputs((2, 16, 5, 5), True, torch.float16, affine=False)
-    x = _misaligned(x)
+    x = emulator.misaligned(x)
     mean, rstd = torch.randn(2, 4), torch.rand(2, 4) + 0.5
     y = emu.group_norm_apply(x, mean, rstd, None, None, 4, "silu")
     assert emu.last_plan["vec"] == 1

@@ -22,11 +22,6 @@ from tests.tolerances import assert_close, assert_within_torch_error
 pytestmark = pytest.mark.skipif(emulator.unavailable_reason() is not None, reason=str(emulator.unavailable_reason()))
 
 
-@pytest.fixture(scope="module")
-def emu():
-    return emulator.Emulator(emulator.build())
-
-
 @pytest.fixture
 def emulated_cuda(emu, monkeypatch):
     """The cuda backends of the two passes accept CPU tensors and run the emulated kernels; the GEMM placement is

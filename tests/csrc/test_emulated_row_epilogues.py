@@ -15,21 +15,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(37, 72), (5, 320), (3, 1152), (9, 8), (1, 1), (4, 257)]
 
 
-@pytest.fixture(scope="module")
-def emu():
-    e = emulator.Emulator(emulator.build())
-    yield e
-    e.reverse_schedule(False)
-
-
-def _misaligned(x):
-    """A copy of x one element past 16-byte alignment: the scalar path runs."""
-    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
-    y = buf[1:].as_strided(x.shape, x.stride())
-    y.copy_(x)
-    return y
-
-
 def _pack(dtype):
     return 16 // torch.empty((), dtype=dtype).element_size()
 
@@ -86,7 +71,9 @@ def test_layer_norm_apply_with_positions(emu, dtype):
     ref = _layer_norm_reference(x, stats, weight, bias, table, rows_per)
     _assert_one_rounding(emu.layer_norm_apply(x, stats, weight, bias, table, rows_per), ref, "positions")
     assert emu.last_plan["vec"] == _pack(dtype)
-    _assert_one_rounding(emu.layer_norm_apply(_misaligned(x), stats, weight, bias, table, rows_per), ref, "scalar")
+    _assert_one_rounding(
+        emu.layer_norm_apply(emulator.misaligned(x), stats, weight, bias, table, rows_per), ref, "scalar"
+    )
     assert emu.last_plan["vec"] == 1
 
 
@@ -165,7 +152,7 @@ def test_linear_epilogue_geglu(emu, dtype):
     y, _ = emu.linear_epilogue(z, "gelu", glu=True)
     _assert_one_rounding(y, ref, "geglu")
     assert y.shape == (37, 72) and emu.last_plan["vec"] == _pack(dtype)
-    y, _ = emu.linear_epilogue(_misaligned(z), "gelu", glu=True)
+    y, _ = emu.linear_epilogue(emulator.misaligned(z), "gelu", glu=True)
     _assert_one_rounding(y, ref, "geglu scalar")
     assert emu.last_plan["vec"] == 1
 

@@ -42,6 +42,15 @@ ta_fwd = getattr(torch.ops.ldmopt, "temporal_attention_fwd_cuda", None)
 ta_fwd_out = getattr(torch.ops.ldmopt, "temporal_attention_fwd_out_cuda", None)
 
 
+def cpp_runs(call) -> bool:
+    """Whether a call of an ldmopt._C op (on meta tensors: its checks alone) runs, rather than refusing the inputs."""
+    try:
+        call()
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
 def meta(*shape, dtype=torch.float16, channels_last=False):
     t = torch.empty(shape, dtype=dtype, device="meta")
     if channels_last:
@@ -425,14 +434,6 @@ def test_statistics_and_apply_refusals_cover_what_the_cpp_ops_reject(case, monke
     monkeypatch.setattr(stats_module, "cuda_extension_refusals", lambda *args: [])  # as where the extension is built
     x = STATS_APPLY_INPUTS[case]
     groups = x.shape[1] // 2 if x.shape[1] % 2 == 0 else 3
-
-    def cpp_runs(call) -> bool:
-        try:
-            call()
-            return True
-        except (RuntimeError, TypeError):
-            return False
-
     refused = stats_module._stats_cuda_refuse(x)
     assert (not refused) == cpp_runs(lambda: gn_stats(x, groups, 1e-5)), (case, refused)
     st = meta(x.shape[0], groups, dtype=torch.float32)

@@ -9,9 +9,8 @@ import re
 import pytest
 import torch
 
-from ldmopt import _env
+from tests.csrc.test_extension import LOAD_REASON, LOADED, cpp_runs, meta
 
-LOADED, LOAD_REASON = _env.cuda_extension_status()
 pytestmark = pytest.mark.skipif(not LOADED, reason=f"ldmopt._C is not available: {LOAD_REASON}")
 
 ln_apply = getattr(torch.ops.ldmopt, "layer_norm_apply_cuda", None)
@@ -20,13 +19,9 @@ conv_epi = getattr(torch.ops.ldmopt, "conv_epilogue_cuda", None)
 from_sums = getattr(torch.ops.ldmopt, "group_norm_stats_from_sums_cuda", None)
 
 
-def meta(*shape, dtype=torch.float16):
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
 def cl(*shape, dtype=torch.float16):
     """A channels-last [N, C, H, W] meta tensor (what cuDNN writes)."""
-    return meta(*shape, dtype=dtype).to(memory_format=torch.channels_last)
+    return meta(*shape, dtype=dtype, channels_last=True)
 
 
 x = meta(5, 40)
@@ -142,14 +137,6 @@ def test_in_place_and_statistics_only_calls_are_accepted():
     ln_apply(x, stats, meta(40, dtype=torch.float32), meta(40), meta(3, 64)[:, :40], 2)
 
 
-def _cpp_runs(call) -> bool:
-    try:
-        call()
-        return True
-    except (RuntimeError, TypeError):
-        return False
-
-
 APPLY_CASES = {
     "rows": (meta(5, 40), None, None),
     "slice of wider rows": (meta(5, 64)[:, :40], None, None),
@@ -170,7 +157,7 @@ def test_layer_norm_apply_refusal_matches_what_the_cpp_op_refuses(case, monkeypa
     rows, weight, positions = APPLY_CASES[case]
     st = meta(2, rows.shape[0], dtype=torch.float32)
     refused = module.cuda_apply_refusals(rows, st, weight, None, positions, 1, rows.dtype)
-    assert (not refused) == _cpp_runs(lambda: ln_apply(rows, st, weight, None, positions, 1)), (case, refused)
+    assert (not refused) == cpp_runs(lambda: ln_apply(rows, st, weight, None, positions, 1)), (case, refused)
     assert module.cuda_apply_refusals(rows, st, None, None, None, 1, torch.float32 if rows.dtype != torch.float32
                                       else torch.float16), "another output dtype goes to triton"  # fmt: skip
 
@@ -202,7 +189,7 @@ def test_linear_epilogue_refusal_matches_what_the_cpp_op_refuses(case, monkeypat
     refused = module.cuda_refusals(zz, c["activation"], c["gate"], c["residual"], dtype, c["glu"], False, False,
                                    out_stats, 1e-5)  # fmt: skip
     out = meta(6, zz.shape[1] // 2 if c["glu"] else zz.shape[1], dtype=dtype)
-    runs = _cpp_runs(lambda: epilogue(zz, out, c["gate"], c["residual"], out_stats, c["activation"], c["glu"], False,
+    runs = cpp_runs(lambda: epilogue(zz, out, c["gate"], c["residual"], out_stats, c["activation"], c["glu"], False,
                                       True, 1e-5))  # fmt: skip
     # the C++ op checks y's dtype against z's; the backend refuses another output dtype before allocating y
     assert (not refused) == runs, (case, refused)
@@ -237,7 +224,7 @@ def test_conv_epilogue_refusal_matches_what_the_cpp_op_refuses(case, monkeypatch
     c.update(CONV_CASES[case])
     refused = module.cuda_refusals(c["z"], c["temb"], c["gate"], c["shortcut"], c["residual"], c["residual_resample"],
                                    1.0, c["out_groups"], 1e-5, c["out_layer_norm"], False)  # fmt: skip
-    runs = _cpp_runs(lambda: conv_epi(c["z"], c["shortcut"], c["residual"], c["temb"], 1.0, True, c["out_groups"],
+    runs = cpp_runs(lambda: conv_epi(c["z"], c["shortcut"], c["residual"], c["temb"], 1.0, True, c["out_groups"],
                                       False, 1e-5))  # fmt: skip
     # what the C++ op has no argument for (a gate, a resample, LayerNorm statistics) is refused before it is called
     only_python = c["gate"] is not None or c["residual_resample"] != "none" or c["out_layer_norm"]
@@ -277,4 +264,4 @@ def test_statistics_from_sums_refusal_matches_what_the_cpp_op_refuses(monkeypatc
     ]
     for sums, tail in cases:
         refused = module.cuda_refusals(sums, 4, 1e-5, 9, tail, 2)
-        assert (not refused) == _cpp_runs(lambda s=sums, t=tail: from_sums(s, t, 4, 1e-5, 9, 2)), refused
+        assert (not refused) == cpp_runs(lambda s=sums, t=tail: from_sums(s, t, 4, 1e-5, 9, 2)), refused
