@@ -170,7 +170,21 @@ def layerwise_casting_hooks(module: nn.Module) -> list | None:
 def hooked(module: nn.Module) -> bool:
     """Whether calling ``module`` runs more than its class's forward: :func:`attached_hooks`, or global module hooks
     (which a fused path that does not call the module would skip too)."""
-    return attached_hooks(module) or bool(global_hook_registries())
+    # Asked for every child a fused forward reads, on every call: the common case (no hook anywhere, no instance
+    # forward) answers from the dicts themselves, without the helpers' calls.
+    if (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in module.__dict__
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks
+    ):
+        return attached_hooks(module) or bool(global_hook_registries())
+    return False
 
 
 def function_mode_reason() -> str | None:

@@ -47,6 +47,8 @@ def check_eps(eps: object) -> float:
 
     While compiling it is returned unchecked: ``torch.compile(dynamic=True)`` passes a module's float attribute as a
     symbolic float, on which ``math.isfinite`` cannot be traced. Eager calls check it."""
+    if type(eps) is float and 0.0 <= eps < math.inf:  # the common case first (NaN fails the comparison)
+        return eps
     if torch.compiler.is_compiling():
         return eps  # type: ignore[return-value]
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:

@@ -89,7 +89,12 @@ def _resolve(op_name: str) -> tuple[str | None, bool]:
     return _resolve_now(op_name)
 
 
+_NOT_FORCED = (None, False)
+
+
 def _resolve_now(op_name: str) -> tuple[str | None, bool]:
+    # Runs on every op call (twice in a fused conv): the common case, no context and LDMOPT_BACKEND unset, costs a
+    # ContextVar read and one environment lookup.
     policy = _forced.get()
     while policy is not None:
         if policy.names(op_name):
@@ -97,12 +102,15 @@ def _resolve_now(op_name: str) -> tuple[str | None, bool]:
                 return policy.name, policy.inherited
             break  # 'auto' here: only LDMOPT_BACKEND can still force it
         policy = policy.outer
-    env = _env.getenv("LDMOPT_BACKEND", "").strip().lower()
+    env = _env.getenv("LDMOPT_BACKEND")
+    if not env:
+        return _NOT_FORCED
+    env = env.strip().lower()
     if env and env != "auto":
         if env not in BACKEND_NAMES:
             raise ValueError(f"LDMOPT_BACKEND={env!r} is not a backend; expected one of {BACKEND_NAMES} or 'auto'")
         return env, False
-    return None, False
+    return _NOT_FORCED
 
 
 #: dynamo reads (and guards on) a ContextVar from torch 2.14; before, reading one inside torch.compile is a graph
@@ -445,7 +453,12 @@ def triton_refusals(
         return [why]
     reasons = []
     tensors = tensors_in(args)
-    if not all(t.is_cuda for t in tensors):  # is_cuda first: it is called on every op call, and cheaper than .device
+    on_gpu = True
+    for t in tensors:  # is_cuda: called on every op call, and cheaper than .device
+        if not t.is_cuda:
+            on_gpu = False
+            break
+    if not on_gpu:
         devices = {t.device.type for t in tensors}
         if devices - {"cuda"} and not (devices <= {"cpu"} and _env.interpreter_enabled()):
             reasons.append(
@@ -454,7 +467,7 @@ def triton_refusals(
         elif matmul and any(t.dtype == torch.bfloat16 for t in tensors):
             reasons.append(INTERPRETER_BF16_DOT)
     for t in tensors:
-        if t.is_floating_point() and t.dtype not in dtypes:
+        if t.dtype not in dtypes and t.is_floating_point():
             reasons.append(f"dtype {t.dtype} is not supported (supported: {', '.join(map(str, dtypes))})")
             break
     return reasons
@@ -489,7 +502,10 @@ class BackendTable:
 
     def forced(self) -> str | None:
         """The backend forced for this op in this context (None: chosen automatically)."""
-        forced, inherited = _resolve(self.op_name)
+        if _DYNAMO_CANNOT_READ_CONTEXTVARS:
+            forced, inherited = _resolve(self.op_name)
+        else:  # what _resolve calls there, one Python call fewer on every op call
+            forced, inherited = _resolve_now(self.op_name)
         if inherited and forced not in {b.name for b in self.backends}:
             return None  # the forward's backend has no backward of this op: choose automatically
         return forced
@@ -538,9 +554,15 @@ def launch(backend: Backend, args: Sequence):
     Always with torch.autocast off: the op's operands were cast for autocast before the op (ops._autocast), and a
     reference backend's own F.conv2d / matmul must not cast them again (a compiled graph runs them without autocast,
     so eager and compiled results would differ, and the reference's fp32 math would run in 16 bits)."""
-    first = next((t for t in args if isinstance(t, torch.Tensor)), None)  # every op's inputs share one device
-    with autocast_off(first.device.type if first is not None else "cpu"):
-        return _run_on_device(backend, args, first)
+    first = None
+    for a in args:  # every op's inputs share one device
+        if isinstance(a, torch.Tensor):
+            first = a
+            break
+    if torch._C._is_any_autocast_enabled():  # (one C call on every launch; the context only where it is needed)
+        with autocast_off(first.device.type if first is not None else "cpu"):
+            return _run_on_device(backend, args, first)
+    return _run_on_device(backend, args, first)
 
 
 def _run_on_device(backend: Backend, args: Sequence, first: torch.Tensor | None):
