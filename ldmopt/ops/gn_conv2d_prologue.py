@@ -3,9 +3,9 @@
 "loader": the conv's input loads normalise each [BM, BK] tile in registers before the MMA; the activation is never
 written. Every input element is then normalised once per time the conv reads it: R = KH x KW taps x ceil(C_out / BN)
 output-channel tiles (x4 under a nearest 2x upsample, / stride^2), and the prologue's instructions sit in the main
-loop. "staged": one elementwise pass (group_norm_apply.py's triton backend, with the statistics already known) writes
-act(group_norm(x)) in x's dtype, and the conv reads it as a plain conv (A tiles straight from shared memory into the
-MMA, no register round trip): one extra write and read of the activation, whatever R is.
+loop. "staged": one elementwise pass (group_norm_apply.py: ldmopt._C's where built, else Triton's; the statistics
+already known) writes act(group_norm(x)) in x's dtype, and the conv reads it as a plain conv (A tiles straight from
+shared memory into the MMA, no register round trip): one extra write and read of the activation, whatever R is.
 
 Why staging from R >= 3 (read from the compiled code: a projection until measured on a GPU). Per warp and k-step, the
 SASS of the loader tile (128x128x32, 8 warps, temb + statistics epilogue) issues 507 instructions for 2 m64n128k16
@@ -26,7 +26,8 @@ auto's choice on GPUs wherever the loader is not: the measured Triton implicit-G
 Stable Diffusion shapes (benchmarks/RESULTS.md, H200, 2026-12-04: a patched SD1.5 step 0.37x stock as a CUDA graph,
 the VAE's upsampler conv 0.83x cuDNN), so the conv stays cuDNN's and ldmopt fuses what surrounds it. It costs one
 launch and one read and write of the output more than "staged" (none more with nothing to add); the plain convs
-(upsamplers, downsamplers) take it too, but not a Linear read as a 1x1 conv (see choose_placement).
+(upsamplers, downsamplers) take it too, and a Linear read as a 1x1 conv where the GEMMs are cuBLAS's (see
+choose_placement).
 ``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged | cudnn overrides the choice ("loader" and "staged"
 also put plain convs in the Triton kernel); benchmarks time them. On CPU tensors (the Triton interpreter, tests)
 auto keeps the Triton kernel, whose code the tests cover; they force the others to cover them.
@@ -73,15 +74,20 @@ def choose_placement(
 ) -> str:
     """ "loader", "staged" or "cudnn" for a conv on ``device``, normalising its input or not (see the module
     docstring; for a plain conv "loader" and "staged" both mean the Triton kernel). ``linear``: a Linear read as a 1x1
-    conv (fp32_precision "matmul"); one that normalises nothing stays in the Triton kernel, whose single rounding
-    after the residual add it shares with the Triton GEMM it stands in for (nn/proj_out.py switches between the two
-    and must not change its result); cuDNN's conv would round before the epilogue's add as well (so, forced to
-    "cudnn", proj_out's result differs by a rounding step between its first call and later ones)."""
+    conv (fp32_precision "matmul"). One that normalises nothing follows the fused GEMM it stands in for
+    (nn/proj_out.py switches between the two and must not change its result): where that GEMM is cuBLAS's with an
+    epilogue pass (ops/linear_cublas.py, auto's choice on GPUs), "cudnn" runs the same GEMM (F.linear over the
+    channels-last rows) and rounds its product before the residual's add as that pass does; where it is the Triton
+    GEMM, the Triton kernel rounds once after the add as that GEMM does."""
     requested = requested_placement()
     if requested != "auto":
         return requested
-    if device.type != "cuda" or (linear and not normalize):
+    if device.type != "cuda":
         return "loader"
+    if linear and not normalize:
+        from .linear_cublas import gemm_placement  # (it imports the conv ops' modules' neighbours: imported late)
+
+        return "cudnn" if gemm_placement(device) == "cublas" else "loader"
     if normalize and recompute_factor(kernel, c_out, stride, resample) < STAGE_FROM_RECOMPUTE:
         return "loader"
     return "cudnn"

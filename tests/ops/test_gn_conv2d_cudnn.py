@@ -203,11 +203,50 @@ def test_a_linear_read_as_a_pointwise_conv_with_its_residual(cudnn):
     assert prologue.placement_counts == {"cudnn": 1}
 
 
-def test_auto_keeps_a_plain_linear_in_the_triton_kernel(monkeypatch):
-    """proj_out switches between the Triton GEMM and a 1x1 conv: the conv must round as the GEMM does (once)."""
+def test_auto_places_a_plain_linear_as_the_fused_gemm_is_placed(monkeypatch):
+    """proj_out switches between the fused GEMM and a 1x1 conv, so the conv must round as the GEMM does: where the
+    GEMM is cuBLAS's with an epilogue pass (auto on GPUs), the "cudnn" placement (F.linear, then the pass); where it
+    is the Triton GEMM (forced, or deterministic mode without a cuBLAS workspace), the Triton kernel."""
+    from ldmopt.ops import linear_cublas
+
+    def placement(normalize=False):
+        return prologue.choose_placement(CUDA, (1, 1), 320, 1, "none", normalize=normalize, linear=True)
+
     monkeypatch.delenv(prologue.ENV, raising=False)
-    assert prologue.choose_placement(CUDA, (1, 1), 320, 1, "none", normalize=False, linear=True) == "loader"
-    assert prologue.choose_placement(CUDA, (1, 1), 320, 1, "none", normalize=True, linear=True) == "cudnn"
+    monkeypatch.delenv(linear_cublas.ENV, raising=False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert placement() == "cudnn"
+    assert placement(normalize=True) == "cudnn"  # by the recompute rule (R = 3)
+    monkeypatch.setenv(linear_cublas.ENV, "triton")
+    assert placement() == "loader"
+    monkeypatch.delenv(linear_cublas.ENV)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert placement() == "loader"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        assert placement() == "cudnn"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_linear_as_a_pointwise_conv_rounds_as_the_cublas_gemm(dtype, cudnn, monkeypatch):
+    """With the GPUs' placements (cuBLAS's GEMM and its epilogue pass; "cudnn" for the 1x1 conv) proj_out's two
+    forms give the same bits: ops.linear with the residual, and the conv over the tokens' channels-last view."""
+    from ldmopt.ops import linear, linear_cublas
+
+    monkeypatch.setenv(linear_cublas.ENV, "cublas")
+    n, c_in, c, h, w = 2, 24, 20, 5, 7
+    tokens = torch.randn(n, h * w, c_in, dtype=dtype)
+    weight, bias = (torch.randn(c, c_in) * 0.2).to(dtype), torch.randn(c, dtype=dtype)
+    residual = _cl(torch.randn(n, c, h, w, dtype=dtype))
+    with ldmopt.use_backend("triton"):
+        as_gemm = linear(tokens, weight, bias, residual=residual.permute(0, 2, 3, 1).reshape(n, h * w, c))
+        as_conv = gn_silu_conv2d(tokens.view(n, h, w, c_in).permute(0, 3, 1, 2), None, None, 0, 0.0,
+                                 weight[:, :, None, None], bias, 1, 0, normalize=False, activation=None,
+                                 residual=residual, fp32_precision="matmul", out_stats=(4, 1e-6))  # fmt: skip
+    assert prologue.placement_counts == {"cudnn": 1}
+    torch.testing.assert_close(as_conv[0].permute(0, 2, 3, 1).reshape(n, h * w, c), as_gemm, rtol=0, atol=0)
 
 
 def test_deterministic_mode_sums_after_the_conv_in_a_fixed_order(cudnn, triton_launches):
