@@ -147,7 +147,8 @@ def check_group_norm(quick: bool):
 
 def check_group_norm_parts(quick: bool):
     """The statistics alone (gn_conv2d_stats: what the fused conv reads) and the normalisation from given statistics
-    (group_norm_apply: the staged conv's pass, channels-last only) on each backend."""
+    (group_norm_apply: the staged conv's pass, channels-last only; ``gn_apply_parts``: of x given as two
+    channels-last parts, as an up block's (hidden, skip)) on each backend."""
     from ldmopt.ops.gn_conv2d_stats import gn_conv2d_stats
     from ldmopt.ops.group_norm_apply import group_norm_apply
 
@@ -160,18 +161,25 @@ def check_group_norm_parts(quick: bool):
         z = (x.double().reshape(x.shape[0], GROUPS, -1) - given[0].double()[..., None]) * given[1].double()[..., None]
         z = z.reshape(x.shape) * w.double()[:, None, None] + b.double()[:, None, None]
         ref_y = F.silu(z)
+        cl = layout == "channels_last"
+        c_head = x.shape[1] // 3 * 2  # a group straddles the parts where the groups do not divide it
+        head, tail = (x[:, :c_head].contiguous(memory_format=torch.channels_last),
+                      x[:, c_head:].contiguous(memory_format=torch.channels_last))  # fmt: skip
         for backend in BACKENDS:
             try:
                 with ldmopt.use_backend(backend):
                     out_stats = gn_conv2d_stats(x, GROUPS, 1e-5)
-                    y = group_norm_apply(x, *given, w, b, GROUPS, "silu") if layout == "channels_last" else None
+                    y = group_norm_apply(x, *given, w, b, GROUPS, "silu") if cl else None
+                    y_parts = group_norm_apply(head, *given, w, b, GROUPS, "silu", tail) if cl else None
             except ldmopt.BackendUnavailableError as exc:
                 _skip(backend, f"gn_stats+gn_apply {case} {dtype} {backend}", exc)
                 continue
             yield "gn_stats", case, dtype, backend, list(out_stats), [mean, rstd]
             if y is not None:
-                assert y.is_contiguous(memory_format=torch.channels_last), f"{backend}: apply output not channels-last"
+                for out in (y, y_parts):
+                    assert out.is_contiguous(memory_format=torch.channels_last), f"{backend}: apply not channels-last"
                 yield "gn_apply", case, dtype, backend, [y], [ref_y]
+                yield "gn_apply_parts", case, dtype, backend, [y_parts], [ref_y]
         del ref_y, z
 
 

@@ -21,7 +21,7 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
   m.def("group_norm_stats_cuda(Tensor x, int num_groups, float eps) -> (Tensor mean, Tensor rstd)");
   m.def(
       "group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, int num_groups, "
-      "str activation) -> Tensor y");
+      "str activation, Tensor? x_tail=None) -> Tensor y");
   m.def(
       "group_norm_stats_from_sums_cuda(Tensor sums, Tensor? sums_tail, int num_groups, float eps, int count, "
       "int frames) -> (Tensor mean, Tensor rstd)");

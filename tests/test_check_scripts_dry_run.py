@@ -201,6 +201,7 @@ def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
     gn = [r for r in rows if r[0] == "group_norm_silu"]
     gn_stats = [r for r in rows if r[0] == "gn_stats"]
     gn_apply = [r for r in rows if r[0] == "gn_apply"]
+    gn_apply_parts = [r for r in rows if r[0] == "gn_apply_parts"]
     attn = [r for r in rows if r[0] == "temporal_attention"]
     ln = [r for r in rows if r[0] == "ln_stats"]
     ln_apply = [r for r in rows if r[0] == "ln_apply"]
@@ -210,10 +211,11 @@ def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
     assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == len(ln) == len(ln_apply) == 2 * 2, out
     assert len(epilogues) == (4 + 2) * 2, out  # shapes x dtypes
     assert len(gn_apply) == 2 * 2 and all("channels_last" in r[1] for r in gn_apply), out  # channels-last only
-    kinds = (gn, gn_stats, gn_apply, ln, ln_apply, epilogues, from_sums, attn)
+    assert [r[1:4] for r in gn_apply_parts] == [r[1:4] for r in gn_apply], out  # the same cases, as two parts
+    kinds = (gn, gn_stats, gn_apply, gn_apply_parts, ln, ln_apply, epilogues, from_sums, attn)
     assert len(rows) == sum(map(len, kinds)), out
     # every cuda case is a skip on the CPU
-    assert len(skips) == sum(map(len, kinds)) - len(gn_apply), out
+    assert len(skips) == sum(map(len, kinds)) - len(gn_apply) - len(gn_apply_parts), out
 
 
 def test_check_cuda_backend_benchmarks(cuda_backend_cpu, capsys, tmp_path):

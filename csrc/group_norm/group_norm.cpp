@@ -29,9 +29,10 @@ bool channels_last_layout(const at::Tensor& x, const char* op, const char* name)
   return false;
 }
 
-void check_affine(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* op, const char* name) {
+void check_affine(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* op, const char* name,
+                  int64_t channels) {
   if (!t.has_value() || !t->defined()) return;
-  TORCH_CHECK(t->dim() == 1 && t->size(0) == x.size(1), op, ": ", name, " must have shape [C] = [", x.size(1),
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == channels, op, ": ", name, " must have shape [C] = [", channels,
               "], got ", t->sizes());
   TORCH_CHECK_TYPE(t->is_floating_point(), op, ": ", name, " has dtype ", t->scalar_type(),
                    "; supported: floating point");
@@ -50,8 +51,8 @@ Problem check_common(const at::Tensor& x, const std::optional<at::Tensor>& weigh
               " (x shape ", x.sizes(), ")");
   TORCH_CHECK(activation.empty() || activation == "silu", op, ": activation='", activation,
               "' is not supported; supported: '' (none) or 'silu'");
-  check_affine(weight, x, op, "weight");
-  check_affine(bias, x, op, "bias");
+  check_affine(weight, x, op, "weight", x.size(1));
+  check_affine(bias, x, op, "bias", x.size(1));
   const bool cl = channels_last_layout(x, op, "x");
   return {x.size(0), x.size(1), x.numel() / (x.size(0) * x.size(1)), num_groups, cl, dtype, activation == "silu"};
 }
@@ -118,10 +119,48 @@ Problem check_statistics(const at::Tensor& x, int64_t num_groups, double eps) {
   return p;
 }
 
+namespace {
+
+// A 4-D tensor whose channel vectors are dense in memory, pixel after pixel: what the two-part pass reads and writes.
+bool dense_channels_last(const at::Tensor& t) {
+  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+// The two-part problem over cat([x, x_tail], 1): C = both parts' channels, channels-last.
+Problem check_parts(const at::Tensor& x, const at::Tensor& tail, const std::optional<at::Tensor>& weight,
+                    const std::optional<at::Tensor>& bias, int64_t num_groups, std::string_view activation) {
+  TORCH_CHECK(x.dim() == 4 && tail.dim() == 4, kApply, ": with x_tail, x and x_tail must be 4-D (N, C, H, W), got ",
+              x.sizes(), " and ", tail.sizes());
+  const DType dtype = dtype_of(x, kApply, "x");
+  TORCH_CHECK_TYPE(tail.scalar_type() == x.scalar_type(), kApply, ": x_tail has dtype ", tail.scalar_type(),
+                   " but x has ", x.scalar_type(), "; they must match");
+  check_same_device(tail, x, kApply, "x_tail", "x");
+  TORCH_CHECK(tail.size(0) == x.size(0) && tail.size(2) == x.size(2) && tail.size(3) == x.size(3), kApply,
+              ": x_tail ", tail.sizes(), " must match x ", x.sizes(), " in batch and spatial size");
+  TORCH_CHECK(dense_channels_last(x) && dense_channels_last(tail), kApply,
+              ": with x_tail, x and x_tail must be channels-last, got strides ", x.strides(), " and ",
+              tail.strides());
+  TORCH_CHECK(x.numel() > 0 && tail.numel() > 0, kApply, ": x ", x.sizes(), " or x_tail ", tail.sizes(),
+              " is empty; at least one element each is needed");
+  const int64_t channels = x.size(1) + tail.size(1);
+  TORCH_CHECK(num_groups > 0, kApply, ": num_groups must be positive, got ", num_groups);
+  TORCH_CHECK(channels % num_groups == 0, kApply, ": num_groups=", num_groups, " does not divide C=", channels,
+              " (x ", x.sizes(), " and x_tail ", tail.sizes(), ")");
+  TORCH_CHECK(activation.empty() || activation == "silu", kApply, ": activation='", activation,
+              "' is not supported; supported: '' (none) or 'silu'");
+  check_affine(weight, x, kApply, "weight", channels);
+  check_affine(bias, x, kApply, "bias", channels);
+  return {x.size(0), channels, x.size(2) * x.size(3), num_groups, true, dtype, activation == "silu"};
+}
+
+}  // namespace
+
 Problem check_apply(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                    int64_t num_groups, std::string_view activation) {
-  const Problem p = check_common(x, weight, bias, num_groups, activation, kApply);
+                    int64_t num_groups, std::string_view activation, const std::optional<at::Tensor>& x_tail) {
+  const bool parts = x_tail.has_value() && x_tail->defined();
+  const Problem p = parts ? check_parts(x, *x_tail, weight, bias, num_groups, activation)
+                          : check_common(x, weight, bias, num_groups, activation, kApply);
   check_stats(mean, p, x, kApply, "mean");
   check_stats(rstd, p, x, kApply, "rstd");
   return p;
@@ -156,8 +195,11 @@ Tensors2 statistics_meta(const at::Tensor& x, int64_t num_groups, double eps) {
 
 at::Tensor apply_meta(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
                       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                      int64_t num_groups, std::string_view activation) {
-  check_apply(x, mean, rstd, weight, bias, num_groups, activation);
+                      int64_t num_groups, std::string_view activation, const std::optional<at::Tensor>& x_tail) {
+  const Problem p = check_apply(x, mean, rstd, weight, bias, num_groups, activation, x_tail);
+  if (x_tail.has_value() && x_tail->defined()) {
+    return at::empty({p.N, p.C, x.size(2), x.size(3)}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  }
   return at::empty_like(x);
 }
 
@@ -224,9 +266,10 @@ Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps) {
 
 at::Tensor apply_cuda(const at::Tensor& x, const at::Tensor& mean_in, const at::Tensor& rstd_in,
                       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                      int64_t num_groups, std::string_view activation) {
-  const Problem p = check_apply(x, mean_in, rstd_in, weight, bias, num_groups, activation);
+                      int64_t num_groups, std::string_view activation, const std::optional<at::Tensor>& x_tail) {
+  const Problem p = check_apply(x, mean_in, rstd_in, weight, bias, num_groups, activation, x_tail);
   check_cuda(x, kApply, "x");
+  const bool parts = x_tail.has_value() && x_tail->defined();
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor mean = mean_in.contiguous();
   const at::Tensor rstd = rstd_in.contiguous();
@@ -235,9 +278,14 @@ at::Tensor apply_cuda(const at::Tensor& x, const at::Tensor& mean_in, const at::
   // Canonical strides for a channels-last x (its own may differ on size-1 dims): the layout the op's fake promises;
   // both are addressed linearly in the same order.
   const bool cl4 = x.dim() == 4 && p.channels_last;
-  at::Tensor y = new_output(cl4 ? at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast))
-                                : at::empty_like(x));
-  const Plan plan = make_plan(p, aligned16(x.data_ptr()) && aligned16(y.data_ptr()));
+  const auto cl_options = x.options().memory_format(at::MemoryFormat::ChannelsLast);
+  at::Tensor y = new_output(parts ? at::empty({p.N, p.C, x.size(2), x.size(3)}, cl_options)
+                            : cl4 ? at::empty(x.sizes(), cl_options)
+                                  : at::empty_like(x));
+  const bool aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) &&
+                       (!parts || aligned16(x_tail->data_ptr()));
+  Plan plan = make_plan(p, aligned);
+  if (parts) plan.vec = apply_parts_vec(plan, x.size(1), p.C);
   const Scratch scratch = forward_scratch(p, plan, x, false);
   // The kernels read the statistics through the forward's (writable) pointers; apply only reads them.
   const ForwardArgs args{x.data_ptr(),
@@ -250,7 +298,11 @@ at::Tensor apply_cuda(const at::Tensor& x, const at::Tensor& mean_in, const at::
                          nullptr,
                          scratch.coef,
                          0.0f};
-  apply(p, plan, args, current_stream());
+  if (parts) {
+    apply_parts(p, plan, args, x_tail->data_ptr(), x.size(1), current_stream());
+  } else {
+    apply(p, plan, args, current_stream());
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
 }

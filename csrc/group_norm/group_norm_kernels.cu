@@ -330,6 +330,36 @@ __global__ __launch_bounds__(kThreads) void elementwise_kernel(Tensors<T> t, boo
   }
 }
 
+// y = act(a x + b) over cat([x, x_tail], 1) of channels-last parts: y's packs in order, each read from the part its
+// channels lie in (a pack never straddles the parts: both channel counts are multiples of VEC).
+template <typename T, int VEC, class Act>
+__global__ __launch_bounds__(kThreads) void elementwise_parts_kernel(Tensors<T> t, const T* x_tail, int64_t c_head) {
+  const Stats& s = t.s;
+  const int64_t c_tail = s.C - c_head;
+  const int64_t n_packs = s.N * s.S * s.C / VEC;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n_packs; i += stride) {
+    const int64_t e = i * VEC;
+    const int64_t row = e / s.C;  // n * S + s
+    const int64_t c = e - row * s.C;
+    const int64_t n = row / s.S;
+    float x[VEC];
+    float out[VEC];
+    if (c < c_head) {
+      load_float<T, VEC>(t.x + row * c_head + c, x);
+    } else {
+      load_float<T, VEC>(x_tail + row * c_tail + (c - c_head), x);
+    }
+    const float* k = s.coef + (n * s.C + c) * 2;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const Pack<float, 2> kj = *as_pack<const Pack<float, 2>>(k + j * 2);
+      out[j] = ForwardOp<Act>::apply(kj.v, x[j], 0.0f);
+    }
+    store_float<T, VEC>(t.out + e, out);
+  }
+}
+
 // ------------------------------------------------------------------------------------------ launches
 
 Stats make_stats(const Problem& p, const Plan& plan) {
@@ -404,6 +434,32 @@ void forward_impl(const Problem& p, const Plan& plan, const ForwardArgs& a, int 
   if (kind != 1) elementwise_forward<T, VEC>(p, t, stream);
 }
 
+template <typename T, int VEC>
+void apply_parts_impl(const Problem& p, const Plan& plan, const ForwardArgs& a, const void* x_tail, int64_t c_head,
+                      Stream stream) {
+  const Tensors<T> t = forward_tensors<T>(p, plan, a);
+  launch_kernel(coef_forward_kernel, dim3(grid_x(ceil_div<int64_t>(p.N * p.C, kThreads))), dim3(kThreads), 0, stream,
+                t.s);
+  const int64_t packs = p.N * p.C * p.S / VEC;
+  const dim3 grid(grid_x(std::min<int64_t>(ceil_div<int64_t>(packs, kThreads), int64_t{1} << 16)));
+  const T* tail = static_cast<const T*>(x_tail);
+  if (p.silu) {
+    launch_kernel(elementwise_parts_kernel<T, VEC, Silu>, grid, dim3(kThreads), 0, stream, t, tail, c_head);
+  } else {
+    launch_kernel(elementwise_parts_kernel<T, VEC, Identity>, grid, dim3(kThreads), 0, stream, t, tail, c_head);
+  }
+}
+
+template <typename T>
+void apply_parts_typed(const Problem& p, const Plan& plan, const ForwardArgs& a, const void* x_tail, int64_t c_head,
+                       Stream stream) {
+  if (plan.vec == 1) {
+    apply_parts_impl<T, 1>(p, plan, a, x_tail, c_head, stream);
+  } else {
+    apply_parts_impl<T, 16 / sizeof(T)>(p, plan, a, x_tail, c_head, stream);
+  }
+}
+
 template <typename T, int VEC, class Act>
 void backward_impl(const Problem& p, const Plan& plan, const BackwardArgs& a, Stream stream) {
   Tensors<T> t{static_cast<const T*>(a.x), static_cast<const T*>(a.dy), static_cast<T*>(a.dx), make_stats(p, plan)};
@@ -472,6 +528,18 @@ void statistics(const Problem& p, const Plan& plan, const ForwardArgs& args, Str
 
 void apply(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream) {
   forward_kind(p, plan, args, 2, stream);
+}
+
+void apply_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, const void* x_tail, int64_t c_head,
+                 Stream stream) {
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return apply_parts_typed<float>(p, plan, args, x_tail, c_head, stream);
+    case DType::kFloat16:
+      return apply_parts_typed<__half>(p, plan, args, x_tail, c_head, stream);
+    case DType::kBFloat16:
+      return apply_parts_typed<__nv_bfloat16>(p, plan, args, x_tail, c_head, stream);
+  }
 }
 
 void backward(const Problem& p, const Plan& plan, const BackwardArgs& args, Stream stream) {

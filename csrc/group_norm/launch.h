@@ -103,6 +103,16 @@ void statistics(const Problem& p, const Plan& plan, const ForwardArgs& args, Str
 // The forward's elementwise pass from statistics already known (args.mean/rstd are read): the per-(n, c)
 // coefficients into coef, then y = act(a x + b); part_a/part_b unused.
 void apply(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream);
+// apply over the channel concatenation cat([x, x_tail], 1) of two channels-last parts (an up block's hidden state and
+// skip), never written: p.C = c_head + the tail's channels; args.x is the head [N, S, c_head], x_tail [N, S, C -
+// c_head], y [N, S, C]. The pack must not straddle the parts: the caller gives plan.vec = 1 unless both channel
+// counts are multiples of it (apply_parts_vec).
+void apply_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, const void* x_tail, int64_t c_head,
+                 Stream stream);
+// The pack apply_parts may use: plan.vec when both parts' channel counts are multiples of it, else 1.
+inline int apply_parts_vec(const Plan& plan, int64_t c_head, int64_t c_total) {
+  return (c_head % plan.vec == 0 && (c_total - c_head) % plan.vec == 0) ? plan.vec : 1;
+}
 void backward(const Problem& p, const Plan& plan, const BackwardArgs& args, Stream stream);
 
 }  // namespace ldmopt::group_norm

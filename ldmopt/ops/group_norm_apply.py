@@ -6,12 +6,13 @@ without gradients: a staged forward inside the fused conv op, whose own autograd
 not exported from ``ldmopt.ops``.
 
 Backends: cuda (ldmopt._C's GroupNorm elementwise pass, when the extension is built: one C++ op call, whose host
-time is a fraction of a Triton launch's; a one-part channels-last x), triton (kernels/group_norm.py's apply kernel:
-one elementwise pass per part, fp32 math) and torch, the reference (the unfused composition in fp32; fp64 for fp64),
-all rounding the result to x's dtype as an unfused model stores its activation. A two-part input ``x_tail`` stands for
-``cat([x, x_tail], 1)``; the triton backend writes each part's channels of one output, the reference concatenates
-first. "Host time a fraction": on the H200's host (2026-12-04, benchmarks/RESULTS.md) a GroupNorm+SiLU call through
-ldmopt._C took 64 us, the single-launch Triton ops 113-142 us.
+time is a fraction of a Triton launch's; a channels-last x, or two channels-last parts), triton (kernels/group_norm.py's
+apply kernel: one elementwise pass per part, fp32 math) and torch, the reference (the unfused composition in fp32;
+fp64 for fp64), all rounding the result to x's dtype as an unfused model stores its activation. A two-part input
+``x_tail`` stands for ``cat([x, x_tail], 1)`` (a UNet up block's hidden state and skip): the cuda backend reads each
+output channel from the part it lies in, the triton backend writes each part's channels of one output, the
+reference concatenates first. "Host time a fraction": on the H200's host (2026-12-04, benchmarks/RESULTS.md) a
+GroupNorm+SiLU call through ldmopt._C took 64 us, the single-launch Triton ops 113-142 us.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ._dispatch import (
     Backend,
     BackendTable,
     backend_counts,
+    cuda_extension_refusals,
     register_eager,
     triton_refusals,
 )
@@ -77,10 +79,37 @@ def _apply_triton_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> lis
 
 
 def _apply_cuda(x, mean, rstd, gw, gb, groups, act, x_tail=None):
-    return torch.ops.ldmopt.group_norm_apply_cuda(x, mean, rstd, gw, gb, groups, act or "")
+    if x_tail is None:
+        return torch.ops.ldmopt.group_norm_apply_cuda(x, mean, rstd, gw, gb, groups, act or "")
+    return torch.ops.ldmopt.group_norm_apply_cuda(x, mean, rstd, gw, gb, groups, act or "", x_tail)
+
+
+def _dense_channels_last(t: Tensor) -> bool:
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and t.numel() > 0
+
+
+def _parts_cuda_refusals(x, x_tail, mean, rstd, gw, gb) -> list[str]:
+    """What the C++ op checks of two parts (beyond what the op itself checked: their shapes agree but in channels)."""
+    reasons = cuda_extension_refusals("group_norm_apply_cuda", x, x_tail, mean, rstd, gw, gb)
+    if reasons:
+        return reasons
+    if any(t is not None and t.device != x.device for t in (x_tail, mean, rstd, gw, gb)):
+        reasons.append("tensors on more than one device")
+    if x.dtype not in _TRITON_DTYPES or x_tail.dtype != x.dtype:
+        reasons.append(f"parts of dtypes {x.dtype} and {x_tail.dtype} (the CUDA kernel serves one of fp32/fp16/bf16)")
+    for name, t in (("x", x), ("x_tail", x_tail)):
+        if not _dense_channels_last(t):
+            reasons.append(f"{name} of shape {tuple(t.shape)}, strides {t.stride()} is not a dense channels-last 4-D "
+                           "tensor")  # fmt: skip
+    return reasons
 
 
 def _apply_cuda_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> list[str]:
+    if x_tail is not None:
+        reasons = _parts_cuda_refusals(x, x_tail, mean, rstd, gw, gb)
+        if mean.dtype != torch.float32 or rstd.dtype != torch.float32:
+            reasons.append(f"statistics dtype {mean.dtype} (the kernel reads fp32 mean/rstd)")
+        return reasons
     reasons = cuda_one_part_refusals("group_norm_apply_cuda", x, x_tail, mean, rstd, gw, gb)
     if reasons:
         return reasons

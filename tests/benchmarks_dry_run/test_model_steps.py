@@ -141,6 +141,24 @@ def test_count_launches_as_a_gpu_with_the_extension(capsys):
     assert cpp["conv_epilogue_cuda"] > 0 and cpp["linear_epilogue_cuda"] > 0 and cpp["layer_norm_apply_cuda"] > 0, cpp
     assert not plain["cpp_calls"] and sum(gpu["launches"].values()) < sum(plain["launches"].values()), (plain, gpu)
     assert "_conv_epilogue_kernel" not in gpu["launches"] and "_linear_epilogue_kernel" not in gpu["launches"], gpu
+    # the staged GroupNorms, an up block's (hidden, skip) pairs too, are C++ op calls
+    assert "_group_norm_fwd_apply_kernel" not in gpu["launches"] and cpp["group_norm_apply_cuda"] > 0, gpu
     assert linear_cublas.gemm_placement(torch.device("cpu")) == "triton"  # the CPU's own choice is back
     assert count_launches.main(["sd15", "--tiny", "--dtype", "fp32", "--as-gpu"]) == 0
     assert "as-gpu" in capsys.readouterr().out
+
+
+def test_host_step_times_and_counts_both_steps():
+    """benchmarks/host_step.py: the stock and the patched step of a tiny zoo model, with the GPUs' placements and
+    compute stubbed in both; the stand-ins are gone afterwards."""
+    pytest.importorskip("diffusers")
+    import torch.nn.functional as F
+
+    from benchmarks import host_step
+
+    stock_conv = F.conv2d
+    row = host_step.measure("dit", None, None, steps=2, stub_compute=True)
+    assert F.conv2d is stock_conv
+    assert row["modules"] > 0 and row["stock_calls"] > 0 and row["patched_calls"] > 0, row
+    assert row["stock_ms"] > 0 and row["patched_ms"] > 0, row
+    assert "| dit | " in host_step.table([row])

@@ -133,6 +133,31 @@ int emu_group_norm_apply(const int64_t* dims, int channels_last, int dtype, int 
   });
 }
 
+// dims = {N, C (both parts), S, G}; x the head [N, S, c_head], x_tail [N, S, C - c_head], y [N, S, C] channels-last.
+// The pack as the torch glue chooses it (apply_parts_vec).
+int emu_group_norm_apply_parts(const int64_t* dims, int64_t c_head, int dtype, int silu, const void* x,
+                               const void* x_tail, void* y, const void* weight, const void* bias,
+                               const int* affine_dtypes, const float* mean, const float* rstd, int64_t* plan_out) {
+  return guarded([&] {
+    const auto p = gn_problem(dims, 1, dtype, silu);
+    auto plan = ldmopt::group_norm::make_plan(p, aligned16(x) && aligned16(x_tail) && aligned16(y));
+    plan.vec = ldmopt::group_norm::apply_parts_vec(plan, c_head, p.C);
+    write_plan(plan, plan_out);
+    std::vector<float> coef(p.N * p.C * 2, -1e30f);
+    const ldmopt::group_norm::ForwardArgs args{x,
+                                               y,
+                                               param(weight, affine_dtypes[0]),
+                                               param(bias, affine_dtypes[1]),
+                                               const_cast<float*>(mean),
+                                               const_cast<float*>(rstd),
+                                               nullptr,
+                                               nullptr,
+                                               coef.data(),
+                                               0.0f};
+    ldmopt::group_norm::apply_parts(p, plan, args, x_tail, c_head, nullptr);
+  });
+}
+
 int emu_group_norm_backward(const int64_t* dims, int channels_last, int dtype, int silu, const void* dy,
                             const void* x, void* dx, const void* weight, const void* bias, const int* affine_dtypes,
                             const float* mean, const float* rstd, float* sum_dz, float* sum_dzx, int64_t* plan_out) {

@@ -147,6 +147,25 @@ class Emulator:
         self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
         return y
 
+    def group_norm_apply_parts(self, x, x_tail, mean, rstd, weight, bias, num_groups: int, activation: str):
+        """y over cat([x, x_tail], 1) like torch.ops.ldmopt.group_norm_apply_cuda with x_tail (channels-last parts
+        in, channels-last y out), poisoned first."""
+        n, c_head, h, w_ = x.shape
+        c = c_head + x_tail.shape[1]
+        y = torch.empty((n, c, h, w_), dtype=x.dtype, memory_format=torch.channels_last).fill_(float("nan"))
+        wt, b, affine = _affine(weight, bias)
+        mean, rstd = mean.float().contiguous(), rstd.float().contiguous()
+        dims = (ctypes.c_int64 * 4)(n, c, h * w_, num_groups)
+        plan = (ctypes.c_int64 * 5)()
+        self._check(
+            self.lib.emu_group_norm_apply_parts(
+                dims, ctypes.c_int64(c_head), DTYPE_CODES[x.dtype], int(activation == "silu"), _ptr(x),
+                _ptr(x_tail), _ptr(y), _ptr(wt), _ptr(b), affine, _ptr(mean), _ptr(rstd), plan,
+            )
+        )  # fmt: skip
+        self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
+        return y
+
     def group_norm_bwd(self, dy, x, weight, bias, mean, rstd, num_groups: int, activation: str):
         """(dx, dweight, dbias) like torch.ops.ldmopt.group_norm_bwd_cuda (dy must have x's strides here)."""
         n, c, s, channels_last = self._ncs(x)

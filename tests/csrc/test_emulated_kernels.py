@@ -182,6 +182,33 @@ def test_group_norm_apply_unaligned_and_without_affine(emu):
     assert_within_torch_error(y, ref, _apply_reference(x, mean, rstd, None, None, 4, "silu", torch.float32).half(), "y")
 
 
+@pytest.mark.parametrize(
+    "c_head,c_tail,groups,vec",
+    [
+        ((16, 24, 8, {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8})),  # packs of 16 bytes in both parts
+        ((12, 20, 4, {torch.float32: 4, torch.float16: 1, torch.bfloat16: 1})),  # 12 % 8: one element at a time
+        ((8, 5, 13, {torch.float32: 1, torch.float16: 1, torch.bfloat16: 1})),  # C = 13, a group per channel
+        ((3, 5, 2, {torch.float32: 1, torch.float16: 1, torch.bfloat16: 1})),  # group 0 straddles the parts
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_group_norm_apply_over_two_parts(emu, schedule, c_head, c_tail, groups, vec, dtype):
+    """group_norm_apply_cuda with x_tail: act(group_norm(cat([x, x_tail], 1))) from given statistics, each
+    channel read from the part it lies in (an up block's hidden state and skip), the concatenation never written."""
+    head, _, _ = _gn_inputs((2, c_head, 5, 7), True, dtype)
+    tail, w, b = _gn_inputs((2, c_tail, 5, 7), True, dtype)
+    tail = tail - 1.5  # other values than the head's: reading the wrong part shows
+    w, b = _gn_inputs((1, c_head + c_tail, 1, 1), False, dtype)[1:]
+    mean, rstd = torch.randn(2, groups, dtype=torch.float64), torch.rand(2, groups, dtype=torch.float64) + 0.5
+    cat = torch.cat([head, tail], 1)
+    for activation, affine in (("silu", (w, b)), ("", (None, None))):
+        y = emu.group_norm_apply_parts(head, tail, mean.float(), rstd.float(), *affine, groups, activation)
+        assert y.is_contiguous(memory_format=torch.channels_last) and emu.last_plan["vec"] == vec[dtype]
+        y64 = _apply_reference(cat, mean, rstd, *affine, groups, activation, torch.float64)
+        y32 = _apply_reference(cat, mean.float(), rstd.float(), *affine, groups, activation, torch.float32)
+        assert_within_torch_error(y, y64, y32.to(dtype), f"two-part apply {c_head}+{c_tail} {dtype} {activation!r}")
+
+
 # ------------------------------------------------------------------------------------------------ layer norm statistics
 
 

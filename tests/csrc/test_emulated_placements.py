@@ -1,9 +1,11 @@
 """The GPUs' placements with ldmopt._C's passes, end to end on the CPU: under "cublas", ops.linear, ops.geglu, the
 linear with the next norm's statistics and the LayerNorm GEMMs run PyTorch's GEMM, then their passes through the cuda
-backends of ``linear_epilogue`` and ``layer_norm_apply``; under "cudnn", the fused convs run PyTorch's conv, then the
-cuda backend of ``conv_epilogue``. The C++ ops are stood in for by the fiber emulator running the same kernels
-(tests/csrc/emulator.py). So the Python wiring (argument order, in-place writes, the statistics buffers, the refusals
-that let the C++ ops run) is checked against the unfused modules and a whole stock UNet, as a GPU would run it."""
+backends of ``linear_epilogue`` and ``layer_norm_apply``; under "cudnn", the fused convs take their GroupNorm
+statistics and apply it through the cuda backends of ``gn_conv2d_stats`` and ``group_norm_apply`` (an up block's two
+parts too), run PyTorch's conv, then the cuda backend of ``conv_epilogue``. The C++ ops are stood in for by the
+fiber emulator running the same kernels (tests/csrc/emulator.py). So the Python wiring (argument order, in-place
+writes, the statistics buffers, the refusals that let the C++ ops run) is checked against the unfused modules and a
+whole stock UNet, as a GPU would run it."""
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ import ldmopt
 from ldmopt import ops
 from ldmopt.ops import conv_epilogue as conv_module
 from ldmopt.ops import gn_conv2d_prologue, linear_cublas
+from ldmopt.ops import gn_conv2d_stats as gn_stats_module
+from ldmopt.ops import group_norm_apply as gn_apply_module
 from ldmopt.ops import layer_norm_apply as apply_module
 from ldmopt.ops import linear_epilogue as epilogue_module
 from ldmopt.ops._dispatch import backend_counts
@@ -41,8 +45,15 @@ def emulated_cuda(emu, monkeypatch):
         return emu.conv_epilogue(z, shortcut, residual, temb, inv_scale=inv_scale, write=write, groups=groups,
                                  channel_sums=channel_sums, eps=eps)  # fmt: skip
 
-    for module in (epilogue_module, apply_module, conv_module):
+    def group_norm_apply_cuda(x, mean, rstd, weight, bias, groups, activation, x_tail=None):
+        if x_tail is None:
+            return emu.group_norm_apply(x, mean, rstd, weight, bias, groups, activation)
+        return emu.group_norm_apply_parts(x, x_tail, mean, rstd, weight, bias, groups, activation)
+
+    for module in (epilogue_module, apply_module, conv_module, gn_apply_module, gn_stats_module):
         monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])
+    monkeypatch.setattr(torch.ops.ldmopt, "group_norm_apply_cuda", group_norm_apply_cuda, raising=False)
+    monkeypatch.setattr(torch.ops.ldmopt, "group_norm_stats_cuda", emu.group_norm_stats, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "linear_epilogue_cuda", linear_epilogue_cuda, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "layer_norm_apply_cuda", layer_norm_apply_cuda, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "conv_epilogue_cuda", conv_epilogue_cuda, raising=False)
@@ -170,3 +181,5 @@ def test_whole_sd_unet_through_the_cuda_passes_matches_stock(emulated_cuda):
     calls = emulated_cuda()
     assert calls[("conv_epilogue", "cuda")] > 0 and calls[("linear_epilogue", "cuda")] > 0, calls
     assert calls[("layer_norm_apply", "cuda")] > 0, calls
+    # the staged GroupNorms, the up blocks' (hidden, skip) pairs read in two parts
+    assert calls[("group_norm_apply", "cuda")] > 0 and ("group_norm_apply", "triton") not in calls, calls

@@ -87,7 +87,7 @@ def test_schemas_match_the_python_callers():
     )
     assert schemas["group_norm_apply_cuda"] == (
         "ldmopt::group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
-        "int num_groups, str activation) -> Tensor y"
+        "int num_groups, str activation, Tensor? x_tail=None) -> Tensor y"
     )
     assert schemas["layer_norm_stats_cuda"] == "ldmopt::layer_norm_stats_cuda(Tensor x, float eps) -> Tensor stats"
     assert schemas["group_norm_stats_from_sums_cuda"] == (
@@ -166,8 +166,14 @@ def test_temporal_attention_meta_outputs():
 # ------------------------------------------------------------------------------------------------ Meta: bad inputs
 
 x4 = meta(2, 8, 3, 3, dtype=torch.float32)
+x4cl = meta(2, 8, 3, 3, dtype=torch.float32, channels_last=True)
 stats = meta(2, 4, dtype=torch.float32)
 q5 = meta(1, 14, 4, 2, 40)
+
+
+def tail_cl(*shape):
+    return meta(*shape, dtype=torch.float32, channels_last=True)
+
 
 BAD_INPUTS = [
     # (id, call, exception type, message fragment)
@@ -214,6 +220,19 @@ BAD_INPUTS = [
      "ldmopt.group_norm_apply_cuda: weight must have shape [C] = [8], got [7]"),
     ("apply-activation", lambda: gn_apply(x4, stats, stats, None, None, 4, "gelu"), RuntimeError,
      "ldmopt.group_norm_apply_cuda: activation='gelu' is not supported"),
+    ("parts-layout", lambda: gn_apply(x4cl, stats, stats, None, None, 4, "", x4), RuntimeError,
+     "ldmopt.group_norm_apply_cuda: with x_tail, x and x_tail must be channels-last, got strides"),
+    ("parts-dtype", lambda: gn_apply(x4cl, stats, stats, None, None, 4, "", meta(2, 8, 3, 3, channels_last=True)),
+     TypeError, "ldmopt.group_norm_apply_cuda: x_tail has dtype Half but x has Float; they must match"),
+    ("parts-size", lambda: gn_apply(x4cl, stats, stats, None, None, 4, "", tail_cl(2, 4, 3, 4)), RuntimeError,
+     "ldmopt.group_norm_apply_cuda: x_tail [2, 4, 3, 4] must match x [2, 8, 3, 3] in batch and spatial size"),
+    ("parts-groups", lambda: gn_apply(x4cl, stats, stats, None, None, 4, "", tail_cl(2, 6, 3, 3)), RuntimeError,
+     "ldmopt.group_norm_apply_cuda: num_groups=4 does not divide C=14"),
+    ("parts-weight", lambda: gn_apply(x4cl, stats, stats, meta(8), None, 4, "", tail_cl(2, 4, 3, 3)), RuntimeError,
+     "ldmopt.group_norm_apply_cuda: weight must have shape [C] = [12], got [8]"),
+    ("parts-rank", lambda: gn_apply(meta(2, 8, 9, dtype=torch.float32), stats, stats, None, None, 4, "",
+                                    meta(2, 4, 9, dtype=torch.float32)), RuntimeError,
+     "ldmopt.group_norm_apply_cuda: with x_tail, x and x_tail must be 4-D (N, C, H, W)"),
     ("ln-rank", lambda: ln_stats(meta(2, 3, 4), 1e-5), RuntimeError,
      "ldmopt.layer_norm_stats_cuda: x must be a 2-D [rows, C] tensor, got shape [2, 3, 4]"),
     ("ln-dtype", lambda: ln_stats(meta(2, 4, dtype=torch.float64), 1e-5), TypeError,
@@ -444,8 +463,15 @@ def test_statistics_and_apply_refusals_cover_what_the_cpp_ops_reject(case, monke
     if not refused:  # y in canonical channels-last strides (as the op's fake), whatever x's strides on size-1 dims
         y = gn_apply(x, st, st, None, None, groups, "silu")
         assert y.stride() == torch.empty_like(y, memory_format=torch.channels_last).stride()
-    assert stats_module._stats_cuda_refuse(x, x), "a two-part input goes to triton"
-    assert apply_module._apply_cuda_refuse(x, st, st, None, None, groups, "silu", x), "a two-part input goes to triton"
+    assert stats_module._stats_cuda_refuse(x, x), "a two-part statistics pass goes to triton"
+    monkeypatch.setattr(apply_module, "cuda_extension_refusals", lambda *args: [])
+    # two parts (x twice): the C++ op reads each channel from its part, writing channels-last
+    refused = apply_module._apply_cuda_refuse(x, st, st, None, None, groups, "silu", x)
+    assert (not refused) == cpp_runs(lambda: gn_apply(x, st, st, None, None, groups, "silu", x)), (case, refused)
+    if not refused:
+        y = gn_apply(x, st, st, None, None, groups, "silu", x)
+        assert y.shape == (x.shape[0], 2 * x.shape[1], *x.shape[2:])
+        assert y.stride() == torch.empty_like(y, memory_format=torch.channels_last).stride()
 
 
 LN_INPUTS = {
