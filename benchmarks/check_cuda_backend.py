@@ -285,6 +285,47 @@ def check_linear_epilogue(quick: bool):
                 yield "linear_epilogue", name, dtype, backend, [y, *([] if out_stats is None else out_stats)], ref
 
 
+#: (rows M, C, samples B, what) of the adaLN norms (CFG batch 2): DiT-XL/2's and PixArt's modulated norms, Flux's
+#: with its residual sum, Wan's gated residual (bench_linear.py times the op at DiT's shape)
+ADALN_SHAPES = {"dit-256": (512, 1152, 2, ""), "pixart-1024": (8192, 1152, 2, "residual"),
+                "flux-1024": (9216, 3072, 2, "residual"), "wan-gated": (4096, 1536, 2, "gated")}  # fmt: skip
+QUICK_ADALN = ("dit-256", "wan-gated")
+
+
+def check_adaln(quick: bool):
+    """adaLN modulation (the DiT-class norms: residual sum, LayerNorm without affine, per-sample scale and shift),
+    fp32 modulation chunks of one embedding for 16-bit rows, against fp64."""
+    from ldmopt.ops.adaln_modulate import adaln_modulate
+
+    for name in QUICK_ADALN if quick else list(ADALN_SHAPES):
+        m, c, b, what = ADALN_SHAPES[name]
+        for dtype in QUICK_DTYPES if quick else DTYPES:
+            x = (torch.randn(m, c, device=DEVICE) + 4 * torch.randn(m, 1, device=DEVICE)).to(dtype)
+            residual = torch.randn(m, c, device=DEVICE).to(dtype) if what else None
+            emb = torch.randn(b, 3 * c, device=DEVICE) * 0.3
+            scale, shift, gate = emb[:, :c], emb[:, c : 2 * c], emb[:, 2 * c :] if what == "gated" else None
+
+            def per_row(t, tokens=m // b):
+                return t.double().repeat_interleave(tokens, dim=0)
+
+            s = x.double()
+            if residual is not None:  # the sum rounded as stored, x scaled by the gate first where there is one
+                s = (residual.double() + (s if gate is None else per_row(gate) * s)).to(dtype).double()
+            var, mean = torch.var_mean(s, dim=1, unbiased=False)
+            ref = (s - mean[:, None]) * torch.rsqrt(var + 1e-6)[:, None] * (1 + per_row(scale)) + per_row(shift)
+            for backend in BACKENDS:
+                try:
+                    with ldmopt.use_backend(backend):
+                        tokens = (b, m // b, c)  # the stream's [B, T, C]: one scale / shift row per sample
+                        res = None if residual is None else residual.view(tokens)
+                        y = adaln_modulate(x.view(tokens), scale, shift, residual=res, gate=gate, eps=1e-6)
+                        y = y.view(m, c)
+                except ldmopt.BackendUnavailableError as exc:
+                    _skip(backend, f"adaln_modulate {name} {dtype} {backend}", exc)
+                    continue
+                yield "adaln_modulate", name, dtype, backend, [y], [ref]
+
+
 def check_stats_from_sums(quick: bool):
     """GroupNorm statistics of an up block's cat([hidden, skip], 1) from the two parts' per-channel fp64 sums (what
     the fused convs' epilogues hand it), groups straddling the parts; SD1.5's 32x32 level and a 16-frame video."""
@@ -416,7 +457,8 @@ def run_checks(quick: bool) -> int:
     ran: Counter[str] = Counter()
     print(f"{'op':<20} {'case':<30} {'dtype':<9} {'backend':<7} {'max rel err (outputs...)':<40} status")
     checks = (check_group_norm, check_group_norm_parts, check_stats_from_sums, check_layer_norm_stats,
-              check_layer_norm_apply, check_linear_epilogue, check_conv_epilogue, check_attention)  # fmt: skip
+              check_layer_norm_apply, check_linear_epilogue, check_conv_epilogue, check_adaln,
+              check_attention)  # fmt: skip
     for check in checks:
         try:
             for op, case, dtype, backend, outs, refs in check(quick):

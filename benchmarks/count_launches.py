@@ -41,9 +41,12 @@ _CPP_STANDINS = {
     "group_norm_fwd_cuda": lambda x, w, b, g, eps, act: (torch.empty_like(x), *_stats(x, g)),
     "group_norm_stats_cuda": lambda x, g, eps: _stats(x, g),
     "group_norm_stats_from_sums_cuda": lambda sums, tail, g, eps, count, frames: _stats(sums[::frames], g),
-    "group_norm_apply_cuda": lambda x, mean, rstd, w, b, g, act, tail=None: torch.empty(
-        (x.shape[0], x.shape[1] + (0 if tail is None else tail.shape[1]), *x.shape[2:]),
-        memory_format=torch.channels_last),
+    "group_norm_apply_cuda": lambda x, mean, rstd, w, b, g, act, tail=None: x.new_empty(
+        (x.shape[0], x.shape[1] + (0 if tail is None else tail.shape[1]), *x.shape[2:])
+    ).contiguous(memory_format=torch.channels_last),
+    "adaln_modulate_cuda": lambda x, scale, shift, res, gate, eps, store_sum, save: (
+        x.new_empty(x.shape), x.new_empty(x.shape if store_sum else (0,)),
+        *[x.new_empty((x.shape[0],) if save else (0,), dtype=torch.float32)] * 2),
     "layer_norm_stats_cuda": lambda x, eps: x.new_empty(2, x.shape[0], dtype=torch.float32),
     "layer_norm_apply_cuda": lambda x, stats, w, b, pos, rows: x.new_empty(x.shape),
     "linear_epilogue_cuda": lambda *args: None,
@@ -70,8 +73,9 @@ def as_gpu_with_extension() -> Iterator[Counter]:
         patches.append((obj, attr, getattr(obj, attr, None)))
         setattr(obj, attr, value)
 
-    for name in ("conv_epilogue", "gn_conv2d_stats", "group_norm", "group_norm_apply", "group_norm_sums",
-                 "layer_norm_apply", "layer_norm_linear", "linear_epilogue", "temporal_attention"):  # fmt: skip
+    for name in ("adaln_modulate", "conv_epilogue", "gn_conv2d_stats", "group_norm", "group_norm_apply",
+                 "group_norm_sums", "layer_norm_apply", "layer_norm_linear", "linear_epilogue",
+                 "temporal_attention"):  # fmt: skip
         patch(importlib.import_module(f"ldmopt.ops.{name}"), "cuda_extension_refusals", lambda *args: [])
     for op, standin in _CPP_STANDINS.items():
         patch(torch.ops.ldmopt, op, lambda *a, _op=op, _f=standin: calls.update([_op]) or _f(*a))

@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "adaln_modulate/adaln_modulate.h"
 #include "conv_epilogue/conv_epilogue.h"
 #include "group_norm/group_norm.h"
 #include "group_norm_sums/group_norm_sums.h"
@@ -35,6 +36,9 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
   m.def(
       "conv_epilogue_cuda(Tensor(a!) z, Tensor? shortcut, Tensor? residual, Tensor? temb, float inv_scale, "
       "bool write, int groups, bool channel_sums, float eps) -> (Tensor mean, Tensor rstd, Tensor sums)");
+  m.def(
+      "adaln_modulate_cuda(Tensor x, Tensor scale, Tensor shift, Tensor? residual, Tensor? gate, float eps, "
+      "bool store_sum, bool save) -> (Tensor y, Tensor s, Tensor mean, Tensor rstd)");
   m.def("temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out");
   m.def("temporal_attention_fwd_out_cuda(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
 }
@@ -49,6 +53,7 @@ TORCH_LIBRARY_IMPL(ldmopt, CUDA, m) {
   m.impl("layer_norm_apply_cuda", &ldmopt::layer_norm::apply_cuda);
   m.impl("linear_epilogue_cuda", &ldmopt::linear_epilogue::run_cuda);
   m.impl("conv_epilogue_cuda", &ldmopt::conv_epilogue::run_cuda);
+  m.impl("adaln_modulate_cuda", &ldmopt::adaln_modulate::forward_cuda);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_cuda);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_cuda);
 }
@@ -63,6 +68,7 @@ TORCH_LIBRARY_IMPL(ldmopt, Meta, m) {
   m.impl("layer_norm_apply_cuda", &ldmopt::layer_norm::apply_meta);
   m.impl("linear_epilogue_cuda", &ldmopt::linear_epilogue::run_meta);
   m.impl("conv_epilogue_cuda", &ldmopt::conv_epilogue::run_meta);
+  m.impl("adaln_modulate_cuda", &ldmopt::adaln_modulate::forward_meta);
   m.impl("temporal_attention_fwd_cuda", &ldmopt::temporal_attention::forward_meta);
   m.impl("temporal_attention_fwd_out_cuda", &ldmopt::temporal_attention::forward_out_meta);
 }

@@ -184,6 +184,10 @@ def cuda_backend_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(C, "QUICK_CONV_EPILOGUE", ("c1",))
     monkeypatch.setattr(C, "FROM_SUMS_SHAPES", {"s1": (2, 48, 16, 9, 1), "s2": (6, 32, 32, 5, 3)})
     monkeypatch.setattr(C, "QUICK_FROM_SUMS", ("s1",))
+    monkeypatch.setattr(
+        C, "ADALN_SHAPES", {"a1": (6, 40, 2, ""), "a2": (8, 24, 4, "residual"), "a3": (4, 16, 2, "gated")}
+    )
+    monkeypatch.setattr(C, "QUICK_ADALN", ("a3",))
     monkeypatch.setenv("LDMOPT_POISON_OUTPUTS", "1")  # the script sets it; restored afterwards
     monkeypatch.delenv("LDMOPT_BENCH_CSV", raising=False)
     monkeypatch.setattr(harness, "time_fn", lambda fn, **_: (fn(), harness.Timing(1.0, 0.9, 1.1))[1])
@@ -207,12 +211,14 @@ def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
     ln_apply = [r for r in rows if r[0] == "ln_apply"]
     epilogues = [r for r in rows if r[0] in ("linear_epilogue", "conv_epilogue")]
     from_sums = [r for r in rows if r[0] == "stats_from_sums"]
+    adaln = [r for r in rows if r[0] == "adaln_modulate"]
+    assert len(adaln) == 3 * 2, out  # shapes x dtypes
     assert len(from_sums) == 2, out  # its two cases, fp32 statistics
     assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == len(ln) == len(ln_apply) == 2 * 2, out
     assert len(epilogues) == (4 + 2) * 2, out  # shapes x dtypes
     assert len(gn_apply) == 2 * 2 and all("channels_last" in r[1] for r in gn_apply), out  # channels-last only
     assert [r[1:4] for r in gn_apply_parts] == [r[1:4] for r in gn_apply], out  # the same cases, as two parts
-    kinds = (gn, gn_stats, gn_apply, gn_apply_parts, ln, ln_apply, epilogues, from_sums, attn)
+    kinds = (gn, gn_stats, gn_apply, gn_apply_parts, ln, ln_apply, epilogues, from_sums, adaln, attn)
     assert len(rows) == sum(map(len, kinds)), out
     # every cuda case is a skip on the CPU
     assert len(skips) == sum(map(len, kinds)) - len(gn_apply) - len(gn_apply_parts), out
@@ -259,7 +265,7 @@ def test_check_scripts_report_failures(monkeypatch, capsys):
 
     monkeypatch.setattr(check_cuda_backend, "check_group_norm", lambda quick: (("op", *r) for r in bad(quick)))
     for name in ("check_group_norm_parts", "check_stats_from_sums", "check_layer_norm_stats", "check_layer_norm_apply",
-                 "check_linear_epilogue", "check_conv_epilogue", "check_attention"):  # fmt: skip
+                 "check_linear_epilogue", "check_conv_epilogue", "check_adaln", "check_attention"):  # fmt: skip
         monkeypatch.setattr(check_cuda_backend, name, lambda quick: (("op", *r) for r in good(quick)))
     assert check_cuda_backend.run_checks(quick=True) == 2
     out = capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -473,13 +474,34 @@ def triton_refusals(
     return reasons
 
 
+@functools.cache
+def stale_schema(op_symbol: str) -> str | None:
+    """Why ldmopt._C's op ``op_symbol`` cannot take the Python callers' arguments (None: it can): its schema differs
+    from the one they call (ops/cuda_schemas.py), as in an extension built from older sources and not rebuilt. Read
+    once per op (the library is loaded once)."""
+    from .cuda_schemas import CUDA_SCHEMAS
+
+    expected = CUDA_SCHEMAS.get(op_symbol)
+    schema = getattr(getattr(getattr(torch.ops.ldmopt, op_symbol, None), "default", None), "_schema", None)
+    if expected is None or schema is None or str(schema) == expected:
+        return None
+    return (
+        f"ldmopt._C's {op_symbol} is {schema}, but ldmopt calls {expected}: the extension was built from older "
+        "sources (rebuild it: pip install --no-build-isolation -e .)"
+    )
+
+
 def cuda_extension_refusals(op_symbol: str, *args) -> list[str]:
-    """Reasons common to every ldmopt._C backend: extension not loaded, op missing, tensors not on CUDA."""
+    """Reasons common to every ldmopt._C backend: extension not loaded, op missing or of another schema, tensors not
+    on CUDA."""
     ok, why = _env.cuda_extension_status()
     if not ok:
         return [why]
     if not hasattr(torch.ops.ldmopt, op_symbol):
         return [f"ldmopt._C has no kernel {op_symbol!r} (extension built from older sources?)"]
+    stale = stale_schema(op_symbol)
+    if stale is not None:
+        return [stale]
     tensors = tensors_in(args)
     if not all(t.is_cuda for t in tensors):
         return ["tensors are not on a CUDA device"]
@@ -559,10 +581,13 @@ def launch(backend: Backend, args: Sequence):
         if isinstance(a, torch.Tensor):
             first = a
             break
-    if torch._C._is_any_autocast_enabled():  # (one C call on every launch; the context only where it is needed)
-        with autocast_off(first.device.type if first is not None else "cpu"):
-            return _run_on_device(backend, args, first)
-    return _run_on_device(backend, args, first)
+    # The common case in one C call: CPU or CUDA tensors with no autocast on (_is_any_autocast_enabled covers both
+    # device types, not every one: an MPS tensor takes the context's own check).
+    plain = first is not None and (first.is_cuda or first.is_cpu) and not torch._C._is_any_autocast_enabled()
+    if plain:
+        return _run_on_device(backend, args, first)
+    with autocast_off(first.device.type if first is not None else "cpu"):
+        return _run_on_device(backend, args, first)
 
 
 def _run_on_device(backend: Backend, args: Sequence, first: torch.Tensor | None):

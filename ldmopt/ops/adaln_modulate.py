@@ -2,8 +2,10 @@
 scale[b]) + shift[b]`` (LayerNorm without affine parameters), the AdaLayerNormZero / AdaLayerNormZeroSingle /
 AdaLayerNormContinuous / PixArt pattern, and Wan's gated residual add before its norms.
 
-Custom ops ``ldmopt::adaln_modulate_fwd`` / ``ldmopt::adaln_modulate_bwd``; backends triton
-(kernels/adaln_modulate.py) and torch (reference, fp32 math; fp64 for fp64 inputs). Saved for backward: the
+Custom ops ``ldmopt::adaln_modulate_fwd`` / ``ldmopt::adaln_modulate_bwd``; backends cuda for the forward
+(ldmopt._C's ``adaln_modulate_cuda`` where the extension is built: one C++ op call, a warp a row, for rows with unit
+column stride whose residual shares x's dtype), triton (kernels/adaln_modulate.py: any strides and dtypes) and torch
+(reference, fp32 math; fp64 for fp64 inputs). Saved for backward: the
 normalised input s (x itself, or the residual sum the forward writes anyway), per-row fp32 mean/rstd and scale (and x
 and the gate with a gate); the unfused path keeps s, its statistics and the normalised activations (and x and the gate
 for the product), so this saves less.
@@ -15,7 +17,15 @@ import torch
 from torch import Tensor
 
 from ._checks import check_eps, check_tensor, dense
-from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, register_eager, triton_refusals
+from ._dispatch import (
+    Backend,
+    BackendTable,
+    call,
+    cuda_extension_refusals,
+    register_autograd_keeping_backend,
+    register_eager,
+    triton_refusals,
+)
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad, per_sample
 
 # ------------------------------------------------------------------------------------------------ torch reference
@@ -116,7 +126,49 @@ def _bwd_triton(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight=False):
     return adaln_bwd(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight)
 
 
-FORWARD = BackendTable("adaln_modulate", [Backend("triton", _fwd_triton, _triton_refuse), Backend("torch", _fwd_torch)])
+# ------------------------------------------------------------------------------------------------ cuda (ldmopt._C)
+
+#: the dtypes ldmopt._C's kernel reads (its rows, and each of scale, shift and gate in its own)
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cuda_refuse(x, scale, shift, residual, gate, eps, store_sum, save) -> list[str]:
+    """What ldmopt._C's adaln_modulate_cuda would reject (it raises; refused here, the triton pass takes them)."""
+    reasons = cuda_extension_refusals("adaln_modulate_cuda", x, scale, shift, residual, gate)
+    if reasons:
+        return reasons
+    operands = (("x", x), ("scale", scale), ("shift", shift), ("residual", residual), ("gate", gate))
+    for name, t in operands:
+        if t is None:
+            continue
+        if t.device != x.device:
+            reasons.append(f"{name} on {t.device}, x on {x.device}")
+        if t.dtype not in CUDA_DTYPES:
+            reasons.append(f"{name} dtype {t.dtype} (the CUDA kernel reads fp32/fp16/bf16)")
+        if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+            reasons.append(f"{name} of shape {tuple(t.shape)}, strides {t.stride()}: the CUDA kernel reads rows of "
+                           "unit column stride")  # fmt: skip
+    if residual is not None and residual.dtype != x.dtype:
+        reasons.append(f"residual dtype {residual.dtype} differs from x's {x.dtype} (the CUDA kernel reads one dtype)")
+    if not x.shape[-1]:
+        reasons.append("x has no columns")
+    if store_sum and residual is None:
+        reasons.append("store_sum without a residual")
+    return reasons
+
+
+def _fwd_cuda(x, scale, shift, residual, gate, eps, store_sum, save):
+    return torch.ops.ldmopt.adaln_modulate_cuda(x, scale, shift, residual, gate, float(eps), store_sum, save)
+
+
+FORWARD = BackendTable(
+    "adaln_modulate",
+    [
+        Backend("cuda", _fwd_cuda, _cuda_refuse),
+        Backend("triton", _fwd_triton, _triton_refuse),
+        Backend("torch", _fwd_torch),
+    ],
+)
 BACKWARD = BackendTable(
     "adaln_modulate_backward",
     [

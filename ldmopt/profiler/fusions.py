@@ -9,7 +9,8 @@ Each rule projects the placement that runs (``placements.py``; ``analyze(placeme
 --placement``). "auto" (analyze's default) asks the ops' own functions what a GPU runs by default, honouring
 ``LDMOPT_GN_CONV_PROLOGUE``, ``LDMOPT_GEMM_PLACEMENT`` and ``LDMOPT_GEMM_GELU``: per fused conv
 ``ops.gn_conv2d_prologue.choose_placement`` ("cudnn", or "loader" for a normalising conv whose loader would normalise
-each element fewer than 3 times, and for a container's proj_out), per fused GEMM ``ops.linear_cublas.gemm_placement``
+each element fewer than 3 times; a container's proj_out read as a 1x1 conv follows the GEMM's placement, "cudnn" under
+"cublas"), per fused GEMM ``ops.linear_cublas.gemm_placement``
 ("cublas"), and ``linear_cublas.cublaslt_gelu`` for bias + GELU-tanh. "triton" projects ldmopt's Triton kernels
 (conv "loader", GEMM "triton": the CPU's placement), what the rules below describe first. What the others change:
 - staged normalisation ("staged", "cudnn"): a pass reads x again and writes act(group_norm(x)) for the conv to read
@@ -27,7 +28,8 @@ each element fewer than 3 times, and for a container's proj_out), per fused GEMM
   (when 3M > N, as ``nn/layer_norm_input.py`` decides); a two-part GEMM input is two GEMMs into one output (fp32:
   concatenated). SVD's blended GEMM input stays in the Triton GEMM under either, with the container's residual add
   in its epilogue. Approximation: a UNet container's Linear proj_out + residual is projected as its GEMM (under
-  cublas the add stays a pass), a 1x1 Conv2d one (SD1.5) as the Triton 1x1 conv; the patched model runs either as
+  cublas the add stays a pass), a 1x1 Conv2d one (SD1.5) as the fused 1x1 conv (under "cudnn" the GEMM and its
+epilogue pass); the patched model runs either as
   that conv once the GroupNorm reading its output asks it for statistics (inference), as the GEMM otherwise (before
   a down- or upsampler, in training).
 

@@ -146,6 +146,10 @@ def test_count_launches_as_a_gpu_with_the_extension(capsys):
     assert linear_cublas.gemm_placement(torch.device("cpu")) == "triton"  # the CPU's own choice is back
     assert count_launches.main(["sd15", "--tiny", "--dtype", "fp32", "--as-gpu"]) == 0
     assert "as-gpu" in capsys.readouterr().out
+    assert count_launches.main(["sd15", "--tiny", "--as-gpu"]) == 0  # fp16: the stand-ins keep the dtypes
+    # a DiT's adaLN norms are C++ op calls too: no Triton launch is left in its step
+    dit = count_launches.count_step("dit", None, None, torch.float16, tiny=True, as_gpu=True)
+    assert not dit["launches"] and dit["cpp_calls"]["adaln_modulate_cuda"] > 0, dit
 
 
 def test_host_step_times_and_counts_both_steps():

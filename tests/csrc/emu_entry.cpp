@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "adaln_modulate/adaln_modulate_kernels.cu"
+#include "adaln_modulate/launch.h"
 #include "conv_epilogue/conv_epilogue_kernels.cu"
 #include "conv_epilogue/launch.h"
 #include "group_norm/group_norm_kernels.cu"
@@ -225,6 +227,27 @@ int emu_linear_epilogue(const int64_t* dims, int dtype, const int* flags, float 
     const auto plan = le::make_plan(p, aligned);
     plan_out[0] = plan.vec;
     le::run(p, plan, args, nullptr);
+  });
+}
+
+// dims: M, C, tokens, x row stride, residual row stride. flags: has_residual, has_gate, store_sum, save.
+// params: scale, shift, gate pointers; param_dtypes and param_row_bytes likewise.
+int emu_adaln_modulate(const int64_t* dims, int dtype, const int* flags, float eps, const void* x,
+                       const void* residual, const void* const* params, const int* param_dtypes,
+                       const int64_t* param_row_bytes, void* y, void* s, float* mean, float* rstd,
+                       int64_t* plan_out) {
+  return guarded([&] {
+    namespace am = ldmopt::adaln_modulate;
+    const am::Problem p{dims[0], dims[1], dims[2], dims[3], dims[4], static_cast<ldmopt::DType>(dtype),
+                        flags[0] != 0, flags[1] != 0, flags[2] != 0, flags[3] != 0, eps};
+    am::SampleRows rows[3];
+    for (int i = 0; i < 3; ++i) rows[i] = {params[i], static_cast<ldmopt::DType>(param_dtypes[i]), param_row_bytes[i]};
+    const am::Args args{x, residual, rows[0], rows[1], rows[2], y, s, mean, rstd};
+    const bool aligned = aligned16(x) && aligned16(y) && (residual == nullptr || aligned16(residual)) &&
+                         (s == nullptr || aligned16(s));
+    const auto plan = am::make_plan(p, aligned);
+    plan_out[0] = plan.vec;
+    am::forward(p, plan, args, nullptr);
   });
 }
 

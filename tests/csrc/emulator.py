@@ -253,6 +253,36 @@ class Emulator:
         self.last_plan = {"vec": plan[0]}
         return y, out_stats
 
+    def adaln_modulate(self, x, scale, shift, residual=None, gate=None, eps=1e-6, store_sum=False, save=False):
+        """(y, s, mean, rstd) like torch.ops.ldmopt.adaln_modulate_cuda (its checks are the torch glue's: the inputs
+        here are what it accepts), outputs poisoned first; s, mean and rstd empty unless asked."""
+        m, c = x.shape
+
+        def step(t, dim):
+            return t.stride(dim) if t.shape[dim] > 1 else 0
+
+        y = torch.full((m, c), float("nan"), dtype=x.dtype)
+        s = torch.full((m, c), float("nan"), dtype=x.dtype) if store_sum else torch.empty(0, dtype=x.dtype)
+        mean = torch.full((m,), float("nan")) if save else torch.empty(0)
+        rstd = torch.full((m,), float("nan")) if save else torch.empty(0)
+        params = (scale, shift, gate)
+        dims = (ctypes.c_int64 * 5)(m, c, max(m // scale.shape[0], 1), step(x, 0),
+                                    step(residual, 0) if residual is not None else 0)  # fmt: skip
+        flags = (ctypes.c_int * 4)(int(residual is not None), int(gate is not None), int(store_sum), int(save))
+        pointers = (ctypes.c_void_p * 3)(*(None if t is None else t.data_ptr() for t in params))
+        codes = (ctypes.c_int * 3)(*(0 if t is None else DTYPE_CODES[t.dtype] for t in params))
+        row_bytes = (ctypes.c_int64 * 3)(*(0 if t is None else step(t, 0) * t.element_size() for t in params))
+        plan = (ctypes.c_int64 * 1)()
+        self._check(
+            self.lib.emu_adaln_modulate(
+                dims, DTYPE_CODES[x.dtype], flags, ctypes.c_float(eps), _ptr(x), _ptr(residual), pointers, codes,
+                row_bytes, _ptr(y), _ptr(s) if store_sum else None, _ptr(mean) if save else None,
+                _ptr(rstd) if save else None, plan,
+            )
+        )  # fmt: skip
+        self.last_plan = {"vec": plan[0]}
+        return y, s, mean, rstd
+
     def conv_epilogue(self, z, shortcut=None, residual=None, temb=None, *, inv_scale=1.0, write=True, groups=0,
                       channel_sums=False, eps=1e-5):  # fmt: skip
         """(mean, rstd, sums) like torch.ops.ldmopt.conv_epilogue_cuda, z [N, C, OH, OW] (channels-last, pixels at one

@@ -7,6 +7,8 @@ fiber emulator running the same kernels (tests/csrc/emulator.py). So the Python 
 writes, the statistics buffers, the refusals that let the C++ ops run) is checked against the unfused modules and a
 whole stock UNet, as a GPU would run it."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from ldmopt.ops._dispatch import backend_counts
 from tests.csrc import emulator
 from tests.tolerances import assert_close, assert_within_torch_error
 
+adaln_module = importlib.import_module("ldmopt.ops.adaln_modulate")  # (ldmopt.ops.adaln_modulate is the function)
 pytestmark = pytest.mark.skipif(emulator.unavailable_reason() is not None, reason=str(emulator.unavailable_reason()))
 
 
@@ -50,8 +53,9 @@ def emulated_cuda(emu, monkeypatch):
             return emu.group_norm_apply(x, mean, rstd, weight, bias, groups, activation)
         return emu.group_norm_apply_parts(x, x_tail, mean, rstd, weight, bias, groups, activation)
 
-    for module in (epilogue_module, apply_module, conv_module, gn_apply_module, gn_stats_module):
+    for module in (epilogue_module, apply_module, conv_module, gn_apply_module, gn_stats_module, adaln_module):
         monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])
+    monkeypatch.setattr(torch.ops.ldmopt, "adaln_modulate_cuda", emu.adaln_modulate, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "group_norm_apply_cuda", group_norm_apply_cuda, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "group_norm_stats_cuda", emu.group_norm_stats, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "linear_epilogue_cuda", linear_epilogue_cuda, raising=False)
@@ -183,3 +187,24 @@ def test_whole_sd_unet_through_the_cuda_passes_matches_stock(emulated_cuda):
     assert calls[("layer_norm_apply", "cuda")] > 0, calls
     # the staged GroupNorms, the up blocks' (hidden, skip) pairs read in two parts
     assert calls[("group_norm_apply", "cuda")] > 0 and ("group_norm_apply", "triton") not in calls, calls
+
+
+def test_whole_dit_through_the_cuda_passes_matches_stock(emulated_cuda):
+    """The zoo's tiny DiT, patched, as a GPU with ldmopt._C runs it: every adaLN norm through the C++ modulation
+    kernel, every fused GEMM through cuBLAS's place and the C++ linear epilogue; against the stock model."""
+    from ldmopt.configs import build_model, example_inputs
+
+    torch.manual_seed(0)
+    model = build_model("dit", device="cpu", dtype=torch.float32, tiny=True)
+    inputs = example_inputs(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # the zero-initialised adaLN modulation and output layers too
+        stock = model(**inputs.kwargs)[0]
+        ldmopt.patch(model)
+        fused = model(**inputs.kwargs)[0]
+    rel = ((fused - stock).abs().max() / stock.abs().max()).item()
+    assert rel < 1e-4, rel
+    calls = emulated_cuda()
+    assert calls[("adaln_modulate", "cuda")] > 0 and ("adaln_modulate", "triton") not in calls, calls
+    assert calls[("linear_epilogue", "cuda")] > 0, calls

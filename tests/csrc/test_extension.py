@@ -13,23 +13,12 @@ import torch
 
 import ldmopt
 from ldmopt import _env
-from ldmopt.ops._dispatch import BackendUnavailableError, cuda_extension_refusals
+from ldmopt.ops._dispatch import BackendUnavailableError, cuda_extension_refusals, stale_schema
+from ldmopt.ops.cuda_schemas import CUDA_SCHEMAS
 from ldmopt.ops.group_norm import group_norm
 from tests.csrc import resource_report
 
-OPS = (
-    "group_norm_fwd_cuda",
-    "group_norm_bwd_cuda",
-    "group_norm_stats_cuda",
-    "group_norm_apply_cuda",
-    "group_norm_stats_from_sums_cuda",
-    "layer_norm_stats_cuda",
-    "layer_norm_apply_cuda",
-    "linear_epilogue_cuda",
-    "conv_epilogue_cuda",
-    "temporal_attention_fwd_cuda",
-    "temporal_attention_fwd_out_cuda",
-)
+OPS = tuple(CUDA_SCHEMAS)
 LOADED, LOAD_REASON = _env.cuda_extension_status()
 needs_extension = pytest.mark.skipif(not LOADED, reason=f"ldmopt._C is not available: {LOAD_REASON}")
 
@@ -72,46 +61,26 @@ def test_every_op_has_cuda_and_meta_kernels(op):
 
 @needs_extension
 def test_schemas_match_the_python_callers():
-    # ldmopt/ops/group_norm.py and the Triton launchers use these argument orders.
-    schemas = {op: str(getattr(torch.ops.ldmopt, op).default._schema) for op in OPS}
-    assert schemas["group_norm_fwd_cuda"] == (
-        "ldmopt::group_norm_fwd_cuda(Tensor x, Tensor? weight, Tensor? bias, int num_groups, float eps, "
-        "str activation) -> (Tensor y, Tensor mean, Tensor rstd)"
-    )
-    assert schemas["group_norm_bwd_cuda"] == (
-        "ldmopt::group_norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
-        "int num_groups, str activation) -> (Tensor dx, Tensor dweight, Tensor dbias)"
-    )
-    assert schemas["group_norm_stats_cuda"] == (
-        "ldmopt::group_norm_stats_cuda(Tensor x, int num_groups, float eps) -> (Tensor mean, Tensor rstd)"
-    )
-    assert schemas["group_norm_apply_cuda"] == (
-        "ldmopt::group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
-        "int num_groups, str activation, Tensor? x_tail=None) -> Tensor y"
-    )
-    assert schemas["layer_norm_stats_cuda"] == "ldmopt::layer_norm_stats_cuda(Tensor x, float eps) -> Tensor stats"
-    assert schemas["group_norm_stats_from_sums_cuda"] == (
-        "ldmopt::group_norm_stats_from_sums_cuda(Tensor sums, Tensor? sums_tail, int num_groups, float eps, int count, "
-        "int frames) -> (Tensor mean, Tensor rstd)"
-    )
-    assert schemas["layer_norm_apply_cuda"] == (
-        "ldmopt::layer_norm_apply_cuda(Tensor x, Tensor stats, Tensor? weight, Tensor? bias, Tensor? positions, "
-        "int position_rows) -> Tensor h"
-    )
-    assert schemas["linear_epilogue_cuda"] == (
-        "ldmopt::linear_epilogue_cuda(Tensor z, Tensor(a!) y, Tensor? gate, Tensor? residual, Tensor(b!)? stats, "
-        "str activation, bool glu, bool saturate, bool write, float eps) -> ()"
-    )
-    assert schemas["conv_epilogue_cuda"] == (
-        "ldmopt::conv_epilogue_cuda(Tensor(a!) z, Tensor? shortcut, Tensor? residual, Tensor? temb, float inv_scale, "
-        "bool write, int groups, bool channel_sums, float eps) -> (Tensor mean, Tensor rstd, Tensor sums)"
-    )
-    assert schemas["temporal_attention_fwd_cuda"] == (
-        "ldmopt::temporal_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, float scale) -> Tensor out"
-    )
-    assert schemas["temporal_attention_fwd_out_cuda"] == (
-        "ldmopt::temporal_attention_fwd_out_cuda(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()"
-    )
+    """ldmopt/ops/ calls each op with the argument order of ops/cuda_schemas.py: the build must have those schemas."""
+    built = {op: str(getattr(torch.ops.ldmopt, op).default._schema) for op in OPS}
+    assert built == CUDA_SCHEMAS
+    assert all(stale_schema(op) is None for op in OPS)
+
+
+@needs_extension
+def test_an_op_built_with_another_schema_is_refused_with_the_reason(monkeypatch):
+    """An extension built from older sources (an editable install updated, not rebuilt) may hold an op whose
+    arguments the Python callers no longer match: its cuda backend refuses, naming both schemas, so the Triton
+    backend runs the call instead of the op raising on a GPU."""
+    older = CUDA_SCHEMAS["group_norm_apply_cuda"].replace(", Tensor? x_tail=None", "")
+    monkeypatch.setitem(CUDA_SCHEMAS, "group_norm_apply_cuda", older)  # as if ldmopt called the older schema
+    stale_schema.cache_clear()
+    try:
+        reasons = cuda_extension_refusals("group_norm_apply_cuda", torch.empty(2, 8, 3, 3, device="meta"))
+    finally:
+        monkeypatch.undo()
+        stale_schema.cache_clear()
+    assert len(reasons) == 1 and "built from older sources" in reasons[0] and "x_tail" in reasons[0], reasons
 
 
 @needs_extension

@@ -47,3 +47,32 @@ def test_triton_launches_make_the_inputs_gpu_current(monkeypatch):
     entered.clear()
     assert launch(Backend("triton", run), (x,)) == "ran" and not entered
     assert launch(Backend("torch", run), (x,)) == "ran" and not entered  # reference ops follow their tensors
+
+
+class _OnMps(torch.Tensor):
+    """A CPU tensor that says it lives on an MPS device (none here)."""
+
+    is_cpu = False
+    is_cuda = False
+
+    @property
+    def device(self):
+        return torch.device("mps")
+
+
+def test_backends_run_with_autocast_off_on_every_device_type():
+    """A backend's own F.conv2d / matmul must not cast again under autocast, on any device type: MPS autocast is one
+    that torch._C._is_any_autocast_enabled does not cover, and the CPU's is."""
+    from ldmopt.ops._dispatch import Backend, launch
+
+    seen = []
+    backend = Backend(
+        "torch", lambda t: seen.append((torch.is_autocast_enabled("mps"), torch.is_autocast_enabled("cpu")))
+    )
+    for device_type, x in (("mps", torch.zeros(2).as_subclass(_OnMps)), ("cpu", torch.zeros(2))):
+        torch.set_autocast_enabled(device_type, True)
+        try:
+            launch(backend, [x])
+        finally:
+            torch.set_autocast_enabled(device_type, False)
+    assert seen == [(False, False), (False, False)], seen
