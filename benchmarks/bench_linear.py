@@ -302,7 +302,8 @@ def bench_adaln_modulate(case, dtype_name, mode, bench_recorder):
     # scale/shift as strided chunks of one embedding, as AdaLayerNormZero hands them over.
     emb = torch.randn(bsz, 6 * c, device=DEVICE, dtype=dtype)
     shift, scale = (t.requires_grad_(grad) for t in emb.chunk(6, dim=1)[:2])
-    providers = {"ldmopt": _triton(_ldmopt_adaln), "eager": _eager_adaln}
+    # "ldmopt-auto": the backend ldmopt chooses itself, ldmopt._C's kernel (forward) where the extension is built
+    providers = {"ldmopt": _triton(_ldmopt_adaln), "ldmopt-auto": _ldmopt_adaln, "eager": _eager_adaln}
     providers = _with_compile(providers, _eager_adaln, True)
     elem = x.numel() * x.element_size()
     nbytes = 4 * elem if mode == "fwd" else 8 * elem

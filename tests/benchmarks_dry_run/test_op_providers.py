@@ -121,7 +121,7 @@ def test_linear_providers(mocked_timing, no_compile, monkeypatch):
     assert {(r["op"], r["case"]) for r in skipped} == skipped_cases
     assert not _failed([r for r in rows if r not in skipped]), _failed(rows)
     # (cases x providers) x modes, and the GELU-tanh cases' "-gelu-pass" rows (inference only)
-    assert len(rows) == 2 * (2 * 5 + 2 * 5 + 5 + 3 + 5 + 4 + 2 * 4 + 5) + 2, len(rows)
+    assert len(rows) == 2 * (2 * 5 + 2 * 5 + 5 + 4 + 5 + 4 + 2 * 4 + 5) + 2, len(rows)
     assert [(r["case"], r["mode"]) for r in rows if r["provider"] == "ldmopt-gelu-pass"] == [("a", "fwd"), ("b", "fwd")]
 
 
