@@ -83,14 +83,7 @@ void launch_typed(const Problem& p, const Plan& plan, const Args& args, Stream s
 
 void forward(const Problem& p, const Plan& plan, const Args& args, Stream stream) {
   if (p.M == 0) return;
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return launch_typed<float>(p, plan, args, stream);
-    case DType::kFloat16:
-      return launch_typed<__half>(p, plan, args, stream);
-    case DType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(p, plan, args, stream);
-  }
+  with_element_type(p.dtype, [&]<typename T>() { launch_typed<T>(p, plan, args, stream); });
 }
 
 }  // namespace ldmopt::adaln_modulate

@@ -261,4 +261,18 @@ inline void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_
 using ::ldmopt_emu::launch_kernel;
 #endif
 
+// Calls `launch.template operator()<T>()` with T the element type of `dtype` (float, __half, __nv_bfloat16): the one
+// switch every launcher's dtype dispatch goes through, as `with_element_type(p.dtype, [&]<typename T>() { ... });`.
+template <class F>
+void with_element_type(DType dtype, F&& launch) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return launch.template operator()<float>();
+    case DType::kFloat16:
+      return launch.template operator()<__half>();
+    case DType::kBFloat16:
+      return launch.template operator()<__nv_bfloat16>();
+  }
+}
+
 }  // namespace ldmopt

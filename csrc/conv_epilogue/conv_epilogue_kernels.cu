@@ -165,17 +165,7 @@ inline size_t finalize_smem_bytes(const Problem& p) {
 
 void run(const Problem& p, const Plan& plan, const Args& args, Stream stream) {
   if (p.N == 0 || p.S == 0 || !(p.write || statistics(p))) return;  // nothing to write or sum: no launch
-  switch (p.dtype) {
-    case DType::kFloat32:
-      launch_typed<float>(p, plan, args, stream);
-      break;
-    case DType::kFloat16:
-      launch_typed<__half>(p, plan, args, stream);
-      break;
-    case DType::kBFloat16:
-      launch_typed<__nv_bfloat16>(p, plan, args, stream);
-      break;
-  }
+  with_element_type(p.dtype, [&]<typename T>() { launch_typed<T>(p, plan, args, stream); });
   if (statistics(p)) {
     const dim3 grid(grid_x(p.N), static_cast<unsigned>(finalize_blocks(p)));
     launch_kernel(finalize_kernel, grid, dim3(kThreads), finalize_smem_bytes(p), stream, p, plan, args);

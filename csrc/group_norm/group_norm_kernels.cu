@@ -488,14 +488,7 @@ void forward_typed(const Problem& p, const Plan& plan, const ForwardArgs& a, int
 }
 
 void forward_kind(const Problem& p, const Plan& plan, const ForwardArgs& args, int kind, Stream stream) {
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return forward_typed<float>(p, plan, args, kind, stream);
-    case DType::kFloat16:
-      return forward_typed<__half>(p, plan, args, kind, stream);
-    case DType::kBFloat16:
-      return forward_typed<__nv_bfloat16>(p, plan, args, kind, stream);
-  }
+  with_element_type(p.dtype, [&]<typename T>() { forward_typed<T>(p, plan, args, kind, stream); });
 }
 
 template <typename T, class Act>
@@ -532,25 +525,11 @@ void apply(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream s
 
 void apply_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, const void* x_tail, int64_t c_head,
                  Stream stream) {
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return apply_parts_typed<float>(p, plan, args, x_tail, c_head, stream);
-    case DType::kFloat16:
-      return apply_parts_typed<__half>(p, plan, args, x_tail, c_head, stream);
-    case DType::kBFloat16:
-      return apply_parts_typed<__nv_bfloat16>(p, plan, args, x_tail, c_head, stream);
-  }
+  with_element_type(p.dtype, [&]<typename T>() { apply_parts_typed<T>(p, plan, args, x_tail, c_head, stream); });
 }
 
 void backward(const Problem& p, const Plan& plan, const BackwardArgs& args, Stream stream) {
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return backward_typed<float>(p, plan, args, stream);
-    case DType::kFloat16:
-      return backward_typed<__half>(p, plan, args, stream);
-    case DType::kBFloat16:
-      return backward_typed<__nv_bfloat16>(p, plan, args, stream);
-  }
+  with_element_type(p.dtype, [&]<typename T>() { backward_typed<T>(p, plan, args, stream); });
 }
 
 }  // namespace ldmopt::group_norm

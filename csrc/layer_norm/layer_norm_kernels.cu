@@ -90,26 +90,12 @@ void apply_typed(const ApplyProblem& p, const Plan& plan, const ApplyArgs& args,
 
 void apply(const ApplyProblem& p, const Plan& plan, const ApplyArgs& args, Stream stream) {
   if (p.M == 0) return;
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return apply_typed<float>(p, plan, args, stream);
-    case DType::kFloat16:
-      return apply_typed<__half>(p, plan, args, stream);
-    case DType::kBFloat16:
-      return apply_typed<__nv_bfloat16>(p, plan, args, stream);
-  }
+  with_element_type(p.dtype, [&]<typename T>() { apply_typed<T>(p, plan, args, stream); });
 }
 
 void row_statistics(const Problem& p, const Plan& plan, const void* x, float* stats, float eps, Stream stream) {
   if (p.M == 0) return;
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return launch_typed<float>(p, plan, x, stats, eps, stream);
-    case DType::kFloat16:
-      return launch_typed<__half>(p, plan, x, stats, eps, stream);
-    case DType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(p, plan, x, stats, eps, stream);
-  }
+  with_element_type(p.dtype, [&]<typename T>() { launch_typed<T>(p, plan, x, stats, eps, stream); });
 }
 
 }  // namespace ldmopt::layer_norm

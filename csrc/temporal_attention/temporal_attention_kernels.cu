@@ -229,14 +229,7 @@ void forward_typed(const Problem& pr, const Plan& plan, const View& q, const Vie
 
 void forward(const Problem& p, const Plan& plan, const View& q, const View& k, const View& v, const OutView& out,
              Stream stream) {
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return forward_typed<float>(p, plan, q, k, v, out, stream);
-    case DType::kFloat16:
-      return forward_typed<__half>(p, plan, q, k, v, out, stream);
-    case DType::kBFloat16:
-      return forward_typed<__nv_bfloat16>(p, plan, q, k, v, out, stream);
-  }
+  with_element_type(p.dtype, [&]<typename T>() { forward_typed<T>(p, plan, q, k, v, out, stream); });
 }
 
 }  // namespace ldmopt::temporal_attention
