@@ -48,8 +48,10 @@ __global__ __launch_bounds__(kThreads) void forward_kernel(Problem p, Args a) {
   }
 #pragma unroll
   for (int m = kWarpSize / 2; m > 0; m >>= 1) w.merge(w.shfl_xor(m));
-  const float mean = w.mean;
-  const float var = w.m2 / static_cast<float>(p.C);
+  // Lane 0's statistics for every lane: the butterfly leaves each lane its own rounding of them, and the output must
+  // be normalised by the one pair that is saved (the backward's) and that the other backends compute per row.
+  const float mean = __shfl_sync(kFullMask, w.mean, 0);
+  const float var = __shfl_sync(kFullMask, w.m2, 0) / static_cast<float>(p.C);
   const float rstd = rsqrtf((var < 0.0f ? 0.0f : var) + p.eps);  // a comparison: NaN stays NaN
   const AnyVector scale = sample_row(a.scale, b);
   const AnyVector shift = sample_row(a.shift, b);

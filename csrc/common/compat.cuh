@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 
@@ -175,7 +176,8 @@ struct Welford {
     const float d = o.mean - mean;
     const float f = __fdividef(o.count, n);
     mean += d * f;
-    m2 += o.m2 + d * d * count * f;
+    // An empty side takes o as it is: d * d * 0 would be NaN where d * d overflows (|mean| > ~1.8e19)
+    m2 += o.m2 + (count == 0.0f ? 0.0f : d * d * count * f);
     count = n;
   }
 
@@ -273,6 +275,7 @@ void with_element_type(DType dtype, F&& launch) {
     case DType::kBFloat16:
       return launch.template operator()<__nv_bfloat16>();
   }
+  throw std::invalid_argument("ldmopt: a DType value that is none of fp32, fp16, bf16");  // never launch nothing
 }
 
 }  // namespace ldmopt

@@ -13,6 +13,8 @@ for the product), so this saves less.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -154,6 +156,8 @@ def _cuda_refuse(x, scale, shift, residual, gate, eps, store_sum, save) -> list[
         reasons.append("x has no columns")
     if store_sum and residual is None:
         reasons.append("store_sum without a residual")
+    if not (isinstance(eps, float) and 0.0 <= eps < math.inf):  # (a symbolic eps under torch.compile is not checked)
+        reasons.append(f"eps={eps!r} (the CUDA kernel takes a finite eps >= 0)")
     return reasons
 
 
