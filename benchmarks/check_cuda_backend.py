@@ -1,10 +1,11 @@
 """CUDA C++ backend (ldmopt._C) versus the Triton backend and an fp64 reference, then both timed side by side.
 
 Part 1, correctness: at the GroupNorm(+SiLU) benchmark shapes (benchmarks/bench_group_norm.py; forward and
-backward, and the statistics and the normalisation from given statistics alone, as the fused conv runs them), at
-the LayerNorm row statistics and the LayerNorm applied from them at real transformer widths, at the fused linear
-layers' passes after cuBLAS's GEMM (GEGLU, GELU-tanh, gated residual with row statistics, Flux's clamp) and the fused
-convs' after cuDNN's conv (temb with GroupNorm statistics, shortcut and residual with channel sums), and at real
+backward, and the statistics and the normalisation from given statistics alone, as the fused conv runs them, also
+over an up block's two parts), at the LayerNorm row statistics and the LayerNorm applied from them at real
+transformer widths, at the fused linear layers' passes after cuBLAS's GEMM (GEGLU, GELU-tanh, gated residual with row
+statistics, Flux's clamp) and the fused convs' after cuDNN's conv (temb with GroupNorm statistics, shortcut and
+residual with channel sums), at the DiT-class adaLN norms (DiT, PixArt, Flux, Wan's gated residual), and at real
 temporal-attention shapes (AnimateDiff, SVD, Latte), each backend's outputs against the reference computed in fp64,
 as max relative error ||out - ref||_inf / ||ref||_inf with PASS/FAIL against a per-dtype bound. Outputs are
 poisoned with NaN first (LDMOPT_POISON_OUTPUTS=1), so an unwritten element fails.

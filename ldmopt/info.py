@@ -96,7 +96,8 @@ def _prologue_setting() -> str:
         prologue,
         f"on a GPU: in the conv's loader where it would normalise each input element fewer than "
         f"{prologue.STAGE_FROM_RECOMPUTE} times, else cudnn: staged before cuDNN's conv with the epilogue as a "
-        f"pass of its own (ldmopt._C's where built, else Triton's); {prologue.ENV}=loader|staged|cudnn forces one",
+        f"pass of its own (ldmopt._C's where built, else Triton's; a Linear read as a 1x1 conv follows the GEMM "
+        f"placement); {prologue.ENV}=loader|staged|cudnn forces one",
     )
 
 
