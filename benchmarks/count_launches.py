@@ -94,10 +94,10 @@ def as_gpu_with_extension() -> Iterator[Counter]:
             setattr(obj, attr, value)
 
 
-def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtype, tiny: bool,
-               as_gpu: bool = False) -> dict:  # fmt: skip
-    """{"launches": Counter by kernel, "op_calls": {op: calls}, "handovers": {consumer: calls}, "cpp_calls": Counter
-    by C++ op (``as_gpu``)} of one step."""
+def channels_last_step(name: str, resolution: int | None, frames: int | None, dtype: torch.dtype,
+                       tiny: bool) -> tuple[torch.nn.Module, str, dict]:  # fmt: skip
+    """(model, the method a step calls, its keyword arguments) of a zoo model on the CPU, its 4-D weights and inputs
+    channels-last (5-D weights of video models stay as they are)."""
     from ldmopt.configs import build_model, example_inputs
 
     model = build_model(name, device="cpu", dtype=dtype, tiny=tiny, frames=frames)
@@ -109,6 +109,14 @@ def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtyp
         k: v.to(memory_format=torch.channels_last) if isinstance(v, torch.Tensor) and v.dim() == 4 else v
         for k, v in inputs.kwargs.items()
     }
+    return model, inputs.method, kwargs
+
+
+def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtype, tiny: bool,
+               as_gpu: bool = False) -> dict:  # fmt: skip
+    """{"launches": Counter by kernel, "op_calls": {op: calls}, "handovers": {consumer: calls}, "cpp_calls": Counter
+    by C++ op (``as_gpu``)} of one step."""
+    model, method, kwargs = channels_last_step(name, resolution, frames, dtype, tiny)
     report = ldmopt.patch(model)
     gpu = as_gpu_with_extension() if as_gpu else contextlib.nullcontext(Counter())
     backend = ldmopt.use_backend("auto" if as_gpu else "triton")
@@ -118,7 +126,7 @@ def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtyp
             cpp_calls.clear()
             calls_before = {op: sum(n.values()) for op, n in report.backends().items()}
             handed_before = report.handovers()
-            getattr(model, inputs.method)(**kwargs)
+            getattr(model, method)(**kwargs)
     calls = {op: sum(n.values()) - calls_before.get(op, 0) for op, n in report.backends().items()}
     handed = {k: n - handed_before.get(k, 0) for k, n in report.handovers().items()}
     return {

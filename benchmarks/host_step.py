@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import ldmopt
-from benchmarks.count_launches import as_gpu_with_extension
+from benchmarks.count_launches import as_gpu_with_extension, channels_last_step
 from benchmarks.profile_host import stubbed_launches
 
 
@@ -77,19 +77,9 @@ def stubbed_compute():
 
 
 def _step_fn(name: str, resolution: int | None, frames: int | None):
-    from ldmopt.configs import build_model, example_inputs
-
     torch.manual_seed(0)
-    model = build_model(name, device="cpu", dtype=torch.float32, tiny=True, frames=frames)
-    for p in model.parameters():  # as count_launches: 4-D weights channels-last (5-D ones of video models stay)
-        if p.dim() == 4:
-            p.data = p.data.to(memory_format=torch.channels_last)
-    inputs = example_inputs(model, resolution=resolution, frames=frames)
-    kwargs = {
-        k: v.to(memory_format=torch.channels_last) if isinstance(v, torch.Tensor) and v.dim() == 4 else v
-        for k, v in inputs.kwargs.items()
-    }
-    forward = getattr(model, inputs.method)
+    model, method, kwargs = channels_last_step(name, resolution, frames, torch.float32, tiny=True)
+    forward = getattr(model, method)
     return model, lambda: forward(**kwargs)
 
 

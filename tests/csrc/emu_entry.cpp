@@ -40,6 +40,22 @@ ldmopt::group_norm::Problem gn_problem(const int64_t* dims, int channels_last, i
 
 ldmopt::AnyVector param(const void* p, int dtype) { return {p, static_cast<ldmopt::DType>(dtype)}; }
 
+// What the GroupNorm apply passes read: given statistics, no partials; coef is the caller's scratch.
+ldmopt::group_norm::ForwardArgs apply_args(const void* x, void* y, const void* weight, const void* bias,
+                                           const int* affine_dtypes, const float* mean, const float* rstd,
+                                           float* coef) {
+  return {x,
+          y,
+          param(weight, affine_dtypes[0]),
+          param(bias, affine_dtypes[1]),
+          const_cast<float*>(mean),
+          const_cast<float*>(rstd),
+          nullptr,
+          nullptr,
+          coef,
+          0.0f};
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 void write_plan(const ldmopt::group_norm::Plan& plan, int64_t* out) {
@@ -121,16 +137,7 @@ int emu_group_norm_apply(const int64_t* dims, int channels_last, int dtype, int 
     const auto plan = ldmopt::group_norm::make_plan(p, aligned16(x) && aligned16(y));
     write_plan(plan, plan_out);
     std::vector<float> coef(p.N * p.C * 2, -1e30f);
-    const ldmopt::group_norm::ForwardArgs args{x,
-                                               y,
-                                               param(weight, affine_dtypes[0]),
-                                               param(bias, affine_dtypes[1]),
-                                               const_cast<float*>(mean),
-                                               const_cast<float*>(rstd),
-                                               nullptr,
-                                               nullptr,
-                                               coef.data(),
-                                               0.0f};
+    const auto args = apply_args(x, y, weight, bias, affine_dtypes, mean, rstd, coef.data());
     ldmopt::group_norm::apply(p, plan, args, nullptr);
   });
 }
@@ -146,16 +153,7 @@ int emu_group_norm_apply_parts(const int64_t* dims, int64_t c_head, int dtype, i
     plan.vec = ldmopt::group_norm::apply_parts_vec(plan, c_head, p.C);
     write_plan(plan, plan_out);
     std::vector<float> coef(p.N * p.C * 2, -1e30f);
-    const ldmopt::group_norm::ForwardArgs args{x,
-                                               y,
-                                               param(weight, affine_dtypes[0]),
-                                               param(bias, affine_dtypes[1]),
-                                               const_cast<float*>(mean),
-                                               const_cast<float*>(rstd),
-                                               nullptr,
-                                               nullptr,
-                                               coef.data(),
-                                               0.0f};
+    const auto args = apply_args(x, y, weight, bias, affine_dtypes, mean, rstd, coef.data());
     ldmopt::group_norm::apply_parts(p, plan, args, x_tail, c_head, nullptr);
   });
 }

@@ -65,6 +65,11 @@ def misaligned(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _step(t: torch.Tensor, dim: int) -> int:
+    """A stride as the torch glue passes it: 0 along a dimension of size 1 (never stepped over)."""
+    return t.stride(dim) if t.shape[dim] > 1 else 0
+
+
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
@@ -229,16 +234,13 @@ class Emulator:
             y = torch.full((m, n), float("nan"), dtype=z.dtype)
         out_stats = torch.full((2, m), float("nan")) if stats else None
 
-        def step(t, dim):
-            return t.stride(dim) if t.shape[dim] > 1 else 0
-
         res_rows, res_sample, res_row = max(m, 1), 0, 0
         if residual is not None and residual.dim() == 3:
-            res_rows, res_sample, res_row = residual.shape[1], step(residual, 0), step(residual, 1)
+            res_rows, res_sample, res_row = residual.shape[1], _step(residual, 0), _step(residual, 1)
         elif residual is not None:
-            res_row = step(residual, 0)
+            res_row = _step(residual, 0)
         dims = (ctypes.c_int64 * 9)(
-            m, n, step(z, 0), step(y, 0) if write else 0, step(gate, 0) if gate is not None else 0,
+            m, n, _step(z, 0), _step(y, 0) if write else 0, _step(gate, 0) if gate is not None else 0,
             max(m // gate.shape[0], 1) if gate is not None else 1, res_sample, res_row, res_rows,
         )  # fmt: skip
         codes = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -258,20 +260,17 @@ class Emulator:
         here are what it accepts), outputs poisoned first; s, mean and rstd empty unless asked."""
         m, c = x.shape
 
-        def step(t, dim):
-            return t.stride(dim) if t.shape[dim] > 1 else 0
-
         y = torch.full((m, c), float("nan"), dtype=x.dtype)
         s = torch.full((m, c), float("nan"), dtype=x.dtype) if store_sum else torch.empty(0, dtype=x.dtype)
         mean = torch.full((m,), float("nan")) if save else torch.empty(0)
         rstd = torch.full((m,), float("nan")) if save else torch.empty(0)
         params = (scale, shift, gate)
-        dims = (ctypes.c_int64 * 5)(m, c, max(m // scale.shape[0], 1), step(x, 0),
-                                    step(residual, 0) if residual is not None else 0)  # fmt: skip
+        dims = (ctypes.c_int64 * 5)(m, c, max(m // scale.shape[0], 1), _step(x, 0),
+                                    _step(residual, 0) if residual is not None else 0)  # fmt: skip
         flags = (ctypes.c_int * 4)(int(residual is not None), int(gate is not None), int(store_sum), int(save))
         pointers = (ctypes.c_void_p * 3)(*(None if t is None else t.data_ptr() for t in params))
         codes = (ctypes.c_int * 3)(*(0 if t is None else DTYPE_CODES[t.dtype] for t in params))
-        row_bytes = (ctypes.c_int64 * 3)(*(0 if t is None else step(t, 0) * t.element_size() for t in params))
+        row_bytes = (ctypes.c_int64 * 3)(*(0 if t is None else _step(t, 0) * t.element_size() for t in params))
         plan = (ctypes.c_int64 * 1)()
         self._check(
             self.lib.emu_adaln_modulate(
