@@ -35,11 +35,15 @@ MODELS = {
     "svd-576x1024x14": ("svd", (576, 1024), 14, 2),
 }
 QUICK = ("sd15-512", "dit-256", "animatediff-512x16")
-PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned", "ldmopt-tuned-graph", "compile", "ldmopt+compile")
+PROVIDERS = (
+    "eager", "ldmopt", "ldmopt-tuned", "ldmopt-tuned-graph", "eager-cuda-graphs", "ldmopt-cuda-graphs", "compile",
+    "ldmopt+compile",
+)  # fmt: skip
 # Quick mode (run_gpu.sh's ~8-minute budget): max-autotune compiles of whole UNets take minutes each, so only the
 # eager, patched and tuned providers run (tune times ~4 configurations of 5 steps each); --full runs all six.
-QUICK_PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned", "ldmopt-tuned-graph")
+QUICK_PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned", "ldmopt-tuned-graph", "eager-cuda-graphs", "ldmopt-cuda-graphs")
 _CATEGORY_SPLITS: dict[str, dict] = {}
+_GRAPHS: dict[int, object] = {}  # the cuda-graphs providers' handles, by id(model), for the row's note
 
 
 def _quick() -> bool:
@@ -65,10 +69,11 @@ def _provider(model, inputs, provider: str, name: str = ""):
     def eager_step():
         # torch.no_grad, as diffusers pipelines run their denoising loop: inference tensors (torch.inference_mode)
         # keep no version counter, so a patched model would hand no GroupNorm statistics between its blocks.
+        # The method is looked up per call, as a pipeline does (vae.decode(...)): ldmopt.cuda_graphs replaces it.
         with torch.no_grad():
-            return call(**inputs.kwargs)
+            return (model if inputs.method == "forward" else getattr(model, inputs.method))(**inputs.kwargs)
 
-    if provider in ("ldmopt", "ldmopt+compile"):
+    if provider in ("ldmopt", "ldmopt+compile", "ldmopt-cuda-graphs"):
         report = ldmopt.patch(model)
         note = f"patched {report.total} modules"
     elif provider in ("ldmopt-tuned", "ldmopt-tuned-graph"):
@@ -86,6 +91,8 @@ def _provider(model, inputs, provider: str, name: str = ""):
         tuning.save(harness.RESULTS_DIR / f"{stem}.choice.json")  # ldmopt.patch_tuned applies it on this GPU again
     else:
         note = ""
+    if provider.endswith("cuda-graphs"):  # what a user's eager pipeline gets from ldmopt.cuda_graphs, copies included
+        _GRAPHS[id(model)] = ldmopt.cuda_graphs(model, method=inputs.method)
     if not provider.endswith("compile"):
         return eager_step, note
     # The bound method itself (a VAE's decode): compiling the module would leave decode running eagerly.
@@ -111,14 +118,20 @@ def bench_denoising_step(name, provider, bench_recorder):
         timing = harness.time_fn(step, warmup=3, rep=20)
         peak = harness.peak_memory(step)
     except Exception as exc:  # a provider that cannot run this model is a row with the reason, not a crash
+        _GRAPHS.pop(id(model), None)
         bench_recorder.record(op="e2e-step", case=name, dtype="fp16", mode="fwd", provider=provider, timing=None,
                               note=f"failed: {type(exc).__name__}: {str(exc)[:100]}")  # fmt: skip
         return
+    graphs = _GRAPHS.pop(id(model), None)
+    if graphs is not None:  # one line: how many graphs, and any call that ran eagerly with its reason
+        note += " " + "; ".join(line.strip() for line in str(graphs).splitlines()[1:])
+        graphs.remove()
     bench_recorder.record(
         op="e2e-step", case=name, dtype="fp16", mode="fwd", provider=provider, timing=timing, peak_mem=peak,
         note=f"{1000 / timing.median_ms:.2f} it/s {note}".strip(),
     )  # fmt: skip
-    _record_graphed(name, provider, step, bench_recorder)
+    if graphs is None:  # a capture of a step that replays graphs itself would nest them
+        _record_graphed(name, provider, step, bench_recorder)
     if provider in ("eager", "ldmopt", "ldmopt-tuned"):  # the split before, patched and tuned
         prof = ldmopt.profile(step, steps=3, warmup=1, modules=model)
         _CATEGORY_SPLITS.setdefault(name, {})[provider] = {k: v for k, v in prof.shares().items() if v > 0}

@@ -153,8 +153,11 @@ $PY -m ldmopt info 2>&1 | tee "$WORK/info.txt"
 # Correctness only: the benchmarks time the same cuda / triton / eager providers.
 start check_cuda_backend "$(left "$BENCH_RESERVE")" "$WORK/check_cuda_backend.txt" \
   $PY benchmarks/check_cuda_backend.py --no-bench ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"}
+# ldmopt.cuda_graphs' real capture (the CPU tests stand in for it), beside it: whole models, patched and stock.
+start check_cuda_graphs "$(left "$BENCH_RESERVE")" "$WORK/check_cuda_graphs.txt" $PY benchmarks/check_cuda_graphs.py
 finish
-cat "$WORK"/check_gpu.*.txt "$WORK/check_cuda_backend.txt" >"$RESULTS/checks.txt" 2>/dev/null
+cat "$WORK"/check_gpu.*.txt "$WORK/check_cuda_backend.txt" "$WORK/check_cuda_graphs.txt" >"$RESULTS/checks.txt" \
+  2>/dev/null
 
 export LDMOPT_BENCH_QUICK="$QUICK"
 PYTEST_ARGS=(-q -p no:cacheprovider)

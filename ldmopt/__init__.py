@@ -27,6 +27,8 @@ _LAZY = {
     "is_patched": ("ldmopt.patch", "is_patched"),
     "profile": ("ldmopt.profiler", "profile"),
     "analyze": ("ldmopt.profiler", "analyze"),
+    "cuda_graphs": ("ldmopt.graphs", "cuda_graphs"),
+    "remove_cuda_graphs": ("ldmopt.graphs", "remove_cuda_graphs"),
 }
 
 __all__ = ["BackendUnavailableError", "__version__", "nn", "ops", "use_backend", *_LAZY]

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from ..graphs import graphed_models
 from ..nn import stats_handover
 from .guards import generic_reasons
 from .report import PatchReport, Replaced, Skipped
@@ -309,6 +310,7 @@ def patch(
             "False"
         )
     models = models_of(pipe_or_model, for_patch=True)
+    _refuse_graphed(models, "patch")
     available = {r.family for r in _rules()}
     report = PatchReport(
         families=tuple(f for f in FAMILIES if f in selected and f in available),
@@ -370,6 +372,18 @@ def patch(
     return report
 
 
+def _refuse_graphed(models: list[tuple[str, nn.Module]], verb: str) -> None:
+    """A model ``ldmopt.cuda_graphs`` wraps replays the kernels it captured: a patch or unpatch under it would not
+    reach its replays."""
+    graphed = graphed_models(model for _, model in models)
+    if graphed:
+        raise PatchError(
+            f"ldmopt.{verb}: {type(graphed[0]).__name__} is wrapped by ldmopt.cuda_graphs, whose graphs would keep "
+            f"replaying what they captured; remove them first (`graphs.remove()` or "
+            f"`ldmopt.remove_cuda_graphs(pipe)`), {verb}, then graph again"
+        )
+
+
 @_serialized
 def unpatch(pipe_or_model: Any) -> int:
     """Undo every ``patch`` on the pipeline's models (or the model), also on a model a patch of this pipeline changed
@@ -381,6 +395,7 @@ def unpatch(pipe_or_model: Any) -> int:
     models = models_of(pipe_or_model, for_patch=False)
     # A model this pipeline's patch changed and the user since replaced (pipe.unet = other): still undone here.
     models += former_components(pipe_or_model, models)
+    _refuse_graphed(models, "unpatch")
     in_call = {id(m) for _, model in models for m in model.modules()}  # records anywhere here are undone here
     for _, model in models:  # a submodule of a patched model: its records are with that model
         claimants = (_claimant(m) for m in model.modules())

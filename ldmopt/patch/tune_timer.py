@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..graphs import capture_graph
 from ..nn.child_check import observer
 
 #: (model label, module name) of a site
@@ -228,30 +229,9 @@ def capture(
     device: torch.device,
     before_capture: Callable[[], None] | None = None,
 ) -> Callable[[], Any]:
-    """``run()`` captured as a CUDA graph on ``device``; returns its replay, replayed once already (the first
-    launch uploads the graph). ``warmup`` (at least one) calls run first on a side stream, as capture requires,
-    which also keeps Triton's compilation and autotuning out of the graph (the procedure of benchmarks/harness.py's
-    cuda_graphed, whose rows were measured on an H200), all on ``device``'s streams: torch's default capture stream
-    belongs to whichever device was current when it was first used."""
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream(device)
-        caller = torch.cuda.current_stream(device)
-        side.wait_stream(caller)
-        with torch.cuda.stream(side):
-            for _ in range(max(warmup, 1)):
-                run()
-        caller.wait_stream(side)
-        if before_capture is not None:
-            before_capture()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
-                run()
-        except BaseException:
-            # torch.cuda.graph ends the capture before it restores the stream: put the caller's stream back.
-            torch.cuda.set_stream(caller)
-            raise
-        graph.replay()
+    """``run()`` captured as a CUDA graph on ``device`` (:func:`ldmopt.graphs.capture_graph`, the procedure of
+    benchmarks/harness.py's cuda_graphed, whose rows were measured on an H200); returns its replay, replayed once."""
+    graph, _ = capture_graph(run, warmup, device, before_capture=before_capture)
     return graph.replay
 
 

@@ -43,6 +43,39 @@ def test_e2e_step_providers(mocked_timing, monkeypatch):
     assert "cuda_graph=True needs the model on a GPU" in last["note"]
 
 
+def test_e2e_cuda_graphs_providers(mocked_timing, monkeypatch):
+    """ldmopt.cuda_graphs around the stock and the patched step (a VAE's decode too), with the CPU stand-in for the
+    capture: each row's note says what was graphed, no ``+graph`` row nests a capture, and the models end unpatched."""
+    pytest.importorskip("diffusers")
+    from benchmarks import bench_e2e
+    from ldmopt import configs
+    from tests.support.replaying_graphs import replaying_backend
+
+    built = []
+
+    def tiny(name, dtype):
+        model = configs.build_model(bench_e2e.MODELS[name][0], device="cpu", dtype=torch.float32, tiny=True)
+        built.append(model.eval())
+        return model, configs.example_inputs(model, batch=1)
+
+    monkeypatch.setattr(bench_e2e, "_build", tiny)
+    backend = replaying_backend(monkeypatch)
+    with ldmopt.use_backend("torch"):
+        for name in ("dit-256", "sdxl-vae-decode-1024"):
+            for provider in ("eager-cuda-graphs", "ldmopt-cuda-graphs"):
+                bench_e2e.bench_denoising_step(name, provider, mocked_timing)
+    rows = mocked_timing.rows
+    assert [r["provider"] for r in rows] == ["eager-cuda-graphs", "ldmopt-cuda-graphs"] * 2
+    assert not _failed(rows), rows
+    for row in rows:
+        assert re.search(r"(UNet|Transformer|DiT|Autoencoder)\w*: 1 graphs held \(1 captured", row["note"]), row["note"]
+        assert "eager calls" in row["note"] and "eager x" not in row["note"]
+    assert "patched" in rows[1]["note"] and "patched" not in rows[0]["note"]
+    assert backend.captures == 4
+    for model in built:
+        assert not ldmopt.is_patched(model) and ldmopt.graphs.GRAPHED not in model.__dict__
+
+
 def test_e2e_patched_unet_step_hands_statistics_over(mocked_timing, monkeypatch):
     """Steps run as diffusers pipelines run them (torch.no_grad): under torch.inference_mode a patched UNet would hand
     no GroupNorm statistics between its blocks, and the benchmark would time statistics passes users do not run."""

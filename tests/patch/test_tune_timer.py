@@ -284,8 +284,8 @@ def test_capture_warms_up_on_a_side_stream_and_restores_the_stream_on_failure(mo
     fail = []
 
     @contextlib.contextmanager
-    def capturing(graph, stream, capture_error_mode):
-        assert capture_error_mode == "thread_local" and isinstance(stream, Stream)
+    def capturing(graph, pool, stream, capture_error_mode):
+        assert capture_error_mode == "thread_local" and isinstance(stream, Stream) and pool is None
         steps.append("capture")
         yield
         if fail:

@@ -1,0 +1,414 @@
+"""ldmopt.cuda_graphs: the wrapper's keys, static buffers, outputs, eager reasons and removal, on the CPU.
+
+No GPU here: tests/support/replaying_graphs.py's backend stands in for torch.cuda's capture (a replay reruns the
+forward on the static inputs and overwrites the static outputs, as a graph replay does). The real capture runs in
+benchmarks/check_cuda_graphs.py, a stage of run_gpu.sh.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import ldmopt
+from ldmopt import graphs
+from ldmopt.configs import build_model
+from ldmopt.demo import build_tiny_sd_pipeline, run_sd
+from ldmopt.patch import PatchError
+from tests.support.replaying_graphs import replaying_backend
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    return replaying_backend(monkeypatch)
+
+
+def _unet():
+    torch.manual_seed(0)
+    model = build_model("sd15", "cpu", torch.float32, tiny=True).eval()
+    return model.to(memory_format=torch.channels_last)
+
+
+def _unet_inputs(model, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    size = 16
+    sample = torch.randn(batch, model.config.in_channels, size, size, generator=g)
+    sample = sample.contiguous(memory_format=torch.channels_last)
+    context = torch.randn(batch, 7, model.config.cross_attention_dim, generator=g)
+    timestep = torch.randint(1, 999, (), generator=g)
+    return {"sample": sample, "timestep": timestep, "encoder_hidden_states": context}
+
+
+def _stock_outputs(model, calls):
+    with torch.no_grad():
+        return [model(**kw).sample for kw in calls]
+
+
+def test_replays_match_eager_and_outputs_stay_the_callers(backend):
+    model = _unet()
+    calls = [_unet_inputs(model, seed=s) for s in range(4)]
+    expected = _stock_outputs(model, calls)
+    handle = ldmopt.cuda_graphs(model, warmup_calls=2)
+    with torch.no_grad():
+        got = [model(**kw).sample for kw in calls]
+    assert backend.captures == 1 and backend.warmups == 2 and backend.replays == 4
+    wrapper = handle.wrappers["UNet2DConditionModel"]
+    assert wrapper.replays == 4 and not wrapper.eager_calls
+    # Every call's own inputs (new latents, timestep, context each time), and the earlier outputs were not
+    # overwritten by later replays (cloned out of the static buffers).
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert len({out.data_ptr() for out in got}) == 4
+    handle.remove()
+
+
+def test_signatures_get_their_own_graphs_and_the_oldest_is_evicted(backend):
+    model = _unet()
+    wide, narrow = _unet_inputs(model, batch=2), _unet_inputs(model, batch=1, seed=3)
+    contiguous = dict(wide, sample=wide["sample"].contiguous())  # same shape, other strides: another graph
+    expected = _stock_outputs(model, [wide, narrow, contiguous])
+    handle = ldmopt.cuda_graphs(model, max_graphs=2)
+    wrapper = handle.wrappers["UNet2DConditionModel"]
+    with torch.no_grad():
+        for _ in range(2):
+            outs = [model(**kw).sample for kw in (wide, narrow, contiguous)]
+            for out, ref in zip(outs, expected, strict=True):
+                torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        tuple_out = model(**narrow, return_dict=False)  # a non-tensor argument is part of the key
+    assert isinstance(tuple_out, tuple)
+    torch.testing.assert_close(tuple_out[0], expected[1], rtol=0, atol=0)
+    assert len(wrapper.graphs) == 2 and wrapper.evicted == wrapper.captures - 2 and wrapper.captures == 7
+    handle.remove()
+
+
+def test_eager_reasons_are_counted_and_warned_once(backend):
+    model = _unet()
+    kw = _unet_inputs(model)
+    (expected,) = _stock_outputs(model, [kw])
+    handle = ldmopt.cuda_graphs(model)
+    wrapper = handle.wrappers["UNet2DConditionModel"]
+    with pytest.warns(RuntimeWarning, match="autograd is recording"):
+        out = model(**kw).sample  # grad mode with parameters that require grad
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert out.requires_grad  # ran eagerly, with autograd
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**kw)  # the same reason is not warned again
+    model.train()
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="train mode"):
+        model(**kw)
+    assert wrapper.eager_calls["train mode (dropout and other training behaviour would be frozen in the graph)"] == 1
+    assert sum(n for why, n in wrapper.eager_calls.items() if "autograd" in why) == 2
+    assert backend.captures == 0
+    assert "eager x2: autograd is recording" in str(handle)
+    handle.remove()
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(5))
+
+    def forward(self, x, options=None, *, scale=1.0):
+        """Toy forward."""
+        return {"out": x * self.weight * scale, "count": 3}
+
+
+def test_unhashable_and_off_device_arguments_run_eagerly(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match=r"argument 1 is a set, neither a tensor nor hashable"):
+            out = toy(x, {1, 2})
+        torch.testing.assert_close(out["out"], x * toy.weight)
+        with pytest.warns(RuntimeWarning, match="no tensor arguments"):
+            toy(3.0)
+        with pytest.warns(RuntimeWarning, match="several devices"):
+            toy(x, torch.ones(1, device="meta"))
+    assert backend.captures == 0
+    handle.remove()
+
+
+def test_non_tensor_values_are_keys_and_outputs_keep_their_structure(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    wrapper = handle.wrappers["Toy"]
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        for scale in (1.0, 2.0, 1.0, 2.0):
+            out = toy(x, scale=scale)
+            assert out["count"] == 3
+            torch.testing.assert_close(out["out"], x * toy.weight * scale, rtol=0, atol=0)
+    assert wrapper.captures == 2 and wrapper.replays == 4
+    handle.remove()
+
+
+def test_capture_failure_keeps_that_signature_eager(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    wrapper = handle.wrappers["Toy"]
+    backend.fail = RuntimeError("operation not permitted when stream is capturing\nmore")
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="capture failed: RuntimeError: operation not permitted"):
+            out = toy(x)
+        torch.testing.assert_close(out["out"], x * toy.weight)
+        backend.fail = None
+        toy(x)  # the refused key stays eager: no second capture
+        assert backend.captures == 0
+        toy(torch.randn(4, 5))  # another signature captures
+    assert backend.captures == 1
+    assert sum(wrapper.eager_calls.values()) == 2
+    handle.remove()
+
+
+def test_moved_parameters_recapture_then_give_up(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    wrapper = handle.wrappers["Toy"]
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        toy(x)
+        for moves in range(1, graphs.MAX_RECAPTURES + 1):
+            toy.weight.data = toy.weight.data + 1  # new storage, as .to() or an offloading hook would give
+            torch.testing.assert_close(toy(x)["out"], x * toy.weight, rtol=0, atol=0)  # the new values
+            assert wrapper.recaptures == moves and backend.captures == moves + 1
+        toy.weight.data = toy.weight.data + 1
+        with pytest.warns(RuntimeWarning, match="parameters moved on 3 calls"):
+            torch.testing.assert_close(toy(x)["out"], x * toy.weight, rtol=0, atol=0)
+        toy(x)
+    assert wrapper.disabled and backend.captures == graphs.MAX_RECAPTURES + 1
+    # In-place updates keep the addresses: the graph reads the new values (load_state_dict, an optimizer step).
+    handle.remove()
+    handle = ldmopt.cuda_graphs(toy)
+    with torch.no_grad():
+        toy(x)
+        toy.weight.mul_(3)
+        torch.testing.assert_close(toy(x)["out"], x * toy.weight, rtol=0, atol=0)
+    assert handle.wrappers["Toy"].recaptures == 0
+    handle.remove()
+
+
+def test_clone_outputs_false_hands_out_the_static_buffers(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy, clone_outputs=False)
+    with torch.no_grad():
+        first = toy(torch.ones(2, 5))["out"]
+        second = toy(torch.full((2, 5), 2.0))["out"]
+    assert first.data_ptr() == second.data_ptr()  # overwritten by the next replay, as documented
+    torch.testing.assert_close(first, 2.0 * toy.weight.detach().expand(2, 5))
+    handle.remove()
+
+
+def test_remove_restores_the_forward_exactly_and_keeps_signature(backend):
+    toy = Toy().eval()
+    assert "forward" not in toy.__dict__
+    handle = ldmopt.cuda_graphs(toy)
+    assert inspect.signature(toy.forward) == inspect.signature(Toy.forward.__get__(toy))
+    assert toy.forward.__doc__ == "Toy forward."
+    with pytest.raises(ValueError, match="already graphed"):
+        ldmopt.cuda_graphs(toy)
+    handle.remove()
+    assert "forward" not in toy.__dict__ and graphs.GRAPHED not in toy.__dict__
+    handle.remove()  # twice: nothing left to do
+
+    def custom(x, options=None, *, scale=1.0):  # an instance forward of the user's own (e.g. a hook's wrapper)
+        return {"out": x, "count": 0}
+
+    toy.forward = custom
+    handle = ldmopt.cuda_graphs(toy)
+    with torch.no_grad():
+        assert toy(torch.ones(1, 5))["count"] == 0
+    assert ldmopt.remove_cuda_graphs(toy) == 1
+    assert toy.__dict__["forward"] is custom
+    handle = ldmopt.cuda_graphs(toy)
+    toy.forward = lambda x: x
+    with pytest.raises(RuntimeError, match="was replaced since the graphs were installed"):
+        handle.remove()
+
+
+@pytest.mark.parametrize("bad", [{"max_graphs": 0}, {"warmup_calls": 0}, {"max_graphs": True}])
+def test_bad_options_name_the_argument(bad):
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
+        ldmopt.cuda_graphs(Toy().eval(), **bad)
+
+
+def test_without_cuda_the_real_backend_runs_eagerly_with_the_reason():
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    x = torch.randn(2, 5)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="tensors on cpu: CUDA graphs hold CUDA work only"):
+        torch.testing.assert_close(toy(x)["out"], x * toy.weight)
+    handle.remove()
+
+
+def test_patch_and_unpatch_refuse_a_graphed_model(backend):
+    model = _unet()
+    report = ldmopt.patch(model)
+    handle = ldmopt.cuda_graphs(model)
+    with pytest.raises(PatchError, match=r"wrapped by ldmopt\.cuda_graphs"):
+        ldmopt.unpatch(model)
+    with pytest.raises(PatchError, match=r"wrapped by ldmopt\.cuda_graphs"):
+        ldmopt.patch(model)
+    handle.remove()
+    assert ldmopt.unpatch(model) == report.total
+
+
+def test_a_patched_pipeline_graphs_its_unet_end_to_end(backend):
+    pipe = build_tiny_sd_pipeline("cpu", torch.float32, seed=0)
+    ldmopt.patch(pipe)
+    with ldmopt.use_backend("torch"):
+        eager, _ = run_sd(pipe, steps=3, seed=1)
+        handle = ldmopt.cuda_graphs(pipe)
+        assert set(handle.wrappers) == {"unet"}
+        assert set(handle.skipped) == {"vae", "text_encoder"}
+        graphed, _ = run_sd(pipe, steps=3, seed=1)
+    # One signature (batch 2 with classifier-free guidance): captured once, replayed on each of the 3 steps.
+    wrapper = handle.wrappers["unet"]
+    assert wrapper.captures == 1 and wrapper.replays == 3 and not wrapper.eager_calls, str(handle)
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+    assert "unet: 1 graphs held" in str(handle) and "vae: not graphed" in str(handle)
+    with pytest.raises(ValueError, match=r"none of components=.*'nope'"):
+        ldmopt.cuda_graphs(pipe, components="nope")
+    assert ldmopt.remove_cuda_graphs(pipe) == 1
+    assert "forward" not in pipe.unet.__dict__
+    ldmopt.unpatch(pipe)
+
+
+def test_the_least_recently_used_graph_is_the_one_evicted(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy, max_graphs=2)
+    wrapper = handle.wrappers["Toy"]
+    a, b, c = (torch.randn(n, 5) for n in (1, 2, 3))
+    with torch.no_grad():
+        for x in (a, b, a, c):  # c evicts b, the least recently used, and keeps a
+            toy(x)
+        assert wrapper.captures == 3 and wrapper.evicted == 1
+        torch.testing.assert_close(toy(a)["out"], a * toy.weight, rtol=0, atol=0)
+        assert wrapper.captures == 3
+        toy(b)
+    assert wrapper.captures == 4 and wrapper.evicted == 2
+    handle.remove()
+
+
+def test_the_gpu_check_script_runs_on_the_cpu(backend, monkeypatch, capsys):
+    from benchmarks import check_cuda_graphs
+
+    monkeypatch.setattr(check_cuda_graphs, "DEVICE", "cpu")
+    monkeypatch.setattr(check_cuda_graphs, "TINY", True)
+    monkeypatch.setattr(check_cuda_graphs, "DTYPE", torch.float32)  # fp16 on the CPU adds only time here
+    with ldmopt.use_backend("torch"):
+        assert check_cuda_graphs.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" PASS") == len(check_cuda_graphs.CASES), out
+    assert "check_cuda_graphs: all passed" in out
+    # A replay that missed its inputs is caught: every call's output would be the first call's.
+    monkeypatch.setattr(graphs.GraphedMethod, "_key", _stale_key(graphs.GraphedMethod._key))
+    with ldmopt.use_backend("torch"):
+        assert check_cuda_graphs.main(["--only", "dit-256-patched"]) == 1
+    assert " FAIL" in capsys.readouterr().out
+
+
+def _stale_key(key):
+    def stale(self, args, kwargs):
+        out = key(self, args, kwargs)
+        if self.graphs:  # hand the replay the captured call's tensors instead of this call's
+            leaves = [s for g in self.graphs.values() for s in g.static_inputs]
+            it = iter(leaves)
+            return (out[0], [next(it) if isinstance(x, torch.Tensor) else x for x in out[1]], *out[2:])
+        return out
+
+    return stale
+
+
+def test_another_method_is_graphed_as_asked(backend):
+    toy = Toy().eval()
+    toy.decode = None  # an attribute, not a method
+    with pytest.raises(ValueError, match=r"method='decode' is not a method of Toy"):
+        ldmopt.cuda_graphs(toy, method="decode")
+    del toy.decode
+    with pytest.raises(ValueError, match=r"method='decode' is not a method of Toy"):
+        ldmopt.cuda_graphs(toy, method="decode")
+
+    class Vae(Toy):
+        def decode(self, z):
+            return (z * self.weight).sum(-1)
+
+    vae = Vae().eval()
+    handle = ldmopt.cuda_graphs(vae, method="decode")
+    z = torch.randn(3, 5)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(vae.decode(z), (z * vae.weight).sum(-1), rtol=0, atol=0)
+        vae(z)  # forward stays as it was
+    assert backend.captures == 1 and handle.replays == 2
+    handle.remove()
+    assert "decode" not in vae.__dict__
+
+
+def test_lazy_names_and_no_cuda_at_import():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ldmopt\n"
+        "assert ldmopt.cuda_graphs is ldmopt.graphs.cuda_graphs\n"
+        "assert ldmopt.remove_cuda_graphs is ldmopt.graphs.remove_cuda_graphs\n"
+        "print(torch.cuda.is_initialized())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_the_cuda_backend_captures_into_the_shared_pool(monkeypatch):
+    """CudaBackend's calls into torch.cuda, mocked (no GPU here): warm-up calls on a side stream, the capture with the
+    model's pool on its device, one replay, and what the captured call returned as the static output."""
+    import contextlib
+
+    device = torch.device("cuda", 1)
+    steps = []
+
+    class Stream:
+        def __init__(self, on=None):
+            assert on == device
+
+        def wait_stream(self, other):
+            steps.append("wait")
+
+    class Graph:
+        def replay(self):
+            steps.append("replay")
+
+    @contextlib.contextmanager
+    def on_device(d):
+        assert d == device
+        yield
+
+    @contextlib.contextmanager
+    def capturing(graph, pool, stream, capture_error_mode):
+        assert pool == "pool-1" and capture_error_mode == "thread_local"
+        steps.append("capture")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", on_device)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: Stream(d))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool-1")
+    backend = graphs.CudaBackend()
+    assert backend.supports(device) is None and "CUDA work only" in backend.supports(torch.device("cpu"))
+    pool = backend.new_pool(device)
+    calls = iter(range(10))
+    replay, output = backend.capture(lambda: steps.append("run") or next(calls), 2, device, pool)
+    assert output == 2  # the third call, the captured one
+    assert steps == ["wait", "run", "run", "wait", "capture", "run", "replay"]
+    replay()
+    assert steps[-1] == "replay"
