@@ -47,6 +47,9 @@ def configure_demo(parser: argparse.ArgumentParser) -> None:
                         help="ldmopt backend of the patched run; on cpu, triton = the Triton interpreter")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs; default 0")
     parser.add_argument("--save", metavar="PNG", help="write the stock and patched images side by side (sd only)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="also time the stock and the patched run with the denoiser replayed as CUDA graphs "
+                             "(ldmopt.cuda_graphs; needs a CUDA device)")  # fmt: skip
     parser.add_argument("--tune", action="store_true",
                         help="patch with ldmopt.tune: only the modules whose fused forward measured faster than the "
                              "stock one over the demo's run (prints the per-module table)")  # fmt: skip
@@ -226,6 +229,35 @@ def _backend_note(device, backend: str) -> str:
     )
 
 
+def _graphed_run(args, target, run, device, stock, how: str | None, dtype_name: str) -> str:
+    """``run()`` with the denoiser replayed as CUDA graphs (``--cuda-graphs``): the lines to print (time per step,
+    agreement with the stock eager run, the graphs' summary), or why it was skipped."""
+    import torch
+
+    from . import graphs
+
+    refusal = graphs._BACKEND.supports(device)
+    if refusal is not None:
+        return f"--cuda-graphs skipped: {refusal}\n" if how is None else ""
+    handle = graphs.cuda_graphs(target)
+    try:
+        with warnings.catch_warnings():  # the eager calls and their reasons are in the summary printed below
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out, step = run()
+    finally:
+        summary = str(handle)
+        handle.remove()
+    err = (out - stock).abs().max().item()
+    agree = bool(torch.isfinite(out).all()) and err <= TOLERANCE[dtype_name]
+    label = "stock" if how is None else how
+    lines = [
+        f"time per step, {label} + CUDA graphs: {step * 1e3:.1f} ms (max abs difference from stock eager "
+        f"{err:.2e}: {'agrees' if agree else 'DOES NOT AGREE'})",
+        *summary.splitlines()[1:],
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def run_demo(args: argparse.Namespace) -> int:
     if args.model == "sd15":  # the zoo's name of the SD1.5 family: the demo's pipeline
         args.model = "sd"
@@ -265,6 +297,7 @@ def run_demo(args: argparse.Namespace) -> int:
         run = lambda: run_denoiser(target, inputs, args.steps)
 
     stock, stock_step = run()
+    graphed_note = _graphed_run(args, target, run, device, stock, None, dtype_name) if args.cuda_graphs else ""
     if args.tune:
         try:
             with ldmopt.use_backend(args.backend):
@@ -291,6 +324,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"outputs agree: {'yes' if agree else 'NO'} (max abs difference {err:.2e}, tolerance {tol:.0e})")
         how = "tuned" if args.tune else "patched"
         print(f"time per step: stock {stock_step * 1e3:.1f} ms, {how} {patched_step * 1e3:.1f} ms")
+        if args.cuda_graphs:
+            with ldmopt.use_backend(args.backend):
+                graphed_note += _graphed_run(args, target, run, device, stock, how, dtype_name)
+            print(graphed_note.rstrip())
         if device.type == "cpu":
             print("(cpu timings of a tiny random model say nothing about GPU speed)")
         print(split)

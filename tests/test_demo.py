@@ -59,3 +59,22 @@ def test_demo_flux_in_fp16_agrees(capsys):
     # inf in fp16, and a stock output of NaN).
     assert main(["demo", "--model", "flux", "--steps", "1", "--dtype", "float16", "--backend", "torch"]) == 0
     assert "outputs agree: yes" in capsys.readouterr().out
+
+
+def test_demo_cuda_graphs_times_both_runs_graphed(capsys, monkeypatch):
+    """``--cuda-graphs`` with the CPU stand-in for the capture (tests/support/replaying_graphs.py): the stock and the
+    patched pipeline each replay their UNet, agree with the stock eager images, and leave the pipeline as it was."""
+    from tests.support.replaying_graphs import replaying_backend
+
+    backend = replaying_backend(monkeypatch)
+    assert main(["demo", "--steps", "3", "--backend", "torch", "--cuda-graphs"]) == 0
+    out = capsys.readouterr().out
+    assert "time per step, stock + CUDA graphs:" in out and "time per step, patched + CUDA graphs:" in out, out
+    assert out.count(": agrees)") == 2 and "DOES NOT AGREE" not in out
+    assert out.count("unet: 1 graphs held (1 captured, 0 evicted, 0 recaptures after parameters moved), 3 replays") == 2
+    assert backend.captures == 2
+
+
+def test_demo_cuda_graphs_without_a_gpu_says_why(capsys):
+    assert main(["demo", "--model", "dit", "--steps", "1", "--backend", "torch", "--cuda-graphs"]) == 0
+    assert "--cuda-graphs skipped: tensors on cpu: CUDA graphs hold CUDA work only" in capsys.readouterr().out
