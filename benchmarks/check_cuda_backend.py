@@ -149,7 +149,7 @@ def check_group_norm(quick: bool):
 def check_group_norm_parts(quick: bool):
     """The statistics alone (gn_conv2d_stats: what the fused conv reads) and the normalisation from given statistics
     (group_norm_apply: the staged conv's pass, channels-last only; ``gn_apply_parts``: of x given as two
-    channels-last parts, as an up block's (hidden, skip)) on each backend."""
+    channels-last parts, as an up block's (hidden, skip), with their statistics) on each backend."""
     from ldmopt.ops.gn_conv2d_stats import gn_conv2d_stats
     from ldmopt.ops.group_norm_apply import group_norm_apply
 
@@ -172,6 +172,7 @@ def check_group_norm_parts(quick: bool):
                     out_stats = gn_conv2d_stats(x, GROUPS, 1e-5)
                     y = group_norm_apply(x, *given, w, b, GROUPS, "silu") if cl else None
                     y_parts = group_norm_apply(head, *given, w, b, GROUPS, "silu", tail) if cl else None
+                    stats_parts = gn_conv2d_stats(head, GROUPS, 1e-5, tail) if cl else None
             except ldmopt.BackendUnavailableError as exc:
                 _skip(backend, f"gn_stats+gn_apply {case} {dtype} {backend}", exc)
                 continue
@@ -180,7 +181,7 @@ def check_group_norm_parts(quick: bool):
                 for out in (y, y_parts):
                     assert out.is_contiguous(memory_format=torch.channels_last), f"{backend}: apply not channels-last"
                 yield "gn_apply", case, dtype, backend, [y], [ref_y]
-                yield "gn_apply_parts", case, dtype, backend, [y_parts], [ref_y]
+                yield "gn_apply_parts", case, dtype, backend, [y_parts, *stats_parts], [ref_y, mean, rstd]
         del ref_y, z
 
 

@@ -39,7 +39,7 @@ def _stats(x, groups):
 
 _CPP_STANDINS = {
     "group_norm_fwd_cuda": lambda x, w, b, g, eps, act: (torch.empty_like(x), *_stats(x, g)),
-    "group_norm_stats_cuda": lambda x, g, eps: _stats(x, g),
+    "group_norm_stats_cuda": lambda x, g, eps, tail=None: _stats(x, g),
     "group_norm_stats_from_sums_cuda": lambda sums, tail, g, eps, count, frames: _stats(sums[::frames], g),
     "group_norm_apply_cuda": lambda x, mean, rstd, w, b, g, act, tail=None: x.new_empty(
         (x.shape[0], x.shape[1] + (0 if tail is None else tail.shape[1]), *x.shape[2:])

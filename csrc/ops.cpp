@@ -19,7 +19,9 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
   m.def(
       "group_norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
       "int num_groups, str activation) -> (Tensor dx, Tensor dweight, Tensor dbias)");
-  m.def("group_norm_stats_cuda(Tensor x, int num_groups, float eps) -> (Tensor mean, Tensor rstd)");
+  m.def(
+      "group_norm_stats_cuda(Tensor x, int num_groups, float eps, Tensor? x_tail=None) -> (Tensor mean, Tensor "
+      "rstd)");
   m.def(
       "group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, int num_groups, "
       "str activation, Tensor? x_tail=None) -> Tensor y");

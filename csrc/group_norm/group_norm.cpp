@@ -113,12 +113,6 @@ Problem check_forward(const at::Tensor& x, const std::optional<at::Tensor>& weig
   return p;
 }
 
-Problem check_statistics(const at::Tensor& x, int64_t num_groups, double eps) {
-  const Problem p = check_common(x, std::nullopt, std::nullopt, num_groups, "", kStats);
-  check_eps(eps, kStats);
-  return p;
-}
-
 namespace {
 
 // A 4-D tensor whose channel vectors are dense in memory, pixel after pixel: what the two-part pass reads and writes.
@@ -128,38 +122,47 @@ bool dense_channels_last(const at::Tensor& t) {
 
 // The two-part problem over cat([x, x_tail], 1): C = both parts' channels, channels-last.
 Problem check_parts(const at::Tensor& x, const at::Tensor& tail, const std::optional<at::Tensor>& weight,
-                    const std::optional<at::Tensor>& bias, int64_t num_groups, std::string_view activation) {
-  TORCH_CHECK(x.dim() == 4 && tail.dim() == 4, kApply, ": with x_tail, x and x_tail must be 4-D (N, C, H, W), got ",
+                    const std::optional<at::Tensor>& bias, int64_t num_groups, std::string_view activation,
+                    const char* op) {
+  TORCH_CHECK(x.dim() == 4 && tail.dim() == 4, op, ": with x_tail, x and x_tail must be 4-D (N, C, H, W), got ",
               x.sizes(), " and ", tail.sizes());
-  const DType dtype = dtype_of(x, kApply, "x");
-  TORCH_CHECK_TYPE(tail.scalar_type() == x.scalar_type(), kApply, ": x_tail has dtype ", tail.scalar_type(),
+  const DType dtype = dtype_of(x, op, "x");
+  TORCH_CHECK_TYPE(tail.scalar_type() == x.scalar_type(), op, ": x_tail has dtype ", tail.scalar_type(),
                    " but x has ", x.scalar_type(), "; they must match");
-  check_same_device(tail, x, kApply, "x_tail", "x");
-  TORCH_CHECK(tail.size(0) == x.size(0) && tail.size(2) == x.size(2) && tail.size(3) == x.size(3), kApply,
+  check_same_device(tail, x, op, "x_tail", "x");
+  TORCH_CHECK(tail.size(0) == x.size(0) && tail.size(2) == x.size(2) && tail.size(3) == x.size(3), op,
               ": x_tail ", tail.sizes(), " must match x ", x.sizes(), " in batch and spatial size");
-  TORCH_CHECK(dense_channels_last(x) && dense_channels_last(tail), kApply,
+  TORCH_CHECK(dense_channels_last(x) && dense_channels_last(tail), op,
               ": with x_tail, x and x_tail must be channels-last, got strides ", x.strides(), " and ",
               tail.strides());
-  TORCH_CHECK(x.numel() > 0 && tail.numel() > 0, kApply, ": x ", x.sizes(), " or x_tail ", tail.sizes(),
+  TORCH_CHECK(x.numel() > 0 && tail.numel() > 0, op, ": x ", x.sizes(), " or x_tail ", tail.sizes(),
               " is empty; at least one element each is needed");
   const int64_t channels = x.size(1) + tail.size(1);
-  TORCH_CHECK(num_groups > 0, kApply, ": num_groups must be positive, got ", num_groups);
-  TORCH_CHECK(channels % num_groups == 0, kApply, ": num_groups=", num_groups, " does not divide C=", channels,
+  TORCH_CHECK(num_groups > 0, op, ": num_groups must be positive, got ", num_groups);
+  TORCH_CHECK(channels % num_groups == 0, op, ": num_groups=", num_groups, " does not divide C=", channels,
               " (x ", x.sizes(), " and x_tail ", tail.sizes(), ")");
-  TORCH_CHECK(activation.empty() || activation == "silu", kApply, ": activation='", activation,
+  TORCH_CHECK(activation.empty() || activation == "silu", op, ": activation='", activation,
               "' is not supported; supported: '' (none) or 'silu'");
-  check_affine(weight, x, kApply, "weight", channels);
-  check_affine(bias, x, kApply, "bias", channels);
+  check_affine(weight, x, op, "weight", channels);
+  check_affine(bias, x, op, "bias", channels);
   return {x.size(0), channels, x.size(2) * x.size(3), num_groups, true, dtype, activation == "silu"};
 }
 
 }  // namespace
 
+Problem check_statistics(const at::Tensor& x, int64_t num_groups, double eps, const std::optional<at::Tensor>& x_tail) {
+  const bool parts = x_tail.has_value() && x_tail->defined();
+  const Problem p = parts ? check_parts(x, *x_tail, std::nullopt, std::nullopt, num_groups, "", kStats)
+                          : check_common(x, std::nullopt, std::nullopt, num_groups, "", kStats);
+  check_eps(eps, kStats);
+  return p;
+}
+
 Problem check_apply(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                     int64_t num_groups, std::string_view activation, const std::optional<at::Tensor>& x_tail) {
   const bool parts = x_tail.has_value() && x_tail->defined();
-  const Problem p = parts ? check_parts(x, *x_tail, weight, bias, num_groups, activation)
+  const Problem p = parts ? check_parts(x, *x_tail, weight, bias, num_groups, activation, kApply)
                           : check_common(x, weight, bias, num_groups, activation, kApply);
   check_stats(mean, p, x, kApply, "mean");
   check_stats(rstd, p, x, kApply, "rstd");
@@ -187,8 +190,9 @@ Tensors3 forward_meta(const at::Tensor& x, const std::optional<at::Tensor>& weig
   return {at::empty_like(x), mean, at::empty_like(mean)};
 }
 
-Tensors2 statistics_meta(const at::Tensor& x, int64_t num_groups, double eps) {
-  const Problem p = check_statistics(x, num_groups, eps);
+Tensors2 statistics_meta(const at::Tensor& x, int64_t num_groups, double eps,
+                         const std::optional<at::Tensor>& x_tail) {
+  const Problem p = check_statistics(x, num_groups, eps, x_tail);
   at::Tensor mean = at::empty({p.N, p.G}, x.options().dtype(at::kFloat));
   return {mean, at::empty_like(mean)};
 }
@@ -241,13 +245,17 @@ Tensors3 forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weig
   return {y, mean, rstd};
 }
 
-Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps) {
-  const Problem p = check_statistics(x, num_groups, eps);
+Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps,
+                         const std::optional<at::Tensor>& x_tail) {
+  const Problem p = check_statistics(x, num_groups, eps, x_tail);
   check_cuda(x, kStats, "x");
+  const bool parts = x_tail.has_value() && x_tail->defined();
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor mean = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
   at::Tensor rstd = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
-  const Plan plan = make_plan(p, aligned16(x.data_ptr()));
+  const bool packable = aligned16(x.data_ptr()) &&
+                        (!parts || (aligned16(x_tail->data_ptr()) && parts_packable(p.dtype, x.size(1), p.C)));
+  const Plan plan = make_plan(p, packable);
   const Scratch scratch = forward_scratch(p, plan, x, true);
   const ForwardArgs args{x.data_ptr(),
                          nullptr,
@@ -259,7 +267,11 @@ Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps) {
                          scratch.part_b,
                          scratch.coef,
                          static_cast<float>(eps)};
-  statistics(p, plan, args, current_stream());
+  if (parts) {
+    statistics_parts(p, plan, args, x_tail->data_ptr(), x.size(1), current_stream());
+  } else {
+    statistics(p, plan, args, current_stream());
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {mean, rstd};
 }

@@ -29,15 +29,18 @@ Tensors3 forward_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weig
 Tensors3 forward_meta(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, int64_t num_groups, double eps,
                       std::string_view activation);
-// Statistics alone (mean, rstd [N, G] fp32), and the elementwise pass from given statistics (y in x's layout; with
-// x_tail, over cat([x, x_tail], 1) of two 4-D channels-last parts, y channels-last).
-Problem check_statistics(const at::Tensor& x, int64_t num_groups, double eps);
+// Statistics alone (mean, rstd [N, G] fp32), and the elementwise pass from given statistics (y in x's layout); with
+// x_tail, both over cat([x, x_tail], 1) of two 4-D channels-last parts, never written (y channels-last).
+Problem check_statistics(const at::Tensor& x, int64_t num_groups, double eps,
+                         const std::optional<at::Tensor>& x_tail = std::nullopt);
 Problem check_apply(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                     int64_t num_groups, std::string_view activation,
                     const std::optional<at::Tensor>& x_tail = std::nullopt);
-Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps);
-Tensors2 statistics_meta(const at::Tensor& x, int64_t num_groups, double eps);
+Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps,
+                         const std::optional<at::Tensor>& x_tail = std::nullopt);
+Tensors2 statistics_meta(const at::Tensor& x, int64_t num_groups, double eps,
+                         const std::optional<at::Tensor>& x_tail = std::nullopt);
 at::Tensor apply_cuda(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
                       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                       int64_t num_groups, std::string_view activation,

@@ -29,6 +29,10 @@ struct Tensors {
   const T* dy;  // backward only
   T* out;       // y or dx
   Stats s;
+  // The forward statistics over two channels-last parts cat([x, x_tail], 1): x holds channels [0, c_head) as
+  // [N, S, c_head], x_tail the rest as [N, S, C - c_head]; null for one tensor.
+  const T* x_tail = nullptr;
+  int64_t c_head = 0;
 };
 
 // ------------------------------------------------------------------------------------------ reducers
@@ -105,6 +109,11 @@ __global__ __launch_bounds__(kThreads) void partial_cl_kernel(Tensors<T> t, int6
   const bool active = row < rows && c0 < s.C;
   const int64_t s_begin = chunk * s.s_per_chunk;
   const int64_t s_end = std::min(s_begin + s.s_per_chunk, s.S);
+  // The part this thread's channels lie in (a pack never straddles the parts: the plan's pack divides both).
+  const bool in_tail = t.x_tail != nullptr && c0 >= t.c_head;
+  const T* src = in_tail ? t.x_tail : t.x;
+  const int64_t src_c = t.x_tail == nullptr ? s.C : (in_tail ? s.C - t.c_head : t.c_head);
+  const int64_t src_c0 = in_tail ? c0 - t.c_head : c0;
 
   State st[VEC];
   if (active) {
@@ -112,11 +121,10 @@ __global__ __launch_bounds__(kThreads) void partial_cl_kernel(Tensors<T> t, int6
 #pragma unroll
     for (int j = 0; j < VEC; ++j) prm[j] = R::param(s, n, c0 + j);
     for (int64_t sp = s_begin + row; sp < s_end; sp += rows) {
-      const int64_t off = (n * s.S + sp) * s.C + c0;
       float x[VEC];
       float dy[VEC] = {};
-      load_float<T, VEC>(t.x + off, x);
-      if constexpr (R::kNeedsDy) load_float<T, VEC>(t.dy + off, dy);
+      load_float<T, VEC>(src + (n * s.S + sp) * src_c + src_c0, x);
+      if constexpr (R::kNeedsDy) load_float<T, VEC>(t.dy + (n * s.S + sp) * s.C + c0, dy);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) R::update(st[j], prm[j], x[j], dy[j]);
     }
@@ -451,6 +459,19 @@ void apply_parts_impl(const Problem& p, const Plan& plan, const ForwardArgs& a, 
 }
 
 template <typename T>
+void statistics_parts_typed(const Problem& p, const Plan& plan, const ForwardArgs& a, const void* x_tail,
+                            int64_t c_head, Stream stream) {
+  Tensors<T> t = forward_tensors<T>(p, plan, a);
+  t.x_tail = static_cast<const T*>(x_tail);
+  t.c_head = c_head;
+  if (plan.vec == 1) {
+    statistics_impl<T, 1>(p, plan, t, a, stream);
+  } else {
+    statistics_impl<T, 16 / sizeof(T)>(p, plan, t, a, stream);
+  }
+}
+
+template <typename T>
 void apply_parts_typed(const Problem& p, const Plan& plan, const ForwardArgs& a, const void* x_tail, int64_t c_head,
                        Stream stream) {
   if (plan.vec == 1) {
@@ -521,6 +542,11 @@ void statistics(const Problem& p, const Plan& plan, const ForwardArgs& args, Str
 
 void apply(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream) {
   forward_kind(p, plan, args, 2, stream);
+}
+
+void statistics_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, const void* x_tail,
+                      int64_t c_head, Stream stream) {
+  with_element_type(p.dtype, [&]<typename T>() { statistics_parts_typed<T>(p, plan, args, x_tail, c_head, stream); });
 }
 
 void apply_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, const void* x_tail, int64_t c_head,

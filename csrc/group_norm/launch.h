@@ -113,6 +113,17 @@ void apply_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, co
 inline int apply_parts_vec(const Plan& plan, int64_t c_head, int64_t c_total) {
   return (c_head % plan.vec == 0 && (c_total - c_head) % plan.vec == 0) ? plan.vec : 1;
 }
+// statistics over the channel concatenation cat([x, x_tail], 1) of two channels-last parts, never written (the
+// statistics of an up block's (hidden, skip) pair): p.C = both parts' channels, args.x the head [N, S, c_head], x_tail
+// [N, S, C - c_head]. The plan must come from make_plan(p, pointers_aligned && parts_packable(...)), so that its pack
+// divides both parts' channel counts.
+void statistics_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, const void* x_tail,
+                      int64_t c_head, Stream stream);
+// Whether a packed access can serve two parts of c_head and c_total - c_head channels (the pack divides both).
+inline bool parts_packable(DType dtype, int64_t c_head, int64_t c_total) {
+  const int v = max_vec(dtype);
+  return c_head % v == 0 && (c_total - c_head) % v == 0;
+}
 void backward(const Problem& p, const Plan& plan, const BackwardArgs& args, Stream stream);
 
 }  // namespace ldmopt::group_norm

@@ -15,7 +15,8 @@ CUDA_SCHEMAS = {
         "rstd, int num_groups, str activation) -> (Tensor dx, Tensor dweight, Tensor dbias)"
     ),
     "group_norm_stats_cuda": (
-        "ldmopt::group_norm_stats_cuda(Tensor x, int num_groups, float eps) -> (Tensor mean, Tensor rstd)"
+        "ldmopt::group_norm_stats_cuda(Tensor x, int num_groups, float eps, Tensor? x_tail=None) -> (Tensor mean, "
+        "Tensor rstd)"
     ),
     "group_norm_apply_cuda": (
         "ldmopt::group_norm_apply_cuda(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, int "

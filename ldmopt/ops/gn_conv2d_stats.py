@@ -3,8 +3,8 @@ rstd of an input, or of a two-part input ``cat([x, x_tail], 1)`` without the con
 the two-part input checks and the record of automatic fall-backs to the reference backend.
 
 Backends: cuda (ldmopt._C's GroupNorm statistics passes, when the extension is built: one C++ op call for the two
-launches; a one-part contiguous or channels-last x), triton (kernels/group_norm.py's Welford passes) and torch, the
-reference (fp32 statistics; fp64 for fp64).
+launches; a one-part contiguous or channels-last x, or two channels-last parts read in place), triton
+(kernels/group_norm.py's Welford passes) and torch, the reference (fp32 statistics; fp64 for fp64).
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def _stats_triton_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
 
 
 def _stats_cuda(x, num_groups, eps, x_tail=None):
-    return torch.ops.ldmopt.group_norm_stats_cuda(x, num_groups, eps)
+    if x_tail is None:
+        return torch.ops.ldmopt.group_norm_stats_cuda(x, num_groups, eps)
+    return torch.ops.ldmopt.group_norm_stats_cuda(x, num_groups, eps, x_tail)
 
 
 def cuda_one_part_refusals(symbol: str, x: Tensor, x_tail: Tensor | None, *others: Tensor | None) -> list[str]:
@@ -96,7 +98,30 @@ def cuda_one_part_refusals(symbol: str, x: Tensor, x_tail: Tensor | None, *other
     return reasons
 
 
+def _dense_channels_last(t: Tensor) -> bool:
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and t.numel() > 0
+
+
+def cuda_two_part_refusals(symbol: str, x: Tensor, x_tail: Tensor, *others: Tensor | None) -> list[str]:
+    """What the C++ ops ``symbol`` check of two parts (beyond what the op itself checked: their shapes agree but in
+    channels): one device, one dtype they serve, both parts dense channels-last 4-D tensors."""
+    reasons = cuda_extension_refusals(symbol, x, x_tail, *others)
+    if reasons:
+        return reasons
+    if any(t is not None and t.device != x.device for t in (x_tail, *others)):
+        reasons.append("tensors on more than one device")
+    if x.dtype not in _TRITON_DTYPES or x_tail.dtype != x.dtype:
+        reasons.append(f"parts of dtypes {x.dtype} and {x_tail.dtype} (the CUDA kernel serves one of fp32/fp16/bf16)")
+    for name, t in (("x", x), ("x_tail", x_tail)):
+        if not _dense_channels_last(t):
+            reasons.append(f"{name} of shape {tuple(t.shape)}, strides {t.stride()} is not a dense channels-last 4-D "
+                           "tensor")  # fmt: skip
+    return reasons
+
+
 def _stats_cuda_refuse(x: Tensor, x_tail: Tensor | None = None) -> list[str]:
+    if x_tail is not None:  # an up block's (hidden, skip): the parts read in place, channels-last
+        return cuda_two_part_refusals("group_norm_stats_cuda", x, x_tail)
     return cuda_one_part_refusals("group_norm_stats_cuda", x, x_tail) or cuda_shape_refusals(x)
 
 

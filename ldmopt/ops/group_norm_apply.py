@@ -25,11 +25,17 @@ from ._dispatch import (
     Backend,
     BackendTable,
     backend_counts,
-    cuda_extension_refusals,
     register_eager,
     triton_refusals,
 )
-from .gn_conv2d_stats import _TRITON_DTYPES, _cat, _check_tail, _stats_dtype, cuda_one_part_refusals
+from .gn_conv2d_stats import (
+    _TRITON_DTYPES,
+    _cat,
+    _check_tail,
+    _stats_dtype,
+    cuda_one_part_refusals,
+    cuda_two_part_refusals,
+)
 
 
 def normalize_reference(x: Tensor, mean: Tensor, rstd: Tensor, gw: Tensor | None, gb: Tensor | None, groups: int,
@@ -84,29 +90,9 @@ def _apply_cuda(x, mean, rstd, gw, gb, groups, act, x_tail=None):
     return torch.ops.ldmopt.group_norm_apply_cuda(x, mean, rstd, gw, gb, groups, act or "", x_tail)
 
 
-def _dense_channels_last(t: Tensor) -> bool:
-    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and t.numel() > 0
-
-
-def _parts_cuda_refusals(x, x_tail, mean, rstd, gw, gb) -> list[str]:
-    """What the C++ op checks of two parts (beyond what the op itself checked: their shapes agree but in channels)."""
-    reasons = cuda_extension_refusals("group_norm_apply_cuda", x, x_tail, mean, rstd, gw, gb)
-    if reasons:
-        return reasons
-    if any(t is not None and t.device != x.device for t in (x_tail, mean, rstd, gw, gb)):
-        reasons.append("tensors on more than one device")
-    if x.dtype not in _TRITON_DTYPES or x_tail.dtype != x.dtype:
-        reasons.append(f"parts of dtypes {x.dtype} and {x_tail.dtype} (the CUDA kernel serves one of fp32/fp16/bf16)")
-    for name, t in (("x", x), ("x_tail", x_tail)):
-        if not _dense_channels_last(t):
-            reasons.append(f"{name} of shape {tuple(t.shape)}, strides {t.stride()} is not a dense channels-last 4-D "
-                           "tensor")  # fmt: skip
-    return reasons
-
-
 def _apply_cuda_refuse(x, mean, rstd, gw, gb, groups, act, x_tail=None) -> list[str]:
     if x_tail is not None:
-        reasons = _parts_cuda_refusals(x, x_tail, mean, rstd, gw, gb)
+        reasons = cuda_two_part_refusals("group_norm_apply_cuda", x, x_tail, mean, rstd, gw, gb)
         if mean.dtype != torch.float32 or rstd.dtype != torch.float32:
             reasons.append(f"statistics dtype {mean.dtype} (the kernel reads fp32 mean/rstd)")
         return reasons

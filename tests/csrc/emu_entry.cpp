@@ -128,6 +128,24 @@ int emu_group_norm_statistics(const int64_t* dims, int channels_last, int dtype,
   });
 }
 
+// The statistics over two channels-last parts (group_norm_stats_cuda with x_tail): dims = {N, C (both parts), S, G},
+// x the head [N, S, c_head], x_tail [N, S, C - c_head]; the pack as the torch glue chooses it (parts_packable).
+int emu_group_norm_statistics_parts(const int64_t* dims, int64_t c_head, int dtype, const void* x, const void* x_tail,
+                                    float* mean, float* rstd, float eps, int64_t* plan_out) {
+  return guarded([&] {
+    const auto p = gn_problem(dims, 1, dtype, 0);
+    const bool packable = aligned16(x) && aligned16(x_tail) && ldmopt::group_norm::parts_packable(p.dtype, c_head, p.C);
+    const auto plan = ldmopt::group_norm::make_plan(p, packable);
+    write_plan(plan, plan_out);
+    const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
+    std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 2, -1e30f);
+    const ldmopt::group_norm::ForwardArgs args{
+        x,    nullptr, param(nullptr, 0), param(nullptr, 0), mean, rstd, part_a.data(), part_b.data(), coef.data(),
+        eps};
+    ldmopt::group_norm::statistics_parts(p, plan, args, x_tail, c_head, nullptr);
+  });
+}
+
 // The forward's elementwise pass from given statistics (group_norm_apply_cuda).
 int emu_group_norm_apply(const int64_t* dims, int channels_last, int dtype, int silu, const void* x, void* y,
                          const void* weight, const void* bias, const int* affine_dtypes, const float* mean,

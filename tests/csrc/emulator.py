@@ -135,6 +135,24 @@ class Emulator:
         self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
         return mean, rstd
 
+    def group_norm_stats_parts(self, x, x_tail, num_groups: int, eps: float):
+        """(mean, rstd) over cat([x, x_tail], 1) like torch.ops.ldmopt.group_norm_stats_cuda with x_tail
+        (channels-last parts), poisoned first."""
+        n, c_head, h, w_ = x.shape
+        c = c_head + x_tail.shape[1]
+        mean = torch.full((n, num_groups), float("nan"))
+        rstd = torch.full((n, num_groups), float("nan"))
+        dims = (ctypes.c_int64 * 4)(n, c, h * w_, num_groups)
+        plan = (ctypes.c_int64 * 5)()
+        self._check(
+            self.lib.emu_group_norm_statistics_parts(
+                dims, ctypes.c_int64(c_head), DTYPE_CODES[x.dtype], _ptr(x), _ptr(x_tail), _ptr(mean), _ptr(rstd),
+                ctypes.c_float(eps), plan,
+            )
+        )  # fmt: skip
+        self.last_plan = dict(zip(("vec", "s_per_chunk", "n_chunks", "tc", "n_cblocks"), list(plan)))
+        return mean, rstd
+
     def group_norm_apply(self, x, mean, rstd, weight, bias, num_groups: int, activation: str):
         """y like torch.ops.ldmopt.group_norm_apply_cuda (x's strides), poisoned first."""
         n, c, s, channels_last = self._ncs(x)

@@ -209,6 +209,39 @@ def test_group_norm_apply_over_two_parts(emu, schedule, c_head, c_tail, groups, 
         assert_within_torch_error(y, y64, y32.to(dtype), f"two-part apply {c_head}+{c_tail} {dtype} {activation!r}")
 
 
+@pytest.mark.parametrize(
+    "c_head,c_tail,groups,hw,vec",
+    [
+        ((16, 24, 8, (5, 7), {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8})),  # 16-byte packs in both
+        ((12, 20, 4, (5, 7), {torch.float32: 4, torch.float16: 1, torch.bfloat16: 1})),  # 12 % 8: one at a time
+        ((8, 5, 13, (3, 3), {torch.float32: 1, torch.float16: 1, torch.bfloat16: 1})),  # C = 13, a group a channel
+        ((3, 5, 2, (5, 7), {torch.float32: 1, torch.float16: 1, torch.bfloat16: 1})),  # group 0 straddles the parts
+        ((320, 320, 32, (9, 11), {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8})),  # SD1.5's last up block
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_group_norm_statistics_over_two_parts(emu, schedule, c_head, c_tail, groups, hw, vec, dtype):
+    """group_norm_stats_cuda with x_tail: the per-(n, group) mean and rstd of cat([x, x_tail], 1), each channel read
+    from the part it lies in (an up block's hidden state and skip), the concatenation never written."""
+    head = _gn_inputs((2, c_head, *hw), True, dtype)[0] + 3.0  # means far from zero, and unlike in the two parts
+    tail = _gn_inputs((2, c_tail, *hw), True, dtype)[0] * 2.0 - 1.5
+    mean, rstd = emu.group_norm_stats_parts(head, tail, groups, 1e-5)
+    assert emu.last_plan["vec"] == vec[dtype]
+    _, mean64, rstd64 = _fwd_torch(torch.cat([head, tail], 1).double(), None, None, groups, 1e-5, None)
+    assert_close(mean, mean64, torch.float32, f"two-part mean {c_head}+{c_tail} {dtype}")
+    assert_close(rstd, rstd64, torch.float32, f"two-part rstd {c_head}+{c_tail} {dtype}")
+
+
+def test_group_norm_statistics_over_two_unaligned_parts(emu):
+    head = emulator.misaligned(_gn_inputs((2, 16, 5, 5), True, torch.float16)[0])
+    tail = _gn_inputs((2, 8, 5, 5), True, torch.float16)[0] - 2.0
+    mean, rstd = emu.group_norm_stats_parts(head, tail, 6, 1e-5)
+    assert emu.last_plan["vec"] == 1
+    _, mean64, rstd64 = _fwd_torch(torch.cat([head, tail], 1).double(), None, None, 6, 1e-5, None)
+    assert_close(mean, mean64, torch.float32, "mean")
+    assert_close(rstd, rstd64, torch.float32, "rstd")
+
+
 # ------------------------------------------------------------------------------------------------ layer norm statistics
 
 

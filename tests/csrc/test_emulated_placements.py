@@ -18,7 +18,6 @@ from ldmopt import ops
 from ldmopt.ops import conv_epilogue as conv_module
 from ldmopt.ops import gn_conv2d_prologue, linear_cublas
 from ldmopt.ops import gn_conv2d_stats as gn_stats_module
-from ldmopt.ops import group_norm_apply as gn_apply_module
 from ldmopt.ops import layer_norm_apply as apply_module
 from ldmopt.ops import linear_epilogue as epilogue_module
 from ldmopt.ops._dispatch import backend_counts
@@ -53,11 +52,17 @@ def emulated_cuda(emu, monkeypatch):
             return emu.group_norm_apply(x, mean, rstd, weight, bias, groups, activation)
         return emu.group_norm_apply_parts(x, x_tail, mean, rstd, weight, bias, groups, activation)
 
-    for module in (epilogue_module, apply_module, conv_module, gn_apply_module, gn_stats_module, adaln_module):
+    def group_norm_stats_cuda(x, groups, eps, x_tail=None):
+        if x_tail is None:
+            return emu.group_norm_stats(x, groups, eps)
+        return emu.group_norm_stats_parts(x, x_tail, groups, eps)
+
+    # group_norm_apply's cuda refusals are gn_conv2d_stats' (cuda_one_part_refusals, cuda_two_part_refusals)
+    for module in (epilogue_module, apply_module, conv_module, gn_stats_module, adaln_module):
         monkeypatch.setattr(module, "cuda_extension_refusals", lambda *args: [])
     monkeypatch.setattr(torch.ops.ldmopt, "adaln_modulate_cuda", emu.adaln_modulate, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "group_norm_apply_cuda", group_norm_apply_cuda, raising=False)
-    monkeypatch.setattr(torch.ops.ldmopt, "group_norm_stats_cuda", emu.group_norm_stats, raising=False)
+    monkeypatch.setattr(torch.ops.ldmopt, "group_norm_stats_cuda", group_norm_stats_cuda, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "linear_epilogue_cuda", linear_epilogue_cuda, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "layer_norm_apply_cuda", layer_norm_apply_cuda, raising=False)
     monkeypatch.setattr(torch.ops.ldmopt, "conv_epilogue_cuda", conv_epilogue_cuda, raising=False)

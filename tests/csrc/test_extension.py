@@ -416,7 +416,7 @@ STATS_APPLY_INPUTS = {
 def test_statistics_and_apply_refusals_cover_what_the_cpp_ops_reject(case, monkeypatch):
     """What the cuda backends of gn_conv2d_stats and group_norm_apply accept, their C++ ops run (a refusal sends the
     input to triton instead of raising on a GPU); the statistics refuse nothing the kernels could read, and the apply
-    takes only the channels-last inputs whose output layout (x's) is the op's."""
+    takes only the channels-last inputs whose output layout (x's) is the op's; both take two channels-last parts."""
     stats_module = importlib.import_module("ldmopt.ops.gn_conv2d_stats")
     apply_module = importlib.import_module("ldmopt.ops.group_norm_apply")
     monkeypatch.setattr(stats_module, "cuda_extension_refusals", lambda *args: [])  # as where the extension is built
@@ -432,9 +432,12 @@ def test_statistics_and_apply_refusals_cover_what_the_cpp_ops_reject(case, monke
     if not refused:  # y in canonical channels-last strides (as the op's fake), whatever x's strides on size-1 dims
         y = gn_apply(x, st, st, None, None, groups, "silu")
         assert y.stride() == torch.empty_like(y, memory_format=torch.channels_last).stride()
-    assert stats_module._stats_cuda_refuse(x, x), "a two-part statistics pass goes to triton"
-    monkeypatch.setattr(apply_module, "cuda_extension_refusals", lambda *args: [])
-    # two parts (x twice): the C++ op reads each channel from its part, writing channels-last
+    # two parts (x twice): the C++ ops read each channel from its part (the apply writing channels-last)
+    refused = stats_module._stats_cuda_refuse(x, x)
+    assert (not refused) == cpp_runs(lambda: gn_stats(x, groups, 1e-5, x)), (case, refused)
+    if not refused:
+        mean, _ = gn_stats(x, groups, 1e-5, x)
+        assert mean.shape == (x.shape[0], groups) and mean.dtype == torch.float32
     refused = apply_module._apply_cuda_refuse(x, st, st, None, None, groups, "silu", x)
     assert (not refused) == cpp_runs(lambda: gn_apply(x, st, st, None, None, groups, "silu", x)), (case, refused)
     if not refused:

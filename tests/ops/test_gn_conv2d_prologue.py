@@ -178,7 +178,7 @@ def test_forced_sets_and_restores_the_variable(monkeypatch):
 
 def test_staged_pass_runs_on_the_cuda_backend_where_it_takes_the_input(staged, monkeypatch):
     """With ldmopt._C built, the staged normalisation is one C++ op call (group_norm_apply_cuda) instead of a Triton
-    launch, unless a backend is forced or the input comes in two parts; the conv itself stays on triton."""
+    launch (two channels-last parts too), unless a backend is forced; the conv itself stays on triton."""
     from ldmopt.ops import gn_conv2d_stats as stats_module
     from ldmopt.ops import group_norm_apply as apply_module
 
@@ -203,8 +203,11 @@ def test_staged_pass_runs_on_the_cuda_backend_where_it_takes_the_input(staged, m
     assert len(calls) == 1 and ldmopt.ops.backend_counts[("group_norm_apply", "triton")] == 1
     head, tail = _parts(2, 8, 4, 5, 7, torch.float32)
     gw2, gb2, w2, b2, _, _ = _block_params(12, 6, torch.float32)
-    gn_silu_conv2d((head, tail), gw2, gb2, 4, 1e-5, w2, b2, 1, 1)
-    assert len(calls) == 1 and ldmopt.ops.backend_counts[("group_norm_apply", "triton")] == 2
+    y2 = gn_silu_conv2d((head, tail), gw2, gb2, 4, 1e-5, w2, b2, 1, 1)  # an up block's (hidden, skip): one call too
+    assert calls[1:] == [head.shape] and ldmopt.ops.backend_counts[("group_norm_apply", "cuda")] == 2
+    with ldmopt.use_backend("torch"):
+        ref = gn_silu_conv2d((head, tail), gw2, gb2, 4, 1e-5, w2, b2, 1, 1)
+    torch.testing.assert_close(y2, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_staged_pass_honours_a_backend_forced_for_the_apply_op(staged, monkeypatch):
