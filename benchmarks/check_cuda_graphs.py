@@ -52,7 +52,9 @@ def _model(zoo: str, resolution: int, batch: int):
         torch.manual_seed(seed + 1)
         kwargs = dict(configs.example_inputs(model, resolution=None if TINY else resolution, batch=batch).kwargs)
         t = kwargs["timestep"]  # the zoo's inputs fix it at 999
-        kwargs["timestep"] = torch.randint_like(t, 1, 999) if not t.is_floating_point() else torch.rand_like(t) * 999
+        new = torch.randint_like(t, 1, 999) if not t.is_floating_point() else torch.rand_like(t) * 999
+        # A batch of timesteps as DiT-class pipelines pass it: one value expanded (a stride-0 view)
+        kwargs["timestep"] = new[:1].expand(t.shape[0]) if t.dim() == 1 else new
         calls.append(kwargs)
     return model, calls
 

@@ -17,13 +17,18 @@ may overwrite, whatever its signature: the graphs of one model share a memory po
 Each call that cannot replay runs the forward eagerly, and :class:`CudaGraphs` counts it under its reason
 (``graphs.eager_calls``, also in ``str(graphs)``); a reason is warned once per model. The reasons: autograd
 recording (pipelines run under ``torch.no_grad``), train mode, tensors off CUDA or on several devices, an argument
-that is neither a tensor nor a hashable value, a capture that failed (the key then stays eager).
+that is neither a tensor nor a hashable value, a non-tensor argument that takes a new value call after call (more than
+``MAX_VALUE_VARIANTS`` graphs for the same tensors: a Python-number timestep), hooks inside the model whose Python
+would run only at capture (diffusers' cache hooks, accelerate's offloading hooks, forward hooks on submodules), a
+capture that failed (the key then stays eager). Under autocast the capture casts from the weights themselves, not
+from autocast's weight cache, which is freed when the caller's autocast region ends.
 
-What a graph cannot see: it replays the kernels and addresses of its capture. Parameters that move (``.to()``,
-offloading hooks, ``.data =``) are noticed on each call (their addresses are compared) and the graphs recaptured; if
-they move on more than ``MAX_RECAPTURES`` calls the wrapper stays eager (offloading moves them every call). Other
-changes to the model after capture (new LoRA layers or adapter scales, hooks on submodules, ``ldmopt.patch``) are not
-noticed: call ``graphs.reset()`` after them (``ldmopt.patch``/``unpatch`` refuse a graphed model).
+What a graph cannot see: it replays the kernels and addresses of its capture. Parameters that move or are replaced
+(``.to()``, offloading, ``.data =``, ``load_state_dict(assign=True)``) are noticed on each call (their addresses are
+compared, the parameters held weakly) and the graphs recaptured; if that happens on more than ``MAX_RECAPTURES`` calls
+the wrapper stays eager (offloading moves them every call). Other changes to the model after capture (new LoRA
+layers or adapter scales, hooks added, ``ldmopt.patch``) are not noticed: call ``graphs.reset()`` after them, which
+also forgets why calls ran eagerly (``ldmopt.patch``/``unpatch`` refuse a graphed model).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -46,6 +52,9 @@ GRAPHED = "_ldmopt_cuda_graphs"
 DENOISERS = ("unet", "transformer", "transformer_2", "prior", "decoder")
 #: calls on which the parameters moved before the wrapper gives up and stays eager
 MAX_RECAPTURES = 2
+#: graphs captured for one set of tensor shapes that differ only in a non-tensor argument's value; a further value
+#: runs eagerly (a Python-number timestep would otherwise capture a graph every step)
+MAX_VALUE_VARIANTS = 3
 _MISSING = object()
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format)
 
@@ -88,6 +97,9 @@ def capture_graph(
 class CudaBackend:
     """Captures with torch.cuda (the tests stand in a backend that runs on the CPU)."""
 
+    def __init__(self):
+        self._last_stream: dict[torch.device, Any] = {}
+
     def supports(self, device: torch.device) -> str | None:
         if device.type != "cuda":
             return f"tensors on {device}: CUDA graphs hold CUDA work only"
@@ -99,7 +111,21 @@ class CudaBackend:
 
     def capture(self, run: Callable[[], Any], warmup: int, device: torch.device, pool: Any) -> tuple[Callable, Any]:
         graph, output = capture_graph(run, warmup, device, pool=pool)
-        return graph.replay, output
+
+        def replay():
+            graph.replay()
+            self._last_stream[device] = torch.cuda.current_stream(device)
+
+        self._last_stream[device] = torch.cuda.current_stream(device)
+        return replay, output
+
+    def order_after_last_replay(self, device: torch.device) -> None:
+        """Before a call copies into static buffers: a replay on another stream must be done with them (and with the
+        shared pool) first."""
+        last = self._last_stream.get(device)
+        current = torch.cuda.current_stream(device)
+        if last is not None and last != current:
+            current.wait_stream(last)
 
 
 _BACKEND: Any = CudaBackend()
@@ -122,8 +148,23 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 
 def _static_copy(t: torch.Tensor) -> torch.Tensor:
-    """A buffer with ``t``'s shape, strides and dtype (clone would make a non-dense view's buffer dense)."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    """A buffer with ``t``'s values and, where ``t`` is dense, its strides; an expanded or overlapping view (diffusers'
+    ``t.expand(batch)`` timesteps) gets a dense buffer, which later calls' views can be copied into."""
+    return torch.empty_like(t).copy_(t)
+
+
+def _stateful_hooks(model: nn.Module) -> str:
+    """What in ``model`` runs Python a graph would not replay: diffusers' hooks (caches such as FasterCache or
+    Pyramid Attention Broadcast decide per step), accelerate's (offloading), torch forward hooks on submodules. ""
+    when nothing does. The root's own hooks run outside its forward, on every call, and are fine."""
+    for name, module in model.named_modules():
+        if getattr(getattr(module, "_diffusers_hook", None), "hooks", None):
+            return f"diffusers hooks on {name or 'the model'} ({', '.join(module._diffusers_hook.hooks)})"
+        if getattr(module, "_hf_hook", None) is not None and module is not model:
+            return f"accelerate hooks on {name} (offloading)"
+        if module is not model and (module._forward_hooks or module._forward_pre_hooks):
+            return f"forward hooks on {name}"
+    return ""
 
 
 class GraphedMethod:
@@ -150,23 +191,25 @@ class GraphedMethod:
         self.disabled: str | None = None
         self._warned: set[str] = set()
         self._pool: Any = None
-        self._weights: list[torch.Tensor] = []
+        self._weights: list[weakref.ref] = []  # weak: a replaced parameter then reads as moved, and is not kept alive
         self._addresses: list[int] = []
+        self._variants: Counter[Any] = Counter()  # captures per key with the non-tensor values left out
         functools.update_wrapper(self, self.inner)  # __wrapped__, __doc__, __name__: inspect.signature still works
         self.__signature__ = inspect.signature(self.inner)
 
     # -- a call -----------------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            key, leaves, spec, device = self._key(args, kwargs)
+            key, tensors_key, leaves, spec, device = self._key(args, kwargs)
             graph = self.graphs.get(key)
             if graph is None:
                 if key in self.refused:
                     raise _Eager(self.refused[key])
-                return self._capture(key, leaves, spec, device, args, kwargs)
+                return self._capture(key, tensors_key, leaves, spec, device, args, kwargs)
         except _Eager as why:
             return self._eager(str(why), args, kwargs)
         self.graphs.move_to_end(key)
+        _BACKEND.order_after_last_replay(device)  # the static buffers are shared with the previous call's replay
         for static, t in zip(graph.static_inputs, (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))):
             static.copy_(t)
         graph.replay()
@@ -174,8 +217,9 @@ class GraphedMethod:
         self.replayed += 1
         return self._returned(graph.output)
 
-    def _key(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], Any, torch.device]:
-        """The call's signature, its flattened arguments and their spec, and the device of its tensors."""
+    def _key(self, args: tuple, kwargs: dict) -> tuple[Any, Any, list[Any], Any, torch.device]:
+        """The call's signature, the same with the non-tensor values left out (their types kept), its flattened
+        arguments and their spec, and the device of its tensors."""
         if self.disabled is not None:
             raise _Eager(self.disabled)
         if self.model.training:
@@ -183,11 +227,13 @@ class GraphedMethod:
         grad = torch.is_grad_enabled()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         parts: list[Any] = [spec, grad, torch.is_inference_mode_enabled()]
+        tensors_only = list(parts)
         devices: set[torch.device] = set()
         inputs_need_grad = False
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 parts.append(_tensor_key(leaf))
+                tensors_only.append(parts[-1])
                 devices.add(leaf.device)
                 inputs_need_grad |= leaf.requires_grad
                 continue
@@ -197,6 +243,7 @@ class GraphedMethod:
                 except TypeError:
                     raise _Eager(f"argument {i} is a {type(leaf).__name__}, neither a tensor nor hashable") from None
             parts.append((type(leaf), leaf))
+            tensors_only.append(type(leaf))
         if not devices:
             raise _Eager("no tensor arguments")
         if len(devices) > 1:
@@ -207,15 +254,19 @@ class GraphedMethod:
             raise _Eager(refusal)
         if grad and (inputs_need_grad or any(p.requires_grad for p in self.model.parameters())):
             raise _Eager("autograd is recording: call the model under torch.no_grad() or torch.inference_mode()")
-        if device.type == "cuda":
-            parts.append(torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
-        if self._addresses and [w.data_ptr() for w in self._weights] != self._addresses:
+        autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+        parts.append(autocast)
+        tensors_only.append(autocast)
+        if self._addresses and self._current_addresses() != self._addresses:
             self._weights_moved()
-        return tuple(parts), leaves, spec, device
+        return tuple(parts), tuple(tensors_only), leaves, spec, device
+
+    def _current_addresses(self) -> list[int]:
+        return [-1 if (w := ref()) is None else w.data_ptr() for ref in self._weights]
 
     def _weights_moved(self) -> None:
         self.recaptures += 1
-        self.reset()
+        self._drop()
         if self.recaptures > MAX_RECAPTURES:
             self.disabled = (
                 f"parameters moved on {self.recaptures} calls (offloading hooks, .to() between calls): eager from "
@@ -223,28 +274,50 @@ class GraphedMethod:
             )
             raise _Eager(self.disabled)
 
-    def _capture(self, key: Any, leaves: list[Any], spec: Any, device: torch.device, args: tuple, kwargs: dict) -> Any:
+    def _capture(
+        self, key: Any, tensors_key: Any, leaves: list[Any], spec: Any, device: torch.device, args: tuple, kwargs: dict
+    ) -> Any:
+        if self._variants[tensors_key] >= MAX_VALUE_VARIANTS:
+            raise _Eager(
+                f"a non-tensor argument took more than {MAX_VALUE_VARIANTS} values with the same tensors (a Python-"
+                "number timestep or scale?): each value would be a graph of its own; pass it as a tensor"
+            )
+        hooked = _stateful_hooks(self.model)
+        if hooked:
+            raise _Eager(f"{hooked}: their Python would run once, at capture, and never on replays")
         if len(self.graphs) >= self.max_graphs:  # the least recently used graph makes room
             self.graphs.popitem(last=False)
             self.evicted += 1
+        if not self.graphs:  # no graph holds the pool: a fresh one (a pool nothing uses may not be captured into)
+            self._pool = None
         if not self._addresses:
-            self._weights = [*self.model.parameters(), *self.model.buffers()]
-            self._addresses = [w.data_ptr() for w in self._weights]
-        if self._pool is None:
-            self._pool = _BACKEND.new_pool(device)
-        static_leaves = [_static_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        static_args, static_kwargs = pytree.tree_unflatten(static_leaves, spec)
+            weights = [*self.model.parameters(), *self.model.buffers()]
+            self._weights = [weakref.ref(w) for w in weights]
+            self._addresses = [w.data_ptr() for w in weights]
+        autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
 
         def run():
-            return self.inner(*static_args, **static_kwargs)
+            if not autocast:
+                return self.inner(*static_args, **static_kwargs)
+            # Autocast's cache of cast weights is freed when the caller's autocast region ends: a graph must cast
+            # from the weights themselves (torch.cuda.make_graphed_callables refuses the cache for that reason).
+            with torch.autocast(device.type, dtype=autocast, cache_enabled=False):
+                return self.inner(*static_args, **static_kwargs)
 
         try:
+            if self._pool is None:
+                self._pool = _BACKEND.new_pool(device)
+            static_leaves = [_static_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+            static_args, static_kwargs = pytree.tree_unflatten(static_leaves, spec)
             replay, output = _BACKEND.capture(run, self.warmup_calls, device, self._pool)
         except Exception as exc:  # the key stays eager; the reason names what capture raised
             first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
             self.refused[key] = f"capture failed: {type(exc).__name__}: {first_line}"
+            if not self.graphs:
+                self._pool = None  # a failed capture keeps its hold on the pool
             return self._eager(self.refused[key], args, kwargs)
         self.captures += 1
+        self._variants[tensors_key] += 1
         self.replayed += 1
         graph = _Graph([x for x in static_leaves if isinstance(x, torch.Tensor)], replay, output, replays=1)
         self.graphs[key] = graph  # the capture replayed it once: its output buffers hold this call's result
@@ -264,9 +337,17 @@ class GraphedMethod:
 
     # -- management -------------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop every graph and static buffer (the next call of each signature captures again)."""
+        """Drop every graph and static buffer, and forget why calls ran eagerly: the next call of each signature
+        captures again (after a change to the model, or the cause of an eager reason fixed)."""
+        self._drop()
+        self.disabled = None
+        self.recaptures = 0
+        self._warned.clear()
+
+    def _drop(self) -> None:
         self.graphs.clear()
         self.refused.clear()
+        self._variants.clear()
         self._weights, self._addresses = [], []
         self._pool = None
 
@@ -309,9 +390,16 @@ class CudaGraphs:
             wrapper.reset()
 
     def remove(self) -> None:
-        """Put each model's forward back as it was before :func:`cuda_graphs` and free its graphs."""
+        """Put each model's forward back as it was before :func:`cuda_graphs` and free its graphs; a model whose
+        method was replaced since is left as it is and named in the RuntimeError raised after the others."""
+        errors = []
         for wrapper in self.wrappers.values():
-            _uninstall(wrapper)
+            try:
+                _uninstall(wrapper)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise RuntimeError("\n".join(errors))
 
     def __str__(self) -> str:
         lines = ["ldmopt.cuda_graphs:"]

@@ -320,7 +320,7 @@ def _stale_key(key):
         if self.graphs:  # hand the replay the captured call's tensors instead of this call's
             leaves = [s for g in self.graphs.values() for s in g.static_inputs]
             it = iter(leaves)
-            return (out[0], [next(it) if isinstance(x, torch.Tensor) else x for x in out[1]], *out[2:])
+            return (*out[:2], [next(it) if isinstance(x, torch.Tensor) else x for x in out[2]], *out[3:])
         return out
 
     return stale
@@ -412,3 +412,107 @@ def test_the_cuda_backend_captures_into_the_shared_pool(monkeypatch):
     assert steps == ["wait", "run", "run", "wait", "capture", "run", "replay"]
     replay()
     assert steps[-1] == "replay"
+
+
+def test_expanded_timesteps_replay(backend):
+    """DiT-class pipelines pass ``t.expand(batch)``: a stride-0 view, which a buffer with its strides could not take."""
+    torch.manual_seed(0)
+    model = build_model("dit", "cpu", torch.float32, tiny=True).eval()
+    inputs = ldmopt.configs.example_inputs(model, batch=2).kwargs
+    calls = []
+    for step in range(3):
+        kw = dict(inputs, hidden_states=torch.randn_like(inputs["hidden_states"]))
+        kw["timestep"] = torch.tensor(900 - 100 * step).expand(2)
+        calls.append(kw)
+    with torch.no_grad():
+        expected = [model(**kw)[0] for kw in calls]
+        handle = ldmopt.cuda_graphs(model)
+        got = [model(**kw)[0] for kw in calls]
+    assert backend.captures == 1 and handle.replays == 3, str(handle)
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    handle.remove()
+
+
+def test_capture_under_autocast_casts_from_the_weights(backend):
+    """Autocast's cache of cast weights is freed when the caller's region ends: the capture runs without it."""
+    seen = []
+
+    class Recording(Toy):
+        def forward(self, x):
+            seen.append(torch.is_autocast_cache_enabled())
+            return super().forward(x)
+
+    toy = Recording().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    x = torch.randn(2, 5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_cache_enabled()
+        assert toy(x)["out"].dtype == torch.float32  # a mul: autocast leaves it
+        toy(x)
+    autocast_calls = len(seen)
+    with torch.no_grad():
+        toy(x)  # autocast off: another key
+    assert handle.wrappers["Recording"].captures == 2 and handle.replays == 3
+    assert seen[:autocast_calls] == [False] * autocast_calls and all(seen[autocast_calls:])
+    handle.remove()
+
+
+def test_a_number_that_changes_every_call_stops_capturing(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    wrapper = handle.wrappers["Toy"]
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="a non-tensor argument took more than 3 values"):
+            for step in range(6):
+                torch.testing.assert_close(toy(x, scale=0.1 * step)["out"], x * toy.weight * 0.1 * step)
+        toy(x, scale=0.0)  # a value captured before still replays
+    assert wrapper.captures == graphs.MAX_VALUE_VARIANTS and sum(wrapper.eager_calls.values()) == 3
+    assert wrapper.replays == graphs.MAX_VALUE_VARIANTS + 1
+    handle.remove()
+
+
+def test_hooks_inside_the_model_keep_it_eager(backend):
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model = _unet()
+    kw = _unet_inputs(model)
+    handle = ldmopt.cuda_graphs(model)
+    hook = model.down_blocks[0].register_forward_hook(lambda module, args, out: None)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"forward hooks on down_blocks\.0: their Python would"):
+        model(**kw)
+    hook.remove()
+    HookRegistry.check_if_exists_or_initialize(model.mid_block).register_hook(ModelHook(), "a_cache")
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"diffusers hooks on mid_block \(a_cache\)"):
+        model(**kw)
+    assert backend.captures == 0
+    handle.remove()
+
+
+def test_replaced_parameters_are_noticed_and_reset_starts_over(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    wrapper = handle.wrappers["Toy"]
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        toy(x)
+        toy.weight = torch.nn.Parameter(torch.randn(5))  # a new object: load_state_dict(assign=True) does this
+        torch.testing.assert_close(toy(x)["out"], x * toy.weight, rtol=0, atol=0)
+    assert wrapper.recaptures == 1 and wrapper.captures == 2
+    wrapper.disabled = "given up"
+    handle.reset()
+    with torch.no_grad():
+        toy(x)
+    assert wrapper.disabled is None and wrapper.recaptures == 0 and wrapper.captures == 3
+    handle.remove()
+
+
+def test_a_pool_no_graph_holds_is_not_captured_into_again(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy, max_graphs=1)
+    with torch.no_grad():
+        for n in (1, 2, 3):
+            toy(torch.randn(n, 5))
+    assert backend.pools == 3 and handle.wrappers["Toy"].evicted == 2
+    handle.remove()

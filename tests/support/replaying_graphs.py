@@ -19,13 +19,18 @@ class ReplayingBackend:
         self.captures = 0
         self.replays = 0
         self.warmups = 0
+        self.pools = 0
         self.fail: Exception | None = None
 
     def supports(self, device):
         return None if device.type == "cpu" else f"the test backend runs on the CPU, not {device}"
 
     def new_pool(self, device):
+        self.pools += 1
         return object()
+
+    def order_after_last_replay(self, device):
+        pass
 
     def capture(self, run, warmup, device, pool):
         if self.fail is not None:
