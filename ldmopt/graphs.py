@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import warnings
 import weakref
 from collections import Counter, OrderedDict
@@ -190,6 +191,7 @@ class GraphedMethod:
         self.recaptures = 0
         self.disabled: str | None = None
         self._warned: set[str] = set()
+        self._lock = threading.RLock()
         self._pool: Any = None
         self._weights: list[weakref.ref] = []  # weak: a replaced parameter then reads as moved, and is not kept alive
         self._addresses: list[int] = []
@@ -199,15 +201,21 @@ class GraphedMethod:
 
     # -- a call -----------------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            key, tensors_key, leaves, spec, device = self._key(args, kwargs)
-            graph = self.graphs.get(key)
-            if graph is None:
-                if key in self.refused:
-                    raise _Eager(self.refused[key])
-                return self._capture(key, tensors_key, leaves, spec, device, args, kwargs)
-        except _Eager as why:
-            return self._eager(str(why), args, kwargs)
+        # One call at a time through the graphs: calls from two threads would share the static buffers.
+        with self._lock:
+            try:
+                key, tensors_key, leaves, spec, device = self._key(args, kwargs)
+                graph = self.graphs.get(key)
+                if graph is None:
+                    if key in self.refused:
+                        raise _Eager(self.refused[key])
+                    return self._capture(key, tensors_key, leaves, spec, device, args, kwargs)
+                return self._replay(key, graph, leaves, device)
+            except _Eager as why:
+                reason = str(why)
+        return self._eager(reason, args, kwargs)
+
+    def _replay(self, key: Any, graph: _Graph, leaves: list[Any], device: torch.device) -> Any:
         self.graphs.move_to_end(key)
         _BACKEND.order_after_last_replay(device)  # the static buffers are shared with the previous call's replay
         for static, t in zip(graph.static_inputs, (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))):

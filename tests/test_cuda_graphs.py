@@ -516,3 +516,39 @@ def test_a_pool_no_graph_holds_is_not_captured_into_again(backend):
             toy(torch.randn(n, 5))
     assert backend.pools == 3 and handle.wrappers["Toy"].evicted == 2
     handle.remove()
+
+
+def test_calls_from_threads_take_turns_at_the_static_buffers(backend):
+    import threading
+
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    wrapper = handle.wrappers["Toy"]
+    replay = backend.capture
+
+    def capture(run, warmup, device, pool):
+        inner, output = replay(run, warmup, device, pool)
+
+        def checked():
+            assert wrapper._lock._is_owned(), "a replay outside the wrapper's lock"
+            inner()
+
+        return checked, output
+
+    backend.capture = capture
+    inputs = [torch.randn(2, 5) for _ in range(8)]
+    results = [None] * 8
+
+    def call(i):
+        with torch.no_grad():
+            results[i] = toy(inputs[i])["out"]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, out in zip(inputs, results, strict=True):
+        torch.testing.assert_close(out, x * toy.weight, rtol=0, atol=0)
+    assert wrapper.captures == 1 and wrapper.replays == 8
+    handle.remove()
