@@ -343,6 +343,13 @@ class GraphedMethod:
             warnings.warn(f"ldmopt.cuda_graphs: {self.label} runs eagerly: {reason}", RuntimeWarning, stacklevel=3)
         return self.inner(*args, **kwargs)
 
+    def __reduce__(self):
+        # deepcopy and pickle of a graphed model reach here: a copy cannot share the graphs, nor the lock.
+        raise TypeError(
+            f"ldmopt.cuda_graphs: {self.label}.{self.method} is replayed from CUDA graphs, which cannot be copied or "
+            "pickled; remove them first (graphs.remove()), copy, then graph again (state_dict() needs no removal)"
+        )
+
     # -- management -------------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop every graph and static buffer, and forget why calls ran eagerly: the next call of each signature

@@ -552,3 +552,17 @@ def test_calls_from_threads_take_turns_at_the_static_buffers(backend):
         torch.testing.assert_close(out, x * toy.weight, rtol=0, atol=0)
     assert wrapper.captures == 1 and wrapper.replays == 8
     handle.remove()
+
+
+def test_a_graphed_model_refuses_copies_with_a_clear_error(backend):
+    import copy
+    import pickle
+
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    for copier in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"Toy\.forward is replayed from CUDA graphs, which cannot be copied"):
+            copier(toy)
+    assert set(toy.state_dict()) == {"weight"}
+    handle.remove()
+    copy.deepcopy(toy)
