@@ -201,6 +201,8 @@ class GraphedMethod:
 
     # -- a call -----------------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced by torch.compile: the forward itself ("reduce-overhead" graphs it)
+            return self.inner(*args, **kwargs)
         # One call at a time through the graphs: calls from two threads would share the static buffers.
         with self._lock:
             try:

@@ -566,3 +566,15 @@ def test_a_graphed_model_refuses_copies_with_a_clear_error(backend):
     assert set(toy.state_dict()) == {"weight"}
     handle.remove()
     copy.deepcopy(toy)
+
+
+def test_torch_compile_of_a_graphed_model_traces_the_forward_itself(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    compiled = torch.compile(toy, backend="eager", fullgraph=True)
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        out = compiled(x)
+    torch.testing.assert_close(out["out"], x * toy.weight, rtol=0, atol=0)
+    assert backend.captures == 0 and not handle.wrappers["Toy"].eager_calls
+    handle.remove()
