@@ -23,12 +23,14 @@ would run only at capture (diffusers' cache hooks, accelerate's offloading hooks
 capture that failed (the key then stays eager). Under autocast the capture casts from the weights themselves, not
 from autocast's weight cache, which is freed when the caller's autocast region ends.
 
-What a graph cannot see: it replays the kernels and addresses of its capture. Parameters that move or are replaced
-(``.to()``, offloading, ``.data =``, ``load_state_dict(assign=True)``) are noticed on each call (their addresses are
-compared, the parameters held weakly) and the graphs recaptured; if that happens on more than ``MAX_RECAPTURES`` calls
-the wrapper stays eager (offloading moves them every call). Other changes to the model after capture (new LoRA
-layers or adapter scales, hooks added, ``ldmopt.patch``) are not noticed: call ``graphs.reset()`` after them, which
-also forgets why calls ran eagerly (``ldmopt.patch``/``unpatch`` refuse a graphed model).
+What a graph cannot see: it replays the kernels and addresses of its capture. Parameters and buffers that move or
+are replaced (``.to()``, ``.data =``, ``load_state_dict(assign=True)``) are noticed on each call (their addresses,
+those of a quantized weight's parts, are compared with the capture's, the objects held weakly) and the graphs
+recaptured; if that happens on more than ``MAX_RECAPTURES`` calls the wrapper stays eager. Not noticed (walking the
+model's modules on every call would cost about a millisecond for a UNet): a parameter replaced while something else
+still holds the old one, new LoRA layers or adapter scales, hooks added after a capture (global module hooks at any
+time), ``ldmopt.patch``: call ``graphs.reset()`` after such changes, which also forgets why calls ran eagerly
+(``ldmopt.patch``/``unpatch`` refuse a graphed model).
 """
 
 from __future__ import annotations
@@ -156,16 +158,27 @@ def _static_copy(t: torch.Tensor) -> torch.Tensor:
 
 def _stateful_hooks(model: nn.Module) -> str:
     """What in ``model`` runs Python a graph would not replay: diffusers' hooks (caches such as FasterCache or
-    Pyramid Attention Broadcast decide per step), accelerate's (offloading), torch forward hooks on submodules. ""
-    when nothing does. The root's own hooks run outside its forward, on every call, and are fine."""
+    Pyramid Attention Broadcast decide per step), accelerate's (offloading: the root's wraps its forward, so it runs
+    inside the wrapped call), torch forward hooks on submodules. "" when nothing does. The root's own torch hooks run
+    outside its forward, on every call, and are fine."""
     for name, module in model.named_modules():
+        where = name or "the model"
         if getattr(getattr(module, "_diffusers_hook", None), "hooks", None):
-            return f"diffusers hooks on {name or 'the model'} ({', '.join(module._diffusers_hook.hooks)})"
-        if getattr(module, "_hf_hook", None) is not None and module is not model:
-            return f"accelerate hooks on {name} (offloading)"
+            return f"diffusers hooks on {where} ({', '.join(module._diffusers_hook.hooks)})"
+        if getattr(module, "_hf_hook", None) is not None:
+            return f"accelerate hooks on {where} (offloading or device placement)"
         if module is not model and (module._forward_hooks or module._forward_pre_hooks):
             return f"forward hooks on {name}"
     return ""
+
+
+def _data_addresses(t: torch.Tensor) -> Any:
+    """Where ``t``'s data lies: its data pointer, or for a wrapper subclass (quantized weights: data_ptr() is 0) the
+    pointers of the tensors it is made of."""
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return t.data_ptr()
+    names, _ = t.__tensor_flatten__()
+    return tuple(_data_addresses(getattr(t, name)) for name in names)
 
 
 class GraphedMethod:
@@ -195,7 +208,7 @@ class GraphedMethod:
         self._pool: Any = None
         self._weights: list[weakref.ref] = []  # weak: a replaced parameter then reads as moved, and is not kept alive
         self._addresses: list[int] = []
-        self._variants: Counter[Any] = Counter()  # captures per key with the non-tensor values left out
+        self._variants: dict[Any, set] = {}  # keys captured per key with the non-tensor values left out
         functools.update_wrapper(self, self.inner)  # __wrapped__, __doc__, __name__: inspect.signature still works
         self.__signature__ = inspect.signature(self.inner)
 
@@ -272,7 +285,7 @@ class GraphedMethod:
         return tuple(parts), tuple(tensors_only), leaves, spec, device
 
     def _current_addresses(self) -> list[int]:
-        return [-1 if (w := ref()) is None else w.data_ptr() for ref in self._weights]
+        return [-1 if (w := ref()) is None else _data_addresses(w) for ref in self._weights]
 
     def _weights_moved(self) -> None:
         self.recaptures += 1
@@ -287,7 +300,8 @@ class GraphedMethod:
     def _capture(
         self, key: Any, tensors_key: Any, leaves: list[Any], spec: Any, device: torch.device, args: tuple, kwargs: dict
     ) -> Any:
-        if self._variants[tensors_key] >= MAX_VALUE_VARIANTS:
+        variants = self._variants.setdefault(tensors_key, set())
+        if key not in variants and len(variants) >= MAX_VALUE_VARIANTS:
             raise _Eager(
                 f"a non-tensor argument took more than {MAX_VALUE_VARIANTS} values with the same tensors (a Python-"
                 "number timestep or scale?): each value would be a graph of its own; pass it as a tensor"
@@ -300,10 +314,6 @@ class GraphedMethod:
             self.evicted += 1
         if not self.graphs:  # no graph holds the pool: a fresh one (a pool nothing uses may not be captured into)
             self._pool = None
-        if not self._addresses:
-            weights = [*self.model.parameters(), *self.model.buffers()]
-            self._weights = [weakref.ref(w) for w in weights]
-            self._addresses = [w.data_ptr() for w in weights]
         autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
 
         def run():
@@ -327,7 +337,11 @@ class GraphedMethod:
                 self._pool = None  # a failed capture keeps its hold on the pool
             return self._eager(self.refused[key], args, kwargs)
         self.captures += 1
-        self._variants[tensors_key] += 1
+        variants.add(key)
+        if not self._addresses:  # after the capture: where the graph reads the weights (warm-up may have moved them)
+            weights = [*self.model.parameters(), *self.model.buffers()]
+            self._weights = [weakref.ref(w) for w in weights]
+            self._addresses = [_data_addresses(w) for w in weights]
         self.replayed += 1
         graph = _Graph([x for x in static_leaves if isinstance(x, torch.Tensor)], replay, output, replays=1)
         self.graphs[key] = graph  # the capture replayed it once: its output buffers hold this call's result
@@ -356,10 +370,11 @@ class GraphedMethod:
     def reset(self) -> None:
         """Drop every graph and static buffer, and forget why calls ran eagerly: the next call of each signature
         captures again (after a change to the model, or the cause of an eager reason fixed)."""
-        self._drop()
-        self.disabled = None
-        self.recaptures = 0
-        self._warned.clear()
+        with self._lock:  # not in the middle of another thread's capture
+            self._drop()
+            self.disabled = None
+            self.recaptures = 0
+            self._warned.clear()
 
     def _drop(self) -> None:
         self.graphs.clear()
@@ -446,6 +461,11 @@ def _install(model: nn.Module, label: str, **options: Any) -> GraphedMethod:
 
 
 def _uninstall(wrapper: GraphedMethod) -> None:
+    with wrapper._lock:  # not while another thread replays or captures
+        _uninstall_locked(wrapper)
+
+
+def _uninstall_locked(wrapper: GraphedMethod) -> None:
     model = wrapper.model
     if model.__dict__.get(GRAPHED) is not wrapper:
         return  # removed already

@@ -578,3 +578,38 @@ def test_torch_compile_of_a_graphed_model_traces_the_forward_itself(backend):
     torch.testing.assert_close(out["out"], x * toy.weight, rtol=0, atol=0)
     assert backend.captures == 0 and not handle.wrappers["Toy"].eager_calls
     handle.remove()
+
+
+def test_signatures_evicted_and_back_are_not_counted_as_new_values(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy, max_graphs=1)
+    a, b = torch.randn(1, 5), torch.randn(2, 5)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager call
+        for _ in range(4):
+            toy(a)
+            toy(b)
+    assert handle.wrappers["Toy"].captures == 8 and not handle.wrappers["Toy"].eager_calls
+    handle.remove()
+
+
+def test_offloading_hooks_on_the_model_itself_keep_it_eager(backend):
+    toy = Toy().eval()
+    handle = ldmopt.cuda_graphs(toy)
+    toy._hf_hook = object()  # accelerate's cpu offload wraps the model's own forward
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="accelerate hooks on the model"):
+        toy(torch.randn(2, 5))
+    assert backend.captures == 0
+    handle.remove()
+
+
+def test_wrapper_subclass_weights_are_guarded_through_their_parts():
+    class Packed(torch.Tensor):  # stands for a quantized weight: its data lives in the tensors it flattens to
+        def __tensor_flatten__(self):
+            return ["qdata", "scale"], None
+
+    inner = torch.randn(3)
+    packed = torch.randn(3).as_subclass(Packed)
+    packed.qdata, packed.scale = inner, torch.ones(1)
+    assert graphs._data_addresses(packed) == (inner.data_ptr(), packed.scale.data_ptr())
+    assert graphs._data_addresses(inner) == inner.data_ptr()

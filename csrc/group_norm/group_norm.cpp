@@ -253,9 +253,8 @@ Tensors2 statistics_cuda(const at::Tensor& x, int64_t num_groups, double eps,
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor mean = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
   at::Tensor rstd = new_output(at::empty({p.N, p.G}, x.options().dtype(at::kFloat)));
-  const bool packable = aligned16(x.data_ptr()) &&
-                        (!parts || (aligned16(x_tail->data_ptr()) && parts_packable(p.dtype, x.size(1), p.C)));
-  const Plan plan = make_plan(p, packable);
+  const Plan plan = parts ? make_parts_plan(p, aligned16(x.data_ptr()) && aligned16(x_tail->data_ptr()), x.size(1))
+                          : make_plan(p, aligned16(x.data_ptr()));
   const Scratch scratch = forward_scratch(p, plan, x, true);
   const ForwardArgs args{x.data_ptr(),
                          nullptr,
@@ -296,8 +295,7 @@ at::Tensor apply_cuda(const at::Tensor& x, const at::Tensor& mean_in, const at::
                                   : at::empty_like(x));
   const bool aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) &&
                        (!parts || aligned16(x_tail->data_ptr()));
-  Plan plan = make_plan(p, aligned);
-  if (parts) plan.vec = apply_parts_vec(plan, x.size(1), p.C);
+  const Plan plan = parts ? make_parts_plan(p, aligned, x.size(1)) : make_plan(p, aligned);
   const Scratch scratch = forward_scratch(p, plan, x, false);
   // The kernels read the statistics through the forward's (writable) pointers; apply only reads them.
   const ForwardArgs args{x.data_ptr(),

@@ -105,24 +105,23 @@ void statistics(const Problem& p, const Plan& plan, const ForwardArgs& args, Str
 void apply(const Problem& p, const Plan& plan, const ForwardArgs& args, Stream stream);
 // apply over the channel concatenation cat([x, x_tail], 1) of two channels-last parts (an up block's hidden state and
 // skip), never written: p.C = c_head + the tail's channels; args.x is the head [N, S, c_head], x_tail [N, S, C -
-// c_head], y [N, S, C]. The pack must not straddle the parts: the caller gives plan.vec = 1 unless both channel
-// counts are multiples of it (apply_parts_vec).
+// c_head], y [N, S, C]. The plan must come from make_parts_plan (no pack straddles the parts).
 void apply_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, const void* x_tail, int64_t c_head,
                  Stream stream);
-// The pack apply_parts may use: plan.vec when both parts' channel counts are multiples of it, else 1.
-inline int apply_parts_vec(const Plan& plan, int64_t c_head, int64_t c_total) {
-  return (c_head % plan.vec == 0 && (c_total - c_head) % plan.vec == 0) ? plan.vec : 1;
-}
 // statistics over the channel concatenation cat([x, x_tail], 1) of two channels-last parts, never written (the
 // statistics of an up block's (hidden, skip) pair): p.C = both parts' channels, args.x the head [N, S, c_head], x_tail
-// [N, S, C - c_head]. The plan must come from make_plan(p, pointers_aligned && parts_packable(...)), so that its pack
-// divides both parts' channel counts.
+// [N, S, C - c_head]. The plan must come from make_parts_plan.
 void statistics_parts(const Problem& p, const Plan& plan, const ForwardArgs& args, const void* x_tail,
                       int64_t c_head, Stream stream);
 // Whether a packed access can serve two parts of c_head and c_total - c_head channels (the pack divides both).
 inline bool parts_packable(DType dtype, int64_t c_head, int64_t c_total) {
   const int v = max_vec(dtype);
   return c_head % v == 0 && (c_total - c_head) % v == 0;
+}
+// The plan of the two-part passes (statistics_parts, apply_parts): packed accesses only where the pack divides both
+// parts' channel counts, so that none straddles them; pointers_aligned covers every pointer the pass reads or writes.
+inline Plan make_parts_plan(const Problem& p, bool pointers_aligned, int64_t c_head) {
+  return make_plan(p, pointers_aligned && parts_packable(p.dtype, c_head, p.C));
 }
 void backward(const Problem& p, const Plan& plan, const BackwardArgs& args, Stream stream);
 

@@ -129,13 +129,12 @@ int emu_group_norm_statistics(const int64_t* dims, int channels_last, int dtype,
 }
 
 // The statistics over two channels-last parts (group_norm_stats_cuda with x_tail): dims = {N, C (both parts), S, G},
-// x the head [N, S, c_head], x_tail [N, S, C - c_head]; the pack as the torch glue chooses it (parts_packable).
+// x the head [N, S, c_head], x_tail [N, S, C - c_head]; the plan as the torch glue makes it (make_parts_plan).
 int emu_group_norm_statistics_parts(const int64_t* dims, int64_t c_head, int dtype, const void* x, const void* x_tail,
                                     float* mean, float* rstd, float eps, int64_t* plan_out) {
   return guarded([&] {
     const auto p = gn_problem(dims, 1, dtype, 0);
-    const bool packable = aligned16(x) && aligned16(x_tail) && ldmopt::group_norm::parts_packable(p.dtype, c_head, p.C);
-    const auto plan = ldmopt::group_norm::make_plan(p, packable);
+    const auto plan = ldmopt::group_norm::make_parts_plan(p, aligned16(x) && aligned16(x_tail), c_head);
     write_plan(plan, plan_out);
     const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
     std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 2, -1e30f);
@@ -161,14 +160,14 @@ int emu_group_norm_apply(const int64_t* dims, int channels_last, int dtype, int 
 }
 
 // dims = {N, C (both parts), S, G}; x the head [N, S, c_head], x_tail [N, S, C - c_head], y [N, S, C] channels-last.
-// The pack as the torch glue chooses it (apply_parts_vec).
+// The plan as the torch glue makes it (make_parts_plan).
 int emu_group_norm_apply_parts(const int64_t* dims, int64_t c_head, int dtype, int silu, const void* x,
                                const void* x_tail, void* y, const void* weight, const void* bias,
                                const int* affine_dtypes, const float* mean, const float* rstd, int64_t* plan_out) {
   return guarded([&] {
     const auto p = gn_problem(dims, 1, dtype, silu);
-    auto plan = ldmopt::group_norm::make_plan(p, aligned16(x) && aligned16(x_tail) && aligned16(y));
-    plan.vec = ldmopt::group_norm::apply_parts_vec(plan, c_head, p.C);
+    const bool aligned = aligned16(x) && aligned16(x_tail) && aligned16(y);
+    const auto plan = ldmopt::group_norm::make_parts_plan(p, aligned, c_head);
     write_plan(plan, plan_out);
     std::vector<float> coef(p.N * p.C * 2, -1e30f);
     const auto args = apply_args(x, y, weight, bias, affine_dtypes, mean, rstd, coef.data());

@@ -232,14 +232,27 @@ def test_group_norm_statistics_over_two_parts(emu, schedule, c_head, c_tail, gro
     assert_close(rstd, rstd64, torch.float32, f"two-part rstd {c_head}+{c_tail} {dtype}")
 
 
-def test_group_norm_statistics_over_two_unaligned_parts(emu):
-    head = emulator.misaligned(_gn_inputs((2, 16, 5, 5), True, torch.float16)[0])
+@pytest.mark.parametrize("misaligned_part", ["head", "tail"])
+def test_group_norm_two_part_passes_with_one_part_unaligned(emu, misaligned_part):
+    """Either part off 16-byte alignment: the statistics and the apply read one element at a time (the emulator
+    checks every packed access's alignment, so a plan that ignored the tail's pointer would fail here)."""
+    head = _gn_inputs((2, 16, 5, 5), True, torch.float16)[0]
     tail = _gn_inputs((2, 8, 5, 5), True, torch.float16)[0] - 2.0
+    if misaligned_part == "head":
+        head = emulator.misaligned(head)
+    else:
+        tail = emulator.misaligned(tail)
+    cat = torch.cat([head, tail], 1)
     mean, rstd = emu.group_norm_stats_parts(head, tail, 6, 1e-5)
     assert emu.last_plan["vec"] == 1
-    _, mean64, rstd64 = _fwd_torch(torch.cat([head, tail], 1).double(), None, None, 6, 1e-5, None)
+    _, mean64, rstd64 = _fwd_torch(cat.double(), None, None, 6, 1e-5, None)
     assert_close(mean, mean64, torch.float32, "mean")
     assert_close(rstd, rstd64, torch.float32, "rstd")
+    y = emu.group_norm_apply_parts(head, tail, mean64.float(), rstd64.float(), None, None, 6, "silu")
+    assert emu.last_plan["vec"] == 1
+    y64 = _apply_reference(cat, mean64, rstd64, None, None, 6, "silu", torch.float64)
+    y32 = _apply_reference(cat, mean64.float(), rstd64.float(), None, None, 6, "silu", torch.float32)
+    assert_within_torch_error(y, y64, y32.half(), f"two-part apply, {misaligned_part} unaligned")
 
 
 # ------------------------------------------------------------------------------------------------ layer norm statistics
