@@ -1,6 +1,8 @@
 """End-to-end denoising steps of real-size models (random weights from the embedded configs, no downloads).
 
-Providers per model: diffusers eager (SDPA, channels-last), ldmopt.patch, ldmopt.tune (patched only where each
+Providers per model: diffusers eager (SDPA, channels-last), ldmopt.patch, each also replayed by ``ldmopt.cuda_graphs``
+(``eager-cuda-graphs``, ``ldmopt-cuda-graphs``: what a user's eager pipeline gets, static-buffer copies included),
+ldmopt.tune (patched only where each
 module's fused forward measured faster on this GPU, the step itself as tune's run(); its per-site table is written
 to results/e2e_tuning_<model>.txt, and its choice, for ``ldmopt.patch_tuned``, to .choice.json beside it;
 ``ldmopt-tuned-graph``: timed as CUDA graph replays, the choice for a captured model, whose ``+graph`` row is the one
@@ -36,12 +38,13 @@ MODELS = {
 }
 QUICK = ("sd15-512", "dit-256", "animatediff-512x16")
 PROVIDERS = (
-    "eager", "ldmopt", "ldmopt-tuned", "ldmopt-tuned-graph", "eager-cuda-graphs", "ldmopt-cuda-graphs", "compile",
+    "eager", "ldmopt", "eager-cuda-graphs", "ldmopt-cuda-graphs", "ldmopt-tuned", "ldmopt-tuned-graph", "compile",
     "ldmopt+compile",
 )  # fmt: skip
 # Quick mode (run_gpu.sh's ~8-minute budget): max-autotune compiles of whole UNets take minutes each, so only the
-# eager, patched and tuned providers run (tune times ~4 configurations of 5 steps each); --full runs all six.
-QUICK_PROVIDERS = ("eager", "ldmopt", "ldmopt-tuned", "ldmopt-tuned-graph", "eager-cuda-graphs", "ldmopt-cuda-graphs")
+# eager, patched, graphed and tuned providers run, the cheap ones first (tune times ~4 configurations of 5 steps
+# each), so that a run cut at its budget still has them; --full runs all eight.
+QUICK_PROVIDERS = ("eager", "ldmopt", "eager-cuda-graphs", "ldmopt-cuda-graphs", "ldmopt-tuned", "ldmopt-tuned-graph")
 _CATEGORY_SPLITS: dict[str, dict] = {}
 _GRAPHS: dict[int, object] = {}  # the cuda-graphs providers' handles, by id(model), for the row's note
 
