@@ -117,9 +117,14 @@ class Toy(torch.nn.Module):
         return {"out": x * self.weight * scale, "count": 3}
 
 
-def test_unhashable_and_off_device_arguments_run_eagerly(backend):
+def _graphed_toy(**options):
     toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
+    handle = ldmopt.cuda_graphs(toy, **options)
+    return toy, handle, handle.wrappers["Toy"]
+
+
+def test_unhashable_and_off_device_arguments_run_eagerly(backend):
+    toy, handle, _ = _graphed_toy()
     x = torch.randn(2, 5)
     with torch.no_grad():
         with pytest.warns(RuntimeWarning, match=r"argument 1 is a set, neither a tensor nor hashable"):
@@ -134,9 +139,7 @@ def test_unhashable_and_off_device_arguments_run_eagerly(backend):
 
 
 def test_non_tensor_values_are_keys_and_outputs_keep_their_structure(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
-    wrapper = handle.wrappers["Toy"]
+    toy, handle, wrapper = _graphed_toy()
     x = torch.randn(3, 5)
     with torch.no_grad():
         for scale in (1.0, 2.0, 1.0, 2.0):
@@ -148,9 +151,7 @@ def test_non_tensor_values_are_keys_and_outputs_keep_their_structure(backend):
 
 
 def test_capture_failure_keeps_that_signature_eager(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
-    wrapper = handle.wrappers["Toy"]
+    toy, handle, wrapper = _graphed_toy()
     backend.fail = RuntimeError("operation not permitted when stream is capturing\nmore")
     x = torch.randn(2, 5)
     with torch.no_grad():
@@ -167,9 +168,7 @@ def test_capture_failure_keeps_that_signature_eager(backend):
 
 
 def test_moved_parameters_recapture_then_give_up(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
-    wrapper = handle.wrappers["Toy"]
+    toy, handle, wrapper = _graphed_toy()
     x = torch.randn(2, 5)
     with torch.no_grad():
         toy(x)
@@ -194,8 +193,7 @@ def test_moved_parameters_recapture_then_give_up(backend):
 
 
 def test_clone_outputs_false_hands_out_the_static_buffers(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy, clone_outputs=False)
+    toy, handle, _ = _graphed_toy(clone_outputs=False)
     with torch.no_grad():
         first = toy(torch.ones(2, 5))["out"]
         second = toy(torch.full((2, 5), 2.0))["out"]
@@ -239,8 +237,7 @@ def test_bad_options_name_the_argument(bad):
 
 
 def test_without_cuda_the_real_backend_runs_eagerly_with_the_reason():
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
+    toy, handle, _ = _graphed_toy()
     x = torch.randn(2, 5)
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="tensors on cpu: CUDA graphs hold CUDA work only"):
         torch.testing.assert_close(toy(x)["out"], x * toy.weight)
@@ -281,9 +278,7 @@ def test_a_patched_pipeline_graphs_its_unet_end_to_end(backend):
 
 
 def test_the_least_recently_used_graph_is_the_one_evicted(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy, max_graphs=2)
-    wrapper = handle.wrappers["Toy"]
+    toy, handle, wrapper = _graphed_toy(max_graphs=2)
     a, b, c = (torch.randn(n, 5) for n in (1, 2, 3))
     with torch.no_grad():
         for x in (a, b, a, c):  # c evicts b, the least recently used, and keeps a
@@ -459,9 +454,7 @@ def test_capture_under_autocast_casts_from_the_weights(backend):
 
 
 def test_a_number_that_changes_every_call_stops_capturing(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
-    wrapper = handle.wrappers["Toy"]
+    toy, handle, wrapper = _graphed_toy()
     x = torch.randn(2, 5)
     with torch.no_grad():
         with pytest.warns(RuntimeWarning, match="a non-tensor argument took more than 3 values"):
@@ -491,9 +484,7 @@ def test_hooks_inside_the_model_keep_it_eager(backend):
 
 
 def test_replaced_parameters_are_noticed_and_reset_starts_over(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
-    wrapper = handle.wrappers["Toy"]
+    toy, handle, wrapper = _graphed_toy()
     x = torch.randn(2, 5)
     with torch.no_grad():
         toy(x)
@@ -509,8 +500,7 @@ def test_replaced_parameters_are_noticed_and_reset_starts_over(backend):
 
 
 def test_a_pool_no_graph_holds_is_not_captured_into_again(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy, max_graphs=1)
+    toy, handle, _ = _graphed_toy(max_graphs=1)
     with torch.no_grad():
         for n in (1, 2, 3):
             toy(torch.randn(n, 5))
@@ -521,9 +511,7 @@ def test_a_pool_no_graph_holds_is_not_captured_into_again(backend):
 def test_calls_from_threads_take_turns_at_the_static_buffers(backend):
     import threading
 
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
-    wrapper = handle.wrappers["Toy"]
+    toy, handle, wrapper = _graphed_toy()
     replay = backend.capture
 
     def capture(run, warmup, device, pool):
@@ -558,8 +546,7 @@ def test_a_graphed_model_refuses_copies_with_a_clear_error(backend):
     import copy
     import pickle
 
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
+    toy, handle, _ = _graphed_toy()
     for copier in (copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match=r"Toy\.forward is replayed from CUDA graphs, which cannot be copied"):
             copier(toy)
@@ -569,8 +556,7 @@ def test_a_graphed_model_refuses_copies_with_a_clear_error(backend):
 
 
 def test_torch_compile_of_a_graphed_model_traces_the_forward_itself(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
+    toy, handle, _ = _graphed_toy()
     compiled = torch.compile(toy, backend="eager", fullgraph=True)
     x = torch.randn(2, 5)
     with torch.no_grad():
@@ -581,8 +567,7 @@ def test_torch_compile_of_a_graphed_model_traces_the_forward_itself(backend):
 
 
 def test_signatures_evicted_and_back_are_not_counted_as_new_values(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy, max_graphs=1)
+    toy, handle, _ = _graphed_toy(max_graphs=1)
     a, b = torch.randn(1, 5), torch.randn(2, 5)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # no eager call
@@ -594,8 +579,7 @@ def test_signatures_evicted_and_back_are_not_counted_as_new_values(backend):
 
 
 def test_offloading_hooks_on_the_model_itself_keep_it_eager(backend):
-    toy = Toy().eval()
-    handle = ldmopt.cuda_graphs(toy)
+    toy, handle, _ = _graphed_toy()
     toy._hf_hook = object()  # accelerate's cpu offload wraps the model's own forward
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="accelerate hooks on the model"):
         toy(torch.randn(2, 5))

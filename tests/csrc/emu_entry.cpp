@@ -75,6 +75,17 @@ void write_plan(const ldmopt::temporal_attention::Plan& plan, int64_t* out) {
   out[5] = ldmopt::temporal_attention::kStaticSmemBytes;
 }
 
+// The statistics passes' arguments (no output, no affine) with poisoned scratch, handed to ``launch``.
+template <class Launch>
+void run_statistics(const ldmopt::group_norm::Problem& p, const ldmopt::group_norm::Plan& plan, const void* x,
+                    float* mean, float* rstd, float eps, Launch launch) {
+  const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
+  std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 2, -1e30f);
+  const ldmopt::group_norm::ForwardArgs args{
+      x, nullptr, param(nullptr, 0), param(nullptr, 0), mean, rstd, part_a.data(), part_b.data(), coef.data(), eps};
+  launch(args);
+}
+
 }  // namespace
 
 extern "C" {
@@ -119,12 +130,9 @@ int emu_group_norm_statistics(const int64_t* dims, int channels_last, int dtype,
     const auto p = gn_problem(dims, channels_last, dtype, 0);
     const auto plan = ldmopt::group_norm::make_plan(p, aligned16(x));
     write_plan(plan, plan_out);
-    const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
-    std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 2, -1e30f);
-    const ldmopt::group_norm::ForwardArgs args{
-        x,    nullptr, param(nullptr, 0), param(nullptr, 0), mean, rstd, part_a.data(), part_b.data(), coef.data(),
-        eps};
-    ldmopt::group_norm::statistics(p, plan, args, nullptr);
+    run_statistics(p, plan, x, mean, rstd, eps, [&](const auto& args) {
+      ldmopt::group_norm::statistics(p, plan, args, nullptr);
+    });
   });
 }
 
@@ -136,12 +144,9 @@ int emu_group_norm_statistics_parts(const int64_t* dims, int64_t c_head, int dty
     const auto p = gn_problem(dims, 1, dtype, 0);
     const auto plan = ldmopt::group_norm::make_parts_plan(p, aligned16(x) && aligned16(x_tail), c_head);
     write_plan(plan, plan_out);
-    const int64_t n_part = ldmopt::group_norm::partial_floats(p, plan);
-    std::vector<float> part_a(n_part, -1e30f), part_b(n_part, -1e30f), coef(p.N * p.C * 2, -1e30f);
-    const ldmopt::group_norm::ForwardArgs args{
-        x,    nullptr, param(nullptr, 0), param(nullptr, 0), mean, rstd, part_a.data(), part_b.data(), coef.data(),
-        eps};
-    ldmopt::group_norm::statistics_parts(p, plan, args, x_tail, c_head, nullptr);
+    run_statistics(p, plan, x, mean, rstd, eps, [&](const auto& args) {
+      ldmopt::group_norm::statistics_parts(p, plan, args, x_tail, c_head, nullptr);
+    });
   });
 }
 
