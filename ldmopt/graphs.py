@@ -172,10 +172,17 @@ def _stateful_hooks(model: nn.Module) -> str:
     return ""
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _gone_or_parts(t: torch.Tensor | None) -> Any:
+    return -1 if t is None else _data_addresses(t)
+
+
 def _data_addresses(t: torch.Tensor) -> Any:
     """Where ``t``'s data lies: its data pointer, or for a wrapper subclass (quantized weights: data_ptr() is 0) the
     pointers of the tensors it is made of."""
-    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+    if type(t) in _PLAIN or not hasattr(t, "__tensor_flatten__"):
         return t.data_ptr()
     names, _ = t.__tensor_flatten__()
     return tuple(_data_addresses(getattr(t, name)) for name in names)
@@ -284,8 +291,9 @@ class GraphedMethod:
             self._weights_moved()
         return tuple(parts), tuple(tensors_only), leaves, spec, device
 
-    def _current_addresses(self) -> list[int]:
-        return [-1 if (w := ref()) is None else _data_addresses(w) for ref in self._weights]
+    def _current_addresses(self) -> list[Any]:
+        # A list comprehension of C calls: about 0.1 us a weight (686 in SD1.5's UNet), checked on every call.
+        return [w.data_ptr() if type(w := ref()) in _PLAIN else _gone_or_parts(w) for ref in self._weights]
 
     def _weights_moved(self) -> None:
         self.recaptures += 1
