@@ -2,7 +2,8 @@
 
 For each case a zoo model (random weights, fp16, channels-last) runs ``CALLS`` calls eagerly, each with fresh
 inputs (latents, timestep, conditioning), then the same calls through ``ldmopt.cuda_graphs``: one capture, a replay
-per call. Prints a check_gpu.py-style line per case: the max relative error of each call's output against the eager
+per call; and ldmopt.demo's tiny patched StableDiffusionPipeline runs ``CALLS`` denoising steps with and without its
+UNet graphed. Prints a check_gpu.py-style line per case: the max relative error of each call's output against the eager
 one, and PASS/FAIL; a case whose calls did not all replay (an eager call, a second capture) is an ERROR line naming
 the reasons ``str(graphs)`` gives. Exits 1 on any failure. Run: python benchmarks/check_cuda_graphs.py
 """
@@ -29,11 +30,13 @@ TINY = False
 DTYPE = torch.float16
 CALLS = 3
 BOUND = 5e-3  # fp16, as check_gpu.py; eager and replay run the same kernels, so the error is normally 0
-#: case -> (zoo name, resolution, batch, patched)
+#: case -> (zoo name, resolution, batch, patched); "pipeline": ldmopt.demo's tiny StableDiffusionPipeline, patched,
+#: whose own loop calls the UNet (scheduler timesteps, classifier-free guidance), images compared
 CASES = {
     "sd15-256-patched": ("sd15", 256, 2, True),
     "sd15-256-stock": ("sd15", 256, 2, False),
     "dit-256-patched": ("dit", 256, 2, True),
+    "tiny-sd-pipeline": ("pipeline", None, 2, True),
 }
 
 
@@ -63,9 +66,34 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.sample
 
 
+def run_pipeline() -> tuple[list[float], str]:
+    """The tiny patched pipeline's images with its UNet graphed against its eager images (CALLS denoising steps: one
+    capture, then a replay per step)."""
+    from ldmopt.demo import build_tiny_sd_pipeline, run_sd
+
+    pipe = build_tiny_sd_pipeline(DEVICE, DTYPE, seed=0)
+    ldmopt.patch(pipe)
+    try:
+        run_sd(pipe, steps=CALLS, seed=1)  # settle first-call state, as the model cases do
+        eager, _ = run_sd(pipe, steps=CALLS, seed=1)
+        graphs = ldmopt.cuda_graphs(pipe)
+        try:
+            graphed, _ = run_sd(pipe, steps=CALLS, seed=1)
+        finally:
+            wrapper = graphs.wrappers["unet"]
+            problems = wrapper.captures != 1 or wrapper.replays != CALLS or bool(wrapper.eager_calls)
+            summary = " | ".join(str(graphs).splitlines())
+            graphs.remove()
+    finally:
+        ldmopt.unpatch(pipe)
+    return [rel_err(graphed, eager)], summary if problems else ""
+
+
 def run_case(name: str) -> tuple[list[float], str]:
     """Errors of the graphed calls' outputs against the eager ones, and what did not replay ("" when all did)."""
     zoo, resolution, batch, patched = CASES[name]
+    if zoo == "pipeline":
+        return run_pipeline()
     model, calls = _model(zoo, resolution, batch)
     call = model
     if patched:
