@@ -51,8 +51,8 @@ from torch import nn
 
 #: where a graphed model keeps its wrapper (instance attribute; also what ldmopt.patch checks)
 GRAPHED = "_ldmopt_cuda_graphs"
-#: the pipeline components graphed by default: the denoisers, called once or twice per step
-DENOISERS = ("unet", "transformer", "transformer_2", "prior", "decoder")
+#: the pipeline components graphed by default: the denoisers and the ControlNets beside them, called every step
+DENOISERS = ("unet", "transformer", "transformer_2", "prior", "decoder", "controlnet")
 #: calls on which the parameters moved before the wrapper gives up and stays eager
 MAX_RECAPTURES = 2
 #: graphs captured for one set of tensor shapes that differ only in a non-tensor argument's value; a further value
