@@ -12,7 +12,9 @@ call with a key copies its tensors into static buffers, runs the forward ``warmu
 lazy initialisation, Triton's autotuning and ldmopt's statistics hand-overs settle outside the graph), captures one
 more call and replays it. Later calls with the key copy their tensors into those buffers and replay. The outputs are
 cloned out of the graph's static buffers (``clone_outputs=False`` returns the buffers themselves, which the next call
-may overwrite, whatever its signature: the graphs of one model share a memory pool).
+may overwrite, whatever its signature: the graphs of one model share a memory pool). That pool keeps the captured
+calls' activations reserved, about one forward's worth for the largest signature held; ``reset()`` or ``remove()``
+hands it back to PyTorch's caching allocator.
 
 Each call that cannot replay runs the forward eagerly, and :class:`CudaGraphs` counts it under its reason
 (``graphs.eager_calls``, also in ``str(graphs)``); a reason is warned once per model. The reasons: autograd
