@@ -25,6 +25,7 @@ import torch
 import ldmopt
 from benchmarks import harness
 from ldmopt import configs
+from ldmopt.graphs import GRAPHED
 
 # (zoo name, resolution, frames, batch); the settings of issue 9.
 MODELS = {
@@ -46,7 +47,6 @@ PROVIDERS = (
 # each), so that a run cut at its budget still has them; --full runs all eight.
 QUICK_PROVIDERS = ("eager", "ldmopt", "eager-cuda-graphs", "ldmopt-cuda-graphs", "ldmopt-tuned", "ldmopt-tuned-graph")
 _CATEGORY_SPLITS: dict[str, dict] = {}
-_GRAPHS: dict[int, object] = {}  # the cuda-graphs providers' handles, by id(model), for the row's note
 
 
 def _quick() -> bool:
@@ -95,7 +95,7 @@ def _provider(model, inputs, provider: str, name: str = ""):
     else:
         note = ""
     if provider.endswith("cuda-graphs"):  # what a user's eager pipeline gets from ldmopt.cuda_graphs, copies included
-        _GRAPHS[id(model)] = ldmopt.cuda_graphs(model, method=inputs.method)
+        ldmopt.cuda_graphs(model, method=inputs.method)
     if not provider.endswith("compile"):
         return eager_step, note
     # The bound method itself (a VAE's decode): compiling the module would leave decode running eagerly.
@@ -121,19 +121,18 @@ def bench_denoising_step(name, provider, bench_recorder):
         timing = harness.time_fn(step, warmup=3, rep=20)
         peak = harness.peak_memory(step)
     except Exception as exc:  # a provider that cannot run this model is a row with the reason, not a crash
-        _GRAPHS.pop(id(model), None)
         bench_recorder.record(op="e2e-step", case=name, dtype="fp16", mode="fwd", provider=provider, timing=None,
                               note=f"failed: {type(exc).__name__}: {str(exc)[:100]}")  # fmt: skip
         return
-    graphs = _GRAPHS.pop(id(model), None)
-    if graphs is not None:  # one line: how many graphs, and any call that ran eagerly with its reason
-        note += " " + "; ".join(line.strip() for line in str(graphs).splitlines()[1:])
-        graphs.remove()
+    graphed = model.__dict__.get(GRAPHED)  # the cuda-graphs providers' wrapper
+    if graphed is not None:  # one line: how many graphs, and any call that ran eagerly with its reason
+        note += " " + "; ".join(line.strip() for line in graphed.summary().splitlines())
+        ldmopt.remove_cuda_graphs(model)
     bench_recorder.record(
         op="e2e-step", case=name, dtype="fp16", mode="fwd", provider=provider, timing=timing, peak_mem=peak,
         note=f"{1000 / timing.median_ms:.2f} it/s {note}".strip(),
     )  # fmt: skip
-    if graphs is None:  # a capture of a step that replays graphs itself would nest them
+    if graphed is None:  # a capture of a step that replays graphs itself would nest them
         _record_graphed(name, provider, step, bench_recorder)
     if provider in ("eager", "ldmopt", "ldmopt-tuned"):  # the split before, patched and tuned
         prof = ldmopt.profile(step, steps=3, warmup=1, modules=model)

@@ -229,7 +229,7 @@ def _backend_note(device, backend: str) -> str:
     )
 
 
-def _graphed_run(args, target, run, device, stock, how: str | None, dtype_name: str) -> str:
+def _graphed_run(target, run, device, stock, how: str | None, dtype_name: str) -> str:
     """``run()`` with the denoiser replayed as CUDA graphs (``--cuda-graphs``): the lines to print (time per step,
     agreement with the stock eager run, the graphs' summary), or why it was skipped."""
     import torch
@@ -297,7 +297,7 @@ def run_demo(args: argparse.Namespace) -> int:
         run = lambda: run_denoiser(target, inputs, args.steps)
 
     stock, stock_step = run()
-    graphed_note = _graphed_run(args, target, run, device, stock, None, dtype_name) if args.cuda_graphs else ""
+    graphed_note = _graphed_run(target, run, device, stock, None, dtype_name) if args.cuda_graphs else ""
     if args.tune:
         try:
             with ldmopt.use_backend(args.backend):
@@ -326,7 +326,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"time per step: stock {stock_step * 1e3:.1f} ms, {how} {patched_step * 1e3:.1f} ms")
         if args.cuda_graphs:
             with ldmopt.use_backend(args.backend):
-                graphed_note += _graphed_run(args, target, run, device, stock, how, dtype_name)
+                graphed_note += _graphed_run(target, run, device, stock, how, dtype_name)
             print(graphed_note.rstrip())
         if device.type == "cpu":
             print("(cpu timings of a tiny random model say nothing about GPU speed)")

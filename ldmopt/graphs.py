@@ -145,7 +145,6 @@ class _Graph:
     static_inputs: list[torch.Tensor]
     replay: Callable[[], Any]
     output: Any  # the captured call's return value: its tensors are overwritten by each replay
-    replays: int = 0
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -208,7 +207,7 @@ class GraphedMethod:
         self.refused: dict[Any, str] = {}  # keys whose capture failed, with the reason: eager from then on
         self.eager_calls: Counter[str] = Counter()
         self.captures = 0
-        self.replayed = 0  # replays over every graph, evicted ones included
+        self.replays = 0  # calls answered by a replay, over every graph captured (evicted ones included)
         self.evicted = 0
         self.recaptures = 0
         self.disabled: str | None = None
@@ -245,8 +244,7 @@ class GraphedMethod:
         for static, t in zip(graph.static_inputs, (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))):
             static.copy_(t)
         graph.replay()
-        graph.replays += 1
-        self.replayed += 1
+        self.replays += 1
         return self._returned(graph.output)
 
     def _key(self, args: tuple, kwargs: dict) -> tuple[Any, Any, list[Any], Any, torch.device]:
@@ -352,8 +350,8 @@ class GraphedMethod:
             weights = [*self.model.parameters(), *self.model.buffers()]
             self._weights = [weakref.ref(w) for w in weights]
             self._addresses = [_data_addresses(w) for w in weights]
-        self.replayed += 1
-        graph = _Graph([x for x in static_leaves if isinstance(x, torch.Tensor)], replay, output, replays=1)
+        self.replays += 1
+        graph = _Graph([x for x in static_leaves if isinstance(x, torch.Tensor)], replay, output)
         self.graphs[key] = graph  # the capture replayed it once: its output buffers hold this call's result
         return self._returned(output)
 
@@ -393,15 +391,10 @@ class GraphedMethod:
         self._weights, self._addresses = [], []
         self._pool = None
 
-    @property
-    def replays(self) -> int:
-        """Calls answered by a replay, over every graph this wrapper captured."""
-        return self.replayed
-
     def summary(self) -> str:
         lines = [
             f"{self.label}: {len(self.graphs)} graphs held ({self.captures} captured, {self.evicted} evicted, "
-            f"{self.recaptures} recaptures after parameters moved), {self.replayed} replays, "
+            f"{self.recaptures} recaptures after parameters moved), {self.replays} replays, "
             f"{sum(self.eager_calls.values())} eager calls"
         ]
         lines += [f"  eager x{n}: {reason}" for reason, n in self.eager_calls.most_common()]
