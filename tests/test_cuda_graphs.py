@@ -15,6 +15,7 @@ import torch
 
 import ldmopt
 from ldmopt import graphs
+from tests.support.cuda_graph_api import mock_cuda_graph_api
 from tests.support.replaying_graphs import replaying_backend
 
 
@@ -217,47 +218,19 @@ def test_lazy_names_and_no_cuda_at_import():
 def test_the_cuda_backend_captures_into_the_shared_pool(monkeypatch):
     """CudaBackend's calls into torch.cuda, mocked (no GPU here): warm-up calls on a side stream, the capture with the
     model's pool on its device, one replay, and what the captured call returned as the static output."""
-    import contextlib
-
     device = torch.device("cuda", 1)
-    steps = []
-
-    class Stream:
-        def __init__(self, on=None):
-            assert on == device
-
-        def wait_stream(self, other):
-            steps.append("wait")
-
-    class Graph:
-        def replay(self):
-            steps.append("replay")
-
-    @contextlib.contextmanager
-    def on_device(d):
-        assert d == device
-        yield
-
-    @contextlib.contextmanager
-    def capturing(graph, pool, stream, capture_error_mode):
-        assert pool == "pool-1" and capture_error_mode == "thread_local"
-        steps.append("capture")
-        yield
-
-    monkeypatch.setattr(torch.cuda, "device", on_device)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: Stream(d))
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", capturing)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool-1")
+    api = mock_cuda_graph_api(monkeypatch, device)
+    steps = api.steps
     backend = graphs.CudaBackend()
     assert backend.supports(device) is None and "CUDA work only" in backend.supports(torch.device("cpu"))
     pool = backend.new_pool(device)
     calls = iter(range(10))
     replay, output = backend.capture(lambda: steps.append("run") or next(calls), 2, device, pool)
     assert output == 2  # the third call, the captured one
-    assert steps == ["wait", "run", "run", "wait", "capture", "run", "replay"]
+    assert steps == [
+        "side waits for caller", "on side", "run", "run", "caller waits for side", "capture", "run", "replay"
+    ]  # fmt: skip
+    assert api.pools == ["pool-1"]
     replay()
     assert steps[-1] == "replay"
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import ldmopt
+from tests.support.cuda_graph_api import mock_cuda_graph_api
 
 from .helpers import assert_outputs_close, output_tensor
 from .test_tune import _fake_measure, _fused_faster_for, _patched_keys, _run, _unet, tune_module, tune_timer
@@ -254,60 +255,20 @@ def test_cuda_graph_mode_times_the_events_captured_in_the_graph(monkeypatch):
 
 
 def test_capture_warms_up_on_a_side_stream_and_restores_the_stream_on_failure(monkeypatch):
-    steps = []
-    device = torch.device("cuda", 1)
-
-    class Stream:
-        def __init__(self, on=None, name="side"):
-            assert on == device, "every stream on the model's GPU"
-            self.name = name
-
-        def wait_stream(self, other):
-            steps.append(f"{self.name} waits for {other.name}")
-
-    caller = Stream(device, "caller")
-
-    class Graph:
-        def replay(self):
-            steps.append("replay")
-
-    @contextlib.contextmanager
-    def on_device(d):
-        assert d == device
-        yield
-
-    @contextlib.contextmanager
-    def on_stream(stream):
-        steps.append(f"on {stream.name}")
-        yield
-
-    fail = []
-
-    @contextlib.contextmanager
-    def capturing(graph, pool, stream, capture_error_mode):
-        assert capture_error_mode == "thread_local" and isinstance(stream, Stream) and pool is None
-        steps.append("capture")
-        yield
-        if fail:
-            raise RuntimeError("capture failed (simulated)")
-
-    monkeypatch.setattr(torch.cuda, "device", on_device)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: caller)
-    monkeypatch.setattr(torch.cuda, "stream", on_stream)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", capturing)
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: steps.append(f"back to {s.name}"))
-    replay = tune_timer.capture(lambda: steps.append("run"), 2, device, before_capture=lambda: steps.append("reset"))
+    api = mock_cuda_graph_api(monkeypatch, torch.device("cuda", 1))
+    steps = api.steps
+    reset = lambda: steps.append("reset")
+    replay = tune_timer.capture(lambda: steps.append("run"), 2, api.device, before_capture=reset)
     replay()
     assert steps == [
         "side waits for caller", "on side", "run", "run", "caller waits for side", "reset", "capture", "run",
         "replay", "replay",  # one untimed replay (the first launch uploads the graph), then the caller's
     ]  # fmt: skip
+    assert api.pools == [None]
     steps.clear()
-    fail.append(1)
+    api.fail = True
     with pytest.raises(RuntimeError, match="simulated"):
-        tune_timer.capture(lambda: steps.append("run"), 0, device)
+        tune_timer.capture(lambda: steps.append("run"), 0, api.device)
     assert steps[-1] == "back to caller" and steps.count("run") == 2  # one warm-up call at least
 
 
