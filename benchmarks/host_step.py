@@ -110,7 +110,7 @@ def python_calls(step) -> int:
 
 
 def measure(name: str, resolution: int | None, frames: int | None, steps: int, profile_top: int = 0,
-            stub_compute: bool = False) -> dict:  # fmt: skip
+            stub_compute: bool = False, profile_sort: str = "tottime") -> dict:  # fmt: skip
     model, step = _step_fn(name, resolution, frames)
     with torch.no_grad(), stubbed_compute() if stub_compute else contextlib.nullcontext():
         for _ in range(3):
@@ -126,7 +126,7 @@ def measure(name: str, resolution: int | None, frames: int | None, steps: int, p
         if profile_top:
             profiler = cProfile.Profile()
             profiler.runcall(step)
-            out = pstats.Stats(profiler, stream=(buffer := _Buffer())).sort_stats("tottime")
+            out = pstats.Stats(profiler, stream=(buffer := _Buffer())).sort_stats(profile_sort)
             out.print_stats(profile_top)
             profile = buffer.text
     return {
@@ -170,13 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N of a patched step")
     parser.add_argument(
+        "--profile-sort",
+        default="tottime",
+        choices=("tottime", "cumulative", "ncalls"),
+        help="the order of --profile's list (default: time in the function itself)",
+    )
+    parser.add_argument(
         "--stub-compute", action="store_true", help="convolutions, GEMMs and attention return at once (host time only)"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # steadier times: the small CPU convs and GEMMs run on one thread in both steps
     rows = []
     for name in args.models:
-        row = measure(name, args.resolution, args.frames, args.steps, args.profile, args.stub_compute)
+        row = measure(
+            name, args.resolution, args.frames, args.steps, args.profile, args.stub_compute, args.profile_sort
+        )
         if row["profile"]:
             print(f"== {name}, patched step\n{row['profile']}")
         rows.append(row)

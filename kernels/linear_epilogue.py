@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ldmopt._env import interpreter_enabled
+from ldmopt.ops.linear_epilogue import writes
 
 from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2
 from ._gemm import int64_columns, row_statistics, row_stats_workspace
@@ -126,7 +127,7 @@ def linear_epilogue(
     n = z.shape[1] // 2 if glu else z.shape[1]
     if z.stride(1) != 1:
         z = z.contiguous()  # cuBLAS's output has unit column stride already
-    write = glu or activation is not None or gate is not None or residual is not None or saturate or dtype != z.dtype
+    write = writes(activation, gate, residual, dtype, z, glu, saturate)
     if not write and out_stats is None:
         return z
     if in_place and (glu or dtype != z.dtype):
