@@ -56,7 +56,7 @@ def _fwd_torch(x, scale, shift, residual, gate, eps, store_sum, save):
     mean, rstd = _stats_torch(s, eps)
     xhat = (s.to(cd) - mean[:, None]) * rstd[:, None]
     y = xhat.view(scale.shape[0], -1, c) * (1.0 + scale.to(cd))[:, None, :] + shift.to(cd)[:, None, :]
-    empty = x.new_empty((0,))
+    empty = s.new_empty((0,))  # in the sum's dtype, as the fake and the kernels return it
     if not save:
         mean, rstd = mean.new_empty((0,)), rstd.new_empty((0,))
     return dense(y.view(m, c), s.dtype), (dense(s, s.dtype, copy=True) if store_sum else empty), mean, rstd

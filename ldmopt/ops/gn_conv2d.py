@@ -540,8 +540,10 @@ def gn_silu_conv2d(
                 raise TypeError(f"stats must be a (mean, rstd) pair from out_stats=, got {type(stats).__name__}")
             mean, rstd = stats
             for name, t in (("stats[0] (mean)", mean), ("stats[1] (rstd)", rstd)):
+                check_tensor(name, t, ndim=(2,))
                 if tuple(t.shape) != (n, num_groups):
                     raise ValueError(f"{name} must have shape ({n}, {num_groups}), got {tuple(t.shape)}")
+                check_same_device(name, t, x)
     else:
         gn_weight = gn_bias = None
         num_groups = 0
@@ -588,6 +590,8 @@ def gn_silu_conv2d(
             )
         check_vector("shortcut_bias", sb, c_out, x)
         _check_conv_dtypes(sx, shortcut_weight=sw, shortcut_bias=sb)
+    if out_stats is not None and not (isinstance(out_stats, (tuple, list)) and len(out_stats) == 2):
+        raise TypeError(f"out_stats must be a (groups, eps) pair for the next GroupNorm, got {out_stats!r}")
     out_groups, out_eps = (0, 0.0) if out_stats is None else out_stats
     if out_stats is not None:
         if isinstance(out_groups, bool) or not isinstance(out_groups, int) or out_groups <= 0 or c_out % out_groups:

@@ -381,6 +381,12 @@ register_eager(linear_bwd)
 # ------------------------------------------------------------------------------------------------ public function
 
 
+def check_at_least_1d(name: str, x: Tensor) -> None:
+    check_tensor("x", x)
+    if x.dim() < 1:
+        raise ValueError(f"{name}: x must have at least 1 dim ([..., K]), got shape {tuple(x.shape)}")
+
+
 def check_linear_args(
     name: str,
     x: Tensor,
@@ -392,10 +398,8 @@ def check_linear_args(
 ) -> None:
     """Shared checks of x [..., K], weight [N*rows_multiple, K] and bias [N*rows_multiple] (messages name ``name``;
     ``k``: the input's width when x is only its first part; ``dtype``: the weight's required dtype, x's by default)."""
+    check_at_least_1d(name, x)
     k = x.shape[-1] if k is None else k
-    check_tensor("x", x)
-    if x.dim() < 1:
-        raise ValueError(f"{name}: x must have at least 1 dim ([..., K]), got shape {tuple(x.shape)}")
     check_tensor("weight", weight, ndim=(2,))
     if weight.shape[1] != k:
         raise ValueError(f"{name}: weight has shape {tuple(weight.shape)}, expected (N, {k}) for x with K={k}")
@@ -505,7 +509,7 @@ def linear(
     ``clip_fp16``).
     """
     x, x_tail = _split_input(x)
-    check_tensor("x", x)
+    check_at_least_1d("linear", x)
     x, weight, bias, x_tail = autocast_operands(x, weight, bias, x_tail)
     x, x_tail = _common_dtype(x, x_tail)
     if mix is not None:

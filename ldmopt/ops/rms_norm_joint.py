@@ -227,7 +227,9 @@ def rms_norm_joint(
     if head.dim() != tail.dim() or head.dim() < 2:
         shapes = f"{tuple(head.shape)} and {tuple(tail.shape)}"
         raise ValueError(f"x's parts must have one number of dims, at least 2, got shapes {shapes}")
-    if not (isinstance(cat_dim, int) and -head.dim() <= cat_dim <= head.dim() - 2):
+    # before the last either way: -1 is the last dim, the one each row is normalised along
+    before_last = isinstance(cat_dim, int) and not isinstance(cat_dim, bool) and -head.dim() <= cat_dim < head.dim() - 1
+    if not before_last or cat_dim == -1:
         raise ValueError(f"cat_dim must be a dim of x's parts before the last, got {cat_dim!r} ({head.dim()}-d parts)")
     if tail.device != head.device:
         raise ValueError(f"x[1] is on {tail.device} but x[0] is on {head.device}")

@@ -319,6 +319,11 @@ def _check_inputs(q, k, v, scale, out) -> None:
             f"out has shape {tuple(out.shape)}, {out.dtype} on {out.device}; expected {tuple(q.shape)}, {q.dtype} "
             f"on {q.device}"
         )
+    # 1: some elements share memory (a stride-0 expand), so every writer of one would race (a kernel writes each once)
+    if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(out) == 1:
+        raise ValueError(
+            f"out (strides {out.stride()}) has elements that share memory; pass a tensor with one location per element"
+        )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, out)):
         raise RuntimeError(
             "temporal_attention(..., out=...) does not support automatic differentiation: q, k or v requires grad; "

@@ -116,6 +116,18 @@ def test_opcheck_with_gate():
     torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_bwd, args)
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_opcheck_with_a_stream_in_another_dtype(backend):
+    # fp32 attention output, fp16 stream: without store_sum the placeholder sum is in the stream's dtype on every
+    # backend, as the fake declares (the reference returned it in x's)
+    x, residual, gate, scale, shift = _make((10, 24), (2, 24), torch.float32, torch.float16)
+    with ldmopt.use_backend(backend):
+        for store_sum in (False, True):
+            args = (x, scale, shift, residual, gate, 1e-6, store_sum, False)
+            torch.library.opcheck(torch.ops.ldmopt.adaln_modulate_fwd, args)
+            assert torch.ops.ldmopt.adaln_modulate_fwd(*args)[1].dtype == torch.float16
+
+
 def test_compile_fullgraph_with_gate():
     torch._dynamo.reset()
     x, residual, gate, scale, shift = (

@@ -169,6 +169,7 @@ def test_module_refuses_wrapped_projection():
         (lambda: geglu(torch.randint(0, 3, (3, 8)), torch.randn(12, 8)), "x has dtype torch.int64"),
         (lambda: geglu(torch.randn(0, 8), torch.randn(12, 8)), "x is empty"),
         (lambda: geglu(torch.randn(3, 8), torch.randn(12)), "weight must have 2 dims"),
+        (lambda: geglu(torch.tensor(1.0), torch.randn(4, 1)), "geglu: x must have at least 1 dim"),
     ],
 )
 def test_bad_input_messages(call, match):

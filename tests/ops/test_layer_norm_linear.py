@@ -189,6 +189,7 @@ def test_torch_compile_fullgraph(backend):
         (dict(activation="relu"), ValueError, "activation"),
         (dict(stats=torch.randn(2, 9)), ValueError, r"stats must be layer_norm_stats\(x\) of shape \(2, 10\)"),
         (dict(activation="geglu", weight=torch.randn(15, 24)), ValueError, "multiple of 2"),
+        (dict(x=torch.tensor(1.0)), ValueError, "layer_norm_linear: x must have at least 1 dim"),
     ],
 )
 def test_bad_input_messages(kwargs, error, match):

@@ -211,6 +211,7 @@ def test_fused_linear_module_shares_parameters():
         (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), residual=torch.randn(2, 5, device="meta")), "on meta"),
         (lambda: linear(torch.randn(2, 8).half(), torch.randn(5, 8)), "weight has dtype torch.float32 but x has"),
         (lambda: linear(torch.randn(2, 8), torch.randn(5, 8), torch.randn(5).bool()), "bias has dtype torch.bool"),
+        (lambda: linear(torch.tensor(1.0), torch.randn(5, 1)), r"linear: x must have at least 1 dim \(\[\.\.\., K\]\)"),
     ],
 )
 def test_bad_input_messages(call, match):

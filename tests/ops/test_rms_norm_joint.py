@@ -154,6 +154,9 @@ def _rope_call(positions, **kwargs):
         (lambda: rms_norm(_parts(), None, torch.ones(8), cat_dim=1), "bias with two parts"),
         (lambda: rms_norm(torch.randn(2, 8), cat_dim=0), "cat_dim=0 is for two parts"),
         (lambda: rms_norm(_parts(), cat_dim=3), "cat_dim must be a dim of x's parts before the last, got 3"),
+        # -1 names the last dim too (each row's own), not a dim before it
+        (lambda: rms_norm(_parts(), cat_dim=-1), "cat_dim must be a dim of x's parts before the last, got -1"),
+        (lambda: rms_norm(_parts(), cat_dim=True), "cat_dim must be a dim of x's parts before the last, got True"),
         (lambda: rms_norm((torch.randn(2, 3, 8), torch.randn(2, 3, 6)), cat_dim=1), "must match except along"),
         (lambda: rms_norm((torch.randn(2, 3, 8), torch.randn(3, 3, 8)), cat_dim=1), "must match except along"),
         (lambda: rms_norm((torch.randn(2, 8),), cat_dim=0), r"x must be a \(head, tail\) pair"),

@@ -218,6 +218,11 @@ _X = torch.randn(2, 7, 3, 2, 8)
         (lambda: temporal_attention(_X[:0], _X[:0], _X[:0]), "q is empty"),
         (lambda: temporal_attention(_X, _X, _X, scale="0.5"), "scale must be a float or None"),
         (lambda: temporal_attention(_X, _X, _X, out=torch.empty(2, 7, 3, 2, 9)), r"out has shape \(2, 7, 3, 2, 9\)"),
+        # a stride-0 axis: several outputs in one location, which a kernel writing each once would race on
+        (
+            lambda: temporal_attention(_X, _X, _X, out=torch.empty(2, 7, 1, 2, 8).expand(_X.shape)),
+            r"out \(strides \(112, 16, 0, 8, 1\)\) has elements that share memory",
+        ),
     ],
 )
 def test_bad_input_messages(call, match):
