@@ -232,6 +232,10 @@ def runtime_reasons(block, input_tensor: Tensor | tuple[Tensor, Tensor], temb: T
     reasons += dtype_reasons(input_tensor, block.conv1.weight)
     if temb is not None and block.time_emb_proj is None:
         reasons.append("temb given to a block without time_emb_proj (diffusers adds it unprojected)")
+    batch = input_tensor.shape[0]
+    if isinstance(temb, Tensor) and temb.dim() >= 1 and temb.shape[0] not in (batch, 1):
+        # diffusers' add broadcasts an input of batch 1 to the embeddings' batch; the fused convs keep the input's
+        reasons.append(f"temb of batch {temb.shape[0]} for an input of batch {batch}")
     dropout = dropout_reason(block.dropout)
     if dropout is not None:
         reasons.append(f"dropout {dropout}")

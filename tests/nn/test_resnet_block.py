@@ -231,6 +231,28 @@ def test_unfusable_block_falls_back_to_diffusers_with_reason():
         torch.testing.assert_close(block(x, None), expect, rtol=0, atol=0)
 
 
+def test_embeddings_of_a_larger_batch_run_diffusers_broadcast():
+    # diffusers' add broadcasts an input of batch 1 over time embeddings of batch 3; the fused convs keep the input's
+    # batch, so that call runs diffusers' forward (the reverse, one embedding for a batch, stays fused)
+    block = _block(dict(in_channels=40, out_channels=24, temb_channels=16, groups=8))
+    fused = FusedResnetBlock2D(copy.deepcopy(block))
+    x = torch.randn(1, 40, 6, 5).to(memory_format=torch.channels_last)
+    temb = torch.randn(3, 16)
+    resnet.fallback_reasons.clear()
+    with torch.no_grad():
+        out, expect = fused(x, temb), block(x, temb)
+    assert out.shape == (3, 24, 6, 5)
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)
+    assert list(resnet.fallback_reasons) == ["temb of batch 3 for an input of batch 1"]
+    resnet.fallback_reasons.clear()
+    x3 = torch.randn(3, 40, 6, 5).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        out = fused(x3, temb[:1])
+        ref, lowp = (_run_diffusers(block, x3, temb[:1], dtype) for dtype in (torch.float64, torch.float32))
+    assert_within_torch_error(out, ref, lowp, "one embedding for a batch of 3")
+    assert not resnet.fallback_reasons
+
+
 def test_torch_func_transforms_run_the_stock_forward():
     """vmap cannot query the layouts the fused path reads: under a torch.func transform the module runs diffusers'
     forward (with the reason counted), as a patched block does, and vmap and jacfwd equal the stock block's."""
