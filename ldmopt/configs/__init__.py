@@ -366,8 +366,10 @@ class ModelInputs:
 def _resolution(value: int | tuple[int, int] | None, default: tuple[int, int]) -> tuple[int, int]:
     if value is None:
         return default
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return (value, value)
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value)):
+        raise ValueError(f"resolution must be an int or a (height, width) pair of ints, got {value!r}")
     return (int(value[0]), int(value[1]))
 
 

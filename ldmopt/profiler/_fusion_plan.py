@@ -9,6 +9,7 @@ from .placements import Placements
 from .recorder import OpRecord
 
 GN_CONV = "GroupNorm(+SiLU) -> conv/GEMM loads"
+GN_SILU = "GroupNorm + SiLU in one pass"
 CONV_EPILOGUE = "conv epilogue (temb / residual / scale)"
 GEGLU = "GEGLU tail"
 GELU_EPILOGUE = "GEMM + GELU epilogue"
@@ -33,7 +34,7 @@ QK_CONCAT = "q/k stream concatenation -> norm kernel"
 HALVES_IN_PLACE = "Flux single blocks' joint input in place"
 CLIP_EPILOGUE = "fp16 clip -> GEMM epilogue"
 FUSIONS = (
-    GN_CONV, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, LN_STATS,
+    GN_CONV, GN_SILU, GN_STATS, CONV_EPILOGUE, ALPHA_BLEND, BLEND_GEMM, GEGLU, GELU_EPILOGUE, ADALN, LN_GEMM, LN_STATS,
     QKV_GEMM, SINGLE_KEY, GATED_RESIDUAL, RESIDUAL,
     CONCAT_GEMM, HALVES_IN_PLACE, CLIP_EPILOGUE, SKIP_CONCAT, UPSAMPLE_CONV, TEMPORAL_PERMUTES, RMS_NORM,
     WAN_ROUND_TRIPS, QK_NORM_ROPE, QK_CONCAT,

@@ -14,6 +14,7 @@ from ._fusion_plan import (
     CONV_EPILOGUE,
     EPILOGUE_CONV_OWNERS,
     GN_CONV,
+    GN_SILU,
     GN_STATS,
     LN_GEMM,
     LN_STATS,
@@ -39,7 +40,17 @@ from ._fusion_plan import (
 from .recorder import OpRecord
 
 
+#: Blocks whose GroupNorm (+ SiLU) ldmopt reads in the next conv's or GEMM's loads (rules_gn_conv.py, the temporal
+#: resnets and containers); a GroupNorm elsewhere (a VAE's conv_norm_out, a model of the user's) is one fused pass.
+GN_PROLOGUE_OWNERS = frozenset({
+    "ResnetBlock2D", *CONTAINER_OWNERS, *TEMPORAL_CONV_OWNERS, "TransformerTemporalModel", "AnimateDiffTransformer3D",
+})  # fmt: skip
+
+
 def _group_norm_prologue(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> None:
+    if _enclosing(plan, gn, GN_PROLOGUE_OWNERS) is None:
+        _group_norm_silu(plan, records, gn)
+        return
     chain = [gn]
     nxt = _sole_consumer(records, gn)
     if nxt is not None and nxt.base in _SILU:
@@ -62,6 +73,21 @@ def _group_norm_prologue(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> 
         savings[bias.index] = bias.bytes - sum(_other_inputs(bias, nxt.index))
         chain.append(bias)
     plan.claim(GN_CONV, savings, removed=tuple(r.index for r in chain[1:]), cost=True)
+
+
+def _group_norm_silu(plan: _Plan, records: list[OpRecord], gn: OpRecord) -> None:
+    """A GroupNorm module and the SiLU module after it in one pass, where patch fuses them (rules_group_norm.py): a
+    model's ``conv_act(conv_norm_out(x))``, and adjacent children of an nn.Sequential. The SiLU's pass goes."""
+    silu = _sole_consumer(records, gn)
+    if silu is None or silu.base not in _SILU or _owner_class(gn) != "GroupNorm" or _owner_class(silu) != "SiLU":
+        return
+    parent, _, name = gn.path.rpartition(".")
+    silu_parent, _, silu_name = silu.path.rpartition(".")
+    head = name == "conv_norm_out" and silu_name == "conv_act"
+    in_sequence = name.isdigit() and silu_name == str(int(name) + 1)
+    if parent != silu_parent or not (head or in_sequence) or not plan.free(gn.index, silu.index):
+        return
+    plan.claim(GN_SILU, {silu.index: silu.bytes}, removed=(silu.index,))
 
 
 def _layer_norm_gemm_loads(plan: _Plan, records: list[OpRecord], ln: OpRecord, single_key: frozenset[str]) -> None:

@@ -96,10 +96,11 @@ def configure_analyze(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--patched", action="store_true", help="count the model as ldmopt.patch leaves it (its fused ops recorded)"
     )
-    parser.add_argument("--placement", default="auto", choices=PLACEMENTS,
+    parser.add_argument("--placement", default=None, choices=PLACEMENTS,
                         help="what the patched projection models: auto (default) = the fused conv's and GEMMs' "
                              "placements on a GPU ('cudnn', 'cublas'; LDMOPT_GN_CONV_PROLOGUE / LDMOPT_GEMM_PLACEMENT "
-                             "honoured), triton = ldmopt's Triton kernels (the CPU's)")  # fmt: skip
+                             "honoured), triton = ldmopt's Triton kernels (the CPU's; the only one --patched "
+                             "models, and its default)")  # fmt: skip
     _common(parser)
 
 

@@ -26,7 +26,7 @@ from .gpus import GPUSpec, dtype_key, get_gpu
 from .placements import Placements
 from .recorder import AttentionCall, AttentionRegions, OpRecord, Recorder
 from .scopes import ModuleScopes
-from .settings import ANALYZE_DTYPES, check_setting, refuse_setting_with_inputs
+from .settings import check_dtype, check_setting, refuse_setting_with_inputs
 
 _RECORD_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -290,7 +290,7 @@ def analyze(
     tiny: bool = False,
     training: bool = False,
     patched: bool = False,
-    placement: str = "auto",
+    placement: str | None = None,
 ) -> Analysis:
     """Count FLOPs and minimum bytes of one denoiser call (VAE: one decode) and project its time on ``gpu``.
 
@@ -311,19 +311,25 @@ def analyze(
     keep theirs).
     ``check_flops=True`` also runs torch.utils.flop_counter.FlopCounterMode and stores its total.
 
-    ``placement`` picks what the patched projection models (``placements.py``): "auto", the fused conv's and GEMMs'
-    default placements on a GPU ("cudnn", "cublas"; ``LDMOPT_GN_CONV_PROLOGUE`` / ``LDMOPT_GEMM_PLACEMENT`` set in
-    the environment are honoured), or "triton", ldmopt's Triton kernels (the CPU's placement). The result names it.
+    ``placement`` picks what the patched projection models (``placements.py``): "auto" (the default), the fused
+    conv's and GEMMs' default placements on a GPU ("cudnn", "cublas"; ``LDMOPT_GN_CONV_PROLOGUE`` /
+    ``LDMOPT_GEMM_PLACEMENT`` set in the environment are honoured), or "triton", ldmopt's Triton kernels (the CPU's
+    placement). The result names it. A ``patched=True`` recording counts each of ldmopt's ops as the one kernel it
+    runs on the meta tensors, the Triton placement's: it takes "triton" (the default there) and refuses "auto".
     """
     from .. import configs
 
     start = time.perf_counter()
-    if isinstance(dtype, str):
-        key = dtype_key(dtype)
-        if key not in ANALYZE_DTYPES:
-            raise ValueError(f"dtype {dtype!r}: the models are analysed in {', '.join(ANALYZE_DTYPES)}")
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[key]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[check_dtype(dtype)]
     spec = get_gpu(gpu)
+    if placement is None:
+        placement = "triton" if patched else "auto"
+    elif patched and placement != "triton":
+        raise ValueError(
+            f"placement={placement!r} with patched=True: the recording counts each ldmopt op as one kernel, as the "
+            "Triton placement runs it ('triton', the default there); the GPUs' default placements are projected from "
+            "the stock model's recording: analyze(model, placement='auto') without patched=True"
+        )
     placements = Placements(placement, "cuda", training)  # analyze projects on a GPU
     # Given inputs fix the setting (one given with them would not be applied); otherwise refuse one the model would
     # change or ignore.
@@ -408,8 +414,8 @@ def _patch_for_analysis(model: nn.Module, inputs, training: bool) -> tuple[nn.Mo
     report = ldmopt.patch(model, training=training)
     return model, (
         f"the model as ldmopt.patch leaves it ({report.total} modules patched, channels-last): its fused ops are the "
-        "'ldmopt fused kernels' row (its temporal attention the temporal attention row); the patched columns project "
-        "the fusion rules on what is left"
+        "'ldmopt fused kernels' row (its temporal attention the temporal attention row), each counted as the one "
+        "kernel it is in the Triton placement; the patched columns project the fusion rules on what is left"
     )
 
 

@@ -32,7 +32,7 @@ def dtype_key(dtype: torch.dtype | str) -> str:
     aliases = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}
     key = aliases.get(dtype.lower(), dtype.lower())
     if key not in ("fp16", "bf16", "fp32", "tf32", "fp8", "fp64"):
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of fp16, bf16, fp32, tf32, fp8")
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of fp16, bf16, fp32, tf32, fp8, fp64")
     return key
 
 

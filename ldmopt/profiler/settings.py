@@ -21,6 +21,37 @@ def positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def resolution_pair(resolution: Any) -> tuple[int, int]:
+    """(height, width) from an int or a pair of ints; anything else is refused, naming the argument."""
+    if isinstance(resolution, int) and not isinstance(resolution, bool):
+        return resolution, resolution
+    pair = isinstance(resolution, (tuple, list)) and len(resolution) == 2
+    if not pair or not all(isinstance(v, int) and not isinstance(v, bool) for v in resolution):
+        raise ValueError(f"resolution must be an int or a (height, width) pair of ints, got {resolution!r}")
+    return resolution[0], resolution[1]
+
+
+def check_dtype(dtype: Any) -> str:
+    """The analysed dtype's key ("fp16", "bf16", "fp32") from a torch dtype or a name; others refused."""
+    import torch
+
+    from .gpus import dtype_key
+
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    key = names.get(dtype) if isinstance(dtype, torch.dtype) else None
+    if isinstance(dtype, str):
+        try:
+            key = dtype_key(dtype)
+        except ValueError:
+            key = None
+    if key not in ANALYZE_DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r}: the models are analysed in {', '.join(ANALYZE_DTYPES)} (torch.float16, torch.bfloat16, "
+            "torch.float32, or those names)"
+        )
+    return key
+
+
 def refuse_setting_with_inputs(inputs, **setting) -> None:
     """Explicit ``inputs`` fix the setting: a resolution, frame count or batch given as well would not be applied (the
     inputs are run as they are) yet would label the result, so it is refused."""
@@ -71,6 +102,8 @@ def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, ti
 
     positive("batch", batch)
     positive("frames", frames)
+    if resolution is not None:
+        resolution_pair(resolution)
     entry, config = _zoo_entry_and_config(model_or_name, tiny)
     if entry is None:
         return
@@ -81,7 +114,7 @@ def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, ti
         )
     if resolution is None:
         return
-    h, w = (resolution, resolution) if isinstance(resolution, int) else (int(resolution[0]), int(resolution[1]))
+    h, w = resolution_pair(resolution)
     if h < 1 or w < 1:
         raise ValueError(f"resolution must be positive, got {h}x{w}")
     multiple, patch = spatial_multiple(entry.cls, config)

@@ -115,6 +115,22 @@ def test_the_table_and_json_name_the_placement(capsys):
     assert out["placement"]["mode"] == "triton" and set(out["placement"]["sites"]["conv"]) == {"loader"}
 
 
+def test_a_patched_recording_models_the_triton_placement_and_refuses_another(capsys):
+    from ldmopt.profiler.cli import configure_analyze, run_analyze
+
+    recorded = analyze("sd15", tiny=True, patched=True)  # each fused op recorded as one kernel
+    assert recorded.placement["mode"] == "triton" and "Triton placement" in " ".join(recorded.notes)
+    assert analyze("sd15", tiny=True, patched=True, placement="triton").time_s == recorded.time_s
+    with pytest.raises(ValueError, match=r"placement='auto' with patched=True"):
+        analyze("sd15", tiny=True, patched=True, placement="auto")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    configure_analyze(parser)
+    assert run_analyze(parser.parse_args(["sd15", "--tiny", "--patched", "--json", "-"])) == 0
+    assert json.loads(capsys.readouterr().out)["placement"]["mode"] == "triton"
+
+
 def test_svd_blended_proj_out_keeps_the_residual_in_the_triton_gemm_epilogue():
     # ops.linear with a mix runs the Triton GEMM under either placement (gemm_placement(blend=True)): no cublas pass
     from ldmopt.profiler.fusions import BLEND_GEMM, RESIDUAL

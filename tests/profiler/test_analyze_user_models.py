@@ -122,3 +122,24 @@ def test_patched_fp32_fused_convs_and_gemms_at_the_rate_of_the_ops_they_replace(
     tf32 = {"conv": conv_tf32, "matmul": matmul_tf32, "": False}
     expected = sum(a.gpu.op_time(r.flops, r.bytes, "tf32" if tf32[r.fp32_follows] else "fp32") for r in fused)
     assert a.categories["ldmopt"].time_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_groupnorm_outside_the_fused_blocks_is_projected_as_patch_runs_it():
+    # GroupNorm -> SiLU -> Flatten -> Linear: patch fuses the pair into one pass (an nn.Sequential's), not into the
+    # Linear's loads, which read C x H x W features; the projection claimed the loads fusion.
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(4, 8, 3, padding=1),
+            torch.nn.GroupNorm(2, 8),
+            torch.nn.SiLU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8 * 16 * 16, 10),
+        )
+
+    x = torch.randn(2, 4, 16, 16)
+    rules = analyze(model(), inputs=x, placement="triton")
+    claimed = {name: stat.count for name, stat in rules.fusions.items() if stat.count}
+    assert claimed == {"GroupNorm + SiLU in one pass": 1}
+    recorded = analyze(model(), inputs=x, patched=True)
+    assert rules.patched_bytes == pytest.approx(recorded.total_bytes, rel=0.01)

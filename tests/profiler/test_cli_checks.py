@@ -7,6 +7,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from ldmopt.profiler import analyze, cli, profile
 from ldmopt.profiler.measure import _save_trace
@@ -127,9 +128,17 @@ def test_profile_training_without_a_trainable_parameter_is_refused():
     assert not frozen.training
 
 
-def test_analyze_dtype_outside_the_table_names_the_supported_ones():
-    with pytest.raises(ValueError, match="fp16, bf16, fp32"):
-        analyze("dit", tiny=True, dtype="tf32")
+@pytest.mark.parametrize("dtype", ["tf32", "fp8", "int8", torch.float8_e4m3fn, torch.float64, torch.int8], ids=str)
+def test_analyze_dtype_outside_the_table_names_the_supported_ones(dtype):
+    # names and torch dtypes alike: the GPU table's other keys (tf32, fp8) are rates, not dtypes a model is built in
+    with pytest.raises(ValueError, match=r"dtype=.*: the models are analysed in fp16, bf16, fp32"):
+        analyze("dit", tiny=True, dtype=dtype)
+
+
+@pytest.mark.parametrize("resolution", [(512,), "512", (512.0, 512.0), True])
+def test_analyze_resolution_that_is_not_an_int_or_a_pair_of_ints_is_refused(resolution):
+    with pytest.raises(ValueError, match=r"resolution must be an int or a \(height, width\) pair of ints, got"):
+        analyze("sd15", tiny=True, resolution=resolution)
 
 
 @pytest.mark.parametrize(
