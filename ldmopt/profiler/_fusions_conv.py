@@ -39,7 +39,6 @@ from ._fusion_plan import (
 )
 from .recorder import OpRecord
 
-
 #: Blocks whose GroupNorm (+ SiLU) ldmopt reads in the next conv's or GEMM's loads (rules_gn_conv.py, the temporal
 #: resnets and containers); a GroupNorm elsewhere (a VAE's conv_norm_out, a model of the user's) is one fused pass.
 GN_PROLOGUE_OWNERS = frozenset({
