@@ -239,16 +239,6 @@ class MetricLogger:
 # ------------------------------------------------------------------------------------------------ profiling
 
 
-def match_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
-    """Give each per-parameter state tensor (AdamW's moments) its parameter's strides. A checkpoint saved with
-    --channels-last and resumed without it (or the reverse) loads moments in the other layout, and fused AdamW walks
-    parameter, gradient and moments as flat memory alike: each moment would update another element, silently."""
-    for param, entry in optimizer.state.items():
-        for key, value in entry.items():
-            if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
-                entry[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
-
-
 def restore_optimization(state: dict, args, given: set[str] | None, is_main: bool, optimizer, lr_scheduler, scaler,
                          ema, resume_path) -> None:  # fmt: skip
     """Load the optimizer, schedule, GradScaler and EMA state of a checkpoint, keeping an explicit --lr and
@@ -258,7 +248,10 @@ def restore_optimization(state: dict, args, given: set[str] | None, is_main: boo
     optimizer.load_state_dict(state["optimizer"])
     for group, kept in zip(optimizer.param_groups, how):
         group.update(kept)
-    match_parameter_layout(optimizer)
+    # a checkpoint saved with --channels-last and resumed without it (or the reverse): moments in the other layout
+    import ldmopt
+
+    ldmopt.match_optimizer_layout(optimizer)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     # The saved optimizer and schedule carry their own lr and weight decay, which would silently win over an
     # explicit --lr/--weight-decay: reapply ours (the same values, and the same lr, when nothing was overridden).

@@ -337,8 +337,9 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
 
     def save(at_step: int) -> None:
         rng = gather_objects(rng_state(device), info)  # collective: every rank calls it
-        # The log window's loss so far (its mean over ranks: collective too), so a resumed run logs the same means.
-        window = (mean_over_ranks(window_loss, info), window_steps)
+        # The log window's loss so far, each rank's own sum (collective too): a resumed run on as many ranks logs the
+        # same means to the bit (the ranks' mean instead rounds the later mean over ranks differently).
+        window = (gather_objects(float(window_loss), info), window_steps)
         if not is_main:
             return
         ckpt = {
@@ -390,8 +391,11 @@ def train(args: argparse.Namespace, info: DistInfo, given: set[str] | None = Non
     # The logged loss is the mean over the steps since the last log (on the device: no synchronisation per step)
     window_loss, window_steps = torch.zeros((), device=device), 0
     if state is not None and state.get("log_window") is not None:  # saved between two logs: the window goes on
-        window_loss.fill_(state["log_window"][0])
-        window_steps = state["log_window"][1]
+        sums, window_steps = state["log_window"]
+        if isinstance(sums, float):  # a checkpoint of an older script: the ranks' mean
+            sums = [sums]
+        # on as many ranks, each its own sum; on another number, each the mean (the window's logged mean is kept)
+        window_loss.fill_(sums[info.rank] if len(sums) == info.world_size else sum(sums) / len(sums))
     start_step = step
 
     unprimed = args.fused

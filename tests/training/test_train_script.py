@@ -124,6 +124,19 @@ def test_two_rank_checkpoint_resumes_on_one_process(ddp_run, train_ldm, tmp_path
         torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-3, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def test_two_rank_resume_inside_a_log_window_logs_the_same_loss(tmp_path):
+    # A checkpoint between two logs keeps each rank's partial sum: restored as the ranks' mean, the mean over ranks
+    # at the next log rounded differently (a few ulps) from the straight run's.
+    args = [*BASE, "--max-steps", "5", "--log-every", "5", "--save-every", "3", "--keep-last", "0"]
+    env = {"LDMOPT_BACKEND": "torch"}
+    run_torchrun(args, tmp_path / "a", env=env)
+    run_torchrun([*args, "--resume", str(tmp_path / "a" / "checkpoints" / "step-00000003.pt")], tmp_path / "b", env=env)
+    straight, resumed = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("a", "b"))
+    assert list(_losses(straight)) == [5]
+    assert _losses(resumed) == _losses(straight)  # to the bit
+    assert resumed["param_digests"] == straight["param_digests"]
+
+
 def _resumes_exactly_from_step_2(train_ldm, tmp_path, extra: list[str]) -> None:
     """A 4-step run and the same run resumed from its step-2 checkpoint: steps 3-4 and the weights bit for bit."""
     straight = train_ldm.main([*BASE, *extra, "--output-dir", str(tmp_path / "a")])
