@@ -25,6 +25,7 @@ _LAZY = {
     "tune": ("ldmopt.patch", "tune"),
     "patch_tuned": ("ldmopt.patch", "patch_tuned"),
     "is_patched": ("ldmopt.patch", "is_patched"),
+    "match_optimizer_layout": ("ldmopt.patch", "match_optimizer_layout"),
     "profile": ("ldmopt.profiler", "profile"),
     "analyze": ("ldmopt.profiler", "analyze"),
     "cuda_graphs": ("ldmopt.graphs", "cuda_graphs"),

@@ -83,12 +83,14 @@ from .core import FAMILIES, PatchError, is_patched, patch, rule_table, unpatch
 from .report import PatchReport
 from .tune import tune
 from .tune_choice import patch_tuned
+from .weight_layout import match_optimizer_layout
 
 __all__ = [
     "FAMILIES",
     "PatchError",
     "PatchReport",
     "is_patched",
+    "match_optimizer_layout",
     "patch",
     "patch_tuned",
     "rule_table",

@@ -25,8 +25,10 @@ strides patch gave it; one the user re-laid out meanwhile is theirs, and so are 
 spatial conv weights, contiguous when patched, are all channels-last by then (``model.to(memory_format=...)``).
 While patched, ``safetensors.torch.save_file`` refuses those weights (non-contiguous): ``save_pretrained`` makes them
 contiguous itself; otherwise save after ``unpatch`` or ``.contiguous()`` each tensor. A gradient a weight already
-has is re-laid out with it; optimizer state made before the conversion keeps the old layout (a fused AdamW then
-refuses the mix): patch before creating the optimizer or loading its state.
+has is re-laid out with it; optimizer state made before the conversion keeps the old layout, and torch's fused AdamW
+walks parameter and moments as flat memory without checking their strides, so each moment would then update another
+element, silently (as after an ``unpatch`` of weights patched channels-last while training): patch before creating
+the optimizer or loading its state, or call :func:`match_optimizer_layout` after ``patch`` / ``unpatch``.
 """
 
 from __future__ import annotations
@@ -164,3 +166,18 @@ def weight_layout_action(
 
 def weight_bytes(convs: Iterable[tuple[str, nn.Module]]) -> int:
     return sum(conv.weight.numel() * conv.weight.element_size() for _, conv in convs)
+
+
+def match_optimizer_layout(optimizer: torch.optim.Optimizer) -> int:
+    """Give each per-parameter state tensor of ``optimizer`` (AdamW's moments) its parameter's strides, where they
+    differ; returns how many it re-laid out. Call it after ``patch`` or ``unpatch`` changed conv weights' layouts
+    under an optimizer that already holds state, or after loading a state saved with other layouts: torch's fused
+    AdamW reads parameter, gradient and moments as flat memory alike, so mismatched strides update the wrong
+    elements without an error (foreach and single-tensor AdamW index by position and are unaffected)."""
+    relaid = 0
+    for param, entry in optimizer.state.items():
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                entry[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+                relaid += 1
+    return relaid

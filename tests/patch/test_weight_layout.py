@@ -107,6 +107,43 @@ def test_training_patch_converts_when_asked_and_still_matches_stock_gradients():
         assert_outputs_close(p.grad, expected, atol=2e-4, rtol=2e-3, name=name)
 
 
+@pytest.mark.parametrize("when", ["patch", "unpatch"])
+def test_optimizer_state_made_before_a_layout_change_is_matched_to_it(when):
+    # Optimizer state made before patch (or, patched channels-last, before unpatch) keeps the old strides, and fused
+    # AdamW would then update the wrong elements without an error; match_optimizer_layout re-lays the moments out.
+    torch.manual_seed(2)
+    model = _unet().train()
+    if when == "unpatch":
+        ldmopt.patch(model, training=True, channels_last_weights=True)
+    fused_adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    fused_adamw.step()
+    if when == "patch":
+        ldmopt.patch(model, training=True, channels_last_weights=True)
+    else:
+        ldmopt.unpatch(model)
+    moved = [p for p in model.parameters() if fused_adamw.state[p]["exp_avg"].stride() != p.stride()]
+    assert moved, "the layout change left every moment's strides matching"
+    assert ldmopt.match_optimizer_layout(fused_adamw) == 2 * len(moved)  # exp_avg and exp_avg_sq
+    assert ldmopt.match_optimizer_layout(fused_adamw) == 0
+
+    by_position = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    by_position.load_state_dict(copy.deepcopy(fused_adamw.state_dict()))
+    by_position.param_groups[0].update(fused=None, foreach=True)  # the loaded groups said fused=True
+    values = {p: p.detach().clone() for p in model.parameters()}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    fused_adamw.step()
+    stepped = {p: p.detach().clone() for p in model.parameters()}
+    with torch.no_grad():
+        for p, v in values.items():
+            p.copy_(v)
+    by_position.step()
+    for p in moved:
+        torch.testing.assert_close(stepped[p], p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_models_without_fused_convolutions_keep_their_layout():
     model = _unet()
     before = {n: p.stride() for n, p in model.named_parameters()}
