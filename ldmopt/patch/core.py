@@ -78,6 +78,9 @@ class _Record:
     rule: Rule
     site: Site
     data: Any
+    #: the modules the patch registered as claimed, kept: a child wrapped while patched (a LoRA layer loaded, a
+    #: split-inference wrapper) is no longer what ``rule.touched`` finds at unpatch, and its claim would outlive it
+    claimed: tuple[nn.Module, ...] = ()
 
 
 @functools.cache
@@ -254,7 +257,7 @@ def _restore(records: list[_Record], *, best_effort: bool = False) -> list[str]:
             if not best_effort:
                 raise
             failed.append(f"{rec.site.name or '<root>'} [{rec.rule.name}]: {type(error).__name__}: {error}")
-        for touched in (*rec.rule.touched(rec.site).values(), *rec.rule.installed(rec.data)):
+        for touched in (*rec.claimed, *rec.rule.touched(rec.site).values(), *rec.rule.installed(rec.data)):
             _CLAIMED_BY.pop(touched, None)
     return failed
 
@@ -337,8 +340,9 @@ def patch(
             applied.append((model, records))
             for rule, site in actions:
                 data = rule.replace(site)
-                records.append(_Record(rule, site, data))
-                for touched in (*rule.touched(site).values(), *rule.installed(data)):
+                claimed = (*rule.touched(site).values(), *rule.installed(data))
+                records.append(_Record(rule, site, data, claimed))
+                for touched in claimed:
                     _CLAIMED_BY[touched] = weakref.ref(model)
                 report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
                 report._counters.extend(rule.counters(data))
