@@ -138,8 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             import ldmopt
 
-            with ldmopt.use_backend(args.backend):
-                result = train(args, info, given)
+            try:
+                with ldmopt.use_backend(args.backend):
+                    result = train(args, info, given)
+            except ldmopt.BackendUnavailableError as exc:  # e.g. triton on a CPU without TRITON_INTERPRET=1
+                raise SystemExit(f"--backend {args.backend}: {exc}") from None
         if owns_group:
             dist.barrier()  # no rank tears its process group down while another still has collectives under way
         return result

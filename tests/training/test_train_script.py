@@ -276,6 +276,7 @@ def test_zoo_models_train_and_sample(train_ldm, tmp_path, argv):
         (["--vae", "sd15vae"], "--vae 'sd15vae' is neither a folder holding a diffusers AutoencoderKL nor .*sd15-vae"),
         (["--output-dir", "/dev/null/run"], "--output-dir '/dev/null/run': /dev/null exists and is not a folder"),
         (["--output-dir", "/proc/ldmopt-run"], "--output-dir '/proc/ldmopt-run' cannot be created"),
+        (["--backend", "cuda"], r"--backend cuda: ldmopt\.\w+: backend 'cuda' was forced but cannot run these inputs"),
     ],
 )
 def test_bad_arguments_have_clear_messages(train_ldm, tmp_path, argv, match):
