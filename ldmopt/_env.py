@@ -16,6 +16,8 @@ import re
 import warnings
 from pathlib import Path
 
+import torch
+
 _BUILD_INFO = Path(__file__).with_name("_build_info.json")
 
 
@@ -29,24 +31,40 @@ _ENCODED_NAMES: dict[str, bytes] = {}
 _DECODED_VALUES: dict[bytes, str] = {}
 
 
+def read_per_call(*names: str) -> None:
+    """Declare variables that fused forwards read with :func:`getenv` (at import): their encoded names are cached
+    before any torch.compile traces a read, so the cache never changes under a compiled graph's guards (a name
+    first added while tracing failed the guard on the next call: one recompile)."""
+    for name in names:
+        _ENCODED_NAMES.setdefault(name, os.fsencode(name))
+
+
+read_per_call("LDMOPT_BACKEND", "TRITON_INTERPRET", "LDMOPT_POISON_OUTPUTS")
+
+
 def getenv(name: str, default: str | None = None) -> str | None:
     """``os.environ.get(name, default)`` for the variables read on every op call (LDMOPT_BACKEND, ...), without
     os.environ's key encoding per read (about 1.6 us against 0.1 on the CI machine's CPU; a fused call read up to ten).
     On POSIX os.environ keeps its items in a dict of bytes that every write through os.environ updates (setenv in
-    tests included), so a change is seen at the next read, as with os.environ.get."""
+    tests included), so a change is seen at the next read, as with os.environ.get (and under torch.compile, a guard
+    on that dict retraces). The caches are not written while Dynamo traces (see :func:`read_per_call`)."""
     if _ENVIRON_DATA is None:
         return os.environ.get(name, default)
     key = _ENCODED_NAMES.get(name)
     if key is None:
-        key = _ENCODED_NAMES[name] = os.fsencode(name)
+        key = os.fsencode(name)
+        if not torch.compiler.is_compiling():
+            _ENCODED_NAMES[name] = key
     raw = _ENVIRON_DATA.get(key)
     if raw is None:
         return default
     value = _DECODED_VALUES.get(raw)
     if value is None:
-        if len(_DECODED_VALUES) > 64:  # values set and unset over a process's life: keep the table small
-            _DECODED_VALUES.clear()
-        value = _DECODED_VALUES[raw] = os.fsdecode(raw)
+        value = os.fsdecode(raw)
+        if not torch.compiler.is_compiling():
+            if len(_DECODED_VALUES) > 64:  # values set and unset over a process's life: keep the table small
+                _DECODED_VALUES.clear()
+            _DECODED_VALUES[raw] = value
     return value
 
 

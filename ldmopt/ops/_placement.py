@@ -9,7 +9,7 @@ import functools
 import os
 from collections import Counter
 
-from .._env import getenv
+from .._env import getenv, read_per_call
 
 
 class PlacementSwitch:
@@ -17,6 +17,7 @@ class PlacementSwitch:
 
     def __init__(self, env: str, choices: tuple[str, ...]):
         self.env = env
+        read_per_call(env)
         self.choices = choices
         #: placement -> number of calls that used it in this process
         self.counts: Counter[str] = Counter()

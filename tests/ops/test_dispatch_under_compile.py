@@ -60,3 +60,33 @@ def test_outside_compile_the_live_context_decides():
         assert _dispatch._resolve_at_trace_time("group_norm") == ("torch", False)  # same answer, eagerly
     with ldmopt.use_backend("triton"):
         assert _dispatch._resolve("group_norm") == ("triton", False)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_an_environment_read_compiles_once_and_a_change_retraces(monkeypatch, declared):
+    # ldmopt._env.getenv caches encoded names and decoded values; a cache entry first written while Dynamo traced
+    # failed that graph's guard on the next call (one recompile of a patched model in a fresh process)
+    from ldmopt import _env
+
+    name = f"LDMOPT_TEST_COMPILE_READ_{declared}"
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_env, "_ENCODED_NAMES", dict(_env._ENCODED_NAMES))
+    monkeypatch.setattr(_env, "_DECODED_VALUES", {})
+    if declared:
+        _env.read_per_call(name)
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + (1 if _env.getenv(name) is None else 3), fullgraph=True, backend=count)
+    x = torch.zeros(2)
+    for _ in range(3):
+        assert torch.equal(compiled(x), x + 1)
+    assert len(graphs) == 1
+    monkeypatch.setenv(name, "on")
+    for _ in range(3):
+        assert torch.equal(compiled(x), x + 3)
+    assert len(graphs) == 2
