@@ -187,8 +187,12 @@ def take_layer_norm(x: Tensor, eps: float, consumer: str) -> Tensor | None:
 
 
 def _take(x: Tensor, config: tuple, consumer: str) -> tuple[Tensor, ...] | None:
+    if not _eligible(x):  # (a tuple, the pair of an up block's skip concat, is not eligible; nor a traced call)
+        return None
+    # Read only once eligible: under torch.compile a read of the thread's offer would be guarded on, and an eager
+    # call of the same model (which leaves one) would then retrace the compiled graph.
     offered = getattr(_local, "offer", None)
-    if offered is None or not _eligible(x):  # (a tuple, the pair of an up block's skip concat, is not eligible)
+    if offered is None:
         return None
     _local.offer = None
     if offered.tensor() is not x or x._version != offered.version or _stream_of(x) != offered.stream:

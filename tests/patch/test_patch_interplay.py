@@ -39,6 +39,27 @@ def test_compile_fullgraph_patched_unet(backend):
         assert report.backends()["gn_conv2d"] == {"torch": calls}
 
 
+def test_a_compiled_patched_unet_is_not_retraced_by_repeated_or_eager_calls():
+    # Traced code read the thread's pending statistics offer before seeing it was being traced: an eager call of the
+    # same model (validation, another pipeline), which leaves an offer, then failed the compiled graph's guard.
+    unet = models.sd15_unet().eval().to(memory_format=torch.channels_last)
+    x = models.inputs("sd15", unet, batch=1)
+    x["sample"] = x["sample"].to(memory_format=torch.channels_last)
+    ldmopt.patch(unet)
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(unet, fullgraph=True, backend=count)
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        for call in (compiled, compiled, unet, compiled, unet, compiled):
+            _run(call, x)
+    assert len(graphs) == 1
+
+
 @pytest.mark.parametrize("family", ["animatediff", "dit"])
 def test_compile_fullgraph_temporal_and_adaln(family):
     # Token-order temporal containers (AnimateDiff) and class-swapped adaLN blocks (DiT) trace without graph breaks.
