@@ -205,7 +205,9 @@ def normed_with_positions(
     if pos_embed is None:
         return NormedInput(norm, x, where, name, stats=stats)
     table = sinusoidal_table(pos_embed, length)
-    if table is None:
+    # Under torch.jit.trace the rows per position are a traced size (a 0-d tensor), which the op's int argument would
+    # bake in: the trace adds the positions as the stock path does, valid at every size.
+    if table is None or torch._C._get_tracing_state() is not None:
         return add_positions(norm(x))
     return NormedInput(norm, x, where, name, positions=(table, rows_per_position), finish=add_positions, stats=stats)
 
