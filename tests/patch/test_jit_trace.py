@@ -44,6 +44,7 @@ def test_traced_patched_animatediff_takes_other_sizes():
     # The motion modules' sinusoidal positions, added in the GEMMs' loads every N rows, would bake the traced
     # pixels per frame (a 0-d traced size the op's int argument refused): traced, they are added as stock adds them.
     def call(batch, frames, side):
-        return (torch.randn(batch, 4, frames, side, side), torch.tensor([10] * batch), torch.randn(batch * frames, 5, 32))
+        sample = torch.randn(batch, 4, frames, side, side)
+        return (sample, torch.tensor([10] * batch), torch.randn(batch * frames, 5, 32))
 
     _trace_and_rerun("animatediff", call(2, 3, 8), call(1, 4, 16))
