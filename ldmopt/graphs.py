@@ -473,17 +473,44 @@ def _uninstall_locked(wrapper: GraphedMethod) -> None:
     if model.__dict__.get(GRAPHED) is not wrapper:
         return  # removed already
     method = wrapper.method
-    if model.__dict__.get(method) is not wrapper:
-        raise RuntimeError(
-            f"ldmopt.cuda_graphs: {wrapper.label}.{method} was replaced since the graphs were installed (by "
-            f"{model.__dict__.get(method, 'the class')!r}); restore it first, or it would be lost"
+    current = model.__dict__.get(method)
+    if current is not wrapper:
+        if _reaches(model, current, wrapper):
+            by = "the class's" if current is None else getattr(current, "__qualname__", type(current).__qualname__)
+            raise RuntimeError(  # named, not repr()'d: a bound method's or partial's repr prints the whole model
+                f"ldmopt.cuda_graphs: {wrapper.label}.{method} was replaced since the graphs were installed (by "
+                f"{by}), which still calls them; restore it first, or it would be lost"
+            )
+        # Dropped by whoever replaced it (accelerate's offload hooks, re-installed by a pipeline after each call,
+        # put back the forward they saved before the graphs): nothing to restore, only the graphs to free.
+        warnings.warn(
+            f"ldmopt.cuda_graphs: {wrapper.label}.{method} was replaced since the graphs were installed, and the "
+            "replacement no longer calls them (offload hooks re-installed?); their graphs are freed",
+            RuntimeWarning,
+            stacklevel=4,
         )
+        del model.__dict__[GRAPHED]
+        wrapper.reset()
+        return
     if wrapper.saved_method is _MISSING:
         del model.__dict__[method]
     else:
         model.__dict__[method] = wrapper.saved_method
     del model.__dict__[GRAPHED]
     wrapper.reset()
+
+
+def _reaches(model: nn.Module, method: Any, wrapper: GraphedMethod) -> bool:
+    """Whether ``method`` (the model's method now) still calls ``wrapper``: is it, or wraps it (``__wrapped__``, a
+    partial's function, accelerate's ``_old_forward``), a few levels deep."""
+    seen = [method, model.__dict__.get("_old_forward")]
+    for _ in range(8):
+        if any(f is wrapper for f in seen):
+            return True
+        seen = [g for f in seen for g in (getattr(f, "__wrapped__", None), getattr(f, "func", None)) if g is not None]
+        if not seen:
+            return False
+    return False
 
 
 def cuda_graphs(

@@ -7,6 +7,7 @@ tests/test_cuda_graphs_models.py. The real capture runs in benchmarks/check_cuda
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 
@@ -140,10 +141,19 @@ def test_remove_restores_the_forward_exactly_and_keeps_signature(backend):
         assert toy(torch.ones(1, 5))["count"] == 0
     assert ldmopt.remove_cuda_graphs(toy) == 1
     assert toy.__dict__["forward"] is custom
+    # replaced by a wrapper that still calls the graphs (functools.wraps, as a hook's): refused, it would be lost
     handle = ldmopt.cuda_graphs(toy)
-    toy.forward = lambda x: x
-    with pytest.raises(RuntimeError, match="was replaced since the graphs were installed"):
+    installed = toy.__dict__["forward"]
+    toy.forward = functools.wraps(installed)(lambda *a, **k: installed(*a, **k))
+    still_calls = r"was replaced since the graphs were installed \(by .*\), which still calls them"
+    with pytest.raises(RuntimeError, match=still_calls):
         handle.remove()
+    # replaced by something that no longer calls them (accelerate's hooks re-installed around the forward they saved
+    # before): the graphs are freed with a warning, and the model is no longer graphed (patch / unpatch accept it)
+    toy.forward = custom
+    with pytest.warns(RuntimeWarning, match="no longer calls them"):
+        handle.remove()
+    assert graphs.GRAPHED not in toy.__dict__ and toy.__dict__["forward"] is custom
 
 
 @pytest.mark.parametrize("bad", [{"max_graphs": 0}, {"warmup_calls": 0}, {"max_graphs": True}])
