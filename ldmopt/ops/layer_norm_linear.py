@@ -330,7 +330,8 @@ def layer_norm_linear(
                 f"layer_norm_linear: positions must be a fixed [P, {k}] table on {x.device} (no gradient), got "
                 f"{tuple(positions.shape)} on {positions.device}, requires_grad={positions.requires_grad}"
             )
-        if not isinstance(position_rows, int) or position_rows < 1:
+        # a SymInt under non-strict torch.export with dynamic sizes (the rows per frame, h * w)
+        if not isinstance(position_rows, (int, torch.SymInt)) or isinstance(position_rows, bool) or position_rows < 1:
             raise ValueError(f"layer_norm_linear: position_rows must be a positive int, got {position_rows!r}")
     save_pre = activation is not None and needs_grad(x, norm_weight, norm_bias, weight, bias)
     y, _pre = call(layer_norm_linear_fwd, rows, statistics_source(stats), norm_weight, norm_bias, weight, bias,

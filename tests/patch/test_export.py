@@ -58,3 +58,21 @@ def test_patched_unet_exports_the_same_fused_graph_strict_or_not():
         with torch.no_grad(), ldmopt.use_backend("torch"):
             assert_outputs_close(program.module()(*args), _UNetCall(stock)(*args), name=f"strict={strict}")
     assert found[False] and found[False] == found[True]
+
+
+def test_patched_animatediff_exports_non_strict_with_dynamic_sizes():
+    # The motion modules add their positions every h * w rows in the GEMMs' loads: under non-strict export that
+    # count is a SymInt, which layer_norm_linear refused (strict export traces it as an int-like value)
+    stock = models.animatediff().eval()
+    patched = copy.deepcopy(stock)
+    ldmopt.patch(patched)
+
+    def inputs(side_h, side_w):
+        return torch.randn(2, 4, 3, side_h, side_w), torch.full((2,), 10), torch.randn(6, 5, 32)
+
+    h, w = Dim("H", min=1, max=8), Dim("W", min=1, max=8)
+    program = export(_UNetCall(patched), inputs(8, 8), dynamic_shapes=({3: 4 * h, 4: 4 * w}, None, None), strict=False)
+    assert _ldmopt_ops(program)
+    args = inputs(8, 16)
+    with torch.no_grad(), ldmopt.use_backend("torch"):
+        assert_outputs_close(program.module()(*args), _UNetCall(stock)(*args), name="non-strict, 8x16 latents")
