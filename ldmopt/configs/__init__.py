@@ -363,14 +363,18 @@ class ModelInputs:
         return ModelInputs(self.method, move(self.kwargs), self.resolution, self.frames, self.batch)
 
 
-def _resolution(value: int | tuple[int, int] | None, default: tuple[int, int]) -> tuple[int, int]:
-    if value is None:
-        return default
+def resolution_pair(value: Any) -> tuple[int, int]:
+    """(height, width) from an int or a pair of ints; anything else is refused, naming the argument."""
     if isinstance(value, int) and not isinstance(value, bool):
         return (value, value)
-    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value)):
+    pair = isinstance(value, (tuple, list)) and len(value) == 2
+    if not pair or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ValueError(f"resolution must be an int or a (height, width) pair of ints, got {value!r}")
-    return (int(value[0]), int(value[1]))
+    return (value[0], value[1])
+
+
+def _resolution(value: int | tuple[int, int] | None, default: tuple[int, int]) -> tuple[int, int]:
+    return default if value is None else resolution_pair(value)
 
 
 def _model_config(model: nn.Module) -> dict[str, Any]:

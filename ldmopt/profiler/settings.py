@@ -8,6 +8,7 @@ profiler refuses them here with a message saying what the model accepts.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 ANALYZE_DTYPES = ("fp16", "bf16", "fp32")
@@ -21,29 +22,16 @@ def positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def resolution_pair(resolution: Any) -> tuple[int, int]:
-    """(height, width) from an int or a pair of ints; anything else is refused, naming the argument."""
-    if isinstance(resolution, int) and not isinstance(resolution, bool):
-        return resolution, resolution
-    pair = isinstance(resolution, (tuple, list)) and len(resolution) == 2
-    if not pair or not all(isinstance(v, int) and not isinstance(v, bool) for v in resolution):
-        raise ValueError(f"resolution must be an int or a (height, width) pair of ints, got {resolution!r}")
-    return resolution[0], resolution[1]
-
-
 def check_dtype(dtype: Any) -> str:
     """The analysed dtype's key ("fp16", "bf16", "fp32") from a torch dtype or a name; others refused."""
     import torch
 
     from .gpus import dtype_key
 
-    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-    key = names.get(dtype) if isinstance(dtype, torch.dtype) else None
-    if isinstance(dtype, str):
-        try:
+    key = None
+    if isinstance(dtype, (str, torch.dtype)):
+        with contextlib.suppress(ValueError):  # the GPU table's keys: also tf32, fp8, fp64, not analysed in
             key = dtype_key(dtype)
-        except ValueError:
-            key = None
     if key not in ANALYZE_DTYPES:
         raise ValueError(
             f"dtype={dtype!r}: the models are analysed in {', '.join(ANALYZE_DTYPES)} (torch.float16, torch.bfloat16, "
@@ -102,8 +90,7 @@ def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, ti
 
     positive("batch", batch)
     positive("frames", frames)
-    if resolution is not None:
-        resolution_pair(resolution)
+    hw = None if resolution is None else configs.resolution_pair(resolution)  # also for models not in the zoo
     entry, config = _zoo_entry_and_config(model_or_name, tiny)
     if entry is None:
         return
@@ -112,9 +99,9 @@ def check_setting(model_or_name, *, resolution=None, frames=None, batch=None, ti
             f"{entry.name} ({entry.description}) is an image model: it has no frames, so frames={frames} would be "
             f"ignored; drop --frames"
         )
-    if resolution is None:
+    if hw is None:
         return
-    h, w = resolution_pair(resolution)
+    h, w = hw
     if h < 1 or w < 1:
         raise ValueError(f"resolution must be positive, got {h}x{w}")
     multiple, patch = spatial_multiple(entry.cls, config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import ldmopt
 from ldmopt.ops import _dispatch
@@ -74,19 +75,14 @@ def test_an_environment_read_compiles_once_and_a_change_retraces(monkeypatch, de
     monkeypatch.setattr(_env, "_DECODED_VALUES", {})
     if declared:
         _env.read_per_call(name)
-    graphs = []
-
-    def count(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    graphs = CompileCounter()
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x: x + (1 if _env.getenv(name) is None else 3), fullgraph=True, backend=count)
+    compiled = torch.compile(lambda x: x + (1 if _env.getenv(name) is None else 3), fullgraph=True, backend=graphs)
     x = torch.zeros(2)
     for _ in range(3):
         assert torch.equal(compiled(x), x + 1)
-    assert len(graphs) == 1
+    assert graphs.frame_count == 1
     monkeypatch.setenv(name, "on")
     for _ in range(3):
         assert torch.equal(compiled(x), x + 3)
-    assert len(graphs) == 2
+    assert graphs.frame_count == 2

@@ -6,6 +6,7 @@ import contextlib
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 
 import ldmopt
 from tests.patch import models
@@ -46,18 +47,13 @@ def test_a_compiled_patched_unet_is_not_retraced_by_repeated_or_eager_calls():
     x = models.inputs("sd15", unet, batch=1)
     x["sample"] = x["sample"].to(memory_format=torch.channels_last)
     ldmopt.patch(unet)
-    graphs = []
-
-    def count(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    graphs = CompileCounter()
     torch._dynamo.reset()
-    compiled = torch.compile(unet, fullgraph=True, backend=count)
+    compiled = torch.compile(unet, fullgraph=True, backend=graphs)
     with torch.no_grad(), ldmopt.use_backend("torch"):
         for call in (compiled, compiled, unet, compiled, unet, compiled):
             _run(call, x)
-    assert len(graphs) == 1
+    assert graphs.frame_count == 1
 
 
 @pytest.mark.parametrize("family", ["animatediff", "dit"])
