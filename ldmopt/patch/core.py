@@ -234,7 +234,9 @@ def _plan(
                 why = f"excluded by filter_fn: {', '.join(excluded)} (which this rule bypasses or replaces)"
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, (why,), True))
                 continue
-            reasons = generic_reasons(site, touched, rule.shallow(site)) + rule.reasons(site)
+            # The generic guards first: a LoRA, quantized or hooked child is what every rule's own check of that
+            # child would name again, in other words.
+            reasons = generic_reasons(site, touched, rule.shallow(site)) or rule.reasons(site)
             if reasons:
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
                 continue

@@ -92,6 +92,11 @@ def test_lora_unet_patched_keeps_lora():
     # Rules that would bypass a LoRA layer leave that module stock and say why; the rest still apply.
     lora_rules = {s.rule for s in report.skipped if any("PEFT/LoRA" in r or "LoraLayer" in r for r in s.reasons)}
     assert lora_rules == {"resnet", "geglu"}, report.skipped
+    # Once each: the generic guard names the LoRA child, and the rule does not restate it in other words.
+    for skipped in report.skipped:
+        if any("PEFT/LoRA layer" in r for r in skipped.reasons):
+            assert all("PEFT/LoRA layer" in r for r in skipped.reasons), skipped
+            assert len(set(skipped.reasons)) == len(skipped.reasons), skipped
     assert report.counts()["group_norm"] > 0  # resnet norms, now not claimed by the resnet rule
     ldmopt.unpatch(unet)
     assert torch.equal(_run(unet, x), ref)
