@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported: the stub is the interpreter's
@@ -57,10 +57,44 @@ _CPP_STANDINS = {
 }  # fmt: skip
 
 
+def meta_copies(args) -> list:
+    """``args`` with each tensor as a meta tensor of the same shape, strides, offset and dtype; tensors sharing
+    storage share it here too (the C++ checks refuse overlapping outputs)."""
+    bases: dict[int, torch.Tensor] = {}
+    copies = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            copies.append(a)
+            continue
+        storage = a.untyped_storage()
+        base = bases.setdefault(storage.data_ptr(), torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta"))
+        copies.append(base.view(a.dtype).as_strided(a.shape, a.stride(), a.storage_offset()))
+    return copies
+
+
+def checked_by_cpp(op: str, standin: Callable) -> Callable:
+    """``standin`` run after ldmopt._C's own op ``op`` has accepted the arguments: its Meta kernel runs the C++
+    argument checks (dtypes, strides, layouts, sizes) on meta copies. A stand-in more permissive than the C++ op
+    would hide a call Python routes to the cuda backend that a GPU refuses. Without the built extension, the
+    stand-in alone."""
+    from ldmopt import _env
+
+    _env.cuda_extension_status()  # loads ldmopt._C where it is built
+    real = getattr(getattr(torch.ops.ldmopt, op, None), "default", None)
+
+    def run(*args):
+        if real is not None:
+            real(*meta_copies(args))
+        return standin(*args)
+
+    return run
+
+
 @contextlib.contextmanager
-def as_gpu_with_extension() -> Iterator[Counter]:
+def as_gpu_with_extension(checked: bool = False) -> Iterator[Counter]:
     """Placements as for CUDA tensors, ldmopt._C's backends accepting CPU tensors, their ops stubbed; yields the
-    count of C++ op calls by op."""
+    count of C++ op calls by op. ``checked``: each call is first checked by the C++ op's argument checks
+    (:func:`checked_by_cpp`; host_step.py, which times the host, leaves them out)."""
     import importlib
 
     from ldmopt.ops import gn_conv2d_prologue, linear_cublas
@@ -78,7 +112,8 @@ def as_gpu_with_extension() -> Iterator[Counter]:
                  "temporal_attention"):  # fmt: skip
         patch(importlib.import_module(f"ldmopt.ops.{name}"), "cuda_extension_refusals", lambda *args: [])
     for op, standin in _CPP_STANDINS.items():
-        patch(torch.ops.ldmopt, op, lambda *a, _op=op, _f=standin: calls.update([_op]) or _f(*a))
+        counted = checked_by_cpp(op, standin) if checked else standin
+        patch(torch.ops.ldmopt, op, lambda *a, _op=op, _f=counted: calls.update([_op]) or _f(*a))
     gemm, conv = linear_cublas.gemm_placement, gn_conv2d_prologue.choose_placement
     patch(linear_cublas, "gemm_placement", lambda device, blend=False: gemm(cuda, blend))
     patch(importlib.import_module("ldmopt.ops.linear"), "gemm_placement", linear_cublas.gemm_placement)
@@ -118,7 +153,7 @@ def count_step(name: str, resolution: int, frames: int | None, dtype: torch.dtyp
     by C++ op (``as_gpu``)} of one step."""
     model, method, kwargs = channels_last_step(name, resolution, frames, dtype, tiny)
     report = ldmopt.patch(model)
-    gpu = as_gpu_with_extension() if as_gpu else contextlib.nullcontext(Counter())
+    gpu = as_gpu_with_extension(checked=True) if as_gpu else contextlib.nullcontext(Counter())
     backend = ldmopt.use_backend("auto" if as_gpu else "triton")
     with torch.no_grad(), backend, stubbed_launches() as launches, gpu as cpp_calls:
         for _ in range(3):

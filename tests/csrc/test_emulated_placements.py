@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import ldmopt
+from benchmarks.count_launches import checked_by_cpp
 from ldmopt import _env, ops
 from ldmopt.ops import conv_epilogue as conv_module
 from ldmopt.ops import gn_conv2d_prologue, linear_cublas
@@ -28,40 +29,10 @@ adaln_module = importlib.import_module("ldmopt.ops.adaln_modulate")  # (ldmopt.o
 pytestmark = pytest.mark.skipif(emulator.unavailable_reason() is not None, reason=str(emulator.unavailable_reason()))
 
 
-def _meta_copies(args) -> list:
-    """``args`` with each tensor as a meta tensor of the same shape, strides, offset and dtype; tensors sharing
-    storage share it here too (the C++ checks refuse overlapping outputs)."""
-    bases: dict[int, torch.Tensor] = {}
-    copies = []
-    for a in args:
-        if not isinstance(a, torch.Tensor):
-            copies.append(a)
-            continue
-        storage = a.untyped_storage()
-        base = bases.setdefault(storage.data_ptr(), torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta"))
-        copies.append(base.view(a.dtype).as_strided(a.shape, a.stride(), a.storage_offset()))
-    return copies
-
-
-def _checked_by_cpp(name: str, standin):
-    """``standin`` after ldmopt._C's own op has accepted the arguments: its Meta kernel runs the C++ argument checks
-    (dtypes, strides, layouts, sizes) on meta copies. A stand-in more permissive than the C++ op would hide a call
-    Python routes to the cuda backend that a GPU refuses."""
-    _env.cuda_extension_status()  # loads ldmopt._C where it is built
-    real = getattr(getattr(torch.ops.ldmopt, name, None), "default", None)
-
-    def run(*args):
-        if real is not None:
-            real(*_meta_copies(args))
-        return standin(*args)
-
-    return run
-
-
 @pytest.mark.skipif(not _env.cuda_extension_status()[0], reason="ldmopt._C is not built")
 def test_the_standins_refuse_what_the_cpp_op_refuses():
     x = torch.randn(2, 16, 3, 3)[:, ::2]  # channels strided: neither contiguous nor channels-last
-    standin = _checked_by_cpp("group_norm_stats_cuda", lambda *args: pytest.fail("the stand-in ran"))
+    standin = checked_by_cpp("group_norm_stats_cuda", lambda *args: pytest.fail("the stand-in ran"))
     with pytest.raises(RuntimeError, match="contiguous or channels-last"):
         standin(x, 2, 1e-5)
 
@@ -107,7 +78,7 @@ def emulated_cuda(emu, monkeypatch):
         "conv_epilogue_cuda": conv_epilogue_cuda,
     }
     for name, standin in standins.items():
-        monkeypatch.setattr(torch.ops.ldmopt, name, _checked_by_cpp(name, standin), raising=False)
+        monkeypatch.setattr(torch.ops.ldmopt, name, checked_by_cpp(name, standin), raising=False)
     before = dict(backend_counts)
     with linear_cublas.forced("cublas"), gn_conv2d_prologue.forced("cudnn"), ldmopt.use_backend("auto"):
         yield lambda: {k: v - before.get(k, 0) for k, v in backend_counts.items() if v != before.get(k, 0)}
