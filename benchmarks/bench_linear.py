@@ -65,6 +65,20 @@ def _quick() -> bool:
     return os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 
 
+def _default(fn, *placements):
+    """``fn`` as a user runs it: backends chosen automatically (on GPUs, cuBLAS's GEMM and ldmopt._C's pass after it
+    where the extension is built), a fall-back to the reference an error (harness.default_backends), within
+    ``placements`` (context managers made per call) where given."""
+
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for placement in placements:
+                stack.enter_context(placement())
+            return fn(*args, **kwargs)
+
+    return harness.default_backends(run if placements else fn)
+
+
 def _triton(fn, *placements):
     """``fn`` on the Triton backend, within ``placements`` (context managers made per call) where given."""
 
@@ -87,7 +101,7 @@ def _triton_gemm(fn):
 def _gelu_pass(fn):
     """``fn`` with GELU-tanh applied by the epilogue pass after cuBLAS's GEMM, where the "ldmopt" row's inference
     runs it in cuBLASLt's GELU epilogue (ldmopt/ops/linear_cublas.py; training keeps the pass either way)."""
-    return _triton(fn, lambda: linear_cublas.forced_gelu_epilogue("pass"))
+    return _default(fn, lambda: linear_cublas.forced_gelu_epilogue("pass"))
 
 
 def _with_compile(providers: dict, eager, first_case: bool) -> dict:
@@ -157,7 +171,7 @@ def _bare_gemm(x, w, b):
 def bench_geglu(case, dtype_name, mode, bench_recorder):
     m, k, i = GEGLU_CASES[case]
     inputs = _params(m, k, 2 * i, DTYPES[dtype_name], mode == "fwd+bwd")
-    providers = {"ldmopt": _triton(geglu), "ldmopt-triton-gemm": _triton_gemm(geglu), "eager": _eager_geglu}
+    providers = {"ldmopt": _default(geglu), "ldmopt-triton-gemm": _triton_gemm(geglu), "eager": _eager_geglu}
     providers["cublas-gemm"] = _bare_gemm
     providers = _with_compile(providers, _eager_geglu, case == next(iter(GEGLU_CASES)))
     flops = 2 * m * k * 2 * i * (1 if mode == "fwd" else 3)
@@ -178,7 +192,7 @@ def _ldmopt_gelu_tanh(x, w, b):
 def bench_linear_gelu_tanh(case, dtype_name, mode, bench_recorder):
     m, k, n = GELU_CASES[case]
     inputs = _params(m, k, n, DTYPES[dtype_name], mode == "fwd+bwd")
-    providers = {"ldmopt": _triton(_ldmopt_gelu_tanh), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_gelu_tanh)}
+    providers = {"ldmopt": _default(_ldmopt_gelu_tanh), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_gelu_tanh)}
     if mode == "fwd":
         providers["ldmopt-gelu-pass"] = _gelu_pass(_ldmopt_gelu_tanh)
     providers.update({"eager": _eager_gelu_tanh, "cublas-gemm": _bare_gemm})
@@ -206,7 +220,7 @@ def bench_linear_gated_residual(case, dtype_name, mode, bench_recorder):
     gate = torch.randn(bsz, n, device=DEVICE, dtype=dtype, requires_grad=grad)
     res = torch.randn(bsz, t, n, device=DEVICE, dtype=dtype, requires_grad=grad)
     inputs = (x, w, b, gate, res)
-    providers = {"ldmopt": _triton(_ldmopt_gated), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_gated)}
+    providers = {"ldmopt": _default(_ldmopt_gated), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_gated)}
     providers["eager"] = _eager_gated
     providers["cublas-gemm"] = lambda x, w, b, gate, res: F.linear(x, w)
     providers = _with_compile(providers, _eager_gated, True)
@@ -240,9 +254,9 @@ def bench_linear_concat_gated(case, dtype_name, mode, bench_recorder):
     res = torch.randn(bsz, t, n, device=DEVICE, dtype=dtype, requires_grad=grad)
     inputs = (attn, mlp, w, b, gate, res)
     providers = {
-        "ldmopt": _triton(_ldmopt_concat_gated),
+        "ldmopt": _default(_ldmopt_concat_gated),
         "ldmopt-triton-gemm": _triton_gemm(_ldmopt_concat_gated),
-        "ldmopt-on-cat": _triton(_ldmopt_gated_on_cat),
+        "ldmopt-on-cat": _default(_ldmopt_gated_on_cat),
         "eager": _eager_concat_gated,
     }
     providers = _with_compile(providers, _eager_concat_gated, True)
@@ -277,7 +291,11 @@ def bench_linear_blend(case, dtype_name, mode, bench_recorder):
     )
     alpha = torch.rand(frames, device=DEVICE, requires_grad=grad)
     inputs = (spatial, temporal, w, b, alpha, res)
-    providers = {"ldmopt": _triton(_ldmopt_blend), "ldmopt-on-blend": _triton(_ldmopt_on_blend), "eager": _eager_blend}
+    providers = {
+        "ldmopt": _default(_ldmopt_blend),
+        "ldmopt-on-blend": _default(_ldmopt_on_blend),
+        "eager": _eager_blend,
+    }
     providers = _with_compile(providers, _eager_blend, True)
     flops = 2 * frames * t * c * c * (1 if mode == "fwd" else 3)
     _measure(bench_recorder, "linear_blend", case, dtype_name, mode, providers, inputs, inputs, flops=flops)
@@ -302,8 +320,8 @@ def bench_adaln_modulate(case, dtype_name, mode, bench_recorder):
     # scale/shift as strided chunks of one embedding, as AdaLayerNormZero hands them over.
     emb = torch.randn(bsz, 6 * c, device=DEVICE, dtype=dtype)
     shift, scale = (t.requires_grad_(grad) for t in emb.chunk(6, dim=1)[:2])
-    # "ldmopt-auto": the backend ldmopt chooses itself, ldmopt._C's kernel (forward) where the extension is built
-    providers = {"ldmopt": _triton(_ldmopt_adaln), "ldmopt-auto": _ldmopt_adaln, "eager": _eager_adaln}
+    # "ldmopt": the backend ldmopt chooses itself, ldmopt._C's kernel (forward) where the extension is built
+    providers = {"ldmopt": _default(_ldmopt_adaln), "ldmopt-triton-pass": _triton(_ldmopt_adaln), "eager": _eager_adaln}
     providers = _with_compile(providers, _eager_adaln, True)
     elem = x.numel() * x.element_size()
     nbytes = 4 * elem if mode == "fwd" else 8 * elem
@@ -337,7 +355,7 @@ def bench_layer_norm_qkv(case, dtype_name, mode, bench_recorder):
     x = torch.randn(m, c, device=DEVICE, dtype=dtype, requires_grad=grad)
     weights = [_params(1, c, c, dtype, grad)[1] for _ in range(3)]
     inputs = (x, *_norm_params(c, dtype, grad), *weights)
-    providers = {"ldmopt": _triton(_ldmopt_ln_qkv), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_ln_qkv)}
+    providers = {"ldmopt": _default(_ldmopt_ln_qkv), "ldmopt-triton-gemm": _triton_gemm(_ldmopt_ln_qkv)}
     providers["eager"] = _eager_ln_qkv
     providers = _with_compile(providers, _eager_ln_qkv, case == next(iter(LN_QKV_CASES)))
     flops = 3 * 2 * m * c * c * (1 if mode == "fwd" else 3)
@@ -366,9 +384,9 @@ def bench_layer_norm_geglu(case, dtype_name, mode, bench_recorder):
     x, w, b = _params(m, c, 2 * i, dtype, grad)
     inputs = (x, *_norm_params(c, dtype, grad), w, b)
     providers = {
-        "ldmopt": _triton(_ldmopt_ln_geglu),
+        "ldmopt": _default(_ldmopt_ln_geglu),
         "ldmopt-triton-gemm": _triton_gemm(_ldmopt_ln_geglu),
-        "ldmopt-geglu-after-norm": _triton(_ldmopt_geglu_after_ln),
+        "ldmopt-geglu-after-norm": _default(_ldmopt_geglu_after_ln),
         "eager": _eager_ln_geglu,
     }
     providers = _with_compile(providers, _eager_ln_geglu, case == next(iter(LN_GEGLU_CASES)))

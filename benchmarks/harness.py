@@ -153,6 +153,33 @@ def step_of(fn: Callable[[], torch.Tensor], mode: str, params=(), grad_out=None)
     return lambda: torch.autograd.grad(fn(), params, grad_out, allow_unused=True)
 
 
+def default_backends(fn: Callable) -> Callable:
+    """``fn`` on the backends a user gets (chosen automatically: ldmopt._C's passes where the extension is built,
+    else Triton), its first call checked to have run no op on the reference backend because a preferred one refused:
+    that raises, naming the refusals, so the row shows it instead of timing the reference. Later calls run ``fn``
+    unchecked (the same inputs choose the same backends), so the check costs the timed calls nothing."""
+    from ldmopt.ops._dispatch import fallback_reasons, snapshot_counts
+
+    checked = False
+
+    def run(*args, **kwargs):
+        nonlocal checked
+        if checked:
+            return fn(*args, **kwargs)
+        before = snapshot_counts(fallback_reasons)
+        out = fn(*args, **kwargs)
+        fell = [key for key, n in snapshot_counts(fallback_reasons).items() if n > before.get(key, 0)]
+        if fell:
+            raise RuntimeError(
+                "ran the reference backend: "
+                + "; ".join(f"{op}: {backend} refused ({why})" for op, backend, why in fell)
+            )
+        checked = True
+        return out
+
+    return run
+
+
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref|, the note every provider row carries against eager."""
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()

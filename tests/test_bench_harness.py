@@ -2,6 +2,7 @@
 closing summary work without a GPU."""
 
 import ast
+import contextlib
 import csv
 import time
 from pathlib import Path
@@ -190,3 +191,48 @@ def test_compact_summary_names_the_slowest_benchmarks(recorder, tmp_path):
     assert f"benchmark time: 80s in 2 tests; slowest: {slowest}" in lines, lines
     absent = summary.summary(recorder.csv_path, "", status, durations=tmp_path / "absent.csv")
     assert "benchmark time" not in absent
+
+
+def test_default_backend_rows_raise_on_a_reference_fallback_and_check_only_their_first_call():
+    import ldmopt
+    from ldmopt.ops._dispatch import fallback_reasons
+
+    x, w, b = torch.randn(3, 5, 8), torch.randn(24, 8), torch.randn(24)
+    calls = []
+
+    def geglu():
+        calls.append(1)
+        return ldmopt.ops.geglu(x, w, b)
+
+    row = harness.default_backends(geglu)
+    before = dict(fallback_reasons)
+    with pytest.MonkeyPatch.context() as mp:  # Triton refuses these inputs: the reference runs
+        mp.setattr("ldmopt._env.triton_status", lambda: (False, "Triton missing here"))
+        with pytest.raises(RuntimeError, match="ran the reference backend: geglu: triton refused \\(Triton missing"):
+            row()
+        fell = harness.default_backends(geglu)
+    assert dict(fallback_reasons) != before
+    with ldmopt.use_backend("torch"):  # forced by the user: not a fall-back
+        out = fell()
+    with pytest.MonkeyPatch.context() as mp:  # checked once: later calls run unchecked
+        mp.setattr("ldmopt._env.triton_status", lambda: (False, "Triton missing here"))
+        assert torch.equal(fell(), out)
+    assert len(calls) == 3
+
+
+def test_the_linear_benchmarks_ldmopt_rows_run_the_default_backends():
+    """The "ldmopt" rows time what a user gets (ldmopt._C's passes where built), not a backend forced for every op;
+    only rows named as partial in the summary force one."""
+    import benchmarks.bench_linear as bench
+
+    forced = []
+
+    def forcing(*args, **kwargs):
+        forced.append(args)
+        return contextlib.nullcontext()
+
+    for fn in (bench._default(bench.geglu), bench._triton(bench.geglu)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("ldmopt.use_backend", forcing)
+            fn(torch.randn(4, 8), torch.randn(16, 8), torch.randn(16))
+    assert forced == [("triton",)]
