@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -63,3 +64,34 @@ def pytest_collection_modifyitems(config, items):
         (drop if quick_sibling(item.nodeid) in ids else keep).append(item)
     items[:] = keep
     config.hook.pytest_deselected(items=drop)
+
+
+# A deadline (LDMOPT_BENCH_DEADLINE, seconds since the epoch; run_gpu.sh sets it to its benchmark stage's end) is
+# shared out among the benchmark files: a file whose cases have used its share of what was left when it started skips
+# the rest, so that one slow file (compiles, autotuning) cannot leave the files after it without a row. What a file
+# does not use goes to the ones after it.
+_FILE_ORDER: list[str] = []
+_FILE_START: dict[str, tuple[float, float]] = {}  # file -> (when its first case started, its share in seconds)
+
+
+def pytest_collection_finish(session):
+    _FILE_ORDER[:] = list(dict.fromkeys(str(item.path) for item in session.items))
+
+
+def file_share(path: str, now: float, deadline: float) -> float:
+    """Seconds ``path`` may take: what is left before ``deadline`` when it starts, over the files left."""
+    if path not in _FILE_START:
+        left = len(_FILE_ORDER) - _FILE_ORDER.index(path) if path in _FILE_ORDER else 1
+        _FILE_START[path] = (now, max(deadline - now, 0.0) / left)
+    return _FILE_START[path][1]
+
+
+def pytest_runtest_setup(item):
+    deadline = os.environ.get("LDMOPT_BENCH_DEADLINE")
+    if not deadline:
+        return
+    path, now = str(item.path), time.time()
+    share = file_share(path, now, float(deadline))
+    spent = now - _FILE_START[path][0]
+    if spent > share:
+        pytest.skip(f"{item.path.name} used its share of the benchmark budget ({spent:.0f} of {share:.0f} s)")

@@ -200,6 +200,8 @@ for model in ${LDMOPT_PROFILE_MODELS-sd15}; do
 done
 cat "$WORK/host_profile.txt" "$WORK/model_profile.txt" >"$RESULTS/profiles.txt" 2>/dev/null
 log "benchmarks ($MODE, $(left)s)"
+# each file gets a share of the stage's time (benchmarks/conftest.py), so a slow one cannot starve the ones after it
+export LDMOPT_BENCH_DEADLINE=$(( $(date +%s) + $(left) ))
 start benchmarks "$(left)" "$WORK/pytest.txt" $PY -m pytest "${PYTEST_ARGS[@]}" "${BENCH_FILES[@]}"
 finish benchmarks
 tail -3 "$WORK/pytest.txt"

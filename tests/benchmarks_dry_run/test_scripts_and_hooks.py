@@ -48,6 +48,39 @@ def test_quick_mode_keeps_cases_that_exist_only_in_bf16():
     assert not [i for i in quick if "group_norm" in i and ("bf16" in i or "nchw" in i)], quick
 
 
+def test_each_benchmark_file_gets_a_share_of_the_deadline(monkeypatch):
+    """With a deadline, a file whose cases used its share of what was left when it began skips the rest, and time a
+    file leaves goes to the files after it."""
+    from benchmarks import conftest
+
+    monkeypatch.setattr(conftest, "_FILE_ORDER", ["a.py", "b.py", "c.py"])
+    monkeypatch.setattr(conftest, "_FILE_START", {})
+    clock = [1000.0]
+    monkeypatch.setattr(conftest.time, "time", lambda: clock[0])
+    monkeypatch.setenv("LDMOPT_BENCH_DEADLINE", "1300")
+
+    class Item:
+        def __init__(self, path):
+            self.path = Path(path)
+
+    conftest.pytest_runtest_setup(Item("a.py"))  # a: 300 s left over 3 files: 100 s
+    clock[0] = 1090.0
+    conftest.pytest_runtest_setup(Item("a.py"))
+    clock[0] = 1101.0
+    with pytest.raises(pytest.skip.Exception, match=r"a.py used its share of the benchmark budget \(101 of 100 s\)"):
+        conftest.pytest_runtest_setup(Item("a.py"))
+    clock[0] = 1120.0  # b starts with 180 s left over 2 files
+    conftest.pytest_runtest_setup(Item("b.py"))
+    clock[0] = 1200.0
+    conftest.pytest_runtest_setup(Item("b.py"))  # 80 s of its 90
+    clock[0] = 1210.0  # c: 90 s left, all its own
+    conftest.pytest_runtest_setup(Item("c.py"))
+    assert conftest._FILE_START["c.py"] == (1210.0, 90.0)
+    monkeypatch.delenv("LDMOPT_BENCH_DEADLINE")
+    clock[0] = 2000.0  # no deadline (a plain pytest benchmarks/ run): nothing is skipped
+    conftest.pytest_runtest_setup(Item("a.py"))
+
+
 def test_benchmark_durations_are_appended_as_each_test_ends(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
@@ -103,6 +136,8 @@ elif args[0].endswith("check_cuda_backend.py"):
     sys.exit(1)
 else:  # -m pytest: ~450 rows through the real recorder
     print("pytest paths:", [a for a in args if a.startswith("benchmarks/")])
+    if "LDMOPT_BENCH_DEADLINE" in os.environ:  # the benchmarks stage (not a pytest check stage)
+        print("benchmark seconds to the deadline:", int(os.environ["LDMOPT_BENCH_DEADLINE"]) - int(time.time()))
     sys.path.insert(0, os.getcwd())
     from benchmarks import harness
 
@@ -166,6 +201,9 @@ def test_run_gpu_script(tmp_path):
         pytest_log = tar.extractfile("./pytest.txt").read().decode()
     # LDMOPT_BENCH_FILES, blanks and all, is the benchmarks' path list
     assert "pytest paths: ['benchmarks/bench_e2e.py', 'benchmarks/bench_linear.py']" in pytest_log, pytest_log[:500]
+    # the benchmarks' deadline, shared out among the files, is the stage's end (the reserve, less the margin)
+    deadline = int(pytest_log.split("benchmark seconds to the deadline: ")[1].split()[0])
+    assert 15 <= deadline <= 24, pytest_log[:500]
     # The checks took the time before the benchmarks' reserve: the optional profiles are skipped, not failed.
     log = (out / "run.log").read_text()
     assert "profile_host: skipped" in log and "profile[sd15,patched]: skipped" in log, log[-2000:]
