@@ -221,6 +221,30 @@ class Analysis:
         return self.table()
 
 
+def _check_model_argument(model_or_name) -> None:
+    if isinstance(model_or_name, (str, nn.Module)):
+        return
+    components = getattr(model_or_name, "components", None)
+    if isinstance(components, dict):  # a diffusers pipeline
+        models = [name for name, c in components.items() if isinstance(c, nn.Module)]
+        denoiser = next((name for name in ("unet", "transformer", "prior") if name in models), None)
+        hint = f"pass pipe.{denoiser}" if denoiser else "pass one of its models"
+        raise TypeError(
+            f"analyze takes one model, not a pipeline ({type(model_or_name).__name__}, models {models}): {hint} "
+            "(or pipe.vae for a decode)"
+        )
+    raise TypeError(
+        f"analyze: model_or_name is of type {type(model_or_name).__name__}; expected a zoo name "
+        "(ldmopt.configs.names()) or a torch.nn.Module"
+    )
+
+
+def _is_patched(model_or_name) -> bool:
+    from ..patch.core import is_patched
+
+    return isinstance(model_or_name, nn.Module) and is_patched(model_or_name)
+
+
 def _resolve_model(model_or_name, *, dtype, frames, tiny) -> nn.Module:
     from .. import configs
 
@@ -309,7 +333,8 @@ def analyze(
     overrides the zoo's example inputs: a kwargs dict, an args tuple, one tensor or ``configs.ModelInputs``. The
     model is analysed in ``dtype`` (not its own), and so are floating-point inputs (integer ones, e.g. timesteps,
     keep theirs).
-    ``check_flops=True`` also runs torch.utils.flop_counter.FlopCounterMode and stores its total.
+    ``check_flops=True`` also runs torch.utils.flop_counter.FlopCounterMode and stores its total (stock models only:
+    it has no formulas for ldmopt's ops).
 
     ``placement`` picks what the patched projection models (``placements.py``): "auto" (the default), the fused
     conv's and GEMMs' default placements on a GPU ("cudnn", "cublas"; ``LDMOPT_GN_CONV_PROLOGUE`` /
@@ -331,6 +356,15 @@ def analyze(
             "the stock model's recording: analyze(model, placement='auto') without patched=True"
         )
     placements = Placements(placement, "cuda", training)  # analyze projects on a GPU
+    _check_model_argument(model_or_name)
+    if check_flops and (patched or _is_patched(model_or_name)):
+        raise ValueError(
+            "check_flops=True with a patched model: the check compares the recorder's FLOPs with torch's "
+            "FlopCounterMode on PyTorch's operators, which has no formulas for ldmopt's fused ops, and whose module "
+            "hooks would send every fused block to its stock forward (the recording would be the stock model's). "
+            "Check the stock model: analyze(model, check_flops=True) without patched=True, or on the model before "
+            "ldmopt.patch"
+        )
     # Given inputs fix the setting (one given with them would not be applied); otherwise refuse one the model would
     # change or ignore.
     refuse_setting_with_inputs(inputs, resolution=resolution, frames=frames, batch=batch)

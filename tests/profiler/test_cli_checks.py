@@ -37,6 +37,40 @@ def test_check_flops_leaves_the_recorded_ops_bytes_and_times_unchanged():
     assert checked.time_s == plain.time_s and checked.patched_time_s == plain.patched_time_s
 
 
+def test_check_flops_refuses_a_patched_model(capsys):
+    """FlopCounterMode's module hooks sent every fused block to its stock forward, so a patched recording with
+    --check-flops was the stock model's (0 of DiT's 140 ldmopt ops), its FLOPs still 'equal'."""
+    import ldmopt
+    from ldmopt.configs import build_model
+
+    with pytest.raises(ValueError, match="check_flops=True with a patched model"):
+        analyze("dit", tiny=True, patched=True, check_flops=True)
+    model = build_model("dit", device="meta", tiny=True)
+    ldmopt.patch(model)
+    with pytest.raises(ValueError, match="Check the stock model"):
+        analyze(model, check_flops=True)
+    assert _run("analyze", ["dit", "--tiny", "--patched", "--check-flops"]) == 2
+    assert "check_flops=True with a patched model" in capsys.readouterr().err
+
+
+def test_analyze_names_the_model_to_pass_for_a_pipeline():
+    from diffusers import DiTPipeline, DPMSolverMultistepScheduler
+
+    from ldmopt.configs import build_model
+
+    class Vae(torch.nn.Module):
+        pass
+
+    pipe = DiTPipeline(transformer=build_model("dit", device="meta", tiny=True), vae=Vae(),
+                       scheduler=DPMSolverMultistepScheduler())  # fmt: skip
+    with pytest.raises(
+        TypeError, match=r"analyze takes one model, not a pipeline \(DiTPipeline.*pass pipe.transformer"
+    ):
+        analyze(pipe)
+    with pytest.raises(TypeError, match="model_or_name is of type int; expected a zoo name"):
+        analyze(3)
+
+
 @pytest.mark.parametrize(
     ("name", "kwargs", "match"),
     [
