@@ -211,7 +211,10 @@ def attention_kind_of(path: str, module, args: tuple, kwargs: dict) -> str:
     Under a temporal path, a context with another sequence length than the queries' is cross-attention (SVD's
     ``attn2`` over its one image-embedding key), not attention over frames."""
     context = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
-    joint = getattr(module, "add_k_proj", None) is not None or getattr(module, "add_q_proj", None) is not None
+    # Added projections make SD3/Flux's joint attention (context tokens beside the queries'), except in a module
+    # that says it is cross-attention: Wan's image-to-video attn2 projects image keys beside the text ones.
+    added = getattr(module, "add_k_proj", None) is not None or getattr(module, "add_q_proj", None) is not None
+    joint = added and not getattr(module, "is_cross_attention", False)
     cross = context is not None and not joint
     if any(part in TEMPORAL_MARKERS for part in path.split(".")):
         hidden = kwargs.get("hidden_states", args[0] if args else None)

@@ -367,3 +367,24 @@ def test_ltx_rope_is_projected():
     rope = analyze(model, inputs=inputs, dtype="bf16").fusions[QK_NORM_ROPE]
     # negation, interleave, three casts, two multiplies, the add per tensor
     assert rope.count == 2 * 2 and rope.ops_removed == 8 * rope.count
+
+
+def test_wan_image_to_video_cross_attention_is_cross_not_joint():
+    """attn2 of Wan's image-to-video model projects image keys with add_k_proj beside the text keys: cross-attention
+    (keys from the context only), where an added projection otherwise means SD3/Flux's joint attention."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1, image_dim=24, added_kv_proj_dim=32,
+    )  # fmt: skip
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 3, 16, 16),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 512, 32),  # Wan's processor takes the image keys past 512 text ones
+        "encoder_hidden_states_image": torch.randn(1, 7, 24),
+    }
+    a = analyze(model, inputs=inputs, dtype="fp32")
+    kinds = sorted((g["kind"], g["q_len"], g["kv_len"]) for g in a.sequence_lengths())
+    assert kinds == [("cross", 192, 7), ("cross", 192, 512), ("spatial", 192, 192)], kinds
