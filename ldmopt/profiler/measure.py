@@ -40,9 +40,11 @@ class CategoryTime:
     count: int = 0
     top: dict[str, list[float]] = field(default_factory=dict)  # kernel/op name -> [time_us, count]
 
-    def add(self, name: str, time_us: float) -> None:
+    def add(self, name: str, time_us: float, call: bool = True) -> None:
+        """``call``: the event is a call of its own (a kernel, an operator called from Python), not an operator
+        another one called inside it (counted in ``top`` by its name, not as a call of the category)."""
         self.time_us += time_us
-        self.count += 1
+        self.count += call
         slot = self.top.setdefault(name, [0.0, 0])
         slot[0] += time_us
         slot[1] += 1
@@ -57,13 +59,15 @@ class Profile:
     mode: str  # "inference" or "training"
     steps: int
     categories: dict[str, CategoryTime]
-    launches: int  # GPU: kernel launches; CPU: operator calls
+    launches: int  # GPU: kernel launches; CPU: operator calls (not those an operator makes inside it)
     wall_s: float  # wall time of the active steps
     host_overhead_s: float = 0.0  # CPU runs: wall time outside operators
     data_wait_s: float = 0.0  # training with a data iterable: time spent fetching batches
     trace_path: str | None = None
     tensorboard_dir: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: What ran: the model (zoo name or class, tiny, patched), its inputs' setting where known, its dtype.
+    setting: str = ""
     _prof: Any = field(default=None, repr=False)
 
     @property
@@ -96,6 +100,7 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": f"measured ({self.time_kind} on {self.device})",
+            "setting": self.setting,
             "device": self.device,
             "time_kind": self.time_kind,
             "mode": self.mode,
@@ -256,9 +261,10 @@ def classify_events(events, on_gpu: bool, ldmopt_kernels: frozenset[str] = froze
                 cat = C.ldmopt_category(e.name) if e.name in ldmopt_kernels else _classify(op, forward_scopes)
             cats[cat].add(e.name, e.time_range.elapsed_us())
     else:
-        for e in cpu_ops:
-            launches += 1
-            cats[_classify(e, forward_scopes)].add(e.name, e.self_cpu_time_total)
+        for e in cpu_ops:  # self time of every operator; a call is one no other operator called
+            outermost = not any(_op_namespace(parent.name) for parent in _chain(e.cpu_parent))
+            launches += outermost
+            cats[_classify(e, forward_scopes)].add(e.name, e.self_cpu_time_total, outermost)
     return cats, launches
 
 
@@ -352,6 +358,34 @@ def _device_of(target, inputs, modules, device) -> str:
     return next((x.device.type for x in leaves if isinstance(x, torch.Tensor)), "cpu")
 
 
+def describe_setting(name: str | None, target, inputs) -> str:
+    """'sd15 (tiny, patched), 64x64, 4 frames, batch 2, float16': what a profile ran, for its header and JSON."""
+    from .. import configs
+    from ..patch.core import is_patched
+
+    roots = _modules_of(target)
+    module = target if isinstance(target, nn.Module) else None
+    if name is None and module is not None:
+        name = getattr(module, "ldmopt_zoo_name", None) or type(module).__name__
+    elif name is None:  # a pipeline by its class, a function by its name
+        name = type(target).__name__ if hasattr(target, "components") else getattr(target, "__qualname__", None)
+    label = name or type(target).__name__
+    patched = (module is not None or hasattr(target, "components")) and is_patched(target)
+    flags = [f for f, on in (("tiny", getattr(module, "ldmopt_tiny", False)), ("patched", patched)) if on]
+    parts = [label + (f" ({', '.join(flags)})" if flags else "")]
+    if isinstance(inputs, configs.ModelInputs):
+        if inputs.resolution:
+            parts.append("x".join(map(str, inputs.resolution)))
+        if inputs.frames:
+            parts.append(f"{inputs.frames} frames")
+        if inputs.batch:
+            parts.append(f"batch {inputs.batch}")
+    dtypes = {p.dtype for root in roots.values() for p in root.parameters() if p.is_floating_point()}
+    if dtypes:
+        parts.append("/".join(sorted(str(d).removeprefix("torch.") for d in dtypes)))
+    return ", ".join(parts)
+
+
 def profile(
     target: nn.Module | Callable | str,
     *,
@@ -406,6 +440,7 @@ def profile(
         if os.path.isdir(trace):
             raise ValueError(f"trace {trace!r} is a folder; give a file name such as {os.path.join(trace, 't.json')}")
         os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
+    named = target if isinstance(target, str) else None
     target, inputs = _resolve_target(target, device=device, dtype=dtype, tiny=tiny, resolution=resolution,
                                      frames=frames, batch=batch, inputs=inputs)  # fmt: skip
     wait = (1 if training else 0) if wait is None else wait
@@ -473,6 +508,7 @@ def profile(
         data_wait_s=data_wait,
         trace_path=trace,
         tensorboard_dir=tensorboard,
+        setting=describe_setting(named, target, inputs),
         _prof=prof,
     )
     if not on_gpu:

@@ -124,7 +124,8 @@ def _phase_table(a: Analysis) -> str:
 
 def format_profile(p, top: int = 3) -> str:
     out = [
-        f"ldmopt profile: MEASURED {p.time_kind} on {p.device}, {p.mode}, {p.steps} active steps",
+        f"ldmopt profile: MEASURED {p.time_kind} on {p.device}, {p.mode}, {p.steps} active steps"
+        + (f": {p.setting}" if p.setting else ""),
         f"total {p.total_us / 1e3:.2f} ms ({p.total_us / 1e3 / max(p.steps, 1):.2f} ms per step); "
         f"{p.launches} {'kernel launches' if p.device == 'cuda' else 'operator calls'}; "
         f"wall {p.wall_s * 1e3:.1f} ms; classified {100 * p.classified_share():.1f}%",

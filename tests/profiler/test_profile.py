@@ -49,12 +49,16 @@ def test_tiny_unet_on_cpu_is_classified_and_writes_trace_and_tensorboard(tiny_un
     assert p.categories[C.ATTN_UNATTRIBUTED].time_us == 0
     assert p.categories[C.ATTN_TEMPORAL].time_us == 0
     assert any("convolution" in name for name, _, _ in p.top(C.CONV))
+    # one call per operator called from Python (a conv's nested _convolution, empty... are not calls of their own)
+    assert p.categories[C.CONV].count == sum(isinstance(m, torch.nn.Conv2d) for m in tiny_unet.modules())
     assert p.launches > 100
     assert json.loads(trace.read_text())["traceEvents"]
     assert list(logdir.glob("events.out.tfevents*")), "TensorBoard scalar event file"
     assert list(logdir.glob("*.pt.trace.json")), "TensorBoard profiler-plugin trace"
     text = p.table()
     assert "MEASURED" in text and "CPU" in text
+    assert text.splitlines()[0].endswith(": sd15 (tiny), 64x64, batch 1, float32"), text.splitlines()[0]
+    assert p.to_dict()["setting"] == "sd15 (tiny), 64x64, batch 1, float32"
     assert p.to_dict()["categories"][C.CONV]["share"] > 0
 
 
@@ -142,6 +146,7 @@ def test_cli_profile_json(tmp_path, capsys):
     assert "MEASURED" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["categories"][C.LINEAR]["time_us"] > 0
+    assert data["setting"] == "dit (tiny), 64x64, batch 2, float32", data["setting"]
 
 
 def _event(id, name, start, end, device=DeviceType.CPU, link=0, parent=None):
