@@ -320,7 +320,7 @@ def adaln_modulate(
     *,
     residual: Tensor | None = None,
     gate: Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float | None = None,
     return_residual: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``layer_norm(s) * (1 + scale[b]) + shift[b]`` with ``s = x + residual`` (or x), in one pass over each row.
@@ -338,6 +338,9 @@ def adaln_modulate(
 
     Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
+    # None, not a float default: Dynamo makes a default float a graph input shared by every call, which
+    # fails in gradient-checkpointed regions under torch.compile(dynamic=True) (pytorch/pytorch#193194)
+    eps = 1e-6 if eps is None else eps
     check_tensor("x", x)
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims ([B, ..., C] or [M, C]), got shape {tuple(x.shape)}")

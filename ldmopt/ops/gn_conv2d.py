@@ -426,7 +426,7 @@ def gn_silu_conv2d(
     gate: Tensor | None = None,
     shortcut: tuple[Tensor | tuple[Tensor, Tensor], Tensor, Tensor | None] | None = None,
     shortcut_resample: str = "none",
-    output_scale: float = 1.0,
+    output_scale: float | None = None,
     out_stats: tuple[int, float] | None = None,
     fp32_precision: str = "conv",
     next_norm_eps: float | None = None,
@@ -489,6 +489,9 @@ def gn_silu_conv2d(
     ``torch.backends.cuda.matmul.fp32_precision = "tf32"``), in the kernel, the reference and backward alike (which
     then run nn.Linear's GEMMs instead of a convolution).
     """
+    # None, not a float default: Dynamo makes a default float a graph input shared by every call, which
+    # fails in gradient-checkpointed regions under torch.compile(dynamic=True) (pytorch/pytorch#193194)
+    output_scale = 1.0 if output_scale is None else output_scale
     x, x_tail = _channel_parts("x", x)
     check_tensor("x", x, ndim=(4,))
     check_tensor("conv_weight", conv_weight, ndim=(4,))

@@ -241,7 +241,7 @@ def group_norm(
     num_groups: int,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
-    eps: float = 1e-5,
+    eps: float | None = None,
     activation: str | None = None,
 ) -> Tensor:
     """``act(group_norm(x))`` for (N, C, *) inputs as torch.nn.GroupNorm takes them: (N, C, H, W) or (N, C, F, H, W),
@@ -252,6 +252,9 @@ def group_norm(
     reference: within 2x the error of PyTorch's own F.group_norm in x's dtype. Other dense layouts are made
     contiguous first.
     """
+    # None, not a float default: Dynamo makes a default float a graph input shared by every call, which
+    # fails in gradient-checkpointed regions under torch.compile(dynamic=True) (pytorch/pytorch#193194)
+    eps = 1e-5 if eps is None else eps
     check_tensor("x", x)
     if x.dim() < 2:
         raise ValueError(f"x must have shape (N, C, *), got {tuple(x.shape)}")

@@ -277,7 +277,7 @@ def layer_norm_linear(
     weight: Tensor,
     bias: Tensor | None = None,
     *,
-    eps: float = 1e-5,
+    eps: float | None = None,
     activation: str | None = None,
     stats: Tensor | None = None,
     positions: Tensor | None = None,
@@ -298,6 +298,9 @@ def layer_norm_linear(
     read as it is. Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the weight's
     dtype.
     """
+    # None, not a float default: Dynamo makes a default float a graph input shared by every call, which
+    # fails in gradient-checkpointed regions under torch.compile(dynamic=True) (pytorch/pytorch#193194)
+    eps = 1e-5 if eps is None else eps
     check_tensor("x", x)
     autocast = autocast_enabled(x.device.type)
     if autocast:

@@ -265,7 +265,7 @@ def rms_norm(
     x: Tensor | tuple[Tensor, Tensor],
     weight: Tensor | tuple[Tensor | None, Tensor | None] | None = None,
     bias: Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float | None = None,
     *,
     out_dtype: torch.dtype | None = None,
     rope: tuple[Tensor, Tensor] | None = None,
@@ -299,6 +299,9 @@ def rms_norm(
 
     Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
+    # None, not a float default: Dynamo makes a default float a graph input shared by every call, which
+    # fails in gradient-checkpointed regions under torch.compile(dynamic=True) (pytorch/pytorch#193194)
+    eps = 1e-6 if eps is None else eps
     if isinstance(x, (tuple, list)):
         from .rms_norm_joint import rms_norm_joint
 
@@ -336,7 +339,7 @@ def layer_norm_rope(
     x: Tensor,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
-    eps: float = 1e-5,
+    eps: float | None = None,
     *,
     out_dtype: torch.dtype | None = None,
     rope: tuple[Tensor, Tensor] | None = None,
@@ -351,4 +354,5 @@ def layer_norm_rope(
 
     Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the output dtype.
     """
+    eps = 1e-5 if eps is None else eps  # as in rms_norm
     return _row_norm(x, weight, bias, eps, out_dtype, rope, rope_layout, rope_dim, center=True)

@@ -86,3 +86,40 @@ def test_an_environment_read_compiles_once_and_a_change_retraces(monkeypatch, de
     for _ in range(3):
         assert torch.equal(compiled(x), x + 3)
     assert graphs.frame_count == 2
+
+
+def test_ops_called_with_their_default_floats_compile_dynamic_in_checkpointed_regions():
+    """A float default (eps=1e-5, output_scale=1.0) was one graph input that Dynamo shares between every call; met
+    first inside one gradient-checkpointed region and again in the next, torch.compile(dynamic=True) failed
+    ('lift_tracked_freevar_to_input should not be called on root SubgraphTracer', pytorch/pytorch#193194): a patched
+    SD1.5 UNet trained with gradient checkpointing did, where stock compiles. The defaults are literals now."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ldmopt import ops
+
+    torch.manual_seed(0)
+    w, b, lw = (torch.randn(8, requires_grad=True) for _ in range(3))
+    cw, pw = torch.randn(8, 8, 3, 3, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    emb = torch.randn(2, 16)
+
+    def block(x):
+        y = ops.gn_silu_conv2d(ops.group_norm(x, 2, w, b), w, b, 2, 1e-5, cw, None, 1, 1)
+        t = ops.layer_norm_rope(ops.rms_norm(y.permute(0, 2, 3, 1).reshape(2, 35, 8), lw), lw, lw)
+        t = ops.adaln_modulate(t, *emb.chunk(2, dim=1))
+        return torch.cat([x, ops.layer_norm_linear(t, lw, lw, pw).reshape(2, 6, 5, 7)[:, :0]], 1) + y
+
+    def model(x):
+        return checkpoint(block, checkpoint(block, x, use_reentrant=False), use_reentrant=False)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
+    x = torch.randn(2, 8, 5, 7, requires_grad=True)
+    with ldmopt.use_backend("torch"):
+        out = compiled(x)
+        grads = torch.autograd.grad(out.square().sum(), (x, w, cw, lw))
+        ref = model(x)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (x, w, cw, lw))
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    torch._dynamo.reset()
