@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _kineto_log
 from . import categories as C
 from .scopes import ATTENTION_SCOPE, NORM_SCOPE, ModuleScopes
 from .settings import check_setting, positive, refuse_setting_with_inputs
@@ -472,8 +473,9 @@ def profile(
         schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=steps, repeat=1)
     wall = data_wait = 0.0
     scope_ctx = ModuleScopes(hooked, annotate=True) if scopes and hooked else None
-    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_ready,
-                                record_shapes=record_shapes) as prof:  # fmt: skip
+    profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_ready,
+                                      record_shapes=record_shapes)  # fmt: skip
+    with _kineto_log.filtered(), profiler as prof:
         if scope_ctx is not None:
             scope_ctx.__enter__()
         try:

@@ -261,3 +261,30 @@ def test_data_with_fewer_batches_than_steps_is_a_clear_error():
     with pytest.raises(ValueError, match=needed):
         profile(net, data=iter(batches), steps=3, training=True)  # an iterator: when it runs out
     assert not net.training  # train() undone
+
+
+def test_kineto_log_lines_are_kept_out_of_the_output_and_the_rest_written_back(capfd):
+    import os
+    import sys
+
+    from ldmopt.profiler import _kineto_log
+
+    def step():
+        print("a line from the profiled code", file=sys.stderr)
+        os.write(2, b"a line from C code\n")
+        return torch.randn(4, 4) @ torch.randn(4, 4)
+
+    profile(step, steps=1, warmup=0)
+    err = capfd.readouterr().err
+    assert "USDT:" not in err and "gpuGetDeviceCount" not in err and "STAGE:" not in err, err
+    assert "a line from the profiled code\n" in err and "a line from C code\n" in err, err
+    raw = (
+        "USDT:2026-12-07 14:10:19 23874:23874 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
+        "ERROR:2026-12-07 14:10:19 23874:23874 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35"
+        "USDT:2026-12-07 14:10:25 23922:23922 SyncActivityProfilerHandler.cpp:46] profiler_stop\n"
+        "ERROR:2026-12-07 14:10:25 1:1 Other.cpp:1] a real kineto error\n"
+        "Traceback (most recent call last):\n"
+    )
+    assert _kineto_log.drop_noise(raw) == (
+        "ERROR:2026-12-07 14:10:25 1:1 Other.cpp:1] a real kineto error\nTraceback (most recent call last):\n"
+    )
