@@ -50,7 +50,7 @@ _CPP_STANDINS = {
     "layer_norm_stats_cuda": lambda x, eps: x.new_empty(2, x.shape[0], dtype=torch.float32),
     "layer_norm_apply_cuda": lambda x, stats, w, b, pos, rows: x.new_empty(x.shape),
     "linear_epilogue_cuda": lambda *args: None,
-    "conv_epilogue_cuda": lambda z, sc, res, temb, inv, write, g, sums, eps: (
+    "conv_epilogue_cuda": lambda z, sc, res, temb, gate, inv, write, g, sums, eps: (
         *_stats(z, g), z.new_empty(z.shape[0], z.shape[1] if sums else 0, 2, dtype=torch.float64)),
     "temporal_attention_fwd_cuda": lambda q, k, v, scale: torch.empty_like(q),
     "temporal_attention_fwd_out_cuda": lambda q, k, v, scale, out: None,

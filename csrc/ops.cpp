@@ -36,8 +36,9 @@ TORCH_LIBRARY_FRAGMENT(ldmopt, m) {
       "linear_epilogue_cuda(Tensor z, Tensor(a!) y, Tensor? gate, Tensor? residual, Tensor(b!)? stats, "
       "str activation, bool glu, bool saturate, bool write, float eps) -> ()");
   m.def(
-      "conv_epilogue_cuda(Tensor(a!) z, Tensor? shortcut, Tensor? residual, Tensor? temb, float inv_scale, "
-      "bool write, int groups, bool channel_sums, float eps) -> (Tensor mean, Tensor rstd, Tensor sums)");
+      "conv_epilogue_cuda(Tensor(a!) z, Tensor? shortcut, Tensor? residual, Tensor? temb, Tensor? gate, "
+      "float inv_scale, bool write, int groups, bool channel_sums, float eps) -> (Tensor mean, Tensor rstd, "
+      "Tensor sums)");
   m.def(
       "adaln_modulate_cuda(Tensor x, Tensor scale, Tensor shift, Tensor? residual, Tensor? gate, float eps, "
       "bool store_sum, bool save) -> (Tensor y, Tensor s, Tensor mean, Tensor rstd)");

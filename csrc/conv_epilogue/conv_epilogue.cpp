@@ -44,15 +44,17 @@ struct Checked {
 };
 
 Checked check(const at::Tensor& z, const std::optional<at::Tensor>& shortcut,
-              const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb, double inv_scale,
-              bool write, int64_t groups, bool channel_sums, double eps) {
+              const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb,
+              const std::optional<at::Tensor>& gate, double inv_scale, bool write, int64_t groups, bool channel_sums,
+              double eps) {
   TORCH_CHECK(z.dim() == 4, kOp, ": z must be a 4-D [N, C, OH, OW] conv output, got shape ", z.sizes());
   const DType dtype = dtype_of(z, kOp, "z");
   const int64_t n = z.size(0), c = z.size(1), s = z.size(2) * z.size(3);
   TORCH_CHECK(c > 0, kOp, ": z has no channels (shape ", z.sizes(), ")");
   const auto [z_image, z_pixel] = pixel_rows(z, "z");
-  Args args{z.data_ptr(), z_image, z_pixel, {nullptr, 0, 0}, {nullptr, 0, 0}, nullptr, 0, nullptr, nullptr,
-            nullptr, nullptr};
+  const int64_t oh = z.size(2);
+  Args args{z.data_ptr(), z_image, z_pixel, {nullptr, 0, 0}, {nullptr, 0, 0}, nullptr, 0, 0, nullptr, 0, 0,
+            nullptr, nullptr, nullptr, nullptr};
   if (present(shortcut)) {
     check_like_z(*shortcut, z, "shortcut");
     const auto [image, pixel] = pixel_rows(*shortcut, "shortcut");
@@ -64,8 +66,10 @@ Checked check(const at::Tensor& z, const std::optional<at::Tensor>& shortcut,
     args.residual = {residual->data_ptr(), image, pixel};
   }
   if (present(temb)) {
-    TORCH_CHECK(temb->dim() == 2 && temb->size(0) == n && temb->size(1) == c, kOp,
-                ": temb must have shape [N, C] = [", n, ", ", c, "] (one vector per image), got ", temb->sizes());
+    const bool per_row = temb->dim() == 3;
+    TORCH_CHECK((temb->dim() == 2 || (per_row && temb->size(2) == oh)) && temb->size(0) == n && temb->size(1) == c,
+                kOp, ": temb must have shape [N, C] = [", n, ", ", c, "] (one vector per image) or [N, C, OH] = [", n,
+                ", ", c, ", ", oh, "] (one per output row), got ", temb->sizes());
     TORCH_CHECK_TYPE(temb->scalar_type() == z.scalar_type(), kOp, ": temb has dtype ", temb->scalar_type(),
                      "; supported: z's dtype ", z.scalar_type());
     TORCH_CHECK(c == 1 || temb->stride(1) == 1, kOp, ": temb must have unit channel stride, got strides ",
@@ -73,16 +77,31 @@ Checked check(const at::Tensor& z, const std::optional<at::Tensor>& shortcut,
     check_same_device(*temb, z, kOp, "temb", "z");
     args.temb = temb->data_ptr();
     args.temb_image_stride = n > 1 ? temb->stride(0) : 0;
+    args.temb_row_stride = per_row && oh > 1 ? temb->stride(2) : 0;
   }
+  if (present(gate)) {
+    TORCH_CHECK(gate->dim() == 2 && gate->size(0) == n && (gate->size(1) == 1 || gate->size(1) == oh), kOp,
+                ": gate must have shape [N, 1] or [N, OH] = [", n, ", ", oh, "], got ", gate->sizes());
+    TORCH_CHECK_TYPE(gate->scalar_type() == at::kFloat, kOp, ": gate has dtype ", gate->scalar_type(),
+                     "; supported: float32");
+    check_same_device(*gate, z, kOp, "gate", "z");
+    args.gate = static_cast<const float*>(gate->data_ptr());  // untyped: a meta tensor has no typed pointer
+    args.gate_image_stride = n > 1 ? gate->stride(0) : 0;
+    args.gate_row_stride = gate->size(1) > 1 ? gate->stride(1) : 0;
+  }
+  TORCH_CHECK((args.temb_row_stride == 0 && args.gate == nullptr && !present(gate)) || s <= INT32_MAX, kOp,
+              ": a per-row temb or gate over ", s, " pixels per image is not supported; supported: up to 2^31 - 1");
   TORCH_CHECK(std::isfinite(inv_scale), kOp, ": inv_scale must be finite, got ", inv_scale);
-  TORCH_CHECK(write || (!present(shortcut) && !present(residual) && !present(temb) && inv_scale == 1.0), kOp,
-              ": write=False only reads z (no shortcut, residual or temb, inv_scale 1)");
+  TORCH_CHECK(write || (!present(shortcut) && !present(residual) && !present(temb) && !present(gate) &&
+                        inv_scale == 1.0),
+              kOp, ": write=False only reads z (no shortcut, residual, temb or gate, inv_scale 1)");
   TORCH_CHECK(groups >= 0 && (groups == 0 || c % groups == 0), kOp, ": groups=", groups, " must be 0 (none) or ",
               "divide C=", c);
   TORCH_CHECK((groups == 0 && !channel_sums) || c <= kMaxChannels, kOp, ": statistics of C=", c,
               " channels are not supported; supported: C <= ", kMaxChannels);
   TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, kOp, ": eps must be a finite number >= 0, got ", eps);
-  const Problem p{n, s, c, dtype, write, static_cast<float>(inv_scale), groups, channel_sums, static_cast<float>(eps)};
+  const Problem p{n, s, c, dtype, write, static_cast<float>(inv_scale), groups, channel_sums,
+                  static_cast<float>(eps), z.size(3)};
   return {p, args};
 }
 
@@ -93,7 +112,8 @@ bool packable(const Problem& p, const Args& a) {
   };
   return fits(a.z, a.z_image_stride, a.z_pixel_stride) &&
          fits(a.shortcut.ptr, a.shortcut.image_stride, a.shortcut.pixel_stride) &&
-         fits(a.residual.ptr, a.residual.image_stride, a.residual.pixel_stride) && fits(a.temb, a.temb_image_stride, 0);
+         fits(a.residual.ptr, a.residual.image_stride, a.residual.pixel_stride) &&
+         fits(a.temb, a.temb_image_stride, a.temb_row_stride);
 }
 
 Outputs new_outputs(const at::Tensor& z, const Problem& p) {
@@ -105,16 +125,18 @@ Outputs new_outputs(const at::Tensor& z, const Problem& p) {
 }  // namespace
 
 Outputs run_meta(const at::Tensor& z, const std::optional<at::Tensor>& shortcut,
-                 const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb, double inv_scale,
-                 bool write, int64_t groups, bool channel_sums, double eps) {
-  const Checked c = check(z, shortcut, residual, temb, inv_scale, write, groups, channel_sums, eps);
+                 const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb,
+                 const std::optional<at::Tensor>& gate, double inv_scale, bool write, int64_t groups,
+                 bool channel_sums, double eps) {
+  const Checked c = check(z, shortcut, residual, temb, gate, inv_scale, write, groups, channel_sums, eps);
   return new_outputs(z, c.problem);
 }
 
 Outputs run_cuda(const at::Tensor& z, const std::optional<at::Tensor>& shortcut,
-                 const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb, double inv_scale,
-                 bool write, int64_t groups, bool channel_sums, double eps) {
-  Checked c = check(z, shortcut, residual, temb, inv_scale, write, groups, channel_sums, eps);
+                 const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb,
+                 const std::optional<at::Tensor>& gate, double inv_scale, bool write, int64_t groups,
+                 bool channel_sums, double eps) {
+  Checked c = check(z, shortcut, residual, temb, gate, inv_scale, write, groups, channel_sums, eps);
   check_cuda(z, kOp, "z");
   const c10::cuda::CUDAGuard guard(z.device());
   Outputs out = new_outputs(z, c.problem);

@@ -17,10 +17,12 @@ constexpr int64_t kMaxChannels = 8192;
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // mean [N, G], rstd [N, G], sums [N, C or 0, 2]
 
 Outputs run_cuda(const at::Tensor& z, const std::optional<at::Tensor>& shortcut,
-                 const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb, double inv_scale,
-                 bool write, int64_t groups, bool channel_sums, double eps);
+                 const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb,
+                 const std::optional<at::Tensor>& gate, double inv_scale, bool write, int64_t groups,
+                 bool channel_sums, double eps);
 Outputs run_meta(const at::Tensor& z, const std::optional<at::Tensor>& shortcut,
-                 const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb, double inv_scale,
-                 bool write, int64_t groups, bool channel_sums, double eps);
+                 const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& temb,
+                 const std::optional<at::Tensor>& gate, double inv_scale, bool write, int64_t groups,
+                 bool channel_sums, double eps);
 
 }  // namespace ldmopt::conv_epilogue

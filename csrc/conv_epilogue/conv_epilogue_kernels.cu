@@ -27,8 +27,11 @@ __global__ __launch_bounds__(kThreads) void epilogue_kernel(Problem p, Plan plan
   const bool active = c < p.C;  // C % VEC == 0 when VEC > 1, so a lane's channels are all in or all out
   const int64_t begin = chunk * plan.chunk_pixels;
   const int64_t end = begin + plan.chunk_pixels < p.S ? begin + plan.chunk_pixels : p.S;
+  const bool temb_rows = a.temb != nullptr && a.temb_row_stride != 0;  // one vector per output row (frame)
   float temb[VEC] = {};
-  if (active && a.temb != nullptr) load_float<T, VEC>(static_cast<const T*>(a.temb) + n * a.temb_image_stride + c, temb);
+  if (active && a.temb != nullptr && !temb_rows) {
+    load_float<T, VEC>(static_cast<const T*>(a.temb) + n * a.temb_image_stride + c, temb);
+  }
   float count = 0.0f;
   float mean[VEC] = {};
   float m2[VEC] = {};
@@ -38,10 +41,22 @@ __global__ __launch_bounds__(kThreads) void epilogue_kernel(Problem p, Plan plan
       float v[VEC];
       load_float<T, VEC>(z + pixel * a.z_pixel_stride, v);
       if (p.write) {
-        // The Triton pass's order: the shortcut, the time embedding, the residual, then the scale.
+        // The Triton pass's order: the shortcut, the time embedding, the gate, the residual, then the scale.
         if (a.shortcut.ptr != nullptr) add_pack<T, VEC>(a.shortcut, n, pixel, c, v);
+        // 32-bit: a 64-bit division is a call with a stack frame (the glue refuses rows past 2^31 pixels)
+        const int64_t row = temb_rows || a.gate != nullptr ? static_cast<uint32_t>(pixel) / static_cast<uint32_t>(p.W)
+                                                           : 0;
+        if (temb_rows) {
+          load_float<T, VEC>(static_cast<const T*>(a.temb) + n * a.temb_image_stride + row * a.temb_row_stride + c,
+                             temb);
+        }
 #pragma unroll
         for (int i = 0; i < VEC; ++i) v[i] += temb[i];
+        if (a.gate != nullptr) {
+          const float g = a.gate[n * a.gate_image_stride + row * a.gate_row_stride];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) v[i] *= g;
+        }
         if (a.residual.ptr != nullptr) add_pack<T, VEC>(a.residual, n, pixel, c, v);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) v[i] *= p.inv_scale;

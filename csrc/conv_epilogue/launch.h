@@ -5,7 +5,8 @@
 //
 // Over the conv output z [N, C, OH, OW], channels-last with its pixels at one stride (pixel p of image n at
 // n * image_stride + p * pixel_stride, unit channel stride), in place:
-//   y = (z + shortcut + temb[n] + residual) * inv_scale,   rounded once to the dtype,
+//   y = (residual + gate[n, oh] * (z + shortcut + temb[n(, oh)])) * inv_scale,   rounded once to the dtype,
+// (a video model's temporal conv hands a time embedding and an fp32 gate per output row oh, a frame),
 // and, from the values as stored, the per-(n, group) GroupNorm statistics of y for the next GroupNorm and/or the
 // per-(n, channel) fp64 sums (sum, sum of squares) a later two-part GroupNorm finalises.
 // Two kernels: the pass, whose blocks each take a chunk of one image's pixels and a tile of channels (a lane keeps
@@ -38,14 +39,17 @@ struct Problem {
   int64_t groups;  // > 0: GroupNorm statistics [N, groups] of y
   bool channel_sums;  // per-(n, c) fp64 sums [N, C, 2] of y
   float eps;
+  int64_t W;  // OW: pixel p is in output row p / W (for a per-row temb or gate)
 };
 
 struct Args {
   void* z;  // y, written in place
   int64_t z_image_stride, z_pixel_stride;
   Operand shortcut, residual;
-  const void* temb;  // [N, C] rows temb_image_stride apart, or null
-  int64_t temb_image_stride;
+  const void* temb;  // [N, C] rows temb_image_stride apart, or [N, C, OH] (temb_row_stride != 0), or null
+  int64_t temb_image_stride, temb_row_stride;
+  const float* gate;  // [N, OH] (or [N, 1]: gate_row_stride 0), or null
+  int64_t gate_image_stride, gate_row_stride;
   float* mean;  // [N, groups]
   float* rstd;  // [N, groups]
   double* sums;  // [N, C, 2], or null

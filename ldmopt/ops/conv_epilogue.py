@@ -8,11 +8,12 @@ chosen like any op:
 
 - cuda: ldmopt._C's ``conv_epilogue_cuda`` (csrc/conv_epilogue), one C++ op call for what Stable Diffusion's UNets
   and VAEs hand it (temb per image, shortcut, residual at the output's size, the scale, group statistics or channel
-  sums) on channels-last operands with their pixels at one stride, in one dtype; no zeroing launch, no atomics
-  (deterministic). A transformer's proj_in that only hands its pixels' LayerNorm statistics to the first block's
-  norm1 reads them through ``linear_epilogue_cuda`` (the output's pixels are its rows);
-- triton: kernels/conv_epilogue.py's launch, everything (per-frame temb and gate of the video models' temporal
-  convs, a resampled residual, a projection's LayerNorm statistics, any strides and dtypes).
+  sums) and the video models' temporal convs (temb and an fp32 gate per output row: per frame) on channels-last
+  operands with their pixels at one stride, in one dtype; no zeroing launch, no atomics (deterministic). A
+  transformer's proj_in that only hands its pixels' LayerNorm statistics to the first block's norm1 reads them
+  through ``linear_epilogue_cuda`` (the output's pixels are its rows);
+- triton: kernels/conv_epilogue.py's launch, everything (a resampled residual, a projection's LayerNorm statistics
+  with more to add, any strides and dtypes).
 
 Both compute in fp32 and round once, and take the statistics from the values as stored; they agree to rounding (the
 statistics: Welford partials merged per chunk against the Triton pass's fp64 sums).
@@ -49,10 +50,11 @@ def _epilogue_cuda(z, temb, gate, shortcut, residual, residual_resample, output_
         rows = z.permute(0, 2, 3, 1).reshape(-1, c)  # a view: z is contiguous channels-last
         torch.ops.ldmopt.linear_epilogue_cuda(rows, rows, None, None, stats, "", False, False, False, float(out_eps))
         return z, stats, z.new_empty((n, 0), dtype=torch.float32), z.new_empty((n, 0, 2), dtype=torch.float64)
-    write = any(t is not None for t in (temb, shortcut, residual)) or output_scale != 1.0
+    write = any(t is not None for t in (temb, gate, shortcut, residual)) or output_scale != 1.0
     mean, rstd, sums = torch.ops.ldmopt.conv_epilogue_cuda(
-        z, shortcut, residual, temb, 1.0 / float(output_scale), write, out_groups, out_channel_sums, float(out_eps)
-    )
+        z, shortcut, residual, temb, gate, 1.0 / float(output_scale), write, out_groups, out_channel_sums,
+        float(out_eps),
+    )  # fmt: skip
     return z, mean, rstd, sums
 
 
@@ -81,12 +83,19 @@ def cuda_refusals(z, temb, gate, shortcut, residual, residual_resample, output_s
             reasons.append(f"{name} of shape {tuple(t.shape)}, not the output's {tuple(z.shape)}")
         elif t is not None and not pixels_at_one_stride(t):
             reasons.append(f"{name} strides {t.stride()}: the CUDA kernel reads channels-last pixels at one stride")
-    if gate is not None or (temb is not None and temb.dim() != 2):
-        reasons.append("a per-frame gate or time embedding (a temporal conv's): the Triton pass applies them")
-    elif temb is not None and tuple(temb.shape) != tuple(z.shape[:2]):
-        reasons.append(f"temb of shape {tuple(temb.shape)}, not [N, C] = {list(z.shape[:2])}")
-    elif temb is not None and temb.shape[1] > 1 and temb.stride(1) != 1:
+    n, c, oh = z.shape[:3]
+    if temb is not None and tuple(temb.shape) not in ((n, c), (n, c, oh)):
+        reasons.append(f"temb of shape {tuple(temb.shape)}, not [N, C] = {[n, c]} or [N, C, OH] = {[n, c, oh]}")
+    elif temb is not None and c > 1 and temb.stride(1) != 1:
         reasons.append(f"temb strides {temb.stride()}: the CUDA kernel reads unit channel stride")
+    if gate is not None and (gate.dim() != 2 or gate.shape[0] != n or gate.shape[1] not in (1, oh)):
+        reasons.append(f"gate of shape {tuple(gate.shape)}, not [N, 1] or [N, OH] = {[n, oh]}")
+    elif gate is not None and gate.dtype != torch.float32:
+        reasons.append(f"gate dtype {gate.dtype} (the CUDA kernel reads an fp32 gate)")
+    per_row = gate is not None or (temb is not None and temb.dim() == 3)
+    if per_row and z.shape[2] * z.shape[3] > 2**31 - 1:
+        reasons.append(f"a per-row temb or gate over {z.shape[2] * z.shape[3]} pixels per image (the CUDA kernel's row "
+                       "index is 32-bit)")  # fmt: skip
     if residual_resample != "none":
         reasons.append(f"a residual read through resample={residual_resample!r} (the Triton pass resamples it)")
     if (out_groups or out_channel_sums) and z.shape[1] > CUDA_MAX_STATS_CHANNELS:

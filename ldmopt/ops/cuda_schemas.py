@@ -36,9 +36,9 @@ CUDA_SCHEMAS = {
         "stats, str activation, bool glu, bool saturate, bool write, float eps) -> ()"
     ),
     "conv_epilogue_cuda": (
-        "ldmopt::conv_epilogue_cuda(Tensor(a!) z, Tensor? shortcut, Tensor? residual, Tensor? temb, float "
-        "inv_scale, bool write, int groups, bool channel_sums, float eps) -> (Tensor mean, Tensor rstd, "
-        "Tensor sums)"
+        "ldmopt::conv_epilogue_cuda(Tensor(a!) z, Tensor? shortcut, Tensor? residual, Tensor? temb, Tensor? "
+        "gate, float inv_scale, bool write, int groups, bool channel_sums, float eps) -> (Tensor mean, Tensor "
+        "rstd, Tensor sums)"
     ),
     "adaln_modulate_cuda": (
         "ldmopt::adaln_modulate_cuda(Tensor x, Tensor scale, Tensor shift, Tensor? residual, Tensor? gate, "

@@ -271,19 +271,20 @@ int emu_adaln_modulate(const int64_t* dims, int dtype, const int* flags, float e
   });
 }
 
-// dims: N, S, C, groups. strides: z, shortcut, residual (image, pixel each), temb (image). flags: write,
-// channel_sums, packable. plan_out: vec, channel tiles, chunks, chunk pixels.
+// dims: N, S, C, groups, W (OW). strides: z, shortcut, residual (image, pixel each), temb (image, row), gate (image,
+// row). flags: write, channel_sums, packable. plan_out: vec, channel tiles, chunks, chunk pixels.
 int emu_conv_epilogue(const int64_t* dims, int dtype, const int64_t* strides, const int* flags, float inv_scale,
-                      float eps, void* z, const void* shortcut, const void* residual, const void* temb, float* mean,
-                      float* rstd, double* sums, int64_t* plan_out) {
+                      float eps, void* z, const void* shortcut, const void* residual, const void* temb,
+                      const float* gate, float* mean, float* rstd, double* sums, int64_t* plan_out) {
   return guarded([&] {
     namespace ce = ldmopt::conv_epilogue;
     const ce::Problem p{dims[0], dims[1], dims[2], static_cast<ldmopt::DType>(dtype), flags[0] != 0, inv_scale,
-                        dims[3], flags[1] != 0, eps};
+                        dims[3], flags[1] != 0, eps, dims[4]};
     const ce::Plan plan = ce::make_plan(p, flags[2] != 0);
     std::vector<float> partials(static_cast<size_t>(plan.workspace_floats));
-    const ce::Args args{z, strides[0], strides[1], {shortcut, strides[2], strides[3]},
-                        {residual, strides[4], strides[5]}, temb, strides[6], mean, rstd, sums, partials.data()};
+    const ce::Args args{z,    strides[0], strides[1], {shortcut, strides[2], strides[3]},
+                        {residual, strides[4], strides[5]}, temb, strides[6], strides[7], gate, strides[8],
+                        strides[9], mean, rstd, sums, partials.data()};
     plan_out[0] = plan.vec;
     plan_out[1] = plan.channel_tiles;
     plan_out[2] = plan.chunks;

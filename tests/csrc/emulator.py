@@ -300,10 +300,11 @@ class Emulator:
         self.last_plan = {"vec": plan[0]}
         return y, s, mean, rstd
 
-    def conv_epilogue(self, z, shortcut=None, residual=None, temb=None, *, inv_scale=1.0, write=True, groups=0,
-                      channel_sums=False, eps=1e-5):  # fmt: skip
+    def conv_epilogue(self, z, shortcut=None, residual=None, temb=None, gate=None, *, inv_scale=1.0, write=True,
+                      groups=0, channel_sums=False, eps=1e-5):  # fmt: skip
         """(mean, rstd, sums) like torch.ops.ldmopt.conv_epilogue_cuda, z [N, C, OH, OW] (channels-last, pixels at one
-        stride) written in place; the outputs poisoned first. The packed path where the torch glue would take it."""
+        stride) written in place; the outputs poisoned first. The packed path where the torch glue would take it.
+        temb [N, C] or per output row [N, C, OH]; gate [N, 1] or [N, OH] fp32."""
         n, c, oh, ow = z.shape
 
         def rows(t):
@@ -311,7 +312,13 @@ class Emulator:
                 return 0, 0
             return (t.stride(0) if n > 1 else 0), (t.stride(3) if ow > 1 else (t.stride(2) if oh > 1 else c))
 
-        strides = [*rows(z), *rows(shortcut), *rows(residual), temb.stride(0) if temb is not None and n > 1 else 0]
+        temb_strides = [0, 0] if temb is None else [temb.stride(0) if n > 1 else 0]
+        if temb is not None:
+            temb_strides.append(temb.stride(2) if temb.dim() == 3 and oh > 1 else 0)
+        strides = [*rows(z), *rows(shortcut), *rows(residual), *temb_strides]
+        gate_strides = (
+            [0, 0] if gate is None else [gate.stride(0) if n > 1 else 0, gate.stride(1) if gate.shape[1] > 1 else 0]
+        )
         pack = 16 // z.element_size()
         aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (z, shortcut, residual, temb))
         packable = aligned and all(s % pack == 0 for s in strides)
@@ -321,10 +328,11 @@ class Emulator:
         plan = (ctypes.c_int64 * 4)()
         self._check(
             self.lib.emu_conv_epilogue(
-                (ctypes.c_int64 * 4)(n, oh * ow, c, groups), DTYPE_CODES[z.dtype], (ctypes.c_int64 * 7)(*strides),
-                (ctypes.c_int * 3)(int(write), int(channel_sums), int(packable)), ctypes.c_float(inv_scale),
-                ctypes.c_float(eps), _ptr(z), _ptr(shortcut), _ptr(residual), _ptr(temb), _ptr(mean), _ptr(rstd),
-                _ptr(sums) if channel_sums else None, plan,
+                (ctypes.c_int64 * 5)(n, oh * ow, c, groups, ow), DTYPE_CODES[z.dtype],
+                (ctypes.c_int64 * 10)(*strides, *gate_strides), (ctypes.c_int * 3)(int(write), int(channel_sums),
+                int(packable)), ctypes.c_float(inv_scale), ctypes.c_float(eps), _ptr(z), _ptr(shortcut),
+                _ptr(residual), _ptr(temb), _ptr(gate), _ptr(mean), _ptr(rstd), _ptr(sums) if channel_sums else None,
+                plan,
             )
         )  # fmt: skip
         self.last_plan = dict(zip(("vec", "channel_tiles", "chunks", "chunk_pixels"), list(plan)))

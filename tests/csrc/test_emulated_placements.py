@@ -52,8 +52,8 @@ def emulated_cuda(emu, monkeypatch):
     def layer_norm_apply_cuda(x, stats, weight, bias, positions, position_rows):
         return emu.layer_norm_apply(x, stats, weight, bias, positions, position_rows)
 
-    def conv_epilogue_cuda(z, shortcut, residual, temb, inv_scale, write, groups, channel_sums, eps):
-        return emu.conv_epilogue(z, shortcut, residual, temb, inv_scale=inv_scale, write=write, groups=groups,
+    def conv_epilogue_cuda(z, shortcut, residual, temb, gate, inv_scale, write, groups, channel_sums, eps):
+        return emu.conv_epilogue(z, shortcut, residual, temb, gate, inv_scale=inv_scale, write=write, groups=groups,
                                  channel_sums=channel_sums, eps=eps)  # fmt: skip
 
     def group_norm_apply_cuda(x, mean, rstd, weight, bias, groups, activation, x_tail=None):
@@ -205,6 +205,28 @@ def test_whole_sd_unet_through_the_cuda_passes_matches_stock(emulated_cuda):
     assert calls[("layer_norm_apply", "cuda")] > 0, calls
     # the staged GroupNorms, the up blocks' (hidden, skip) pairs read in two parts
     assert calls[("group_norm_apply", "cuda")] > 0 and ("group_norm_apply", "triton") not in calls, calls
+
+
+def test_whole_svd_unet_through_the_cuda_passes_matches_stock(emulated_cuda):
+    """The zoo's tiny SVD UNet: its temporal convs hand the epilogue a time embedding and an fp32 blend gate per frame,
+    which the C++ pass now applies (they took the Triton pass before); against the stock UNet."""
+    from ldmopt.configs import build_model, example_inputs
+
+    torch.manual_seed(0)
+    model = build_model("svd", device="cpu", dtype=torch.float32, tiny=True, frames=3)
+    inputs = example_inputs(model, frames=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        stock = model(**inputs.kwargs)[0]
+        report = ldmopt.patch(model)
+        assert report.counts().get("spatiotemporal_resnet", 0) > 0, report
+        for _ in range(2):
+            fused = model(**inputs.kwargs)[0]
+    rel = ((fused - stock).abs().max() / stock.abs().max()).item()
+    assert rel < 1e-4, rel
+    calls = emulated_cuda()
+    assert ("conv_epilogue", "triton") not in calls and calls[("conv_epilogue", "cuda")] > 0, calls
 
 
 def test_whole_dit_through_the_cuda_passes_matches_stock(emulated_cuda):

@@ -81,27 +81,33 @@ BAD_INPUTS = [
      RuntimeError, "y shares z's memory but is not z itself"),
     ("epi-eps", lambda: epilogue(z, y, None, None, zs, "", False, False, True, float("nan")), RuntimeError,
      "eps must be a finite number >= 0, got nan"),
-    ("conv-rank", lambda: conv_epi(meta(2, 8, 9), None, None, None, 1.0, True, 0, False, 1e-5), RuntimeError,
+    ("conv-rank", lambda: conv_epi(meta(2, 8, 9), None, None, None, None, 1.0, True, 0, False, 1e-5), RuntimeError,
      "ldmopt.conv_epilogue_cuda: z must be a 4-D [N, C, OH, OW] conv output, got shape [2, 8, 9]"),
-    ("conv-layout", lambda: conv_epi(meta(2, 8, 3, 3), None, None, None, 1.0, True, 2, False, 1e-5), RuntimeError,
+    ("conv-layout", lambda: conv_epi(meta(2, 8, 3, 3), None, None, None, None, 1.0, True, 2, False, 1e-5), RuntimeError,
      "z must be channels-last (unit channel stride), got strides [72, 9, 3, 1]"),
-    ("conv-pixel-rows", lambda: conv_epi(cl(2, 8, 4, 6)[..., :3], None, None, None, 1.0, True, 2, False, 1e-5),
+    ("conv-pixel-rows", lambda: conv_epi(cl(2, 8, 4, 6)[..., :3], None, None, None, None, 1.0, True, 2, False, 1e-5),
      RuntimeError, "z must have its pixels at one stride (stride over H = W x stride over W), got strides "
      "[192, 1, 48, 8]"),
-    ("conv-shortcut", lambda: conv_epi(cl(2, 8, 3, 3), cl(2, 8, 3, 4), None, None, 1.0, True, 0, False, 1e-5),
+    ("conv-shortcut", lambda: conv_epi(cl(2, 8, 3, 3), cl(2, 8, 3, 4), None, None, None, 1.0, True, 0, False, 1e-5),
      RuntimeError, "shortcut must have z's shape [2, 8, 3, 3], got [2, 8, 3, 4]"),
-    ("conv-residual-dtype", lambda: conv_epi(cl(2, 8, 3, 3), None, cl(2, 8, 3, 3, dtype=torch.float32), None, 1.0,
-                                             True, 0, False, 1e-5), TypeError,
+    ("conv-residual-dtype", lambda: conv_epi(cl(2, 8, 3, 3), None, cl(2, 8, 3, 3, dtype=torch.float32), None,
+                                             None, 1.0, True, 0, False, 1e-5), TypeError,
      "residual has dtype Float; supported: z's dtype Half"),
-    ("conv-temb", lambda: conv_epi(cl(2, 8, 3, 3), None, None, meta(2, 8, 3), 1.0, True, 0, False, 1e-5),
-     RuntimeError, "temb must have shape [N, C] = [2, 8] (one vector per image), got [2, 8, 3]"),
-    ("conv-groups", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, 1.0, True, 3, False, 1e-5), RuntimeError,
+    ("conv-temb", lambda: conv_epi(cl(2, 8, 3, 3), None, None, meta(2, 8, 4), None, 1.0, True, 0, False, 1e-5),
+     RuntimeError, "temb must have shape [N, C] = [2, 8] (one vector per image) or [N, C, OH] = [2, 8, 3] (one per "
+     "output row), got [2, 8, 4]"),
+    ("conv-gate-dtype", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, meta(2, 3), 1.0, True, 0, False, 1e-5),
+     TypeError, "gate has dtype Half; supported: float32"),
+    ("conv-gate-shape", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, meta(2, 2, dtype=torch.float32), 1.0,
+                                         True, 0, False, 1e-5), RuntimeError,
+     "gate must have shape [N, 1] or [N, OH] = [2, 3], got [2, 2]"),
+    ("conv-groups", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, None, 1.0, True, 3, False, 1e-5), RuntimeError,
      "groups=3 must be 0 (none) or divide C=8"),
-    ("conv-read-only", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, 0.5, False, 2, False, 1e-5), RuntimeError,
-     "write=False only reads z (no shortcut, residual or temb, inv_scale 1)"),
-    ("conv-wide", lambda: conv_epi(cl(1, 8200, 1, 1), None, None, None, 1.0, True, 8, False, 1e-5), RuntimeError,
+    ("conv-read-only", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, None, 0.5, False, 2, False, 1e-5),
+     RuntimeError, "write=False only reads z (no shortcut, residual, temb or gate, inv_scale 1)"),
+    ("conv-wide", lambda: conv_epi(cl(1, 8200, 1, 1), None, None, None, None, 1.0, True, 8, False, 1e-5), RuntimeError,
      "statistics of C=8200 channels are not supported; supported: C <= 8192"),
-    ("conv-eps", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, 1.0, True, 2, False, -1.0), RuntimeError,
+    ("conv-eps", lambda: conv_epi(cl(2, 8, 3, 3), None, None, None, None, 1.0, True, 2, False, -1.0), RuntimeError,
      "eps must be a finite number >= 0, got -1"),
     ("sums-shape", lambda: from_sums(meta(2, 8, 3, dtype=torch.float64), None, 4, 1e-5, 9, 1), RuntimeError,
      "ldmopt.group_norm_stats_from_sums_cuda: sums must be [N, C, 2] (per channel: the sum and the sum of squares)"),
@@ -123,10 +129,12 @@ def test_bad_inputs_are_refused_with_the_reason(call, exc, message):
 
 
 def test_conv_epilogue_outputs_have_the_statistics_shapes():
-    mean, rstd, sums = conv_epi(cl(2, 8, 3, 3), cl(2, 8, 3, 3), cl(2, 8, 3, 3), meta(2, 8), 0.7, True, 4, True, 1e-6)
+    mean, rstd, sums = conv_epi(
+        cl(2, 8, 3, 3), cl(2, 8, 3, 3), cl(2, 8, 3, 3), meta(2, 8), None, 0.7, True, 4, True, 1e-6
+    )
     assert mean.shape == rstd.shape == (2, 4) and mean.dtype == torch.float32
     assert sums.shape == (2, 8, 2) and sums.dtype == torch.float64
-    mean, _, sums = conv_epi(cl(2, 8, 1, 1), None, None, None, 1.0, False, 0, False, 1e-6)  # nothing to do
+    mean, _, sums = conv_epi(cl(2, 8, 1, 1), None, None, None, None, 1.0, False, 0, False, 1e-6)  # nothing to do
     assert mean.shape == (2, 0) and sums.shape == (2, 0, 2)
 
 
@@ -205,8 +213,13 @@ CONV_CASES = {
     "a window of columns": dict(z=cl(2, 8, 4, 6)[..., :3]),
     "one row": dict(z=cl(2, 8, 1, 5)),
     "one column": dict(z=cl(2, 8, 5, 1)),
-    "per-frame temb": dict(temb=meta(2, 8, 3)),
+    "per-frame temb, channels strided": dict(temb=meta(2, 8, 3)),
+    "per-frame temb, frames strided apart": dict(temb=meta(2, 3, 8).transpose(1, 2)),
+    "per-frame temb of another frame count": dict(temb=meta(2, 8, 4)),
     "gate": dict(gate=meta(2, 1, dtype=torch.float32)),
+    "per-frame gate": dict(gate=meta(2, 3, dtype=torch.float32), temb=meta(2, 3, 8).transpose(1, 2)),
+    "fp16 gate": dict(gate=meta(2, 3)),
+    "gate of another frame count": dict(gate=meta(2, 2, dtype=torch.float32)),
     "fp32 temb of fp16 z": dict(temb=meta(2, 8, dtype=torch.float32)),
     "resampled residual": dict(residual=cl(2, 8, 6, 6), residual_resample="up"),
     "residual of another size": dict(residual=cl(2, 8, 6, 6)),
@@ -224,10 +237,10 @@ def test_conv_epilogue_refusal_matches_what_the_cpp_op_refuses(case, monkeypatch
     c.update(CONV_CASES[case])
     refused = module.cuda_refusals(c["z"], c["temb"], c["gate"], c["shortcut"], c["residual"], c["residual_resample"],
                                    1.0, c["out_groups"], 1e-5, c["out_layer_norm"], False)  # fmt: skip
-    runs = cpp_runs(lambda: conv_epi(c["z"], c["shortcut"], c["residual"], c["temb"], 1.0, True, c["out_groups"],
-                                      False, 1e-5))  # fmt: skip
-    # what the C++ op has no argument for (a gate, a resample, LayerNorm statistics) is refused before it is called
-    only_python = c["gate"] is not None or c["residual_resample"] != "none" or c["out_layer_norm"]
+    runs = cpp_runs(lambda: conv_epi(c["z"], c["shortcut"], c["residual"], c["temb"], c["gate"], 1.0, True,
+                                      c["out_groups"], False, 1e-5))  # fmt: skip
+    # what the C++ op has no argument for (a resample, LayerNorm statistics) is refused before it is called
+    only_python = c["residual_resample"] != "none" or c["out_layer_norm"]
     assert bool(refused) == (not runs or only_python), (case, refused)
 
 
