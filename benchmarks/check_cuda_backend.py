@@ -79,8 +79,10 @@ CONV_EPILOGUE_SHAPES = {
     "sd15-conv2-32x32x640": (2, 640, 32, 32, "conv2"),
     "sdxl-conv1-128x128x320": (2, 320, 128, 128, "conv1"),
     "vae-conv1-512x512x128": (1, 128, 512, 512, "conv1"),
+    # SVD's temporal conv over (video, channel, frame, pixel): per-frame temb and blend gate, residual; CFG batch 2
+    "svd-temporal-14x4096x320": (2, 320, 14, 4096, "temporal"),
 }
-QUICK_CONV_EPILOGUE = ("sd15-conv1-64x64x320", "sd15-conv2-32x32x640")
+QUICK_CONV_EPILOGUE = ("sd15-conv1-64x64x320", "sd15-conv2-32x32x640", "svd-temporal-14x4096x320")
 # (N, C head, C tail, pixels, frames) of the GroupNorm statistics an up block's two-part input takes from sums
 FROM_SUMS_SHAPES = {
     "sd15-up-32x32-1280+640": (2, 1280, 640, 32 * 32, 1),
@@ -361,6 +363,9 @@ def _conv_epilogue_inputs(shape, dtype):
     z = cl(n, c, h, w, mean=2.0)
     if what == "conv1":
         return z, dict(temb=torch.randn(n, c, device=DEVICE).to(dtype), out_groups=32)
+    if what == "temporal":  # temb [N, C, F] with unit channel stride, as the temporal resnet hands it
+        temb = torch.randn(n, h, c, device=DEVICE).to(dtype).transpose(1, 2)
+        return z, dict(temb=temb, gate=torch.rand(n, h, device=DEVICE), residual=cl(n, c, h, w), out_groups=32)
     return z, dict(shortcut=cl(n, c, h, w), residual=cl(n, c, h, w), output_scale=1.5, out_groups=0,
                    out_channel_sums=True)  # fmt: skip
 
@@ -381,9 +386,14 @@ def check_conv_epilogue(quick: bool):
     for name in QUICK_CONV_EPILOGUE if quick else list(CONV_EPILOGUE_SHAPES):
         for dtype in QUICK_DTYPES if quick else DTYPES:
             z, kwargs = _conv_epilogue_inputs(CONV_EPILOGUE_SHAPES[name], dtype)
-            ref = z.double() + sum(kwargs[k].double() for k in ("shortcut", "residual") if k in kwargs)
+            ref = z.double() + (kwargs["shortcut"].double() if "shortcut" in kwargs else 0.0)
             if "temb" in kwargs:
-                ref = ref + kwargs["temb"].double()[:, :, None, None]
+                temb = kwargs["temb"].double()
+                ref = ref + (temb[..., None] if temb.dim() == 3 else temb[:, :, None, None])
+            if "gate" in kwargs:
+                ref = ref * kwargs["gate"].double()[:, None, :, None]
+            if "residual" in kwargs:
+                ref = ref + kwargs["residual"].double()
             ref = ref / kwargs.get("output_scale", 1.0)
             n = z.shape[0]
             if kwargs["out_groups"]:

@@ -180,7 +180,8 @@ def cuda_backend_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(C, "EPILOGUE_SHAPES", {"geglu": (6, 40, "geglu"), "gate": (8, 24, "gate_residual_stats"),
                                                "tanh": (5, 16, "gelu_tanh"), "clamp": (4, 8, "saturate")})  # fmt: skip
     monkeypatch.setattr(C, "QUICK_EPILOGUE", ("gate",))
-    monkeypatch.setattr(C, "CONV_EPILOGUE_SHAPES", {"c1": (2, 64, 5, 3, "conv1"), "c2": (1, 40, 4, 4, "conv2")})
+    monkeypatch.setattr(C, "CONV_EPILOGUE_SHAPES", {"c1": (2, 64, 5, 3, "conv1"), "c2": (1, 40, 4, 4, "conv2"),
+                                                    "c3": (2, 64, 3, 5, "temporal")})  # fmt: skip
     monkeypatch.setattr(C, "QUICK_CONV_EPILOGUE", ("c1",))
     monkeypatch.setattr(C, "FROM_SUMS_SHAPES", {"s1": (2, 48, 16, 9, 1), "s2": (6, 32, 32, 5, 3)})
     monkeypatch.setattr(C, "QUICK_FROM_SUMS", ("s1",))
@@ -215,7 +216,7 @@ def test_check_cuda_backend_checks(cuda_backend_cpu, capsys):
     assert len(adaln) == 3 * 2, out  # shapes x dtypes
     assert len(from_sums) == 2, out  # its two cases, fp32 statistics
     assert len(gn) == len(gn_stats) == 2 * 2 * 2 and len(attn) == len(ln) == len(ln_apply) == 2 * 2, out
-    assert len(epilogues) == (4 + 2) * 2, out  # shapes x dtypes
+    assert len(epilogues) == (4 + 3) * 2, out  # shapes x dtypes
     assert len(gn_apply) == 2 * 2 and all("channels_last" in r[1] for r in gn_apply), out  # channels-last only
     assert [r[1:4] for r in gn_apply_parts] == [r[1:4] for r in gn_apply], out  # the same cases, as two parts
     kinds = (gn, gn_stats, gn_apply, gn_apply_parts, ln, ln_apply, epilogues, from_sums, adaln, attn)
