@@ -489,8 +489,7 @@ def gn_silu_conv2d(
     ``torch.backends.cuda.matmul.fp32_precision = "tf32"``), in the kernel, the reference and backward alike (which
     then run nn.Linear's GEMMs instead of a convolution).
     """
-    # None, not a float default: Dynamo makes a default float a graph input shared by every call, which
-    # fails in gradient-checkpointed regions under torch.compile(dynamic=True) (pytorch/pytorch#193194)
+    # None, not a float default: one Dynamo graph input shared by every call (pytorch/pytorch#193194)
     output_scale = 1.0 if output_scale is None else output_scale
     x, x_tail = _channel_parts("x", x)
     check_tensor("x", x, ndim=(4,))

@@ -252,8 +252,7 @@ def group_norm(
     reference: within 2x the error of PyTorch's own F.group_norm in x's dtype. Other dense layouts are made
     contiguous first.
     """
-    # None, not a float default: Dynamo makes a default float a graph input shared by every call, which
-    # fails in gradient-checkpointed regions under torch.compile(dynamic=True) (pytorch/pytorch#193194)
+    # None, not a float default: one Dynamo graph input shared by every call (pytorch/pytorch#193194)
     eps = 1e-5 if eps is None else eps
     check_tensor("x", x)
     if x.dim() < 2:

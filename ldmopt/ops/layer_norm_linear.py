@@ -298,8 +298,7 @@ def layer_norm_linear(
     read as it is. Tolerance versus an fp64 reference: within 2x the error of the unfused PyTorch ops in the weight's
     dtype.
     """
-    # None, not a float default: Dynamo makes a default float a graph input shared by every call, which
-    # fails in gradient-checkpointed regions under torch.compile(dynamic=True) (pytorch/pytorch#193194)
+    # None, not a float default: one Dynamo graph input shared by every call (pytorch/pytorch#193194)
     eps = 1e-5 if eps is None else eps
     check_tensor("x", x)
     autocast = autocast_enabled(x.device.type)
