@@ -148,10 +148,29 @@ def _timed_build_ext(cpp_extension, info: dict):
     return TimedBuildExt
 
 
+def _recording_build_py(info: dict):
+    """build_py that records a skipped extension build where the install will read it: the source tree for an
+    editable install, the wheel's copy otherwise. Not at import of setup.py: reading metadata or building an sdist
+    (python -m build, pip's metadata step) must not mark a working editable install's ldmopt._C as not built."""
+    from setuptools.command.build_py import build_py
+
+    class RecordingBuildPy(build_py):
+        def run(self):
+            if getattr(self, "editable_mode", False):
+                _write_build_info(info)
+            super().run()
+            target = os.path.join(self.build_lib, "ldmopt", os.path.basename(BUILD_INFO))
+            if not getattr(self, "editable_mode", False) and os.path.isdir(os.path.dirname(target)):
+                with open(target, "w") as f:
+                    json.dump(info, f, indent=2, sort_keys=True)
+
+    return RecordingBuildPy
+
+
 ext_modules, cmdclass, status = _cuda_extension()
 if isinstance(status, str):
     _say(f"CUDA extension ldmopt._C {status}")
-    _write_build_info({"built": False, "reason": status})
+    cmdclass = {**cmdclass, "build_py": _recording_build_py({"built": False, "reason": status})}
 else:
     _say(f"building CUDA extension ldmopt._C for TORCH_CUDA_ARCH_LIST={status['arch_list']}")
 

@@ -225,7 +225,7 @@ def _backend_note(device, backend: str) -> str:
         return "backend: auto on cpu with TRITON_INTERPRET=1 -> Triton kernels in the interpreter where they accept"
     return (
         f"backend: {backend} on cpu -> the reference backend (torch) runs ldmopt's ops; "
-        "--backend triton runs the Triton kernels in the interpreter"
+        "--backend triton runs the Triton kernels in the interpreter (several minutes on a CPU)"
     )
 
 

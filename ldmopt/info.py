@@ -164,14 +164,22 @@ def configure_info(parser: argparse.ArgumentParser) -> None:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    import importlib.util
     import json
     import os
     import subprocess
     import sys
 
+    if args.kernels and args.json:
+        print("ldmopt info: --kernels prints a table, not JSON; run it without --json", file=sys.stderr)
+        return 2
     info = collect()
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     if args.kernels:
+        if importlib.util.find_spec("triton") is None:
+            print("ldmopt info: --kernels compiles the Triton kernels and needs Triton (pip install triton)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         # The AOT compile needs un-interpreted kernels: run it in a child without TRITON_INTERPRET.
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.call([sys.executable, "-m", "ldmopt.aot"], env=env)

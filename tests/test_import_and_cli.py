@@ -109,6 +109,24 @@ def test_info_reports_backends():
             assert info["backends"][name], f"backend {name} unusable without a reason"
 
 
+def test_info_kernels_refuses_json_and_a_missing_triton_in_one_line(monkeypatch, capsys):
+    """--json --kernels printed the JSON and then the kernel table (not JSON); without Triton --kernels ended in
+    the AOT child's traceback."""
+    import argparse
+    import importlib.util
+
+    from ldmopt import info
+
+    assert info.run_info(argparse.Namespace(json=True, kernels=True)) == 2
+    assert capsys.readouterr().err.strip() == "ldmopt info: --kernels prints a table, not JSON; run it without --json"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert info.run_info(argparse.Namespace(json=False, kernels=True)) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ldmopt info: --kernels compiles the Triton kernels and needs Triton (pip install triton)"
+    )
+
+
 @pytest.fixture(scope="module")
 def aot_records():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

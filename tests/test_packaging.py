@@ -27,9 +27,15 @@ def test_sdist_carries_every_tracked_source(tmp_path):
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tree / name)
     env = {**os.environ, "LDMOPT_SKIP_CUDA_BUILD": "1"}
+    # An editable install's record of its built extension: making an sdist (or reading metadata) must leave it, or
+    # ldmopt would stop loading that install's ldmopt._C as "left from an earlier build"
+    record = tree / "ldmopt" / "_build_info.json"
+    record.write_text('{"built": true, "reason": "an editable install built it"}')
     done = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], cwd=tree,
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    assert record.read_text() == '{"built": true, "reason": "an editable install built it"}'
+
     (archive,) = (tmp_path / "dist").glob("ldmopt-*.tar.gz")
     with tarfile.open(archive) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
