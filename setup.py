@@ -24,8 +24,8 @@ def _say(message: str) -> None:
     print(f"ldmopt setup: {message}", file=sys.stderr)
 
 
-def _write_build_info(info: dict) -> None:
-    with open(BUILD_INFO, "w") as f:
+def _write_build_info(info: dict, path: str = BUILD_INFO) -> None:
+    with open(path, "w") as f:
         json.dump(info, f, indent=2, sort_keys=True)
 
 
@@ -156,13 +156,13 @@ def _recording_build_py(info: dict):
 
     class RecordingBuildPy(build_py):
         def run(self):
-            if getattr(self, "editable_mode", False):
+            editable = getattr(self, "editable_mode", False)
+            if editable:
                 _write_build_info(info)
             super().run()
             target = os.path.join(self.build_lib, "ldmopt", os.path.basename(BUILD_INFO))
-            if not getattr(self, "editable_mode", False) and os.path.isdir(os.path.dirname(target)):
-                with open(target, "w") as f:
-                    json.dump(info, f, indent=2, sort_keys=True)
+            if not editable and os.path.isdir(os.path.dirname(target)):
+                _write_build_info(info, target)
 
     return RecordingBuildPy
 

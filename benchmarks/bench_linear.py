@@ -65,31 +65,30 @@ def _quick() -> bool:
     return os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 
 
-def _default(fn, *placements):
-    """``fn`` as a user runs it: backends chosen automatically (on GPUs, cuBLAS's GEMM and ldmopt._C's pass after it
-    where the extension is built), a fall-back to the reference an error (harness.default_backends), within
-    ``placements`` (context managers made per call) where given."""
+def _within(fn, *contexts):
+    """``fn`` inside ``contexts`` (context managers made per call), or ``fn`` itself without any."""
+    if not contexts:
+        return fn
 
     def run(*args, **kwargs):
         with contextlib.ExitStack() as stack:
-            for placement in placements:
-                stack.enter_context(placement())
-            return fn(*args, **kwargs)
-
-    return harness.default_backends(run if placements else fn)
-
-
-def _triton(fn, *placements):
-    """``fn`` on the Triton backend, within ``placements`` (context managers made per call) where given."""
-
-    def run(*args, **kwargs):
-        with contextlib.ExitStack() as stack:
-            for placement in placements:
-                stack.enter_context(placement())
-            stack.enter_context(ldmopt.use_backend("triton"))
+            for context in contexts:
+                stack.enter_context(context())
             return fn(*args, **kwargs)
 
     return run
+
+
+def _default(fn, *placements):
+    """``fn`` as a user runs it: backends chosen automatically (on GPUs, cuBLAS's GEMM and ldmopt._C's pass after it
+    where the extension is built), a fall-back to the reference an error (harness.default_backends), within
+    ``placements`` where given."""
+    return harness.default_backends(_within(fn, *placements))
+
+
+def _triton(fn, *placements):
+    """``fn`` on the Triton backend, within ``placements`` where given."""
+    return _within(fn, *placements, lambda: ldmopt.use_backend("triton"))
 
 
 def _triton_gemm(fn):

@@ -89,7 +89,7 @@ Checked check(const at::Tensor& z, const std::optional<at::Tensor>& shortcut,
     args.gate_image_stride = n > 1 ? gate->stride(0) : 0;
     args.gate_row_stride = gate->size(1) > 1 ? gate->stride(1) : 0;
   }
-  TORCH_CHECK((args.temb_row_stride == 0 && args.gate == nullptr && !present(gate)) || s <= INT32_MAX, kOp,
+  TORCH_CHECK((args.temb_row_stride == 0 && !present(gate)) || s <= INT32_MAX, kOp,
               ": a per-row temb or gate over ", s, " pixels per image is not supported; supported: up to 2^31 - 1");
   TORCH_CHECK(std::isfinite(inv_scale), kOp, ": inv_scale must be finite, got ", inv_scale);
   TORCH_CHECK(write || (!present(shortcut) && !present(residual) && !present(temb) && !present(gate) &&

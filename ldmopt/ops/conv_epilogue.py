@@ -93,9 +93,9 @@ def cuda_refusals(z, temb, gate, shortcut, residual, residual_resample, output_s
     elif gate is not None and gate.dtype != torch.float32:
         reasons.append(f"gate dtype {gate.dtype} (the CUDA kernel reads an fp32 gate)")
     per_row = gate is not None or (temb is not None and temb.dim() == 3)
-    if per_row and z.shape[2] * z.shape[3] > 2**31 - 1:
-        reasons.append(f"a per-row temb or gate over {z.shape[2] * z.shape[3]} pixels per image (the CUDA kernel's row "
-                       "index is 32-bit)")  # fmt: skip
+    pixels = oh * z.shape[3]
+    if per_row and pixels > 2**31 - 1:
+        reasons.append(f"a per-row temb or gate over {pixels} pixels per image (the CUDA kernel's row index is 32-bit)")
     if residual_resample != "none":
         reasons.append(f"a residual read through resample={residual_resample!r} (the Triton pass resamples it)")
     if (out_groups or out_channel_sums) and z.shape[1] > CUDA_MAX_STATS_CHANNELS:
