@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, next_power_of_2, row_tiles
+from ._common import cdiv, new_output, next_power_of_2, row_moments, row_tiles
 from ._gemm import divisibility_attrs, int64_columns, row_chunks
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -84,9 +84,9 @@ def _adaln_fwd_kernel(
         if STORE_SUM:
             tl.store(sum_ptr + rows[:, None] * C + c[None, :], x, mask=mask)
     x = x.to(tl.float32)
-    mean = tl.sum(x, axis=1) / C
+    mean, var = row_moments(x, mask, C)
     centred = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / C + eps)
+    rstd = 1.0 / tl.sqrt(var + eps)
     sc = tl.load(scale_ptr + sample[:, None] * stride_scb + c_idx[None, :] * stride_scc, mask=mask, other=0.0)
     sh = tl.load(shift_ptr + sample[:, None] * stride_shb + c_idx[None, :] * stride_shc, mask=mask, other=0.0)
     y = centred * rstd[:, None] * (1.0 + sc.to(tl.float32)) + sh.to(tl.float32)

@@ -175,8 +175,11 @@ def _group_norm_fwd_finalize_kernel(
         acc += tl.where(mask, pm * cnt, 0.0)
     total = tl.cast(S, tl.float32) * cpg  # S * cpg in int32 wraps for a group of 2^31 elements (G=1, a video map)
     group_mean = tl.sum(acc, axis=0) / total
-    # Pass 2: M2 = sum of partial M2 + sum count * (partial mean - group mean)^2.
+    # Pass 2: M2 = sum of partial M2 + sum count * (partial mean - group mean)^2, less the residual's share: the
+    # first mean rounds away from a constant group's value, whose spread would otherwise count as variance
+    # (row_moments in _common.py: the same correction).
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    residual = tl.zeros([BLOCK_R], dtype=tl.float32)
     for r0 in range(0, n_items, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         mask = r < n_items
@@ -187,7 +190,11 @@ def _group_norm_fwd_finalize_kernel(
         pm2 = tl.load(part_m2_ptr + offs, mask=mask, other=0.0)
         d = pm - group_mean
         acc += tl.where(mask, pm2 + cnt * d * d, 0.0)
-    var = tl.maximum(tl.sum(acc, axis=0) / total, 0.0)
+        residual += tl.where(mask, cnt * d, 0.0)
+    residual_sum = tl.sum(residual, axis=0)
+    group_mean += residual_sum / total
+    m2 = tl.sum(acc, axis=0) - residual_sum * (residual_sum / total)
+    var = tl.maximum(m2 / total, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN in the group keeps rstd NaN
     tl.store(mean_ptr + pid, group_mean)
     tl.store(rstd_ptr + pid, 1.0 / tl.sqrt(var + eps))
 
@@ -282,9 +289,12 @@ def _group_norm_fwd_onepass_kernel(
     mean += tl.reshape(shift, [BLOCK_CPG])
     # Every channel saw S values: the group mean is the mean of channel means.
     mean = tl.where(j_mask, mean, 0.0)
-    group_mean = tl.sum(mean, axis=0) / cpg
-    d = tl.where(j_mask, mean - group_mean, 0.0)
-    var = tl.maximum((tl.sum(m2, axis=0) + S * tl.sum(d * d, axis=0)) / (S * cpg), 0.0)
+    first = tl.sum(mean, axis=0) / cpg
+    d = tl.where(j_mask, mean - first, 0.0)
+    residual = tl.sum(d, axis=0)  # the first mean's rounding (row_moments in _common.py)
+    group_mean = first + residual / cpg
+    spread = tl.sum(d * d, axis=0) - residual * (residual / cpg)
+    var = tl.maximum((tl.sum(m2, axis=0) + S * spread) / (S * cpg), 0.0, propagate_nan=tl.PropagateNan.ALL)
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(mean_ptr + pid, group_mean)
     tl.store(rstd_ptr + pid, rstd)

@@ -60,7 +60,7 @@ def _group_norm_stats_from_sums_kernel(
     s1, s2 = tl.split(sums)
     count = tl.cast(S, tl.float64) * FRAMES * cpg  # in int32 it overflows past 2^31 elements per group
     mean = tl.sum(s1, axis=1) / count
-    var = tl.maximum(tl.sum(s2, axis=1) / count - mean * mean, 0.0)
+    var = tl.maximum(tl.sum(s2, axis=1) / count - mean * mean, 0.0, propagate_nan=tl.PropagateNan.ALL)  # keep NaN
     rstd = 1.0 / tl.sqrt(var.to(tl.float32) + eps)
     out = n * G + g
     tl.store(mean_ptr + out, mean.to(tl.float32), mask=g < G)

@@ -4,8 +4,8 @@ What a GEMM that reads a LayerNorm in its loads needs (kernels/linear.py, kernel
 output is then never written, and one statistics pass serves every GEMM that reads the same norm (diffusers' to_q,
 to_k and to_v).
 Layout: x is addressed as [M, C] rows with arbitrary strides; stats is a fresh contiguous [2, M] fp32 tensor (means,
-then rstds). fp32/fp16/bf16 in; whole rows held in registers (C <= MAX_C), centred two-pass variance (no
-cancellation for rows far from zero mean), int64 row and column offsets.
+then rstds). fp32/fp16/bf16 in; whole rows held in registers (C <= MAX_C), centred two-pass variance with the
+residual correction (no cancellation for rows far from zero mean, 0 for constant rows), int64 row and column offsets.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, row_tiles
+from ._common import cdiv, new_output, row_moments, row_tiles
 from ._gemm import divisibility_attrs
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -41,9 +41,8 @@ def _row_stats_kernel(
     x_offs = rows[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xc
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    mean = tl.sum(x, axis=1) / C
-    centred = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.math.rsqrt(tl.sum(centred * centred, axis=1) / C + eps)
+    mean, var = row_moments(x, mask, C)
+    rstd = tl.math.rsqrt(var + eps)
     tl.store(stats_ptr + rows, mean, mask=r_ok)
     tl.store(stats_ptr + M + rows, rstd, mask=r_ok)
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, row_tiles
+from ._common import cdiv, new_output, row_moments, row_tiles
 from ._gemm import divisibility_attrs
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -130,9 +130,11 @@ def _rms_norm_fwd_kernel(
     x, w = _load_rows(x_ptr, x2_ptr, w_ptr, w2_ptr, rows, c, c64, mask, c_ok, stride_xm, stride_xc, stride_x2m,
                       stride_x2c, HEAD_ROWS, TAIL_ROWS, HAS_WEIGHT, TWO_PART)  # fmt: skip
     if CENTER:  # LayerNorm: the centred row (masked lanes stay 0)
-        mean = tl.sum(x, axis=1) / C
+        mean, var = row_moments(x, mask, C)
         x = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / C + eps)
+        rstd = 1.0 / tl.sqrt(var + eps)
+    else:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / C + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
         y = y * w

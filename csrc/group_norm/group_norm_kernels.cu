@@ -192,7 +192,8 @@ __global__ __launch_bounds__(kThreads) void partial_cf_kernel(Tensors<T> t) {
 // ------------------------------------------------------------------------------------------ per-group finalize
 
 // One block per (n, g): Chan's merge of the partials in two passes (the count-weighted mean, then
-// M2 = sum(M2_k + count_k * (mean_k - mean)^2)), then a = w * rstd and b = bias - a * mean per channel.
+// M2 = sum(M2_k + count_k * (mean_k - mean)^2), both corrected by the residual), then a = w * rstd and
+// b = bias - a * mean per channel.
 __global__ __launch_bounds__(kFinalizeThreads) void finalize_forward_kernel(Stats s, float* mean_out,
                                                                             float* rstd_out) {
   __shared__ float scratch[kFinalizeThreads / kWarpSize];
@@ -208,16 +209,22 @@ __global__ __launch_bounds__(kFinalizeThreads) void finalize_forward_kernel(Stat
     const float count = static_cast<float>(std::min(s.S - k * s.s_per_chunk, s.s_per_chunk));
     acc += count * s.part_a[(n * s.n_chunks + k) * s.C + g * cpg + i % cpg];
   }
-  const float mean = block_sum(acc, scratch) / total;
+  const float first = block_sum(acc, scratch) / total;
+  // The first mean rounds away from a constant group's value, and that rounding would count as variance: the
+  // partial means' residual around it corrects both (kernels/_common.py's row_moments does the same).
   acc = 0.0f;
+  float residual = 0.0f;
   for (int64_t i = threadIdx.x; i < items; i += blockDim.x) {
     const int64_t k = i / cpg;
     const float count = static_cast<float>(std::min(s.S - k * s.s_per_chunk, s.s_per_chunk));
     const int64_t off = (n * s.n_chunks + k) * s.C + g * cpg + i % cpg;
-    const float d = s.part_a[off] - mean;
+    const float d = s.part_a[off] - first;
     acc += s.part_b[off] + count * d * d;
+    residual += count * d;
   }
-  const float m2 = block_sum(acc, scratch) / total;
+  const float residual_sum = block_sum(residual, scratch);
+  const float mean = first + residual_sum / total;
+  const float m2 = (block_sum(acc, scratch) - residual_sum * (residual_sum / total)) / total;
   const float var = m2 < 0.0f ? 0.0f : m2;  // not fmaxf: a NaN in the group keeps rstd NaN
   const float rstd = rsqrtf(var + s.eps);
   if (threadIdx.x == 0) {
