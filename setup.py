@@ -177,7 +177,9 @@ else:
 setup(
     packages=[*find_packages(include=["ldmopt", "ldmopt.*"]), "ldmopt.kernels"],
     package_dir={"ldmopt.kernels": "kernels"},
-    package_data={"ldmopt": ["_build_info.json", "configs/*.json", "configs/*.md"]},
+    # Not _build_info.json: it records one build (the sdist must not carry the checkout's); build_py / build_ext
+    # write the wheel's copy into build_lib themselves.
+    package_data={"ldmopt": ["configs/*.json", "configs/*.md"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

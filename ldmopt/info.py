@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import os
 import platform
 
@@ -116,6 +117,13 @@ def _gemm_placement_setting() -> str:
 
 def _autotune_cache_setting() -> str:
     """Whether the Triton kernels keep their autotune timings on disk (kernels._common.autotune), and where."""
+    triton_ok, triton_why = _env.triton_status()
+    if not triton_ok:  # no Triton kernel runs, so no cache directory is used
+        try:
+            missing = importlib.util.find_spec("triton") is None
+        except ValueError:  # a module in sys.modules without a spec
+            missing = False
+        return "off (Triton is not installed)" if missing else f"off ({triton_why})"
     if os.environ.get("LDMOPT_AUTOTUNE_CACHE", "1") == "0":
         return "off (LDMOPT_AUTOTUNE_CACHE=0: every process times the tiles again)"
     home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")

@@ -127,6 +127,33 @@ def test_info_kernels_refuses_json_and_a_missing_triton_in_one_line(monkeypatch,
     )
 
 
+def test_info_without_triton_names_no_triton_cache_directory():
+    # It said "on, in Triton's cache directory ~/.triton/cache" on a machine where no Triton kernel can run.
+    code = "import sys\nsys.modules['triton'] = None\nfrom ldmopt.cli import main\nsys.exit(main(['info']))"
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert "autotune timings cached: off (Triton is not installed)" in result.stdout.splitlines(), result.stdout
+    assert ".triton" not in result.stdout and "cache directory" not in result.stdout
+
+
+def test_every_flag_of_every_subcommand_has_help():
+    # `ldmopt profile --help` listed --warmup with no text
+    import argparse
+
+    from ldmopt.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == set(COMMANDS)
+    missing = [
+        f"ldmopt {name} {action.dest}"
+        for name, sub_parser in sub.choices.items()
+        for action in sub_parser._actions
+        if not action.help or action.help == argparse.SUPPRESS
+    ]
+    assert not missing, missing
+
+
 @pytest.fixture(scope="module")
 def aot_records():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

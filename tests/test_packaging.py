@@ -44,6 +44,9 @@ def test_sdist_carries_every_tracked_source(tmp_path):
     missing = sorted(set(wanted) - names)
     assert not missing, missing[:20]
     assert not [n for n in names if n.endswith((".so", ".pyc"))]
+    # One build's record (this checkout's "built": true, its CUDA paths), not a source: the sdist run in place
+    # would claim an ldmopt._C it does not have
+    assert "ldmopt/_build_info.json" not in names
 
 
 def test_checkout_kernels_folder_hands_its_name_to_an_installed_kernels_package(tmp_path):

@@ -10,7 +10,43 @@ from __future__ import annotations
 
 import argparse
 
-from ..profiler.cli import _count, _message, _positive, _resolution, _write_json, _zoo_names, prepare_outputs
+from ..profiler.cli import (
+    _count,
+    _message,
+    _positive,
+    _resolution,
+    _write_json,
+    _zoo_names,
+    prepare_outputs,
+    setting_problem,
+)
+
+# Checked while parsing: ldmopt.tune's and ldmopt.patch's refusals name min_speedup= and families, not the flags.
+
+
+def _min_speedup(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _families(text: str) -> list[str]:
+    """argparse type: a comma list of ldmopt.patch families, at least one."""
+    from . import FAMILIES
+
+    families = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or not families:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else f"no family in {text!r}"
+        raise argparse.ArgumentTypeError(f"{what}; expected a comma list of {', '.join(FAMILIES)}")
+    return families
 
 
 def configure_tune(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +65,7 @@ def configure_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=_count(0), default=2, help="calls before each measurement (default 2)")
     parser.add_argument("--repeats", type=_positive, default=5, help="timed calls per configuration (default 5)")
     parser.add_argument("--rounds", type=_positive, default=3, help="refinement rounds at most (default 3)")
-    parser.add_argument("--min-speedup", type=float, default=1.0, help="keep a site when stock > fused x this")
+    parser.add_argument("--min-speedup", type=_min_speedup, default=1.0, help="keep a site when stock > fused x this")
     parser.add_argument(
         "--cuda-graph",
         action="store_true",
@@ -47,7 +83,9 @@ def configure_tune(parser: argparse.ArgumentParser) -> None:
         help="time a training step (fp32 weights, --dtype autocast, forward + backward) by rule: the choice for "
         "ldmopt.patch_tuned(..., training=True) or examples/train_ldm.py --tune-choice",
     )
-    parser.add_argument("--families", default=None, help="comma list of ldmopt.patch families (default: all)")
+    parser.add_argument(
+        "--families", type=_families, default=None, help="comma list of ldmopt.patch families (default: all)"
+    )
     parser.add_argument("--report", action="store_true", help="also print the whole patch report")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the tuning table as JSON ('-': stdout)")
     parser.add_argument(
@@ -69,10 +107,16 @@ def run_tune(args: argparse.Namespace) -> int:
     from ..demo import channels_last_call
     from ..profiler.measure import _resolve_target
 
+    problem = setting_problem(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")  # as _resolve_target picks it
+    if not problem and args.cuda_graph and torch.device(device).type != "cuda":  # tune would say cuda_graph=True
+        problem = f"--cuda-graph times CUDA graphs, which run on a GPU; the model would be on {device}: --device cuda"
+    if problem:
+        print(f"ldmopt tune: {problem}", file=sys.stderr)
+        return 2
     if not prepare_outputs("tune", json=args.json, save_choice=args.save_choice):
         return 2
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-    families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     setting = dict(resolution=args.resolution, frames=args.frames, batch=args.batch)
     try:
         if args.training and args.by == "site":
@@ -87,7 +131,7 @@ def run_tune(args: argparse.Namespace) -> int:
         call = model if inputs.method == "forward" else getattr(model, inputs.method)
         run = _training_step(model, call, inputs.kwargs, dtype) if args.training else _inference_call(call, inputs)
         report = ldmopt.tune(
-            model, run, families=families, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
+            model, run, families=args.families, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
             min_speedup=args.min_speedup, cuda_graph=args.cuda_graph, by=None if args.training else args.by,
             training=args.training,
         )  # fmt: skip

@@ -16,13 +16,15 @@ from .settings import ANALYZE_DTYPES
 def _resolution(text: str):
     """argparse type: '512' -> 512, '576x1024' -> (576, 1024)."""
     try:
-        if "x" in text.lower():
-            h, w = text.lower().split("x")
-            return (int(h), int(w))
-        return int(text)
+        sides = tuple(int(side) for side in text.lower().split("x")) if "x" in text.lower() else (int(text),)
+        if len(sides) > 2:
+            raise ValueError(text)
     except ValueError:
         hint = "; ldmopt analyze sweeps a comma list" if "," in text else ""
         raise argparse.ArgumentTypeError(f"expected pixels as 512 or HxW (576x1024), got {text!r}{hint}") from None
+    if min(sides) < 1:  # the API would say "resolution must be positive", not naming --resolution
+        raise argparse.ArgumentTypeError(f"pixels must be positive, got {text!r}")
+    return sides if len(sides) == 2 else sides[0]
 
 
 _resolution.__name__ = "resolution"
@@ -45,6 +47,15 @@ def _count(minimum: int):
 
 
 _positive = _count(1)
+
+
+def _gpu(text: str) -> str:
+    """argparse type: a GPU of the datasheet table (the API's error points to register_gpu, out of a flag's reach)."""
+    from .gpus import GPUS
+
+    if text.lower() not in {name.lower() for name in GPUS}:
+        raise argparse.ArgumentTypeError(f"unknown GPU {text!r}; expected one of {', '.join(GPUS)}")
+    return text
 
 
 def _list(parse):
@@ -88,7 +99,7 @@ def configure_analyze(parser: argparse.ArgumentParser) -> None:
                         help="pixels: 512, 576x1024, or a comma list 256,512,768,1024")  # fmt: skip
     parser.add_argument("--frames", type=_list(_positive), default=None,
                         help="frames (video models only), or a comma list 8,16,32,64")  # fmt: skip
-    parser.add_argument("--gpu", default="H100", help="A100, H100 or H200 (datasheet peaks; default H100)")
+    parser.add_argument("--gpu", type=_gpu, default="H100", help="A100, H100 or H200 (datasheet peaks; default H100)")
     parser.add_argument("--check-flops", action="store_true", help="cross-check against torch.utils.flop_counter")
     parser.add_argument(
         "--training", action="store_true", help="a training step: forward, MSE loss, backward and AdamW, by phase"
@@ -114,7 +125,7 @@ def configure_profile(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=_positive, default=None, help="frames (video models only)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--steps", type=_positive, default=3, help="active (recorded) steps")
-    parser.add_argument("--warmup", type=_count(0), default=1)
+    parser.add_argument("--warmup", type=_count(0), default=1, help="unrecorded steps before the active ones")
     parser.add_argument("--wait", type=_count(0), default=None, help="skipped steps before warmup (training default 1)")
     parser.add_argument("--training", action="store_true", help="forward + backward + AdamW step per step")
     parser.add_argument("--patched", action="store_true",
@@ -125,6 +136,52 @@ def configure_profile(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wandb", metavar="PROJECT", default=None, help="log to Weights & Biases")
     parser.add_argument("--top", type=_count(0), default=3, help="top kernels/operators per category")
     _common(parser)
+
+
+def _typed(value) -> str:
+    """A setting as given on the command line: 512, 576x1024, or a comma list of those."""
+    if isinstance(value, list):
+        return ",".join(map(_typed, value))
+    return f"{value[0]}x{value[1]}" if isinstance(value, tuple) else str(value)
+
+
+def setting_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--frames`` or ``--resolution`` does not fit the zoo model, or None. The API refuses these too, but in its
+    own argument names (frames=8, resolution=512), which are not what the user typed."""
+    from .. import configs
+
+    try:
+        entry = configs.get(args.model)
+    except KeyError:
+        return None  # the API's message lists the zoo
+    if args.frames and not entry.is_video:
+        return (
+            f"--frames {_typed(args.frames)}: {entry.name} ({entry.description}) is an image model: it has no frames; "
+            "drop --frames"
+        )
+    for res in args.resolution if isinstance(args.resolution, list) else [args.resolution]:
+        if entry.cls in configs.SQUARE_ONLY and isinstance(res, tuple) and res[0] != res[1]:
+            return (
+                f"--resolution {_typed(res)}: {entry.name} ({entry.cls}) takes square images only; give one side "
+                f"(--resolution {res[0]}) or equal sides"
+            )
+    return None
+
+
+def _analyze_flags_problem(args: argparse.Namespace) -> str | None:
+    """Flag combinations analyze() refuses, said in flags (its messages name placement= and check_flops=)."""
+    if args.patched and args.placement not in (None, "triton"):
+        return (
+            f"--placement {args.placement} with --patched: the patched recording counts each ldmopt op as the one "
+            "kernel the Triton placement runs (--placement triton, the default with --patched); the GPUs' default "
+            "placements are projected from the stock model: drop --patched"
+        )
+    if args.patched and args.check_flops:
+        return (
+            "--check-flops with --patched: torch's FlopCounterMode has no formulas for ldmopt's fused ops, and its "
+            "module hooks would send every fused block to its stock forward; check the stock model: drop --patched"
+        )
+    return setting_problem(args)
 
 
 def _message(exc: Exception) -> str:
@@ -214,6 +271,10 @@ def run_analyze(args: argparse.Namespace) -> int:
     from .cost import analyze
 
     dtype = args.dtype or "fp16"
+    problem = _analyze_flags_problem(args)
+    if problem:
+        print(f"ldmopt analyze: {problem}", file=sys.stderr)
+        return 2
     if not prepare_outputs("analyze", json=args.json, plot=args.plot):
         return 2
     analyses = []
@@ -241,6 +302,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    import importlib.util
     import sys
 
     import torch
@@ -251,6 +313,13 @@ def run_profile(args: argparse.Namespace) -> int:
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     if args.dtype is not None and args.dtype not in dtypes:
         print(f"ldmopt profile: --dtype {args.dtype!r}: expected one of {', '.join(dtypes)}", file=sys.stderr)
+        return 2
+    problem = setting_problem(args)
+    for flag, value, package in (("--tensorboard", args.tensorboard, "tensorboard"), ("--wandb", args.wandb, "wandb")):
+        if not problem and value and importlib.util.find_spec(package) is None:  # profile() would say wandb=...
+            problem = f"{flag} {value} needs the {package!r} package, which is not installed: pip install {package}"
+    if problem:
+        print(f"ldmopt profile: {problem}", file=sys.stderr)
         return 2
     if not prepare_outputs("profile", json=args.json, trace=args.trace, plot=args.plot):
         return 2

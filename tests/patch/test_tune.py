@@ -500,6 +500,7 @@ def test_cli_tunes_a_zoo_model(tmp_path, capsys):
     import json
 
     from ldmopt.cli import main
+    from ldmopt.patch import FAMILIES
 
     path, choice = tmp_path / "out" / "tuning.json", tmp_path / "choice.json"
     argv = ["tune", "sd15", "--tiny", "--warmup", "1", "--repeats", "1", "--json", str(path)]
@@ -514,8 +515,19 @@ def test_cli_tunes_a_zoo_model(tmp_path, capsys):
     saved = json.loads(choice.read_text())
     assert saved["format"] == "ldmopt.tune choice" and len(saved["sites"]) == len(data["sites"])
     assert [s["kept"] for s in saved["sites"]] == [s["kept"] for s in data["sites"]]
-    assert main(["tune", "sd15", "--tiny", "--min-speedup", "0"]) == 2
-    assert capsys.readouterr().err.startswith("ldmopt.tune: min_speedup=0.0 is not supported")
+    # Refused while parsing in the flags' names; the API's messages name min_speedup= and families
+    for flag, value, supported in [
+        ("--min-speedup", "0", "expected a finite number > 0, got '0'"),
+        ("--min-speedup", "inf", "expected a finite number > 0, got 'inf'"),
+        ("--families", "gn_conv,resnet", f"unknown 'resnet'; expected a comma list of {', '.join(FAMILIES)}"),
+        ("--families", ",", "no family in ','; expected a comma list of "),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["tune", "sd15", "--tiny", flag, value])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"ldmopt tune: error: argument {flag}: {supported}" in err, err
+        assert "min_speedup" not in err and "ldmopt.patch" not in err, err
 
 
 def test_cli_json_with_nothing_to_tune_is_strict_json(tmp_path):

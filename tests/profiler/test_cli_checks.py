@@ -50,7 +50,7 @@ def test_check_flops_refuses_a_patched_model(capsys):
     with pytest.raises(ValueError, match="Check the stock model"):
         analyze(model, check_flops=True)
     assert _run("analyze", ["dit", "--tiny", "--patched", "--check-flops"]) == 2
-    assert "check_flops=True with a patched model" in capsys.readouterr().err
+    assert "--check-flops with --patched: torch's FlopCounterMode has no formulas" in capsys.readouterr().err
 
 
 def test_analyze_names_the_model_to_pass_for_a_pipeline():
@@ -186,6 +186,11 @@ def test_analyze_resolution_that_is_not_an_int_or_a_pair_of_ints_is_refused(reso
         ("profile", ["sd15", "--dtype", "fp8"], "fp16', 'bf16', 'fp32"),
         ("analyze", ["sd15", "--resolution", "512x"], "expected pixels as 512 or HxW .*got '512x'"),
         ("profile", ["sd15", "--resolution", "256,512"], "got '256,512'; ldmopt analyze sweeps a comma list"),
+        # the API's refusal says "resolution must be positive" / points to register_gpu, not naming the flag
+        ("analyze", ["sd15", "--resolution", "0"], "argument --resolution: pixels must be positive, got '0'"),
+        ("analyze", ["sd15", "--resolution", "512,-8"], "argument --resolution: '512,-8': pixels must be positive"),
+        ("profile", ["sd15", "--resolution", "64x0"], "argument --resolution: pixels must be positive, got '64x0'"),
+        ("analyze", ["sd15", "--gpu", "V100"], "argument --gpu: unknown GPU 'V100'; expected one of A100, H100, H200"),
     ],
 )
 def test_cli_rejects_bad_values_while_parsing(command, argv, match, capsys):
@@ -203,6 +208,45 @@ def test_cli_refuses_frames_on_an_image_model_and_misaligned_resolution(capsys):
     assert "multiple of 16 px" in capsys.readouterr().err
     assert _run("profile", ["sd15", "--tiny", "--device", "cpu", "--frames", "4"]) == 2
     assert "no frames" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "message"),
+    [
+        ("analyze", ["sd15", "--frames", "8,16"],
+         "--frames 8,16: sd15 (Stable Diffusion 1.5 UNet) is an image model: it has no frames; drop --frames"),
+        ("profile", ["sd15", "--frames", "4"], "--frames 4: sd15 (Stable Diffusion 1.5 UNet) is an image model"),
+        ("tune", ["sd15", "--frames", "4"], "--frames 4: sd15 (Stable Diffusion 1.5 UNet) is an image model"),
+        ("analyze", ["dit", "--resolution", "256,512x256"], "--resolution 512x256: dit (DiTTransformer2DModel) takes "
+         "square images only; give one side (--resolution 512) or equal sides"),
+        ("profile", ["dit", "--resolution", "64x128"], "--resolution 64x128: dit (DiTTransformer2DModel) takes square"),
+        ("tune", ["dit", "--resolution", "64x128"], "--resolution 64x128: dit (DiTTransformer2DModel) takes square"),
+        ("analyze", ["dit", "--patched", "--placement", "auto"], "--placement auto with --patched: the patched "),
+        ("analyze", ["dit", "--patched", "--check-flops"], "--check-flops with --patched: "),
+        ("tune", ["sd15", "--cuda-graph"], "--cuda-graph times CUDA graphs, which run on a GPU; the model would be on "
+         "cpu: --device cuda"),
+        ("profile", ["sd15", "--wandb", "proj"],
+         "--wandb proj needs the 'wandb' package, which is not installed: pip install wandb"),
+        ("profile", ["sd15", "--tensorboard", "tb"], "--tensorboard tb needs the 'tensorboard' package"),
+    ],
+)  # fmt: skip
+def test_cli_names_its_flags_where_the_api_names_its_arguments(command, argv, message, capsys, monkeypatch):
+    # "frames=8 would be ignored", "(resolution=512)", "placement='auto' with patched=True", "cuda_graph=True needs",
+    # "(wandb=...)": the Python argument names, not what was typed; said before any work
+    import ldmopt
+    from ldmopt.cli import main
+    from ldmopt.profiler import cost, measure
+
+    for module, name in [(cost, "analyze"), (measure, "profile"), (measure, "_resolve_target"), (ldmopt, "tune")]:
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("ran before checking the flags"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard")
+                        else real(name, *a))  # fmt: skip
+    device = ["--device", "cpu"] if command != "analyze" else []
+    assert main([command, *argv[:1], "--tiny", *device, *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ldmopt {command}: {message}"), err
+    assert not re.search(r"\b(frames|resolution|placement|check_flops|patched|cuda_graph|wandb|tensorboard)=", err)
 
 
 def test_cli_analyze_writes_json_and_plot_into_missing_folders(tmp_path, capsys):
