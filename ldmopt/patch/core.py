@@ -22,7 +22,7 @@ from torch import nn
 
 from ..graphs import graphed_models
 from ..nn import stats_handover
-from .guards import generic_reasons
+from .guards import generic_reasons, read_in_place_reasons
 from .report import PatchReport, Replaced, Skipped
 from .rule import FAMILIES, REPLACED, ChildSwapRule, Rule, Site, restore_child, swap_class
 from .rules_attention import companion_actions, installed_processor, restore_unrecorded_processors
@@ -165,8 +165,9 @@ def _plan(
     report: PatchReport,
     planned: set[int],
     walked: set[int],
-) -> list[tuple[Rule, Site]]:
-    """The (rule, site) pairs to apply to ``model``, reasons for the rest in ``report``. ``planned`` / ``walked``:
+) -> list[tuple[Rule, Site, tuple[str, ...]]]:
+    """The (rule, site, stock parts) to apply to ``model``, reasons for the rest in ``report``; the stock parts: why
+    parts of the fused path will run stock per call (Rule.read_in_place). ``planned`` / ``walked``:
     the modules that earlier models of this call fuse / have walked (shared modules are planned and reported once);
     this model's are added."""
     table = _table()
@@ -181,6 +182,7 @@ def _plan(
     # Earlier patch calls (on this model or a submodule): their modules stay claimed, their (rule, module) done.
     prior = _records_in(model)
     report.already_patched += sum(rec.rule.counted and id(rec.site.module) not in earlier for rec in prior)
+    report._families_already.update(rec.rule.family for rec in prior if rec.rule.family in families)
     # claimed: modules some rule fuses or replaces; inside: those fused into a module around them (never visited).
     claimed: set[int] = set()
     inside: set[int] = set()
@@ -210,7 +212,7 @@ def _plan(
     claimed.update(id(m) for m in enclosing)
     inside.update(id(m) for m in enclosing)
     context = {rule.name: rule.prepare(model) for rule in _rules() if rule.family in families}
-    actions: list[tuple[Rule, Site]] = []
+    actions: list[tuple[Rule, Site, tuple[str, ...]]] = []
     for name, m in named:
         if id(m) in inside or id(m) in earlier:
             continue
@@ -240,7 +242,9 @@ def _plan(
             if reasons:
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
                 continue
-            actions.append((rule, site))
+            # Children read in place are no condition of the rule (a LoRA on one costs that part per call): said
+            # now, or the report would count a module as fused whose every call takes that part's stock path.
+            actions.append((rule, site, tuple(read_in_place_reasons(rule.read_in_place(site)))))
             planned.update(id(t) for t in touched.values())
             claimed.update(id(t) for t in touched.values())
             claimed.update(id(t) for t in rule.claims(site).values())
@@ -340,18 +344,19 @@ def patch(
         for label, model, actions in plans:
             records: list[_Record] = []
             applied.append((model, records))
-            for rule, site in actions:
+            for rule, site, stock_parts in actions:
                 data = rule.replace(site)
                 claimed = (*rule.touched(site).values(), *rule.installed(data))
                 records.append(_Record(rule, site, data, claimed))
                 for touched in claimed:
                     _CLAIMED_BY[touched] = weakref.ref(model)
-                report.replaced.append(Replaced(label, site.name, rule.name, rule.family))
+                report.replaced.append(Replaced(label, site.name, rule.name, rule.family, stock_parts))
                 report._counters.extend(rule.counters(data))
             for rule, site in companion_actions(model):  # fuse nothing: not reported as patched modules
                 records.append(_Record(rule, site, rule.replace(site)))
             earlier = [(rec.rule, rec.site) for rec in _records_in(model)]
-            layout, left = weight_layout_action(label, model, earlier + actions, filter_fn, wanted_layout)
+            planned_now = [(rule, site) for rule, site, _ in actions]
+            layout, left = weight_layout_action(label, model, earlier + planned_now, filter_fn, wanted_layout)
             if layout is not None:
                 rule, site = layout
                 records.append(_Record(rule, site, rule.replace(site)))

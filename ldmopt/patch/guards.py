@@ -1,5 +1,6 @@
 """Reasons any rule's site stays stock, whatever the rule: hooks, instance-level forwards, PEFT/LoRA layers,
-quantized weights, and dropout that a training patch would skip. ``patch`` asks these before a rule's own reasons."""
+quantized weights, and dropout that a training patch would skip. ``patch`` asks these before a rule's own reasons;
+and, for a site it patches, :func:`read_in_place_reasons`: which parts of the fused path will run stock per call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import sys
 import torch
 from torch import nn
 
-from ..nn.child_check import foreign_hook_registry, global_hook_registries, instance_forward_owner, wrapped_forward
+from ..nn.child_check import (
+    foreign_hook_registry,
+    global_hook_registries,
+    instance_forward_owner,
+    readable,
+    unreadable_reason,
+    wrapped_forward,
+)
 from .rule import Site
 
 #: Modules of these packages quantize (ModelOpt's QuantLayerNorm keeps LayerNorm's parameters and quantizes its input).
@@ -74,3 +82,30 @@ def generic_reasons(site: Site, touched: dict[str, nn.Module], shallow: set[str]
             if site.training and isinstance(m, nn.Dropout) and m.p > 0:
                 reasons.append(f"{where} is dropout with p={m.p} and patch(training=True)")
     return list(dict.fromkeys(reasons))
+
+
+#: The layers a fused path reads in place of calling them (ldmopt.nn.child_check.readable's kinds).
+_READ_KINDS = (nn.Linear, nn.Conv2d)
+
+
+def read_in_place_reasons(children: dict[str, nn.Module]) -> list[str]:
+    """Why parts of a patched module's fused path will run stock on every call: children it reads in place of calling
+    (Rule.read_in_place) that the per-call check (readable) refuses now. PEFT/LoRA layers, the usual case (a LoRA
+    loaded before patch), are named together per layer class; a LoRA loaded after patch is found per call instead."""
+    peft_cls = _peft_layer_class()
+    lora: dict[str, list[str]] = {}
+    others = []
+    for name, child in children.items():
+        if readable(child, *_READ_KINDS):
+            continue
+        if peft_cls is not None and isinstance(child, peft_cls):
+            lora.setdefault(type(child).__name__, []).append(name)
+        else:
+            others.append(unreadable_reason(name, child))
+    return [f"{_peft_layers(names)} ({kind})" for kind, names in lora.items()] + others
+
+
+def _peft_layers(names: list[str]) -> str:
+    if len(names) == 1:
+        return f"{names[0]} is a PEFT/LoRA layer"
+    return f"{', '.join(names[:-1])} and {names[-1]} are PEFT/LoRA layers"

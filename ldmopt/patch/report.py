@@ -1,4 +1,5 @@
-"""PatchReport: what ``ldmopt.patch`` replaced (per rule, with counts), what it skipped and why, what ran since."""
+"""PatchReport: what ``ldmopt.patch`` replaced (per rule, with counts), what it skipped and why, what of the replaced
+will run stock per call as the model stands (a LoRA loaded before patch), what ran since."""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ from ..ops._dispatch import snapshot_counts
 
 @dataclass(frozen=True)
 class Replaced:
-    """One module patched by one rule."""
+    """One module patched by one rule. ``stock_parts``: why parts of its fused path will run stock on every call (a
+    child it reads in place is a LoRA/PEFT, quantized or hooked layer at patch time); empty when none will."""
 
     model: str
     name: str
     rule: str
     family: str
+    stock_parts: tuple[str, ...] = ()
+
+    @property
+    def where(self) -> str:
+        return ".".join(p for p in (self.model, self.name) if p) or "<root>"
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class PatchReport:
     replaced: list[Replaced] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     already_patched: int = 0
+    #: The families this call was asked to apply (that exist); :attr:`matched_families` says which found a module.
     families: tuple[str, ...] = ()
     descriptions: dict[str, str] = field(default_factory=dict)
     _counts_at_patch: Counter = field(default_factory=Counter, repr=False)
@@ -64,6 +72,8 @@ class PatchReport:
     _counters: list = field(default_factory=list, repr=False)
     #: What ``ldmopt.tune`` measured to choose the patched modules (ldmopt.patch.tune.Tuning); None for ``patch``.
     tuning: Any = None
+    #: Families of the modules found already patched by an earlier call (counted in ``already_patched``).
+    _families_already: set = field(default_factory=set, repr=False)
 
     def count_from_now(self) -> None:
         """Start :meth:`backends`, :meth:`fallbacks`, :meth:`layout_copies` and :meth:`handovers` from the counters'
@@ -88,6 +98,25 @@ class PatchReport:
     @property
     def total(self) -> int:
         return len(self.replaced)
+
+    @property
+    def partly_stock(self) -> list[Replaced]:
+        """The patched modules part of whose fused path will run stock on every call (``stock_parts`` says why): known
+        at patch time, where :meth:`fallbacks` counts the calls once the model ran."""
+        return [r for r in self.replaced if r.stock_parts]
+
+    @property
+    def matched_families(self) -> tuple[str, ...]:
+        """The requested families with a rule that matched a module in this call: patched it, left it on the stock
+        path (``skipped``) or found it already patched."""
+        found = {r.family for r in self.replaced} | {s.family for s in self.skipped} | self._families_already
+        return tuple(f for f in self.families if f in found)
+
+    @property
+    def unmatched_families(self) -> tuple[str, ...]:
+        """The requested families that found nothing to patch in these models (e.g. temporal_attention on SD1.5)."""
+        matched = set(self.matched_families)
+        return tuple(f for f in self.families if f not in matched)
 
     def backends(self) -> dict[str, dict[str, int]]:
         """{op: {backend: calls}} since the patch call, from ldmopt.ops._dispatch.backend_counts."""
@@ -129,10 +158,13 @@ class PatchReport:
 
     def __str__(self) -> str:
         models = ", ".join(f"{k or 'model'} ({v})" for k, v in self.models.items()) or "none"
+        partly = len(self.partly_stock)
         lines = [
-            f"ldmopt.patch: {self.total} modules patched, {len(self.skipped)} left on the stock path"
+            f"ldmopt.patch: {self.total} modules patched"
+            + (f" ({partly} with parts that run stock on every call)" if partly else "")
+            + f", {len(self.skipped)} left on the stock path"
             + (f", {self.already_patched} already patched" if self.already_patched else "")
-            + f"; models: {models}; families: {', '.join(self.families)}"
+            + f"; models: {models}; {self._families_line()}"
         ]
         for model in self.models:
             counts = self.counts(model)
@@ -154,14 +186,12 @@ class PatchReport:
                 "its kernel reads. Unless FSDP will shard the model: patch(..., channels_last_weights=True) (patch "
                 "again to convert them now)"
             )
+        if partly:
+            lines.append("  patched, but parts run stock on every call (layers the fused path reads in place):")
+            lines += _grouped((r.rule, r.stock_parts, r.where) for r in self.partly_stock)
         if self.skipped:
             lines.append("  left on the stock path:")
-            groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
-            for s in self.skipped:
-                groups.setdefault((s.rule, s.reasons), []).append(s.where)
-            for (rule, reasons), where in groups.items():
-                more = f" (+{len(where) - 2} more)" if len(where) > 2 else ""
-                lines.append(f"    {', '.join(where[:2])}{more} [{rule}]: {'; '.join(reasons)}")
+            lines += _grouped((s.rule, s.reasons, s.where) for s in self.skipped)
         ran = self.backends()
         if ran:
             lines.append("  backends that ran since patch (process-wide):")
@@ -188,6 +218,27 @@ class PatchReport:
         if self.tuning is not None:
             lines.append(str(self.tuning))
         return "\n".join(lines)
+
+    def _families_line(self) -> str:
+        if not self.families:
+            return "families: none"
+        unmatched = self.unmatched_families
+        if len(unmatched) == len(self.families):
+            return f"families: {', '.join(self.families)} (requested; none matched a module here)"
+        line = f"families: {', '.join(self.matched_families)}"
+        return line + (f" (matched nothing here: {', '.join(unmatched)})" if unmatched else "")
+
+
+def _grouped(entries) -> list[str]:
+    """One line per (rule, reasons), naming two of its modules: (rule, reasons, where) entries."""
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for rule, reasons, where in entries:
+        groups.setdefault((rule, reasons), []).append(where)
+    lines = []
+    for (rule, reasons), where in groups.items():
+        more = f" (+{len(where) - 2} more)" if len(where) > 2 else ""
+        lines.append(f"    {', '.join(where[:2])}{more} [{rule}]: {'; '.join(reasons)}")
+    return lines
 
 
 def _increase(now: dict, before: dict) -> dict:

@@ -116,6 +116,14 @@ class Rule:
         """Names in :meth:`touched` whose children still run (checked without them); ``""`` by default."""
         return {""}
 
+    def read_in_place(self, site: Site) -> dict[str, nn.Module]:
+        """Children outside :meth:`touched` whose weights the fused forward reads in place of calling them while they
+        are plain layers (ldmopt.nn.child_check.readable, asked per call; otherwise that part runs stock: a norm is
+        computed, an attention or a residual add runs as diffusers' does). No condition of the rule: one that is a
+        LoRA/PEFT, quantized or hooked layer at patch time costs only that part, and the report names it
+        (``PatchReport.partly_stock``)."""
+        return {}
+
     def replace(self, site: Site) -> Any:
         """Edit the instance; return what :meth:`restore` needs."""
         raise NotImplementedError
@@ -155,6 +163,36 @@ def diffusers_classes(*paths: str) -> tuple[type, ...]:
         except (ImportError, AttributeError):
             continue
     return tuple(found)
+
+
+def attention_reads(attn: nn.Module | None, name: str, normed: str | None) -> dict[str, nn.Module]:
+    """What a fused block path reads of ``attn`` in place (:meth:`Rule.read_in_place`; ldmopt.nn.attention_residual,
+    temporal_attention): ``to_out.0``, whose epilogue adds the residual, and the projections that read the block's
+    norm in their loads: ``normed`` "self" (to_q, to_k, to_v, or to_qkv once fused), "cross" (to_q), None (none)."""
+    if attn is None:
+        return {}
+    out = {}
+    processor = type(getattr(attn, "processor", None)).__name__
+    fused = getattr(attn, "fused_projections", False) and processor == "FusedAttnProcessor2_0"
+    if normed == "self":
+        names = ("to_qkv",) if fused and getattr(attn, "to_qkv", None) is not None else ("to_q", "to_k", "to_v")
+        out.update({f"{name}.{p}": getattr(attn, p, None) for p in names})
+    elif normed == "cross":
+        out[f"{name}.to_q"] = getattr(attn, "to_q", None)
+    to_out = getattr(attn, "to_out", None)
+    if isinstance(to_out, nn.ModuleList) and len(to_out):
+        out[f"{name}.to_out.0"] = to_out[0]
+    return {k: v for k, v in out.items() if isinstance(v, nn.Module)}
+
+
+def feed_forward_reads(ff: nn.Module, name: str = "ff") -> dict[str, nn.Module]:
+    """What a fused block path reads of a diffusers FeedForward ``[act, dropout, Linear]`` in place: the activation's
+    projection (the norm before it read in its loads) and ``net.2`` (the residual in its epilogue)."""
+    net = getattr(ff, "net", None)
+    if not isinstance(net, nn.ModuleList) or len(net) != 3:
+        return {}  # another feed-forward runs as a module whatever its layers are
+    out = {f"{name}.net.0.proj": getattr(net[0], "proj", None), f"{name}.net.2": net[2]}
+    return {k: v for k, v in out.items() if isinstance(v, nn.Module)}
 
 
 @functools.cache

@@ -43,7 +43,7 @@ from ..nn.linear import (
     plain_linear_reason,
 )
 from ..ops.adaln_modulate import adaln_modulate
-from .rule import ClassSwapRule, Rule, Site, stock
+from .rule import ClassSwapRule, Rule, Site, attention_reads, stock
 
 
 def basic_block_forward(fused: Callable) -> Callable:
@@ -160,6 +160,15 @@ class AdaLNBlockRule(ClassSwapRule):
 
     def shallow(self, site: Site) -> set[str]:
         return {"", "ff"}  # ff's children net.0 / net.1 are still called
+
+    def read_in_place(self, site: Site) -> dict[str, nn.Module]:
+        # The attentions' residual adds in to_out.0's epilogues; DiT-style norm2 in attn2's to_q loads.
+        block = site.module
+        dit_norm2 = block.norm_type == "ada_norm_zero" and block.pos_embed is None
+        return {
+            **attention_reads(block.attn1, "attn1", None),
+            **attention_reads(block.attn2, "attn2", "cross" if dit_norm2 else None),
+        }
 
     def methods(self, site: Site):
         return _adaln_block_forward

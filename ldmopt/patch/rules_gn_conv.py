@@ -209,6 +209,9 @@ class Transformer2DInRule(ClassSwapRule):
     def touched(self, site: Site) -> dict[str, nn.Module]:
         return {"": site.module, "norm": site.module.norm, "proj_in": site.module.proj_in}
 
+    def read_in_place(self, site: Site) -> dict[str, nn.Module]:
+        return {"proj_out": site.module.proj_out}  # the residual in its epilogue (_proj_out_fusable, per call)
+
     def methods(self, site: Site):
         return _T2D_METHODS
 

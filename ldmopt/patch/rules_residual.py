@@ -31,7 +31,7 @@ from ..nn.attention_residual import static_reason
 from ..nn.layer_norm_input import NormedInput, fused_norm_eps, normed_with_positions
 from ..nn.linear import ff_residual_and_stats
 from ..nn.stats_handover import offer_layer_norm, take_layer_norm, wanted_layer_norm_eps
-from .rule import ClassSwapRule, Rule, Site
+from .rule import ClassSwapRule, Rule, Site, attention_reads, feed_forward_reads
 from .rules_blocks import basic_block_forward
 
 NORM_TYPES = ("layer_norm",)  # "layer_norm_i2vgen" blocks have no norm3: their stock forward cannot run
@@ -105,6 +105,14 @@ class ResidualBlockRule(ClassSwapRule):
         # that one epilogue, not the block; the attention modules are still called whenever their processor is not
         # the mirrored one, and other rules may give them processors.
         return {"": site.module}
+
+    def read_in_place(self, site: Site) -> dict[str, nn.Module]:
+        # norm1 in attn1's projections (to_q alone when only_cross_attention), norm2 in attn2's to_q, norm3 in the
+        # feed-forward's first projection; the residual adds in to_out.0's and net.2's epilogues.
+        block = site.module
+        reads = attention_reads(block.attn1, "attn1", "cross" if block.only_cross_attention else "self")
+        reads.update(attention_reads(block.attn2, "attn2", "cross"))
+        return {**reads, **feed_forward_reads(block.ff)}
 
     def methods(self, site: Site):
         return _residual_block_forward

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..nn import temporal_layout as L
 from ..nn import temporal_layout_latte
-from .rule import ClassSwapRule, Rule, Site
+from .rule import ClassSwapRule, Rule, Site, attention_reads, feed_forward_reads
 
 
 def _svd_block_forward(self, hidden_states, num_frames, encoder_hidden_states=None):
@@ -46,6 +46,17 @@ class _LayoutRule(ClassSwapRule):
         return set(self.touched(site))  # the children of every bypassed module still run
 
 
+def _prefixed(prefix: str, reads: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    return {f"{prefix}.{name}": child for name, child in reads.items()}
+
+
+def _block_reads(block: nn.Module) -> dict[str, nn.Module]:
+    """What the token-order path of a "layer_norm" BasicTransformerBlock (self-attention over frames) reads in place:
+    each norm in the projections after it, the residual adds in to_out.0's and ff.net.2's epilogues."""
+    reads = {**attention_reads(block.attn1, "attn1", "self"), **attention_reads(block.attn2, "attn2", "self")}
+    return {**reads, **feed_forward_reads(block.ff)}
+
+
 class SVDTemporalBlockRule(_LayoutRule):
     name = "svd_temporal_block"
     static_reason = staticmethod(L.svd_block_static_reason)
@@ -64,6 +75,14 @@ class SVDTemporalBlockRule(_LayoutRule):
         # norm2 only feeds attn2's query, which the single-key shortcut skips (unless attn2 has a residual connection).
         names = ("attn1", "attn2", "norm2")
         return {"": block, **{n: getattr(block, n) for n in names if getattr(block, n, None) is not None}}
+
+    def read_in_place(self, site: Site) -> dict[str, nn.Module]:
+        # attn2's single-key shortcut calls to_v and to_out; ff_in and ff take their norm in their loads when is_res.
+        block = site.module
+        reads = attention_reads(block.attn1, "attn1", "self")
+        if block.is_res:
+            reads.update({**feed_forward_reads(block.ff_in, "ff_in"), **feed_forward_reads(block.ff)})
+        return reads
 
 
 class TemporalContainerRule(_LayoutRule):
@@ -93,6 +112,14 @@ class TemporalContainerRule(_LayoutRule):
                 if getattr(block, name, None) is not None:
                     out[f"transformer_blocks.{i}.{name}"] = getattr(block, name)
         return out
+
+    def read_in_place(self, site: Site) -> dict[str, nn.Module]:
+        # The GroupNorm in proj_in's loads, the residual in proj_out's epilogue (a channels-last input), the blocks.
+        container = site.module
+        reads = {"proj_in": container.proj_in, "proj_out": container.proj_out}
+        for i, block in enumerate(container.transformer_blocks):
+            reads.update(_prefixed(f"transformer_blocks.{i}", _block_reads(block)))
+        return reads
 
 
 class LatteTemporalRule(_LayoutRule):
@@ -127,6 +154,15 @@ class LatteTemporalRule(_LayoutRule):
     def shallow(self, site: Site) -> set[str]:
         # attn1's projections and ff.net.0/net.1 still run; the norms and ff.net.2 are bypassed (fused ops).
         return {n for n in self.touched(site) if not n.endswith(("norm1", "norm2", "net.2"))}
+
+    def read_in_place(self, site: Site) -> dict[str, nn.Module]:
+        # ada_norm_single: attn1's gated residual in to_out.0's epilogue (ff.net.2 is touched); else as containers.
+        reads = {}
+        for i, block in enumerate(site.module.temporal_transformer_blocks):
+            single = block.norm_type == "ada_norm_single"
+            block_reads = attention_reads(block.attn1, "attn1", None) if single else _block_reads(block)
+            reads.update(_prefixed(f"temporal_transformer_blocks.{i}", block_reads))
+        return reads
 
 
 RULES: list[Rule] = [SVDTemporalBlockRule(), TemporalContainerRule(), LatteTemporalRule()]
