@@ -51,6 +51,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .ops._dispatch import MAX_REASONS, count_bounded
+
 #: where a graphed model keeps its wrapper (instance attribute; also what ldmopt.patch checks)
 GRAPHED = "_ldmopt_cuda_graphs"
 #: the pipeline components graphed by default: the denoisers and the ControlNets beside them, called every step
@@ -60,6 +62,10 @@ MAX_RECAPTURES = 2
 #: graphs captured for one set of tensor shapes that differ only in a non-tensor argument's value; a further value
 #: runs eagerly (a Python-number timestep would otherwise capture a graph every step)
 MAX_VALUE_VARIANTS = 3
+#: Signatures a wrapper remembers beyond its graphs (their value variants, and the ones whose capture failed), least
+#: recently seen forgotten first: a server that sees ever-new shapes must not grow them without bound. A forgotten
+#: failed signature is tried once more when it returns.
+MAX_REMEMBERED_KEYS = 256
 _MISSING = object()
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format)
 
@@ -140,6 +146,17 @@ class _Eager(Exception):
     """A call that runs eagerly; the message is the reason counted."""
 
 
+def _remembered(table: OrderedDict, key: Any, default: Any) -> Any:
+    """``table.setdefault(key, default)``, as the most recently seen of at most MAX_REMEMBERED_KEYS keys."""
+    if key in table:
+        table.move_to_end(key)
+        return table[key]
+    if len(table) >= MAX_REMEMBERED_KEYS:
+        table.popitem(last=False)
+    table[key] = default
+    return default
+
+
 @dataclass
 class _Graph:
     static_inputs: list[torch.Tensor]
@@ -204,7 +221,7 @@ class GraphedMethod:
         self.inner = getattr(model, method)  # the bound method, or one already wrapped by an instance attribute
         self.saved_method = model.__dict__.get(method, _MISSING)
         self.graphs: OrderedDict[Any, _Graph] = OrderedDict()  # least recently used first
-        self.refused: dict[Any, str] = {}  # keys whose capture failed, with the reason: eager from then on
+        self.refused: OrderedDict[Any, str] = OrderedDict()  # keys whose capture failed, with the reason: eager
         self.eager_calls: Counter[str] = Counter()
         self.captures = 0
         self.replays = 0  # calls answered by a replay, over every graph captured (evicted ones included)
@@ -216,7 +233,8 @@ class GraphedMethod:
         self._pool: Any = None
         self._weights: list[weakref.ref] = []  # weak: a replaced parameter then reads as moved, and is not kept alive
         self._addresses: list[int] = []
-        self._variants: dict[Any, set] = {}  # keys captured per key with the non-tensor values left out
+        # keys captured per key with the non-tensor values left out
+        self._variants: OrderedDict[Any, set] = OrderedDict()
         functools.update_wrapper(self, self.inner)  # __wrapped__, __doc__, __name__: inspect.signature still works
         self.__signature__ = inspect.signature(self.inner)
 
@@ -308,7 +326,7 @@ class GraphedMethod:
     def _capture(
         self, key: Any, tensors_key: Any, leaves: list[Any], spec: Any, device: torch.device, args: tuple, kwargs: dict
     ) -> Any:
-        variants = self._variants.setdefault(tensors_key, set())
+        variants = _remembered(self._variants, tensors_key, set())
         if key not in variants and len(variants) >= MAX_VALUE_VARIANTS:
             raise _Eager(
                 f"a non-tensor argument took more than {MAX_VALUE_VARIANTS} values with the same tensors (a Python-"
@@ -340,7 +358,7 @@ class GraphedMethod:
             replay, output = _BACKEND.capture(run, self.warmup_calls, device, self._pool)
         except Exception as exc:  # the key stays eager; the reason names what capture raised
             first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
-            self.refused[key] = f"capture failed: {type(exc).__name__}: {first_line}"
+            _remembered(self.refused, key, f"capture failed: {type(exc).__name__}: {first_line}")
             if not self.graphs:
                 self._pool = None  # a failed capture keeps its hold on the pool
             return self._eager(self.refused[key], args, kwargs)
@@ -361,8 +379,8 @@ class GraphedMethod:
         return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, output)
 
     def _eager(self, reason: str, args: tuple, kwargs: dict) -> Any:
-        self.eager_calls[reason] += 1
-        if reason not in self._warned:
+        count_bounded(self.eager_calls, reason)  # a capture's error text may name shapes: bounded like the others
+        if reason not in self._warned and len(self._warned) < MAX_REASONS:
             self._warned.add(reason)
             warnings.warn(f"ldmopt.cuda_graphs: {self.label} runs eagerly: {reason}", RuntimeWarning, stacklevel=3)
         return self.inner(*args, **kwargs)

@@ -85,6 +85,29 @@ def test_capture_failure_keeps_that_signature_eager(backend):
     handle.remove()
 
 
+def test_what_a_wrapper_remembers_is_bounded(backend, monkeypatch):
+    # A server seeing ever-new shapes: the value variants and failed captures kept per signature stay bounded (the
+    # graphs by max_graphs), and capture errors naming shapes are counted like every other reason.
+    monkeypatch.setattr(graphs, "MAX_REMEMBERED_KEYS", 4)
+    toy, handle, wrapper = _graphed_toy(max_graphs=2)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for rows in range(1, 11):
+            toy(torch.randn(rows, 5))
+        backend.fail = RuntimeError("capture failed for this shape")
+        for rows in range(11, 21):
+            x = torch.randn(rows, 5)
+            torch.testing.assert_close(toy(x)["out"], x * toy.weight)
+    assert len(wrapper.graphs) <= 2 and len(wrapper._variants) == 4 and len(wrapper.refused) == 4
+    assert backend.captures == 10 and sum(wrapper.eager_calls.values()) == 10
+    backend.fail = None
+    with torch.no_grad():
+        toy(torch.randn(11, 5))  # forgotten as refused: captured when it returns
+        toy(torch.randn(20, 5))  # still remembered: eager
+    assert backend.captures == 11 and sum(wrapper.eager_calls.values()) == 11
+    handle.remove()
+
+
 def test_moved_parameters_recapture_then_give_up(backend):
     toy, handle, wrapper = _graphed_toy()
     x = torch.randn(2, 5)
