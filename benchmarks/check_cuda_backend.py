@@ -35,60 +35,40 @@ import torch
 import torch.nn.functional as F
 
 import ldmopt
+from benchmarks.check_cuda_backend_ops import (
+    GROUPS,
+    _attention_reference,
+    _eager_attention,
+    _eager_epilogue,
+    _eager_group_norm,
+    _epilogue_reference,
+    _ldmopt_attention,
+    _ldmopt_conv_epilogue,
+    _ldmopt_epilogue,
+    _ldmopt_group_norm,
+)
+from benchmarks.check_cuda_backend_shapes import (
+    ADALN_SHAPES,
+    ATTENTION_SHAPES,
+    CONV_EPILOGUE_SHAPES,
+    EPILOGUE_SHAPES,
+    FROM_SUMS_SHAPES,
+    LAYER_NORM_SHAPES,
+    QUICK_ADALN,
+    QUICK_ATTENTION,
+    QUICK_CONV_EPILOGUE,
+    QUICK_EPILOGUE,
+    QUICK_FROM_SUMS,
+    QUICK_GROUP_NORM,
+    QUICK_LAYER_NORM,
+)
 from benchmarks.check_gpu import BOUND, rel_err  # one error measure and one bound per dtype for both scripts
 from ldmopt import _env
 
 DEVICE = "cuda"  # tests/test_check_scripts_dry_run.py runs these checks on the CPU with tiny shapes
 BACKENDS = ("cuda", "triton")
-GROUPS = 32
 DTYPES, QUICK_DTYPES = (torch.float16, torch.bfloat16), (torch.float16,)
 LAYOUTS, QUICK_LAYOUTS = ("channels_last", "nchw"), ("channels_last",)
-QUICK_GROUP_NORM = ("sd-64x64x320", "sd-8x8x1280")  # of benchmarks/bench_group_norm.py's SHAPES
-# (B*N, F, heads, head_dim) of the temporal attention layers (DESIGN.md, real shapes at fp16 and CFG batch 2).
-ATTENTION_SHAPES = {
-    "animatediff-64x64": (8192, 16, 8, 40),
-    "animatediff-32x32": (2048, 16, 8, 80),
-    "animatediff-16x16": (512, 16, 8, 160),
-    "svd-72x128": (18432, 14, 5, 64),
-    "svd-xt-36x64": (4608, 25, 10, 64),
-    "latte-32x32": (2048, 16, 16, 72),
-}
-QUICK_ATTENTION = ("animatediff-64x64", "svd-72x128", "latte-32x32")
-# (rows, C) of the LayerNorms whose statistics the GEMMs after them read (CFG batch 2; Flux: image + text tokens).
-LAYER_NORM_SHAPES = {
-    "sd15-64x64": (8192, 320),
-    "sdxl-32x32": (2048, 1280),
-    "pixart-1024": (8192, 1152),
-    "flux-1024": (4608, 3072),
-}
-QUICK_LAYER_NORM = ("sd15-64x64", "pixart-1024")
-# (rows, N, what) of the passes after cuBLAS's GEMM under the "cublas" placement (CFG batch 2): SD1.5's GEGLU at its
-# 64x64 level, PixArt's GELU-tanh feed-forward, DiT-XL/2's gated residual over its [2, 256, N] stream with the next
-# norm's row statistics, and Flux's clamped fp16 stream.
-EPILOGUE_SHAPES = {
-    "sd15-geglu-64x64": (8192, 1280, "geglu"),
-    "pixart-gelu-tanh": (8192, 4608, "gelu_tanh"),
-    "dit-gate-residual-stats": (512, 1152, "gate_residual_stats"),
-    "flux-residual-saturate": (4608, 3072, "saturate"),
-}
-QUICK_EPILOGUE = ("sd15-geglu-64x64", "dit-gate-residual-stats")
-# (N, C, H, W, what) of the passes after cuDNN's conv under the "cudnn" placement (CFG batch 2): a resnet's conv1 (temb,
-# the next GroupNorm's statistics) and conv2 (shortcut, residual, output scale, channel sums), the VAE decoder's.
-CONV_EPILOGUE_SHAPES = {
-    "sd15-conv1-64x64x320": (2, 320, 64, 64, "conv1"),
-    "sd15-conv2-32x32x640": (2, 640, 32, 32, "conv2"),
-    "sdxl-conv1-128x128x320": (2, 320, 128, 128, "conv1"),
-    "vae-conv1-512x512x128": (1, 128, 512, 512, "conv1"),
-    # SVD's temporal conv over (video, channel, frame, pixel): per-frame temb and blend gate, residual; CFG batch 2
-    "svd-temporal-14x4096x320": (2, 320, 14, 4096, "temporal"),
-}
-QUICK_CONV_EPILOGUE = ("sd15-conv1-64x64x320", "sd15-conv2-32x32x640", "svd-temporal-14x4096x320")
-# (N, C head, C tail, pixels, frames) of the GroupNorm statistics an up block's two-part input takes from sums
-FROM_SUMS_SHAPES = {
-    "sd15-up-32x32-1280+640": (2, 1280, 640, 32 * 32, 1),
-    "video-16f-64x64-320+320": (32, 320, 320, 4096, 16),
-}
-QUICK_FROM_SUMS = ("sd15-up-32x32-1280+640",)
 
 
 def _group_norm_cases(quick: bool):
@@ -119,13 +99,6 @@ def _group_norm_inputs(shape, layout, dtype):
     w = (torch.randn(shape[1], device=DEVICE) * 0.8 + 1).to(dtype)
     b = (torch.randn(shape[1], device=DEVICE) * 0.5).to(dtype)
     return x, w, b
-
-
-def _ldmopt_group_norm(backend, x, w, b):
-    from ldmopt.ops.group_norm import group_norm
-
-    with ldmopt.use_backend(backend):
-        return group_norm(x, GROUPS, w, b, 1e-5, "silu")
 
 
 def check_group_norm(quick: bool):
@@ -245,31 +218,6 @@ def _epilogue_inputs(shape, dtype):
     return z, activation, gate, residual, kwargs, what == "gate_residual_stats"
 
 
-def _epilogue_reference(z, activation, gate, residual, glu, saturate):
-    zd = z.double()
-    n = zd.shape[1] // 2 if glu else zd.shape[1]
-    if glu:
-        out = zd[:, :n] * F.gelu(zd[:, n:])
-    else:
-        out = F.gelu(zd, approximate="tanh") if activation == "gelu_tanh" else zd
-    if gate is not None:
-        out = out * gate.double().repeat_interleave(zd.shape[0] // gate.shape[0], dim=0)
-    if residual is not None:
-        out = out + residual.double().reshape(out.shape)
-    if saturate:
-        out = out.clamp(-torch.finfo(z.dtype).max, torch.finfo(z.dtype).max)
-    return out
-
-
-def _ldmopt_epilogue(backend, z, activation, gate, residual, kwargs, stats):
-    from ldmopt.ops.linear_epilogue import linear_epilogue
-
-    out_stats = torch.empty(2, z.shape[0], device=z.device) if stats else None
-    with ldmopt.use_backend(backend):
-        y = linear_epilogue(z, activation, gate, residual, z.dtype, out_stats=out_stats, out_eps=1e-6, **kwargs)
-    return y, out_stats
-
-
 def check_linear_epilogue(quick: bool):
     """The fused linear layers' pass after cuBLAS's GEMM: GEGLU's product, GELU-tanh, the gated residual with the next
     norm's row statistics (against those of the fp64 output), Flux's clamp."""
@@ -287,13 +235,6 @@ def check_linear_epilogue(quick: bool):
                     _skip(backend, f"linear_epilogue {name} {dtype} {backend}", exc)
                     continue
                 yield "linear_epilogue", name, dtype, backend, [y, *([] if out_stats is None else out_stats)], ref
-
-
-#: (rows M, C, samples B, what) of the adaLN norms (CFG batch 2): DiT-XL/2's and PixArt's modulated norms, Flux's
-#: with its residual sum, Wan's gated residual (bench_linear.py times the op at DiT's shape)
-ADALN_SHAPES = {"dit-256": (512, 1152, 2, ""), "pixart-1024": (8192, 1152, 2, "residual"),
-                "flux-1024": (9216, 3072, 2, "residual"), "wan-gated": (4096, 1536, 2, "gated")}  # fmt: skip
-QUICK_ADALN = ("dit-256", "wan-gated")
 
 
 def check_adaln(quick: bool):
@@ -370,16 +311,6 @@ def _conv_epilogue_inputs(shape, dtype):
                    out_channel_sums=True)  # fmt: skip
 
 
-def _ldmopt_conv_epilogue(backend, z, kwargs):
-    from ldmopt.ops.conv_epilogue import conv_epilogue
-
-    args = {"temb": None, "gate": None, "shortcut": None, "residual": None, "output_scale": 1.0, **kwargs}
-    with ldmopt.use_backend(backend):
-        return conv_epilogue(z, args["temb"], args["gate"], args["shortcut"], args["residual"], "none",
-                             args["output_scale"], args["out_groups"], 1e-6,
-                             out_channel_sums=args.get("out_channel_sums", False))  # fmt: skip
-
-
 def check_conv_epilogue(quick: bool):
     """The fused convs' pass after cuDNN's conv: temb and the next GroupNorm's statistics, or shortcut, residual,
     scale and the channel sums a two-part GroupNorm finalises (against those of the fp64 output)."""
@@ -418,26 +349,6 @@ def _attention_inputs(shape, dtype):
     bn, f, h, d = shape
     # diffusers' (B*N, F, heads*head_dim) projections, viewed as (B*N, F, 1, heads, head_dim): no copies
     return [torch.randn(bn, f, h * d, device=DEVICE, dtype=dtype).view(bn, f, 1, h, d) for _ in range(3)]
-
-
-def _attention_reference(q, k, v, scale):
-    q, k, v = (t.double().squeeze(2).transpose(1, 2) for t in (q, k, v))  # (B*N, heads, F, head_dim)
-    out = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
-    return out.transpose(1, 2).unsqueeze(2)
-
-
-def _ldmopt_attention(backend, q, k, v, scale):
-    from ldmopt.ops.temporal_attention import temporal_attention
-
-    with ldmopt.use_backend(backend):
-        return temporal_attention(q, k, v, scale=scale)
-
-
-def _eager_attention(q, k, v, scale):
-    # What diffusers does today: heads to the front, SDPA, back to (B*N, F, heads*head_dim).
-    bn, f, _, h, d = q.shape
-    q, k, v = (t.view(bn, f, h, d).transpose(1, 2) for t in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2).reshape(bn, f, h * d)
 
 
 def _attention_cases(quick: bool):
@@ -511,10 +422,6 @@ def _record(recorder, rows, op, case, dtype, mode, provider, fn, nbytes, flops=N
     rows.setdefault((op, case, str(dtype)[6:], mode), {})[provider] = row
 
 
-def _eager_group_norm(x, w, b):
-    return F.silu(F.group_norm(x, GROUPS, w, b, 1e-5))
-
-
 def _fwd_bwd(fn, leaves, dy):
     return torch.autograd.grad(fn(*leaves), leaves, dy)
 
@@ -548,21 +455,6 @@ def _bench_attention(recorder, rows, case, shape, dtype):
         for name, fn in providers.items():
             run = functools.partial(fn, q, k, v, scale)
             _record(recorder, rows, "temporal_attention", case, dtype, "fwd", name, run, nbytes, flops)
-
-
-def _eager_epilogue(z, activation, gate, residual, kwargs, stats):
-    """The unfused modules' passes: diffusers' GELU / GEGLU product, gate product, residual add (and clamp)."""
-    n = z.shape[1] // 2 if kwargs["glu"] else z.shape[1]
-    out = z[:, :n] * F.gelu(z[:, n:]) if kwargs["glu"] else z
-    if activation == "gelu_tanh":
-        out = F.gelu(out, approximate="tanh")
-    if gate is not None:
-        out = (out.view(gate.shape[0], -1, n) * gate[:, None]).view(-1, n)
-    if residual is not None:
-        out = out + residual.reshape(out.shape)
-    if kwargs["saturate"]:
-        out = out.clamp(-65504, 65504)
-    return out
 
 
 def _bench_epilogue(recorder, rows, case, shape, dtype):
