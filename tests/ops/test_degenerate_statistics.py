@@ -95,6 +95,14 @@ def test_nan_keeps_rstd_nan():
         _, sums_rstd = group_norm_stats_from_sums(sums, 4, 1e-5, 9)
     assert sums_rstd[1, 2].isnan() and not sums_rstd[0].isnan().any()
 
+    image = _channels_last(torch.randn(2, 8, 3, 3))
+    image[0, 1, 1, 1] = float("nan")  # through the 1x1 conv: every output channel of that pixel, image 0 only
+    with ldmopt.use_backend("triton"):
+        _, (_, conv_rstd) = ops.gn_silu_conv2d(
+            image, None, None, 4, 1e-5, _channels_last(torch.randn(8, 8, 1, 1)), None, 1, 0, out_stats=(4, 1e-5)
+        )
+    assert conv_rstd[0].isnan().all() and not conv_rstd[1].isnan().any()
+
     rows = torch.randn(3, 8)
     rows[1, 2] = float("nan")
     with ldmopt.use_backend("triton"):
