@@ -231,14 +231,18 @@ def single_key_attention(attn, context: Tensor, queries: Tensor | None = None) -
 
 def zero_gradient_anchor(out: Tensor, modules, tensor: Tensor | None = None) -> Tensor:
     """``out`` with its value unchanged, joined to the trainable parameters of ``modules`` (and to ``tensor``) with
-    weight zero, so that backward gives them exact zero gradients. One element of each is read (a sum could overflow
-    fp16 to inf, and 0 * inf is NaN); the result adds one scalar to ``out`` (small here: unexpanded)."""
+    weight zero, so that backward gives them exact zero gradients. One element of each is read, and the joint is a
+    ``where`` that never selects them, not a product with 0: the scalar's gradient is the sum of ``out``'s whole
+    gradient, which can overflow fp16 under loss scaling, and 0 * inf is NaN (as 0 * a NaN weight would be in the
+    forward); the result adds one zero scalar to ``out``."""
     picks = [p.reshape(-1)[0] for m in modules if m is not None for p in m.parameters() if p.requires_grad]
     if tensor is not None and tensor.requires_grad and tensor.numel():
         picks.append(tensor[(0,) * tensor.dim()])
     if not picks:
         return out
-    return out + (torch.stack([x.float() for x in picks]).sum() * 0.0).to(out.dtype)
+    joined = torch.stack([x.float() for x in picks]).sum()
+    never = torch.zeros((), dtype=torch.bool, device=joined.device)
+    return out + torch.where(never, joined, 0.0).to(out.dtype)
 
 
 def single_key_structure_reason(attn) -> str | None:

@@ -293,7 +293,10 @@ def _backward(ctx, dy, dsum, _dmean, _drstd):
     if gate_without_x:
         dxg = _times_gate(ds, gate, ctx.x_dtype) if need_dx else None
     elif gate is None:
-        dxg = ds
+        # x and the residual have the same gradient, but each needs a tensor of its own: through the public op's
+        # reshapes autograd would hand two views of one storage to two leaves' .grad, and the next accumulation
+        # would add into it twice (3x for 2 backward passes)
+        dxg = ds.clone() if need_dx and need_dres else ds
     return (
         dxg if need_dx else None,
         dscale.to(scale.dtype) if need_dscale else None,

@@ -30,7 +30,10 @@ Conventions every backend follows (the CUDA kernels in csrc/ must match them exa
 - Backward result: ``(dq, dk, dv)`` = ``empty_like(q)``, ``empty_like(k)``, ``empty_like(v)``; ``dout`` any strides.
 - Math: scores, softmax and accumulation in fp32; fp16/bf16 operands go through the tensor cores with the
   probabilities rounded to the input dtype before the P V product (as FlashAttention does); one rounding of the
-  result to the output dtype. Grid limits: none in B*N*H (the Triton kernel puts every sequence on grid axis 0).
+  result to the output dtype. Backward rounds the score gradients dS to the input dtype before dQ = dS K and
+  dK = dS^T Q (as FlashAttention does): in fp16, where |dS| passes 65504 (output gradients near 2^13 with large
+  values), dq and dk overflow sooner than under SDPA's fp32 math backend, and GradScaler skips that step and lowers its
+  scale. Grid limits: none in B*N*H (the Triton kernel puts every sequence on grid axis 0).
 """
 
 from __future__ import annotations

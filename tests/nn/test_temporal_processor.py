@@ -193,6 +193,31 @@ def test_svd_attn2_shortcut_falls_back_for_longer_context():
     assert_close(got, expected.double(), torch.float32, "fallback")
 
 
+def test_single_key_shortcut_zero_gradients_stay_finite_when_the_output_gradient_sums_past_fp16():
+    # The zero-gradient joint's scalar receives the sum of the whole output gradient: under loss scaling it overflows
+    # fp16, and 0 * inf was NaN in to_q / to_k's gradients and the input's, where stock's are finite.
+    torch.manual_seed(0)
+    stock = Attention(query_dim=64, cross_attention_dim=16, heads=2, dim_head=32).half()
+    stock.set_processor(AttnProcessor2_0())
+    fused = copy.deepcopy(stock)
+    fused.set_processor(SingleKeyAttnProcessor())
+    x0, context0 = torch.randn(2, 32, 64).half(), torch.randn(2, 1, 16).half()
+    grad = (torch.rand(2, 32, 64) * 64).half()  # every element finite; their sum is past 65504
+    assert grad.float().sum() > torch.finfo(torch.float16).max
+    grads = {}
+    for name, attn in (("stock", stock), ("fused", fused)):
+        x = x0.clone().requires_grad_()
+        attn(x, encoder_hidden_states=context0).backward(grad)
+        grads[name] = {n: p.grad for n, p in attn.named_parameters()} | {"input": x.grad}
+    for n, g in grads["fused"].items():
+        assert torch.isfinite(g).all(), f"{n}: non-finite gradient"
+    for n in ("to_q.weight", "to_k.weight"):
+        assert not grads["fused"][n].any(), n  # exact zeros: the shortcut does not read them
+    for n in ("to_v.weight", "to_out.0.weight", "to_out.0.bias"):  # fp16 sums over 32 queries in another order
+        fused_grad, stock_grad = grads["fused"][n].float(), grads["stock"][n].float()
+        assert (fused_grad - stock_grad).abs().max() <= 1e-2 * stock_grad.abs().max(), n
+
+
 def test_single_key_shortcut_gives_a_query_side_group_norm_zero_gradients_and_its_hooks():
     """An Attention with a group_norm (applied to the queries' side only): the shortcut skips it, so its parameters
     get the stock path's exact zero gradients, and a hook on it sends the call to the stock processor."""

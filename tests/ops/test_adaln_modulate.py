@@ -114,6 +114,25 @@ def test_backward_without_residual_and_strided_scale():
     assert_close(grads[1], emb64.grad, torch.float32, "demb")
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gradients_of_leaf_input_and_residual_accumulate_separately(backend):
+    # x and the residual get the same gradient; as two leaves' .grad they must not share a storage, or a second
+    # backward adds into it twice (x.grad and residual.grad came out 3x one pass's after two passes).
+    torch.manual_seed(0)
+    x0, r0 = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    scale, shift = 0.1 * torch.randn(2, 16), 0.1 * torch.randn(2, 16)
+    x, r = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+    with ldmopt.use_backend(backend):
+        for _ in range(2):
+            adaln_modulate(x, scale, shift, residual=r, eps=1e-6).pow(2).sum().backward()
+    xs, rs = x0.clone().requires_grad_(), r0.clone().requires_grad_()
+    stock = F.layer_norm(xs + rs, (16,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+    stock.pow(2).sum().backward()
+    assert x.grad.data_ptr() != r.grad.data_ptr()
+    assert_close(x.grad, 2 * xs.grad, torch.float32)
+    assert_close(r.grad, 2 * rs.grad, torch.float32)
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_gradcheck_reference_fp64(with_residual):
     x, scale, shift, residual = (t.requires_grad_() for t in _make((2, 3, 6), (2, 6), torch.float64))
