@@ -195,7 +195,10 @@ def _tables_named(ops: Sequence[str]) -> frozenset[str]:
             names.add(op)
         else:
             known = sorted({*OP_ALIASES, *(t for t in TABLE_NAMES if not t.endswith("_backward"))})
-            raise ValueError(f"use_backend: ops contains {op!r}, not an ldmopt op; expected names from {known}")
+            raise ValueError(
+                f"use_backend: ops contains {op!r}, not an ldmopt op; expected names from {known} (or a backward "
+                "table's own, '<name>_backward')"
+            )
     return frozenset(names)
 
 

@@ -325,7 +325,8 @@ def _measured_training() -> list[str]:
     return [
         "MEASURED on CPU (CPU operator time, not GPU time; tiny random-weight SD1.5-family UNet, 64x64 pixels, batch 2,"
         " fp32, AdamW; wait/warmup/active = 1/1/2): shares of a training step. CPU kernels have a different balance"
-        " from cuDNN/cuBLAS, so this shows what the tool reports, not what a GPU does.",
+        " from cuDNN/cuBLAS, so this shows what the tool reports, not what a GPU does. One run's shares: CPU operator"
+        " times vary between runs, on a shared machine by tens of percentage points.",
         "",
         _table(["category", "share (CPU-measured)"], rows),
         "",
@@ -378,7 +379,8 @@ def _measured_inference() -> list[str]:
         "### A measured profile (CPU)",
         "",
         "MEASURED on CPU (CPU operator self time): tiny random-weight SD1.5-family UNet, 64x64 pixels, batch 2, fp32,"
-        f" 3 active steps; {100 * p.classified_share():.1f}% of operator time classified into named categories.",
+        f" 3 active steps; {100 * p.classified_share():.1f}% of operator time classified into named categories. One"
+        " run's shares: CPU operator times vary between runs, on a shared machine by tens of percentage points.",
         "",
         _table(["category", "share (CPU-measured)"], rows),
         "",
