@@ -172,6 +172,21 @@ def test_group_norm_statistics_and_apply_alone(emu, shape, groups, channels_last
         assert_within_torch_error(y, y64, y32.to(dtype), f"apply y {tuple(x.shape)} {dtype} {activation!r}")
 
 
+@pytest.mark.parametrize("shape,groups", [((1, 8, 3, 3), 2), ((2, 12, 5, 7), 4), ((1, 16, 24, 24), 4)])
+@pytest.mark.parametrize("value", [1000.1, -37.3])
+def test_group_norm_statistics_of_constant_groups(emu, shape, groups, value):
+    """A constant group's mean is its value and its variance 0: the finalize's first mean (sum / count in fp32) rounds
+    away from the value, and without its residual correction that rounding read as variance (rstd ~1e4, not
+    1/sqrt(eps) ~ 316 for eps 1e-5: an output of +-1 where stock gives 0 for a tiny eps). A NaN keeps rstd NaN."""
+    x = _channels_last(torch.full(shape, value))
+    mean, rstd = emu.group_norm_stats(x, groups, 1e-5)
+    torch.testing.assert_close(mean, torch.full_like(mean, value), rtol=0, atol=0)
+    torch.testing.assert_close(rstd, torch.full_like(rstd, 1e-5**-0.5), rtol=1e-5, atol=0)
+    x[0, 0, 0, 0] = float("nan")
+    _, rstd = emu.group_norm_stats(x, groups, 1e-5)
+    assert rstd[0, 0].isnan() and not rstd[0, 1:].isnan().any()
+
+
 def test_group_norm_apply_unaligned_and_without_affine(emu):
     x, _, _ = _gn_inputs((2, 16, 5, 5), True, torch.float16, affine=False)
     x = emulator.misaligned(x)
