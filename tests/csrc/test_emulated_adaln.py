@@ -109,6 +109,18 @@ def test_adaln_modulate_unaligned_rows_take_the_scalar_path(emu):
     assert_within_torch_error(y, y_ref, _unfused(x, scale, shift, 1e-6), "unaligned y")
 
 
+@pytest.mark.parametrize("c", [24, 77, 320])
+@pytest.mark.parametrize("value", [1000.1, 0.1])
+def test_adaln_modulate_of_constant_rows_is_exact(emu, c, value):
+    # Welford's running mean stays a constant row's value exactly: variance 0, an output of shift alone, as stock
+    # (the Triton kernels' two-pass mean needed a residual correction for this: tests/ops/test_degenerate_statistics).
+    x = torch.full((3, c), value)
+    scale, shift = torch.randn(1, c), torch.randn(1, c)
+    y, _, mean, _ = emu.adaln_modulate(x, scale, shift, eps=1e-12, save=True)
+    torch.testing.assert_close(mean, torch.full_like(mean, value), rtol=0, atol=0)
+    torch.testing.assert_close(y, shift.expand(3, c), rtol=0, atol=0)
+
+
 def test_adaln_modulate_keeps_nan(emu):
     """A NaN in a row makes its statistics and its outputs NaN (no clamp turns it into a finite value)."""
     x = _rows(4, 16, torch.float32, wide=False)
