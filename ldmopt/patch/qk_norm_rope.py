@@ -131,8 +131,9 @@ def diffusers_joint_norm_rope(norms, parts, tables, cat_dim: int, **mapping) -> 
 
 
 class ProcessorQKNormRopeRule(ClassSwapRule):
-    """A rule on diffusers' generic ``Attention`` whose processor is exactly ``processor`` (by qualified name: a
-    subclass is another processor, and no import runs inside a traced forward), with diffusers' RMSNorm q/k norms."""
+    """A rule on diffusers' generic ``Attention`` whose processor is exactly ``processor`` (by qualified name: no
+    import runs inside a traced forward), with diffusers' RMSNorm q/k norms. A subclass of it is another processor:
+    matched, and left stock with that reason."""
 
     family = "rms_norm"
     processor: ClassVar[str]
@@ -151,10 +152,22 @@ class ProcessorQKNormRopeRule(ClassSwapRule):
         return diffusers_classes("attention_processor:Attention")
 
     def match(self, site: Site) -> bool:
-        return qualified_name(type(getattr(site.module, "processor", None))) == self.processor
+        # A subclass matches too, so that the report says why it stays stock instead of saying nothing.
+        processor_mro = type(getattr(site.module, "processor", None)).__mro__
+        return any(qualified_name(cls) == self.processor for cls in processor_mro)
+
+    def subclass_reasons(self, attn: nn.Module) -> list[str]:
+        """Why a processor :meth:`match` took for a subclass of ``processor`` stays stock."""
+        processor = type(attn.processor)
+        if qualified_name(processor) == self.processor:
+            return []
+        own = self.processor.rpartition(".")[2]
+        return [f"its processor is {processor.__name__}, a subclass of diffusers' {own} whose forward may differ"]
 
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
+        if subclass := self.subclass_reasons(attn):
+            return subclass
         first = self.norm_names(attn)[0]
         if not hasattr(getattr(attn, first, None), "dim"):  # no head size to check against
             return [f"{first} is {type(getattr(attn, first, None)).__name__}, not diffusers' RMSNorm"]

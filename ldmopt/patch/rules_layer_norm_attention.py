@@ -174,6 +174,8 @@ class _LayerNormQKRule(ProcessorQKNormRopeRule):
 
     def reasons(self, site: Site) -> list[str]:
         attn = site.module
+        if subclass := self.subclass_reasons(attn):
+            return subclass
         head = attn.inner_dim // attn.heads
         reasons = [_layer_norm_reason(n, getattr(attn, n, None), head) for n in self.norm_names(attn)]
         return [r for r in reasons if r]  # an odd head size is checked per call: only a rotation needs pairs

@@ -132,6 +132,25 @@ def test_other_processors_and_calls_keep_the_stock_forward():
     assert "attention_mask" in reasons and "rotary tables of shape" in reasons, reasons
 
 
+def test_a_subclassed_processor_is_reported_as_left_stock():
+    # A processor subclassing diffusers' own may change its forward: the rule leaves it stock and says so (it used to
+    # count the module as patched, whose every call then ran the stock forward).
+    model = _model()
+    processor_class = diffusers.models.attention_processor.CogVideoXAttnProcessor2_0
+    custom = type("MyCogVideoXProcessor", (processor_class,), {})
+    model.transformer_blocks[1].attn1.set_processor(custom())
+    report = ldmopt.patch(model)
+    assert report.counts().get("cogvideox_qk_norm_rope") == 1, str(report)
+    (skip,) = [s for s in report.skipped if s.rule == "cogvideox_qk_norm_rope"]
+    assert skip.name == "transformer_blocks.1.attn1"
+    assert skip.reasons == (
+        "its processor is MyCogVideoXProcessor, a subclass of diffusers' CogVideoXAttnProcessor2_0 whose forward may "
+        "differ",
+    )
+    assert type(model.transformer_blocks[1].attn1.processor) is custom
+    ldmopt.unpatch(model)
+
+
 def test_norm_weights_of_another_dtype_run_stock():
     """fp32 norms on fp16 tokens: the stock LayerNorm decides what that gives; the fused path does not guess."""
     attn = _model().transformer_blocks[0].attn1.half()
