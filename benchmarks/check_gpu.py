@@ -32,44 +32,7 @@ from benchmarks.check_gpu_cases import (
     PLAIN_PLACEMENTS,
     fused_linear_inputs,
 )
-
-# Every case's functions, called here or not: the dry run's tiny cases name them through this module
-from benchmarks.check_gpu_linear import (  # noqa: F401
-    _ref_adaln,
-    _ref_adaln_gated,
-    _ref_blend,
-    _ref_gated,
-    _ref_geglu,
-    _ref_gelu,
-    _ref_ln_linear,
-    _ref_ln_linear_pos,
-    _run_adaln,
-    _run_adaln_gated,
-    _run_blend,
-    _run_gated,
-    _run_gated_concat,
-    _run_gated_wan,
-    _run_geglu,
-    _run_gelu,
-    _run_ln_linear,
-    _run_ln_linear_pos,
-    ref_residual_stats,
-    run_residual_stats,
-)
-from benchmarks.check_gpu_norms import (  # noqa: F401
-    _ref_layer_norm_rope,
-    _ref_rms_norm,
-    _ref_rms_norm_rope,
-    _ref_rms_norm_rope_complex,
-    _ref_rms_norm_rope_heads,
-    _ref_rms_norm_rope_joint,
-    _run_layer_norm_rope,
-    _run_rms_norm,
-    _run_rms_norm_rope,
-    _run_rms_norm_rope_complex,
-    _run_rms_norm_rope_heads,
-    _run_rms_norm_rope_joint,
-)
+from benchmarks.check_gpu_linear import _run_gelu, ref_residual_stats, run_residual_stats
 from ldmopt.ops.gn_conv2d_prologue import forced
 from ldmopt.ops.linear_cublas import forced as gemm_forced
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from benchmarks import bench_group_norm, check_cuda_backend, check_gpu, check_gpu_norms, harness
+from benchmarks import check_gpu_linear as L
+from benchmarks import check_gpu_norms as N
 from ldmopt.ops import linear_cublas
 from tests.benchmarks_dry_run.support import _one_thread  # noqa: F401 (an autouse fixture: one intra-op thread)
 from tests.ops.test_linear_cublas import _addmm_tanh_gelu
@@ -59,22 +61,22 @@ def test_check_gpu_every_check(monkeypatch, capsys):
         "resnet_skip": {"skip-40+24to32": (1, 40, 24, 32, 3, 16)},
         "upsample_conv": {"up-24": (2, 24, 3)},
         "fused_linear": {
-            "geglu": (C._run_geglu, C._ref_geglu, 2, 7, 40, 48),
-            "gelu_tanh": (C._run_gelu, C._ref_gelu, 2, 7, 40, 24),
-            "gated": (C._run_gated, C._ref_gated, 2, 7, 40, 24),
-            "adaln": (C._run_adaln, C._ref_adaln, 2, 7, 40, None),
-            "adaln-gated": (C._run_adaln_gated, C._ref_adaln_gated, 2, 7, 40, None),
-            "gated-out_dtype": (C._run_gated_wan, C._ref_gated, 2, 7, 40, 24),
-            "blend": (C._run_blend, C._ref_blend, 3, 7, 40, 24),
-            "ln-linear": (C._run_ln_linear, C._ref_ln_linear, 2, 7, 40, 24),
-            "ln-geglu": (C._run_ln_linear, C._ref_ln_linear, 2, 7, 40, 160),
-            "ln-positions": (C._run_ln_linear_pos, C._ref_ln_linear_pos, 2, 32, 40, 24),
-            "rms_norm": (C._run_rms_norm, C._ref_rms_norm, 2, 7, 40, 0),
-            "rms_rope": (C._run_rms_norm_rope, C._ref_rms_norm_rope, 2, 7, 40, 0),
-            "rms_rope-heads": (C._run_rms_norm_rope_heads, C._ref_rms_norm_rope_heads, 2, 7, 40, 8),
-            "rms_rope-complex": (C._run_rms_norm_rope_complex, C._ref_rms_norm_rope_complex, 2, 7, 40, 8),
-            "rms_rope-joint": (C._run_rms_norm_rope_joint, C._ref_rms_norm_rope_joint, 2, 7, 40, 8),
-            "ln_rope": (C._run_layer_norm_rope, C._ref_layer_norm_rope, 2, 7, 40, 8),
+            "geglu": (L._run_geglu, L._ref_geglu, 2, 7, 40, 48),
+            "gelu_tanh": (L._run_gelu, L._ref_gelu, 2, 7, 40, 24),
+            "gated": (L._run_gated, L._ref_gated, 2, 7, 40, 24),
+            "adaln": (L._run_adaln, L._ref_adaln, 2, 7, 40, None),
+            "adaln-gated": (L._run_adaln_gated, L._ref_adaln_gated, 2, 7, 40, None),
+            "gated-out_dtype": (L._run_gated_wan, L._ref_gated, 2, 7, 40, 24),
+            "blend": (L._run_blend, L._ref_blend, 3, 7, 40, 24),
+            "ln-linear": (L._run_ln_linear, L._ref_ln_linear, 2, 7, 40, 24),
+            "ln-geglu": (L._run_ln_linear, L._ref_ln_linear, 2, 7, 40, 160),
+            "ln-positions": (L._run_ln_linear_pos, L._ref_ln_linear_pos, 2, 32, 40, 24),
+            "rms_norm": (N._run_rms_norm, N._ref_rms_norm, 2, 7, 40, 0),
+            "rms_rope": (N._run_rms_norm_rope, N._ref_rms_norm_rope, 2, 7, 40, 0),
+            "rms_rope-heads": (N._run_rms_norm_rope_heads, N._ref_rms_norm_rope_heads, 2, 7, 40, 8),
+            "rms_rope-complex": (N._run_rms_norm_rope_complex, N._ref_rms_norm_rope_complex, 2, 7, 40, 8),
+            "rms_rope-joint": (N._run_rms_norm_rope_joint, N._ref_rms_norm_rope_joint, 2, 7, 40, 8),
+            "ln_rope": (N._run_layer_norm_rope, N._ref_layer_norm_rope, 2, 7, 40, 8),
         },
         "linear_row_stats": {"attn-out": (2, 37, 40, 72, 40.0)},  # 3 row and 3 column tiles of the interpreter's 32
         "conv_row_stats": {"proj_in": (2, 64, 200, 9)},  # 81 pixels, 200 channels: 2 row and 2 column tiles of 64x128
