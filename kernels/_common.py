@@ -90,18 +90,25 @@ def layer_normed(a, mean, rstd, norm_w_ptr, norm_b_ptr, k, k_ok, HAS_NORM_WEIGHT
 
 
 @triton.jit
+def variance_floor(var):
+    """A variance computed as a difference, floored at 0 against rounding, with a NaN kept: stock's variance of values
+    holding one is NaN (so is rstd), and tl.maximum alone returns the other operand for a NaN."""
+    return tl.maximum(var, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def row_moments(x, mask, count):
     """(mean, biased variance) of each row of an fp32 [rows, cols] tile held whole (``mask``: its values; ``count``:
     how many a row has). Two-pass with the residual correction: the first mean, sum / count, rounds away from a
     constant row's value (1000.1 * 320 / 320 misses it by 6e-5 in fp32), and the centred squares alone would report
     that rounding as variance (an output of +-1 instead of 0 for a tiny eps); the centred values' own sum corrects
-    both. The clamp keeps a NaN (stock's variance of a row holding one is NaN)."""
+    both."""
     first = tl.sum(x, axis=1) / count
     d = tl.where(mask, x - first[:, None], 0.0)
     residual = tl.sum(d, axis=1)
     mean = first + residual / count
     m2 = tl.sum(d * d, axis=1) - residual * residual / count
-    return mean, tl.maximum(m2 / count, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return mean, variance_floor(m2 / count)
 
 
 #: activation name -> (forward, gradient) jit functions, passed to kernels as constexpr arguments.

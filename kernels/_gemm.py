@@ -20,6 +20,7 @@ from ._common import (
     prune_by_operand_width,
     tag_config,
     tag_fp32_configs,
+    variance_floor,
 )
 
 # Programs to aim for in the backward elementwise passes (several waves on a large GPU).
@@ -151,7 +152,7 @@ def row_statistics(out, mask, rows, row_ok, row_tile, col_tile, ws_ptr, counter_
         s2 = tl.atomic_add(ws_ptr + ws_off + 1, zero, mask=row_ok, sem="relaxed")
         n64 = tl.cast(N, tl.float64)
         mean = s1 / n64
-        var = tl.maximum(s2 / n64 - mean * mean, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN row keeps rstd NaN
+        var = variance_floor(s2 / n64 - mean * mean)
         tl.store(out_stats_ptr + rows64, mean.to(tl.float32), mask=row_ok)
         tl.store(out_stats_ptr + M + rows64, 1.0 / tl.sqrt(var.to(tl.float32) + eps), mask=row_ok)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import identity
+from ._common import identity, variance_floor
 from ._gemm import row_statistics
 
 
@@ -113,8 +113,7 @@ def _finalize_stats(ws_ptr, mean_ptr, rstd_ptr, n, C, G, S, eps, BLOCK_G: tl.con
         s1 = tl.atomic_add(ws_ptr + off, zero, mask=mask, sem="relaxed")
         s2 = tl.atomic_add(ws_ptr + off + 1, zero, mask=mask, sem="relaxed")
         mean = tl.sum(tl.where(mask, s1, 0.0), axis=1) / count
-        var = tl.sum(tl.where(mask, s2, 0.0), axis=1) / count - mean * mean
-        var = tl.maximum(var, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN in the group keeps rstd NaN
+        var = variance_floor(tl.sum(tl.where(mask, s2, 0.0), axis=1) / count - mean * mean)
         rstd = 1.0 / tl.sqrt(var.to(tl.float32) + eps)
         tl.store(mean_ptr + n * G + g, mean.to(tl.float32), mask=g < G)
         tl.store(rstd_ptr + n * G + g, rstd, mask=g < G)

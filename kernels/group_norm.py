@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2
+from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2, variance_floor
 
 # Programs to aim for in the statistics passes: enough to fill a large GPU several times over.
 _TARGET_PROGRAMS = 1024
@@ -194,7 +194,7 @@ def _group_norm_fwd_finalize_kernel(
     residual_sum = tl.sum(residual, axis=0)
     group_mean += residual_sum / total
     m2 = tl.sum(acc, axis=0) - residual_sum * (residual_sum / total)
-    var = tl.maximum(m2 / total, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN in the group keeps rstd NaN
+    var = variance_floor(m2 / total)
     tl.store(mean_ptr + pid, group_mean)
     tl.store(rstd_ptr + pid, 1.0 / tl.sqrt(var + eps))
 
@@ -294,7 +294,7 @@ def _group_norm_fwd_onepass_kernel(
     residual = tl.sum(d, axis=0)  # the first mean's rounding (row_moments in _common.py)
     group_mean = first + residual / cpg
     spread = tl.sum(d * d, axis=0) - residual * (residual / cpg)
-    var = tl.maximum((tl.sum(m2, axis=0) + S * spread) / (S * cpg), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    var = variance_floor((tl.sum(m2, axis=0) + S * spread) / (S * cpg))
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(mean_ptr + pid, group_mean)
     tl.store(rstd_ptr + pid, rstd)

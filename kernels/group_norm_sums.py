@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, next_power_of_2
+from ._common import cdiv, new_output, next_power_of_2, variance_floor
 from ._gemm import divisibility_attrs
 
 #: Channel sums a program adds at most (BLOCK_G x BLOCK_CPG); cpg up to 1024 fits one row of it.
@@ -60,7 +60,7 @@ def _group_norm_stats_from_sums_kernel(
     s1, s2 = tl.split(sums)
     count = tl.cast(S, tl.float64) * FRAMES * cpg  # in int32 it overflows past 2^31 elements per group
     mean = tl.sum(s1, axis=1) / count
-    var = tl.maximum(tl.sum(s2, axis=1) / count - mean * mean, 0.0, propagate_nan=tl.PropagateNan.ALL)  # keep NaN
+    var = variance_floor(tl.sum(s2, axis=1) / count - mean * mean)
     rstd = 1.0 / tl.sqrt(var.to(tl.float32) + eps)
     out = n * G + g
     tl.store(mean_ptr + out, mean.to(tl.float32), mask=g < G)
