@@ -12,6 +12,11 @@ from typing import Any
 from ..ops._dispatch import snapshot_counts
 
 
+def _where(model: str, name: str) -> str:
+    """A module's place for the report: model and name joined, ``<root>`` for a bare model itself."""
+    return ".".join(p for p in (model, name) if p) or "<root>"
+
+
 @dataclass(frozen=True)
 class Replaced:
     """One module patched by one rule. ``stock_parts``: why parts of its fused path will run stock on every call (a
@@ -25,7 +30,7 @@ class Replaced:
 
     @property
     def where(self) -> str:
-        return ".".join(p for p in (self.model, self.name) if p) or "<root>"
+        return _where(self.model, self.name)
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Skipped:
 
     @property
     def where(self) -> str:
-        return ".".join(p for p in (self.model, self.name) if p) or "<root>"
+        return _where(self.model, self.name)
 
 
 @dataclass
