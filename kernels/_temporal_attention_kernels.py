@@ -111,6 +111,8 @@ def _temporal_attention_fwd_kernel(
     H,
     F,
     qk_scale,
+    SEQ_BUCKET,  # autotune key only
+    LAYOUT,  # autotune key only
     D: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -173,6 +175,8 @@ def _temporal_attention_bwd_kernel(
     F,
     scale,
     qk_scale,
+    SEQ_BUCKET,  # autotune key only
+    LAYOUT,  # autotune key only
     D: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_F: tl.constexpr,

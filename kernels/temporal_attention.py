@@ -13,10 +13,10 @@ is then constant over aligned 8-element vectors, so head dims of 40 and 72 load 
 recomputes S (no logsumexp is stored), forms dS = P * (dP - rowsum(P * dP)) with dP = dO V^T, then dV = P^T dO,
 dQ = dS K, dK = dS^T Q chunk by chunk. The grid is 1-D: cdiv(B*N*H, BLOCK_P) programs, far below axis 0's limit.
 Tiles: on a GPU, 16-bit inputs autotune over a few tiles (:func:`candidate_configs`: sequences per program, warps,
-head-dim chunk), keyed by the shape and q's strides: the measured forward reached 54-61% of copy bandwidth at head
-dim 40 against 89-92% at 64, the backward 22-49% (benchmarks/RESULTS.md, H200, 2026-12-04), so which tile suits a
-head dim and a layout is for the GPU to time. The heuristic tile (:func:`block_config`) is always a candidate, and
-is what fp32 and the CPU interpreter run.
+head-dim chunk), keyed by F, H, D, a power-of-two bucket of the sequence count and q's layout class (TUNING_KEY):
+the measured forward reached 54-61% of copy bandwidth at head dim 40 against 89-92% at 64, the backward 22-49%
+(benchmarks/RESULTS.md, H200, 2026-12-04), so which tile suits a head dim and a layout is for the GPU to time. The
+heuristic tile (:func:`block_config`) is always a candidate, and is what fp32 and the CPU interpreter run.
 The @triton.jit kernels are in _temporal_attention_kernels.py; this module picks their tiles and launches them.
 """
 
@@ -139,6 +139,23 @@ def launch_grid(n_seq: int, f: int, d: int, dtype: torch.dtype = torch.float16, 
     return grid
 
 
+def layout_class(q: torch.Tensor) -> int:
+    """The layout part of the tuning key for a (B, F, N, H, D) view: bit 0 when a pixel's heads are adjacent (head
+    stride D), bit 1 when consecutive pixels are too (pixel stride H * D; not for a slice of a packed qkv), bit 2
+    when frames are the outer axis (the permute-free (B, F, N, C) order; not diffusers' (B*N, F, C))."""
+    _b, _f, n, h, d = q.shape
+    _sb, sf, sn, sh, _sd = q.stride()
+    heads_adjacent = h == 1 or sh == d
+    pixels_adjacent = heads_adjacent and (n == 1 or sn == h * d)
+    frames_outer = sf > sn
+    return int(heads_adjacent) | int(pixels_adjacent) << 1 | int(frames_outer) << 2
+
+
+def _tuning_key_args(q: torch.Tensor, n_seq: int) -> tuple[int, int]:
+    """The kernels' autotune-only arguments (SEQ_BUCKET, LAYOUT)."""
+    return next_power_of_2(n_seq), layout_class(q)
+
+
 #: backward? -> the tile forced by :func:`forced_config` (None: each launch chooses, see the module docstring)
 _FORCED: dict[bool, dict | None] = {False: None, True: None}
 
@@ -156,10 +173,12 @@ def forced_config(forward: dict | None = None, backward: dict | None = None):
         _FORCED.update(saved)
 
 
-#: An autotuned launch's key: the shape and q's frame, pixel and head strides, which place its rows in memory (a
-#: packed qkv, the (B*N, F, C) or the (B, F, N, C) order); the autotuner adds the tensors' dtypes. Any candidate is
-#: valid for any strides: the other tensors' layouts only make a choice less apt, never wrong.
-TUNING_KEY = ("n_seq", "F", "N", "H", "D", "stride_qf", "stride_qn", "stride_qh")
+#: An autotuned launch's key: the frame count, heads and head dim, the sequence count rounded up to a power of two
+#: (``SEQ_BUCKET``: every resolution and batch size does not time the tiles again) and the class of q's layout
+#: (``LAYOUT``, :func:`layout_class`: whether neighbouring sequences' rows are adjacent in memory, which is what a tile
+#: of several sequences per program gains from, not the strides' exact values); the autotuner adds the tensors'
+#: dtypes. Any candidate is valid for any shape and strides: the key only says when a choice is still apt.
+TUNING_KEY = ("SEQ_BUCKET", "F", "H", "D", "LAYOUT")
 #: (backward, candidate tiles as (BLOCK_P, BLOCK_D, num_warps)) -> its autotuner, made on first use (shapes with the
 #: same candidates share one; D is in its key)
 _AUTOTUNERS: dict[tuple[bool, tuple], object] = {}
@@ -292,7 +311,10 @@ def temporal_attention_fwd(
     b, f, n, h, d = q.shape
     n_seq = b * n * h
     launch_grid(n_seq, f, d, q.dtype)  # the grid limit
-    args = (out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, scale * _LOG2E)
+    args = (
+        out, q, k, v, *out.stride(), *q.stride(), *k.stride(), *v.stride(), n_seq, n, h, f, scale * _LOG2E,
+        *_tuning_key_args(q, n_seq),
+    )  # fmt: skip
     kwargs = dict(D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(out, q, k, v))
     _launch(False, q, n_seq, args, kwargs, may_time=not _overlaps(out, q, k, v))
     return out
@@ -309,7 +331,7 @@ def temporal_attention_bwd(
     launch_grid(n_seq, f, d, q.dtype, backward=True)  # the grid limit
     args = (
         dq, dk, dv, dout, q, k, v, *dq.stride(), *dk.stride(), *dv.stride(), *dout.stride(), *q.stride(),
-        *k.stride(), *v.stride(), n_seq, n, h, f, scale, scale * _LOG2E,
+        *k.stride(), *v.stride(), n_seq, n, h, f, scale, scale * _LOG2E, *_tuning_key_args(q, n_seq),
     )  # fmt: skip
     kwargs = dict(D=d, DOT_PRECISION=_dot_precision(q.dtype), ALIGN=row_alignment(dq, dk, dv, dout, q, k, v))
     _launch(True, q, n_seq, args, kwargs)
@@ -327,6 +349,7 @@ def _aot_signature(names: tuple[str, ...], dtype: str, backward: bool) -> tuple[
         sig.update({f"stride_{n}{axis}": "i32" for axis in "bfnh"})
     sig.update({"n_seq": "i32", "N": "i32", "H": "i32", "F": "i32"})
     sig.update({"scale": "fp32", "qk_scale": "fp32"} if backward else {"qk_scale": "fp32"})
+    sig.update({"SEQ_BUCKET": "i32", "LAYOUT": "i32"})
     # Head dims are contiguous in every real layout; Triton specialises a unit stride the same way at launch.
     return sig, {f"stride_{n}d": 1 for n in names}
 

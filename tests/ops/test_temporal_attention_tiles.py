@@ -135,11 +135,11 @@ def test_autotuned_launches_run_the_fastest_tile_once_tuned(monkeypatch):
         assert_within_torch_error(g, ref_grads[i], lowp_grads[i], f"autotuned grad {i}")
 
     chosen = T.tuned_choices()
-    n_seq = 3 * 5 * 2
     for direction in ("forward", "backward"):
         (key, tile), *more = chosen[direction].items()
         assert not more
-        assert key[: len(T.TUNING_KEY)] == (n_seq, f, 5, 2, d, *q.stride()[1:4]), key
+        # 3 * 5 * 2 sequences in bucket 32; (B, F, N, H, D) with heads, pixels adjacent and frames outer
+        assert key[: len(T.TUNING_KEY)] == (32, f, 2, d, 0b111), key
         assert (tile["BLOCK_P"], tile["BLOCK_D"], tile["num_warps"]) == (8, 64, 8)
 
     # the same shape and layout again: launched with the choice, nothing timed
@@ -155,6 +155,12 @@ def test_autotuned_launches_run_the_fastest_tile_once_tuned(monkeypatch):
         temporal_attention(q2, k2, v2)
     assert timing.timed == timed_per_shape + len(candidates)
     assert len(T.tuned_choices()["forward"]) == 2
+    # another resolution and batch in the same power-of-two bucket and layout: the choice serves, nothing timed
+    q3, k3, v3 = (torch.randn(2, f, 7, 2, d).half() for _ in range(3))  # 28 sequences, like 30 in bucket 32
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        temporal_attention(q3, k3, v3)
+    assert timing.timed == timed_per_shape + len(candidates)
+    assert T.launched_tile() == "P8xD64w8"
 
 
 def test_under_graph_capture_an_untuned_key_runs_the_heuristic_tile(monkeypatch):
@@ -248,3 +254,22 @@ def test_a_dout_of_another_dtype_takes_the_reference_backward():
         ldmopt.use_backend("triton"),
     ):
         torch.ops.ldmopt.temporal_attention_bwd(dout, q, k, v, 0.25)
+
+
+#: (B, F, N, H, D) = (2, 16, 5, 3, 40) views -> their layout class
+_LAYOUTS = {
+    "bfnc": (lambda: torch.randn(2, 16, 5, 3, 40), 0b111),
+    # diffusers' (B*N, F, C): consecutive pixels are F*C apart
+    "diffusers": (lambda: torch.randn(10, 16, 120).view(2, 5, 16, 3, 40).transpose(1, 2), 0b001),
+    "packed_qkv": (lambda: torch.randn(10, 16, 3, 3, 40)[:, :, 0].view(2, 5, 16, 3, 40).transpose(1, 2), 0b001),
+    "heads_strided": (lambda: torch.randn(2, 16, 5, 40, 3).transpose(3, 4), 0b100),
+    "one_head": (lambda: torch.randn(2, 16, 5, 1, 40), 0b111),
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_layout_class_tells_the_layouts_apart(layout):
+    make, expected = _LAYOUTS[layout]
+    q = make()
+    assert q.shape[1] == 16 and q.shape[4] == 40
+    assert T.layout_class(q) == expected
