@@ -34,7 +34,7 @@ pytestmark = harness.gpu_only
 DEVICE = "cuda"  # tests/benchmarks_dry_run/ runs this benchmark's logic on the CPU
 QUICK = os.environ.get("LDMOPT_BENCH_QUICK") == "1"
 SHAPES = {
-    # name: (B, N, F, heads, head_dim) -- DESIGN.md "Real shapes"
+    # name: (B, N, F, heads, head_dim) of the models' temporal attention layers at their default sizes, CFG batch 2
     "animatediff512-64x64": (2, 4096, 16, 8, 40),
     "animatediff512-32x32": (2, 1024, 16, 8, 80),
     "animatediff512-16x16": (2, 256, 16, 8, 160),

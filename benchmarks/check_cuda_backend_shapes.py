@@ -5,7 +5,7 @@ and the subsets ``--quick`` keeps. The GroupNorm cases are benchmarks/bench_grou
 from __future__ import annotations
 
 QUICK_GROUP_NORM = ("sd-64x64x320", "sd-8x8x1280")  # of benchmarks/bench_group_norm.py's SHAPES
-# (B*N, F, heads, head_dim) of the temporal attention layers (DESIGN.md, real shapes at fp16 and CFG batch 2).
+# (B*N, F, heads, head_dim) of the temporal attention layers (the models' real shapes at fp16 and CFG batch 2).
 ATTENTION_SHAPES = {
     "animatediff-64x64": (8192, 16, 8, 40),
     "animatediff-32x32": (2048, 16, 8, 80),

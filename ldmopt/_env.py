@@ -139,10 +139,6 @@ def cuda_extension_status() -> tuple[bool, str]:
     return True, "ldmopt._C loaded"
 
 
-def cuda_extension_available() -> bool:
-    return cuda_extension_status()[0]
-
-
 def build_info() -> dict:
     """What setup.py built (written at install time), or {} when unknown."""
     try:

@@ -12,7 +12,7 @@ import os
 import sys
 
 COMMANDS = {
-    "demo": ("ldmopt.demo", "run a small Stable Diffusion pipeline unpatched and patched, compare and time them"),
+    "demo": ("ldmopt.demo", "run a small pipeline (or a zoo denoiser) unpatched and patched, compare and time them"),
     "info": ("ldmopt.info", "versions, available backends and why not, GPU and compute capability"),
     "analyze": ("ldmopt.profiler.cli", "analytic FLOPs/bytes per operator category of a model, on meta tensors"),
     "profile": ("ldmopt.profiler.cli", "measure the per-category time split of a model with torch.profiler"),
@@ -22,7 +22,7 @@ COMMANDS = {
 
 #: Output-file options per command, with the file suffixes they can write (None: any, "-" for stdout). Checked and
 #: their parent folder created before the command runs, so a bad path cannot fail the write after all the work is
-#: done (analyze and profile prepare their own).
+#: done (analyze, profile and tune prepare their own).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 OUTPUT_FILES = {"demo": {"save": IMAGE_SUFFIXES}}
 

@@ -23,6 +23,9 @@ def public_ops() -> dict[str, tuple[str, ...]]:
     for name in ops.__all__:
         module = sys.modules.get(getattr(getattr(ops, name), "__module__", ""))
         tables = [t for t in vars(module).values() if isinstance(t, BackendTable)] if module else []
+        # The op's own table where it has one named after it (a module's other tables serve its helper ops: the
+        # statistics of layer_norm_linear have a cuda backend, the fused GEMM does not), else the widest.
+        tables = [t for t in tables if t.op_name == name] or tables
         if tables:
             found[name] = max((tuple(b.name for b in t.backends) for t in tables), key=len)
     return found

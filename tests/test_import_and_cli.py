@@ -364,6 +364,8 @@ def test_info_lists_every_public_op_with_its_backends():
     for name in ("group_norm", "temporal_attention", "layer_norm_stats"):  # ldmopt._C serves these too
         assert listed[name] == ("cuda", "triton", "torch"), name
     assert listed["rms_norm_joint"] == ("triton", "torch")
+    # its own table, not its module's widest: only layer_norm_linear's statistics have a cuda backend
+    assert listed["layer_norm_linear"] == ("triton", "torch")
 
 
 def test_demo_save_folder_is_made_before_the_run(tmp_path, monkeypatch):

@@ -227,12 +227,6 @@ def _without_the_norm(attn: nn.Module, normed: NormedInput, context, residual: T
     return stock_gated_residual(out, gate, residual)
 
 
-def project_out(*args, **kwargs) -> Tensor:
-    """What a processor does after the attention core: :func:`project_out_and_stats`'s output (same arguments but
-    ``next_norm``)."""
-    return project_out_and_stats(*args, **kwargs)[0]
-
-
 def project_out_and_stats(
     attn: nn.Module,
     core: Tensor,
@@ -248,7 +242,7 @@ def project_out_and_stats(
     statistics for ``next_norm``, summed in that epilogue when ``next_norm`` is a LayerNorm the GEMMs after it read
     in their loads, else None)."""
     if gate is not None and residual is None:
-        raise ValueError("project_out: a gate needs a residual (the gated sum is residual + gate * out)")
+        raise ValueError("project_out_and_stats: a gate needs a residual (the gated sum is residual + gate * out)")
     if residual is not None:
         reason = epilogue_reason(attn) or _gate_reason(gate, residual, attn.to_out[0].out_features)
         if reason is None:

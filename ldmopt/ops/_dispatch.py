@@ -521,11 +521,3 @@ def _run_on_device(backend: Backend, args: Sequence, first: torch.Tensor | None)
         with torch.cuda.device(first.device):
             return backend.run(*args)
     return backend.run(*args)
-
-
-def describe_choice(table: BackendTable, *args) -> str:
-    """One line per backend: accepted, or refused with reasons (for error messages and `ldmopt info`)."""
-    lines = []
-    for name, reasons in table.reasons(*args).items():
-        lines.append(f"{name}: " + ("accepts" if not reasons else "refuses (" + "; ".join(reasons) + ")"))
-    return "\n".join(lines)

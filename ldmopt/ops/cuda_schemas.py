@@ -1,9 +1,9 @@
 """The schema of every ldmopt._C op (csrc/ops.cpp), as the Python callers in ldmopt/ops/ call them.
 
-An extension built from older sources can hold an op of the same name with another schema (an editable install
-updated and not rebuilt): ``_dispatch.cuda_extension_refusals`` compares each op against this table before its cuda
-backend takes a call, so such an op sends the call to the Triton backend, with the reason, instead of raising; the
-build test asserts the built schemas equal these. Change an op's schema here and in ops.cpp together."""
+An extension built from older sources can hold an op of the same name with another schema (an editable install updated
+and not rebuilt): ``_refusals.stale_schema`` (through ``cuda_extension_refusals``) compares each op against this table
+before its cuda backend takes a call, so such an op sends the call to the Triton backend, with the reason, instead of
+raising; the build test asserts the built schemas equal these. Change an op's schema here and in ops.cpp together."""
 
 CUDA_SCHEMAS = {
     "group_norm_fwd_cuda": (

@@ -19,15 +19,15 @@ to 2 (A100) normalisations per element, 3 leaving a margin for the estimate's er
 1x1 conv to at most 256 channels R <= 2. Without an activation (GroupNorm before a projection, as the temporal
 transformers' proj_in) the loader issues 317 instead of 507, ~0.4 ps per normalisation, which the threshold of 3 still
 covers.
-"cudnn": staged as above, but the conv is PyTorch's (cuDNN on GPUs) and what the fused conv's epilogue does (temb,
-gate, shortcut and residual adds, the output scale, the next norm's statistics or channel sums) runs as one Triton
-pass after it (kernels/conv_epilogue.py), in place; with only statistics to take, that pass only reads. Why it is
-auto's choice on GPUs wherever the loader is not: the measured Triton implicit-GEMM conv ran slower than cuDNN at
-Stable Diffusion shapes (benchmarks/RESULTS.md, H200, 2026-12-04: a patched SD1.5 step 0.37x stock as a CUDA graph,
-the VAE's upsampler conv 0.83x cuDNN), so the conv stays cuDNN's and ldmopt fuses what surrounds it. It costs one
-launch and one read and write of the output more than "staged" (none more with nothing to add); the plain convs
-(upsamplers, downsamplers) take it too, and a Linear read as a 1x1 conv where the GEMMs are cuBLAS's (see
-choose_placement).
+"cudnn": staged as above, but the conv is PyTorch's (cuDNN on GPUs) and what the fused conv's epilogue does (temb, gate,
+shortcut and residual adds, the output scale, the next norm's statistics or channel sums) runs as one pass after it
+(ops/conv_epilogue.py: ldmopt._C's kernel where it is built, else kernels/conv_epilogue.py's), in place; with only
+statistics to take, that pass only reads. Why it is auto's choice on GPUs wherever the loader is not: the measured
+Triton implicit-GEMM conv ran slower than cuDNN at Stable Diffusion shapes (benchmarks/RESULTS.md, H200, 2026-12-04: a
+patched SD1.5 step 0.37x stock as a CUDA graph, the VAE's upsampler conv 0.83x cuDNN), so the conv stays cuDNN's and
+ldmopt fuses what surrounds it. It costs one launch and one read and write of the output more than "staged" (none more
+with nothing to add); the plain convs (upsamplers, downsamplers) take it too, and a Linear read as a 1x1 conv where the
+GEMMs are cuBLAS's (see choose_placement).
 ``LDMOPT_GN_CONV_PROLOGUE`` = auto (default) | loader | staged | cudnn overrides the choice ("loader" and "staged"
 also put plain convs in the Triton kernel); benchmarks time them. On CPU tensors (the Triton interpreter, tests)
 auto keeps the Triton kernel, whose code the tests cover; they force the others to cover them.

@@ -71,8 +71,9 @@ def _apply_cuda(x, stats, norm_weight, norm_bias, positions, position_rows, dtyp
 
 
 def cuda_apply_refusals(x, stats, norm_weight, norm_bias, positions, position_rows, dtype) -> list[str]:
-    """What csrc/layer_norm's apply refuses (its TORCH_CHECKs stay as the last guard): fp32/fp16/bf16 x with unit
-    column stride, the output in x's dtype, contiguous fp32 statistics and parameters, positions in x's dtype."""
+    """What csrc/layer_norm's apply refuses (its TORCH_CHECKs stay as the last guard): fp32/fp16/bf16 x with unit column
+    stride, the output in x's dtype, contiguous fp32 statistics, contiguous fp32/fp16/bf16 parameters, positions in x's
+    dtype."""
     reasons = cuda_extension_refusals("layer_norm_apply_cuda", x, stats, norm_weight, norm_bias, positions)
     if reasons:
         return reasons

@@ -52,7 +52,8 @@ def _families(text: str) -> list[str]:
 def configure_tune(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Time each module ldmopt.patch would fuse, stock and patched, on one forward call of a zoo model with "
-        "random weights, and keep only the faster ones (ldmopt.tune): prints the per-site table."
+        "random weights (or one training step with --training), and keep only the faster ones (ldmopt.tune): "
+        "prints the per-site table."
     )
     parser.add_argument("model", help=f"zoo name: {', '.join(_zoo_names())}")
     parser.add_argument("--resolution", type=_resolution, default=None, help="pixels: 512 or 576x1024")

@@ -1,6 +1,6 @@
-"""What the query/key norm + RoPE rules share (rules_{wan,flux,qwen,hunyuan}_attention.py): the norm checks and
-calls for torch's and diffusers' RMSNorm, the processor check, and a base rule for diffusers' generic ``Attention``
-keyed by the qualified name of its processor.
+"""What the query/key norm + RoPE rules share (rules_{wan,flux,qwen,hunyuan,ltx}_attention.py,
+rules_layer_norm_attention.py): the norm checks and calls for torch's and diffusers' RMSNorm, the processor check, and a
+base rule for diffusers' generic ``Attention`` keyed by the qualified name of its processor.
 """
 
 from __future__ import annotations

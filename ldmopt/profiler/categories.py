@@ -111,18 +111,9 @@ def op_base_name(name: str) -> tuple[str, str]:
     return "", name
 
 
-def is_gemm(base: str) -> bool:
-    return base in _GEMM_OPS
-
-
 def is_norm_op(base: str) -> bool:
     """A normalisation that runs as one native operator (its backward too)."""
     return bool(_NORM_OPS.match(base))
-
-
-def is_attention_core(base: str) -> bool:
-    """Matmuls and softmax that are the attention computation when executed directly in an attention module."""
-    return base in _ATTN_CORE_OPS
 
 
 def classify_op(name: str, *, attention_kind: str | None = None, in_norm: bool = False, pointwise: bool = True) -> str:

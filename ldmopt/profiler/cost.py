@@ -591,12 +591,3 @@ def sweep(
         for f in frames or [None]:
             out.append(analyze(model, resolution=res, frames=f, **kwargs))
     return out
-
-
-def category_totals(analyses: list[Analysis], by: str = "time") -> dict[str, list[float]]:
-    """Per category, the share in each analysis (for scaling plots and tables)."""
-    table: dict[str, list[float]] = defaultdict(list)
-    for a in analyses:
-        for k, v in a.shares(by).items():
-            table[k].append(v)
-    return dict(table)

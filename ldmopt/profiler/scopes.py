@@ -44,10 +44,6 @@ class ModuleScopes:
         self._calls = 0
 
     # ------------------------------------------------------------------ queries used by the cost model
-    @property
-    def innermost(self) -> Frame | None:
-        return self.stack[-1] if self.stack else None
-
     def temporal(self) -> bool:
         """Whether the innermost running module sits under a temporal block (paths are full, so one look)."""
         return bool(self.stack) and is_temporal_path(self.stack[-1].path)
