@@ -59,7 +59,7 @@ def _fwd_torch(x, scale, shift, residual, gate, eps, store_sum, save):
     empty = s.new_empty((0,))  # in the sum's dtype, as the fake and the kernels return it
     if not save:
         mean, rstd = mean.new_empty((0,)), rstd.new_empty((0,))
-    return dense(y.view(m, c), s.dtype), (dense(s, s.dtype, copy=True) if store_sum else empty), mean, rstd
+    return dense(y.view(m, c), s.dtype), (dense(s, s.dtype) if store_sum else empty), mean, rstd  # s: a new sum
 
 
 def _times_gate(ds: Tensor, gate: Tensor, dtype: torch.dtype) -> Tensor:
@@ -197,8 +197,8 @@ def adaln_modulate_fwd(
     save: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, s, mean, rstd): x, residual [M, C]; gate, scale, shift [B, C] (rows grouped by sample, M % B == 0).
-    s = x + residual, or residual + gate[b] * x (gate needs a residual), [M, C], empty unless store_sum; y and s in x's
-    dtype, the residual's with a gate; mean/rstd per row in the compute dtype (empty unless save)."""
+    s = x + residual, or residual + gate[b] * x (gate and store_sum need a residual), [M, C], empty unless store_sum;
+    y and s in x's dtype, the residual's with a gate; mean/rstd per row in the compute dtype (empty unless save)."""
     # Checked here too, not only in ops.adaln_modulate: the kernels index the per-sample rows from these shapes.
     m, c = x.shape
     for name, t in (("scale", scale), ("shift", shift), ("gate", gate)):
@@ -208,6 +208,8 @@ def adaln_modulate_fwd(
             )
     if gate is not None and residual is None:
         raise ValueError("adaln_modulate_fwd: a gate needs a residual (the gated sum is residual + gate * x)")
+    if store_sum and residual is None:  # the sum would be x itself; the Triton and CUDA kernels write none
+        raise ValueError("adaln_modulate_fwd: store_sum=True needs a residual (without one the sum is x)")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"adaln_modulate_fwd: residual of shape {tuple(residual.shape)} is not x's {tuple(x.shape)}")
     if residual is not None and gate is None and residual.dtype != x.dtype:  # ops.adaln_modulate promotes first

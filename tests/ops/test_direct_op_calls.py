@@ -48,3 +48,37 @@ def test_every_op_records_why_it_ran_its_reference_backend():
         before = dict(_dispatch.fallback_reasons)
         linear(x, torch.randn(3, 8, dtype=torch.float64), None)
     assert dict(_dispatch.fallback_reasons) == before
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_direct_calls_return_no_alias_of_an_input(backend):
+    # linear's backward with no activation and no gate passes dy through in value, but as a new tensor: a custom op's
+    # output may not alias its inputs.
+    dy = torch.randn(4, 8)
+    with ldmopt.use_backend(backend):
+        dz, *_ = torch.ops.ldmopt.linear_bwd(dy, None, None, "", False)
+        torch.library.opcheck(torch.ops.ldmopt.linear_bwd, (dy, None, None, "", False))
+    assert torch.equal(dz, dy) and dz.untyped_storage().data_ptr() != dy.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "cuda"])
+def test_direct_adaln_call_storing_a_sum_without_a_residual_is_refused(backend):
+    # The sum would be x: the kernels write none (the Triton one left it uninitialised; the C++ one refused it).
+    x, scale, shift = torch.randn(4, 8), 0.3 * torch.randn(1, 8), torch.randn(1, 8)
+    with ldmopt.use_backend(backend), pytest.raises(ValueError, match="store_sum=True needs a residual"):
+        torch.ops.ldmopt.adaln_modulate_fwd(x, scale, shift, None, None, 1e-5, True, False)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_direct_geglu_call_without_the_saved_pre_activation_differentiates_x(backend):
+    # save_pre=False with a frozen weight: the backward recomputes the pre-activation from x, which it must keep.
+    x = torch.randn(6, 8, requires_grad=True)
+    w, b = torch.randn(10, 8) * 8**-0.5, torch.randn(10)
+    dy = torch.randn(6, 5)
+    with ldmopt.use_backend(backend):
+        y, _pre = torch.ops.ldmopt.geglu_fwd(x, w, b, False)
+        y.backward(dy)
+    ref_x = x.detach().double().requires_grad_()
+    hidden, gate = torch.nn.functional.linear(ref_x, w.double(), b.double()).chunk(2, dim=-1)
+    (hidden * torch.nn.functional.gelu(gate)).backward(dy.double())
+    torch.testing.assert_close(x.grad, ref_x.grad.float(), rtol=1e-4, atol=1e-4)
