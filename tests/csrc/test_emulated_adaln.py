@@ -144,3 +144,15 @@ def test_adaln_modulate_of_huge_rows_stays_finite(emu, c, magnitude):
     expect = (x.double() - mean.double()[:, None]) * rstd.double()[:, None]
     expect = expect * (1 + scale.double().repeat_interleave(2, 0)) + shift.double().repeat_interleave(2, 0)
     assert_close(y, expect, torch.float32, "y from the saved statistics")
+
+
+def test_gate_with_its_own_row_stride(emu):
+    """scale and shift as column chunks of one [B, 6C] modulation (row stride 6C) and the gate a [B, C] tensor of its
+    own (row stride C), as a gate computed apart from the embedding: each read with its own row stride."""
+    m, c, b, eps = 12, 40, 3, 1e-6
+    x, residual = _rows(m, c, torch.float32, wide=False), _rows(m, c, torch.float32, wide=False)
+    scale, shift, _ = _modulation(b, c, torch.float32, torch.float32)
+    gate = torch.randn(b, c, dtype=torch.float64).float()
+    y, *_ = emu.adaln_modulate(x, scale, shift, residual, gate, eps)
+    s_ref, y_ref, _, _ = _reference(x, scale, shift, residual, gate, eps)
+    assert_within_torch_error(y, y_ref, _unfused(s_ref, scale, shift, eps), "gate with its own row stride")

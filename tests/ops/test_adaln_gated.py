@@ -176,3 +176,24 @@ def test_wide_fp32_gated_backward_is_refused_by_triton_with_a_reason():
     assert reasons(MAX_GATED_FP32_BWD_C + 8, torch.float16) == []
     (reason,) = reasons(MAX_GATED_FP32_BWD_C + 8, torch.float32)
     assert f"C={MAX_GATED_FP32_BWD_C + 8}" in reason and "register budget" in reason
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rows_far_from_zero_and_a_gate_with_its_own_stride(gated, backend):
+    # Rows offset by about 20 (an fp16 ulp of 1/64 there): the norm reads the sum as rounded to fp16, as stock's add
+    # leaves it. scale and shift are chunks of one [B, 2C] embedding (row stride 2C), the gate a [B, C] tensor of its
+    # own (row stride C): each is read with its own strides.
+    b, t, c = 3, 5, 72
+    x = (0.1 * torch.randn(b, t, c, dtype=torch.float64)).half()
+    offsets = 20 * torch.randn(b, t, 1, dtype=torch.float64)
+    residual = (0.8 * torch.randn(b, t, c, dtype=torch.float64) + offsets).half()
+    emb = 0.5 * torch.randn(b, 2 * c)
+    scale, shift = emb[:, :c], emb[:, c:]
+    gate = 1.0 + 0.5 * torch.randn(b, c) if gated else None
+    with ldmopt.use_backend(backend):
+        y = adaln_modulate(x, scale, shift, residual=residual, gate=gate, eps=1e-6)
+    as_gate = gate if gated else torch.ones(b, c)  # residual + 1 * x in fp32, rounded once: stock's fp16 add
+    exact, _ = _wan_reference(x, residual, as_gate, scale, shift, 1e-6, torch.float64)
+    lowp, _ = _wan_reference(x, residual, as_gate, scale, shift, 1e-6)
+    assert_within_torch_error(y, exact, lowp.half(), f"rows far from zero, gated={gated}")

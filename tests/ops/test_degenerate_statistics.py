@@ -40,6 +40,8 @@ def test_layer_norm_of_constant_rows_is_zero(value, eps, width):
     for name, y in outputs.items():
         assert y.abs().max().item() < 1e-6, f"{name}: max |y| = {y.abs().max().item():.3g} for a constant row"
     torch.testing.assert_close(stats[0], x[:, 0], rtol=0, atol=0)  # the mean is the row's value
+    # and the variance exactly 0: rstd is 1/sqrt(eps) (the outputs above are 0 whatever rstd is; gradients are not)
+    torch.testing.assert_close(stats[1], torch.full((3,), eps**-0.5), rtol=1e-6, atol=0)
 
 
 def _channels_last(x: torch.Tensor) -> torch.Tensor:
@@ -59,11 +61,12 @@ def test_group_norm_of_constant_groups_is_zero(value, eps, shape, groups):
             "group_norm(contiguous)": ops.group_norm(x.contiguous(), groups, None, None, eps),
             "gn_silu_conv2d": ops.gn_silu_conv2d(x, None, None, groups, eps, identity, None, 1, 0, activation=None),
         }
-        mean, _ = group_norm_stats(x, groups, eps)
+        mean, rstd = group_norm_stats(x, groups, eps)
     assert F.group_norm(x.contiguous(), groups, eps=eps).abs().max() == 0
     for name, y in outputs.items():
         assert y.abs().max().item() < 1e-6, f"{name}: max |y| = {y.abs().max().item():.3g} for constant groups"
     torch.testing.assert_close(mean, torch.full_like(mean, value), rtol=0, atol=0)
+    torch.testing.assert_close(rstd, torch.full_like(rstd, eps**-0.5), rtol=1e-6, atol=0)
 
 
 def test_group_norm_of_constant_groups_with_affine_matches_stock():

@@ -159,24 +159,59 @@ def _nchw(buf, slot, shape, values):
     return view
 
 
-def test_gn_conv2d(buffer):
+@pytest.mark.parametrize("strided", ["all", "weight", "temb", "residual", "shortcut"])
+def test_gn_conv2d(buffer, strided):
     # A plain 3x3 conv whose weight, temb, residual, 1x1 shortcut input and shortcut weight are channel-strided
-    # (reach 2 S >= 2^31 on a tiny image); x itself must be channels-last.
+    # (reach 2 S >= 2^31 on a tiny image), all of them or one at a time (each operand's reach must set the int64
+    # indexing by itself); x itself must be channels-last.
     n, h, w = 1, 4, 4
     x = _eighths((n, C, h, w), -4, 4).contiguous(memory_format=torch.channels_last)
-    weight = _nchw(buffer, 0, (C, C, 3, 3), _eighths((C, C, 3, 3), -2, 2))
-    temb = _view(buffer, 1, (n, C), _eighths((n, C)))
-    residual = _nchw(buffer, 2, (n, C, h, w), _eighths((n, C, h, w)))
-    shortcut_x = _nchw(buffer, 3, (n, C, h, w), _eighths((n, C, h, w), -4, 4))
-    shortcut_w = _nchw(buffer, 4, (C, C, 1, 1), _eighths((C, C, 1, 1), -4, 4))
+    values = {
+        "weight": _eighths((C, C, 3, 3), -2, 2),
+        "temb": _eighths((n, C)),
+        "residual": _eighths((n, C, h, w)),
+        "shortcut_x": _eighths((n, C, h, w), -4, 4),
+        "shortcut_w": _eighths((C, C, 1, 1), -4, 4),
+    }
+    huge = {
+        "weight": lambda v: _nchw(buffer, 0, v.shape, v),
+        "temb": lambda v: _view(buffer, 1, v.shape, v),
+        "residual": lambda v: _nchw(buffer, 2, v.shape, v),
+        "shortcut_x": lambda v: _nchw(buffer, 3, v.shape, v),
+        "shortcut_w": lambda v: _nchw(buffer, 4, v.shape, v),
+    }
+    ops_in = {
+        name: huge[name](v) if strided in ("all", name, name.rsplit("_", 1)[0]) else v.clone()
+        for name, v in values.items()
+    }
     bias = _eighths((C,))
     with ldmopt.use_backend("triton"):
-        y = ops.gn_silu_conv2d(x, None, None, 1, 1e-5, weight, bias, normalize=False, temb=temb, residual=residual,
-                               shortcut=(shortcut_x, shortcut_w, None))  # fmt: skip
+        shortcut = (ops_in["shortcut_x"], ops_in["shortcut_w"], None)
+        y = ops.gn_silu_conv2d(x, None, None, 1, 1e-5, ops_in["weight"], bias, normalize=False, temb=ops_in["temb"],
+                               residual=ops_in["residual"], shortcut=shortcut)  # fmt: skip
 
-    d = [t.double() for t in (x, weight, bias, temb, residual, shortcut_x, shortcut_w)]
-    y64 = F.conv2d(d[0], d[1], d[2], padding=1) + d[3][:, :, None, None] + F.conv2d(d[5], d[6]) + d[4]
-    assert_close(y, y64, torch.float16, "gn_conv2d y")
+    d = [t.double() for t in (x, values["weight"], bias, values["temb"], values["residual"])]
+    sc = F.conv2d(values["shortcut_x"].double(), values["shortcut_w"].double())
+    y64 = F.conv2d(d[0], d[1], d[2], padding=1) + d[3][:, :, None, None] + sc + d[4]
+    assert_close(y, y64, torch.float16, f"gn_conv2d y, {strided} strided")
+
+
+def test_rms_norm_and_layer_norm_apply(buffer):
+    from ldmopt.ops.layer_norm_apply import layer_norm_apply
+
+    x = _view(buffer, 0, (16, C), _ramp((16, C)))
+    weight = _eighths((C,), 4, 12)
+    x64 = x.double()
+    with ldmopt.use_backend("triton"):
+        y = ops.rms_norm(x, weight, eps=1e-5)
+    rms = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * weight.double()
+    assert_close(y, rms, torch.float16, "rms_norm")
+    mean = x64.mean(-1)
+    stats = torch.stack([mean, ((x64 - mean[:, None]).square().mean(-1) + 1e-5).rsqrt()]).float()
+    with ldmopt.use_backend("triton"):
+        h = layer_norm_apply(x, stats, weight, None, None, 1, torch.float16)
+    normed = (x64 - stats[0].double()[:, None]) * stats[1].double()[:, None] * weight.double()
+    assert_close(h, normed, torch.float16, "layer_norm_apply")
 
 
 def _frames(buf, slot, shape, values):

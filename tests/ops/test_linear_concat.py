@@ -83,6 +83,20 @@ def test_reference_backend_and_strided_parts():
             assert_close(_fused(head, tail, w, b, gate, res), exact, torch.float32, backend)
 
 
+@pytest.mark.parametrize("tail_k", [K2, 80])
+def test_parts_with_different_column_strides(tail_k):
+    # A column-strided tail (the transpose of a [K, M] tensor) beside a dense head: each part's K loop steps with its
+    # own column stride; 80 columns need more than one 32-wide K tile, so the tail's loop steps at least once.
+    head = torch.randn(13, K1)
+    tail = torch.randn(tail_k, 13).t()
+    w = torch.randn(N, K1 + tail_k) * (K1 + tail_k) ** -0.5
+    b = torch.randn(N)
+    exact = F.linear(torch.cat([head, tail], -1).double(), w.double(), b.double())
+    for backend in ("triton", "torch"):
+        with ldmopt.use_backend(backend):
+            assert_close(linear((head, tail), w, b), exact, torch.float32, f"{backend} tail of {tail_k} columns")
+
+
 def test_opcheck():
     head, tail, w, b, gate, res = _inputs((10,), torch.float32)
     w.requires_grad_()

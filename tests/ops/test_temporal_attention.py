@@ -186,6 +186,16 @@ def test_long_sequences_fall_back_to_reference():
         temporal_attention(q, k, v)
 
 
+def test_head_dims_past_the_kernels_fall_back_to_reference():
+    q, k, v = _make(1, 4, 2, 1, 264, "bfnc", torch.float32)  # head_dim 264 > 256
+    ldmopt.ops.backend_counts.clear()
+    out = temporal_attention(q, k, v)
+    assert ldmopt.ops.backend_counts[("temporal_attention", "torch")] == 1
+    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "head_dim=264")
+    with pytest.raises(ldmopt.BackendUnavailableError, match="head_dim=264"), ldmopt.use_backend("triton"):
+        temporal_attention(q, k, v)
+
+
 def test_forced_backend_that_cannot_serve_raises_with_reasons():
     q, k, v = _make(1, 7, 2, 2, 16, "bfnc", torch.float64)
     with (

@@ -273,3 +273,30 @@ def test_layout_class_tells_the_layouts_apart(layout):
     q = make()
     assert q.shape[1] == 16 and q.shape[4] == 40
     assert T.layout_class(q) == expected
+
+
+@pytest.mark.parametrize("pixel_stride", [80, 81, 84])
+def test_alignment_hint_holds_for_every_operand(monkeypatch, pixel_stride):
+    # ALIGN tells the compiler every sequence's rows start at a multiple of it in every operand: the output gradient,
+    # a view autograd hands over with strides of its own (here a slice of wider pixel rows), must lower it too, or a
+    # GPU would issue misaligned vector loads. 80 keeps 8 fp16 elements (16 bytes), 84 four, 81 none.
+    launched = {}
+    real_launch = T._launch
+
+    def spy(backward, q, n_seq, args, kwargs, may_time=True):
+        launched[backward] = (args, kwargs)
+        return real_launch(backward, q, n_seq, args, kwargs, may_time)
+
+    monkeypatch.setattr(T, "_launch", spy)
+    b, f, n, h, d = 2, 16, 3, 2, 40
+    q, k, v = (torch.randn(b, f, n, h, d).half() for _ in range(3))
+    base = torch.randn(b * f * n * pixel_stride).half()
+    dout = base.as_strided((b, f, n, h, d), (f * n * pixel_stride, n * pixel_stride, pixel_stride, d, 1))
+    out = T.temporal_attention_fwd(q, k, v, d**-0.5)
+    T.temporal_attention_bwd(dout, q, k, v, d**-0.5)
+    expected = {80: 8, 81: 1, 84: 4}[pixel_stride]
+    for backward, (args, kwargs) in launched.items():
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        assert all(st % kwargs["ALIGN"] == 0 for t in tensors for st in t.stride()[:4]), (backward, kwargs["ALIGN"])
+        assert kwargs["ALIGN"] == (expected if backward else 8), backward
+    assert out.isfinite().all()
