@@ -319,3 +319,38 @@ def test_aot_specs_compile_what_runs():
             if name.startswith("stride_"):
                 assert strides[name[-1]] % 16 == 0, f"{spec['name']}: {name}={strides[name[-1]]} is marked %16"
         assert spec["constexprs"]["ALIGN"] == row_alignment(view), spec["name"]
+
+
+def _mixed_layouts(dtype, bases=None):
+    """q, k, v of one (B, F, N, H, D) = (2, 7, 3, 2, 40) shape in three layouts: the permute-free (B, F, N, C), a
+    view of diffusers' (B*N, F, C) and a slice of a packed (B*N, F, 3C) qkv; each with its own strides."""
+    if bases is None:
+        bases = [torch.randn(2, 7, 3, 80), torch.randn(6, 7, 80), torch.randn(6, 7, 240)]
+        bases = [(1.5 * b if i == 0 else b).to(dtype).requires_grad_() for i, b in enumerate(bases)]
+    q = bases[0].view(2, 7, 3, 2, 40)
+    k = bases[1].view(2, 3, 7, 2, 40).transpose(1, 2)
+    v = bases[2].view(2, 3, 7, 3, 2, 40)[:, :, :, 2].transpose(1, 2)
+    return bases, (q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_q_k_v_in_three_different_layouts(dtype):
+    # Each operand read with its own strides, forward and backward (the test layouts above give k and v one layout).
+    bases, (q, k, v) = _mixed_layouts(dtype)
+    assert len({t.stride() for t in (q, k, v)}) == 3
+    dout = torch.randn(q.shape, dtype=dtype)
+    with ldmopt.use_backend("triton"):
+        out = temporal_attention(q, k, v)
+        out.backward(dout)
+    for compute in (torch.float64, torch.float32):
+        ref_bases = [b.detach().to(compute).requires_grad_() for b in bases]
+        _, ref_qkv = _mixed_layouts(compute, ref_bases)
+        ref_out = _sdpa(*ref_qkv)
+        ref_out.backward(dout.to(compute))
+        if compute == torch.float64:
+            exact, exact_grads = ref_out.detach(), [b.grad for b in ref_bases]
+        else:
+            lowp, lowp_grads = ref_out.detach().to(dtype), [b.grad.to(dtype) for b in ref_bases]
+    assert_within_torch_error(out, exact, lowp, f"mixed layouts {dtype}")
+    for name, base, want, torch_error in zip("qkv", bases, exact_grads, lowp_grads):
+        assert_within_torch_error(base.grad, want, torch_error, f"d{name}, mixed layouts {dtype}")
