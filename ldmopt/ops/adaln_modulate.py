@@ -245,6 +245,11 @@ def adaln_modulate_bwd(
     gate (x: the gated input): dx = ds * gate[b] in x's dtype, dgate [B, C] in the compute dtype; else both empty.
     ``scale_is_weight``: the rows were multiplied by ``scale`` itself, not ``1 + scale`` (a LayerNorm's affine weight,
     which ``w - 1`` would round away when |w| is far below 1)."""
+    if gate is not None and (x is None or x.shape != s.shape):  # checked for direct calls: dx = ds * gate reads x
+        raise ValueError(
+            f"adaln_modulate_bwd: with a gate, x (the gated input) must have s's shape {tuple(s.shape)}, got "
+            f"{None if x is None else tuple(x.shape)}"
+        )
     return BACKWARD(dy, s, mean, rstd, scale, dsum, x, gate, scale_is_weight)
 
 

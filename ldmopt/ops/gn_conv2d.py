@@ -334,6 +334,12 @@ def gn_conv2d_op(
     _check_tail("x_tail", x, x_tail)
     _check_tail("shortcut_x_tail", shortcut_x, shortcut_x_tail)
     _check_fp32_precision(fp32_precision, weight, stride, padding, resample)
+    # The output-sized operands, checked for direct calls too (the kernels would read past a smaller one).
+    out_size = conv_output_size(*x.shape[2:], weight.shape[2:], stride, padding, resample)
+    for name, t, mode in (("residual", residual, residual_resample), ("shortcut_x", shortcut_x, shortcut_resample)):
+        if t is not None and (t.dim() != 4 or conv_output_size(*t.shape[2:], 1, 1, 0, mode) != out_size):
+            raise ValueError(f"gn_conv2d: {name} of shape {tuple(t.shape)} with {mode!r} resampling does not give the "
+                             f"output's {out_size[0]}x{out_size[1]} pixels")  # fmt: skip
     if out_layer_norm and out_groups:
         raise ValueError(f"gn_conv2d: out_layer_norm with out_groups={out_groups}: one kind of output statistics")
     if out_layer_norm and out_channel_sums:

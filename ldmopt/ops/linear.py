@@ -264,6 +264,18 @@ def linear_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dz, dbias, dgate) of y = residual + gate * act(z): dz = act'(z) * gate * dy in dy's dtype; dbias [N] and
     dgate [B, N] (empty unless need_dgate) in the compute dtype (fp32, fp64 for fp64)."""
+    # What the kernels and the reference read, checked for direct calls (the forward's backward always passes them).
+    if (activation or need_dgate) and (pre is None or pre.shape != dy.shape):
+        raise ValueError(
+            f"linear_bwd: activation={activation!r}, need_dgate={need_dgate} read the pre-activation: pre must have "
+            f"dy's shape {tuple(dy.shape)}, got {None if pre is None else tuple(pre.shape)}"
+        )
+    if gate is not None and (
+        gate.dim() != 2 or gate.shape[1] != dy.shape[1] or not len(gate) or dy.shape[0] % len(gate)
+    ):
+        raise ValueError(f"linear_bwd: gate of shape {tuple(gate.shape)} is not [B, {dy.shape[1]}] with B dividing M")
+    if need_dgate and gate is None:
+        raise ValueError("linear_bwd: need_dgate=True needs the gate (dgate is per gate row)")
     return BACKWARD(dy, pre, gate, activation or None, need_dgate)
 
 

@@ -144,6 +144,7 @@ def rms_norm_fwd(
     with center): x [M, C]; weight, bias [C]; cos, sin: RoPE tables [P, W] or None; row r reads position
     (r // rope_rows) % P; column c reads (c // 2) % W with rope_per_pair (one angle per pair), c % W without (one
     value per element). center: the row centred first, a LayerNorm."""
+    check_tables(cos, sin, rope_rows)
     return FORWARD(x, weight, bias, eps, dtype, save, cos, sin, rope_rows, rope_per_pair, center)
 
 
@@ -168,6 +169,7 @@ def rms_norm_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx [M, C] in x's dtype, dweight [C] in the compute dtype (empty without a weight), dbias [C] in the compute
     dtype (empty unless bias_grad)); rstd: the forward's statistics ([2, M] with center)."""
+    check_tables(cos, sin, rope_rows)
     return BACKWARD(dy, x, rstd, weight, cos, sin, rope_rows, rope_per_pair, center, bias_grad)
 
 
@@ -215,6 +217,22 @@ register_eager(rms_norm_bwd)
 
 
 _ROPE_LAYOUTS = ("pairs", "elements")
+
+
+def check_tables(cos: Tensor | None, sin: Tensor | None, rope_rows: int) -> None:
+    """What the ops read of the RoPE tables whatever their caller (torch.ops calls pass anything): both or neither,
+    one 2-D shape with at least one position and column, at least one row per position (each index is taken modulo
+    the tables' sizes)."""
+    if (cos is None) != (sin is None):
+        raise ValueError("rope tables: cos and sin must both be given or both be None")
+    if cos is None:
+        return
+    if cos.dim() != 2 or sin.shape != cos.shape or not cos.numel():
+        raise ValueError(
+            f"rope tables cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must share one [P, W] shape, P, W >= 1"
+        )
+    if rope_rows < 1:
+        raise ValueError(f"rope_rows={rope_rows}: at least one row per position")
 
 
 def _check_rope(rope: object, layout: object, dim: object, x: Tensor, bias: Tensor | None) -> tuple:

@@ -21,14 +21,16 @@ from torch import Tensor
 from ._checks import check_eps, check_out_dtype, check_tensor, check_vector
 from ._dispatch import Backend, BackendTable, call, register_autograd_keeping_backend, triton_refusals
 from .linear import TRITON_DTYPES, compute_dtype, needs_grad
-from .rms_norm import _check_rope, _fwd_torch, rms_norm_bwd
+from .rms_norm import _check_rope, _fwd_torch, check_tables, rms_norm_bwd
 
 # ------------------------------------------------------------------------------------------------ the parts' rows
 
 
-def _check_rows(x_head: Tensor, x_tail: Tensor, head_rows: int, tail_rows: int, w_head=None, w_tail=None) -> None:
+def _check_rows(x_head: Tensor, x_tail: Tensor, head_rows: int, tail_rows: int, w_head=None, w_tail=None,
+                cos=None, sin=None, rope_rows: int = 1) -> None:  # fmt: skip
     """What the kernel would otherwise overrun or read differently from the reference: whole samples of rows, as
-    many in each part, both weights or neither (the op is callable through torch.ops with anything)."""
+    many in each part, both weights or neither, tables of one sample's joint positions with whole positions in each
+    part (the op is callable through torch.ops with anything)."""
     if (w_head is None) != (w_tail is None):
         raise ValueError("rms_norm_joint_fwd takes both parts' weights or neither (ops.rms_norm fills a missing one)")
     if x_head.dim() != 2 or x_tail.dim() != 2 or x_head.shape[1] != x_tail.shape[1]:
@@ -41,6 +43,19 @@ def _check_rows(x_head: Tensor, x_tail: Tensor, head_rows: int, tail_rows: int, 
     samples = x_head.shape[0] // head_rows
     if x_tail.shape[0] // tail_rows != samples:
         raise ValueError(f"the parts hold {samples} and {x_tail.shape[0] // tail_rows} samples; they must agree")
+    check_tables(cos, sin, rope_rows)
+    if cos is not None:
+        # The backward hands each part its own rows of the tables: the joint sequence's positions, head part first.
+        if head_rows % rope_rows or tail_rows % rope_rows:
+            raise ValueError(
+                f"rope_rows={rope_rows} does not divide the parts' {head_rows} and {tail_rows} rows per sample"
+            )
+        positions = (head_rows + tail_rows) // rope_rows
+        if cos.shape[0] != positions:
+            raise ValueError(
+                f"rope tables of {cos.shape[0]} positions: a sample's joint sequence has {positions} "
+                f"({head_rows} + {tail_rows} rows, {rope_rows} per position)"
+            )
 
 
 def _split(t: Tensor, samples: int, head_rows: int) -> tuple[Tensor, Tensor]:
@@ -125,7 +140,7 @@ def rms_norm_joint_fwd(
     """(y [M_head + M_tail, C] in ``dtype``, rstd [M] in the compute dtype, empty unless save): y's rows are, per
     sample, the head part's ``head_rows`` rows then the tail part's ``tail_rows``, each normalised with its part's
     weight (both or neither given), then rotated as ``ldmopt::rms_norm_fwd`` rotates row r of y."""
-    _check_rows(x_head, x_tail, head_rows, tail_rows, w_head, w_tail)  # before any backend reads the parts
+    _check_rows(x_head, x_tail, head_rows, tail_rows, w_head, w_tail, cos, sin, rope_rows)  # before any backend
     return FORWARD(x_head, x_tail, w_head, w_tail, eps, dtype, save, head_rows, tail_rows, cos, sin, rope_rows,
                    rope_per_pair)  # fmt: skip
 

@@ -82,3 +82,33 @@ def test_direct_geglu_call_without_the_saved_pre_activation_differentiates_x(bac
     hidden, gate = torch.nn.functional.linear(ref_x, w.double(), b.double()).chunk(2, dim=-1)
     (hidden * torch.nn.functional.gelu(gate)).backward(dy.double())
     torch.testing.assert_close(x.grad, ref_x.grad.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_direct_calls_missing_what_they_read_are_refused(backend):
+    # Arguments the public functions always pass consistently: a direct call gets a ValueError naming them, not an
+    # AttributeError, a made-up gradient or a read past a tensor.
+    dy, s = torch.randn(6, 40), torch.randn(4, 24)
+    mean, rstd = s.mean(1), torch.rsqrt(s.var(1, unbiased=False) + 1e-5)
+    x = torch.randn(1, 8, 4, 5).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 8, 3, 3).contiguous(memory_format=torch.channels_last)
+    small = torch.randn(1, 8, 2, 2).contiguous(memory_format=torch.channels_last)  # "up" gives 4x4, not 4x5
+    calls = {
+        "activation='gelu', need_dgate=False read the pre-activation": lambda: torch.ops.ldmopt.linear_bwd(
+            dy, None, None, "gelu", False
+        ),
+        "need_dgate=True needs the gate": lambda: torch.ops.ldmopt.linear_bwd(dy, dy.clone(), None, "gelu", True),
+        r"gate of shape \(4, 40\) is not \[B, 40\] with B dividing M": lambda: torch.ops.ldmopt.linear_bwd(
+            dy, None, torch.randn(4, 40), "", False
+        ),
+        "with a gate, x .* must have s's shape": lambda: torch.ops.ldmopt.adaln_modulate_bwd(
+            torch.randn(4, 24), s, mean, rstd, torch.randn(2, 24), None, None, torch.randn(2, 24), False
+        ),
+        "residual of shape .* does not give the output's 4x5 pixels": lambda: torch.ops.ldmopt.gn_conv2d(
+            x, None, None, None, None, w, None, None, small, None, None, None, None, 0, "", 1, [1, 1], "none", "up",
+            "none", 1.0, 0, 0.0,
+        ),
+    }  # fmt: skip
+    for match, call in calls.items():
+        with ldmopt.use_backend(backend), pytest.raises(ValueError, match=match):
+            call()

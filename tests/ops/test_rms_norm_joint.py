@@ -193,3 +193,30 @@ def test_pairs_tables_strided_parts_and_a_positive_rope_dim(backend):
     tables = tuple(t.repeat_interleave(2, -1).double() for t in (theta.cos(), theta.sin()))
     exact = _reference(*(t.double() for t in (head, tail, w_head, w_tail)), 1, tables)
     assert_close(y, exact, torch.float32, f"pairs, strided parts, {backend}")
+
+
+@pytest.mark.parametrize(
+    "head_rows, tail_rows, positions, rope_rows, match",
+    [
+        (2, 3, 3, 1, "tables of 3 positions: a sample's joint sequence has 5"),  # the backends placed them apart
+        (2, 2, 3, 1, "tables of 3 positions: a sample's joint sequence has 4"),
+        (1, 2, 2, 2, "rope_rows=2 does not divide"),  # the backward handed the head part no table rows (P = 0)
+    ],
+)
+def test_direct_call_with_tables_of_another_length_is_refused(head_rows, tail_rows, positions, rope_rows, match):
+    # Only a direct call can pass these; the public function checks the tables against the joint sequence.
+    x_head, x_tail = torch.randn(3 * head_rows, 24), torch.randn(3 * tail_rows, 24)
+    cos, sin = torch.rand(positions, 6), torch.rand(positions, 6)
+    for backend in ("triton", "torch"):
+        with ldmopt.use_backend(backend), pytest.raises(ValueError, match=match):
+            torch.ops.ldmopt.rms_norm_joint_fwd(
+                x_head, x_tail, None, None, 1e-6, torch.float32, True, head_rows, tail_rows, cos, sin, rope_rows, True
+            )
+
+
+def test_direct_calls_with_half_a_table_pair_are_refused():
+    x, cos = torch.randn(3, 24), torch.rand(3, 12)
+    with pytest.raises(ValueError, match="cos and sin must both be given"):
+        torch.ops.ldmopt.rms_norm_fwd(x, None, None, 1e-6, torch.float32, True, cos, None, 1, True, False)
+    with pytest.raises(ValueError, match=r"must share one \[P, W\] shape"):
+        torch.ops.ldmopt.rms_norm_fwd(x, None, None, 1e-6, torch.float32, True, cos, cos[:2], 1, True, False)
