@@ -64,21 +64,29 @@ def test_conv1_temb_and_group_statistics(emu, shape, dtype):
 
 
 @pytest.mark.parametrize("per_image_gate", [False, True])
+@pytest.mark.parametrize("temb_kind", ["rows", "image", "none"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_temporal_conv_per_row_temb_and_gate(emu, dtype, per_image_gate):
+def test_temporal_conv_per_row_temb_and_gate(emu, dtype, per_image_gate, temb_kind):
     """A video model's temporal conv over a (video, channel, frame, pixel) view: temb and an fp32 gate per output row
     (frame), residual + gate * (z + shortcut + temb), the scale and the next GroupNorm's statistics; one row spans
-    several pixel chunks, packed (C = 48) and scalar (C = 38), temb with its frames strided apart."""
+    several pixel chunks, packed (C = 48) and scalar (C = 38), temb with its frames strided apart. A per-row gate
+    also beside a per-image temb or none (SVD's temporal conv2: residual + gate * z)."""
     for c, layout in ((48, "packed"), (38, "scalar")):
         n, frames, pixels = 2, 5, 37
         shape = (n, c, frames, pixels)
         z, sc, res = _randn(shape, dtype, mean=2.0), _randn(shape, dtype), _randn(shape, dtype, scale=0.5)
-        temb = torch.randn(n, frames, c, dtype=torch.float64).to(dtype).transpose(1, 2)  # [N, C, F], unit C stride
+        temb = {
+            "rows": torch.randn(n, frames, c, dtype=torch.float64).to(dtype).transpose(1, 2),  # [N, C, F], unit C
+            "image": torch.randn(n, c, dtype=torch.float64).to(dtype),
+            "none": None,
+        }[temb_kind]
         gate = torch.rand(n, 1 if per_image_gate else frames, dtype=torch.float64) + 0.25
-        out = z.double() + sc.double() + temb.double()[..., None]
+        out = z.double() + sc.double()
+        if temb is not None:
+            out = out + (temb.double()[..., None] if temb.dim() == 3 else temb.double()[:, :, None, None])
         ref = (res.double() + gate[:, None, :, None] * out) / 1.25
         mean, rstd, _ = emu.conv_epilogue(z, sc, res, temb, gate.float(), inv_scale=0.8, groups=2, eps=1e-6)
-        assert_within_torch_error(z, ref, ref.float().to(dtype), f"y {layout} {dtype}")
+        assert_within_torch_error(z, ref, ref.float().to(dtype), f"y {layout} {dtype} temb {temb_kind}")
         m_ref, r_ref = _group_stats(z, 2, 1e-6)
         assert_close(mean, m_ref, torch.float32, "mean")
         assert_close(rstd, r_ref, torch.float32, "rstd")

@@ -172,6 +172,18 @@ def test_group_norm_statistics_and_apply_alone(emu, shape, groups, channels_last
         assert_within_torch_error(y, y64, y32.to(dtype), f"apply y {tuple(x.shape)} {dtype} {activation!r}")
 
 
+@pytest.mark.parametrize("shape, groups", [((1, 16, 24, 24), 4), ((1, 4, 48, 48), 2)])
+def test_group_norm_statistics_of_uneven_chunks_far_from_zero(emu, shape, groups):
+    # Chunks of 256 + 256 + 64 and 1024 + 1024 + 256 pixels, the mean far above the spread: the first (pivot) mean
+    # must weight the short last chunk by its pixels, or the shifted sums turn into a difference of large fp32 sums.
+    x = (1000 + torch.randn(shape, dtype=torch.float64)).float().contiguous(memory_format=torch.channels_last)
+    mean, rstd = emu.group_norm_stats(x, groups, 1e-5)
+    assert emu.last_plan["n_chunks"] > 1 and shape[2] * shape[3] % emu.last_plan["s_per_chunk"]
+    var64, mean64 = torch.var_mean(x.double().reshape(shape[0], groups, -1), dim=2, unbiased=False)
+    assert_close(mean, mean64, torch.float32, "mean")
+    assert_close(rstd, torch.rsqrt(var64 + 1e-5), torch.float32, "rstd")
+
+
 @pytest.mark.parametrize("shape,groups", [((1, 8, 3, 3), 2), ((2, 12, 5, 7), 4), ((1, 16, 24, 24), 4)])
 @pytest.mark.parametrize("value", [1000.1, -37.3])
 def test_group_norm_statistics_of_constant_groups(emu, shape, groups, value):
@@ -374,6 +386,15 @@ TA_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_temporal_attention(emu, b, f, n, h, d, layout, dtype):
     _check_attention(emu, *_qkv(b, f, n, h, d, dtype, layout))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_temporal_attention_large_logits(emu, dtype):
+    # Scaled logits up to about 50 (raw q.k near 400): finite in fp32 softmax, but only with the running maximum taken
+    # over the scaled scores exp2 sees; a maximum of the raw ones underflows every exp2 to 0 (a NaN row).
+    q, k, v = _qkv(1, 14, 3, 2, 64, dtype, "split")
+    out = _check_attention(emu, (q.double() * 4).to(dtype), (k.double() * 4).to(dtype), v)
+    assert out["blocks"] >= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
