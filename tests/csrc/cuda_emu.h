@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -94,6 +95,10 @@ inline void check_aligned(const void* p, size_t alignment) {
                              " is not aligned to " + std::to_string(alignment) + " bytes");
   }
 }
+
+// Bytes around a launch's dynamic shared memory, checked after every block.
+constexpr size_t kSmemGuardBytes = 1024;
+constexpr unsigned char kSmemGuard = 0xa5;
 
 inline unsigned char* dynamic_smem() {
   const uintptr_t p = reinterpret_cast<uintptr_t>(state().smem.data());
@@ -177,7 +182,11 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
   s.barriers[0].participants = n_threads;
   for (int w = 0; w < n_warps; ++w) s.barriers[1 + w].participants = 32;
   s.exchange.assign(32 * n_warps, 0);
-  s.smem.assign(smem + 128, 0xff);  // garbage, like real shared memory
+  // Garbage, like real shared memory, between guard bytes: a block writing outside its smem bytes (a size computed
+  // too small) is an error here, as it would be an illegal access or corruption on a GPU.
+  s.smem.assign(smem + 128 + kSmemGuardBytes, kSmemGuard);
+  const size_t begin = static_cast<size_t>(dynamic_smem() - s.smem.data());
+  std::fill(s.smem.begin() + begin, s.smem.begin() + begin + smem, 0xff);
   blockDim = block;
   gridDim = grid;
   std::tuple<KArgs...> converted(static_cast<KArgs>(args)...);
@@ -187,6 +196,13 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
       for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = dim3(x, y, z);
         run_block(n_threads);
+        const auto guard_intact = [&](size_t from, size_t to) {
+          return std::all_of(s.smem.begin() + from, s.smem.begin() + to, [](unsigned char b) { return b == kSmemGuard; });
+        };
+        if (!guard_intact(0, begin) || !guard_intact(begin + smem, s.smem.size())) {
+          throw std::runtime_error("cuda_emu: a block wrote outside its " + std::to_string(smem) +
+                                   " bytes of dynamic shared memory");
+        }
       }
 }
 
