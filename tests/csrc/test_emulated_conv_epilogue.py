@@ -193,3 +193,21 @@ def test_group_norm_statistics_from_channel_sums(emu, frames, two_part):
     var, m = torch.var_mean(video, dim=2, unbiased=False)
     assert_close(mean, m, torch.float32, "mean")
     assert_close(rstd, torch.rsqrt(var + 1e-6), torch.float32, "rstd")
+
+
+def test_image_strides_past_2_31_elements(emu):
+    """A shortcut whose image stride is 2^32 + 1024 elements (a batch of VAE-decoder activations passes 2^31): image 1
+    is read at its 64-bit offset. The views lie in one lazily mapped buffer (8 GiB of address space, a few pages
+    touched); a 32-bit offset would land on the -100s at element 1024."""
+    n, c, oh, ow = 2, 8, 1, 2
+    image_stride = 2**32 + 1024
+    try:
+        big = torch.empty(image_stride + 2048, dtype=torch.float16)
+    except RuntimeError as exc:  # the address space (overcommit) refused
+        pytest.skip(f"needs 8 GiB of virtual memory: {exc}")
+    shortcut = big.as_strided((n, c, oh, ow), (image_stride, 1, ow * c, c))
+    shortcut.copy_(torch.arange(n * c * oh * ow, dtype=torch.float16).reshape(n, c, oh, ow) + 1)
+    big[1024 : 1024 + 16].fill_(-100.0)
+    z = torch.zeros(n, c, oh, ow, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    emu.conv_epilogue(z, shortcut)
+    torch.testing.assert_close(z, shortcut.clone(), rtol=0, atol=0)

@@ -429,3 +429,15 @@ def test_temporal_attention_partial_last_block(emu, schedule):
     # 17 sequences, 11 per block: the second block has 6 real sequences and 5 missing ones
     plan = _check_attention(emu, *_qkv(1, 4, 17, 1, 16, torch.float16, "split"))
     assert plan["blocks"] == 2 and plan["per_block"] == 11
+
+
+def test_group_norm_apply_past_the_grid_cap(emu):
+    # A VAE-decoder-sized map: 16.8M packs of 4, more than the 2^16 blocks x 256 threads the launch caps the grid at,
+    # so each thread strides over several packs; every element written (the output is poisoned first).
+    x = torch.randn(1, 16, 2050, 2048)
+    mean, rstd = torch.full((1, 4), 0.5), torch.full((1, 4), 2.0)
+    y = emu.group_norm_apply(x, mean, rstd, None, None, 4, "")
+    assert x.numel() // emu.last_plan["vec"] > 2**24
+    assert not y.isnan().any()
+    tail = slice(2**26 - 4096, None)  # past the first 2^24 packs
+    torch.testing.assert_close(y.reshape(-1)[tail], (x.reshape(-1)[tail] - 0.5) * 2.0, rtol=1e-6, atol=1e-6)
