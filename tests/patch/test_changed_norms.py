@@ -138,6 +138,23 @@ def test_other_hooks_on_a_swapped_child_still_refuse_unpatch():
         ldmopt.unpatch(patched)
 
 
+def test_another_diffusers_hook_on_a_swapped_child_refuses_unpatch_unchanged():
+    """A diffusers ModelHook that is not layerwise casting (which unpatch knows how to carry over) on a fused child:
+    unpatch refuses before changing anything, the model still patched and whole."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model = models.flux().eval()
+    ldmopt.patch(model)
+    HookRegistry.check_if_exists_or_initialize(model.single_transformer_blocks[0].proj_mlp).register_hook(
+        ModelHook(), "custom"
+    )
+    before = snapshot(model)
+    with pytest.raises(ldmopt.patch.PatchError, match=r"single_transformer_blocks\.0: .*\(\.proj_mlp\) got hooks"):
+        ldmopt.unpatch(model)
+    assert ldmopt.is_patched(model)
+    assert_same_snapshot(before, snapshot(model))
+
+
 def test_unpatch_without_casting_is_exact():
     """The carried hooks are only diffusers' layerwise casting: a patched, uncast model unpatches to itself."""
     stock, _ = _flux_bf16()

@@ -516,3 +516,19 @@ def test_compile_repeated_blocks_on_patched_sd15():
         assert len(graphs) > compiled  # the blocks stay compiled: recompiled over diffusers' forward
     finally:
         torch._dynamo.reset()  # the compiled blocks' code would count toward later tests' recompile limits
+
+
+def test_a_hook_registry_emptied_before_patch_does_not_keep_a_block_stock():
+    # Enabling a diffusers hook and removing it again (a cache turned on, then off) leaves an empty HookRegistry on
+    # the module: nothing wraps its forward any more, so the block is patched.
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    vae = models.vae().eval()
+    block = vae.decoder.mid_block.resnets[0]
+    registry = HookRegistry.check_if_exists_or_initialize(block)
+    registry.register_hook(ModelHook(), "temporary")
+    registry.remove_hook("temporary")
+    report = ldmopt.patch(vae)
+    assert any(r.where == "decoder.mid_block.resnets.0" for r in report.replaced), [
+        s.reasons for s in report.skipped if s.where == "decoder.mid_block.resnets.0"
+    ]

@@ -455,6 +455,26 @@ def test_hooks_are_left_stock_and_strict_raises():
     assert any(s.rule == "group_norm_silu" and "decoder.conv_act" in s.reasons[0] for s in report.skipped)
 
 
+def test_a_backward_hook_is_left_stock_and_still_fires():
+    vae = models.vae().eval()
+    calls = []
+    vae.decoder.conv_norm_out.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(1))
+    report = ldmopt.patch(vae, families=["group_norm"])
+    reasons = [r for s in report.skipped if s.where == "decoder.conv_norm_out" for r in s.reasons]
+    assert any("has backward hooks" in r for r in reasons), reasons
+    assert type(vae.decoder.conv_norm_out) is nn.GroupNorm
+    x = torch.randn(1, 4, 8, 8, requires_grad=True)
+    vae.decode(x).sample.sum().backward()
+    assert calls == [1]
+
+
+def test_strict_does_not_count_what_filter_fn_excluded():
+    vae = models.vae().eval()
+    report = ldmopt.patch(vae, filter_fn=lambda module, name: "mid_block" not in name, strict=True)
+    assert report.skipped and all(s.by_user and "mid_block" in s.name for s in report.skipped)
+    assert report.replaced
+
+
 def test_instance_forward_and_quantized_weights_are_left_stock():
     vae = models.vae().eval()
     gn = vae.encoder.mid_block.resnets[0].norm2

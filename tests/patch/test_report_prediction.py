@@ -147,3 +147,16 @@ def test_lora_on_proj_out_names_the_transformer2d_models():
     _assert_predicted(report, _observed_children(report))
     ldmopt.unpatch(unet)
     assert torch.equal(_run(unet, x), ref)
+
+
+def test_a_temporal_processor_running_stock_is_in_the_report():
+    # The processors' own counters reach report.fallbacks(): a call with an attention mask runs the stock processor.
+    model = models.animatediff().eval()
+    report = ldmopt.patch(model, families=("temporal_attention",))
+    attn = next(m for name, m in model.named_modules() if "motion" in name and name.endswith("attn1"))
+    x = torch.randn(6, 3, attn.to_q.in_features)
+    with torch.no_grad():
+        attn(x, attention_mask=torch.zeros(6, 1, 3))
+        attn(x, attention_mask=torch.zeros(6, 1, 3))
+    assert report.fallbacks()["TemporalAttnProcessor ran the stock processor: attention mask"] == 2
+    assert "x2     TemporalAttnProcessor ran the stock processor: attention mask" in str(report)
