@@ -68,6 +68,21 @@ def test_non_tensor_values_are_keys_and_outputs_keep_their_structure(backend):
     handle.remove()
 
 
+def test_another_dtype_of_the_same_shape_is_another_graph(backend):
+    # Keyed on the inputs' dtype as well as their shape: an fp64 call must not replay the fp32 graph (its static
+    # input would round the values to fp32 and its output would stay fp32).
+    toy, handle, wrapper = _graphed_toy()
+    x = torch.randn(2, 5, dtype=torch.float64)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float64, torch.float32, torch.float64):
+            out = toy(x.to(dtype))["out"]
+            expected = x.to(dtype) * toy.weight
+            assert out.dtype == expected.dtype == dtype
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert wrapper.captures == 2 and wrapper.replays == 4
+    handle.remove()
+
+
 def test_capture_failure_keeps_that_signature_eager(backend):
     toy, handle, wrapper = _graphed_toy()
     backend.fail = RuntimeError("operation not permitted when stream is capturing\nmore")

@@ -94,6 +94,29 @@ def test_forward_matches_diffusers(variant, dtype):
     assert_within_torch_error(out, ref, lowp, f"{variant} {dtype}")
 
 
+@pytest.mark.parametrize("when", ["before patch", "after patch"])
+def test_each_norm_keeps_its_own_eps(when):
+    # norm1 and norm2 with different eps (diffusers builds both from one argument; a checkpoint or the user may
+    # change one): each GroupNorm of the fused block normalises with its own.
+    block = _block(VARIANTS["sd-temb-shortcut"][0])
+    x, temb = _inputs(block, 2, 5, torch.float32)
+    if when == "before patch":
+        block.norm1.eps = 1e-2
+    report = ldmopt.patch(block)
+    assert report.counts() == {"resnet": 1}, str(report)
+    if when == "after patch":
+        block.norm1.eps = 1e-2
+    assert block.norm2.eps == 1e-6
+    resnet.fallback_reasons.clear()
+    with ldmopt.use_backend("triton"), torch.no_grad():
+        out = block(x, temb)
+        ref = _run_diffusers(block, x, temb, torch.float64)
+        lowp = _run_diffusers(block, x, temb, torch.float32)
+    assert not resnet.fallback_reasons, dict(resnet.fallback_reasons)
+    assert_within_torch_error(out, ref, lowp, f"norm1.eps=1e-2 set {when}")
+    ldmopt.unpatch(block)
+
+
 @pytest.mark.parametrize(
     "variant,dtype",
     [("sd-temb-shortcut", torch.float32), ("sd-temb-shortcut", torch.float16), ("up", torch.float32),

@@ -130,3 +130,27 @@ def test_unserved_downsamplers_are_skipped_with_reason_or_not_matched():
         report = ldmopt.patch(block)
         assert "downsample_conv" not in report.counts(), str(report)
         assert not [s for s in report.skipped if s.rule == "downsample_conv"], str(report)
+
+
+@pytest.mark.parametrize("norm_type,norm", [("ln_norm", "LayerNorm"), ("rms_norm", "RMSNorm")])
+def test_a_norm_before_the_conv_is_left_stock_with_reason(norm_type, norm):
+    # The fused forward runs only the conv: a Downsample2D that normalizes its input first stays diffusers' own.
+    block = _block(norm_type=norm_type, eps=1e-5, elementwise_affine=True)
+    with torch.no_grad():
+        block.norm.weight.normal_()
+    model, x = torch.nn.Sequential(block), _x()
+    before = snapshot(model)
+    with torch.no_grad():
+        expected = model(x)
+        report = ldmopt.patch(model)
+        with ldmopt.use_backend("triton"):
+            out = model(x)
+            assert handover.take(out, 5, 1e-6, "test") is None  # a GroupNorm reading it asks: still stock after
+            again = model(x)
+    assert_close(out, expected.double(), torch.float32, f"{norm} downsample")  # (an RMSNorm runs ldmopt's kernel)
+    assert_close(again, expected.double(), torch.float32, f"{norm} downsample, asked")
+    skipped = [s.reasons for s in report.skipped if s.rule == "downsample_conv"]
+    assert "downsample_conv" not in report.counts(), str(report)
+    assert skipped == [(f"norm {norm} before the downsampling",)], skipped
+    ldmopt.unpatch(model)
+    assert_same_snapshot(before, snapshot(model))

@@ -251,6 +251,34 @@ def test_per_call_fallbacks_match_stock(change, expected, fused_adds):
     assert _residual_gemms(report) == {"triton": fused_adds}, report.backends()
 
 
+@pytest.mark.parametrize("attn", ["attn1", "attn2"])
+@pytest.mark.parametrize(
+    "attr,value,expected",
+    [
+        ("rescale_output_factor", 2.0, "rescale_output_factor is 2.0"),
+        ("residual_connection", True, "residual_connection is set"),
+    ],
+)
+def test_epilogue_changed_after_patching_runs_stock(attn, attr, value, expected):
+    """A rescale factor other than 1 or the attention's own residual add, set after patching: what follows to_out[0]
+    is not the identity, so that attention's add runs stock (the reason counted); the other two stay fused."""
+    block = _block()
+    hidden, context = _inputs()
+    stock_block = copy.deepcopy(block)
+    report = ldmopt.patch(block)
+    for b in (block, stock_block):
+        setattr(getattr(b, attn), attr, value)
+    exact = _exact(stock_block, hidden, context)
+    fallback_reasons.clear()
+    with torch.no_grad():
+        ref = _call(stock_block, hidden, context)
+        with ldmopt.use_backend("triton"):
+            out = _call(block, hidden, context)
+    assert_within_torch_error(out, exact, ref, f"{attn}.{attr}={value}")
+    assert any(f"{attn}.{expected}" in r for r in fallback_reasons), dict(fallback_reasons)
+    assert _residual_gemms(report) == {"triton": 2}, report.backends()
+
+
 @pytest.mark.parametrize("change", ["final_dropout", "hooked ff"])
 def test_feed_forward_kept_stock_attention_still_fused(change):
     block = _block(final_dropout=change == "final_dropout")

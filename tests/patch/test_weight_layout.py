@@ -190,6 +190,33 @@ def test_unpatch_leaves_a_weight_the_user_re_laid_out_and_a_copy_restores_its_ow
     assert all(_channels_last(m.weight) for m in _fused_read(model2).values())
 
 
+class _Resnets(nn.Module):
+    """Only ResnetBlock2D modules: every spatial conv is one the fused forwards read (the 1x1 shortcut is neither
+    converted nor a witness), so no stock conv tells whether the user converted the model meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        from diffusers.models.resnet import ResnetBlock2D
+
+        self.first = ResnetBlock2D(in_channels=8, out_channels=16, temb_channels=None, groups=4)
+        self.second = ResnetBlock2D(in_channels=16, out_channels=16, temb_channels=None, groups=4)
+
+    def forward(self, x):
+        return self.second(self.first(x, None), None)
+
+
+def test_unpatch_restores_the_layout_of_a_model_whose_every_conv_was_converted():
+    model = _Resnets().eval()
+    assert len(_spatial_convs(model)) == 4  # conv1 and conv2 of each
+    before = snapshot(model)
+    report = ldmopt.patch(model)
+    assert report.converted_weights[""][0] == 4
+    assert all(_channels_last(m.weight) for m in _spatial_convs(model).values())
+    ldmopt.unpatch(model)
+    assert_same_snapshot(before, snapshot(model))  # strides included
+    assert all(m.weight.is_contiguous() for m in _spatial_convs(model).values())
+
+
 def test_a_model_converted_to_channels_last_while_patched_stays_so_after_unpatch():
     # model.to(memory_format=channels_last) after patch changes only the stock convs (ours already are): their change
     # says what the user asked for, so unpatch leaves every weight channels-last instead of undoing half the request.
