@@ -176,23 +176,17 @@ def test_many_sequences_one_program_each_head():
     assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "195 sequences")
 
 
-def test_long_sequences_fall_back_to_reference():
-    q, k, v = _make(1, MAX_FRAMES + 1, 1, 1, 16, "bfnc", torch.float32)
+@pytest.mark.parametrize(
+    "f, d, limit",
+    [(MAX_FRAMES + 1, 16, f"F={MAX_FRAMES + 1} frames"), (4, 264, "head_dim=264")],  # past the kernels' F or head_dim
+)
+def test_sizes_past_the_kernels_fall_back_to_reference(f, d, limit):
+    q, k, v = _make(1, f, 2, 1, d, "bfnc", torch.float32)
     ldmopt.ops.backend_counts.clear()
     out = temporal_attention(q, k, v)
     assert ldmopt.ops.backend_counts[("temporal_attention", "torch")] == 1
-    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "F=65")
-    with pytest.raises(ldmopt.BackendUnavailableError, match="F=65 frames"), ldmopt.use_backend("triton"):
-        temporal_attention(q, k, v)
-
-
-def test_head_dims_past_the_kernels_fall_back_to_reference():
-    q, k, v = _make(1, 4, 2, 1, 264, "bfnc", torch.float32)  # head_dim 264 > 256
-    ldmopt.ops.backend_counts.clear()
-    out = temporal_attention(q, k, v)
-    assert ldmopt.ops.backend_counts[("temporal_attention", "torch")] == 1
-    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, "head_dim=264")
-    with pytest.raises(ldmopt.BackendUnavailableError, match="head_dim=264"), ldmopt.use_backend("triton"):
+    assert_close(out, _sdpa(q.double(), k.double(), v.double()), torch.float32, limit)
+    with pytest.raises(ldmopt.BackendUnavailableError, match=limit), ldmopt.use_backend("triton"):
         temporal_attention(q, k, v)
 
 
