@@ -340,6 +340,12 @@ def gn_conv2d_op(
         if t is not None and (t.dim() != 4 or conv_output_size(*t.shape[2:], 1, 1, 0, mode) != out_size):
             raise ValueError(f"gn_conv2d: {name} of shape {tuple(t.shape)} with {mode!r} resampling does not give the "
                              f"output's {out_size[0]}x{out_size[1]} pixels")  # fmt: skip
+    n, c_out = x.shape[0], weight.shape[0]
+    if temb is not None and tuple(temb.shape) not in ((n, c_out), (n, c_out, out_size[0])):
+        raise ValueError(f"gn_conv2d: temb of shape {tuple(temb.shape)} is not ({n}, {c_out}) or ({n}, {c_out}, "
+                         f"{out_size[0]})")  # fmt: skip
+    if gate is not None and tuple(gate.shape) not in ((n, 1), (n, out_size[0])):
+        raise ValueError(f"gn_conv2d: gate of shape {tuple(gate.shape)} is not ({n}, 1) or ({n}, {out_size[0]})")
     if out_layer_norm and out_groups:
         raise ValueError(f"gn_conv2d: out_layer_norm with out_groups={out_groups}: one kind of output statistics")
     if out_layer_norm and out_channel_sums:

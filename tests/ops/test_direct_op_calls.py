@@ -108,6 +108,14 @@ def test_direct_calls_missing_what_they_read_are_refused(backend):
             x, None, None, None, None, w, None, None, small, None, None, None, None, 0, "", 1, [1, 1], "none", "up",
             "none", 1.0, 0, 0.0,
         ),
+        r"temb of shape \(1, 7\) is not \(1, 8\) or \(1, 8, 4\)": lambda: torch.ops.ldmopt.gn_conv2d(
+            x, None, None, None, None, w, None, torch.randn(1, 7), None, None, None, None, None, 0, "", 1, [1, 1],
+            "none", "none", "none", 1.0, 0, 0.0,
+        ),
+        r"gate of shape \(1, 3\) is not \(1, 1\) or \(1, 4\)": lambda: torch.ops.ldmopt.gn_conv2d(
+            x, None, None, None, None, w, None, None, None, None, None, None, torch.randn(1, 3), 0, "", 1, [1, 1],
+            "none", "none", "none", 1.0, 0, 0.0,
+        ),
     }  # fmt: skip
     for match, call in calls.items():
         with ldmopt.use_backend(backend), pytest.raises(ValueError, match=match):
