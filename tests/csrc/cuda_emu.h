@@ -187,6 +187,9 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
   s.smem.assign(smem + 128 + kSmemGuardBytes, kSmemGuard);
   const size_t begin = static_cast<size_t>(dynamic_smem() - s.smem.data());
   std::fill(s.smem.begin() + begin, s.smem.begin() + begin + smem, 0xff);
+  const auto guard_intact = [&](size_t from, size_t to) {
+    return std::all_of(s.smem.begin() + from, s.smem.begin() + to, [](unsigned char b) { return b == kSmemGuard; });
+  };
   blockDim = block;
   gridDim = grid;
   std::tuple<KArgs...> converted(static_cast<KArgs>(args)...);
@@ -196,9 +199,6 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
       for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = dim3(x, y, z);
         run_block(n_threads);
-        const auto guard_intact = [&](size_t from, size_t to) {
-          return std::all_of(s.smem.begin() + from, s.smem.begin() + to, [](unsigned char b) { return b == kSmemGuard; });
-        };
         if (!guard_intact(0, begin) || !guard_intact(begin + smem, s.smem.size())) {
           throw std::runtime_error("cuda_emu: a block wrote outside its " + std::to_string(smem) +
                                    " bytes of dynamic shared memory");
