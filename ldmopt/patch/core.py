@@ -23,7 +23,7 @@ from torch import nn
 from ..graphs import graphed_models
 from ..nn import stats_handover
 from .guards import generic_reasons, read_in_place_reasons
-from .report import PatchReport, Replaced, Skipped
+from .report import PatchReport, Replaced, Skipped, _where
 from .rule import FAMILIES, REPLACED, ChildSwapRule, Rule, Site, restore_child, swap_class
 from .rules_attention import companion_actions, installed_processor, restore_unrecorded_processors
 from .targets import PatchError, forget_patched, former_components, fsdp_sharding, models_of, remember_patched
@@ -290,7 +290,8 @@ def patch(
             pipeline component, e.g. ``"unet.down_blocks.0.resnets.0"``). It runs while patch holds the lock that
             serializes patch/unpatch across threads: it must not wait on another thread that patches.
         strict: raise :class:`PatchError` listing every module that would stay on the stock path (for reasons
-            other than ``filter_fn``), before changing anything.
+            other than ``filter_fn``) and every fused module part of which would (a LoRA, quantized or hooked child
+            it reads in place: ``PatchReport.partly_stock``), before changing anything.
         training: the model will be trained: modules whose fused path would skip a dropout with p > 0 stay on
             the stock path. (With the default False, such modules fall back to the stock forward while in
             train mode.)
@@ -333,10 +334,19 @@ def patch(
         report.models[label] = type(model).__name__
         plans.append((label, model, _plan(label, model, selected, filter_fn, training, report, planned, walked)))
     if strict:
-        refused = [s for s in report.skipped if not s.by_user]
-        if refused:
-            lines = "\n".join(f"  {s.where} [{s.rule}]: {'; '.join(s.reasons)}" for s in refused)
-            raise PatchError(f"ldmopt.patch(strict=True): {len(refused)} modules would stay stock:\n" + lines)
+        refused = [f"  {s.where} [{s.rule}]: {'; '.join(s.reasons)}" for s in report.skipped if not s.by_user]
+        # A LoRA, quantized or hooked child that a fused forward reads in place: that part runs stock on every call.
+        partly = [
+            f"  {_where(label, site.name)} [{rule.name}]: {'; '.join(parts)}"
+            for label, _, actions in plans
+            for rule, site, parts in actions
+            if parts
+        ]
+        if refused or partly:
+            sections = [f"{len(refused)} modules would stay stock:", *refused] if refused else []
+            if partly:
+                sections += [f"{len(partly)} fused modules would run parts stock on every call:", *partly]
+            raise PatchError("ldmopt.patch(strict=True): " + "\n".join(sections))
     # All or nothing across the pipeline's models: a replace that raises undoes this call's earlier ones too.
     wanted_layout = (not training) if channels_last_weights is None else bool(channels_last_weights)
     applied: list[tuple[nn.Module, list[_Record]]] = []

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import ldmopt
+from ldmopt.patch import PatchError
 from tests.patch import models
 from tests.patch.helpers import assert_outputs_close, output_tensor
 
@@ -160,3 +161,18 @@ def test_a_temporal_processor_running_stock_is_in_the_report():
         attn(x, attention_mask=torch.zeros(6, 1, 3))
     assert report.fallbacks()["TemporalAttnProcessor ran the stock processor: attention mask"] == 2
     assert "x2     TemporalAttnProcessor ran the stock processor: attention mask" in str(report)
+
+
+def test_strict_refuses_a_model_whose_fused_modules_would_run_parts_stock():
+    unet = _with_lora(models.sd15_unet().eval(), ATTENTION)
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    blocks = {n for n, m in unet.named_modules() if type(m).__name__ == "BasicTransformerBlock"}
+    with pytest.raises(PatchError, match=rf"{len(blocks)} fused modules would run parts stock") as raised:
+        ldmopt.patch(unet, strict=True)
+    message = str(raised.value)
+    assert all(f"  {name} [residual_block]: " in message for name in blocks), message
+    assert "PEFT/LoRA layers" in message
+    assert not ldmopt.is_patched(unet)  # refused before anything changed
+    assert all(torch.equal(v, before[k]) for k, v in unet.state_dict().items())
+    # The same LoRA on a model with no fused module reading it: strict passes.
+    assert ldmopt.patch(unet, strict=True, families=("gn_conv",)).replaced
