@@ -42,17 +42,24 @@ def _sources() -> list[Path]:
     return sorted([*(ROOT / "csrc").rglob("*"), HERE / "cuda_emu.h", HERE / "emu_entry.cpp"])
 
 
+#: Set (to any value) in a process started with libasan preloaded: the emulator is built with AddressSanitizer, which
+#: also guards the kernels' static ``__shared__`` arrays (function-local statics here), where the dynamic shared
+#: memory's guard bytes (cuda_emu.h) do not reach (test_emulated_asan.py).
+ASAN_ENV = "LDMOPT_EMU_ASAN"
+
+
 def build() -> ctypes.CDLL:
     """Compile (cached by a hash of the sources) and load the emulator library."""
+    sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get(ASAN_ENV) else []
 
     def command(out: Path) -> list[str]:
         return [
-            "g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-DLDMOPT_EMULATE",
+            "g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-DLDMOPT_EMULATE", *sanitize,
             f"-I{ROOT / 'csrc'}", f"-I{HERE}", f"-I{cuda_include_dir()}",
             "-x", "c++", str(HERE / "emu_entry.cpp"), "-o", str(out),
         ]  # fmt: skip
 
-    lib = ctypes.CDLL(str(compile_cached("emu", _sources(), command)))
+    lib = ctypes.CDLL(str(compile_cached("emu-asan" if sanitize else "emu", _sources(), command)))
     lib.emu_last_error.restype = ctypes.c_char_p
     return lib
 
