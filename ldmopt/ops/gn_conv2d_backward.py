@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ._dispatch import call, register_autograd_keeping_backend
-from .gn_conv2d import _is_channels_last, _pre_gate, gn_conv2d_op, resample_input
+from .gn_conv2d import _is_channels_last, gn_conv2d_op
+from .gn_conv2d_reference import _pre_gate, resample_input
 from .gn_conv2d_stats import _cat, _stats_dtype
 from .group_norm import group_norm_bwd
 from .group_norm_apply import group_norm_apply

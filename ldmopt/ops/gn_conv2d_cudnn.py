@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .conv_epilogue import conv_epilogue
-from .gn_conv2d import _conv, resample_input
+from .gn_conv2d_reference import _conv, resample_input
 from .gn_conv2d_stats import _cat
 
 
