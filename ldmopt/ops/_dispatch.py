@@ -57,6 +57,9 @@ OTHER_REASONS = f"other reasons (more than {MAX_REASONS} distinct ones were seen
 #: backend refused the inputs (not forced: ``use_backend`` / LDMOPT_BACKEND choices are the user's). PatchReport's
 #: ``fallbacks()`` lists them.
 fallback_reasons: Counter[tuple[str, str, str]] = Counter()
+#: (op, ((backend, reason), ...)) -> calls: the same events, one key per call with every refusal it met (a call
+#: refused by both cuda and triton counts once here, twice above); the patch report's summary lists these.
+fallback_calls: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
 
 
 def count_bounded(counter: Counter, key: object) -> None:
@@ -486,11 +489,15 @@ class BackendTable:
         return launch(backend, args)
 
     def record_refusals(self, args: Sequence) -> None:
-        """Count in ``fallback_reasons`` why each preferred backend refused these inputs (the reference runs)."""
+        """Count in ``fallback_reasons`` why each preferred backend refused these inputs (the reference runs), and
+        in ``fallback_calls`` the call with all of them."""
+        refusals = []
         for other in self.backends:
             if other.name != "torch":
                 for reason in other.refuse(*args):
                     count_bounded(fallback_reasons, (self.op_name, other.name, reason))
+                    refusals.append((other.name, reason))
+        count_bounded(fallback_calls, (self.op_name, tuple(refusals)))
 
 
 def launch(backend: Backend, args: Sequence):

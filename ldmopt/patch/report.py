@@ -3,7 +3,6 @@ will run stock per call as the model stands (a LoRA loaded before patch), what r
 
 from __future__ import annotations
 
-import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -66,6 +65,7 @@ class PatchReport:
     descriptions: dict[str, str] = field(default_factory=dict)
     _counts_at_patch: Counter = field(default_factory=Counter, repr=False)
     _fallbacks_at_patch: Counter = field(default_factory=Counter, repr=False)
+    _fallback_calls_at_patch: Counter = field(default_factory=Counter, repr=False)
     _layout_copies_at_patch: Counter = field(default_factory=Counter, repr=False)
     _handovers_at_patch: Counter = field(default_factory=Counter, repr=False)
     #: Per model: (convs, bytes) whose weights this call made channels-last (``patch(channels_last_weights=)``).
@@ -84,10 +84,11 @@ class PatchReport:
         """Start :meth:`backends`, :meth:`fallbacks`, :meth:`layout_copies` and :meth:`handovers` from the counters'
         values now."""
         from ..nn.stats_handover import handed_over
-        from ..ops._dispatch import backend_counts
+        from ..ops._dispatch import backend_counts, fallback_calls
 
         self._counts_at_patch = snapshot_counts(backend_counts)
         self._fallbacks_at_patch = fallback_counts()
+        self._fallback_calls_at_patch = snapshot_counts(fallback_calls)
         self._layout_copies_at_patch = layout_copy_counts()
         self._handovers_at_patch = snapshot_counts(handed_over)
 
@@ -161,6 +162,23 @@ class PatchReport:
                 out[key] = out.get(key, 0) + n
         return out
 
+    def _fallback_summary(self) -> dict[str, int]:
+        """:meth:`fallbacks` with one line per op call instead of one per refusing backend: the ops' lines come from
+        the per-call record (``fallback_calls``), each listing every backend's reason that call met."""
+        from ..ops._dispatch import OTHER_REASONS, fallback_calls
+
+        fallbacks = self.fallbacks()
+        ops = _increase(fallback_counts(_OP_COUNTERS), self._fallbacks_at_patch)
+        summary = {k: n for k, n in fallbacks.items() if k not in ops}
+        for key, n in _increase(snapshot_counts(fallback_calls), self._fallback_calls_at_patch).items():
+            if key == OTHER_REASONS:
+                text = f"an op ran the reference backend: {key}"
+            else:
+                op, refusals = key
+                text = f"{op} ran the reference backend ({'; '.join(f'{b} refused: {r}' for b, r in refusals)})"
+            summary[text] = summary.get(text, 0) + n
+        return summary
+
     def __str__(self) -> str:
         models = ", ".join(f"{k or 'model'} ({v})" for k, v in self.models.items()) or "none"
         partly = len(self.partly_stock)
@@ -215,7 +233,7 @@ class PatchReport:
             lines.append("  fused calls that first copied their input or weight to channels-last since patch:")
             for what, n in sorted(copies.items(), key=lambda kv: -kv[1]):
                 lines.append(f"    x{n:<5} {what}")
-        fell_back = _merged_refusals(self.fallbacks())
+        fell_back = self._fallback_summary()
         if fell_back:
             lines.append("  calls that took the stock or reference path since patch:")
             for reason, n in sorted(fell_back.items(), key=lambda kv: -kv[1]):
@@ -266,26 +284,6 @@ def _op_fallback(key: tuple[str, str, str] | str) -> str:
     return f"{op} ran the reference backend ({backend} refused: {reason})"
 
 
-_OP_FALLBACK = re.compile(r"^(\S+) ran the reference backend \((\w+) refused: (.*)\)$", re.S)
-
-
-def _merged_refusals(fell_back: dict[str, int]) -> dict[str, int]:
-    """One line per op call instead of one per refusing backend: each call that ran an op's reference backend
-    counts every preferred backend's reason (cuda's and triton's), so the same calls show once per backend;
-    lines of one op with the same count are those calls, and become one listing every reason."""
-    merged: dict[str, int] = {}
-    groups: dict[tuple[str, int], list[str]] = {}
-    for text, n in fell_back.items():
-        match = _OP_FALLBACK.match(text)
-        if match is None:
-            merged[text] = n
-        else:
-            groups.setdefault((match[1], n), []).append(f"{match[2]} refused: {match[3]}")
-    for (op, n), reasons in groups.items():
-        merged[f"{op} ran the reference backend ({'; '.join(reasons)})"] = n
-    return merged
-
-
 def _layout_fallback(key: tuple[str, str] | str) -> str:
     if isinstance(key, str):  # OTHER_REASONS
         return f"a temporal layer ran diffusers' forward: {key}"
@@ -300,6 +298,7 @@ _FALLBACK_COUNTERS = (
     ("ldmopt.nn.temporal_layout", "fallback_reasons", _layout_fallback),
     ("ldmopt.nn.child_check", "fallback_reasons", str),
 )
+_OP_COUNTERS = tuple(c for c in _FALLBACK_COUNTERS if c[0] == "ldmopt.ops._dispatch")
 # Per-call layout-copy counters: (module, attribute, label prefix).
 _LAYOUT_COUNTERS = (
     ("ldmopt.ops.gn_conv2d", "fused conv: "),
@@ -318,11 +317,11 @@ def layout_copy_counts() -> Counter:
     return out
 
 
-def fallback_counts() -> Counter:
+def fallback_counts(counters=_FALLBACK_COUNTERS) -> Counter:
     """{description: count} from the fall-back counters of the ldmopt modules loaded so far. Each counter is copied
     first (snapshot_counts): other threads may be adding keys while it is read."""
     out: Counter = Counter()
-    for module_name, attr, describe in _FALLBACK_COUNTERS:
+    for module_name, attr, describe in counters:
         for key, n in snapshot_counts(getattr(sys.modules.get(module_name), attr, None) or {}).items():
             out[describe(key)] += n
     return out

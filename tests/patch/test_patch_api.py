@@ -610,3 +610,19 @@ def test_the_report_lists_each_op_call_that_fell_back_once():
     assert len(lines) == 1 and lines[0].split()[0] == "x2", str(report)
     assert "triton refused" in lines[0]
     assert sum(n for k, n in report.fallbacks().items() if k.startswith("group_norm ran")) >= 2  # the dict: per backend
+
+
+def test_the_report_keeps_calls_with_different_refusals_apart():
+    """Two kinds of calls that fell back as often as each other, for different reasons: one line each, each with its
+    own call count and only its own reasons (not one line joining every reason of that count)."""
+    report = ldmopt.patch(torch.nn.Sequential(torch.nn.GroupNorm(2, 8)))
+    for dtype in (torch.float64, torch.bfloat16):  # the kernel refuses fp64; the interpreter's tl.dot, bf16
+        x, w = torch.randn(5, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
+        for _ in range(3):
+            ldmopt.ops.linear(x, w, None)
+    lines = [line for line in str(report).splitlines() if " linear ran the reference backend" in line]
+    assert len(lines) == 2, str(report)
+    assert all(line.split()[0] == "x3" for line in lines), lines
+    (fp64_line,) = [line for line in lines if "float64" in line]
+    (bf16_line,) = [line for line in lines if "bf16" in line]
+    assert "bf16" not in fp64_line and "float64" not in bf16_line, lines
