@@ -249,8 +249,11 @@ class GraphedMethod:
                 graph = self.graphs.get(key)
                 if graph is None:
                     if key in self.refused:
+                        self.refused.move_to_end(key)  # seen again: the most recently seen, last forgotten
                         raise _Eager(self.refused[key])
                     return self._capture(key, tensors_key, leaves, spec, device, args, kwargs)
+                if tensors_key in self._variants:
+                    self._variants.move_to_end(tensors_key)
                 return self._replay(key, graph, leaves, device)
             except _Eager as why:
                 reason = str(why)
@@ -394,8 +397,10 @@ class GraphedMethod:
 
     # -- management -------------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop every graph and static buffer, and forget why calls ran eagerly: the next call of each signature
-        captures again (after a change to the model, or the cause of an eager reason fixed)."""
+        """Drop every graph and static buffer, and forget the decisions to run eagerly (failed captures, value
+        variants, moved parameters): the next call of each signature captures again (after a change to the model,
+        or the cause of an eager reason fixed). The counts of past calls (captures, replays, eager calls by reason)
+        are history and stay."""
         with self._lock:  # not in the middle of another thread's capture
             self._drop()
             self.disabled = None
