@@ -539,8 +539,16 @@ def _final_report(
     report: PatchReport, first: PatchReport, sites: list[TuneSite], kept: set[SiteKey], why: dict[SiteKey, str]
 ) -> PatchReport:
     """``report`` (the final patch's, or ``first`` when nothing stays patched) listing as left on the stock path
-    what the plain patch left there (``first``'s reasons) and every rejected site with the times that decided it,
-    in place of the exclusions of tune's filter_fn."""
+    what the plain patch left there (``first``'s reasons), what the caller's filter_fn excluded from a kept site
+    that the plain patch had not (``patch_tuned`` compares sites without it: a rule of a site with several), and
+    every rejected site with the times that decided it, in place of the exclusions of tune's filter_fn."""
+    listed = {(s.model, s.name, s.rule) for s in first.skipped}
+    # The final patch's filter lets every module of a kept site through but for the caller's exclusions.
+    callers = [
+        s
+        for s in (report.skipped if report is not first else ())
+        if s.by_user and (s.model, s.name) in kept and (s.model, s.name, s.rule) not in listed
+    ]
     if report is first:  # nothing patched now: what first's patch did was undone
         report.replaced = []
         report.converted_weights = {}
@@ -550,6 +558,7 @@ def _final_report(
     rejected = [s for s in sites if s.key not in kept]
     report.skipped = [
         *first.skipped,
+        *callers,
         *(Skipped(s.key[0], s.key[1], rule, family, (why[s.key],)) for s in rejected for rule, family in s.rules),
     ]
     return report
