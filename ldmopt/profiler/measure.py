@@ -25,7 +25,7 @@ from torch import nn
 
 from . import _kineto_log
 from . import categories as C
-from .scopes import ATTENTION_SCOPE, NORM_SCOPE, ModuleScopes
+from .scopes import ATTENTION_SCOPE, MODULE_SCOPE, NORM_SCOPE, ModuleScopes
 from .settings import check_setting, positive, refuse_setting_with_inputs
 
 _OP_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)::[A-Za-z_]")
@@ -187,7 +187,7 @@ def _chain(evt):
 
 def _scope_of(evt, forward_scopes: dict[int, str]) -> str | None:
     for e in _chain(evt):
-        if e.name.startswith((ATTENTION_SCOPE, NORM_SCOPE)):
+        if e.name.startswith((ATTENTION_SCOPE, NORM_SCOPE, MODULE_SCOPE)):  # the innermost scope speaks
             return e.name
         if e.name.startswith(_BACKWARD_NODE) and e.sequence_nr >= 0:
             return forward_scopes.get(e.sequence_nr)

@@ -2,7 +2,8 @@
 
 ``ModuleScopes(modules, annotate=True)`` installs a forward pre-hook and a forward hook on every submodule. It keeps a
 stack of the running modules (for the cost model) and, with ``annotate=True``, opens a ``record_function`` range per
-attention module (``ldmopt.attention.<kind>::<path>``) and per normalisation module (``ldmopt.norm::<path>``) so
+attention module (``ldmopt.attention.<kind>::<path>``), per normalisation module (``ldmopt.norm::<path>``) and per
+direct child of an attention module (``ldmopt.module::<path>``: its projections, whose ops are not attention) so
 torch.profiler events can be attributed. Hooks are removed on exit.
 """
 
@@ -18,6 +19,8 @@ from .categories import TEMPORAL_MARKERS, attention_kind_of, is_attention_module
 
 ATTENTION_SCOPE = "ldmopt.attention."
 NORM_SCOPE = "ldmopt.norm::"
+#: A module run directly by an attention module (to_q, to_out ...): its ops are not the attention's own.
+MODULE_SCOPE = "ldmopt.module::"
 
 
 @dataclass
@@ -84,6 +87,8 @@ class ModuleScopes:
                     frame.annotation = _open(f"{ATTENTION_SCOPE}{frame.attention_kind}::{path}")
             elif role == "norm" and self.annotate:
                 frame.annotation = _open(f"{NORM_SCOPE}{path}")
+            elif self.annotate and self.stack and self.stack[-1].role == "attention":
+                frame.annotation = _open(f"{MODULE_SCOPE}{path}")
             self.stack.append(frame)
 
         return hook
