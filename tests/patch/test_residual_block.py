@@ -56,6 +56,21 @@ def _exact(block, hidden, context, **kwargs):
         return _call(copy.deepcopy(block).double(), double(hidden), double(context), **kwargs)
 
 
+def _stock_and_fused(stock_block, block, hidden, context, hook_calls=(), **kwargs):
+    """(the fp64 reference, the stock fp32 output, the patched output under Triton) of one call, with
+    ``fallback_reasons`` counting the patched call only. ``hook_calls``: lists of hook calls to empty once the fp64
+    copy has run (its deep copy carries the hooks)."""
+    exact = _exact(stock_block, hidden, context, **kwargs)
+    for calls in hook_calls:
+        calls.clear()
+    fallback_reasons.clear()
+    with torch.no_grad():
+        ref = _call(stock_block, hidden, context, **kwargs)
+        with ldmopt.use_backend("triton"):
+            out = _call(block, hidden, context, **kwargs)
+    return exact, ref, out
+
+
 def _residual_gemms(report) -> dict[str, int]:
     """Runs per backend of the fused residual GEMMs: linear, and linear_stats (those that also sum their output's
     LayerNorm statistics for the norm after them)."""
@@ -237,13 +252,7 @@ def test_per_call_fallbacks_match_stock(change, expected, fused_adds):
     stock_calls, calls = [], []
     _change(stock_block, change, stock_calls)
     _change(block, change, calls)
-    exact = _exact(stock_block, hidden, context, **kwargs)
-    fallback_reasons.clear()
-    stock_calls.clear()  # the fp64 copy's hook ran too
-    with torch.no_grad():
-        ref = _call(stock_block, hidden, context, **kwargs)
-        with ldmopt.use_backend("triton"):
-            out = _call(block, hidden, context, **kwargs)
+    exact, ref, out = _stock_and_fused(stock_block, block, hidden, context, (stock_calls,), **kwargs)
     reasons = list(fallback_reasons)
     assert any(expected in r for r in reasons), reasons
     assert calls == stock_calls  # a hooked attention still ran as a module
@@ -268,12 +277,7 @@ def test_epilogue_changed_after_patching_runs_stock(attn, attr, value, expected)
     report = ldmopt.patch(block)
     for b in (block, stock_block):
         setattr(getattr(b, attn), attr, value)
-    exact = _exact(stock_block, hidden, context)
-    fallback_reasons.clear()
-    with torch.no_grad():
-        ref = _call(stock_block, hidden, context)
-        with ldmopt.use_backend("triton"):
-            out = _call(block, hidden, context)
+    exact, ref, out = _stock_and_fused(stock_block, block, hidden, context)
     assert_within_torch_error(out, exact, ref, f"{attn}.{attr}={value}")
     assert any(f"{attn}.{expected}" in r for r in fallback_reasons), dict(fallback_reasons)
     assert _residual_gemms(report) == {"triton": 2}, report.backends()
@@ -290,13 +294,7 @@ def test_feed_forward_kept_stock_attention_still_fused(change):
     if change == "hooked ff":  # e.g. diffusers' layer-skip guidance, added after patching
         block.ff.register_forward_hook(lambda *a: calls.append(1))
         stock_block.ff.register_forward_hook(lambda *a: stock_calls.append(1))
-    exact = _exact(stock_block, hidden, context)
-    stock_calls.clear()
-    fallback_reasons.clear()
-    with torch.no_grad():
-        ref = _call(stock_block, hidden, context)
-        with ldmopt.use_backend("triton"):
-            out = _call(block, hidden, context)
+    exact, ref, out = _stock_and_fused(stock_block, block, hidden, context, (stock_calls,))
     assert calls == stock_calls == ([1] if change == "hooked ff" else [])
     assert any(r.startswith("FeedForward ran the stock path") for r in fallback_reasons), dict(fallback_reasons)
     assert _residual_gemms(report) == {"triton": 2}, report.backends()  # both attentions' epilogues
@@ -351,12 +349,7 @@ def test_hook_on_output_dropout_runs():
     ldmopt.patch(block)
     for b in (block, stock_block):  # a hook that changes the output: skipping it would show
         b.attn1.to_out[1].register_forward_hook(lambda module, args, out: 0.5 * out)
-    exact = _exact(stock_block, hidden, context)
-    fallback_reasons.clear()
-    with torch.no_grad():
-        ref = _call(stock_block, hidden, context)
-        with ldmopt.use_backend("triton"):
-            out = _call(block, hidden, context)
+    exact, ref, out = _stock_and_fused(stock_block, block, hidden, context)
     assert any("attn1.to_out.1 has hooks" in r for r in fallback_reasons), dict(fallback_reasons)
     assert_within_torch_error(out, exact, ref, "hooked dropout")
 
@@ -438,12 +431,7 @@ def test_norm_fallbacks_match_stock(change, expected, normed):
             old = b.norm2
             b.norm2 = _Norm(DIM)
             b.norm2.load_state_dict(old.state_dict())
-    exact = _exact(stock_block, hidden, context)
-    fallback_reasons.clear()
-    with torch.no_grad():
-        ref = _call(stock_block, hidden, context)
-        with ldmopt.use_backend("triton"):
-            out = _call(block, hidden, context)
+    exact, ref, out = _stock_and_fused(stock_block, block, hidden, context)
     assert any(expected in r for r in fallback_reasons), dict(fallback_reasons)
     assert report.backends()["layer_norm_linear"] == {"triton": normed}, report.backends()
     assert_within_torch_error(out, exact, ref, change)
