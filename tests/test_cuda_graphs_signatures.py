@@ -181,8 +181,11 @@ def test_a_value_captured_before_captures_again_after_eviction(backend, no_warni
     handle.remove()
 
 
-def test_remembered_signatures_are_forgotten_least_recently_seen_first(backend, monkeypatch):
-    """The value variants remembered per set of tensors: the one seen last survives a newcomer, the older one goes."""
+@pytest.mark.parametrize("refresh", ["eager", "replay"])
+def test_remembered_signatures_are_forgotten_least_recently_seen_first(backend, monkeypatch, refresh):
+    """The value variants remembered per set of tensors: the one seen last survives a newcomer, the older one goes.
+    Seen last by an eager call (one value too many) or by a replay of a captured value alike: the set's further
+    value still runs eagerly instead of capturing one graph too many."""
     monkeypatch.setattr(graphs, "MAX_REMEMBERED_KEYS", 2)
     model, handle, wrapper = _graphed()
     a, b, c = (torch.randn(n, 5) for n in (1, 2, 3))
@@ -191,10 +194,11 @@ def test_remembered_signatures_are_forgotten_least_recently_seen_first(backend, 
         for scale in range(graphs.MAX_VALUE_VARIANTS):
             model(a, scale=float(scale))
         model(b)
-        model(a, scale=10.0)  # one value too many: eager, and a's variants are the most recently seen
+        model(a, scale=10.0 if refresh == "eager" else 0.0)  # a's variants are now the most recently seen
         model(c)  # forgets b's, not a's
         model(a, scale=11.0)  # still one value too many
-    assert wrapper.captures == graphs.MAX_VALUE_VARIANTS + 2 and sum(wrapper.eager_calls.values()) == 2
+    eager = 2 if refresh == "eager" else 1
+    assert wrapper.captures == graphs.MAX_VALUE_VARIANTS + 2 and sum(wrapper.eager_calls.values()) == eager
     handle.remove()
 
 
@@ -217,24 +221,6 @@ def test_a_failed_signature_seen_again_is_forgotten_last(backend, monkeypatch):
         assert len(attempts) == 3
         model(b)  # forgotten: tried once more
         assert len(attempts) == 4
-    handle.remove()
-
-
-def test_replays_keep_their_value_variants_remembered(backend, monkeypatch):
-    """Replaying a set of tensors makes its value variants the most recently seen: a newcomer forgets another
-    set's, so a further value of the replayed set still runs eagerly instead of capturing one graph too many."""
-    monkeypatch.setattr(graphs, "MAX_REMEMBERED_KEYS", 2)
-    model, handle, wrapper = _graphed()
-    a, b, c = (torch.randn(n, 5) for n in (1, 2, 3))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for scale in range(graphs.MAX_VALUE_VARIANTS):
-            model(a, scale=float(scale))
-        model(b)
-        model(a, scale=0.0)  # a replay: a's variants are the most recently seen
-        model(c)  # forgets b's
-        model(a, scale=10.0)  # one value too many for a: eager
-    assert wrapper.captures == graphs.MAX_VALUE_VARIANTS + 2 and sum(wrapper.eager_calls.values()) == 1
     handle.remove()
 
 
