@@ -155,7 +155,11 @@ class PatchReport:
         ResnetBlock2D in training with dropout) and ops that ran their reference backend because the kernels
         refused an input (fp64, no Triton, a layout ...: each refusing backend's reason), process-wide. Which
         backend each op ran is in :meth:`backends`."""
-        out = _increase(fallback_counts(), self._fallbacks_at_patch)
+        return self._fallbacks(_FALLBACK_COUNTERS)
+
+    def _fallbacks(self, counters) -> dict[str, int]:
+        """:meth:`fallbacks` from the module counters ``counters`` (and the installed processors')."""
+        out = _increase(fallback_counts(counters), self._fallbacks_at_patch)
         for proc in self._counters:
             for reason, n in snapshot_counts(getattr(proc, "fallback_reasons", {})).items():
                 key = f"{type(proc).__name__} ran the stock processor: {reason}"
@@ -167,9 +171,7 @@ class PatchReport:
         the per-call record (``fallback_calls``), each listing every backend's reason that call met."""
         from ..ops._dispatch import OTHER_REASONS, fallback_calls
 
-        fallbacks = self.fallbacks()
-        ops = _increase(fallback_counts(_OP_COUNTERS), self._fallbacks_at_patch)
-        summary = {k: n for k, n in fallbacks.items() if k not in ops}
+        summary = self._fallbacks(_NOT_OP_COUNTERS)
         for key, n in _increase(snapshot_counts(fallback_calls), self._fallback_calls_at_patch).items():
             if key == OTHER_REASONS:
                 text = f"an op ran the reference backend: {key}"
@@ -298,7 +300,8 @@ _FALLBACK_COUNTERS = (
     ("ldmopt.nn.temporal_layout", "fallback_reasons", _layout_fallback),
     ("ldmopt.nn.child_check", "fallback_reasons", str),
 )
-_OP_COUNTERS = tuple(c for c in _FALLBACK_COUNTERS if c[0] == "ldmopt.ops._dispatch")
+#: The module counters but the ops' per-backend one (the summary lists the ops' per-call record instead).
+_NOT_OP_COUNTERS = tuple(c for c in _FALLBACK_COUNTERS if c[0] != "ldmopt.ops._dispatch")
 # Per-call layout-copy counters: (module, attribute, label prefix).
 _LAYOUT_COUNTERS = (
     ("ldmopt.ops.gn_conv2d", "fused conv: "),
