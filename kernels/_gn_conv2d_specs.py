@@ -5,7 +5,14 @@ run time for Stable Diffusion shapes."""
 from __future__ import annotations
 
 from ._common import ACTIVATIONS, fp32_archs
-from .gn_conv2d import CONV_TILES_FP32, CONV_TILES_LOADER, CONV_TILES_PLAIN, RESAMPLE, _gn_conv2d_fwd_kernel
+from .gn_conv2d import (
+    CONV_TILES_FP32,
+    CONV_TILES_LOADER,
+    CONV_TILES_LOADER_DOWN,
+    CONV_TILES_PLAIN,
+    RESAMPLE,
+    _gn_conv2d_fwd_kernel,
+)
 
 _FP32_PTRS = ("out_mean_ptr", "out_rstd_ptr", "mean_ptr", "rstd_ptr", "gate_ptr")
 
@@ -40,7 +47,9 @@ def _aot_spec(
     normalize=True,
     temb=False,
     res=False,
+    res_resample="none",
     sc=False,
+    sc_resample="none",
     out_stats=False,
     row_stats=False,
     temb_rows=False,
@@ -56,8 +65,8 @@ def _aot_spec(
     constexprs.update(
         KH=kh, KW=kw, STRIDE=stride, PAD_H=kh // 2, PAD_W=kw // 2, RESAMPLE=RESAMPLE[resample], NORMALIZE=normalize,
         ACTIVATION=ACTIVATIONS["silu"][0], HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, HAS_TEMB=temb,
-        TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_RES=res, RES_RESAMPLE=0, HAS_SC=sc,
-        SC_RESAMPLE=RESAMPLE[resample] if sc else 0, HAS_BIAS2=sc,
+        TEMB_ROWS=temb_rows, HAS_GATE=gate, HAS_RES=res, RES_RESAMPLE=RESAMPLE[res_resample], HAS_SC=sc,
+        SC_RESAMPLE=RESAMPLE[sc_resample], HAS_BIAS2=sc,
         OUT_STATS=out_stats, STATS_BLOCK_G=16, STATS_BLOCK_CPG=64, OUT_ROW_STATS=row_stats,
         DOT_PRECISION=dot_precision, IDX64=False,
         X_TWO_PART=x_two_part, SC_TWO_PART=sc_two_part, BM=bm, BN=bn, BK=bk,
@@ -77,8 +86,9 @@ def conv_aot_specs() -> list[dict]:
     Each spec carries ``attrs`` (the divisibility Triton specialises at run time); a gate that ignores them compiles
     the unspecialised, unpipelined variant instead.
     """
-    # Every autotune tile appears at least once (loader and plain families). 128x256x32 was dropped from the configs:
-    # with the temb + statistics epilogue it spilled 32-64 bytes per thread on sm_80 and sm_90.
+    # Every autotune tile appears at least once (loader, down-sampling loader and plain families). 128x256x32 was
+    # dropped from the configs: with the temb + statistics epilogue it spilled 32-64 bytes per thread on sm_80 and
+    # sm_90.
     big, narrow, tall, small = CONV_TILES_LOADER
     plain_big, plain_narrow, plain_tall, plain_small = CONV_TILES_PLAIN
     return [
@@ -98,7 +108,25 @@ def conv_aot_specs() -> list[dict]:
             "gn_conv2d[bf16,3x3,conv1:skip parts,64x64x64]", "bf16", small, temb=True, out_stats=True, x_two_part=True
         ),
         _aot_spec("gn_conv2d[fp16,3x3,up]", "fp16", narrow, resample="up", temb=True, out_stats=True),
-        _aot_spec("gn_conv2d[fp16,3x3,down+shortcut]", "fp16", tall, resample="down", sc=True, out_stats=True),
+        # A downsampling resnet (ResnetDownsampleBlock2D): conv1 averages 2x2 normalised taps in its loads (its own
+        # tiles), conv2 adds the averaged input through the 1x1 shortcut, or as the identity residual
+        *[
+            _aot_spec(
+                f"gn_conv2d[fp16,3x3,down conv1:temb+stats,{bm}x{bn}x{bk}w{w}]",
+                "fp16",
+                (bm, bn, bk, w, s),
+                resample="down",
+                temb=True,
+                out_stats=True,
+            )
+            for bm, bn, bk, w, s in CONV_TILES_LOADER_DOWN
+        ],
+        _aot_spec(
+            "gn_conv2d[fp16,3x3,conv2:down shortcut+stats]", "fp16", narrow, sc=True, sc_resample="down", out_stats=True
+        ),
+        _aot_spec(
+            "gn_conv2d[fp16,3x3,conv2:down residual+stats]", "fp16", tall, res=True, res_resample="down", out_stats=True
+        ),
         _aot_spec("gn_conv2d[fp16,3x3,stride2,plain]", "fp16", plain_big, stride=2, normalize=False),
         # Upsample2D: nearest 2x in the loads of a plain conv (the VAE decoder's upsamplers)
         _aot_spec("gn_conv2d[fp16,3x3,upsampler]", "fp16", plain_big, resample="up", normalize=False),

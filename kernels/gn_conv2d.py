@@ -66,6 +66,11 @@ CONV_TILES_FP32 = (
 #: normalised A tile passes through registers, so the k-step stays at 32 (64 only for the 64x64 tile) to keep them
 #: within 255 with the heaviest epilogues.
 CONV_TILES_LOADER = ((128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 64, 64, 4, 3))
+#: 16-bit tiles for a loader under a 2x2 average (RESAMPLE "down", a downsampling resnet's conv1): four normalised
+#: taps per A element. Every CONV_TILES_LOADER tile spilled 8-24 bytes on sm_90 with its temb + statistics epilogue
+#: (ptxas: Triton 3.8 the 128x64 tile, Triton 3.9 all four); these hold at most 187 registers there, 8 warps sharing
+#: the larger tiles' taps.
+CONV_TILES_LOADER_DOWN = ((128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 3))
 #: 16-bit tiles for a plain conv (statistics staged before it, upsamplers, downsamplers): A goes from shared memory
 #: straight into the MMA, and BK=64 halves the loop's overhead per MMA. sm_90 SASS per warp and k-step, 128x128 with
 #: temb + statistics: 180 instructions for 4 wgmma at BK=64 against 121 for 2 at BK=32 (8 warps on 4 schedulers: 360
@@ -78,10 +83,10 @@ def _configs() -> list[triton.Config]:
         # The interpreter's cost is per program and per numpy op: one large tile.
         return [triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=1)]
     tiles = []
-    for tile in dict.fromkeys(CONV_TILES_LOADER + CONV_TILES_PLAIN):  # in order, each tile once
+    families = (("loader", CONV_TILES_LOADER), ("loader_down", CONV_TILES_LOADER_DOWN), ("plain", CONV_TILES_PLAIN))
+    for tile in dict.fromkeys(CONV_TILES_LOADER + CONV_TILES_LOADER_DOWN + CONV_TILES_PLAIN):  # in order, each once
         bm, bn, bk, w, s = tile
         config = triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
-        families = (("loader", CONV_TILES_LOADER), ("plain", CONV_TILES_PLAIN))
         tiles.append(tag_config(config, prologues=frozenset(name for name, family in families if tile in family)))
     fp32 = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bm, bn, bk, w, s, _ in
             CONV_TILES_FP32]  # fmt: skip
@@ -90,9 +95,11 @@ def _configs() -> list[triton.Config]:
 
 def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """The tiles for the operands' width (_common.prune_by_operand_width); of the 16-bit ones, those for a loader
-    with (NORMALIZE) or without the GroupNorm prologue."""
+    with (NORMALIZE; under a 2x2 average its own) or without the GroupNorm prologue."""
     configs = prune_by_operand_width(configs, named_args["x_ptr"], kwargs.get("DOT_PRECISION", "tf32"))
-    family = "loader" if kwargs.get("NORMALIZE", True) else "plain"
+    family = "plain"
+    if kwargs.get("NORMALIZE", True):
+        family = "loader_down" if kwargs.get("RESAMPLE", 0) == RESAMPLE["down"] else "loader"
     return [c for c in configs if family in config_tag(c, "prologues", (family,))] or configs
 
 

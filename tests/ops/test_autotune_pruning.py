@@ -89,6 +89,13 @@ def test_gn_conv2d_16bit_tiles_follow_the_prologue_and_the_gate_compiles_each(co
     loader = _tiles(gn_conv2d._prune_configs(configs, half, DOT_PRECISION="tf32", NORMALIZE=True), "B")
     plain = _tiles(gn_conv2d._prune_configs(configs, half, DOT_PRECISION="tf32", NORMALIZE=False), "B")
     assert loader == set(gn_conv2d.CONV_TILES_LOADER) and plain == set(gn_conv2d.CONV_TILES_PLAIN)
+    down = gn_conv2d.RESAMPLE["down"]
+    loader_down = gn_conv2d._prune_configs(configs, half, DOT_PRECISION="tf32", NORMALIZE=True, RESAMPLE=down)
+    assert _tiles(loader_down, "B") == set(gn_conv2d.CONV_TILES_LOADER_DOWN)  # a 2x2 average of normalised taps
+    up = _tiles(gn_conv2d._prune_configs(configs, half, NORMALIZE=True, RESAMPLE=gn_conv2d.RESAMPLE["up"]), "B")
+    assert up == loader
+    plain_down = gn_conv2d._prune_configs(configs, half, DOT_PRECISION="tf32", NORMALIZE=False, RESAMPLE=down)
+    assert _tiles(plain_down, "B") == plain
     assert all(tile[2] == 64 for tile in plain)  # A from shared memory: the wider k-step
     fp32 = gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float32)}, DOT_PRECISION="tf32", NORMALIZE=False)
     assert fp32 and all(_common.config_tag(c, "fp32_clean") for c in fp32)  # fp32 tiles serve both
@@ -102,9 +109,15 @@ def test_gn_conv2d_16bit_tiles_follow_the_prologue_and_the_gate_compiles_each(co
         for s in gn_conv2d.aot_specs()
     }
     assert {(*t, True) for t in gn_conv2d.CONV_TILES_LOADER} <= compiled
+    downsampling = {
+        (*(s["constexprs"][k] for k in ("BM", "BN", "BK")), s["num_warps"], s["num_stages"])
+        for s in gn_conv2d.aot_specs()
+        if s["constexprs"]["NORMALIZE"] and s["constexprs"]["RESAMPLE"] == down
+    }
+    assert downsampling == set(gn_conv2d.CONV_TILES_LOADER_DOWN)
     assert {(*t, False) for t in gn_conv2d.CONV_TILES_PLAIN} <= compiled
     # the placement policy (which cannot import Triton) counts recomputation with the loader's widest tile
-    assert max(t[1] for t in gn_conv2d.CONV_TILES_LOADER) == prologue.WIDEST_BN
+    assert max(t[1] for t in gn_conv2d.CONV_TILES_LOADER + gn_conv2d.CONV_TILES_LOADER_DOWN) == prologue.WIDEST_BN
 
 
 def test_cpu_tensors_keep_every_config():
