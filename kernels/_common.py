@@ -13,6 +13,11 @@ import triton.language as tl
 
 from ldmopt._env import getenv
 
+#: Compile options every ldmopt launch passes. FMA contraction is asked for explicitly, as torch inductor does: Triton
+#: 3.9 warns that its default, on until then, turns off in 3.10, which would split every multiply-add of the kernels'
+#: epilogues and prologues in two (slower, and rounded once more).
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
+
 
 @triton.jit
 def identity(x):

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, next_power_of_2, row_moments, row_tiles
+from ._common import LAUNCH_OPTIONS, cdiv, new_output, next_power_of_2, row_moments, row_tiles
 from ._gemm import divisibility_attrs, int64_columns, row_chunks
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -270,6 +270,7 @@ def adaln_fwd(
         shift.stride(0), shift.stride(1), m, c, tokens, eps, HAS_RESIDUAL=residual is not None,
         HAS_GATE=gate is not None, STORE_SUM=store_sum, STORE_STATS=store_stats,
         INT64_COLS=int64_columns(x, residual, gate, scale, shift), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return y, s, mean, rstd
 
@@ -310,6 +311,7 @@ def adaln_bwd(
         tokens, rows, n_chunks, HAS_DSUM=dsum is not None, HAS_GATE=has_gate,
         INT64_COLS=int64_columns(dy, s, dsum, x, gate, scale), SCALE_IS_WEIGHT=scale_is_weight, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=warps,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     dscale = torch.empty((num_samples, c), device=s.device, dtype=torch.float32)
     dshift = torch.empty_like(dscale)
@@ -318,6 +320,7 @@ def adaln_bwd(
     _adaln_bwd_sums_kernel[(num_samples, cdiv(c, block_c))](
         dscale, dshift, dgate if has_gate else dscale, parts, c, n_chunks, parts.stride(0), HAS_GATE=has_gate,
         BLOCK_K=block_k, BLOCK_C=block_c, num_warps=4,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return ds_out, dscale, dshift, dx, dgate
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ldmopt._env import interpreter_enabled
 
-from ._common import cdiv, next_power_of_2
+from ._common import LAUNCH_OPTIONS, cdiv, next_power_of_2
 from ._gemm import row_statistics
 from .gn_conv2d import (
     RESAMPLE,
@@ -152,6 +152,7 @@ def conv_epilogue(
         OUT_STATS=out_groups > 0 or out_channel_sums, STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg,
         OUT_ROW_STATS=out_layer_norm, IDX64=int64_index((z, shortcut, residual), (temb, gate)), BM=bm, BN=bn,
         num_warps=warps,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return z, out_mean, out_rstd, channel_sums_output(ws, n, c, out_channel_sums)
 

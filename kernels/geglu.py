@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ._common import (
     FP32_CLEAN_EVERYWHERE,
+    LAUNCH_OPTIONS,
     autotune,
     cdiv,
     fp32_archs,
@@ -225,6 +226,7 @@ def geglu_fwd(
         y, pre, x, weight, bias if bias is not None else x, *norm_pointers, x.stride(0), x.stride(1), weight.stride(0),
         weight.stride(1), m, n, k, m_bucket(m), HAS_BIAS=bias is not None, **norm_flags, STORE_PRE=save_pre,
         INPUT_PRECISION=input_precision(x.dtype),
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return y, pre
 
@@ -242,6 +244,7 @@ def geglu_bwd(dy: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.
     _geglu_bwd_kernel[(n_chunks * n_nblocks,)](
         dpre, part_db, dy, pre, dy.stride(0), dy.stride(1), m, n, rows, n_nblocks,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_BWD_WARPS,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return dpre, part_db.sum(0)
 

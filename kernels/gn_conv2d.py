@@ -30,6 +30,7 @@ from ldmopt._env import interpreter_enabled
 from . import _gn_conv2d_kernels
 from ._common import (
     ACTIVATIONS,
+    LAUNCH_OPTIONS,
     autotune,
     cdiv,
     config_tag,
@@ -301,6 +302,7 @@ def gn_conv2d_fwd(
         STATS_BLOCK_G=block_g, STATS_BLOCK_CPG=block_cpg, OUT_ROW_STATS=out_layer_norm, DOT_PRECISION=dot_precision,
         IDX64=int64_index((x, x_tail, y, residual, shortcut_x, shortcut_x_tail), (weight, shortcut_weight, temb, gate)),
         X_TWO_PART=x_tail is not None, SC_TWO_PART=shortcut_x_tail is not None,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return y, out_mean, out_rstd, channel_sums_output(ws, n, c_out, out_channel_sums)
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2, variance_floor
+from ._common import ACTIVATIONS, LAUNCH_OPTIONS, cdiv, new_output, next_power_of_2, variance_floor
 
 # Programs to aim for in the statistics passes: enough to fill a large GPU several times over.
 _TARGET_PROGRAMS = 1024
@@ -376,14 +376,16 @@ def group_norm_stats(
         _group_norm_fwd_partial_kernel[(n * n_chunks * cblocks,)](
             part_mean, part_m2, t, sxn, sxc, sxs, pc, c, c_offset, s, s_per_prog, n_chunks, cblocks,
             BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
+            **LAUNCH_OPTIONS,
         )  # fmt: skip
         c_offset += pc
     mean = new_output((n, num_groups), device=x.device, dtype=torch.float32)
     rstd = new_output((n, num_groups), device=x.device, dtype=torch.float32)
     block_r = min(1024, next_power_of_2(n_chunks * (c // num_groups)))
     _group_norm_fwd_finalize_kernel[(n * num_groups,)](
-        mean, rstd, part_mean, part_m2, c, s, s_per_prog, n_chunks, num_groups, eps, BLOCK_R=block_r, num_warps=4
-    )
+        mean, rstd, part_mean, part_m2, c, s, s_per_prog, n_chunks, num_groups, eps, BLOCK_R=block_r, num_warps=4,
+        **LAUNCH_OPTIONS,
+    )  # fmt: skip
     return mean, rstd
 
 
@@ -411,6 +413,7 @@ def group_norm_fwd(
             y, mean, rstd, x, w, b, sxn, sxc, sxs, syn, syc, sys_, s, num_groups, eps, CPG=cpg,
             HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION=act, BLOCK_S=block_s, BLOCK_CPG=block_cpg,
             num_warps=_TILE_WARPS,
+            **LAUNCH_OPTIONS,
         )  # fmt: skip
         return y, mean, rstd
     mean, rstd = group_norm_stats(x, num_groups, eps)
@@ -447,6 +450,7 @@ def group_norm_apply(
         y, x, w, b, mean, rstd, sxn, sxc, sxs, syn, syc, sys_, c, c_total, c_offset, s, num_groups, n_sblocks,
         n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION=ACTIVATIONS[activation][0], BLOCK_S=block_s,
         BLOCK_C=block_c, num_warps=_TILE_WARPS,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return y
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2
+from ._common import ACTIVATIONS, LAUNCH_OPTIONS, cdiv, new_output, next_power_of_2
 from .group_norm import (
     _TILE_WARPS,
     _affine_args,
@@ -218,6 +218,7 @@ def group_norm_bwd(
         part_dz, part_dzxhat, dy, x, w, b, mean, rstd, sdn, sdc, sds, sxn, sxc, sxs, c, s, num_groups,
         s_per_prog, n_chunks, n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION_GRAD=act_grad,
         BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_TILE_WARPS,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     # Separate tensors, not rows of one: the custom op's outputs may not share storage.
     dweight = torch.empty((c,), device=x.device, dtype=torch.float32)
@@ -229,12 +230,14 @@ def group_norm_bwd(
     _group_norm_bwd_finalize_kernel[(num_groups,)](
         dweight, dbias, coef, part_dz, part_dzxhat, w, n, c, num_groups, n_chunks,
         HAS_WEIGHT=has_w, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_CPG=block_cpg, num_warps=4,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     n_sblocks = cdiv(s, block_s)
     _group_norm_bwd_dx_kernel[(n * n_sblocks * n_cblocks,)](
         dx, dy, x, w, b, mean, rstd, coef, sxgn, sxgc, sxgs, sdn, sdc, sds, sxn, sxc, sxs, c, s, num_groups,
         n_sblocks, n_cblocks, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ACTIVATION_GRAD=act_grad, BLOCK_S=block_s,
         BLOCK_C=block_c, num_warps=_TILE_WARPS,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     if not need_affine_grads:
         return dx, None, None

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, next_power_of_2, variance_floor
+from ._common import LAUNCH_OPTIONS, cdiv, new_output, next_power_of_2, variance_floor
 from ._gemm import divisibility_attrs
 
 #: Channel sums a program adds at most (BLOCK_G x BLOCK_CPG); cpg up to 1024 fits one row of it.
@@ -94,6 +94,7 @@ def group_norm_stats_from_sums(
     _group_norm_stats_from_sums_kernel[(n, cdiv(num_groups, block_g))](
         mean, rstd, sums, tail, c_head, c, num_groups, count, frames, eps,
         TWO_PART=sums_tail is not None, BLOCK_G=block_g, BLOCK_CPG=block_cpg, num_warps=4,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return mean, rstd
 

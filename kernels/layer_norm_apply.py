@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, row_tiles
+from ._common import LAUNCH_OPTIONS, cdiv, new_output, row_tiles
 from ._gemm import divisibility_attrs
 
 #: Widest row of a tile (the tiles hold whole rows); wider rows are refused (the op falls back to the torch backend).
@@ -84,6 +84,7 @@ def layer_norm_apply(
         positions.shape[0] if positions is not None else 1, position_rows, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_POSITIONS=positions is not None, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=warps,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return h
 

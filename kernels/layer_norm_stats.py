@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, row_moments, row_tiles
+from ._common import LAUNCH_OPTIONS, cdiv, new_output, row_moments, row_tiles
 from ._gemm import divisibility_attrs
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -53,8 +53,9 @@ def layer_norm_stats(x: torch.Tensor, eps: float) -> torch.Tensor:
     stats = new_output((2, m), device=x.device, dtype=torch.float32)
     block_r, block_c, warps = row_tiles(c, max_rows=16)
     _row_stats_kernel[(cdiv(m, block_r),)](
-        stats, x, x.stride(0), x.stride(1), m, c, eps, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps
-    )
+        stats, x, x.stride(0), x.stride(1), m, c, eps, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        **LAUNCH_OPTIONS,
+    )  # fmt: skip
     return stats
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACTIVATIONS, FP32_CLEAN_EVERYWHERE, autotune, cdiv, fp32_archs, new_output
+from ._common import ACTIVATIONS, FP32_CLEAN_EVERYWHERE, LAUNCH_OPTIONS, autotune, cdiv, fp32_archs, new_output
 from ._gemm import (
     accumulate_k,
     accumulate_k_blend,
@@ -377,6 +377,7 @@ def linear_fwd(
         STORE_PRE=save_pre, SATURATE=saturate, OUT_STATS=out_stats.numel() > 0,
         INT64_COLS=int64_columns(gate, residual),
         INPUT_PRECISION=input_precision(x.dtype),
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return y, pre
 
@@ -408,6 +409,7 @@ def linear_bwd(
         dy.stride(0), dy.stride(1), gs[0], gs[1], n, tokens, rows, n_chunks, n_nblocks,
         ACTIVATION=act, ACTIVATION_GRAD=act_grad, HAS_PRE=pre is not None, HAS_GATE=gate is not None,
         NEED_DGATE=need_dgate, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_BWD_WARPS,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     dgate = part_dg.view(num_samples, n_chunks, n).sum(1) if need_dgate else None
     return dz, part_db.sum(0), dgate

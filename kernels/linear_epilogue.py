@@ -23,7 +23,7 @@ import triton.language as tl
 from ldmopt._env import interpreter_enabled
 from ldmopt.ops.linear_epilogue import writes
 
-from ._common import ACTIVATIONS, cdiv, new_output, next_power_of_2
+from ._common import ACTIVATIONS, LAUNCH_OPTIONS, cdiv, new_output, next_power_of_2
 from ._gemm import int64_columns, row_statistics, row_stats_workspace
 from .linear import gate_residual_args, gated_residual
 
@@ -147,6 +147,7 @@ def linear_epilogue(
         RESIDUAL_3D=residual is not None and residual.dim() == 3, SATURATE=saturate, WRITE=write,
         OUT_STATS=out_stats.numel() > 0, INT64_COLS=int64_columns(gate, residual), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=4,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return y
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, new_output, row_moments, row_tiles
+from ._common import LAUNCH_OPTIONS, cdiv, new_output, row_moments, row_tiles
 from ._gemm import divisibility_attrs
 
 #: Widest row a program holds in registers; wider rows are refused (the op falls back to the torch backend).
@@ -295,6 +295,7 @@ def rms_norm_fwd(
         *rope_ints[4:], head_rows, tail_rows, eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         ROPE=rope is not None, STORE_RSTD=store_rstd, TWO_PART=tail is not None, CENTER=center, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=warps,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return y, rstd
 
@@ -327,6 +328,7 @@ def rms_norm_bwd(
         x.stride(0), x.stride(1), *rope_ints[:4], m, c, *rope_ints[4:], rows, HAS_WEIGHT=weight is not None,
         BIAS_GRAD=bias_grad, ROPE=rope is not None, CENTER=center, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=warps,
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     dw = part_dw.sum(0) if weight is not None else part_dw
     return dx, dw, part_db.sum(0) if bias_grad else part_db

@@ -28,7 +28,7 @@ import functools
 import torch
 import triton
 
-from ._common import autotune, cdiv, new_output, next_power_of_2
+from ._common import LAUNCH_OPTIONS, autotune, cdiv, new_output, next_power_of_2
 from ._temporal_attention_kernels import _temporal_attention_bwd_kernel, _temporal_attention_fwd_kernel
 from ._tuned_launch import tuned_launch
 
@@ -221,7 +221,7 @@ def _launch(backward: bool, q: torch.Tensor, n_seq: int, args: tuple, kwargs: di
         tuned_kwargs = {**kwargs, "BLOCK_F": candidates[0]["BLOCK_F"]}
         if (may_time and not _capturing(q)) or _tuned(launch, args, tuned_kwargs):
             _LAST_LAUNCHED[backward] = tuner
-            launch[lambda meta: (cdiv(n_seq, meta["BLOCK_P"]),)](*args, **tuned_kwargs)
+            launch[lambda meta: (cdiv(n_seq, meta["BLOCK_P"]),)](*args, **tuned_kwargs, **LAUNCH_OPTIONS)
             return
     tile = tile or candidates[0]
     if tile not in candidates:
@@ -231,7 +231,7 @@ def _launch(backward: bool, q: torch.Tensor, n_seq: int, args: tuple, kwargs: di
         )
     _LAST_LAUNCHED[backward] = tile
     kernel = _temporal_attention_bwd_kernel if backward else _temporal_attention_fwd_kernel
-    kernel[(cdiv(n_seq, tile["BLOCK_P"]),)](*args, **kwargs, **tile)
+    kernel[(cdiv(n_seq, tile["BLOCK_P"]),)](*args, **kwargs, **tile, **LAUNCH_OPTIONS)
 
 
 def _tuned(launch, args: tuple, kwargs: dict) -> bool:

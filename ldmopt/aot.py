@@ -193,7 +193,10 @@ def compile_spec(module_name: str, index: int, arch: int) -> CompileRecord:
     src = triton.compiler.ASTSource(
         fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs
     )
-    options = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 3)}
+    from ldmopt.kernels._common import LAUNCH_OPTIONS
+
+    # what every launch passes besides the tile's own (FMA contraction: Triton 3.10 turns its default off)
+    options = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 3), **LAUNCH_OPTIONS}
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:
