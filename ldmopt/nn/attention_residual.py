@@ -48,7 +48,7 @@ def _mirrored(processor: object) -> bool:
     return kind.__module__ == "diffusers.models.attention_processor" and kind.__name__ in MIRRORED_PROCESSORS
 
 
-def _ldmopt_processor(processor: object) -> bool:
+def ldmopt_processor(processor: object) -> bool:
     """ldmopt's temporal and single-key processors (SVD's spatial cross-attention over its one image token): their
     output is not a full GEMM over the tokens, so the add stays as it is."""
     return type(processor).__module__.startswith("ldmopt.")
@@ -78,12 +78,20 @@ def static_reason(attn: nn.Module, name: str = "attn") -> str | None:
     return None
 
 
+def processor_reason(attn: nn.Module, name: str = "attn") -> str | None:
+    """Why ``attn``'s processor keeps its calls stock (None when it is one the fused path mirrors); ldmopt.patch also
+    names it at patch time, since a custom processor set before patching keeps that part stock on every call."""
+    if not _mirrored(attn.processor):
+        return f"{name} runs {type(attn.processor).__name__} (mirrored: {', '.join(MIRRORED_PROCESSORS)})"
+    return None
+
+
 def call_reason(attn: nn.Module, hidden_states: Tensor, kwargs: dict, name: str = "attn") -> str | None:
     """Why this call of ``attn`` runs stock (None when the mirrored processor path serves it)."""
     if hooked(attn):
         return f"{name} has hooks or a wrapped forward"
-    if not _mirrored(attn.processor):
-        return f"{name} runs {type(attn.processor).__name__} (mirrored: {', '.join(MIRRORED_PROCESSORS)})"
+    if reason := processor_reason(attn, name):
+        return reason
     if kwargs:
         return f"attention kwargs {sorted(kwargs)}"
     if hidden_states.dim() != 3:
@@ -178,7 +186,7 @@ def attention_residual_and_stats(
     if reason is None:
         reason = _gate_reason(gate, residual, width)
     if reason is not None:
-        if not _ldmopt_processor(attn.processor):  # ldmopt's own processors are a fused path, not a fall-back
+        if not ldmopt_processor(attn.processor):  # ldmopt's own processors are a fused path, not a fall-back
             count_reason(where, reason)
         if isinstance(hidden_states, NormedInput) and _queries_unread(attn, hidden_states, encoder_hidden_states,
                                                                       attention_mask, kwargs):  # fmt: skip

@@ -244,7 +244,8 @@ def _plan(
                 continue
             # Children read in place are no condition of the rule (a LoRA on one costs that part per call): said
             # now, or the report would count a module as fused whose every call takes that part's stock path.
-            actions.append((rule, site, tuple(read_in_place_reasons(rule.read_in_place(site)))))
+            stock_parts = read_in_place_reasons(rule.read_in_place(site)) + rule.stock_part_reasons(site)
+            actions.append((rule, site, tuple(stock_parts)))
             planned.update(id(t) for t in touched.values())
             claimed.update(id(t) for t in touched.values())
             claimed.update(id(t) for t in rule.claims(site).values())
@@ -291,7 +292,8 @@ def patch(
             serializes patch/unpatch across threads: it must not wait on another thread that patches.
         strict: raise :class:`PatchError` listing every module that would stay on the stock path (for reasons
             other than ``filter_fn``) and every fused module part of which would (a LoRA, quantized or hooked child
-            it reads in place: ``PatchReport.partly_stock``), before changing anything.
+            it reads in place, an attention whose processor it does not mirror: ``PatchReport.partly_stock``), before
+            changing anything.
         training: the model will be trained: modules whose fused path would skip a dropout with p > 0 stay on
             the stock path. (With the default False, such modules fall back to the stock forward while in
             train mode.)

@@ -19,7 +19,8 @@ def _where(model: str, name: str) -> str:
 @dataclass(frozen=True)
 class Replaced:
     """One module patched by one rule. ``stock_parts``: why parts of its fused path will run stock on every call (a
-    child it reads in place is a LoRA/PEFT, quantized or hooked layer at patch time); empty when none will."""
+    child it reads in place is a LoRA/PEFT, quantized or hooked layer at patch time, an attention runs a processor the
+    fused path does not mirror); empty when none will."""
 
     model: str
     name: str

@@ -124,6 +124,12 @@ class Rule:
         (``PatchReport.partly_stock``)."""
         return {}
 
+    def stock_part_reasons(self, site: Site) -> list[str]:
+        """Parts of the fused path that will run stock on every call for a reason other than a child read in place,
+        known now (an attention whose processor the fused path does not mirror): no condition of the rule either,
+        and named with :meth:`read_in_place`'s in ``PatchReport.partly_stock``."""
+        return []
+
     def replace(self, site: Site) -> Any:
         """Edit the instance; return what :meth:`restore` needs."""
         raise NotImplementedError

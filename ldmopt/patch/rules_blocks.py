@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nn.attention_residual import ldmopt_processor, processor_reason
 from ..nn.attention_residual import sdpa_attention_residual as attend
 from ..nn.child_check import count_reason
 from ..nn.layer_norm_input import NormedInput
@@ -170,8 +171,23 @@ class AdaLNBlockRule(ClassSwapRule):
             **attention_reads(block.attn2, "attn2", "cross" if dit_norm2 else None),
         }
 
+    def stock_part_reasons(self, site: Site) -> list[str]:
+        return unmirrored_processor_reasons(site.module)
+
     def methods(self, site: Site):
         return _adaln_block_forward
+
+
+def unmirrored_processor_reasons(block: nn.Module) -> list[str]:
+    """A BasicTransformerBlock's attentions whose processor the fused path does not mirror (a custom one, an
+    IP-Adapter's): each of their calls runs stock, with the residual add after it. ldmopt's own processors (installed
+    by ldmopt.nn.install_processors before patching) are a fused path of their own, as the per-call count has it."""
+    reasons = []
+    for name in ("attn1", "attn2"):
+        attn = getattr(block, name, None)
+        if attn is not None and not ldmopt_processor(attn.processor) and (reason := processor_reason(attn, name)):
+            reasons.append(reason)
+    return reasons
 
 
 def adjacent_halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:

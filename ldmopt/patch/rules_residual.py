@@ -32,7 +32,7 @@ from ..nn.layer_norm_input import NormedInput, fused_norm_eps, normed_with_posit
 from ..nn.linear import ff_residual_and_stats
 from ..nn.stats_handover import offer_layer_norm, take_layer_norm, wanted_layer_norm_eps
 from .rule import ClassSwapRule, Rule, Site, attention_reads, feed_forward_reads
-from .rules_blocks import basic_block_forward
+from .rules_blocks import basic_block_forward, unmirrored_processor_reasons
 
 NORM_TYPES = ("layer_norm",)  # "layer_norm_i2vgen" blocks have no norm3: their stock forward cannot run
 
@@ -113,6 +113,9 @@ class ResidualBlockRule(ClassSwapRule):
         reads = attention_reads(block.attn1, "attn1", "cross" if block.only_cross_attention else "self")
         reads.update(attention_reads(block.attn2, "attn2", "cross"))
         return {**reads, **feed_forward_reads(block.ff)}
+
+    def stock_part_reasons(self, site: Site) -> list[str]:
+        return unmirrored_processor_reasons(site.module)
 
     def methods(self, site: Site):
         return _residual_block_forward
