@@ -36,6 +36,11 @@ def _tiles(configs, prefix="BLOCK_"):
             for c in configs}  # fmt: skip
 
 
+def _spec_tile(spec: dict) -> tuple:
+    """(BM, BN, BK, warps, stages) an ahead-of-time spec of the conv compiles."""
+    return (*(spec["constexprs"][k] for k in ("BM", "BN", "BK")), spec["num_warps"], spec["num_stages"])
+
+
 def _linear_prune(capability, x_dtype, w_dtype, precision, on):
     on(capability)
     configs = _gemm.gemm_configs(linear.LINEAR_TILES, linear.LINEAR_TILES_FP32)
@@ -99,20 +104,11 @@ def test_gn_conv2d_16bit_tiles_follow_the_prologue_and_the_gate_compiles_each(co
     assert all(tile[2] == 64 for tile in plain)  # A from shared memory: the wider k-step
     fp32 = gn_conv2d._prune_configs(configs, {"x_ptr": _operand(torch.float32)}, DOT_PRECISION="tf32", NORMALIZE=False)
     assert fp32 and all(_common.config_tag(c, "fp32_clean") for c in fp32)  # fp32 tiles serve both
-    compiled = {
-        (
-            *(s["constexprs"][k] for k in ("BM", "BN", "BK")),
-            s["num_warps"],
-            s["num_stages"],
-            s["constexprs"]["NORMALIZE"],
-        )
-        for s in gn_conv2d.aot_specs()
-    }
+    specs = gn_conv2d.aot_specs()
+    compiled = {(*_spec_tile(s), s["constexprs"]["NORMALIZE"]) for s in specs}
     assert {(*t, True) for t in gn_conv2d.CONV_TILES_LOADER} <= compiled
     downsampling = {
-        (*(s["constexprs"][k] for k in ("BM", "BN", "BK")), s["num_warps"], s["num_stages"])
-        for s in gn_conv2d.aot_specs()
-        if s["constexprs"]["NORMALIZE"] and s["constexprs"]["RESAMPLE"] == down
+        _spec_tile(s) for s in specs if s["constexprs"]["NORMALIZE"] and s["constexprs"]["RESAMPLE"] == down
     }
     assert downsampling == set(gn_conv2d.CONV_TILES_LOADER_DOWN)
     assert {(*t, False) for t in gn_conv2d.CONV_TILES_PLAIN} <= compiled
