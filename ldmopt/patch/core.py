@@ -242,8 +242,9 @@ def _plan(
             if reasons:
                 report.skipped.append(Skipped(label, name, rule.name, rule.family, tuple(reasons)))
                 continue
-            # Children read in place are no condition of the rule (a LoRA on one costs that part per call): said
-            # now, or the report would count a module as fused whose every call takes that part's stock path.
+            # Children read in place are no condition of the rule (a LoRA on one costs that part per call), nor is
+            # an attention's processor it does not mirror: said now, or the report would count a module as fused
+            # whose every call takes that part's stock path.
             stock_parts = read_in_place_reasons(rule.read_in_place(site)) + rule.stock_part_reasons(site)
             actions.append((rule, site, tuple(stock_parts)))
             planned.update(id(t) for t in touched.values())
